@@ -1,0 +1,14 @@
+# `make demo` and `make test` each set up .venv first (scripts/setup.sh finds a Python >= 3.12).
+.PHONY: setup demo test test-fast gpu-check
+
+setup:
+	scripts/setup.sh
+
+demo: setup
+	.venv/bin/jaxft-train examples/quickstart.yaml
+
+test: setup
+	.venv/bin/python -m pytest -q tests
+
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -1,0 +1,461 @@
+"""Hugging Face checkpoint directories <-> flat parameter trees.
+
+Load: ``load_weights`` maps every safetensors tensor of a checkpoint to a
+path of our tree through a mapping table (``bridge.mappings``), checks the set
+and the shapes against what the model expects, and fills preallocated arrays
+of the target dtype. Per-layer tensors land in ``out[path][i]`` (stacked on a
+leading L axis); linear weights are transposed ``[out, in] -> [in, out]``.
+Host memory peaks at one copy of the result plus a fixed scratch buffer:
+tensor bytes are read with ``pread`` directly into the result (or through
+the scratch when casting / transposing), nothing holds a whole shard.
+
+Save: ``save_weights`` is the inverse (un-stack, transpose back), writing
+``config.json``, safetensors shards and the index into a temporary directory
+that is renamed onto the target at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from bridge.errors import CheckpointError
+from bridge.mappings.schema import Row, Table, validate_table
+from bridge.safetensors_io import PendingTensor, TensorInfo, read_header, read_into, write_file
+from bridge.tree import flatten_tree, unflatten_tree
+
+__all__ = [
+    "CheckpointError",
+    "flatten_tree",
+    "load_weights",
+    "read_config",
+    "save_weights",
+    "unflatten_tree",
+]
+
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # HF's "5GB"
+_SCRATCH_BYTES = 64 * 2**20
+_LIST_LIMIT = 25  # how many offending names an error message lists
+_FLOATS = tuple(np.dtype(d) for d in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16))
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_CONVERT_HINT = (
+    'convert it once with: python -c "from transformers import AutoModelForCausalLM as M; '
+    "M.from_pretrained('DIR').save_pretrained('OUT', safe_serialization=True)\" "
+    "(this unpickles, so only run it on files you trust), then load OUT"
+)
+_LM_HEAD = ("lm_head", "kernel")
+_EMBED = ("embed", "embedding")
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _read_json(file: Path, what: str) -> Any:
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read {what} ({e})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{file}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; fix or re-download the {what}"
+        ) from None
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """Read ``<path>/config.json`` (or ``path`` itself if it is a file) as a dict."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist; pass a local HF model directory")
+    file = path if path.is_file() else path / CONFIG_NAME
+    if not file.is_file():
+        raise CheckpointError(
+            f"{path} has no {CONFIG_NAME}; an HF model directory needs one (save it with "
+            "model.config.save_pretrained(DIR) or download it with the weights)"
+        )
+    config = _read_json(file, CONFIG_NAME)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file}: top level must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _as_float_dtype(dtype: Any, where: str) -> np.dtype:
+    if isinstance(dtype, str) and hasattr(ml_dtypes, dtype):
+        dtype = getattr(ml_dtypes, dtype)  # "bfloat16" is not a numpy name
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"{where}: {dtype!r} is not a dtype") from None
+    if dt not in _FLOATS:
+        raise ValueError(f"{where}: dtype {dt} unsupported; use one of float32, bfloat16, float16, float64")
+    return dt
+
+
+def _spec(value: Any, where: str) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) from a jax.ShapeDtypeStruct-like object or a (shape, dtype) pair."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        shape, dtype = value.shape, value.dtype
+    else:
+        try:
+            shape, dtype = value
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: expected a ShapeDtypeStruct or (shape, dtype), got {value!r}") from None
+    return tuple(int(d) for d in shape), _as_float_dtype(dtype, where)
+
+
+def _hf_shape(row: Row, ours: tuple[int, ...], path_str: str) -> tuple[int, ...]:
+    """HF shape of one tensor of ``row`` given our (possibly stacked) shape."""
+    per = ours[1:] if row.stacked else ours
+    if row.transform == "T":
+        if len(per) != 2:
+            raise ValueError(f"{path_str}: transposed rows need 2-D tensors (per layer), got shape {ours}")
+        return per[::-1]
+    return per
+
+
+def _path_str(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _listing(items: list[str]) -> str:
+    shown = "\n  ".join(items[:_LIST_LIMIT])
+    more = f"\n  ... and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else ""
+    return "\n  " + shown + more
+
+
+def _checkpoint_files(root: Path) -> list[Path]:
+    """The safetensors files of a checkpoint dir (via the index if there is one)."""
+    if not root.exists():
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory; pass the HF model directory that holds it")
+    index = root / INDEX_FILE
+    if index.exists():
+        data = _read_json(index, INDEX_FILE)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no 'weight_map' object; the index is corrupt, re-download it")
+        by_shard: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            by_shard.setdefault(str(shard), []).append(name)
+        missing = [s for s in by_shard if not (root / s).is_file()]
+        if missing:
+            lines = [f"{s} (holds {len(by_shard[s])} tensors, e.g. {by_shard[s][0]})" for s in missing]
+            raise CheckpointError(
+                f"{index} references shard files missing from {root}:{_listing(lines)}\n"
+                "the download is incomplete: fetch the missing shards (e.g. huggingface-cli download again)"
+            )
+        return [root / s for s in sorted(by_shard)]
+    if (root / SINGLE_FILE).is_file():
+        return [root / SINGLE_FILE]
+    pickles = sorted(p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{root} holds only pickle checkpoints ({', '.join(pickles[:5])}); these are refused because "
+            f"unpickling runs arbitrary code. {_CONVERT_HINT.replace('DIR', str(root))}"
+        )
+    others = sorted(p.name for p in root.glob("*.safetensors"))
+    found = f" (found {', '.join(others[:5])}: not an HF model file name)" if others else ""
+    raise CheckpointError(f"{root} has no {SINGLE_FILE} or {INDEX_FILE}{found}; pass an HF model directory")
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_weights(
+    path: str | os.PathLike,
+    table: Table,
+    expected: Mapping[tuple, Any],
+    num_layers: int,
+    dtype: Any = None,
+) -> dict[tuple, np.ndarray]:
+    """Load an HF safetensors checkpoint into flat tree arrays.
+
+    Args:
+      path: HF model directory (``model.safetensors`` or index + shards).
+      table: mapping table, e.g. ``bridge.mappings.table_for(config["model_type"])``.
+      expected: exactly the tree paths the model has -> ``jax.ShapeDtypeStruct``
+        or ``(shape, dtype)``; stacked paths include the leading ``num_layers``.
+      num_layers: L, the number of decoder layers.
+      dtype: if given, every output uses it instead of the per-path dtype.
+
+    Returns:
+      ``{path: np.ndarray}`` with the expected shapes/dtypes (bf16 is
+      ``ml_dtypes.bfloat16``). ``out[p][i] == hf[name_i].T`` for stacked
+      transposed rows, and so on.
+
+    Raises CheckpointError (a ValueError) for pickle-only directories, missing
+    / unexpected / mis-shaped tensors, corrupt or truncated files, and index
+    entries pointing at absent shards. A tied model (no ``lm_head.kernel``
+    expected) silently skips a file ``lm_head.weight`` shaped like the embedding.
+    """
+    root = Path(path)
+    validate_table(table)
+    num_layers = int(num_layers)
+    override = None if dtype is None else _as_float_dtype(dtype, "load_weights(dtype=...)")
+    by_path = {row.path: row for row in table}
+
+    # What the model wants, by concrete HF name: name -> (path, layer, row, hf_shape).
+    wants: dict[str, tuple[tuple, int | None, Row, tuple[int, ...]]] = {}
+    specs: dict[tuple, tuple[tuple[int, ...], np.dtype]] = {}
+    for p, value in expected.items():
+        ps = _path_str(p)
+        if p not in by_path:
+            raise ValueError(f"expected path {ps} has no HF name in the mapping table; add a Row for it")
+        shape, dt = _spec(value, f"expected[{ps}]")
+        specs[p] = (shape, override or dt)
+        row = by_path[p]
+        if row.stacked and (not shape or shape[0] != num_layers):
+            raise ValueError(f"expected[{ps}] is per layer: shape {shape} must start with num_layers={num_layers}")
+        hf_shape = _hf_shape(row, shape, ps)
+        for layer in range(num_layers) if row.stacked else (None,):
+            wants[row.name(layer)] = (p, layer, row, hf_shape)
+
+    # Pass 1: headers only. Find every problem before reading any data.
+    files = _checkpoint_files(root)
+    located: dict[str, tuple[Path, TensorInfo]] = {}
+    unexpected: list[str] = []
+    misshaped: list[str] = []
+    bad_dtype: list[str] = []
+    embed_shape = wants.get(by_path[_EMBED].name(), (None,) * 4)[3] if _EMBED in by_path else None
+    for file in files:
+        infos, _ = read_header(file)
+        for name, info in infos.items():
+            if name in located:
+                raise CheckpointError(f"tensor {name!r} appears in both {located[name][0]} and {file}; re-save the checkpoint")
+            want = wants.get(name)
+            if want is None:
+                if _is_tied_head(name, info, by_path, expected, embed_shape):
+                    continue
+                unexpected.append(f"{name} {list(info.shape)} in {file.name}{_why_unexpected(name, table, expected, num_layers)}")
+                continue
+            located[name] = (file, info)
+            if info.shape != want[3]:
+                misshaped.append(f"{name} in {file.name}: got {list(info.shape)}, expected {list(want[3])}")
+            elif info.dtype is None or info.dtype not in _FLOATS:
+                bad_dtype.append(f"{name} in {file.name}: dtype {info.code}")
+    missing = [f"{n} (expected shape {list(w[3])})" for n, w in wants.items() if n not in located]
+    _raise_problems(root, missing, unexpected, misshaped, bad_dtype)
+
+    # Pass 2: data, file by file in offset order (sequential reads), into preallocated outputs.
+    out = {p: np.empty(shape, dt) for p, (shape, dt) in specs.items()}
+    scratch = np.empty(_SCRATCH_BYTES, np.uint8)
+    for file in files:
+        jobs = sorted((info.start, name) for name, (f, info) in located.items() if f == file)
+        if not jobs:
+            continue
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            for _, name in jobs:
+                p, layer, row, _ = wants[name]
+                dst = out[p] if layer is None else out[p][layer]
+                read_into(fd, file, located[name][1], dst, row.transform, scratch)
+        finally:
+            os.close(fd)
+    return out
+
+
+def _is_tied_head(name, info, by_path, expected, embed_shape) -> bool:
+    head = by_path.get(_LM_HEAD)
+    return (
+        head is not None
+        and name == head.hf
+        and _LM_HEAD not in expected
+        and embed_shape is not None
+        and info.shape == embed_shape
+    )
+
+
+def _why_unexpected(name: str, table: Table, expected: Mapping, num_layers: int) -> str:
+    for row in table:
+        m = row.pattern().fullmatch(name)
+        if m is None:
+            continue
+        if row.stacked and int(m.group(1)) >= num_layers:
+            return f" (layer {m.group(1)} but the model has num_layers={num_layers})"
+        if row.path not in expected:
+            return f" (maps to {_path_str(row.path)}, which the model does not have)"
+    return " (no row in the mapping table)"
+
+
+def _raise_problems(root, missing, unexpected, misshaped, bad_dtype) -> None:
+    parts = []
+    if missing:
+        parts.append(
+            f"{len(missing)} tensors the model expects are missing:{_listing(missing)}\n"
+            "fix: check that config.json matches the weights (num_hidden_layers, attention_bias, "
+            "tie_word_embeddings, model_type) and that every shard downloaded"
+        )
+    if unexpected:
+        parts.append(
+            f"{len(unexpected)} tensors in the checkpoint are not used by the model:{_listing(unexpected)}\n"
+            "fix: the weights belong to a different config/architecture; check model_type, num_hidden_layers, "
+            "attention_bias/mlp_bias and tie_word_embeddings in config.json"
+        )
+    if misshaped:
+        parts.append(
+            f"{len(misshaped)} tensors have the wrong shape (HF layout):{_listing(misshaped)}\n"
+            "fix: config.json sizes (hidden_size, intermediate_size, num_attention_heads, "
+            "num_key_value_heads, head_dim, vocab_size) disagree with the weights"
+        )
+    if bad_dtype:
+        parts.append(
+            f"{len(bad_dtype)} tensors are not float16/bfloat16/float32/float64:{_listing(bad_dtype)}\n"
+            "fix: quantized checkpoints are not supported; use an unquantized bf16/fp16/fp32 checkpoint"
+        )
+    if parts:
+        raise CheckpointError(f"checkpoint {root} does not match the model:\n" + "\n".join(parts))
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_weights(
+    path: str | os.PathLike,
+    table: Table,
+    params: Mapping[tuple, Any],
+    num_layers: int,
+    config: Mapping[str, Any],
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: Any = None,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
+
+    Args:
+      path: target directory. Written atomically: everything goes to a temp
+        dir next to it, renamed onto ``path`` at the end.
+      table: the mapping table.
+      params: flat ``{path: array}`` (numpy or jax); only these tensors are
+        written. Stacked arrays are split into per-layer tensors, ``"T"`` rows
+        transposed back to ``[out, in]``.
+      num_layers: L (leading dim of every stacked array).
+      config: HF config dict written as config.json (e.g. ModelConfig.to_hf()).
+      max_shard_bytes: shard size cap; a single shard is written as
+        ``model.safetensors`` (no index, like HF), more as
+        ``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``.
+      dtype: cast every tensor to this dtype (default: keep each array's dtype).
+      overwrite: replace an existing non-empty ``path``; otherwise that is an error.
+
+    Returns the target path.
+    """
+    target = Path(path)
+    validate_table(table)
+    num_layers = int(num_layers)
+    if int(max_shard_bytes) <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config must be a dict (HF config.json contents), got {type(config).__name__}")
+    try:
+        config_text = json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config is not JSON serializable: {e}") from None
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"save target {target} exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise ValueError(f"save target {target} exists and is not empty; pass overwrite=True to replace it")
+    tensors = _pending_tensors(table, params, num_layers, dtype)
+
+    shards: list[list[PendingTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    n = len(shards)
+    names = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        (tmp / CONFIG_NAME).write_text(config_text, encoding="utf-8")
+        for name, shard in zip(names, shards):
+            write_file(tmp / name, shard, {"format": "pt"})
+        if n > 1:
+            index = {
+                "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+                "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard},
+            }
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        _swap_into_place(tmp, target, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _pending_tensors(table: Table, params: Mapping[tuple, Any], num_layers: int, dtype: Any) -> list[PendingTensor]:
+    by_path = {row.path: row for row in table}
+    unknown = [_path_str(p) for p in params if p not in by_path]
+    if unknown:
+        raise ValueError(
+            f"params has paths with no HF name in the mapping table:{_listing(unknown)}\n"
+            "fix: merge or drop LoRA/optimizer entries before save_weights (pass base weights only)"
+        )
+    override = None if dtype is None else _as_float_dtype(dtype, "save_weights(dtype=...)")
+    flat: list[PendingTensor] = []
+    per_layer: list[tuple[Row, Any, np.dtype, tuple[int, ...]]] = []
+    for row in table:  # table order gives a stable, HF-like file order
+        if row.path not in params:
+            continue
+        arr = params[row.path]
+        ps = _path_str(row.path)
+        shape = tuple(int(d) for d in arr.shape)
+        dt = override or _as_float_dtype(arr.dtype, f"params[{ps}]")
+        if row.stacked and (not shape or shape[0] != num_layers):
+            raise ValueError(f"params[{ps}] is per layer: shape {shape} must start with num_layers={num_layers}")
+        hf_shape = _hf_shape(row, shape, ps)
+        if row.stacked:
+            per_layer.append((row, arr, dt, hf_shape))
+        else:
+            flat.append(PendingTensor(row.name(), hf_shape, dt, _producer(arr, None, row.transform, dt)))
+    for layer in range(num_layers):
+        for row, arr, dt, hf_shape in per_layer:
+            flat.append(PendingTensor(row.name(layer), hf_shape, dt, _producer(arr, layer, row.transform, dt)))
+    return flat
+
+
+def _producer(arr: Any, layer: int | None, transform: str | None, dt: np.dtype):
+    def produce() -> np.ndarray:
+        # Index before converting: a jax array then moves one layer to host, not all L.
+        x = np.asarray(arr if layer is None else arr[layer])
+        x = x.astype(dt, copy=False)
+        return np.ascontiguousarray(x.T if transform == "T" else x)
+
+    return produce
+
+
+def _swap_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
+    if not target.exists():
+        os.rename(tmp, target)
+        return
+    if any(target.iterdir()) and not overwrite:  # appeared while we were writing
+        raise ValueError(f"save target {target} became non-empty during save; pass overwrite=True to replace it")
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.rename(target, old / "prev")  # the target is absent only between these two renames
+    os.rename(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# Re-exported so `bridge.hf` is the one-stop module for checkpoint I/O.
+flatten_tree = flatten_tree
+unflatten_tree = unflatten_tree

@@ -1,0 +1,21 @@
+"""jaxft: fast, memory-lean LoRA fine-tuning of Hugging Face LLMs in JAX.
+
+Public API:
+    from_pretrained(path, dtype="bfloat16") -> model      model(input_ids, positions=None, segment_ids=None)
+    save_pretrained(model, path)                           (LoRA merged)
+"""
+
+from jaxft.config import ConfigError, ModelConfig, RopeConfig
+from jaxft.io import from_pretrained, save_pretrained
+from jaxft.models import Decoder, LoraParam, init_model
+
+__all__ = [
+    "ConfigError",
+    "Decoder",
+    "LoraParam",
+    "ModelConfig",
+    "RopeConfig",
+    "from_pretrained",
+    "init_model",
+    "save_pretrained",
+]

@@ -1,0 +1,352 @@
+"""Turn records into token documents with a per-token loss mask.
+
+Record formats (checked in this order; a field whose value is ``None`` counts as absent,
+which is how columnar files store rows of another format):
+
+* ``messages``: a chat, a list of ``{"role", "content"}`` objects (optional ``tools``),
+  rendered with the tokenizer's chat template.
+* ``prompt`` + ``completion``: strings (prompt tokens are context, completion tokens are
+  trained, EOS appended), or lists of messages (a conversational prompt/completion: the
+  concatenation is rendered as a chat and the assistant turns of ``completion`` are trained).
+* ``text``: plain text; every token is trained; BOS as the tokenizer adds it, EOS appended.
+
+``train_on="assistant"`` (default) trains assistant/completion tokens only; ``"all"``
+trains every token.
+
+Finding the assistant tokens of a chat, for any template:
+  1. If the template marks them with ``{% generation %}``, use the tokenizer's
+     ``return_assistant_tokens_mask``.
+  2. Otherwise, for assistant message ``i`` render ``messages[:i]`` with the generation
+     prompt (text ``B``) and ``messages[:i+1]`` (text ``A``). When ``B`` is a prefix of ``A``
+     and ``A`` a prefix of the full rendering, the characters ``[len(B), len(A.rstrip()))``
+     are the reply plus its end-of-turn marker (exactly what the model must generate after
+     the generation prompt). Templates that rewrite history (e.g. drop earlier reasoning)
+     break the prefix property; then the reply content is searched in the full text after
+     the previous reply and extended over the template's end-of-turn marker.
+  3. The full text is tokenized once with character offsets; a token is trained when its
+     characters overlap a reply span (so a token that merges a leading space of the reply
+     is trained: it is what the model emits first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+import numpy as np
+
+from jaxft.data.errors import (
+    ChatTemplateError,
+    DataConfigError,
+    DataPathError,
+    MissingFieldError,
+    TokenizerError,
+)
+from jaxft.data.sources import Record
+
+TrainOn = Literal["assistant", "all"]
+TRAIN_ON = ("assistant", "all")
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_PROBE_REPLY = "\u2063jaxft-reply\u2063"  # invisible separator: will not occur in a template
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Document:
+    """A tokenized example.
+
+    ``loss_mask[i]`` is True when token ``i`` is trained, i.e. the prediction of token
+    ``i`` from tokens ``< i`` counts in the loss (``loss_mask[0]`` is never used: nothing
+    precedes the first token).
+    """
+
+    tokens: np.ndarray  # int32 [n]
+    loss_mask: np.ndarray  # bool [n]
+    source: str
+
+    def __post_init__(self):
+        tokens = np.asarray(self.tokens, dtype=np.int32)
+        mask = np.asarray(self.loss_mask, dtype=bool)
+        if tokens.ndim != 1 or mask.shape != tokens.shape:
+            raise ValueError(
+                f"{self.source}: tokens {tokens.shape} and loss_mask {mask.shape} must be equal 1-D shapes"
+            )
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "loss_mask", mask)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_targets(self) -> int:
+        """Trained predictions: trained tokens after the first position."""
+        return int(self.loss_mask[1:].sum())
+
+
+def load_tokenizer(path: str | Path):
+    """``transformers.AutoTokenizer.from_pretrained`` on a local model directory, with clear errors."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataPathError(f"tokenizer/model directory {str(p)!r} does not exist; fix the model path")
+    from transformers import AutoTokenizer  # deferred: importing transformers is slow
+
+    try:
+        return AutoTokenizer.from_pretrained(str(p))
+    except Exception as e:  # transformers raises many types (OSError, ValueError, KeyError, ...)
+        raise TokenizerError(
+            f"cannot load a tokenizer from {p} ({type(e).__name__}: {e}); the directory needs "
+            "tokenizer.json (or the slow-tokenizer files) and tokenizer_config.json"
+        ) from None
+
+
+def record_kind(record: Record) -> Literal["chat", "prompt_completion", "text"]:
+    """Which supported format ``record`` is in; raises `MissingFieldError` naming its keys."""
+    d, src = record.data, record.source
+    present = {k for k, v in d.items() if v is not None}
+    if "messages" in present:
+        return "chat"
+    if "prompt" in present or "completion" in present:
+        missing = "completion" if "prompt" in present else "prompt"
+        if missing not in present:
+            raise MissingFieldError(
+                f"{src}: record has {'prompt' if missing == 'completion' else 'completion'!r} "
+                f"but no {missing!r}; add a {missing!r} field (or use a 'text' or 'messages' record)"
+            )
+        return "prompt_completion"
+    if "text" in present:
+        return "text"
+    raise MissingFieldError(
+        f"{src}: record has keys {sorted(d)} but none of the supported fields; use 'messages' "
+        "(chat: list of {role, content}), 'prompt' + 'completion', or 'text' (rename your fields)"
+    )
+
+
+class Formatter:
+    """Tokenizes records for one tokenizer (caches what it learns about the tokenizer)."""
+
+    def __init__(self, tokenizer, *, train_on: TrainOn = "assistant"):
+        if train_on not in TRAIN_ON:
+            raise DataConfigError(f"train_on={train_on!r} is not one of {TRAIN_ON}")
+        self.tokenizer = tokenizer
+        self.train_on = train_on
+        self._name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        self._specials: tuple[list[int], list[int]] | None = None
+        self._end_marker: str | None = None
+
+    # ---- tokenizer facts -------------------------------------------------------
+    def _encode(self, text: str, special: bool = False) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+
+    def _bos_eos_added(self) -> tuple[list[int], list[int]]:
+        """Token ids the tokenizer puts before / after a text with ``add_special_tokens``."""
+        if self._specials is None:
+            plain = self._encode("a b")
+            full = self._encode("a b", special=True)
+            self._specials = ([], [])
+            for k in range(len(full) - len(plain) + 1):
+                if full[k : k + len(plain)] == plain:
+                    self._specials = (full[:k], full[k + len(plain) :])
+                    break
+        return self._specials
+
+    def _eos_id(self) -> int:
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            raise TokenizerError(
+                f"tokenizer {self._name} has no eos_token; set \"eos_token\" in its tokenizer_config.json"
+            )
+        return int(eos)
+
+    def _template(self, source: str) -> str:
+        tmpl = getattr(self.tokenizer, "chat_template", None)
+        if not tmpl:
+            raise ChatTemplateError(
+                f"{source}: chat record but tokenizer {self._name} has no chat template; set "
+                "\"chat_template\" in tokenizer_config.json (or add chat_template.jinja), or use "
+                "prompt/completion records"
+            )
+        return tmpl if isinstance(tmpl, str) else " ".join(map(str, dict(tmpl).values()))
+
+    def _render(self, messages, source: str, *, gen: bool, tools=None) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=gen
+            )
+        except Exception as e:  # jinja2 TemplateError, ValueError from raise_exception(), ...
+            raise ChatTemplateError(
+                f"{source}: the chat template of {self._name} failed on this conversation "
+                f"({type(e).__name__}: {e}); fix the messages (roles/order the template "
+                "expects) or the template"
+            ) from None
+
+    def _turn_end_marker(self, source: str) -> str:
+        """Text the template puts after an assistant reply (e.g. ``<|im_end|>``), stripped."""
+        if self._end_marker is None:
+            probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE_REPLY}]
+            try:
+                text = self.tokenizer.apply_chat_template(probe, tokenize=False)
+            except Exception:
+                text = ""
+            at = text.find(_PROBE_REPLY)
+            self._end_marker = text[at + len(_PROBE_REPLY) :].rstrip() if at >= 0 else ""
+        return self._end_marker
+
+    # ---- formats ---------------------------------------------------------------
+    def __call__(self, record: Record) -> Document:
+        kind = record_kind(record)
+        if kind == "chat":
+            return self._chat(record, record.data["messages"], first_trained=0)
+        if kind == "prompt_completion":
+            return self._prompt_completion(record)
+        return self._text(record)
+
+    def _text(self, record: Record) -> Document:
+        text = record.data["text"]
+        if not isinstance(text, str):
+            raise MissingFieldError(
+                f"{record.source}: key 'text' must be a string, got {type(text).__name__}; fix the record"
+            )
+        bos, added_after = self._bos_eos_added()
+        eos = self._eos_id()
+        tokens = bos + self._encode(text) + added_after
+        if not tokens or tokens[-1] != eos:
+            tokens.append(eos)
+        mask = np.full(len(tokens), bool(text.strip()))  # whitespace-only text: nothing to learn
+        return Document(np.array(tokens), mask, record.source)
+
+    def _prompt_completion(self, record: Record) -> Document:
+        prompt, completion = record.data["prompt"], record.data["completion"]
+        if isinstance(prompt, list) and isinstance(completion, list):
+            return self._chat(record, prompt + completion, first_trained=len(prompt))
+        for key, value in (("prompt", prompt), ("completion", completion)):
+            if not isinstance(value, str):
+                raise MissingFieldError(
+                    f"{record.source}: key {key!r} must be a string (or both prompt and completion "
+                    f"lists of messages), got {type(value).__name__}; fix the record"
+                )
+        bos, _ = self._bos_eos_added()
+        context = bos + self._encode(prompt)
+        reply = self._encode(completion) + [self._eos_id()]
+        mask = np.zeros(len(context) + len(reply), dtype=bool)
+        mask[0 if self.train_on == "all" else len(context) :] = True
+        return Document(np.array(context + reply), mask, record.source)
+
+    def _chat(self, record: Record, messages: Any, *, first_trained: int) -> Document:
+        src = record.source
+        _check_messages(messages, src)
+        template = self._template(src)
+        tools = record.data.get("tools")
+        if self.train_on == "assistant" and _GENERATION_TAG.search(template) and first_trained == 0:
+            return self._chat_generation_mask(messages, tools, src)
+        full = self._render(messages, src, gen=False, tools=tools)
+        if self.train_on == "all":
+            tokens = self._encode(full)
+            return Document(np.array(tokens), np.ones(len(tokens), bool), src)
+        spans = self._assistant_spans(messages, full, src, tools, first_trained)
+        return self._tokenize_spans(full, spans, src)
+
+    def _chat_generation_mask(self, messages, tools, src: str) -> Document:
+        try:
+            out = self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+        except Exception as e:
+            raise ChatTemplateError(
+                f"{src}: the chat template of {self._name} failed on this conversation "
+                f"({type(e).__name__}: {e}); fix the messages or the template"
+            ) from None
+        return Document(np.array(out["input_ids"]), np.array(out["assistant_masks"], bool), src)
+
+    def _assistant_spans(self, messages, full: str, src: str, tools, first_trained: int):
+        spans: list[tuple[int, int]] = []
+        cursor = 0
+        for i, msg in enumerate(messages):
+            if msg["role"] != "assistant" or i < first_trained:
+                continue
+            span = None
+            if i > 0:
+                before = self._render(messages[:i], src, gen=True, tools=tools)
+                through = self._render(messages[: i + 1], src, gen=False, tools=tools)
+                if through.startswith(before) and full.startswith(through) and len(before) >= cursor:
+                    span = (len(before), len(through.rstrip()))
+            if span is None:
+                span = self._search_reply(full, msg, i, cursor, src)
+            if span is not None and span[1] > span[0]:
+                spans.append(span)
+                cursor = span[1]
+        return spans
+
+    def _search_reply(self, full: str, msg, i: int, cursor: int, src: str):
+        content = msg.get("content")
+        if isinstance(content, list):  # multimodal-style parts: the text parts, in order
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str) or not content.strip():
+            return None  # e.g. a pure tool call: nothing we can locate safely
+        for needle in (content, content.strip()):
+            at = full.find(needle, cursor)
+            if at >= 0:
+                end = at + len(needle)
+                marker = self._turn_end_marker(src)
+                if marker and full.startswith(marker, end):
+                    end += len(marker)
+                return at, end
+        raise ChatTemplateError(
+            f"{src}: cannot find assistant message {i} (messages[{i}].content) in the text the chat "
+            f"template of {self._name} renders; the template rewrites replies: wrap the reply in "
+            "{% generation %}...{% endgeneration %} in the template, or use prompt/completion records"
+        )
+
+    def _tokenize_spans(self, full: str, spans, src: str) -> Document:
+        if getattr(self.tokenizer, "is_fast", False):
+            enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+            offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+            starts, ends = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)
+            mask = np.zeros(len(offsets), dtype=bool)
+            for s, e in spans:  # token overlaps [s, e)
+                mask |= (starts < e) & (ends > s)
+            return Document(np.array(enc["input_ids"]), mask, src)
+        # Slow tokenizers have no offsets: tokenize prompt and reply pieces separately.
+        tokens: list[int] = []
+        flags: list[bool] = []
+        pos = 0
+        for s, e in [*spans, (len(full), len(full))]:
+            for piece, trained in ((full[pos:s], False), (full[s:e], True)):
+                if piece:
+                    ids = self._encode(piece)
+                    tokens += ids
+                    flags += [trained] * len(ids)
+            pos = e
+        return Document(np.array(tokens), np.array(flags, bool), src)
+
+
+def _check_messages(messages: Any, src: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise MissingFieldError(
+            f"{src}: key 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects, "
+            f"got {type(messages).__name__ if not isinstance(messages, list) else 'an empty list'}; fix the record"
+        )
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise MissingFieldError(
+                f"{src}: messages[{i}] must be an object with 'role' and 'content', got "
+                f"{type(m).__name__}; fix the record"
+            )
+        if not isinstance(m.get("role"), str):
+            raise MissingFieldError(
+                f"{src}: messages[{i}] has no string 'role' (keys: {sorted(m)}); add "
+                "\"role\": \"user\" | \"assistant\" | \"system\""
+            )
+        if "content" not in m and not m.get("tool_calls"):
+            raise MissingFieldError(
+                f"{src}: messages[{i}] (role {m['role']!r}) has no 'content'; add the message text"
+            )
+
+
+def tokenize_records(
+    records: Iterable[Record], tokenizer, *, train_on: TrainOn = "assistant"
+) -> list[Document]:
+    """Tokenize every record (see the module docstring for formats and masks)."""
+    fmt = Formatter(tokenizer, train_on=train_on)
+    return [fmt(r) for r in records]

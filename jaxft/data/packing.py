@@ -1,0 +1,243 @@
+"""Pack documents into fixed-length rows and serve deterministic batches.
+
+Packing is best-fit decreasing (documents longest first, each into the open row whose
+free space is the smallest that still fits it, else a new row). It has the same 11/9·OPT
+asymptotic worst case as first-fit decreasing and never leaves a document out of a row
+that could hold it; open rows are kept in buckets by free space, so each document costs
+one bisect over at most ``seq_len`` distinct free-space values.
+
+Batch ``step`` is row block ``step % nb`` of epoch ``step // nb`` (``nb`` =
+`PackedDataset.num_batches_per_epoch`), where an epoch visits all rows in the order of a
+permutation seeded by ``(seed, epoch)``: the batch is a pure function of
+(data, seq_len, batch_size, seed, step), so training resumes at any step.
+
+Per row, with documents d_1..d_k laid out back to back from column 0:
+  input_ids[t]   = token at t (0 on padding)
+  targets[t]     = input_ids[t+1] when t+1 is in the same document, else 0
+  loss_mask[t]   = 1.0 iff targets[t] is a trained token of the same document
+                   (so 0 at each document's last token and on padding)
+  segment_ids[t] = j for document d_j, 0 on padding
+  positions[t]   = t - start(d_j) (restarts at 0 per document; padding counts 0, 1, ...)
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import math
+from typing import Iterator, Literal, Sequence
+
+import numpy as np
+
+from jaxft.data.errors import DataConfigError, EmptyDatasetError
+from jaxft.data.formatting import Document
+
+logger = logging.getLogger("jaxft.data")
+
+Overlong = Literal["truncate", "drop"]
+OVERLONG = ("truncate", "drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingStats:
+    """What packing kept and lost.
+
+    ``num_input = num_documents + dropped + skipped``; ``truncated`` counts kept documents
+    that were cut to ``seq_len``; ``skipped`` counts documents with no trained target
+    (no assistant reply, or all of it cut off by truncation).
+    efficiency = real_tokens / (num_rows · seq_len).
+    """
+
+    seq_len: int
+    num_input: int
+    num_documents: int
+    num_rows: int
+    real_tokens: int
+    trained_tokens: int
+    truncated: int
+    dropped: int
+    skipped: int
+
+    def __post_init__(self):
+        if self.num_input != self.num_documents + self.dropped + self.skipped:
+            raise ValueError(f"inconsistent packing stats: {self}")
+
+    @property
+    def efficiency(self) -> float:
+        return self.real_tokens / (self.num_rows * self.seq_len) if self.num_rows else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"packed {self.num_documents}/{self.num_input} documents into {self.num_rows} rows of "
+            f"{self.seq_len} tokens: efficiency {100 * self.efficiency:.1f}% ({self.real_tokens} "
+            f"tokens, {self.trained_tokens} trained); overlong: {self.truncated} truncated, "
+            f"{self.dropped} dropped; {self.skipped} skipped (no trained tokens)"
+        )
+
+
+def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[int]]:
+    """Bin-pack items of the given lengths (each ``1 <= length <= capacity``); returns the item
+    indices of each bin, deterministic (ties broken by item index)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and (lengths.min() < 1 or lengths.max() > capacity):
+        raise ValueError(f"item lengths must be in [1, {capacity}]")
+    bins: list[list[int]] = []
+    by_free: list[list[int]] = [[] for _ in range(capacity + 1)]  # free space -> open bins
+    free_sizes: list[int] = []  # sorted free-space values that have an open bin
+    for item in np.argsort(-lengths, kind="stable").tolist():
+        n = int(lengths[item])
+        k = bisect.bisect_left(free_sizes, n)
+        if k == len(free_sizes):
+            b, left = len(bins), capacity - n
+            bins.append([])
+        else:
+            free = free_sizes[k]
+            b = by_free[free].pop()
+            if not by_free[free]:
+                free_sizes.pop(k)
+            left = free - n
+        bins[b].append(item)
+        if left > 0:
+            if not by_free[left]:
+                bisect.insort(free_sizes, left)
+            by_free[left].append(b)
+    return bins
+
+
+class PackedDataset:
+    """Documents packed into rows of ``seq_len``; batches are [batch_size, seq_len] host arrays.
+
+    The last batch of an epoch is filled up with all-padding rows (loss_mask 0), so every
+    batch has the same shape and no row is left out.
+    """
+
+    def __init__(
+        self,
+        documents: Sequence[Document],
+        *,
+        seq_len: int,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        overlong: Overlong = "truncate",
+        name: str = "train",
+    ):
+        if not isinstance(seq_len, int) or seq_len < 2:
+            raise DataConfigError(f"seq_len must be an int >= 2, got {seq_len!r}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise DataConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if overlong not in OVERLONG:
+            raise DataConfigError(f"overlong={overlong!r} is not one of {OVERLONG}")
+        self.seq_len, self.batch_size, self.seed, self.shuffle, self.name = (
+            seq_len, batch_size, int(seed), bool(shuffle), name,
+        )
+
+        kept_tokens, kept_masks = [], []
+        truncated = dropped = skipped = 0
+        for doc in documents:
+            tokens, mask = doc.tokens, doc.loss_mask
+            if len(tokens) > seq_len:
+                if overlong == "drop":
+                    dropped += 1
+                    continue
+                tokens, mask = tokens[:seq_len], mask[:seq_len]
+            if not mask[1:].any():
+                skipped += 1
+                continue
+            truncated += len(tokens) < len(doc.tokens)
+            kept_tokens.append(tokens)
+            kept_masks.append(mask)
+
+        lengths = np.array([len(t) for t in kept_tokens], dtype=np.int64)
+        self._doc_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self._doc_len = lengths
+        self._tokens = np.concatenate(kept_tokens) if kept_tokens else np.zeros(0, np.int32)
+        self._mask = np.concatenate(kept_masks) if kept_masks else np.zeros(0, bool)
+        self._rows = [np.array(r, dtype=np.int64) for r in best_fit_decreasing(lengths, seq_len)]
+        self.stats = PackingStats(
+            seq_len=seq_len,
+            num_input=len(documents),
+            num_documents=len(kept_tokens),
+            num_rows=len(self._rows),
+            real_tokens=int(lengths.sum()),
+            trained_tokens=int(sum(m[1:].sum() for m in kept_masks)),
+            truncated=int(truncated),
+            dropped=dropped,
+            skipped=skipped,
+        )
+        if not self._rows:
+            raise EmptyDatasetError(
+                f"{name} data: no trainable document left of {len(documents)}: {skipped} have no "
+                f"trained tokens (e.g. chats without an assistant reply, or replies cut off by "
+                f"truncation), {dropped} are longer than seq_len={seq_len} with overlong='drop'; "
+                "fix the records, raise seq_len, or use overlong='truncate'"
+            )
+        self._epoch_cache: tuple[int, np.ndarray] | None = None
+        logger.info("%s data: %s", name, self.stats.summary())
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._rows)
+
+    @property
+    def num_batches_per_epoch(self) -> int:
+        return math.ceil(self.num_rows / self.batch_size)
+
+    def __len__(self) -> int:
+        return self.num_batches_per_epoch
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.num_batches_per_epoch
+
+    def row_order(self, epoch: int) -> np.ndarray:
+        """Permutation of row indices visited in ``epoch`` (identity when not shuffling)."""
+        if not self.shuffle:
+            return np.arange(self.num_rows)
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch_cache = (epoch, rng.permutation(self.num_rows))
+        return self._epoch_cache[1]
+
+    def rows_of(self, step: int) -> np.ndarray:
+        """Row indices (into the packed rows) making up batch ``step``; may be fewer than batch_size."""
+        if not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        epoch, i = divmod(int(step), self.num_batches_per_epoch)
+        return self.row_order(epoch)[i * self.batch_size : (i + 1) * self.batch_size]
+
+    def row_documents(self, row: int) -> np.ndarray:
+        """Indices of the kept documents packed into ``row``, in layout order."""
+        return self._rows[row]
+
+    def batch(self, step: int) -> dict[str, np.ndarray]:
+        """The packed batch of global step ``step`` (see the module docstring for the layout)."""
+        b, t = self.batch_size, self.seq_len
+        out = {
+            "input_ids": np.zeros((b, t), np.int32),
+            "targets": np.zeros((b, t), np.int32),
+            "loss_mask": np.zeros((b, t), np.float32),
+            "segment_ids": np.zeros((b, t), np.int32),
+            "positions": np.zeros((b, t), np.int32),
+        }
+        rows = self.rows_of(step)
+        for r in range(b):
+            pos = 0
+            if r < len(rows):
+                for j, d in enumerate(self._rows[rows[r]].tolist(), start=1):
+                    s, n = int(self._doc_start[d]), int(self._doc_len[d])
+                    out["input_ids"][r, pos : pos + n] = self._tokens[s : s + n]
+                    out["targets"][r, pos : pos + n - 1] = self._tokens[s + 1 : s + n]
+                    out["loss_mask"][r, pos : pos + n - 1] = self._mask[s + 1 : s + n]
+                    out["segment_ids"][r, pos : pos + n] = j
+                    out["positions"][r, pos : pos + n] = np.arange(n, dtype=np.int32)
+                    pos += n
+            out["positions"][r, pos:] = np.arange(t - pos, dtype=np.int32)
+        # Masked targets are 0 by contract, even where the next token exists.
+        out["targets"] *= out["loss_mask"].astype(np.int32)
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        """The batches of epoch 0, in order (for evaluation)."""
+        for step in range(self.num_batches_per_epoch):
+            yield self.batch(step)

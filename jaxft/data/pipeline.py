@@ -1,0 +1,112 @@
+"""One call from a data config and a tokenizer to packed train/eval datasets."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from jaxft.data.errors import DataConfigError, EmptyDatasetError
+from jaxft.data.formatting import TRAIN_ON, Document, Formatter, TrainOn, load_tokenizer
+from jaxft.data.packing import OVERLONG, Overlong, PackedDataset
+from jaxft.data.sources import iter_records
+
+logger = logging.getLogger("jaxft.data")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where the data is and how it becomes batches.
+
+    path / eval_path: a file or directory (see `jaxft.data.sources`).
+    split / eval_split: split names when a path is a ``DatasetDict`` directory; an
+        ``eval_split`` without ``eval_path`` is read from ``path``.
+    eval_fraction: hold out this fraction of the training documents (seeded by ``seed``)
+        when no eval path/split is given; 0 = no eval set.
+    train_on: "assistant" (assistant / completion tokens only) or "all".
+    overlong: documents longer than seq_len are "truncate"d or "drop"ped.
+    """
+
+    path: str
+    seq_len: int
+    batch_size: int
+    eval_path: str | None = None
+    eval_fraction: float = 0.0
+    split: str | None = None
+    eval_split: str | None = None
+    eval_batch_size: int | None = None
+    seed: int = 0
+    train_on: TrainOn = "assistant"
+    overlong: Overlong = "truncate"
+
+    def __post_init__(self):
+        if not isinstance(self.path, (str, Path)) or not str(self.path):
+            raise DataConfigError(f"data path must be a non-empty string, got {self.path!r}")
+        for key in ("seq_len", "batch_size", "eval_batch_size"):
+            v = getattr(self, key)
+            low = 2 if key == "seq_len" else 1
+            if (v is not None or key != "eval_batch_size") and (
+                not isinstance(v, int) or isinstance(v, bool) or v < low
+            ):
+                raise DataConfigError(f"data.{key} must be an int >= {low}, got {v!r}")
+        if not isinstance(self.eval_fraction, (int, float)) or not 0.0 <= self.eval_fraction < 1.0:
+            raise DataConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
+        if self.eval_fraction > 0 and (self.eval_path or self.eval_split):
+            raise DataConfigError(
+                "data.eval_fraction cannot be combined with data.eval_path/eval_split: use one of them"
+            )
+        if self.train_on not in TRAIN_ON:
+            raise DataConfigError(f"data.train_on must be one of {TRAIN_ON}, got {self.train_on!r}")
+        if self.overlong not in OVERLONG:
+            raise DataConfigError(f"data.overlong must be one of {OVERLONG}, got {self.overlong!r}")
+
+
+def _documents(path, split, fmt: Formatter) -> list[Document]:
+    docs = [fmt(r) for r in iter_records(path, split=split)]
+    if not docs:
+        where = f"{path}" + (f" (split {split!r})" if split else "")
+        raise EmptyDatasetError(f"{where}: no records found; add data or fix the data path")
+    return docs
+
+
+def build_datasets(
+    config: DataConfig, tokenizer
+) -> tuple[PackedDataset, PackedDataset | None]:
+    """Read, tokenize and pack the train (shuffled per epoch) and eval (in order) sets.
+
+    ``tokenizer`` is a Hugging Face tokenizer or the path of a model directory holding one.
+    Raises a `DataError` subclass with a file/line/key and a fix on any bad input.
+    """
+    if isinstance(tokenizer, (str, Path)):
+        tokenizer = load_tokenizer(tokenizer)
+    fmt = Formatter(tokenizer, train_on=config.train_on)
+    train_docs = _documents(config.path, config.split, fmt)
+    eval_docs: list[Document] | None = None
+    if config.eval_path or config.eval_split:
+        eval_docs = _documents(config.eval_path or config.path, config.eval_split, fmt)
+    elif config.eval_fraction > 0:
+        n_eval = max(1, round(len(train_docs) * config.eval_fraction))
+        if n_eval >= len(train_docs):
+            raise EmptyDatasetError(
+                f"{config.path}: eval_fraction={config.eval_fraction} of {len(train_docs)} "
+                "documents leaves no training data; lower data.eval_fraction or add data"
+            )
+        perm = np.random.default_rng([config.seed, 0x5EED]).permutation(len(train_docs))
+        held = set(perm[:n_eval].tolist())
+        eval_docs = [d for i, d in enumerate(train_docs) if i in held]
+        train_docs = [d for i, d in enumerate(train_docs) if i not in held]
+
+    common = dict(seq_len=config.seq_len, overlong=config.overlong, seed=config.seed)
+    train = PackedDataset(train_docs, batch_size=config.batch_size, shuffle=True, name="train", **common)
+    evalset = None
+    if eval_docs is not None:
+        evalset = PackedDataset(
+            eval_docs,
+            batch_size=config.eval_batch_size or config.batch_size,
+            shuffle=False,
+            name="eval",
+            **common,
+        )
+    return train, evalset

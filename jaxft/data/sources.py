@@ -1,0 +1,247 @@
+"""Read training records from disk.
+
+Supported inputs (chosen from the path, no option needed):
+
+* ``*.jsonl`` / ``*.ndjson``: one JSON object per line (blank lines skipped).
+* ``*.json``: a JSON array of objects, or ``{"data": [...]}``; a ``.json`` file that is
+  really JSON Lines (what ``datasets.Dataset.to_json`` writes) is read as JSON Lines.
+* ``*.parquet``: every row is a record.
+* ``*.arrow``: an Arrow IPC stream (or IPC file).
+* A ``datasets`` ``save_to_disk`` directory, read without the ``datasets`` package:
+  a ``Dataset`` directory (``state.json`` / ``dataset_info.json`` + ``*.arrow`` IPC
+  streams) or a ``DatasetDict`` directory (``dataset_dict.json`` + one such
+  subdirectory per split).
+* Any other directory: every supported file directly inside it, in name order.
+
+Each record keeps where it came from (``file:line`` for JSON Lines, ``file (row i)``
+for columnar files) so later errors can point at it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jaxft.data.errors import DataFormatError, DataPathError
+
+_JSONL_SUFFIXES = (".jsonl", ".ndjson")
+_SUFFIXES = (*_JSONL_SUFFIXES, ".json", ".parquet", ".arrow")
+_HINT = (
+    "use a .jsonl/.json/.parquet/.arrow file, a directory of such files, or a directory "
+    "written by datasets' save_to_disk"
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Record:
+    """One raw training example and where it was read from (for error messages)."""
+
+    data: dict[str, Any]
+    source: str
+
+    def __post_init__(self):
+        if not isinstance(self.data, dict):
+            raise TypeError(f"Record.data must be a dict, got {type(self.data).__name__}")
+
+
+def read_records(path: str | Path, *, split: str | None = None) -> list[Record]:
+    """Read every record under ``path``.
+
+    ``split`` selects the split of a ``DatasetDict`` directory (default: ``"train"``,
+    or the only split when there is one); it is ignored for other inputs.
+    """
+    return list(iter_records(path, split=split))
+
+
+def iter_records(path: str | Path, *, split: str | None = None) -> Iterator[Record]:
+    """Stream records file by file (same inputs as `read_records`)."""
+    for file in data_files(path, split=split):
+        yield from _read_file(file)
+
+
+def data_files(path: str | Path, *, split: str | None = None) -> list[Path]:
+    """The data files that ``path`` stands for, in reading order."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataPathError(f"data path {str(p)!r} does not exist; fix the path ({_HINT})")
+    if p.is_file():
+        if p.suffix.lower() not in _SUFFIXES:
+            raise DataPathError(f"{p}: unsupported file type {p.suffix!r}; {_HINT}")
+        return [p]
+    if (p / "dataset_dict.json").is_file():
+        return _dataset_dir_files(_dataset_dict_split(p, split))
+    if (p / "state.json").is_file() or (p / "dataset_info.json").is_file():
+        return _dataset_dir_files(p)
+    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix.lower() in _SUFFIXES)
+    if not files:
+        raise DataPathError(f"directory {p} holds no data files; {_HINT}")
+    return files
+
+
+def _load_json_file(file: Path) -> Any:
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataFormatError(f"{file}: cannot parse ({e}); fix or regenerate the file") from None
+
+
+def _dataset_dict_split(root: Path, split: str | None) -> Path:
+    meta = _load_json_file(root / "dataset_dict.json")
+    splits = meta.get("splits") if isinstance(meta, dict) else None
+    if not isinstance(splits, list) or not splits:
+        raise DataFormatError(
+            f"{root / 'dataset_dict.json'}: key 'splits' must be a non-empty list of split "
+            "names; re-save the DatasetDict with save_to_disk"
+        )
+    if split is None:
+        split = "train" if "train" in splits or len(splits) != 1 else splits[0]
+    if split not in splits:
+        raise DataPathError(
+            f"{root}: DatasetDict has no split {split!r} (splits: {', '.join(map(str, splits))}); "
+            "choose one of them as the data split"
+        )
+    sub = root / split
+    if not sub.is_dir():
+        raise DataPathError(f"{root}: split {split!r} is listed but directory {sub} is missing")
+    return sub
+
+
+def _dataset_dir_files(d: Path) -> list[Path]:
+    """Arrow files of a datasets ``Dataset.save_to_disk`` directory, in shard order."""
+    names: list[str] = []
+    state_file = d / "state.json"
+    if state_file.is_file():
+        state = _load_json_file(state_file)
+        entries = state.get("_data_files") if isinstance(state, dict) else None
+        if isinstance(entries, list):
+            names = [e["filename"] for e in entries if isinstance(e, dict) and "filename" in e]
+    files = [d / n for n in names] if names else sorted(d.glob("*.arrow"))
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise DataPathError(f"{d}: state.json lists {missing[0].name} but the file is missing")
+    if not files:
+        raise DataPathError(f"dataset directory {d} holds no *.arrow files; {_HINT}")
+    return files
+
+
+def _read_file(file: Path) -> Iterator[Record]:
+    suffix = file.suffix.lower()
+    if suffix in _JSONL_SUFFIXES:
+        yield from _read_jsonl(file)
+    elif suffix == ".json":
+        yield from _read_json(file)
+    elif suffix == ".parquet":
+        yield from _read_parquet(file)
+    else:
+        yield from _read_arrow(file)
+
+
+def _read_jsonl(file: Path) -> Iterator[Record]:
+    lineno = 0
+    try:
+        with file.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataFormatError(
+                        f"{file}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); "
+                        'fix the line: each line must be one complete JSON object, e.g. {"text": "..."}'
+                    ) from None
+                if not isinstance(obj, dict):
+                    raise DataFormatError(
+                        f"{file}:{lineno}: line is a JSON {type(obj).__name__}, expected an object; "
+                        'fix the line: each line must be one JSON object, e.g. {"text": "..."}'
+                    )
+                yield Record(obj, f"{file}:{lineno}")
+    except UnicodeDecodeError:
+        raise DataFormatError(
+            f"{file}:{lineno + 1}: not valid UTF-8; re-encode the file as UTF-8"
+        ) from None
+
+
+def _first_line_is_object(text: str) -> bool:
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                return isinstance(json.loads(line), dict)
+            except json.JSONDecodeError:
+                return False
+    return False
+
+
+def _read_json(file: Path) -> Iterator[Record]:
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DataFormatError(f"{file}: not valid UTF-8; re-encode the file as UTF-8") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        # datasets' to_json writes JSON Lines under a .json name: read it line by line
+        # (which also gives file:line errors for its bad lines).
+        if _first_line_is_object(text):
+            yield from _read_jsonl(file)
+            return
+        raise DataFormatError(
+            f"{file}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno}); fix the file: "
+            "it must be a JSON array of objects, or JSON Lines (one object per line)"
+        ) from None
+    if isinstance(obj, dict) and isinstance(obj.get("data"), list):
+        obj = obj["data"]
+    if not isinstance(obj, list):
+        keys = f" with keys {sorted(obj)}" if isinstance(obj, dict) else ""
+        raise DataFormatError(
+            f"{file}: top level is a JSON {type(obj).__name__}{keys}; expected an array of "
+            'records or {"data": [...]}; fix the file or convert it to JSON Lines'
+        )
+    for i, item in enumerate(obj):
+        if not isinstance(item, dict):
+            raise DataFormatError(
+                f"{file} (record {i}): is a JSON {type(item).__name__}, expected an object; "
+                "fix the record"
+            )
+        yield Record(item, f"{file} (record {i})")
+
+
+def _record_batches_to_records(file: Path, batches: Iterator[pa.RecordBatch]) -> Iterator[Record]:
+    row = 0
+    try:
+        for batch in batches:
+            for item in batch.to_pylist():
+                yield Record(item, f"{file} (row {row})")
+                row += 1
+    except (pa.ArrowException, OSError) as e:
+        raise DataFormatError(f"{file} (row {row}): unreadable data ({e}); regenerate the file") from None
+
+
+def _read_parquet(file: Path) -> Iterator[Record]:
+    try:
+        pf = pq.ParquetFile(file)
+    except (pa.ArrowException, OSError) as e:
+        raise DataFormatError(f"{file}: not a readable Parquet file ({e}); regenerate it") from None
+    yield from _record_batches_to_records(file, pf.iter_batches(batch_size=1024))
+
+
+def _read_arrow(file: Path) -> Iterator[Record]:
+    # datasets writes Arrow IPC *streams*; accept IPC *files* (Feather v2) as well.
+    try:
+        reader = pa.ipc.open_stream(pa.memory_map(str(file)))
+        batches = iter(reader)
+    except (pa.ArrowException, OSError):
+        try:
+            f = pa.ipc.open_file(pa.memory_map(str(file)))
+        except (pa.ArrowException, OSError) as e:
+            raise DataFormatError(
+                f"{file}: not an Arrow IPC stream or file ({e}); regenerate it "
+                "(e.g. with datasets' save_to_disk)"
+            ) from None
+        batches = (f.get_batch(i) for i in range(f.num_record_batches))
+    yield from _record_batches_to_records(file, batches)

@@ -1,0 +1,88 @@
+"""Hugging Face checkpoints in and out: `from_pretrained` and `save_pretrained`.
+
+The file formats live in `bridge` (which knows nothing of our modules); this module turns a bridge parameter
+dict (tree path -> numpy array) into an NNX model and back. Loading never builds a random model first: the
+model is created abstractly (`nnx.eval_shape`) and filled tensor by tensor, so peak host memory stays close
+to one copy of the weights.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import bridge
+from jaxft.config import ModelConfig
+from jaxft.models.decoder import Decoder, abstract_model
+from jaxft.models.layers import LoraParam
+
+
+def _path_key(path) -> tuple[str, ...]:
+    return tuple(str(p) for p in path)
+
+
+def param_shapes(model: Decoder) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
+    """Tree path -> shape/dtype of every base parameter (LoRA excluded)."""
+    state = nnx.state(model, nnx.Not(LoraParam))
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        if isinstance(var, nnx.Param):
+            out[_path_key(path)] = jax.ShapeDtypeStruct(var.shape, var.dtype)
+    return out
+
+
+def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", *, attention_impl: str = "xla",
+                    remat: str = "none") -> Decoder:
+    """Loads an HF model directory (config.json + safetensors) into a jaxft `Decoder` in `dtype`."""
+    path = Path(path)
+    hf = bridge.read_config(path)
+    cfg = ModelConfig.from_hf(hf, source=str(path / "config.json"))
+    dtype = jnp.dtype(dtype)
+    model = abstract_model(cfg, dtype=dtype, attention_impl=attention_impl, remat=remat)
+    expected = param_shapes(model)
+    arrays = bridge.load_weights(path, bridge.table_for(cfg.model_type), expected, cfg.num_layers, dtype)
+    graphdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    leaves = []
+    for p, var in flat:
+        key = _path_key(p)
+        if key in arrays:
+            # pop: the host copy is released as soon as the device copy exists (peak ~ one copy).
+            var = var.replace(jnp.asarray(arrays.pop(key)))
+        leaves.append((p, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def model_params(model: Decoder, *, merge_lora: bool = True) -> dict[tuple[str, ...], np.ndarray]:
+    """Base parameters as host arrays, with LoRA deltas merged into the kernels when present."""
+    from jaxft.lora import merged_kernels  # local: lora imports io-free modules only
+
+    merged = merged_kernels(model) if merge_lora else {}
+    out = {}
+    for key in param_shapes(model):
+        if key in merged:
+            out[key] = np.asarray(merged[key])
+            continue
+        node = model
+        for part in key:
+            node = getattr(node, part)
+        out[key] = np.asarray(node[...])
+    return out
+
+
+def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | None = None,
+                    max_shard_bytes: int = 5 * 1024**3) -> Path:
+    """Writes an HF directory (config.json + sharded safetensors + index); LoRA adapters are merged."""
+    cfg: ModelConfig = model.config
+    hf = cfg.to_hf()
+    out_dtype = jnp.dtype(dtype) if dtype else model.dtype
+    hf["dtype"] = str(out_dtype)
+    params = {k: v.astype(out_dtype) for k, v in model_params(model).items()}
+    bridge.save_weights(path, bridge.table_for(cfg.model_type), params, cfg.num_layers, hf,
+                        max_shard_bytes=max_shard_bytes)
+    return Path(path)

@@ -1,0 +1,150 @@
+"""One decoder for Llama / Mistral / Qwen2 / Qwen3 dense models.
+
+Data flow of a forward pass:
+    batch-level, computed ONCE:  positions (derived from segment_ids when absent), cos/sin tables,
+                                 attention block metadata
+    embed -> scan over stacked layers [norm -> q,k,v (+LoRA) -> (q/k norm) -> RoPE -> attention -> o
+                                       -> residual -> norm -> GLU MLP (+LoRA) -> residual]
+          -> final norm -> lm_head (or tied embedding)
+Layers whose sliding window differs (Qwen2 `max_window_layers`) are scanned as contiguous runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxft.config import ModelConfig
+from jaxft.models.layers import DecoderLayer, Linear, RMSNorm, _init
+from jaxft.models.rope import rope_tables
+from kernels_pallas import attention as attention_ops
+
+REMAT_POLICIES = ("none", "full", "dots", "offload")
+
+
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+    """Position of each token inside its document: 0 at every segment start, +1 after."""
+    t = segment_ids.shape[-1]
+    idx = jnp.arange(t, dtype=jnp.int32)
+    start = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    first = jax.lax.cummax(jnp.where(start, idx[None, :], 0), axis=1)
+    return (idx[None, :] - first).astype(jnp.int32)
+
+
+def _layer_runs(windows: tuple[int | None, ...]) -> list[tuple[int, int, int | None]]:
+    runs, start = [], 0
+    for window, group in itertools.groupby(windows):
+        n = len(list(group))
+        runs.append((start, start + n, window))
+        start += n
+    return runs
+
+
+class Decoder(nnx.Module):
+    """A causal LM. `model(input_ids, positions=None, segment_ids=None) -> logits [B, T, V]`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None,
+                 attention_impl: str = "xla", remat: str = "none"):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat={remat!r}; choose one of {REMAT_POLICIES}")
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.attention_impl = attention_impl
+        self.remat = remat
+        self.embed = nnx.Module()
+        self.embed.embedding = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 0.02))
+        self.layers = DecoderLayer(cfg, stack=(cfg.num_layers,), dtype=dtype, rngs=rngs)
+        self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, stack=(), dtype=dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        Linear(cfg.hidden_size, cfg.vocab_size, bias=False, stack=(), dtype=dtype, rngs=rngs))
+
+    # ---------------------------------------------------------------- batch-level metadata (once per step)
+    def batch_context(self, input_ids, positions=None, segment_ids=None) -> dict[str, Any]:
+        """Everything every layer needs that depends only on the batch: built once, outside the layer scan."""
+        cfg = self.config
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        if segment_ids is not None:
+            segment_ids = jnp.asarray(segment_ids, jnp.int32)
+        if positions is None:
+            if segment_ids is None:
+                positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1], dtype=jnp.int32), input_ids.shape)
+            else:
+                positions = positions_from_segments(segment_ids)
+        positions = jnp.asarray(positions, jnp.int32)
+        cos, sin = rope_tables(positions, cfg.rope, cfg.head_dim, cfg.max_position_embeddings, self.dtype)
+        metadata = {window: None for window in cfg.layer_windows}
+        if self.attention_impl in ("pallas", "auto"):
+            # The block table depends only on the batch: one per distinct window, shared by every layer.
+            seg = segment_ids if segment_ids is not None else jnp.ones(input_ids.shape, jnp.int32)
+            for window in metadata:
+                metadata[window] = attention_ops.make_metadata(seg, causal=True, sliding_window=window)
+        return dict(input_ids=input_ids, positions=positions, segment_ids=segment_ids, cos=cos, sin=sin,
+                    metadata=metadata)
+
+    def _attend_fn(self, ctx, window):
+        return functools.partial(
+            attention_ops.dot_product_attention, segment_ids=ctx["segment_ids"], metadata=ctx["metadata"][window],
+            causal=True, sliding_window=window, implementation=self.attention_impl)
+
+    # ---------------------------------------------------------------- forward
+    def hidden_states(self, input_ids, positions=None, segment_ids=None, *, dropout_rng=None) -> jax.Array:
+        """Final-normed hidden states [B, T, H] (what the LM head, or a fused loss, consumes)."""
+        ctx = self.batch_context(input_ids, positions, segment_ids)
+        x = self.embed.embedding[...][ctx["input_ids"]].astype(self.dtype)
+        graphdef, state = nnx.split(self.layers)
+        for start, end, window in _layer_runs(self.config.layer_windows):
+            layer_ctx = dict(cos=ctx["cos"], sin=ctx["sin"], attend=self._attend_fn(ctx, window))
+            run_state = state if (start, end) == (0, self.config.num_layers) else jax.tree.map(
+                lambda leaf: leaf[start:end], state)
+            x = self._scan(graphdef, run_state, x, layer_ctx, start, end, dropout_rng)
+        return self.final_norm(x)
+
+    def _scan(self, graphdef, state, x, layer_ctx, start, end, dropout_rng):
+        def body(carry, xs):
+            layer_state, index = xs
+            layer = nnx.merge(graphdef, layer_state)
+            if self.remat == "offload":
+                carry = jax.ad_checkpoint.checkpoint_name(carry, "layer_input")
+            rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
+            return layer(carry, layer_ctx, rng), None
+
+        if self.remat != "none":
+            policy = {
+                "full": jax.checkpoint_policies.nothing_saveable,
+                "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+                    names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+                    offload_src="device", offload_dst="pinned_host"),
+            }[self.remat]
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        indices = jnp.arange(start, end, dtype=jnp.int32)
+        x, _ = jax.lax.scan(body, x, (state, indices))
+        return x
+
+    def head_weight(self) -> jax.Array:
+        """The LM head as [H, V] (the tied embedding transposed when `tie_word_embeddings`)."""
+        if self.lm_head is None:
+            return self.embed.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def __call__(self, input_ids, positions=None, segment_ids=None, *, dropout_rng=None) -> jax.Array:
+        x = self.hidden_states(input_ids, positions, segment_ids, dropout_rng=dropout_rng)
+        if self.lm_head is None:
+            return jnp.einsum("bth,vh->btv", x, self.embed.embedding[...].astype(x.dtype))
+        return self.lm_head(x)
+
+
+def init_model(cfg: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0, **kw) -> Decoder:
+    """A randomly initialised model (normal(0, 0.02) linears and embeddings, unit norms)."""
+    return Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(seed), **kw)
+
+
+def abstract_model(cfg: ModelConfig, *, dtype=jnp.bfloat16, **kw) -> Decoder:
+    """The model with `jax.ShapeDtypeStruct` leaves: no memory is allocated (for real-size shape checks)."""
+    return nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0), **kw))

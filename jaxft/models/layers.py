@@ -1,0 +1,154 @@
+"""Building blocks of the decoder: linear layers (with optional LoRA), RMSNorm, attention block, GLU MLP.
+
+Every module is created with *stacked* parameters (a leading layer axis, `stack=(L,)`) and called on one
+layer's slice inside `jax.lax.scan`, so compile time does not grow with depth. The variable types carry
+meaning: `nnx.Param` is the frozen base, `LoraParam` is what training updates, `LoraScale` is a per-layer
+constant. Optimisers and the trainer select by type, never by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxft.config import ModelConfig
+from jaxft.models.rope import apply_rope
+
+
+class LoraParam(nnx.Param):
+    """A trainable low-rank adapter matrix (fp32). The only variable type that receives gradients."""
+
+
+class LoraScale(nnx.Variable):
+    """Per-layer LoRA scaling alpha/r (or alpha/sqrt(r)); 0 where the layer is not targeted. Not trained."""
+
+
+class LoraRank(nnx.Variable):
+    """Per-layer effective rank (int32): adapters are zero-padded to the largest rank of the stack."""
+
+
+def _init(rngs: nnx.Rngs | None, shape, dtype, std: float | None):
+    if std is None:
+        return jnp.ones(shape, dtype)
+    if rngs is None:
+        return jnp.zeros(shape, dtype)
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ W (+ b) (+ s * dropout(x) @ A @ B).  W: [in, out] (transposed w.r.t. torch's [out, in])."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, stack: tuple[int, ...], dtype,
+                 rngs: nnx.Rngs | None, std: float = 0.02):
+        self.in_features, self.out_features = in_features, out_features
+        self.kernel = nnx.Param(_init(rngs, (*stack, in_features, out_features), dtype, std))
+        self.bias = nnx.Param(jnp.zeros((*stack, out_features), dtype)) if bias else None
+        self.lora_a: LoraParam | None = None
+        self.lora_b: LoraParam | None = None
+        self.lora_scale: LoraScale | None = None
+        self.lora_rank: LoraRank | None = None
+        self.lora_dropout: float = 0.0
+
+    @property
+    def has_lora(self) -> bool:
+        return self.lora_a is not None
+
+    def __call__(self, x: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
+        kernel = self.kernel[...]
+        y = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        if self.lora_a is not None:
+            h = x
+            if self.lora_dropout > 0.0 and dropout_rng is not None:
+                keep = jax.random.bernoulli(dropout_rng, 1.0 - self.lora_dropout, x.shape)
+                h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
+            a = self.lora_a[...].astype(x.dtype)
+            b = self.lora_b[...].astype(x.dtype)
+            delta = jnp.einsum("...r,ro->...o", jnp.einsum("...i,ir->...r", h, a), b)
+            y = y + (self.lora_scale[...].astype(y.dtype) * delta).astype(y.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """w * (x * rsqrt(mean(x^2) + eps)) with the statistics in fp32 and the result cast back, as transformers."""
+
+    def __init__(self, dim: int, *, eps: float, stack: tuple[int, ...], dtype):
+        self.scale = nnx.Param(jnp.ones((*stack, dim), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        lin = dict(stack=stack, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias, **lin)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, **lin)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, **lin)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, **lin)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, stack=stack, dtype=dtype)
+            self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+
+    def __call__(self, x, ctx: dict[str, Any], rngs: tuple | None):
+        b, t, _ = x.shape
+        r = rngs or (None,) * 4
+        q = self.q_proj(x, r[0]).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, r[1]).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, r[2]).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, ctx["cos"], ctx["sin"])
+        k = apply_rope(k, ctx["cos"], ctx["sin"])
+        o = ctx["attend"](q, k, v)
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim), r[3])
+
+
+class MLP(nnx.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
+        lin = dict(bias=cfg.mlp_bias, stack=stack, dtype=dtype, rngs=rngs)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **lin)
+
+    def __call__(self, x, rngs: tuple | None):
+        r = rngs or (None,) * 3
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, r[0])) * self.up_proj(x, r[1]), r[2])
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        self.attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, stack=stack, dtype=dtype)
+        self.mlp = MLP(cfg, stack=stack, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, ctx: dict[str, Any], dropout_rng: jax.Array | None = None):
+        rngs = None
+        if dropout_rng is not None:
+            keys = jax.random.split(dropout_rng, 7)
+            rngs = tuple(keys)
+        h = x + self.attn(self.input_norm(x), ctx, rngs[:4] if rngs else None)
+        return h + self.mlp(self.post_attn_norm(h), rngs[4:] if rngs else None)
+
+
+def linears(module: nnx.Module):
+    """(dotted path, Linear) for every Linear under `module`, in a stable order."""
+    out = []
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, Linear):
+            out.append((".".join(str(p) for p in path), node))
+    return sorted(out, key=lambda item: item[0])

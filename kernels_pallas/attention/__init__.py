@@ -1,0 +1,21 @@
+"""Flash attention over packed batches (Pallas/Triton kernels, cuDNN, XLA reference).
+
+Public API:
+  dot_product_attention(q, k, v, *, segment_ids=None, metadata=None, causal=True,
+      sliding_window=None, logit_softcap=None, sinks=None, scale=None,
+      implementation="xla") -> [B,T,H,D]
+  make_metadata(segment_ids, *, causal=True, sliding_window=None, block_q=None,
+      block_k=None) -> AttentionMetadata
+"""
+
+from kernels_pallas.attention.api import IMPLEMENTATIONS, dot_product_attention
+from kernels_pallas.attention.metadata import AttentionMetadata, make_metadata
+from kernels_pallas.attention.reference import attention_reference
+
+__all__ = [
+    "AttentionMetadata",
+    "IMPLEMENTATIONS",
+    "attention_reference",
+    "dot_product_attention",
+    "make_metadata",
+]

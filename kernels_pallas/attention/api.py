@@ -1,0 +1,111 @@
+"""Public attention entry point: ``dot_product_attention``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.attention.metadata import AttentionMetadata
+from kernels_pallas.attention.reference import attention_reference
+
+IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "auto")
+_WHERE = "kernels_pallas/attention/api.py"
+
+
+def _validate(q, k, v, segment_ids, sinks, implementation, sliding_window, logit_softcap):
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{_WHERE}: implementation={implementation!r}; use one of {IMPLEMENTATIONS}.")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"{_WHERE}: q, k, v must be [B,T,H,D], [B,T,KV,D], [B,T,KV,D]; got "
+            f"{q.shape}, {k.shape}, {v.shape}."
+        )
+    b, t, h, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[1] != t or k.shape[3] != d:
+        raise ValueError(
+            f"{_WHERE}: k {k.shape} and v {v.shape} must equal [B={b}, T={t}, KV, D={d}] "
+            "(self-attention over the same packed sequence)."
+        )
+    if h % k.shape[2] != 0:
+        raise ValueError(f"{_WHERE}: num q heads {h} must be a multiple of num kv heads {k.shape[2]}.")
+    if segment_ids is not None and tuple(segment_ids.shape) != (b, t):
+        raise ValueError(f"{_WHERE}: segment_ids shape {segment_ids.shape} must be [B, T] = {(b, t)}.")
+    if sinks is not None and tuple(sinks.shape) != (h,):
+        raise ValueError(f"{_WHERE}: sinks shape {sinks.shape} must be [H] = ({h},).")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"{_WHERE}: sliding_window={sliding_window!r} must be None or an int >= 1.")
+    if logit_softcap is not None and not float(logit_softcap) > 0:
+        raise ValueError(f"{_WHERE}: logit_softcap={logit_softcap!r} must be None or > 0.")
+
+
+def _check_metadata(metadata: AttentionMetadata, t, causal, sliding_window):
+    if not isinstance(metadata, AttentionMetadata):
+        raise ValueError(f"{_WHERE}: metadata must come from make_metadata(...), got {type(metadata)}.")
+    if metadata.seq_len != t:
+        raise ValueError(f"{_WHERE}: metadata was built for T={metadata.seq_len} but q has T={t}.")
+    if metadata.causal != bool(causal) or metadata.sliding_window != sliding_window:
+        raise ValueError(
+            f"{_WHERE}: metadata was built with causal={metadata.causal}, "
+            f"sliding_window={metadata.sliding_window} but the call uses causal={causal}, "
+            f"sliding_window={sliding_window}; rebuild it with make_metadata(...)."
+        )
+
+
+def dot_product_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    metadata: AttentionMetadata | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
+    scale: float | None = None,
+    implementation: str = "xla",
+) -> jax.Array:
+    """Multi-head attention over packed rows. Returns [B,T,H,D] in q.dtype.
+
+    q [B,T,H,D]; k, v [B,T,KV,D] with H % KV == 0 (GQA/MQA; K/V never repeated).
+    Key u is kept for query t iff seg[t] == seg[u] and (not causal or u <= t)
+    and (sliding_window is None or t - u < sliding_window).  Scores are
+    scale * q.k (scale defaults to D**-0.5), soft-capped as
+    cap * tanh(s / cap) when ``logit_softcap``, then masked; ``sinks`` [H]
+    adds one extra logit per head to the softmax whose probability is dropped.
+
+    ``metadata`` (from ``make_metadata``) is used by the kernels; when given
+    without ``segment_ids`` its segment ids are used.  implementation:
+    "xla" (pure-JAX reference), "pallas" (flash kernels), "cudnn"
+    (jax.nn.dot_product_attention on cuDNN), "auto" (fastest measured that
+    supports the features).
+    """
+    _validate(q, k, v, segment_ids, sinks, implementation, sliding_window, logit_softcap)
+    t = q.shape[1]
+    if metadata is not None:
+        _check_metadata(metadata, t, causal, sliding_window)
+        if segment_ids is None:
+            segment_ids = metadata.segment_ids[:, :t]
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    kwargs = dict(causal=causal, sliding_window=sliding_window,
+                  logit_softcap=logit_softcap, sinks=sinks, scale=float(scale))
+    if implementation == "auto":
+        from kernels_pallas.attention.config import choose_implementation
+
+        implementation = choose_implementation(
+            q.shape, k.shape, q.dtype, segment_ids is not None, **kwargs
+        )
+    if implementation == "xla":
+        return attention_reference(q, k, v, segment_ids=segment_ids, **kwargs)
+    if implementation == "cudnn":
+        from kernels_pallas.attention.cudnn import cudnn_attention
+
+        return cudnn_attention(q, k, v, segment_ids=segment_ids, **kwargs)
+    from kernels_pallas.attention.flash import flash_attention
+    from kernels_pallas.attention.metadata import make_metadata
+
+    if metadata is None:
+        seg = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
+        metadata = make_metadata(seg, causal=causal, sliding_window=sliding_window)
+    return flash_attention(q, k, v, metadata, segment_ids=segment_ids, **kwargs)

@@ -1,0 +1,129 @@
+"""Tile sizes / launch parameters of the flash kernels, and the ``auto`` policy.
+
+Kernel tiles must divide the metadata blocks (metadata.py): a kernel tile then
+lies inside exactly one metadata block, whose EMPTY/PARTIAL/FULL label holds
+for the tile too.  ``fit_to_metadata`` clamps a config so that this holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_WHERE = "kernels_pallas/attention/config.py"
+
+
+def _pow2(x) -> bool:
+    return isinstance(x, int) and x > 0 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """One pallas_call's tiling: block_q x block_k tiles, Triton warps/stages."""
+
+    block_q: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "num_warps"):
+            if not _pow2(getattr(self, name)):
+                raise ValueError(f"{_WHERE}: BlockConfig.{name}={getattr(self, name)!r} must be a power of two.")
+        if self.block_q < 16 or self.block_k < 16:
+            raise ValueError(f"{_WHERE}: block sizes must be >= 16 (tensor-core tile), got {self}.")
+        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"{_WHERE}: BlockConfig.num_stages={self.num_stages!r} must be an int >= 1.")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Tilings of the three kernels: forward, dQ, and dK/dV."""
+
+    fwd: BlockConfig
+    dq: BlockConfig
+    dkdv: BlockConfig
+
+
+def default_flash_config(head_dim: int) -> FlashConfig:
+    """Defaults for Hopper (H100/H200), chosen so that the fp32 accumulators
+    ([block, head_dim] per output) stay in registers."""
+    if head_dim not in (64, 128, 256):
+        raise ValueError(
+            f"{_WHERE}: head_dim={head_dim} is not supported by the Pallas kernels; "
+            "use 64, 128 or 256 (or implementation='xla')."
+        )
+    if head_dim == 64:
+        return FlashConfig(BlockConfig(128, 64, 4, 3), BlockConfig(64, 64, 4, 2), BlockConfig(64, 64, 4, 2))
+    if head_dim == 128:
+        return FlashConfig(BlockConfig(128, 64, 8, 3), BlockConfig(64, 64, 4, 2), BlockConfig(64, 64, 8, 2))
+    return FlashConfig(BlockConfig(64, 64, 8, 2), BlockConfig(32, 32, 4, 2), BlockConfig(32, 32, 8, 1))
+
+
+def fit_to_metadata(cfg: FlashConfig, meta_block_q: int, meta_block_k: int) -> FlashConfig:
+    """Shrink each kernel tile to at most the metadata block (both powers of two,
+    so the tile then divides the block)."""
+
+    def fit(c: BlockConfig) -> BlockConfig:
+        return dataclasses.replace(
+            c, block_q=min(c.block_q, meta_block_q), block_k=min(c.block_k, meta_block_k)
+        )
+
+    return FlashConfig(fit(cfg.fwd), fit(cfg.dq), fit(cfg.dkdv))
+
+
+# ---------------------------------------------------------------------------
+# implementation="auto"
+# ---------------------------------------------------------------------------
+
+# Fastest fwd+bwd implementation measured on an H200 (bf16, H=32, KV=8, D=128,
+# 16k tokens per batch) by scripts/bench_attention.py; results in
+# docs/results/attention_h200.json.  Keys: (layout, T) with layout "dense",
+# "packed" or "window".  Filled from measurements; until a shape is measured
+# the Pallas kernels are chosen.
+MEASURED_FASTEST: dict[tuple[str, int], str] = {}
+
+
+def supported_implementations(
+    q_shape, k_shape, dtype, has_segments: bool, *, causal, sliding_window,
+    logit_softcap, sinks, scale,
+) -> tuple[str, ...]:
+    """Implementations able to compute this call on the current backend."""
+    del k_shape, causal, sliding_window, scale, has_segments
+    impls = ["xla"]
+    on_gpu = jax.default_backend() == "gpu"
+    d = q_shape[-1]
+    if on_gpu and d in (64, 128, 256):
+        impls.append("pallas")
+    if (on_gpu and logit_softcap is None and sinks is None
+            and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 256):
+        impls.append("cudnn")
+    return tuple(impls)
+
+
+def choose_implementation(
+    q_shape, k_shape, dtype, has_segments: bool, *, causal, sliding_window,
+    logit_softcap, sinks, scale,
+) -> str:
+    """Pick, per shape, the measured-fastest implementation supporting the call.
+
+    Off-GPU this is always "xla" (Pallas interpret mode is a test vehicle, not a
+    fast path).  On GPU: look up MEASURED_FASTEST at the nearest measured T for
+    the layout; fall back to "pallas".
+    """
+    impls = supported_implementations(
+        q_shape, k_shape, dtype, has_segments, causal=causal, sliding_window=sliding_window,
+        logit_softcap=logit_softcap, sinks=sinks, scale=scale,
+    )
+    if "pallas" not in impls:
+        return "cudnn" if "cudnn" in impls else "xla"
+    layout = "window" if sliding_window is not None else ("packed" if has_segments else "dense")
+    t = q_shape[1]
+    measured = [(abs(tt - t), impl) for (lay, tt), impl in MEASURED_FASTEST.items() if lay == layout]
+    if measured:
+        best = min(measured)[1]
+        if best in impls:
+            return best
+    return "pallas"

@@ -1,0 +1,150 @@
+"""Public entry point: cross-entropy of a linear head without full logits.
+
+    loss = sum_i weights_i * CE_i,
+    CE_i = logsumexp_j z_ij - z_i,targets_i,
+    z_i  = softcap(hidden_i @ weight)     (fp32 accumulation)
+
+with ``softcap(x) = c * tanh(x / c)`` when ``logit_softcap = c`` is set and the
+identity otherwise.  See ``reference.py`` for the naive definition and
+``xla.py`` for the chunked algorithm and its gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+
+from .config import DEFAULT_CONFIG, default_chunk_size
+from .reference import linear_cross_entropy_reference
+from .xla import linear_cross_entropy_xla
+
+IMPLEMENTATIONS = ("xla", "reference")
+
+_WHERE = "kernels_pallas/linear_cross_entropy/api.py: linear_cross_entropy"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """Static (trace-time) options, validated once."""
+
+    logit_softcap: float | None
+    chunk_size: int | None
+    implementation: str
+
+    def __post_init__(self) -> None:
+        cap = self.logit_softcap
+        if cap is not None:
+            if (
+                isinstance(cap, bool)
+                or not isinstance(cap, numbers.Real)
+                or not math.isfinite(float(cap))
+                or float(cap) <= 0
+            ):
+                raise ValueError(
+                    f"{_WHERE}: logit_softcap must be None or a positive finite "
+                    f"Python number (it is static; do not pass a traced array), "
+                    f"got {cap!r}."
+                )
+            object.__setattr__(self, "logit_softcap", float(cap))
+        size = self.chunk_size
+        if size is not None and (
+            isinstance(size, bool) or not isinstance(size, numbers.Integral) or size <= 0
+        ):
+            raise ValueError(
+                f"{_WHERE}: chunk_size must be None (default from config.py) or a "
+                f"positive int number of tokens per chunk, got {size!r}."
+            )
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"{_WHERE}: implementation must be one of {IMPLEMENTATIONS}, got "
+                f"{self.implementation!r}."
+            )
+
+
+def _check_arrays(hidden, weight, targets, weights) -> None:
+    def fail(msg: str) -> None:
+        raise ValueError(f"{_WHERE}: {msg}")
+
+    if hidden.ndim != 2:
+        fail(
+            f"hidden must be [N, H], got shape {hidden.shape}; flatten batch and "
+            f"sequence axes first (hidden.reshape(-1, H))."
+        )
+    if weight.ndim != 2:
+        fail(f"weight must be [H, V] (lm_head kernel layout), got {weight.shape}.")
+    n, h = hidden.shape
+    if weight.shape[0] != h:
+        fail(
+            f"weight {weight.shape} must be [H, V] with H={h} from hidden "
+            f"{hidden.shape}; pass an embedding table [V, H] transposed (embedding.T)."
+        )
+    if n == 0 or weight.shape[1] == 0:
+        fail(f"needs at least one token and one vocabulary entry, got N={n}, V={weight.shape[1]}.")
+    for name, x in (("hidden", hidden), ("weight", weight)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            fail(f"{name} must be floating point (bf16/fp32), got {x.dtype}.")
+    if targets.shape != (n,) or not jnp.issubdtype(targets.dtype, jnp.integer):
+        fail(
+            f"targets must be an integer array of shape ({n},), got "
+            f"{targets.dtype}{list(targets.shape)}."
+        )
+    if weights.shape != (n,) or not jnp.issubdtype(weights.dtype, jnp.floating):
+        fail(
+            f"weights must be a float array of shape ({n},) (0 = ignored token), "
+            f"got {weights.dtype}{list(weights.shape)}; e.g. pass "
+            f"loss_mask.reshape(-1).astype(jnp.float32)."
+        )
+
+
+def linear_cross_entropy(
+    hidden: jax.Array,
+    weight: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    *,
+    logit_softcap: float | None = None,
+    chunk_size: int | None = None,
+    implementation: str = "xla",
+) -> jax.Array:
+    """Weighted sum of token cross-entropies of ``hidden @ weight``.
+
+    Args:
+      hidden: ``[N, H]`` bf16/fp32 hidden states (after the final norm).
+      weight: ``[H, V]`` output projection (``lm_head.kernel``, or
+        ``embedding.T`` when tied).
+      targets: ``[N]`` integer target ids; values of ignored tokens are never
+        used (they are clipped into range), so -100 padding is fine.
+      weights: ``[N]`` float per-token weights; 0 ignores the token.  The loss
+        is a plain weighted sum: divide by ``weights.sum()`` for a mean.
+      logit_softcap: optional ``c``: logits become ``c * tanh(x / c)``.
+      chunk_size: tokens per chunk (xla implementation).  ``None`` picks
+        ``config.default_chunk_size(N, V)``: one chunk's fp32 logits stay
+        under ``DEFAULT_CONFIG.logits_chunk_bytes`` (256 MiB).
+      implementation: ``"xla"`` (chunked, custom VJP; never holds ``[N, V]``)
+        or ``"reference"`` (naive full logits; for tests and benchmarks).
+
+    Returns:
+      fp32 scalar ``sum_i weights_i * CE_i``.  Differentiable w.r.t.
+      ``hidden``, ``weight`` and ``weights``; gradients that are not requested
+      are not computed (in particular no ``[H, V]`` work for a frozen head).
+    """
+    options = _Options(logit_softcap, chunk_size, implementation)
+    hidden, weight = jnp.asarray(hidden), jnp.asarray(weight)
+    targets, weights = jnp.asarray(targets), jnp.asarray(weights)
+    _check_arrays(hidden, weight, targets, weights)
+    targets = targets.astype(jnp.int32)
+    if options.implementation == "reference":
+        return linear_cross_entropy_reference(
+            hidden, weight, targets, weights, logit_softcap=options.logit_softcap
+        )
+    n, vocab = hidden.shape[0], weight.shape[1]
+    chunk = options.chunk_size
+    chunk = default_chunk_size(n, vocab, DEFAULT_CONFIG) if chunk is None else min(int(chunk), n)
+    return linear_cross_entropy_xla(
+        hidden, weight, targets, weights,
+        chunk_size=chunk, logit_softcap=options.logit_softcap,
+    )

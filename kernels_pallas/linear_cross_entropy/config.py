@@ -1,0 +1,69 @@
+"""Static configuration of the chunked linear cross-entropy.
+
+The only tuning knob of the XLA implementation is the number of tokens per
+chunk ``C``.  Per chunk the forward pass materialises one ``[C, V]`` fp32
+logits block (``C * V * 4`` bytes); the backward pass holds about two such
+blocks at a time (logits and ``dlogits``).  Larger chunks give larger, more
+efficient matmuls and fewer loop iterations; smaller chunks bound memory.
+256 MiB per block keeps the matmul of a 128k vocabulary at ~512 tokens,
+which already saturates an H100/H200-class GPU, while the peak transient
+memory stays around half a GiB regardless of the number of tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+_MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCrossEntropyConfig:
+    """How the default chunk size is chosen.
+
+    Attributes:
+      logits_chunk_bytes: upper bound for one chunk's fp32 logits block,
+        ``chunk_size * vocab_size * 4`` bytes.
+      chunk_multiple: the chunk size is rounded down to a multiple of this
+        (matmul-friendly tiles) whenever the byte budget allows at least one
+        multiple.
+    """
+
+    logits_chunk_bytes: int = 256 * _MIB
+    chunk_multiple: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("logits_chunk_bytes", "chunk_multiple"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"kernels_pallas/linear_cross_entropy/config.py: "
+                    f"LinearCrossEntropyConfig.{name} must be a positive int, "
+                    f"got {value!r}."
+                )
+
+
+DEFAULT_CONFIG = LinearCrossEntropyConfig()
+
+
+def default_chunk_size(
+    num_tokens: int,
+    vocab_size: int,
+    config: LinearCrossEntropyConfig = DEFAULT_CONFIG,
+) -> int:
+    """Tokens per chunk so that ``chunk * vocab_size * 4 <= logits_chunk_bytes``.
+
+    The result is at least 1 and at most ``num_tokens`` (a single chunk when
+    everything fits), and a multiple of ``config.chunk_multiple`` when the
+    budget holds at least one multiple.
+    """
+    if num_tokens <= 0 or vocab_size <= 0:
+        raise ValueError(
+            "kernels_pallas/linear_cross_entropy/config.py: default_chunk_size "
+            f"needs positive sizes, got num_tokens={num_tokens}, "
+            f"vocab_size={vocab_size}."
+        )
+    chunk = max(1, config.logits_chunk_bytes // (vocab_size * 4))
+    if chunk >= config.chunk_multiple:
+        chunk -= chunk % config.chunk_multiple
+    return min(chunk, num_tokens)

@@ -1,0 +1,218 @@
+"""Chunked linear cross-entropy in plain JAX/XLA with a hand-written VJP.
+
+Math (per token ``i``; ``h_i`` row of ``hidden``, ``W = weight [H, V]``):
+
+    x_i  = h_i @ W                                 fp32 accumulation
+    z_i  = c * tanh(x_i / c)   (soft-cap c)  or  x_i
+    l_i  = logsumexp_j z_ij                         saved residual, [N] fp32
+    CE_i = l_i - z_i,t_i
+    L    = sum_i w_i * CE_i
+
+Gradient.  With the output cotangent ``g = dJ/dL``:
+
+    dL/dz_ij = w_i * (softmax(z_i)_j - [j == t_i])
+             = w_i * (exp(z_ij - l_i) - onehot_ij)
+    dz/dx    = 1 - tanh(x / c)^2                    (1 without soft-cap)
+    dx_ij    = g * w_i * (exp(z_ij - l_i) - onehot_ij) * dz/dx_ij
+    dhidden  = dx @ W^T                             [N, H]
+    dW       = hidden^T @ dx = sum_chunks h_c^T @ dx_c   (fp32 accumulator)
+    dw_i     = g * CE_i
+
+Only ``l`` (and ``CE`` when ``weights`` is differentiated) is kept between the
+passes; the backward pass recomputes each chunk's logits.  The tokens are
+processed in chunks of ``C`` rows, so the live logits are ``[C, V]`` instead
+of ``[N, V]``.
+
+``defvjp(..., symbolic_zeros=True)`` tells the forward rule which inputs are
+differentiated (``CustomVJPPrimal.perturbed``).  The backward rule skips the
+``[H, V]`` weight-gradient accumulation entirely when ``weight`` is frozen
+(the usual LoRA case: frozen ``lm_head``), skips ``dhidden`` when ``hidden``
+is not differentiated, and skips the chunk loop altogether when only
+``weights`` is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+_F32 = jnp.float32
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Perturbed:
+    """Which inputs the caller differentiates (static residual for the bwd)."""
+
+    hidden: bool
+    weight: bool
+    weights: bool
+
+
+def _scan_chunks(
+    body: Callable[[Any, Any, int], tuple[Any, Any]],
+    init: Any,
+    num_tokens: int,
+    chunk: int,
+) -> tuple[Any, Any]:
+    """Runs ``body(carry, start, size) -> (carry, ys)`` over token chunks.
+
+    Full chunks run in a ``lax.scan`` over start offsets (inputs are sliced
+    inside the loop, so no reshaped copy of ``hidden`` is made); a remainder
+    of ``num_tokens % chunk`` tokens runs once after the loop with a static
+    slice.  The per-chunk outputs ``ys`` (leading axis = chunk rows) are
+    concatenated back to ``[num_tokens, ...]``.
+    """
+    n_full, rem = divmod(num_tokens, chunk)
+    parts = []
+    carry = init
+    if n_full == 1:
+        carry, ys = body(carry, 0, chunk)
+        parts.append(ys)
+    elif n_full > 1:
+        carry, ys = lax.scan(
+            lambda c, i: body(c, i * chunk, chunk), carry, jnp.arange(n_full)
+        )
+        parts.append(
+            jax.tree.map(lambda y: y.reshape((n_full * chunk,) + y.shape[2:]), ys)
+        )
+    if rem:
+        carry, ys = body(carry, n_full * chunk, rem)
+        parts.append(ys)
+    if len(parts) == 1:
+        return carry, parts[0]
+    return carry, jax.tree.map(lambda *p: jnp.concatenate(p, axis=0), *parts)
+
+
+def _rows(x: jax.Array, start, size: int) -> jax.Array:
+    return lax.dynamic_slice_in_dim(x, start, size, axis=0)
+
+
+def _raw_logits(h: jax.Array, weight: jax.Array) -> jax.Array:
+    """``h [C, H] @ weight [H, V]`` with fp32 accumulation and fp32 result."""
+    return lax.dot_general(
+        h, weight, (((1,), (0,)), ((), ())), preferred_element_type=_F32
+    )
+
+
+def _safe_targets(targets: jax.Array, vocab: int) -> jax.Array:
+    # Ignored tokens may carry any id (e.g. -100); clip so gathers stay finite.
+    return jnp.clip(targets, 0, vocab - 1)
+
+
+def _forward(hidden, weight, targets, chunk: int, softcap: float | None):
+    """Per-token ``(lse [N], CE [N])`` in fp32, chunk by chunk."""
+    vocab = weight.shape[1]
+
+    def body(carry, start, size):
+        z = _raw_logits(_rows(hidden, start, size), weight)
+        if softcap is not None:
+            z = softcap * jnp.tanh(z / softcap)
+        lse = jax.nn.logsumexp(z, axis=-1)
+        t = _safe_targets(_rows(targets, start, size), vocab)
+        z_t = jnp.take_along_axis(z, t[:, None], axis=-1)[:, 0]
+        return carry, (lse, lse - z_t)
+
+    _, (lse, ce) = _scan_chunks(body, None, hidden.shape[0], chunk)
+    return lse, ce
+
+
+def _weighted_sum(weights: jax.Array, ce: jax.Array) -> jax.Array:
+    return jnp.sum(weights.astype(_F32) * ce)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _linear_cross_entropy(hidden, weight, targets, weights, chunk, softcap):
+    _, ce = _forward(hidden, weight, targets, chunk, softcap)
+    return _weighted_sum(weights, ce)
+
+
+def _fwd(hidden, weight, targets, weights, chunk, softcap):
+    perturbed = _Perturbed(
+        hidden=hidden.perturbed, weight=weight.perturbed, weights=weights.perturbed
+    )
+    hidden, weight, targets, weights = (
+        hidden.value, weight.value, targets.value, weights.value
+    )
+    lse, ce = _forward(hidden, weight, targets, chunk, softcap)
+    loss = _weighted_sum(weights, ce)
+    # CE is only needed for d/dweights; keep [N] fp32 only then.
+    residuals = (
+        hidden, weight, targets, weights, lse, ce if perturbed.weights else None,
+        perturbed,
+    )
+    return loss, residuals
+
+
+def _bwd(chunk, softcap, residuals, g):
+    hidden, weight, targets, weights, lse, ce, perturbed = residuals
+    if isinstance(g, SymbolicZero):
+        return (None, None, None, None)
+    need_dh, need_dw = perturbed.hidden, perturbed.weight
+    num_tokens, vocab = hidden.shape[0], weight.shape[1]
+    compute_dtype = jnp.promote_types(hidden.dtype, weight.dtype)
+    g = g.astype(_F32)
+
+    dhidden = dweight = None
+    if need_dh or need_dw:
+
+        def body(dw_acc, start, size):
+            h = _rows(hidden, start, size)
+            x = _raw_logits(h, weight)
+            if softcap is not None:
+                tz = jnp.tanh(x / softcap)
+                z = softcap * tz
+            else:
+                z = x
+            p = jnp.exp(z - _rows(lse, start, size)[:, None])
+            t = _safe_targets(_rows(targets, start, size), vocab)
+            onehot = lax.broadcasted_iota(jnp.int32, z.shape, 1) == t[:, None]
+            coef = g * _rows(weights, start, size).astype(_F32)
+            dx = coef[:, None] * (p - onehot.astype(_F32))
+            if softcap is not None:
+                dx = dx * (1.0 - tz * tz)
+            # The backward matmuls run in the input dtype (bf16 on GPU) with
+            # fp32 accumulation, like the forward logits matmul.
+            dx = dx.astype(compute_dtype)
+            dh = None
+            if need_dh:
+                dh = lax.dot_general(
+                    dx, weight, (((1,), (1,)), ((), ())), preferred_element_type=_F32
+                ).astype(hidden.dtype)
+            if need_dw:
+                dw_acc = dw_acc + lax.dot_general(
+                    h, dx, (((0,), (0,)), ((), ())), preferred_element_type=_F32
+                )
+            return dw_acc, dh
+
+        init = jnp.zeros(weight.shape, _F32) if need_dw else None
+        dw_acc, dhidden = _scan_chunks(body, init, num_tokens, chunk)
+        if need_dw:
+            dweight = dw_acc.astype(weight.dtype)
+
+    dweights = (g * ce).astype(weights.dtype) if perturbed.weights else None
+    return (dhidden, dweight, None, dweights)
+
+
+_linear_cross_entropy.defvjp(_fwd, _bwd, symbolic_zeros=True)
+
+
+def linear_cross_entropy_xla(
+    hidden: jax.Array,
+    weight: jax.Array,
+    targets: jax.Array,
+    weights: jax.Array,
+    *,
+    chunk_size: int,
+    logit_softcap: float | None,
+) -> jax.Array:
+    """Chunked forward/backward; inputs are assumed validated by ``api.py``."""
+    return _linear_cross_entropy(
+        hidden, weight, targets, weights, chunk_size, logit_softcap
+    )

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Creates .venv with a Python >= 3.12 (JAX >= 0.11 needs it) and installs jaxft with its test oracles
+# (torch + peft, CPU use). Idempotent: a second run only checks. Usage: scripts/setup.sh [--no-hf]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="dev"
+[ "${1:-}" = "--no-hf" ] && extras="plain"
+
+works() {  # a real interpreter >= 3.12 (pyenv shims of absent versions exit non-zero)
+  "$1" -c 'import sys, venv; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1
+}
+
+find_python() {
+  local c
+  for c in "${JAXFT_PYTHON:-}" python3.13 python3.12 python3; do
+    [ -n "$c" ] && command -v "$c" >/dev/null 2>&1 && works "$c" && { command -v "$c"; return; }
+  done
+  local roots=()
+  command -v pyenv >/dev/null 2>&1 && roots+=("$(pyenv root)/versions")
+  roots+=("$HOME/.pyenv/versions" /usr/local/bin /usr/bin /opt/python*/bin)
+  for r in "${roots[@]}"; do
+    for c in "$r"/3.1[3-9]*/bin/python3 "$r"/3.12*/bin/python3 "$r"/python3.1[2-9]; do
+      [ -x "$c" ] && works "$c" && { echo "$c"; return; }
+    done
+  done
+  return 1
+}
+
+if [ ! -x .venv/bin/python ] || ! works .venv/bin/python; then
+  py=$(find_python) || { echo "setup: no Python >= 3.12 found (JAX >= 0.11 needs one). Install one, or set JAXFT_PYTHON=/path/to/python3.12" >&2; exit 1; }
+  echo "setup: using $py ($("$py" --version))"
+  rm -rf .venv
+  "$py" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+stamp=.venv/.jaxft-installed-$extras
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  if [ "$extras" = "dev" ]; then
+    .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[dev]"
+  else
+    .venv/bin/python -m pip install -q -c scripts/constraints.txt -e .
+  fi
+  touch "$stamp"
+fi
+.venv/bin/python -c "import jax, flax, jaxft; print('setup: ok — jax', jax.__version__, 'flax', flax.__version__, 'on', jax.devices()[0].platform)"
