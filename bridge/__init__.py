@@ -1,0 +1,28 @@
+"""HF checkpoint I/O for jaxft (never imports jaxft).
+
+Public API:
+  read_config(path) -> dict
+  load_weights(path, table, expected, num_layers, dtype=None) -> {path_tuple: np.ndarray}
+  save_weights(path, table, params, num_layers, config, max_shard_bytes=5e9, dtype=None, *, overwrite=False)
+  table_for(model_type) / TABLES / Row: name-mapping tables (bridge.mappings)
+  flatten_tree / unflatten_tree: nested dict <-> {path_tuple: leaf}
+  CheckpointError: bad checkpoint on disk (a ValueError)
+"""
+
+from bridge.errors import CheckpointError
+from bridge.hf import load_weights, read_config, save_weights
+from bridge.mappings import TABLES, Row, Table, table_for
+from bridge.tree import flatten_tree, unflatten_tree
+
+__all__ = [
+    "CheckpointError",
+    "Row",
+    "TABLES",
+    "Table",
+    "flatten_tree",
+    "load_weights",
+    "read_config",
+    "save_weights",
+    "table_for",
+    "unflatten_tree",
+]

@@ -31,7 +31,7 @@ import numpy as np
 from bridge.errors import CheckpointError
 from bridge.mappings.schema import Row, Table, validate_table
 from bridge.safetensors_io import PendingTensor, TensorInfo, read_header, read_into, write_file
-from bridge.tree import flatten_tree, unflatten_tree
+from bridge.tree import flatten_tree, unflatten_tree  # re-exported: bridge.hf is the one-stop I/O module
 
 __all__ = [
     "CheckpointError",
@@ -219,7 +219,7 @@ def load_weights(
         if p not in by_path:
             raise ValueError(f"expected path {ps} has no HF name in the mapping table; add a Row for it")
         shape, dt = _spec(value, f"expected[{ps}]")
-        specs[p] = (shape, override or dt)
+        specs[p] = (shape, dt if override is None else override)
         row = by_path[p]
         if row.stacked and (not shape or shape[0] != num_layers):
             raise ValueError(f"expected[{ps}] is per layer: shape {shape} must start with num_layers={num_layers}")
@@ -233,7 +233,8 @@ def load_weights(
     unexpected: list[str] = []
     misshaped: list[str] = []
     bad_dtype: list[str] = []
-    embed_shape = wants.get(by_path[_EMBED].name(), (None,) * 4)[3] if _EMBED in by_path else None
+    embed_want = wants.get(by_path[_EMBED].name()) if _EMBED in by_path else None
+    embed_shape = None if embed_want is None else embed_want[3]
     for file in files:
         infos, _ = read_header(file)
         for name, info in infos.items():
@@ -392,7 +393,10 @@ def save_weights(
             write_file(tmp / name, shard, {"format": "pt"})
         if n > 1:
             index = {
-                "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+                "metadata": {
+                    "total_size": sum(t.nbytes for t in tensors),
+                    "total_parameters": sum(math.prod(t.shape) for t in tensors),
+                },
                 "weight_map": {t.name: name for name, shard in zip(names, shards) for t in shard},
             }
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
@@ -420,7 +424,7 @@ def _pending_tensors(table: Table, params: Mapping[tuple, Any], num_layers: int,
         arr = params[row.path]
         ps = _path_str(row.path)
         shape = tuple(int(d) for d in arr.shape)
-        dt = override or _as_float_dtype(arr.dtype, f"params[{ps}]")
+        dt = _as_float_dtype(arr.dtype if override is None else override, f"params[{ps}]")
         if row.stacked and (not shape or shape[0] != num_layers):
             raise ValueError(f"params[{ps}] is per layer: shape {shape} must start with num_layers={num_layers}")
         hf_shape = _hf_shape(row, shape, ps)
@@ -455,7 +459,3 @@ def _swap_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
     os.rename(tmp, target)
     shutil.rmtree(old, ignore_errors=True)
 
-
-# Re-exported so `bridge.hf` is the one-stop module for checkpoint I/O.
-flatten_tree = flatten_tree
-unflatten_tree = unflatten_tree

@@ -299,26 +299,20 @@ class Formatter:
         )
 
     def _tokenize_spans(self, full: str, spans, src: str) -> Document:
-        if getattr(self.tokenizer, "is_fast", False):
-            enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-            offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
-            starts, ends = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)
-            mask = np.zeros(len(offsets), dtype=bool)
-            for s, e in spans:  # token overlaps [s, e)
-                mask |= (starts < e) & (ends > s)
-            return Document(np.array(enc["input_ids"]), mask, src)
-        # Slow tokenizers have no offsets: tokenize prompt and reply pieces separately.
-        tokens: list[int] = []
-        flags: list[bool] = []
-        pos = 0
-        for s, e in [*spans, (len(full), len(full))]:
-            for piece, trained in ((full[pos:s], False), (full[s:e], True)):
-                if piece:
-                    ids = self._encode(piece)
-                    tokens += ids
-                    flags += [trained] * len(ids)
-            pos = e
-        return Document(np.array(tokens), np.array(flags, bool), src)
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise TokenizerError(
+                f"{src}: locating assistant tokens needs a fast tokenizer (character offsets), but "
+                f"{self._name} is a {type(self.tokenizer).__name__}; add a tokenizer.json to the model "
+                "directory, or mark replies with {% generation %} in the chat template"
+            )
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+        # Zero-width tokens count as one character so they are trained iff they sit in a span.
+        starts, ends = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)
+        mask = np.zeros(len(offsets), dtype=bool)
+        for s, e in spans:  # trained iff the token's characters overlap [s, e)
+            mask |= (starts < e) & (ends > s)
+        return Document(np.array(enc["input_ids"]), mask, src)
 
 
 def _check_messages(messages: Any, src: str) -> None:

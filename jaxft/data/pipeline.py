@@ -44,12 +44,11 @@ class DataConfig:
     def __post_init__(self):
         if not isinstance(self.path, (str, Path)) or not str(self.path):
             raise DataConfigError(f"data path must be a non-empty string, got {self.path!r}")
-        for key in ("seq_len", "batch_size", "eval_batch_size"):
+        for key, low in (("seq_len", 2), ("batch_size", 1), ("eval_batch_size", 1)):
             v = getattr(self, key)
-            low = 2 if key == "seq_len" else 1
-            if (v is not None or key != "eval_batch_size") and (
-                not isinstance(v, int) or isinstance(v, bool) or v < low
-            ):
+            if v is None and key == "eval_batch_size":
+                continue  # defaults to batch_size
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise DataConfigError(f"data.{key} must be an int >= {low}, got {v!r}")
         if not isinstance(self.eval_fraction, (int, float)) or not 0.0 <= self.eval_fraction < 1.0:
             raise DataConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")

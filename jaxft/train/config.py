@@ -1,0 +1,316 @@
+"""`TrainConfig`: every knob of a LoRA fine-tuning run, validated when it is built.
+
+Key names follow TRL's `SFTConfig` / transformers' `TrainingArguments` where one exists, so a TRL
+recipe ports by copying keys. `TrainConfig.from_dict` is the door for untrusted input (YAML files,
+`key=value` overrides): it rejects unknown keys with a "did you mean" suggestion. `__post_init__`
+checks types (naming key, value and expected type), ranges, choices and that input paths exist;
+every failure is a `TrainConfigError` whose message is one line the CLI can print as is.
+
+Loss selection: jaxft trains on assistant replies / completions by default
+(`assistant_only_loss=True`, `completion_only_loss=True`); setting either to false trains on every token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+
+LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+REMAT = ("none", "full", "dots", "offload")
+ATTENTION = ("xla", "pallas", "auto")
+REPORT_TO = ("tensorboard", "none")
+ALIASES = {"max_length": "max_seq_length"}
+
+
+class TrainConfigError(ValueError):
+    """A bad training option. The message names the key (and file), the value and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A training run. Required: `model_name_or_path`, `dataset`, `output_dir`.
+
+    Steps are optimizer steps; one step consumes
+    `per_device_train_batch_size * gradient_accumulation_steps * num_devices` packed rows of
+    `max_seq_length` tokens. `max_steps > 0` overrides `num_train_epochs`.
+    """
+
+    model_name_or_path: str
+    dataset: str
+    output_dir: str
+    eval_dataset: str | None = None
+    # optimisation
+    learning_rate: float = 2e-4
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int | None = None
+    gradient_accumulation_steps: int = 1
+    num_train_epochs: float = 1.0
+    max_steps: int = -1
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    # logging / evaluation / checkpoints
+    logging_steps: int = 10
+    eval_steps: int | None = None
+    save_steps: int = 500
+    save_total_limit: int | None = None
+    report_to: Literal["tensorboard", "none"] = "tensorboard"
+    disable_tqdm: bool = False
+    resume_from_checkpoint: bool | str | None = None
+    overwrite_output_dir: bool = False
+    seed: int = 42
+    # data
+    max_seq_length: int = 1024
+    packing: bool = True
+    completion_only_loss: bool = True
+    assistant_only_loss: bool = True
+    # model / precision / memory
+    bf16: bool = True
+    attention_implementation: Literal["xla", "pallas", "auto"] = "xla"
+    remat: Literal["none", "full", "dots", "offload"] = "none"
+    # LoRA
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: str | list[str] = "all-linear"
+    use_rslora: bool = False
+    save_merged_model: bool = False
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            ok, value = _coerce(value, hints[f.name])
+            if not ok and _choices(hints[f.name]) and isinstance(value, str):
+                choices = _choices(hints[f.name])
+                close = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise TrainConfigError(
+                    f"key {f.name!r}: value {value!r} is not one of {', '.join(map(repr, choices))}{hint}")
+            if not ok:
+                raise TrainConfigError(
+                    f"key {f.name!r}: value {value!r} ({type(value).__name__}) has the wrong type; "
+                    f"expected {_type_name(hints[f.name])}"
+                )
+            object.__setattr__(self, f.name, value)
+        self._check_ranges()
+        self._check_paths()
+
+    # ------------------------------------------------------------------ validation
+    def _check_ranges(self):
+        def need(cond: bool, key: str, what: str):
+            if not cond:
+                raise TrainConfigError(f"key {key!r}: value {getattr(self, key)!r} is invalid; {what}")
+
+        for key in ("model_name_or_path", "dataset", "output_dir"):
+            need(bool(getattr(self, key).strip()), key, "give a non-empty path")
+        need(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate", "must be > 0")
+        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps",
+                    "lora_r"):
+            need(getattr(self, key) >= 1, key, "must be an integer >= 1")
+        for key in ("per_device_eval_batch_size", "eval_steps", "save_total_limit"):
+            need(getattr(self, key) is None or getattr(self, key) >= 1, key, "must be an integer >= 1 (or null)")
+        need(self.max_seq_length >= 2, "max_seq_length", "must be an integer >= 2")
+        need(self.max_steps == -1 or self.max_steps >= 1, "max_steps", "must be >= 1, or -1 to use num_train_epochs")
+        need(self.max_steps >= 1 or self.num_train_epochs > 0, "num_train_epochs",
+             "must be > 0 (or set max_steps)")
+        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+        need(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
+        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(0.0 <= self.adam_beta1 < 1.0, "adam_beta1", "must be in [0, 1)")
+        need(0.0 <= self.adam_beta2 < 1.0, "adam_beta2", "must be in [0, 1)")
+        need(self.adam_epsilon >= 0, "adam_epsilon", "must be >= 0")
+        need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
+        need(self.lora_alpha > 0, "lora_alpha", "must be > 0")
+        need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
+        targets = self.lora_target_modules
+        need(bool(targets) and (isinstance(targets, str) or all(isinstance(t, str) and t for t in targets)),
+             "lora_target_modules", "give 'all-linear' or a non-empty list of module names such as [q_proj, v_proj]")
+        if isinstance(targets, list):
+            object.__setattr__(self, "lora_target_modules", tuple(targets))
+        need(self.packing, "packing", "only packing=true is supported: documents are packed into rows with "
+                                      "block-diagonal attention (no cross-document attention), so it is exact")
+
+    def _check_paths(self):
+        for key in ("model_name_or_path", "dataset", "eval_dataset"):
+            value = getattr(self, key)
+            if value is not None and not Path(value).expanduser().exists():
+                raise TrainConfigError(f"key {key!r}: path {value!r} does not exist; fix the path")
+        if not (Path(self.model_name_or_path).expanduser() / "config.json").is_file():
+            raise TrainConfigError(
+                f"key 'model_name_or_path': {self.model_name_or_path!r} has no config.json; give a local Hugging "
+                "Face model directory (config.json + *.safetensors + tokenizer files)")
+        resume = self.resume_from_checkpoint
+        if isinstance(resume, str) and resume.lower() not in ("true", "false"):
+            if not Path(resume).expanduser().exists():
+                raise TrainConfigError(
+                    f"key 'resume_from_checkpoint': path {resume!r} does not exist; give a checkpoint directory "
+                    "(output_dir/checkpoints or output_dir/checkpoints/<step>) or true for the latest one")
+        elif isinstance(resume, str):
+            object.__setattr__(self, "resume_from_checkpoint", resume.lower() == "true")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def train_on(self) -> str:
+        return "assistant" if (self.assistant_only_loss and self.completion_only_loss) else "all"
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if isinstance(out["lora_target_modules"], tuple):
+            out["lora_target_modules"] = list(out["lora_target_modules"])
+        return out
+
+    # ------------------------------------------------------------------ construction from untrusted input
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> "TrainConfig":
+        """Builds a config from a mapping, rejecting unknown keys (with a suggestion) and missing required ones.
+
+        `source` prefixes every error (e.g. the YAML file name)."""
+        if not isinstance(values, Mapping):
+            raise TrainConfigError(f"{source}: expected a mapping of key: value, got {type(values).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = ALIASES.get(key, key)
+            if name not in names:
+                close = difflib.get_close_matches(str(key), names + list(ALIASES), n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
+                raise TrainConfigError(f"{source}: unknown key {key!r}{hint}")
+            if name in kwargs:
+                raise TrainConfigError(f"{source}: key {name!r} is given twice (directly and as alias {key!r})")
+            kwargs[name] = value
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in kwargs]
+        if missing:
+            raise TrainConfigError(f"{source}: required key {missing[0]!r} is missing; add `{missing[0]}: ...`")
+        try:
+            return cls(**kwargs)
+        except TrainConfigError as e:
+            raise TrainConfigError(f"{source}: {e}") from None
+
+
+def parse_value(text: str) -> Any:
+    """A `key=value` override's value, read as YAML 1.2 scalars (so `1e-4` is a float, not a string)."""
+    return yaml.load(text, Loader=_Loader)
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Reads a YAML config and applies `key=value` overrides (later wins). Relative paths inside the
+    file are kept as written (relative to the working directory), like TRL."""
+    p = Path(path)
+    if not p.is_file():
+        raise TrainConfigError(f"config file {str(p)!r} does not exist; pass the path of a YAML file")
+    try:
+        values = yaml.load(p.read_text(encoding="utf-8"), Loader=_Loader) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}" if mark is not None else str(p)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise TrainConfigError(f"{where}: invalid YAML ({problem}); fix the file") from None
+    if not isinstance(values, dict):
+        raise TrainConfigError(f"{p}: expected a mapping of key: value at the top level, got {type(values).__name__}")
+    values = {ALIASES.get(k, k): v for k, v in values.items()}
+    sources = {k: str(p) for k in values}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise TrainConfigError(f"override {item!r}: expected key=value (e.g. learning_rate=1e-4)")
+        key = ALIASES.get(key, key)
+        values[key] = parse_value(text)
+        sources[key] = "command line"
+    try:
+        return TrainConfig.from_dict(values, source=str(p))
+    except TrainConfigError as e:
+        # Name where an overridden key came from: "command line" rather than the file.
+        msg = str(e)
+        m = re.search(r"key '([^']+)'", msg)
+        if m and sources.get(m.group(1)) == "command line":
+            msg = msg.replace(f"{p}: ", "command line: ", 1)
+        raise TrainConfigError(msg) from None
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 floats: PyYAML (YAML 1.1) reads `1e-4` as a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+# ---------------------------------------------------------------------- type checking
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(matches, value) for a value against a field annotation; ints are accepted (as floats) for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            ok, out = _coerce(value, arm)
+            if ok:
+                return True, out
+        return False, value
+    if tp is type(None):
+        return value is None, value
+    if origin is Literal:
+        return (isinstance(value, str) and value in typing.get_args(tp)), value
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, (list, tuple)) and all(_coerce(v, item)[0] for v in value):
+            return True, list(value)
+        return False, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    return isinstance(value, tp), value
+
+
+def _choices(tp: Any) -> tuple[str, ...]:
+    """The allowed strings of a Literal annotation (also inside an Optional), else ()."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return sum((_choices(a) for a in typing.get_args(tp)), ())
+    return ()
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, getattr(tp, "__name__",
+                                                                                                        str(tp)))

@@ -1,0 +1,250 @@
+"""Numerics of kernels_pallas.linear_cross_entropy.
+
+Oracle chain: torch.nn.functional.cross_entropy (fp32, CPU) checks the naive
+JAX reference; the chunked xla implementation is checked against both, for
+values and for gradients w.r.t. hidden, weight and the per-token weights.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas.linear_cross_entropy import (
+    DEFAULT_CONFIG,
+    LinearCrossEntropyConfig,
+    default_chunk_size,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+
+IGNORE = -100  # HF ignore id: must be harmless wherever the weight is 0.
+
+
+def _problem(n, h, v, *, seed=0, ignore_frac=0.25, dtype=np.float32):
+    """Random inputs; ignored tokens get weight 0 and target -100."""
+    rng = np.random.default_rng(seed)
+    hidden = rng.standard_normal((n, h)).astype(np.float32)
+    # Scale so logits are O(few): soft-caps at 2-3 then bend them noticeably.
+    weight = (rng.standard_normal((h, v)) * 1.5 / np.sqrt(h)).astype(np.float32)
+    targets = rng.integers(0, v, size=n).astype(np.int32)
+    weights = rng.uniform(0.5, 2.0, size=n).astype(np.float32)
+    ignored = rng.random(n) < ignore_frac
+    ignored[0] = True  # at least one ignored token in every problem
+    weights[ignored] = 0.0
+    targets[ignored] = IGNORE
+    return (
+        jnp.asarray(hidden, dtype),
+        jnp.asarray(weight, dtype),
+        jnp.asarray(targets),
+        jnp.asarray(weights),
+    )
+
+
+def _torch_loss_and_grads(hidden, weight, targets, weights, softcap):
+    """fp32 torch oracle: value and grads w.r.t. hidden, weight and weights."""
+    th = torch.tensor(np.asarray(hidden, np.float32), requires_grad=True)
+    tw = torch.tensor(np.asarray(weight, np.float32), requires_grad=True)
+    tm = torch.tensor(np.asarray(weights, np.float32), requires_grad=True)
+    logits = th @ tw
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    ce = torch.nn.functional.cross_entropy(
+        logits, torch.tensor(np.asarray(targets, np.int64)),
+        ignore_index=IGNORE, reduction="none",
+    )
+    loss = (tm * ce).sum()
+    loss.backward()
+    return (
+        loss.detach().numpy(),
+        (th.grad.numpy(), tw.grad.numpy(), tm.grad.numpy()),
+    )
+
+
+def _value_and_grads(fn, hidden, weight, targets, weights):
+    vg = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 3)))
+    value, grads = vg(hidden, weight, targets, weights)
+    return np.asarray(value), tuple(np.asarray(g, np.float32) for g in grads)
+
+
+def _close(actual, expected, rtol, what):
+    expected = np.asarray(expected, np.float32)
+    atol = rtol * max(float(np.max(np.abs(expected))), 1e-6)
+    np.testing.assert_allclose(np.asarray(actual, np.float32), expected,
+                               rtol=rtol, atol=atol, err_msg=what)
+
+
+def _xla(chunk, softcap):
+    return lambda h, w, t, m: linear_cross_entropy(
+        h, w, t, m, chunk_size=chunk, logit_softcap=softcap
+    )
+
+
+def _ref(softcap):
+    return lambda h, w, t, m: linear_cross_entropy_reference(
+        h, w, t, m, logit_softcap=softcap
+    )
+
+
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_reference_matches_torch(softcap):
+    args = _problem(53, 24, 211, seed=1)
+    value, grads = _value_and_grads(_ref(softcap), *args)
+    t_value, t_grads = _torch_loss_and_grads(*args, softcap)
+    _close(value, t_value, 1e-5, "loss")
+    for name, g, tg in zip(("dhidden", "dweight", "dweights"), grads, t_grads):
+        # torch gives d/dweights = 0 at ignored tokens (CE is masked there);
+        # ours is CE of the clipped target, which is irrelevant for 0/1 masks.
+        if name == "dweights":
+            keep = np.asarray(args[3]) != 0
+            g, tg = g[keep], tg[keep]
+        _close(g, tg, 1e-5, name)
+
+
+@pytest.mark.parametrize(
+    "n,chunk,softcap",
+    [
+        (64, 16, None),    # chunk divides N: scan only
+        (67, 16, None),    # remainder of 3 tokens after the scan
+        (67, 16, 2.5),     # soft-cap with remainder
+        (67, 32, 3.0),     # two scanned chunks -> single-chunk path + tail
+        (67, None, None),  # default chunk: the whole problem in one chunk
+        (5, 16, 2.5),      # chunk larger than N
+        (23, 1, None),     # one token per chunk
+    ],
+)
+def test_xla_matches_reference_fp32(n, chunk, softcap):
+    args = _problem(n, 32, 301, seed=n)
+    value, grads = _value_and_grads(_xla(chunk, softcap), *args)
+    r_value, r_grads = _value_and_grads(_ref(softcap), *args)
+    _close(value, r_value, 1e-5, "loss")
+    for name, g, rg in zip(("dhidden", "dweight", "dweights"), grads, r_grads):
+        _close(g, rg, 1e-5, name)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_xla_matches_torch(softcap):
+    args = _problem(70, 16, 257, seed=7)
+    value, grads = _value_and_grads(_xla(24, softcap), *args)
+    t_value, t_grads = _torch_loss_and_grads(*args, softcap)
+    _close(value, t_value, 1e-5, "loss")
+    _close(grads[0], t_grads[0], 1e-5, "dhidden")
+    _close(grads[1], t_grads[1], 1e-5, "dweight")
+
+
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_xla_bf16_inputs(softcap):
+    args = _problem(67, 32, 301, seed=3, dtype=jnp.bfloat16)
+    fn = _xla(16, softcap)
+    loss = jax.jit(fn)(*args)
+    assert loss.dtype == jnp.float32
+    value, grads = _value_and_grads(fn, *args)
+    r_value, r_grads = _value_and_grads(_ref(softcap), *args)
+    # Same bf16 operands and fp32 accumulation: the value matches tightly.
+    _close(value, r_value, 1e-5, "loss")
+    # dlogits are rounded to bf16 before the backward matmuls (as in any
+    # bf16 training step), so gradients agree to bf16 precision.
+    for name, g, rg in zip(("dhidden", "dweight", "dweights"), grads, r_grads):
+        _close(g, rg, 2e-2, name)
+    dh, dw = jax.grad(fn, argnums=(0, 1))(*args)
+    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+    # bf16 vs the fp32 torch oracle on the same (bf16-representable) numbers.
+    t_value, _ = _torch_loss_and_grads(*args, softcap)
+    _close(value, t_value, 1e-4, "loss vs torch")
+
+
+def test_ignored_tokens_do_not_contribute():
+    hidden, weight, targets, weights = _problem(40, 16, 97, seed=5, ignore_frac=0.5)
+    keep = np.asarray(weights) != 0
+    full = _xla(8, 2.5)(hidden, weight, targets, weights)
+    kept = _xla(8, 2.5)(hidden[keep], weight, targets[keep], weights[keep])
+    _close(full, kept, 1e-5, "loss with ignored tokens removed")
+    dh = jax.grad(_xla(8, 2.5))(hidden, weight, targets, weights)
+    assert np.all(np.asarray(dh)[~keep] == 0.0)
+    assert np.all(np.isfinite(np.asarray(dh)))
+
+
+def test_all_tokens_ignored_gives_zero():
+    hidden, weight, targets, _ = _problem(19, 16, 50, seed=2)
+    zeros = jnp.zeros((19,), jnp.float32)
+    value, (dh, dw, dm) = _value_and_grads(_xla(8, None), hidden, weight, targets, zeros)
+    assert value == 0.0
+    assert not np.any(dh) and not np.any(dw)
+    assert np.all(np.isfinite(dm))
+
+
+def test_grad_of_weights_only_and_mean_loss():
+    args = _problem(45, 16, 80, seed=9)
+    hidden, weight, targets, weights = args
+
+    def mean_loss(fn, m):
+        return fn(hidden, weight, targets, m) / jnp.sum(m)
+
+    g = jax.grad(lambda m: mean_loss(_xla(8, None), m))(weights)
+    rg = jax.grad(lambda m: mean_loss(_ref(None), m))(weights)
+    _close(g, rg, 1e-5, "d mean-loss / d weights")
+
+
+def test_default_chunk_size():
+    # 256 MiB of fp32 logits per chunk, rounded down to a multiple of 128.
+    assert default_chunk_size(16384, 128256) == 512
+    assert default_chunk_size(16384, 151936) == 384
+    assert default_chunk_size(16384, 32000) == 2048
+    assert default_chunk_size(100, 32000) == 100  # capped at N
+    for v in (128256, 151936, 32000, 256000):
+        c = default_chunk_size(1 << 20, v)
+        assert c * v * 4 <= DEFAULT_CONFIG.logits_chunk_bytes
+        assert c % DEFAULT_CONFIG.chunk_multiple == 0
+    tiny = LinearCrossEntropyConfig(logits_chunk_bytes=4 * 1000 * 50)
+    assert default_chunk_size(10_000, 1000, tiny) == 50  # below one multiple
+    assert default_chunk_size(10_000, 10**9, tiny) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"logits_chunk_bytes": 0}, {"chunk_multiple": -1}, {"chunk_multiple": 1.5}]
+)
+def test_config_validation(kwargs):
+    with pytest.raises(ValueError, match="config.py"):
+        LinearCrossEntropyConfig(**kwargs)
+
+
+def _bad_inputs():
+    h = jnp.zeros((6, 4), jnp.float32)
+    w = jnp.zeros((4, 10), jnp.float32)
+    t = jnp.zeros((6,), jnp.int32)
+    m = jnp.ones((6,), jnp.float32)
+    return [
+        ((h[None], w, t, m), {}, "flatten batch"),
+        ((h, w.T, t, m), {}, "embedding.T"),
+        ((h, w, t[:5], m), {}, "targets"),
+        ((h, w, t.astype(jnp.float32), m), {}, "targets"),
+        ((h, w, t, m[:5]), {}, "loss_mask"),
+        ((h, w, t, m.astype(jnp.int32)), {}, "loss_mask"),
+        ((h.astype(jnp.int32), w, t, m), {}, "floating"),
+        ((h, w, t, m), {"logit_softcap": -1.0}, "logit_softcap"),
+        ((h, w, t, m), {"logit_softcap": jnp.float32(3.0)}, "traced"),
+        ((h, w, t, m), {"chunk_size": 0}, "chunk_size"),
+        ((h, w, t, m), {"implementation": "triton"}, "implementation"),
+    ]
+
+
+@pytest.mark.parametrize("args,kwargs,hint", _bad_inputs())
+def test_bad_inputs_raise_with_hint(args, kwargs, hint):
+    with pytest.raises(ValueError, match="api.py") as info:
+        linear_cross_entropy(*args, **kwargs)
+    assert hint in str(info.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_xla_matches_reference(dtype):
+    # A realistic head on the GPU: several chunks plus a remainder.
+    args = _problem(2000, 512, 32000, seed=11, dtype=dtype)
+    value, grads = _value_and_grads(_xla(384, 30.0), *args)
+    r_value, r_grads = _value_and_grads(_ref(30.0), *args)
+    rtol = 1e-4 if dtype == jnp.float32 else 2e-2
+    _close(value, r_value, 1e-4, "loss")
+    for name, g, rg in zip(("dhidden", "dweight", "dweights"), grads, r_grads):
+        _close(g, rg, rtol, name)
