@@ -248,7 +248,10 @@ def load_weights(
                 continue
             located[name] = (file, info)
             if info.shape != want[3]:
-                misshaped.append(f"{name} in {file.name}: got {list(info.shape)}, expected {list(want[3])}")
+                misshaped.append(
+                    f"{name} in {file.name}: got {list(info.shape)}, expected {list(want[3])} "
+                    f"(for {_path_str(want[0])} {list(specs[want[0]][0])})"
+                )
             elif info.dtype is None or info.dtype not in _FLOATS:
                 bad_dtype.append(f"{name} in {file.name}: dtype {info.code}")
     missing = [f"{n} (expected shape {list(w[3])})" for n, w in wants.items() if n not in located]

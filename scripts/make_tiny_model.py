@@ -70,7 +70,7 @@ from transformers import (  # noqa: E402
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_example_data import HELD_OUT_FAMILIES, PRETRAIN_FAMILIES  # noqa: E402
+from make_example_data import HELD_OUT_FAMILIES, PRETRAIN_FAMILIES, make_chat_records  # noqa: E402
 
 PAD, BOS, EOT_TEXT, EOT, START_HEADER, END_HEADER = (
     "<|pad|>",
@@ -352,8 +352,16 @@ def main(argv: list[str] | None = None) -> None:
     model = LlamaForCausalLM(config).float()
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
 
-    pretrain = [encode_chat(tokenizer, r["messages"]) for r in train_records if r["family"] in PRETRAIN_FAMILIES]
-    print(f"pre-training on {len(pretrain)} chats of families {', '.join(PRETRAIN_FAMILIES)}")
+    # Fresh chats of the pre-training families, one per sample (no repeats, so the
+    # model learns the tasks instead of memorising prompts), none sharing a prompt
+    # with train.jsonl or eval.jsonl: every shipped record is new to the model.
+    seen = {r["messages"][-2]["content"] for r in train_records + eval_records}
+    per_family = math.ceil(args.steps * args.batch_size / len(PRETRAIN_FAMILIES))
+    chats = make_chat_records(random.Random(f"{args.seed}/pretrain"), per_family, seen, PRETRAIN_FAMILIES)
+    texts = [tokenizer.apply_chat_template(r["messages"], tokenize=False) for r in chats]
+    pretrain = [(ids, [1] * len(ids)) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    print(f"pre-training on {len(pretrain)} fresh chats of families {', '.join(PRETRAIN_FAMILIES)}"
+          f" ({sum(len(ids) for ids, _ in pretrain):,} tokens, {time.perf_counter() - t0:.0f}s)")
     t1 = time.perf_counter()
     train_loop(model, list(model.parameters()), pretrain, steps=args.steps, batch_size=args.batch_size,
                lr=args.lr, warmup=50, weight_decay=0.01, pad_id=tokenizer.pad_token_id,

@@ -234,7 +234,7 @@ def test_save_is_atomic_and_guards_existing_target(tmp_path):
 
     bad = dict(params)
     bad[("layers", "attn", "q_proj", "lora_a")] = np.zeros((2, 32, 4), np.float32)
-    with pytest.raises(ValueError, match=r"layers\.attn\.q_proj\.lora_a.*merge or drop LoRA"):
+    with pytest.raises(ValueError, match=r"(?s)layers\.attn\.q_proj\.lora_a.*merge or drop LoRA"):
         save_weights(target, table, bad, 2, config)
     with pytest.raises(ValueError, match="not JSON serializable"):
         save_weights(target, table, params, 2, {"model_type": "llama", "x": object()})

@@ -17,6 +17,8 @@ ROWS = [
     chat("what is two plus two ?", "it is four ."),
     {"prompt": "the quick brown", "completion": " fox"},
 ]
+# What a columnar writer stores for mixed rows: every column, None where a row lacks it.
+UNION = [{k: r.get(k) for k in ("text", "messages", "prompt", "completion")} for r in ROWS]
 
 
 def _assert_clean(err: DataError):
@@ -51,7 +53,7 @@ def test_json_file_holding_json_lines(tmp_path):
 
 def test_parquet_with_nested_messages(tmp_path):
     f = tmp_path / "d.parquet"
-    pq.write_table(pa.Table.from_pylist(ROWS), f)
+    pq.write_table(pa.Table.from_pylist(UNION), f)
     recs = read_records(f)
     # Columnar storage unions the columns: absent fields come back as None.
     assert recs[1].data["messages"] == ROWS[1]["messages"]
@@ -60,12 +62,12 @@ def test_parquet_with_nested_messages(tmp_path):
 
 
 def test_arrow_ipc_stream_and_file(tmp_path):
-    stream = write_arrow_stream(tmp_path / "s.arrow", ROWS, chunk=1)
-    assert [r.data["text"] for r in read_records(stream)] == ["hello world", None, None]
-    table = pa.Table.from_pylist(ROWS)
+    stream = write_arrow_stream(tmp_path / "s.arrow", UNION, chunk=1)
+    assert [r.data for r in read_records(stream)] == UNION
+    table = pa.Table.from_pylist(UNION)
     with pa.OSFile(str(tmp_path / "f.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
         w.write_table(table)
-    assert len(read_records(tmp_path / "f.arrow")) == 3
+    assert [r.data for r in read_records(tmp_path / "f.arrow")] == UNION
 
 
 def test_saved_dataset_directory_reads_shards_in_state_order(tmp_path):
@@ -152,5 +154,5 @@ def test_bad_paths_and_files(tmp_path, case):
 def test_saved_dataset_with_missing_shard(tmp_path):
     d = write_saved_dataset(tmp_path / "ds", [[{"text": "a"}], [{"text": "b"}]])
     (d / "data-00001-of-00002.arrow").unlink()
-    with pytest.raises(DataPathError, match=r"state.json lists data-00001-of-00002.arrow but the file is missing"):
+    with pytest.raises(DataPathError, match=r"lists data-00001-of-00002.arrow but the file is missing"):
         read_records(d)

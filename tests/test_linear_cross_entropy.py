@@ -63,9 +63,13 @@ def _torch_loss_and_grads(hidden, weight, targets, weights, softcap):
     )
 
 
-def _value_and_grads(fn, hidden, weight, targets, weights):
+def _raw_value_and_grads(fn, hidden, weight, targets, weights):
     vg = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 3)))
-    value, grads = vg(hidden, weight, targets, weights)
+    return vg(hidden, weight, targets, weights)
+
+
+def _value_and_grads(fn, hidden, weight, targets, weights):
+    value, grads = _raw_value_and_grads(fn, hidden, weight, targets, weights)
     return np.asarray(value), tuple(np.asarray(g, np.float32) for g in grads)
 
 
@@ -138,9 +142,12 @@ def test_xla_matches_torch(softcap):
 def test_xla_bf16_inputs(softcap):
     args = _problem(67, 32, 301, seed=3, dtype=jnp.bfloat16)
     fn = _xla(16, softcap)
-    loss = jax.jit(fn)(*args)
+    loss, (dh, dw, dm) = _raw_value_and_grads(fn, *args)
     assert loss.dtype == jnp.float32
-    value, grads = _value_and_grads(fn, *args)
+    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
+    assert dm.dtype == jnp.float32
+    value = np.asarray(loss)
+    grads = tuple(np.asarray(g, np.float32) for g in (dh, dw, dm))
     r_value, r_grads = _value_and_grads(_ref(softcap), *args)
     # Same bf16 operands and fp32 accumulation: the value matches tightly.
     _close(value, r_value, 1e-5, "loss")
@@ -148,8 +155,6 @@ def test_xla_bf16_inputs(softcap):
     # bf16 training step), so gradients agree to bf16 precision.
     for name, g, rg in zip(("dhidden", "dweight", "dweights"), grads, r_grads):
         _close(g, rg, 2e-2, name)
-    dh, dw = jax.grad(fn, argnums=(0, 1))(*args)
-    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.bfloat16
     # bf16 vs the fp32 torch oracle on the same (bf16-representable) numbers.
     t_value, _ = _torch_loss_and_grads(*args, softcap)
     _close(value, t_value, 1e-4, "loss vs torch")
@@ -158,10 +163,11 @@ def test_xla_bf16_inputs(softcap):
 def test_ignored_tokens_do_not_contribute():
     hidden, weight, targets, weights = _problem(40, 16, 97, seed=5, ignore_frac=0.5)
     keep = np.asarray(weights) != 0
-    full = _xla(8, 2.5)(hidden, weight, targets, weights)
-    kept = _xla(8, 2.5)(hidden[keep], weight, targets[keep], weights[keep])
+    fn = jax.jit(_xla(8, 2.5))
+    full = fn(hidden, weight, targets, weights)
+    kept = fn(hidden[keep], weight, targets[keep], weights[keep])
     _close(full, kept, 1e-5, "loss with ignored tokens removed")
-    dh = jax.grad(_xla(8, 2.5))(hidden, weight, targets, weights)
+    dh = jax.jit(jax.grad(_xla(8, 2.5)))(hidden, weight, targets, weights)
     assert np.all(np.asarray(dh)[~keep] == 0.0)
     assert np.all(np.isfinite(np.asarray(dh)))
 
@@ -182,8 +188,8 @@ def test_grad_of_weights_only_and_mean_loss():
     def mean_loss(fn, m):
         return fn(hidden, weight, targets, m) / jnp.sum(m)
 
-    g = jax.grad(lambda m: mean_loss(_xla(8, None), m))(weights)
-    rg = jax.grad(lambda m: mean_loss(_ref(None), m))(weights)
+    g = jax.jit(jax.grad(lambda m: mean_loss(_xla(8, None), m)))(weights)
+    rg = jax.jit(jax.grad(lambda m: mean_loss(_ref(None), m)))(weights)
     _close(g, rg, 1e-5, "d mean-loss / d weights")
 
 

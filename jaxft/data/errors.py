@@ -38,3 +38,9 @@ class TokenizerError(DataError):
 
 class ChatTemplateError(TokenizerError):
     """No chat template, or the template cannot render / delimit a conversation."""
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """A library exception as one short line, for embedding in a `DataError` message."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:limit] + ' ...' if len(text) > limit else text}"

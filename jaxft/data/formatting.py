@@ -43,6 +43,7 @@ from jaxft.data.errors import (
     DataPathError,
     MissingFieldError,
     TokenizerError,
+    one_line,
 )
 from jaxft.data.sources import Record
 
@@ -96,7 +97,7 @@ def load_tokenizer(path: str | Path):
         return AutoTokenizer.from_pretrained(str(p))
     except Exception as e:  # transformers raises many types (OSError, ValueError, KeyError, ...)
         raise TokenizerError(
-            f"cannot load a tokenizer from {p} ({type(e).__name__}: {e}); the directory needs "
+            f"cannot load a tokenizer from {p} ({one_line(e)}); the directory needs "
             "tokenizer.json (or the slow-tokenizer files) and tokenizer_config.json"
         ) from None
 
@@ -177,7 +178,7 @@ class Formatter:
         except Exception as e:  # jinja2 TemplateError, ValueError from raise_exception(), ...
             raise ChatTemplateError(
                 f"{source}: the chat template of {self._name} failed on this conversation "
-                f"({type(e).__name__}: {e}); fix the messages (roles/order the template "
+                f"({one_line(e)}); fix the messages (roles/order the template "
                 "expects) or the template"
             ) from None
 
@@ -255,7 +256,7 @@ class Formatter:
         except Exception as e:
             raise ChatTemplateError(
                 f"{src}: the chat template of {self._name} failed on this conversation "
-                f"({type(e).__name__}: {e}); fix the messages or the template"
+                f"({one_line(e)}); fix the messages or the template"
             ) from None
         return Document(np.array(out["input_ids"]), np.array(out["assistant_masks"], bool), src)
 
@@ -317,9 +318,10 @@ class Formatter:
 
 def _check_messages(messages: Any, src: str) -> None:
     if not isinstance(messages, list) or not messages:
+        got = "an empty list" if isinstance(messages, list) else type(messages).__name__
         raise MissingFieldError(
             f"{src}: key 'messages' must be a non-empty list of {{\"role\", \"content\"}} objects, "
-            f"got {type(messages).__name__ if not isinstance(messages, list) else 'an empty list'}; fix the record"
+            f"got {got}; fix the record"
         )
     for i, m in enumerate(messages):
         if not isinstance(m, dict):

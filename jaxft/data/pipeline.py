@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +11,6 @@ from jaxft.data.errors import DataConfigError, EmptyDatasetError
 from jaxft.data.formatting import TRAIN_ON, Document, Formatter, TrainOn, load_tokenizer
 from jaxft.data.packing import OVERLONG, Overlong, PackedDataset
 from jaxft.data.sources import iter_records
-
-logger = logging.getLogger("jaxft.data")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +47,8 @@ class DataConfig:
                 continue  # defaults to batch_size
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise DataConfigError(f"data.{key} must be an int >= {low}, got {v!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise DataConfigError(f"data.seed must be a non-negative int, got {self.seed!r}")
         if not isinstance(self.eval_fraction, (int, float)) or not 0.0 <= self.eval_fraction < 1.0:
             raise DataConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
         if self.eval_fraction > 0 and (self.eval_path or self.eval_split):

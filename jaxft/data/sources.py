@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jaxft.data.errors import DataFormatError, DataPathError
+from jaxft.data.errors import DataFormatError, DataPathError, one_line
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _SUFFIXES = (*_JSONL_SUFFIXES, ".json", ".parquet", ".arrow")
@@ -87,7 +87,7 @@ def _load_json_file(file: Path) -> Any:
     try:
         return json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataFormatError(f"{file}: cannot parse ({e}); fix or regenerate the file") from None
+        raise DataFormatError(f"{file}: cannot parse ({one_line(e)}); fix or regenerate the file") from None
 
 
 def _dataset_dict_split(root: Path, split: str | None) -> Path:
@@ -142,29 +142,30 @@ def _read_file(file: Path) -> Iterator[Record]:
 
 
 def _read_jsonl(file: Path) -> Iterator[Record]:
-    lineno = 0
-    try:
-        with file.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataFormatError(
-                        f"{file}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); "
-                        'fix the line: each line must be one complete JSON object, e.g. {"text": "..."}'
-                    ) from None
-                if not isinstance(obj, dict):
-                    raise DataFormatError(
-                        f"{file}:{lineno}: line is a JSON {type(obj).__name__}, expected an object; "
-                        'fix the line: each line must be one JSON object, e.g. {"text": "..."}'
-                    )
-                yield Record(obj, f"{file}:{lineno}")
-    except UnicodeDecodeError:
-        raise DataFormatError(
-            f"{file}:{lineno + 1}: not valid UTF-8; re-encode the file as UTF-8"
-        ) from None
+    # Bytes per line, decoded one by one, so a bad UTF-8 sequence gets its own line number.
+    with file.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataFormatError(
+                    f"{file}:{lineno}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFormatError(
+                    f"{file}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); fix the line: "
+                    'each line must be one complete JSON object, e.g. {"text": "..."}'
+                ) from None
+            if not isinstance(obj, dict):
+                raise DataFormatError(
+                    f"{file}:{lineno}: line is a JSON {type(obj).__name__}, expected an object; "
+                    'fix the line: each line must be one JSON object, e.g. {"text": "..."}'
+                )
+            yield Record(obj, f"{file}:{lineno}")
 
 
 def _first_line_is_object(text: str) -> bool:
@@ -219,14 +220,16 @@ def _record_batches_to_records(file: Path, batches: Iterator[pa.RecordBatch]) ->
                 yield Record(item, f"{file} (row {row})")
                 row += 1
     except (pa.ArrowException, OSError) as e:
-        raise DataFormatError(f"{file} (row {row}): unreadable data ({e}); regenerate the file") from None
+        raise DataFormatError(
+            f"{file} (row {row}): unreadable data ({one_line(e)}); regenerate the file"
+        ) from None
 
 
 def _read_parquet(file: Path) -> Iterator[Record]:
     try:
         pf = pq.ParquetFile(file)
     except (pa.ArrowException, OSError) as e:
-        raise DataFormatError(f"{file}: not a readable Parquet file ({e}); regenerate it") from None
+        raise DataFormatError(f"{file}: not a readable Parquet file ({one_line(e)}); regenerate it") from None
     yield from _record_batches_to_records(file, pf.iter_batches(batch_size=1024))
 
 
@@ -240,7 +243,7 @@ def _read_arrow(file: Path) -> Iterator[Record]:
             f = pa.ipc.open_file(pa.memory_map(str(file)))
         except (pa.ArrowException, OSError) as e:
             raise DataFormatError(
-                f"{file}: not an Arrow IPC stream or file ({e}); regenerate it "
+                f"{file}: not an Arrow IPC stream or file ({one_line(e)}); regenerate it "
                 "(e.g. with datasets' save_to_disk)"
             ) from None
         batches = (f.get_batch(i) for i in range(f.num_record_batches))

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
 from jaxft.models.layers import DecoderLayer, Linear, RMSNorm, _init
@@ -67,6 +68,10 @@ class Decoder(nnx.Module):
     # ---------------------------------------------------------------- batch-level metadata (once per step)
     def batch_context(self, input_ids, positions=None, segment_ids=None) -> dict[str, Any]:
         """Everything every layer needs that depends only on the batch: built once, outside the layer scan."""
+        with jax.named_scope("batch_context"):
+            return self._batch_context(input_ids, positions, segment_ids)
+
+    def _batch_context(self, input_ids, positions, segment_ids) -> dict[str, Any]:
         cfg = self.config
         input_ids = jnp.asarray(input_ids, jnp.int32)
         if segment_ids is not None:
@@ -110,7 +115,7 @@ class Decoder(nnx.Module):
             layer_state, index = xs
             layer = nnx.merge(graphdef, layer_state)
             if self.remat == "offload":
-                carry = jax.ad_checkpoint.checkpoint_name(carry, "layer_input")
+                carry = checkpoint_name(carry, "layer_input")
             rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
             return layer(carry, layer_ctx, rng), None
 

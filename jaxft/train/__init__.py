@@ -1,0 +1,36 @@
+"""LoRA training: config, the jitted step, checkpoints, metrics, and `train(config) -> TrainResult`."""
+
+from jaxft.train.checkpoint import CheckpointError, Checkpointer
+from jaxft.train.config import TrainConfig, TrainConfigError, load_config
+from jaxft.train.loop import TrainResult, train
+from jaxft.train.metrics import read_metrics
+from jaxft.train.schedules import make_schedule, warmup_steps_for
+from jaxft.train.step import (
+    loss_and_grad_sums,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+    split_model,
+    stack_micro_batches,
+    token_loss_sum,
+)
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "TrainConfig",
+    "TrainConfigError",
+    "TrainResult",
+    "load_config",
+    "loss_and_grad_sums",
+    "make_eval_step",
+    "make_optimizer",
+    "make_schedule",
+    "make_train_step",
+    "read_metrics",
+    "split_model",
+    "stack_micro_batches",
+    "token_loss_sum",
+    "train",
+    "warmup_steps_for",
+]

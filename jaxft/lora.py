@@ -1,0 +1,525 @@
+"""LoRA on jaxft models with PEFT's semantics, and PEFT adapter import/export.
+
+For a targeted linear layer with frozen kernel W [in, out], layer l of the stack computes
+
+    y = x W + s_l * (dropout(x) A_l) B_l,      A_l [in, r_max], B_l [r_max, out] (fp32, `LoraParam`)
+    s_l = alpha_l / r_l        (rsLoRA: alpha_l / sqrt(r_l));   s_l = 0 where layer l's module is not targeted
+
+PEFT's `lora_A.weight` [r, in] is A_l[:, :r_l].T and `lora_B.weight` [out, r] is B_l[:r_l, :].T. Layers of a
+stack may differ in rank (`rank_pattern`): the stack is allocated at the largest rank r_max and the columns
+r_l..r_max of A_l / rows of B_l are zero (see `_random_fill` for why they stay zero during training).
+
+Which modules are targeted is decided on Hugging Face module names (`model.layers.3.self_attn.q_proj`), with
+PEFT's rules (`bridge.peft.target_matches`, `pattern_key`), so a `LoraConfig` selects exactly the modules the
+equivalent `peft.LoraConfig` selects. The HF name <-> jaxft path correspondence comes from the bridge's
+mapping table (rows `<module>.weight` -> `<path>.kernel`): one source of truth for checkpoints and adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import bridge
+from bridge import peft as peft_io
+from bridge.mappings.schema import LAYER
+from jaxft.config import ConfigError
+from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, linears
+
+__all__ = [
+    "LoraConfig",
+    "apply_lora",
+    "load_adapter",
+    "lora_state",
+    "merge_lora",
+    "merged_kernels",
+    "save_adapter",
+    "target_names",
+    "trainable_filter",
+]
+
+ALL_LINEAR = peft_io.ALL_LINEAR
+
+# The variable type the optimiser updates: `nnx.state(model, trainable_filter)` / `nnx.DiffState(0, ...)`.
+trainable_filter = LoraParam
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """What to adapt and how, with PEFT's meaning for every field (PEFT names in brackets).
+
+    r [r]: default rank.  alpha [lora_alpha]: default alpha; scale s = alpha / r (alpha / sqrt(r) if
+    use_rslora).  dropout [lora_dropout]: dropout on the adapter input during training.
+    target_modules: a list of module names, each matching a module whose full HF name equals it or ends with
+    "." + it (["q_proj", "v_proj"]); or one regex string that must `re.fullmatch` the full name
+    (r".*\\.(q|v)_proj"); or "all-linear": every linear layer except the output head.
+    rank_pattern / alpha_pattern: {pattern: value}; a module takes the value of the first key (dict order)
+    that matches its full name as `(.*\\.)?(key)$` (e.g. {"q_proj": 4, "model.layers.0.mlp.up_proj": 2}).
+    exclude_modules: names (list, same rule as target_modules) or a regex removed from the targets.
+    Lists are stored as sorted tuples and the pattern dicts are copied (their order is kept: first match wins),
+    so a config is hashable (it is static metadata of the model it is applied to).
+    """
+
+    r: int = 8
+    alpha: float = 8
+    dropout: float = 0.0
+    target_modules: str | tuple[str, ...] = ALL_LINEAR
+    use_rslora: bool = False
+    rank_pattern: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    alpha_pattern: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    exclude_modules: str | tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        def bad(field: str, why: str):
+            raise ConfigError(f"LoraConfig.{field}={getattr(self, field)!r}: {why}")
+
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
+            bad("r", "must be a positive integer (the LoRA rank, e.g. 8 or 16)")
+        if not _finite_number(self.alpha) or self.alpha <= 0:
+            bad("alpha", "must be a positive number (PEFT's lora_alpha; scale = alpha / r)")
+        if not _finite_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
+            bad("dropout", "must be a number in [0, 1)")
+        if not isinstance(self.use_rslora, bool):
+            bad("use_rslora", "must be True or False")
+        object.__setattr__(self, "target_modules", _names_or_regex(self.target_modules, "target_modules", False))
+        if isinstance(self.target_modules, str) and self.target_modules.lower() == ALL_LINEAR:
+            object.__setattr__(self, "target_modules", ALL_LINEAR)  # PEFT compares case-insensitively
+        object.__setattr__(self, "exclude_modules", _names_or_regex(self.exclude_modules, "exclude_modules", True))
+        for field, ok, what in (("rank_pattern", lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                                 "a positive integer rank"),
+                                ("alpha_pattern", lambda v: _finite_number(v) and v > 0, "a positive number")):
+            pattern = getattr(self, field)
+            if not isinstance(pattern, Mapping):
+                bad(field, "must be a dict {module name pattern: value}")
+            for key, value in pattern.items():
+                if not isinstance(key, str) or not key:
+                    raise ConfigError(f"LoraConfig.{field}: key {key!r} must be a non-empty string")
+                _compile(key, f"LoraConfig.{field} key")
+                if not ok(value):
+                    raise ConfigError(f"LoraConfig.{field}[{key!r}]={value!r}: must be {what}")
+            object.__setattr__(self, field, dict(pattern))
+
+    def __hash__(self) -> int:
+        return hash((self.r, self.alpha, self.dropout, self.target_modules, self.use_rslora,
+                     frozenset(self.rank_pattern.items()), frozenset(self.alpha_pattern.items()), self.exclude_modules))
+
+    def scale(self, rank: int, alpha: float) -> float:
+        """The LoRA scale of a module of this rank and alpha: alpha / r, or alpha / sqrt(r) under rsLoRA."""
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+    def peft_fields(self) -> dict[str, Any]:
+        """The fields under their PEFT `LoraConfig` names (lists as lists): `peft.LoraConfig(**cfg.peft_fields())`."""
+        def listed(v):
+            return list(v) if isinstance(v, tuple) else v
+        return dict(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                    target_modules=listed(self.target_modules), use_rslora=self.use_rslora,
+                    rank_pattern=dict(self.rank_pattern), alpha_pattern=dict(self.alpha_pattern),
+                    exclude_modules=listed(self.exclude_modules))
+
+    @classmethod
+    def from_peft(cls, peft: Mapping[str, Any]) -> "LoraConfig":
+        """From a PEFT adapter config dict (`adapter_config.json`; PEFT field names such as lora_alpha)."""
+        return cls(r=peft["r"], alpha=peft["lora_alpha"], dropout=peft.get("lora_dropout", 0.0) or 0.0,
+                   target_modules=peft["target_modules"], use_rslora=bool(peft.get("use_rslora", False)),
+                   rank_pattern=peft.get("rank_pattern") or {}, alpha_pattern=peft.get("alpha_pattern") or {},
+                   exclude_modules=peft.get("exclude_modules") or None)
+
+
+def _finite_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _compile(pattern: str, what: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ConfigError(f"{what} {pattern!r} is not a valid regular expression ({e})") from None
+
+
+def _names_or_regex(value, field: str, optional: bool):
+    if value is None and optional:
+        return None
+    if isinstance(value, str):
+        if not value:
+            raise ConfigError(f"LoraConfig.{field} is an empty string; give a regex, a list of names or 'all-linear'")
+        _compile(value, f"LoraConfig.{field}")
+        return value
+    if isinstance(value, (list, tuple, set, frozenset)):
+        names = tuple(sorted(value))  # order has no meaning (PEFT keeps a set): sorted, so equal configs compare equal
+        if (names or not optional) and not (names and all(isinstance(n, str) and n for n in names)):
+            raise ConfigError(f"LoraConfig.{field}={value!r}: must be a non-empty list of module names such as "
+                              "['q_proj', 'v_proj'], a regex string" + (", or None" if optional else
+                                                                         " or 'all-linear'"))
+        return names or None
+    raise ConfigError(f"LoraConfig.{field}={value!r}: must be a list of module names or a regex string")
+
+
+# --------------------------------------------------------------------------- HF module names <-> our linears
+
+
+@dataclasses.dataclass(frozen=True)
+class _Site:
+    """One jaxft Linear (a stack of L per-layer linears) and the HF module name of each of its layers."""
+
+    path: tuple[str, ...]  # ("layers", "attn", "q_proj")
+    template: str  # "model.layers.{i}.self_attn.q_proj"
+    stacked: bool
+
+    def names(self, num_layers: int) -> list[str]:
+        if not self.stacked:
+            return [self.template]
+        return [self.template.replace(LAYER, str(i)) for i in range(num_layers)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Modules:
+    sites: tuple[_Site, ...]  # per-layer linears LoRA can target
+    unsupported: dict[str, str]  # HF module name -> why LoRA cannot go there (output head, non-linear modules)
+    num_layers: int
+
+    def linear_names(self) -> Iterator[tuple[str, _Site, int]]:
+        for site in self.sites:
+            for layer, name in enumerate(site.names(self.num_layers)):
+                yield name, site, layer
+
+
+def _modules(model) -> _Modules:
+    """Our linears under their HF names, derived from the bridge table rows `<module>.weight -> <path>.kernel`."""
+    cfg = model.config
+    table = bridge.table_for(cfg.model_type)
+    present = {tuple(path.split(".")) for path, _ in linears(model)}
+    sites, unsupported = [], {}
+    for row in table:
+        if not row.hf.endswith(".weight"):
+            continue
+        module = row.hf[: -len(".weight")]
+        names = _Site(row.path[:-1], module, row.stacked).names(cfg.num_layers)
+        if row.path[-1] == "kernel" and row.path[:-1] in present and row.stacked:
+            sites.append(_Site(row.path[:-1], module, True))
+        elif row.path[-1] == "kernel":
+            why = ("the output head: LoRA on it is not supported (the fused loss reads its kernel directly); "
+                   "remove it from target_modules")
+            unsupported.update({n: why for n in names})
+        else:
+            why = "not a linear layer: jaxft supports LoRA on linear layers only (no embedding or norm LoRA)"
+            unsupported.update({n: why for n in names})
+    return _Modules(tuple(sites), unsupported, cfg.num_layers)
+
+
+def _short_names(mods: _Modules) -> list[str]:
+    return [site.template.rsplit(".", 1)[-1] for site in mods.sites]
+
+
+def _no_match_error(what: str, mods: _Modules, model_type: str, regex: bool) -> ConfigError:
+    example = mods.sites[0].names(mods.num_layers)[0] if mods.sites else "?"
+    hint = (" A string is a regex that must match the WHOLE name (re.fullmatch); to match by name pass a list, "
+            "e.g. ['q_proj', 'v_proj'].") if regex else ""
+    return ConfigError(
+        f"LoraConfig.target_modules: {what} matches no linear module of this {model_type} model. Linear "
+        f"modules: {', '.join(_short_names(mods))} (each names every layer's module; full names look like "
+        f"{example!r}).{hint}")
+
+
+def _plan(model, cfg: LoraConfig, *, strict: bool) -> dict[_Site, list[tuple[int, float] | None]]:
+    """{site: per layer (rank, scale) or None when that layer's module is not targeted}.
+
+    strict (apply_lora): every target list entry, exclude entry and pattern key must select something, and a
+    match on a module LoRA cannot adapt is an error. Lenient (load_adapter): like PEFT, only an adapter that
+    targets nothing, or that targets an unsupported module, is an error.
+    """
+    mods = _modules(model)
+    model_type = model.config.model_type
+    targets = cfg.target_modules
+    entries = list(mods.linear_names())
+
+    def selected(name: str) -> bool:
+        return True if targets == ALL_LINEAR else peft_io.target_matches(name, targets)
+
+    bad = {name: why for name, why in mods.unsupported.items() if targets != ALL_LINEAR and selected(name)}
+    bad = {n: w for n, w in bad.items() if not peft_io.is_excluded(n, cfg.exclude_modules)}
+    if bad and (strict or any("output head" in w for w in bad.values())):
+        name = next(iter(bad))
+        raise ConfigError(f"LoraConfig.target_modules={_show(targets)} selects {name!r}, which is {bad[name]}")
+    if strict and isinstance(targets, tuple):
+        for t in targets:
+            if not any(peft_io.target_matches(n, (t,)) for n, _, _ in entries):
+                raise _no_match_error(repr(t), mods, model_type, regex=False)
+
+    chosen = [(n, s, l) for n, s, l in entries if selected(n)]
+    kept = [(n, s, l) for n, s, l in chosen if not peft_io.is_excluded(n, cfg.exclude_modules)]
+    if not chosen:
+        raise _no_match_error(_show(targets), mods, model_type, regex=isinstance(targets, str))
+    if not kept:
+        raise ConfigError(f"LoraConfig.exclude_modules={_show(cfg.exclude_modules)} removes every module that "
+                          f"target_modules={_show(targets)} selects; nothing would be adapted")
+    if strict and cfg.exclude_modules and len(kept) == len(chosen):
+        raise ConfigError(f"LoraConfig.exclude_modules={_show(cfg.exclude_modules)} excludes none of the targeted "
+                          f"modules (e.g. {chosen[0][0]!r}); fix the names or drop it")
+
+    peft_like = dict(r=cfg.r, lora_alpha=cfg.alpha, rank_pattern=cfg.rank_pattern, alpha_pattern=cfg.alpha_pattern)
+    plan: dict[_Site, list[tuple[int, float] | None]] = {}
+    for name, site, layer in kept:
+        rank, alpha = peft_io.module_rank_alpha(peft_like, name)
+        plan.setdefault(site, [None] * mods.num_layers)[layer] = (rank, cfg.scale(rank, alpha))
+    if strict:
+        for field in ("rank_pattern", "alpha_pattern"):
+            for key in getattr(cfg, field):
+                if not any(peft_io.pattern_key({key: 0}, n) for n, _, _ in kept):
+                    raise ConfigError(f"LoraConfig.{field} key {key!r} matches none of the targeted modules (e.g. "
+                                      f"{kept[0][0]!r}); keys match a full name as '(.*\\.)?(key)$'")
+    return plan
+
+
+def _show(value) -> str:
+    return repr(list(value) if isinstance(value, tuple) else value)
+
+
+def target_names(model, cfg: LoraConfig) -> list[str]:
+    """The HF module names `cfg` adapts on `model` (what PEFT would wrap), by module type (table order), then layer."""
+    plan = _plan(model, cfg, strict=True)
+    mods = _modules(model)
+    return [n for n, site, layer in mods.linear_names() if plan.get(site, [None] * mods.num_layers)[layer]]
+
+
+# --------------------------------------------------------------------------- apply / merge
+
+
+def _linear(model, path: tuple[str, ...]) -> Linear:
+    node = model
+    for part in path:
+        node = getattr(node, part)
+    return node
+
+
+def _like_kernel(x: jax.Array, kernel: jax.Array, axes: tuple[int | None, ...]) -> jax.Array:
+    """Place `x` sharded like `kernel` along the mapped axes (`axes[d]` = kernel axis of x's dim d, or None)."""
+    sharding = getattr(kernel, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return x
+    spec = tuple(sharding.spec) + (None,) * (kernel.ndim - len(sharding.spec))
+    new = jax.sharding.PartitionSpec(*(None if a is None else spec[a] for a in axes))
+    return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh, new))
+
+
+def _random_fill(seed: int):
+    """PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in)), B = 0.
+
+    Columns j >= r_l of A_l and rows j >= r_l of B_l (padding up to r_max, and everything in layers whose module
+    is not targeted) start at exactly zero and get exactly zero gradients, so they stay zero under any optimiser
+    whose update of a zero parameter with a zero gradient is zero (SGD, Adam/AdamW incl. decoupled weight decay):
+    with g = dL/dy (times s_l), dL/dA_l[:, j] = x^T g B_l[j, :]^T = 0 because row j of B_l is 0, and
+    dL/dB_l[j, :] = (x A_l[:, j])^T g = 0 because column j of A_l is 0. (For untargeted layers s_l = 0 as well.)
+    """
+    def fill(index: int, site: _Site, lin: Linear, ranks: np.ndarray):
+        r_max = int(ranks.max())
+        bound = 1.0 / math.sqrt(lin.in_features)
+        key = jax.random.fold_in(jax.random.key(seed), index)
+        a = jax.random.uniform(key, (len(ranks), lin.in_features, r_max), jnp.float32, -bound, bound)
+        a = jnp.where(jnp.arange(r_max)[None, None, :] < jnp.asarray(ranks)[:, None, None], a, 0.0)
+        return a, jnp.zeros((len(ranks), r_max, lin.out_features), jnp.float32)
+    return fill
+
+
+def _install(model, cfg: LoraConfig, plan, fill) -> None:
+    if any(lin.has_lora for _, lin in linears(model)):
+        raise ValueError("the model already has LoRA adapters; merge_lora(model) first to stack a new adapter on "
+                         "the merged weights, or start from a freshly loaded base model")
+    for index, site in enumerate(_modules(model).sites):
+        per_layer = plan.get(site)
+        if per_layer is None:
+            continue
+        lin = _linear(model, site.path)
+        ranks = np.array([p[0] if p else 0 for p in per_layer], np.int32)
+        scales = np.array([p[1] if p else 0.0 for p in per_layer], np.float32)
+        a, b = fill(index, site, lin, ranks)
+        kernel = lin.kernel[...]
+        # `nnx.data`: these attributes were None (static) on the fresh Linear and now hold state.
+        lin.lora_a = nnx.data(LoraParam(_like_kernel(a, kernel, (0, 1, None))))
+        lin.lora_b = nnx.data(LoraParam(_like_kernel(b, kernel, (0, None, 2))))
+        lin.lora_scale = nnx.data(LoraScale(_like_kernel(jnp.asarray(scales), kernel, (0,))))
+        lin.lora_rank = nnx.data(LoraRank(_like_kernel(jnp.asarray(ranks), kernel, (0,))))
+        lin.lora_dropout = float(cfg.dropout)
+    # Static metadata (hashable), kept through nnx.split/merge; save_adapter writes it back as adapter_config.
+    model.lora_config = cfg
+
+
+def apply_lora(model, cfg: LoraConfig, *, seed: int = 0):
+    """Adds LoRA adapters to `model` in place (and returns it): A ~ U(+-1/sqrt(in)), B = 0, fp32.
+
+    Raises ConfigError if a target_modules entry, an exclude_modules value or a rank/alpha pattern key selects
+    nothing, or selects a module LoRA cannot adapt (output head, embeddings, norms).
+    """
+    _install(model, cfg, _plan(model, cfg, strict=True), _random_fill(seed))
+    return model
+
+
+@jax.jit
+def _merged(kernel, a, b, scale):
+    """W + s_l * A_l B_l per layer, accumulated in fp32, returned in the kernel's dtype."""
+    delta = jnp.einsum("lir,lro->lio", a, b, precision=jax.lax.Precision.HIGHEST)
+    return (kernel.astype(jnp.float32) + scale[:, None, None] * delta).astype(kernel.dtype)
+
+
+class _MergedKernels(Mapping):
+    """{kernel path: merged kernel}, each computed when it is read, so a caller that moves one to host at a time
+    holds one extra kernel at a time on the device."""
+
+    def __init__(self, model):
+        self._lins = {(*tuple(p.split(".")), "kernel"): lin for p, lin in linears(model) if lin.has_lora}
+
+    def __getitem__(self, key):
+        lin = self._lins[tuple(key)]
+        return _merged(lin.kernel[...], lin.lora_a[...], lin.lora_b[...], lin.lora_scale[...])
+
+    def __iter__(self):
+        return iter(self._lins)
+
+    def __len__(self):
+        return len(self._lins)
+
+
+def merged_kernels(model) -> Mapping[tuple[str, ...], jax.Array]:
+    """{("layers", "attn", "q_proj", "kernel"): W + s*A@B (per layer, kernel dtype)} for every Linear with LoRA.
+
+    The model is not modified (what `save_pretrained` exports). Values are computed on access.
+    """
+    return _MergedKernels(model)
+
+
+def merge_lora(model):
+    """Folds every adapter into its kernel (W <- W + s*A@B) and removes the adapters; in place, returns model."""
+    merged = merged_kernels(model)
+    for key in list(merged):
+        lin = _linear(model, key[:-1])
+        lin.kernel[...] = merged[key]
+        lin.lora_a = lin.lora_b = lin.lora_scale = lin.lora_rank = nnx.static(None)
+        lin.lora_dropout = 0.0
+    model.lora_config = None
+    return model
+
+
+def lora_state(model) -> nnx.State:
+    """The trainable adapter matrices (`LoraParam` variables) of `model`."""
+    return nnx.state(model, LoraParam)
+
+
+# --------------------------------------------------------------------------- PEFT adapter files
+
+
+def _condensed_targets(model, plan) -> list[str]:
+    """Explicit target names for an adapter file: a site's shortest unique suffix when all its layers are
+    targeted, else each targeted full name. Exact for every module name of the model."""
+    mods = _modules(model)
+    everything = [n for n, _, _ in mods.linear_names()] + list(mods.unsupported)
+    out = []
+    for site in mods.sites:
+        per_layer = plan.get(site)
+        if per_layer is None:
+            continue
+        names = site.names(mods.num_layers)
+        if all(per_layer):
+            parts = site.template.split(".")
+            for k in range(1, len(parts) + 1):
+                suffix = ".".join(parts[-k:])
+                if "{" not in suffix and {n for n in everything if peft_io.target_matches(n, (suffix,))} == set(names):
+                    out.append(suffix)
+                    break
+            else:
+                out.extend(names)
+        else:
+            out.extend(n for n, p in zip(names, per_layer) if p)
+    return out
+
+
+def save_adapter(model, path: str | os.PathLike, *, base_model_name_or_path: str | None = None,
+                 overwrite: bool = False) -> Path:
+    """Writes the model's adapters as a PEFT LoRA adapter directory (adapter_config.json +
+    adapter_model.safetensors) that `peft.PeftModel.from_pretrained(hf_model, path)` loads without warnings.
+
+    "all-linear" targets are written as the resolved explicit list (what PEFT itself stores).
+    """
+    cfg: LoraConfig | None = getattr(model, "lora_config", None)
+    if cfg is None:
+        raise ValueError("the model has no LoRA adapters to save; call apply_lora(model, LoraConfig(...)) or "
+                         "load_adapter(model, dir) first")
+    plan = _plan(model, cfg, strict=False)
+    mods = _modules(model)
+    weights = {}
+    for site in mods.sites:
+        if site not in plan:
+            continue
+        lin = _linear(model, site.path)
+        a, b = np.asarray(lin.lora_a[...], np.float32), np.asarray(lin.lora_b[...], np.float32)
+        ranks = np.asarray(lin.lora_rank[...])
+        for layer, name in enumerate(site.names(mods.num_layers)):
+            if plan[site][layer] is None:
+                continue
+            r = int(ranks[layer])
+            weights[name] = (a[layer, :, :r].T, b[layer, :r, :].T)
+    fields = cfg.peft_fields()
+    if cfg.target_modules == ALL_LINEAR:
+        fields.update(target_modules=_condensed_targets(model, plan), exclude_modules=None)
+    config = peft_io.make_adapter_config(**fields, base_model_name_or_path=base_model_name_or_path)
+    return peft_io.save_adapter(path, config, weights, overwrite=overwrite)
+
+
+def load_adapter(model, path: str | os.PathLike):
+    """Applies the PEFT LoRA adapter in directory `path` to `model` (in place, returned): the adapter's config
+    decides the targets, ranks and scales exactly as PEFT would, and its weights fill A and B.
+
+    Errors name the file and the module: unsupported PEFT features (DoRA, LoRA bias, modules_to_save,
+    embedding LoRA, ...), targeted modules without weights, weights for modules the config does not target or
+    this model lacks, and shape mismatches with the model.
+    """
+    path = Path(path)
+    peft_cfg, weights = peft_io.load_adapter(path)
+    source = path / peft_io.ADAPTER_CONFIG_NAME
+    try:
+        cfg = LoraConfig.from_peft(peft_cfg)
+        plan = _plan(model, cfg, strict=False)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    mods = _modules(model)
+    targeted = {n for n, site, layer in mods.linear_names() if plan.get(site) and plan[site][layer]}
+    missing, extra = sorted(targeted - set(weights)), sorted(set(weights) - targeted)
+    weights_file = path / peft_io.ADAPTER_WEIGHTS_NAME
+    if missing:
+        raise ValueError(f"{weights_file}: no LoRA weights for {len(missing)} module(s) that {source.name} targets, "
+                         f"e.g. {missing[:3]}; the adapter does not match its config (re-export it)")
+    if extra:
+        raise ValueError(f"{weights_file}: LoRA weights for {len(extra)} module(s) this {model.config.model_type} "
+                         f"model does not have or {source.name} does not target, e.g. {extra[:3]}; was the "
+                         "adapter trained for a different base model?")
+
+    def fill(index: int, site: _Site, lin: Linear, ranks: np.ndarray):
+        a = np.zeros((len(ranks), lin.in_features, int(ranks.max())), np.float32)
+        b = np.zeros((len(ranks), int(ranks.max()), lin.out_features), np.float32)
+        for layer, name in enumerate(site.names(mods.num_layers)):
+            if not ranks[layer]:
+                continue
+            pa, pb = weights[name]
+            want = ((int(ranks[layer]), lin.in_features), (lin.out_features, int(ranks[layer])))
+            if (pa.shape, pb.shape) != want:
+                raise ValueError(
+                    f"{weights_file}: {name}: lora_A {list(pa.shape)} / lora_B {list(pb.shape)} do not fit this "
+                    f"model's layer (expected {list(want[0])} / {list(want[1])}); was the adapter trained for a "
+                    "different base model?")
+            a[layer, :, : ranks[layer]] = np.asarray(pa, np.float32).T
+            b[layer, : ranks[layer], :] = np.asarray(pb, np.float32).T
+        return jnp.asarray(a), jnp.asarray(b)
+
+    _install(model, cfg, plan, fill)
+    return model

@@ -1,0 +1,327 @@
+"""`train(config) -> TrainResult`: the whole LoRA fine-tuning run behind `jaxft-train`.
+
+Order of work (nothing is written to `output_dir` until every input has been validated):
+  1. validate: config, checkpoint to resume from, data (read, tokenize, pack), model (load, apply LoRA);
+  2. create output_dir; restore the checkpoint (LoRA, optimizer state, step, RNG) when resuming;
+  3. steps: batch `PackedDataset.batch(step)` (a pure function of the step, so a resumed run sees the same
+     batches), one jitted update, metrics; eval every `eval_steps`, checkpoint every `save_steps` and at the end;
+  4. export: loss-curve PNG, PEFT adapter (output_dir/adapter), optionally the merged model (output_dir/merged),
+     each written to a temporary directory and renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import shutil
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxft.config import ConfigError
+from jaxft.train import checkpoint as ckpt
+from jaxft.train.config import TrainConfig, TrainConfigError
+from jaxft.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
+from jaxft.train.schedules import make_schedule, warmup_steps_for
+from jaxft.train.step import make_eval_step, make_optimizer, make_train_step, split_model, stack_micro_batches
+
+logger = logging.getLogger("jaxft.train")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What a run produced. `train_loss` is the loss of the last step; `eval_loss` the last evaluation (or None)."""
+
+    output_dir: Path
+    adapter_dir: Path
+    merged_dir: Path | None
+    metrics_path: Path
+    loss_curve: Path | None
+    checkpoint_dir: Path
+    global_step: int
+    train_loss: float | None
+    eval_loss: float | None
+    resumed_from: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Step arithmetic of a run."""
+
+    rows_per_step: int
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+
+
+def _plan(config: TrainConfig, num_rows: int, num_devices: int) -> _Plan:
+    rows = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_devices
+    per_epoch = math.ceil(num_rows / rows)
+    total = config.max_steps if config.max_steps > 0 else max(1, math.ceil(config.num_train_epochs * per_epoch))
+    return _Plan(rows, per_epoch, total, warmup_steps_for(total, config.warmup_steps, config.warmup_ratio))
+
+
+# ---------------------------------------------------------------------------------------------- setup pieces
+def _resume_path(config: TrainConfig, out: Path) -> str | None:
+    resume = config.resume_from_checkpoint
+    if resume is None or resume is False:
+        return None
+    path = out / "checkpoints" if resume is True else Path(resume)
+    try:
+        root, step = ckpt.resolve(path)
+    except ckpt.CheckpointError as e:
+        raise TrainConfigError(f"key 'resume_from_checkpoint': {e}") from None
+    return str(root / str(step))
+
+
+def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise TrainConfigError(f"key 'output_dir': {str(out)!r} exists and is not a directory; choose another path")
+    ck = out / "checkpoints"
+    has_ckpt = ck.is_dir() and any(c.name.isdigit() for c in ck.iterdir())
+    if has_ckpt and not resuming and not config.overwrite_output_dir:
+        raise TrainConfigError(
+            f"key 'output_dir': {str(out)!r} already holds checkpoints of a run; pass resume_from_checkpoint=true "
+            "to continue it, overwrite_output_dir=true to start over, or choose a new output_dir")
+
+
+def _load_data(config: TrainConfig, plan_rows_for, eval_rows: int):
+    from jaxft.data.formatting import load_tokenizer
+    from jaxft.data.pipeline import DataConfig, build_datasets
+
+    tokenizer = load_tokenizer(config.model_name_or_path)
+    data_cfg = DataConfig(path=config.dataset, seq_len=config.max_seq_length, batch_size=plan_rows_for,
+                          eval_path=config.eval_dataset, eval_batch_size=eval_rows, seed=config.seed,
+                          train_on=config.train_on)
+    train_ds, eval_ds = build_datasets(data_cfg, tokenizer)
+    return tokenizer, train_ds, eval_ds
+
+
+def _load_model(config: TrainConfig):
+    from jaxft.io import from_pretrained
+    from jaxft.lora import LoraConfig, apply_lora
+
+    model = from_pretrained(config.model_name_or_path, "bfloat16" if config.bf16 else "float32",
+                            attention_impl=config.attention_implementation, remat=config.remat)
+    targets = config.lora_target_modules
+    try:
+        lora_cfg = LoraConfig(r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                              target_modules=targets if isinstance(targets, str) else tuple(targets),
+                              use_rslora=config.use_rslora)
+        apply_lora(model, lora_cfg, seed=config.seed)
+    except ConfigError as e:
+        raise TrainConfigError(f"key 'lora_target_modules' / lora_*: {e}") from None
+    return model
+
+
+def _mesh_put(num_devices: int):
+    """Host batch -> device arrays: rows (axis 1 of [A, B, T], axis 0 of [B, T]) split over all devices."""
+    if num_devices == 1:
+        return lambda batch: jax.tree.map(jnp.asarray, batch)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    P = jax.sharding.PartitionSpec
+
+    def put(batch):
+        out = {}
+        for key, x in batch.items():
+            spec = P(None, "data") if x.ndim == 3 else P("data")
+            out[key] = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+        return out
+
+    return put
+
+
+def _replace_dir(tmp: Path, target: Path) -> None:
+    """Moves the finished `tmp` onto `target` (an older `target` is removed first)."""
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def train(config: TrainConfig) -> TrainResult:
+    """Fine-tunes LoRA adapters as `config` says; see the module docstring. Raises `TrainConfigError` or a
+    `jaxft.data.errors.DataError` (both ValueErrors with one-line messages) on bad input, before writing anything."""
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"train() takes a TrainConfig, got {type(config).__name__}")
+    out = Path(config.output_dir).expanduser().absolute()
+    num_devices = len(jax.devices())
+    resume_path = _resume_path(config, out)
+    _check_output_dir(config, out, resume_path is not None)
+
+    rows_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_devices
+    eval_rows = (config.per_device_eval_batch_size or config.per_device_train_batch_size) * num_devices
+    tokenizer, train_ds, eval_ds = _load_data(config, rows_per_step, eval_rows)
+    plan = _plan(config, train_ds.num_rows, num_devices)
+    logger.info("%s; %d rows per step (%d x %d micro-batches x %d devices), %d steps per epoch, %d steps",
+                train_ds.stats.summary(), plan.rows_per_step, config.per_device_train_batch_size,
+                config.gradient_accumulation_steps, num_devices, plan.steps_per_epoch, plan.total_steps)
+
+    model = _load_model(config)
+    graphdef, lora, frozen = split_model(model)
+    del model  # its LoRA buffers are donated to the step below
+    schedule = make_schedule(config.lr_scheduler_type, config.learning_rate, plan.total_steps, plan.warmup_steps)
+    optimizer = make_optimizer(schedule, b1=config.adam_beta1, b2=config.adam_beta2, eps=config.adam_epsilon,
+                               weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm)
+    opt_state = optimizer.init(lora)
+    rng = jax.random.key(config.seed)
+    start_step = 0
+    if resume_path is not None:
+        try:
+            lora, opt_state, meta = ckpt.restore(resume_path, lora, opt_state)
+        except ckpt.CheckpointError as e:
+            raise TrainConfigError(f"key 'resume_from_checkpoint': {e}") from None
+        start_step, rng = int(meta["step"]), ckpt.rng_from_json(meta["rng"])
+        _check_resume_meta(meta, config, plan, train_ds.num_rows)
+        logger.info("resumed from %s at step %d (epoch %d, step %d of the epoch)", resume_path, start_step,
+                    meta["epoch"], meta["step_in_epoch"])
+
+    # ---- everything validated: from here on output_dir is written
+    out.mkdir(parents=True, exist_ok=True)
+    if resume_path is None and config.overwrite_output_dir and (out / "checkpoints").exists():
+        shutil.rmtree(out / "checkpoints")
+    (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    checkpointer = ckpt.Checkpointer(out / "checkpoints", save_steps=config.save_steps,
+                                     max_to_keep=config.save_total_limit)
+    writer = MetricsWriter(out, resume_step=start_step if resume_path else None,
+                           tensorboard=config.report_to == "tensorboard")
+    put = _mesh_put(num_devices)
+    step_fn = make_train_step(graphdef, optimizer, schedule, dropout=config.lora_dropout > 0)
+    eval_fn = make_eval_step(graphdef)
+    eval_every = config.eval_steps or config.logging_steps
+
+    def meta_for(step: int) -> dict[str, Any]:
+        epoch, in_epoch = divmod(step, plan.steps_per_epoch)
+        return dict(step=step, epoch=epoch, step_in_epoch=in_epoch, rng=ckpt.rng_to_json(rng), seed=config.seed,
+                    rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length, num_rows=train_ds.num_rows,
+                    total_steps=plan.total_steps)
+
+    def evaluate(step: int) -> float:
+        loss_sum, count = 0.0, 0.0
+        for batch in eval_ds:
+            s, c = eval_fn(lora, frozen, put(batch))
+            loss_sum, count = loss_sum + float(s), count + float(c)
+        value = loss_sum / max(count, 1.0)
+        writer.write({"step": step, "eval_loss": value, "eval_tokens": int(count)})
+        return value
+
+    def save(step: int, force: bool = False):
+        path = checkpointer.save(step, lora, opt_state, meta_for(step), force=force)
+        if path is not None:
+            writer.write({"step": step, "checkpoint": str(path)})
+
+    bar = _progress(plan.total_steps, start_step, disable=config.disable_tqdm)
+    last_loss, last_eval = None, None
+    window: list[tuple[Any, int]] = []
+    window_start = time.perf_counter()
+    step = start_step
+    status: dict[str, str] = {}
+    try:
+        with warnings.catch_warnings():
+            # CPU backends cannot donate buffers; the donation matters (and works) on accelerators.
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            while step < plan.total_steps:
+                host = train_ds.batch(step)
+                num_tokens = int(np.count_nonzero(host["segment_ids"]))
+                batch = put(stack_micro_batches(host, config.gradient_accumulation_steps))
+                lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(rng, step))
+                step += 1
+                window.append((metrics, num_tokens))
+                if step % config.logging_steps == 0 or step == plan.total_steps:
+                    last_loss = _log_window(writer, status, window, step, plan, time.perf_counter() - window_start)
+                    window, window_start = [], time.perf_counter()
+                paused = time.perf_counter()
+                if eval_ds is not None and (step % eval_every == 0 or step == plan.total_steps):
+                    last_eval = evaluate(step)
+                    status["eval"] = f"eval {last_eval:.4f}"
+                if step % config.save_steps == 0 or step == plan.total_steps:
+                    save(step, force=step == plan.total_steps)
+                window_start += time.perf_counter() - paused  # tokens/s counts training time only
+                bar.set_postfix_str(", ".join(status.values()), refresh=False)
+                bar.update(1)
+    finally:
+        bar.close()
+        checkpointer.close()
+        writer.close()
+
+    # ---- exports
+    records = read_metrics(writer.path)
+    curve = plot_loss_curve(records, out / "loss_curve.png")
+    model = nnx.merge(graphdef, lora, frozen)
+    adapter_dir = _export(out, "adapter", lambda d: _save_adapter(model, d, config, tokenizer))
+    merged_dir = None
+    if config.save_merged_model:
+        merged_dir = _export(out, "merged", lambda d: _save_merged(model, d, tokenizer))
+    return TrainResult(output_dir=out, adapter_dir=adapter_dir, merged_dir=merged_dir, metrics_path=writer.path,
+                       loss_curve=curve, checkpoint_dir=out / "checkpoints", global_step=step, train_loss=last_loss,
+                       eval_loss=last_eval, resumed_from=resume_path)
+
+
+def _check_resume_meta(meta: dict, config: TrainConfig, plan: _Plan, num_rows: int) -> None:
+    now = dict(rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length, num_rows=num_rows, seed=config.seed)
+    changed = {k: (meta.get(k), v) for k, v in now.items() if meta.get(k) != v}
+    if changed:
+        logger.warning("resuming with a different data setup than the checkpoint (%s): the run continues, but "
+                       "the batches differ from an uninterrupted run",
+                       ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()))
+
+
+def _log_window(writer, status: dict[str, str], window, step: int, plan: _Plan, seconds: float) -> float:
+    host = jax.device_get([m for m, _ in window])
+    tokens = sum(n for _, n in window)
+    last = host[-1]
+    record = {
+        "step": step,
+        "epoch": round(step / plan.steps_per_epoch, 4),
+        "loss": float(np.mean([float(m["loss"]) for m in host])),
+        "learning_rate": float(last["learning_rate"]),
+        "grad_norm": float(last["grad_norm"]),
+        "num_tokens": tokens,
+        "tokens_per_second": tokens / max(seconds, 1e-9),
+    }
+    writer.write(record)
+    status["loss"] = f"loss {record['loss']:.4f}"
+    status["lr"] = f"lr {record['learning_rate']:.2e}"
+    status["speed"] = f"{record['tokens_per_second']:.0f} tok/s"
+    return float(host[-1]["loss"])
+
+
+def _progress(total: int, initial: int, *, disable: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=disable, unit="step", dynamic_ncols=True, desc="train")
+
+
+def _export(out: Path, name: str, write) -> Path:
+    """Runs `write(dir)` into a fresh temporary directory inside `out`, then renames it to `out/name`."""
+    tmp_root = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out))
+    try:
+        target = tmp_root / name
+        write(target)
+        _replace_dir(target, out / name)
+    finally:
+        shutil.rmtree(tmp_root, ignore_errors=True)
+    return out / name
+
+
+def _save_adapter(model, path: Path, config: TrainConfig, tokenizer) -> None:
+    from jaxft.lora import save_adapter
+
+    save_adapter(model, path, base_model_name_or_path=str(Path(config.model_name_or_path).expanduser().absolute()))
+    tokenizer.save_pretrained(str(path))
+
+
+def _save_merged(model, path: Path, tokenizer) -> None:
+    from jaxft.io import save_pretrained
+
+    save_pretrained(model, path)
+    tokenizer.save_pretrained(str(path))

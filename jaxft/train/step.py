@@ -1,0 +1,145 @@
+"""The jitted training and evaluation steps.
+
+Loss of one optimizer step over micro-batches m = 1..A (gradient accumulation) of packed rows:
+
+    L = sum_m sum_{t in m} w_t * CE_t  /  sum_m sum_{t in m} w_t          (w_t = loss_mask, 1 on target tokens)
+    dL/dθ = (sum_m d(sum_{t in m} w_t CE_t)/dθ) / sum_m sum_{t in m} w_t
+
+Summed losses and summed gradients are accumulated over the micro-batches (a `lax.scan` inside the one
+jitted step) and divided once by the global target count, so A micro-batches of B rows give exactly the
+loss and gradient of one batch of A*B rows (up to float summation order). CE comes from
+`kernels_pallas.linear_cross_entropy` on the final hidden states: the [tokens, vocab] fp32 logits are
+never materialised.
+
+Only `LoraParam` variables are differentiated and optimised: the model is split by variable type,
+`graphdef, lora, frozen = nnx.split(model, LoraParam, ...)`; the step takes `lora` and the optimizer state
+as donated buffers (updated in place) and `frozen` (base weights, LoRA scales) as a read-only input.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxft.models.layers import LoraParam
+from kernels_pallas.linear_cross_entropy import linear_cross_entropy
+
+Batch = dict[str, jax.Array]
+BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+
+
+def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, lora, frozen): the trainable LoRA matrices and everything else, selected by type."""
+    graphdef, lora, frozen = nnx.split(model, LoraParam, ...)
+    if not jax.tree.leaves(lora):
+        raise ValueError("the model has no LoraParam variables: apply LoRA (jaxft.lora.apply_lora) before training")
+    return graphdef, lora, frozen
+
+
+def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
+                   ce_chunk_size: int | None = None, ce_implementation: str = "xla") -> jax.Array:
+    """sum_t loss_mask_t * CE(softmax(h_t @ W_head), targets_t) over a [B, T] packed batch (fp32 scalar)."""
+    hidden = model.hidden_states(batch["input_ids"], batch["positions"], batch["segment_ids"],
+                                 dropout_rng=dropout_rng)
+    b, t, h = hidden.shape
+    return linear_cross_entropy(
+        hidden.reshape(b * t, h), model.head_weight(), batch["targets"].reshape(b * t),
+        batch["loss_mask"].reshape(b * t).astype(jnp.float32),
+        chunk_size=ce_chunk_size, implementation=ce_implementation)
+
+
+def make_optimizer(schedule: optax.Schedule | float, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                   weight_decay: float = 0.0, max_grad_norm: float = 0.0) -> optax.GradientTransformation:
+    """AdamW (decoupled decay: p <- p - lr * (adam_update + weight_decay * p), as torch.optim.AdamW), after
+    global-norm clipping of the gradient to `max_grad_norm` (0 = no clipping)."""
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    if max_grad_norm and max_grad_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
+    return adamw
+
+
+def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.State, batch: Batch,
+                       rng: jax.Array | None, **ce_kw) -> tuple[jax.Array, Any, jax.Array]:
+    """(sum of token losses, sum of their gradients w.r.t. `lora`, target count) over `batch` whose leaves are
+    [A, B, T] (A micro-batches, scanned one at a time so only one micro-batch's activations are live)."""
+
+    def micro_loss(lora_, mb, r):
+        return token_loss_sum(nnx.merge(graphdef, lora_, frozen), mb, dropout_rng=r, **ce_kw)
+
+    grad_fn = jax.value_and_grad(micro_loss)
+
+    def body(carry, xs):
+        loss_acc, grad_acc = carry
+        mb, index = xs
+        r = None if rng is None else jax.random.fold_in(rng, index)
+        loss, grads = grad_fn(lora, mb, r)
+        return (loss_acc + loss, jax.tree.map(jnp.add, grad_acc, grads)), None
+
+    accum = batch["loss_mask"].shape[0]
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), lora)
+    init = (jnp.zeros((), jnp.float32), zeros)
+    (loss_sum, grad_sum), _ = jax.lax.scan(body, init, (batch, jnp.arange(accum, dtype=jnp.int32)))
+    count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    return loss_sum, grad_sum, count
+
+
+def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule | None = None, *, dropout: bool = False, ce_chunk_size: int | None = None,
+                    ce_implementation: str = "xla", donate: bool = True) -> Callable:
+    """`step(lora, opt_state, frozen, batch [A,B,T], rng) -> (lora, opt_state, metrics)`, jitted once.
+
+    `lora` and `opt_state` are donated. metrics: loss (mean over the step's target tokens), grad_norm (global
+    norm before clipping), learning_rate (used by this update), num_target_tokens. `rng` drives LoRA dropout
+    (one key per micro-batch via fold_in); it is ignored unless `dropout`."""
+    ce_kw = dict(ce_chunk_size=ce_chunk_size, ce_implementation=ce_implementation)
+
+    def step(lora, opt_state, frozen, batch, rng):
+        loss_sum, grad_sum, count = loss_and_grad_sums(graphdef, lora, frozen, batch, rng if dropout else None,
+                                                       **ce_kw)
+        denom = jnp.maximum(count, 1.0)  # an all-padding step has zero loss and zero gradient
+        grads = jax.tree.map(lambda g: g / denom, grad_sum)
+        metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads), "num_target_tokens": count}
+        if schedule is not None:
+            metrics["learning_rate"] = jnp.asarray(schedule(_update_count(opt_state)), jnp.float32)
+        updates, opt_state = optimizer.update(grads, opt_state, lora)
+        lora = optax.apply_updates(lora, updates)
+        return lora, opt_state, metrics
+
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def make_eval_step(graphdef: nnx.GraphDef, *, ce_chunk_size: int | None = None,
+                   ce_implementation: str = "xla") -> Callable:
+    """`eval_step(lora, frozen, batch [B,T]) -> (loss_sum, target_count)`; the eval loss is
+    sum(loss_sum) / sum(target_count) over all eval batches."""
+
+    def eval_step(lora, frozen, batch):
+        model = nnx.merge(graphdef, lora, frozen)
+        loss = token_loss_sum(model, batch, ce_chunk_size=ce_chunk_size, ce_implementation=ce_implementation)
+        return loss, jnp.sum(batch["loss_mask"].astype(jnp.float32))
+
+    return jax.jit(eval_step)
+
+
+def _update_count(opt_state) -> jax.Array:
+    """The number of updates applied so far, read from the optimizer state (optax's ScaleByScheduleState)."""
+    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState)):
+        if isinstance(leaf, optax.ScaleByScheduleState):
+            return leaf.count
+    raise ValueError("the optimizer has no learning-rate schedule state; pass schedule=None to make_train_step")
+
+
+def stack_micro_batches(batch: dict[str, Any], accum: int) -> dict[str, Any]:
+    """[A*B, T] host arrays -> [A, B, T] (micro-batch m = rows m*B .. m*B+B-1)."""
+    out = {}
+    for key in BATCH_KEYS:
+        x = batch[key]
+        if x.shape[0] % accum:
+            raise ValueError(f"batch[{key!r}] has {x.shape[0]} rows, not a multiple of gradient_accumulation_steps="
+                             f"{accum}")
+        out[key] = x.reshape(accum, x.shape[0] // accum, *x.shape[1:])
+    return out

@@ -1,0 +1,65 @@
+"""Random-weight model directories for the benchmark (torch + transformers; no downloads).
+
+``save_random_model`` builds the HF model of a shape with random weights directly on the target
+device (initialising an 8B model on the GPU takes seconds, on CPU minutes), casts nothing (it is
+created in bf16) and writes it with ``save_pretrained`` (safetensors) next to a small generated
+tokenizer. Every system then loads that same directory, so all of them start from identical
+weights. The tokenizer only exists because Unsloth's loader insists on one: its vocabulary (256
+word-level tokens) is far smaller than the model's and the benchmark never tokenises text.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from bench.workloads import ModelShape
+
+TOKENIZER_VOCAB = 256
+SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+
+
+def save_tokenizer(save_dir: str) -> None:
+    """A word-level fast tokenizer with ids 0..3 = <unk>, <s>, </s>, <pad> (config ids match)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS.values())}
+    vocab.update({f"t{i}": i for i in range(len(vocab), TOKENIZER_VOCAB)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, **SPECIAL_TOKENS)
+    fast.save_pretrained(save_dir)
+
+
+def build_config(shape: ModelShape):
+    from transformers import AutoConfig
+
+    cfg = shape.config_dict()
+    model_type = cfg.pop("model_type")
+    return AutoConfig.for_model(model_type, **cfg)
+
+
+def save_random_model(shape: ModelShape, save_dir: str, device: str, seed: int = 0) -> dict[str, Any]:
+    """Create the model of ``shape`` with random bf16 weights on ``device`` and save it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    os.makedirs(save_dir, exist_ok=True)
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    config = build_config(shape)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    n_params = sum(p.numel() for p in model.parameters())
+    t1 = time.perf_counter()
+    model.save_pretrained(save_dir)
+    save_tokenizer(save_dir)
+    t2 = time.perf_counter()
+    size = sum(os.path.getsize(os.path.join(save_dir, f)) for f in os.listdir(save_dir))
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"model_dir": save_dir, "shape": shape.name, "params": int(n_params),
+            "bytes_on_disk": int(size), "init_s": t1 - t0, "save_s": t2 - t1}

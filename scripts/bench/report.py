@@ -1,0 +1,125 @@
+"""Derived statistics and the markdown table of the training benchmark.
+
+All systems' raw measurements go through ``summarise_run``, so the statistics are computed
+identically: the first ``warmup`` steps are dropped, the step time is the median of the rest,
+tokens/s = tokens per step / median step time, MFU = mean useful FLOPs per timed step / median
+step time / the bf16 matmul ceiling (the maximum of the torch and JAX measurements of the same
+run, so every system is divided by the same number).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from bench.workloads import FLOP_FORMULA, Workload
+
+GIB = 1024 ** 3
+
+
+def summarise_run(raw: dict[str, Any], workload: Workload, warmup: int,
+                  flops_per_step: list[float], expected_sha: str, expected_lora_params: int,
+                  ceiling_flops_per_s: float | None) -> dict[str, Any]:
+    """Statistics of one (system, workload) run; ``raw`` is the worker's result dict."""
+    out: dict[str, Any] = {"status": raw.get("status", "error")}
+    if out["status"] != "ok":
+        return out
+    times = [float(t) for t in raw["step_times_s"]][warmup:]
+    losses = [float(x) for x in raw["losses"]]
+    med = statistics.median(times)
+    flops = statistics.fmean(flops_per_step[warmup:])
+    out.update({
+        "timed_steps": len(times),
+        "median_step_s": med,
+        "min_step_s": min(times),
+        "max_step_s": max(times),
+        "tokens_per_s": workload.tokens_per_step / med,
+        "peak_memory_bytes": int(raw["peak_memory_bytes"]),
+        "peak_memory_gib": raw["peak_memory_bytes"] / GIB,
+        "useful_flops_per_step": flops,
+        "achieved_flops_per_s": flops / med,
+        "mfu": (flops / med / ceiling_flops_per_s) if ceiling_flops_per_s else None,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "loss_finite": all(math.isfinite(x) for x in losses),
+        "data_matches": raw.get("data_sha256") == expected_sha,
+        "lora_params_match": raw.get("trainable_params") in (None, expected_lora_params),
+    })
+    return out
+
+
+def first_loss_spread(runs: list[dict[str, Any]], workload: str) -> float | None:
+    """Relative spread of the step-0 loss across systems (same weights, same data, LoRA B = 0
+    at init, so every system should compute the same first loss up to bf16 rounding)."""
+    vals = [r["summary"]["first_loss"] for r in runs
+            if r["workload"] == workload and r["summary"].get("status") == "ok"]
+    if len(vals) < 2:
+        return None
+    return (max(vals) - min(vals)) / max(abs(statistics.fmean(vals)), 1e-12)
+
+
+def _status_cell(run: dict[str, Any]) -> str:
+    s = run["summary"]["status"]
+    if s == "ok":
+        flags = []
+        if not run["summary"].get("data_matches", True):
+            flags.append("DATA MISMATCH")
+        if not run["summary"].get("lora_params_match", True):
+            flags.append("LoRA param count differs")
+        if not run["summary"].get("loss_finite", True):
+            flags.append("non-finite loss")
+        return "ok" + (f" ({'; '.join(flags)})" if flags else "")
+    reason = run["raw"].get("error", "")
+    return f"{s}" + (f": {reason[:120]}" if reason and s != "oom" else "")
+
+
+def _row(run: dict[str, Any]) -> str:
+    s = run["summary"]
+    cells = [run["workload"], run["system"], _status_cell(run)]
+    if s["status"] == "ok":
+        mfu = s.get("mfu")
+        cells += [f"{s['median_step_s'] * 1e3:.1f}", f"{s['tokens_per_s']:,.0f}",
+                  f"{s['peak_memory_gib']:.2f}", "-" if mfu is None else f"{100 * mfu:.1f}%",
+                  f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"]
+    else:
+        cells += ["-"] * 5
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta, ceil = report["meta"], report["ceiling"]
+    lines = ["# LoRA training benchmark", ""]
+    lines += [f"- date: {meta['date']}", f"- commit: {meta['commit']}",
+              f"- GPU / device: {meta['device_name']}",
+              f"- command: `{meta['command']}`"]
+    for side, vers in sorted(meta.get("versions", {}).items()):
+        lines.append(f"- versions ({side}): " + ", ".join(f"{k} {v}" for k, v in sorted(vers.items())))
+    used = ceil.get("used_flops_per_s")
+    parts = [f"{fw} {c['flops_per_s'] / 1e12:.1f} TFLOP/s" for fw, c in sorted(ceil.items())
+             if isinstance(c, dict) and c.get("status") == "ok"]
+    lines.append(f"- bf16 matmul ceiling: {', '.join(parts) or 'not measured'}; MFU uses "
+                 f"{'-' if used is None else f'{used / 1e12:.1f} TFLOP/s'} (the max)")
+    lines.append(f"- steps: {meta['steps']} per run, first {meta['warmup']} excluded from timing "
+                 f"(median of {meta['steps'] - meta['warmup']}); loss = loss of the last step")
+    lines.append(f"- LoRA: {meta['lora']}; optimizer: {meta['adamw']}")
+    lines.append(f"- FLOPs: {FLOP_FORMULA}")
+    lines += ["", "| workload | system | status | step (ms) | tokens/s | peak mem (GiB) | MFU | "
+              "loss first -> last |", "|---|---|---|---:|---:|---:|---:|---|"]
+    for run in report["runs"]:
+        lines.append(_row(run))
+    lines += ["", "## Workloads", ""]
+    for name, w in report["workloads"].items():
+        d = w["data"]
+        lines.append(f"- {name}: shape {w['shape']}, batch {w['batch']} x {w['seq_len']}"
+                     f"{' packed' if w['packed'] else ''}; frozen matmul params "
+                     f"{w['params']['frozen_matmul'] / 1e9:.3f} B, LoRA params "
+                     f"{w['params']['lora'] / 1e6:.2f} M; {d['documents'] / d['steps']:.1f} docs/step "
+                     f"(mean {d['mean_doc_len']:.0f} tokens); useful "
+                     f"{w['useful_flops_per_step'] / 1e12:.2f} TFLOP/step"
+                     + (f"; first-loss spread across systems {100 * w['first_loss_spread']:.2f}%"
+                        if w.get("first_loss_spread") is not None else ""))
+    notes = report.get("notes", [])
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"

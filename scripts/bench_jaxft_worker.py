@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""jaxft worker of scripts/bench_train.py: one process per workload.
+
+THE HOOK: ``run_jaxft`` below is a placeholder owned by the jaxft lead. Until it is filled, the
+harness reports the system as "not_run" (the NotImplementedError is caught by worker_main).
+
+What run_jaxft(workload, model_dir, steps, out_json) must do:
+  * load the random-weight HF model directory ``model_dir`` (bf16 safetensors + config.json in
+    transformers 5 format: ``rope_parameters``, not ``rope_scaling``) with jaxft's best settings;
+  * add LoRA per bench.workloads.LORA (r=16, alpha=32, dropout 0, q,k,v,o,gate,up,down; fp32);
+  * train ``steps`` steps with bench.workloads.ADAMW (AdamW lr 1e-4, b1 0.9, b2 0.999, eps 1e-8,
+    weight_decay 0.0 -- optax.adamw's default is 1e-4, pass 0.0) on
+    ``data = bench.workloads.make_token_data(workload, steps)``: step i trains on
+    ``data.step(i)`` (the jaxft packed-batch dict: input_ids, targets, loss_mask, segment_ids,
+    positions, each [B, T]); the loss is the mean over loss_mask == 1 tokens (what HF computes);
+    put the batches on the device before timing;
+  * time every step (steps including the compile: the harness drops the first --warmup ones)
+    with the device synchronised at its end (block_until_ready on the loss/params);
+  * return a dict (worker_main validates it and writes it to ``out_json``; ``out_json``'s
+    folder may be used for scratch files) with at least
+        "step_times_s":      list[float] of length steps,
+        "losses":            list[float] of length steps (loss computed by each step),
+        "peak_memory_bytes": int, jax.devices()[0].memory_stats()["peak_bytes_in_use"],
+        "data_sha256":       data.sha256,
+    and ideally "lora_param_dtype" (str), "trainable_params" (int), "device_name" (str),
+    "versions" (dict), "settings" (dict: remat policy, kernels, ... = "its best settings").
+  * let exceptions propagate: an out-of-memory (XlaRuntimeError RESOURCE_EXHAUSTED) is recorded
+    as status "oom", anything else as "error".
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from bench.workloads import Workload
+from bench.worker_common import Task, worker_main
+
+
+# "Best settings" per mode, chosen from the measurements in docs/benchmarks.md. JAXFT_BENCH_MODE picks one:
+#   fast: no rematerialisation (activations stay on the device: H200 memory is ample at these shapes);
+#   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass.
+MODES = {
+    "fast": dict(remat="none", attention="auto", ce_chunk_size=None),
+    "lean": dict(remat="offload", attention="auto", ce_chunk_size=None),
+    "full_remat": dict(remat="full", attention="auto", ce_chunk_size=None),
+}
+
+
+def run_jaxft(workload: Workload, model_dir: str, steps: int, out_json: str) -> dict[str, Any]:
+    """Train ``workload`` with jaxft for ``steps`` steps and return the raw measurements."""
+    import os
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxft
+    from bench.workloads import ADAMW, LORA, make_token_data
+    from jaxft.lora import LoraConfig, apply_lora
+    from jaxft.train.step import make_optimizer, make_train_step, split_model
+
+    mode = os.environ.get("JAXFT_BENCH_MODE", "fast")
+    settings = dict(MODES[mode], mode=mode)
+    for key in ("remat", "attention"):  # explicit overrides for ablations
+        if os.environ.get(f"JAXFT_BENCH_{key.upper()}"):
+            settings[key] = os.environ[f"JAXFT_BENCH_{key.upper()}"]
+    dtype = "float32" if workload.tiny and jax.devices()[0].platform == "cpu" else "bfloat16"
+    attention = settings["attention"]
+    if jax.devices()[0].platform == "cpu":
+        attention = "xla"
+    model = jaxft.from_pretrained(model_dir, dtype=dtype, attention_impl=attention, remat=settings["remat"])
+    model = apply_lora(model, LoraConfig(r=LORA.r, alpha=LORA.alpha, dropout=LORA.dropout,
+                                         target_modules=tuple(LORA.targets)), seed=0)
+    graphdef, lora, frozen = split_model(model)
+    del model
+    optimizer = make_optimizer(ADAMW.lr, b1=ADAMW.b1, b2=ADAMW.b2, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay)
+    opt_state = optimizer.init(lora)
+    step_fn = make_train_step(graphdef, optimizer, ce_chunk_size=settings["ce_chunk_size"])
+    data = make_token_data(workload, steps)
+    batches = [jax.device_put({k: np.asarray(v)[None] for k, v in data.step(i).items()}) for i in range(steps)]
+    jax.block_until_ready(batches)
+    rng = jax.random.key(0)
+    times, losses = [], []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batches[i], rng)
+        loss = float(jax.block_until_ready(metrics["loss"]))
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "step_times_s": times,
+        "losses": losses,
+        "peak_memory_bytes": int(stats.get("peak_bytes_in_use", 0)),
+        "data_sha256": data.sha256,
+        "lora_param_dtype": str(jax.tree.leaves(lora)[0].dtype),
+        "trainable_params": int(sum(x.size for x in jax.tree.leaves(lora))),
+        "device_name": str(jax.devices()[0].device_kind),
+        "versions": {"jax": jax.__version__, "jaxft": getattr(jaxft, "__version__", "dev")},
+        "settings": {**settings, "attention_resolved": attention, "dtype": dtype,
+                     "lora_dtype": "float32", "compute": dtype},
+    }
+
+
+def _run_task(task: Task, out_json: str) -> dict[str, Any]:
+    if task.kind != "train":
+        raise ValueError(f"bench_jaxft_worker handles only kind='train' tasks, got {task.kind!r}")
+    return run_jaxft(task.workload_obj, task.model_dir, task.steps, out_json)
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(_run_task))

@@ -1,0 +1,228 @@
+#!/usr/bin/env python
+"""Torch-side worker of scripts/bench_train.py: one process per (system, workload).
+
+Systems:
+  hf_ckpt / hf_nockpt  transformers + PEFT, attn_implementation="sdpa", bf16 weights, LoRA
+                       parameters fp32 (PEFT's autocast_adapter_dtype), gradient checkpointing
+                       (non-reentrant) on / off, torch.optim.AdamW(fused=True on CUDA).
+                       Packed workloads use HF's padding-free path: one row of concatenated
+                       documents, no attention_mask, position_ids restarting per document and
+                       labels = -100 at each document start. transformers (5.17 and 5.24 read)
+                       detects the restarts in masking_utils.find_packed_sequence_indices and,
+                       for SDPA, materialises a block-diagonal causal bool mask [B, 1, T, T]
+                       (dense attention with a mask; there is no varlen SDPA kernel). This only
+                       happens without a KV cache, so use_cache=False is passed explicitly: with
+                       the config default (True, and gradient checkpointing off) a DynamicCache is
+                       created and the packing is silently ignored (attention crosses documents).
+  unsloth              FastLanguageModel (16-bit LoRA, use_gradient_checkpointing="unsloth");
+                       imported before transformers/peft, needs a CUDA GPU. Packed workloads pass
+                       the same position_ids (Unsloth derives packed_seq_lengths from them).
+Also task kind "save_model": write the random-weight model directory of a shape.
+
+Usage (the harness does this): python scripts/bench_torch_worker.py --task TASK.json --out RESULT.json
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from typing import Any, Callable
+
+HF_SYSTEMS = ("hf_ckpt", "hf_nockpt")
+SYSTEMS = HF_SYSTEMS + ("unsloth",)
+
+
+def _peek_task(argv: list[str]) -> dict[str, Any]:
+    """Read the task before importing torch: Unsloth must be imported before transformers/peft."""
+    path = argv[argv.index("--task") + 1] if "--task" in argv else None
+    if path is None:
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+_UNSLOTH_IMPORT_ERROR: BaseException | None = None
+_PEEK = _peek_task(sys.argv)
+if _PEEK.get("system") == "unsloth" and _PEEK.get("device") == "cuda":
+    try:
+        import unsloth  # noqa: F401  (patches transformers/peft; must come first)
+    except Exception as _e:  # reported as not_run by run_train
+        _UNSLOTH_IMPORT_ERROR = _e
+
+import numpy as np  # noqa: E402
+
+from bench.workloads import ADAMW, LORA, TokenData, Workload, make_token_data  # noqa: E402
+from bench.worker_common import SystemUnavailable, Task, worker_main  # noqa: E402
+
+
+def _versions(extra: tuple[str, ...] = ()) -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "transformers", "peft", "accelerate", "triton") + extra:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    import torch
+
+    out["cuda"] = str(torch.version.cuda)
+    return out
+
+
+def _sync(device: str) -> Callable[[], None]:
+    import torch
+
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def _lora_dtype_and_count(model) -> tuple[str, int, list[str]]:
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for _, p in trainable})
+    non_lora = [n for n, _ in trainable if "lora_" not in n]
+    return ",".join(dtypes), int(sum(p.numel() for _, p in trainable)), non_lora[:5]
+
+
+def train_loop(model, workload: Workload, data: TokenData, steps: int, device: str) -> dict[str, Any]:
+    """Run ``steps`` AdamW steps on the staged batches; time each one device-synchronised."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=ADAMW.lr, betas=(ADAMW.b1, ADAMW.b2), eps=ADAMW.eps,
+                            weight_decay=ADAMW.weight_decay, fused=(device == "cuda"))
+    # Stage every batch on the device before the clock starts (host->device copies not timed).
+    ids = torch.from_numpy(data.input_ids.astype(np.int64)).to(device)
+    labels = torch.from_numpy(data.hf_labels()).to(device)
+    pos = torch.from_numpy(data.positions.astype(np.int64)).to(device) if workload.packed else None
+    sync = _sync(device)
+    allocated_before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    times, losses = [], []
+    model.train()
+    for i in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        kwargs = {"position_ids": pos[i]} if pos is not None else {}
+        out = model(input_ids=ids[i], labels=labels[i], use_cache=False, **kwargs)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = float(out.loss.detach().float().item())
+        sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        del out
+    if device == "cuda":
+        peak = int(torch.cuda.max_memory_allocated())
+        extra = {"peak_memory_kind": "torch.cuda.max_memory_allocated (whole process)",
+                 "max_memory_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+                 "allocated_before_train_bytes": int(allocated_before)}
+    else:
+        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        extra = {"peak_memory_kind": "host ru_maxrss (CPU run)"}
+    return {"step_times_s": times, "losses": losses, "peak_memory_bytes": peak, "extra": extra}
+
+
+def _check_hf_packing(workload: Workload, data: TokenData) -> str:
+    """Confirm transformers will treat our position_ids as packed documents (raise if not)."""
+    if not workload.packed:
+        return "causal (is_causal=True, no mask)"
+    import torch
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    seg = find_packed_sequence_indices(torch.from_numpy(data.positions[0].astype(np.int64)))
+    if seg is None:
+        raise RuntimeError("transformers did not detect packed sequences from position_ids")
+    got = seg.numpy() + 1
+    if not np.array_equal(got, data.segment_ids[0]):
+        raise RuntimeError("transformers' packed segments differ from our segment_ids")
+    return ("padding-free: position_ids restart per document, no attention_mask, use_cache=False "
+            "-> transformers builds a block-diagonal causal 4D bool mask for SDPA")
+
+
+def run_hf(task: Task, ckpt: bool) -> dict[str, Any]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    workload = task.workload_obj
+    data = make_token_data(workload, task.steps)
+    attention = _check_hf_packing(workload, data)
+    model = AutoModelForCausalLM.from_pretrained(
+        task.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa", device_map=task.device)
+    model.config.use_cache = False
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(0)
+    lcfg = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
+                      target_modules=list(LORA.targets), bias="none", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lcfg)  # autocast_adapter_dtype=True: LoRA params in fp32
+    lora_dtype, n_train, non_lora = _lora_dtype_and_count(model)
+    result = train_loop(model, workload, data, task.steps, task.device)
+    return {**result, "data_sha256": data.sha256, "lora_param_dtype": lora_dtype,
+            "trainable_params": n_train,
+            "device_name": torch.cuda.get_device_name() if task.device == "cuda" else "cpu",
+            "versions": _versions(),
+            "settings": {"attn_implementation": model.config._attn_implementation,
+                         "weights": "bf16", "gradient_checkpointing": ckpt,
+                         "use_reentrant": False if ckpt else None,
+                         "optimizer": f"torch.optim.AdamW(fused={task.device == 'cuda'})",
+                         "attention_masking": attention,
+                         "non_lora_trainable": non_lora}}
+
+
+def run_unsloth(task: Task) -> dict[str, Any]:
+    if task.device != "cuda":
+        raise SystemUnavailable("Unsloth needs a CUDA GPU (its kernels are Triton)")
+    if _UNSLOTH_IMPORT_ERROR is not None:
+        raise SystemUnavailable(f"import unsloth failed: {type(_UNSLOTH_IMPORT_ERROR).__name__}: "
+                                f"{_UNSLOTH_IMPORT_ERROR}")
+    import torch
+    from unsloth import FastLanguageModel
+
+    workload = task.workload_obj
+    data = make_token_data(workload, task.steps)
+    model, _tok = FastLanguageModel.from_pretrained(
+        model_name=task.model_dir, max_seq_length=workload.seq_len, dtype=torch.bfloat16,
+        load_in_4bit=False, load_in_16bit=True, local_files_only=True)
+    model = FastLanguageModel.get_peft_model(
+        model, r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
+        target_modules=list(LORA.targets), use_gradient_checkpointing="unsloth", bias="none",
+        random_state=3407, max_seq_length=workload.seq_len)
+    FastLanguageModel.for_training(model)
+    lora_dtype, n_train, non_lora = _lora_dtype_and_count(model)
+    result = train_loop(model, workload, data, task.steps, task.device)
+    backends = {}
+    try:
+        from unsloth.utils import attention_dispatch as ad
+
+        backends = {"flash_attn": bool(ad.HAS_FLASH_ATTENTION), "xformers": bool(ad.HAS_XFORMERS)}
+    except Exception as e:  # informational only
+        backends = {"unknown": f"{type(e).__name__}: {e}"}
+    return {**result, "data_sha256": data.sha256, "lora_param_dtype": lora_dtype,
+            "trainable_params": n_train, "device_name": torch.cuda.get_device_name(),
+            "versions": _versions(("unsloth", "unsloth_zoo", "bitsandbytes", "flash_attn",
+                                   "xformers")),
+            "settings": {"load_in_16bit": True, "use_gradient_checkpointing": "unsloth",
+                         "optimizer": "torch.optim.AdamW(fused=True)",
+                         "attention_backends_available": backends,
+                         "packed": "position_ids (Unsloth infers packed_seq_lengths)"
+                         if workload.packed else None,
+                         "non_lora_trainable": non_lora}}
+
+
+def run_task(task: Task, out_json: str) -> dict[str, Any]:
+    if task.kind == "save_model":
+        from bench.models import save_random_model
+
+        return save_random_model(task.workload_obj.shape, task.model_dir, task.device)
+    if task.system in HF_SYSTEMS:
+        return run_hf(task, ckpt=task.system == "hf_ckpt")
+    if task.system == "unsloth":
+        return run_unsloth(task)
+    raise ValueError(f"bench_torch_worker: unknown system {task.system!r}; known {SYSTEMS}")
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(run_task))

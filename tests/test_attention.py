@@ -1,0 +1,330 @@
+"""Attention: XLA reference vs transformers' eager attention (torch, fp32), and the
+Pallas flash kernels (interpret mode on CPU, compiled on GPU) vs the reference.
+
+Oracles: transformers.models.gemma2 eager attention (GQA, soft-capping, mask) and
+transformers.models.gpt_oss eager attention (GQA, sinks, mask), forward and
+autograd gradients.  The kernels are then checked against the reference for
+every feature: causal, GQA/MQA, head_dim 64/128/256, packed ragged segments
+(a document spanning several blocks, one-token documents, rows ending in
+padding, T not a block multiple), sliding window, softcap, sinks, bf16.
+"""
+
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas.attention import attention_reference, dot_product_attention, make_metadata
+from kernels_pallas.attention.bench import TEST_SHAPES, make_segment_ids
+from kernels_pallas.attention.config import BlockConfig, FlashConfig
+from kernels_pallas.attention.flash import DKDV_NAME, DQ_NAME, FWD_NAME, flash_attention
+
+ON_GPU = jax.default_backend() == "gpu"
+needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+def ragged_segments(b, t):
+    """Rows: two docs crossing block edges then padding; a one-token doc and a
+    doc spanning several blocks; dense; many short docs ending in padding."""
+    seg = np.zeros((b, t), np.int32)
+    layouts = [
+        [(0, 100, 1), (100, int(t * 0.9), 2)],
+        [(0, 5, 1), (5, 6, 2), (6, int(t * 0.8), 3), (int(t * 0.8), t, 4)],
+        [(0, t, 1)],
+        [(s, min(s + 23, t - 9), 1 + s // 23) for s in range(0, t - 9, 23)],
+    ]
+    for r in range(b):
+        for s, e, i in layouts[r % len(layouts)]:
+            seg[r, s:e] = i
+    return jnp.asarray(seg)
+
+
+def _inputs(b, t, h, kvh, d, dtype, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (b, t, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, t, kvh, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, t, kvh, d), jnp.float32).astype(dtype)
+    do = jax.random.normal(ks[3], (b, t, h, d), jnp.float32).astype(dtype)
+    sinks = jax.random.normal(ks[4], (h,), jnp.float32)
+    return q, k, v, do, sinks
+
+
+def _fwd_and_grads(fn, q, k, v, do, sinks, use_sinks):
+    def f(q, k, v, s):
+        return fn(q, k, v, s if use_sinks else None)
+
+    o, vjp = jax.vjp(f, q, k, v, sinks)
+    return (o,) + vjp(do)
+
+
+def _assert_close(got, want, rel, what):
+    got = np.asarray(got, np.float32)
+    want = np.asarray(want, np.float32)
+    scale = max(1.0, float(np.max(np.abs(want))))
+    err = float(np.max(np.abs(got - want)))
+    assert err <= rel * scale, f"{what}: max |err| {err:.3g} > {rel} * {scale:.3g}"
+
+
+# ---------------------------------------------------------------------------
+# Reference (implementation="xla") vs transformers eager attention in torch.
+# ---------------------------------------------------------------------------
+torch = pytest.importorskip("torch")
+
+
+def _torch_mask(seg, causal, window):
+    seg = np.asarray(seg)
+    t = seg.shape[1]
+    i = np.arange(t)[:, None]
+    j = np.arange(t)[None, :]
+    keep = seg[:, :, None] == seg[:, None, :]
+    if causal:
+        keep = keep & (i >= j)
+    if window is not None:
+        keep = keep & (i - j < window)
+    return torch.tensor(np.where(keep, 0.0, np.finfo(np.float32).min)[:, None], dtype=torch.float32)
+
+
+def _torch_oracle(model, q, k, v, do, sinks, seg, causal, window, softcap):
+    """Forward + grads from transformers' eager attention (layout [B,H,T,D])."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gptoss_eager
+
+    tq, tk, tv = (torch.tensor(np.asarray(x, np.float32)).transpose(1, 2).requires_grad_() for x in (q, k, v))
+    ts = torch.tensor(np.asarray(sinks, np.float32), requires_grad=True)
+    mod = types.SimpleNamespace(num_key_value_groups=q.shape[2] // k.shape[2], training=False,
+                                head_dim=q.shape[3], sinks=ts)
+    mask = _torch_mask(seg, causal, window)
+    scale = q.shape[3] ** -0.5
+    if model == "gemma2":
+        out, _ = gemma2_eager(mod, tq, tk, tv, mask, dropout=0.0, scaling=scale, softcap=softcap)
+    else:
+        out, _ = gptoss_eager(mod, tq, tk, tv, mask, scaling=scale, dropout=0.0)
+    out.backward(torch.tensor(np.asarray(do, np.float32)))
+    grads = [x.grad.transpose(1, 2).numpy() for x in (tq, tk, tv)]
+    dsinks = ts.grad.numpy() if ts.grad is not None else np.zeros(ts.shape, np.float32)
+    return [out.detach().numpy()] + grads + [dsinks]
+
+
+@pytest.mark.parametrize(
+    "model,causal,window,softcap,h,kvh",
+    [
+        ("gemma2", True, None, 30.0, 4, 2),
+        ("gemma2", True, 96, 5.0, 4, 1),  # MQA + sliding window + softcap
+        ("gemma2", False, None, None, 4, 4),  # bidirectional MHA
+        ("gptoss", True, 128, None, 4, 2),  # sinks + window
+        ("gptoss", True, None, None, 6, 2),  # sinks, G=3
+    ],
+)
+def test_reference_matches_transformers_eager(model, causal, window, softcap, h, kvh):
+    b, t, d = 4, 512, 32
+    q, k, v, do, sinks = _inputs(b, t, h, kvh, d, jnp.float32, seed=3)
+    seg = ragged_segments(b, t)
+    use_sinks = model == "gptoss"
+    got = _fwd_and_grads(
+        lambda q, k, v, s: dot_product_attention(
+            q, k, v, segment_ids=seg, causal=causal, sliding_window=window,
+            logit_softcap=softcap, sinks=s, implementation="xla"),
+        q, k, v, do, sinks, use_sinks)
+    want = _torch_oracle(model, q, k, v, do, sinks, seg, causal, window, softcap)
+    names = ["out", "dq", "dk", "dv", "dsinks"]
+    for name, g, w in zip(names, got, want):
+        if name == "dsinks" and not use_sinks:
+            continue
+        _assert_close(g, w, 2e-5, name)
+
+
+# ---------------------------------------------------------------------------
+# Pallas kernels vs the reference (interpret mode on CPU).
+# ---------------------------------------------------------------------------
+KERNEL_CASES = {
+    # name: (b, t, h, kvh, d, dtype, causal, window, softcap, sinks, segments)
+    "dense_gqa_d64_f32": (1, 256, 4, 2, 64, jnp.float32, True, None, None, False, False),
+    "packed_mqa_d128_f32": (2, 256, 2, 1, 128, jnp.float32, True, None, None, False, True),
+    "window_cap_sinks_f32": (4, 256, 4, 2, 64, jnp.float32, True, 80, 20.0, True, True),
+    "bidir_window_f32": (2, 200, 2, 1, 64, jnp.float32, False, 60, None, False, True),
+    "all_features_bf16": (4, 256, 4, 2, 64, jnp.bfloat16, True, 100, 10.0, True, True),
+    "d256_f32": (1, 128, 2, 1, 256, jnp.float32, True, None, None, True, True),
+}
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("name", list(KERNEL_CASES))
+def test_pallas_matches_reference(name):
+    b, t, h, kvh, d, dtype, causal, window, softcap, use_sinks, packed = KERNEL_CASES[name]
+    q, k, v, do, sinks = _inputs(b, t, h, kvh, d, dtype)
+    seg = ragged_segments(b, t) if packed else None
+    md = make_metadata(seg if packed else jnp.ones((b, t), jnp.int32), causal=causal,
+                       sliding_window=window, block_q=64, block_k=64)
+    kw = dict(causal=causal, sliding_window=window, logit_softcap=softcap)
+    got = _fwd_and_grads(
+        lambda q, k, v, s: dot_product_attention(q, k, v, segment_ids=seg, metadata=md, sinks=s,
+                                                 implementation="pallas", **kw),
+        q, k, v, do, sinks, use_sinks)
+    # Reference on the same (possibly bf16-rounded) inputs, computed in fp32.
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = _fwd_and_grads(
+        lambda q, k, v, s: attention_reference(q, k, v, segment_ids=seg, sinks=s, **kw),
+        f32(q), f32(k), f32(v), f32(do), sinks, use_sinks)
+    for what, g, w in zip(["out", "dq", "dk", "dv", "dsinks"], got, want):
+        if what == "dsinks" and not use_sinks:
+            continue
+        assert g.dtype == (jnp.float32 if what == "dsinks" else dtype)
+        _assert_close(g, w, TOL[dtype], f"{name}/{what}")
+
+
+def test_kernel_tiles_finer_than_metadata_blocks():
+    """Kernel tiles (16/32) inside 64x64 metadata blocks, packed + window + causal."""
+    b, t, h, kvh, d = 2, 256, 2, 1, 64
+    q, k, v, do, sinks = _inputs(b, t, h, kvh, d, jnp.float32, seed=1)
+    seg = ragged_segments(b, t)
+    md = make_metadata(seg, sliding_window=70, block_q=64, block_k=64)
+    cfg = FlashConfig(BlockConfig(32, 16), BlockConfig(16, 32), BlockConfig(32, 16))
+    got = _fwd_and_grads(
+        lambda q, k, v, s: flash_attention(q, k, v, md, sliding_window=70, sinks=s, config=cfg),
+        q, k, v, do, sinks, True)
+    want = _fwd_and_grads(
+        lambda q, k, v, s: attention_reference(q, k, v, segment_ids=seg, sliding_window=70, sinks=s),
+        q, k, v, do, sinks, True)
+    for what, g, w in zip(["out", "dq", "dk", "dv", "dsinks"], got, want):
+        _assert_close(g, w, 2e-5, what)
+
+
+def test_test_shapes_share_the_benchmark_generator():
+    """The packed TEST_SHAPE (from bench.py, shared with the benchmark) forward."""
+    shape = TEST_SHAPES[1]
+    seg = jnp.asarray(make_segment_ids(shape, seed=0, pad_tail=13))
+    q, k, v, _, _ = _inputs(shape.batch, shape.seq_len, shape.heads, shape.kv_heads,
+                            shape.head_dim, jnp.float32)
+    md = make_metadata(seg, block_q=64, block_k=64)
+    got = dot_product_attention(q, k, v, segment_ids=seg, metadata=md, implementation="pallas")
+    want = attention_reference(q, k, v, segment_ids=seg)
+    _assert_close(got, want, 2e-5, "out")
+
+
+# ---------------------------------------------------------------------------
+# Lowering, naming, API behaviour.
+# ---------------------------------------------------------------------------
+def _flash_grad_fn(window=128):
+    def f(q, k, v, seg, s):
+        md = make_metadata(seg, sliding_window=window)
+        return jax.grad(
+            lambda q, k, v, s: flash_attention(q, k, v, md, sliding_window=window, logit_softcap=30.0,
+                                               sinks=s, interpret=False).astype(jnp.float32).sum(),
+            argnums=(0, 1, 2, 3))(q, k, v, s)
+    return f
+
+
+def test_kernels_lower_to_named_triton_calls_for_hopper():
+    """Cross-lower (no GPU needed) for an abstract H200: all three kernels are
+    Triton custom calls carrying our pallas_call names."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                        abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                                       platform="gpu"))
+    b, t, h, kvh, d = 1, 512, 4, 2, 128
+    args = (jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, t, kvh, d), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, t, kvh, d), jnp.bfloat16), jax.ShapeDtypeStruct((b, t), jnp.int32),
+            jax.ShapeDtypeStruct((h,), jnp.float32))
+    with use_abstract_mesh(mesh):
+        text = jax.jit(_flash_grad_fn()).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    names = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton.*?name = "(\w+)"', text)
+    assert sorted(names) == sorted([FWD_NAME, DQ_NAME, DKDV_NAME])
+
+
+def test_api_validates_inputs():
+    q = jnp.zeros((1, 128, 4, 64))
+    k = jnp.zeros((1, 128, 3, 64))
+    with pytest.raises(ValueError, match="multiple of num kv heads"):
+        dot_product_attention(q, k, k)
+    k = jnp.zeros((1, 128, 2, 64))
+    with pytest.raises(ValueError, match="implementation"):
+        dot_product_attention(q, k, k, implementation="triton")
+    with pytest.raises(ValueError, match=r"sinks shape"):
+        dot_product_attention(q, k, k, sinks=jnp.zeros(2))
+    md = make_metadata(jnp.ones((1, 128), jnp.int32), sliding_window=16)
+    with pytest.raises(ValueError, match="rebuild it with make_metadata"):
+        dot_product_attention(q, k, k, metadata=md, implementation="pallas")
+    with pytest.raises(ValueError, match="head_dim=32"):
+        dot_product_attention(jnp.zeros((1, 128, 4, 32)), jnp.zeros((1, 128, 2, 32)),
+                              jnp.zeros((1, 128, 2, 32)), implementation="pallas")
+
+
+def test_auto_uses_a_supported_implementation():
+    q, k, v, _, sinks = _inputs(1, 128, 4, 2, 64, jnp.float32)
+    got = dot_product_attention(q, k, v, sinks=sinks, logit_softcap=5.0, implementation="auto")
+    want = attention_reference(q, k, v, sinks=sinks, logit_softcap=5.0)
+    _assert_close(got, want, 2e-5, "auto")
+
+
+def test_cudnn_segment_runs():
+    from kernels_pallas.attention.cudnn import segment_runs
+
+    seg = jnp.array([[1, 1, 1, 2, 2, 0, 0, 0], [3, 3, 3, 3, 3, 3, 3, 3]], jnp.int32)
+    offsets, lens = segment_runs(seg, 4)
+    np.testing.assert_array_equal(offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(lens, [[3, 2, 3, -1], [8, -1, -1, -1]])
+
+
+# ---------------------------------------------------------------------------
+# On the device.
+# ---------------------------------------------------------------------------
+GPU_CASES = [
+    # (t, h, kvh, d, causal, window, softcap, sinks, packed)
+    (1024, 8, 2, 128, True, None, None, False, False),
+    (1024, 8, 2, 128, True, None, None, False, True),
+    (1024, 8, 1, 64, True, 256, 30.0, True, True),
+    (1000, 4, 2, 256, True, None, 20.0, True, True),
+    (1024, 8, 8, 128, False, 200, None, False, True),
+]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_pallas_matches_reference_bf16(case):
+    t, h, kvh, d, causal, window, softcap, use_sinks, packed = case
+    b = 4
+    q, k, v, do, sinks = _inputs(b, t, h, kvh, d, jnp.bfloat16)
+    seg = ragged_segments(b, t) if packed else None
+    kw = dict(causal=causal, sliding_window=window, logit_softcap=softcap)
+    md = make_metadata(seg if packed else jnp.ones((b, t), jnp.int32), causal=causal, sliding_window=window)
+    got = jax.jit(lambda q, k, v, do, s, md: _fwd_and_grads(
+        lambda q, k, v, s: dot_product_attention(q, k, v, segment_ids=seg, metadata=md, sinks=s,
+                                                 implementation="pallas", **kw),
+        q, k, v, do, s, use_sinks))(q, k, v, do, sinks, md)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = jax.jit(lambda q, k, v, do, s: _fwd_and_grads(
+        lambda q, k, v, s: attention_reference(q, k, v, segment_ids=seg, sinks=s, **kw),
+        q, k, v, do, s, use_sinks))(f32(q), f32(k), f32(v), f32(do), sinks)
+    for what, g, w in zip(["out", "dq", "dk", "dv", "dsinks"], got, want):
+        if what == "dsinks" and not use_sinks:
+            continue
+        _assert_close(g, w, 2e-2, what)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_compiled_hlo_contains_named_kernels():
+    b, t, h, kvh, d = 1, 512, 4, 2, 128
+    q, k, v, _, sinks = _inputs(b, t, h, kvh, d, jnp.bfloat16)
+    seg = jnp.ones((b, t), jnp.int32)
+    text = jax.jit(_flash_grad_fn()).lower(q, k, v, seg, sinks).compile().as_text()
+    for name in (FWD_NAME, DQ_NAME, DKDV_NAME):
+        assert name in text, name
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("packed,window", [(False, None), (True, None), (False, 256)])
+def test_gpu_cudnn_matches_reference(packed, window):
+    b, t, h, kvh, d = 2, 1024, 8, 2, 128
+    q, k, v, _, _ = _inputs(b, t, h, kvh, d, jnp.bfloat16)
+    seg = ragged_segments(b, t) if packed else None
+    got = jax.jit(lambda q, k, v: dot_product_attention(
+        q, k, v, segment_ids=seg, sliding_window=window, implementation="cudnn"))(q, k, v)
+    want = attention_reference(q, k, v, segment_ids=seg, sliding_window=window)
+    _assert_close(got, want, 2e-2, "cudnn")

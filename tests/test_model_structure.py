@@ -1,0 +1,62 @@
+"""Structural properties of the decoder's program: what is computed once per batch stays out of the layer loop."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxft.config import ModelConfig
+from jaxft.models import init_model, positions_from_segments
+
+CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=3,
+                  num_heads=2, num_kv_heads=1, head_dim=64, qkv_bias=True, layer_windows=(None, 16, 16))
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                yield v
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _subjaxprs(eqn):
+            yield from _all_eqns(sub)
+
+
+def _scan_bodies(jaxpr):
+    for eqn in _all_eqns(jaxpr):
+        if eqn.primitive.name == "scan":
+            yield eqn.params["jaxpr"].jaxpr
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_batch_metadata_is_built_once_outside_the_layer_scan(impl):
+    model = init_model(CFG, dtype=jnp.float32, attention_impl=impl)
+    graphdef, state = nnx.split(model)
+    ids = jnp.zeros((2, 64), jnp.int32)
+    seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 30 + [0] * 14], 2, 0), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda s, i, g: nnx.merge(graphdef, s)(i, segment_ids=g))(state, ids, seg).jaxpr
+    bodies = list(_scan_bodies(jaxpr))
+    # Two runs of layers (full, then sliding) -> two scans over stacked layers.
+    assert len(bodies) == 2
+    top = [str(e.source_info.name_stack) for e in _all_eqns(jaxpr)]
+    assert any("batch_context" in n for n in top)
+    for body in bodies:
+        names = [str(e.source_info.name_stack) for e in _all_eqns(body)]
+        prims = {e.primitive.name for e in _all_eqns(body)}
+        assert not any("batch_context" in n for n in names)
+        # RoPE tables (sin/cos) and positions (cummax) come from outside the loop.
+        assert not {"sin", "cos", "cummax"} & prims, prims
+
+
+def test_positions_restart_per_segment():
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0]])
+    assert positions_from_segments(seg).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
