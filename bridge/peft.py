@@ -406,6 +406,9 @@ def _why_foreign(keys: list[str]) -> str:
         return "these are embedding LoRA matrices: LoRA on embeddings is not supported"
     if ".lora_B.bias" in text:
         return "these are LoRA biases (lora_bias=true): not supported"
+    if ".base_layer." in text:
+        return ("these are full base-layer weights, which PEFT saves when it adapts the output head (lm_head) or "
+                "the embeddings: LoRA on those layers is not supported")
     if "modules_to_save" in text or "trainable_tokens" in text:
         return "these are modules_to_save / trainable-token weights: not supported"
     return (f"expected only '{KEY_PREFIX}<module>{_SUFFIX_A}' and '{KEY_PREFIX}<module>{_SUFFIX_B}' keys "

@@ -3,14 +3,22 @@
 Public API:
     from_pretrained(path, dtype="bfloat16") -> model      model(input_ids, positions=None, segment_ids=None)
     save_pretrained(model, path)                           (LoRA merged)
+    apply_lora(model, LoraConfig(...)), merge_lora(model)
+    save_adapter(model, dir), load_adapter(model, dir)     (PEFT format)
 """
 
 from jaxft.config import ConfigError, ModelConfig, RopeConfig
 from jaxft.io import from_pretrained, save_pretrained
+from jaxft.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
 from jaxft.models import Decoder, LoraParam, init_model
 
 __all__ = [
     "ConfigError",
+    "LoraConfig",
+    "apply_lora",
+    "load_adapter",
+    "merge_lora",
+    "save_adapter",
     "Decoder",
     "LoraParam",
     "ModelConfig",

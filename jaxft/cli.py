@@ -21,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
         description="LoRA fine-tuning of a Hugging Face causal LM in JAX. Writes checkpoints, metrics.jsonl, "
                     "loss_curve.png and a PEFT adapter (output_dir/adapter) to output_dir.",
         epilog="example: jaxft-train examples/quickstart.yaml learning_rate=1e-4 max_steps=200")
-    p.add_argument("config", help="YAML file of TrainConfig keys (model_name_or_path, dataset, output_dir, ...)")
+    p.add_argument("config", nargs="?", help="YAML file of TrainConfig keys (model_name_or_path, dataset, output_dir, ...)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override a config key")
     p.add_argument("--resume", nargs="?", const="true", default=None, metavar="PATH",
                    help="continue from the latest checkpoint in output_dir (or from PATH); same as "
@@ -40,13 +40,29 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
     return TrainConfigError, ConfigError, DataError, CheckpointError, bridge.CheckpointError
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    # `--resume` takes an optional PATH, so it can swallow the next word: take back a key=value or the YAML file.
+    if args.resume not in (None, "true") and not Path(args.resume).is_dir():
+        if "=" in args.resume:
+            args.overrides.insert(0, args.resume)
+            args.resume = "true"
+        elif args.config is None and Path(args.resume).suffix in (".yaml", ".yml"):
+            args.config, args.resume = args.resume, "true"
+    if args.config is None:
+        parser.error("the following arguments are required: config (a YAML file)")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[jaxft] %(message)s"))
     root = logging.getLogger("jaxft")
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    propagate, root.propagate = root.propagate, False  # no second copy through a root handler (absl installs one)
     errors = _bad_input_errors()
     try:
         from jaxft.train import load_config, train
@@ -63,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     finally:
         root.removeHandler(handler)
+        root.propagate = propagate
 
     base = Path(config.model_name_or_path).expanduser().absolute()
     summary = f"trained {result.global_step} steps"

@@ -52,8 +52,9 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", *, attenti
     for p, var in flat:
         key = _path_key(p)
         if key in arrays:
-            # pop: the host copy is released as soon as the device copy exists (peak ~ one copy).
-            var = var.replace(jnp.asarray(arrays.pop(key)))
+            # pop + wait: the host copy is released as soon as the device copy exists (peak ~ one copy plus
+            # the largest tensor); without the wait the runtime keeps the host buffer alive until later.
+            var = var.replace(jax.device_put(arrays.pop(key)).block_until_ready())
         leaves.append((p, var))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
@@ -76,13 +77,16 @@ def model_params(model: Decoder, *, merge_lora: bool = True) -> dict[tuple[str, 
 
 
 def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | None = None,
-                    max_shard_bytes: int = 5 * 1024**3) -> Path:
-    """Writes an HF directory (config.json + sharded safetensors + index); LoRA adapters are merged."""
+                    max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False) -> Path:
+    """Writes an HF directory (config.json + sharded safetensors + index); LoRA adapters are merged.
+
+    The directory is written atomically (a temp dir renamed into place). An existing non-empty `path` is
+    refused unless `overwrite=True`, which replaces it whole."""
     cfg: ModelConfig = model.config
     hf = cfg.to_hf()
     out_dtype = jnp.dtype(dtype) if dtype else model.dtype
     hf["dtype"] = str(out_dtype)
     params = {k: v.astype(out_dtype) for k, v in model_params(model).items()}
     bridge.save_weights(path, bridge.table_for(cfg.model_type), params, cfg.num_layers, hf,
-                        max_shard_bytes=max_shard_bytes)
+                        max_shard_bytes=max_shard_bytes, overwrite=overwrite)
     return Path(path)

@@ -188,6 +188,7 @@ class _Site:
 class _Modules:
     sites: tuple[_Site, ...]  # per-layer linears LoRA can target
     unsupported: dict[str, str]  # HF module name -> why LoRA cannot go there (output head, non-linear modules)
+    head: frozenset[str]  # the output head's name(s): adapter weights there cannot be represented at all
     num_layers: int
 
     def linear_names(self) -> Iterator[tuple[str, _Site, int]]:
@@ -201,7 +202,7 @@ def _modules(model) -> _Modules:
     cfg = model.config
     table = bridge.table_for(cfg.model_type)
     present = {tuple(path.split(".")) for path, _ in linears(model)}
-    sites, unsupported = [], {}
+    sites, unsupported, head = [], {}, set()
     for row in table:
         if not row.hf.endswith(".weight"):
             continue
@@ -213,10 +214,11 @@ def _modules(model) -> _Modules:
             why = ("the output head: LoRA on it is not supported (the fused loss reads its kernel directly); "
                    "remove it from target_modules")
             unsupported.update({n: why for n in names})
+            head.update(names)
         else:
             why = "not a linear layer: jaxft supports LoRA on linear layers only (no embedding or norm LoRA)"
             unsupported.update({n: why for n in names})
-    return _Modules(tuple(sites), unsupported, cfg.num_layers)
+    return _Modules(tuple(sites), unsupported, frozenset(head), cfg.num_layers)
 
 
 def _short_names(mods: _Modules) -> list[str]:
@@ -250,8 +252,10 @@ def _plan(model, cfg: LoraConfig, *, strict: bool) -> dict[_Site, list[tuple[int
 
     bad = {name: why for name, why in mods.unsupported.items() if targets != ALL_LINEAR and selected(name)}
     bad = {n: w for n, w in bad.items() if not peft_io.is_excluded(n, cfg.exclude_modules)}
-    if bad and (strict or any("output head" in w for w in bad.values())):
-        name = next(iter(bad))
+    # Lenient mode still refuses the head: PEFT would have trained weights there that we cannot apply.
+    fatal = bad if strict else {n: w for n, w in bad.items() if n in mods.head}
+    if fatal:
+        name = next(iter(fatal))
         raise ConfigError(f"LoraConfig.target_modules={_show(targets)} selects {name!r}, which is {bad[name]}")
     if strict and isinstance(targets, tuple):
         for t in targets:
@@ -324,12 +328,13 @@ def _random_fill(seed: int):
     dL/dB_l[j, :] = (x A_l[:, j])^T g = 0 because column j of A_l is 0. (For untargeted layers s_l = 0 as well.)
     """
     def fill(index: int, site: _Site, lin: Linear, ranks: np.ndarray):
+        # Drawn on the host (numpy): no XLA program to compile per adapter shape, and A is small ([L, in, r]).
         r_max = int(ranks.max())
         bound = 1.0 / math.sqrt(lin.in_features)
-        key = jax.random.fold_in(jax.random.key(seed), index)
-        a = jax.random.uniform(key, (len(ranks), lin.in_features, r_max), jnp.float32, -bound, bound)
-        a = jnp.where(jnp.arange(r_max)[None, None, :] < jnp.asarray(ranks)[:, None, None], a, 0.0)
-        return a, jnp.zeros((len(ranks), r_max, lin.out_features), jnp.float32)
+        rng = np.random.default_rng([seed, index])
+        a = rng.uniform(-bound, bound, (len(ranks), lin.in_features, r_max)).astype(np.float32)
+        a *= np.arange(r_max)[None, None, :] < ranks[:, None, None]
+        return jnp.asarray(a), jnp.zeros((len(ranks), r_max, lin.out_features), jnp.float32)
     return fill
 
 
@@ -362,6 +367,11 @@ def apply_lora(model, cfg: LoraConfig, *, seed: int = 0):
     Raises ConfigError if a target_modules entry, an exclude_modules value or a rank/alpha pattern key selects
     nothing, or selects a module LoRA cannot adapt (output head, embeddings, norms).
     """
+    if not isinstance(cfg, LoraConfig):
+        raise TypeError(f"apply_lora needs a jaxft.lora.LoraConfig, got {type(cfg).__name__}; for a PEFT config "
+                        "dict use LoraConfig.from_peft(d)")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"apply_lora(seed={seed!r}): the seed must be a non-negative integer")
     _install(model, cfg, _plan(model, cfg, strict=True), _random_fill(seed))
     return model
 

@@ -10,6 +10,7 @@ Times are medians of --iters runs; TFLOP/s count only kept (unmasked) pairs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -26,7 +27,10 @@ import numpy as np  # noqa: E402
 from kernels_pallas.attention import dot_product_attention, make_metadata  # noqa: E402
 from kernels_pallas.attention.bench import BENCH_SHAPES, useful_flops  # noqa: E402
 from kernels_pallas.attention.bench import make_segment_ids  # noqa: E402
+from kernels_pallas.attention.config import BlockConfig, FlashConfig  # noqa: E402
+from kernels_pallas.attention.config import default_flash_config  # noqa: E402
 from kernels_pallas.attention.cudnn import cudnn_attention  # noqa: E402
+from kernels_pallas.attention.flash import flash_attention  # noqa: E402
 
 IMPLS = ("xla", "cudnn", "pallas")
 XLA_MAX_SCORE_BYTES = 24 * 2**30  # skip XLA when one fp32 [B,H,T,T] score tensor exceeds this
@@ -44,7 +48,7 @@ def _time(fn, args, iters):
     return statistics.median(ts), out
 
 
-def _attn_fn(impl, shape, seg_arr, n_runs):
+def _attn_fn(impl, shape, seg_arr, n_runs, config=None):
     window = shape.window
     packed = shape.layout == "packed"
 
@@ -53,6 +57,8 @@ def _attn_fn(impl, shape, seg_arr, n_runs):
             return cudnn_attention(q, k, v, segment_ids=seg_arr if packed else None,
                                    causal=True, sliding_window=window,
                                    max_segments=n_runs if packed else None)
+        if impl == "pallas" and config is not None:
+            return flash_attention(q, k, v, meta, causal=True, sliding_window=window, config=config)
         return dot_product_attention(
             q, k, v, segment_ids=seg_arr if packed else None,
             metadata=meta if impl == "pallas" else None, causal=True,
@@ -61,16 +67,67 @@ def _attn_fn(impl, shape, seg_arr, n_runs):
     return attn
 
 
-def bench_shape(shape, impls, iters):
+def _inputs(shape):
     b, t, h, kvh, d = shape.batch, shape.seq_len, shape.heads, shape.kv_heads, shape.head_dim
-    seg_np = make_segment_ids(shape, seed=0)
-    n_runs = int(max((np.diff(r) != 0).sum() + 1 for r in seg_np))
-    flops_f, flops_fb = useful_flops(shape, seg_np)
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (b, t, h, d), jnp.bfloat16)
     k = jax.random.normal(keys[1], (b, t, kvh, d), jnp.bfloat16)
     v = jax.random.normal(keys[2], (b, t, kvh, d), jnp.bfloat16)
     do = jax.random.normal(keys[3], (b, t, h, d), jnp.bfloat16)
+    return q, k, v, do
+
+
+# Candidate tilings (block_q, block_k, num_warps, num_stages) for the sweep.
+FWD_CANDIDATES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 128, 4, 3)]
+DQ_CANDIDATES = [(64, 64, 4, 2), (128, 32, 4, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 3)]
+DKDV_CANDIDATES = [(64, 64, 8, 2), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)]
+
+
+def tune_pallas(shape, iters):
+    """Greedy sweep on one shape: best forward tiling (fwd time), then best dQ
+    and best dK/dV tiling (fwd+bwd time).  Returns (FlashConfig, log)."""
+    q, k, v, do = _inputs(shape)
+    seg = jnp.asarray(make_segment_ids(shape, seed=0))
+    meta = make_metadata(seg, causal=True, sliding_window=shape.window)
+    cfg = default_flash_config(shape.head_dim)
+    log = []
+
+    def measure(c, with_bwd):
+        attn = _attn_fn("pallas", shape, seg, 0, config=c)
+        if not with_bwd:
+            return _time(jax.jit(attn), (q, k, v, meta), iters)[0]
+
+        def fb(q, k, v, meta, do):
+            o, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, meta), q, k, v)
+            return o, vjp(do)
+
+        return _time(jax.jit(fb), (q, k, v, meta, do), iters)[0]
+
+    for field, cands, with_bwd in (("fwd", FWD_CANDIDATES, False), ("dq", DQ_CANDIDATES, True),
+                                   ("dkdv", DKDV_CANDIDATES, True)):
+        best = None
+        for cand in cands:
+            try:
+                c = FlashConfig(**{**cfg.__dict__, field: BlockConfig(*cand)})
+                s = measure(c, with_bwd)
+            except Exception as e:  # e.g. out of shared memory for this tiling
+                log.append(dict(kernel=field, tiling=cand, error=f"{type(e).__name__}: {str(e)[:200]}"))
+                continue
+            log.append(dict(kernel=field, tiling=cand, ms=s * 1e3))
+            print(json.dumps(log[-1]), flush=True)
+            if best is None or s < best[0]:
+                best = (s, c)
+        if best is not None:
+            cfg = best[1]
+    return cfg, log
+
+
+def bench_shape(shape, impls, iters, config=None):
+    b, t, h, kvh, d = shape.batch, shape.seq_len, shape.heads, shape.kv_heads, shape.head_dim
+    seg_np = make_segment_ids(shape, seed=0)
+    n_runs = int(max((np.diff(r) != 0).sum() + 1 for r in seg_np))
+    flops_f, flops_fb = useful_flops(shape, seg_np)
+    q, k, v, do = _inputs(shape)
     seg = jnp.asarray(seg_np)
     mk = jax.jit(lambda s: make_metadata(s, causal=True, sliding_window=shape.window))
     meta_s, meta = _time(mk, (seg,), iters)
@@ -84,7 +141,7 @@ def bench_shape(shape, impls, iters):
             res["skipped"] = "fp32 score matrix would exceed the memory budget"
             row["results"][impl] = res
             continue
-        attn = _attn_fn(impl, shape, seg, n_runs)
+        attn = _attn_fn(impl, shape, seg, n_runs, config=config)
         try:
             fwd = jax.jit(attn)
             s, o = _time(fwd, (q, k, v, meta), iters)
@@ -109,7 +166,7 @@ def bench_shape(shape, impls, iters):
     return row
 
 
-def to_markdown(rows, device):
+def to_markdown(rows, device, config=None):
     lines = [f"Attention benchmark on {device} (bf16, H=32, KV=8, D=128; median times; "
              "TFLOP/s count only unmasked score entries).", "",
              "| shape | B x T | metadata ms | " + " | ".join(
@@ -137,6 +194,8 @@ def to_markdown(rows, device):
             for r in rows if "pallas_max_abs_err" in r]
     if errs:
         lines += ["", "Pallas forward max |err| (bf16 outputs): " + "; ".join(errs)]
+    if config:
+        lines += ["", f"Pallas tiling (block_q, block_k, warps, stages): {json.dumps(config)}"]
     return "\n".join(lines) + "\n"
 
 
@@ -146,6 +205,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(s.name for s in BENCH_SHAPES))
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--tune-shape", default="",
+                    help="sweep Pallas tilings on this shape first and benchmark with the winner")
     ap.add_argument("--time-budget-s", type=float, default=1e9,
                     help="stop starting new shapes after this many seconds")
     args = ap.parse_args(argv)
@@ -158,17 +219,23 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     device = str(jax.devices()[0].device_kind)
     rows, t0 = [], time.time()
+    config, tune_log = None, []
+    if args.tune_shape and "pallas" in impls:
+        config, tune_log = tune_pallas(next(s for s in BENCH_SHAPES if s.name == args.tune_shape),
+                                       args.iters)
+    cfg_json = None if config is None else dataclasses.asdict(config)
     for shape in BENCH_SHAPES:
         if shape.name not in names:
             continue
         if time.time() - t0 > args.time_budget_s:
             print(f"time budget exhausted; skipping {shape.name}", flush=True)
             continue
-        row = bench_shape(shape, impls, args.iters)
+        row = bench_shape(shape, impls, args.iters, config=config)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        out.write_text(json.dumps(dict(device=device, jax=jax.__version__, rows=rows), indent=1))
-        out.with_suffix(".md").write_text(to_markdown(rows, device))
+        out.write_text(json.dumps(dict(device=device, jax=jax.__version__, pallas_config=cfg_json,
+                                       tuning=tune_log, rows=rows), indent=1))
+        out.with_suffix(".md").write_text(to_markdown(rows, device, cfg_json))
     print(out.with_suffix(".md").read_text())
 
 

@@ -37,7 +37,8 @@ from bench.workloads import Workload
 from bench.worker_common import Task, worker_main
 
 
-# "Best settings" per mode, chosen from the measurements in docs/benchmarks.md. JAXFT_BENCH_MODE picks one:
+# "Best settings" per mode, chosen from the measurements in docs/benchmarks.md. The system name picks one
+# (jaxft -> fast, jaxft_lean -> lean); JAXFT_BENCH_MODE overrides it for ablations:
 #   fast: no rematerialisation (activations stay on the device: H200 memory is ample at these shapes);
 #   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass.
 MODES = {
@@ -47,7 +48,7 @@ MODES = {
 }
 
 
-def run_jaxft(workload: Workload, model_dir: str, steps: int, out_json: str) -> dict[str, Any]:
+def run_jaxft(workload: Workload, model_dir: str, steps: int, out_json: str, mode: str = "fast") -> dict[str, Any]:
     """Train ``workload`` with jaxft for ``steps`` steps and return the raw measurements."""
     import os
     import time
@@ -61,7 +62,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, out_json: str) -> 
     from jaxft.lora import LoraConfig, apply_lora
     from jaxft.train.step import make_optimizer, make_train_step, split_model
 
-    mode = os.environ.get("JAXFT_BENCH_MODE", "fast")
+    mode = os.environ.get("JAXFT_BENCH_MODE", mode)
     settings = dict(MODES[mode], mode=mode)
     for key in ("remat", "attention"):  # explicit overrides for ablations
         if os.environ.get(f"JAXFT_BENCH_{key.upper()}"):
@@ -107,7 +108,9 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, out_json: str) -> 
 def _run_task(task: Task, out_json: str) -> dict[str, Any]:
     if task.kind != "train":
         raise ValueError(f"bench_jaxft_worker handles only kind='train' tasks, got {task.kind!r}")
-    return run_jaxft(task.workload_obj, task.model_dir, task.steps, out_json)
+    # System "jaxft" = fastest settings; "jaxft_lean" = host-offloaded rematerialisation (least memory).
+    mode = "lean" if task.system == "jaxft_lean" else "fast"
+    return run_jaxft(task.workload_obj, task.model_dir, task.steps, out_json, mode=mode)
 
 
 if __name__ == "__main__":

@@ -44,11 +44,12 @@ from bench.worker_common import Task, is_oom_message  # noqa: E402
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(SCRIPTS)
-WORKER = {"jaxft": "bench_jaxft_worker.py", "hf_ckpt": "bench_torch_worker.py",
+WORKER = {"jaxft": "bench_jaxft_worker.py", "jaxft_lean": "bench_jaxft_worker.py", "hf_ckpt": "bench_torch_worker.py",
           "hf_nockpt": "bench_torch_worker.py", "unsloth": "bench_torch_worker.py"}
 ALL_SYSTEMS = tuple(WORKER)
 DONE_STATUSES = ("ok", "oom")  # what --resume keeps
 MIN_TIMED_STEPS = 10
+LOG_KEEP_BYTES = 200_000
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,6 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="overall wall-clock budget; runs that cannot start in time are 'skipped'")
     p.add_argument("--workdir", default=None, help="scratch dir (models, logs); default a new temp dir")
     p.add_argument("--keep-models", action="store_true", help="keep saved model dirs at the end")
+    p.add_argument("--logs", default=None,
+                   help="folder for each run's stdout/stderr tail (default: bench_train_logs beside "
+                        "--out; '' to keep none)")
     p.add_argument("--resume", default=None,
                    help="earlier result JSON: its ok/oom runs are kept and not run again")
     p.add_argument("--unsloth-wheels", default=os.path.join(REPO, ".peers", "unsloth"))
@@ -86,6 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
     args.timeout_s = args.timeout_s if args.timeout_s is not None else (240.0 if args.tiny else 420.0)
     args.md = args.md or os.path.splitext(args.out)[0] + ".md"
+    if args.logs is None:
+        args.logs = os.path.join(os.path.dirname(os.path.abspath(args.out)), "bench_train_logs")
     if args.warmup < 0 or args.steps - args.warmup < 1:
         p.error(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     if not args.tiny and args.steps - args.warmup < MIN_TIMED_STEPS:
@@ -242,12 +248,17 @@ class Bench:
         with open(self.args.md, "w") as f:
             f.write(markdown(self.report))
 
+    def ceiling_frameworks(self) -> list[str]:
+        """The frameworks of the selected systems (the full table measures both)."""
+        fws = {"jax" if s.startswith("jaxft") else "torch" for s in self.args.systems}
+        return [fw for fw in ("torch", "jax") if fw in fws]
+
     def ceilings(self) -> None:
         ceil = self.report["ceiling"]
         if self.args.no_ceiling:
             ceil["used_flops_per_s"] = None
             return
-        for fw in ("torch", "jax"):
+        for fw in self.ceiling_frameworks():
             if fw in ceil and ceil[fw].get("status") == "ok":
                 continue
             timeout = self.run_timeout()
@@ -260,6 +271,7 @@ class Bench:
                    "--device", self.args.device, "--out", out]
             ceil[fw] = run_subprocess(cmd, run_dir, out, timeout,
                                       _worker_env(self.args.device, [], run_dir))
+            self.keep_logs(run_dir)
             print(f"[bench] ceiling {fw}: {ceil[fw].get('status')} "
                   f"{ceil[fw].get('flops_per_s', 0) / 1e12:.2f} TFLOP/s", flush=True)
         ok = [c["flops_per_s"] for c in (ceil.get("torch"), ceil.get("jax"))
@@ -296,8 +308,25 @@ class Bench:
         task_path, out = os.path.join(run_dir, "task.json"), os.path.join(run_dir, "result.json")
         task.dump(task_path)
         cmd = [sys.executable, os.path.join(SCRIPTS, script), "--task", task_path, "--out", out]
-        return run_subprocess(cmd, run_dir, out, timeout,
-                              _worker_env(self.args.device, pythonpath, run_dir))
+        result = run_subprocess(cmd, run_dir, out, timeout,
+                                _worker_env(self.args.device, pythonpath, run_dir))
+        self.keep_logs(run_dir)
+        return result
+
+    def keep_logs(self, run_dir: str) -> None:
+        """Copy a run's stdout/stderr (last LOG_KEEP_BYTES of each) next to the result JSON."""
+        if not self.args.logs:
+            return
+        dest = os.path.join(self.args.logs, os.path.basename(run_dir))
+        os.makedirs(dest, exist_ok=True)
+        for name in ("stdout.log", "stderr.log", "task.json"):
+            src = os.path.join(run_dir, name)
+            if os.path.exists(src):
+                with open(src, "rb") as f:
+                    f.seek(max(0, os.path.getsize(src) - LOG_KEEP_BYTES))
+                    data = f.read()
+                with open(os.path.join(dest, name), "wb") as f:
+                    f.write(data)
 
     def train(self, system: str, workload: str, model_dir: str, model_error: str | None) -> dict[str, Any]:
         if model_error is not None:
@@ -320,9 +349,11 @@ class Bench:
                                 self.report["ceiling"].get("used_flops_per_s"))
         runs = [r for r in self.report["runs"] if (r["system"], r["workload"]) != (system, workload)]
         runs.append({"system": system, "workload": workload, "summary": summary, "raw": raw})
-        self.report["runs"] = runs
+        order = {name: i for i, name in enumerate(self.args.workloads + self.args.systems)}
+        self.report["runs"] = sorted(runs, key=lambda r: (order.get(r["workload"], 1 << 30),
+                                                          order.get(r["system"], 1 << 30)))
         if raw.get("versions"):
-            side = "jax_side" if system == "jaxft" else ("unsloth" if system == "unsloth" else "torch_side")
+            side = "jax_side" if system.startswith("jaxft") else ("unsloth" if system == "unsloth" else "torch_side")
             self.report["meta"]["versions"].setdefault(side, {}).update(raw["versions"])
         self.save()
         mfu = summary.get("mfu")
@@ -330,7 +361,7 @@ class Bench:
               + (f" {summary['median_step_s'] * 1e3:.1f} ms/step, {summary['tokens_per_s']:,.0f} tok/s, "
                  f"{summary['peak_memory_gib']:.2f} GiB, MFU {'-' if mfu is None else f'{100 * mfu:.1f}%'}, "
                  f"loss {summary['final_loss']:.4f}" if summary["status"] == "ok"
-                 else f" {raw.get('error', '')[:200]}"), flush=True)
+                 else f" {str(raw.get('error') or '')[:200]}"), flush=True)
 
     def done(self, system: str, workload: str) -> bool:
         return any((r["system"], r["workload"]) == (system, workload)
@@ -374,8 +405,10 @@ def new_report(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                  "versions": {"harness": {"python": sys.version.split()[0]}}},
         "ceiling": {}, "workloads": {}, "models": {}, "runs": [],
         "notes": [
-            "Each (system, workload) ran in its own process; peak memory is that process's "
-            "allocator peak (torch max_memory_allocated / JAX peak_bytes_in_use), weights included.",
+            "Each (system, workload) ran in its own process. Peak memory is the device allocator's "
+            "peak with the weights resident: torch max_memory_allocated, reset just before the "
+            "first step (Unsloth's offload planner resets it there too); JAX "
+            "memory_stats()['peak_bytes_in_use'] over the whole process.",
             "All systems load the same random-weight bf16 model directory and train on the same "
             "token ids (SHA-256 checked); LoRA B starts at 0, so step-0 losses should agree.",
             "HF packed (padding-free) path: position_ids restart per document with no "

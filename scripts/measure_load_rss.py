@@ -128,21 +128,39 @@ def write_checkpoint(directory: Path) -> int:
     return n
 
 
-def child(directory: Path) -> None:
+def child(directory: Path, through_jaxft: bool) -> None:
     """Runs in a fresh process: load and report peak RSS as JSON on stdout."""
+    if through_jaxft:
+        import jax  # noqa: F401  (imported before the baseline so its own footprint is not counted as loading)
+
+        import jaxft
     base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     config = read_config(directory)
     t0 = time.perf_counter()
-    out = load_weights(directory, table_for(config["model_type"]), expected_tree(config),
-                       config["num_hidden_layers"], "bfloat16")
+    if through_jaxft:
+        # The whole user path: config -> abstract model -> streamed tensors -> jax arrays in the NNX model.
+        model = jaxft.from_pretrained(directory, dtype="bfloat16")
+        out = {("layers", "attn", "q_proj", "kernel"): np.asarray(model.layers.attn.q_proj.kernel[...])}
+        out["_all"] = np.zeros(0)
+        result_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx_state(model)))
+    else:
+        out = load_weights(directory, table_for(config["model_type"]), expected_tree(config),
+                           config["num_hidden_layers"], "bfloat16")
     seconds = time.perf_counter() - t0
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    result_bytes = sum(a.nbytes for a in out.values())
+    if not through_jaxft:
+        result_bytes = sum(a.nbytes for a in out.values())
     # Spot check after the measurement: layer 5 q_proj equals the file's tensor, transposed.
     spot = _file_tensor(directory, "model.layers.5.self_attn.q_proj.weight")
     assert np.array_equal(out[("layers", "attn", "q_proj", "kernel")][5].view(np.uint16), spot.T.view(np.uint16))
     print(json.dumps({"baseline_rss": base_kb * 1024, "peak_rss": peak_kb * 1024,
                       "result_bytes": result_bytes, "load_seconds": seconds}))
+
+
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.state(model)
 
 
 def _file_tensor(directory: Path, name: str) -> np.ndarray:
@@ -160,10 +178,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, help="where to write the checkpoint (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
+    parser.add_argument("--jaxft", action="store_true",
+                        help="load through jaxft.from_pretrained (the user path) instead of bridge.load_weights")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, args.jaxft)
         return 0
 
     directory = args.dir or Path(tempfile.mkdtemp(prefix="jaxft-rss-"))
@@ -174,7 +194,7 @@ def main() -> int:
         ckpt_bytes = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
         print(f"wrote {n_shards} shards, {ckpt_bytes / 1e9:.3f} GB in {time.perf_counter() - t0:.1f}s -> {directory}")
 
-        cmd = [sys.executable, __file__, "--child", str(directory)]
+        cmd = [sys.executable, __file__, "--child", str(directory)] + (["--jaxft"] if args.jaxft else [])
         use_time = Path("/usr/bin/time").exists()
         proc = subprocess.run((["/usr/bin/time", "-v"] if use_time else []) + cmd,
                               capture_output=True, text=True, check=False)

@@ -7,6 +7,7 @@ errors would show. Everything runs in fp32 on CPU; parity bars are 1e-4 relative
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import warnings
@@ -25,7 +26,7 @@ from flax import nnx
 import jaxft
 from jaxft import lora
 from jaxft.config import ConfigError
-from jaxft.models import LoraParam, linears
+from jaxft.models import linears
 
 SEQ = 512
 VOCAB = 256
@@ -42,6 +43,10 @@ VARIANTS = {
     "patterns": dict(r=4, alpha=8, target_modules=("q_proj", "v_proj", "up_proj"),
                      rank_pattern={"model.layers.1.self_attn.q_proj": 2, "up_proj": 6},
                      alpha_pattern={"v_proj": 3, "model.layers.0.mlp.up_proj": 24}),
+    # Every linear, with padding and per-module alphas (the gradient test's variant).
+    "all_patterns": dict(r=4, alpha=8, target_modules=ALL, rank_pattern={"model.layers.1.self_attn.q_proj": 2,
+                                                                         "up_proj": 6, "o_proj": 1},
+                         alpha_pattern={"v_proj": 3, "model.layers.0.mlp.down_proj": 24}),
     # Only layer 1 is targeted: layer 0 of each stack has scale 0.
     "regex": dict(r=4, alpha=8, target_modules=r".*\.layers\.1\.(self_attn\.(q|k)_proj|mlp\.down_proj)"),
     "exclude": dict(r=2, alpha=4, target_modules="all-linear", exclude_modules=("model.layers.0.mlp.down_proj",
@@ -177,8 +182,11 @@ def _peft_load(base_path, adapter_path, **kw):
 # --------------------------------------------------------------------------- targeting and init
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+# Every variant on Llama; Qwen3 (same LoRA code path, different attention block) on the two richest ones.
+CASES = [("llama", v) for v in sorted(VARIANTS)] + [("qwen3", "all_patterns"), ("qwen3", "regex")]
+
+
+@pytest.mark.parametrize("model_type, variant", CASES)
 def test_targets_ranks_and_scales_equal_peft(bases, model_type, variant):
     fields = VARIANTS[variant]
     model = lora.apply_lora(jaxft.from_pretrained(bases[model_type], dtype="float32"), lora.LoraConfig(**fields))
@@ -231,10 +239,10 @@ def test_dropout_is_read_from_config(bases, ids):
                             lora.LoraConfig(r=4, alpha=8, dropout=0.5, target_modules=["q_proj", "v_proj"]))
     _perturb(model)
     assert {lin.lora_dropout for _, lin in linears(model) if lin.has_lora} == {0.5}
-    x = ids[:, :64]
-    plain = np.asarray(model(x))
-    dropped = np.asarray(model(x, dropout_rng=jax.random.key(0)))
-    assert _rel_err(plain, np.asarray(model(x))) == 0.0
+    x = jnp.asarray(ids[:, :64])
+    forward = nnx.jit(lambda m, x, rng: m(x, dropout_rng=rng))
+    plain = np.asarray(forward(model, x, None))
+    dropped = np.asarray(forward(model, x, jax.random.key(0)))
     assert _rel_err(dropped, plain) > 1e-3
 
 
@@ -267,8 +275,7 @@ def test_export_loads_in_peft_without_warnings_and_logits_match(bases, ids, tmp_
 # --------------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
+@pytest.mark.parametrize("model_type, variant", CASES)
 def test_round_trips_with_peft(bases, ids, tmp_path, model_type, variant):
     fields = VARIANTS[variant]
     base = bases[model_type]
@@ -279,7 +286,9 @@ def test_round_trips_with_peft(bases, ids, tmp_path, model_type, variant):
     expected = _torch_logits(created, ids)
     created.save_pretrained(tmp_path / "from_peft")
     loaded = lora.load_adapter(jaxft.from_pretrained(base, dtype="float32"), tmp_path / "from_peft")
-    assert loaded.lora_config == lora.LoraConfig(**fields)
+    _assert_same_modules(_our_modules(loaded), _peft_modules(created))
+    if fields["target_modules"] != "all-linear":  # PEFT stores "all-linear" resolved to names
+        assert loaded.lora_config == lora.LoraConfig(**fields)
     assert _rel_err(_logits(loaded, ids), expected) < 1e-4
 
     # Our adapter -> PEFT -> same logits as ours (and PEFT builds the same modules, ranks and scales).
@@ -288,7 +297,8 @@ def test_round_trips_with_peft(bases, ids, tmp_path, model_type, variant):
     ours = _logits(model, ids)
     lora.save_adapter(model, tmp_path / "from_ours")
     reference, messages = _peft_load(base, tmp_path / "from_ours")
-    assert not [m for m in messages if "adapter" in m.lower() or "missing" in m.lower() or "unexpected" in m.lower()]
+    _, baseline = _peft_load(base, tmp_path / "from_peft")  # what PEFT's own file emits in this environment
+    assert [m for m in messages if m not in baseline] == []
     _assert_same_modules(_our_modules(model), _peft_modules(reference))
     assert _rel_err(ours, _torch_logits(reference, ids)) < 1e-4
 
@@ -353,7 +363,7 @@ def _our_grads(model, ids):
     return float(loss), grads, params
 
 
-@pytest.mark.parametrize("variant", ["plain", "patterns"])
+@pytest.mark.parametrize("variant", ["all_patterns"])
 def test_lora_gradients_equal_peft(bases, ids, tmp_path, variant):
     base = bases["llama"]
     model = lora.apply_lora(jaxft.from_pretrained(base, dtype="float32"), lora.LoraConfig(**VARIANTS[variant]))
@@ -487,3 +497,22 @@ def test_load_adapter_errors(bases, tmp_path):
         tmp_path / "dora")
     with pytest.raises(ValueError, match="DoRA"):
         lora.load_adapter(jaxft.from_pretrained(bases["llama"], dtype="float32"), tmp_path / "dora")
+
+
+def test_load_adapter_checks_config_against_weights(bases, tmp_path):
+    fresh = lambda: jaxft.from_pretrained(bases["llama"], dtype="float32")  # noqa: E731
+    peft.get_peft_model(_fresh_hf(bases["llama"]), _peft_config(dict(r=2, alpha=4, target_modules=["q_proj"]))
+                        ).save_pretrained(tmp_path / "a")
+    cfg_file = tmp_path / "a" / "adapter_config.json"
+    original = json.loads(cfg_file.read_text())
+    for targets, match in ((["q_proj", "k_proj"], "no LoRA weights for 2 module"),
+                           (r".*\.1\.self_attn\.q_proj", "does not target")):
+        cfg_file.write_text(json.dumps({**original, "target_modules": targets}))
+        with pytest.raises(ValueError, match=match):
+            lora.load_adapter(fresh(), tmp_path / "a")
+
+    # An adapter on the output head (PEFT allows it) cannot be represented: refused, naming the file.
+    peft.get_peft_model(_fresh_hf(bases["llama"]), _peft_config(dict(r=2, alpha=4, target_modules=["lm_head"]))
+                        ).save_pretrained(tmp_path / "head")
+    with pytest.raises(ValueError, match=r"(?s)head/adapter_model\.safetensors: .*lm_head.*output head"):
+        lora.load_adapter(fresh(), tmp_path / "head")

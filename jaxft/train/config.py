@@ -225,14 +225,15 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise TrainConfigError(f"{where}: invalid YAML ({problem}); fix the file") from None
     if not isinstance(values, dict):
         raise TrainConfigError(f"{p}: expected a mapping of key: value at the top level, got {type(values).__name__}")
-    values = {ALIASES.get(k, k): v for k, v in values.items()}
-    sources = {k: str(p) for k in values}
+    sources = {ALIASES.get(k, k): str(p) for k in values}
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise TrainConfigError(f"override {item!r}: expected key=value (e.g. learning_rate=1e-4)")
         key = ALIASES.get(key, key)
+        # An override replaces the file's value, whether the file spelled the key or its alias.
+        values = {k: v for k, v in values.items() if ALIASES.get(k, k) != key}
         values[key] = parse_value(text)
         sources[key] = "command line"
     try:

@@ -76,6 +76,10 @@ def _resume_path(config: TrainConfig, out: Path) -> str | None:
     if resume is None or resume is False:
         return None
     path = out / "checkpoints" if resume is True else Path(resume)
+    if resume is True and not path.is_dir():
+        raise TrainConfigError(
+            f"key 'resume_from_checkpoint': no complete checkpoint in {path} (output_dir has no checkpoints yet); "
+            "drop resume_from_checkpoint / --resume to start from scratch, or fix output_dir")
     try:
         root, step = ckpt.resolve(path)
     except ckpt.CheckpointError as e:
@@ -106,38 +110,79 @@ def _load_data(config: TrainConfig, plan_rows_for, eval_rows: int):
     return tokenizer, train_ds, eval_ds
 
 
-def _load_model(config: TrainConfig):
+def _lora_config(config: TrainConfig):
+    from jaxft.lora import LoraConfig
+
+    targets = config.lora_target_modules
+    try:
+        return LoraConfig(r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                          target_modules=targets if isinstance(targets, str) else tuple(targets),
+                          use_rslora=config.use_rslora)
+    except ConfigError as e:
+        raise TrainConfigError(_lora_message(e, config)) from None
+
+
+def _lora_message(e: Exception, config: TrainConfig) -> str:
+    """jaxft.lora's message with LoraConfig field names replaced by the TrainConfig keys the user wrote."""
+    msg = str(e)
+    for field, key in (("target_modules", "lora_target_modules"), ("exclude_modules", "lora_exclude_modules"),
+                       ("dropout", "lora_dropout"), ("alpha", "lora_alpha"), ("use_rslora", "use_rslora"),
+                       ("r", "lora_r")):
+        msg = msg.replace(f"LoraConfig.{field}", f"key {key!r}")
+    return msg.replace("of this ", "of the ", 1).replace(" model.", f" model {config.model_name_or_path}.", 1) \
+        if "matches no linear module" in msg else msg
+
+
+def _check_model_and_lora(config: TrainConfig):
+    """Validates the model config and the LoRA targets on a shape-only model (no weights are read)."""
+    import bridge
+    from jaxft.config import ModelConfig
+    from jaxft.lora import target_names
+    from jaxft.models import abstract_model
+
+    path = Path(config.model_name_or_path).expanduser()
+    model_cfg = ModelConfig.from_hf(bridge.read_config(path), source=str(path / "config.json"))
+    lora_cfg = _lora_config(config)
+    try:
+        target_names(abstract_model(model_cfg, dtype=jnp.float32), lora_cfg)
+    except ConfigError as e:
+        raise TrainConfigError(_lora_message(e, config)) from None
+    return lora_cfg
+
+
+def _load_model(config: TrainConfig, lora_cfg):
     from jaxft.io import from_pretrained
-    from jaxft.lora import LoraConfig, apply_lora
+    from jaxft.lora import apply_lora
 
     model = from_pretrained(config.model_name_or_path, "bfloat16" if config.bf16 else "float32",
                             attention_impl=config.attention_implementation, remat=config.remat)
-    targets = config.lora_target_modules
     try:
-        lora_cfg = LoraConfig(r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
-                              target_modules=targets if isinstance(targets, str) else tuple(targets),
-                              use_rslora=config.use_rslora)
         apply_lora(model, lora_cfg, seed=config.seed)
     except ConfigError as e:
-        raise TrainConfigError(f"key 'lora_target_modules' / lora_*: {e}") from None
+        raise TrainConfigError(_lora_message(e, config)) from None
     return model
 
 
-def _mesh_put(num_devices: int):
-    """Host batch -> device arrays: rows (axis 1 of [A, B, T], axis 0 of [B, T]) split over all devices."""
-    if num_devices == 1:
-        return lambda batch: jax.tree.map(jnp.asarray, batch)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-    P = jax.sharding.PartitionSpec
+class _Placement:
+    """Data parallelism over all local devices: batch rows (axis 1 of [A, B, T], axis 0 of [B, T]) are split
+    over a 1-D "data" mesh, LoRA/optimizer state and frozen weights are replicated. One device: plain arrays."""
 
-    def put(batch):
-        out = {}
-        for key, x in batch.items():
-            spec = P(None, "data") if x.ndim == 3 else P("data")
-            out[key] = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
-        return out
+    def __init__(self, num_devices: int):
+        self.mesh = None
+        if num_devices > 1:
+            self.mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
 
-    return put
+    def _sharding(self, *spec):
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+
+    def batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        if self.mesh is None:
+            return {k: jnp.asarray(v) for k, v in batch.items()}
+        return {k: jax.device_put(v, self._sharding(*((None, "data") if v.ndim == 3 else ("data",))))
+                for k, v in batch.items()}
+
+    def replicate(self, tree):
+        return tree if self.mesh is None else jax.device_put(tree, self._sharding())
 
 
 def _replace_dir(tmp: Path, target: Path) -> None:
@@ -158,15 +203,17 @@ def train(config: TrainConfig) -> TrainResult:
     resume_path = _resume_path(config, out)
     _check_output_dir(config, out, resume_path is not None)
 
+    lora_cfg = _check_model_and_lora(config)
     rows_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_devices
     eval_rows = (config.per_device_eval_batch_size or config.per_device_train_batch_size) * num_devices
     tokenizer, train_ds, eval_ds = _load_data(config, rows_per_step, eval_rows)
     plan = _plan(config, train_ds.num_rows, num_devices)
-    logger.info("%s; %d rows per step (%d x %d micro-batches x %d devices), %d steps per epoch, %d steps",
-                train_ds.stats.summary(), plan.rows_per_step, config.per_device_train_batch_size,
+    assert plan.steps_per_epoch == train_ds.num_batches_per_epoch, (plan, train_ds.num_batches_per_epoch)
+    logger.info("%d rows per step (%d rows x %d micro-batches x %d devices), %d steps per epoch, %d steps",
+                plan.rows_per_step, config.per_device_train_batch_size,
                 config.gradient_accumulation_steps, num_devices, plan.steps_per_epoch, plan.total_steps)
 
-    model = _load_model(config)
+    model = _load_model(config, lora_cfg)
     graphdef, lora, frozen = split_model(model)
     del model  # its LoRA buffers are donated to the step below
     schedule = make_schedule(config.lr_scheduler_type, config.learning_rate, plan.total_steps, plan.warmup_steps)
@@ -194,7 +241,8 @@ def train(config: TrainConfig) -> TrainResult:
                                      max_to_keep=config.save_total_limit)
     writer = MetricsWriter(out, resume_step=start_step if resume_path else None,
                            tensorboard=config.report_to == "tensorboard")
-    put = _mesh_put(num_devices)
+    place = _Placement(num_devices)
+    lora, opt_state, frozen = place.replicate(lora), place.replicate(opt_state), place.replicate(frozen)
     step_fn = make_train_step(graphdef, optimizer, schedule, dropout=config.lora_dropout > 0)
     eval_fn = make_eval_step(graphdef)
     eval_every = config.eval_steps or config.logging_steps
@@ -208,7 +256,7 @@ def train(config: TrainConfig) -> TrainResult:
     def evaluate(step: int) -> float:
         loss_sum, count = 0.0, 0.0
         for batch in eval_ds:
-            s, c = eval_fn(lora, frozen, put(batch))
+            s, c = eval_fn(lora, frozen, place.batch(batch))
             loss_sum, count = loss_sum + float(s), count + float(c)
         value = loss_sum / max(count, 1.0)
         writer.write({"step": step, "eval_loss": value, "eval_tokens": int(count)})
@@ -232,7 +280,7 @@ def train(config: TrainConfig) -> TrainResult:
             while step < plan.total_steps:
                 host = train_ds.batch(step)
                 num_tokens = int(np.count_nonzero(host["segment_ids"]))
-                batch = put(stack_micro_batches(host, config.gradient_accumulation_steps))
+                batch = place.batch(stack_micro_batches(host, config.gradient_accumulation_steps))
                 lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(rng, step))
                 step += 1
                 window.append((metrics, num_tokens))
@@ -267,7 +315,8 @@ def train(config: TrainConfig) -> TrainResult:
 
 
 def _check_resume_meta(meta: dict, config: TrainConfig, plan: _Plan, num_rows: int) -> None:
-    now = dict(rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length, num_rows=num_rows, seed=config.seed)
+    now = dict(rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length, num_rows=num_rows, seed=config.seed,
+               total_steps=plan.total_steps)
     changed = {k: (meta.get(k), v) for k, v in now.items() if meta.get(k) != v}
     if changed:
         logger.warning("resuming with a different data setup than the checkpoint (%s): the run continues, but "

@@ -102,7 +102,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                                                        **ce_kw)
         denom = jnp.maximum(count, 1.0)  # an all-padding step has zero loss and zero gradient
         grads = jax.tree.map(lambda g: g / denom, grad_sum)
-        metrics = {"loss": loss_sum / denom, "grad_norm": optax.global_norm(grads), "num_target_tokens": count}
+        metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads), "num_target_tokens": count}
         if schedule is not None:
             metrics["learning_rate"] = jnp.asarray(schedule(_update_count(opt_state)), jnp.float32)
         updates, opt_state = optimizer.update(grads, opt_state, lora)

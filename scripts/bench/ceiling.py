@@ -43,7 +43,7 @@ def torch_ceiling(device: str, sizes: tuple[int, ...], iters: int) -> dict[str, 
         per_size[str(n)] = 2.0 * n ** 3 * iters / (time.perf_counter() - t0)
         del a, b
     info = {"device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda"
-            else platform.processor() or platform.machine(),
+            else f"cpu ({platform.machine()})",
             "versions": {"torch": torch.__version__, "cuda": torch.version.cuda}}
     return {"flops_per_s": max(per_size.values()), "per_size": per_size, **info}
 

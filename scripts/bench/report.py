@@ -59,6 +59,14 @@ def first_loss_spread(runs: list[dict[str, Any]], workload: str) -> float | None
     return (max(vals) - min(vals)) / max(abs(statistics.fmean(vals)), 1e-12)
 
 
+def _si(x: float) -> str:
+    """3 significant digits with an SI prefix: 7.5e9 -> '7.50 G'."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}"
+    return f"{x:.3g} "
+
+
 def _status_cell(run: dict[str, Any]) -> str:
     s = run["summary"]["status"]
     if s == "ok":
@@ -96,13 +104,18 @@ def markdown(report: dict[str, Any]) -> str:
     for side, vers in sorted(meta.get("versions", {}).items()):
         lines.append(f"- versions ({side}): " + ", ".join(f"{k} {v}" for k, v in sorted(vers.items())))
     used = ceil.get("used_flops_per_s")
-    parts = [f"{fw} {c['flops_per_s'] / 1e12:.1f} TFLOP/s" for fw, c in sorted(ceil.items())
+    parts = [f"{fw} {_si(c['flops_per_s'])}FLOP/s" for fw, c in sorted(ceil.items())
              if isinstance(c, dict) and c.get("status") == "ok"]
-    lines.append(f"- bf16 matmul ceiling: {', '.join(parts) or 'not measured'}; MFU uses "
-                 f"{'-' if used is None else f'{used / 1e12:.1f} TFLOP/s'} (the max)")
+    used_txt = "-" if used is None else f"{_si(used)}FLOP/s"
+    lines.append(f"- bf16 matmul ceiling (square matmuls, best size): "
+                 f"{', '.join(parts) or 'not measured'}; MFU divides by {used_txt} (the max)")
     lines.append(f"- steps: {meta['steps']} per run, first {meta['warmup']} excluded from timing "
                  f"(median of {meta['steps'] - meta['warmup']}); loss = loss of the last step")
-    lines.append(f"- LoRA: {meta['lora']}; optimizer: {meta['adamw']}")
+    lora, adamw = meta["lora"], meta["adamw"]
+    lines.append(f"- LoRA: r={lora['r']}, alpha={lora['alpha']}, dropout={lora['dropout']}, "
+                 f"targets {','.join(lora['targets'])}; AdamW lr={adamw['lr']}, "
+                 f"betas=({adamw['b1']}, {adamw['b2']}), eps={adamw['eps']}, "
+                 f"weight_decay={adamw['weight_decay']} on the LoRA parameters")
     lines.append(f"- FLOPs: {FLOP_FORMULA}")
     lines += ["", "| workload | system | status | step (ms) | tokens/s | peak mem (GiB) | MFU | "
               "loss first -> last |", "|---|---|---|---:|---:|---:|---:|---|"]
@@ -113,10 +126,9 @@ def markdown(report: dict[str, Any]) -> str:
         d = w["data"]
         lines.append(f"- {name}: shape {w['shape']}, batch {w['batch']} x {w['seq_len']}"
                      f"{' packed' if w['packed'] else ''}; frozen matmul params "
-                     f"{w['params']['frozen_matmul'] / 1e9:.3f} B, LoRA params "
-                     f"{w['params']['lora'] / 1e6:.2f} M; {d['documents'] / d['steps']:.1f} docs/step "
-                     f"(mean {d['mean_doc_len']:.0f} tokens); useful "
-                     f"{w['useful_flops_per_step'] / 1e12:.2f} TFLOP/step"
+                     f"{_si(w['params']['frozen_matmul'])}, LoRA params {_si(w['params']['lora'])}; "
+                     f"{d['documents'] / d['steps']:.1f} docs/step (mean {d['mean_doc_len']:.0f} "
+                     f"tokens); useful {_si(w['useful_flops_per_step'])}FLOP/step"
                      + (f"; first-loss spread across systems {100 * w['first_loss_spread']:.2f}%"
                         if w.get("first_loss_spread") is not None else ""))
     notes = report.get("notes", [])

@@ -1,0 +1,10 @@
+"""Shared pieces of the LoRA training benchmark (scripts/bench_train.py and its workers).
+
+Modules (import them directly; this package deliberately imports nothing at import time, because
+the Unsloth worker must import unsloth before transformers/peft and ceiling.py runs standalone):
+  workloads      model shapes, workloads, LoRA/AdamW settings, token data, the FLOP formula
+  worker_common  the harness <-> worker contract (Task, worker_main, result validation)
+  models         random-weight model directories (save_pretrained) + a generated tokenizer
+  ceiling        the bf16 matmul ceiling (torch or JAX), runnable as a script
+  report         derived statistics (median, tokens/s, MFU) and the markdown table
+"""

@@ -1,0 +1,327 @@
+"""Tests of the training benchmark harness (scripts/bench_train.py and scripts/bench/).
+
+Oracles: transformers/peft themselves (parameter counts of the real shapes on the meta device,
+LoRA parameter counts, the padding-free packed forward against one forward per document, the HF
+loss against our targets/loss_mask), brute-force counts, and the CLI run end to end on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(REPO, "scripts")
+if SCRIPTS not in sys.path:  # the bench package lives beside the scripts, not in jaxft
+    sys.path.insert(0, SCRIPTS)
+
+from bench.report import markdown, summarise_run  # noqa: E402
+from bench.workloads import (LORA, SHAPES, WORKLOADS, get_workload, make_token_data,  # noqa: E402
+                             param_counts, useful_flops)
+from bench.worker_common import Task, validate_train_result, worker_main  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+# ------------------------------------------------------------------------------------------------
+# Token data.
+# ------------------------------------------------------------------------------------------------
+
+
+def test_token_data_is_deterministic_and_self_consistent():
+    w = get_workload("tiny_packed")
+    a, b = make_token_data(w, 4), make_token_data(w, 4)
+    assert a.sha256 == b.sha256
+    assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.positions, b.positions)
+    assert a.sha256 != make_token_data(get_workload("tiny_llama"), 4).sha256
+    s, bsz, t = 4, w.batch, w.seq_len
+    for arr in (a.input_ids, a.targets, a.loss_mask, a.segment_ids, a.positions):
+        assert arr.shape == (s, bsz, t)
+    assert a.input_ids.min() >= 0 and a.input_ids.max() < w.shape.get("vocab_size")
+    for i in range(s):
+        pairs = 0
+        for j in range(bsz):
+            seg, pos = a.segment_ids[i, j], a.positions[i, j]
+            assert seg[0] == 1 and np.all(np.diff(seg) >= 0) and np.all(seg > 0)  # no padding
+            starts = np.flatnonzero(np.r_[True, np.diff(seg) != 0])
+            assert np.array_equal(np.flatnonzero(pos == 0), starts)
+            for k, st in enumerate(starts):  # positions count 0.. inside each document
+                end = starts[k + 1] if k + 1 < len(starts) else t
+                assert np.array_equal(pos[st:end], np.arange(end - st))
+            # Brute-force causal within-document pairs (diagonal included).
+            q, kk = np.meshgrid(np.arange(t), np.arange(t), indexing="ij")
+            allowed = (kk <= q) & (seg[:, None] == seg[None, :])
+            pairs += int(allowed.sum())
+        assert a.attention_pairs[i] == pairs
+    # Targets are the next token inside the document; the last token of a document has none.
+    nxt_same_doc = np.zeros_like(a.loss_mask, dtype=bool)
+    nxt_same_doc[..., :-1] = a.segment_ids[..., 1:] == a.segment_ids[..., :-1]
+    assert np.array_equal(a.loss_mask == 1, nxt_same_doc)
+    assert np.array_equal(a.targets[..., :-1][nxt_same_doc[..., :-1]],
+                          a.input_ids[..., 1:][nxt_same_doc[..., :-1]])
+    assert np.all(a.targets[a.loss_mask == 0] == 0)
+    # HF labels: -100 exactly at document starts, the token id elsewhere.
+    labels = a.hf_labels()
+    assert np.array_equal(labels == -100, a.positions == 0)
+
+
+def test_packed_doc_lengths_follow_the_requested_mean():
+    w = get_workload("8b_packed_16384")
+    d = make_token_data(w, 2)
+    st = d.stats()
+    assert st["documents"] > 80  # ~16384 / 300 per row
+    assert 230 < st["mean_doc_len"] < 380, st
+    # Unpacked rows: one document per row, pairs = T (T + 1) / 2 per row.
+    u = make_token_data(get_workload("1b_2x4096"), 1)
+    assert u.attention_pairs[0] == 2 * 4096 * 4097 // 2
+    assert u.loss_mask.sum() == 2 * 4095
+
+
+# ------------------------------------------------------------------------------------------------
+# Shapes and FLOPs, against transformers/peft.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape_name", ["llama-3.2-1b", "llama-3.1-8b", "qwen3-8b"])
+def test_real_shapes_match_transformers_parameter_counts(shape_name):
+    """Count every tensor of the real-size HF model on the meta device (no memory)."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.models import build_config
+
+    shape = SHAPES[shape_name]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_config(shape))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    counts = param_counts(shape)
+    assert counts["frozen_matmul"] == linear  # all layer linears + lm_head
+    total = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    published = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248,
+                 "qwen3-8b": 8_190_735_360}[shape_name]
+    assert total == published
+    assert model.config.tie_word_embeddings == shape.get("tie_word_embeddings")
+
+
+def test_lora_param_count_matches_peft():
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from bench.models import build_config
+
+    for shape_name in ("tiny-llama", "tiny-qwen3"):
+        shape = SHAPES[shape_name]
+        model = AutoModelForCausalLM.from_config(build_config(shape))
+        peft_model = get_peft_model(model, LoraConfig(
+            r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
+            target_modules=list(LORA.targets), task_type="CAUSAL_LM"))
+        trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+        assert trainable == param_counts(shape)["lora"]
+
+
+def test_useful_flops_formula():
+    shape = SHAPES["llama-3.1-8b"]
+    p = param_counts(shape)
+    t = 4096
+    pairs = t * (t + 1) // 2
+    expected = t * (4 * p["frozen_matmul"] + 6 * p["lora"]) + 12 * 32 * 32 * 128 * pairs
+    assert useful_flops(shape, t, pairs) == pytest.approx(expected, rel=1e-12)
+    # Attention is a few percent of an 8B step at 4k, roughly the 6ND rule's matmul part.
+    assert 0.02 < 12 * 32 * 32 * 128 * pairs / expected < 0.2
+
+
+# ------------------------------------------------------------------------------------------------
+# The HF padding-free path: packed position_ids == one forward per document.
+# ------------------------------------------------------------------------------------------------
+
+
+def test_hf_padding_free_packed_forward_and_loss_match_per_document():
+    from transformers import AutoModelForCausalLM
+
+    from bench.models import build_config
+
+    torch.manual_seed(0)
+    w = get_workload("tiny_packed")
+    model = AutoModelForCausalLM.from_config(build_config(w.shape), attn_implementation="sdpa").eval()
+    data = make_token_data(w, 1)
+    ids = torch.from_numpy(data.input_ids[0].astype(np.int64))
+    pos = torch.from_numpy(data.positions[0].astype(np.int64))
+    labels = torch.from_numpy(data.hf_labels()[0])
+    with torch.no_grad():
+        out = model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)
+        seg = data.segment_ids[0, 0]
+        assert len(np.unique(seg)) >= 3
+        per_doc = [model(input_ids=ids[:, seg == s], use_cache=False).logits
+                   for s in np.unique(seg)]
+    torch.testing.assert_close(out.logits, torch.cat(per_doc, dim=1), rtol=1e-4, atol=1e-4)
+    # HF's shifted loss on labels == mean CE over our targets where loss_mask == 1.
+    logp = torch.log_softmax(out.logits.float(), -1)
+    tgt = torch.from_numpy(data.targets[0].astype(np.int64))
+    mask = torch.from_numpy(data.loss_mask[0])
+    nll = -logp.gather(-1, tgt[..., None])[..., 0]
+    torch.testing.assert_close(out.loss, (nll * mask).sum() / mask.sum(), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker contract and statistics.
+# ------------------------------------------------------------------------------------------------
+
+
+def _task(tmp_path, system="jaxft"):
+    path = str(tmp_path / "task.json")
+    Task("train", system, "tiny_llama", str(tmp_path), 3, "cpu").dump(path)
+    return path
+
+
+@pytest.mark.parametrize("exc,status", [
+    (NotImplementedError("placeholder"), "not_run"),
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom"),
+    (RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"), "oom"),
+    (ValueError("bad shape"), "error"),
+])
+def test_worker_main_records_every_outcome(tmp_path, exc, status):
+    def run(task, out_json):
+        raise exc
+
+    out = str(tmp_path / "result.json")
+    assert worker_main(run, ["--task", _task(tmp_path), "--out", out]) == 0
+    with open(out) as f:
+        res = json.load(f)
+    assert res["status"] == status and res["system"] == "jaxft"
+    assert type(exc).__name__ in res["error"]
+
+
+def test_worker_main_validates_train_results(tmp_path):
+    out = str(tmp_path / "result.json")
+    good = {"step_times_s": [1.0, 0.5, 0.5], "losses": [6.0, 5.9, 5.8], "peak_memory_bytes": 10,
+            "data_sha256": "x"}
+    assert worker_main(lambda t, o: dict(good), ["--task", _task(tmp_path), "--out", out]) == 0
+    assert json.load(open(out))["status"] == "ok"
+    bad = dict(good, losses=[6.0])
+    worker_main(lambda t, o: bad, ["--task", _task(tmp_path), "--out", out])
+    res = json.load(open(out))
+    assert res["status"] == "error" and "losses" in res["error"]
+    with pytest.raises(ValueError, match="peak_memory_bytes"):
+        validate_train_result(dict(good, peak_memory_bytes=-1.5), 3)
+
+
+def test_task_rejects_unknown_keys_and_workloads(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"kind": "train", "system": "x", "workload": "tiny_llama",
+                                "model_dir": "/m", "steps": 3, "device": "cpu", "colour": 1}))
+    with pytest.raises(ValueError, match="colour"):
+        Task.load(str(path))
+    with pytest.raises(ValueError, match="known: 1b_2x4096"):
+        Task("train", "x", "9b", "/m", 3, "cpu")
+
+
+def test_summarise_run_drops_warmup_and_uses_one_ceiling():
+    w = get_workload("tiny_llama")
+    raw = {"status": "ok", "step_times_s": [10.0, 1.0, 3.0, 2.0], "losses": [6.1, 6.0, 5.9, 5.8],
+           "peak_memory_bytes": 3 * 1024 ** 3, "data_sha256": "abc", "trainable_params": 7}
+    flops = [100.0, 4.0, 4.0, 4.0]
+    s = summarise_run(raw, w, 1, flops, "abc", 7, ceiling_flops_per_s=8.0)
+    assert s["median_step_s"] == 2.0 and s["timed_steps"] == 3
+    assert s["tokens_per_s"] == w.tokens_per_step / 2.0
+    assert s["mfu"] == pytest.approx(4.0 / 2.0 / 8.0)
+    assert s["peak_memory_gib"] == 3.0 and s["final_loss"] == 5.8 and s["first_loss"] == 6.1
+    assert s["data_matches"] and s["lora_params_match"]
+    assert not summarise_run(raw, w, 1, flops, "other", 7, 8.0)["data_matches"]
+    assert summarise_run({"status": "oom", "error": "x"}, w, 1, flops, "abc", 7, 8.0) == {"status": "oom"}
+
+
+def test_run_subprocess_records_timeout_crash_and_oom(tmp_path):
+    import bench_train
+
+    env = dict(os.environ)
+    out = str(tmp_path / "none.json")
+    res = bench_train.run_subprocess([sys.executable, "-c", "import time; time.sleep(60)"],
+                                     str(tmp_path / "a"), out, 1.0, env)
+    assert res["status"] == "timeout" and res["wall_s"] < 30
+    res = bench_train.run_subprocess([sys.executable, "-c", "import sys; sys.exit(3)"],
+                                     str(tmp_path / "b"), out, 30.0, env)
+    assert res["status"] == "crashed" and "exit code 3" in res["error"]
+    code = "import sys; print('RuntimeError: CUDA error: out of memory', file=sys.stderr); sys.exit(1)"
+    res = bench_train.run_subprocess([sys.executable, "-c", code], str(tmp_path / "c"), out, 30.0, env)
+    assert res["status"] == "oom"
+
+
+def test_cli_rejects_too_few_timed_steps(tmp_path):
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--steps", "5",
+                          "--workloads", "8b_4096", "--out", str(tmp_path / "x.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and ">= 10 timed steps" in res.stderr
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny",
+                          "--workloads", "8b_4096", "--out", str(tmp_path / "x.json")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "not tiny" in res.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# End to end on CPU.
+# ------------------------------------------------------------------------------------------------
+
+
+def test_tiny_pipeline_end_to_end_hf_nockpt(tmp_path):
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    cmd = [sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny",
+           "--systems", "hf_nockpt,unsloth", "--workloads", "tiny_packed",
+           "--out", str(out), "--md", str(md), "--commit", "test-commit"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    meta = report["meta"]
+    assert meta["commit"] == "test-commit" and "bench_train.py --tiny" in meta["command"]
+    assert meta["steps"] == 3 and meta["warmup"] == 1 and meta["date"]
+    assert meta["versions"]["torch_side"]["transformers"] == transformers.__version__
+    assert report["ceiling"]["torch"]["status"] == "ok" and report["ceiling"]["used_flops_per_s"] > 0
+    assert report["models"]["tiny-llama"]["status"] == "ok"
+    runs = {r["system"]: r for r in report["runs"]}
+    hf = runs["hf_nockpt"]
+    s, raw = hf["summary"], hf["raw"]
+    assert s["status"] == "ok", raw
+    assert s["timed_steps"] == 2 and s["tokens_per_s"] > 0 and s["median_step_s"] > 0
+    assert math.isfinite(s["final_loss"]) and s["loss_finite"]
+    # Random weights, uniform tokens: the loss is near ln(vocab).
+    assert abs(s["first_loss"] - math.log(512)) < 0.5
+    assert s["data_matches"] and s["lora_params_match"] and 0 < s["mfu"]
+    assert raw["lora_param_dtype"] == "float32" and raw["settings"]["gradient_checkpointing"] is False
+    assert "padding-free" in raw["settings"]["attention_masking"]
+    assert runs["unsloth"]["summary"]["status"] == "not_run"  # reported, not a crash
+    text = md.read_text()
+    assert "| tiny_packed | hf_nockpt | ok |" in text and "useful_flops/step" in text
+    assert "| tiny_packed | unsloth | not_run" in text
+    assert report["workloads"]["tiny_packed"]["useful_flops_per_step"] > 0
+    assert (tmp_path / "bench_train_logs" / "hf_nockpt__tiny_packed" / "stderr.log").exists()
+    assert markdown(report) == text
+
+
+def test_resume_keeps_finished_runs_without_rerunning(tmp_path):
+    """A finished (ok/oom) run in --resume's JSON is kept as is; nothing is started for it."""
+    w = get_workload("tiny_packed")
+    raw = {"status": "ok", "step_times_s": [2.0, 1.0, 1.0], "losses": [6.2, 6.1, 6.0],
+           "peak_memory_bytes": 1, "data_sha256": make_token_data(w, 3).sha256}
+    summary = summarise_run(raw, w, 1, [1.0] * 3, raw["data_sha256"], 1, None)
+    old = {"runs": [{"system": "hf_nockpt", "workload": "tiny_packed", "summary": summary, "raw": raw},
+                    {"system": "hf_ckpt", "workload": "tiny_packed",
+                     "summary": {"status": "oom"}, "raw": {"status": "oom"}}],
+           "ceiling": {}}
+    prev = tmp_path / "old.json"
+    prev.write_text(json.dumps(old))
+    out = tmp_path / "new.json"
+    cmd = [sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny", "--no-ceiling",
+           "--systems", "hf_nockpt,hf_ckpt", "--workloads", "tiny_packed", "--resume", str(prev),
+           "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [(r["system"], r["summary"]["status"]) for r in report["runs"]] == \
+        [("hf_nockpt", "ok"), ("hf_ckpt", "oom")]
+    assert report["models"] == {}  # no model was saved: nothing was left to run
+    assert "resumed from" in " ".join(report["notes"])

@@ -1,0 +1,143 @@
+"""`jaxft-train`: one-line errors with exit code 2 and no output_dir on bad input; a full small run's outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from jaxft.cli import main
+from jaxft.train import TrainConfig, TrainConfigError, load_config, read_metrics
+from test_train_fixtures import make_jsonl, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    make_tiny_model(d / "model")
+    make_jsonl(d / "train.jsonl", 40, seed=0)
+    make_jsonl(d / "eval.jsonl", 8, seed=1)
+    return d
+
+
+def _write_config(d: Path, name="run.yaml", **overrides) -> Path:
+    cfg = dict(model_name_or_path=str(d / "model"), dataset=str(d / "train.jsonl"), output_dir=str(d / name[:-5]),
+               max_seq_length=64, per_device_train_batch_size=2, max_steps=4, lora_r=4, disable_tqdm=True)
+    cfg.update(overrides)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    path = d / name
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+def _fails(capsys, argv, *needles):
+    """Runs the CLI expecting a bad-input exit: code 2, one error line naming `needles`, no traceback."""
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("jaxft-train: error:")]
+    assert len(errors) == 1, err
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def test_unknown_key_suggests_the_close_one(workdir, capsys):
+    path = _write_config(workdir, "unknown.yaml", learning_rat=1e-4)
+    _fails(capsys, [path], str(path), "unknown key 'learning_rat'", "did you mean 'learning_rate'?")
+    _fails(capsys, [_write_config(workdir, "unknown2.yaml"), "lora_rnk=8"], "unknown key 'lora_rnk'",
+           "did you mean 'lora_r'?")
+    assert not (workdir / "unknown").exists() and not (workdir / "unknown2").exists()
+
+
+def test_wrong_type_names_key_value_and_expected_type(workdir, capsys):
+    _fails(capsys, [_write_config(workdir, "wt.yaml", lora_r="sixteen")],
+           "key 'lora_r'", "'sixteen'", "expected an integer")
+    _fails(capsys, [_write_config(workdir, "wt2.yaml"), "max_steps=1.5"],
+           "command line", "key 'max_steps'", "1.5", "expected an integer")
+    _fails(capsys, [_write_config(workdir, "wt3.yaml", lr_scheduler_type="cosin")],
+           "key 'lr_scheduler_type'", "did you mean 'cosine'?")
+    _fails(capsys, [_write_config(workdir, "wt4.yaml", bf16="yes please")], "key 'bf16'", "expected true/false")
+    assert not any((workdir / n).exists() for n in ("wt", "wt2", "wt3", "wt4"))
+
+
+def test_missing_paths(workdir, capsys):
+    _fails(capsys, [_write_config(workdir, "mp.yaml", dataset=str(workdir / "nope.jsonl"))],
+           "key 'dataset'", "nope.jsonl", "does not exist")
+    _fails(capsys, [_write_config(workdir, "mp2.yaml", model_name_or_path=str(workdir / "no_model"))],
+           "key 'model_name_or_path'", "does not exist")
+    _fails(capsys, [workdir / "no_config.yaml"], "no_config.yaml", "does not exist")
+    _fails(capsys, [_write_config(workdir, "mp3.yaml"), "--resume"], "resume_from_checkpoint",
+           "no complete checkpoint")
+    assert not any((workdir / n).exists() for n in ("mp", "mp2", "mp3"))
+
+
+def test_bad_target_module_lists_the_existing_ones(workdir, capsys):
+    path = _write_config(workdir, "tm.yaml", lora_target_modules=["q_proj", "qq_proj"])
+    _fails(capsys, [path], "lora_target_modules", "'qq_proj'", "q_proj, k_proj, v_proj, o_proj")
+    assert not (workdir / "tm").exists()
+
+
+def test_bad_data_line_is_named(workdir, capsys):
+    bad = workdir / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": broken\n', encoding="utf-8")
+    _fails(capsys, [_write_config(workdir, "bd.yaml", dataset=str(bad))], f"{bad}:2", "malformed JSON")
+    assert not (workdir / "bd").exists()
+
+
+def test_yaml_scalars_and_aliases(workdir):
+    path = _write_config(workdir, "ok.yaml", max_length=48, max_seq_length=None)
+    path.write_text(path.read_text() + "learning_rate: 1e-4\n", encoding="utf-8")
+    cfg = load_config(path, ["lora_target_modules=[q_proj, v_proj]", "warmup_ratio=.1"])
+    assert cfg.learning_rate == 1e-4 and isinstance(cfg.learning_rate, float)
+    assert cfg.max_seq_length == 48
+    assert load_config(path, ["max_seq_length=32"]).max_seq_length == 32  # an override beats the file's alias
+    with pytest.raises(TrainConfigError, match="key 'max_seq_length' is given twice"):
+        load_config(_write_config(workdir, "twice.yaml", max_length=48))
+    assert cfg.lora_target_modules == ("q_proj", "v_proj")
+    assert cfg.warmup_ratio == 0.1
+    with pytest.raises(TrainConfigError, match="required key 'output_dir' is missing"):
+        TrainConfig.from_dict({"model_name_or_path": str(workdir / "model"), "dataset": str(workdir / "train.jsonl")})
+
+
+def test_full_run_writes_metrics_plot_adapter_and_merged_model(workdir, capsys):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = _write_config(workdir, "full.yaml", eval_dataset=str(workdir / "eval.jsonl"), logging_steps=1,
+                         save_steps=2, eval_steps=2, save_merged_model=True, bf16=False, learning_rate=5e-3,
+                         lr_scheduler_type="cosine", warmup_steps=1)
+    assert main([str(path)]) == 0
+    out_text = capsys.readouterr().out
+    out = workdir / "full"
+    for needle in (str(out / "adapter"), str(out / "merged"), str(out / "metrics.jsonl"), "PeftModel.from_pretrained"):
+        assert needle in out_text
+
+    records = read_metrics(out / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["loss"]) and r["num_tokens"] > 0 and r["tokens_per_second"] > 0 for r in train)
+    assert train[0]["learning_rate"] == 0.0  # warmup starts at 0, like transformers
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
+    assert [r["step"] for r in records if "checkpoint" in r] == [2, 4]
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    assert json.loads((out / "train_config.json").read_text())["lora_r"] == 4
+
+    # The exported adapter loads in PEFT and gives the logits of the exported merged model.
+    ids = torch.tensor([[1, 10, 11, 12, 4, 20, 21, 5, 6, 7]])
+    base = AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, out / "adapter")
+    lora_b = [p for n, p in peft_model.named_parameters() if "lora_B" in n]
+    assert lora_b and any(float(p.abs().max()) > 0 for p in lora_b)  # trained (B starts at 0)
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        np.testing.assert_allclose(peft_model(ids).logits.numpy(), merged(ids).logits.numpy(), atol=1e-4)
+    assert (out / "merged" / "tokenizer.json").exists() and (out / "adapter" / "tokenizer.json").exists()
+
+    # Training again into the same output_dir without resume/overwrite is refused (and changes nothing).
+    _fails(capsys, [path], "already holds checkpoints", "resume_from_checkpoint=true")
