@@ -21,9 +21,9 @@ def _parser() -> argparse.ArgumentParser:
         description="LoRA fine-tuning of a Hugging Face causal LM in JAX. Writes checkpoints, metrics.jsonl, "
                     "loss_curve.png and a PEFT adapter (output_dir/adapter) to output_dir.",
         epilog="example: jaxft-train examples/quickstart.yaml learning_rate=1e-4 max_steps=200")
-    p.add_argument("config", nargs="?", help="YAML file of TrainConfig keys (model_name_or_path, dataset, output_dir, ...)")
+    p.add_argument("config", help="YAML file of TrainConfig keys (model_name_or_path, dataset, output_dir, ...)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override a config key")
-    p.add_argument("--resume", nargs="?", const="true", default=None, metavar="PATH",
+    p.add_argument("--resume", nargs="?", const="true", default=None, metavar="PATH",  # pre-parsed by _parse
                    help="continue from the latest checkpoint in output_dir (or from PATH); same as "
                         "resume_from_checkpoint=true|PATH")
     p.add_argument("--traceback", action="store_true", help="show the full traceback of an input error")
@@ -41,17 +41,23 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    # `--resume` takes an optional PATH, so it can swallow the next word: take back a key=value or the YAML file.
-    if args.resume not in (None, "true") and not Path(args.resume).is_dir():
-        if "=" in args.resume:
-            args.overrides.insert(0, args.resume)
-            args.resume = "true"
-        elif args.config is None and Path(args.resume).suffix in (".yaml", ".yml"):
-            args.config, args.resume = args.resume, "true"
-    if args.config is None:
-        parser.error("the following arguments are required: config (a YAML file)")
+    """argparse, except that `--resume` takes the next word as its PATH only when that word is a directory
+    (so `--resume key=value` and `--resume CONFIG.yaml` mean what they look like). `--resume=PATH` always works."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    resume = None
+    for i, word in enumerate(argv):
+        if word == "--resume":
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            take = nxt is not None and not nxt.startswith("-") and Path(nxt).is_dir()
+            resume = nxt if take else "true"
+            del argv[i:i + 2 if take else i + 1]
+            break
+        if word.startswith("--resume="):
+            resume = word.split("=", 1)[1] or "true"
+            del argv[i]
+            break
+    args = _parser().parse_args(argv)
+    args.resume = resume
     return args
 
 

@@ -328,3 +328,21 @@ def test_gpu_cudnn_matches_reference(packed, window):
         q, k, v, segment_ids=seg, sliding_window=window, implementation="cudnn"))(q, k, v)
     want = attention_reference(q, k, v, segment_ids=seg, sliding_window=window)
     _assert_close(got, want, 2e-2, "cudnn")
+
+
+def test_auto_policy_follows_the_measurements():
+    from kernels_pallas.attention.config import choose_implementation
+
+    def pick(t=8192, d=128, dtype=jnp.bfloat16, segments=False, backend="gpu", **kw):
+        kw = dict(dict(causal=True, sliding_window=None, logit_softcap=None, sinks=None, scale=None), **kw)
+        return choose_implementation((2, t, 32, d), (2, t, 8, d), dtype, segments, backend=backend, **kw)
+
+    assert pick(backend="cpu") == "xla"
+    assert pick() == "cudnn"  # dense causal: cuDNN measured fastest
+    assert pick(t=30000, sliding_window=4096) == "cudnn"
+    assert pick(segments=True) == "pallas"  # packed: Pallas measured fastest
+    assert pick(sinks=jnp.zeros(32)) == "pallas"  # cuDNN lacks sinks
+    assert pick(logit_softcap=30.0) == "pallas"  # ... and soft-capping
+    assert pick(dtype=jnp.float32) == "pallas"  # cuDNN flash needs 16-bit inputs
+    assert pick(d=96) == "cudnn"  # no Pallas tiling for head_dim 96
+    assert pick(d=96, sinks=jnp.zeros(32)) == "xla"

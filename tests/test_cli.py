@@ -141,3 +141,15 @@ def test_full_run_writes_metrics_plot_adapter_and_merged_model(workdir, capsys):
 
     # Training again into the same output_dir without resume/overwrite is refused (and changes nothing).
     _fails(capsys, [path], "already holds checkpoints", "resume_from_checkpoint=true")
+
+
+def test_resume_flag_takes_a_path_only_when_it_is_a_directory(tmp_path):
+    from jaxft.cli import _parse
+
+    args = _parse(["run.yaml", "--resume", "learning_rate=1e-4"])
+    assert (args.config, args.overrides, args.resume) == ("run.yaml", ["learning_rate=1e-4"], "true")
+    args = _parse(["--resume", "run.yaml", "max_steps=3"])
+    assert (args.config, args.overrides, args.resume) == ("run.yaml", ["max_steps=3"], "true")
+    args = _parse(["run.yaml", "--resume", str(tmp_path)])
+    assert (args.config, args.overrides, args.resume) == ("run.yaml", [], str(tmp_path))
+    assert _parse(["run.yaml"]).resume is None

@@ -9,7 +9,6 @@ cross-entropies over the step's documents / number of target tokens.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

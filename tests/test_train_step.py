@@ -120,6 +120,22 @@ def test_only_lora_params_are_trained():
     np.testing.assert_allclose(float(metrics["learning_rate"]), 1e-2, rtol=1e-6)
 
 
+def test_lora_and_optimizer_buffers_are_donated():
+    graphdef, lora, frozen = _lora_model()
+    schedule = make_schedule("constant", 1e-3, 10, 0)
+    opt = make_optimizer(schedule, max_grad_norm=1.0)
+    opt_state = opt.init(lora)
+    step = make_train_step(graphdef, opt, schedule)
+    old_lora = jax.tree.leaves(lora)
+    old_state = [x for x in jax.tree.leaves(opt_state) if x.ndim > 0]
+    new_lora, _, metrics = step(lora, opt_state, frozen, stack_micro_batches(_random_batch(2, 32, seed=1), 1),
+                                jax.random.key(0))
+    jax.block_until_ready(new_lora)
+    assert np.isfinite(float(metrics["loss"]))
+    assert all(x.is_deleted() for x in old_lora) and all(x.is_deleted() for x in old_state)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(frozen))  # the base weights are only read
+
+
 @pytest.mark.parametrize("kind", ["linear", "cosine", "constant", "constant_with_warmup"])
 @pytest.mark.parametrize("warmup", [0, 7])
 def test_schedules_match_transformers(kind, warmup):

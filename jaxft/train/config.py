@@ -23,10 +23,6 @@ from typing import Any, Literal, Mapping
 
 import yaml
 
-LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
-REMAT = ("none", "full", "dots", "offload")
-ATTENTION = ("xla", "pallas", "auto")
-REPORT_TO = ("tensorboard", "none")
 ALIASES = {"max_length": "max_seq_length"}
 
 
@@ -79,7 +75,7 @@ class TrainConfig:
     assistant_only_loss: bool = True
     # model / precision / memory
     bf16: bool = True
-    attention_implementation: Literal["xla", "pallas", "auto"] = "xla"
+    attention_implementation: Literal["xla", "pallas", "cudnn", "auto"] = "xla"
     remat: Literal["none", "full", "dots", "offload"] = "none"
     # LoRA
     lora_r: int = 16

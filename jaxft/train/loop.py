@@ -18,7 +18,6 @@ import math
 import shutil
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -274,28 +273,25 @@ def train(config: TrainConfig) -> TrainResult:
     step = start_step
     status: dict[str, str] = {}
     try:
-        with warnings.catch_warnings():
-            # CPU backends cannot donate buffers; the donation matters (and works) on accelerators.
-            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            while step < plan.total_steps:
-                host = train_ds.batch(step)
-                num_tokens = int(np.count_nonzero(host["segment_ids"]))
-                batch = place.batch(stack_micro_batches(host, config.gradient_accumulation_steps))
-                lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(rng, step))
-                step += 1
-                window.append((metrics, num_tokens))
-                if step % config.logging_steps == 0 or step == plan.total_steps:
-                    last_loss = _log_window(writer, status, window, step, plan, time.perf_counter() - window_start)
-                    window, window_start = [], time.perf_counter()
-                paused = time.perf_counter()
-                if eval_ds is not None and (step % eval_every == 0 or step == plan.total_steps):
-                    last_eval = evaluate(step)
-                    status["eval"] = f"eval {last_eval:.4f}"
-                if step % config.save_steps == 0 or step == plan.total_steps:
-                    save(step, force=step == plan.total_steps)
-                window_start += time.perf_counter() - paused  # tokens/s counts training time only
-                bar.set_postfix_str(", ".join(status.values()), refresh=False)
-                bar.update(1)
+        while step < plan.total_steps:
+            host = train_ds.batch(step)
+            num_tokens = int(np.count_nonzero(host["segment_ids"]))
+            batch = place.batch(stack_micro_batches(host, config.gradient_accumulation_steps))
+            lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(rng, step))
+            step += 1
+            window.append((metrics, num_tokens))
+            if step % config.logging_steps == 0 or step == plan.total_steps:
+                last_loss = _log_window(writer, status, window, step, plan, time.perf_counter() - window_start)
+                window, window_start = [], time.perf_counter()
+            paused = time.perf_counter()
+            if eval_ds is not None and (step % eval_every == 0 or step == plan.total_steps):
+                last_eval = evaluate(step)
+                status["eval"] = f"eval {last_eval:.4f}"
+            if step % config.save_steps == 0 or step == plan.total_steps:
+                save(step, force=step == plan.total_steps)
+            window_start += time.perf_counter() - paused  # tokens/s counts training time only
+            bar.set_postfix_str(", ".join(status.values()), refresh=False)
+            bar.update(1)
     finally:
         bar.close()
         checkpointer.close()

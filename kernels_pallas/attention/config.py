@@ -48,8 +48,14 @@ class FlashConfig:
 
 
 def default_flash_config(head_dim: int) -> FlashConfig:
-    """Defaults for Hopper (H100/H200), chosen so that the fp32 accumulators
-    ([block, head_dim] per output) stay in registers."""
+    """Defaults for Hopper (H100/H200).
+
+    head_dim 128: winners of the sweep in scripts/bench_attention.py
+    (--tune-shape dense_8k, H200, docs/results/attention_h200.json).
+    head_dim 64 / 256: not swept; tilings that keep the fp32 accumulators
+    ([block, head_dim] per output) in registers, verified on the H200 by the
+    gpu tests in tests/test_attention.py.
+    """
     if head_dim not in (64, 128, 256):
         raise ValueError(
             f"{_WHERE}: head_dim={head_dim} is not supported by the Pallas kernels; "
@@ -58,7 +64,7 @@ def default_flash_config(head_dim: int) -> FlashConfig:
     if head_dim == 64:
         return FlashConfig(BlockConfig(128, 64, 4, 3), BlockConfig(64, 64, 4, 2), BlockConfig(64, 64, 4, 2))
     if head_dim == 128:
-        return FlashConfig(BlockConfig(128, 64, 8, 3), BlockConfig(64, 64, 4, 2), BlockConfig(64, 64, 8, 2))
+        return FlashConfig(BlockConfig(128, 128, 8, 3), BlockConfig(128, 32, 4, 3), BlockConfig(32, 64, 4, 3))
     return FlashConfig(BlockConfig(64, 64, 8, 2), BlockConfig(32, 32, 4, 2), BlockConfig(32, 32, 8, 1))
 
 
@@ -81,23 +87,30 @@ def fit_to_metadata(cfg: FlashConfig, meta_block_q: int, meta_block_k: int) -> F
 # Fastest fwd+bwd implementation measured on an H200 (bf16, H=32, KV=8, D=128,
 # 16k tokens per batch) by scripts/bench_attention.py; results in
 # docs/results/attention_h200.json.  Keys: (layout, T) with layout "dense",
-# "packed" or "window".  Filled from measurements; until a shape is measured
-# the Pallas kernels are chosen.
-MEASURED_FASTEST: dict[tuple[str, int], str] = {}
+# "packed" (segment_ids given) or "window" (dense rows, causal window).
+# packed_32k: cuDNN's packed backward ran out of memory (110 GiB request).
+MEASURED_FASTEST: dict[tuple[str, int], str] = {
+    ("dense", 2048): "cudnn",  # 2.83 ms vs pallas 4.23 ms
+    ("dense", 8192): "cudnn",  # 7.55 vs 14.82
+    ("dense", 32768): "cudnn",  # 56.8 vs 114.1
+    ("packed", 8192): "pallas",  # 2.44 vs cudnn 3.25
+    ("packed", 32768): "pallas",  # 4.31; cudnn backward OOM
+    ("window", 32768): "cudnn",  # 15.1 vs 27.5
+}
 
 
 def supported_implementations(
     q_shape, k_shape, dtype, has_segments: bool, *, causal, sliding_window,
-    logit_softcap, sinks, scale,
+    logit_softcap, sinks, scale, backend: str | None = None,
 ) -> tuple[str, ...]:
     """Implementations able to compute this call on the current backend."""
-    del k_shape, causal, sliding_window, scale, has_segments
+    del k_shape, scale, has_segments
     impls = ["xla"]
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = (backend or jax.default_backend()) == "gpu"
     d = q_shape[-1]
     if on_gpu and d in (64, 128, 256):
         impls.append("pallas")
-    if (on_gpu and logit_softcap is None and sinks is None
+    if (on_gpu and logit_softcap is None and sinks is None and (causal or sliding_window is None)
             and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 256):
         impls.append("cudnn")
     return tuple(impls)
@@ -105,21 +118,24 @@ def supported_implementations(
 
 def choose_implementation(
     q_shape, k_shape, dtype, has_segments: bool, *, causal, sliding_window,
-    logit_softcap, sinks, scale,
+    logit_softcap, sinks, scale, backend: str | None = None,
 ) -> str:
     """Pick, per shape, the measured-fastest implementation supporting the call.
 
     Off-GPU this is always "xla" (Pallas interpret mode is a test vehicle, not a
     fast path).  On GPU: look up MEASURED_FASTEST at the nearest measured T for
-    the layout; fall back to "pallas".
+    the layout; fall back to "pallas".  Packed rows therefore always get
+    "pallas" (measured fastest, and cuDNN's packed backward ran out of memory).
     """
     impls = supported_implementations(
         q_shape, k_shape, dtype, has_segments, causal=causal, sliding_window=sliding_window,
-        logit_softcap=logit_softcap, sinks=sinks, scale=scale,
+        logit_softcap=logit_softcap, sinks=sinks, scale=scale, backend=backend,
     )
     if "pallas" not in impls:
         return "cudnn" if "cudnn" in impls else "xla"
-    layout = "window" if sliding_window is not None else ("packed" if has_segments else "dense")
+    # Segments take precedence: the packed path of cuDNN was only measured with a
+    # known segment count, while the API cannot bound it (it would use M = T).
+    layout = "packed" if has_segments else ("window" if sliding_window is not None else "dense")
     t = q_shape[1]
     measured = [(abs(tt - t), impl) for (lay, tt), impl in MEASURED_FASTEST.items() if lay == layout]
     if measured:

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, the foundation forward check, kernel benchmarks and the training benchmark.
+# Results go under $OUT (JSON + markdown + logs; at most 8 files come back: check.log, forward.json,
+# attention.{json,md}, bench_train.{json,md}, bench_logs.tgz). Phases and sizes are chosen by environment variables so
+# one script serves a quick check and the full scoreboard:
+#   PHASES="env tests forward attention ce train"   (default: all)
+#   TRAIN_SYSTEMS=jaxft,jaxft_lean,hf_ckpt,hf_nockpt,unsloth   TRAIN_WORKLOADS=1b_2x4096,8b_4096,...
+#   TRAIN_BUDGET_S=400  TRAIN_STEPS=12  ATTN_BUDGET_S=120
+# Usage (device tool, repo root):  OUT=$OUT bash scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to the results folder}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
+PHASES=${PHASES:-"env tests forward attention ce train"}
+COMMIT=$(cat .commit 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
+has() { [[ " $PHASES " == *" $1 "* ]]; }
+stamp() { echo "[gpu_check $(date +%T)] $*"; }
+
+if has env; then
+  stamp env
+  { date -u +%FT%TZ; echo "commit $COMMIT"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv;
+    python3 -c "import jax, flax, optax, orbax.checkpoint as o, transformers, peft, torch, triton;
+print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, 'orbax', o.__version__);
+print('transformers', transformers.__version__, 'peft', peft.__version__, 'torch', torch.__version__, 'triton', triton.__version__);
+print(jax.devices())"; } 2>&1 | tee -a "$OUT/check.log"
+fi
+
+if has tests; then
+  stamp "gpu tests"
+  timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests 2>&1 \
+    | tail -60 | tee -a "$OUT/check.log"
+fi
+
+if has forward; then
+  stamp "forward check (Llama-3.2-1B shape, bf16 vs fp32, every attention implementation)"
+  timeout "${FORWARD_TIMEOUT_S:-150}" python3 scripts/gpu_forward_check.py --out "$OUT/forward.json" 2>&1 | tail -20
+fi
+
+if has attention; then
+  stamp "attention benchmark"
+  timeout "${ATTN_TIMEOUT_S:-180}" python3 scripts/bench_attention.py --out "$OUT/attention.json" \
+    --time-budget-s "${ATTN_BUDGET_S:-140}" 2>&1 | tail -30
+fi
+
+if has ce; then
+  stamp "linear cross-entropy benchmark"
+  timeout "${CE_TIMEOUT_S:-90}" python3 -m kernels_pallas.linear_cross_entropy.bench --modes forward,grad_hidden \
+    2>&1 | tail -30 | tee -a "$OUT/check.log"
+fi
+
+if has train; then
+  stamp "training benchmark"
+  carry_unsloth=()
+  [ -d .peers/unsloth ] && carry_unsloth=(--unsloth-wheels .peers/unsloth)
+  python3 scripts/bench_train.py \
+    --systems "${TRAIN_SYSTEMS:-jaxft,jaxft_lean,hf_ckpt,hf_nockpt,unsloth}" \
+    --workloads "${TRAIN_WORKLOADS:-1b_2x4096,8b_4096}" --steps "${TRAIN_STEPS:-12}" \
+    --budget-s "${TRAIN_BUDGET_S:-400}" --commit "$COMMIT" "${carry_unsloth[@]}" \
+    ${TRAIN_RESUME:+--resume "$TRAIN_RESUME"} \
+    --out "$OUT/bench_train.json" --md "$OUT/bench_train.md" --logs "$OUT/bench_logs" 2>&1 | tail -60
+  # The device returns at most 8 files: one archive for the per-run logs.
+  [ -d "$OUT/bench_logs" ] && tar czf "$OUT/bench_logs.tgz" -C "$OUT" bench_logs && rm -rf "$OUT/bench_logs"
+fi
+stamp done
