@@ -16,7 +16,7 @@ from jaxft.data.packing import PackedDataset
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models import init_model
 from jaxft.train import (loss_and_grad_sums, make_optimizer, make_schedule, make_train_step, split_model,
-                         stack_micro_batches, token_loss_sum)
+                         stack_micro_batches, token_loss_sum, warmup_steps_for)
 
 CFG = ModelConfig(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=1024)
@@ -151,6 +151,13 @@ def test_schedules_match_transformers(kind, warmup):
         expected.append(torch_opt.param_groups[0]["lr"])
         torch_opt.step()
         sched.step()
-    ours = make_schedule(kind, lr, total, warmup if kind != "constant" else 0)
+    ours = make_schedule(kind, lr, total, warmup)  # "constant" ignores warmup, as in transformers
     got = [float(ours(jnp.asarray(s, jnp.int32))) for s in range(total + 3)]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-10)
+
+
+def test_warmup_ratio_rounds_up_and_warmup_steps_win():
+    assert warmup_steps_for(100, 0, 0.1) == 10
+    assert warmup_steps_for(95, 0, 0.1) == 10  # ceil(9.5), as transformers' get_warmup_steps
+    assert warmup_steps_for(100, 5, 0.1) == 5
+    assert warmup_steps_for(100, 0, 0.0) == 0

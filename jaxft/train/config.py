@@ -36,7 +36,10 @@ class TrainConfig:
 
     Steps are optimizer steps; one step consumes
     `per_device_train_batch_size * gradient_accumulation_steps * num_devices` packed rows of
-    `max_seq_length` tokens. `max_steps > 0` overrides `num_train_epochs`.
+    `max_seq_length` tokens. `max_steps > 0` overrides `num_train_epochs`. The eval set (when
+    `eval_dataset` is given) is evaluated every `eval_steps` (default: `logging_steps`) and at the end;
+    checkpoints are written every `save_steps` and at the end, keeping the newest `save_total_limit`.
+    `max_grad_norm: 0` disables clipping; `bf16: false` computes in fp32.
     """
 
     model_name_or_path: str

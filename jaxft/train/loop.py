@@ -215,6 +215,9 @@ def train(config: TrainConfig) -> TrainResult:
     model = _load_model(config, lora_cfg)
     graphdef, lora, frozen = split_model(model)
     del model  # its LoRA buffers are donated to the step below
+    if config.lr_scheduler_type == "constant" and plan.warmup_steps:
+        logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
+                       "for %d warmup steps", plan.warmup_steps)
     schedule = make_schedule(config.lr_scheduler_type, config.learning_rate, plan.total_steps, plan.warmup_steps)
     optimizer = make_optimizer(schedule, b1=config.adam_beta1, b2=config.adam_beta2, eps=config.adam_epsilon,
                                weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm)
