@@ -107,7 +107,7 @@ def test_metadata_is_a_jittable_pytree_with_static_blocks():
     md = jax.jit(lambda s: make_metadata(s, sliding_window=100, block_q=64, block_k=32))(seg)
     assert isinstance(md, AttentionMetadata)
     leaves, treedef = jax.tree_util.tree_flatten(md)
-    assert len(leaves) == 6
+    assert len(leaves) == 7  # six block arrays + the single_segment flag
     assert md.block_kind.dtype == jnp.int8 and md.block_kind.shape == (1, 4, 8)
     assert (md.block_q, md.block_k, md.causal, md.sliding_window, md.seq_len) == (64, 32, True, 100, 256)
     again = jax.tree_util.tree_unflatten(treedef, leaves)

@@ -53,6 +53,8 @@ class AttentionMetadata:
       block_kind   [B, nQ, nK] int8  EMPTY / PARTIAL / FULL
       kv_lo, kv_hi [B, nQ] int32  kv-block range per q-block
       q_lo, q_hi   [B, nK] int32  q-block range per kv-block
+      single_segment [] bool      every row is one segment (no packing, no padding): the batch is
+                                  plain causal attention, so `auto` may take a dense kernel at run time
     Static fields: seq_len (T before padding), block_q, block_k, causal,
     sliding_window.
     """
@@ -63,6 +65,7 @@ class AttentionMetadata:
     kv_hi: jax.Array
     q_lo: jax.Array
     q_hi: jax.Array
+    single_segment: jax.Array
     seq_len: int
     block_q: int
     block_k: int
@@ -101,7 +104,7 @@ class AttentionMetadata:
 
 jax.tree_util.register_dataclass(
     AttentionMetadata,
-    data_fields=["segment_ids", "block_kind", "kv_lo", "kv_hi", "q_lo", "q_hi"],
+    data_fields=["segment_ids", "block_kind", "kv_lo", "kv_hi", "q_lo", "q_hi", "single_segment"],
     meta_fields=["seq_len", "block_q", "block_k", "causal", "sliding_window"],
 )
 
@@ -206,6 +209,7 @@ def make_metadata(
     q_lo, q_hi = _range(nonempty, axis=1)
     return AttentionMetadata(
         segment_ids=seg, block_kind=kind, kv_lo=kv_lo, kv_hi=kv_hi, q_lo=q_lo,
-        q_hi=q_hi, seq_len=t, block_q=block_q, block_k=block_k, causal=bool(causal),
+        q_hi=q_hi, single_segment=jnp.all(segment_ids == segment_ids[:, :1]), seq_len=t,
+        block_q=block_q, block_k=block_k, causal=bool(causal),
         sliding_window=None if sliding_window is None else int(sliding_window),
     )
