@@ -254,3 +254,42 @@ def test_gpu_xla_matches_reference(dtype):
     _close(value, r_value, 1e-4, "loss")
     for name, g, rg in zip(("dhidden", "dweight", "dweights"), grads, r_grads):
         _close(g, rg, rtol, name)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.5])
+@pytest.mark.parametrize("argnums", [(0,), (0, 3)])
+@pytest.mark.parametrize("dtype,rtol", [(np.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_frozen_head_eager_gradient_matches_reference(softcap, argnums, dtype, rtol):
+    """Weight frozen (the LoRA case): dhidden comes from the forward pass's unit gradient, scaled by g."""
+    args = _problem(77, 24, 211, seed=5, dtype=dtype)
+
+    def outer(fn):  # a non-unit cotangent g, so that the scaling by g is exercised
+        return lambda *a: 3.0 * fn(*a)
+
+    got = jax.jit(jax.value_and_grad(outer(_xla(16, softcap)), argnums=argnums))(*args)
+    want = jax.jit(jax.value_and_grad(outer(_ref(softcap)), argnums=argnums))(*args)
+    _close(got[0], want[0], 1e-5, "loss")
+    for g, w, i in zip(got[1], want[1], argnums):
+        assert g.dtype == args[i].dtype
+        _close(g, w, rtol, f"grad of arg {i}")
+
+
+def test_frozen_head_backward_has_no_matmul():
+    """With the head frozen the backward pass only scales U: every dot_general of the gradient program
+    sits in the forward chunk loop (logits + unit gradient), none after it."""
+    args = _problem(64, 16, 97, seed=6)
+    jaxpr = jax.make_jaxpr(jax.grad(_xla(16, None), argnums=0))(*args).jaxpr
+
+    def dots(jx):
+        n = 0
+        for eqn in jx.eqns:
+            n += eqn.primitive.name == "dot_general"
+            for v in eqn.params.values():
+                for sub in v if isinstance(v, (list, tuple)) else [v]:
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        n += dots(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        n += dots(sub)
+        return n
+
+    assert dots(jaxpr) == 2

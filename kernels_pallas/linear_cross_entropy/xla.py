@@ -23,6 +23,13 @@ passes; the backward pass recomputes each chunk's logits.  The tokens are
 processed in chunks of ``C`` rows, so the live logits are ``[C, V]`` instead
 of ``[N, V]``.
 
+Frozen head (``weight`` not differentiated, ``hidden`` differentiated: the LoRA case).  Then
+``dhidden = g * U`` with ``U = dx(g=1) @ W^T`` independent of ``g`` (the loss is linear in the
+per-token terms and ``g`` is a scalar), so the forward pass computes ``U`` chunk by chunk while the
+chunk's logits are live, and the backward pass only scales it.  That saves the backward pass's
+recomputation of the logits: 2 [C,H]x[H,V] matmuls per chunk in all instead of 3.  The residual is
+``U [N, H]`` in ``hidden``'s dtype in place of ``hidden`` itself, so memory is unchanged.
+
 ``defvjp(..., symbolic_zeros=True)`` tells the forward rule which inputs are
 differentiated (``CustomVJPPrimal.perturbed``).  The backward rule skips the
 ``[H, V]`` weight-gradient accumulation entirely when ``weight`` is frozen
@@ -106,21 +113,44 @@ def _safe_targets(targets: jax.Array, vocab: int) -> jax.Array:
     return jnp.clip(targets, 0, vocab - 1)
 
 
-def _forward(hidden, weight, targets, chunk: int, softcap: float | None):
-    """Per-token ``(lse [N], CE [N])`` in fp32, chunk by chunk."""
+def _dlogits(x, z, tz, lse, t, coef, softcap, dtype):
+    """``coef * (softmax(z) - onehot(t)) * dz/dx`` for one chunk, cast to the matmul dtype."""
+    p = jnp.exp(z - lse[:, None])
+    onehot = lax.broadcasted_iota(jnp.int32, z.shape, 1) == t[:, None]
+    dx = coef[:, None] * (p - onehot.astype(_F32))
+    if softcap is not None:
+        dx = dx * (1.0 - tz * tz)
+    # The backward matmuls run in the input dtype (bf16 on GPU) with fp32 accumulation, like the
+    # forward logits matmul.
+    return dx.astype(dtype)
+
+
+def _forward(hidden, weight, targets, chunk: int, softcap: float | None, weights=None):
+    """Per-token ``(lse [N], CE [N])`` in fp32, chunk by chunk; with ``weights`` also the unit hidden
+    gradient ``U = dx(g=1) @ W^T`` [N, H] (the frozen-head eager gradient, see the module docstring)."""
     vocab = weight.shape[1]
+    dtype = jnp.promote_types(hidden.dtype, weight.dtype)
 
     def body(carry, start, size):
-        z = _raw_logits(_rows(hidden, start, size), weight)
+        x = _raw_logits(_rows(hidden, start, size), weight)
+        tz = None
         if softcap is not None:
-            z = softcap * jnp.tanh(z / softcap)
+            tz = jnp.tanh(x / softcap)
+            z = softcap * tz
+        else:
+            z = x
         lse = jax.nn.logsumexp(z, axis=-1)
         t = _safe_targets(_rows(targets, start, size), vocab)
         z_t = jnp.take_along_axis(z, t[:, None], axis=-1)[:, 0]
-        return carry, (lse, lse - z_t)
+        if weights is None:
+            return carry, (lse, lse - z_t)
+        coef = _rows(weights, start, size).astype(_F32)
+        dx = _dlogits(x, z, tz, lse, t, coef, softcap, dtype)
+        unit = lax.dot_general(dx, weight, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        return carry, (lse, lse - z_t, unit.astype(hidden.dtype))
 
-    _, (lse, ce) = _scan_chunks(body, None, hidden.shape[0], chunk)
-    return lse, ce
+    _, out = _scan_chunks(body, None, hidden.shape[0], chunk)
+    return out
 
 
 def _weighted_sum(weights: jax.Array, ce: jax.Array) -> jax.Array:
@@ -140,6 +170,10 @@ def _fwd(hidden, weight, targets, weights, chunk, softcap):
     hidden, weight, targets, weights = (
         hidden.value, weight.value, targets.value, weights.value
     )
+    if perturbed.hidden and not perturbed.weight:
+        lse, ce, unit = _forward(hidden, weight, targets, chunk, softcap, weights)
+        loss = _weighted_sum(weights, ce)
+        return loss, (unit, None, None, weights, None, ce if perturbed.weights else None, perturbed)
     lse, ce = _forward(hidden, weight, targets, chunk, softcap)
     loss = _weighted_sum(weights, ce)
     # CE is only needed for d/dweights; keep [N] fp32 only then.
@@ -154,6 +188,11 @@ def _bwd(chunk, softcap, residuals, g):
     hidden, weight, targets, weights, lse, ce, perturbed = residuals
     if isinstance(g, SymbolicZero):
         return (None, None, None, None)
+    if perturbed.hidden and not perturbed.weight:  # frozen head: dhidden = g * U, U from the forward
+        unit = hidden
+        dhidden = (g.astype(_F32) * unit.astype(_F32)).astype(unit.dtype)
+        dweights = (g.astype(_F32) * ce).astype(weights.dtype) if perturbed.weights else None
+        return (dhidden, None, None, dweights)
     need_dh, need_dw = perturbed.hidden, perturbed.weight
     num_tokens, vocab = hidden.shape[0], weight.shape[1]
     compute_dtype = jnp.promote_types(hidden.dtype, weight.dtype)
@@ -165,21 +204,15 @@ def _bwd(chunk, softcap, residuals, g):
         def body(dw_acc, start, size):
             h = _rows(hidden, start, size)
             x = _raw_logits(h, weight)
+            tz = None
             if softcap is not None:
                 tz = jnp.tanh(x / softcap)
                 z = softcap * tz
             else:
                 z = x
-            p = jnp.exp(z - _rows(lse, start, size)[:, None])
             t = _safe_targets(_rows(targets, start, size), vocab)
-            onehot = lax.broadcasted_iota(jnp.int32, z.shape, 1) == t[:, None]
             coef = g * _rows(weights, start, size).astype(_F32)
-            dx = coef[:, None] * (p - onehot.astype(_F32))
-            if softcap is not None:
-                dx = dx * (1.0 - tz * tz)
-            # The backward matmuls run in the input dtype (bf16 on GPU) with
-            # fp32 accumulation, like the forward logits matmul.
-            dx = dx.astype(compute_dtype)
+            dx = _dlogits(x, z, tz, _rows(lse, start, size), t, coef, softcap, compute_dtype)
             dh = None
             if need_dh:
                 dh = lax.dot_general(
