@@ -63,6 +63,12 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, out_json: str, mod
     from jaxft.train.step import make_optimizer, make_train_step, split_model
 
     mode = os.environ.get("JAXFT_BENCH_MODE", mode)
+    profile_dir = os.environ.get("JAXFT_PROFILE_DIR") if workload.name in os.environ.get(
+        "JAXFT_PROFILE_WORKLOADS", "8b_4096").split(",") and mode == "fast" else None
+    if profile_dir:  # dump the optimized HLO so trace events can be mapped to jaxft's named scopes
+        os.makedirs(profile_dir, exist_ok=True)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={profile_dir}/hlo"
+                                   " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*").strip()
     settings = dict(MODES[mode], mode=mode)
     for key in ("remat", "attention"):  # explicit overrides for ablations
         if os.environ.get(f"JAXFT_BENCH_{key.upper()}"):
@@ -91,6 +97,18 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, out_json: str, mod
         times.append(time.perf_counter() - t0)
         losses.append(loss)
     stats = jax.devices()[0].memory_stats() or {}
+    extra = {"memory_bytes": _memory_breakdown(frozen, lora, opt_state, batches, stats)}
+    if profile_dir:
+        from bench.profile import load_step_hlo, load_trace, summarize_trace
+
+        n = 3
+        t0 = time.perf_counter()
+        with jax.profiler.trace(profile_dir):
+            for i in range(n):
+                lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batches[i % steps], rng)
+            jax.block_until_ready(metrics["loss"])
+        wall = time.perf_counter() - t0
+        extra["profile"] = summarize_trace(load_trace(profile_dir), load_step_hlo(f"{profile_dir}/hlo"), n, wall)
     return {
         "step_times_s": times,
         "losses": losses,
@@ -102,7 +120,24 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, out_json: str, mod
         "versions": {"jax": jax.__version__, "jaxft": getattr(jaxft, "__version__", "dev")},
         "settings": {**settings, "attention_resolved": attention, "dtype": dtype,
                      "lora_dtype": "float32", "compute": dtype},
+        "extra": extra,
     }
+
+
+def _memory_breakdown(frozen, lora, opt_state, batches, stats) -> dict[str, int]:
+    """Peak device memory split into what is resident by construction and the rest (activations, saved
+    residuals, cross-entropy chunks, workspace)."""
+    import jax
+
+    def nbytes(tree):
+        return int(sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")))
+
+    parts = {"frozen_weights": nbytes(frozen), "lora_params": nbytes(lora), "optimizer_state": nbytes(opt_state),
+             "batches": nbytes(batches)}
+    peak = int(stats.get("peak_bytes_in_use", 0))
+    parts["activations_and_workspace"] = max(peak - sum(parts.values()), 0)
+    parts["peak"] = peak
+    return parts
 
 
 def _run_task(task: Task, out_json: str) -> dict[str, Any]:

@@ -62,15 +62,20 @@ class Linear(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         if self.lora_a is not None:
-            h = x
-            if self.lora_dropout > 0.0 and dropout_rng is not None:
-                keep = jax.random.bernoulli(dropout_rng, 1.0 - self.lora_dropout, x.shape)
-                h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
-            a = self.lora_a[...].astype(x.dtype)
-            b = self.lora_b[...].astype(x.dtype)
-            delta = jnp.einsum("...r,ro->...o", jnp.einsum("...i,ir->...r", h, a), b)
-            y = y + (self.lora_scale[...].astype(y.dtype) * delta).astype(y.dtype)
+            return y + self._lora_delta(x, dropout_rng).astype(y.dtype)
         return y
+
+    @jax.named_scope("lora")
+    def _lora_delta(self, x: jax.Array, dropout_rng: jax.Array | None) -> jax.Array:
+        """s * dropout(x) @ A @ B in the compute dtype (A, B are stored in fp32)."""
+        h = x
+        if self.lora_dropout > 0.0 and dropout_rng is not None:
+            keep = jax.random.bernoulli(dropout_rng, 1.0 - self.lora_dropout, x.shape)
+            h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
+        a = self.lora_a[...].astype(x.dtype)
+        b = self.lora_b[...].astype(x.dtype)
+        delta = jnp.einsum("...r,ro->...o", jnp.einsum("...i,ir->...r", h, a), b)
+        return self.lora_scale[...].astype(x.dtype) * delta
 
 
 class RMSNorm(nnx.Module):
@@ -80,6 +85,7 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((*stack, dim), dtype))
         self.eps = eps
 
+    @jax.named_scope("rmsnorm")
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -109,9 +115,11 @@ class Attention(nnx.Module):
         v = self.v_proj(x, r[2]).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, ctx["cos"], ctx["sin"])
-        k = apply_rope(k, ctx["cos"], ctx["sin"])
-        o = ctx["attend"](q, k, v)
+        with jax.named_scope("rope"):
+            q = apply_rope(q, ctx["cos"], ctx["sin"])
+            k = apply_rope(k, ctx["cos"], ctx["sin"])
+        with jax.named_scope("attention"):
+            o = ctx["attend"](q, k, v)
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim), r[3])
 
 
@@ -126,7 +134,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x, rngs: tuple | None):
         r = rngs or (None,) * 3
-        return self.down_proj(jax.nn.silu(self.gate_proj(x, r[0])) * self.up_proj(x, r[1]), r[2])
+        gate, up = self.gate_proj(x, r[0]), self.up_proj(x, r[1])
+        with jax.named_scope("glu"):
+            h = jax.nn.silu(gate) * up
+        return self.down_proj(h, r[2])
 
 
 class DecoderLayer(nnx.Module):

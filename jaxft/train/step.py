@@ -46,10 +46,11 @@ def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
     hidden = model.hidden_states(batch["input_ids"], batch["positions"], batch["segment_ids"],
                                  dropout_rng=dropout_rng)
     b, t, h = hidden.shape
-    return linear_cross_entropy(
-        hidden.reshape(b * t, h), model.head_weight(), batch["targets"].reshape(b * t),
-        batch["loss_mask"].reshape(b * t).astype(jnp.float32),
-        chunk_size=ce_chunk_size, implementation=ce_implementation)
+    with jax.named_scope("cross_entropy"):
+        return linear_cross_entropy(
+            hidden.reshape(b * t, h), model.head_weight(), batch["targets"].reshape(b * t),
+            batch["loss_mask"].reshape(b * t).astype(jnp.float32),
+            chunk_size=ce_chunk_size, implementation=ce_implementation)
 
 
 def make_optimizer(schedule: optax.Schedule | float, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -105,8 +106,9 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
         metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads), "num_target_tokens": count}
         if schedule is not None:
             metrics["learning_rate"] = jnp.asarray(schedule(_update_count(opt_state)), jnp.float32)
-        updates, opt_state = optimizer.update(grads, opt_state, lora)
-        lora = optax.apply_updates(lora, updates)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = optimizer.update(grads, opt_state, lora)
+            lora = optax.apply_updates(lora, updates)
         return lora, opt_state, metrics
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
