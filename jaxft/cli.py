@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(config.model_name_or_path).expanduser().absolute()
     summary = f"trained {result.global_step} steps"
     if result.train_loss is not None:
-        summary += f"; final train loss {result.train_loss:.4f}"
+        summary += f"; last step's train loss {result.train_loss:.4f}"
     if result.eval_loss is not None:
         summary += f", eval loss {result.eval_loss:.4f}"
     lines = [summary,

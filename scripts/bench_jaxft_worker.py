@@ -43,7 +43,7 @@ from bench.worker_common import Task, worker_main
 #   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass.
 MODES = {
     "fast": dict(remat="none", attention="auto", ce_chunk_size=None),
-    "lean": dict(remat="offload", attention="auto", ce_chunk_size=None),
+    "lean": dict(remat="offload", attention="auto", ce_chunk_size=256),  # smaller live logits chunk
     "full_remat": dict(remat="full", attention="auto", ce_chunk_size=None),
 }
 

@@ -429,8 +429,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         with open(args.resume) as f:
             old = json.load(f)
-        report["runs"] = [r for r in old.get("runs", []) if r["summary"]["status"] in DONE_STATUSES
-                          and r["system"] in args.systems and r["workload"] in args.workloads]
+        # Every finished run is kept (the table accumulates over resumed passes); the selected ones are
+        # not run again.
+        report["runs"] = [r for r in old.get("runs", []) if r["summary"]["status"] in DONE_STATUSES]
+        report["workloads"].update(old.get("workloads", {}))
+        report["models"].update(old.get("models", {}))
+        old_meta = old.get("meta", {})
+        report["meta"]["resumed_commands"] = old_meta.get("resumed_commands", []) + (
+            [old_meta["command"]] if "command" in old_meta else [])
+        for side, versions in old_meta.get("versions", {}).items():
+            report["meta"]["versions"].setdefault(side, {}).update(versions)
         report["ceiling"] = {k: v for k, v in old.get("ceiling", {}).items() if k in ("torch", "jax")}
         report["notes"].append(f"resumed from {args.resume} ({len(report['runs'])} runs kept)")
     bench = Bench(args, workdir, report, time.perf_counter())

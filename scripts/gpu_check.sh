@@ -4,8 +4,8 @@
 # attention.{json,md}, bench_train.{json,md}, bench_logs.tgz). Phases and sizes are chosen by environment variables so
 # one script serves a quick check and the full scoreboard:
 #   PHASES="env tests forward attention ce train"   (default: all)
-#   TRAIN_SYSTEMS=jaxft,jaxft_lean,hf_ckpt,hf_nockpt,unsloth   TRAIN_WORKLOADS=1b_2x4096,8b_4096,...
-#   TRAIN_BUDGET_S=400  TRAIN_STEPS=12  ATTN_BUDGET_S=120
+#   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
+#   TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
 # Usage (device tool, repo root):  OUT=$OUT bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,7 @@ fi
 
 if has tests; then
   stamp "gpu tests"
-  timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests 2>&1 \
+  timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rA ${TESTS:-tests} 2>&1 \
     | tail -60 | tee -a "$OUT/check.log"
 fi
 
@@ -51,16 +51,23 @@ if has ce; then
 fi
 
 if has train; then
-  stamp "training benchmark"
-  carry_unsloth=()
-  [ -d .peers/unsloth ] && carry_unsloth=(--unsloth-wheels .peers/unsloth)
-  python3 scripts/bench_train.py \
-    --systems "${TRAIN_SYSTEMS:-jaxft,jaxft_lean,hf_ckpt,hf_nockpt,unsloth}" \
-    --workloads "${TRAIN_WORKLOADS:-1b_2x4096,8b_4096}" --steps "${TRAIN_STEPS:-12}" \
-    --budget-s "${TRAIN_BUDGET_S:-400}" --commit "$COMMIT" "${carry_unsloth[@]}" \
-    ${TRAIN_RESUME:+--resume "$TRAIN_RESUME"} \
-    --out "$OUT/bench_train.json" --md "$OUT/bench_train.md" --logs "$OUT/bench_logs" 2>&1 | tail -60
-  # The device returns at most 8 files: one archive for the per-run logs.
+  # TRAIN_PLAN: passes "systems|workloads|budget_s" separated by ';'. Each pass resumes from the previous
+  # pass's table (runs already ok/oom are kept), so one call fills one table in priority order.
+  plan=${TRAIN_PLAN:-"jaxft,jaxft_lean,hf_ckpt,hf_nockpt,unsloth|1b_2x4096,8b_4096|400"}
+  resume=${TRAIN_RESUME:-}
+  wheels=()
+  [ -d .peers/unsloth ] && wheels=(--unsloth-wheels .peers/unsloth)
+  IFS=';' read -ra passes <<< "$plan"
+  for pass in "${passes[@]}"; do
+    IFS='|' read -r systems workloads budget <<< "$pass"
+    stamp "training benchmark: $systems on $workloads (budget ${budget}s)"
+    python3 scripts/bench_train.py --systems "$systems" --workloads "$workloads" --steps "${TRAIN_STEPS:-12}" \
+      --budget-s "$budget" --commit "$COMMIT" "${wheels[@]}" ${resume:+--resume "$resume"} \
+      --out "$OUT/bench_train.json" --md "$OUT/bench_train.md" --logs "$OUT/bench_logs" 2>&1 | tail -40
+    [ -f "$OUT/bench_train.json" ] && cp "$OUT/bench_train.json" /tmp/bench_train_resume.json \
+      && resume=/tmp/bench_train_resume.json
+  done
+  # The device returns at most 8 files: one archive for the per-run logs and profile summaries.
   [ -d "$OUT/bench_logs" ] && tar czf "$OUT/bench_logs.tgz" -C "$OUT" bench_logs && rm -rf "$OUT/bench_logs"
 fi
 stamp done

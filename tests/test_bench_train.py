@@ -310,8 +310,10 @@ def test_resume_keeps_finished_runs_without_rerunning(tmp_path):
     summary = summarise_run(raw, w, 1, [1.0] * 3, raw["data_sha256"], 1, None)
     old = {"runs": [{"system": "hf_nockpt", "workload": "tiny_packed", "summary": summary, "raw": raw},
                     {"system": "hf_ckpt", "workload": "tiny_packed",
-                     "summary": {"status": "oom"}, "raw": {"status": "oom"}}],
-           "ceiling": {}}
+                     "summary": {"status": "oom"}, "raw": {"status": "oom"}},
+                    # outside this pass's selection: kept in the table (passes accumulate), not re-run
+                    {"system": "jaxft", "workload": "tiny_llama", "summary": summary, "raw": raw}],
+           "ceiling": {}, "meta": {"command": "python scripts/bench_train.py --earlier-pass"}}
     prev = tmp_path / "old.json"
     prev.write_text(json.dumps(old))
     out = tmp_path / "new.json"
@@ -321,7 +323,8 @@ def test_resume_keeps_finished_runs_without_rerunning(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert [(r["system"], r["summary"]["status"]) for r in report["runs"]] == \
-        [("hf_nockpt", "ok"), ("hf_ckpt", "oom")]
+    assert sorted((r["system"], r["workload"], r["summary"]["status"]) for r in report["runs"]) == \
+        [("hf_ckpt", "tiny_packed", "oom"), ("hf_nockpt", "tiny_packed", "ok"), ("jaxft", "tiny_llama", "ok")]
+    assert report["meta"]["resumed_commands"] == ["python scripts/bench_train.py --earlier-pass"]
     assert report["models"] == {}  # no model was saved: nothing was left to run
     assert "resumed from" in " ".join(report["notes"])

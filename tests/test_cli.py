@@ -123,7 +123,7 @@ def test_full_run_writes_metrics_plot_adapter_and_merged_model(workdir, capsys):
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert all(np.isfinite(r["loss"]) and r["num_tokens"] > 0 and r["tokens_per_second"] > 0 for r in train)
     assert train[0]["learning_rate"] == 0.0  # warmup starts at 0, like transformers
-    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
+    assert [r["step"] for r in records if "eval_loss" in r] == [0, 2, 4]  # 0: the baseline before training
     assert [r["step"] for r in records if "checkpoint" in r] == [2, 4]
     assert (out / "loss_curve.png").stat().st_size > 1000
     assert json.loads((out / "train_config.json").read_text())["lora_r"] == 4

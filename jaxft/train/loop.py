@@ -276,6 +276,10 @@ def train(config: TrainConfig) -> TrainResult:
     step = start_step
     status: dict[str, str] = {}
     try:
+        if eval_ds is not None and start_step == 0:  # the baseline the eval loss drops from
+            last_eval = evaluate(0)
+            status["eval"] = f"eval {last_eval:.4f}"
+            bar.set_postfix_str(status["eval"], refresh=False)
         while step < plan.total_steps:
             host = train_ds.batch(step)
             num_tokens = int(np.count_nonzero(host["segment_ids"]))

@@ -101,6 +101,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [f"- date: {meta['date']}", f"- commit: {meta['commit']}",
               f"- GPU / device: {meta['device_name']}",
               f"- command: `{meta['command']}`"]
+    for earlier in meta.get("resumed_commands", []):
+        lines.append(f"- earlier pass (resumed, its runs kept): `{earlier}`")
     for side, vers in sorted(meta.get("versions", {}).items()):
         lines.append(f"- versions ({side}): " + ", ".join(f"{k} {v}" for k, v in sorted(vers.items())))
     used = ceil.get("used_flops_per_s")
