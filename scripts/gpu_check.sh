@@ -5,7 +5,7 @@
 # one script serves a quick check and the full scoreboard:
 #   PHASES="env tests forward attention ce train"   (default: all)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
-#   TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
+#   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
 # Usage (device tool, repo root):  OUT=$OUT bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,10 +60,15 @@ if has train; then
   IFS=';' read -ra passes <<< "$plan"
   for pass in "${passes[@]}"; do
     IFS='|' read -r systems workloads budget <<< "$pass"
+    if [ -n "${DEADLINE_S:-}" ]; then  # the whole script must end by DEADLINE_S seconds after its start
+      left=$(( DEADLINE_S - SECONDS - 20 ))
+      [ "$left" -lt "$budget" ] && budget=$left
+      [ "$budget" -lt 60 ] && { stamp "skip pass ($systems on $workloads): ${budget}s left"; continue; }
+    fi
     stamp "training benchmark: $systems on $workloads (budget ${budget}s)"
     python3 scripts/bench_train.py --systems "$systems" --workloads "$workloads" --steps "${TRAIN_STEPS:-12}" \
       --budget-s "$budget" --commit "$COMMIT" "${wheels[@]}" ${resume:+--resume "$resume"} \
-      --out "$OUT/bench_train.json" --md "$OUT/bench_train.md" --logs "$OUT/bench_logs" 2>&1 | tail -40
+      ${TRAIN_EXTRA_ARGS:-} --out "$OUT/bench_train.json" --md "$OUT/bench_train.md" --logs "$OUT/bench_logs" 2>&1 | tail -40
     [ -f "$OUT/bench_train.json" ] && cp "$OUT/bench_train.json" /tmp/bench_train_resume.json \
       && resume=/tmp/bench_train_resume.json
   done
