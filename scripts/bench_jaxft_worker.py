@@ -68,7 +68,13 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, out_json: str, mod
     if profile_dir:  # dump the optimized HLO so trace events can be mapped to jaxft's named scopes
         os.makedirs(profile_dir, exist_ok=True)
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={profile_dir}/hlo"
-                                   " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*").strip()
+                                   " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*"
+                                   # CUDA-graph command buffers hide which HLO op ran a kernel (the first
+                                   # profile on the H200 attributed most kernels to command_buffer_N), but
+                                   # turning them off would change the timed steps of this same process:
+                                   # JAXFT_PROFILE_XLA_FLAGS="--xla_gpu_enable_command_buffer=" in a
+                                   # profile-only run gives per-scope attribution.
+                                   " " + os.environ.get("JAXFT_PROFILE_XLA_FLAGS", "")).strip()
     settings = dict(MODES[mode], mode=mode)
     for key in ("remat", "attention"):  # explicit overrides for ablations
         if os.environ.get(f"JAXFT_BENCH_{key.upper()}"):

@@ -29,8 +29,9 @@ fi
 
 if has tests; then
   stamp "gpu tests"
-  timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rA ${TESTS:-tests} 2>&1 \
-    | tail -60 | tee -a "$OUT/check.log"
+  # Written to the log as it runs (no tail in the pipe): a timeout must not swallow the failure report.
+  timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rA --tb=short \
+    ${TESTS:-tests} >> "$OUT/check.log" 2>&1; tail -60 "$OUT/check.log"
 fi
 
 if has forward; then

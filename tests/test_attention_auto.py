@@ -34,16 +34,19 @@ def test_gpu_auto_dense_or_packed_matches_reference(layout):
         np.repeat([[1] * 300 + [2] * 500 + [3] * 224], b, 0), jnp.int32)
     meta = make_metadata(seg)
 
-    def auto(q, k, v):
+    # segment ids and metadata are arguments, as in training: were they closed-over constants, XLA would
+    # fold the branch predicate and drop the other branch (seen on the device: the first version of this
+    # test captured them and found only one kernel in the HLO).
+    def auto(q, k, v, seg, meta):
         return dot_product_attention(q, k, v, segment_ids=seg, metadata=meta, implementation="auto")
 
     def ref(q, k, v):
         return attention_reference(q, k, v, segment_ids=seg)
 
-    got, got_vjp = jax.vjp(jax.jit(auto), q, k, v)
+    got, got_vjp = jax.vjp(lambda q, k, v: jax.jit(auto)(q, k, v, seg, meta), q, k, v)
     want, want_vjp = jax.vjp(ref, q, k, v)
     for name, g, w in [("out", got, want)] + list(zip("qkv", got_vjp(do), want_vjp(do))):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.max(np.abs(g - w)) <= 2e-2 * max(1.0, np.max(np.abs(w))), name
-    text = jax.jit(auto).lower(q, k, v).compile().as_text()
+    text = jax.jit(auto).lower(q, k, v, seg, meta).compile().as_text()
     assert FWD_NAME in text and "cudnn" in text.lower()  # both branches compiled, chosen at run time
