@@ -138,6 +138,14 @@ class ModelShape:
         return {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in self.hf_config.items()}
 
 
+_QWEN3_COMMON = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+    "tie_word_embeddings": False, "attention_bias": False, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "use_sliding_window": False, "sliding_window": None, "initializer_range": 0.02, "use_cache": False,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3,
+}
+
 SHAPES: dict[str, ModelShape] = {
     "llama-3.2-1b": ModelShape("llama-3.2-1b", {
         **_LLAMA_COMMON, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -148,30 +156,18 @@ SHAPES: dict[str, ModelShape] = {
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
         "vocab_size": 128256, "tie_word_embeddings": False, "rope_parameters": _llama3_rope(8.0)}),
     "qwen3-8b": ModelShape("qwen3-8b", {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
-        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        **_QWEN3_COMMON, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 151936, "tie_word_embeddings": False, "attention_bias": False,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 40960,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        "use_sliding_window": False, "sliding_window": None, "max_window_layers": 36,
-        "initializer_range": 0.02, "use_cache": False,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}),
+        "vocab_size": 151936, "max_position_embeddings": 40960, "max_window_layers": 36}),
     # Tiny shapes for the CPU smoke test (--tiny): same families, same code paths.
     "tiny-llama": ModelShape("tiny-llama", {
         **_LLAMA_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "vocab_size": 512, "tie_word_embeddings": True, "rope_parameters": _llama3_rope(32.0)}),
     "tiny-qwen3": ModelShape("tiny-qwen3", {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        **_QWEN3_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "vocab_size": 512, "tie_word_embeddings": False, "attention_bias": False,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-        "use_sliding_window": False, "sliding_window": None, "max_window_layers": 2,
-        "initializer_range": 0.02, "use_cache": False,
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}),
+        "vocab_size": 512, "max_position_embeddings": 4096, "max_window_layers": 2}),
 }
 
 # --------------------------------------------------------------------------------------------
