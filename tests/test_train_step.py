@@ -161,3 +161,23 @@ def test_warmup_ratio_rounds_up_and_warmup_steps_win():
     assert warmup_steps_for(95, 0, 0.1) == 10  # ceil(9.5), as transformers' get_warmup_steps
     assert warmup_steps_for(100, 5, 0.1) == 5
     assert warmup_steps_for(100, 0, 0.0) == 0
+
+
+def test_device_out_of_memory_becomes_a_one_line_config_error(tmp_path):
+    from jaxft.train.config import TrainConfig, TrainConfigError
+    from jaxft.train.loop import _out_of_memory
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    (tmp_path / "config.json").write_text("{}")  # the config only checks that the paths exist
+    cfg = TrainConfig(model_name_or_path=str(tmp_path), dataset=str(data), output_dir=str(tmp_path / "o"),
+                      max_seq_length=16384, per_device_train_batch_size=4)
+    err = _out_of_memory(jax.errors.JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 124.88GiB\nmore detail"), cfg)
+    assert isinstance(err, TrainConfigError)
+    text = str(err)
+    assert "124.88GiB" in text and "\n" not in text
+    for needle in ("remat: offload", "per_device_train_batch_size (now 4)", "max_seq_length (now 16384)"):
+        assert needle in text
+    other = jax.errors.JaxRuntimeError("INTERNAL: something else")
+    assert _out_of_memory(other, cfg) is other  # not an OOM: re-raised unchanged

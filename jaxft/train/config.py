@@ -78,7 +78,7 @@ class TrainConfig:
     assistant_only_loss: bool = True
     # model / precision / memory
     bf16: bool = True
-    attention_implementation: Literal["xla", "pallas", "cudnn", "auto"] = "xla"
+    attention_implementation: Literal["xla", "pallas", "cudnn", "auto"] = "auto"
     remat: Literal["none", "full", "dots", "offload"] = "none"
     # LoRA
     lora_r: int = 16

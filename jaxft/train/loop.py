@@ -284,7 +284,10 @@ def train(config: TrainConfig) -> TrainResult:
             host = train_ds.batch(step)
             num_tokens = int(np.count_nonzero(host["segment_ids"]))
             batch = place.batch(stack_micro_batches(host, config.gradient_accumulation_steps))
-            lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(rng, step))
+            try:
+                lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(rng, step))
+            except jax.errors.JaxRuntimeError as e:
+                raise _out_of_memory(e, config) from None
             step += 1
             window.append((metrics, num_tokens))
             if step % config.logging_steps == 0 or step == plan.total_steps:
@@ -325,6 +328,21 @@ def _check_resume_meta(meta: dict, config: TrainConfig, plan: _Plan, num_rows: i
         logger.warning("resuming with a different data setup than the checkpoint (%s): the run continues, but "
                        "the batches differ from an uninterrupted run",
                        ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()))
+
+
+def _out_of_memory(error: Exception, config: TrainConfig) -> Exception:
+    """A device OOM becomes a one-line TrainConfigError naming the settings that trade memory for speed."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+        return error
+    hints = []
+    if config.remat != "offload":
+        hints.append(f"remat: offload (now {config.remat!r}; layer inputs go to host memory)")
+    hints.append(f"a smaller per_device_train_batch_size (now {config.per_device_train_batch_size}) with a "
+                 f"larger gradient_accumulation_steps (now {config.gradient_accumulation_steps})")
+    hints.append(f"a shorter max_seq_length (now {config.max_seq_length})")
+    first = text.strip().splitlines()[0][:300]
+    return TrainConfigError(f"the training step ran out of device memory ({first}); try " + "; or ".join(hints))
 
 
 def _log_window(writer, status: dict[str, str], window, step: int, plan: _Plan, seconds: float) -> float:
