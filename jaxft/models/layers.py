@@ -16,6 +16,8 @@ from flax import nnx
 
 from jaxft.config import ModelConfig
 from jaxft.models.rope import apply_rope
+from kernels_pallas.glu import swiglu
+from kernels_pallas.rmsnorm import rmsnorm
 
 
 class LoraParam(nnx.Param):
@@ -87,9 +89,8 @@ class RMSNorm(nnx.Module):
 
     @jax.named_scope("rmsnorm")
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+        # Custom VJP: the backward keeps x in its own dtype and one fp32 scalar per row, not fp32 copies.
+        return rmsnorm(x, self.scale[...], self.eps)
 
 
 class Attention(nnx.Module):
@@ -136,7 +137,7 @@ class MLP(nnx.Module):
         r = rngs or (None,) * 3
         gate, up = self.gate_proj(x, r[0]), self.up_proj(x, r[1])
         with jax.named_scope("glu"):
-            h = jax.nn.silu(gate) * up
+            h = swiglu(gate, up)  # custom VJP: only gate and up are kept for the backward pass
         return self.down_proj(h, r[2])
 
 

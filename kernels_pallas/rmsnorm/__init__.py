@@ -1,0 +1,9 @@
+"""RMSNorm (transformers semantics) with a memory-lean custom VJP.
+
+Public API: rmsnorm(x, weight, eps, *, implementation="xla"), rmsnorm_reference(x, weight, eps).
+"""
+
+from .api import IMPLEMENTATIONS, rmsnorm
+from .reference import rmsnorm_reference
+
+__all__ = ["IMPLEMENTATIONS", "rmsnorm", "rmsnorm_reference"]
