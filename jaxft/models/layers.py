@@ -136,9 +136,16 @@ class MLP(nnx.Module):
     def __call__(self, x, rngs: tuple | None):
         r = rngs or (None,) * 3
         gate, up = self.gate_proj(x, r[0]), self.up_proj(x, r[1])
-        with jax.named_scope("glu"):
-            h = swiglu(gate, up)  # custom VJP: only gate and up are kept for the backward pass
-        return self.down_proj(h, r[2])
+
+        def act_down(gate, up):
+            with jax.named_scope("glu"):
+                h = swiglu(gate, up)  # custom VJP: only gate and up are kept for its own backward
+            return self.down_proj(h, r[2])
+
+        # h = silu(gate) * up is as large as gate and up; down_proj's LoRA needs it in the backward pass.
+        # Rematerialising this region keeps only gate and up and recomputes h there (an elementwise op;
+        # the frozen down matmul is linear in h, so its forward is not needed again).
+        return jax.checkpoint(act_down, policy=jax.checkpoint_policies.nothing_saveable)(gate, up)
 
 
 class DecoderLayer(nnx.Module):
