@@ -108,20 +108,42 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
 
-    def __call__(self, x, ctx: dict[str, Any], rngs: tuple | None):
+    def project(self, x, rngs: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [B,T,H,D], k, v [B,T,KV,D] from normed hidden states (before q/k norm and RoPE)."""
         b, t, _ = x.shape
-        r = rngs or (None,) * 4
-        q = self.q_proj(x, r[0]).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x, r[1]).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, r[2]).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x, rngs[0]).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, rngs[1]).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, rngs[2]).reshape(b, t, self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def attend(self, q, k, v, ctx: dict[str, Any]) -> jax.Array:
+        """(q/k norm,) RoPE and attention: [B,T,H,D]."""
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         with jax.named_scope("rope"):
             q = apply_rope(q, ctx["cos"], ctx["sin"])
             k = apply_rope(k, ctx["cos"], ctx["sin"])
         with jax.named_scope("attention"):
-            o = ctx["attend"](q, k, v)
-        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim), r[3])
+            return ctx["attend"](q, k, v)
+
+    def output(self, o, rngs: tuple) -> jax.Array:
+        b, t = o.shape[:2]
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim), rngs[3])
+
+    def __call__(self, x, ctx: dict[str, Any], rngs: tuple | None):
+        r = rngs or (None,) * 4
+        return self.output(self.attend(*self.project(x, r), ctx), r)
+
+
+def _recompute(fn):
+    """`fn` rematerialised in the backward pass with nothing saved but its inputs.
+
+    Used around [elementwise op -> frozen linear (+ LoRA)] regions: the backward needs the elementwise op's
+    output only as the LoRA input (for dA), so recomputing it from the region's input replaces a saved
+    [tokens, width] tensor with an elementwise pass; the frozen matmul itself is linear in its input and is
+    not recomputed (its forward output is not needed by any backward rule).
+    """
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
 
 
 class MLP(nnx.Module):
@@ -133,19 +155,17 @@ class MLP(nnx.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **lin)
 
+    def gate_up(self, x, rngs: tuple) -> tuple[jax.Array, jax.Array]:
+        return self.gate_proj(x, rngs[0]), self.up_proj(x, rngs[1])
+
+    def act_down(self, gate, up, rngs: tuple) -> jax.Array:
+        with jax.named_scope("glu"):
+            h = swiglu(gate, up)  # custom VJP: only gate and up are kept for its own backward
+        return self.down_proj(h, rngs[2])
+
     def __call__(self, x, rngs: tuple | None):
         r = rngs or (None,) * 3
-        gate, up = self.gate_proj(x, r[0]), self.up_proj(x, r[1])
-
-        def act_down(gate, up):
-            with jax.named_scope("glu"):
-                h = swiglu(gate, up)  # custom VJP: only gate and up are kept for its own backward
-            return self.down_proj(h, r[2])
-
-        # h = silu(gate) * up is as large as gate and up; down_proj's LoRA needs it in the backward pass.
-        # Rematerialising this region keeps only gate and up and recomputes h there (an elementwise op;
-        # the frozen down matmul is linear in h, so its forward is not needed again).
-        return jax.checkpoint(act_down, policy=jax.checkpoint_policies.nothing_saveable)(gate, up)
+        return self.act_down(*self.gate_up(x, r), r)
 
 
 class DecoderLayer(nnx.Module):
@@ -160,8 +180,13 @@ class DecoderLayer(nnx.Module):
         if dropout_rng is not None:
             keys = jax.random.split(dropout_rng, 7)
             rngs = tuple(keys)
-        h = x + self.attn(self.input_norm(x), ctx, rngs[:4] if rngs else None)
-        return h + self.mlp(self.post_attn_norm(h), rngs[4:] if rngs else None)
+        ra, rm = (rngs[:4], rngs[4:]) if rngs else ((None,) * 4, (None,) * 3)
+        # Same math as x + attn(norm(x)); h + mlp(norm(h)), with the elementwise inputs of LoRA'd linears
+        # (normed states, o reshaped, silu(gate) * up) recomputed in the backward pass instead of kept.
+        q, k, v = _recompute(lambda x: self.attn.project(self.input_norm(x), ra))(x)
+        h = x + _recompute(lambda o: self.attn.output(o, ra))(self.attn.attend(q, k, v, ctx))
+        gate, up = _recompute(lambda h: self.mlp.gate_up(self.post_attn_norm(h), rm))(h)
+        return h + _recompute(lambda g, u: self.mlp.act_down(g, u, rm))(gate, up)
 
 
 def linears(module: nnx.Module):
