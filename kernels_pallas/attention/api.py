@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.attention.metadata import AttentionMetadata
+from kernels_pallas.attention.metadata import AttentionMetadata, check_compatible
 from kernels_pallas.attention.reference import attention_reference
 
 IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "auto")
@@ -36,19 +36,6 @@ def _validate(q, k, v, segment_ids, sinks, implementation, sliding_window, logit
         raise ValueError(f"{_WHERE}: sliding_window={sliding_window!r} must be None or an int >= 1.")
     if logit_softcap is not None and not float(logit_softcap) > 0:
         raise ValueError(f"{_WHERE}: logit_softcap={logit_softcap!r} must be None or > 0.")
-
-
-def _check_metadata(metadata: AttentionMetadata, t, causal, sliding_window):
-    if not isinstance(metadata, AttentionMetadata):
-        raise ValueError(f"{_WHERE}: metadata must come from make_metadata(...), got {type(metadata)}.")
-    if metadata.seq_len != t:
-        raise ValueError(f"{_WHERE}: metadata was built for T={metadata.seq_len} but q has T={t}.")
-    if metadata.causal != bool(causal) or metadata.sliding_window != sliding_window:
-        raise ValueError(
-            f"{_WHERE}: metadata was built with causal={metadata.causal}, "
-            f"sliding_window={metadata.sliding_window} but the call uses causal={causal}, "
-            f"sliding_window={sliding_window}; rebuild it with make_metadata(...)."
-        )
 
 
 def dot_product_attention(
@@ -83,7 +70,7 @@ def dot_product_attention(
     _validate(q, k, v, segment_ids, sinks, implementation, sliding_window, logit_softcap)
     t = q.shape[1]
     if metadata is not None:
-        _check_metadata(metadata, t, causal, sliding_window)
+        check_compatible(metadata, t, causal, sliding_window, _WHERE)
         if segment_ids is None:
             segment_ids = metadata.segment_ids[:, :t]
     if scale is None:

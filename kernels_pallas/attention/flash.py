@@ -58,7 +58,7 @@ from kernels_pallas.attention.config import (
     default_flash_config,
     fit_to_metadata,
 )
-from kernels_pallas.attention.metadata import FULL, AttentionMetadata
+from kernels_pallas.attention.metadata import FULL, AttentionMetadata, check_compatible
 
 # Finite stand-in for -inf: exp(NEG - m) underflows to 0 for any real m, and a
 # row whose first tiles are fully masked self-corrects (alpha = 0) once a kept
@@ -427,13 +427,7 @@ def flash_attention(
     """
     del segment_ids
     b, t, h, d = q.shape
-    if metadata.seq_len != t:
-        raise ValueError(f"{_WHERE}: metadata.seq_len={metadata.seq_len} but q has T={t}.")
-    if metadata.causal != bool(causal) or metadata.sliding_window != sliding_window:
-        raise ValueError(
-            f"{_WHERE}: metadata built with causal={metadata.causal}, sliding_window="
-            f"{metadata.sliding_window}; call has causal={causal}, sliding_window={sliding_window}."
-        )
+    check_compatible(metadata, t, causal, sliding_window, _WHERE)
     if config is None:
         config = default_flash_config(d)
     config = fit_to_metadata(config, metadata.block_q, metadata.block_k)

@@ -109,6 +109,21 @@ jax.tree_util.register_dataclass(
 )
 
 
+def check_compatible(metadata: "AttentionMetadata", t: int, causal: bool, sliding_window: int | None,
+                     where: str) -> None:
+    """Raises (naming `where`) unless `metadata` was built for this sequence length, causality and window."""
+    if not isinstance(metadata, AttentionMetadata):
+        raise ValueError(f"{where}: metadata must come from make_metadata(...), got {type(metadata)}.")
+    if metadata.seq_len != t:
+        raise ValueError(f"{where}: metadata was built for T={metadata.seq_len} but q has T={t}.")
+    if metadata.causal != bool(causal) or metadata.sliding_window != sliding_window:
+        raise ValueError(
+            f"{where}: metadata was built with causal={metadata.causal}, "
+            f"sliding_window={metadata.sliding_window} but the call uses causal={causal}, "
+            f"sliding_window={sliding_window}; rebuild it with make_metadata(...)."
+        )
+
+
 def padded_length(seq_len: int, block_q: int, block_k: int) -> int:
     m = max(block_q, block_k)  # both powers of two: the max is a common multiple
     return -(-seq_len // m) * m
