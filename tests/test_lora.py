@@ -363,9 +363,9 @@ def _our_grads(model, ids):
     return float(loss), grads, params
 
 
-@pytest.mark.parametrize("variant", ["all_patterns"])
-def test_lora_gradients_equal_peft(bases, ids, tmp_path, variant):
-    base = bases["llama"]
+@pytest.mark.parametrize("model_type,variant", [("llama", "all_patterns"), ("qwen3", "plain")])
+def test_lora_gradients_equal_peft(bases, ids, tmp_path, model_type, variant):
+    base = bases[model_type]
     model = lora.apply_lora(jaxft.from_pretrained(base, dtype="float32"), lora.LoraConfig(**VARIANTS[variant]))
     _perturb(model)
     loss, grads, params = _our_grads(model, ids)
