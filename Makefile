@@ -5,7 +5,7 @@ setup:
 	scripts/setup.sh
 
 demo: setup
-	.venv/bin/jaxft-train examples/quickstart.yaml
+	.venv/bin/jaxft-train examples/quickstart.yaml overwrite_output_dir=true
 
 test: setup
 	.venv/bin/python -m pytest -q tests
