@@ -60,3 +60,33 @@ def test_batch_metadata_is_built_once_outside_the_layer_scan(impl):
 def test_positions_restart_per_segment():
     seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0]])
     assert positions_from_segments(seg).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1]]
+
+
+def test_backward_keeps_only_the_needed_activations():
+    """Per layer, a LoRA step keeps gate and up ([T, I], not silu(gate)*up), the layer input and the
+    post-attention residual ([T, H]), q/k/v and the attention output -- no fp32 copies of hidden states,
+    no normed states (recomputed in the backward pass). Guards the activation-memory work of
+    scripts/residual_memory.py against regressions."""
+    import collections
+
+    from jax._src.ad_checkpoint import saved_residuals  # the list behind the public print_saved_residuals
+
+    from jaxft.lora import LoraConfig, apply_lora
+    from jaxft.train.step import split_model, token_loss_sum
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=384, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=64)
+    model = apply_lora(init_model(cfg, dtype=jnp.bfloat16, attention_impl="pallas"), LoraConfig(r=4, alpha=8))
+    graphdef, lora, frozen = split_model(model)
+    t = 256
+    batch = dict(input_ids=jnp.zeros((1, t), jnp.int32), targets=jnp.zeros((1, t), jnp.int32),
+                 loss_mask=jnp.ones((1, t)), segment_ids=jnp.ones((1, t), jnp.int32),
+                 positions=jnp.arange(t)[None])
+    residuals = saved_residuals(lambda l: token_loss_sum(nnx.merge(graphdef, l, frozen), batch), lora)
+    per_layer = collections.Counter((str(a.dtype), a.shape[1:]) for a, src in residuals
+                                    if "scan" in src and a.shape and a.shape[0] == cfg.num_layers)
+    assert per_layer[("bfloat16", (1, t, 384))] == 2  # gate, up
+    assert per_layer[("bfloat16", (1, t, 128))] == 2  # layer input, post-attention residual
+    assert per_layer[("bfloat16", (1, t, 2, 64))] == 2  # q and the attention output
+    assert per_layer[("bfloat16", (1, t, 1, 64))] == 2  # k, v
+    assert not [k for k in per_layer if k[0] == "float32" and k[1][-1] in (128, 384)]  # no fp32 activations
