@@ -143,7 +143,10 @@ def _recompute(fn):
     [tokens, width] tensor with an elementwise pass; the frozen matmul itself is linear in its input and is
     not recomputed (its forward output is not needed by any backward rule).
     """
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+    # prevent_cse=False: layers always run inside the layer scan, whose forward and backward loops are
+    # separate, so XLA cannot merge the recomputation back into the forward; the barriers that prevent_cse
+    # inserts would only constrain fusion.
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
 
 
 class MLP(nnx.Module):
