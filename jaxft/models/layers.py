@@ -130,10 +130,6 @@ class Attention(nnx.Module):
         b, t = o.shape[:2]
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim), rngs[3])
 
-    def __call__(self, x, ctx: dict[str, Any], rngs: tuple | None):
-        r = rngs or (None,) * 4
-        return self.output(self.attend(*self.project(x, r), ctx), r)
-
 
 def _recompute(fn):
     """`fn` rematerialised in the backward pass with nothing saved but its inputs.
@@ -150,7 +146,7 @@ def _recompute(fn):
 
 
 class MLP(nnx.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), as gate_up then act_down (DecoderLayer recomputes around each)."""
 
     def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
         lin = dict(bias=cfg.mlp_bias, stack=stack, dtype=dtype, rngs=rngs)
@@ -166,9 +162,6 @@ class MLP(nnx.Module):
             h = swiglu(gate, up)  # custom VJP: only gate and up are kept for its own backward
         return self.down_proj(h, rngs[2])
 
-    def __call__(self, x, rngs: tuple | None):
-        r = rngs or (None,) * 3
-        return self.act_down(*self.gate_up(x, r), r)
 
 
 class DecoderLayer(nnx.Module):
@@ -179,11 +172,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, stack=stack, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, ctx: dict[str, Any], dropout_rng: jax.Array | None = None):
-        rngs = None
-        if dropout_rng is not None:
-            keys = jax.random.split(dropout_rng, 7)
-            rngs = tuple(keys)
-        ra, rm = (rngs[:4], rngs[4:]) if rngs else ((None,) * 4, (None,) * 3)
+        # One dropout key per LoRA'd linear: q, k, v, o, then gate, up, down.
+        keys = (None,) * 7 if dropout_rng is None else tuple(jax.random.split(dropout_rng, 7))
+        ra, rm = keys[:4], keys[4:]
         # Same math as x + attn(norm(x)); h + mlp(norm(h)), with the elementwise inputs of LoRA'd linears
         # (normed states, o reshaped, silu(gate) * up) recomputed in the backward pass instead of kept.
         q, k, v = _recompute(lambda x: self.attn.project(self.input_norm(x), ra))(x)

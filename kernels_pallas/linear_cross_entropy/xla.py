@@ -113,12 +113,26 @@ def _safe_targets(targets: jax.Array, vocab: int) -> jax.Array:
     return jnp.clip(targets, 0, vocab - 1)
 
 
-def _dlogits(x, z, tz, lse, t, coef, softcap, dtype):
+def _capped_logits(h, weight, softcap: float | None):
+    """``(z, tanh(x / c))`` for one chunk, ``x = h @ W``; the tanh is None without soft-cap."""
+    x = _raw_logits(h, weight)
+    if softcap is None:
+        return x, None
+    tz = jnp.tanh(x / softcap)
+    return softcap * tz, tz
+
+
+def _hidden_grad(dx, weight):
+    """``dx [C, V] @ W^T`` with fp32 accumulation."""
+    return lax.dot_general(dx, weight, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+
+
+def _dlogits(z, tz, lse, t, coef, dtype):
     """``coef * (softmax(z) - onehot(t)) * dz/dx`` for one chunk, cast to the matmul dtype."""
     p = jnp.exp(z - lse[:, None])
     onehot = lax.broadcasted_iota(jnp.int32, z.shape, 1) == t[:, None]
     dx = coef[:, None] * (p - onehot.astype(_F32))
-    if softcap is not None:
+    if tz is not None:  # soft-cap: dz/dx = 1 - tanh(x / c)^2
         dx = dx * (1.0 - tz * tz)
     # The backward matmuls run in the input dtype (bf16 on GPU) with fp32 accumulation, like the
     # forward logits matmul.
@@ -132,21 +146,14 @@ def _forward(hidden, weight, targets, chunk: int, softcap: float | None, weights
     dtype = jnp.promote_types(hidden.dtype, weight.dtype)
 
     def body(carry, start, size):
-        x = _raw_logits(_rows(hidden, start, size), weight)
-        tz = None
-        if softcap is not None:
-            tz = jnp.tanh(x / softcap)
-            z = softcap * tz
-        else:
-            z = x
+        z, tz = _capped_logits(_rows(hidden, start, size), weight, softcap)
         lse = jax.nn.logsumexp(z, axis=-1)
         t = _safe_targets(_rows(targets, start, size), vocab)
         z_t = jnp.take_along_axis(z, t[:, None], axis=-1)[:, 0]
         if weights is None:
             return carry, (lse, lse - z_t)
         coef = _rows(weights, start, size).astype(_F32)
-        dx = _dlogits(x, z, tz, lse, t, coef, softcap, dtype)
-        unit = lax.dot_general(dx, weight, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+        unit = _hidden_grad(_dlogits(z, tz, lse, t, coef, dtype), weight)
         return carry, (lse, lse - z_t, unit.astype(hidden.dtype))
 
     _, out = _scan_chunks(body, None, hidden.shape[0], chunk)
@@ -203,21 +210,11 @@ def _bwd(chunk, softcap, residuals, g):
 
         def body(dw_acc, start, size):
             h = _rows(hidden, start, size)
-            x = _raw_logits(h, weight)
-            tz = None
-            if softcap is not None:
-                tz = jnp.tanh(x / softcap)
-                z = softcap * tz
-            else:
-                z = x
+            z, tz = _capped_logits(h, weight, softcap)
             t = _safe_targets(_rows(targets, start, size), vocab)
             coef = g * _rows(weights, start, size).astype(_F32)
-            dx = _dlogits(x, z, tz, _rows(lse, start, size), t, coef, softcap, compute_dtype)
-            dh = None
-            if need_dh:
-                dh = lax.dot_general(
-                    dx, weight, (((1,), (1,)), ((), ())), preferred_element_type=_F32
-                ).astype(hidden.dtype)
+            dx = _dlogits(z, tz, _rows(lse, start, size), t, coef, compute_dtype)
+            dh = _hidden_grad(dx, weight).astype(hidden.dtype) if need_dh else None
             if need_dw:
                 dw_acc = dw_acc + lax.dot_general(
                     h, dx, (((0,), (0,)), ((), ())), preferred_element_type=_F32
