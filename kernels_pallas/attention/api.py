@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.attention.metadata import AttentionMetadata, check_compatible
+from kernels_pallas.attention.metadata import AttentionMetadata, check_compatible, make_metadata
 from kernels_pallas.attention.reference import attention_reference
 
 IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "auto")
@@ -97,7 +97,6 @@ def dot_product_attention(
 
         return cudnn_attention(q, k, v, segment_ids=segment_ids, **kwargs)
     from kernels_pallas.attention.flash import flash_attention
-    from kernels_pallas.attention.metadata import make_metadata
 
     if metadata is None:
         seg = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
