@@ -10,6 +10,7 @@ word-level tokens) is far smaller than the model's and the benchmark never token
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -46,6 +47,12 @@ def save_random_model(shape: ModelShape, save_dir: str, device: str, seed: int =
     import torch
     from transformers import AutoModelForCausalLM
 
+    marker = os.path.join(save_dir, "bench_saved.json")
+    if os.path.exists(marker):  # a kept --workdir: the same shape and seed were saved by an earlier call
+        with open(marker) as f:
+            saved = json.load(f)
+        if saved.get("shape") == shape.name and saved.get("seed") == seed:
+            return {**saved, "reused": True}
     os.makedirs(save_dir, exist_ok=True)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
@@ -61,5 +68,8 @@ def save_random_model(shape: ModelShape, save_dir: str, device: str, seed: int =
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
-    return {"model_dir": save_dir, "shape": shape.name, "params": int(n_params),
-            "bytes_on_disk": int(size), "init_s": t1 - t0, "save_s": t2 - t1}
+    result = {"model_dir": save_dir, "shape": shape.name, "seed": seed, "params": int(n_params),
+              "bytes_on_disk": int(size), "init_s": t1 - t0, "save_s": t2 - t1}
+    with open(marker, "w") as f:  # written last: a killed save leaves no marker
+        json.dump(result, f)
+    return result

@@ -65,6 +65,14 @@ def classify(kernel: str, hlo_op: str, op_name: str, opcode: str) -> str:
     return "other"
 
 
+def scope_key(op_name: str) -> str:
+    """The JAX name stack of an HLO op without jit/transpose wrappers and array indices, so the same
+    source op in every layer (and its forward, backward and recompute) adds up under one key."""
+    parts = [p for p in op_name.split("/") if p and not p.startswith(("jit(", "jvp(", "pjit", "while", "body",
+                                                                      "checkpoint", "remat"))]
+    return "/".join(parts[-4:]) or "(no op_name)"
+
+
 def _device_pids(events: list[dict[str, Any]]) -> set[int]:
     pids = set()
     for e in events:
@@ -92,6 +100,7 @@ def summarize_trace(trace: dict[str, Any], hlo_text: str, steps: int, wall_s: fl
     names, opcodes = op_names_from_hlo(hlo_text)
     per_cat: dict[str, float] = defaultdict(float)
     top: dict[str, float] = defaultdict(float)
+    by_scope: dict[str, float] = defaultdict(float)
     busy = []
     for e in events:
         if e.get("ph") != "X" or (pids and e.get("pid") not in pids):
@@ -105,6 +114,7 @@ def summarize_trace(trace: dict[str, Any], hlo_text: str, steps: int, wall_s: fl
         cat = classify(kernel, hlo_op, names.get(hlo_op, ""), opcodes.get(hlo_op, ""))
         per_cat[cat] += dur_us
         top[f"{cat}: {hlo_op or kernel}"] += dur_us
+        by_scope[f"{cat}: {scope_key(names.get(hlo_op, ''))}"] += dur_us
         busy.append((float(e["ts"]), float(e["ts"]) + dur_us))
     busy_us = _union_length(busy)
     wall_us = wall_s * 1e6
@@ -114,7 +124,8 @@ def summarize_trace(trace: dict[str, Any], hlo_text: str, steps: int, wall_s: fl
         "device_busy_ms_per_step": busy_us / steps / 1e3,
         "idle_or_host_ms_per_step": max(wall_us - busy_us, 0.0) / steps / 1e3,
         "kernel_ms_per_step": {k: v / steps / 1e3 for k, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
-        "top_ops_ms_per_step": {k: v / steps / 1e3 for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:15]},
+        "top_ops_ms_per_step": {k: v / steps / 1e3 for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:40]},
+        "top_scopes_ms_per_step": {k: v / steps / 1e3 for k, v in sorted(by_scope.items(), key=lambda kv: -kv[1])[:40]},
         "note": "kernel times summed over streams (overlapping copies count in full); shares are of device busy "
                 "time; idle = step wall time minus the union of device busy intervals",
     }
