@@ -1,40 +1,43 @@
 #!/usr/bin/env python
-"""jaxft worker of scripts/bench_train.py: one process per workload.
+"""jaxft worker of scripts/bench_train.py: one process per session (one system, one model shape).
 
-THE HOOK: ``run_jaxft`` below is a placeholder owned by the jaxft lead. Until it is filled, the
-harness reports the system as "not_run" (the NotImplementedError is caught by worker_main).
+``run_jaxft`` loads the random-weight HF model directory with ``jaxft.from_pretrained`` (its best
+settings per mode, see MODES), adds LoRA per bench.workloads.LORA (fp32 A/B, seed 0), and trains
+``steps`` AdamW steps (bench.workloads.ADAMW) on ``make_token_data(workload, steps)``: step i
+trains on ``data.step(i)`` (the packed-batch dict, batches on the device before the clock
+starts). The step is compiled once, ahead of the clock, with ``step_fn.lower(...).compile()``;
+that compiled object runs every step, and its ``memory_analysis()`` gives the static memory
+numbers below. Each step is timed with block_until_ready on its loss. Exceptions propagate to
+worker_main: an out-of-memory (RESOURCE_EXHAUSTED) is recorded as "oom", anything else "error".
 
-What run_jaxft(workload, model_dir, steps, out_json) must do:
-  * load the random-weight HF model directory ``model_dir`` (bf16 safetensors + config.json in
-    transformers 5 format: ``rope_parameters``, not ``rope_scaling``) with jaxft's best settings;
-  * add LoRA per bench.workloads.LORA (r=16, alpha=32, dropout 0, q,k,v,o,gate,up,down; fp32);
-  * train ``steps`` steps with bench.workloads.ADAMW (AdamW lr 1e-4, b1 0.9, b2 0.999, eps 1e-8,
-    weight_decay 0.0 -- optax.adamw's default is 1e-4, pass 0.0) on
-    ``data = bench.workloads.make_token_data(workload, steps)``: step i trains on
-    ``data.step(i)`` (the jaxft packed-batch dict: input_ids, targets, loss_mask, segment_ids,
-    positions, each [B, T]); the loss is the mean over loss_mask == 1 tokens (what HF computes);
-    put the batches on the device before timing;
-  * time every step (steps including the compile: the harness drops the first --warmup ones)
-    with the device synchronised at its end (block_until_ready on the loss/params);
-  * return a dict (worker_main validates it and writes it to ``out_json``; ``out_json``'s
-    folder may be used for scratch files) with at least
-        "step_times_s":      list[float] of length steps,
-        "losses":            list[float] of length steps (loss computed by each step),
-        "peak_memory_bytes": int, jax.devices()[0].memory_stats()["peak_bytes_in_use"],
-        "data_sha256":       data.sha256,
-    and ideally "lora_param_dtype" (str), "trainable_params" (int), "device_name" (str),
-    "versions" (dict), "settings" (dict: remat policy, kernels, ... = "its best settings").
-  * let exceptions propagate: an out-of-memory (XlaRuntimeError RESOURCE_EXHAUSTED) is recorded
-    as status "oom", anything else as "error".
+Sessions (bench.worker_common): consecutive tasks on the same model_dir (and the same dtype,
+attention and remat settings) reuse the loaded frozen weights; LoRA starts each task from the same
+seeded init (kept on the host, copied to the device per task), with a fresh optimizer state.
+
+Peak memory: JAX cannot reset memory_stats()["peak_bytes_in_use"], so the harness orders a
+shape's workloads by ascending expected memory. A task reads ``bytes_in_use`` and the process
+peak just before its first step and the peak after its last. If the peak rose during the steps,
+it is this task's training peak, exactly (peak_memory_source "allocator"); otherwise an earlier
+task (or the load) set it, and the task reports the static estimate bytes_in_use_before +
+temp + output - alias of the compiled step ("static_estimate").
+
+Profiling (optional): JAXFT_PROFILE_DIR=DIR profiles 3 extra steps of the workloads named in
+JAXFT_PROFILE_WORKLOADS (default 8b_4096, mode fast) and dumps the optimized step HLO, so trace
+events map to jaxft's named scopes. XLA reads XLA_FLAGS once per process, so the dump flags are set
+at worker start, before JAX initialises, whenever any task of the session is profiled.
+
+Usage (the harness does this): python scripts/bench_jaxft_worker.py --task TASKS.json --out RESULTS.json
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from typing import Any
 
 from bench.workloads import Workload
-from bench.worker_common import Task, worker_main
+from bench.worker_common import ModelCache, Task, load_tasks, worker_main
 
 
 # "Best settings" per mode, chosen from the measurements in docs/benchmarks.md. The system name picks one
@@ -46,87 +49,114 @@ MODES = {
     "lean": dict(remat="offload", attention="auto", ce_chunk_size=256),  # smaller live logits chunk
     "full_remat": dict(remat="full", attention="auto", ce_chunk_size=None),
 }
+PROFILE_STEPS = 3
 
 
-def run_jaxft(workload: Workload, model_dir: str, steps: int, out_json: str, mode: str = "fast") -> dict[str, Any]:
-    """Train ``workload`` with jaxft for ``steps`` steps and return the raw measurements."""
-    import os
-    import time
+def _profile_dir(workload_name: str, mode: str) -> str | None:
+    wanted = os.environ.get("JAXFT_PROFILE_WORKLOADS", "8b_4096").split(",")
+    return os.environ.get("JAXFT_PROFILE_DIR") if workload_name in wanted and mode == "fast" else None
 
+
+def setup_profiling(tasks: list[Task]) -> None:
+    """Set the HLO dump flags before JAX starts, if any task of the session will be profiled."""
+    dirs = {_profile_dir(t.workload, _mode(t)) for t in tasks if t.kind == "train"} - {None}
+    if not dirs:
+        return
+    profile_dir = dirs.pop()  # one JAXFT_PROFILE_DIR per process
+    os.makedirs(profile_dir, exist_ok=True)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={profile_dir}/hlo"
+                               " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*"
+                               # CUDA-graph command buffers hide which HLO op ran a kernel (the first
+                               # profile on the H200 attributed most kernels to command_buffer_N), but
+                               # turning them off would change the timed steps of this same process:
+                               # JAXFT_PROFILE_XLA_FLAGS="--xla_gpu_enable_command_buffer=" in a
+                               # profile-only run gives per-scope attribution.
+                               " " + os.environ.get("JAXFT_PROFILE_XLA_FLAGS", "")).strip()
+
+
+def _mode(task: Task) -> str:
+    # System "jaxft" = fastest settings; "jaxft_lean" = host-offloaded rematerialisation (least memory).
+    return os.environ.get("JAXFT_BENCH_MODE", "lean" if task.system == "jaxft_lean" else "fast")
+
+
+def _load(model_dir: str, dtype: str, attention: str, remat: str):
+    """(graphdef, LoRA init on the host, frozen weights on the device) of a freshly loaded model."""
     import jax
-    import jax.numpy as jnp
+
+    import jaxft
+    from bench.workloads import LORA
+    from jaxft.lora import LoraConfig, apply_lora
+    from jaxft.train.step import split_model
+
+    model = jaxft.from_pretrained(model_dir, dtype=dtype, attention_impl=attention, remat=remat)
+    model = apply_lora(model, LoraConfig(r=LORA.r, alpha=LORA.alpha, dropout=LORA.dropout,
+                                         target_modules=tuple(LORA.targets)), seed=0)
+    graphdef, lora, frozen = split_model(model)
+    # The step donates the LoRA buffers, so every task starts from its own device copy of this
+    # host copy (the seed-0 init a fresh process would draw).
+    return graphdef, jax.device_get(lora), frozen
+
+
+def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast",
+              cache: ModelCache | None = None) -> dict[str, Any]:
+    """Train ``workload`` with jaxft for ``steps`` steps and return the raw measurements."""
+    import jax
     import numpy as np
 
     import jaxft
-    from bench.workloads import ADAMW, LORA, make_token_data
-    from jaxft.lora import LoraConfig, apply_lora
-    from jaxft.train.step import make_optimizer, make_train_step, split_model
+    from bench.workloads import ADAMW, make_token_data
+    from jaxft.train.step import make_optimizer, make_train_step
 
-    mode = os.environ.get("JAXFT_BENCH_MODE", mode)
-    profile_dir = os.environ.get("JAXFT_PROFILE_DIR") if workload.name in os.environ.get(
-        "JAXFT_PROFILE_WORKLOADS", "8b_4096").split(",") and mode == "fast" else None
-    if profile_dir:  # dump the optimized HLO so trace events can be mapped to jaxft's named scopes
-        os.makedirs(profile_dir, exist_ok=True)
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={profile_dir}/hlo"
-                                   " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*"
-                                   # CUDA-graph command buffers hide which HLO op ran a kernel (the first
-                                   # profile on the H200 attributed most kernels to command_buffer_N), but
-                                   # turning them off would change the timed steps of this same process:
-                                   # JAXFT_PROFILE_XLA_FLAGS="--xla_gpu_enable_command_buffer=" in a
-                                   # profile-only run gives per-scope attribution.
-                                   " " + os.environ.get("JAXFT_PROFILE_XLA_FLAGS", "")).strip()
+    cache = cache if cache is not None else ModelCache()
+    profile_dir = _profile_dir(workload.name, mode)
     settings = dict(MODES[mode], mode=mode)
     for key in ("remat", "attention"):  # explicit overrides for ablations
         if os.environ.get(f"JAXFT_BENCH_{key.upper()}"):
             settings[key] = os.environ[f"JAXFT_BENCH_{key.upper()}"]
-    dtype = "float32" if workload.tiny and jax.devices()[0].platform == "cpu" else "bfloat16"
-    attention = settings["attention"]
-    if jax.devices()[0].platform == "cpu":
-        attention = "xla"
-    model = jaxft.from_pretrained(model_dir, dtype=dtype, attention_impl=attention, remat=settings["remat"])
-    model = apply_lora(model, LoraConfig(r=LORA.r, alpha=LORA.alpha, dropout=LORA.dropout,
-                                         target_modules=tuple(LORA.targets)), seed=0)
-    graphdef, lora, frozen = split_model(model)
-    del model
+    device = jax.devices()[0]
+    dtype = "float32" if workload.tiny and device.platform == "cpu" else "bfloat16"
+    attention = "xla" if device.platform == "cpu" else settings["attention"]
+    t0 = time.perf_counter()
+    (graphdef, lora_init, frozen), reused = cache.get(
+        (model_dir, dtype, attention, settings["remat"]),
+        lambda: _load(model_dir, dtype, attention, settings["remat"]))
+    load_s = time.perf_counter() - t0
+    lora = jax.device_put(lora_init)
     optimizer = make_optimizer(ADAMW.lr, b1=ADAMW.b1, b2=ADAMW.b2, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay)
     opt_state = optimizer.init(lora)
     step_fn = make_train_step(graphdef, optimizer, ce_chunk_size=settings["ce_chunk_size"])
     data = make_token_data(workload, steps)
     batches = [jax.device_put({k: np.asarray(v)[None] for k, v in data.step(i).items()}) for i in range(steps)]
-    jax.block_until_ready(batches)
     rng = jax.random.key(0)
+    jax.block_until_ready((lora, opt_state, batches))
+    t0 = time.perf_counter()
+    compiled = step_fn.lower(lora, opt_state, frozen, batches[0], rng).compile()  # the one compile
+    compile_s = time.perf_counter() - t0
+    analysis = _memory_analysis(compiled)
+    before = device.memory_stats() or {}  # None on CPU
     times, losses = [], []
     for i in range(steps):
         t0 = time.perf_counter()
-        lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batches[i], rng)
+        lora, opt_state, metrics = compiled(lora, opt_state, frozen, batches[i], rng)
         loss = float(jax.block_until_ready(metrics["loss"]))
         times.append(time.perf_counter() - t0)
         losses.append(loss)
-    stats = jax.devices()[0].memory_stats() or {}
-    extra = {"memory_bytes": _memory_breakdown(frozen, lora, opt_state, batches, stats)}
+    after = device.memory_stats() or {}
+    peak, source, memory = _task_peak(before, after, analysis)
+    extra = {"memory": memory, "memory_analysis": analysis, "compile_s": compile_s, "model_load_s": load_s,
+             "memory_bytes": _memory_breakdown(frozen, lora, opt_state, batches, peak)}
     if profile_dir:
-        from bench.profile import load_step_hlo, load_trace, summarize_trace
-
-        n = 3
-        try:  # the timings above are the result; a profiler failure must not lose them
-            t0 = time.perf_counter()
-            with jax.profiler.trace(profile_dir):
-                for i in range(n):
-                    lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batches[i % steps], rng)
-                jax.block_until_ready(metrics["loss"])
-            wall = time.perf_counter() - t0
-            extra["profile"] = summarize_trace(load_trace(profile_dir), load_step_hlo(f"{profile_dir}/hlo"), n,
-                                               wall)
-        except Exception as e:  # noqa: BLE001 - recorded in the result
-            extra["profile_error"] = f"{type(e).__name__}: {str(e)[:1000]}"
+        extra.update(_profile(profile_dir, compiled, lora, opt_state, frozen, batches, rng))
     return {
         "step_times_s": times,
         "losses": losses,
-        "peak_memory_bytes": int(stats.get("peak_bytes_in_use", 0)),
+        "peak_memory_bytes": peak,
+        "peak_memory_source": source,
         "data_sha256": data.sha256,
+        "base_model_reused": reused,
         "lora_param_dtype": str(jax.tree.leaves(lora)[0].dtype),
         "trainable_params": int(sum(x.size for x in jax.tree.leaves(lora))),
-        "device_name": str(jax.devices()[0].device_kind),
+        "device_name": str(device.device_kind),
         "versions": {"jax": jax.__version__, "jaxft": getattr(jaxft, "__version__", "dev")},
         "settings": {**settings, "attention_resolved": attention, "dtype": dtype,
                      "lora_dtype": "float32", "compute": dtype},
@@ -134,8 +164,49 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, out_json: str, mod
     }
 
 
-def _memory_breakdown(frozen, lora, opt_state, batches, stats) -> dict[str, int]:
-    """Peak device memory split into what is resident by construction and the rest (activations, saved
+def _memory_analysis(compiled) -> dict[str, int]:
+    stats = compiled.memory_analysis()
+    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+            "generated_code_size_in_bytes", "peak_memory_in_bytes")
+    return {k: int(getattr(stats, k)) for k in keys if stats is not None and hasattr(stats, k)}
+
+
+def _task_peak(before: dict[str, int], after: dict[str, int],
+               analysis: dict[str, int]) -> tuple[int, str, dict[str, int]]:
+    """(peak bytes, source, the numbers it came from) of the timed steps; see the module docstring."""
+    in_use = int(before.get("bytes_in_use", 0))
+    peak_before, peak_after = int(before.get("peak_bytes_in_use", 0)), int(after.get("peak_bytes_in_use", 0))
+    estimate = in_use + analysis.get("temp_size_in_bytes", 0) + analysis.get("output_size_in_bytes", 0) \
+        - analysis.get("alias_size_in_bytes", 0)
+    numbers = {"bytes_in_use_before_steps": in_use, "process_peak_before_steps": peak_before,
+               "process_peak_after_steps": peak_after, "static_estimate": int(estimate)}
+    if peak_after > peak_before:  # the allocator's maximum was reached during these steps
+        return peak_after, "allocator", numbers
+    return int(estimate), "static_estimate", numbers
+
+
+def _profile(profile_dir: str, compiled, lora, opt_state, frozen, batches, rng) -> dict[str, Any]:
+    """A few more steps under jax.profiler, summarised by jaxft's named scopes (after the timed steps)."""
+    import jax
+
+    from bench.profile import load_step_hlo, load_trace, summarize_trace
+
+    try:  # the timings are the result; a profiler failure must not lose them
+        t0 = time.perf_counter()
+        with jax.profiler.trace(profile_dir):
+            for i in range(PROFILE_STEPS):
+                lora, opt_state, metrics = compiled(lora, opt_state, frozen, batches[i % len(batches)], rng)
+            jax.block_until_ready(metrics["loss"])
+        wall = time.perf_counter() - t0
+        # The dump holds only this session's step modules compiled so far: the profiled task's is the largest.
+        return {"profile": summarize_trace(load_trace(profile_dir), load_step_hlo(f"{profile_dir}/hlo"),
+                                           PROFILE_STEPS, wall)}
+    except Exception as e:  # noqa: BLE001 - recorded in the result
+        return {"profile_error": f"{type(e).__name__}: {str(e)[:1000]}"}
+
+
+def _memory_breakdown(frozen, lora, opt_state, batches, peak: int) -> dict[str, int]:
+    """This task's peak split into what is resident by construction and the rest (activations, saved
     residuals, cross-entropy chunks, workspace)."""
     import jax
 
@@ -144,19 +215,18 @@ def _memory_breakdown(frozen, lora, opt_state, batches, stats) -> dict[str, int]
 
     parts = {"frozen_weights": nbytes(frozen), "lora_params": nbytes(lora), "optimizer_state": nbytes(opt_state),
              "batches": nbytes(batches)}
-    peak = int(stats.get("peak_bytes_in_use", 0))
     parts["activations_and_workspace"] = max(peak - sum(parts.values()), 0)
     parts["peak"] = peak
     return parts
 
 
-def _run_task(task: Task, out_json: str) -> dict[str, Any]:
+def _run_task(task: Task, out_json: str, cache: ModelCache) -> dict[str, Any]:
     if task.kind != "train":
         raise ValueError(f"bench_jaxft_worker handles only kind='train' tasks, got {task.kind!r}")
-    # System "jaxft" = fastest settings; "jaxft_lean" = host-offloaded rematerialisation (least memory).
-    mode = "lean" if task.system == "jaxft_lean" else "fast"
-    return run_jaxft(task.workload_obj, task.model_dir, task.steps, out_json, mode=mode)
+    return run_jaxft(task.workload_obj, task.model_dir, task.steps, mode=_mode(task), cache=cache)
 
 
 if __name__ == "__main__":
+    if "--task" in sys.argv:  # before worker_main imports JAX's backend (XLA_FLAGS is read once)
+        setup_profiling(load_tasks(sys.argv[sys.argv.index("--task") + 1])[0])
     sys.exit(worker_main(_run_task))

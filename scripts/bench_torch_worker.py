@@ -1,5 +1,8 @@
 #!/usr/bin/env python
-"""Torch-side worker of scripts/bench_train.py: one process per (system, workload).
+"""Torch-side worker of scripts/bench_train.py: one process per session (a list of tasks).
+
+The harness gives each torch system one session holding all its workloads, grouped by model
+shape (see bench.worker_common for the session contract: results rewritten after every task).
 
 Systems:
   hf_ckpt / hf_nockpt  transformers + PEFT, attn_implementation="sdpa", bf16 weights, LoRA
@@ -17,9 +20,19 @@ Systems:
   unsloth              FastLanguageModel (16-bit LoRA, use_gradient_checkpointing="unsloth");
                        imported before transformers/peft, needs a CUDA GPU. Packed workloads pass
                        the same position_ids (Unsloth derives packed_seq_lengths from them).
-Also task kind "save_model": write the random-weight model directory of a shape.
+Also task kind "save_model": write the random-weight model directory of a shape (the harness
+saves every shape in one session).
 
-Usage (the harness does this): python scripts/bench_torch_worker.py --task TASK.json --out RESULT.json
+Between tasks of a session: HF systems keep the loaded bf16 base model while the model_dir stays
+the same; each task wraps it with a fresh PEFT LoRA (torch.manual_seed(0) first, so the init is
+the one a fresh process draws), a fresh AdamW and its own data, and unloads the LoRA layers at
+the end (PeftModel.unload restores the original nn.Linear modules in place). Unsloth reloads per
+task: FastLanguageModel.from_pretrained takes the workload's max_seq_length and get_peft_model
+patches the model in ways it offers no undo for; the session still saves the import/patching and
+Triton compile cost. Peak memory: torch.cuda.reset_peak_memory_stats() just before each task's
+first step (after the previous task's state was freed), max_memory_allocated after its last.
+
+Usage (the harness does this): python scripts/bench_torch_worker.py --task TASKS.json --out RESULTS.json
 """
 
 from __future__ import annotations
@@ -34,18 +47,18 @@ HF_SYSTEMS = ("hf_ckpt", "hf_nockpt")
 SYSTEMS = HF_SYSTEMS + ("unsloth",)
 
 
-def _peek_task(argv: list[str]) -> dict[str, Any]:
-    """Read the task before importing torch: Unsloth must be imported before transformers/peft."""
+def _peek_tasks(argv: list[str]) -> list[dict[str, Any]]:
+    """Read the tasks before importing torch: Unsloth must be imported before transformers/peft."""
     path = argv[argv.index("--task") + 1] if "--task" in argv else None
     if path is None:
-        return {}
+        return []
     with open(path) as f:
-        return json.load(f)
+        raw = json.load(f)
+    return [t for t in (raw if isinstance(raw, list) else [raw]) if isinstance(t, dict)]
 
 
 _UNSLOTH_IMPORT_ERROR: BaseException | None = None
-_PEEK = _peek_task(sys.argv)
-if _PEEK.get("system") == "unsloth" and _PEEK.get("device") == "cuda":
+if any(t.get("system") == "unsloth" and t.get("device") == "cuda" for t in _peek_tasks(sys.argv)):
     try:
         import unsloth  # noqa: F401  (patches transformers/peft; must come first)
     except Exception as _e:  # reported as not_run by run_train
@@ -54,7 +67,7 @@ if _PEEK.get("system") == "unsloth" and _PEEK.get("device") == "cuda":
 import numpy as np  # noqa: E402
 
 from bench.workloads import ADAMW, LORA, TokenData, Workload, make_token_data  # noqa: E402
-from bench.worker_common import SystemUnavailable, Task, worker_main  # noqa: E402
+from bench.worker_common import ModelCache, SystemUnavailable, Task, worker_main  # noqa: E402
 
 
 def _versions(extra: tuple[str, ...] = ()) -> dict[str, str]:
@@ -128,7 +141,8 @@ def train_loop(model, workload: Workload, data: TokenData, steps: int, device: s
     else:
         peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
         extra = {"peak_memory_kind": "host ru_maxrss (CPU run)"}
-    return {"step_times_s": times, "losses": losses, "peak_memory_bytes": peak, "extra": extra}
+    return {"step_times_s": times, "losses": losses, "peak_memory_bytes": peak,
+            "peak_memory_source": "allocator", "extra": extra}
 
 
 def _check_hf_packing(workload: Workload, data: TokenData) -> str:
@@ -148,35 +162,55 @@ def _check_hf_packing(workload: Workload, data: TokenData) -> str:
             "-> transformers builds a block-diagonal causal 4D bool mask for SDPA")
 
 
-def run_hf(task: Task, ckpt: bool) -> dict[str, Any]:
+def _load_hf(model_dir: str, device: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="sdpa", device_map=device)
+    model.config.use_cache = False
+    return model
+
+
+def run_hf(task: Task, ckpt: bool, cache: ModelCache) -> dict[str, Any]:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     workload = task.workload_obj
     data = make_token_data(workload, task.steps)
     attention = _check_hf_packing(workload, data)
-    model = AutoModelForCausalLM.from_pretrained(
-        task.model_dir, dtype=torch.bfloat16, attn_implementation="sdpa", device_map=task.device)
-    model.config.use_cache = False
+    t0 = time.perf_counter()
+    base, reused = cache.get((task.model_dir, task.device), lambda: _load_hf(task.model_dir, task.device))
+    load_s = time.perf_counter() - t0
     if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    torch.manual_seed(0)
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif base.is_gradient_checkpointing:
+        base.gradient_checkpointing_disable()
+    torch.manual_seed(0)  # LoRA A's init draws: identical in a fresh process and a reused model
     lcfg = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
                       target_modules=list(LORA.targets), bias="none", task_type="CAUSAL_LM")
-    model = get_peft_model(model, lcfg)  # autocast_adapter_dtype=True: LoRA params in fp32
+    model = get_peft_model(base, lcfg)  # autocast_adapter_dtype=True: LoRA params in fp32
     lora_dtype, n_train, non_lora = _lora_dtype_and_count(model)
     result = train_loop(model, workload, data, task.steps, task.device)
+    attn_impl = model.config._attn_implementation
+    # Give the base model back as it was loaded (on failure the cache is dropped instead): PEFT
+    # swaps its LoRA layers for the original modules in place, and the input-grad hook PEFT adds
+    # under gradient checkpointing goes too.
+    if model.unload() is not base:
+        raise RuntimeError("PeftModel.unload() did not return the cached base model")
+    if getattr(base, "_require_grads_hooks", None) or hasattr(base, "_require_grads_hook"):
+        base.disable_input_require_grads()
     return {**result, "data_sha256": data.sha256, "lora_param_dtype": lora_dtype,
-            "trainable_params": n_train,
+            "trainable_params": n_train, "base_model_reused": reused,
             "device_name": torch.cuda.get_device_name() if task.device == "cuda" else "cpu",
             "versions": _versions(),
-            "settings": {"attn_implementation": model.config._attn_implementation,
+            "settings": {"attn_implementation": attn_impl,
                          "weights": "bf16", "gradient_checkpointing": ckpt,
                          "use_reentrant": False if ckpt else None,
                          "optimizer": f"torch.optim.AdamW(fused={task.device == 'cuda'})",
                          "attention_masking": attention,
-                         "non_lora_trainable": non_lora}}
+                         "non_lora_trainable": non_lora},
+            "extra": {**result["extra"], "model_load_s": load_s}}
 
 
 def run_unsloth(task: Task) -> dict[str, Any]:
@@ -208,7 +242,8 @@ def run_unsloth(task: Task) -> dict[str, Any]:
     except Exception as e:  # informational only
         backends = {"unknown": f"{type(e).__name__}: {e}"}
     return {**result, "data_sha256": data.sha256, "lora_param_dtype": lora_dtype,
-            "trainable_params": n_train, "device_name": torch.cuda.get_device_name(),
+            "trainable_params": n_train, "base_model_reused": False,
+            "device_name": torch.cuda.get_device_name(),
             "versions": _versions(("unsloth", "unsloth_zoo", "bitsandbytes", "flash_attn",
                                    "xformers")),
             "settings": {"load_in_16bit": True, "use_gradient_checkpointing": "unsloth",
@@ -219,13 +254,13 @@ def run_unsloth(task: Task) -> dict[str, Any]:
                          "non_lora_trainable": non_lora}}
 
 
-def run_task(task: Task, out_json: str) -> dict[str, Any]:
+def run_task(task: Task, out_json: str, cache: ModelCache) -> dict[str, Any]:
     if task.kind == "save_model":
         from bench.models import save_random_model
 
         return save_random_model(task.workload_obj.shape, task.model_dir, task.device)
     if task.system in HF_SYSTEMS:
-        return run_hf(task, ckpt=task.system == "hf_ckpt")
+        return run_hf(task, ckpt=task.system == "hf_ckpt", cache=cache)
     if task.system == "unsloth":
         return run_unsloth(task)
     raise ValueError(f"bench_torch_worker: unknown system {task.system!r}; known {SYSTEMS}")

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxft.config import ModelConfig
@@ -58,26 +59,56 @@ class Linear(nnx.Module):
     def has_lora(self) -> bool:
         return self.lora_a is not None
 
-    def __call__(self, x: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
-        kernel = self.kernel[...]
-        y = jnp.einsum("...i,io->...o", x, kernel.astype(x.dtype))
+    def base(self, x: jax.Array) -> jax.Array:
+        """x @ W (+ b): the frozen part."""
+        y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
-        if self.lora_a is not None:
-            return y + self._lora_delta(x, dropout_rng).astype(y.dtype)
         return y
 
-    @jax.named_scope("lora")
-    def _lora_delta(self, x: jax.Array, dropout_rng: jax.Array | None) -> jax.Array:
-        """s * dropout(x) @ A @ B in the compute dtype (A, B are stored in fp32)."""
-        h = x
-        if self.lora_dropout > 0.0 and dropout_rng is not None:
-            keep = jax.random.bernoulli(dropout_rng, 1.0 - self.lora_dropout, x.shape)
-            h = jnp.where(keep, x / (1.0 - self.lora_dropout), 0).astype(x.dtype)
-        a = self.lora_a[...].astype(x.dtype)
-        b = self.lora_b[...].astype(x.dtype)
-        delta = jnp.einsum("...r,ro->...o", jnp.einsum("...i,ir->...r", h, a), b)
-        return self.lora_scale[...].astype(x.dtype) * delta
+    def __call__(self, x: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
+        return project((self,), x, (dropout_rng,))[0]
+
+    def scaled_b(self, dtype) -> jax.Array:
+        """s * B in the compute dtype: the scale is folded into the [r, out] matrix so that no [tokens, out]
+        tensor is ever multiplied by it, forward or backward (dL/dB = s * (xA)^T dy comes out of the same
+        small product)."""
+        return (self.lora_b[...] * self.lora_scale[...]).astype(dtype)
+
+
+def _dropped(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+    if rate <= 0.0 or rng is None:
+        return x
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def project(lins: tuple[Linear, ...], x: jax.Array, rngs: tuple) -> list[jax.Array]:
+    """[lin(x) for lin in lins] for linears that read the same input (q/k/v; gate/up).
+
+    y_i = x W_i + (x A_i)(s_i B_i). The adapters' down-projections share one matmul: x [A_1 | A_2 | ...]
+    reads x once instead of once per linear, and in the backward pass autodiff turns the concatenation into
+    one dx = [dxa_1 | dxa_2 | ...] [A_1 | A_2 | ...]^T and one dA = x^T [dxa_1 | ...]: the rank-r GEMMs are
+    memory-bound on the [tokens, in] operand, so this removes (n-1) of n passes over it each way. With LoRA
+    dropout each adapter sees its own mask of x, so nothing is shared.
+    """
+    ys = [lin.base(x) for lin in lins]
+    with_lora = [i for i, lin in enumerate(lins) if lin.has_lora]
+    if not with_lora:
+        return ys
+    with jax.named_scope("lora"):
+        dropout = any(lins[i].lora_dropout > 0.0 and rngs[i] is not None for i in with_lora)
+        if dropout:
+            xas = [jnp.einsum("...i,ir->...r", _dropped(x, lins[i].lora_dropout, rngs[i]),
+                              lins[i].lora_a[...].astype(x.dtype)) for i in with_lora]
+        else:
+            a = jnp.concatenate([lins[i].lora_a[...] for i in with_lora], axis=-1).astype(x.dtype)
+            xa = jnp.einsum("...i,ir->...r", x, a)
+            cuts = list(np.cumsum([lins[i].lora_a.shape[-1] for i in with_lora])[:-1])
+            xas = jnp.split(xa, cuts, axis=-1)
+        for i, xa_i in zip(with_lora, xas):
+            ys[i] = ys[i] + jnp.einsum("...r,ro->...o", xa_i, lins[i].scaled_b(x.dtype))
+    return ys
 
 
 class RMSNorm(nnx.Module):
@@ -111,10 +142,9 @@ class Attention(nnx.Module):
     def project(self, x, rngs: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [B,T,H,D], k, v [B,T,KV,D] from normed hidden states (before q/k norm and RoPE)."""
         b, t, _ = x.shape
-        q = self.q_proj(x, rngs[0]).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x, rngs[1]).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, rngs[2]).reshape(b, t, self.num_kv_heads, self.head_dim)
-        return q, k, v
+        q, k, v = project((self.q_proj, self.k_proj, self.v_proj), x, rngs[:3])
+        return (q.reshape(b, t, self.num_heads, self.head_dim), k.reshape(b, t, self.num_kv_heads, self.head_dim),
+                v.reshape(b, t, self.num_kv_heads, self.head_dim))
 
     def attend(self, q, k, v, ctx: dict[str, Any]) -> jax.Array:
         """(q/k norm,) RoPE and attention: [B,T,H,D]."""
@@ -155,7 +185,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **lin)
 
     def gate_up(self, x, rngs: tuple) -> tuple[jax.Array, jax.Array]:
-        return self.gate_proj(x, rngs[0]), self.up_proj(x, rngs[1])
+        gate, up = project((self.gate_proj, self.up_proj), x, rngs[:2])
+        return gate, up
 
     def act_down(self, gate, up, rngs: tuple) -> jax.Array:
         with jax.named_scope("glu"):

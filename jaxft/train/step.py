@@ -90,12 +90,14 @@ def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.Stat
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule | None = None, *, dropout: bool = False, ce_chunk_size: int | None = None,
-                    ce_implementation: str = "xla", donate: bool = True) -> Callable:
+                    ce_implementation: str = "xla", donate: bool = True,
+                    compiler_options: dict[str, Any] | None = None) -> Callable:
     """`step(lora, opt_state, frozen, batch [A,B,T], rng) -> (lora, opt_state, metrics)`, jitted once.
 
     `lora` and `opt_state` are donated. metrics: loss (mean over the step's target tokens), grad_norm (global
     norm before clipping), learning_rate (used by this update), num_target_tokens. `rng` drives LoRA dropout
-    (one key per micro-batch via fold_in); it is ignored unless `dropout`."""
+    (one key per micro-batch via fold_in); it is ignored unless `dropout`. `compiler_options`: XLA options
+    for this program only (e.g. {"xla_gpu_enable_dynamic_slice_fusion": True}), never process-wide flags."""
     ce_kw = dict(ce_chunk_size=ce_chunk_size, ce_implementation=ce_implementation)
 
     def step(lora, opt_state, frozen, batch, rng):
@@ -111,7 +113,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             lora = optax.apply_updates(lora, updates)
         return lora, opt_state, metrics
 
-    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    return jax.jit(step, donate_argnums=(0, 1) if donate else (), compiler_options=compiler_options or None)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, *, ce_chunk_size: int | None = None,

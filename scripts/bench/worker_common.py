@@ -1,9 +1,14 @@
 """The contract between the benchmark harness and its per-system worker processes.
 
-The harness writes a task JSON and starts ``python <worker script> --task TASK --out RESULT``
-in a fresh process (clean memory peak, clean imports). A training worker runs ``steps``
-optimizer steps and reports raw measurements; the harness derives every statistic (median
-step time over the steps after the warm-up, tokens/s, MFU) itself, identically for all systems.
+The harness writes a task file and starts ``python <worker script> --task TASKS --out RESULTS``.
+The task file holds one task (a JSON object, for a one-off run by hand) or a session (a JSON list
+of tasks): the worker runs a session's tasks in order in one process, so imports, Unsloth's
+patching and (for consecutive tasks on the same model_dir) the loaded base model are paid once.
+After EVERY task it rewrites the result file (atomically) with the list of finished results, so a
+crash, OOM kill or timeout keeps the tasks finished before it; the harness starts a new session
+for the tasks after the one that died. A training worker runs ``steps`` optimizer steps and
+reports raw measurements; the harness derives every statistic (median step time over the steps
+after the warm-up, tokens/s, MFU) itself, identically for all systems.
 
 A training result (what a ``run_*`` function returns) holds:
 
@@ -11,24 +16,30 @@ A training result (what a ``run_*`` function returns) holds:
                        synchronised at its end (torch.cuda.synchronize / block_until_ready);
                        the batches are already on the device before the clock starts.
     losses             list[float], one per step: the training loss that step computed.
-    peak_memory_bytes  int, the device allocator's peak over the whole process
-                       (torch: max_memory_allocated; JAX: memory_stats()['peak_bytes_in_use']).
+    peak_memory_bytes  int, this task's device memory peak (torch: max_memory_allocated after a
+                       reset just before the first step; JAX: see bench_jaxft_worker.py, which
+                       has no peak reset and so may fall back to a static estimate).
+    peak_memory_source "allocator" (measured) or "static_estimate" (JAX only; see above).
     data_sha256        TokenData.sha256 of the batches trained on (proves identical data).
     optional: lora_param_dtype (str), trainable_params (int), settings (dict: what "best
               settings" means for the system), versions (dict), device_name (str),
-              extra (dict of anything else worth keeping), notes (str).
+              base_model_reused (bool), extra (dict of anything else worth keeping), notes (str).
 
 ``worker_main`` adds ``status``: "ok", "oom" (an out-of-memory is a result, not a crash),
-"not_run" (the system raised NotImplementedError or could not be imported) or "error".
+"not_run" (the system raised NotImplementedError or could not be imported) or "error", plus
+``wall_s`` (the task's own wall time inside the worker) and ``session_index``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
+import os
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -68,14 +79,71 @@ class Task:
             json.dump(dataclasses.asdict(self), f, indent=2)
 
     @classmethod
-    def load(cls, path: str) -> "Task":
-        with open(path) as f:
-            raw = json.load(f)
+    def from_dict(cls, raw: Any, where: str) -> "Task":
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where}: a task must be a JSON object, got {type(raw).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(raw) - fields
         if unknown:
-            raise ValueError(f"{path}: unknown task keys {sorted(unknown)}; expected {sorted(fields)}")
+            raise ValueError(f"{where}: unknown task keys {sorted(unknown)}; expected {sorted(fields)}")
         return cls(**raw)
+
+    @classmethod
+    def load(cls, path: str) -> "Task":
+        with open(path) as f:
+            return cls.from_dict(json.load(f), path)
+
+
+def dump_session(tasks: list[Task], path: str) -> None:
+    """Write a session task file: a JSON list of tasks, run in order by one worker process."""
+    with open(path, "w") as f:
+        json.dump([dataclasses.asdict(t) for t in tasks], f, indent=2)
+
+
+def load_tasks(path: str) -> tuple[list[Task], bool]:
+    """(tasks, is_session): a JSON list is a session, a JSON object a single task."""
+    with open(path) as f:
+        raw = json.load(f)
+    if isinstance(raw, list):
+        if not raw:
+            raise ValueError(f"{path}: the session holds no tasks")
+        return [Task.from_dict(r, f"{path}[{i}]") for i, r in enumerate(raw)], True
+    return [Task.from_dict(raw, path)], False
+
+
+class ModelCache:
+    """The one base model a session keeps loaded, reused by consecutive tasks with the same key.
+
+    ``get(key, load)`` returns ``(value, reused)``. On a key change the old value is dropped and
+    the device memory released BEFORE loading the next one (two 8B models need not fit at once).
+    """
+
+    def __init__(self) -> None:
+        self._key: Any = None
+        self._value: Any = None
+
+    def get(self, key: Any, load: Callable[[], Any]) -> tuple[Any, bool]:
+        if self._value is not None and key == self._key:
+            return self._value, True
+        self.clear()
+        self._value, self._key = load(), key
+        return self._value, False
+
+    def clear(self) -> None:
+        self._key = self._value = None
+        release_memory()
+
+
+def release_memory() -> None:
+    """Free what dropped references held: Python cycles, then torch's cached CUDA blocks.
+
+    torch is only touched when the worker already imported it (the JAX worker never does); JAX
+    frees a buffer as soon as its last reference dies, so gc is all it needs.
+    """
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 class SystemUnavailable(RuntimeError):
@@ -118,35 +186,61 @@ def validate_train_result(result: dict[str, Any], steps: int) -> dict[str, Any]:
     return result
 
 
-def write_json(path: str, obj: dict[str, Any]) -> None:
-    with open(path, "w") as f:
+def write_json(path: str, obj: Any) -> None:
+    """Write atomically (temp file + rename): a worker killed mid-write leaves the previous file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(obj, f, indent=2, default=str)
+    os.replace(tmp, path)
 
 
-def worker_main(run_fn: Callable[[Task, str], dict[str, Any]], argv: list[str] | None = None) -> int:
-    """Parse ``--task/--out``, call ``run_fn(task, out_json)``, write the result JSON.
+RunFn = Callable[[Task, str, ModelCache], dict[str, Any]]
 
-    Every outcome is written as a result (exit code 0) so the harness can tell an OOM or a
-    missing system from a crash; only a failure to write the result itself exits non-zero.
-    """
-    p = argparse.ArgumentParser()
-    p.add_argument("--task", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    task = Task.load(args.task)
+
+def run_one(run_fn: RunFn, task: Task, out_json: str, cache: ModelCache) -> dict[str, Any]:
+    """One task's result record; every outcome (OOM, missing system, bad result) becomes a record."""
     base = {"system": task.system, "workload": task.workload, "kind": task.kind}
+    t0 = time.perf_counter()
     try:
-        result = run_fn(task, args.out)
+        result = run_fn(task, out_json, cache)
         if task.kind == "train":
             validate_train_result(result, task.steps)
-        out = {**base, "status": "ok", **result}
+        return {**base, "status": "ok", **result, "wall_s": time.perf_counter() - t0}
     except BaseException as exc:  # noqa: BLE001 - every outcome becomes a result
         if isinstance(exc, KeyboardInterrupt):
             raise
-        status = classify_exception(exc)
         tb = traceback.format_exc()
-        print(tb, file=sys.stderr)
-        out = {**base, "status": status, "error": f"{type(exc).__name__}: {exc}"[:2000],
-               "traceback_tail": tb[-4000:]}
-    write_json(args.out, out)
+        print(tb, file=sys.stderr, flush=True)
+        # A failed task may leave the cached base model half-modified (PEFT layers still injected,
+        # a partial load): drop it, so the next task reloads from disk instead of inheriting it.
+        cache.clear()
+        # Returning leaves the except block, which drops the exception and its traceback (their
+        # frames hold the failed task's tensors); the caller's release_memory() then frees them.
+        return {**base, "status": classify_exception(exc), "error": f"{type(exc).__name__}: {exc}"[:2000],
+                "traceback_tail": tb[-4000:], "wall_s": time.perf_counter() - t0}
+
+
+def worker_main(run_fn: RunFn, argv: list[str] | None = None) -> int:
+    """Parse ``--task/--out``; run every task in order with ``run_fn(task, out_json, cache)``.
+
+    A session's result file is the list of finished results, rewritten after every task; a single
+    task's result file is that one result. Every outcome is written as a result (exit code 0) so
+    the harness can tell an OOM or a missing system from a crash.
+    """
+    p = argparse.ArgumentParser()
+    p.add_argument("--task", required=True, help="task JSON: one object, or a list (a session)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    tasks, is_session = load_tasks(args.task)
+    cache = ModelCache()
+    results: list[dict[str, Any]] = []
+    for i, task in enumerate(tasks):
+        if i and (task.model_dir, task.device) != (tasks[i - 1].model_dir, tasks[i - 1].device):
+            cache.clear()  # the next task loads another model: free this one first
+        out = run_one(run_fn, task, args.out, cache)
+        release_memory()  # the finished task's optimizer state, activations, grads
+        results.append({**out, "session_index": i})
+        write_json(args.out, results if is_session else results[0])
+        print(f"[worker] task {i + 1}/{len(tasks)} {task.system or task.kind} {task.workload}: "
+              f"{out['status']} in {out['wall_s']:.1f} s", file=sys.stderr, flush=True)
     return 0

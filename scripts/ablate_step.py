@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Ablations of jaxft's training step in ONE process: the model is loaded once, each variant is compiled
+and timed on the same batches (median of the steps after the warm-up, device-synchronised), and its
+compiled memory (XLA's temp/argument/output sizes) is recorded. Variants differ in remat policy and in
+per-program XLA options; one variant can also be profiled (category split as scripts/bench/profile.py).
+
+The numbers that go into the scoreboard come from scripts/bench_train.py (fresh process per system, the
+allocator's peak); this script is for deciding what the defaults should be, quickly, on the device.
+
+    python scripts/ablate_step.py --model-dir DIR --workload 8b_4096 \\
+        --variants 'none;none+dsf;offload+dsf' --profile none+dsf --out $OUT/ablate.json
+
+A variant is `remat[+option...][@ce_chunk]`, options: dsf (xla_gpu_enable_dynamic_slice_fusion), nocb (command
+buffers off: per-op profile attribution).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+OPTIONS = {
+    "dsf": {"xla_gpu_enable_dynamic_slice_fusion": True},
+    "nocb": {"xla_gpu_enable_command_buffer": ""},
+}
+
+
+def parse_variant(text: str) -> tuple[str, dict, int | None]:
+    text, _, chunk = text.partition("@")
+    remat, *opts = text.split("+")
+    unknown = [o for o in opts if o not in OPTIONS]
+    if unknown:
+        raise SystemExit(f"variant {text!r}: unknown options {unknown}; known {sorted(OPTIONS)}")
+    merged: dict = {}
+    for o in opts:
+        merged.update(OPTIONS[o])
+    return remat, merged, int(chunk) if chunk else None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--workload", default="8b_4096")
+    p.add_argument("--variants", default="none;none+dsf")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--ce-chunk", type=int, default=None)
+    p.add_argument("--profile", default=None, help="variant to profile (3 steps) after the timings")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxft
+    from bench.profile import load_trace, summarize_trace
+    from bench.workloads import ADAMW, LORA, get_workload, make_token_data
+    from jaxft.lora import LoraConfig, apply_lora
+    from jaxft.train.step import make_optimizer, make_train_step, split_model
+
+    workload = get_workload(args.workload)
+    data = make_token_data(workload, args.steps)
+    batches = [jax.device_put({k: np.asarray(v)[None] for k, v in data.step(i).items()}) for i in range(args.steps)]
+    results = {"workload": args.workload, "device": str(jax.devices()[0].device_kind), "variants": {}}
+    t0 = time.perf_counter()
+    base = jaxft.from_pretrained(args.model_dir, dtype="bfloat16", attention_impl="auto", remat="none")
+    results["load_s"] = time.perf_counter() - t0
+    lora_cfg = LoraConfig(r=LORA.r, alpha=LORA.alpha, dropout=LORA.dropout, target_modules=tuple(LORA.targets))
+    optimizer = make_optimizer(ADAMW.lr, b1=ADAMW.b1, b2=ADAMW.b2, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay)
+    rng = jax.random.key(0)
+
+    model = apply_lora(base, lora_cfg, seed=0)
+    _, lora0, _ = split_model(model)
+    lora0 = jax.tree.map(jnp.copy, lora0)  # every variant starts from this (the steps donate their input)
+
+    def build(variant: str):
+        remat, options, chunk = parse_variant(variant)
+        model.remat = remat  # a static attribute: the graphdef split below carries it
+        graphdef, _, frozen = split_model(model)
+        lora = jax.tree.map(jnp.copy, lora0)
+        opt_state = optimizer.init(lora)
+        step = make_train_step(graphdef, optimizer, ce_chunk_size=chunk or args.ce_chunk, compiler_options=options)
+        return step, lora, opt_state, frozen
+
+    for variant in [v for v in args.variants.split(";") if v]:
+        step, lora, opt_state, frozen = build(variant)
+        rec: dict = {}
+        try:
+            t0 = time.perf_counter()
+            compiled = step.lower(lora, opt_state, frozen, batches[0], rng).compile()
+            rec["compile_s"] = time.perf_counter() - t0
+            mem = compiled.memory_analysis()
+            rec["memory"] = {k: int(getattr(mem, k)) for k in ("temp_size_in_bytes", "argument_size_in_bytes",
+                                                               "output_size_in_bytes", "alias_size_in_bytes")}
+            times, losses = [], []
+            for i in range(args.steps):
+                t0 = time.perf_counter()
+                lora, opt_state, metrics = compiled(lora, opt_state, frozen, batches[i], rng)
+                losses.append(float(jax.block_until_ready(metrics["loss"])))
+                times.append(time.perf_counter() - t0)
+            med = statistics.median(times[args.warmup:])
+            rec.update(status="ok", median_step_s=med, tokens_per_s=workload.tokens_per_step / med,
+                       step_times_s=times, losses=losses)
+            if variant == args.profile:
+                prof = f"/tmp/ablate_prof_{os.getpid()}"
+                t0 = time.perf_counter()
+                with jax.profiler.trace(prof):
+                    for i in range(3):
+                        lora, opt_state, metrics = compiled(lora, opt_state, frozen, batches[i], rng)
+                    jax.block_until_ready(metrics["loss"])
+                rec["profile"] = summarize_trace(load_trace(prof), load_step_hlo_text(compiled), 3,
+                                                 time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - an OOM or a compile failure is a result of the variant
+            rec.update(status="error", error=f"{type(e).__name__}: {str(e)[:600]}")
+        stats = jax.devices()[0].memory_stats() or {}
+        rec["process_peak_bytes"] = int(stats.get("peak_bytes_in_use", 0))
+        results["variants"][variant] = rec
+        print(f"[ablate] {variant:>16}: " + (f"{rec['median_step_s'] * 1e3:.1f} ms, {rec['tokens_per_s']:,.0f} tok/s, "
+                                             f"temp {rec['memory']['temp_size_in_bytes'] / 2**30:.2f} GiB, "
+                                             f"loss {rec['losses'][-1]:.4f}, compile {rec['compile_s']:.0f}s"
+                                             if rec["status"] == "ok" else rec["error"][:300]), flush=True)
+        del step, lora, opt_state, frozen
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+def load_step_hlo_text(compiled) -> str:
+    """The optimized HLO of the compiled step (op_name metadata maps kernels to jaxft's scopes)."""
+    try:
+        return compiled.as_text()
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
