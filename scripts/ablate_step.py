@@ -10,7 +10,8 @@ allocator's peak); this script is for deciding what the defaults should be, quic
     python scripts/ablate_step.py --model-dir DIR --workload 8b_4096 \\
         --variants 'none;none+dsf;offload+dsf' --profile none+dsf --out $OUT/ablate.json
 
-A variant is `remat[+option...][@ce_chunk]`, options: dsf (xla_gpu_enable_dynamic_slice_fusion), nocb (command
+A variant is `remat[+option...][@ce_chunk]`, options: unroll (jaxft.train.unstack_layers: per-layer weight
+buffers, layers unrolled), dsf (xla_gpu_enable_dynamic_slice_fusion), nocb (command
 buffers off: per-op profile attribution).
 """
 
@@ -31,16 +32,18 @@ OPTIONS = {
 }
 
 
-def parse_variant(text: str) -> tuple[str, dict, int | None]:
+def parse_variant(text: str) -> tuple[str, dict, int | None, bool]:
     text, _, chunk = text.partition("@")
     remat, *opts = text.split("+")
+    unroll = "unroll" in opts
+    opts = [o for o in opts if o != "unroll"]
     unknown = [o for o in opts if o not in OPTIONS]
     if unknown:
         raise SystemExit(f"variant {text!r}: unknown options {unknown}; known {sorted(OPTIONS)}")
     merged: dict = {}
     for o in opts:
         merged.update(OPTIONS[o])
-    return remat, merged, int(chunk) if chunk else None
+    return remat, merged, int(chunk) if chunk else None, unroll
 
 
 def main(argv=None) -> int:
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
     from bench.profile import load_trace, summarize_trace
     from bench.workloads import ADAMW, LORA, get_workload, make_token_data
     from jaxft.lora import LoraConfig, apply_lora
-    from jaxft.train.step import make_optimizer, make_train_step, split_model
+    from jaxft.train.step import make_optimizer, make_train_step, split_model, unstack_layers
 
     workload = get_workload(args.workload)
     data = make_token_data(workload, args.steps)
@@ -81,9 +84,11 @@ def main(argv=None) -> int:
     lora0 = jax.tree.map(jnp.copy, lora0)  # every variant starts from this (the steps donate their input)
 
     def build(variant: str):
-        remat, options, chunk = parse_variant(variant)
+        remat, options, chunk, unroll = parse_variant(variant)
         model.remat = remat  # a static attribute: the graphdef split below carries it
         graphdef, _, frozen = split_model(model)
+        if unroll:  # per-layer weight buffers, layers unrolled (copies: the stacked ones serve other variants)
+            frozen = unstack_layers(frozen)
         lora = jax.tree.map(jnp.copy, lora0)
         opt_state = optimizer.init(lora)
         step = make_train_step(graphdef, optimizer, ce_chunk_size=chunk or args.ce_chunk, compiler_options=options)

@@ -47,6 +47,16 @@ def _layer_runs(windows: tuple[int | None, ...]) -> list[tuple[int, int, int | N
     return runs
 
 
+def is_unstacked(layer_state: nnx.State) -> bool:
+    """True when the per-layer parameters are tuples of per-layer arrays (see jaxft.train.unstack_layers)."""
+    return any(isinstance(v.get_value(), tuple) for _, v in nnx.to_flat_state(layer_state))
+
+
+def layer_slice(layer_state: nnx.State, i: int) -> nnx.State:
+    """Layer i's parameters: element i of a per-layer tuple, or a static slice of a stacked array."""
+    return nnx.from_flat_state([(p, v.replace(v.get_value()[i])) for p, v in nnx.to_flat_state(layer_state)])
+
+
 class Decoder(nnx.Module):
     """A causal LM. `model(input_ids, positions=None, segment_ids=None) -> logits [B, T, V]`."""
 
@@ -103,34 +113,42 @@ class Decoder(nnx.Module):
         ctx = self.batch_context(input_ids, positions, segment_ids)
         x = self.embed.embedding[...][ctx["input_ids"]].astype(self.dtype)
         graphdef, state = nnx.split(self.layers)
+        unrolled = is_unstacked(state)
         for start, end, window in _layer_runs(self.config.layer_windows):
-            layer_ctx = dict(cos=ctx["cos"], sin=ctx["sin"], attend=self._attend_fn(ctx, window))
+            # Unrolled layers run as separate program regions, so XLA could merge a recomputation back into
+            # the forward pass; the CSE barriers keep remat meaning remat there (inside a scan they are moot).
+            layer_ctx = dict(cos=ctx["cos"], sin=ctx["sin"], attend=self._attend_fn(ctx, window),
+                             prevent_cse=unrolled)
+            layer_fn = self._layer_fn(graphdef, layer_ctx, dropout_rng, prevent_cse=unrolled)
+            if unrolled:
+                for i in range(start, end):
+                    x = layer_fn(x, layer_slice(state, i), i)
+                continue
             run_state = state if (start, end) == (0, self.config.num_layers) else jax.tree.map(
                 lambda leaf: leaf[start:end], state)
-            x = self._scan(graphdef, run_state, x, layer_ctx, start, end, dropout_rng)
+            indices = jnp.arange(start, end, dtype=jnp.int32)
+            x, _ = jax.lax.scan(lambda carry, xs: (layer_fn(carry, *xs), None), x, (run_state, indices))
         return self.final_norm(x)
 
-    def _scan(self, graphdef, state, x, layer_ctx, start, end, dropout_rng):
-        def body(carry, xs):
-            layer_state, index = xs
+    def _layer_fn(self, graphdef, layer_ctx, dropout_rng, *, prevent_cse: bool):
+        """`(x, layer_state, index) -> x` for one layer, rematerialised per `self.remat`."""
+        def layer_fn(carry, layer_state, index):
             layer = nnx.merge(graphdef, layer_state)
             if self.remat == "offload":
                 carry = checkpoint_name(carry, "layer_input")
             rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
-            return layer(carry, layer_ctx, rng), None
+            return layer(carry, layer_ctx, rng)
 
-        if self.remat != "none":
-            policy = {
-                "full": jax.checkpoint_policies.nothing_saveable,
-                "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-                    names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
-                    offload_src="device", offload_dst="pinned_host"),
-            }[self.remat]
-            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        indices = jnp.arange(start, end, dtype=jnp.int32)
-        x, _ = jax.lax.scan(body, x, (state, indices))
-        return x
+        if self.remat == "none":
+            return layer_fn
+        policy = {
+            "full": jax.checkpoint_policies.nothing_saveable,
+            "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+                offload_src="device", offload_dst="pinned_host"),
+        }[self.remat]
+        return jax.checkpoint(layer_fn, policy=policy, prevent_cse=prevent_cse)
 
     def head_weight(self) -> jax.Array:
         """The LM head as [H, V] (the tied embedding transposed when `tie_word_embeddings`)."""

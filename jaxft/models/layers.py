@@ -161,7 +161,7 @@ class Attention(nnx.Module):
         return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim), rngs[3])
 
 
-def _recompute(fn):
+def _recompute(fn, prevent_cse: bool = False):
     """`fn` rematerialised in the backward pass with nothing saved but its inputs.
 
     Used around [elementwise op -> frozen linear (+ LoRA)] regions: the backward needs the elementwise op's
@@ -169,10 +169,10 @@ def _recompute(fn):
     [tokens, width] tensor with an elementwise pass; the frozen matmul itself is linear in its input and is
     not recomputed (its forward output is not needed by any backward rule).
     """
-    # prevent_cse=False: layers always run inside the layer scan, whose forward and backward loops are
-    # separate, so XLA cannot merge the recomputation back into the forward; the barriers that prevent_cse
-    # inserts would only constrain fusion.
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    # prevent_cse=False inside the layer scan: its forward and backward loops are separate, so XLA cannot
+    # merge the recomputation back into the forward, and the barriers would only constrain fusion. Unrolled
+    # layers (the decoder passes ctx["prevent_cse"]) need them.
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=prevent_cse)
 
 
 class MLP(nnx.Module):
@@ -208,10 +208,11 @@ class DecoderLayer(nnx.Module):
         ra, rm = keys[:4], keys[4:]
         # Same math as x + attn(norm(x)); h + mlp(norm(h)), with the elementwise inputs of LoRA'd linears
         # (normed states, o reshaped, silu(gate) * up) recomputed in the backward pass instead of kept.
-        q, k, v = _recompute(lambda x: self.attn.project(self.input_norm(x), ra))(x)
-        h = x + _recompute(lambda o: self.attn.output(o, ra))(self.attn.attend(q, k, v, ctx))
-        gate, up = _recompute(lambda h: self.mlp.gate_up(self.post_attn_norm(h), rm))(h)
-        return h + _recompute(lambda g, u: self.mlp.act_down(g, u, rm))(gate, up)
+        pc = bool(ctx.get("prevent_cse", False))
+        q, k, v = _recompute(lambda x: self.attn.project(self.input_norm(x), ra), pc)(x)
+        h = x + _recompute(lambda o: self.attn.output(o, ra), pc)(self.attn.attend(q, k, v, ctx))
+        gate, up = _recompute(lambda h: self.mlp.gate_up(self.post_attn_norm(h), rm), pc)(h)
+        return h + _recompute(lambda g, u: self.mlp.act_down(g, u, rm), pc)(gate, up)
 
 
 def linears(module: nnx.Module):

@@ -11,6 +11,7 @@ from jaxft.train.step import (
     make_optimizer,
     make_train_step,
     split_model,
+    unstack_layers,
     stack_micro_batches,
     token_loss_sum,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "make_train_step",
     "read_metrics",
     "split_model",
+    "unstack_layers",
     "stack_micro_batches",
     "token_loss_sum",
     "train",

@@ -40,6 +40,29 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     return graphdef, lora, frozen
 
 
+def unstack_layers(frozen: nnx.State, *, delete_source: bool = False) -> nnx.State:
+    """`frozen` with every stacked per-layer weight [L, ...] replaced by a tuple of L arrays.
+
+    The decoder then runs its layers unrolled (see `jaxft.models.decoder.is_unstacked`) and every matmul
+    reads its own weight buffer. A layer scan instead slices each layer's weights out of the stacked arrays,
+    which XLA does as a copy: all frozen weights are copied once in the forward and once in the backward
+    pass (about 20 ms per step for an 8B model on an H200). The LoRA parameters stay stacked (their slices
+    are small). `delete_source` frees each stacked array once its slices exist, so the extra device memory
+    is one stacked array at a time; the caller must not use the model it came from afterwards.
+    """
+    out = []
+    for path, var in nnx.to_flat_state(frozen):
+        value = var.get_value()
+        if path[0] == "layers" and isinstance(value, jax.Array) and value.ndim >= 1:
+            parts = tuple(value[i] for i in range(value.shape[0]))
+            jax.block_until_ready(parts)
+            if delete_source:
+                value.delete()
+            var = var.replace(parts)
+        out.append((path, var))
+    return nnx.from_flat_state(out)
+
+
 def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
                    ce_chunk_size: int | None = None, ce_implementation: str = "xla") -> jax.Array:
     """sum_t loss_mask_t * CE(softmax(h_t @ W_head), targets_t) over a [B, T] packed batch (fp32 scalar)."""
