@@ -184,8 +184,9 @@ def run_hf(task: Task, ckpt: bool, cache: ModelCache) -> dict[str, Any]:
     load_s = time.perf_counter() - t0
     if ckpt:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif base.is_gradient_checkpointing:
-        base.gradient_checkpointing_disable()
+    else:  # a no-op on a fresh model; undoes an earlier task's setting on a reused one
+        # transformers 5.24 renamed it (the old name warns); older versions have only the old name.
+        (getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable)()
     torch.manual_seed(0)  # LoRA A's init draws: identical in a fresh process and a reused model
     lcfg = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
                       target_modules=list(LORA.targets), bias="none", task_type="CAUSAL_LM")

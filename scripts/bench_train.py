@@ -1,17 +1,24 @@
 #!/usr/bin/env python
-"""LoRA training benchmark: jaxft vs HF transformers + PEFT vs Unsloth, one process per run.
+"""LoRA training benchmark: jaxft vs HF transformers + PEFT vs Unsloth, one process per system.
 
 Every system trains the same random-weight model directory (saved once per shape on the device
 with save_pretrained), on the same token ids (bench.workloads.make_token_data, checked by
-SHA-256), with the same LoRA settings and AdamW, for the same number of steps. Each
-(system, workload) pair runs in its own subprocess with a timeout, so its memory peak is its
-own and an out-of-memory or a crash is recorded as a result. Results are written after every
-run (JSON + markdown), so a run cut short still leaves a valid partial table.
+SHA-256), with the same LoRA settings and AdamW, for the same number of steps.
 
-    python scripts/bench_train.py --systems jaxft,hf_ckpt,hf_nockpt,unsloth \\
+Order of work: the matmul ceilings; one session saving every needed model directory (on /dev/shm
+when it has room: tmpfs writes and reads are far faster than disk); then, in --systems order, one
+worker session per system: a torch system runs all its workloads in one process (consecutive tasks
+on one shape reuse the loaded base model), a JAX system one process per model shape, with the
+shape's workloads in ascending expected memory (JAX cannot reset its peak counter, see
+bench_jaxft_worker.py). Within a session each task still starts from the same LoRA init, a fresh
+optimizer and its own data. Results are saved after every task (JSON + markdown), so a run cut
+short still leaves a valid partial table; a session that dies (timeout, crash) costs the task it
+died in, and a new session runs the tasks after it (bench/sessions.py).
+
+    python scripts/bench_train.py --systems jaxft,jaxft_lean,hf_ckpt,hf_nockpt,unsloth \\
         --workloads 1b_2x4096,8b_4096,8b_16384,qwen3_8b_4096,8b_packed_16384 \\
-        --steps 12 --out $OUT/bench_train.json --md $OUT/bench_train.md
-    python scripts/bench_train.py --tiny --systems hf_nockpt --out /tmp/b.json --md /tmp/b.md
+        --steps 12 --budget-s 520 --out $OUT/bench_train.json --md $OUT/bench_train.md
+    python scripts/bench_train.py --tiny --systems hf_nockpt,jaxft --out /tmp/b.json --md /tmp/b.md
 
 Unsloth is not on the device image: pass --unsloth-wheels DIR (default .peers/unsloth, filled by
 /work/shared/peers/unsloth-wheels.sh and carried to the device); the harness installs it into a
@@ -23,12 +30,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import hashlib
 import importlib.util
 import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,9 +45,11 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the bench package beside us
 
 from bench.report import first_loss_spread, markdown, summarise_run  # noqa: E402
-from bench.workloads import (ADAMW, DEFAULT_WORKLOADS, LORA, TINY_WORKLOADS, WORKLOADS,  # noqa: E402
-                             get_workload, make_token_data, param_counts, useful_flops)
-from bench.worker_common import Task, is_oom_message  # noqa: E402
+from bench.sessions import SessionRunner, keep_logs, run_subprocess  # noqa: E402,F401 (re-exported)
+from bench.workloads import (ADAMW, DEFAULT_WORKLOADS, LORA, SHAPES, TINY_WORKLOADS,  # noqa: E402
+                             WORKLOADS, ModelShape, Workload, get_workload, make_token_data,
+                             param_counts, useful_flops)
+from bench.worker_common import Task  # noqa: E402
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(SCRIPTS)
@@ -49,7 +58,8 @@ WORKER = {"jaxft": "bench_jaxft_worker.py", "jaxft_lean": "bench_jaxft_worker.py
 ALL_SYSTEMS = tuple(WORKER)
 DONE_STATUSES = ("ok", "oom")  # what --resume keeps
 MIN_TIMED_STEPS = 10
-LOG_KEEP_BYTES = 200_000
+REPORT_RESERVE_S = 15.0  # budget kept back to write the report after the last session
+SHM = "/dev/shm"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -69,14 +79,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="CPU smoke test of the whole pipeline on tiny shapes (hidden 64, 2 layers, seq 128)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--timeout-s", type=float, default=None,
-                   help="per-run (per subprocess) timeout (default 420; --tiny 240)")
+                   help="per-task timeout: a session is killed when none of its tasks finished for this "
+                        "long (the first task includes imports and the model load; default 420; --tiny 240)")
     p.add_argument("--budget-s", type=float, default=None,
-                   help="overall wall-clock budget; runs that cannot start in time are 'skipped'")
+                   help="overall wall-clock budget: sessions are killed at its end (keeping "
+                        f"{REPORT_RESERVE_S:.0f} s for the report); tasks not started are 'skipped'")
     p.add_argument("--workdir", default=None, help="scratch dir (models, logs); default a new temp dir")
-    p.add_argument("--keep-models", action="store_true", help="keep saved model dirs at the end")
+    p.add_argument("--keep-models", action="store_true",
+                   help="keep saved model dirs at the end (with --workdir, a later call reuses them)")
     p.add_argument("--logs", default=None,
-                   help="folder for each run's stdout/stderr tail (default: bench_train_logs beside "
-                        "--out; '' to keep none)")
+                   help="folder for each session's stdout/stderr tail, one subfolder per session "
+                        "(default: bench_train_logs beside --out; '' to keep none)")
     p.add_argument("--resume", default=None,
                    help="earlier result JSON: its ok/oom runs are kept and not run again")
     p.add_argument("--unsloth-wheels", default=os.path.join(REPO, ".peers", "unsloth"))
@@ -163,38 +176,6 @@ def _worker_env(device: str, extra_pythonpath: list[str], run_dir: str) -> dict[
     return env
 
 
-def run_subprocess(cmd: list[str], run_dir: str, out_path: str, timeout_s: float,
-                   env: dict[str, str]) -> dict[str, Any]:
-    """Run one worker; return its result JSON, or a timeout/crash record built from its logs."""
-    os.makedirs(run_dir, exist_ok=True)
-    log_out, log_err = os.path.join(run_dir, "stdout.log"), os.path.join(run_dir, "stderr.log")
-    t0 = time.perf_counter()
-    with open(log_out, "w") as fo, open(log_err, "w") as fe:
-        proc = subprocess.Popen(cmd, cwd=run_dir, env=env, stdout=fo, stderr=fe,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)  # the worker's own session: it and its children
-            rc = proc.wait()
-    wall = time.perf_counter() - t0
-    with open(log_err, errors="replace") as f:
-        err_tail = f.read()[-3000:]
-    if not timed_out and os.path.exists(out_path):
-        with open(out_path) as f:
-            result = json.load(f)
-        result["wall_s"] = wall
-        return result
-    if timed_out:
-        status, error = "timeout", f"killed after {timeout_s:.0f} s"
-    else:
-        status = "oom" if is_oom_message(err_tail) else "crashed"
-        error = f"exit code {rc} without a result; stderr tail: {err_tail[-600:]}"
-    return {"status": status, "error": error, "stderr_tail": err_tail, "wall_s": wall}
-
-
 def ensure_unsloth(wheels_dir: str, workdir: str) -> tuple[list[str], str | None]:
     """PYTHONPATH entries that make ``import unsloth`` work, or an explanation why not."""
     if importlib.util.find_spec("unsloth") is not None:
@@ -226,17 +207,24 @@ class Bench:
     t_start: float
     unsloth_path: list[str] = dataclasses.field(default_factory=list)
     unsloth_error: str | None = None
+    models_dir: str | None = None  # set by save_models
 
     def time_left(self) -> float:
         if self.args.budget_s is None:
             return float("inf")
         return self.args.budget_s - (time.perf_counter() - self.t_start)
 
+    def min_start_s(self) -> float:
+        return min(60.0, self.args.timeout_s)
+
     def run_timeout(self) -> float | None:
-        """Timeout for the next subprocess, or None when the budget cannot fit a useful run."""
-        left = self.time_left() - 15.0  # keep time to write the report
-        timeout = min(self.args.timeout_s, left)
-        return timeout if timeout >= min(60.0, self.args.timeout_s) else None
+        """Timeout for the next one-shot subprocess, or None when the budget cannot fit a useful run."""
+        timeout = min(self.args.timeout_s, self.time_left() - REPORT_RESERVE_S)
+        return timeout if timeout >= self.min_start_s() else None
+
+    def runner(self) -> SessionRunner:
+        return SessionRunner(self.workdir, self.args.timeout_s,
+                             lambda: self.time_left() - REPORT_RESERVE_S, self.min_start_s(), self.args.logs)
 
     def save(self) -> None:
         for name in self.report["workloads"]:
@@ -271,7 +259,7 @@ class Bench:
                    "--device", self.args.device, "--out", out]
             ceil[fw] = run_subprocess(cmd, run_dir, out, timeout,
                                       _worker_env(self.args.device, [], run_dir))
-            self.keep_logs(run_dir)
+            keep_logs(run_dir, self.args.logs)
             print(f"[bench] ceiling {fw}: {ceil[fw].get('status')} "
                   f"{ceil[fw].get('flops_per_s', 0) / 1e12:.2f} TFLOP/s", flush=True)
         ok = [c["flops_per_s"] for c in (ceil.get("torch"), ceil.get("jax"))
@@ -294,52 +282,66 @@ class Bench:
             / len(flops[self.args.warmup:])}
         return flops, data.sha256
 
-    def save_model(self, shape_workload: str, model_dir: str) -> dict[str, Any]:
-        timeout = self.run_timeout()
-        if timeout is None:
-            return {"status": "skipped", "error": "budget"}
-        run_dir = os.path.join(self.workdir, "save_" + get_workload(shape_workload).shape_name)
-        task = Task("save_model", "", shape_workload, model_dir, 1, self.args.device)
-        return self._launch(task, run_dir, "bench_torch_worker.py", [], timeout)
+    def models_root(self, shapes: list[str]) -> str:
+        """/dev/shm when it holds every needed model with 20% to spare, else the workdir."""
+        need = 1.2 * sum(model_bytes(SHAPES[sh]) for sh in shapes)
+        if os.path.isdir(SHM) and shutil.disk_usage(SHM).free > need:
+            # Named after the workdir, so a kept --workdir finds its kept models again.
+            tag = hashlib.sha1(os.path.abspath(self.workdir).encode()).hexdigest()[:12]
+            return os.path.join(SHM, f"bench_train_models_{tag}")
+        return os.path.join(self.workdir, "models")
 
-    def _launch(self, task: Task, run_dir: str, script: str, pythonpath: list[str],
-                timeout: float) -> dict[str, Any]:
-        os.makedirs(run_dir, exist_ok=True)
-        task_path, out = os.path.join(run_dir, "task.json"), os.path.join(run_dir, "result.json")
-        task.dump(task_path)
-        cmd = [sys.executable, os.path.join(SCRIPTS, script), "--task", task_path, "--out", out]
-        result = run_subprocess(cmd, run_dir, out, timeout,
-                                _worker_env(self.args.device, pythonpath, run_dir))
-        self.keep_logs(run_dir)
-        return result
+    def save_models(self, workloads: list[str]) -> dict[str, str | None]:
+        """Save the model of each workload's shape in one session; {shape: None or why it failed}."""
+        first: dict[str, str] = {}
+        for name in workloads:
+            first.setdefault(get_workload(name).shape_name, name)
+        self.models_dir = self.models_root(list(first))
+        tasks = [Task("save_model", "", name, os.path.join(self.models_dir, shape), 1, self.args.device)
+                 for shape, name in first.items()]
+        errors: dict[str, str | None] = {shape: "model was not saved" for shape in first}
 
-    def keep_logs(self, run_dir: str) -> None:
-        """Copy a run's stdout/stderr (last LOG_KEEP_BYTES of each) next to the result JSON."""
-        if not self.args.logs:
-            return
-        dest = os.path.join(self.args.logs, os.path.basename(run_dir))
-        os.makedirs(dest, exist_ok=True)
-        for name in ("stdout.log", "stderr.log", "task.json"):
-            src = os.path.join(run_dir, name)
-            if os.path.exists(src):
-                with open(src, "rb") as f:
-                    f.seek(max(0, os.path.getsize(src) - LOG_KEEP_BYTES))
-                    data = f.read()
-                with open(os.path.join(dest, name), "wb") as f:
-                    f.write(data)
+        def on_result(task: Task, raw: dict[str, Any]) -> None:
+            shape = task.workload_obj.shape_name
+            self.report["models"][shape] = raw
+            errors[shape] = None if raw.get("status") == "ok" else \
+                f"{raw.get('status')}: {raw.get('error', '')}"[:300]
+            print(f"[bench] model {shape}: {raw.get('status')} in {raw.get('wall_s', 0):.1f} s "
+                  f"({'reused' if raw.get('reused') else task.model_dir})", flush=True)
 
-    def train(self, system: str, workload: str, model_dir: str, model_error: str | None) -> dict[str, Any]:
-        if model_error is not None:
-            return {"status": "skipped", "error": f"model dir not available: {model_error}"}
-        if system == "unsloth" and self.unsloth_error and self.args.device == "cuda":
-            return {"status": "not_run", "error": self.unsloth_error}
-        timeout = self.run_timeout()
-        if timeout is None:
-            return {"status": "skipped", "error": "budget exhausted"}
-        task = Task("train", system, workload, model_dir, self.args.steps, self.args.device)
+        self.runner().run("save_models", os.path.join(SCRIPTS, "bench_torch_worker.py"), tasks,
+                          lambda run_dir: _worker_env(self.args.device, [], run_dir), on_result)
+        self.save()
+        return errors
+
+    def sessions(self, system: str, workloads: list[str]) -> list[tuple[str, list[str]]]:
+        """(session name, workloads in run order): torch systems one session, JAX one per shape."""
+        if not system.startswith("jaxft"):
+            return [(system, workloads)]
+        by_shape: dict[str, list[str]] = {}
+        for name in workloads:
+            by_shape.setdefault(get_workload(name).shape_name, []).append(name)
+        return [(f"{system}__{shape}", names) for shape, names in by_shape.items()]
+
+    def run_system(self, system: str, workloads: list[str], model_errors: dict[str, str | None],
+                   infos: dict[str, tuple[list[float], str]]) -> None:
+        runnable = []
+        for name in workloads:
+            error = model_errors[get_workload(name).shape_name]
+            if error is not None:
+                self.record(system, name, {"status": "skipped", "error": f"model dir not available: {error}"},
+                            *infos[name])
+            elif system == "unsloth" and self.unsloth_error and self.args.device == "cuda":
+                self.record(system, name, {"status": "not_run", "error": self.unsloth_error}, *infos[name])
+            else:
+                runnable.append(name)
         path = self.unsloth_path if system == "unsloth" else []
-        return self._launch(task, os.path.join(self.workdir, f"{system}__{workload}"),
-                            WORKER[system], path, timeout)
+        for session, names in self.sessions(system, runnable):
+            tasks = [Task("train", system, name, os.path.join(self.models_dir, get_workload(name).shape_name),
+                          self.args.steps, self.args.device) for name in names]
+            self.runner().run(session, os.path.join(SCRIPTS, WORKER[system]), tasks,
+                              lambda run_dir: _worker_env(self.args.device, path, run_dir),
+                              lambda task, raw: self.record(system, task.workload, raw, *infos[task.workload]))
 
     def record(self, system: str, workload: str, raw: dict[str, Any], flops: list[float],
                sha: str) -> None:
@@ -348,7 +350,8 @@ class Bench:
                                 param_counts(w.shape)["lora"],
                                 self.report["ceiling"].get("used_flops_per_s"))
         runs = [r for r in self.report["runs"] if (r["system"], r["workload"]) != (system, workload)]
-        runs.append({"system": system, "workload": workload, "summary": summary, "raw": raw})
+        runs.append({"system": system, "workload": workload, "session": raw.get("session"),
+                     "summary": summary, "raw": raw})
         order = {name: i for i, name in enumerate(self.args.workloads + self.args.systems)}
         self.report["runs"] = sorted(runs, key=lambda r: (order.get(r["workload"], 1 << 30),
                                                           order.get(r["system"], 1 << 30)))
@@ -371,24 +374,37 @@ class Bench:
         self.ceilings()
         if "unsloth" in self.args.systems and self.args.device == "cuda":
             self.unsloth_path, self.unsloth_error = ensure_unsloth(self.args.unsloth_wheels, self.workdir)
-        by_shape: dict[str, list[str]] = {}
-        for name in self.args.workloads:
-            by_shape.setdefault(get_workload(name).shape_name, []).append(name)
-        for shape, names in by_shape.items():
-            infos = {name: self.workload_info(name) for name in names}
-            todo = [(s, n) for n in names for s in self.args.systems if not self.done(s, n)]
-            if not todo:
-                continue
-            model_dir = os.path.join(self.workdir, "models", shape)
-            saved = self.save_model(names[0], model_dir)
-            self.report["models"][shape] = saved
-            model_error = None if saved.get("status") == "ok" else \
-                f"{saved.get('status')}: {saved.get('error', '')}"[:300]
-            for system, name in todo:
-                raw = self.train(system, name, model_dir, model_error)
-                self.record(system, name, raw, *infos[name])
-            if not self.args.keep_models:
-                shutil.rmtree(model_dir, ignore_errors=True)
+        order = run_order(self.args.workloads)
+        infos = {name: self.workload_info(name) for name in order}
+        todo = {s: [n for n in order if not self.done(s, n)] for s in self.args.systems}
+        needed = [n for n in order if any(n in names for names in todo.values())]
+        if not needed:
+            return
+        model_errors = self.save_models(needed)
+        for system in self.args.systems:
+            self.run_system(system, todo[system], model_errors, infos)
+
+    def remove_models(self) -> None:
+        if self.models_dir and not self.args.keep_models:
+            shutil.rmtree(self.models_dir, ignore_errors=True)
+
+
+def model_bytes(shape: ModelShape) -> int:
+    """bf16 bytes of a shape's saved weights: the matmuls (lm_head included) plus an untied embedding."""
+    embed = 0 if shape.get("tie_word_embeddings") else shape.get("vocab_size") * shape.get("hidden_size")
+    return 2 * (param_counts(shape)["frozen_matmul"] + embed)
+
+
+def run_order(workloads: list[str]) -> list[str]:
+    """Workloads grouped by shape (first-seen order), each group in ascending expected memory:
+    fewer tokens first, and at equal tokens packed before dense (its attention is block-diagonal)."""
+    shapes = list(dict.fromkeys(get_workload(n).shape_name for n in workloads))
+
+    def key(name: str) -> tuple[int, int, int]:
+        w: Workload = get_workload(name)
+        return shapes.index(w.shape_name), w.batch * w.seq_len, 0 if w.packed else 1
+
+    return sorted(workloads, key=key)
 
 
 def new_report(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -405,10 +421,14 @@ def new_report(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                  "versions": {"harness": {"python": sys.version.split()[0]}}},
         "ceiling": {}, "workloads": {}, "models": {}, "runs": [],
         "notes": [
-            "Each (system, workload) ran in its own process. Peak memory is the device allocator's "
-            "peak with the weights resident: torch max_memory_allocated, reset just before the "
-            "first step (Unsloth's offload planner resets it there too); JAX "
-            "memory_stats()['peak_bytes_in_use'] over the whole process.",
+            "Each system ran in one worker process per session (torch: all workloads; JAX: one "
+            "session per model shape, workloads in ascending expected memory); consecutive tasks on "
+            "one shape reuse the loaded base model, each task starts from the same LoRA init with a "
+            "fresh optimizer. Peak memory is the device allocator's peak of the training steps with "
+            "the weights resident: torch max_memory_allocated, reset just before the first step "
+            "(Unsloth's offload planner resets it there too); JAX memory_stats()['peak_bytes_in_use'] "
+            "when it rose during the task's steps, else (marked *) the static estimate bytes in use "
+            "before the first step + the compiled step's temp + output - alias bytes.",
             "All systems load the same random-weight bf16 model directory and train on the same "
             "token ids (SHA-256 checked); LoRA B starts at 0, so step-0 losses should agree.",
             "HF packed (padding-free) path: position_ids restart per document with no "
@@ -448,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.run()
     finally:
         bench.save()
+        bench.remove_models()
         if not args.workdir and not args.keep_models:
             shutil.rmtree(workdir, ignore_errors=True)
     print(f"[bench] wrote {args.out} and {args.md}", flush=True)

@@ -24,7 +24,7 @@ if SCRIPTS not in sys.path:  # the bench package lives beside the scripts, not i
 from bench.report import markdown, summarise_run  # noqa: E402
 from bench.workloads import (LORA, SHAPES, WORKLOADS, get_workload, make_token_data,  # noqa: E402
                              param_counts, useful_flops)
-from bench.worker_common import Task, validate_train_result, worker_main  # noqa: E402
+from bench.worker_common import Task, dump_session, validate_train_result, worker_main  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -107,6 +107,10 @@ def test_real_shapes_match_transformers_parameter_counts(shape_name):
                  "qwen3-8b": 8_190_735_360}[shape_name]
     assert total == published
     assert model.config.tie_word_embeddings == shape.get("tie_word_embeddings")
+    # What the harness reserves on /dev/shm: every bf16 tensor but the (tiny) norm scales.
+    from bench_train import model_bytes
+
+    assert 0.999 * 2 * total < model_bytes(shape) <= 2 * total
 
 
 def test_lora_param_count_matches_peft():
@@ -186,7 +190,7 @@ def _task(tmp_path, system="jaxft"):
     (ValueError("bad shape"), "error"),
 ])
 def test_worker_main_records_every_outcome(tmp_path, exc, status):
-    def run(task, out_json):
+    def run(task, out_json, cache):
         raise exc
 
     out = str(tmp_path / "result.json")
@@ -201,10 +205,10 @@ def test_worker_main_validates_train_results(tmp_path):
     out = str(tmp_path / "result.json")
     good = {"step_times_s": [1.0, 0.5, 0.5], "losses": [6.0, 5.9, 5.8], "peak_memory_bytes": 10,
             "data_sha256": "x"}
-    assert worker_main(lambda t, o: dict(good), ["--task", _task(tmp_path), "--out", out]) == 0
+    assert worker_main(lambda t, o, c: dict(good), ["--task", _task(tmp_path), "--out", out]) == 0
     assert json.load(open(out))["status"] == "ok"
     bad = dict(good, losses=[6.0])
-    worker_main(lambda t, o: bad, ["--task", _task(tmp_path), "--out", out])
+    worker_main(lambda t, o, c: bad, ["--task", _task(tmp_path), "--out", out])
     res = json.load(open(out))
     assert res["status"] == "error" and "losses" in res["error"]
     with pytest.raises(ValueError, match="peak_memory_bytes"):
@@ -271,7 +275,7 @@ def test_cli_rejects_too_few_timed_steps(tmp_path):
 def test_tiny_pipeline_end_to_end_hf_nockpt(tmp_path):
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
     cmd = [sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny",
-           "--systems", "hf_nockpt,unsloth", "--workloads", "tiny_packed",
+           "--systems", "hf_nockpt,unsloth", "--workloads", "tiny_llama,tiny_packed",
            "--out", str(out), "--md", str(md), "--commit", "test-commit"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -281,9 +285,11 @@ def test_tiny_pipeline_end_to_end_hf_nockpt(tmp_path):
     assert meta["steps"] == 3 and meta["warmup"] == 1 and meta["date"]
     assert meta["versions"]["torch_side"]["transformers"] == transformers.__version__
     assert report["ceiling"]["torch"]["status"] == "ok" and report["ceiling"]["used_flops_per_s"] > 0
-    assert report["models"]["tiny-llama"]["status"] == "ok"
-    runs = {r["system"]: r for r in report["runs"]}
-    hf = runs["hf_nockpt"]
+    model = report["models"]["tiny-llama"]
+    assert model["status"] == "ok" and model["session"] == "save_models"
+    assert not os.path.exists(model["model_dir"])  # removed at the end (no --keep-models)
+    runs = {(r["system"], r["workload"]): r for r in report["runs"]}
+    hf = runs["hf_nockpt", "tiny_packed"]
     s, raw = hf["summary"], hf["raw"]
     assert s["status"] == "ok", raw
     assert s["timed_steps"] == 2 and s["tokens_per_s"] > 0 and s["median_step_s"] > 0
@@ -291,14 +297,21 @@ def test_tiny_pipeline_end_to_end_hf_nockpt(tmp_path):
     # Random weights, uniform tokens: the loss is near ln(vocab).
     assert abs(s["first_loss"] - math.log(512)) < 0.5
     assert s["data_matches"] and s["lora_params_match"] and 0 < s["mfu"]
+    assert s["peak_memory_source"] == "allocator"
     assert raw["lora_param_dtype"] == "float32" and raw["settings"]["gradient_checkpointing"] is False
     assert "padding-free" in raw["settings"]["attention_masking"]
-    assert runs["unsloth"]["summary"]["status"] == "not_run"  # reported, not a crash
+    # One process for both workloads, smaller one first; the second reuses the loaded base model.
+    assert hf["session"] == runs["hf_nockpt", "tiny_llama"]["session"] == "hf_nockpt"
+    assert (raw["session_index"], raw["base_model_reused"]) == (0, False)
+    llama = runs["hf_nockpt", "tiny_llama"]["raw"]
+    assert (llama["session_index"], llama["base_model_reused"], llama["status"]) == (1, True, "ok")
+    assert runs["unsloth", "tiny_packed"]["summary"]["status"] == "not_run"  # reported, not a crash
     text = md.read_text()
     assert "| tiny_packed | hf_nockpt | ok |" in text and "useful_flops/step" in text
     assert "| tiny_packed | unsloth | not_run" in text
     assert report["workloads"]["tiny_packed"]["useful_flops_per_step"] > 0
-    assert (tmp_path / "bench_train_logs" / "hf_nockpt__tiny_packed" / "stderr.log").exists()
+    for session in ("save_models", "hf_nockpt", "unsloth"):
+        assert (tmp_path / "bench_train_logs" / session / "stderr.log").exists()
     assert markdown(report) == text
 
 
@@ -328,3 +341,152 @@ def test_resume_keeps_finished_runs_without_rerunning(tmp_path):
     assert report["meta"]["resumed_commands"] == ["python scripts/bench_train.py --earlier-pass"]
     assert report["models"] == {}  # no model was saved: nothing was left to run
     assert "resumed from" in " ".join(report["notes"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Sessions: several tasks per worker process.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from bench.models import save_random_model
+
+    path = str(tmp_path_factory.mktemp("models") / "tiny-llama")
+    save_random_model(SHAPES["tiny-llama"], path, "cpu")
+    return path
+
+
+def _run_session(script: str, tasks: list[Task], tmp_path) -> list[dict]:
+    """Run a worker script on a session task file in its own process (CPU only); its result list."""
+    task_path, out = str(tmp_path / f"{script}.tasks.json"), str(tmp_path / f"{script}.results.json")
+    dump_session(tasks, task_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SCRIPTS, REPO]), JAX_PLATFORMS="cpu",
+               CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, script), "--task", task_path, "--out", out],
+                         capture_output=True, text=True, timeout=240, cwd=str(tmp_path), env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(out) as f:
+        results = json.load(f)
+    assert [r["session_index"] for r in results] == list(range(len(tasks)))
+    assert [(r["system"], r["workload"]) for r in results] == [(t.system, t.workload) for t in tasks]
+    return results
+
+
+def test_hf_session_reuses_the_model_and_survives_a_failed_task(tiny_model_dir, tmp_path):
+    import bench_torch_worker
+
+    missing = str(tmp_path / "no_such_model")
+    tasks = [Task("train", "hf_nockpt", wl, d, 3, "cpu") for wl, d in
+             [("tiny_llama", tiny_model_dir), ("tiny_llama", missing), ("tiny_packed", tiny_model_dir),
+              ("tiny_llama", tiny_model_dir)]]
+    res = _run_session("bench_torch_worker.py", tasks, tmp_path)
+    assert [r["status"] for r in res] == ["ok", "error", "ok", "ok"]
+    assert "no_such_model" in res[1]["error"]
+    # The failed task dropped the cached model (task 3 reloads it); task 4 reuses task 3's load.
+    assert [r.get("base_model_reused") for r in res] == [False, None, False, True]
+    # A reused model, unloaded after another workload's LoRA training, trains exactly like a fresh one.
+    np.testing.assert_allclose(res[3]["losses"], res[0]["losses"], rtol=1e-6)
+    # A one-task run (single-task file, its own model load) == the session's 3rd task.
+    task_path, out = str(tmp_path / "single.json"), str(tmp_path / "single_result.json")
+    tasks[2].dump(task_path)
+    assert worker_main(bench_torch_worker.run_task, ["--task", task_path, "--out", out]) == 0
+    single = json.load(open(out))
+    assert single["status"] == "ok" and single["data_sha256"] == res[2]["data_sha256"]
+    np.testing.assert_allclose(single["losses"], res[2]["losses"], rtol=1e-6)
+
+
+def test_jaxft_session_matches_a_fresh_run_and_reports_its_memory(tiny_model_dir, tmp_path):
+    import bench_jaxft_worker
+
+    tasks = [Task("train", "jaxft", wl, tiny_model_dir, 3, "cpu") for wl in ("tiny_packed", "tiny_llama")]
+    res = _run_session("bench_jaxft_worker.py", tasks, tmp_path)
+    assert [r["status"] for r in res] == ["ok", "ok"], [r.get("error") for r in res]
+    assert [r["base_model_reused"] for r in res] == [False, True]
+    # The 2nd task's reused frozen weights + re-copied LoRA init == a fresh load (fresh cache).
+    fresh = bench_jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 3)
+    np.testing.assert_allclose(res[1]["losses"], fresh["losses"], rtol=1e-6)
+    for r in res:
+        analysis, mem = r["extra"]["memory_analysis"], r["extra"]["memory"]
+        assert analysis["temp_size_in_bytes"] > 0 and analysis["output_size_in_bytes"] > 0
+        assert isinstance(r["peak_memory_bytes"], int)
+        # The CPU backend has no allocator statistics: the peak is the compiled step's estimate.
+        assert r["peak_memory_source"] == "static_estimate"
+        assert r["peak_memory_bytes"] == mem["static_estimate"] == mem["bytes_in_use_before_steps"] + \
+            analysis["temp_size_in_bytes"] + analysis["output_size_in_bytes"] - analysis["alias_size_in_bytes"]
+
+
+def test_jax_task_peak_uses_the_allocator_only_when_the_steps_raised_it():
+    from bench_jaxft_worker import _task_peak
+
+    analysis = {"temp_size_in_bytes": 50, "output_size_in_bytes": 30, "alias_size_in_bytes": 20}
+    before = {"bytes_in_use": 100, "peak_bytes_in_use": 500}
+    assert _task_peak(before, {"peak_bytes_in_use": 700}, analysis)[:2] == (700, "allocator")
+    # An earlier task (or the load) set the process peak: fall back to in-use + temp + output - alias.
+    assert _task_peak(before, {"peak_bytes_in_use": 500}, analysis)[:2] == (100 + 50 + 30 - 20, "static_estimate")
+
+
+def test_markdown_marks_static_memory_estimates():
+    w = get_workload("tiny_llama")
+    raw = {"status": "ok", "step_times_s": [1.0, 1.0], "losses": [6.0, 5.9], "peak_memory_bytes": 2 * 1024 ** 3,
+           "peak_memory_source": "static_estimate", "data_sha256": "x"}
+    run = {"system": "jaxft", "workload": w.name, "session": "jaxft__tiny-llama",
+           "summary": summarise_run(raw, w, 1, [1.0, 1.0], "x", 1, None), "raw": raw}
+    report = {"meta": {"date": "d", "commit": "c", "device_name": "cpu", "command": "x", "steps": 2, "warmup": 1,
+                       "lora": {"r": 1, "alpha": 1, "dropout": 0, "targets": ["q_proj"]},
+                       "adamw": {"lr": 1, "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0}},
+              "ceiling": {}, "workloads": {}, "runs": [run]}
+    text = markdown(report)
+    assert "| 2.00* |" in text and "* static estimate" in text
+    run["summary"]["peak_memory_source"] = "allocator"
+    assert "| 2.00 |" in markdown(report) and "static estimate" not in markdown(report)
+
+
+FAKE_WORKER = """
+import os, sys, time
+sys.path.insert(0, {scripts!r})
+from bench.worker_common import worker_main
+
+def run(task, out_json, cache):  # a real worker contract; the model_dir's name picks the behaviour
+    name = os.path.basename(task.model_dir)
+    if name == "hang":
+        time.sleep(120)
+    if name == "crash":
+        os._exit(3)
+    return {{"model_dir": task.model_dir}}
+
+sys.exit(worker_main(run))
+"""
+
+
+def test_session_runner_restarts_after_the_task_a_session_died_in(tmp_path):
+    from bench.sessions import SessionRunner
+
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER.format(scripts=SCRIPTS))
+    names = ["a", "hang", "c", "crash", "e"]
+    tasks = [Task("save_model", "", "tiny_llama", str(tmp_path / n), 1, "cpu") for n in names]
+    got = []
+
+    def on_result(task, raw):
+        got.append((os.path.basename(task.model_dir), raw["status"], raw["session"]))
+
+    runner = SessionRunner(str(tmp_path / "work"), task_timeout_s=6.0, time_left=lambda: 600.0, min_start_s=1.0,
+                           logs_dir=str(tmp_path / "logs"))
+    runner.run("s", str(script), tasks, lambda run_dir: dict(os.environ), on_result)
+    # The hung task is killed after the tiny timeout and the crash costs only its own task.
+    assert got == [("a", "ok", "s"), ("hang", "timeout", "s"), ("c", "ok", "s.1"), ("crash", "crashed", "s.1"),
+                   ("e", "ok", "s.2")]
+    assert sorted(os.listdir(tmp_path / "logs")) == ["s", "s.1", "s.2"]
+    # No time left: nothing starts, every task is recorded as skipped.
+    got.clear()
+    SessionRunner(str(tmp_path / "work2"), 6.0, lambda: 0.0, 1.0).run("t", str(script), tasks[:2],
+                                                                       lambda d: dict(os.environ), on_result)
+    assert got == [("a", "skipped", None), ("hang", "skipped", None)]
+
+
+def test_run_order_puts_each_shapes_workloads_in_ascending_memory():
+    from bench_train import run_order
+
+    assert run_order(["8b_16384", "1b_2x4096", "8b_packed_16384", "qwen3_8b_4096", "8b_4096"]) == \
+        ["8b_4096", "8b_packed_16384", "8b_16384", "1b_2x4096", "qwen3_8b_4096"]

@@ -4,7 +4,8 @@ All systems' raw measurements go through ``summarise_run``, so the statistics ar
 identically: the first ``warmup`` steps are dropped, the step time is the median of the rest,
 tokens/s = tokens per step / median step time, MFU = mean useful FLOPs per timed step / median
 step time / the bf16 matmul ceiling (the maximum of the torch and JAX measurements of the same
-run, so every system is divided by the same number).
+run, so every system is divided by the same number). A peak memory that is the JAX worker's
+static estimate rather than an allocator measurement is marked with STATIC_MARK in the table.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from bench.workloads import FLOP_FORMULA, Workload
 
 GIB = 1024 ** 3
+STATIC_MARK = "*"
 
 
 def summarise_run(raw: dict[str, Any], workload: Workload, warmup: int,
@@ -37,6 +39,8 @@ def summarise_run(raw: dict[str, Any], workload: Workload, warmup: int,
         "tokens_per_s": workload.tokens_per_step / med,
         "peak_memory_bytes": int(raw["peak_memory_bytes"]),
         "peak_memory_gib": raw["peak_memory_bytes"] / GIB,
+        # Results written before sessions existed carry no source: they were allocator peaks.
+        "peak_memory_source": raw.get("peak_memory_source", "allocator"),
         "useful_flops_per_step": flops,
         "achieved_flops_per_s": flops / med,
         "mfu": (flops / med / ceiling_flops_per_s) if ceiling_flops_per_s else None,
@@ -87,8 +91,9 @@ def _row(run: dict[str, Any]) -> str:
     cells = [run["workload"], run["system"], _status_cell(run)]
     if s["status"] == "ok":
         mfu = s.get("mfu")
+        mark = STATIC_MARK if s.get("peak_memory_source") == "static_estimate" else ""
         cells += [f"{s['median_step_s'] * 1e3:.1f}", f"{s['tokens_per_s']:,.0f}",
-                  f"{s['peak_memory_gib']:.2f}", "-" if mfu is None else f"{100 * mfu:.1f}%",
+                  f"{s['peak_memory_gib']:.2f}{mark}", "-" if mfu is None else f"{100 * mfu:.1f}%",
                   f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"]
     else:
         cells += ["-"] * 5
@@ -123,6 +128,11 @@ def markdown(report: dict[str, Any]) -> str:
               "loss first -> last |", "|---|---|---|---:|---:|---:|---:|---|"]
     for run in report["runs"]:
         lines.append(_row(run))
+    if any(r["summary"].get("peak_memory_source") == "static_estimate" for r in report["runs"]):
+        lines += ["", f"{STATIC_MARK} static estimate, not an allocator measurement: JAX cannot reset its "
+                  "peak counter and an earlier task of the same process had set a higher peak, so this is "
+                  "bytes in use before the first step + the compiled step's temp + output - aliased "
+                  "(donated) bytes (XLA memory_analysis)."]
     lines += ["", "## Workloads", ""]
     for name, w in report["workloads"].items():
         d = w["data"]
