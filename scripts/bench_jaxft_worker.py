@@ -42,12 +42,15 @@ from bench.worker_common import ModelCache, Task, load_tasks, worker_main
 
 # "Best settings" per mode, chosen from the measurements in docs/benchmarks.md. The system name picks one
 # (jaxft -> fast, jaxft_lean -> lean); JAXFT_BENCH_MODE overrides it for ablations:
-#   fast: no rematerialisation (activations stay on the device: H200 memory is ample at these shapes);
-#   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass.
+#   fast: no rematerialisation (activations stay on the device: H200 memory is ample at these shapes), layers
+#         unrolled over per-layer weight buffers (8B, 1x4096 on the H200: 273 ms/step vs 286 ms scanned, whose
+#         per-layer weight slices are copies; scripts/ablate_step.py, docs/benchmarks.md);
+#   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass; the
+#         layer scan (host offload of the scanned layer inputs is what keeps the memory down).
 MODES = {
-    "fast": dict(remat="none", attention="auto", ce_chunk_size=None),
-    "lean": dict(remat="offload", attention="auto", ce_chunk_size=256),  # smaller live logits chunk
-    "full_remat": dict(remat="full", attention="auto", ce_chunk_size=None),
+    "fast": dict(remat="none", attention="auto", ce_chunk_size=None, layers="unroll"),
+    "lean": dict(remat="offload", attention="auto", ce_chunk_size=256, layers="scan"),  # smaller logits chunk
+    "full_remat": dict(remat="full", attention="auto", ce_chunk_size=None, layers="scan"),
 }
 PROFILE_STEPS = 3
 
@@ -79,19 +82,21 @@ def _mode(task: Task) -> str:
     return os.environ.get("JAXFT_BENCH_MODE", "lean" if task.system == "jaxft_lean" else "fast")
 
 
-def _load(model_dir: str, dtype: str, attention: str, remat: str):
+def _load(model_dir: str, dtype: str, attention: str, remat: str, layers: str):
     """(graphdef, LoRA init on the host, frozen weights on the device) of a freshly loaded model."""
     import jax
 
     import jaxft
     from bench.workloads import LORA
     from jaxft.lora import LoraConfig, apply_lora
-    from jaxft.train.step import split_model
+    from jaxft.train.step import split_model, unstack_layers
 
     model = jaxft.from_pretrained(model_dir, dtype=dtype, attention_impl=attention, remat=remat)
     model = apply_lora(model, LoraConfig(r=LORA.r, alpha=LORA.alpha, dropout=LORA.dropout,
                                          target_modules=tuple(LORA.targets)), seed=0)
     graphdef, lora, frozen = split_model(model)
+    if layers == "unroll":  # the model is dropped below, so its stacked weights can go as they are split
+        frozen = unstack_layers(frozen, delete_source=True)
     # The step donates the LoRA buffers, so every task starts from its own device copy of this
     # host copy (the seed-0 init a fresh process would draw).
     return graphdef, jax.device_get(lora), frozen
@@ -110,7 +115,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     cache = cache if cache is not None else ModelCache()
     profile_dir = _profile_dir(workload.name, mode)
     settings = dict(MODES[mode], mode=mode)
-    for key in ("remat", "attention"):  # explicit overrides for ablations
+    for key in ("remat", "attention", "layers"):  # explicit overrides for ablations
         if os.environ.get(f"JAXFT_BENCH_{key.upper()}"):
             settings[key] = os.environ[f"JAXFT_BENCH_{key.upper()}"]
     device = jax.devices()[0]
@@ -118,8 +123,8 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     attention = "xla" if device.platform == "cpu" else settings["attention"]
     t0 = time.perf_counter()
     (graphdef, lora_init, frozen), reused = cache.get(
-        (model_dir, dtype, attention, settings["remat"]),
-        lambda: _load(model_dir, dtype, attention, settings["remat"]))
+        (model_dir, dtype, attention, settings["remat"], settings["layers"]),
+        lambda: _load(model_dir, dtype, attention, settings["remat"], settings["layers"]))
     load_s = time.perf_counter() - t0
     lora = jax.device_put(lora_init)
     optimizer = make_optimizer(ADAMW.lr, b1=ADAMW.b1, b2=ADAMW.b2, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay)

@@ -12,6 +12,7 @@ from jaxft.train.step import (
     make_train_step,
     split_model,
     unstack_layers,
+    restack_layers,
     stack_micro_batches,
     token_loss_sum,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "read_metrics",
     "split_model",
     "unstack_layers",
+    "restack_layers",
     "stack_micro_batches",
     "token_loss_sum",
     "train",

@@ -80,6 +80,9 @@ class TrainConfig:
     bf16: bool = True
     attention_implementation: Literal["xla", "pallas", "cudnn", "auto"] = "auto"
     remat: Literal["none", "full", "dots", "offload"] = "none"
+    # "unroll": one program region per layer over per-layer weight buffers (faster steps, longer compile);
+    # "scan": one scanned layer body over stacked weights; "auto": unroll when remat is "none", else scan.
+    layer_loop: Literal["auto", "scan", "unroll"] = "auto"
     # LoRA
     lora_r: int = 16
     lora_alpha: float = 32.0

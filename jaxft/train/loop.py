@@ -31,7 +31,8 @@ from jaxft.train import checkpoint as ckpt
 from jaxft.train.config import TrainConfig, TrainConfigError
 from jaxft.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
 from jaxft.train.schedules import make_schedule, warmup_steps_for
-from jaxft.train.step import make_eval_step, make_optimizer, make_train_step, split_model, stack_micro_batches
+from jaxft.train.step import (make_eval_step, make_optimizer, make_train_step, restack_layers, split_model,
+                              stack_micro_batches, unstack_layers)
 
 logger = logging.getLogger("jaxft.train")
 
@@ -149,6 +150,13 @@ def _check_model_and_lora(config: TrainConfig):
     return lora_cfg
 
 
+def resolve_layer_loop(config: TrainConfig) -> str:
+    """"auto" unrolls only without remat: the host offload and recompute policies are tuned for the scan."""
+    if config.layer_loop != "auto":
+        return config.layer_loop
+    return "unroll" if config.remat == "none" else "scan"
+
+
 def _load_model(config: TrainConfig, lora_cfg):
     from jaxft.io import from_pretrained
     from jaxft.lora import apply_lora
@@ -215,6 +223,8 @@ def train(config: TrainConfig) -> TrainResult:
     model = _load_model(config, lora_cfg)
     graphdef, lora, frozen = split_model(model)
     del model  # its LoRA buffers are donated to the step below
+    if resolve_layer_loop(config) == "unroll":  # the model is gone: its stacked weights go as they are split
+        frozen = unstack_layers(frozen, delete_source=True)
     if config.lr_scheduler_type == "constant" and plan.warmup_steps:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
@@ -310,7 +320,7 @@ def train(config: TrainConfig) -> TrainResult:
     # ---- exports
     records = read_metrics(writer.path)
     curve = plot_loss_curve(records, out / "loss_curve.png")
-    model = nnx.merge(graphdef, lora, frozen)
+    model = nnx.merge(graphdef, lora, restack_layers(frozen, delete_source=True))
     adapter_dir = _export(out, "adapter", lambda d: _save_adapter(model, d, config, tokenizer))
     merged_dir = None
     if config.save_merged_model:

@@ -63,6 +63,23 @@ def unstack_layers(frozen: nnx.State, *, delete_source: bool = False) -> nnx.Sta
     return nnx.from_flat_state(out)
 
 
+def restack_layers(frozen: nnx.State, *, delete_source: bool = False) -> nnx.State:
+    """The inverse of `unstack_layers`: tuples of per-layer arrays stacked back into [L, ...] arrays (what
+    export, merging and checkpoint formats expect)."""
+    out = []
+    for path, var in nnx.to_flat_state(frozen):
+        value = var.get_value()
+        if isinstance(value, tuple):
+            stacked = jnp.stack(value)
+            jax.block_until_ready(stacked)
+            if delete_source:
+                for part in value:
+                    part.delete()
+            var = var.replace(stacked)
+        out.append((path, var))
+    return nnx.from_flat_state(out)
+
+
 def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
                    ce_chunk_size: int | None = None, ce_implementation: str = "xla") -> jax.Array:
     """sum_t loss_mask_t * CE(softmax(h_t @ W_head), targets_t) over a [B, T] packed batch (fp32 scalar)."""
