@@ -53,7 +53,11 @@ def unstack_layers(frozen: nnx.State, *, delete_source: bool = False) -> nnx.Sta
     out = []
     for path, var in nnx.to_flat_state(frozen):
         value = var.get_value()
-        if path[0] == "layers" and isinstance(value, jax.Array) and value.ndim >= 1:
+        if path[0] == "layers" and isinstance(value, jax.ShapeDtypeStruct) and value.ndim >= 1:
+            # An abstract state (nnx.eval_shape): the same structure, for ahead-of-time compilation.
+            var = var.replace(tuple(jax.ShapeDtypeStruct(value.shape[1:], value.dtype)
+                                    for _ in range(value.shape[0])))
+        elif path[0] == "layers" and isinstance(value, jax.Array) and value.ndim >= 1:
             parts = tuple(value[i] for i in range(value.shape[0]))
             jax.block_until_ready(parts)
             if delete_source:

@@ -122,6 +122,9 @@ class ModelCache:
         self._key: Any = None
         self._value: Any = None
 
+    def holds(self, key: Any) -> bool:
+        return self._value is not None and key == self._key
+
     def get(self, key: Any, load: Callable[[], Any]) -> tuple[Any, bool]:
         if self._value is not None and key == self._key:
             return self._value, True
