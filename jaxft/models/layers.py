@@ -1,7 +1,9 @@
 """Building blocks of the decoder: linear layers (with optional LoRA), RMSNorm, attention block, GLU MLP.
 
 Every module is created with *stacked* parameters (a leading layer axis, `stack=(L,)`) and called on one
-layer's slice inside `jax.lax.scan`, so compile time does not grow with depth. The variable types carry
+layer's parameters: a slice inside `jax.lax.scan` (compile time does not grow with depth), or, for a
+training step over per-layer weight buffers (`jaxft.train.unstack_layers`), one unrolled call per layer
+(no weight-slicing copies). The variable types carry
 meaning: `nnx.Param` is the frozen base, `LoraParam` is what training updates, `LoraScale` is a per-layer
 constant. Optimisers and the trainer select by type, never by name.
 """
