@@ -15,9 +15,15 @@ optimizer and its own data. Results are saved after every task (JSON + markdown)
 short still leaves a valid partial table; a session that dies (timeout, crash) costs the task it
 died in, and a new session runs the tasks after it (bench/sessions.py).
 
+With --gpus N > 1 (one host), the ceilings and the model saves run first, alone, on the first
+GPU; then the same queue of sessions runs up to N at once, each worker pinned to one GPU by
+CUDA_VISIBLE_DEVICES (bench.sessions.run_jobs), so the whole table takes about as long as its
+slowest system. Each run records the GPU index it ran on (``gpu``).
+
     python scripts/bench_train.py --systems jaxft,jaxft_lean,hf_ckpt,hf_nockpt,unsloth \\
         --workloads 1b_2x4096,8b_4096,8b_16384,qwen3_8b_4096,8b_packed_16384 \\
         --steps 12 --budget-s 520 --out $OUT/bench_train.json --md $OUT/bench_train.md
+    python scripts/bench_train.py --gpus all ...   # 8 x H200: every system on its own GPU at once
     python scripts/bench_train.py --tiny --systems hf_nockpt,jaxft --out /tmp/b.json --md /tmp/b.md
 
 Unsloth is not on the device image: pass --unsloth-wheels DIR (default .peers/unsloth, filled by
@@ -39,13 +45,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the bench package beside us
 
 from bench.report import first_loss_spread, markdown, summarise_run  # noqa: E402
-from bench.sessions import SessionRunner, keep_logs, run_subprocess  # noqa: E402,F401 (re-exported)
+from bench.sessions import (Job, SessionRunner, keep_logs, pin_env, run_jobs,  # noqa: E402,F401 (re-exported)
+                            run_subprocess)
 from bench.workloads import (ADAMW, DEFAULT_WORKLOADS, LORA, SHAPES, TINY_WORKLOADS,  # noqa: E402
                              WORKLOADS, ModelShape, Workload, get_workload, make_token_data,
                              param_counts, useful_flops)
@@ -60,6 +68,7 @@ DONE_STATUSES = ("ok", "oom")  # what --resume keeps
 MIN_TIMED_STEPS = 10
 REPORT_RESERVE_S = 15.0  # budget kept back to write the report after the last session
 SHM = "/dev/shm"
+FAKE_GPUS_ENV = "BENCH_FAKE_GPUS"  # tests: pretend nvidia-smi lists this many GPUs (read by discover_gpus only)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -93,6 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", default=None,
                    help="earlier result JSON: its ok/oom runs are kept and not run again")
     p.add_argument("--unsloth-wheels", default=os.path.join(REPO, ".peers", "unsloth"))
+    p.add_argument("--gpus", default="1",
+                   help="how many GPUs of this host to use, or 'all' (every GPU nvidia-smi lists): with "
+                        "N > 1 up to N sessions run at once, each pinned to its own GPU (default 1: serial)")
     p.add_argument("--no-ceiling", action="store_true", help="skip the matmul ceiling (MFU '-')")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse HEAD)")
     args = p.parse_args(argv)
@@ -116,7 +128,63 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 f"{'--tiny takes ' + ', '.join(TINY_WORKLOADS) if args.tiny else 'add --tiny'}")
     if args.device == "auto":
         args.device = "cpu" if args.tiny or _gpu_name() is None else "cuda"
+    args.gpu_ids, args.gpu_names = resolve_gpus(args.gpus, p)
     return args
+
+
+def discover_gpus() -> list[tuple[int, str]]:
+    """(index, "name, memory") of every GPU nvidia-smi lists; [] when there is none.
+
+    The environment variable BENCH_FAKE_GPUS=K replaces the list with K fake GPUs, so the
+    multi-GPU scheduling can be tested on a machine without any (the workers then run on the CPU,
+    each still given its CUDA_VISIBLE_DEVICES).
+    """
+    fake = os.environ.get(FAKE_GPUS_ENV)
+    if fake:
+        if not fake.isdigit() or int(fake) < 1:
+            raise SystemExit(f"{FAKE_GPUS_ENV}={fake!r} must be a positive integer (the number of fake GPUs)")
+        return [(i, f"fake GPU {i} ({FAKE_GPUS_ENV})") for i in range(int(fake))]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    gpus = []
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        index, _, rest = line.partition(",")
+        if index.strip().isdigit():
+            gpus.append((int(index), rest.strip()))
+    return gpus
+
+
+def resolve_gpus(spec: str, p: argparse.ArgumentParser) -> tuple[list[int] | None, list[str] | None]:
+    """--gpus N|all -> (GPU indices to pin sessions to, their names), or (None, None) for the
+    serial path (N == 1: the workers' environment is left as it is, exactly as before --gpus)."""
+    if spec == "1":
+        return None, None
+    if spec != "all" and not (spec.isdigit() and int(spec) >= 1):
+        p.error(f"--gpus {spec!r}: give a positive number of GPUs or 'all'")
+    gpus = discover_gpus()
+    want = len(gpus) if spec == "all" else int(spec)
+    if want > len(gpus) or not gpus:
+        p.error(f"--gpus {spec}: nvidia-smi lists {len(gpus)} GPU(s) on this host"
+                + (f" ({'; '.join(f'{i}: {n}' for i, n in gpus)})" if gpus else "")
+                + "; ask for at most that many (or use --gpus 1)")
+    if want == 1:
+        return None, None
+    return [i for i, _ in gpus[:want]], [f"{i}: {n}" for i, n in gpus[:want]]
+
+
+def _serial_gpu(device: str) -> int | str | None:
+    """The GPU a serial (--gpus 1) worker runs on: the first one CUDA_VISIBLE_DEVICES names, else 0."""
+    if device != "cuda":
+        return None
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if not first:
+        return 0
+    return int(first) if first.isdigit() else first
 
 
 def _split(text: str, known: tuple[str, ...], flag: str) -> list[str]:
@@ -208,6 +276,8 @@ class Bench:
     unsloth_path: list[str] = dataclasses.field(default_factory=list)
     unsloth_error: str | None = None
     models_dir: str | None = None  # set by save_models
+    # Concurrent sessions (--gpus > 1) report from worker threads; the report is written under this.
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
 
     def time_left(self) -> float:
         if self.args.budget_s is None:
@@ -226,15 +296,29 @@ class Bench:
         return SessionRunner(self.workdir, self.args.timeout_s,
                              lambda: self.time_left() - REPORT_RESERVE_S, self.min_start_s(), self.args.logs)
 
+    def first_gpu_env(self, env: dict[str, str]) -> dict[str, str]:
+        """Ceilings and model saves run alone before the sessions: on the first GPU when several."""
+        return pin_env(env, self.args.gpu_ids[0] if self.args.gpu_ids else None)
+
+    def gpu_of(self, raw: dict[str, Any]) -> int | str | None:
+        """The GPU a task ran on: run_jobs sets raw["gpu"] when it pins; the serial path's workers
+        run where the inherited environment says; None for a task no session started for."""
+        if "gpu" in raw:
+            return raw["gpu"]
+        return _serial_gpu(self.args.device) if raw.get("session") else None
+
     def save(self) -> None:
-        for name in self.report["workloads"]:
-            self.report["workloads"][name]["first_loss_spread"] = first_loss_spread(
-                self.report["runs"], name)
-        os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
-        with open(self.args.out, "w") as f:
-            json.dump(self.report, f, indent=2, default=str)
-        with open(self.args.md, "w") as f:
-            f.write(markdown(self.report))
+        with self.lock:
+            for name in self.report["workloads"]:
+                self.report["workloads"][name]["first_loss_spread"] = first_loss_spread(
+                    self.report["runs"], name)
+            os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
+            # Temp file + rename: a harness killed mid-write keeps the previous valid report.
+            for path, text in ((self.args.out, json.dumps(self.report, indent=2, default=str)),
+                               (self.args.md, markdown(self.report))):
+                with open(path + ".tmp", "w") as f:
+                    f.write(text)
+                os.replace(path + ".tmp", path)
 
     def ceiling_frameworks(self) -> list[str]:
         """The frameworks of the selected systems (the full table measures both)."""
@@ -258,7 +342,8 @@ class Bench:
             cmd = [sys.executable, os.path.join(SCRIPTS, "bench", "ceiling.py"), "--framework", fw,
                    "--device", self.args.device, "--out", out]
             ceil[fw] = run_subprocess(cmd, run_dir, out, timeout,
-                                      _worker_env(self.args.device, [], run_dir))
+                                      self.first_gpu_env(_worker_env(self.args.device, [], run_dir)))
+            ceil[fw]["gpu"] = self.args.gpu_ids[0] if self.args.gpu_ids else _serial_gpu(self.args.device)
             keep_logs(run_dir, self.args.logs)
             print(f"[bench] ceiling {fw}: {ceil[fw].get('status')} "
                   f"{ceil[fw].get('flops_per_s', 0) / 1e12:.2f} TFLOP/s", flush=True)
@@ -303,14 +388,16 @@ class Bench:
 
         def on_result(task: Task, raw: dict[str, Any]) -> None:
             shape = task.workload_obj.shape_name
-            self.report["models"][shape] = raw
+            self.report["models"][shape] = {**raw, "gpu": self.gpu_of(raw)}
             errors[shape] = None if raw.get("status") == "ok" else \
                 f"{raw.get('status')}: {raw.get('error', '')}"[:300]
             print(f"[bench] model {shape}: {raw.get('status')} in {raw.get('wall_s', 0):.1f} s "
                   f"({'reused' if raw.get('reused') else task.model_dir})", flush=True)
 
-        self.runner().run("save_models", os.path.join(SCRIPTS, "bench_torch_worker.py"), tasks,
-                          lambda run_dir: _worker_env(self.args.device, [], run_dir), on_result)
+        # Alone, before any training session (on the first GPU when several).
+        save = Job("save_models", os.path.join(SCRIPTS, "bench_torch_worker.py"), tasks,
+                   lambda run_dir: _worker_env(self.args.device, [], run_dir), on_result)
+        run_jobs(self.runner(), [save], self.args.gpu_ids[:1] if self.args.gpu_ids else None)
         self.save()
         return errors
 
@@ -323,8 +410,9 @@ class Bench:
             by_shape.setdefault(get_workload(name).shape_name, []).append(name)
         return [(f"{system}__{shape}", names) for shape, names in by_shape.items()]
 
-    def run_system(self, system: str, workloads: list[str], model_errors: dict[str, str | None],
-                   infos: dict[str, tuple[list[float], str]]) -> None:
+    def system_jobs(self, system: str, workloads: list[str], model_errors: dict[str, str | None],
+                    infos: dict[str, tuple[list[float], str]]) -> list[Job]:
+        """The system's sessions to queue; workloads that cannot run are recorded right away."""
         runnable = []
         for name in workloads:
             error = model_errors[get_workload(name).shape_name]
@@ -336,12 +424,14 @@ class Bench:
             else:
                 runnable.append(name)
         path = self.unsloth_path if system == "unsloth" else []
+        jobs = []
         for session, names in self.sessions(system, runnable):
             tasks = [Task("train", system, name, os.path.join(self.models_dir, get_workload(name).shape_name),
                           self.args.steps, self.args.device) for name in names]
-            self.runner().run(session, os.path.join(SCRIPTS, WORKER[system]), tasks,
-                              lambda run_dir: _worker_env(self.args.device, path, run_dir),
-                              lambda task, raw: self.record(system, task.workload, raw, *infos[task.workload]))
+            jobs.append(Job(session, os.path.join(SCRIPTS, WORKER[system]), tasks,
+                            lambda run_dir: _worker_env(self.args.device, path, run_dir),
+                            lambda task, raw: self.record(system, task.workload, raw, *infos[task.workload])))
+        return jobs
 
     def record(self, system: str, workload: str, raw: dict[str, Any], flops: list[float],
                sha: str) -> None:
@@ -349,16 +439,19 @@ class Bench:
         summary = summarise_run(raw, w, self.args.warmup, flops, sha,
                                 param_counts(w.shape)["lora"],
                                 self.report["ceiling"].get("used_flops_per_s"))
-        runs = [r for r in self.report["runs"] if (r["system"], r["workload"]) != (system, workload)]
-        runs.append({"system": system, "workload": workload, "session": raw.get("session"),
-                     "summary": summary, "raw": raw})
-        order = {name: i for i, name in enumerate(self.args.workloads + self.args.systems)}
-        self.report["runs"] = sorted(runs, key=lambda r: (order.get(r["workload"], 1 << 30),
-                                                          order.get(r["system"], 1 << 30)))
-        if raw.get("versions"):
-            side = "jax_side" if system.startswith("jaxft") else ("unsloth" if system == "unsloth" else "torch_side")
-            self.report["meta"]["versions"].setdefault(side, {}).update(raw["versions"])
-        self.save()
+        gpu = self.gpu_of(raw)
+        with self.lock:
+            runs = [r for r in self.report["runs"] if (r["system"], r["workload"]) != (system, workload)]
+            runs.append({"system": system, "workload": workload, "session": raw.get("session"), "gpu": gpu,
+                         "summary": summary, "raw": raw})
+            order = {name: i for i, name in enumerate(self.args.workloads + self.args.systems)}
+            self.report["runs"] = sorted(runs, key=lambda r: (order.get(r["workload"], 1 << 30),
+                                                              order.get(r["system"], 1 << 30)))
+            if raw.get("versions"):
+                side = ("jax_side" if system.startswith("jaxft")
+                        else "unsloth" if system == "unsloth" else "torch_side")
+                self.report["meta"]["versions"].setdefault(side, {}).update(raw["versions"])
+            self.save()
         mfu = summary.get("mfu")
         print(f"[bench] {workload:>18} {system:>9}: {summary['status']}"
               + (f" {summary['median_step_s'] * 1e3:.1f} ms/step, {summary['tokens_per_s']:,.0f} tok/s, "
@@ -380,9 +473,10 @@ class Bench:
         needed = [n for n in order if any(n in names for names in todo.values())]
         if not needed:
             return
-        model_errors = self.save_models(needed)
-        for system in self.args.systems:
-            self.run_system(system, todo[system], model_errors, infos)
+        model_errors = self.save_models(needed)  # every model dir exists before any training starts
+        jobs = [job for system in self.args.systems
+                for job in self.system_jobs(system, todo[system], model_errors, infos)]
+        run_jobs(self.runner(), jobs, self.args.gpu_ids)
 
     def remove_models(self) -> None:
         if self.models_dir and not self.args.keep_models:
@@ -417,6 +511,8 @@ def new_report(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                  "device": args.device, "device_name": _gpu_name() or args.device,
                  "systems": args.systems, "workloads": args.workloads, "steps": args.steps,
                  "warmup": args.warmup, "tiny": args.tiny, "timeout_s": args.timeout_s,
+                 "concurrent_gpus": len(args.gpu_ids) if args.gpu_ids else 1,
+                 **({"gpus": args.gpu_names} if args.gpu_names else {}),
                  "lora": dataclasses.asdict(LORA), "adamw": dataclasses.asdict(ADAMW),
                  "versions": {"harness": {"python": sys.version.split()[0]}}},
         "ceiling": {}, "workloads": {}, "models": {}, "runs": [],
@@ -436,8 +532,16 @@ def new_report(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "mask and SDPA runs dense masked attention (no varlen kernel with sdpa).",
             "Statuses: oom = ran out of device memory (a result); not_run = system unavailable "
             "or not implemented; skipped = time budget or missing model; timeout/crashed = see raw.",
-        ],
+        ] + ([concurrency_note(args.gpu_ids, args.gpu_names)] if args.gpu_ids else []),
     }
+
+
+def concurrency_note(gpu_ids: list[int], gpu_names: list[str]) -> str:
+    return (f"Systems ran concurrently, each on its own GPU of one host: up to {len(gpu_ids)} sessions at "
+            "once, each worker pinned by CUDA_VISIBLE_DEVICES to the GPU in the run's `gpu` field (a "
+            "session continuing a dead one stays on its GPU). The matmul ceilings and the model saves ran "
+            f"first, alone, on GPU {gpu_ids[0]}. Concurrent workers share the host's CPUs, RAM and /dev/shm. "
+            f"GPUs (nvidia-smi): {'; '.join(gpu_names)}.")
 
 
 def main(argv: list[str] | None = None) -> int:

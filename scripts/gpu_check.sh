@@ -6,6 +6,10 @@
 #   PHASES="env tests forward attention ce train"   (default: all)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
 #   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
+#   TRAIN_GPUS=1 (default: sessions one after another on one GPU) | N | all (bench_train.py --gpus: up to N
+#   sessions at once, each worker pinned to its own GPU by CUDA_VISIBLE_DEVICES; ceilings + model saves first, on GPU 0).
+#   On a multi-GPU kind (e.g. 8 x H200) TRAIN_GPUS=all runs the whole table (5 systems x 5 workloads) in one call:
+#     OUT=$OUT PHASES=train TRAIN_GPUS=all TRAIN_PLAN="jaxft,jaxft_lean,unsloth,hf_ckpt,hf_nockpt|1b_2x4096,8b_4096,8b_16384,qwen3_8b_4096,8b_packed_16384|560" bash scripts/gpu_check.sh
 # Usage (device tool, repo root):  OUT=$OUT bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,7 +72,7 @@ if has train; then
     fi
     stamp "training benchmark: $systems on $workloads (budget ${budget}s)"
     python3 scripts/bench_train.py --systems "$systems" --workloads "$workloads" --steps "${TRAIN_STEPS:-12}" \
-      --budget-s "$budget" --commit "$COMMIT" "${wheels[@]}" ${resume:+--resume "$resume"} \
+      --budget-s "$budget" --gpus "${TRAIN_GPUS:-1}" --commit "$COMMIT" "${wheels[@]}" ${resume:+--resume "$resume"} \
       ${TRAIN_EXTRA_ARGS:-} --out "$OUT/bench_train.json" --md "$OUT/bench_train.md" --logs "$OUT/bench_logs" 2>&1 | tail -40
     [ -f "$OUT/bench_train.json" ] && cp "$OUT/bench_train.json" /tmp/bench_train_resume.json \
       && resume=/tmp/bench_train_resume.json

@@ -449,11 +449,15 @@ from bench.worker_common import worker_main
 
 def run(task, out_json, cache):  # a real worker contract; the model_dir's name picks the behaviour
     name = os.path.basename(task.model_dir)
+    t0 = time.time()
     if name == "hang":
         time.sleep(120)
     if name == "crash":
         os._exit(3)
-    return {{"model_dir": task.model_dir}}
+    if name.startswith("sleep"):
+        time.sleep(3.0)
+    return {{"model_dir": task.model_dir, "t0": t0, "t1": time.time(),
+             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}}
 
 sys.exit(worker_main(run))
 """
@@ -490,3 +494,74 @@ def test_run_order_puts_each_shapes_workloads_in_ascending_memory():
 
     assert run_order(["8b_16384", "1b_2x4096", "8b_packed_16384", "qwen3_8b_4096", "8b_4096"]) == \
         ["8b_4096", "8b_packed_16384", "8b_16384", "1b_2x4096", "qwen3_8b_4096"]
+
+
+def test_run_jobs_runs_sessions_concurrently_one_per_gpu(tmp_path):
+    """(a) each session's worker sees only its GPU, (b) sessions overlap in time, (c) a dead session
+    is continued on its GPU, and a queued one starts only when a GPU is free."""
+    from bench.sessions import Job, SessionRunner, run_jobs
+
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER.format(scripts=SCRIPTS))
+    got: dict[tuple[str, str], dict] = {}
+
+    def job(name, *dirs):
+        tasks = [Task("save_model", "", "tiny_llama", str(tmp_path / d), 1, "cpu") for d in dirs]
+        return Job(name, str(script), tasks, lambda run_dir: dict(os.environ),
+                   lambda task, raw: got.setdefault((name, os.path.basename(task.model_dir)), raw))
+
+    jobs = [job("j0", "sleep_a", "crash", "fast_c"), job("j1", "sleep_b"), job("j2", "sleep_c"),
+            job("j3", "fast_d")]
+    runner = SessionRunner(str(tmp_path / "work"), task_timeout_s=60.0, time_left=lambda: 600.0, min_start_s=1.0)
+    run_jobs(runner, jobs, gpus=[4, 1, 7])  # nvidia-smi indices, not positions
+    assert {k: (r["status"], r["session"], r["gpu"]) for k, r in got.items()} == {
+        ("j0", "sleep_a"): ("ok", "j0", 4), ("j0", "crash"): ("crashed", "j0", 4),
+        ("j0", "fast_c"): ("ok", "j0.1", 4),  # the continuation stays on its GPU
+        ("j1", "sleep_b"): ("ok", "j1", 1), ("j2", "sleep_c"): ("ok", "j2", 7),
+        ("j3", "fast_d"): ("ok", "j3", got["j3", "fast_d"]["gpu"])}
+    for raw in got.values():
+        if raw["status"] == "ok":
+            assert raw["cuda_visible_devices"] == str(raw["gpu"])
+    sleeps = [got[k] for k in (("j0", "sleep_a"), ("j1", "sleep_b"), ("j2", "sleep_c"))]
+    assert max(r["t0"] for r in sleeps) < min(r["t1"] for r in sleeps)  # all three ran at once
+    # j3 waited for a free GPU: it started after one of the first sessions finished its task.
+    assert got["j3", "fast_d"]["t0"] > min(r["t1"] for r in sleeps)
+    # No budget left: nothing starts, every task is skipped and ran on no GPU.
+    got.clear()
+    run_jobs(SessionRunner(str(tmp_path / "work2"), 60.0, lambda: 0.0, 1.0), jobs[1:3], gpus=[0, 1])
+    assert {k: (r["status"], r["gpu"]) for k, r in got.items()} == {
+        ("j1", "sleep_b"): ("skipped", None), ("j2", "sleep_c"): ("skipped", None)}
+
+
+def test_cli_gpus_flag_checks_the_gpu_count(tmp_path):
+    env = dict(os.environ, BENCH_FAKE_GPUS="2")
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny", "--gpus", "3",
+                          "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode != 0 and "--gpus 3: nvidia-smi lists 2 GPU(s)" in res.stderr
+    assert "0: fake GPU 0" in res.stderr
+
+
+def test_tiny_pipeline_on_two_fake_gpus_records_each_runs_gpu(tmp_path):
+    """The CLI with --gpus all on a host that lists 2 (fake) GPUs: both systems' sessions run at
+    once, one per GPU, and the report says so."""
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    cmd = [sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny", "--no-ceiling", "--gpus", "all",
+           "--systems", "hf_nockpt,unsloth", "--workloads", "tiny_packed", "--out", str(out), "--md", str(md)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env=dict(os.environ, BENCH_FAKE_GPUS="2"))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["concurrent_gpus"] == 2
+    assert report["meta"]["gpus"] == ["0: fake GPU 0 (BENCH_FAKE_GPUS)", "1: fake GPU 1 (BENCH_FAKE_GPUS)"]
+    assert any("concurrently, each on its own GPU of one host" in n and "fake GPU 1" in n
+               for n in report["notes"])
+    # Queue order: hf_nockpt's session on GPU 0, unsloth's on GPU 1 (both free at the start).
+    runs = {r["system"]: r for r in report["runs"]}
+    assert (runs["hf_nockpt"]["summary"]["status"], runs["hf_nockpt"]["gpu"]) == ("ok", 0)
+    assert (runs["unsloth"]["summary"]["status"], runs["unsloth"]["gpu"]) == ("not_run", 1)
+    assert report["models"]["tiny-llama"]["gpu"] == 0  # the model save ran before, on the first GPU
+    text = md.read_text()
+    assert "| loss first -> last | gpu |" in text and "| tiny_packed | unsloth | not_run" in text
+    row = next(line for line in text.splitlines() if line.startswith("| tiny_packed | hf_nockpt | ok |"))
+    assert row.endswith("| 0 |")
+    assert markdown(report) == text

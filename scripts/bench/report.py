@@ -6,6 +6,8 @@ tokens/s = tokens per step / median step time, MFU = mean useful FLOPs per timed
 step time / the bf16 matmul ceiling (the maximum of the torch and JAX measurements of the same
 run, so every system is divided by the same number). A peak memory that is the JAX worker's
 static estimate rather than an allocator measurement is marked with STATIC_MARK in the table.
+When the systems ran concurrently on several GPUs (meta concurrent_gpus > 1), the table gains a
+last column, the GPU index each run ran on.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def _status_cell(run: dict[str, Any]) -> str:
     return f"{s}" + (f": {reason[:120]}" if reason and s != "oom" else "")
 
 
-def _row(run: dict[str, Any]) -> str:
+def _row(run: dict[str, Any], gpu_column: bool) -> str:
     s = run["summary"]
     cells = [run["workload"], run["system"], _status_cell(run)]
     if s["status"] == "ok":
@@ -97,6 +99,8 @@ def _row(run: dict[str, Any]) -> str:
                   f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"]
     else:
         cells += ["-"] * 5
+    if gpu_column:
+        cells.append("-" if run.get("gpu") is None else str(run["gpu"]))
     return "| " + " | ".join(cells) + " |"
 
 
@@ -106,6 +110,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [f"- date: {meta['date']}", f"- commit: {meta['commit']}",
               f"- GPU / device: {meta['device_name']}",
               f"- command: `{meta['command']}`"]
+    gpu_column = meta.get("concurrent_gpus", 1) > 1
+    if gpu_column:
+        lines.append(f"- {meta['concurrent_gpus']} GPUs, systems concurrently (one session per GPU): "
+                     + "; ".join(meta.get("gpus", [])))
     for earlier in meta.get("resumed_commands", []):
         lines.append(f"- earlier pass (resumed, its runs kept): `{earlier}`")
     for side, vers in sorted(meta.get("versions", {}).items()):
@@ -125,9 +133,10 @@ def markdown(report: dict[str, Any]) -> str:
                  f"weight_decay={adamw['weight_decay']} on the LoRA parameters")
     lines.append(f"- FLOPs: {FLOP_FORMULA}")
     lines += ["", "| workload | system | status | step (ms) | tokens/s | peak mem (GiB) | MFU | "
-              "loss first -> last |", "|---|---|---|---:|---:|---:|---:|---|"]
+              "loss first -> last |" + (" gpu |" if gpu_column else ""),
+              "|---|---|---|---:|---:|---:|---:|---|" + ("---:|" if gpu_column else "")]
     for run in report["runs"]:
-        lines.append(_row(run))
+        lines.append(_row(run, gpu_column))
     if any(r["summary"].get("peak_memory_source") == "static_estimate" for r in report["runs"]):
         lines += ["", f"{STATIC_MARK} static estimate, not an allocator measurement: JAX cannot reset its "
                   "peak counter and an earlier task of the same process had set a higher peak, so this is "

@@ -8,6 +8,9 @@ finished for ``task_timeout_s`` or the deadline passes. ``SessionRunner.run`` ch
 when one dies (timeout, crash, an OOM that killed the process), the task it died in is recorded
 as timeout/oom/crashed and a new session starts with the tasks after it, so one crash costs one
 task, not the rest of the session.
+
+``run_jobs`` runs a queue of such session chains: one after another (the serial path), or up to one
+per GPU at once, each worker pinned to its GPU through CUDA_VISIBLE_DEVICES (the multi-GPU path).
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -192,3 +197,70 @@ class SessionRunner:
                   f"({batch[finished].system} {batch[finished].workload}): {death['status']}", flush=True)
             on_result(batch[finished], {**death, "session": session})
             todo, part = batch[finished + 1:], part + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One queued session chain: the arguments of ``SessionRunner.run``."""
+
+    name: str
+    script: str
+    tasks: list[Task]
+    env_for: Callable[[str], dict[str, str]]
+    on_result: OnResult
+
+
+def pin_env(env: dict[str, str], gpu: int | None) -> dict[str, str]:
+    """``env`` with CUDA_VISIBLE_DEVICES=<gpu>: JAX and torch in that process see that one device
+    (as their device 0). ``gpu=None`` leaves env as it is."""
+    return env if gpu is None else {**env, "CUDA_VISIBLE_DEVICES": str(gpu)}
+
+
+def run_jobs(runner: SessionRunner, jobs: list[Job], gpus: list[int] | None) -> None:
+    """Run ``jobs`` in queue order; every task still gets exactly one ``on_result``.
+
+    ``gpus=None``: one after another in this thread, environments untouched (the serial path).
+    Otherwise up to ``len(gpus)`` chains at once, one per GPU: each job starts, in queue order, on
+    the next GPU that is free (at first gpus[0], gpus[1], ...), its workers pinned there by
+    CUDA_VISIBLE_DEVICES; a session that dies is continued on the same GPU (SessionRunner.run).
+    ``raw["gpu"]`` is the GPU index a task ran on (None for a task no session started for). The
+    ``on_result`` calls are serialised by a lock (they never overlap), so a callback may rewrite a
+    shared report. Budget and deadlines are the runner's: a chain that starts after the budget is
+    spent records its tasks as skipped, a running one is killed at the deadline.
+    """
+    if gpus is None:
+        for job in jobs:
+            runner.run(job.name, job.script, job.tasks, job.env_for, job.on_result)
+        return
+    if not gpus:
+        raise ValueError("run_jobs: gpus is an empty list; pass None for the serial path")
+    lock = threading.Lock()
+    free: queue.Queue[int] = queue.Queue()
+    for gpu in gpus:
+        free.put(gpu)
+    failures: list[BaseException] = []
+
+    def work(job: Job, gpu: int) -> None:
+        def on_result(task: Task, raw: dict[str, Any]) -> None:
+            with lock:
+                job.on_result(task, {**raw, "gpu": gpu if raw.get("session") is not None else None})
+
+        try:
+            runner.run(job.name, job.script, job.tasks, lambda run_dir: pin_env(job.env_for(run_dir), gpu),
+                       on_result)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread after the join
+            failures.append(exc)
+        finally:
+            free.put(gpu)
+
+    threads = []
+    for job in jobs:
+        gpu = free.get()  # blocks until a running chain hands its GPU back
+        print(f"[bench] session {job.name} starts on GPU {gpu}", flush=True)
+        thread = threading.Thread(target=work, args=(job, gpu), name=f"bench-{job.name}", daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
