@@ -3,8 +3,10 @@
 Modules (import them directly; this package deliberately imports nothing at import time, because
 the Unsloth worker must import unsloth before transformers/peft and ceiling.py runs standalone):
   workloads      model shapes, workloads, LoRA/AdamW settings, token data, the FLOP formula
-  worker_common  the harness <-> worker contract (Task, worker_main, result validation)
+  worker_common  the harness <-> worker contract (Task, sessions of tasks, worker_main, ModelCache)
+  sessions       worker processes: sessions with timeouts and continuation, side by side on several GPUs
   models         random-weight model directories (save_pretrained) + a generated tokenizer
   ceiling        the bf16 matmul ceiling (torch or JAX), runnable as a script
   report         derived statistics (median, tokens/s, MFU) and the markdown table
+  profile        a JAX profiler trace joined with the optimized HLO: time per category and scope
 """
