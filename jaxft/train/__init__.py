@@ -10,11 +10,11 @@ from jaxft.train.step import (
     make_eval_step,
     make_optimizer,
     make_train_step,
-    split_model,
-    unstack_layers,
     restack_layers,
+    split_model,
     stack_micro_batches,
     token_loss_sum,
+    unstack_layers,
 )
 
 __all__ = [
@@ -30,11 +30,11 @@ __all__ = [
     "make_schedule",
     "make_train_step",
     "read_metrics",
-    "split_model",
-    "unstack_layers",
     "restack_layers",
+    "split_model",
     "stack_micro_batches",
     "token_loss_sum",
     "train",
+    "unstack_layers",
     "warmup_steps_for",
 ]
