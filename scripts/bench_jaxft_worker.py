@@ -15,7 +15,9 @@ attention and remat settings) reuse the loaded frozen weights; LoRA starts each 
 seeded init (kept on the host, copied to the device per task), with a fresh optimizer state.
 
 Peak memory: JAX cannot reset memory_stats()["peak_bytes_in_use"], so the harness orders a
-shape's workloads by ascending expected memory. A task reads ``bytes_in_use`` and the process
+shape's workloads by ascending expected memory, and a freshly loaded model's step is compiled from
+its abstract shapes BEFORE the weights reach the device (XLA's autotuning scratch, on top of resident
+weights, exceeded the 1B lean training peak on the H200). A task reads ``bytes_in_use`` and the process
 peak just before its first step and the peak after its last. If the peak rose during the steps,
 it is this task's training peak, exactly (peak_memory_source "allocator"); otherwise an earlier
 task (or the load) set it, and the task reports the static estimate bytes_in_use_before +
