@@ -64,8 +64,9 @@ def main(argv=None) -> int:
 
     import jaxft
     from bench.profile import load_trace, summarize_trace
-    from bench.workloads import ADAMW, LORA, get_workload, make_token_data
-    from jaxft.lora import LoraConfig, apply_lora
+    from bench.workloads import ADAMW, get_workload, make_token_data
+    from bench_jaxft_worker import lora_config, memory_analysis
+    from jaxft.lora import apply_lora
     from jaxft.train.step import make_optimizer, make_train_step, split_model, unstack_layers
 
     workload = get_workload(args.workload)
@@ -75,11 +76,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     base = jaxft.from_pretrained(args.model_dir, dtype="bfloat16", attention_impl="auto", remat="none")
     results["load_s"] = time.perf_counter() - t0
-    lora_cfg = LoraConfig(r=LORA.r, alpha=LORA.alpha, dropout=LORA.dropout, target_modules=tuple(LORA.targets))
     optimizer = make_optimizer(ADAMW.lr, b1=ADAMW.b1, b2=ADAMW.b2, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay)
     rng = jax.random.key(0)
 
-    model = apply_lora(base, lora_cfg, seed=0)
+    model = apply_lora(base, lora_config(), seed=0)
     _, lora0, _ = split_model(model)
     lora0 = jax.tree.map(jnp.copy, lora0)  # every variant starts from this (the steps donate their input)
 
@@ -101,9 +101,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             compiled = step.lower(lora, opt_state, frozen, batches[0], rng).compile()
             rec["compile_s"] = time.perf_counter() - t0
-            mem = compiled.memory_analysis()
-            rec["memory"] = {k: int(getattr(mem, k)) for k in ("temp_size_in_bytes", "argument_size_in_bytes",
-                                                               "output_size_in_bytes", "alias_size_in_bytes")}
+            rec["memory"] = memory_analysis(compiled)
             times, losses = [], []
             for i in range(args.steps):
                 t0 = time.perf_counter()

@@ -84,18 +84,24 @@ def _mode(task: Task) -> str:
     return os.environ.get("JAXFT_BENCH_MODE", "lean" if task.system == "jaxft_lean" else "fast")
 
 
+def lora_config():
+    """bench.workloads.LORA as a jaxft LoraConfig (r=16, alpha=32, dropout 0, the seven projections)."""
+    from bench.workloads import LORA
+    from jaxft.lora import LoraConfig
+
+    return LoraConfig(r=LORA.r, alpha=LORA.alpha, dropout=LORA.dropout, target_modules=tuple(LORA.targets))
+
+
 def _load(model_dir: str, dtype: str, attention: str, remat: str, layers: str):
     """(graphdef, LoRA init on the host, frozen weights on the device) of a freshly loaded model."""
     import jax
 
     import jaxft
-    from bench.workloads import LORA
-    from jaxft.lora import LoraConfig, apply_lora
+    from jaxft.lora import apply_lora
     from jaxft.train.step import split_model, unstack_layers
 
     model = jaxft.from_pretrained(model_dir, dtype=dtype, attention_impl=attention, remat=remat)
-    model = apply_lora(model, LoraConfig(r=LORA.r, alpha=LORA.alpha, dropout=LORA.dropout,
-                                         target_modules=tuple(LORA.targets)), seed=0)
+    model = apply_lora(model, lora_config(), seed=0)
     graphdef, lora, frozen = split_model(model)
     if layers == "unroll":  # the model is dropped below, so its stacked weights can go as they are split
         frozen = unstack_layers(frozen, delete_source=True)
@@ -110,16 +116,14 @@ def _abstract(model_dir: str, dtype: str, attention: str, remat: str, layers: st
     from flax import nnx
 
     import bridge
-    from bench.workloads import LORA
     from jaxft.config import ModelConfig
-    from jaxft.lora import LoraConfig, apply_lora
+    from jaxft.lora import apply_lora
     from jaxft.models.decoder import Decoder
     from jaxft.train.step import split_model, unstack_layers
 
     cfg = ModelConfig.from_hf(bridge.read_config(model_dir))
-    lora_cfg = LoraConfig(r=LORA.r, alpha=LORA.alpha, dropout=LORA.dropout, target_modules=tuple(LORA.targets))
     model = nnx.eval_shape(lambda: apply_lora(Decoder(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0),
-                                                      attention_impl=attention, remat=remat), lora_cfg, seed=0))
+                                                      attention_impl=attention, remat=remat), lora_config(), seed=0))
     graphdef, lora, frozen = split_model(model)
     return graphdef, lora, unstack_layers(frozen) if layers == "unroll" else frozen
 
@@ -148,6 +152,11 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     data = make_token_data(workload, steps)
     host_batches = [{k: np.asarray(v)[None] for k, v in data.step(i).items()} for i in range(steps)]
     rng = jax.random.key(0)
+    def compile_step(graphdef, *args):
+        t0 = time.perf_counter()
+        compiled = make_train_step(graphdef, optimizer, ce_chunk_size=settings["ce_chunk_size"]).lower(*args).compile()
+        return compiled, time.perf_counter() - t0
+
     compiled, compile_s = None, 0.0
     if not cache.holds(key):
         # A fresh load: compile BEFORE the weights are on the device, from the abstract model. XLA's
@@ -157,11 +166,9 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
         cache.clear()
         graphdef, lora_spec, frozen_spec = _abstract(model_dir, dtype, attention, settings["remat"],
                                                      settings["layers"])
-        t0 = time.perf_counter()
-        compiled = make_train_step(graphdef, optimizer, ce_chunk_size=settings["ce_chunk_size"]).lower(
-            lora_spec, jax.eval_shape(optimizer.init, lora_spec), frozen_spec,
-            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), host_batches[0]), rng).compile()
-        compile_s = time.perf_counter() - t0
+        compiled, compile_s = compile_step(
+            graphdef, lora_spec, jax.eval_shape(optimizer.init, lora_spec), frozen_spec,
+            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), host_batches[0]), rng)
     t0 = time.perf_counter()
     (graphdef, lora_init, frozen), reused = cache.get(
         key, lambda: _load(model_dir, dtype, attention, settings["remat"], settings["layers"]))
@@ -171,11 +178,8 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     batches = [jax.device_put(b) for b in host_batches]
     jax.block_until_ready((lora, opt_state, batches))
     if compiled is None:  # a reused model: the weights are resident anyway
-        t0 = time.perf_counter()
-        compiled = make_train_step(graphdef, optimizer, ce_chunk_size=settings["ce_chunk_size"]).lower(
-            lora, opt_state, frozen, batches[0], rng).compile()
-        compile_s = time.perf_counter() - t0
-    analysis = _memory_analysis(compiled)
+        compiled, compile_s = compile_step(graphdef, lora, opt_state, frozen, batches[0], rng)
+    analysis = memory_analysis(compiled)
     before = device.memory_stats() or {}  # None on CPU
     times, losses = [], []
     for i in range(steps):
@@ -207,7 +211,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     }
 
 
-def _memory_analysis(compiled) -> dict[str, int]:
+def memory_analysis(compiled) -> dict[str, int]:
     stats = compiled.memory_analysis()
     keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
             "generated_code_size_in_bytes", "peak_memory_in_bytes")
