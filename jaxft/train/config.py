@@ -2,9 +2,13 @@
 
 Key names follow TRL's `SFTConfig` / transformers' `TrainingArguments` where one exists, so a TRL
 recipe ports by copying keys. `TrainConfig.from_dict` is the door for untrusted input (YAML files,
-`key=value` overrides): it rejects unknown keys with a "did you mean" suggestion. `__post_init__`
-checks types (naming key, value and expected type), ranges, choices and that input paths exist;
-every failure is a `TrainConfigError` whose message is one line the CLI can print as is.
+`key=value` overrides): it reports every unknown key at once, each with a "did you mean" suggestion and
+where it was given (`Where`: the YAML line, or the command line). `__post_init__` checks types (naming key,
+value and expected type), ranges, choices and that input paths exist; every failure is a
+`TrainConfigError` whose message is one line the CLI can print as is. Errors about one key carry that key
+(`TrainConfigError.key`), so `from_dict` can prefix the place the key came from without rewriting text.
+
+`gradient_checkpointing: true` (the HF/TRL switch) selects `remat: offload` when `remat` is not given.
 
 Loss selection: jaxft trains on assistant replies / completions by default
 (`assistant_only_loss=True`, `completion_only_loss=True`); setting either to false trains on every token.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import re
 import types
@@ -24,10 +29,32 @@ from typing import Any, Literal, Mapping
 import yaml
 
 ALIASES = {"max_length": "max_seq_length"}
+COMMAND_LINE = "command line"
+
+logger = logging.getLogger(__name__)
 
 
 class TrainConfigError(ValueError):
-    """A bad training option. The message names the key (and file), the value and the fix."""
+    """A bad training option. The message names the key (and file), the value and the fix.
+
+    `key` is the one config key the error is about (None when it is about several, or none): `from_dict`
+    uses it to say where that key was given."""
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Where a config key was given: `origin` is a file path (with the key's 1-based `line` when known)
+    or `COMMAND_LINE`."""
+
+    origin: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        return f"{self.origin}:{self.line}" if self.line is not None else self.origin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +106,11 @@ class TrainConfig:
     # model / precision / memory
     bf16: bool = True
     attention_implementation: Literal["xla", "pallas", "cudnn", "auto"] = "auto"
-    remat: Literal["none", "full", "dots", "offload"] = "none"
+    # HF/TRL's switch. Not given, `remat` becomes "offload" when this is true (HF keeps each layer's input on
+    # the device and recomputes the rest; offload keeps it in host memory: the lean mode of docs/benchmarks.md),
+    # else "none". After construction `remat` is always one of the four policies.
+    gradient_checkpointing: bool = False
+    remat: Literal["none", "full", "dots", "offload"] | None = None
     # "unroll": one program region per layer over per-layer weight buffers (faster steps, longer compile);
     # "scan": one scanned layer body over stacked weights; "auto": unroll when remat is "none", else scan.
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
@@ -101,21 +132,35 @@ class TrainConfig:
                 close = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise TrainConfigError(
-                    f"key {f.name!r}: value {value!r} is not one of {', '.join(map(repr, choices))}{hint}")
+                    f"key {f.name!r}: value {value!r} is not one of {', '.join(map(repr, choices))}{hint}",
+                    key=f.name)
             if not ok:
                 raise TrainConfigError(
                     f"key {f.name!r}: value {value!r} ({type(value).__name__}) has the wrong type; "
-                    f"expected {_type_name(hints[f.name])}"
-                )
+                    f"expected {_type_name(hints[f.name])}", key=f.name)
             object.__setattr__(self, f.name, value)
+        self._resolve_remat()
         self._check_ranges()
         self._check_paths()
+
+    def _resolve_remat(self):
+        """`gradient_checkpointing` picks the remat policy only when `remat` is not given; a given policy wins,
+        except "none", which contradicts gradient_checkpointing=true."""
+        if self.remat is None:
+            if self.gradient_checkpointing:
+                logger.info("gradient_checkpointing=true -> remat=offload (layer inputs kept in host memory); "
+                            "set remat to choose another policy")
+            object.__setattr__(self, "remat", "offload" if self.gradient_checkpointing else "none")
+        elif self.gradient_checkpointing and self.remat == "none":
+            raise TrainConfigError(
+                "key 'gradient_checkpointing': true contradicts remat: none; drop one of the two keys, or set remat "
+                "to full, dots or offload", key="gradient_checkpointing")
 
     # ------------------------------------------------------------------ validation
     def _check_ranges(self):
         def need(cond: bool, key: str, what: str):
             if not cond:
-                raise TrainConfigError(f"key {key!r}: value {getattr(self, key)!r} is invalid; {what}")
+                raise TrainConfigError(f"key {key!r}: value {getattr(self, key)!r} is invalid; {what}", key=key)
 
         for key in ("model_name_or_path", "dataset", "output_dir"):
             need(bool(getattr(self, key).strip()), key, "give a non-empty path")
@@ -180,23 +225,30 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ construction from untrusted input
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> "TrainConfig":
-        """Builds a config from a mapping, rejecting unknown keys (with a suggestion) and missing required ones.
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config",
+                  where: Mapping[Any, Where] | None = None) -> "TrainConfig":
+        """Builds a config from a mapping, rejecting unknown keys (all of them in one error, each with a
+        suggestion) and missing required ones.
 
-        `source` prefixes every error (e.g. the YAML file name)."""
+        `source` prefixes errors that are about no single key (e.g. the YAML file name). `where` maps a key, as
+        spelled in `values`, to where it was given: that place prefixes the key's own errors instead."""
         if not isinstance(values, Mapping):
             raise TrainConfigError(f"{source}: expected a mapping of key: value, got {type(values).__name__}")
+        where = dict(where or {})
         names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [key for key in values if ALIASES.get(key, key) not in names]
+        if unknown:
+            raise TrainConfigError(_unknown_keys_message(unknown, names, source, where))
         kwargs: dict[str, Any] = {}
+        spelled: dict[str, Any] = {}  # field name -> the key as written (the name or an alias)
         for key, value in values.items():
             name = ALIASES.get(key, key)
-            if name not in names:
-                close = difflib.get_close_matches(str(key), names + list(ALIASES), n=1, cutoff=0.6)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(names)}"
-                raise TrainConfigError(f"{source}: unknown key {key!r}{hint}")
             if name in kwargs:
-                raise TrainConfigError(f"{source}: key {name!r} is given twice (directly and as alias {key!r})")
+                alias = key if key in ALIASES else spelled[name]
+                raise TrainConfigError(f"{where.get(key, source)}: key {name!r} is given twice (directly and as "
+                                       f"alias {alias!r}); keep one", key=name)
             kwargs[name] = value
+            spelled[name] = key
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.name not in kwargs]
         if missing:
@@ -204,7 +256,8 @@ class TrainConfig:
         try:
             return cls(**kwargs)
         except TrainConfigError as e:
-            raise TrainConfigError(f"{source}: {e}") from None
+            place = where.get(spelled[e.key], source) if e.key in spelled else source
+            raise TrainConfigError(f"{place}: {e}", key=e.key) from None
 
 
 def parse_value(text: str) -> Any:
@@ -214,39 +267,88 @@ def parse_value(text: str) -> Any:
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Reads a YAML config and applies `key=value` overrides (later wins). Relative paths inside the
-    file are kept as written (relative to the working directory), like TRL."""
+    file are kept as written (relative to the working directory), like TRL. An error about one key names
+    where it was given: `FILE:LINE` for the file's keys, "command line" for overrides."""
     p = Path(path)
     if not p.is_file():
         raise TrainConfigError(f"config file {str(p)!r} does not exist; pass the path of a YAML file")
-    try:
-        values = yaml.load(p.read_text(encoding="utf-8"), Loader=_Loader) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{p}:{mark.line + 1}" if mark is not None else str(p)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise TrainConfigError(f"{where}: invalid YAML ({problem}); fix the file") from None
-    if not isinstance(values, dict):
-        raise TrainConfigError(f"{p}: expected a mapping of key: value at the top level, got {type(values).__name__}")
-    sources = {ALIASES.get(k, k): str(p) for k in values}
+    values, lines = _read_mapping(p)
+    where: dict[Any, Where] = {key: Where(str(p), lines.get(str(key))) for key in values}
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise TrainConfigError(f"override {item!r}: expected key=value (e.g. learning_rate=1e-4)")
         key = ALIASES.get(key, key)
+        try:
+            value = parse_value(text)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise TrainConfigError(f"{COMMAND_LINE}: override {item!r}: the value is not valid YAML ({problem}); "
+                                   f"quote it or fix the brackets", key=key) from None
         # An override replaces the file's value, whether the file spelled the key or its alias.
         values = {k: v for k, v in values.items() if ALIASES.get(k, k) != key}
-        values[key] = parse_value(text)
-        sources[key] = "command line"
+        values[key] = value
+        where[key] = Where(COMMAND_LINE)
+    return TrainConfig.from_dict(values, source=str(p), where=where)
+
+
+def _read_mapping(p: Path) -> tuple[dict[Any, Any], dict[str, int]]:
+    """The YAML file's top-level mapping and the 1-based line of each key. The file is composed into nodes
+    first (they carry the marks that plain `yaml.load` drops), then constructed. A key written twice is an
+    error: PyYAML would silently keep the last value."""
+    loader = _Loader(p.read_text(encoding="utf-8"))
     try:
-        return TrainConfig.from_dict(values, source=str(p))
-    except TrainConfigError as e:
-        # Name where an overridden key came from: "command line" rather than the file.
-        msg = str(e)
-        m = re.search(r"key '([^']+)'", msg)
-        if m and sources.get(m.group(1)) == "command line":
-            msg = msg.replace(f"{p}: ", "command line: ", 1)
-        raise TrainConfigError(msg) from None
+        node = loader.get_single_node()
+        if node is None:
+            return {}, {}
+        if not isinstance(node, yaml.MappingNode):
+            got = type(loader.construct_document(node)).__name__
+            raise TrainConfigError(f"{p}: expected a mapping of key: value at the top level, got {got}")
+        lines: dict[str, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            line = key_node.start_mark.line + 1
+            if key_node.value in lines:
+                raise TrainConfigError(f"{p}:{line}: key {key_node.value!r} is given twice (also on line "
+                                       f"{lines[key_node.value]}); keep one", key=key_node.value)
+            lines[key_node.value] = line
+        return loader.construct_document(node), lines
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}" if mark is not None else str(p)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise TrainConfigError(f"{where}: invalid YAML ({problem}); fix the file") from None
+    finally:
+        loader.dispose()
+
+
+def _unknown_keys_message(unknown: list[Any], names: list[str], source: str, where: Mapping[Any, Where]) -> str:
+    """One line naming every unknown key, each with where it was given (its line, when the line's prefix is
+    its file; "command line" for an override in a file's message) and the closest known key."""
+    places = [where.get(key) for key in unknown]
+    files = [w.origin for w in places if w is not None and w.origin != COMMAND_LINE]
+    if files:
+        prefix = files[0]
+    elif places and all(w is not None for w in places):
+        prefix = COMMAND_LINE
+    else:
+        prefix = source
+    items, unhinted = [], False
+    for key, place in zip(unknown, places):
+        notes = []
+        if place is not None and place.origin == prefix and place.line is not None:
+            notes.append(f"line {place.line}")
+        elif place is not None and place.origin != prefix:
+            notes.append(str(place))
+        close = difflib.get_close_matches(str(key), names + list(ALIASES), n=1, cutoff=0.6)
+        if close:
+            notes.append(f"did you mean {close[0]!r}?")
+        unhinted |= not close
+        items.append(repr(key) + (f" ({'; '.join(notes)})" if notes else ""))
+    head = f"unknown key {items[0]}" if len(items) == 1 else f"unknown keys: {', '.join(items)}"
+    return f"{prefix}: {head}" + (f"; known keys: {', '.join(names)}" if unhinted else "")
 
 
 class _Loader(yaml.SafeLoader):

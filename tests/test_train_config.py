@@ -1,0 +1,120 @@
+"""`TrainConfig` from YAML and overrides: every unknown key in one error with its YAML line, key errors placed
+at their line or on the command line, and `gradient_checkpointing` (HF/TRL's switch) mapped to a remat policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import pytest
+
+from jaxft.train import TrainConfig, TrainConfigError, load_config
+from jaxft.train.config import COMMAND_LINE, Where
+from test_train_fixtures import make_jsonl, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train_config")
+    return dict(model_name_or_path=str(make_tiny_model(d / "model")), dataset=str(make_jsonl(d / "train.jsonl", 4)),
+                output_dir=str(d / "out"))
+
+
+def _yaml(tmp_path: Path, paths: dict, extra_lines: str) -> Path:
+    """A config file: the three required keys on lines 1-3, then `extra_lines` verbatim from line 4."""
+    text = "".join(f"{k}: {v}\n" for k, v in paths.items()) + extra_lines
+    path = tmp_path / "run.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _error(path: Path, overrides=()) -> str:
+    with pytest.raises(TrainConfigError) as info:
+        load_config(path, list(overrides))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_every_unknown_key_is_reported_once_with_its_line(tmp_path, paths):
+    path = _yaml(tmp_path, paths, "learnin_rate: 1e-4\nlora_r: 8\nlora_rnk: 4\nzzzzzz: 1\n")
+    message = _error(path, ["max_stepps=3"])
+    assert message == (
+        f"{path}: unknown keys: 'learnin_rate' (line 4; did you mean 'learning_rate'?), "
+        "'lora_rnk' (line 6; did you mean 'lora_r'?), 'zzzzzz' (line 7), "
+        "'max_stepps' (command line; did you mean 'max_steps'?); known keys: " +
+        ", ".join(f.name for f in dataclasses.fields(TrainConfig)))
+
+
+def test_unknown_keys_only_on_the_command_line_say_so(tmp_path, paths):
+    path = _yaml(tmp_path, paths, "lora_r: 8\n")
+    assert _error(path, ["lora_rnk=8", "learning_rat=1"]) == (
+        "command line: unknown keys: 'lora_rnk' (did you mean 'lora_r'?), 'learning_rat' (did you mean "
+        "'learning_rate'?)")
+    assert _error(path, ["lora_rnk=8"]) == "command line: unknown key 'lora_rnk' (did you mean 'lora_r'?)"
+
+
+def test_key_errors_name_the_yaml_line_or_the_command_line(tmp_path, paths):
+    path = _yaml(tmp_path, paths, "# a comment\n\nlora_r: sixteen\nmax_steps: 5\n")
+    assert _error(path).startswith(f"{path}:6: key 'lora_r': value 'sixteen' (str) has the wrong type")
+    assert _error(path, ["lora_r=8", "max_steps=0"]).startswith("command line: key 'max_steps': value 0 is invalid")
+    assert _error(path, ["lora_r=8", "max_steps=1.5"]).startswith("command line: key 'max_steps': value 1.5")
+    path = _yaml(tmp_path, paths, "lr_scheduler_type: cosin\n")
+    assert _error(path).startswith(f"{path}:4: key 'lr_scheduler_type': value 'cosin' is not one of")
+    # An error about no single key keeps the file as its place.
+    (tmp_path / "short.yaml").write_text(f"dataset: {paths['dataset']}\n", encoding="utf-8")
+    assert _error(tmp_path / "short.yaml").startswith(f"{tmp_path / 'short.yaml'}: required key")
+
+
+def test_a_key_written_twice_in_the_file_is_an_error(tmp_path, paths):
+    path = _yaml(tmp_path, paths, "lora_r: 8\nseed: 1\nlora_r: 4\n")
+    assert _error(path) == f"{path}:6: key 'lora_r' is given twice (also on line 4); keep one"
+    path = _yaml(tmp_path, paths, "max_length: 32\nmax_seq_length: 48\n")
+    assert _error(path) == f"{path}:5: key 'max_seq_length' is given twice (directly and as alias 'max_length'); keep one"
+
+
+def test_an_override_that_is_not_yaml_is_one_line(tmp_path, paths):
+    path = _yaml(tmp_path, paths, "")
+    message = _error(path, ["lora_target_modules=[q_proj, v_proj"])
+    assert message.startswith("command line: override 'lora_target_modules=[q_proj, v_proj': the value is not valid "
+                              "YAML")
+
+
+def test_from_dict_places_errors_by_key(paths):
+    where = {"lora_r": Where("a.yaml", 9), "seed": Where(COMMAND_LINE)}
+    with pytest.raises(TrainConfigError, match=r"^a\.yaml:9: key 'lora_r'") as info:
+        TrainConfig.from_dict({**paths, "lora_r": 0}, source="a.yaml", where=where)
+    assert info.value.key == "lora_r"
+    with pytest.raises(TrainConfigError, match=r"^command line: key 'seed'"):
+        TrainConfig.from_dict({**paths, "seed": "x"}, source="a.yaml", where=where)
+    with pytest.raises(TrainConfigError, match=r"^config: key 'seed'"):  # no `where`: the source, as before
+        TrainConfig.from_dict({**paths, "seed": "x"})
+
+
+def test_gradient_checkpointing_selects_offload_and_says_so(tmp_path, paths, caplog):
+    with caplog.at_level(logging.INFO, logger="jaxft"):
+        cfg = load_config(_yaml(tmp_path, paths, "gradient_checkpointing: true\n"))
+    assert (cfg.gradient_checkpointing, cfg.remat) == (True, "offload")
+    notes = [r.getMessage() for r in caplog.records if "gradient_checkpointing" in r.getMessage()]
+    assert notes == ["gradient_checkpointing=true -> remat=offload (layer inputs kept in host memory); set remat to "
+                     "choose another policy"]
+    # The policy round-trips through to_dict (what train_config.json holds), with no second note.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jaxft"):
+        assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert not caplog.records
+    assert cfg.to_dict()["gradient_checkpointing"] is True and cfg.to_dict()["remat"] == "offload"
+
+
+def test_gradient_checkpointing_with_or_without_remat(tmp_path, paths):
+    assert TrainConfig(**paths).remat == "none"
+    assert TrainConfig(**paths, gradient_checkpointing=False).remat == "none"
+    assert TrainConfig(**paths, gradient_checkpointing=False, remat="dots").remat == "dots"
+    assert TrainConfig(**paths, gradient_checkpointing=True, remat="full").remat == "full"  # a given policy wins
+    assert load_config(_yaml(tmp_path, paths, "remat: full\n"), ["gradient_checkpointing=true"]).remat == "full"
+    path = _yaml(tmp_path, paths, "gradient_checkpointing: true\nremat: none\n")
+    assert _error(path) == (f"{path}:4: key 'gradient_checkpointing': true contradicts remat: none; drop one of the "
+                            "two keys, or set remat to full, dots or offload")
+    assert _error(_yaml(tmp_path, paths, "gradient_checkpointing: yes please\n")).startswith(
+        f"{tmp_path / 'run.yaml'}:4: key 'gradient_checkpointing'")
