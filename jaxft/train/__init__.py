@@ -2,7 +2,9 @@
 
 from jaxft.train.checkpoint import CheckpointError, Checkpointer
 from jaxft.train.config import TrainConfig, TrainConfigError, load_config
+from jaxft.train.guard import TrainingInterrupted
 from jaxft.train.loop import TrainResult, train
+from jaxft.train.meter import RunSummary
 from jaxft.train.metrics import read_metrics
 from jaxft.train.schedules import make_schedule, warmup_steps_for
 from jaxft.train.step import (
@@ -23,6 +25,8 @@ __all__ = [
     "TrainConfig",
     "TrainConfigError",
     "TrainResult",
+    "TrainingInterrupted",
+    "RunSummary",
     "load_config",
     "loss_and_grad_sums",
     "make_eval_step",

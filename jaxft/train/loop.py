@@ -2,9 +2,13 @@
 
 Order of work (nothing is written to `output_dir` until every input has been validated):
   1. validate: config, checkpoint to resume from, data (read, tokenize, pack), model (load, apply LoRA);
-  2. create output_dir; restore the checkpoint (LoRA, optimizer state, step, RNG) when resuming;
-  3. steps: batch `PackedDataset.batch(step)` (a pure function of the step, so a resumed run sees the same
-     batches), one jitted update, metrics; eval every `eval_steps`, checkpoint every `save_steps` and at the end;
+  2. take output_dir's writer lock (a second run on the same directory is refused), restore the checkpoint
+     (LoRA, optimizer state, step, RNG, token count) when resuming;
+  3. compile the step ahead of time (its time is reported on its own line), then steps: batch
+     `PackedDataset.batch(step)` (a pure function of the step, so a resumed run sees the same batches), one
+     jitted update; metrics per logging window, timed from device sync to device sync (`meter.WindowMeter`);
+     eval every `eval_steps`, checkpoint every `save_steps` and at the end; SIGINT/SIGTERM end the run after
+     the current step with a checkpoint (`TrainingInterrupted`);
   4. export: loss-curve PNG, PEFT adapter (output_dir/adapter), optionally the merged model (output_dir/merged),
      each written to a temporary directory and renamed into place.
 """
@@ -29,6 +33,8 @@ from flax import nnx
 from jaxft.config import ConfigError
 from jaxft.train import checkpoint as ckpt
 from jaxft.train.config import TrainConfig, TrainConfigError
+from jaxft.train.guard import OutputDirBusy, OutputDirLock, StopRequests, TrainingInterrupted
+from jaxft.train.meter import RunSummary, WindowMeter, device_peak_bytes
 from jaxft.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
 from jaxft.train.schedules import make_schedule, warmup_steps_for
 from jaxft.train.step import (make_eval_step, make_optimizer, make_train_step, restack_layers, split_model,
@@ -39,7 +45,8 @@ logger = logging.getLogger("jaxft.train")
 
 @dataclasses.dataclass(frozen=True)
 class TrainResult:
-    """What a run produced. `train_loss` is the loss of the last step; `eval_loss` the last evaluation (or None)."""
+    """What a run produced. `train_loss` is the mean loss of the last logging window (what the progress bar and
+    metrics.jsonl show last); `eval_loss` the last evaluation (or None); `summary` the run's speed and cost."""
 
     output_dir: Path
     adapter_dir: Path
@@ -51,6 +58,7 @@ class TrainResult:
     train_loss: float | None
     eval_loss: float | None
     resumed_from: str | None
+    summary: RunSummary | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,12 +208,52 @@ def _replace_dir(tmp: Path, target: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the run
+@dataclasses.dataclass
+class _Setup:
+    """Everything `train` validated and built before output_dir is touched."""
+
+    plan: _Plan
+    tokenizer: Any
+    train_ds: Any
+    eval_ds: Any
+    graphdef: nnx.GraphDef
+    lora: nnx.State
+    frozen: nnx.State
+    optimizer: Any
+    opt_state: Any
+    schedule: Any
+    rng: jax.Array
+    start_step: int
+    start_tokens: int
+    resume_path: str | None
+
+
 def train(config: TrainConfig) -> TrainResult:
     """Fine-tunes LoRA adapters as `config` says; see the module docstring. Raises `TrainConfigError` or a
-    `jaxft.data.errors.DataError` (both ValueErrors with one-line messages) on bad input, before writing anything."""
+    `jaxft.data.errors.DataError` (both ValueErrors with one-line messages) on bad input, before writing anything;
+    `TrainingInterrupted` after writing a checkpoint when SIGINT/SIGTERM stopped the run."""
     if not isinstance(config, TrainConfig):
         raise TypeError(f"train() takes a TrainConfig, got {type(config).__name__}")
+    wall_start = time.perf_counter()
     out = Path(config.output_dir).expanduser().absolute()
+    lock = OutputDirLock(out)
+    try:
+        lock.check()  # refuse early, before minutes of loading, when another live run writes there
+    except OutputDirBusy as e:
+        raise TrainConfigError(str(e)) from None
+    setup = _prepare(config, out)
+    # ---- everything validated: from here on output_dir is written (by this run only)
+    try:
+        lock.acquire()
+    except OutputDirBusy as e:
+        raise TrainConfigError(str(e)) from None
+    try:
+        return _run(config, out, setup, wall_start)
+    finally:
+        lock.release()
+
+
+def _prepare(config: TrainConfig, out: Path) -> _Setup:
     num_devices = len(jax.devices())
     resume_path = _resume_path(config, out)
     _check_output_dir(config, out, resume_path is not None)
@@ -237,7 +285,7 @@ def train(config: TrainConfig) -> TrainResult:
                                weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm)
     opt_state = optimizer.init(lora)
     rng = jax.random.key(config.seed)
-    start_step = 0
+    start_step, start_tokens = 0, 0
     if resume_path is not None:
         try:
             lora, opt_state, meta = ckpt.restore(resume_path, lora, opt_state)
@@ -245,11 +293,21 @@ def train(config: TrainConfig) -> TrainResult:
             raise TrainConfigError(f"key 'resume_from_checkpoint': {e}") from None
         start_step, rng = int(meta["step"]), ckpt.rng_from_json(meta["rng"])
         _check_resume_meta(meta, config, plan, train_ds.num_rows)
+        # Checkpoints written before the count was kept: recount (batches are a pure function of the step).
+        start_tokens = int(meta["num_tokens"]) if "num_tokens" in meta else sum(
+            int(np.count_nonzero(train_ds.batch(s)["segment_ids"])) for s in range(start_step))
         logger.info("resumed from %s at step %d (epoch %d, step %d of the epoch)", resume_path, start_step,
                     meta["epoch"], meta["step_in_epoch"])
+    return _Setup(plan=plan, tokenizer=tokenizer, train_ds=train_ds, eval_ds=eval_ds, graphdef=graphdef, lora=lora,
+                  frozen=frozen, optimizer=optimizer, opt_state=opt_state, schedule=schedule, rng=rng,
+                  start_step=start_step, start_tokens=start_tokens, resume_path=resume_path)
 
-    # ---- everything validated: from here on output_dir is written
-    out.mkdir(parents=True, exist_ok=True)
+
+def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> TrainResult:
+    """Steps, evaluation, checkpoints and exports; the caller holds the output_dir lock."""
+    plan, train_ds, eval_ds, graphdef = setup.plan, setup.train_ds, setup.eval_ds, setup.graphdef
+    lora, frozen, opt_state, rng = setup.lora, setup.frozen, setup.opt_state, setup.rng
+    start_step, resume_path, tokenizer = setup.start_step, setup.resume_path, setup.tokenizer
     if resume_path is None and config.overwrite_output_dir and (out / "checkpoints").exists():
         shutil.rmtree(out / "checkpoints")
     (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -257,17 +315,19 @@ def train(config: TrainConfig) -> TrainResult:
                                      max_to_keep=config.save_total_limit)
     writer = MetricsWriter(out, resume_step=start_step if resume_path else None,
                            tensorboard=config.report_to == "tensorboard")
+    num_devices = len(jax.devices())
     place = _Placement(num_devices)
     lora, opt_state, frozen = place.replicate(lora), place.replicate(opt_state), place.replicate(frozen)
-    step_fn = make_train_step(graphdef, optimizer, schedule, dropout=config.lora_dropout > 0)
+    step_fn = make_train_step(graphdef, setup.optimizer, setup.schedule, dropout=config.lora_dropout > 0)
     eval_fn = make_eval_step(graphdef)
     eval_every = config.eval_steps or config.logging_steps
+    num_tokens = setup.start_tokens  # cumulative non-padding tokens trained on (TRL's num_tokens)
 
     def meta_for(step: int) -> dict[str, Any]:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
         return dict(step=step, epoch=epoch, step_in_epoch=in_epoch, rng=ckpt.rng_to_json(rng), seed=config.seed,
                     rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length, num_rows=train_ds.num_rows,
-                    total_steps=plan.total_steps)
+                    total_steps=plan.total_steps, num_tokens=num_tokens)
 
     def evaluate(step: int) -> float:
         loss_sum, count = 0.0, 0.0
@@ -282,40 +342,64 @@ def train(config: TrainConfig) -> TrainResult:
         path = checkpointer.save(step, lora, opt_state, meta_for(step), force=force)
         if path is not None:
             writer.write({"step": step, "checkpoint": str(path)})
+        return path
+
+    def batch_for(step: int):
+        host = train_ds.batch(step)
+        return (place.batch(stack_micro_batches(host, config.gradient_accumulation_steps)),
+                int(np.count_nonzero(host["segment_ids"])))
 
     bar = _progress(plan.total_steps, start_step, disable=config.disable_tqdm)
+    meter = WindowMeter()
+    compile_seconds = 0.0
     last_loss, last_eval = None, None
     window: list[tuple[Any, int]] = []
-    window_start = time.perf_counter()
     step = start_step
     status: dict[str, str] = {}
     try:
-        if eval_ds is not None and start_step == 0:  # the baseline the eval loss drops from
-            last_eval = evaluate(0)
-            status["eval"] = f"eval {last_eval:.4f}"
-            bar.set_postfix_str(status["eval"], refresh=False)
-        while step < plan.total_steps:
-            host = train_ds.batch(step)
-            num_tokens = int(np.count_nonzero(host["segment_ids"]))
-            batch = place.batch(stack_micro_batches(host, config.gradient_accumulation_steps))
-            try:
-                lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(rng, step))
-            except jax.errors.JaxRuntimeError as e:
-                raise _out_of_memory(e, config) from None
-            step += 1
-            window.append((metrics, num_tokens))
-            if step % config.logging_steps == 0 or step == plan.total_steps:
-                last_loss = _log_window(writer, status, window, step, plan, time.perf_counter() - window_start)
-                window, window_start = [], time.perf_counter()
-            paused = time.perf_counter()
-            if eval_ds is not None and (step % eval_every == 0 or step == plan.total_steps):
-                last_eval = evaluate(step)
+        with StopRequests() as stop:
+            if eval_ds is not None and start_step == 0:  # the baseline the eval loss drops from
+                last_eval = evaluate(0)
                 status["eval"] = f"eval {last_eval:.4f}"
-            if step % config.save_steps == 0 or step == plan.total_steps:
-                save(step, force=step == plan.total_steps)
-            window_start += time.perf_counter() - paused  # tokens/s counts training time only
-            bar.set_postfix_str(", ".join(status.values()), refresh=False)
-            bar.update(1)
+                bar.set_postfix_str(status["eval"], refresh=False)
+            if step < plan.total_steps:
+                # Compiled ahead of time so that no logging window contains the compilation.
+                began = time.perf_counter()
+                batch, _ = batch_for(step)
+                try:
+                    step_fn = step_fn.lower(lora, opt_state, frozen, batch, jax.random.fold_in(rng, step)).compile()
+                except jax.errors.JaxRuntimeError as e:
+                    raise _out_of_memory(e, config) from None
+                compile_seconds = time.perf_counter() - began
+                logger.info("compiled the training step in %.1f s", compile_seconds)
+            jax.block_until_ready((lora, opt_state))
+            meter.start()
+            while step < plan.total_steps:
+                batch, batch_tokens = batch_for(step)
+                try:
+                    lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(rng, step))
+                except jax.errors.JaxRuntimeError as e:
+                    raise _out_of_memory(e, config) from None
+                step += 1
+                num_tokens += batch_tokens
+                window.append((metrics, batch_tokens))
+                if step % config.logging_steps == 0 or step == plan.total_steps:
+                    last_loss = _log_window(writer, status, meter, window, step, plan, num_tokens)
+                    window = []
+                do_eval = eval_ds is not None and (step % eval_every == 0 or step == plan.total_steps)
+                do_save = step % config.save_steps == 0 or step == plan.total_steps
+                if stop.requested or do_eval or do_save:
+                    with meter.paused(lora):  # syncs first: queued steps count as training time
+                        if stop.requested:
+                            path = save(step, force=True)
+                            raise TrainingInterrupted(stop.requested, step, str(path) if path else None)
+                        if do_eval:
+                            last_eval = evaluate(step)
+                            status["eval"] = f"eval {last_eval:.4f}"
+                        if do_save:
+                            save(step, force=step == plan.total_steps)
+                bar.set_postfix_str(", ".join(status.values()), refresh=False)
+                bar.update(1)
     finally:
         bar.close()
         checkpointer.close()
@@ -329,9 +413,15 @@ def train(config: TrainConfig) -> TrainResult:
     merged_dir = None
     if config.save_merged_model:
         merged_dir = _export(out, "merged", lambda d: _save_merged(model, d, tokenizer))
+    tokens_per_s, step_s = meter.medians()
+    summary = RunSummary(steps=step - start_step, num_tokens=num_tokens - setup.start_tokens,
+                         median_tokens_per_second=tokens_per_s, median_step_seconds=step_s,
+                         training_seconds=meter.training_seconds, compile_seconds=compile_seconds,
+                         peak_memory_bytes=device_peak_bytes(), wall_seconds=time.perf_counter() - wall_start)
+    logger.info("summary: %s", summary.line())
     return TrainResult(output_dir=out, adapter_dir=adapter_dir, merged_dir=merged_dir, metrics_path=writer.path,
                        loss_curve=curve, checkpoint_dir=out / "checkpoints", global_step=step, train_loss=last_loss,
-                       eval_loss=last_eval, resumed_from=resume_path)
+                       eval_loss=last_eval, resumed_from=resume_path, summary=summary)
 
 
 def _check_resume_meta(meta: dict, config: TrainConfig, plan: _Plan, num_rows: int) -> None:
@@ -359,9 +449,11 @@ def _out_of_memory(error: Exception, config: TrainConfig) -> Exception:
     return TrainConfigError(f"the training step ran out of device memory ({first}); try " + "; or ".join(hints))
 
 
-def _log_window(writer, status: dict[str, str], window, step: int, plan: _Plan, seconds: float) -> float:
-    host = jax.device_get([m for m, _ in window])
-    tokens = sum(n for _, n in window)
+def _log_window(writer, status: dict[str, str], meter: WindowMeter, window, step: int, plan: _Plan,
+                num_tokens: int) -> float:
+    """Writes the train record of a finished window (after the sync that ends it); returns its mean loss, the
+    number the progress bar, metrics.jsonl and the final summary all show."""
+    host, timed = meter.close([m for m, _ in window], sum(n for _, n in window))
     last = host[-1]
     record = {
         "step": step,
@@ -369,14 +461,21 @@ def _log_window(writer, status: dict[str, str], window, step: int, plan: _Plan, 
         "loss": float(np.mean([float(m["loss"]) for m in host])),
         "learning_rate": float(last["learning_rate"]),
         "grad_norm": float(last["grad_norm"]),
-        "num_tokens": tokens,
-        "tokens_per_second": tokens / max(seconds, 1e-9),
+        "num_tokens": num_tokens,
+        "window_tokens": timed.tokens,
+        "step_seconds": timed.step_seconds,
+        "tokens_per_second": timed.tokens_per_second,
     }
+    peak = device_peak_bytes()
+    if peak is not None:
+        record["peak_memory_gib"] = round(peak / 2**30, 3)
     writer.write(record)
     status["loss"] = f"loss {record['loss']:.4f}"
     status["lr"] = f"lr {record['learning_rate']:.2e}"
-    status["speed"] = f"{record['tokens_per_second']:.0f} tok/s"
-    return float(host[-1]["loss"])
+    status["speed"] = f"{record['tokens_per_second']:,.0f} tok/s, {timed.step_seconds:.3f} s/step"
+    if peak is not None:
+        status["memory"] = f"peak {record['peak_memory_gib']:.1f} GiB"
+    return record["loss"]
 
 
 def _progress(total: int, initial: int, *, disable: bool):

@@ -1,8 +1,13 @@
 """Run metrics: `metrics.jsonl` (one JSON object per line), optional TensorBoard, loss-curve PNG.
 
 Record kinds (every record has "step", the number of optimizer updates done):
-  train:      {"step", "epoch", "loss", "learning_rate", "grad_norm", "num_tokens", "tokens_per_second"}
-              loss = mean of the per-step losses since the previous train record
+  train:      {"step", "epoch", "loss", "learning_rate", "grad_norm", "num_tokens", "window_tokens",
+               "step_seconds", "tokens_per_second", "peak_memory_gib" (GPU only)}
+              loss = mean of the per-step losses since the previous train record (the window);
+              num_tokens = non-padding tokens trained on since step 0 (cumulative, as TRL);
+              window_tokens = those of the window; step_seconds / tokens_per_second = the window's training
+              time (device sync to device sync, eval and checkpoints excluded) per step / per token;
+              peak_memory_gib = the allocator's peak since the process started
   eval:       {"step", "eval_loss", "eval_tokens"}      eval_loss = summed CE / target count of the eval set
   checkpoint: {"step", "checkpoint": path}             written after the checkpoint is complete on disk
 On resume from step k, records with step > k (written by the interrupted run after its last checkpoint)

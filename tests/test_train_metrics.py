@@ -1,0 +1,85 @@
+"""Logged speed is measured the way it reads: per-step time from device sync to sync, compilation on its own
+line, cumulative `num_tokens`, and a summary whose loss is the one the metrics show last."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import pytest
+
+from jaxft.train import TrainConfig, read_metrics, train
+from jaxft.train.meter import WindowMeter
+from test_train_fixtures import make_jsonl, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("honest")
+    # Wide enough that a step's device work (tens of ms on 2 CPU cores) dwarfs its dispatch: the old loop read
+    # the clock before that work finished and logged several times the real speed.
+    make_tiny_model(d / "model", hidden=256, layers=4, vocab=64)
+    make_jsonl(d / "train.jsonl", 400, seed=0, kind="text")
+    return d
+
+
+def _run(d, name: str, steps: int):
+    cfg = TrainConfig(model_name_or_path=str(d / "model"), dataset=str(d / "train.jsonl"), output_dir=str(d / name),
+                      max_seq_length=256, per_device_train_batch_size=4, max_steps=steps, logging_steps=5,
+                      save_steps=10_000, bf16=False, disable_tqdm=True, report_to="none", lora_r=8, seed=0)
+    began = time.perf_counter()
+    result = train(cfg)
+    return result, time.perf_counter() - began
+
+
+@pytest.fixture(scope="module")
+def runs(workdir):
+    _run(workdir, "warmup", 5)  # one-time costs of the process (first compilation, imports) go here
+    return _run(workdir, "short", 20), _run(workdir, "long", 40)
+
+
+def test_logged_step_time_matches_wall_time_difference(runs):
+    (short, t_short), (long, t_long) = runs
+    wall_per_step = (t_long - t_short) / 20  # loading, compiling and export cancel out
+    records = [r for r in read_metrics(long.metrics_path) if "loss" in r]
+    logged = statistics.median(r["step_seconds"] for r in records)
+    assert logged == pytest.approx(wall_per_step, rel=0.25), (logged, wall_per_step)
+    tokens_per_s = statistics.median(r["tokens_per_second"] for r in records)
+    assert tokens_per_s == pytest.approx(statistics.median(r["window_tokens"] / (5 * r["step_seconds"])
+                                                           for r in records), rel=1e-6)
+    assert long.summary.median_step_seconds == pytest.approx(logged, rel=1e-9)
+
+
+def test_compilation_is_kept_out_of_the_first_window(runs):
+    (_, _), (long, _) = runs
+    records = [r for r in read_metrics(long.metrics_path) if "loss" in r]
+    first, rest = records[0]["step_seconds"], statistics.median(r["step_seconds"] for r in records[1:])
+    assert long.summary.compile_seconds > 5 * rest, long.summary
+    assert first < 3 * rest, (first, rest)
+
+
+def test_num_tokens_is_cumulative_and_summary_loss_is_the_logged_one(runs):
+    (_, _), (long, _) = runs
+    records = [r for r in read_metrics(long.metrics_path) if "loss" in r]
+    assert [r["step"] for r in records] == list(range(5, 41, 5))
+    cumulative = np.cumsum([r["window_tokens"] for r in records])
+    assert [r["num_tokens"] for r in records] == cumulative.tolist()
+    assert long.summary.num_tokens == records[-1]["num_tokens"]
+    assert long.summary.steps == 40
+    assert long.train_loss == records[-1]["loss"]
+    assert long.summary.wall_seconds > long.summary.training_seconds + long.summary.compile_seconds
+    assert "peak_memory_gib" not in records[-1]  # no allocator statistics on the CPU: nothing is made up
+
+
+def test_window_meter_excludes_pauses_and_counts_queued_work():
+    ticks = iter([0.0, 1.0, 1.5, 4.0])  # start, pause begins, pause ends, close
+    meter = WindowMeter(clock=lambda: next(ticks))
+    meter.start()
+    with meter.paused(state=np.zeros(2)):
+        pass
+    host, window = meter.close([{"loss": np.float32(1.0)}, {"loss": np.float32(2.0)}], tokens=300)
+    assert window.seconds == pytest.approx(3.5) and window.steps == 2
+    assert window.tokens_per_second == pytest.approx(300 / 3.5)
+    assert [float(m["loss"]) for m in host] == [1.0, 2.0]
+    assert meter.medians() == (pytest.approx(300 / 3.5), pytest.approx(1.75))
