@@ -85,7 +85,8 @@ def test_bad_target_module_lists_the_existing_ones(workdir, capsys):
 def test_bad_data_line_is_named(workdir, capsys):
     bad = workdir / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": broken\n', encoding="utf-8")
-    _fails(capsys, [_write_config(workdir, "bd.yaml", dataset=str(bad))], f"{bad}:2", "malformed JSON")
+    _fails(capsys, [_write_config(workdir, "bd.yaml", dataset=str(bad))],
+           f"{bad}: 1 line is not a valid JSON object: line 2 col 10 (Expecting value)")
     assert not (workdir / "bd").exists()
 
 
@@ -153,3 +154,70 @@ def test_resume_flag_takes_a_path_only_when_it_is_a_directory(tmp_path):
     args = _parse(["run.yaml", "--resume", str(tmp_path)])
     assert (args.config, args.overrides, args.resume) == ("run.yaml", [], str(tmp_path))
     assert _parse(["run.yaml"]).resume is None
+
+
+def test_overrides_in_every_hf_spelling_mean_what_hfargumentparser_reads(workdir):
+    """`--key value`, `--key=value`, `--key-with-dashes`, bare bools and `--no_KEY` read as transformers'
+    HfArgumentParser reads them (over TrainConfig's bool/int/float keys), mixed with `key=value` words."""
+    import dataclasses
+    import typing
+
+    from transformers import HfArgumentParser
+
+    from jaxft.cli import _parse
+
+    hints = typing.get_type_hints(TrainConfig)
+    mirror = dataclasses.make_dataclass("Mirror", [(f.name, hints[f.name], f.default) for f in dataclasses.fields(
+        TrainConfig) if hints[f.name] in (bool, int, float)])
+    hf_words = ["--learning-rate", "1e-4", "--max_steps=3", "--bf16", "false", "--overwrite_output_dir",
+                "--no-assistant-only-loss", "--use_rslora", "--disable_tqdm", "yes", "--seed", "7",
+                "--warmup-ratio=0.25", "--max_grad_norm", "0", "--no_completion_only_loss", "--lora_alpha", "8"]
+    (expected,) = HfArgumentParser(mirror).parse_args_into_dataclasses(args=hf_words)
+    args = _parse([str(_write_config(workdir, "spell.yaml")), *hf_words[:5], "lora_r=2", *hf_words[5:]])
+    cfg = load_config(args.config, args.overrides)
+    given = {"learning_rate", "max_steps", "bf16", "overwrite_output_dir", "assistant_only_loss", "use_rslora",
+             "disable_tqdm", "seed", "warmup_ratio", "max_grad_norm", "completion_only_loss", "lora_alpha"}
+    assert {k: getattr(cfg, k) for k in given} == {k: getattr(expected, k) for k in given}
+    assert cfg.lora_r == 2
+    assert _parse(["run.yaml", "--max_steps", "-1", "--bf16", "--traceback"]).overrides == ["max_steps=-1", "bf16=true"]
+    assert _parse(["run.yaml", "--bf16", "max_steps=2"]).overrides == ["bf16=true", "max_steps=2"]  # bare, then k=v
+
+
+def test_no_config_gives_the_usage_line_and_one_error(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("usage: jaxft-train") and "CONFIG [overrides ...]" in " ".join(err[:-1])
+    assert err[-1] == "jaxft-train: error: give a YAML config file (CONFIG), e.g. jaxft-train examples/quickstart.yaml"
+    assert main(["run.yaml", "--learning_rate"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("jaxft-train: error: --learning_rate needs a value: write "
+                                                       "--learning_rate VALUE or --learning_rate=VALUE")
+    assert main(["run.yaml", "stray"]) == 2
+    assert "'stray' is a second config file or an override without a value" in capsys.readouterr().err
+
+
+def test_help_and_version(capsys):
+    import importlib.metadata
+
+    assert main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "CONFIG [overrides ...]" in out and "--key value, --key=value or key=value" in out
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"jaxft {importlib.metadata.version('jaxft')}\n"
+
+
+def test_unknown_option_is_an_unknown_key(workdir, capsys):
+    _fails(capsys, [_write_config(workdir, "uo.yaml"), "--lerning-rate", "1e-4", "--lora_rnk=4"],
+           "command line: unknown keys: 'lerning_rate' (did you mean 'learning_rate'?), 'lora_rnk' (did you mean "
+           "'lora_r'?)")
+    assert not (workdir / "uo").exists()
+
+
+def test_gradient_checkpointing_flag_trains_with_offload(workdir, capsys):
+    path = _write_config(workdir, "gc.yaml")
+    assert main([str(path), "--gradient_checkpointing", "--max-steps", "1", "lora_r=2"]) == 0
+    err = capsys.readouterr().err
+    assert "[jaxft] gradient_checkpointing=true -> remat=offload (layer inputs kept in host memory)" in err
+    saved = json.loads((workdir / "gc" / "train_config.json").read_text())
+    assert (saved["gradient_checkpointing"], saved["remat"], saved["max_steps"], saved["lora_r"]) == (
+        True, "offload", 1, 2)
+    assert [r["step"] for r in read_metrics(workdir / "gc" / "metrics.jsonl") if "loss" in r] == [1]
