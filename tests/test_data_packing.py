@@ -171,7 +171,7 @@ def test_overlong_truncate_is_counted(caplog):
     row_of_long = int(np.flatnonzero(first["input_ids"][:, 0] == 1)[0])
     assert (first["input_ids"][row_of_long] == 1 + np.arange(SEQ)).all()
     assert first["loss_mask"][row_of_long].sum() == SEQ - 1
-    assert "efficiency" in caplog.text and "1 truncated, 0 dropped; 2 skipped" in caplog.text
+    assert "efficiency" in caplog.text and "1 truncated to max_seq_length, 0 dropped, 2 skipped" in caplog.text
 
 
 def test_overlong_drop_is_counted():
@@ -185,8 +185,10 @@ def test_nothing_left_after_filtering():
     with pytest.raises(EmptyDatasetError) as e:
         PackedDataset(docs, seq_len=SEQ, batch_size=1, overlong="drop", name="eval")
     msg = str(e.value)
-    assert msg.startswith("eval data: no trainable document left of 2: 1 have no trained tokens")
-    assert "1 are longer than seq_len=32 with overlong='drop'" in msg and "overlong='truncate'" in msg
+    assert msg.startswith("eval data: no trainable document left of 2: 1 document longer than max_seq_length=32 "
+                          "was dropped (overlong='drop'): long (49 tokens); raise max_seq_length or use "
+                          "overlong='truncate'; 1 document has no target tokens")
+    assert msg.endswith("and was skipped: x (2 tokens); fix the records")
 
 
 @pytest.mark.parametrize(

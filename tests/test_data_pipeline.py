@@ -106,7 +106,7 @@ def test_train_on_all_and_drop(tmp_path, tok_and_dir):
 def test_malformed_jsonl_through_build(tmp_path, tok_and_dir):
     rows = random_chats(5)
     f = write_jsonl(tmp_path / "d.jsonl", rows, raw_lines={4: '{"messages": [}'})
-    with pytest.raises(DataFormatError, match=rf"^{f}:4: malformed JSON") as e:
+    with pytest.raises(DataFormatError, match=rf"^{f}: 1 line is not a valid JSON object: line 4 col 15 ") as e:
         build_datasets(DataConfig(str(f), 32, 1), tok_and_dir[0])
     assert e.value.__cause__ is None and e.value.__suppress_context__
 
@@ -132,8 +132,8 @@ def test_empty_inputs(tmp_path, tok_and_dir):
     with pytest.raises(EmptyDatasetError, match=rf"^{empty}: no records found"):
         build_datasets(DataConfig(str(empty), 32, 1), tok)
     only_users = write_jsonl(tmp_path / "u.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
-    with pytest.raises(EmptyDatasetError, match=r"^train data: no trainable document left of 1: 1 have "
-                       r"no trained tokens"):
+    with pytest.raises(EmptyDatasetError, match=r"^train data: no trainable document left of 1: 1 document has "
+                       rf"no target tokens \(e.g. a chat without an assistant reply\) and was skipped: {only_users}:1 "):
         build_datasets(DataConfig(str(only_users), 32, 1), tok)
     two = write_jsonl(tmp_path / "two.jsonl", random_chats(2))
     with pytest.raises(EmptyDatasetError, match=r"eval_fraction=0.9 of 2 documents leaves no training data"):
@@ -154,15 +154,15 @@ def test_missing_paths(tmp_path, tok_and_dir):
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        (dict(seq_len=1), r"data.seq_len must be an int >= 2, got 1"),
-        (dict(batch_size=0), r"data.batch_size must be an int >= 1"),
-        (dict(eval_batch_size=0), r"data.eval_batch_size must be an int >= 1"),
-        (dict(eval_fraction=1.0), r"data.eval_fraction must be in \[0, 1\)"),
-        (dict(eval_fraction=0.1, eval_path="x.jsonl"), r"cannot be combined with data.eval_path"),
-        (dict(train_on="prompt"), r"data.train_on must be one of \('assistant', 'all'\)"),
-        (dict(overlong="wrap"), r"data.overlong must be one of \('truncate', 'drop'\)"),
+        (dict(seq_len=1), r"DataConfig.seq_len must be an int >= 2, got 1"),
+        (dict(batch_size=0), r"DataConfig.batch_size must be an int >= 1"),
+        (dict(eval_batch_size=0), r"DataConfig.eval_batch_size must be an int >= 1"),
+        (dict(eval_fraction=1.0), r"DataConfig.eval_fraction must be in \[0, 1\)"),
+        (dict(eval_fraction=0.1, eval_path="x.jsonl"), r"cannot be combined with eval_path"),
+        (dict(train_on="prompt"), r"DataConfig.train_on must be one of \('assistant', 'all'\)"),
+        (dict(overlong="wrap"), r"DataConfig.overlong must be one of \('truncate', 'drop'\)"),
         (dict(path=""), r"data path must be a non-empty string"),
-        (dict(seed=-1), r"data.seed must be a non-negative int"),
+        (dict(seed=-1), r"DataConfig.seed must be a non-negative int"),
     ],
 )
 def test_config_validation(kwargs, pattern):

@@ -137,8 +137,12 @@ class Formatter:
         self._end_marker: str | None = None
 
     # ---- tokenizer facts -------------------------------------------------------
+    # Every tokenizer call passes verbose=False: whole documents are tokenized here and cut to
+    # max_seq_length by packing, so transformers' "sequence length is longer than the specified
+    # maximum sequence length for this model" warning (about the tokenizer's model_max_length)
+    # does not apply; packing reports what truncation really does, naming the documents.
     def _encode(self, text: str, special: bool = False) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
+        return list(self.tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"])
 
     def _bos_eos_added(self) -> tuple[list[int], list[int]]:
         """Token ids the tokenizer puts before / after a text with ``add_special_tokens``."""
@@ -251,7 +255,8 @@ class Formatter:
     def _chat_generation_mask(self, messages, tools, src: str) -> Document:
         try:
             out = self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                tokenizer_kwargs={"verbose": False},
             )
         except Exception as e:
             raise ChatTemplateError(
@@ -306,7 +311,7 @@ class Formatter:
                 f"{self._name} is a {type(self.tokenizer).__name__}; add a tokenizer.json to the model "
                 "directory, or mark replies with {% generation %} in the chat template"
             )
-        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         offsets = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
         # Zero-width tokens count as one character so they are trained iff they sit in a span.
         starts, ends = offsets[:, 0], np.maximum(offsets[:, 1], offsets[:, 0] + 1)

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxft.data.errors import DataConfigError, EmptyDatasetError
 from jaxft.data.formatting import Document
+from jaxft.data.sources import split_source
 
 logger = logging.getLogger("jaxft.data")
 
@@ -71,9 +72,68 @@ class PackingStats:
         return (
             f"packed {self.num_documents}/{self.num_input} documents into {self.num_rows} rows of "
             f"{self.seq_len} tokens: efficiency {100 * self.efficiency:.1f}% ({self.real_tokens} "
-            f"tokens, {self.trained_tokens} trained); overlong: {self.truncated} truncated, "
-            f"{self.dropped} dropped; {self.skipped} skipped (no trained tokens)"
+            f"tokens, {self.trained_tokens} trained); {self.truncated} truncated to max_seq_length, "
+            f"{self.dropped} dropped, {self.skipped} skipped (no target tokens)"
         )
+
+
+_NAMED = 3  # documents named per kind of loss; the rest are counted
+
+
+class _Named:
+    """How many documents lost something, and the first few of them as (source, token count, detail)."""
+
+    def __init__(self):
+        self.count = 0
+        self.first: list[tuple[str, int, str]] = []
+
+    def add(self, source: str, num_tokens: int, detail: str = "") -> None:
+        self.count += 1
+        if len(self.first) < _NAMED:
+            self.first.append((source, num_tokens, detail))
+
+    def listing(self) -> str:
+        """``d.jsonl:17 (812 tokens), :45 (640), and 3 more``: the file is named once per run of it."""
+        parts, prev = [], None
+        for i, (source, n, detail) in enumerate(self.first):
+            file, place = split_source(source)
+            where = place if file == prev and place else source
+            parts.append(f"{where} ({n}{' tokens' if i == 0 else ''}{detail})")
+            prev = file
+        more = self.count - len(self.first)
+        return ", ".join(parts) + (f", and {more} more" if more else "")
+
+
+def _loss_notes(lost: dict[str, _Named], seq_len: int) -> list[str]:
+    """One line per kind of loss that happened, naming the documents and the fix.
+
+    ``seq_len`` is called max_seq_length here: the key users set (TrainConfig, the CLI).
+    """
+    notes = []
+    limit = f"max_seq_length={seq_len}"
+    t, d, c, u = (lost[k] for k in ("truncated", "dropped", "cut", "untrained"))
+    if t.count:
+        notes.append(f"{_docs(t.count)} longer than {limit} {_verb(t.count, 'was', 'were')} truncated: "
+                     f"{t.listing()}; raise max_seq_length to keep them whole")
+    if d.count:
+        notes.append(f"{_docs(d.count)} longer than {limit} {_verb(d.count, 'was', 'were')} dropped "
+                     f"(overlong='drop'): {d.listing()}; raise max_seq_length or use overlong='truncate'")
+    if c.count:
+        notes.append(f"{_docs(c.count)} {_verb(c.count, 'has', 'have')} no target tokens left after truncation "
+                     f"to {limit} and {_verb(c.count, 'was', 'were')} skipped: {c.listing()}; raise "
+                     "max_seq_length or shorten the prompts")
+    if u.count:
+        notes.append(f"{_docs(u.count)} {_verb(u.count, 'has', 'have')} no target tokens (e.g. a chat without an "
+                     f"assistant reply) and {_verb(u.count, 'was', 'were')} skipped: {u.listing()}; fix the records")
+    return notes
+
+
+def _docs(n: int) -> str:
+    return "1 document" if n == 1 else f"{n} documents"
+
+
+def _verb(n: int, singular: str, plural: str) -> str:
+    return singular if n == 1 else plural
 
 
 def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[int]]:
@@ -134,20 +194,29 @@ class PackedDataset:
         )
 
         kept_tokens, kept_masks = [], []
-        truncated = dropped = skipped = 0
+        # Documents that lost something, by what they lost: (count, first few (source, detail)).
+        lost = {k: _Named() for k in ("truncated", "dropped", "cut", "untrained")}
         for doc in documents:
             tokens, mask = doc.tokens, doc.loss_mask
             if len(tokens) > seq_len:
                 if overlong == "drop":
-                    dropped += 1
+                    lost["dropped"].add(doc.source, len(tokens))
                     continue
                 tokens, mask = tokens[:seq_len], mask[:seq_len]
             if not mask[1:].any():
-                skipped += 1
+                if doc.loss_mask[1:].any():  # it had targets, all beyond seq_len
+                    first = int(np.flatnonzero(doc.loss_mask[1:])[0]) + 1
+                    lost["cut"].add(doc.source, len(doc.tokens), f", first target at token {first}")
+                else:
+                    lost["untrained"].add(doc.source, len(doc.tokens))
                 continue
-            truncated += len(tokens) < len(doc.tokens)
+            if len(tokens) < len(doc.tokens):
+                lost["truncated"].add(doc.source, len(doc.tokens))
             kept_tokens.append(tokens)
             kept_masks.append(mask)
+        truncated, dropped = lost["truncated"].count, lost["dropped"].count
+        skipped = lost["cut"].count + lost["untrained"].count
+        notes = _loss_notes(lost, seq_len)
 
         lengths = np.array([len(t) for t in kept_tokens], dtype=np.int64)
         self._doc_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -168,12 +237,11 @@ class PackedDataset:
         )
         if not self._rows:
             raise EmptyDatasetError(
-                f"{name} data: no trainable document left of {len(documents)}: {skipped} have no "
-                f"trained tokens (e.g. chats without an assistant reply, or replies cut off by "
-                f"truncation), {dropped} are longer than seq_len={seq_len} with overlong='drop'; "
-                "fix the records, raise seq_len, or use overlong='truncate'"
+                f"{name} data: no trainable document left of {len(documents)}: {'; '.join(notes)}"
             )
         self._epoch_cache: tuple[int, np.ndarray] | None = None
+        for note in notes:
+            logger.warning("%s data: %s", name, note)
         logger.info("%s data: %s", name, self.stats.summary())
 
     @property

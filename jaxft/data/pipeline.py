@@ -18,6 +18,8 @@ class DataConfig:
     """Where the data is and how it becomes batches.
 
     path / eval_path: a file or directory (see `jaxft.data.sources`).
+    seq_len: tokens per packed row, TrainConfig's ``max_seq_length`` (the name data messages use,
+        since it is the key CLI users set); longer documents are cut to it (see ``overlong``).
     split / eval_split: split names when a path is a ``DatasetDict`` directory; an
         ``eval_split`` without ``eval_path`` is read from ``path``.
     eval_fraction: hold out this fraction of the training documents (seeded by ``seed``)
@@ -46,19 +48,19 @@ class DataConfig:
             if v is None and key == "eval_batch_size":
                 continue  # defaults to batch_size
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise DataConfigError(f"data.{key} must be an int >= {low}, got {v!r}")
+                raise DataConfigError(f"DataConfig.{key} must be an int >= {low}, got {v!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise DataConfigError(f"data.seed must be a non-negative int, got {self.seed!r}")
+            raise DataConfigError(f"DataConfig.seed must be a non-negative int, got {self.seed!r}")
         if not isinstance(self.eval_fraction, (int, float)) or not 0.0 <= self.eval_fraction < 1.0:
-            raise DataConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
+            raise DataConfigError(f"DataConfig.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
         if self.eval_fraction > 0 and (self.eval_path or self.eval_split):
             raise DataConfigError(
-                "data.eval_fraction cannot be combined with data.eval_path/eval_split: use one of them"
+                "DataConfig.eval_fraction cannot be combined with eval_path/eval_split: use one of them"
             )
         if self.train_on not in TRAIN_ON:
-            raise DataConfigError(f"data.train_on must be one of {TRAIN_ON}, got {self.train_on!r}")
+            raise DataConfigError(f"DataConfig.train_on must be one of {TRAIN_ON}, got {self.train_on!r}")
         if self.overlong not in OVERLONG:
-            raise DataConfigError(f"data.overlong must be one of {OVERLONG}, got {self.overlong!r}")
+            raise DataConfigError(f"DataConfig.overlong must be one of {OVERLONG}, got {self.overlong!r}")
 
 
 def _documents(path, split, fmt: Formatter) -> list[Document]:
@@ -89,7 +91,7 @@ def build_datasets(
         if n_eval >= len(train_docs):
             raise EmptyDatasetError(
                 f"{config.path}: eval_fraction={config.eval_fraction} of {len(train_docs)} "
-                "documents leaves no training data; lower data.eval_fraction or add data"
+                "documents leaves no training data; lower DataConfig.eval_fraction or add data"
             )
         perm = np.random.default_rng([config.seed, 0x5EED]).permutation(len(train_docs))
         held = set(perm[:n_eval].tolist())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,6 +32,7 @@ from jaxft.data.errors import DataFormatError, DataPathError, one_line
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _SUFFIXES = (*_JSONL_SUFFIXES, ".json", ".parquet", ".arrow")
+_MAX_BAD_LINES = 10  # bad JSON Lines named in one error message
 _HINT = (
     "use a .jsonl/.json/.parquet/.arrow file, a directory of such files, or a directory "
     "written by datasets' save_to_disk"
@@ -47,6 +49,18 @@ class Record:
     def __post_init__(self):
         if not isinstance(self.data, dict):
             raise TypeError(f"Record.data must be a dict, got {type(self.data).__name__}")
+
+
+_LOCATOR = re.compile(r"^(?P<file>.+?)(?::(?P<line>\d+)| \((?P<row>(?:row|record) \d+)\))$")
+
+
+def split_source(source: str) -> tuple[str, str]:
+    """A `Record.source` as (file, place in it): ``("d.jsonl", ":17")``, ``("d.parquet", "row 3")``;
+    ``(source, "")`` when it names no line or row. Lets a list of sources name the file once."""
+    m = _LOCATOR.match(source)
+    if m is None:
+        return source, ""
+    return m["file"], f":{m['line']}" if m["line"] else m["row"]
 
 
 def read_records(path: str | Path, *, split: str | None = None) -> list[Record]:
@@ -142,30 +156,56 @@ def _read_file(file: Path) -> Iterator[Record]:
 
 
 def _read_jsonl(file: Path) -> Iterator[Record]:
+    """Records of a JSON Lines file; bad lines are collected and reported together.
+
+    Once a bad line is seen no more records are yielded (the run fails anyway), but the rest of
+    the file is still scanned so one message names up to `_MAX_BAD_LINES` bad lines and the count.
+    """
+    bad: list[str] = []
+    num_bad = 0
     # Bytes per line, decoded one by one, so a bad UTF-8 sequence gets its own line number.
     with file.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataFormatError(
-                    f"{file}:{lineno}: not valid UTF-8 (byte {e.start}); re-encode the file as UTF-8"
-                ) from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataFormatError(
-                    f"{file}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); fix the line: "
-                    'each line must be one complete JSON object, e.g. {"text": "..."}'
-                ) from None
-            if not isinstance(obj, dict):
-                raise DataFormatError(
-                    f"{file}:{lineno}: line is a JSON {type(obj).__name__}, expected an object; "
-                    'fix the line: each line must be one JSON object, e.g. {"text": "..."}'
-                )
-            yield Record(obj, f"{file}:{lineno}")
+            obj, problem = _parse_line(raw, first=lineno == 1)
+            if problem is not None:
+                num_bad += 1
+                if len(bad) < _MAX_BAD_LINES:
+                    bad.append(f"line {lineno} {problem}")
+            elif obj is not None and not num_bad:
+                yield Record(obj, f"{file}:{lineno}")
+    if num_bad:
+        more = f", and {num_bad - len(bad)} more" if num_bad > len(bad) else ""
+        what = "1 line is not a valid JSON object" if num_bad == 1 else f"{num_bad} lines are not valid JSON objects"
+        raise DataFormatError(
+            f"{file}: {what}: {', '.join(bad)}{more}; fix {'it' if num_bad == 1 else 'them'}: each line "
+            'must be one complete JSON object, e.g. {"text": "..."}'
+        ) from None
+
+
+def _parse_line(raw: bytes, *, first: bool) -> tuple[dict | None, str | None]:
+    """(object, None) for a good line, (None, None) for a blank one, (None, "col C (why)") for a bad one.
+
+    Columns are 1-based characters of the line, as editors count them.
+    """
+    try:
+        # A UTF-8 byte-order mark (Windows editors write one) is not part of the first object.
+        # The line ending is not part of the object either: an unterminated string then points at
+        # the opening quote instead of at the newline.
+        line = raw.decode("utf-8-sig" if first else "utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as e:
+        col = len(raw[: e.start].decode("utf-8", errors="replace")) + 1
+        return None, f"col {col} (not valid UTF-8; re-encode the file as UTF-8)"
+    if not line.strip():
+        return None, None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        # json ends some messages with "at" (the position): "Unterminated string starting at".
+        why = e.msg[: -len(" at")] + " here" if e.msg.endswith(" at") else e.msg
+        return None, f"col {e.colno} ({why})"
+    if not isinstance(obj, dict):
+        return None, f"(a JSON {type(obj).__name__}, not an object)"
+    return obj, None
 
 
 def _first_line_is_object(text: str) -> bool:
@@ -180,7 +220,7 @@ def _first_line_is_object(text: str) -> bool:
 
 def _read_json(file: Path) -> Iterator[Record]:
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")  # -sig: a leading byte-order mark is not JSON
     except UnicodeDecodeError:
         raise DataFormatError(f"{file}: not valid UTF-8; re-encode the file as UTF-8") from None
     try:
@@ -192,7 +232,7 @@ def _read_json(file: Path) -> Iterator[Record]:
             yield from _read_jsonl(file)
             return
         raise DataFormatError(
-            f"{file}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno}); fix the file: "
+            f"{file}: not valid JSON: line {e.lineno} col {e.colno} ({e.msg}); fix the file: "
             "it must be a JSON array of objects, or JSON Lines (one object per line)"
         ) from None
     if isinstance(obj, dict) and isinstance(obj.get("data"), list):
