@@ -1,9 +1,10 @@
-"""Benchmark attention implementations (XLA, cuDNN, jaxft Pallas) on the GPU.
+"""Benchmark attention implementations (reference, cuDNN, jaxft Pallas) on the GPU.
 
 Usage: python scripts/bench_attention.py --out docs/results/attention_h200.json
 Writes the JSON to --out and a markdown table next to it (same stem, .md),
 rewriting both after every shape so partial results survive a timeout.
-Shapes come from kernels_pallas/attention/bench.py (shared with the tests).
+Shapes come from kernels_pallas/attention/shapes.py (shared with the tests); implementation names
+are those of kernels_pallas.attention.OP ("reference" was called "xla" in older result files).
 Times are medians of --iters runs; TFLOP/s count only kept (unmasked) pairs.
 """
 
@@ -25,15 +26,15 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels_pallas.attention import dot_product_attention, make_metadata  # noqa: E402
-from kernels_pallas.attention.bench import BENCH_SHAPES, useful_flops  # noqa: E402
-from kernels_pallas.attention.bench import make_segment_ids  # noqa: E402
+from kernels_pallas.attention.bench import useful_flops  # noqa: E402
+from kernels_pallas.attention.shapes import BENCH_SHAPES, make_segment_ids  # noqa: E402
 from kernels_pallas.attention.config import BlockConfig, FlashConfig  # noqa: E402
 from kernels_pallas.attention.config import default_flash_config  # noqa: E402
 from kernels_pallas.attention.cudnn import cudnn_attention  # noqa: E402
 from kernels_pallas.attention.flash import flash_attention  # noqa: E402
 
-IMPLS = ("xla", "cudnn", "pallas")
-XLA_MAX_SCORE_BYTES = 24 * 2**30  # skip XLA when one fp32 [B,H,T,T] score tensor exceeds this
+IMPLS = ("reference", "cudnn", "pallas")
+REFERENCE_MAX_SCORE_BYTES = 24 * 2**30  # skip the reference when one fp32 [B,H,T,T] score tensor exceeds this
 
 
 def _time(fn, args, iters):
@@ -137,7 +138,7 @@ def bench_shape(shape, impls, iters, config=None):
     outs = {}
     for impl in impls:
         res = {}
-        if impl == "xla" and b * h * t * t * 4 > XLA_MAX_SCORE_BYTES:
+        if impl == "reference" and b * h * t * t * 4 > REFERENCE_MAX_SCORE_BYTES:
             res["skipped"] = "fp32 score matrix would exceed the memory budget"
             row["results"][impl] = res
             continue
@@ -159,7 +160,7 @@ def bench_shape(shape, impls, iters, config=None):
             traceback.print_exc(limit=3)
         row["results"][impl] = res
     if "pallas" in outs:
-        ref_name = "xla" if "xla" in outs else ("cudnn" if "cudnn" in outs else None)
+        ref_name = "reference" if "reference" in outs else ("cudnn" if "cudnn" in outs else None)
         if ref_name:
             err = jnp.max(jnp.abs(outs["pallas"].astype(jnp.float32) - outs[ref_name].astype(jnp.float32)))
             row["pallas_max_abs_err"] = {"vs": ref_name, "value": float(err)}

@@ -1,4 +1,4 @@
-"""Attention: XLA reference vs transformers' eager attention (torch, fp32), and the
+"""Attention: the pure-JAX reference vs transformers' eager attention (torch, fp32), and the
 Pallas flash kernels (interpret mode on CPU, compiled on GPU) vs the reference.
 
 Oracles: transformers.models.gemma2 eager attention (GQA, soft-capping, mask) and
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.attention import attention_reference, dot_product_attention, make_metadata
-from kernels_pallas.attention.bench import TEST_SHAPES, make_segment_ids
+from kernels_pallas.attention.shapes import TEST_SHAPES, make_segment_ids
 from kernels_pallas.attention.config import BlockConfig, FlashConfig
 from kernels_pallas.attention.flash import DKDV_NAME, DQ_NAME, FWD_NAME, flash_attention
 
@@ -69,7 +69,7 @@ def _assert_close(got, want, rel, what):
 
 
 # ---------------------------------------------------------------------------
-# Reference (implementation="xla") vs transformers eager attention in torch.
+# Reference (implementation="reference") vs transformers eager attention in torch.
 # ---------------------------------------------------------------------------
 torch = pytest.importorskip("torch")
 
@@ -126,7 +126,7 @@ def test_reference_matches_transformers_eager(model, causal, window, softcap, h,
     got = _fwd_and_grads(
         lambda q, k, v, s: dot_product_attention(
             q, k, v, segment_ids=seg, causal=causal, sliding_window=window,
-            logit_softcap=softcap, sinks=s, implementation="xla"),
+            logit_softcap=softcap, sinks=s, implementation="reference"),
         q, k, v, do, sinks, use_sinks)
     want = _torch_oracle(model, q, k, v, do, sinks, seg, causal, window, softcap)
     names = ["out", "dq", "dk", "dv", "dsinks"]
@@ -337,7 +337,7 @@ def test_auto_policy_follows_the_measurements():
         kw = dict(dict(causal=True, sliding_window=None, logit_softcap=None, sinks=None, scale=None), **kw)
         return choose_implementation((2, t, 32, d), (2, t, 8, d), dtype, segments, backend=backend, **kw)
 
-    assert pick(backend="cpu") == "xla"
+    assert pick(backend="cpu") == "reference"
     assert pick() == "cudnn"  # dense causal: cuDNN measured fastest
     assert pick(t=30000, sliding_window=4096) == "cudnn"
     assert pick(segments=True) == "pallas"  # packed: Pallas measured fastest
@@ -345,4 +345,4 @@ def test_auto_policy_follows_the_measurements():
     assert pick(logit_softcap=30.0) == "pallas"  # ... and soft-capping
     assert pick(dtype=jnp.float32) == "pallas"  # cuDNN flash needs 16-bit inputs
     assert pick(d=96) == "cudnn"  # no Pallas tiling for head_dim 96
-    assert pick(d=96, sinks=jnp.zeros(32)) == "xla"
+    assert pick(d=96, sinks=jnp.zeros(32)) == "reference"

@@ -1,20 +1,61 @@
-"""Public attention entry point: ``dot_product_attention``."""
+"""Public attention entry point: ``dot_product_attention``, and the op's registry ``OP``.
+
+Implementations (names as in ``kernels_pallas/_dispatch.py``): "reference" (``reference.py``, autodiff;
+O(T^2) memory), "pallas" (flash kernels with a custom VJP, ``flash.py``), "cudnn" (``cudnn.py``).  There is
+no "xla" custom-VJP implementation of attention: the spelling "xla" is an alias of "reference", kept because
+``TrainConfig.attention_implementation`` and ``jaxft.from_pretrained(attention_impl="xla")`` accept it.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas._dispatch import ALL_PLATFORMS, GPU_PLATFORMS, Implementation, Op
 from kernels_pallas.attention.metadata import AttentionMetadata, check_compatible, make_metadata
 from kernels_pallas.attention.reference import attention_reference
 
-IMPLEMENTATIONS = ("xla", "pallas", "cudnn", "auto")
 _WHERE = "kernels_pallas/attention/api.py"
 
 
-def _validate(q, k, v, segment_ids, sinks, implementation, sliding_window, logit_softcap):
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{_WHERE}: implementation={implementation!r}; use one of {IMPLEMENTATIONS}.")
+def _run_reference(q, k, v, segment_ids, metadata, kwargs):
+    del metadata
+    return attention_reference(q, k, v, segment_ids=segment_ids, **kwargs)
+
+
+def _run_pallas(q, k, v, segment_ids, metadata, kwargs):
+    from kernels_pallas.attention.flash import flash_attention
+
+    if metadata is None:
+        seg = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
+        metadata = make_metadata(seg, causal=kwargs["causal"], sliding_window=kwargs["sliding_window"])
+    return flash_attention(q, k, v, metadata, segment_ids=segment_ids, **kwargs)
+
+
+def _run_cudnn(q, k, v, segment_ids, metadata, kwargs):
+    del metadata
+    from kernels_pallas.attention.cudnn import cudnn_attention
+
+    return cudnn_attention(q, k, v, segment_ids=segment_ids, **kwargs)
+
+
+OP = Op(
+    name="attention",
+    where=_WHERE,
+    implementations=(
+        Implementation("reference", _run_reference, ALL_PLATFORMS, summary="masked softmax, [T, T] scores"),
+        Implementation("pallas", _run_pallas, GPU_PLATFORMS, interpret_platforms=("cpu",),
+                       summary="flash kernels (Triton), block-skipping metadata, custom VJP"),
+        Implementation("cudnn", _run_cudnn, GPU_PLATFORMS, summary="cuDNN fused attention"),
+    ),
+    # Device-level order only; on a GPU `auto` is refined per call by config.choose_implementation.
+    auto_order=("pallas", "reference"),
+    aliases={"xla": "reference"},
+)
+IMPLEMENTATIONS = OP.accepted
+
+
+def _validate(q, k, v, segment_ids, sinks, sliding_window, logit_softcap):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"{_WHERE}: q, k, v must be [B,T,H,D], [B,T,KV,D], [B,T,KV,D]; got "
@@ -50,7 +91,7 @@ def dot_product_attention(
     logit_softcap: float | None = None,
     sinks: jax.Array | None = None,
     scale: float | None = None,
-    implementation: str = "xla",
+    implementation: str | None = "reference",
 ) -> jax.Array:
     """Multi-head attention over packed rows. Returns [B,T,H,D] in q.dtype.
 
@@ -63,11 +104,13 @@ def dot_product_attention(
 
     ``metadata`` (from ``make_metadata``) is used by the kernels; when given
     without ``segment_ids`` its segment ids are used.  implementation:
-    "xla" (pure-JAX reference), "pallas" (flash kernels), "cudnn"
-    (jax.nn.dot_product_attention on cuDNN), "auto" (fastest measured that
-    supports the features).
+    "reference" (pure JAX, autodiff; "xla" is an old alias of it), "pallas"
+    (flash kernels; interpret mode off-GPU), "cudnn" (cuDNN), "auto" or None
+    (per call: the fastest measured implementation that supports the
+    features, config.choose_implementation).
     """
-    _validate(q, k, v, segment_ids, sinks, implementation, sliding_window, logit_softcap)
+    requested = OP.canonical(implementation)
+    _validate(q, k, v, segment_ids, sinks, sliding_window, logit_softcap)
     t = q.shape[1]
     if metadata is not None:
         check_compatible(metadata, t, causal, sliding_window, _WHERE)
@@ -77,41 +120,28 @@ def dot_product_attention(
         scale = q.shape[-1] ** -0.5
     kwargs = dict(causal=causal, sliding_window=sliding_window,
                   logit_softcap=logit_softcap, sinks=sinks, scale=float(scale))
-    if implementation == "auto":
+    if requested == "auto":
         from kernels_pallas.attention.config import choose_implementation
 
-        implementation = choose_implementation(
+        requested = choose_implementation(
             q.shape, k.shape, q.dtype, segment_ids is not None, **kwargs
         )
         dense_impl = choose_implementation(q.shape, k.shape, q.dtype, False, **kwargs)
-        if implementation == "pallas" and metadata is not None and dense_impl == "cudnn":
+        if requested == "pallas" and metadata is not None and dense_impl == "cudnn":
             # Packed rows go to the block-skipping Pallas kernel, but a batch whose rows are each one
             # segment is plain causal attention, where cuDNN's dense kernel is ~2x faster (measured,
             # config.MEASURED_FASTEST). `single_segment` is computed once per batch in the metadata;
             # the choice is made on the device, so one compiled step serves both kinds of batch.
             return _dense_or_packed(q, k, v, metadata, segment_ids, kwargs)
-    if implementation == "xla":
-        return attention_reference(q, k, v, segment_ids=segment_ids, **kwargs)
-    if implementation == "cudnn":
-        from kernels_pallas.attention.cudnn import cudnn_attention
-
-        return cudnn_attention(q, k, v, segment_ids=segment_ids, **kwargs)
-    from kernels_pallas.attention.flash import flash_attention
-
-    if metadata is None:
-        seg = segment_ids if segment_ids is not None else jnp.ones(q.shape[:2], jnp.int32)
-        metadata = make_metadata(seg, causal=causal, sliding_window=sliding_window)
-    return flash_attention(q, k, v, metadata, segment_ids=segment_ids, **kwargs)
+    impl = OP.resolve(requested)
+    return impl.fn(q, k, v, segment_ids, metadata, kwargs)
 
 
 def _dense_or_packed(q, k, v, metadata, segment_ids, kwargs):
-    from kernels_pallas.attention.cudnn import cudnn_attention
-    from kernels_pallas.attention.flash import flash_attention
-
     def dense(q, k, v):
-        return cudnn_attention(q, k, v, segment_ids=None, **kwargs)
+        return _run_cudnn(q, k, v, None, None, kwargs)
 
     def packed(q, k, v):
-        return flash_attention(q, k, v, metadata, segment_ids=segment_ids, **kwargs)
+        return _run_pallas(q, k, v, segment_ids, metadata, kwargs)
 
     return jax.lax.cond(metadata.single_segment, dense, packed, q, k, v)

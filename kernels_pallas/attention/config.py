@@ -47,25 +47,48 @@ class FlashConfig:
     dkdv: BlockConfig
 
 
-def default_flash_config(head_dim: int) -> FlashConfig:
-    """Defaults for Hopper (H100/H200).
+HEAD_DIMS = (64, 128, 256)
 
-    head_dim 128: winners of the sweep in scripts/bench_attention.py
-    (--tune-shape dense_8k, H200, docs/results/attention_h200.json).
-    head_dim 64 / 256: not swept; tilings that keep the fp32 accumulators
-    ([block, head_dim] per output) in registers, verified on the H200 by the
-    gpu tests in tests/test_attention.py.
+# Tilings measured or verified on an H200 (jax.devices()[0].device_kind "NVIDIA H200"), by head_dim.
+# head_dim 128: winners of the sweep in scripts/bench_attention.py (--tune-shape dense_8k,
+# docs/results/attention_h200.json).  head_dim 64 / 256: not swept; tilings that keep the fp32
+# accumulators ([block, head_dim] per output) in registers, verified on the H200 by the gpu tests in
+# tests/test_attention.py.
+H200_TILES: dict[int, FlashConfig] = {
+    64: FlashConfig(BlockConfig(128, 64, 4, 3), BlockConfig(64, 64, 4, 2), BlockConfig(64, 64, 4, 2)),
+    128: FlashConfig(BlockConfig(128, 128, 8, 3), BlockConfig(128, 32, 4, 3), BlockConfig(32, 64, 4, 3)),
+    256: FlashConfig(BlockConfig(64, 64, 8, 2), BlockConfig(32, 32, 4, 2), BlockConfig(32, 32, 8, 1)),
+}
+
+# Every other device (other GPUs, and CPU interpret mode): nothing was measured there, so small tiles and
+# at most two pipeline stages.  Counting a q tile plus two stages of k and v tiles in bf16, each kernel
+# needs <= 80 KiB of shared memory, under the ~100 KiB per block of sm_86/sm_89 GPUs (an estimate: these
+# tilings were run only on the H200, by tests/test_attention.py).
+CONSERVATIVE_TILES: dict[int, FlashConfig] = {
+    64: FlashConfig(BlockConfig(64, 64, 4, 2), BlockConfig(64, 64, 4, 2), BlockConfig(64, 64, 4, 2)),
+    128: FlashConfig(BlockConfig(64, 64, 4, 2), BlockConfig(64, 32, 4, 2), BlockConfig(32, 64, 4, 2)),
+    256: FlashConfig(BlockConfig(32, 32, 4, 2), BlockConfig(32, 32, 4, 2), BlockConfig(32, 32, 4, 1)),
+}
+
+
+def tiles_for(device_kind: str, head_dim: int) -> FlashConfig:
+    """Kernel tilings for a device (``jax.Device.device_kind``) and head_dim.
+
+    The measured table applies only where it was measured: a device kind containing "H200".  Any other
+    device gets ``CONSERVATIVE_TILES`` (correct everywhere; tiles only change speed).
     """
-    if head_dim not in (64, 128, 256):
+    if head_dim not in HEAD_DIMS:
         raise ValueError(
             f"{_WHERE}: head_dim={head_dim} is not supported by the Pallas kernels; "
-            "use 64, 128 or 256 (or implementation='xla')."
+            f"use one of {HEAD_DIMS} (or implementation='reference')."
         )
-    if head_dim == 64:
-        return FlashConfig(BlockConfig(128, 64, 4, 3), BlockConfig(64, 64, 4, 2), BlockConfig(64, 64, 4, 2))
-    if head_dim == 128:
-        return FlashConfig(BlockConfig(128, 128, 8, 3), BlockConfig(128, 32, 4, 3), BlockConfig(32, 64, 4, 3))
-    return FlashConfig(BlockConfig(64, 64, 8, 2), BlockConfig(32, 32, 4, 2), BlockConfig(32, 32, 8, 1))
+    table = H200_TILES if "H200" in str(device_kind) else CONSERVATIVE_TILES
+    return table[head_dim]
+
+
+def default_flash_config(head_dim: int) -> FlashConfig:
+    """Tilings for the default device (``jax.devices()[0]``): ``tiles_for(its device_kind, head_dim)``."""
+    return tiles_for(jax.devices()[0].device_kind, head_dim)
 
 
 def fit_to_metadata(cfg: FlashConfig, meta_block_q: int, meta_block_k: int) -> FlashConfig:
@@ -103,9 +126,9 @@ def supported_implementations(
     q_shape, k_shape, dtype, has_segments: bool, *, causal, sliding_window,
     logit_softcap, sinks, scale, backend: str | None = None,
 ) -> tuple[str, ...]:
-    """Implementations able to compute this call on the current backend."""
+    """Implementations able to compute this call natively on the current backend."""
     del k_shape, scale, has_segments
-    impls = ["xla"]
+    impls = ["reference"]
     on_gpu = (backend or jax.default_backend()) == "gpu"
     d = q_shape[-1]
     if on_gpu and d in (64, 128, 256):
@@ -122,7 +145,7 @@ def choose_implementation(
 ) -> str:
     """Pick, per shape, the measured-fastest implementation supporting the call.
 
-    Off-GPU this is always "xla" (Pallas interpret mode is a test vehicle, not a
+    Off-GPU this is always "reference" (Pallas interpret mode is a test vehicle, not a
     fast path).  On GPU: look up MEASURED_FASTEST at the nearest measured T for
     the layout; fall back to "pallas".  Packed rows therefore always get
     "pallas" (measured fastest, and cuDNN's packed backward ran out of memory).
@@ -132,7 +155,7 @@ def choose_implementation(
         logit_softcap=logit_softcap, sinks=sinks, scale=scale, backend=backend,
     )
     if "pallas" not in impls:
-        return "cudnn" if "cudnn" in impls else "xla"
+        return "cudnn" if "cudnn" in impls else "reference"
     # Segments take precedence: the packed path of cuDNN was only measured with a
     # known segment count, while the API cannot bound it (it would use M = T).
     layout = "packed" if has_segments else ("window" if sliding_window is not None else "dense")

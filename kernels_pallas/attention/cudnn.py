@@ -48,10 +48,10 @@ def cudnn_attention(
     if logit_softcap is not None or sinks is not None:
         raise ValueError(
             f"{_WHERE}: cuDNN attention supports neither logit_softcap nor sinks; "
-            "use implementation='pallas' or 'xla'."
+            "use implementation='pallas' or 'reference'."
         )
     if sliding_window is not None and not causal:
-        raise ValueError(f"{_WHERE}: cuDNN sliding windows need causal=True; use 'pallas' or 'xla'.")
+        raise ValueError(f"{_WHERE}: cuDNN sliding windows need causal=True; use 'pallas' or 'reference'.")
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"{_WHERE}: cuDNN flash attention needs bf16/fp16 inputs, got {q.dtype}.")
     d = q.shape[-1]

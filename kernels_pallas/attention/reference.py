@@ -1,4 +1,4 @@
-"""Pure-JAX reference attention (the ``implementation="xla"`` path).
+"""Pure-JAX reference attention (the ``implementation="reference"`` path; "xla" is its old alias).
 
 Math, for one batch row b, query token t and head h (KV head kv = h // G with
 G = H // KV query heads per KV head):

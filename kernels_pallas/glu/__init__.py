@@ -3,7 +3,7 @@
 Public API: swiglu(gate, up, *, implementation="xla"), swiglu_reference(gate, up).
 """
 
-from .api import IMPLEMENTATIONS, swiglu
+from .api import IMPLEMENTATIONS, OP, swiglu
 from .reference import swiglu_reference
 
-__all__ = ["IMPLEMENTATIONS", "swiglu", "swiglu_reference"]
+__all__ = ["IMPLEMENTATIONS", "OP", "swiglu", "swiglu_reference"]

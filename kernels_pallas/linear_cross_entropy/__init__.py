@@ -5,12 +5,13 @@ Public API:
                        *, logit_softcap=None, chunk_size=None,
                        implementation="xla") -> fp32 scalar sum_i w_i * CE_i
   linear_cross_entropy_reference(...)   naive full-logits definition
-  LinearCrossEntropyConfig, DEFAULT_CONFIG, default_chunk_size
+  OP   the op's implementations ("xla", "reference"; kernels_pallas._dispatch.Op)
+  LinearCrossEntropyConfig, DEFAULT_CONFIG, default_chunk_size, config_for, tiles_for
   max_intermediate_elements, iter_eqns, find_eqns   jaxpr memory checks
 """
 
-from .api import IMPLEMENTATIONS, linear_cross_entropy
-from .config import DEFAULT_CONFIG, LinearCrossEntropyConfig, default_chunk_size
+from .api import IMPLEMENTATIONS, OP, linear_cross_entropy
+from .config import DEFAULT_CONFIG, LinearCrossEntropyConfig, config_for, default_chunk_size, tiles_for
 from .jaxpr_stats import find_eqns, iter_eqns, max_intermediate_elements
 from .reference import linear_cross_entropy_reference
 
@@ -18,10 +19,13 @@ __all__ = [
     "DEFAULT_CONFIG",
     "IMPLEMENTATIONS",
     "LinearCrossEntropyConfig",
+    "OP",
+    "config_for",
     "default_chunk_size",
     "find_eqns",
     "iter_eqns",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "max_intermediate_elements",
+    "tiles_for",
 ]

@@ -6,7 +6,9 @@
 
 with ``softcap(x) = c * tanh(x / c)`` when ``logit_softcap = c`` is set and the
 identity otherwise.  See ``reference.py`` for the naive definition and
-``xla.py`` for the chunked algorithm and its gradient.
+``xla.py`` for the chunked algorithm and its gradient.  ``OP`` is the op's
+registry (names as in ``kernels_pallas/_dispatch.py``): "xla" (chunked, custom
+VJP) and "reference" (full logits, autodiff); "auto"/None picks "xla".
 """
 
 from __future__ import annotations
@@ -18,13 +20,39 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from .config import DEFAULT_CONFIG, default_chunk_size
+from kernels_pallas._dispatch import ALL_PLATFORMS, Implementation, Op
+
+from .config import tiles_for
 from .reference import linear_cross_entropy_reference
 from .xla import linear_cross_entropy_xla
 
-IMPLEMENTATIONS = ("xla", "reference")
-
 _WHERE = "kernels_pallas/linear_cross_entropy/api.py: linear_cross_entropy"
+
+
+def _run_reference(hidden, weight, targets, weights, *, logit_softcap, chunk_size):
+    del chunk_size  # one [N, V] block by definition
+    return linear_cross_entropy_reference(hidden, weight, targets, weights, logit_softcap=logit_softcap)
+
+
+def _run_xla(hidden, weight, targets, weights, *, logit_softcap, chunk_size):
+    n, vocab = hidden.shape[0], weight.shape[1]
+    if chunk_size is None:
+        chunk_size = tiles_for(jax.devices()[0].device_kind, n, vocab)
+    return linear_cross_entropy_xla(
+        hidden, weight, targets, weights, chunk_size=min(int(chunk_size), n), logit_softcap=logit_softcap
+    )
+
+
+OP = Op(
+    name="linear_cross_entropy",
+    where="kernels_pallas/linear_cross_entropy/api.py",
+    implementations=(
+        Implementation("reference", _run_reference, ALL_PLATFORMS, summary="full [N, V] fp32 logits"),
+        Implementation("xla", _run_xla, ALL_PLATFORMS, summary="token chunks, custom VJP"),
+    ),
+    auto_order=("xla", "reference"),
+)
+IMPLEMENTATIONS = OP.accepted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +61,7 @@ class _Options:
 
     logit_softcap: float | None
     chunk_size: int | None
-    implementation: str
+    implementation: str | None
 
     def __post_init__(self) -> None:
         cap = self.logit_softcap
@@ -58,11 +86,7 @@ class _Options:
                 f"{_WHERE}: chunk_size must be None (default from config.py) or a "
                 f"positive int number of tokens per chunk, got {size!r}."
             )
-        if self.implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"{_WHERE}: implementation must be one of {IMPLEMENTATIONS}, got "
-                f"{self.implementation!r}."
-            )
+        OP.canonical(self.implementation)  # one-line error for an unknown name
 
 
 def _check_arrays(hidden, weight, targets, weights) -> None:
@@ -108,7 +132,7 @@ def linear_cross_entropy(
     *,
     logit_softcap: float | None = None,
     chunk_size: int | None = None,
-    implementation: str = "xla",
+    implementation: str | None = "xla",
 ) -> jax.Array:
     """Weighted sum of token cross-entropies of ``hidden @ weight``.
 
@@ -122,10 +146,12 @@ def linear_cross_entropy(
         is a plain weighted sum: divide by ``weights.sum()`` for a mean.
       logit_softcap: optional ``c``: logits become ``c * tanh(x / c)``.
       chunk_size: tokens per chunk (xla implementation).  ``None`` picks
-        ``config.default_chunk_size(N, V)``: one chunk's fp32 logits stay
-        under ``DEFAULT_CONFIG.logits_chunk_bytes`` (256 MiB).
-      implementation: ``"xla"`` (chunked, custom VJP; never holds ``[N, V]``)
-        or ``"reference"`` (naive full logits; for tests and benchmarks).
+        ``config.tiles_for(device_kind, N, V)``: one chunk's fp32 logits stay
+        under the device's ``logits_chunk_bytes`` (256 MiB on an H200, 64 MiB
+        elsewhere).
+      implementation: ``"xla"`` (chunked, custom VJP; never holds ``[N, V]``),
+        ``"reference"`` (naive full logits; for tests and benchmarks), or
+        ``"auto"``/None (``"xla"``).
 
     Returns:
       fp32 scalar ``sum_i weights_i * CE_i``.  Differentiable w.r.t.
@@ -137,14 +163,6 @@ def linear_cross_entropy(
     targets, weights = jnp.asarray(targets), jnp.asarray(weights)
     _check_arrays(hidden, weight, targets, weights)
     targets = targets.astype(jnp.int32)
-    if options.implementation == "reference":
-        return linear_cross_entropy_reference(
-            hidden, weight, targets, weights, logit_softcap=options.logit_softcap
-        )
-    n, vocab = hidden.shape[0], weight.shape[1]
-    chunk = options.chunk_size
-    chunk = default_chunk_size(n, vocab, DEFAULT_CONFIG) if chunk is None else min(int(chunk), n)
-    return linear_cross_entropy_xla(
-        hidden, weight, targets, weights,
-        chunk_size=chunk, logit_softcap=options.logit_softcap,
-    )
+    impl = OP.resolve(options.implementation)
+    return impl.fn(hidden, weight, targets, weights,
+                   logit_softcap=options.logit_softcap, chunk_size=options.chunk_size)

@@ -23,48 +23,11 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from .api import IMPLEMENTATIONS, linear_cross_entropy
-from .config import default_chunk_size
+from .api import OP, linear_cross_entropy
+from .config import tiles_for
+from .shapes import SHAPES, SMOKE_SHAPE, BenchShape
 
 MODES = ("forward", "grad_hidden", "grad_hidden_weight")
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchShape:
-    """One problem size: ``hidden [num_tokens, hidden]``, ``weight [hidden, vocab]``."""
-
-    name: str
-    num_tokens: int
-    hidden: int
-    vocab: int
-    dtype: str = "bfloat16"
-    logit_softcap: float | None = None
-
-    def __post_init__(self) -> None:
-        for field in ("num_tokens", "hidden", "vocab"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(
-                    f"kernels_pallas/linear_cross_entropy/bench.py: BenchShape "
-                    f"{self.name!r}.{field} must be a positive int, got {value!r}."
-                )
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(
-                f"kernels_pallas/linear_cross_entropy/bench.py: BenchShape "
-                f"{self.name!r}.dtype must be 'bfloat16' or 'float32', got {self.dtype!r}."
-            )
-
-    @property
-    def full_logits_bytes(self) -> int:
-        return self.num_tokens * self.vocab * 4
-
-
-SHAPES: tuple[BenchShape, ...] = (
-    BenchShape("llama3-8b", 16384, 4096, 128256),
-    BenchShape("qwen3-8b", 16384, 4096, 151936),
-    BenchShape("gemma2-9b-softcap", 16384, 3584, 256000, logit_softcap=30.0),
-)
-SMOKE_SHAPE = BenchShape("smoke", 300, 32, 1000, dtype="float32", logit_softcap=30.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +89,7 @@ def run_one(
     inputs=None,
 ) -> BenchResult:
     """Compiles, warms up and times one configuration (median of ``iters``)."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"bench.py: implementation must be one of {IMPLEMENTATIONS}.")
+    OP.canonical(implementation)  # one-line error naming the choices
     if mode not in MODES:
         raise ValueError(f"bench.py: mode must be one of {MODES}, got {mode!r}.")
     if iters < 1 or warmup < 0:
@@ -149,7 +111,7 @@ def run_one(
     loss = out if mode == "forward" else out[0]
     used_chunk = (
         None if implementation == "reference"
-        else chunk_size or default_chunk_size(shape.num_tokens, shape.vocab)
+        else chunk_size or tiles_for(jax.devices()[0].device_kind, shape.num_tokens, shape.vocab)
     )
     return BenchResult(
         shape=shape.name,

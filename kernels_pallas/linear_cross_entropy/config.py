@@ -43,7 +43,24 @@ class LinearCrossEntropyConfig:
                 )
 
 
-DEFAULT_CONFIG = LinearCrossEntropyConfig()
+# Measured on an H200 (docs/benchmarks.md section 4 and the training runs): 256 MiB chunks, ~512 tokens
+# of a 128k vocabulary per matmul.
+H200_CONFIG = LinearCrossEntropyConfig()
+DEFAULT_CONFIG = H200_CONFIG
+# Any other device: nothing measured, so a quarter of the H200 budget (64 MiB per fp32 logits block,
+# ~128 tokens of a 128k vocabulary), which leaves room on GPUs with a fraction of the H200's memory.
+CONSERVATIVE_CONFIG = LinearCrossEntropyConfig(logits_chunk_bytes=64 * _MIB)
+
+
+def config_for(device_kind: str) -> LinearCrossEntropyConfig:
+    """The chunking config of a device (``jax.Device.device_kind``): ``H200_CONFIG`` where the kind
+    contains "H200" (the only device it was measured on), ``CONSERVATIVE_CONFIG`` elsewhere."""
+    return H200_CONFIG if "H200" in str(device_kind) else CONSERVATIVE_CONFIG
+
+
+def tiles_for(device_kind: str, num_tokens: int, vocab_size: int) -> int:
+    """Tokens per chunk for this device and problem: ``default_chunk_size`` under ``config_for``."""
+    return default_chunk_size(num_tokens, vocab_size, config_for(device_kind))
 
 
 def default_chunk_size(

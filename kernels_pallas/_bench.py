@@ -1,0 +1,55 @@
+"""Timing helper shared by the elementwise ops' benchmarks (rmsnorm/bench.py, glu/bench.py).
+
+Each benchmark times, per implementation of the op's registry, the jitted forward+backward
+(``jax.vjp`` then the pullback) on the op's shared shapes and reports the compiled temporary memory,
+so the custom VJP's saving of residuals shows next to its speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    op: str
+    shape: str
+    implementation: str
+    milliseconds: float
+    temp_bytes: int | None
+
+
+def time_fwd_bwd(op: str, shape: str, implementation: str, fn: Callable, args: Sequence[jax.Array],
+                 *, iters: int = 10, warmup: int = 2) -> Timing:
+    """Median wall time of ``vjp(fn, *args)`` and its pullback on ones, compiled once."""
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"kernels_pallas/_bench.py: need iters >= 1 and warmup >= 0, got {iters}, {warmup}.")
+
+    def step(*a):
+        out, pullback = jax.vjp(fn, *a)
+        return out, pullback(jax.numpy.ones_like(out))
+
+    compiled = jax.jit(step).lower(*args).compile()
+    analysis = compiled.memory_analysis()
+    temp = None if analysis is None else int(analysis.temp_size_in_bytes)
+    for _ in range(warmup):
+        jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return Timing(op, shape, implementation, 1e3 * times[len(times) // 2], temp)
+
+
+def format_timings(rows: Sequence[Timing]) -> str:
+    lines = [f"{'op':<10} {'shape':<16} {'impl':<10} {'fwd+bwd ms':>11} {'temp MiB':>9}"]
+    for r in rows:
+        temp = "n/a" if r.temp_bytes is None else f"{r.temp_bytes / 2**20:.1f}"
+        lines.append(f"{r.op:<10} {r.shape:<16} {r.implementation:<10} {r.milliseconds:>11.3f} {temp:>9}")
+    return "\n".join(lines)
