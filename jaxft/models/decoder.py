@@ -111,7 +111,7 @@ class Decoder(nnx.Module):
     def hidden_states(self, input_ids, positions=None, segment_ids=None, *, dropout_rng=None) -> jax.Array:
         """Final-normed hidden states [B, T, H] (what the LM head, or a fused loss, consumes)."""
         ctx = self.batch_context(input_ids, positions, segment_ids)
-        x = self.embed.embedding[...][ctx["input_ids"]].astype(self.dtype)
+        x = self.embed_tokens(ctx["input_ids"])
         graphdef, state = nnx.split(self.layers)
         unrolled = is_unstacked(state)
         for start, end, window in _layer_runs(self.config.layer_windows):
@@ -150,6 +150,10 @@ class Decoder(nnx.Module):
         }[self.remat]
         return jax.checkpoint(layer_fn, policy=policy, prevent_cse=prevent_cse)
 
+    def embed_tokens(self, input_ids) -> jax.Array:
+        """Token embeddings [B, T, H] in the activation dtype."""
+        return self.embed.embedding[...][input_ids].astype(self.dtype)
+
     def head_weight(self) -> jax.Array:
         """The LM head as [H, V] (the tied embedding transposed when `tie_word_embeddings`)."""
         if self.lm_head is None:
@@ -157,9 +161,12 @@ class Decoder(nnx.Module):
         return self.lm_head.kernel[...]
 
     def __call__(self, input_ids, positions=None, segment_ids=None, *, dropout_rng=None) -> jax.Array:
-        x = self.hidden_states(input_ids, positions, segment_ids, dropout_rng=dropout_rng)
+        return self.logits(self.hidden_states(input_ids, positions, segment_ids, dropout_rng=dropout_rng))
+
+    def logits(self, x) -> jax.Array:
+        """LM-head logits [..., V] of final-normed hidden states [..., H] (tied embedding or lm_head)."""
         if self.lm_head is None:
-            return jnp.einsum("bth,vh->btv", x, self.embed.embedding[...].astype(x.dtype))
+            return jnp.einsum("...h,vh->...v", x, self.embed.embedding[...].astype(x.dtype))
         return self.lm_head(x)
 
 

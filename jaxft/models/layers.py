@@ -148,13 +148,18 @@ class Attention(nnx.Module):
         return (q.reshape(b, t, self.num_heads, self.head_dim), k.reshape(b, t, self.num_kv_heads, self.head_dim),
                 v.reshape(b, t, self.num_kv_heads, self.head_dim))
 
-    def attend(self, q, k, v, ctx: dict[str, Any]) -> jax.Array:
-        """(q/k norm,) RoPE and attention: [B,T,H,D]."""
+    def rotate(self, q, k, ctx: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
+        """(q/k norm and) RoPE with the tables ctx["cos"], ctx["sin"]: what attention sees of q and k."""
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         with jax.named_scope("rope"):
             q = apply_rope(q, ctx["cos"], ctx["sin"])
             k = apply_rope(k, ctx["cos"], ctx["sin"])
+        return q, k
+
+    def attend(self, q, k, v, ctx: dict[str, Any]) -> jax.Array:
+        """(q/k norm,) RoPE and attention: [B,T,H,D]."""
+        q, k = self.rotate(q, k, ctx)
         with jax.named_scope("attention"):
             return ctx["attend"](q, k, v)
 
@@ -215,6 +220,22 @@ class DecoderLayer(nnx.Module):
         h = x + _recompute(lambda o: self.attn.output(o, ra), pc)(self.attn.attend(q, k, v, ctx))
         gate, up = _recompute(lambda h: self.mlp.gate_up(self.post_attn_norm(h), rm), pc)(h)
         return h + _recompute(lambda g, u: self.mlp.act_down(g, u, rm), pc)(gate, up)
+
+    def cached(self, x, ctx: dict[str, Any], cache):
+        """Inference forward of new tokens x [B,T,H] against a KV cache: `(x, cache)`.
+
+        The same modules and math as `__call__` (no dropout, nothing to recompute without a backward pass);
+        attention is `ctx["attend_cached"](q, k, v, cache) -> (o, cache)`, which stores the new tokens'
+        rotated k/v in the cache and attends over it (see `jaxft.generation.kv_cache`).
+        """
+        none = (None,) * 4
+        q, k, v = self.attn.project(self.input_norm(x), none)
+        q, k = self.attn.rotate(q, k, ctx)
+        with jax.named_scope("attention"):
+            o, cache = ctx["attend_cached"](q, k, v, cache)
+        h = x + self.attn.output(o, none)
+        gate, up = self.mlp.gate_up(self.post_attn_norm(h), none)
+        return h + self.mlp.act_down(gate, up, none), cache
 
 
 def linears(module: nnx.Module):

@@ -1,0 +1,9 @@
+"""Text generation with a KV cache: `generate` (strings or chats in, completions out) and `generate_ids`.
+
+See `engine` for the compiled prefill + decode loop and the shape buckets, `kv_cache` for the cached
+forward pass, `sampling` for greedy / top-p sampling, `text` for prompt rendering and stop tokens.
+"""
+
+from jaxft.generation.engine import Generation, GenerationError, generate_ids, model_stop_ids, run_generation
+
+__all__ = ["Generation", "GenerationError", "generate_ids", "model_stop_ids", "run_generation"]

@@ -1,0 +1,115 @@
+"""The decoder's forward pass over new tokens with a key/value cache.
+
+Cache layout: `{"k": K, "v": V}` with K, V of shape [layers, batch, max_len, kv_heads, head_dim] in the model
+dtype when the layer weights are stacked, or tuples of per-layer [batch, max_len, kv_heads, head_dim] arrays
+when they are unstacked (`jaxft.train.unstack_layers`): the cache follows the weights, so stacked layers are
+scanned (compile time independent of depth) and unstacked ones unrolled, as in `Decoder.hidden_states`.
+
+Slot u of a row holds the rotated k/v of that row's token at position u. Prompts are right-padded, so a
+row's positions are 0, 1, ... exactly as if it ran alone, and every row writes its new token at its own
+position. Attention of a query at position p reads slots u with p - window < u <= p: pad tokens of the
+prefill sit in slots at or beyond the row's length, and each of those is overwritten by the decoded token
+of that position before any query can see it, so no separate validity mask is needed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxft.models.decoder import Decoder, is_unstacked, layer_slice
+from jaxft.models.rope import rope_tables
+from kernels_pallas.attention.reference import MASK_VALUE
+
+# Window of a full-attention layer inside the layer scan (windows are scanned over as data there).
+NO_WINDOW = 2**30
+
+
+def init_cache(model: Decoder, batch: int, max_len: int) -> dict:
+    """A zero cache for `batch` rows of `max_len` slots, stacked or per layer like the model's weights."""
+    cfg = model.config
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    if is_unstacked(nnx.state(model.layers)):
+        return {name: tuple(jnp.zeros(shape, model.dtype) for _ in range(cfg.num_layers)) for name in "kv"}
+    return {name: jnp.zeros((cfg.num_layers, *shape), model.dtype) for name in "kv"}
+
+
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                     window) -> jax.Array:
+    """q [B,T,H,D] at `positions` [B,T] over cache slots [B,S,KV,D]: causal, left window, fp32 softmax.
+
+    The math of `kernels_pallas.attention.reference.attention_reference` (scale D^-1/2, GQA by grouping
+    the query heads, scores, softmax and P@V in fp32), with the mask built from each query's absolute
+    position instead of segment ids. `window` may be traced (one value per scanned layer).
+    """
+    b, t, h, d = q.shape
+    s, kvh = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    scores = scores * jnp.float32(d ** -0.5)
+    diff = positions[:, :, None] - jnp.arange(s, dtype=jnp.int32)[None, None, :]  # [B, T, S]
+    keep = (diff >= 0) & (diff < window)
+    scores = jnp.where(keep[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(jnp.float32),
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def _layer_attention(positions, rows, index, window):
+    """`attend_cached` for one layer: `index` selects the layer of a stacked cache (None: a per-layer one)."""
+    def attend_cached(q, k, v, cache):
+        k_buf, v_buf = cache
+        if index is None:
+            k_buf = k_buf.at[rows, positions].set(k.astype(k_buf.dtype))
+            v_buf = v_buf.at[rows, positions].set(v.astype(v_buf.dtype))
+            k_layer, v_layer = k_buf, v_buf
+        else:
+            # Only the new tokens' slots are written; the loop carries the whole stacked cache in place.
+            k_buf = k_buf.at[index, rows, positions].set(k.astype(k_buf.dtype))
+            v_buf = v_buf.at[index, rows, positions].set(v.astype(v_buf.dtype))
+            k_layer, v_layer = k_buf[index], v_buf[index]
+        return cached_attention(q, k_layer, v_layer, positions, window), (k_buf, v_buf)
+
+    return attend_cached
+
+
+def forward(model: Decoder, input_ids: jax.Array, positions: jax.Array, cache: dict,
+            rope_positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """Final-normed hidden states [B,T,H] of tokens `input_ids` [B,T] at `positions` [B,T], and the cache
+    with their k/v written at those positions.
+
+    `rope_positions` (default `positions`) feed the RoPE tables only: the prefill passes 0 for pad tokens so
+    that dynamic RoPE, which rescales theta from the largest position in the call (as transformers does),
+    sees only real tokens.
+    """
+    cfg = model.config
+    positions = jnp.asarray(positions, jnp.int32)
+    rope_positions = positions if rope_positions is None else jnp.asarray(rope_positions, jnp.int32)
+    cos, sin = rope_tables(rope_positions, cfg.rope, cfg.head_dim, cfg.max_position_embeddings, model.dtype)
+    rows = jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None]
+    x = model.embed_tokens(jnp.asarray(input_ids, jnp.int32))
+    graphdef, state = nnx.split(model.layers)
+
+    def layer_ctx(index, window):
+        return dict(cos=cos, sin=sin, attend_cached=_layer_attention(positions, rows, index, window))
+
+    if is_unstacked(state):
+        k_all, v_all = list(cache["k"]), list(cache["v"])
+        for i, window in enumerate(cfg.layer_windows):
+            layer = nnx.merge(graphdef, layer_slice(state, i))
+            x, (k_all[i], v_all[i]) = layer.cached(x, layer_ctx(None, window or NO_WINDOW), (k_all[i], v_all[i]))
+        return model.final_norm(x), {"k": tuple(k_all), "v": tuple(v_all)}
+
+    windows = jnp.asarray([w or NO_WINDOW for w in cfg.layer_windows], jnp.int32)
+
+    def body(carry, xs):
+        x, k_all, v_all = carry
+        layer_state, index, window = xs
+        x, (k_all, v_all) = nnx.merge(graphdef, layer_state).cached(x, layer_ctx(index, window), (k_all, v_all))
+        return (x, k_all, v_all), None
+
+    indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k_all, v_all), _ = jax.lax.scan(body, (x, cache["k"], cache["v"]), (state, indices, windows))
+    return model.final_norm(x), {"k": k_all, "v": v_all}
