@@ -8,6 +8,7 @@ Public API:
 """
 
 from jaxft.config import ConfigError, ModelConfig, RopeConfig
+from jaxft.generation import generate
 from jaxft.io import from_pretrained, save_pretrained
 from jaxft.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
 from jaxft.models import Decoder, LoraParam, init_model
@@ -24,6 +25,7 @@ __all__ = [
     "ModelConfig",
     "RopeConfig",
     "from_pretrained",
+    "generate",
     "init_model",
     "save_pretrained",
 ]

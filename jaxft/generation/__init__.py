@@ -5,5 +5,7 @@ forward pass, `sampling` for greedy / top-p sampling, `text` for prompt renderin
 """
 
 from jaxft.generation.engine import Generation, GenerationError, generate_ids, model_stop_ids, run_generation
+from jaxft.generation.text import decode_completion, encode_prompt, generate, normalize_prompts, stop_ids
 
-__all__ = ["Generation", "GenerationError", "generate_ids", "model_stop_ids", "run_generation"]
+__all__ = ["Generation", "GenerationError", "decode_completion", "encode_prompt", "generate", "generate_ids",
+           "model_stop_ids", "normalize_prompts", "run_generation", "stop_ids"]
