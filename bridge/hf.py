@@ -29,7 +29,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from bridge.errors import CheckpointError
+from bridge.errors import CheckpointError, hub_id_hint, python_command
 from bridge.mappings.schema import Row, Table, validate_table
 from bridge.safetensors_io import PendingTensor, TensorInfo, read_header, read_into, write_file
 from bridge.tree import flatten_tree, unflatten_tree  # re-exported: bridge.hf is the one-stop I/O module
@@ -52,10 +52,11 @@ _LOAD_THREADS = 8
 _LIST_LIMIT = 25  # how many offending names an error message lists
 _FLOATS = tuple(np.dtype(d) for d in (np.float32, np.float16, np.float64, ml_dtypes.bfloat16))
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-_CONVERT_HINT = (
-    'convert it once with: python -c "from transformers import AutoModelForCausalLM as M; '
-    "M.from_pretrained('DIR').save_pretrained('OUT', safe_serialization=True)\" "
-    "(this unpickles, so only run it on files you trust), then load OUT"
+# Model and tokenizer both: the converted directory must load in jaxft as it is. dtype="auto" keeps the
+# stored precision (transformers would otherwise load, and save, float32).
+_CONVERT_CODE = (
+    "from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; "
+    'M.from_pretrained({DIR}, dtype="auto").save_pretrained({OUT}); T.from_pretrained({DIR}).save_pretrained({OUT})'
 )
 _LM_HEAD = ("lm_head", "kernel")
 _EMBED = ("embed", "embedding")
@@ -81,7 +82,8 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """Read ``<path>/config.json`` (or ``path`` itself if it is a file) as a dict."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist; pass a local HF model directory")
+        hint = hub_id_hint(path) or "; pass a local HF model directory"
+        raise CheckpointError(f"checkpoint path {path} does not exist{hint}")
     file = path if path.is_file() else path / CONFIG_NAME
     if not file.is_file():
         raise CheckpointError(
@@ -144,7 +146,7 @@ def _listing(items: list[str]) -> str:
 def _checkpoint_files(root: Path) -> list[Path]:
     """The safetensors files of a checkpoint dir (via the index if there is one)."""
     if not root.exists():
-        raise CheckpointError(f"checkpoint directory {root} does not exist")
+        raise CheckpointError(f"checkpoint directory {root} does not exist{hub_id_hint(root)}")
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a directory; pass the HF model directory that holds it")
     index = root / INDEX_FILE
@@ -168,9 +170,11 @@ def _checkpoint_files(root: Path) -> list[Path]:
         return [root / SINGLE_FILE]
     pickles = sorted(p.name for p in root.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     if pickles:
+        out = root.with_name(root.name + "-safetensors")
         raise CheckpointError(
             f"{root} holds only pickle checkpoints ({', '.join(pickles[:5])}); these are refused because "
-            f"unpickling runs arbitrary code. {_CONVERT_HINT.replace('DIR', str(root))}"
+            f"unpickling runs arbitrary code. Convert it once with `{python_command(_CONVERT_CODE, DIR=root, OUT=out)}` "
+            f"(transformers unpickles it: only run this on files you trust), then load {out}"
         )
     others = sorted(p.name for p in root.glob("*.safetensors"))
     found = f" (found {', '.join(others[:5])}: not an HF model file name)" if others else ""

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from bridge.errors import CheckpointError
+from bridge.errors import CheckpointError, hub_id_hint, python_command
 from bridge.safetensors_io import PendingTensor, read_header, read_into, write_file
 
 __all__ = [
@@ -64,6 +64,13 @@ KEY_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers m
 ALL_LINEAR = "all-linear"
 _SUFFIX_A, _SUFFIX_B = ".lora_A.weight", ".lora_B.weight"
 _PICKLED = ("adapter_model.bin", "adapter_model.pt")
+# A PEFT pickle is a plain state dict under the same keys as the safetensors file, so torch.load with
+# weights_only=True (tensors only, no arbitrary objects) reads it and save_file writes it unchanged.
+_CONVERT_CODE = (
+    "import torch; from safetensors.torch import save_file; "
+    "state = torch.load({SRC}, map_location=\"cpu\", weights_only=True); "
+    "save_file({k: v.contiguous() for k, v in state.items()}, {OUT}, metadata={\"format\": \"pt\"})"
+)
 
 
 class AdapterError(CheckpointError):
@@ -331,7 +338,8 @@ def load_adapter(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tup
     root = Path(path)
     cfg_file, weights_file = root / ADAPTER_CONFIG_NAME, root / ADAPTER_WEIGHTS_NAME
     if not root.is_dir():
-        raise AdapterError(f"adapter path {root} is not a directory; pass the folder holding {ADAPTER_CONFIG_NAME}")
+        hint = hub_id_hint(root) or f"; pass the folder holding {ADAPTER_CONFIG_NAME}"
+        raise AdapterError(f"adapter path {root} is not a directory{hint}")
     if not cfg_file.is_file():
         raise AdapterError(f"{root} has no {ADAPTER_CONFIG_NAME}; is this a PEFT adapter directory?")
     try:
@@ -341,8 +349,11 @@ def load_adapter(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tup
     cfg = check_adapter_config(raw, cfg_file)
     if not weights_file.is_file():
         pickled = [p for p in _PICKLED if (root / p).is_file()]
-        hint = (f" (found {pickled[0]}: a pickle; re-save it with PeftModel.save_pretrained(DIR, "
-                "safe_serialization=True), only if you trust the file)") if pickled else ""
+        hint = ""
+        if pickled:
+            command = python_command(_CONVERT_CODE, SRC=root / pickled[0], OUT=weights_file)
+            hint = (f" (found {pickled[0]}: a pickle, refused because unpickling can run code); convert it "
+                    f"once with `{command}` (it writes {ADAPTER_WEIGHTS_NAME} beside it), then load {root}")
         raise AdapterError(f"{root} has no {ADAPTER_WEIGHTS_NAME}{hint}")
 
     infos, _ = read_header(weights_file)

@@ -37,6 +37,7 @@ from typing import Any, Iterable, Literal
 
 import numpy as np
 
+from bridge.errors import hub_id_hint
 from jaxft.data.errors import (
     ChatTemplateError,
     DataConfigError,
@@ -90,7 +91,8 @@ def load_tokenizer(path: str | Path):
     """``transformers.AutoTokenizer.from_pretrained`` on a local model directory, with clear errors."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise DataPathError(f"tokenizer/model directory {str(p)!r} does not exist; fix the model path")
+        hint = hub_id_hint(path) or "; fix the model path"
+        raise DataPathError(f"tokenizer/model directory {str(p)!r} does not exist{hint}")
     from transformers import AutoTokenizer  # deferred: importing transformers is slow
 
     try:

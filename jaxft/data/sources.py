@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bridge.errors import hub_id_hint
 from jaxft.data.errors import DataFormatError, DataPathError, one_line
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -82,7 +83,8 @@ def data_files(path: str | Path, *, split: str | None = None) -> list[Path]:
     """The data files that ``path`` stands for, in reading order."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise DataPathError(f"data path {str(p)!r} does not exist; fix the path ({_HINT})")
+        hint = hub_id_hint(path, repo_type="dataset") or f"; fix the path ({_HINT})"
+        raise DataPathError(f"data path {str(p)!r} does not exist{hint}")
     if p.is_file():
         if p.suffix.lower() not in _SUFFIXES:
             raise DataPathError(f"{p}: unsupported file type {p.suffix!r}; {_HINT}")

@@ -192,10 +192,14 @@ class TrainConfig:
                                       "block-diagonal attention (no cross-document attention), so it is exact")
 
     def _check_paths(self):
+        from bridge.errors import hub_id_hint  # deferred: bridge imports numpy
+
         for key in ("model_name_or_path", "dataset", "eval_dataset"):
             value = getattr(self, key)
             if value is not None and not Path(value).expanduser().exists():
-                raise TrainConfigError(f"key {key!r}: path {value!r} does not exist; fix the path")
+                # A Hub id ("meta-llama/Llama-3.2-1B") gets the download command: nothing is fetched here.
+                hint = hub_id_hint(value, repo_type="model" if key == "model_name_or_path" else "dataset")
+                raise TrainConfigError(f"key {key!r}: path {value!r} does not exist{hint or '; fix the path'}")
         if not (Path(self.model_name_or_path).expanduser() / "config.json").is_file():
             raise TrainConfigError(
                 f"key 'model_name_or_path': {self.model_name_or_path!r} has no config.json; give a local Hugging "
