@@ -1,0 +1,115 @@
+"""Ctrl-C / SIGTERM end a run with a checkpoint and a resume hint (no traceback); one writer per output_dir."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jaxft.train import TrainConfig, TrainConfigError, read_metrics, train
+from jaxft.train.guard import LOCK_NAME
+from test_train_fixtures import make_jsonl, make_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 400  # far more than the test lets run: the signal always arrives mid-run
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("interrupt")
+    make_tiny_model(d / "model")
+    make_jsonl(d / "train.jsonl", 60, seed=0)
+    return d
+
+
+def _config(d: Path, name: str, **extra) -> Path:
+    cfg = dict(model_name_or_path=str(d / "model"), dataset=str(d / "train.jsonl"), output_dir=str(d / name),
+               max_seq_length=64, per_device_train_batch_size=2, max_steps=STEPS, logging_steps=1, save_steps=1000,
+               lora_r=4, bf16=False, disable_tqdm=True, report_to="none", **extra)
+    path = d / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+def _start(config: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxft.cli", str(config), *extra], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_steps(proc: subprocess.Popen, metrics: Path, n: int = 3) -> None:
+    deadline = time.monotonic() + 300
+    while sum("loss" in r for r in read_metrics(metrics)) < n:
+        assert proc.poll() is None, f"run ended early: {proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, "no training steps within 300 s"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_writes_checkpoint_and_prints_resume_command(workdir, sig):
+    name = f"stop_{sig.name.lower()}"
+    config = _config(workdir, name)
+    proc = _start(config)
+    _wait_for_steps(proc, workdir / name / "metrics.jsonl")
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig.value, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert f"stopped by {sig.name}" in last and "--resume" in last, last
+    ckpts = [r for r in read_metrics(workdir / name / "metrics.jsonl") if "checkpoint" in r]
+    assert len(ckpts) == 1 and Path(ckpts[0]["checkpoint"]).is_dir(), ckpts  # save_steps=1000: only the stop's
+    stopped_at = ckpts[0]["step"]
+    assert 3 <= stopped_at < STEPS and f"at step {stopped_at}" in last
+    assert not (workdir / name / LOCK_NAME).exists(), "the lock must be released on the way out"
+
+    # The printed command continues the run from that step.
+    command = last.split("continue with: ", 1)[1].split()
+    assert command[0] == "jaxft-train" and command[-1] == "--resume"
+    resumed = _start(Path(command[1]), *command[2:-1], "--resume", "max_steps=" + str(stopped_at + 2))
+    out, err = resumed.communicate(timeout=300)
+    # max_steps changed, so the resume warns about the data setup but continues from the checkpoint's step
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"at step {stopped_at}" in err
+    steps = [r["step"] for r in read_metrics(workdir / name / "metrics.jsonl") if "loss" in r]
+    assert steps[-2:] == [stopped_at + 1, stopped_at + 2]
+
+
+def test_second_run_on_the_same_output_dir_is_refused(workdir):
+    config = _config(workdir, "busy")
+    proc = _start(config)
+    try:
+        _wait_for_steps(proc, workdir / "busy" / "metrics.jsonl", n=1)
+        cfg = TrainConfig.from_dict({**yaml.safe_load(config.read_text()), "overwrite_output_dir": True})
+        with pytest.raises(TrainConfigError, match=rf"in use by another jaxft-train run \(pid {proc.pid}\)"):
+            train(cfg)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT.value
+
+
+def test_lock_of_a_killed_run_is_taken_over_with_a_note(workdir, caplog):
+    out = workdir / "stale"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its PID now names no process
+    (out / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": 0}))
+    cfg = TrainConfig.from_dict({**yaml.safe_load(_config(workdir, "stale").read_text()), "max_steps": 2})
+    with caplog.at_level("WARNING", logger="jaxft.train"):
+        result = train(cfg)
+    assert result.global_step == 2
+    assert any("taking over the lock" in r.message and str(dead.pid) in r.message for r in caplog.records)
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_lock_is_released_after_a_normal_run(workdir):
+    cfg = TrainConfig.from_dict({**yaml.safe_load(_config(workdir, "plain").read_text()), "max_steps": 2})
+    assert train(cfg).global_step == 2
+    assert not (workdir / "plain" / LOCK_NAME).exists()
