@@ -78,11 +78,11 @@ def test_chat_replies_that_repeat_the_prompt_text(chatml):
     assert trained_runs(chatml, doc) == ["four<|im_end|>", "four<|im_end|>"]
 
 
-def test_chat_with_system_prompt_and_train_on_all(chatml):
+def test_chat_with_system_prompt_and_every_token_trained(chatml):
     msgs = [{"role": "system", "content": "answer question"}] + CONV["messages"]
     doc = Formatter(chatml)(Record({"messages": msgs}, "r"))
     assert trained_runs(chatml, doc) == [r + "<|im_end|>" for r in REPLIES]
-    everything = Formatter(chatml, train_on="all")(Record({"messages": msgs}, "r"))
+    everything = Formatter(chatml, assistant_only_loss=False)(Record({"messages": msgs}, "r"))
     assert everything.tokens.tolist() == template_ids(chatml, msgs)
     assert everything.loss_mask.all()
 
@@ -101,7 +101,7 @@ def test_prompt_completion_trains_completion_and_eos(chatml):
     assert ids[-1] == chatml.eos_token_id
     assert not doc.loss_mask[: len(prompt_ids)].any() and doc.loss_mask[len(prompt_ids):].all()
     assert trained_runs(chatml, doc) == [" it is four .<|im_end|>"]
-    assert Formatter(chatml, train_on="all")(rec).loss_mask.all()
+    assert Formatter(chatml, completion_only_loss=False)(rec).loss_mask.all()
 
 
 def test_conversational_prompt_completion_trains_only_completion_turns(chatml):
@@ -196,8 +196,8 @@ def test_template_that_rewrites_replies(root):
 
 
 def test_bad_options_and_tokenizer_paths(tmp_path, chatml):
-    with pytest.raises(DataConfigError, match="train_on='completion' is not one of"):
-        Formatter(chatml, train_on="completion")
+    with pytest.raises(DataConfigError, match="completion_only_loss must be true or false, got 'yes'"):
+        Formatter(chatml, completion_only_loss="yes")
     with pytest.raises(DataPathError, match="does not exist; fix the model path"):
         load_tokenizer(tmp_path / "no_model")
     (tmp_path / "empty_model").mkdir()

@@ -90,13 +90,13 @@ def test_dataset_dict_splits_and_eval_path(tmp_path, tok_and_dir):
     assert build_datasets(DataConfig(str(root), 16, 4), tok)[1] is None
 
 
-def test_train_on_all_and_drop(tmp_path, tok_and_dir):
+def test_every_token_trained_and_drop(tmp_path, tok_and_dir):
     tok, _ = tok_and_dir
     long_reply = " ".join(["the quick brown fox"] * 20)
     f = write_jsonl(tmp_path / "d.jsonl", [chat("hello", "world"), chat("hello", long_reply)])
-    train, _ = build_datasets(DataConfig(str(f), 24, 1, train_on="all", overlong="drop"), tok)
+    train, _ = build_datasets(DataConfig(str(f), 24, 1, assistant_only_loss=False, overlong="drop"), tok)
     assert (train.stats.num_documents, train.stats.dropped) == (1, 1)
-    doc = Formatter(tok, train_on="all")(read_records(f)[0])
+    doc = Formatter(tok, assistant_only_loss=False)(read_records(f)[0])
     assert train.stats.trained_tokens == len(doc) - 1  # every next token trained
 
 
@@ -159,7 +159,8 @@ def test_missing_paths(tmp_path, tok_and_dir):
         (dict(eval_batch_size=0), r"DataConfig.eval_batch_size must be an int >= 1"),
         (dict(eval_fraction=1.0), r"DataConfig.eval_fraction must be in \[0, 1\)"),
         (dict(eval_fraction=0.1, eval_path="x.jsonl"), r"cannot be combined with eval_path"),
-        (dict(train_on="prompt"), r"DataConfig.train_on must be one of \('assistant', 'all'\)"),
+        (dict(assistant_only_loss="all"), r"DataConfig.assistant_only_loss must be True or False, got 'all'"),
+        (dict(completion_only_loss=None), r"DataConfig.completion_only_loss must be True or False, got None"),
         (dict(overlong="wrap"), r"DataConfig.overlong must be one of \('truncate', 'drop'\)"),
         (dict(path=""), r"data path must be a non-empty string"),
         (dict(seed=-1), r"DataConfig.seed must be a non-negative int"),

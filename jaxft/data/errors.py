@@ -13,7 +13,7 @@ class DataError(ValueError):
 
 
 class DataConfigError(DataError):
-    """An invalid data option (seq_len, batch_size, train_on, overlong, ...)."""
+    """An invalid data option (a DataConfig field such as seq_len, batch_size or overlong)."""
 
 
 class DataPathError(DataError):

@@ -10,8 +10,16 @@ which is how columnar files store rows of another format):
   concatenation is rendered as a chat and the assistant turns of ``completion`` are trained).
 * ``text``: plain text; every token is trained; BOS as the tokenizer adds it, EOS appended.
 
-``train_on="assistant"`` (default) trains assistant/completion tokens only; ``"all"``
-trains every token.
+What is trained is chosen per format by the two TRL `SFTConfig` flags, each acting on its own format
+only (a chat dataset is unaffected by ``completion_only_loss`` and vice versa):
+
+* ``assistant_only_loss`` (chats, default True): the assistant replies; False: every token.
+* ``completion_only_loss`` (prompt/completion, default True): the completion (for a conversational
+  completion, its assistant turns); False: every token, the prompt too.
+* plain text is always trained on every token.
+
+TRL's defaults differ for chats (``assistant_only_loss=False`` there); jaxft defaults to training on
+what the model should learn to generate, for every format.
 
 Finding the assistant tokens of a chat, for any template:
   1. If the template marks them with ``{% generation %}``, use the tokenizer's
@@ -47,9 +55,6 @@ from jaxft.data.errors import (
     one_line,
 )
 from jaxft.data.sources import Record
-
-TrainOn = Literal["assistant", "all"]
-TRAIN_ON = ("assistant", "all")
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE_REPLY = "\u2063jaxft-reply\u2063"  # invisible separator: will not occur in a template
@@ -129,11 +134,14 @@ def record_kind(record: Record) -> Literal["chat", "prompt_completion", "text"]:
 class Formatter:
     """Tokenizes records for one tokenizer (caches what it learns about the tokenizer)."""
 
-    def __init__(self, tokenizer, *, train_on: TrainOn = "assistant"):
-        if train_on not in TRAIN_ON:
-            raise DataConfigError(f"train_on={train_on!r} is not one of {TRAIN_ON}")
+    def __init__(self, tokenizer, *, assistant_only_loss: bool = True, completion_only_loss: bool = True):
+        for key, value in (("assistant_only_loss", assistant_only_loss),
+                           ("completion_only_loss", completion_only_loss)):
+            if not isinstance(value, bool):
+                raise DataConfigError(f"{key} must be true or false, got {value!r}")
         self.tokenizer = tokenizer
-        self.train_on = train_on
+        self.assistant_only_loss = assistant_only_loss
+        self.completion_only_loss = completion_only_loss
         self._name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         self._specials: tuple[list[int], list[int]] | None = None
         self._end_marker: str | None = None
@@ -204,7 +212,7 @@ class Formatter:
     def __call__(self, record: Record) -> Document:
         kind = record_kind(record)
         if kind == "chat":
-            return self._chat(record, record.data["messages"], first_trained=0)
+            return self._chat(record, record.data["messages"], first_trained=0, masked=self.assistant_only_loss)
         if kind == "prompt_completion":
             return self._prompt_completion(record)
         return self._text(record)
@@ -226,7 +234,8 @@ class Formatter:
     def _prompt_completion(self, record: Record) -> Document:
         prompt, completion = record.data["prompt"], record.data["completion"]
         if isinstance(prompt, list) and isinstance(completion, list):
-            return self._chat(record, prompt + completion, first_trained=len(prompt))
+            return self._chat(record, prompt + completion, first_trained=len(prompt),
+                              masked=self.completion_only_loss)
         for key, value in (("prompt", prompt), ("completion", completion)):
             if not isinstance(value, str):
                 raise MissingFieldError(
@@ -237,18 +246,20 @@ class Formatter:
         context = bos + self._encode(prompt)
         reply = self._encode(completion) + [self._eos_id()]
         mask = np.zeros(len(context) + len(reply), dtype=bool)
-        mask[0 if self.train_on == "all" else len(context) :] = True
+        mask[len(context) if self.completion_only_loss else 0 :] = True
         return Document(np.array(context + reply), mask, record.source)
 
-    def _chat(self, record: Record, messages: Any, *, first_trained: int) -> Document:
+    def _chat(self, record: Record, messages: Any, *, first_trained: int, masked: bool) -> Document:
+        """A rendered chat; ``masked``: train the assistant turns from ``messages[first_trained]`` on,
+        else every token."""
         src = record.source
         _check_messages(messages, src)
         template = self._template(src)
         tools = record.data.get("tools")
-        if self.train_on == "assistant" and _GENERATION_TAG.search(template) and first_trained == 0:
+        if masked and _GENERATION_TAG.search(template) and first_trained == 0:
             return self._chat_generation_mask(messages, tools, src)
         full = self._render(messages, src, gen=False, tools=tools)
-        if self.train_on == "all":
+        if not masked:
             tokens = self._encode(full)
             return Document(np.array(tokens), np.ones(len(tokens), bool), src)
         spans = self._assistant_spans(messages, full, src, tools, first_trained)
@@ -348,8 +359,8 @@ def _check_messages(messages: Any, src: str) -> None:
 
 
 def tokenize_records(
-    records: Iterable[Record], tokenizer, *, train_on: TrainOn = "assistant"
+    records: Iterable[Record], tokenizer, *, assistant_only_loss: bool = True, completion_only_loss: bool = True
 ) -> list[Document]:
     """Tokenize every record (see the module docstring for formats and masks)."""
-    fmt = Formatter(tokenizer, train_on=train_on)
+    fmt = Formatter(tokenizer, assistant_only_loss=assistant_only_loss, completion_only_loss=completion_only_loss)
     return [fmt(r) for r in records]

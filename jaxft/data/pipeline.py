@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxft.data.errors import DataConfigError, EmptyDatasetError
-from jaxft.data.formatting import TRAIN_ON, Document, Formatter, TrainOn, load_tokenizer
+from jaxft.data.formatting import Document, Formatter, load_tokenizer
 from jaxft.data.packing import OVERLONG, Overlong, PackedDataset
 from jaxft.data.sources import iter_records
 
@@ -24,7 +24,9 @@ class DataConfig:
         ``eval_split`` without ``eval_path`` is read from ``path``.
     eval_fraction: hold out this fraction of the training documents (seeded by ``seed``)
         when no eval path/split is given; 0 = no eval set.
-    train_on: "assistant" (assistant / completion tokens only) or "all".
+    assistant_only_loss: chats train on the assistant replies only (False: every token).
+    completion_only_loss: prompt/completion records train on the completion only (False: every
+        token). Each flag acts on its own format only; plain text always trains every token.
     overlong: documents longer than seq_len are "truncate"d or "drop"ped.
     """
 
@@ -37,7 +39,8 @@ class DataConfig:
     eval_split: str | None = None
     eval_batch_size: int | None = None
     seed: int = 0
-    train_on: TrainOn = "assistant"
+    assistant_only_loss: bool = True
+    completion_only_loss: bool = True
     overlong: Overlong = "truncate"
 
     def __post_init__(self):
@@ -57,8 +60,9 @@ class DataConfig:
             raise DataConfigError(
                 "DataConfig.eval_fraction cannot be combined with eval_path/eval_split: use one of them"
             )
-        if self.train_on not in TRAIN_ON:
-            raise DataConfigError(f"DataConfig.train_on must be one of {TRAIN_ON}, got {self.train_on!r}")
+        for key in ("assistant_only_loss", "completion_only_loss"):
+            if not isinstance(getattr(self, key), bool):
+                raise DataConfigError(f"DataConfig.{key} must be True or False, got {getattr(self, key)!r}")
         if self.overlong not in OVERLONG:
             raise DataConfigError(f"DataConfig.overlong must be one of {OVERLONG}, got {self.overlong!r}")
 
@@ -81,7 +85,8 @@ def build_datasets(
     """
     if isinstance(tokenizer, (str, Path)):
         tokenizer = load_tokenizer(tokenizer)
-    fmt = Formatter(tokenizer, train_on=config.train_on)
+    fmt = Formatter(tokenizer, assistant_only_loss=config.assistant_only_loss,
+                    completion_only_loss=config.completion_only_loss)
     train_docs = _documents(config.path, config.split, fmt)
     eval_docs: list[Document] | None = None
     if config.eval_path or config.eval_split:

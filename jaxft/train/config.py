@@ -10,8 +10,11 @@ value and expected type), ranges, choices and that input paths exist; every fail
 
 `gradient_checkpointing: true` (the HF/TRL switch) selects `remat: offload` when `remat` is not given.
 
-Loss selection: jaxft trains on assistant replies / completions by default
-(`assistant_only_loss=True`, `completion_only_loss=True`); setting either to false trains on every token.
+Loss selection, with TRL's two keys, each acting on its own data format only:
+`assistant_only_loss` (chat `messages` records; default true: the assistant replies are trained, false: every
+token) and `completion_only_loss` (`prompt`/`completion` records; default true: the completion is trained,
+false: the prompt too). Plain `text` records always train on every token. TRL defaults
+`assistant_only_loss` to false; jaxft trains on what the model should learn to generate in every format.
 """
 
 from __future__ import annotations
@@ -214,10 +217,6 @@ class TrainConfig:
             object.__setattr__(self, "resume_from_checkpoint", resume.lower() == "true")
 
     # ------------------------------------------------------------------ derived values
-    @property
-    def train_on(self) -> str:
-        return "assistant" if (self.assistant_only_loss and self.completion_only_loss) else "all"
-
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
 
