@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class BenchShape:
@@ -56,3 +59,20 @@ GPU_TEST_SHAPES: tuple[BenchShape, ...] = (
     BenchShape("g_f32_softcap", 2000, 512, 32000, dtype="float32", logit_softcap=30.0),
     BenchShape("g_bf16_softcap", 2000, 512, 32000, dtype="bfloat16", logit_softcap=30.0),
 )
+
+
+def make_test_problem(shape: BenchShape, seed: int = 0):
+    """``(hidden, weight, targets, weights)`` for tests, from numpy on the host: weight scaled so logits are
+    O(few) (a soft-cap of 2-3 bends them), weights in [0.5, 2] with a quarter of the tokens ignored (weight 0,
+    target -100, the HF ignore id, which must be harmless)."""
+    rng = np.random.default_rng(seed)
+    n, h, v = shape.num_tokens, shape.hidden, shape.vocab
+    hidden = rng.standard_normal((n, h)).astype(np.float32)
+    weight = (rng.standard_normal((h, v)) * 1.5 / np.sqrt(h)).astype(np.float32)
+    targets = rng.integers(0, v, size=n).astype(np.int32)
+    weights = rng.uniform(0.5, 2.0, size=n).astype(np.float32)
+    ignored = rng.random(n) < 0.25
+    ignored[0] = True
+    weights[ignored], targets[ignored] = 0.0, -100
+    dtype = jnp.dtype(shape.dtype)
+    return jnp.asarray(hidden, dtype), jnp.asarray(weight, dtype), jnp.asarray(targets), jnp.asarray(weights)
