@@ -38,8 +38,8 @@ VARIANTS = {
                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 128})),
     "qwen3_qknorm_tied": ("qwen3", dict(rope_theta=1e6, tie_word_embeddings=True)),
     "mistral_window": ("mistral", dict(sliding_window=24)),
-    "qwen2_bias_window_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=20, max_window_layers=1,
-                                               layer_types=["full_attention", "sliding_attention"])),
+    "qwen2_bias_window_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                                               layer_types=["sliding_attention", "full_attention"])),
     "llama_dynamic_beyond_max": ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0},
                                                max_position_embeddings=48)),
 }
