@@ -67,6 +67,15 @@ def test_key_errors_name_the_yaml_line_or_the_command_line(tmp_path, paths):
     assert _error(tmp_path / "short.yaml").startswith(f"{tmp_path / 'short.yaml'}: required key")
 
 
+def test_path_errors_name_the_yaml_line_or_the_command_line(tmp_path, paths):
+    path = _yaml(tmp_path, paths, "eval_dataset: /nowhere/eval.jsonl\n")
+    assert _error(path).startswith(f"{path}:4: key 'eval_dataset': path '/nowhere/eval.jsonl' does not exist")
+    assert _error(path, ["eval_dataset=null", "dataset=/nope.jsonl"]).startswith(
+        "command line: key 'dataset': path '/nope.jsonl' does not exist")
+    assert _error(path, ["eval_dataset=null", f"model_name_or_path={tmp_path}"]).startswith(
+        f"command line: key 'model_name_or_path': '{tmp_path}' has no config.json")
+
+
 def test_a_key_written_twice_in_the_file_is_an_error(tmp_path, paths):
     path = _yaml(tmp_path, paths, "lora_r: 8\nseed: 1\nlora_r: 4\n")
     assert _error(path) == f"{path}:6: key 'lora_r' is given twice (also on line 4); keep one"

@@ -202,17 +202,19 @@ class TrainConfig:
             if value is not None and not Path(value).expanduser().exists():
                 # A Hub id ("meta-llama/Llama-3.2-1B") gets the download command: nothing is fetched here.
                 hint = hub_id_hint(value, repo_type="model" if key == "model_name_or_path" else "dataset")
-                raise TrainConfigError(f"key {key!r}: path {value!r} does not exist{hint or '; fix the path'}")
+                raise TrainConfigError(f"key {key!r}: path {value!r} does not exist{hint or '; fix the path'}",
+                                       key=key)
         if not (Path(self.model_name_or_path).expanduser() / "config.json").is_file():
             raise TrainConfigError(
                 f"key 'model_name_or_path': {self.model_name_or_path!r} has no config.json; give a local Hugging "
-                "Face model directory (config.json + *.safetensors + tokenizer files)")
+                "Face model directory (config.json + *.safetensors + tokenizer files)", key="model_name_or_path")
         resume = self.resume_from_checkpoint
         if isinstance(resume, str) and resume.lower() not in ("true", "false"):
             if not Path(resume).expanduser().exists():
                 raise TrainConfigError(
                     f"key 'resume_from_checkpoint': path {resume!r} does not exist; give a checkpoint directory "
-                    "(output_dir/checkpoints or output_dir/checkpoints/<step>) or true for the latest one")
+                    "(output_dir/checkpoints or output_dir/checkpoints/<step>) or true for the latest one",
+                    key="resume_from_checkpoint")
         elif isinstance(resume, str):
             object.__setattr__(self, "resume_from_checkpoint", resume.lower() == "true")
 

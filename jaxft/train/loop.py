@@ -113,7 +113,8 @@ def _load_data(config: TrainConfig, plan_rows_for, eval_rows: int):
     tokenizer = load_tokenizer(config.model_name_or_path)
     data_cfg = DataConfig(path=config.dataset, seq_len=config.max_seq_length, batch_size=plan_rows_for,
                           eval_path=config.eval_dataset, eval_batch_size=eval_rows, seed=config.seed,
-                          train_on=config.train_on)
+                          assistant_only_loss=config.assistant_only_loss,
+                          completion_only_loss=config.completion_only_loss)
     train_ds, eval_ds = build_datasets(data_cfg, tokenizer)
     return tokenizer, train_ds, eval_ds
 
