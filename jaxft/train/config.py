@@ -96,6 +96,10 @@ class TrainConfig:
     eval_steps: int | None = None
     save_steps: int = 500
     save_total_limit: int | None = None
+    # Prompts completed greedily at every evaluation (logged and written to metrics.jsonl as "samples"); each
+    # is one user turn when the tokenizer has a chat template, else plain text.
+    eval_generate_prompts: list[str] | None = None
+    eval_generate_max_new_tokens: int = 64
     report_to: Literal["tensorboard", "none"] = "tensorboard"
     disable_tqdm: bool = False
     resume_from_checkpoint: bool | str | None = None
@@ -191,6 +195,12 @@ class TrainConfig:
              "lora_target_modules", "give 'all-linear' or a non-empty list of module names such as [q_proj, v_proj]")
         if isinstance(targets, list):
             object.__setattr__(self, "lora_target_modules", tuple(targets))
+        prompts = self.eval_generate_prompts
+        need(prompts is None or (len(prompts) > 0 and all(p.strip() for p in prompts)), "eval_generate_prompts",
+             "give a non-empty list of non-empty prompt strings (or null)")
+        if isinstance(prompts, list):
+            object.__setattr__(self, "eval_generate_prompts", tuple(prompts))
+        need(self.eval_generate_max_new_tokens >= 1, "eval_generate_max_new_tokens", "must be an integer >= 1")
         need(self.packing, "packing", "only packing=true is supported: documents are packed into rows with "
                                       "block-diagonal attention (no cross-document attention), so it is exact")
 
@@ -224,8 +234,9 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        if isinstance(out["lora_target_modules"], tuple):
-            out["lora_target_modules"] = list(out["lora_target_modules"])
+        for key in ("lora_target_modules", "eval_generate_prompts"):
+            if isinstance(out[key], tuple):
+                out[key] = list(out[key])
         return out
 
     # ------------------------------------------------------------------ construction from untrusted input

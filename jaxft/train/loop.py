@@ -337,6 +337,11 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
             loss_sum, count = loss_sum + float(s), count + float(c)
         value = loss_sum / max(count, 1.0)
         writer.write({"step": step, "eval_loss": value, "eval_tokens": int(count)})
+        if config.eval_generate_prompts:
+            samples = _sample_completions(nnx.merge(graphdef, lora, frozen), tokenizer, config)
+            writer.write({"step": step, "samples": samples})
+            for s in samples:
+                logger.info("step %d sample: %r -> %r", step, s["prompt"], s["completion"])
         return value
 
     def save(step: int, force: bool = False):
@@ -423,6 +428,17 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     return TrainResult(output_dir=out, adapter_dir=adapter_dir, merged_dir=merged_dir, metrics_path=writer.path,
                        loss_curve=curve, checkpoint_dir=out / "checkpoints", global_step=step, train_loss=last_loss,
                        eval_loss=last_eval, resumed_from=resume_path, summary=summary)
+
+
+def _sample_completions(model, tokenizer, config: TrainConfig) -> list[dict[str, str]]:
+    """Greedy completions of `eval_generate_prompts` by the model as trained so far (one compiled decode
+    program, reused at every evaluation)."""
+    from jaxft.generation import generate
+
+    prompts = list(config.eval_generate_prompts)
+    completions = generate(model, tokenizer, prompts, max_new_tokens=config.eval_generate_max_new_tokens,
+                           temperature=0.0, chat_template=True)
+    return [{"prompt": p, "completion": c} for p, c in zip(prompts, completions)]
 
 
 def _check_resume_meta(meta: dict, config: TrainConfig, plan: _Plan, num_rows: int) -> None:

@@ -9,6 +9,7 @@ Record kinds (every record has "step", the number of optimizer updates done):
               time (device sync to device sync, eval and checkpoints excluded) per step / per token;
               peak_memory_gib = the allocator's peak since the process started
   eval:       {"step", "eval_loss", "eval_tokens"}      eval_loss = summed CE / target count of the eval set
+  samples:    {"step", "samples": [{"prompt", "completion"}]}   greedy completions of eval_generate_prompts
   checkpoint: {"step", "checkpoint": path}             written after the checkpoint is complete on disk
 On resume from step k, records with step > k (written by the interrupted run after its last checkpoint)
 are dropped, so the file reads as one uninterrupted run.
