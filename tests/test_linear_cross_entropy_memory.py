@@ -145,7 +145,9 @@ def test_bench_smoke_shape():
 @pytest.mark.gpu
 def test_gpu_bench_memory_and_agreement():
     shape = bench.BenchShape("gpu-check", 8192, 2048, 128256)
-    results = bench.compare([shape], modes=("grad_hidden",), iters=3)
+    # No GEMM autotuning (12-23 s per program on the H200, measured): timings are not asserted here.
+    results = bench.compare([shape], modes=("grad_hidden",), iters=1, warmup=1,
+                            compiler_options={"xla_gpu_autotune_level": 0})
     by_impl = {r.implementation: r for r in results}
     xla, ref = by_impl["xla"], by_impl["reference"]
     np.testing.assert_allclose(xla.loss, ref.loss, rtol=1e-4)

@@ -87,8 +87,11 @@ def run_one(
     iters: int = 10,
     warmup: int = 2,
     inputs=None,
+    compiler_options: dict | None = None,
 ) -> BenchResult:
-    """Compiles, warms up and times one configuration (median of ``iters``)."""
+    """Compiles, warms up and times one configuration (median of ``iters``).
+
+    ``compiler_options`` go to ``.compile()`` (the GPU test turns XLA's GEMM autotuning off there)."""
     OP.canonical(implementation)  # one-line error naming the choices
     if mode not in MODES:
         raise ValueError(f"bench.py: mode must be one of {MODES}, got {mode!r}.")
@@ -96,7 +99,7 @@ def run_one(
         raise ValueError(f"bench.py: need iters >= 1 and warmup >= 0, got {iters}, {warmup}.")
     args = make_inputs(shape) if inputs is None else inputs
     fn = _loss_fn(shape, implementation, mode, chunk_size)
-    compiled = fn.lower(*args).compile()
+    compiled = fn.lower(*args).compile(compiler_options=compiler_options or {})
     analysis = compiled.memory_analysis()
     temp = None if analysis is None else int(analysis.temp_size_in_bytes)
     out = None
@@ -133,6 +136,7 @@ def compare(
     chunk_sizes: Sequence[int | None] = (None,),
     iters: int = 10,
     warmup: int = 2,
+    compiler_options: dict | None = None,
 ) -> list[BenchResult]:
     """Times every (shape, mode, implementation[, chunk size]) combination.
 
@@ -150,7 +154,8 @@ def compare(
                     try:
                         results.append(
                             run_one(shape, impl, mode=mode, chunk_size=size,
-                                    iters=iters, warmup=warmup, inputs=inputs)
+                                    iters=iters, warmup=warmup, inputs=inputs,
+                                    compiler_options=compiler_options)
                         )
                     except Exception as err:  # noqa: BLE001 - keep sweeping
                         print(f"[bench] {shape.name} {mode} {impl} chunk={size}: "
