@@ -36,14 +36,13 @@ def param_shapes(model: Decoder) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
     return out
 
 
-def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", *, attention_impl: str = "xla",
-                    remat: str = "none") -> Decoder:
+def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16") -> Decoder:
     """Loads an HF model directory (config.json + safetensors) into a jaxft `Decoder` in `dtype`."""
     path = Path(path)
     hf = bridge.read_config(path)
     cfg = ModelConfig.from_hf(hf, source=str(path / "config.json"))
     dtype = jnp.dtype(dtype)
-    model = abstract_model(cfg, dtype=dtype, attention_impl=attention_impl, remat=remat)
+    model = abstract_model(cfg, dtype=dtype)
     expected = param_shapes(model)
     arrays = bridge.load_weights(path, bridge.table_for(cfg.model_type), expected, cfg.num_layers, dtype)
     graphdef, state = nnx.split(model)

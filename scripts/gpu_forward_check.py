@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxft.config import ModelConfig
+from jaxft.execution import ExecutionConfig
 from jaxft.models import init_model
 
 LLAMA_32_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
@@ -27,12 +28,13 @@ LLAMA_32_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, inte
                                     "original_max_position_embeddings": 8192})
 
 
-def _forward_fn(model):
+def _forward_fn(model, attention: str = "reference"):
     graphdef, state = nnx.split(model)
+    execution = ExecutionConfig(attention_implementation=attention)
 
     @jax.jit
     def fwd(state, ids, seg):
-        return nnx.merge(graphdef, state)(ids, segment_ids=seg)
+        return nnx.merge(graphdef, state)(ids, segment_ids=seg, execution=execution)
 
     return fwd, state
 
@@ -63,7 +65,7 @@ def main():
     results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "seq": args.seq,
                "batch": args.batch, "impls": {}}
 
-    model32 = init_model(cfg, dtype=jnp.float32, seed=0, attention_impl="xla")
+    model32 = init_model(cfg, dtype=jnp.float32, seed=0)
     fwd32, state32 = _forward_fn(model32)
     with jax.default_matmul_precision("highest"):  # a true fp32 reference, not TF32
         ref = np.asarray(fwd32(state32, ids, seg).astype(jnp.float32))
@@ -73,8 +75,8 @@ def main():
     for impl in args.impls.split(","):
         entry = {}
         try:
-            model = init_model(cfg, dtype=jnp.bfloat16, seed=0, attention_impl=impl)
-            fwd, _ = _forward_fn(model)
+            model = init_model(cfg, dtype=jnp.bfloat16, seed=0)
+            fwd, _ = _forward_fn(model, impl)
             del model
             out = np.asarray(fwd(bf16_state, ids, seg).astype(jnp.float32))
             err = np.abs(out - ref)

@@ -12,19 +12,21 @@ import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 from jaxft.config import ModelConfig
+from jaxft.execution import ExecutionConfig
 from jaxft.models import init_model
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.train.step import split_model, token_loss_sum
 hf = dict(model_type="llama", vocab_size=1024, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
           num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072)
 cfg = ModelConfig.from_hf(hf)
-m = init_model(cfg, dtype=jnp.bfloat16, attention_impl="pallas")
+m = init_model(cfg, dtype=jnp.bfloat16)
 m = apply_lora(m, LoraConfig(r=16, alpha=32, target_modules=("q_proj","k_proj","v_proj","o_proj","gate_proj","up_proj","down_proj")))
 g, lora, frozen = split_model(m)
 T = 4096
 batch = dict(input_ids=jnp.zeros((1,T),jnp.int32), targets=jnp.zeros((1,T),jnp.int32), loss_mask=jnp.ones((1,T)),
              segment_ids=jnp.ones((1,T),jnp.int32), positions=jnp.arange(T)[None])
-res = saved_residuals(lambda l: token_loss_sum(nnx.merge(g, l, frozen), batch), lora)
+pallas = ExecutionConfig(attention_implementation="pallas")
+res = saved_residuals(lambda l: token_loss_sum(nnx.merge(g, l, frozen), batch, execution=pallas), lora)
 per_layer = 0
 for aval, src in res:
     if "scan" in src and aval.shape and aval.shape[0] == 2:

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxft.config import ModelConfig
+from jaxft.execution import ExecutionConfig
 from jaxft.models import init_model, positions_from_segments
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=3,
@@ -39,11 +40,13 @@ def _scan_bodies(jaxpr):
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_batch_metadata_is_built_once_outside_the_layer_scan(impl):
-    model = init_model(CFG, dtype=jnp.float32, attention_impl=impl)
+    model = init_model(CFG, dtype=jnp.float32)
     graphdef, state = nnx.split(model)
     ids = jnp.zeros((2, 64), jnp.int32)
     seg = jnp.asarray(np.repeat([[1] * 20 + [2] * 30 + [0] * 14], 2, 0), jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda s, i, g: nnx.merge(graphdef, s)(i, segment_ids=g))(state, ids, seg).jaxpr
+    execution = ExecutionConfig(attention_implementation=impl)
+    jaxpr = jax.make_jaxpr(lambda s, i, g: nnx.merge(graphdef, s)(i, segment_ids=g, execution=execution))(
+        state, ids, seg).jaxpr
     bodies = list(_scan_bodies(jaxpr))
     # Two runs of layers (full, then sliding) -> two scans over stacked layers.
     assert len(bodies) == 2
@@ -76,13 +79,15 @@ def test_backward_keeps_only_the_needed_activations():
 
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=128, intermediate_size=384, num_layers=2,
                       num_heads=2, num_kv_heads=1, head_dim=64)
-    model = apply_lora(init_model(cfg, dtype=jnp.bfloat16, attention_impl="pallas"), LoraConfig(r=4, alpha=8))
+    model = apply_lora(init_model(cfg, dtype=jnp.bfloat16), LoraConfig(r=4, alpha=8))
     graphdef, lora, frozen = split_model(model)
     t = 256
     batch = dict(input_ids=jnp.zeros((1, t), jnp.int32), targets=jnp.zeros((1, t), jnp.int32),
                  loss_mask=jnp.ones((1, t)), segment_ids=jnp.ones((1, t), jnp.int32),
                  positions=jnp.arange(t)[None])
-    residuals = saved_residuals(lambda l: token_loss_sum(nnx.merge(graphdef, l, frozen), batch), lora)
+    pallas = ExecutionConfig(attention_implementation="pallas")
+    residuals = saved_residuals(lambda l: token_loss_sum(nnx.merge(graphdef, l, frozen), batch, execution=pallas),
+                                lora)
     per_layer = collections.Counter((str(a.dtype), a.shape[1:]) for a, src in residuals
                                     if "scan" in src and a.shape and a.shape[0] == cfg.num_layers)
     assert per_layer[("bfloat16", (1, t, 384))] == 2  # gate, up

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxft.config import ModelConfig
+from jaxft.execution import ExecutionConfig
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models import init_model
 from jaxft.train.step import split_model, token_loss_sum
@@ -30,8 +31,8 @@ def _batch(b=2, t=128, seed=0):
                                                 positions=pos).items()}
 
 
-def _lora_model(remat="none", attention_impl="xla"):
-    model = init_model(CFG, dtype=jnp.float32, seed=1, remat=remat, attention_impl=attention_impl)
+def _lora_model():
+    model = init_model(CFG, dtype=jnp.float32, seed=1)
     model = apply_lora(model, LoraConfig(r=4, alpha=8), seed=2)
     for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):  # B != 0, or the grads of A are all zero
         if var[...].ndim == 3 and var[...].shape[1] == 4:
@@ -39,11 +40,12 @@ def _lora_model(remat="none", attention_impl="xla"):
     return model
 
 
-def _loss_and_grads(model, batch):
+def _loss_and_grads(model, batch, **execution):
     graphdef, lora, frozen = split_model(model)
+    execution = ExecutionConfig(**{"attention_implementation": "reference", **execution})
 
     def loss(lora):
-        return token_loss_sum(nnx.merge(graphdef, lora, frozen), batch)
+        return token_loss_sum(nnx.merge(graphdef, lora, frozen), batch, execution=execution)
 
     return jax.jit(jax.value_and_grad(loss))(lora)
 
@@ -51,8 +53,8 @@ def _loss_and_grads(model, batch):
 @pytest.mark.parametrize("remat", ["full", "dots", "offload"])
 def test_remat_policies_give_the_same_gradients(remat):
     batch = _batch()
-    want_loss, want = _loss_and_grads(_lora_model("none"), batch)
-    got_loss, got = _loss_and_grads(_lora_model(remat), batch)
+    want_loss, want = _loss_and_grads(_lora_model(), batch, remat="none")
+    got_loss, got = _loss_and_grads(_lora_model(), batch, remat=remat)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
     assert len(flat_got) == len(flat_want) == 14  # A and B of 7 targeted linears (stacked over layers)
@@ -63,12 +65,13 @@ def test_remat_policies_give_the_same_gradients(remat):
 
 def test_pallas_attention_model_matches_xla_on_packed_rows():
     batch = _batch(t=256)
-    ref = _lora_model(attention_impl="xla")
-    ker = _lora_model(attention_impl="pallas")
+    model = _lora_model()
     args = (batch["input_ids"], batch["positions"], batch["segment_ids"])
-    np.testing.assert_allclose(np.asarray(ker(*args)), np.asarray(ref(*args)), rtol=2e-4, atol=2e-4)
-    want_loss, want = _loss_and_grads(ref, batch)
-    got_loss, got = _loss_and_grads(ker, batch)
+    pallas = ExecutionConfig(attention_implementation="pallas")
+    np.testing.assert_allclose(np.asarray(model(*args, execution=pallas)), np.asarray(model(*args)),
+                               rtol=2e-4, atol=2e-4)
+    want_loss, want = _loss_and_grads(model, batch, attention_implementation="reference")
+    got_loss, got = _loss_and_grads(model, batch, attention_implementation="pallas")
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-4 * float(jnp.max(jnp.abs(w))))

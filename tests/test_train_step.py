@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxft.execution import ExecutionConfig
 from jaxft.config import ModelConfig
 from jaxft.data.formatting import Document
 from jaxft.data.packing import PackedDataset
@@ -193,7 +194,7 @@ def test_unrolled_layers_match_the_layer_scan(remat):
     from jaxft.train import restack_layers, unstack_layers
 
     cfg = dataclasses.replace(CFG, num_layers=3, layer_windows=(16, None, 16))
-    model = init_model(cfg, dtype=jnp.float32, seed=0, remat=remat)
+    model = init_model(cfg, dtype=jnp.float32, seed=0)
     apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"), seed=0)
     graphdef, lora, frozen = split_model(model)
     keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(lora))))
@@ -204,7 +205,7 @@ def test_unrolled_layers_match_the_layer_scan(remat):
     assert not is_unstacked(nnx.split(nnx.merge(graphdef, lora, frozen).layers)[1])
 
     def loss_and_grads(fz):
-        return loss_and_grad_sums(graphdef, lora, fz, batch, None)
+        return loss_and_grad_sums(graphdef, lora, fz, batch, None, ExecutionConfig(remat=remat))
 
     (l_scan, g_scan, n_scan), (l_unr, g_unr, n_unr) = loss_and_grads(frozen), loss_and_grads(unstacked)
     assert float(n_scan) == float(n_unr) > 0

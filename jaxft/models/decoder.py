@@ -21,11 +21,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
+from jaxft.execution import ExecutionConfig
 from jaxft.models.layers import DecoderLayer, Linear, RMSNorm, _init
 from jaxft.models.rope import rope_tables
 from kernels_pallas import attention as attention_ops
 
-REMAT_POLICIES = ("none", "full", "dots", "offload")
+# A plain forward pass: the reference attention and no rematerialisation (what tests and exports use).
+DEFAULT_EXECUTION = ExecutionConfig(attention_implementation="reference", remat="none")
 
 
 def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
@@ -60,14 +62,9 @@ def layer_slice(layer_state: nnx.State, i: int) -> nnx.State:
 class Decoder(nnx.Module):
     """A causal LM. `model(input_ids, positions=None, segment_ids=None) -> logits [B, T, V]`."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None,
-                 attention_impl: str = "xla", remat: str = "none"):
-        if remat not in REMAT_POLICIES:
-            raise ValueError(f"remat={remat!r}; choose one of {REMAT_POLICIES}")
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
-        self.attention_impl = attention_impl
-        self.remat = remat
         self.embed = nnx.Module()
         self.embed.embedding = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 0.02))
         self.layers = DecoderLayer(cfg, stack=(cfg.num_layers,), dtype=dtype, rngs=rngs)
@@ -76,12 +73,13 @@ class Decoder(nnx.Module):
                         Linear(cfg.hidden_size, cfg.vocab_size, bias=False, stack=(), dtype=dtype, rngs=rngs))
 
     # ---------------------------------------------------------------- batch-level metadata (once per step)
-    def batch_context(self, input_ids, positions=None, segment_ids=None) -> dict[str, Any]:
+    def batch_context(self, input_ids, positions=None, segment_ids=None,
+                      execution: ExecutionConfig = DEFAULT_EXECUTION) -> dict[str, Any]:
         """Everything every layer needs that depends only on the batch: built once, outside the layer scan."""
         with jax.named_scope("batch_context"):
-            return self._batch_context(input_ids, positions, segment_ids)
+            return self._batch_context(input_ids, positions, segment_ids, execution)
 
-    def _batch_context(self, input_ids, positions, segment_ids) -> dict[str, Any]:
+    def _batch_context(self, input_ids, positions, segment_ids, execution) -> dict[str, Any]:
         cfg = self.config
         input_ids = jnp.asarray(input_ids, jnp.int32)
         if segment_ids is not None:
@@ -94,23 +92,25 @@ class Decoder(nnx.Module):
         positions = jnp.asarray(positions, jnp.int32)
         cos, sin = rope_tables(positions, cfg.rope, cfg.head_dim, cfg.max_position_embeddings, self.dtype)
         metadata = {window: None for window in cfg.layer_windows}
-        if self.attention_impl in ("pallas", "auto"):
+        if execution.attention in ("pallas", "auto"):
             # The block table depends only on the batch: one per distinct window, shared by every layer.
             seg = segment_ids if segment_ids is not None else jnp.ones(input_ids.shape, jnp.int32)
             for window in metadata:
                 metadata[window] = attention_ops.make_metadata(seg, causal=True, sliding_window=window)
         return dict(input_ids=input_ids, positions=positions, segment_ids=segment_ids, cos=cos, sin=sin,
-                    metadata=metadata)
+                    metadata=metadata, attention=execution.attention)
 
     def _attend_fn(self, ctx, window):
         return functools.partial(
             attention_ops.dot_product_attention, segment_ids=ctx["segment_ids"], metadata=ctx["metadata"][window],
-            causal=True, sliding_window=window, implementation=self.attention_impl)
+            causal=True, sliding_window=window, implementation=ctx["attention"])
 
     # ---------------------------------------------------------------- forward
-    def hidden_states(self, input_ids, positions=None, segment_ids=None, *, dropout_rng=None) -> jax.Array:
-        """Final-normed hidden states [B, T, H] (what the LM head, or a fused loss, consumes)."""
-        ctx = self.batch_context(input_ids, positions, segment_ids)
+    def hidden_states(self, input_ids, positions=None, segment_ids=None, *, dropout_rng=None,
+                      execution: ExecutionConfig = DEFAULT_EXECUTION) -> jax.Array:
+        """Final-normed hidden states [B, T, H] (what the LM head, or a fused loss, consumes). `execution` says
+        how (attention kernel, remat policy); the numbers do not depend on it beyond float rounding."""
+        ctx = self.batch_context(input_ids, positions, segment_ids, execution)
         x = self.embed_tokens(ctx["input_ids"])
         graphdef, state = nnx.split(self.layers)
         unrolled = is_unstacked(state)
@@ -119,7 +119,7 @@ class Decoder(nnx.Module):
             # the forward pass; the CSE barriers keep remat meaning remat there (inside a scan they are moot).
             layer_ctx = dict(cos=ctx["cos"], sin=ctx["sin"], attend=self._attend_fn(ctx, window),
                              prevent_cse=unrolled)
-            layer_fn = self._layer_fn(graphdef, layer_ctx, dropout_rng, prevent_cse=unrolled)
+            layer_fn = self._layer_fn(graphdef, layer_ctx, dropout_rng, remat=execution.remat, prevent_cse=unrolled)
             if unrolled:
                 for i in range(start, end):
                     x = layer_fn(x, layer_slice(state, i), i)
@@ -130,16 +130,17 @@ class Decoder(nnx.Module):
             x, _ = jax.lax.scan(lambda carry, xs: (layer_fn(carry, *xs), None), x, (run_state, indices))
         return self.final_norm(x)
 
-    def _layer_fn(self, graphdef, layer_ctx, dropout_rng, *, prevent_cse: bool):
-        """`(x, layer_state, index) -> x` for one layer, rematerialised per `self.remat`."""
+    @staticmethod
+    def _layer_fn(graphdef, layer_ctx, dropout_rng, *, remat: str, prevent_cse: bool):
+        """`(x, layer_state, index) -> x` for one layer, rematerialised per the `remat` policy."""
         def layer_fn(carry, layer_state, index):
             layer = nnx.merge(graphdef, layer_state)
-            if self.remat == "offload":
+            if remat == "offload":
                 carry = checkpoint_name(carry, "layer_input")
             rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
             return layer(carry, layer_ctx, rng)
 
-        if self.remat == "none":
+        if remat == "none":
             return layer_fn
         policy = {
             "full": jax.checkpoint_policies.nothing_saveable,
@@ -147,7 +148,7 @@ class Decoder(nnx.Module):
             "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
                 names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
                 offload_src="device", offload_dst="pinned_host"),
-        }[self.remat]
+        }[remat]
         return jax.checkpoint(layer_fn, policy=policy, prevent_cse=prevent_cse)
 
     def embed_tokens(self, input_ids) -> jax.Array:
@@ -160,8 +161,10 @@ class Decoder(nnx.Module):
             return self.embed.embedding[...].T
         return self.lm_head.kernel[...]
 
-    def __call__(self, input_ids, positions=None, segment_ids=None, *, dropout_rng=None) -> jax.Array:
-        return self.logits(self.hidden_states(input_ids, positions, segment_ids, dropout_rng=dropout_rng))
+    def __call__(self, input_ids, positions=None, segment_ids=None, *, dropout_rng=None,
+                 execution: ExecutionConfig = DEFAULT_EXECUTION) -> jax.Array:
+        return self.logits(self.hidden_states(input_ids, positions, segment_ids, dropout_rng=dropout_rng,
+                                              execution=execution))
 
     def logits(self, x) -> jax.Array:
         """LM-head logits [..., V] of final-normed hidden states [..., H] (tied embedding or lm_head)."""

@@ -112,7 +112,7 @@ class TrainConfig:
     assistant_only_loss: bool = True
     # model / precision / memory
     bf16: bool = True
-    attention_implementation: Literal["xla", "pallas", "cudnn", "auto"] = "auto"
+    attention_implementation: Literal["auto", "reference", "xla", "pallas", "cudnn"] = "auto"
     # HF/TRL's switch. Not given, `remat` becomes "offload" when this is true (HF keeps each layer's input on
     # the device and recomputes the rest; offload keeps it in host memory: the lean mode of docs/benchmarks.md),
     # else "none". After construction `remat` is always one of the four policies.
@@ -121,6 +121,11 @@ class TrainConfig:
     # "unroll": one program region per layer over per-layer weight buffers (faster steps, longer compile);
     # "scan": one scanned layer body over stacked weights; "auto": unroll when remat is "none", else scan.
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
+    # Tokens per chunk of the linear cross-entropy (null: the kernel's default); smaller chunks keep fewer
+    # [chunk, vocab] fp32 logits alive (the lean benchmark mode uses 256).
+    ce_chunk_size: int | None = None
+    # XLA options for the training step's program only, e.g. {xla_gpu_enable_dynamic_slice_fusion: true}.
+    compiler_options: dict | None = None
     # LoRA
     lora_r: int = 16
     lora_alpha: float = 32.0
@@ -149,6 +154,24 @@ class TrainConfig:
         self._resolve_remat()
         self._check_ranges()
         self._check_paths()
+        self._build_parts()
+
+    def _build_parts(self):
+        """The validated parts the run is built from (each checks its own fields once)."""
+        from jaxft.execution import ExecutionConfig, ExecutionConfigError
+
+        try:
+            execution = ExecutionConfig(
+                attention_implementation=self.attention_implementation, remat=self.remat, layer_loop=self.layer_loop,
+                ce_chunk_size=self.ce_chunk_size, compiler_options=self.compiler_options or {})
+        except ExecutionConfigError as e:  # its fields are the flat keys
+            raise TrainConfigError(str(e), key=e.field) from None
+        object.__setattr__(self, "_execution", execution)
+
+    @property
+    def execution(self):
+        """How the step runs (`jaxft.execution.ExecutionConfig`), from the flat keys."""
+        return self._execution
 
     def _resolve_remat(self):
         """`gradient_checkpointing` picks the remat policy only when `remat` is not given; a given policy wins,

@@ -159,19 +159,11 @@ def _check_model_and_lora(config: TrainConfig):
     return lora_cfg
 
 
-def resolve_layer_loop(config: TrainConfig) -> str:
-    """"auto" unrolls only without remat: the host offload and recompute policies are tuned for the scan."""
-    if config.layer_loop != "auto":
-        return config.layer_loop
-    return "unroll" if config.remat == "none" else "scan"
-
-
 def _load_model(config: TrainConfig, lora_cfg):
     from jaxft.io import from_pretrained
     from jaxft.lora import apply_lora
 
-    model = from_pretrained(config.model_name_or_path, "bfloat16" if config.bf16 else "float32",
-                            attention_impl=config.attention_implementation, remat=config.remat)
+    model = from_pretrained(config.model_name_or_path, "bfloat16" if config.bf16 else "float32")
     try:
         apply_lora(model, lora_cfg, seed=config.seed)
     except ConfigError as e:
@@ -272,7 +264,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     model = _load_model(config, lora_cfg)
     graphdef, lora, frozen = split_model(model)
     del model  # its LoRA buffers are donated to the step below
-    if resolve_layer_loop(config) == "unroll":  # the model is gone: its stacked weights go as they are split
+    if config.execution.resolved_layer_loop == "unroll":  # the model is gone: its stacked weights go as they are split
         if config.remat == "offload":
             logger.warning("layer_loop=unroll with remat=offload: XLA kept the unrolled layers' activations on the "
                            "device in our H200 measurement (13.5 GiB of temporaries vs 1.3 GiB with the layer scan "
@@ -319,8 +311,9 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     num_devices = len(jax.devices())
     place = _Placement(num_devices)
     lora, opt_state, frozen = place.replicate(lora), place.replicate(opt_state), place.replicate(frozen)
-    step_fn = make_train_step(graphdef, setup.optimizer, setup.schedule, dropout=config.lora_dropout > 0)
-    eval_fn = make_eval_step(graphdef)
+    step_fn = make_train_step(graphdef, setup.optimizer, setup.schedule, execution=config.execution,
+                              dropout=config.lora_dropout > 0)
+    eval_fn = make_eval_step(graphdef, execution=config.execution)
     eval_every = config.eval_steps or config.logging_steps
     num_tokens = setup.start_tokens  # cumulative non-padding tokens trained on (TRL's num_tokens)
 

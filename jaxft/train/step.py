@@ -25,11 +25,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxft.execution import ExecutionConfig
 from jaxft.models.layers import LoraParam
 from kernels_pallas.linear_cross_entropy import linear_cross_entropy
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+TRAIN_EXECUTION = ExecutionConfig()  # attention "auto" (per device and batch), no remat
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
@@ -85,16 +87,16 @@ def restack_layers(frozen: nnx.State, *, delete_source: bool = False) -> nnx.Sta
 
 
 def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
-                   ce_chunk_size: int | None = None, ce_implementation: str = "xla") -> jax.Array:
+                   execution: ExecutionConfig = TRAIN_EXECUTION) -> jax.Array:
     """sum_t loss_mask_t * CE(softmax(h_t @ W_head), targets_t) over a [B, T] packed batch (fp32 scalar)."""
     hidden = model.hidden_states(batch["input_ids"], batch["positions"], batch["segment_ids"],
-                                 dropout_rng=dropout_rng)
+                                 dropout_rng=dropout_rng, execution=execution)
     b, t, h = hidden.shape
     with jax.named_scope("cross_entropy"):
         return linear_cross_entropy(
             hidden.reshape(b * t, h), model.head_weight(), batch["targets"].reshape(b * t),
             batch["loss_mask"].reshape(b * t).astype(jnp.float32),
-            chunk_size=ce_chunk_size, implementation=ce_implementation)
+            chunk_size=execution.ce_chunk_size, implementation=execution.ce_implementation)
 
 
 def make_optimizer(schedule: optax.Schedule | float, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -108,12 +110,13 @@ def make_optimizer(schedule: optax.Schedule | float, *, b1: float = 0.9, b2: flo
 
 
 def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.State, batch: Batch,
-                       rng: jax.Array | None, **ce_kw) -> tuple[jax.Array, Any, jax.Array]:
+                       rng: jax.Array | None, execution: ExecutionConfig = TRAIN_EXECUTION
+                       ) -> tuple[jax.Array, Any, jax.Array]:
     """(sum of token losses, sum of their gradients w.r.t. `lora`, target count) over `batch` whose leaves are
     [A, B, T] (A micro-batches, scanned one at a time so only one micro-batch's activations are live)."""
 
     def micro_loss(lora_, mb, r):
-        return token_loss_sum(nnx.merge(graphdef, lora_, frozen), mb, dropout_rng=r, **ce_kw)
+        return token_loss_sum(nnx.merge(graphdef, lora_, frozen), mb, dropout_rng=r, execution=execution)
 
     grad_fn = jax.value_and_grad(micro_loss)
 
@@ -133,20 +136,19 @@ def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.Stat
 
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
-                    schedule: optax.Schedule | None = None, *, dropout: bool = False, ce_chunk_size: int | None = None,
-                    ce_implementation: str = "xla", donate: bool = True,
-                    compiler_options: dict[str, Any] | None = None) -> Callable:
+                    schedule: optax.Schedule | None = None, *, execution: ExecutionConfig = TRAIN_EXECUTION,
+                    dropout: bool = False, donate: bool = True) -> Callable:
     """`step(lora, opt_state, frozen, batch [A,B,T], rng) -> (lora, opt_state, metrics)`, jitted once.
 
     `lora` and `opt_state` are donated. metrics: loss (mean over the step's target tokens), grad_norm (global
     norm before clipping), learning_rate (used by this update), num_target_tokens. `rng` drives LoRA dropout
-    (one key per micro-batch via fold_in); it is ignored unless `dropout`. `compiler_options`: XLA options
-    for this program only (e.g. {"xla_gpu_enable_dynamic_slice_fusion": True}), never process-wide flags."""
-    ce_kw = dict(ce_chunk_size=ce_chunk_size, ce_implementation=ce_implementation)
+    (one key per micro-batch via fold_in); it is ignored unless `dropout`. `execution` says how the step runs
+    (attention kernel, remat policy, CE chunk; its `compiler_options` apply to this program only, never as
+    process-wide flags)."""
 
     def step(lora, opt_state, frozen, batch, rng):
         loss_sum, grad_sum, count = loss_and_grad_sums(graphdef, lora, frozen, batch, rng if dropout else None,
-                                                       **ce_kw)
+                                                       execution)
         denom = jnp.maximum(count, 1.0)  # an all-padding step has zero loss and zero gradient
         grads = jax.tree.map(lambda g: g / denom, grad_sum)
         metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads), "num_target_tokens": count}
@@ -157,17 +159,17 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             lora = optax.apply_updates(lora, updates)
         return lora, opt_state, metrics
 
-    return jax.jit(step, donate_argnums=(0, 1) if donate else (), compiler_options=compiler_options or None)
+    return jax.jit(step, donate_argnums=(0, 1) if donate else (),
+                   compiler_options=dict(execution.compiler_options) or None)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, *, ce_chunk_size: int | None = None,
-                   ce_implementation: str = "xla") -> Callable:
+def make_eval_step(graphdef: nnx.GraphDef, *, execution: ExecutionConfig = TRAIN_EXECUTION) -> Callable:
     """`eval_step(lora, frozen, batch [B,T]) -> (loss_sum, target_count)`; the eval loss is
     sum(loss_sum) / sum(target_count) over all eval batches."""
 
     def eval_step(lora, frozen, batch):
         model = nnx.merge(graphdef, lora, frozen)
-        loss = token_loss_sum(model, batch, ce_chunk_size=ce_chunk_size, ce_implementation=ce_implementation)
+        loss = token_loss_sum(model, batch, execution=execution.replace(remat="none"))  # no backward: no remat
         return loss, jnp.sum(batch["loss_mask"].astype(jnp.float32))
 
     return jax.jit(eval_step)
