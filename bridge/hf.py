@@ -30,6 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from bridge.errors import CheckpointError, hub_id_hint, python_command
+from bridge.mappings import transforms
 from bridge.mappings.schema import Row, Table, validate_table
 from bridge.safetensors_io import PendingTensor, TensorInfo, read_header, read_into, write_file
 from bridge.tree import flatten_tree, unflatten_tree  # re-exported: bridge.hf is the one-stop I/O module
@@ -124,13 +125,22 @@ def _spec(value: Any, where: str) -> tuple[tuple[int, ...], np.dtype]:
 
 
 def _hf_shape(row: Row, ours: tuple[int, ...], path_str: str) -> tuple[int, ...]:
-    """HF shape of one tensor of ``row`` given our (possibly stacked) shape."""
-    per = ours[1:] if row.stacked else ours
-    if row.transform == "T":
-        if len(per) != 2:
-            raise ValueError(f"{path_str}: transposed rows need 2-D tensors (per layer), got shape {ours}")
-        return per[::-1]
-    return per
+    """HF shape of one tensor of ``row`` given our shape (with its leading layer / expert axes)."""
+    per = ours[len(row.axes):]
+    try:
+        return transforms.hf_shape(row.transform, per)
+    except ValueError as e:
+        raise ValueError(f"{path_str}: {e} (per layer/expert; our shape {ours})") from None
+
+
+def _check_lead(row: Row, shape: tuple[int, ...], sizes: Mapping[str, int], where: str) -> None:
+    """Our array of a row has one leading axis per placeholder, of the placeholder's count."""
+    want = tuple(int(sizes[a]) for a in row.axes if a in sizes)
+    names = {"i": "num_layers", "e": "num_experts"}
+    if len(want) != len(row.axes) or tuple(shape[:len(want)]) != want:
+        need = ", ".join(f"{names[a]}={sizes.get(a, '?')}" for a in row.axes)
+        kind = "per layer" if row.axes == ("i",) else f"indexed by {row.axes}"
+        raise ValueError(f"{where} is {kind}: shape {shape} must start with {need}")
 
 
 def _path_str(path: tuple) -> str:
@@ -190,6 +200,8 @@ def load_weights(
     expected: Mapping[tuple, Any],
     num_layers: int,
     dtype: Any = None,
+    *,
+    num_experts: int | None = None,
 ) -> dict[tuple, np.ndarray]:
     """Load an HF safetensors checkpoint into flat tree arrays.
 
@@ -200,6 +212,7 @@ def load_weights(
         or ``(shape, dtype)``; stacked paths include the leading ``num_layers``.
       num_layers: L, the number of decoder layers.
       dtype: if given, every output uses it instead of the per-path dtype.
+      num_experts: E, for rows with an ``{e}`` placeholder (MoE experts).
 
     Returns:
       ``{path: np.ndarray}`` with the expected shapes/dtypes (bf16 is
@@ -217,8 +230,9 @@ def load_weights(
     override = None if dtype is None else _as_float_dtype(dtype, "load_weights(dtype=...)")
     by_path = {row.path: row for row in table}
 
-    # What the model wants, by concrete HF name: name -> (path, layer, row, hf_shape).
-    wants: dict[str, tuple[tuple, int | None, Row, tuple[int, ...]]] = {}
+    sizes = _sizes(num_layers, num_experts)
+    # What the model wants, by concrete HF name: name -> (path, index, row, hf_shape).
+    wants: dict[str, tuple[tuple, tuple[int, ...], Row, tuple[int, ...]]] = {}
     specs: dict[tuple, tuple[tuple[int, ...], np.dtype]] = {}
     for p, value in expected.items():
         ps = _path_str(p)
@@ -227,11 +241,10 @@ def load_weights(
         shape, dt = _spec(value, f"expected[{ps}]")
         specs[p] = (shape, dt if override is None else override)
         row = by_path[p]
-        if row.stacked and (not shape or shape[0] != num_layers):
-            raise ValueError(f"expected[{ps}] is per layer: shape {shape} must start with num_layers={num_layers}")
+        _check_lead(row, shape, sizes, f"expected[{ps}]")
         hf_shape = _hf_shape(row, shape, ps)
-        for layer in range(num_layers) if row.stacked else (None,):
-            wants[row.name(layer)] = (p, layer, row, hf_shape)
+        for index in row.indices(sizes):
+            wants[row.name_at(index)] = (p, index, row, hf_shape)
 
     # Pass 1: headers only. Find every problem before reading any data.
     files = _checkpoint_files(root)
@@ -250,7 +263,7 @@ def load_weights(
             if want is None:
                 if _is_tied_head(name, info, by_path, expected, embed_shape):
                     continue
-                unexpected.append(f"{name} {list(info.shape)} in {file.name}{_why_unexpected(name, table, expected, num_layers)}")
+                unexpected.append(f"{name} {list(info.shape)} in {file.name}{_why_unexpected(name, table, expected, sizes)}")
                 continue
             located[name] = (file, info)
             if info.shape != want[3]:
@@ -274,9 +287,15 @@ def load_weights(
     def run(part: list[tuple[str, int, str]]) -> None:
         scratch = np.empty(_SCRATCH_BYTES, np.uint8)
         for _, _, name in part:
-            p, layer, row, _ = wants[name]
+            p, index, row, _ = wants[name]
             file, info = located[name]
-            read_into(fds[file], file, info, out[p] if layer is None else out[p][layer], row.transform, scratch)
+            dst = out[p][index]
+            if row.transform in (None, "transpose"):  # streamed (cast / blocked transpose) into place
+                read_into(fds[file], file, info, dst, row.transform, scratch)
+            else:  # another named transform: the HF tensor whole, then its registered load
+                hf = np.empty(info.shape, info.dtype)
+                read_into(fds[file], file, info, hf, None, scratch)
+                dst[...] = transforms.to_ours(row.transform, hf)
 
     try:
         if workers == 1:
@@ -302,13 +321,23 @@ def _is_tied_head(name, info, by_path, expected, embed_shape) -> bool:
     )
 
 
-def _why_unexpected(name: str, table: Table, expected: Mapping, num_layers: int) -> str:
+def _sizes(num_layers: int, num_experts: int | None) -> dict[str, int]:
+    sizes = {"i": int(num_layers)}
+    if num_experts is not None:
+        sizes["e"] = int(num_experts)
+    return sizes
+
+
+def _why_unexpected(name: str, table: Table, expected: Mapping, sizes: Mapping[str, int]) -> str:
+    what = {"i": ("layer", "num_layers"), "e": ("expert", "num_experts")}
     for row in table:
         m = row.pattern().fullmatch(name)
         if m is None:
             continue
-        if row.stacked and int(m.group(1)) >= num_layers:
-            return f" (layer {m.group(1)} but the model has num_layers={num_layers})"
+        for axis in row.axes:
+            if axis in sizes and int(m.group(axis)) >= sizes[axis]:
+                word, key = what[axis]
+                return f" ({word} {m.group(axis)} but the model has {key}={sizes[axis]})"
         if row.path not in expected:
             return f" (maps to {_path_str(row.path)}, which the model does not have)"
     return " (no row in the mapping table)"
@@ -356,6 +385,7 @@ def save_weights(
     dtype: Any = None,
     *,
     overwrite: bool = False,
+    num_experts: int | None = None,
 ) -> Path:
     """Write an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
@@ -364,7 +394,7 @@ def save_weights(
         dir next to it, renamed onto ``path`` at the end.
       table: the mapping table.
       params: flat ``{path: array}`` (numpy or jax); only these tensors are
-        written. Stacked arrays are split into per-layer tensors, ``"T"`` rows
+        written. Stacked arrays are split into per-layer tensors, transform rows
         transposed back to ``[out, in]``.
       num_layers: L (leading dim of every stacked array).
       config: HF config dict written as config.json (e.g. ModelConfig.to_hf()).
@@ -373,6 +403,7 @@ def save_weights(
         ``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``.
       dtype: cast every tensor to this dtype (default: keep each array's dtype).
       overwrite: replace an existing non-empty ``path``; otherwise that is an error.
+      num_experts: E, for rows with an ``{e}`` placeholder (MoE experts).
 
     Returns the target path.
     """
@@ -391,7 +422,7 @@ def save_weights(
         raise ValueError(f"save target {target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise ValueError(f"save target {target} exists and is not empty; pass overwrite=True to replace it")
-    tensors = _pending_tensors(table, params, num_layers, dtype)
+    tensors = _pending_tensors(table, params, _sizes(num_layers, num_experts), dtype)
 
     shards: list[list[PendingTensor]] = [[]]
     size = 0
@@ -426,7 +457,8 @@ def save_weights(
     return target
 
 
-def _pending_tensors(table: Table, params: Mapping[tuple, Any], num_layers: int, dtype: Any) -> list[PendingTensor]:
+def _pending_tensors(table: Table, params: Mapping[tuple, Any], sizes: Mapping[str, int],
+                     dtype: Any) -> list[PendingTensor]:
     by_path = {row.path: row for row in table}
     unknown = [_path_str(p) for p in params if p not in by_path]
     if unknown:
@@ -437,6 +469,7 @@ def _pending_tensors(table: Table, params: Mapping[tuple, Any], num_layers: int,
     override = None if dtype is None else _as_float_dtype(dtype, "save_weights(dtype=...)")
     flat: list[PendingTensor] = []
     per_layer: list[tuple[Row, Any, np.dtype, tuple[int, ...]]] = []
+    num_layers = sizes["i"]
     for row in table:  # table order gives a stable, HF-like file order
         if row.path not in params:
             continue
@@ -444,25 +477,31 @@ def _pending_tensors(table: Table, params: Mapping[tuple, Any], num_layers: int,
         ps = _path_str(row.path)
         shape = tuple(int(d) for d in arr.shape)
         dt = _as_float_dtype(arr.dtype if override is None else override, f"params[{ps}]")
-        if row.stacked and (not shape or shape[0] != num_layers):
-            raise ValueError(f"params[{ps}] is per layer: shape {shape} must start with num_layers={num_layers}")
+        _check_lead(row, shape, sizes, f"params[{ps}]")
         hf_shape = _hf_shape(row, shape, ps)
         if row.stacked:
             per_layer.append((row, arr, dt, hf_shape))
         else:
-            flat.append(PendingTensor(row.name(), hf_shape, dt, _producer(arr, None, row.transform, dt)))
-    for layer in range(num_layers):
+            for index in row.indices(sizes):
+                flat.append(PendingTensor(row.name_at(index), hf_shape, dt, _producer(arr, index, row.transform, dt)))
+    for layer in range(num_layers):  # layer-major file order, as transformers writes
         for row, arr, dt, hf_shape in per_layer:
-            flat.append(PendingTensor(row.name(layer), hf_shape, dt, _producer(arr, layer, row.transform, dt)))
+            for index in row.indices({**sizes, "i": 1}):
+                index = (layer, *index[1:])
+                flat.append(PendingTensor(row.name_at(index), hf_shape, dt,
+                                          _producer(arr, index, row.transform, dt)))
     return flat
 
 
-def _producer(arr: Any, layer: int | None, transform: str | None, dt: np.dtype):
+def _producer(arr: Any, index: tuple[int, ...], transform: str | None, dt: np.dtype):
     def produce() -> np.ndarray:
         # Index before converting: a jax array then moves one layer to host, not all L.
-        x = np.asarray(arr if layer is None else arr[layer])
+        x = arr
+        for k in index:  # one axis at a time: works for any array-like that indexes by int
+            x = x[k]
+        x = np.asarray(x)
         x = x.astype(dt, copy=False)
-        return np.ascontiguousarray(x.T if transform == "T" else x)
+        return np.ascontiguousarray(transforms.to_hf(transform, x))
 
     return produce
 

@@ -160,7 +160,7 @@ def read_into(
     """Copy tensor ``info`` from the open file ``fd`` into ``dst``.
 
     ``dst`` has the tree layout: ``info.shape`` (``transform=None``) or its
-    2-D transpose (``"T"``), any float dtype. Same dtype and no transpose: the
+    2-D transpose (``"transpose"``), any float dtype. Same dtype and no transpose: the
     bytes are read straight into ``dst``. Otherwise rows of the source are
     read into ``bounce`` (a uint8 scratch buffer) a chunk at a time and
     cast/transposed into ``dst``, so the extra memory is ``bounce.nbytes``
@@ -182,7 +182,7 @@ def read_into(
         buf = bounce[: (r1 - r0) * row_bytes]
         _read_exact(fd, info.start + r0 * row_bytes, memoryview(buf), path, info.name)
         chunk = buf.view(info.dtype).reshape((r1 - r0, *shape[1:]))
-        if transform == "T":
+        if transform == "transpose":
             # HF [out, in] rows -> our [in, out] columns, a few rows at a time: a narrow
             # block keeps both sides of the strided copy in cache (~10x faster than one .T copy).
             for b0 in range(0, r1 - r0, _T_BLOCK_ROWS):

@@ -53,7 +53,7 @@ def test_tables_cover_supported_types_and_agree_with_oracle():
             row = by_path[path]
             assert row.hf == template.replace("{}", "{i}")
             assert row.stacked == ("{}" in template)
-            assert row.transform == ("T" if transposed else None)
+            assert row.transform == ("transpose" if transposed else None)
             hf, p, t, stacked = row  # rows unpack like 4-tuples
             assert (hf, p, t, stacked) == (row.hf, row.path, row.transform, row.stacked)
 
@@ -66,8 +66,10 @@ def test_table_for_unknown_type_lists_supported():
 def test_row_validation():
     with pytest.raises(ValueError, match="stacked=True"):
         Row("model.norm.weight", ("final_norm", "scale"), None, True)
-    with pytest.raises(ValueError, match="transform"):
-        Row("model.norm.weight", ("final_norm", "scale"), "transpose", False)
+    with pytest.raises(ValueError, match="unknown transform 'rotate'; registered: transpose"):
+        Row("model.norm.weight", ("final_norm", "scale"), "rotate", False)
+    with pytest.raises(ValueError, match=r"only the \{i\} \(layer\) and \{e\} \(expert\) placeholders"):
+        Row("model.layers.{i}.{j}.weight", ("layers", "x"), None, True)
     row = Row("model.layers.{i}.mlp.up_proj.weight", ("layers", "mlp", "up_proj", "kernel"), "T", True)
     assert row.name(3) == "model.layers.3.mlp.up_proj.weight"
     assert row.pattern().fullmatch("model.layers.12.mlp.up_proj.weight").group(1) == "12"

@@ -1,14 +1,14 @@
 """The row type of a name-mapping table and its validation.
 
-A table is a tuple of :class:`Row`. Each row ties one Hugging Face tensor name
-(a template; ``{i}`` stands for the layer index) to one path in our flat
-parameter tree, plus the layout change between the two:
+A table is a tuple of :class:`Row`. Each row ties one Hugging Face tensor name template to one path in our
+flat parameter tree, plus the named layout change between the two (``bridge.mappings.transforms``):
 
-* ``transform="T"``: HF stores a linear weight as ``[out, in]`` (torch's
-  ``y = x @ W.T``); our kernels are ``[in, out]`` (``y = x @ K``), so
-  ``K = W.T`` on load and ``W = K.T`` on save.
-* ``stacked=True``: HF has one tensor per layer; we keep one array with a
-  leading ``L`` axis, ``ours[i] == transform(hf[i])``.
+* placeholders: ``{i}`` is the layer index, ``{e}`` the expert index (MoE). Each appears at most once; our
+  array has one leading axis per placeholder, in the order ``i`` then ``e``:
+  ``ours[i, e] == transform(hf[name(i=i, e=e)])``.
+* ``stacked``: the row has ``{i}`` (one HF tensor per layer, stacked on axis 0 in our tree); kept as an
+  explicit field so a table reads as what it means and a mismatch with the template is caught.
+* ``transform``: a registered transform name (``"transpose"``, alias ``"T"``) or ``None`` (identity).
 
 Tables are pure data, read in both directions (load and save).
 """
@@ -16,27 +16,32 @@ Tables are pure data, read in both directions (load and save).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
-from typing import Iterator, Literal
+from typing import Iterator, Mapping
+
+from bridge.mappings import transforms
 
 LAYER = "{i}"
-_TRANSFORMS = (None, "T")
+EXPERT = "{e}"
+AXES = ("i", "e")  # the placeholders, in the order of our array's leading axes
+_SLOT = re.compile(r"\{([^{}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One HF tensor <-> one tree path.
+    """One HF tensor template <-> one tree path.
 
     Attributes:
       hf: HF name template, e.g. ``"model.layers.{i}.self_attn.q_proj.weight"``.
       path: path tuple in our flat tree, e.g. ``("layers", "attn", "q_proj", "kernel")``.
-      transform: ``"T"`` (2-D transpose) or ``None`` (identity).
-      stacked: the tensor exists once per layer and is stacked on axis 0 in our tree.
+      transform: a name registered in ``bridge.mappings.transforms`` (``"T"`` reads as ``"transpose"``) or None.
+      stacked: the tensor exists once per layer (the template has ``{i}``).
     """
 
     hf: str
     path: tuple[str, ...]
-    transform: Literal["T"] | None
+    transform: str | None
     stacked: bool
 
     def __post_init__(self) -> None:
@@ -46,39 +51,68 @@ class Row:
             isinstance(p, str) and p for p in self.path
         ):
             raise ValueError(f"Row.path must be a non-empty tuple of str, got {self.path!r} (row {self.hf!r})")
-        if self.transform not in _TRANSFORMS:
-            raise ValueError(f"Row.transform must be one of {_TRANSFORMS}, got {self.transform!r} (row {self.hf!r})")
+        try:
+            object.__setattr__(self, "transform", transforms.canonical(self.transform))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"row {self.hf!r}: Row.transform: {e}") from None
         if not isinstance(self.stacked, bool):
             raise ValueError(f"Row.stacked must be a bool, got {self.stacked!r} (row {self.hf!r})")
-        # A per-layer tensor needs the layer slot in its name and vice versa,
-        # otherwise the name could not be produced on save / parsed on load.
-        if self.stacked != (self.hf.count(LAYER) == 1):
+        slots = _SLOT.findall(self.hf)
+        bad = [s for s in slots if s not in AXES]
+        if bad or self.hf.count("{") != len(slots) or self.hf.count("}") != len(slots):
+            raise ValueError(f"row {self.hf!r}: only the {{i}} (layer) and {{e}} (expert) placeholders are allowed")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"row {self.hf!r}: each placeholder may appear once")
+        # A per-layer tensor needs the layer slot in its name and vice versa, otherwise the name could not be
+        # produced on save / parsed on load.
+        if self.stacked != ("i" in slots):
             raise ValueError(
                 f"row {self.hf!r}: stacked={self.stacked} but the template has "
                 f"{self.hf.count(LAYER)} '{LAYER}' placeholders (need exactly 1 iff stacked)"
             )
-        if self.hf.replace(LAYER, "").count("{") or self.hf.replace(LAYER, "").count("}"):
-            raise ValueError(f"row {self.hf!r}: only the '{LAYER}' placeholder is allowed")
 
     def __iter__(self) -> Iterator:
         # Rows read like the 4-tuples they describe: `for hf, path, t, stacked in TABLE`.
         return iter((self.hf, self.path, self.transform, self.stacked))
 
-    def name(self, layer: int | None = None) -> str:
-        """The concrete HF name (``layer`` is required iff the row is stacked)."""
-        if self.stacked:
-            if layer is None:
-                raise ValueError(f"row {self.hf!r} is per layer: pass the layer index")
-            return self.hf.replace(LAYER, str(int(layer)))
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The row's placeholders in our axis order (``("i",)``, ``("i", "e")`` or ``()``)."""
+        slots = set(_SLOT.findall(self.hf))
+        return tuple(a for a in AXES if a in slots)
+
+    def name(self, layer: int | None = None, **indices: int) -> str:
+        """The concrete HF name (``layer`` is required iff the row is stacked; ``e=`` for an expert row)."""
         if layer is not None:
-            raise ValueError(f"row {self.hf!r} is not per layer, got layer={layer}")
-        return self.hf
+            indices["i"] = layer
+        if set(indices) != set(self.axes):
+            if self.stacked and "i" not in indices:
+                raise ValueError(f"row {self.hf!r} is per layer: pass the layer index")
+            if not self.stacked and "i" in indices:
+                raise ValueError(f"row {self.hf!r} is not per layer, got layer={indices['i']}")
+            raise ValueError(f"row {self.hf!r} needs indices {self.axes}, got {tuple(sorted(indices))}")
+        out = self.hf
+        for axis, value in indices.items():
+            out = out.replace("{" + axis + "}", str(int(value)))
+        return out
+
+    def indices(self, sizes: Mapping[str, int]) -> Iterator[tuple[int, ...]]:
+        """Every index tuple of the row's axes (``()`` once for an unindexed row), e.g. sizes={"i": L}."""
+        missing = [a for a in self.axes if a not in sizes]
+        if missing:
+            raise ValueError(f"row {self.hf!r} needs the count of {missing} (e.g. num_layers / num_experts)")
+        return itertools.product(*(range(int(sizes[a])) for a in self.axes))
+
+    def name_at(self, index: tuple[int, ...]) -> str:
+        return self.name(**dict(zip(self.axes, index)))
 
     def pattern(self) -> re.Pattern[str]:
-        """Regex matching concrete names of this row; group 1 is the layer index if stacked."""
-        head, sep, tail = self.hf.partition(LAYER)
-        body = re.escape(head) + (r"(0|[1-9][0-9]*)" + re.escape(tail) if sep else "")
-        return re.compile(body)
+        """Regex matching concrete names of this row; one group per placeholder (named i / e), in template order."""
+        body, pos = "", 0
+        for m in _SLOT.finditer(self.hf):
+            body += re.escape(self.hf[pos:m.start()]) + f"(?P<{m.group(1)}>0|[1-9][0-9]*)"
+            pos = m.end()
+        return re.compile(body + re.escape(self.hf[pos:]))
 
 
 Table = tuple[Row, ...]
