@@ -57,6 +57,15 @@ trainable_filter = LoraParam
 # --------------------------------------------------------------------------- config
 
 
+class LoraConfigError(ConfigError):
+    """A bad LoRA setting. `field` is the LoraConfig field and `problem` the message without it, so a caller
+    with its own key names (TrainConfig's `lora_r`, ...) can state the same problem under its key."""
+
+    def __init__(self, field: str, problem: str):
+        self.field, self.problem = field, problem
+        super().__init__(f"LoraConfig.{field}: {problem}")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
     """What to adapt and how, with PEFT's meaning for every field (PEFT names in brackets).
@@ -84,7 +93,7 @@ class LoraConfig:
 
     def __post_init__(self):
         def bad(field: str, why: str):
-            raise ConfigError(f"LoraConfig.{field}={getattr(self, field)!r}: {why}")
+            raise LoraConfigError(field, f"value {getattr(self, field)!r} {why}")
 
         if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r <= 0:
             bad("r", "must be a positive integer (the LoRA rank, e.g. 8 or 16)")
@@ -106,10 +115,10 @@ class LoraConfig:
                 bad(field, "must be a dict {module name pattern: value}")
             for key, value in pattern.items():
                 if not isinstance(key, str) or not key:
-                    raise ConfigError(f"LoraConfig.{field}: key {key!r} must be a non-empty string")
+                    raise LoraConfigError(field, f"key {key!r} must be a non-empty string")
                 _compile(key, f"LoraConfig.{field} key")
                 if not ok(value):
-                    raise ConfigError(f"LoraConfig.{field}[{key!r}]={value!r}: must be {what}")
+                    raise LoraConfigError(field, f"value {value!r} of {key!r} must be {what}")
             object.__setattr__(self, field, dict(pattern))
 
     def __hash__(self) -> int:
@@ -154,17 +163,17 @@ def _names_or_regex(value, field: str, optional: bool):
         return None
     if isinstance(value, str):
         if not value:
-            raise ConfigError(f"LoraConfig.{field} is an empty string; give a regex, a list of names or 'all-linear'")
+            raise LoraConfigError(field, "is an empty string; give a regex, a list of names or 'all-linear'")
         _compile(value, f"LoraConfig.{field}")
         return value
     if isinstance(value, (list, tuple, set, frozenset)):
         names = tuple(sorted(value))  # order has no meaning (PEFT keeps a set): sorted, so equal configs compare equal
         if (names or not optional) and not (names and all(isinstance(n, str) and n for n in names)):
-            raise ConfigError(f"LoraConfig.{field}={value!r}: must be a non-empty list of module names such as "
-                              "['q_proj', 'v_proj'], a regex string" + (", or None" if optional else
-                                                                         " or 'all-linear'"))
+            raise LoraConfigError(field, f"value {value!r} must be a non-empty list of module names such as "
+                                         "['q_proj', 'v_proj'], a regex string" + (", or None" if optional else
+                                                                                    " or 'all-linear'"))
         return names or None
-    raise ConfigError(f"LoraConfig.{field}={value!r}: must be a list of module names or a regex string")
+    raise LoraConfigError(field, f"value {value!r} must be a list of module names or a regex string")
 
 
 # --------------------------------------------------------------------------- HF module names <-> our linears
@@ -229,8 +238,8 @@ def _no_match_error(what: str, mods: _Modules, model_type: str, regex: bool) -> 
     example = mods.sites[0].names(mods.num_layers)[0] if mods.sites else "?"
     hint = (" A string is a regex that must match the WHOLE name (re.fullmatch); to match by name pass a list, "
             "e.g. ['q_proj', 'v_proj'].") if regex else ""
-    return ConfigError(
-        f"LoraConfig.target_modules: {what} matches no linear module of this {model_type} model. Linear "
+    return LoraConfigError(
+        "target_modules", f"{what} matches no linear module of this {model_type} model. Linear "
         f"modules: {', '.join(_short_names(mods))} (each names every layer's module; full names look like "
         f"{example!r}).{hint}")
 

@@ -455,12 +455,12 @@ def test_targeting_errors(bases, fields, match):
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(r=0), "LoraConfig.r=0"),
+    (dict(r=0), "LoraConfig.r: value 0 must be a positive integer"),
     (dict(alpha=-1), "LoraConfig.alpha"),
     (dict(dropout=1.0), "LoraConfig.dropout"),
     (dict(target_modules=[]), "target_modules"),
     (dict(target_modules="(q_proj"), "not a valid regular expression"),
-    (dict(rank_pattern={"q_proj": 0}), r"rank_pattern\['q_proj'\]"),
+    (dict(rank_pattern={"q_proj": 0}), r"LoraConfig.rank_pattern: value 0 of 'q_proj' must be"),
     (dict(use_rslora="yes"), "use_rslora"),
 ])
 def test_config_validation(fields, match):

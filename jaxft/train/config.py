@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-import math
 import re
 import types
 import typing
@@ -35,6 +34,21 @@ ALIASES = {"max_length": "max_seq_length"}
 COMMAND_LINE = "command line"
 
 logger = logging.getLogger(__name__)
+
+
+# Part field -> flat key. ExecutionConfig's and OptimConfig's fields are the flat keys themselves.
+EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "layer_loop", "ce_chunk_size",
+                                  "compiler_options")}
+OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
+                              "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")}
+LORA_KEYS = {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "lora_target_modules",
+              "use_rslora": "use_rslora"}
+
+
+def part_error(error, fields: Mapping[str, str]) -> "TrainConfigError":
+    """A part config's error (it carries `field` and `problem`) stated under the flat key of that field."""
+    key = fields.get(error.field, error.field)
+    return TrainConfigError(f"key {key!r}: {error.problem}", key=key)
 
 
 class TrainConfigError(ValueError):
@@ -157,21 +171,50 @@ class TrainConfig:
         self._build_parts()
 
     def _build_parts(self):
-        """The validated parts the run is built from (each checks its own fields once)."""
+        """The validated parts a run is built from, each checking its own fields once. Their errors carry the
+        field; PART_KEYS turns it into the flat key the user wrote (no message rewriting)."""
         from jaxft.execution import ExecutionConfig, ExecutionConfigError
+        from jaxft.lora import LoraConfig, LoraConfigError
+        from jaxft.train.optim import OptimConfig, OptimConfigError
 
-        try:
-            execution = ExecutionConfig(
-                attention_implementation=self.attention_implementation, remat=self.remat, layer_loop=self.layer_loop,
-                ce_chunk_size=self.ce_chunk_size, compiler_options=self.compiler_options or {})
-        except ExecutionConfigError as e:  # its fields are the flat keys
-            raise TrainConfigError(str(e), key=e.field) from None
-        object.__setattr__(self, "_execution", execution)
+        for name, build, fields in (("execution", ExecutionConfig, EXECUTION_KEYS), ("optim", OptimConfig,
+                                                                                     OPTIM_KEYS),
+                                    ("lora", LoraConfig, LORA_KEYS)):
+            values = {field: getattr(self, key) for field, key in fields.items()}
+            if name == "execution":
+                values["compiler_options"] = values["compiler_options"] or {}
+            try:
+                part = build(**values)
+            except (ExecutionConfigError, OptimConfigError, LoraConfigError) as e:
+                raise part_error(e, fields) from None
+            object.__setattr__(self, f"_{name}", part)
 
     @property
     def execution(self):
         """How the step runs (`jaxft.execution.ExecutionConfig`), from the flat keys."""
         return self._execution
+
+    @property
+    def optim(self):
+        """The optimiser part (`jaxft.train.optim.OptimConfig`)."""
+        return self._optim
+
+    @property
+    def lora(self):
+        """The LoRA part (`jaxft.lora.LoraConfig`)."""
+        return self._lora
+
+    def data(self, num_devices: int):
+        """The data part (`jaxft.data.DataConfig`) for a run over `num_devices` devices (the rows per step
+        scale with them)."""
+        from jaxft.data.pipeline import DataConfig
+
+        rows = self.per_device_train_batch_size * self.gradient_accumulation_steps * num_devices
+        eval_rows = (self.per_device_eval_batch_size or self.per_device_train_batch_size) * num_devices
+        return DataConfig(path=self.dataset, seq_len=self.max_seq_length, batch_size=rows,
+                          eval_path=self.eval_dataset, eval_batch_size=eval_rows, seed=self.seed,
+                          assistant_only_loss=self.assistant_only_loss,
+                          completion_only_loss=self.completion_only_loss)
 
     def _resolve_remat(self):
         """`gradient_checkpointing` picks the remat policy only when `remat` is not given; a given policy wins,
@@ -194,7 +237,6 @@ class TrainConfig:
 
         for key in ("model_name_or_path", "dataset", "output_dir"):
             need(bool(getattr(self, key).strip()), key, "give a non-empty path")
-        need(self.learning_rate > 0 and math.isfinite(self.learning_rate), "learning_rate", "must be > 0")
         for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps",
                     "lora_r"):
             need(getattr(self, key) >= 1, key, "must be an integer >= 1")
@@ -204,15 +246,6 @@ class TrainConfig:
         need(self.max_steps == -1 or self.max_steps >= 1, "max_steps", "must be >= 1, or -1 to use num_train_epochs")
         need(self.max_steps >= 1 or self.num_train_epochs > 0, "num_train_epochs",
              "must be > 0 (or set max_steps)")
-        need(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-        need(0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", "must be in [0, 1)")
-        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        need(0.0 <= self.adam_beta1 < 1.0, "adam_beta1", "must be in [0, 1)")
-        need(0.0 <= self.adam_beta2 < 1.0, "adam_beta2", "must be in [0, 1)")
-        need(self.adam_epsilon >= 0, "adam_epsilon", "must be >= 0")
-        need(self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 disables clipping)")
-        need(self.lora_alpha > 0, "lora_alpha", "must be > 0")
-        need(0.0 <= self.lora_dropout < 1.0, "lora_dropout", "must be in [0, 1)")
         targets = self.lora_target_modules
         need(bool(targets) and (isinstance(targets, str) or all(isinstance(t, str) and t for t in targets)),
              "lora_target_modules", "give 'all-linear' or a non-empty list of module names such as [q_proj, v_proj]")

@@ -26,19 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxft.config import ConfigError
+from jaxft.lora import LoraConfigError
 from jaxft.train import checkpoint as ckpt
-from jaxft.train.config import TrainConfig, TrainConfigError
+from jaxft.train.config import LORA_KEYS, TrainConfig, TrainConfigError, part_error
 from jaxft.train.guard import OutputDirBusy, OutputDirLock, StopRequests, TrainingInterrupted
 from jaxft.train.meter import RunSummary, WindowMeter, device_peak_bytes
 from jaxft.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
-from jaxft.train.schedules import make_schedule, warmup_steps_for
-from jaxft.train.step import (make_eval_step, make_optimizer, make_train_step, restack_layers, split_model,
-                              stack_micro_batches, unstack_layers)
+from jaxft.train.schedules import warmup_steps_for
 
 logger = logging.getLogger("jaxft.train")
 
@@ -106,91 +102,13 @@ def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
             "to continue it, overwrite_output_dir=true to start over, or choose a new output_dir")
 
 
-def _load_data(config: TrainConfig, plan_rows_for, eval_rows: int):
+def _load_data(config: TrainConfig, num_devices: int):
     from jaxft.data.formatting import load_tokenizer
-    from jaxft.data.pipeline import DataConfig, build_datasets
+    from jaxft.data.pipeline import build_datasets
 
     tokenizer = load_tokenizer(config.model_name_or_path)
-    data_cfg = DataConfig(path=config.dataset, seq_len=config.max_seq_length, batch_size=plan_rows_for,
-                          eval_path=config.eval_dataset, eval_batch_size=eval_rows, seed=config.seed,
-                          assistant_only_loss=config.assistant_only_loss,
-                          completion_only_loss=config.completion_only_loss)
-    train_ds, eval_ds = build_datasets(data_cfg, tokenizer)
+    train_ds, eval_ds = build_datasets(config.data(num_devices), tokenizer)
     return tokenizer, train_ds, eval_ds
-
-
-def _lora_config(config: TrainConfig):
-    from jaxft.lora import LoraConfig
-
-    targets = config.lora_target_modules
-    try:
-        return LoraConfig(r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout,
-                          target_modules=targets if isinstance(targets, str) else tuple(targets),
-                          use_rslora=config.use_rslora)
-    except ConfigError as e:
-        raise TrainConfigError(_lora_message(e, config)) from None
-
-
-def _lora_message(e: Exception, config: TrainConfig) -> str:
-    """jaxft.lora's message with LoraConfig field names replaced by the TrainConfig keys the user wrote."""
-    msg = str(e)
-    for field, key in (("target_modules", "lora_target_modules"), ("exclude_modules", "lora_exclude_modules"),
-                       ("dropout", "lora_dropout"), ("alpha", "lora_alpha"), ("use_rslora", "use_rslora"),
-                       ("r", "lora_r")):
-        msg = msg.replace(f"LoraConfig.{field}", f"key {key!r}")
-    return msg.replace("of this ", "of the ", 1).replace(" model.", f" model {config.model_name_or_path}.", 1) \
-        if "matches no linear module" in msg else msg
-
-
-def _check_model_and_lora(config: TrainConfig):
-    """Validates the model config and the LoRA targets on a shape-only model (no weights are read)."""
-    import bridge
-    from jaxft.config import ModelConfig
-    from jaxft.lora import target_names
-    from jaxft.models import abstract_model
-
-    path = Path(config.model_name_or_path).expanduser()
-    model_cfg = ModelConfig.from_hf(bridge.read_config(path), source=str(path / "config.json"))
-    lora_cfg = _lora_config(config)
-    try:
-        target_names(abstract_model(model_cfg, dtype=jnp.float32), lora_cfg)
-    except ConfigError as e:
-        raise TrainConfigError(_lora_message(e, config)) from None
-    return lora_cfg
-
-
-def _load_model(config: TrainConfig, lora_cfg):
-    from jaxft.io import from_pretrained
-    from jaxft.lora import apply_lora
-
-    model = from_pretrained(config.model_name_or_path, "bfloat16" if config.bf16 else "float32")
-    try:
-        apply_lora(model, lora_cfg, seed=config.seed)
-    except ConfigError as e:
-        raise TrainConfigError(_lora_message(e, config)) from None
-    return model
-
-
-class _Placement:
-    """Data parallelism over all local devices: batch rows (axis 1 of [A, B, T], axis 0 of [B, T]) are split
-    over a 1-D "data" mesh, LoRA/optimizer state and frozen weights are replicated. One device: plain arrays."""
-
-    def __init__(self, num_devices: int):
-        self.mesh = None
-        if num_devices > 1:
-            self.mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
-
-    def _sharding(self, *spec):
-        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
-
-    def batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        if self.mesh is None:
-            return {k: jnp.asarray(v) for k, v in batch.items()}
-        return {k: jax.device_put(v, self._sharding(*((None, "data") if v.ndim == 3 else ("data",))))
-                for k, v in batch.items()}
-
-    def replicate(self, tree):
-        return tree if self.mesh is None else jax.device_put(tree, self._sharding())
 
 
 def _replace_dir(tmp: Path, target: Path) -> None:
@@ -209,13 +127,7 @@ class _Setup:
     tokenizer: Any
     train_ds: Any
     eval_ds: Any
-    graphdef: nnx.GraphDef
-    lora: nnx.State
-    frozen: nnx.State
-    optimizer: Any
-    opt_state: Any
-    schedule: Any
-    rng: jax.Array
+    run: Any  # jaxft.run.Run
     start_step: int
     start_tokens: int
     resume_path: str | None
@@ -250,56 +162,48 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     num_devices = len(jax.devices())
     resume_path = _resume_path(config, out)
     _check_output_dir(config, out, resume_path is not None)
+    from jaxft.run import Run  # here: jaxft.run imports jaxft.train's step module
 
-    lora_cfg = _check_model_and_lora(config)
-    rows_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_devices
-    eval_rows = (config.per_device_eval_batch_size or config.per_device_train_batch_size) * num_devices
-    tokenizer, train_ds, eval_ds = _load_data(config, rows_per_step, eval_rows)
+    try:  # on the shapes only: a target that matches nothing is reported before the data is read
+        Run.from_config(config, total_steps=1).check_targets()
+    except LoraConfigError as e:
+        raise part_error(e, LORA_KEYS) from None
+
+    tokenizer, train_ds, eval_ds = _load_data(config, num_devices)
     plan = _plan(config, train_ds.num_rows, num_devices)
     assert plan.steps_per_epoch == train_ds.num_batches_per_epoch, (plan, train_ds.num_batches_per_epoch)
     logger.info("%d rows per step (%d rows x %d micro-batches x %d devices), %d steps per epoch, %d steps",
                 plan.rows_per_step, config.per_device_train_batch_size,
                 config.gradient_accumulation_steps, num_devices, plan.steps_per_epoch, plan.total_steps)
-
-    model = _load_model(config, lora_cfg)
-    graphdef, lora, frozen = split_model(model)
-    del model  # its LoRA buffers are donated to the step below
-    if config.execution.resolved_layer_loop == "unroll":  # the model is gone: its stacked weights go as they are split
-        if config.remat == "offload":
-            logger.warning("layer_loop=unroll with remat=offload: XLA kept the unrolled layers' activations on the "
-                           "device in our H200 measurement (13.5 GiB of temporaries vs 1.3 GiB with the layer scan "
-                           "at 8B, 4096 tokens); use layer_loop: scan (or auto) for the memory saving")
-        frozen = unstack_layers(frozen, delete_source=True)
+    if config.execution.resolved_layer_loop == "unroll" and config.remat == "offload":
+        logger.warning("layer_loop=unroll with remat=offload: XLA kept the unrolled layers' activations on the "
+                       "device in our H200 measurement (13.5 GiB of temporaries vs 1.3 GiB with the layer scan "
+                       "at 8B, 4096 tokens); use layer_loop: scan (or auto) for the memory saving")
     if config.lr_scheduler_type == "constant" and plan.warmup_steps:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
-    schedule = make_schedule(config.lr_scheduler_type, config.learning_rate, plan.total_steps, plan.warmup_steps)
-    optimizer = make_optimizer(schedule, b1=config.adam_beta1, b2=config.adam_beta2, eps=config.adam_epsilon,
-                               weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm)
-    opt_state = optimizer.init(lora)
-    rng = jax.random.key(config.seed)
+    run = Run.from_config(config, plan.total_steps).load()
     start_step, start_tokens = 0, 0
     if resume_path is not None:
         try:
-            lora, opt_state, meta = ckpt.restore(resume_path, lora, opt_state)
+            lora, opt_state, meta = ckpt.restore(resume_path, run.lora, run.opt_state)
         except ckpt.CheckpointError as e:
             raise TrainConfigError(f"key 'resume_from_checkpoint': {e}") from None
-        start_step, rng = int(meta["step"]), ckpt.rng_from_json(meta["rng"])
+        run.set_state(lora, opt_state)
+        start_step, run.rng = int(meta["step"]), ckpt.rng_from_json(meta["rng"])
         _check_resume_meta(meta, config, plan, train_ds.num_rows)
         # Checkpoints written before the count was kept: recount (batches are a pure function of the step).
         start_tokens = int(meta["num_tokens"]) if "num_tokens" in meta else sum(
             int(np.count_nonzero(train_ds.batch(s)["segment_ids"])) for s in range(start_step))
         logger.info("resumed from %s at step %d (epoch %d, step %d of the epoch)", resume_path, start_step,
                     meta["epoch"], meta["step_in_epoch"])
-    return _Setup(plan=plan, tokenizer=tokenizer, train_ds=train_ds, eval_ds=eval_ds, graphdef=graphdef, lora=lora,
-                  frozen=frozen, optimizer=optimizer, opt_state=opt_state, schedule=schedule, rng=rng,
+    return _Setup(plan=plan, tokenizer=tokenizer, train_ds=train_ds, eval_ds=eval_ds, run=run,
                   start_step=start_step, start_tokens=start_tokens, resume_path=resume_path)
 
 
 def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> TrainResult:
     """Steps, evaluation, checkpoints and exports; the caller holds the output_dir lock."""
-    plan, train_ds, eval_ds, graphdef = setup.plan, setup.train_ds, setup.eval_ds, setup.graphdef
-    lora, frozen, opt_state, rng = setup.lora, setup.frozen, setup.opt_state, setup.rng
+    plan, train_ds, eval_ds, run = setup.plan, setup.train_ds, setup.eval_ds, setup.run
     start_step, resume_path, tokenizer = setup.start_step, setup.resume_path, setup.tokenizer
     if resume_path is None and config.overwrite_output_dir and (out / "checkpoints").exists():
         shutil.rmtree(out / "checkpoints")
@@ -308,49 +212,34 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                                      max_to_keep=config.save_total_limit)
     writer = MetricsWriter(out, resume_step=start_step if resume_path else None,
                            tensorboard=config.report_to == "tensorboard")
-    num_devices = len(jax.devices())
-    place = _Placement(num_devices)
-    lora, opt_state, frozen = place.replicate(lora), place.replicate(opt_state), place.replicate(frozen)
-    step_fn = make_train_step(graphdef, setup.optimizer, setup.schedule, execution=config.execution,
-                              dropout=config.lora_dropout > 0)
-    eval_fn = make_eval_step(graphdef, execution=config.execution)
     eval_every = config.eval_steps or config.logging_steps
     num_tokens = setup.start_tokens  # cumulative non-padding tokens trained on (TRL's num_tokens)
 
     def meta_for(step: int) -> dict[str, Any]:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
-        return dict(step=step, epoch=epoch, step_in_epoch=in_epoch, rng=ckpt.rng_to_json(rng), seed=config.seed,
-                    rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length, num_rows=train_ds.num_rows,
-                    total_steps=plan.total_steps, num_tokens=num_tokens)
+        return dict(step=step, epoch=epoch, step_in_epoch=in_epoch, rng=ckpt.rng_to_json(run.rng),
+                    seed=config.seed, rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length,
+                    num_rows=train_ds.num_rows, total_steps=plan.total_steps, num_tokens=num_tokens)
 
     def evaluate(step: int) -> float:
-        loss_sum, count = 0.0, 0.0
-        for batch in eval_ds:
-            s, c = eval_fn(lora, frozen, place.batch(batch))
-            loss_sum, count = loss_sum + float(s), count + float(c)
+        loss_sum, count = run.evaluate(eval_ds)
         value = loss_sum / max(count, 1.0)
         writer.write({"step": step, "eval_loss": value, "eval_tokens": int(count)})
         if config.eval_generate_prompts:
-            samples = _sample_completions(nnx.merge(graphdef, lora, frozen), tokenizer, config)
+            samples = _sample_completions(run.model(), tokenizer, config)
             writer.write({"step": step, "samples": samples})
             for s in samples:
                 logger.info("step %d sample: %r -> %r", step, s["prompt"], s["completion"])
         return value
 
     def save(step: int, force: bool = False):
-        path = checkpointer.save(step, lora, opt_state, meta_for(step), force=force)
+        path = checkpointer.save(step, run.lora, run.opt_state, meta_for(step), force=force)
         if path is not None:
             writer.write({"step": step, "checkpoint": str(path)})
         return path
 
-    def batch_for(step: int):
-        host = train_ds.batch(step)
-        return (place.batch(stack_micro_batches(host, config.gradient_accumulation_steps)),
-                int(np.count_nonzero(host["segment_ids"])))
-
     bar = _progress(plan.total_steps, start_step, disable=config.disable_tqdm)
     meter = WindowMeter()
-    compile_seconds = 0.0
     last_loss, last_eval = None, None
     window: list[tuple[Any, int]] = []
     step = start_step
@@ -363,20 +252,18 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                 bar.set_postfix_str(status["eval"], refresh=False)
             if step < plan.total_steps:
                 # Compiled ahead of time so that no logging window contains the compilation.
-                began = time.perf_counter()
-                batch, _ = batch_for(step)
                 try:
-                    step_fn = step_fn.lower(lora, opt_state, frozen, batch, jax.random.fold_in(rng, step)).compile()
+                    run.compile(train_ds.batch(step))
                 except jax.errors.JaxRuntimeError as e:
                     raise _out_of_memory(e, config) from None
-                compile_seconds = time.perf_counter() - began
-                logger.info("compiled the training step in %.1f s", compile_seconds)
-            jax.block_until_ready((lora, opt_state))
+                logger.info("compiled the training step in %.1f s", run.compile_seconds)
+            jax.block_until_ready((run.lora, run.opt_state))
             meter.start()
             while step < plan.total_steps:
-                batch, batch_tokens = batch_for(step)
+                host = train_ds.batch(step)
+                batch_tokens = int(np.count_nonzero(host["segment_ids"]))
                 try:
-                    lora, opt_state, metrics = step_fn(lora, opt_state, frozen, batch, jax.random.fold_in(rng, step))
+                    metrics = run.step(host, step)
                 except jax.errors.JaxRuntimeError as e:
                     raise _out_of_memory(e, config) from None
                 step += 1
@@ -388,7 +275,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                 do_eval = eval_ds is not None and (step % eval_every == 0 or step == plan.total_steps)
                 do_save = step % config.save_steps == 0 or step == plan.total_steps
                 if stop.requested or do_eval or do_save:
-                    with meter.paused(lora):  # syncs first: queued steps count as training time
+                    with meter.paused(run.lora):  # syncs first: queued steps count as training time
                         if stop.requested:
                             path = save(step, force=True)
                             raise TrainingInterrupted(stop.requested, step, str(path) if path else None)
@@ -407,15 +294,14 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     # ---- exports
     records = read_metrics(writer.path)
     curve = plot_loss_curve(records, out / "loss_curve.png")
-    model = nnx.merge(graphdef, lora, restack_layers(frozen, delete_source=True))
-    adapter_dir = _export(out, "adapter", lambda d: _save_adapter(model, d, config, tokenizer))
+    adapter_dir = _export(out, "adapter", lambda d: run.export_adapter(d, tokenizer=tokenizer))
     merged_dir = None
     if config.save_merged_model:
-        merged_dir = _export(out, "merged", lambda d: _save_merged(model, d, tokenizer))
+        merged_dir = _export(out, "merged", lambda d: run.export_merged(d, tokenizer=tokenizer))
     tokens_per_s, step_s = meter.medians()
     summary = RunSummary(steps=step - start_step, num_tokens=num_tokens - setup.start_tokens,
                          median_tokens_per_second=tokens_per_s, median_step_seconds=step_s,
-                         training_seconds=meter.training_seconds, compile_seconds=compile_seconds,
+                         training_seconds=meter.training_seconds, compile_seconds=run.compile_seconds,
                          peak_memory_bytes=device_peak_bytes(), wall_seconds=time.perf_counter() - wall_start)
     logger.info("summary: %s", summary.line())
     return TrainResult(output_dir=out, adapter_dir=adapter_dir, merged_dir=merged_dir, metrics_path=writer.path,
@@ -504,17 +390,3 @@ def _export(out: Path, name: str, write) -> Path:
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
     return out / name
-
-
-def _save_adapter(model, path: Path, config: TrainConfig, tokenizer) -> None:
-    from jaxft.lora import save_adapter
-
-    save_adapter(model, path, base_model_name_or_path=str(Path(config.model_name_or_path).expanduser().absolute()))
-    tokenizer.save_pretrained(str(path))
-
-
-def _save_merged(model, path: Path, tokenizer) -> None:
-    from jaxft.io import save_pretrained
-
-    save_pretrained(model, path)
-    tokenizer.save_pretrained(str(path))

@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxft.execution import ExecutionConfig
 from jaxft.models.layers import LoraParam
+from jaxft.train.optim import make_optimizer  # noqa: F401  (re-exported: jaxft.train.step.make_optimizer)
 from kernels_pallas.linear_cross_entropy import linear_cross_entropy
 
 Batch = dict[str, jax.Array]
@@ -97,16 +98,6 @@ def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
             hidden.reshape(b * t, h), model.head_weight(), batch["targets"].reshape(b * t),
             batch["loss_mask"].reshape(b * t).astype(jnp.float32),
             chunk_size=execution.ce_chunk_size, implementation=execution.ce_implementation)
-
-
-def make_optimizer(schedule: optax.Schedule | float, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                   weight_decay: float = 0.0, max_grad_norm: float = 0.0) -> optax.GradientTransformation:
-    """AdamW (decoupled decay: p <- p - lr * (adam_update + weight_decay * p), as torch.optim.AdamW), after
-    global-norm clipping of the gradient to `max_grad_norm` (0 = no clipping)."""
-    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-    if max_grad_norm and max_grad_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
-    return adamw
 
 
 def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.State, batch: Batch,

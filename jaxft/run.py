@@ -1,0 +1,238 @@
+"""`Run`: the one recipe behind `jaxft-train`, the Python API, the benchmarks and the ablation script.
+
+    run = Run.from_config(train_config, total_steps)      # or Run(model_dir, lora=..., execution=..., optim=...)
+    run.compile(host_batch)        # optional, before load(): compiled from shapes, no weight on the device yet
+    run.load()                     # HF weights -> LoRA -> split by type -> per-layer buffers? -> placed
+    metrics = run.step(host_batch, step_index)                 # one optimizer update (the compiled step)
+    loss_sum, count = run.evaluate(host_batches)
+    run.export_adapter(dir); run.export_merged(dir)
+
+What it holds: the model's `graphdef`, the trainable `lora` state and the optimizer state (donated to each
+step: updated in place), the `frozen` state (base weights, LoRA scales; read only), the run's RNG key.
+Execution settings (attention kernel, remat, layer loop, CE chunk, compiler options) come from one
+`ExecutionConfig`; the model itself holds only parameters and math.
+
+Compiling before loading matters on a GPU: XLA's autotuner allocates scratch while it compiles, and with the
+weights resident that transient can exceed the training peak, which the allocator's peak statistic then hides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import bridge
+from jaxft.config import ModelConfig
+from jaxft.execution import ExecutionConfig
+from jaxft.lora import LoraConfig, apply_lora, target_names
+from jaxft.models.decoder import abstract_model
+from jaxft.train.optim import OptimConfig
+from jaxft.train.step import (make_eval_step, make_train_step, restack_layers, split_model, stack_micro_batches,
+                              unstack_layers)
+
+
+class Placement:
+    """Data parallelism over the given devices: batch rows (axis 1 of [A, B, T], axis 0 of [B, T]) are split
+    over a 1-D "data" mesh; LoRA, optimizer state and frozen weights are replicated. One device: plain arrays."""
+
+    def __init__(self, devices=None):
+        self.devices = list(devices) if devices is not None else jax.devices()
+        self.mesh = jax.sharding.Mesh(np.array(self.devices), ("data",)) if len(self.devices) > 1 else None
+
+    def _sharding(self, *spec):
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+
+    def _batch_sharding(self, ndim: int):
+        return self._sharding(*((None, "data") if ndim == 3 else ("data",)))
+
+    def batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        if self.mesh is None:
+            return {k: jnp.asarray(v) for k, v in batch.items()}
+        return {k: jax.device_put(v, self._batch_sharding(v.ndim)) for k, v in batch.items()}
+
+    def replicate(self, tree):
+        return tree if self.mesh is None else jax.device_put(tree, self._sharding())
+
+    def abstract_batch(self, batch: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
+        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                        sharding=None if self.mesh is None else self._batch_sharding(v.ndim))
+                for k, v in batch.items()}
+
+    def abstract_replicated(self, tree):
+        if self.mesh is None:
+            return tree
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._sharding()), tree)
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+@dataclasses.dataclass
+class Run:
+    """See the module docstring. Build with `Run.from_config` or directly; nothing is read until used."""
+
+    model_path: str | Path
+    lora_config: LoraConfig
+    execution: ExecutionConfig = dataclasses.field(default_factory=ExecutionConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    total_steps: int = 1
+    dtype: str = "bfloat16"
+    seed: int = 0
+    accumulation: int = 1
+    devices: Any = None
+
+    def __post_init__(self):
+        self.model_path = Path(self.model_path).expanduser()
+        self.model_config = ModelConfig.from_hf(bridge.read_config(self.model_path),
+                                                source=str(self.model_path / "config.json"))
+        self.optimizer, self.schedule = self.optim.build(self.total_steps)
+        self.placement = Placement(self.devices)
+        self.rng = jax.random.key(self.seed)
+        self.graphdef = self.lora = self.frozen = self.opt_state = None
+        self._compiled = None
+        self._compiled_spec = None
+        self._eval_fn = None
+        self.compile_seconds = 0.0
+
+    @classmethod
+    def from_config(cls, config, total_steps: int, *, devices=None) -> "Run":
+        """The run a `jaxft.train.TrainConfig` describes (its validated LoRA, execution and optimiser parts)."""
+        return cls(model_path=config.model_name_or_path, lora_config=config.lora, execution=config.execution,
+                   optim=config.optim, total_steps=total_steps, dtype="bfloat16" if config.bf16 else "float32",
+                   seed=config.seed, accumulation=config.gradient_accumulation_steps, devices=devices)
+
+    # ------------------------------------------------------------------ building the state
+    @property
+    def unrolled(self) -> bool:
+        return self.execution.resolved_layer_loop == "unroll"
+
+    def _abstract_split(self):
+        model = nnx.eval_shape(lambda: apply_lora(abstract_model(self.model_config, dtype=jnp.dtype(self.dtype)),
+                                                  self.lora_config, seed=self.seed))
+        return split_model(model)
+
+    def check_targets(self) -> list[str]:
+        """The HF module names the LoRA config adapts (raises `LoraConfigError` when a target matches nothing);
+        reads no weights."""
+        return target_names(abstract_model(self.model_config, dtype=jnp.float32), self.lora_config)
+
+    def abstract_state(self):
+        """(graphdef, lora, frozen) as shapes: what `load` would build, with nothing allocated."""
+        graphdef, lora, frozen = self._abstract_split()
+        return graphdef, lora, unstack_layers(frozen) if self.unrolled else frozen
+
+    def load(self) -> "Run":
+        """Reads the weights, applies LoRA (seeded), splits by variable type and places the state."""
+        from jaxft.io import from_pretrained
+
+        model = apply_lora(from_pretrained(self.model_path, self.dtype), self.lora_config, seed=self.seed)
+        graphdef, lora, frozen = split_model(model)
+        del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
+        if self.unrolled:
+            frozen = unstack_layers(frozen, delete_source=True)
+        self.graphdef = graphdef
+        self.lora, self.frozen = self.placement.replicate(lora), self.placement.replicate(frozen)
+        self.opt_state = self.placement.replicate(self.optimizer.init(self.lora))
+        return self
+
+    def set_state(self, lora, opt_state) -> None:
+        """Replaces the trainable state (a restored checkpoint, or a fresh LoRA init for another task)."""
+        self.lora, self.opt_state = self.placement.replicate(lora), self.placement.replicate(opt_state)
+
+    @property
+    def loaded(self) -> bool:
+        return self.frozen is not None
+
+    # ------------------------------------------------------------------ compiling and stepping
+    def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """[A*B, T] host arrays -> the step's [A, B, T] device batch (rows split over the data mesh)."""
+        return self.placement.batch(stack_micro_batches(host_batch, self.accumulation))
+
+    def _step_fn(self, graphdef):
+        return make_train_step(graphdef, self.optimizer, self.schedule, execution=self.execution,
+                               dropout=self.lora_config.dropout > 0)
+
+    def compile(self, host_batch: dict[str, np.ndarray]):
+        """Compiles the training step for batches shaped like `host_batch` ([A*B, T] arrays). Before `load`
+        it compiles from shapes alone. Returns the compiled step (its `memory_analysis()` gives the static
+        memory) and records `compile_seconds`."""
+        began = time.perf_counter()
+        stacked = stack_micro_batches(host_batch, self.accumulation)
+        batch = self.placement.abstract_batch(stacked)
+        rng = jax.random.fold_in(self.rng, 0)
+        if self.loaded:
+            args = (self.lora, self.opt_state, self.frozen)
+            graphdef = self.graphdef
+        else:
+            graphdef, lora, frozen = self.abstract_state()
+            args = (self.placement.abstract_replicated(lora),
+                    self.placement.abstract_replicated(jax.eval_shape(self.optimizer.init, lora)),
+                    self.placement.abstract_replicated(frozen))
+            self.graphdef = graphdef
+        self._compiled = self._step_fn(graphdef).lower(*args, batch, rng).compile()
+        self._compiled_spec = _abstract(stacked)
+        self.compile_seconds = time.perf_counter() - began
+        return self._compiled
+
+    def step(self, host_batch: dict[str, np.ndarray], step_index: int) -> dict[str, jax.Array]:
+        """One optimizer update on `host_batch` (compiled on first use); returns the step's metrics, still on
+        the device (fetching them is the caller's sync point)."""
+        if not self.loaded:
+            raise RuntimeError("Run.step before Run.load(): the weights are not on the device yet")
+        batch = self.device_batch(host_batch)
+        if self._compiled is None or _abstract(batch) != self._compiled_spec:
+            self.compile(host_batch)
+        self.lora, self.opt_state, metrics = self._compiled(self.lora, self.opt_state, self.frozen, batch,
+                                                            jax.random.fold_in(self.rng, step_index))
+        return metrics
+
+    def evaluate(self, host_batches) -> tuple[float, float]:
+        """(summed token loss, target count) over [B, T] host batches; the eval loss is their ratio."""
+        if self._eval_fn is None:
+            self._eval_fn = make_eval_step(self.graphdef, execution=self.execution)
+        loss_sum, count = 0.0, 0.0
+        for batch in host_batches:
+            s, c = self._eval_fn(self.lora, self.frozen, self.placement.batch(batch))
+            loss_sum, count = loss_sum + float(s), count + float(c)
+        return loss_sum, count
+
+    def memory_analysis(self) -> dict[str, int]:
+        """XLA's static memory analysis of the compiled step (bytes), {} before `compile`."""
+        stats = self._compiled.memory_analysis() if self._compiled is not None else None
+        keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+                "generated_code_size_in_bytes", "peak_memory_in_bytes")
+        return {k: int(getattr(stats, k)) for k in keys if stats is not None and hasattr(stats, k)}
+
+    # ------------------------------------------------------------------ the trained model
+    def model(self, *, restack: bool = False):
+        """The model with its current LoRA state (per-layer weight buffers stacked back when `restack`, as
+        exports need; that frees the per-layer buffers, so the run cannot step afterwards)."""
+        frozen = restack_layers(self.frozen, delete_source=True) if restack else self.frozen
+        if restack:
+            self.frozen = frozen
+        return nnx.merge(self.graphdef, self.lora, frozen)
+
+    def export_adapter(self, path: str | Path, *, tokenizer=None) -> Path:
+        from jaxft.lora import save_adapter
+
+        save_adapter(self.model(restack=self.unrolled), path,
+                     base_model_name_or_path=str(self.model_path.absolute()))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(path))
+        return Path(path)
+
+    def export_merged(self, path: str | Path, *, tokenizer=None) -> Path:
+        from jaxft.io import save_pretrained
+
+        save_pretrained(self.model(restack=self.unrolled), path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(path))
+        return Path(path)
