@@ -32,7 +32,7 @@ import bridge
 from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.lora import LoraConfig, apply_lora, target_names
-from jaxft.models.decoder import abstract_model
+from jaxft.models.decoder import Decoder, abstract_model
 from jaxft.train.optim import OptimConfig
 from jaxft.train.step import (make_eval_step, make_train_step, restack_layers, split_model, stack_micro_batches,
                               unstack_layers)
@@ -61,7 +61,7 @@ class Placement:
         return tree if self.mesh is None else jax.device_put(tree, self._sharding())
 
     def abstract_batch(self, batch: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
-        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+        return {k: jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype),
                                         sharding=None if self.mesh is None else self._batch_sharding(v.ndim))
                 for k, v in batch.items()}
 
@@ -72,7 +72,8 @@ class Placement:
 
 
 def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    """Shapes and (canonical: int64 host arrays become int32 on the device) dtypes of a tree of arrays."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jax.dtypes.canonicalize_dtype(x.dtype)), tree)
 
 
 @dataclasses.dataclass
@@ -115,8 +116,8 @@ class Run:
         return self.execution.resolved_layer_loop == "unroll"
 
     def _abstract_split(self):
-        model = nnx.eval_shape(lambda: apply_lora(abstract_model(self.model_config, dtype=jnp.dtype(self.dtype)),
-                                                  self.lora_config, seed=self.seed))
+        model = nnx.eval_shape(lambda: apply_lora(Decoder(self.model_config, dtype=jnp.dtype(self.dtype),
+                                                          rngs=nnx.Rngs(0)), self.lora_config, seed=self.seed))
         return split_model(model)
 
     def check_targets(self) -> list[str]:
@@ -150,6 +151,23 @@ class Run:
     @property
     def loaded(self) -> bool:
         return self.frozen is not None
+
+    def variant(self, execution: ExecutionConfig, lora=None) -> "Run":
+        """A run with other execution settings over the same loaded weights (for A/B comparisons in one
+        process): per-layer buffers are made (as copies) when the new layer loop unrolls and this one does not,
+        the LoRA state starts from `lora` (host or device arrays; default: a copy of this run's) with a fresh
+        optimizer state."""
+        other = dataclasses.replace(self, execution=execution)
+        other.graphdef, other.rng = self.graphdef, self.rng
+        frozen = self.frozen
+        if other.unrolled and not self.unrolled:
+            frozen = unstack_layers(frozen)
+        elif self.unrolled and not other.unrolled:
+            frozen = restack_layers(frozen)
+        lora = jax.tree.map(jnp.copy, self.lora) if lora is None else lora
+        other.frozen = frozen
+        other.set_state(lora, other.optimizer.init(lora))
+        return other
 
     # ------------------------------------------------------------------ compiling and stepping
     def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:

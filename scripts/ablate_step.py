@@ -10,8 +10,9 @@ allocator's peak); this script is for deciding what the defaults should be, quic
     python scripts/ablate_step.py --model-dir DIR --workload 8b_4096 \\
         --variants 'none;none+dsf;offload+dsf' --profile none+dsf --out $OUT/ablate.json
 
-A variant is `remat[+option...][@ce_chunk]`, options: unroll (jaxft.train.unstack_layers: per-layer weight
-buffers, layers unrolled), dsf (xla_gpu_enable_dynamic_slice_fusion), nocb (command
+Every variant is the benchmark's fast recipe (examples/bench/fast.yaml, through jaxft.run.Run) with other
+execution settings over the same loaded weights. A variant is `remat[+option...][@ce_chunk]`, options:
+unroll (per-layer weight buffers, layers unrolled), dsf (xla_gpu_enable_dynamic_slice_fusion), nocb (command
 buffers off: per-op profile attribution).
 """
 
@@ -59,53 +60,43 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    import jaxft
     from bench.profile import load_trace, summarize_trace
-    from bench.workloads import ADAMW, get_workload, make_token_data
-    from bench_jaxft_worker import lora_config, memory_analysis
-    from jaxft.lora import apply_lora
-    from jaxft.train.step import make_optimizer, make_train_step, split_model, unstack_layers
+    from bench.workloads import get_workload, make_token_data
+    from bench_jaxft_worker import mode_config
+    from jaxft.run import Run
 
     workload = get_workload(args.workload)
     data = make_token_data(workload, args.steps)
-    batches = [jax.device_put({k: np.asarray(v)[None] for k, v in data.step(i).items()}) for i in range(args.steps)]
+    host_batches = [data.step(i) for i in range(args.steps)]
+    batches = [jax.device_put(b) for b in host_batches]
     results = {"workload": args.workload, "device": str(jax.devices()[0].device_kind), "variants": {}}
+    # The benchmark's fast recipe (examples/bench/fast.yaml) loaded once; each variant is the same run with
+    # other execution settings over the same weights (Run.variant), starting from the same LoRA init.
+    config = mode_config("fast", args.model_dir, workload, "bfloat16").replace(layer_loop="scan")
     t0 = time.perf_counter()
-    base = jaxft.from_pretrained(args.model_dir, dtype="bfloat16", attention_impl="auto", remat="none")
+    base = Run.from_config(config, total_steps=args.steps).load()
     results["load_s"] = time.perf_counter() - t0
-    optimizer = make_optimizer(ADAMW.lr, b1=ADAMW.b1, b2=ADAMW.b2, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay)
-    rng = jax.random.key(0)
-
-    model = apply_lora(base, lora_config(), seed=0)
-    _, lora0, _ = split_model(model)
-    lora0 = jax.tree.map(jnp.copy, lora0)  # every variant starts from this (the steps donate their input)
+    lora0 = jax.device_get(base.lora)
 
     def build(variant: str):
         remat, options, chunk, unroll = parse_variant(variant)
-        model.remat = remat  # a static attribute: the graphdef split below carries it
-        graphdef, _, frozen = split_model(model)
-        if unroll:  # per-layer weight buffers, layers unrolled (copies: the stacked ones serve other variants)
-            frozen = unstack_layers(frozen)
-        lora = jax.tree.map(jnp.copy, lora0)
-        opt_state = optimizer.init(lora)
-        step = make_train_step(graphdef, optimizer, ce_chunk_size=chunk or args.ce_chunk, compiler_options=options)
-        return step, lora, opt_state, frozen
+        execution = config.execution.replace(remat=remat, compiler_options=options,
+                                             ce_chunk_size=chunk or args.ce_chunk,
+                                             layer_loop="unroll" if unroll else "scan")
+        return base.variant(execution, lora=lora0)
 
     for variant in [v for v in args.variants.split(";") if v]:
-        step, lora, opt_state, frozen = build(variant)
+        run = build(variant)
         rec: dict = {}
         try:
-            t0 = time.perf_counter()
-            compiled = step.lower(lora, opt_state, frozen, batches[0], rng).compile()
-            rec["compile_s"] = time.perf_counter() - t0
-            rec["memory"] = memory_analysis(compiled)
+            compiled = run.compile(host_batches[0])
+            rec["compile_s"] = run.compile_seconds
+            rec["memory"] = run.memory_analysis()
             times, losses = [], []
             for i in range(args.steps):
                 t0 = time.perf_counter()
-                lora, opt_state, metrics = compiled(lora, opt_state, frozen, batches[i], rng)
+                metrics = run.step(batches[i], 0)  # one key for every step: variants see the same batches
                 losses.append(float(jax.block_until_ready(metrics["loss"])))
                 times.append(time.perf_counter() - t0)
             med = statistics.median(times[args.warmup:])
@@ -116,7 +107,7 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 with jax.profiler.trace(prof):
                     for i in range(3):
-                        lora, opt_state, metrics = compiled(lora, opt_state, frozen, batches[i], rng)
+                        metrics = run.step(batches[i], 0)
                     jax.block_until_ready(metrics["loss"])
                 rec["profile"] = summarize_trace(load_trace(prof), load_step_hlo_text(compiled), 3,
                                                  time.perf_counter() - t0)
@@ -129,7 +120,7 @@ def main(argv=None) -> int:
                                              f"temp {rec['memory']['temp_size_in_bytes'] / 2**30:.2f} GiB, "
                                              f"loss {rec['losses'][-1]:.4f}, compile {rec['compile_s']:.0f}s"
                                              if rec["status"] == "ok" else rec["error"][:300]), flush=True)
-        del step, lora, opt_state, frozen
+        del run
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     return 0

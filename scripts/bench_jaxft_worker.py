@@ -1,14 +1,13 @@
 #!/usr/bin/env python
 """jaxft worker of scripts/bench_train.py: one process per session (one system, one model shape).
 
-``run_jaxft`` loads the random-weight HF model directory with ``jaxft.from_pretrained`` (its best
-settings per mode, see MODES), adds LoRA per bench.workloads.LORA (fp32 A/B, seed 0), and trains
-``steps`` AdamW steps (bench.workloads.ADAMW) on ``make_token_data(workload, steps)``: step i
-trains on ``data.step(i)`` (the packed-batch dict, batches on the device before the clock
-starts). The step is compiled once, ahead of the clock, with ``step_fn.lower(...).compile()``;
-that compiled object runs every step, and its ``memory_analysis()`` gives the static memory
-numbers below. Each step is timed with block_until_ready on its loss. Exceptions propagate to
-worker_main: an out-of-memory (RESOURCE_EXHAUSTED) is recorded as "oom", anything else "error".
+``run_jaxft`` runs the mode's recipe, ``examples/bench/<mode>.yaml`` (the file ``jaxft-train`` runs;
+LoRA and AdamW as bench.workloads.LORA / ADAMW), through ``jaxft.run.Run`` (the code path of
+``jaxft-train``) on the random-weight HF model directory, and trains ``steps`` steps on
+``make_token_data(workload, steps)``: step i trains on ``data.step(i)`` (the packed-batch dict,
+batches on the device before the clock starts). ``Run.compile`` compiles the step once, ahead of the
+clock; its ``memory_analysis()`` gives the static memory numbers below. Each step is timed with
+block_until_ready on its loss. Exceptions propagate to worker_main: an out-of-memory (RESOURCE_EXHAUSTED) is recorded as "oom", anything else "error".
 
 Sessions (bench.worker_common): consecutive tasks on the same model_dir (and the same dtype,
 attention and remat settings) reuse the loaded frozen weights; LoRA starts each task from the same
@@ -42,19 +41,21 @@ from bench.workloads import Workload
 from bench.worker_common import ModelCache, Task, load_tasks, worker_main
 
 
-# "Best settings" per mode, chosen from the measurements in docs/benchmarks.md. The system name picks one
-# (jaxft -> fast, jaxft_lean -> lean); JAXFT_BENCH_MODE overrides it for ablations:
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Each mode is a jaxft-train recipe in examples/bench/ (settings chosen from the measurements in
+# docs/benchmarks.md); the system name picks one (jaxft -> fast, jaxft_lean -> lean), JAXFT_BENCH_MODE
+# overrides it for ablations:
 #   fast: no rematerialisation (activations stay on the device: H200 memory is ample at these shapes), layers
 #         unrolled over per-layer weight buffers (8B, 1x4096 on the H200: 273 ms/step vs 286 ms scanned, whose
 #         per-layer weight slices are copies; scripts/ablate_step.py, docs/benchmarks.md);
 #   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass; the
 #         layer scan (host offload of the scanned layer inputs is what keeps the memory down).
-MODES = {
-    "fast": dict(remat="none", attention="auto", ce_chunk_size=None, layers="unroll"),
-    "lean": dict(remat="offload", attention="auto", ce_chunk_size=256, layers="scan"),  # smaller logits chunk
-    "full_remat": dict(remat="full", attention="auto", ce_chunk_size=None, layers="scan"),
-}
+MODES = ("fast", "lean", "full_remat")
 PROFILE_STEPS = 3
+
+
+def mode_yaml(mode: str) -> str:
+    return os.path.join(REPO, "examples", "bench", f"{mode}.yaml")
 
 
 def _profile_dir(workload_name: str, mode: str) -> str | None:
@@ -84,116 +85,89 @@ def _mode(task: Task) -> str:
     return os.environ.get("JAXFT_BENCH_MODE", "lean" if task.system == "jaxft_lean" else "fast")
 
 
-def lora_config():
-    """bench.workloads.LORA as a jaxft LoraConfig (r=16, alpha=32, dropout 0, the seven projections)."""
-    from bench.workloads import LORA
-    from jaxft.lora import LoraConfig
+def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str):
+    """The TrainConfig of `examples/bench/<mode>.yaml` for this workload's model, batch and length (plus
+    JAXFT_BENCH_REMAT / _ATTENTION / _LAYERS overrides for ablations): what `jaxft-train` would run."""
+    from jaxft.train import load_config
 
-    return LoraConfig(r=LORA.r, alpha=LORA.alpha, dropout=LORA.dropout, target_modules=tuple(LORA.targets))
+    overrides = [f"model_name_or_path={model_dir}", f"dataset={os.path.join(REPO, 'examples/data/train.jsonl')}",
+                 f"max_seq_length={workload.seq_len}", f"per_device_train_batch_size={workload.batch}",
+                 f"bf16={'true' if dtype == 'bfloat16' else 'false'}"]
+    for env, key in (("REMAT", "remat"), ("ATTENTION", "attention_implementation"), ("LAYERS", "layer_loop")):
+        if os.environ.get(f"JAXFT_BENCH_{env}"):
+            overrides.append(f"{key}={os.environ[f'JAXFT_BENCH_{env}']}")
+    config = load_config(mode_yaml(mode), overrides)
+    if jax_platform() == "cpu":  # the GPU kernels' interpret mode is a test tool, not a benchmark
+        config = config.replace(attention_implementation="reference")
+    return config
 
 
-def _load(model_dir: str, dtype: str, attention: str, remat: str, layers: str):
-    """(graphdef, LoRA init on the host, frozen weights on the device) of a freshly loaded model."""
+def jax_platform() -> str:
     import jax
 
-    import jaxft
-    from jaxft.lora import apply_lora
-    from jaxft.train.step import split_model, unstack_layers
-
-    model = jaxft.from_pretrained(model_dir, dtype=dtype, attention_impl=attention, remat=remat)
-    model = apply_lora(model, lora_config(), seed=0)
-    graphdef, lora, frozen = split_model(model)
-    if layers == "unroll":  # the model is dropped below, so its stacked weights can go as they are split
-        frozen = unstack_layers(frozen, delete_source=True)
-    # The step donates the LoRA buffers, so every task starts from its own device copy of this
-    # host copy (the seed-0 init a fresh process would draw).
-    return graphdef, jax.device_get(lora), frozen
-
-
-def _abstract(model_dir: str, dtype: str, attention: str, remat: str, layers: str):
-    """(graphdef, LoRA, frozen) of the model `_load` would build, as shapes only: nothing is allocated."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    import bridge
-    from jaxft.config import ModelConfig
-    from jaxft.lora import apply_lora
-    from jaxft.models.decoder import Decoder
-    from jaxft.train.step import split_model, unstack_layers
-
-    cfg = ModelConfig.from_hf(bridge.read_config(model_dir))
-    model = nnx.eval_shape(lambda: apply_lora(Decoder(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0),
-                                                      attention_impl=attention, remat=remat), lora_config(), seed=0))
-    graphdef, lora, frozen = split_model(model)
-    return graphdef, lora, unstack_layers(frozen) if layers == "unroll" else frozen
+    return jax.devices()[0].platform
 
 
 def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast",
               cache: ModelCache | None = None) -> dict[str, Any]:
     """Train ``workload`` with jaxft for ``steps`` steps and return the raw measurements."""
     import jax
-    import numpy as np
 
     import jaxft
-    from bench.workloads import ADAMW, make_token_data
-    from jaxft.train.step import make_optimizer, make_train_step
+    from bench.workloads import make_token_data
+    from jaxft.run import Run
 
     cache = cache if cache is not None else ModelCache()
     profile_dir = _profile_dir(workload.name, mode)
-    settings = dict(MODES[mode], mode=mode)
-    for key in ("remat", "attention", "layers"):  # explicit overrides for ablations
-        if os.environ.get(f"JAXFT_BENCH_{key.upper()}"):
-            settings[key] = os.environ[f"JAXFT_BENCH_{key.upper()}"]
     device = jax.devices()[0]
     dtype = "float32" if workload.tiny and device.platform == "cpu" else "bfloat16"
-    attention = "xla" if device.platform == "cpu" else settings["attention"]
-    key = (model_dir, dtype, attention, settings["remat"], settings["layers"])
-    optimizer = make_optimizer(ADAMW.lr, b1=ADAMW.b1, b2=ADAMW.b2, eps=ADAMW.eps, weight_decay=ADAMW.weight_decay)
+    config = mode_config(mode, model_dir, workload, dtype)
     data = make_token_data(workload, steps)
-    host_batches = [{k: np.asarray(v)[None] for k, v in data.step(i).items()} for i in range(steps)]
-    rng = jax.random.key(0)
-    def compile_step(graphdef, *args):
-        t0 = time.perf_counter()
-        compiled = make_train_step(graphdef, optimizer, ce_chunk_size=settings["ce_chunk_size"]).lower(*args).compile()
-        return compiled, time.perf_counter() - t0
+    host_batches = [data.step(i) for i in range(steps)]
 
-    compiled, compile_s = None, 0.0
+    key = (model_dir, config.to_dict()["bf16"], config.execution)
+    compile_s, fresh = None, None
     if not cache.holds(key):
-        # A fresh load: compile BEFORE the weights are on the device, from the abstract model. XLA's
+        # A fresh load: compile BEFORE the weights are on the device, from the shapes alone. XLA's
         # autotuning allocates scratch buffers while it compiles; with the weights resident that transient
         # can exceed the training peak (1B lean: 4.23 GB before the first step vs 3.69 GB in the steps), and
         # the allocator's peak cannot be reset, so the steps' own peak would be hidden behind it.
         cache.clear()
-        graphdef, lora_spec, frozen_spec = _abstract(model_dir, dtype, attention, settings["remat"],
-                                                     settings["layers"])
-        compiled, compile_s = compile_step(
-            graphdef, lora_spec, jax.eval_shape(optimizer.init, lora_spec), frozen_spec,
-            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), host_batches[0]), rng)
+        fresh = Run.from_config(config, total_steps=steps)
+        fresh.compile(host_batches[0])
+        compile_s = fresh.compile_seconds
     t0 = time.perf_counter()
-    (graphdef, lora_init, frozen), reused = cache.get(
-        key, lambda: _load(model_dir, dtype, attention, settings["remat"], settings["layers"]))
+
+    def load():
+        fresh.load()
+        # Every task starts from this host copy of the seed-0 LoRA init (each step donates its input).
+        return fresh, jax.device_get(fresh.lora)
+
+    (run, lora_init), reused = cache.get(key, load)
     load_s = time.perf_counter() - t0
-    lora = jax.device_put(lora_init)
-    opt_state = optimizer.init(lora)
-    batches = [jax.device_put(b) for b in host_batches]
-    jax.block_until_ready((lora, opt_state, batches))
-    if compiled is None:  # a reused model: the weights are resident anyway
-        compiled, compile_s = compile_step(graphdef, lora, opt_state, frozen, batches[0], rng)
-    analysis = memory_analysis(compiled)
+    run.set_state(lora_init, run.optimizer.init(lora_init))
+    batches = [jax.device_put(b) for b in host_batches]  # on the device before the clock starts
+    jax.block_until_ready((run.lora, run.opt_state, batches))
+    if compile_s is None:  # a reused model: the weights are resident anyway
+        run.compile(host_batches[0])
+        compile_s = run.compile_seconds
+    analysis = run.memory_analysis()
     before = device.memory_stats() or {}  # None on CPU
     times, losses = [], []
     for i in range(steps):
         t0 = time.perf_counter()
-        lora, opt_state, metrics = compiled(lora, opt_state, frozen, batches[i], rng)
+        metrics = run.step(batches[i], i)
         loss = float(jax.block_until_ready(metrics["loss"]))
         times.append(time.perf_counter() - t0)
         losses.append(loss)
     after = device.memory_stats() or {}
     peak, source, memory = _task_peak(before, after, analysis)
     extra = {"memory": memory, "memory_analysis": analysis, "compile_s": compile_s, "model_load_s": load_s,
-             "memory_bytes": _memory_breakdown(frozen, lora, opt_state, batches, peak)}
+             "memory_bytes": _memory_breakdown(run.frozen, run.lora, run.opt_state, batches, peak),
+             "recipe": os.path.relpath(mode_yaml(mode), REPO)}
     if profile_dir:
-        extra.update(_profile(profile_dir, compiled, lora, opt_state, frozen, batches, rng))
+        extra.update(_profile(profile_dir, run, batches))
+    execution = config.execution
     return {
         "step_times_s": times,
         "losses": losses,
@@ -201,21 +175,16 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
         "peak_memory_source": source,
         "data_sha256": data.sha256,
         "base_model_reused": reused,
-        "lora_param_dtype": str(jax.tree.leaves(lora)[0].dtype),
-        "trainable_params": int(sum(x.size for x in jax.tree.leaves(lora))),
+        "lora_param_dtype": str(jax.tree.leaves(run.lora)[0].dtype),
+        "trainable_params": int(sum(x.size for x in jax.tree.leaves(run.lora))),
         "device_name": str(device.device_kind),
         "versions": {"jax": jax.__version__, "jaxft": getattr(jaxft, "__version__", "dev")},
-        "settings": {**settings, "attention_resolved": attention, "dtype": dtype,
-                     "lora_dtype": "float32", "compute": dtype},
+        "settings": {"mode": mode, "recipe": extra["recipe"], "remat": execution.remat,
+                     "attention": execution.attention_implementation, "layers": execution.resolved_layer_loop,
+                     "ce_chunk_size": execution.ce_chunk_size, "dtype": dtype, "lora_dtype": "float32",
+                     "compute": dtype},
         "extra": extra,
     }
-
-
-def memory_analysis(compiled) -> dict[str, int]:
-    stats = compiled.memory_analysis()
-    keys = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-            "generated_code_size_in_bytes", "peak_memory_in_bytes")
-    return {k: int(getattr(stats, k)) for k in keys if stats is not None and hasattr(stats, k)}
 
 
 def _task_peak(before: dict[str, int], after: dict[str, int],
@@ -232,7 +201,7 @@ def _task_peak(before: dict[str, int], after: dict[str, int],
     return int(estimate), "static_estimate", numbers
 
 
-def _profile(profile_dir: str, compiled, lora, opt_state, frozen, batches, rng) -> dict[str, Any]:
+def _profile(profile_dir: str, run, batches) -> dict[str, Any]:
     """A few more steps under jax.profiler, summarised by jaxft's named scopes (after the timed steps)."""
     import jax
 
@@ -242,7 +211,7 @@ def _profile(profile_dir: str, compiled, lora, opt_state, frozen, batches, rng) 
         t0 = time.perf_counter()
         with jax.profiler.trace(profile_dir):
             for i in range(PROFILE_STEPS):
-                lora, opt_state, metrics = compiled(lora, opt_state, frozen, batches[i % len(batches)], rng)
+                metrics = run.step(batches[i % len(batches)], i)
             jax.block_until_ready(metrics["loss"])
         wall = time.perf_counter() - t0
         # The dump holds only this session's step modules compiled so far: the profiled task's is the largest.

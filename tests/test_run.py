@@ -1,0 +1,114 @@
+"""`jaxft.run.Run`, the one recipe: compiling from shapes before the weights load is the same program as
+compiling after; variants over the same weights agree; the benchmark modes are jaxft-train recipes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxft.execution import ExecutionConfig
+from jaxft.lora import LoraConfig
+from jaxft.run import Run
+from jaxft.train import load_config, train
+from jaxft.train.optim import OptimConfig
+from test_train_fixtures import make_jsonl, make_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("run") / "model", hidden=64, layers=3)
+
+
+def _batches(n: int, b: int = 2, t: int = 64, vocab: int = 64):
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(0, vocab, (b, t)).astype(np.int32)
+        seg = np.ones((b, t), np.int32)
+        seg[:, t // 2:] = 2  # two documents per row
+        pos = np.concatenate([np.arange(t // 2), np.arange(t - t // 2)])[None].repeat(b, 0).astype(np.int32)
+        mask = np.ones((b, t), np.float32)
+        mask[:, t // 2 - 1] = mask[:, -1] = 0
+        out.append(dict(input_ids=ids, targets=np.roll(ids, -1, 1), loss_mask=mask, segment_ids=seg, positions=pos))
+    return out
+
+
+def _run(model_dir, **execution):
+    return Run(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32", total_steps=3,
+               execution=ExecutionConfig(attention_implementation="reference", **execution),
+               optim=OptimConfig(learning_rate=1e-2, lr_scheduler_type="constant", max_grad_norm=0.0))
+
+
+def _losses(run, batches):
+    return [float(run.step(b, i)["loss"]) for i, b in enumerate(batches)]
+
+
+def test_compiling_from_shapes_before_loading_gives_the_same_steps(model_dir):
+    batches = _batches(3)
+    early = _run(model_dir)
+    compiled = early.compile(batches[0])  # nothing loaded yet: compiled from the abstract state
+    assert not early.loaded and compiled.memory_analysis().temp_size_in_bytes > 0
+    early.load()
+    late = _run(model_dir).load()
+    got, want = _losses(early, batches), _losses(late, batches)
+    assert early._compiled is compiled  # the early program ran every step (no recompilation)
+    np.testing.assert_array_equal(got, want)
+    assert want[2] < want[0]  # lr 1e-2 on a repeated-pattern batch: the steps train
+
+
+@pytest.mark.parametrize("execution", [dict(remat="full"), dict(remat="offload"), dict(layer_loop="unroll"),
+                                       dict(ce_chunk_size=16)])
+def test_variants_over_the_same_weights_agree(model_dir, execution):
+    batches = _batches(3)
+    base = _run(model_dir).load()
+    lora0 = jax.device_get(base.lora)
+    other = base.variant(base.execution.replace(**execution), lora=lora0)
+    want = _losses(base.variant(base.execution, lora=lora0), batches)
+    np.testing.assert_allclose(_losses(other, batches), want, rtol=2e-5)
+
+
+def test_export_after_unrolled_training_loads_as_the_trained_model(model_dir, tmp_path):
+    import jaxft
+
+    run = _run(model_dir, layer_loop="unroll").load()
+    _losses(run, _batches(2))
+    ids = _batches(1)[0]["input_ids"]
+    want = np.asarray(run.model()(ids))
+    run.export_adapter(tmp_path / "adapter")
+    got = jaxft.load_adapter(jaxft.from_pretrained(model_dir, dtype="float32"), tmp_path / "adapter")(ids)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_bench_recipes_use_the_peers_lora_and_optimizer():
+    from bench.workloads import ADAMW, LORA
+
+    for mode in ("fast", "lean", "full_remat"):
+        cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml")
+        assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == (LORA.r, LORA.alpha, LORA.dropout)
+        assert cfg.lora.target_modules == tuple(sorted(LORA.targets))
+        o = cfg.optim
+        assert (o.learning_rate, o.adam_beta1, o.adam_beta2, o.adam_epsilon, o.weight_decay) == (
+            ADAMW.lr, ADAMW.b1, ADAMW.b2, ADAMW.eps, ADAMW.weight_decay)
+        assert o.lr_scheduler_type == "constant" and o.max_grad_norm == 0.0
+    lean = load_config(REPO / "examples/bench/lean.yaml").execution
+    assert (lean.remat, lean.resolved_layer_loop, lean.ce_chunk_size) == ("offload", "scan", 256)
+    fast = load_config(REPO / "examples/bench/fast.yaml").execution
+    assert (fast.remat, fast.resolved_layer_loop) == ("none", "unroll")
+
+
+@pytest.mark.parametrize("mode", ["fast", "lean"])
+def test_bench_recipes_run_in_jaxft_train(mode, model_dir, tmp_path):
+    make_jsonl(tmp_path / "train.jsonl", 40)
+    cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml", [
+        f"model_name_or_path={model_dir}", f"dataset={tmp_path / 'train.jsonl'}", f"output_dir={tmp_path / 'out'}",
+        "max_seq_length=128", "max_steps=2", "bf16=false", "disable_tqdm=true"])
+    result = train(cfg)
+    assert result.global_step == 2 and np.isfinite(result.train_loss)
+    assert (result.adapter_dir / "adapter_model.safetensors").is_file()
