@@ -24,10 +24,10 @@ with open(sys.argv[1], "w") as f:
     for _ in range(3000):
         f.write(json.dumps({"text": " ".join(f"t{rng.randrange(4, 1000)}" for _ in range(rng.randint(200, 400)))}) + "\n")
 PY
-start=$(date +%s.%N)
+start=$(date +%s%N)
 timeout "${TRAIN_TIMEOUT_S:-240}" python3 -m jaxft.cli examples/bench/fast.yaml model_name_or_path="$W/llama-3.1-8b" \
   dataset="$W/docs.jsonl" output_dir="$W/run8b" max_steps="${STEPS:-30}" logging_steps=5 disable_tqdm=true \
   overwrite_output_dir=true 2>&1 | tee "$OUT/train_8b.log" | tail -25
-echo "process wall time: $(echo "$(date +%s.%N) - $start" | bc) s" | tee -a "$OUT/train_8b.log"
+echo "process wall time: $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$OUT/train_8b.log"
 cp "$W/run8b/metrics.jsonl" "$OUT/train_8b_metrics.jsonl" 2>/dev/null
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$OUT/train_8b.log"
