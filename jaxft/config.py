@@ -1,7 +1,9 @@
 """Frozen, typed model configuration with lossless conversion from and to Hugging Face `config.json`.
 
-One `ModelConfig` covers the dense decoder family jaxft implements (Llama 2/3.x, Mistral, Qwen2/2.5,
-Qwen3 dense). Family quirks are flags, not subclasses, so one decoder implementation serves all of them.
+`ModelConfig` holds the sizes and the per-layer choices (window, RoPE kind) of a decoder. What a family's
+config.json keys mean, and which parts its layers are made of, lives with the family
+(`jaxft.models.families.<name>`): `from_hf` / `to_hf` read the keys every family shares here and hand the
+rest to the family's mapping.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
+LAYER_ROPES = ("global", "local")  # which RoPE table a layer uses: `rope`, or `rope_local` (Gemma 3 sliding layers)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -90,7 +93,13 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a dense decoder. `layer_windows[i]` is the sliding window of layer i (None = full)."""
+    """Architecture of a decoder.
+
+    Per layer i: `layer_windows[i]` is its sliding window (None = full attention; key u is kept for query t
+    iff t - u < window, as transformers' sliding masks) and `layer_ropes[i]` its RoPE table ("global": `rope`,
+    "local": `rope_local`). Attention scores are `attn_scale * q.k`, soft-capped as c * tanh(s / c) when
+    `attn_logit_softcap` = c; the LM logits likewise with `final_logit_softcap`.
+    """
 
     model_type: str
     vocab_size: int
@@ -110,14 +119,18 @@ class ModelConfig:
     qk_norm: bool = False
     layer_windows: tuple[int | None, ...] = ()
     hidden_act: str = "silu"
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (Gemma); None: head_dim
+    rope_local: RopeConfig | None = None
+    layer_ropes: tuple[str, ...] = ()
     # The source config.json, kept so that `to_hf` round-trips keys jaxft does not model (token ids, ...).
     hf_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
     def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type={self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        from jaxft.models.families import family_for  # the registry imports this module
+
+        family_for(self.model_type)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                     "num_kv_heads", "head_dim"):
             value = getattr(self, key)
@@ -128,28 +141,60 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_kv_heads}) for grouped-query attention"
             )
-        if self.hidden_act not in ("silu", "swish"):
-            raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported by jaxft's decoder; use 'silu'")
-        if not self.layer_windows:
-            object.__setattr__(self, "layer_windows", (None,) * self.num_layers)
-        if len(self.layer_windows) != self.num_layers:
-            raise ConfigError(
-                f"layer_types/layer_windows has {len(self.layer_windows)} entries but num_hidden_layers is "
-                f"{self.num_layers}"
-            )
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported by jaxft's decoder; "
+                              f"supported: {', '.join(ACTIVATIONS)}")
+        for rope in (self.rope, self.rope_local):
+            if rope is not None and rope.partial_rotary_factor != 1.0:
+                # transformers' classes of every supported family rotate all head dims (the default RoPE
+                # ignores the factor, the scaled kinds would build tables of the wrong width).
+                raise ConfigError(
+                    f"partial_rotary_factor={rope.partial_rotary_factor} is not supported by family "
+                    f"{self.model_type!r} (transformers rotates every head dim there); remove it from config.json")
+        for key in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar"):
+            value = getattr(self, key)
+            if value is not None and not float(value) > 0:
+                raise ConfigError(f"{key} must be None or > 0, got {value!r}")
+        if self.rope_local is None and set(self.layer_ropes) == {"global"}:
+            # One RoPE for every layer is the default, not a per-layer choice: it follows num_layers (e.g. through
+            # dataclasses.replace(cfg, num_layers=...)).
+            object.__setattr__(self, "layer_ropes", ())
+        for key, default in (("layer_windows", None), ("layer_ropes", "global")):
+            if not getattr(self, key):
+                object.__setattr__(self, key, (default,) * self.num_layers)
+            if len(getattr(self, key)) != self.num_layers:
+                raise ConfigError(
+                    f"layer_types/{key} has {len(getattr(self, key))} entries but num_hidden_layers is "
+                    f"{self.num_layers}"
+                )
+        bad = sorted(set(self.layer_ropes) - set(LAYER_ROPES))
+        if bad:
+            raise ConfigError(f"layer_ropes has {bad}; each entry must be one of {LAYER_ROPES}")
+        if "local" in self.layer_ropes and self.rope_local is None:
+            raise ConfigError("layer_ropes uses 'local' but rope_local is not set (rope_local_base_freq)")
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.rope.partial_rotary_factor)
+        return self.head_dim
+
+    @property
+    def attn_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def rope_for(self, kind: str) -> RopeConfig:
+        """The RoPE parameters of a layer kind ("global" or "local")."""
+        return self.rope_local if kind == "local" else self.rope
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
         """Builds a config from a transformers `config.json` dict. `source` names the file in errors."""
+        from jaxft.models.families import family_for
+
         model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"{source}: model_type={model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        try:
+            family = family_for(model_type)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
 
         def need(key):
             if hf.get(key) is None:
@@ -157,46 +202,30 @@ class ModelConfig:
             return hf[key]
 
         hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        num_layers = int(need("num_hidden_layers"))
-        head_dim = hf.get("head_dim") or hidden // heads
-        window = hf.get("sliding_window")
-        if model_type == "mistral":
-            windows = (int(window) if window else None,) * num_layers
-        elif model_type in ("qwen2", "qwen3"):
-            types = hf.get("layer_types")
-            if types is None:
-                use = hf.get("use_sliding_window", False) and window
-                start = hf.get("max_window_layers", num_layers)
-                types = ["sliding_attention" if use and i >= start else "full_attention" for i in range(num_layers)]
-            windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
-        else:
-            windows = (None,) * num_layers
         try:
-            return cls(
+            kw: dict[str, Any] = dict(
                 model_type=model_type,
                 vocab_size=int(need("vocab_size")),
                 hidden_size=hidden,
                 intermediate_size=int(need("intermediate_size")),
-                num_layers=num_layers,
+                num_layers=int(need("num_hidden_layers")),
                 num_heads=heads,
                 num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(head_dim),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-                rope=RopeConfig.from_hf(hf),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=True if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
-                o_bias=False if model_type == "qwen2" else bool(hf.get("attention_bias", False)),
-                mlp_bias=bool(hf.get("mlp_bias", False)),
-                qk_norm=model_type == "qwen3",
-                layer_windows=windows,
                 hidden_act=hf.get("hidden_act", "silu"),
                 hf_json=json.dumps(dict(hf), sort_keys=True, default=str),
             )
+            kw.update(family.config_from_hf(hf, kw))
+            return cls(**kw)
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
 
     def to_hf(self) -> dict[str, Any]:
+        from jaxft.models.families import family_for
+
         out = json.loads(self.hf_json)
         for stale in ("rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version"):
             out.pop(stale, None)
@@ -208,19 +237,9 @@ class ModelConfig:
             rope_parameters=self.rope.to_hf(), tie_word_embeddings=self.tie_word_embeddings,
             hidden_act=self.hidden_act,
         )
-        if self.model_type in ("llama", "qwen3"):
-            out["attention_bias"] = self.qkv_bias
-        if self.model_type == "llama":
-            out["mlp_bias"] = self.mlp_bias
-        windows = {w for w in self.layer_windows if w is not None}
-        if self.model_type == "mistral":
-            out["sliding_window"] = windows.pop() if windows else None
-        elif self.model_type in ("qwen2", "qwen3"):
-            out["layer_types"] = ["sliding_attention" if w else "full_attention" for w in self.layer_windows]
-            out["use_sliding_window"] = bool(windows)
-            if windows:
-                out["sliding_window"] = windows.pop()
-        out.setdefault("architectures", [_ARCHITECTURES[self.model_type]])
+        family = family_for(self.model_type)
+        family.config_to_hf(self, out)
+        out.setdefault("architectures", [family.architecture])
         return out
 
     def replace(self, **kw) -> "ModelConfig":
@@ -228,16 +247,11 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count of the base model (embeddings included)."""
+        from jaxft.models.families import family_for
+
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        per_layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
+        norms = 4 if family_for(self.model_type).parts.sandwich_norms else 2
+        per_layer = attn + 3 * h * i + norms * h + (2 * d if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + head + h + self.num_layers * per_layer
-
-
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}

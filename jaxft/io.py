@@ -19,6 +19,7 @@ from flax import nnx
 import bridge
 from jaxft.config import ModelConfig
 from jaxft.models.decoder import Decoder, abstract_model
+from jaxft.models.families import family_for
 from jaxft.models.layers import LoraParam
 
 
@@ -44,7 +45,7 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16") -> Decoder
     dtype = jnp.dtype(dtype)
     model = abstract_model(cfg, dtype=dtype)
     expected = param_shapes(model)
-    arrays = bridge.load_weights(path, bridge.table_for(cfg.model_type), expected, cfg.num_layers, dtype)
+    arrays = bridge.load_weights(path, family_for(cfg.model_type).table, expected, cfg.num_layers, dtype)
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
     leaves = []
@@ -86,6 +87,6 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | Non
     out_dtype = jnp.dtype(dtype) if dtype else model.dtype
     hf["dtype"] = str(out_dtype)
     params = {k: v.astype(out_dtype) for k, v in model_params(model).items()}
-    bridge.save_weights(path, bridge.table_for(cfg.model_type), params, cfg.num_layers, hf,
+    bridge.save_weights(path, family_for(cfg.model_type).table, params, cfg.num_layers, hf,
                         max_shard_bytes=max_shard_bytes, overwrite=overwrite)
     return Path(path)

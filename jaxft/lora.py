@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import bridge
 from bridge import peft as peft_io
 from bridge.mappings.schema import LAYER
 from jaxft.config import ConfigError
+from jaxft.models.families import family_for
 from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, linears
 
 __all__ = [
@@ -209,11 +209,11 @@ class _Modules:
 def _modules(model) -> _Modules:
     """Our linears under their HF names, derived from the bridge table rows `<module>.weight -> <path>.kernel`."""
     cfg = model.config
-    table = bridge.table_for(cfg.model_type)
+    table = family_for(cfg.model_type).table
     present = {tuple(path.split(".")) for path, _ in linears(model)}
     sites, unsupported, head = [], {}, set()
     for row in table:
-        if not row.hf.endswith(".weight"):
+        if not row.hf.endswith(".weight") or "e" in row.axes:  # expert tensors are not Linear modules
             continue
         module = row.hf[: -len(".weight")]
         names = _Site(row.path[:-1], module, row.stacked).names(cfg.num_layers)

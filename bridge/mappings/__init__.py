@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bridge.mappings import dense
+from bridge.mappings import dense, gemma
 from bridge.mappings.schema import Row, Table, validate_table
 
 # HF `config.json["model_type"]` -> table.
@@ -11,6 +11,7 @@ TABLES: dict[str, Table] = {
     "mistral": dense.TABLE,
     "qwen2": dense.TABLE,
     "qwen3": dense.TABLE,
+    "gemma2": gemma.TABLE, "gemma3_text": gemma.TABLE,
 }
 
 

@@ -36,18 +36,21 @@ def init_cache(model: Decoder, batch: int, max_len: int) -> dict:
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                     window) -> jax.Array:
+                     window, *, scale: float | None = None, logit_softcap: float | None = None) -> jax.Array:
     """q [B,T,H,D] at `positions` [B,T] over cache slots [B,S,KV,D]: causal, left window, fp32 softmax.
 
-    The math of `kernels_pallas.attention.reference.attention_reference` (scale D^-1/2, GQA by grouping
-    the query heads, scores, softmax and P@V in fp32), with the mask built from each query's absolute
-    position instead of segment ids. `window` may be traced (one value per scanned layer).
+    The math of `kernels_pallas.attention.reference.attention_reference` (scores `scale * q.k`, scale
+    defaulting to D^-1/2, soft-capped as c * tanh(s / c) before the mask, GQA by grouping the query heads,
+    softmax and P@V in fp32), with the mask built from each query's absolute position instead of segment
+    ids. `window` may be traced (one value per scanned layer).
     """
     b, t, h, d = q.shape
     s, kvh = k_cache.shape[1], k_cache.shape[2]
     qg = q.reshape(b, t, kvh, h // kvh, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_cache, preferred_element_type=jnp.float32)
-    scores = scores * jnp.float32(d ** -0.5)
+    scores = scores * jnp.float32(d ** -0.5 if scale is None else scale)
+    if logit_softcap is not None:
+        scores = jnp.tanh(scores / logit_softcap) * logit_softcap
     diff = positions[:, :, None] - jnp.arange(s, dtype=jnp.int32)[None, None, :]  # [B, T, S]
     keep = (diff >= 0) & (diff < window)
     scores = jnp.where(keep[:, None, None], scores, MASK_VALUE)
@@ -57,7 +60,7 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def _layer_attention(positions, rows, index, window):
+def _layer_attention(cfg, positions, rows, index, window):
     """`attend_cached` for one layer: `index` selects the layer of a stacked cache (None: a per-layer one)."""
     def attend_cached(q, k, v, cache):
         k_buf, v_buf = cache
@@ -70,7 +73,9 @@ def _layer_attention(positions, rows, index, window):
             k_buf = k_buf.at[index, rows, positions].set(k.astype(k_buf.dtype))
             v_buf = v_buf.at[index, rows, positions].set(v.astype(v_buf.dtype))
             k_layer, v_layer = k_buf[index], v_buf[index]
-        return cached_attention(q, k_layer, v_layer, positions, window), (k_buf, v_buf)
+        o = cached_attention(q, k_layer, v_layer, positions, window, scale=cfg.attn_scale,
+                             logit_softcap=cfg.attn_logit_softcap)
+        return o, (k_buf, v_buf)
 
     return attend_cached
 
@@ -87,29 +92,38 @@ def forward(model: Decoder, input_ids: jax.Array, positions: jax.Array, cache: d
     cfg = model.config
     positions = jnp.asarray(positions, jnp.int32)
     rope_positions = positions if rope_positions is None else jnp.asarray(rope_positions, jnp.int32)
-    cos, sin = rope_tables(rope_positions, cfg.rope, cfg.head_dim, cfg.max_position_embeddings, model.dtype)
+    # One cos/sin pair per RoPE kind (Gemma 3: local and global), stacked so a scanned layer picks its own.
+    kinds = list(dict.fromkeys(cfg.layer_ropes))
+    tables = [rope_tables(rope_positions, cfg.rope_for(kind), cfg.head_dim, cfg.max_position_embeddings,
+                          model.dtype) for kind in kinds]
+    cos_all, sin_all = jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
     rows = jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None]
     x = model.embed_tokens(jnp.asarray(input_ids, jnp.int32))
     graphdef, state = nnx.split(model.layers)
 
-    def layer_ctx(index, window):
-        return dict(cos=cos, sin=sin, attend_cached=_layer_attention(positions, rows, index, window))
+    def layer_ctx(index, window, rope):
+        return dict(cos=cos_all[rope], sin=sin_all[rope],
+                    attend_cached=_layer_attention(cfg, positions, rows, index, window))
 
+    ropes = [kinds.index(kind) for kind in cfg.layer_ropes]
     if is_unstacked(state):
         k_all, v_all = list(cache["k"]), list(cache["v"])
         for i, window in enumerate(cfg.layer_windows):
             layer = nnx.merge(graphdef, layer_slice(state, i))
-            x, (k_all[i], v_all[i]) = layer.cached(x, layer_ctx(None, window or NO_WINDOW), (k_all[i], v_all[i]))
+            x, (k_all[i], v_all[i]) = layer.cached(x, layer_ctx(None, window or NO_WINDOW, ropes[i]),
+                                                   (k_all[i], v_all[i]))
         return model.final_norm(x), {"k": tuple(k_all), "v": tuple(v_all)}
 
     windows = jnp.asarray([w or NO_WINDOW for w in cfg.layer_windows], jnp.int32)
 
     def body(carry, xs):
         x, k_all, v_all = carry
-        layer_state, index, window = xs
-        x, (k_all, v_all) = nnx.merge(graphdef, layer_state).cached(x, layer_ctx(index, window), (k_all, v_all))
+        layer_state, index, window, rope = xs
+        x, (k_all, v_all) = nnx.merge(graphdef, layer_state).cached(x, layer_ctx(index, window, rope),
+                                                                    (k_all, v_all))
         return (x, k_all, v_all), None
 
     indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_all, v_all), _ = jax.lax.scan(body, (x, cache["k"], cache["v"]), (state, indices, windows))
+    xs = (state, indices, windows, jnp.asarray(ropes, jnp.int32))
+    (x, k_all, v_all), _ = jax.lax.scan(body, (x, cache["k"], cache["v"]), xs)
     return model.final_norm(x), {"k": k_all, "v": v_all}

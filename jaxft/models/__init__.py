@@ -1,7 +1,9 @@
-"""Flax NNX decoders (Llama, Mistral, Qwen2, Qwen3 dense)."""
+"""Flax NNX decoders assembled per family (Llama, Mistral, Qwen2, Qwen3 dense, Gemma 2, Gemma 3 text)."""
 
 from jaxft.models.decoder import Decoder, abstract_model, init_model, positions_from_segments
-from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, RMSNorm, linears
+from jaxft.models.families import FAMILIES, Family, family_for
+from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, linears
+from jaxft.models.parts import BlockParts, RMSNorm
 
-__all__ = ["Decoder", "Linear", "LoraParam", "LoraRank", "LoraScale", "RMSNorm", "abstract_model", "init_model",
-           "linears", "positions_from_segments"]
+__all__ = ["FAMILIES", "BlockParts", "Decoder", "Family", "Linear", "LoraParam", "LoraRank", "LoraScale", "RMSNorm",
+           "abstract_model", "family_for", "init_model", "linears", "positions_from_segments"]

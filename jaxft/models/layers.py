@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: linear layers (with optional LoRA), RMSNorm, attention block, GLU MLP.
+"""Linear layers with optional LoRA, the LoRA variable types, and the recompute helper of the blocks.
 
 Every module is created with *stacked* parameters (a leading layer axis, `stack=(L,)`) and called on one
 layer's parameters: a slice inside `jax.lax.scan` (compile time does not grow with depth), or, for a
@@ -9,18 +9,10 @@ constant. Optimisers and the trainer select by type, never by name.
 """
 
 from __future__ import annotations
-
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from jaxft.config import ModelConfig
-from jaxft.models.rope import apply_rope
-from kernels_pallas.glu import swiglu
-from kernels_pallas.rmsnorm import rmsnorm
 
 
 class LoraParam(nnx.Param):
@@ -113,61 +105,6 @@ def project(lins: tuple[Linear, ...], x: jax.Array, rngs: tuple) -> list[jax.Arr
     return ys
 
 
-class RMSNorm(nnx.Module):
-    """w * (x * rsqrt(mean(x^2) + eps)) with the statistics in fp32 and the result cast back, as transformers."""
-
-    def __init__(self, dim: int, *, eps: float, stack: tuple[int, ...], dtype):
-        self.scale = nnx.Param(jnp.ones((*stack, dim), dtype))
-        self.eps = eps
-
-    @jax.named_scope("rmsnorm")
-    def __call__(self, x: jax.Array) -> jax.Array:
-        # Custom VJP: the backward keeps x in its own dtype and one fp32 scalar per row, not fp32 copies.
-        return rmsnorm(x, self.scale[...], self.eps)
-
-
-class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
-        h, d = cfg.hidden_size, cfg.head_dim
-        lin = dict(stack=stack, dtype=dtype, rngs=rngs)
-        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias, **lin)
-        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, **lin)
-        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, **lin)
-        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, **lin)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, stack=stack, dtype=dtype)
-            self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, stack=stack, dtype=dtype)
-        else:
-            self.q_norm = self.k_norm = None
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-
-    def project(self, x, rngs: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q [B,T,H,D], k, v [B,T,KV,D] from normed hidden states (before q/k norm and RoPE)."""
-        b, t, _ = x.shape
-        q, k, v = project((self.q_proj, self.k_proj, self.v_proj), x, rngs[:3])
-        return (q.reshape(b, t, self.num_heads, self.head_dim), k.reshape(b, t, self.num_kv_heads, self.head_dim),
-                v.reshape(b, t, self.num_kv_heads, self.head_dim))
-
-    def rotate(self, q, k, ctx: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
-        """(q/k norm and) RoPE with the tables ctx["cos"], ctx["sin"]: what attention sees of q and k."""
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        with jax.named_scope("rope"):
-            q = apply_rope(q, ctx["cos"], ctx["sin"])
-            k = apply_rope(k, ctx["cos"], ctx["sin"])
-        return q, k
-
-    def attend(self, q, k, v, ctx: dict[str, Any]) -> jax.Array:
-        """(q/k norm,) RoPE and attention: [B,T,H,D]."""
-        q, k = self.rotate(q, k, ctx)
-        with jax.named_scope("attention"):
-            return ctx["attend"](q, k, v)
-
-    def output(self, o, rngs: tuple) -> jax.Array:
-        b, t = o.shape[:2]
-        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim), rngs[3])
-
-
 def _recompute(fn, prevent_cse: bool = False):
     """`fn` rematerialised in the backward pass with nothing saved but its inputs.
 
@@ -180,62 +117,6 @@ def _recompute(fn, prevent_cse: bool = False):
     # merge the recomputation back into the forward, and the barriers would only constrain fusion. Unrolled
     # layers (the decoder passes ctx["prevent_cse"]) need them.
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=prevent_cse)
-
-
-class MLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)), as gate_up then act_down (DecoderLayer recomputes around each)."""
-
-    def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
-        lin = dict(bias=cfg.mlp_bias, stack=stack, dtype=dtype, rngs=rngs)
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **lin)
-
-    def gate_up(self, x, rngs: tuple) -> tuple[jax.Array, jax.Array]:
-        gate, up = project((self.gate_proj, self.up_proj), x, rngs[:2])
-        return gate, up
-
-    def act_down(self, gate, up, rngs: tuple) -> jax.Array:
-        with jax.named_scope("glu"):
-            h = swiglu(gate, up)  # custom VJP: only gate and up are kept for its own backward
-        return self.down_proj(h, rngs[2])
-
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
-        self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, stack=stack, dtype=dtype)
-        self.attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, stack=stack, dtype=dtype)
-        self.mlp = MLP(cfg, stack=stack, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x, ctx: dict[str, Any], dropout_rng: jax.Array | None = None):
-        # One dropout key per LoRA'd linear: q, k, v, o, then gate, up, down.
-        keys = (None,) * 7 if dropout_rng is None else tuple(jax.random.split(dropout_rng, 7))
-        ra, rm = keys[:4], keys[4:]
-        # Same math as x + attn(norm(x)); h + mlp(norm(h)), with the elementwise inputs of LoRA'd linears
-        # (normed states, o reshaped, silu(gate) * up) recomputed in the backward pass instead of kept.
-        pc = bool(ctx.get("prevent_cse", False))
-        q, k, v = _recompute(lambda x: self.attn.project(self.input_norm(x), ra), pc)(x)
-        h = x + _recompute(lambda o: self.attn.output(o, ra), pc)(self.attn.attend(q, k, v, ctx))
-        gate, up = _recompute(lambda h: self.mlp.gate_up(self.post_attn_norm(h), rm), pc)(h)
-        return h + _recompute(lambda g, u: self.mlp.act_down(g, u, rm), pc)(gate, up)
-
-    def cached(self, x, ctx: dict[str, Any], cache):
-        """Inference forward of new tokens x [B,T,H] against a KV cache: `(x, cache)`.
-
-        The same modules and math as `__call__` (no dropout, nothing to recompute without a backward pass);
-        attention is `ctx["attend_cached"](q, k, v, cache) -> (o, cache)`, which stores the new tokens'
-        rotated k/v in the cache and attends over it (see `jaxft.generation.kv_cache`).
-        """
-        none = (None,) * 4
-        q, k, v = self.attn.project(self.input_norm(x), none)
-        q, k = self.attn.rotate(q, k, ctx)
-        with jax.named_scope("attention"):
-            o, cache = ctx["attend_cached"](q, k, v, cache)
-        h = x + self.attn.output(o, none)
-        gate, up = self.mlp.gate_up(self.post_attn_norm(h), none)
-        return h + self.mlp.act_down(gate, up, none), cache
 
 
 def linears(module: nnx.Module):

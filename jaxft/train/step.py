@@ -89,7 +89,8 @@ def restack_layers(frozen: nnx.State, *, delete_source: bool = False) -> nnx.Sta
 
 def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
                    execution: ExecutionConfig = TRAIN_EXECUTION) -> jax.Array:
-    """sum_t loss_mask_t * CE(softmax(h_t @ W_head), targets_t) over a [B, T] packed batch (fp32 scalar)."""
+    """sum_t loss_mask_t * CE(softmax(softcap(h_t @ W_head)), targets_t) over a [B, T] packed batch (fp32
+    scalar); softcap is the model's final logit softcap (Gemma 2), the identity when it has none."""
     hidden = model.hidden_states(batch["input_ids"], batch["positions"], batch["segment_ids"],
                                  dropout_rng=dropout_rng, execution=execution)
     b, t, h = hidden.shape
@@ -97,7 +98,8 @@ def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
         return linear_cross_entropy(
             hidden.reshape(b * t, h), model.head_weight(), batch["targets"].reshape(b * t),
             batch["loss_mask"].reshape(b * t).astype(jnp.float32),
-            chunk_size=execution.ce_chunk_size, implementation=execution.ce_implementation)
+            logit_softcap=model.config.final_logit_softcap, chunk_size=execution.ce_chunk_size,
+            implementation=execution.ce_implementation)
 
 
 def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.State, batch: Batch,

@@ -1,0 +1,224 @@
+"""The parts a family assembles its decoder layer from: RMSNorm (plain or offset), GLU activations, the
+attention block, the MLP slot, and the block that wires them with residuals.
+
+A family (`jaxft.models.families`) says which parts it uses through `BlockParts`; sizes, biases, q/k norm,
+softcaps and windows come from its `ModelConfig`. Every module is created with stacked parameters (a leading
+layer axis, `stack=(L,)`) and called on one layer's slice (see `jaxft.models.layers`).
+
+Math of one block (x: the residual stream [B, T, H]):
+    plain (Llama/Qwen/Mistral):  h = x + attn(n1(x));           y = h + mlp(n2(h))
+    sandwich (Gemma 2/3):        h = x + n1o(attn(n1(x)));      y = h + n2o(mlp(n2(h)))
+    attn:  q, k, v = x Wq, x Wk, x Wv  ->  (q/k norm)  ->  RoPE  ->  softmax(softcap(scale q.k) + mask) v  -> Wo
+    mlp ("glu" slot):  down(act(gate(x)) * up(x)),  act = silu (SwiGLU) or tanh-approximated gelu (GeGLU)
+    RMSNorm:  plain  w * (x32 * rsqrt(mean(x32^2) + eps)).astype(dtype)        (Llama: product in dtype)
+              offset (x32 * rsqrt(mean(x32^2) + eps) * (1 + w32)).astype(dtype)  (Gemma: weights are offsets)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxft.config import ModelConfig
+from jaxft.models.layers import Linear, _recompute, project
+from jaxft.models.rope import apply_rope
+from kernels_pallas.glu import swiglu
+from kernels_pallas.rmsnorm import rmsnorm
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockParts:
+    """Which shared parts a family's layer is made of (what config.json does not say, the architecture does)."""
+
+    norm_offset: bool = False  # RMSNorm weights are offsets: x_hat * (1 + w), in fp32 (Gemma)
+    sandwich_norms: bool = False  # attention and MLP outputs are normalised before their residual add (Gemma 2/3)
+    mlp: str = "glu"  # the MLP slot (`MLPS`); a mixture-of-experts MLP registers there
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), the factor rounded to the dtype (Gemma)
+
+
+# ------------------------------------------------------------------------------------------------ norms
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis with fp32 statistics and the result in x's dtype, as transformers.
+
+    `offset=False`: w * x_hat.astype(dtype) (Llama/Qwen/Mistral; custom-VJP kernel). `offset=True`:
+    (x_hat * (1 + w)).astype(dtype) with the product in fp32 (Gemma, whose stored weights start at 0)."""
+
+    def __init__(self, dim: int, *, eps: float, stack: tuple[int, ...], dtype, offset: bool = False):
+        self.scale = nnx.Param((jnp.zeros if offset else jnp.ones)((*stack, dim), dtype))
+        self.eps = eps
+        self.offset = offset
+
+    @jax.named_scope("rmsnorm")
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.offset:
+            x32 = x.astype(jnp.float32)
+            normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+            return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        # Custom VJP: the backward keeps x in its own dtype and one fp32 scalar per row, not fp32 copies.
+        return rmsnorm(x, self.scale[...], self.eps)
+
+
+# ------------------------------------------------------------------------------------------------ activations
+
+
+def geglu_tanh(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """gelu_tanh(gate) * up with gelu evaluated in fp32 and rounded to the input dtype (torch's
+    `gelu(x, approximate="tanh")`), then the product in the input dtype."""
+    return jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype) * up
+
+
+# HF `hidden_act` / `hidden_activation` -> the gated activation h = act(gate) * up.
+ACTIVATIONS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
+    "silu": swiglu,  # custom VJP: only gate and up are kept for its own backward
+    "swish": swiglu,
+    "gelu_pytorch_tanh": geglu_tanh,
+}
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+
+class Attention(nnx.Module):
+    """q/k/v/o projections, optional per-head q/k RMSNorm (Qwen3, Gemma 3) and RoPE. The attention op itself
+    (mask, window, scale, softcap) is `ctx["attend"]`, built once per layer group by the decoder."""
+
+    def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs, norm_offset: bool = False):
+        h, d = cfg.hidden_size, cfg.head_dim
+        lin = dict(stack=stack, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias, **lin)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, **lin)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, **lin)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, **lin)
+        if cfg.qk_norm:
+            norm = dict(eps=cfg.rms_norm_eps, stack=stack, dtype=dtype, offset=norm_offset)
+            self.q_norm, self.k_norm = RMSNorm(d, **norm), RMSNorm(d, **norm)
+        else:
+            self.q_norm = self.k_norm = None
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+
+    def project(self, x, rngs: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [B,T,H,D], k, v [B,T,KV,D] from normed hidden states (before q/k norm and RoPE)."""
+        b, t, _ = x.shape
+        q, k, v = project((self.q_proj, self.k_proj, self.v_proj), x, rngs[:3])
+        return (q.reshape(b, t, self.num_heads, self.head_dim), k.reshape(b, t, self.num_kv_heads, self.head_dim),
+                v.reshape(b, t, self.num_kv_heads, self.head_dim))
+
+    def rotate(self, q, k, ctx: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
+        """(q/k norm and) RoPE with the tables ctx["cos"], ctx["sin"]: what attention sees of q and k."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        with jax.named_scope("rope"):
+            q = apply_rope(q, ctx["cos"], ctx["sin"])
+            k = apply_rope(k, ctx["cos"], ctx["sin"])
+        return q, k
+
+    def attend(self, q, k, v, ctx: dict[str, Any]) -> jax.Array:
+        """(q/k norm,) RoPE and attention: [B,T,H,D]."""
+        q, k = self.rotate(q, k, ctx)
+        with jax.named_scope("attention"):
+            return ctx["attend"](q, k, v)
+
+    def output(self, o, rngs: tuple) -> jax.Array:
+        b, t = o.shape[:2]
+        return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim), rngs[3])
+
+
+# ------------------------------------------------------------------------------------------------ MLP slot
+
+
+class GluMLP(nnx.Module):
+    """down(act(gate(x)) * up(x)): the dense gated MLP.
+
+    The MLP slot's interface is `branch(norm, h, rngs, prevent_cse)` (training: the MLP of norm(h), with the
+    elementwise inputs of its LoRA'd linears recomputed in the backward pass) and `infer(x)` (no backward).
+    A mixture-of-experts MLP implements the same two methods and registers in `MLPS`."""
+
+    NUM_LINEARS = 3  # dropout keys the block hands over: gate, up, down
+
+    def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
+        lin = dict(bias=cfg.mlp_bias, stack=stack, dtype=dtype, rngs=rngs)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **lin)
+        self.hidden_act = cfg.hidden_act  # a name (static), looked up in ACTIVATIONS
+
+    def gate_up(self, x, rngs: tuple) -> tuple[jax.Array, jax.Array]:
+        return tuple(project((self.gate_proj, self.up_proj), x, rngs[:2]))
+
+    def act_down(self, gate, up, rngs: tuple) -> jax.Array:
+        with jax.named_scope("glu"):
+            h = ACTIVATIONS[self.hidden_act](gate, up)
+        return self.down_proj(h, rngs[2])
+
+    def branch(self, norm, h, rngs: tuple, prevent_cse: bool) -> jax.Array:
+        gate, up = _recompute(lambda h: self.gate_up(norm(h), rngs), prevent_cse)(h)
+        return _recompute(lambda g, u: self.act_down(g, u, rngs), prevent_cse)(gate, up)
+
+    def infer(self, x) -> jax.Array:
+        none = (None,) * self.NUM_LINEARS
+        return self.act_down(*self.gate_up(x, none), none)
+
+
+MLPS: dict[str, type] = {"glu": GluMLP}
+
+
+# ------------------------------------------------------------------------------------------------ the block
+
+
+class DecoderLayer(nnx.Module):
+    """One decoder layer assembled from `parts`: pre-norms, attention, MLP slot and (sandwich) output norms.
+
+    Norm names: `input_norm` before attention; `post_attn_norm` on the residual before the MLP (HF Llama's
+    post_attention_layernorm, Gemma's pre_feedforward_layernorm); with sandwich norms also `attn_out_norm`
+    on the attention output (Gemma's post_attention_layernorm) and `mlp_out_norm` on the MLP output."""
+
+    def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs, parts: BlockParts = BlockParts()):
+        if parts.mlp not in MLPS:
+            raise ValueError(f"BlockParts.mlp={parts.mlp!r} is not a registered MLP; known: {', '.join(MLPS)}")
+        norm = dict(eps=cfg.rms_norm_eps, stack=stack, dtype=dtype, offset=parts.norm_offset)
+        self.input_norm = RMSNorm(cfg.hidden_size, **norm)
+        self.attn = Attention(cfg, stack=stack, dtype=dtype, rngs=rngs, norm_offset=parts.norm_offset)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, **norm)
+        self.mlp = MLPS[parts.mlp](cfg, stack=stack, dtype=dtype, rngs=rngs)
+        if parts.sandwich_norms:
+            self.attn_out_norm = RMSNorm(cfg.hidden_size, **norm)
+            self.mlp_out_norm = RMSNorm(cfg.hidden_size, **norm)
+        else:
+            self.attn_out_norm = self.mlp_out_norm = None
+
+    def _out(self, norm, y):
+        return y if norm is None else norm(y)
+
+    def __call__(self, x, ctx: dict[str, Any], dropout_rng: jax.Array | None = None):
+        n_mlp = self.mlp.NUM_LINEARS
+        # One dropout key per LoRA'd linear: q, k, v, o, then the MLP's.
+        keys = (None,) * (4 + n_mlp) if dropout_rng is None else tuple(jax.random.split(dropout_rng, 4 + n_mlp))
+        ra, rm = keys[:4], keys[4:]
+        # Same math as x + attn(norm(x)); h + mlp(norm(h)), with the elementwise inputs of LoRA'd linears
+        # (normed states, o reshaped, act(gate) * up) recomputed in the backward pass instead of kept.
+        pc = bool(ctx.get("prevent_cse", False))
+        q, k, v = _recompute(lambda x: self.attn.project(self.input_norm(x), ra), pc)(x)
+        attn = _recompute(lambda o: self.attn.output(o, ra), pc)(self.attn.attend(q, k, v, ctx))
+        h = x + self._out(self.attn_out_norm, attn)
+        return h + self._out(self.mlp_out_norm, self.mlp.branch(self.post_attn_norm, h, rm, pc))
+
+    def cached(self, x, ctx: dict[str, Any], cache):
+        """Inference forward of new tokens x [B,T,H] against a KV cache: `(x, cache)`.
+
+        The same modules and math as `__call__` (no dropout, nothing to recompute without a backward pass);
+        attention is `ctx["attend_cached"](q, k, v, cache) -> (o, cache)`, which stores the new tokens'
+        rotated k/v in the cache and attends over it (see `jaxft.generation.kv_cache`).
+        """
+        none = (None,) * 4
+        q, k, v = self.attn.project(self.input_norm(x), none)
+        q, k = self.attn.rotate(q, k, ctx)
+        with jax.named_scope("attention"):
+            o, cache = ctx["attend_cached"](q, k, v, cache)
+        h = x + self._out(self.attn_out_norm, self.attn.output(o, none))
+        return h + self._out(self.mlp_out_norm, self.mlp.infer(self.post_attn_norm(h))), cache

@@ -1,0 +1,110 @@
+"""The layer stack as a sequence of homogeneous groups, each scanned or unrolled.
+
+All layers' parameters live in one stacked module (a leading layer axis). A group is a maximal run of
+consecutive layers of the same kind: the same sliding window, the same RoPE table ("global"/"local") and the
+same MLP slot. Every layer of a group sees the same per-group context (its RoPE tables and attention
+function, built from batch metadata computed once per batch by the decoder), so a group runs as one
+`jax.lax.scan` over its slice of the stack (compile time independent of depth), or, when the frozen weights
+are per-layer buffers (`jaxft.train.unstack_layers`), as unrolled calls. Gemma 2 alternates sliding/global
+every layer (L groups of 1); Gemma 3 runs five sliding layers per global one.
+
+Rematerialisation policies (`ExecutionConfig.remat`) are applied per layer here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxft.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Layers [start, end) that share a window, a RoPE kind and an MLP kind."""
+
+    start: int
+    end: int
+    window: int | None
+    rope: str = "global"
+    mlp: str = "glu"
+
+
+def layer_groups(cfg: ModelConfig, mlp: str = "glu") -> list[LayerGroup]:
+    """The homogeneous runs of `cfg`'s layers, in order."""
+    kinds = list(zip(cfg.layer_windows, cfg.layer_ropes))
+    groups, start = [], 0
+    for (window, rope), run in itertools.groupby(kinds):
+        n = len(list(run))
+        groups.append(LayerGroup(start, start + n, window, rope, mlp))
+        start += n
+    return groups
+
+
+def _layer_runs(windows: tuple[int | None, ...]) -> list[tuple[int, int, int | None]]:
+    """(start, end, window) runs of equal windows (the grouping by window alone)."""
+    runs, start = [], 0
+    for window, group in itertools.groupby(windows):
+        n = len(list(group))
+        runs.append((start, start + n, window))
+        start += n
+    return runs
+
+
+def is_unstacked(layer_state: nnx.State) -> bool:
+    """True when the per-layer parameters are tuples of per-layer arrays (see jaxft.train.unstack_layers)."""
+    return any(isinstance(v.get_value(), tuple) for _, v in nnx.to_flat_state(layer_state))
+
+
+def layer_slice(layer_state: nnx.State, i: int) -> nnx.State:
+    """Layer i's parameters: element i of a per-layer tuple, or a static slice of a stacked array."""
+    return nnx.from_flat_state([(p, v.replace(v.get_value()[i])) for p, v in nnx.to_flat_state(layer_state)])
+
+
+def run_groups(layers: nnx.Module, x: jax.Array, groups: list[LayerGroup],
+               group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, remat: str) -> jax.Array:
+    """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled."""
+    graphdef, state = nnx.split(layers)
+    unrolled = is_unstacked(state)
+    num_layers = groups[-1].end
+    for group in groups:
+        # Unrolled layers run as separate program regions, so XLA could merge a recomputation back into
+        # the forward pass; the CSE barriers keep remat meaning remat there (inside a scan they are moot).
+        ctx = dict(group_ctx(group), prevent_cse=unrolled)
+        layer_fn = _layer_fn(graphdef, ctx, dropout_rng, remat=remat, prevent_cse=unrolled)
+        if unrolled:
+            for i in range(group.start, group.end):
+                x = layer_fn(x, layer_slice(state, i), i)
+            continue
+        run_state = state if (group.start, group.end) == (0, num_layers) else jax.tree.map(
+            lambda leaf: leaf[group.start:group.end], state)
+        indices = jnp.arange(group.start, group.end, dtype=jnp.int32)
+        x, _ = jax.lax.scan(lambda carry, xs: (layer_fn(carry, *xs), None), x, (run_state, indices))
+    return x
+
+
+def _layer_fn(graphdef, layer_ctx, dropout_rng, *, remat: str, prevent_cse: bool):
+    """`(x, layer_state, index) -> x` for one layer, rematerialised per the `remat` policy."""
+    def layer_fn(carry, layer_state, index):
+        layer = nnx.merge(graphdef, layer_state)
+        if remat == "offload":
+            carry = checkpoint_name(carry, "layer_input")
+        rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
+        return layer(carry, layer_ctx, rng)
+
+    if remat == "none":
+        return layer_fn
+    policy = {
+        "full": jax.checkpoint_policies.nothing_saveable,
+        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
+            offload_src="device", offload_dst="pinned_host"),
+    }[remat]
+    return jax.checkpoint(layer_fn, policy=policy, prevent_cse=prevent_cse)
