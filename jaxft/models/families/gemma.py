@@ -63,7 +63,7 @@ def _from_hf(model_type: str):
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
             qkv_bias=bias, o_bias=bias, mlp_bias=False,
             layer_windows=windows,
-            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),  # int in transformers: kept as given
         )
         if model_type == "gemma2":
             kw.update(rope=RopeConfig.from_hf(hf), qk_norm=False,
