@@ -267,3 +267,26 @@ def test_save_is_atomic_and_guards_existing_target(tmp_path):
     reread = load_weights(target, table, {p: (a.shape, a.dtype) for p, a in params.items()}, 2)
     for p in params:
         np.testing.assert_array_equal(reread[p], params2[p])
+
+
+def test_layer_and_expert_placeholders_round_trip(tmp_path):
+    """A row with {i} and {e}: our array [L, E, in, out] <-> one HF [out, in] tensor per layer and expert."""
+    row = Row("model.layers.{i}.mlp.experts.{e}.up_proj.weight", ("layers", "mlp", "experts", "up", "kernel"),
+              "transpose", True)
+    assert row.axes == ("i", "e") and row.name(1, e=3) == "model.layers.1.mlp.experts.3.up_proj.weight"
+    assert row.pattern().fullmatch("model.layers.1.mlp.experts.3.up_proj.weight").group("e") == "3"
+    table = (row, Row("model.norm.weight", ("final_norm", "scale"), None, False))
+    params = {row.path: np.arange(2 * 3 * 4 * 5, dtype=np.float32).reshape(2, 3, 4, 5),
+              ("final_norm", "scale"): np.ones(4, np.float32)}
+    dst = save_weights(tmp_path / "moe", table, params, 2, {"model_type": "x"}, num_experts=3)
+    from safetensors.numpy import load_file
+
+    on_disk = load_file(dst / "model.safetensors")
+    assert len(on_disk) == 7
+    np.testing.assert_array_equal(on_disk["model.layers.1.mlp.experts.2.up_proj.weight"], params[row.path][1, 2].T)
+    expected = {p: (a.shape, a.dtype) for p, a in params.items()}
+    back = load_weights(dst, table, expected, 2, num_experts=3)
+    for p in params:
+        np.testing.assert_array_equal(back[p], params[p])
+    with pytest.raises(ValueError, match=r"must start with num_layers=2, num_experts=4"):
+        load_weights(dst, table, expected, 2, num_experts=4)

@@ -128,3 +128,28 @@ def test_unrolled_training_step_never_touches_stacked_frozen_weights():
     assert touching == [] and loops == []
     touching, loops = reads_stacked(frozen)
     assert touching and loops  # the scan consumes the stacked weights
+
+
+def test_gemma3_builds_both_rope_tables_once_outside_the_layer_groups():
+    """Gemma 3: local (sliding) and global RoPE tables, and one attention block table per window, are made once
+    per batch; the groups (2 sliding, 1 global, 1 sliding) scan without computing any of them."""
+    cfg = ModelConfig(model_type="gemma3_text", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=4,
+                      num_heads=1, num_kv_heads=1, head_dim=64, qk_norm=True, layer_windows=(16, 16, None, 16),
+                      layer_ropes=("local", "local", "global", "local"),
+                      rope=ModelConfig.from_hf(dict(model_type="llama", vocab_size=1, hidden_size=1,
+                                                    intermediate_size=1, num_attention_heads=1,
+                                                    num_hidden_layers=1, rope_theta=1e6)).rope,
+                      rope_local=CFG.rope)
+    model = init_model(cfg, dtype=jnp.float32)
+    graphdef, state = nnx.split(model)
+    ids = jnp.zeros((1, 64), jnp.int32)
+    seg = jnp.ones((1, 64), jnp.int32)
+    execution = ExecutionConfig(attention_implementation="pallas")
+    jaxpr = jax.make_jaxpr(lambda s, i, g: nnx.merge(graphdef, s)(i, segment_ids=g, execution=execution))(
+        state, ids, seg).jaxpr
+    top = [e for e in _all_eqns(jaxpr) if "batch_context" in str(e.source_info.name_stack)]
+    assert sum(e.primitive.name == "cos" for e in top) == 2  # one table per RoPE kind
+    bodies = list(_scan_bodies(jaxpr))
+    assert len(bodies) == 3  # one scan per group: (sliding, local) x2, (full, global), (sliding, local)
+    for body in _scan_bodies(jaxpr):
+        assert not {"sin", "cos", "cummax"} & {e.primitive.name for e in _all_eqns(body)}
