@@ -4,7 +4,8 @@
 setup:
 	scripts/setup.sh
 
-demo: setup
+demo:
+	scripts/setup.sh --demo
 	.venv/bin/jaxft-train examples/quickstart.yaml overwrite_output_dir=true
 
 test: setup

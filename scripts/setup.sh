@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Creates .venv with a Python >= 3.12 (JAX >= 0.11 needs it) and installs jaxft with its test oracles
-# (torch + peft, CPU use). Idempotent: a second run only checks. Usage: scripts/setup.sh [--no-hf]
+# Creates .venv with a Python >= 3.12 (JAX >= 0.11 needs it) and installs jaxft. Idempotent: a second run only
+# checks. Usage: scripts/setup.sh [--demo | --no-hf]
+#   (default)  jaxft + the test oracles (torch + peft, CPU use) + pytest + matplotlib: what `make test` needs
+#   --demo     jaxft + matplotlib only: what `make demo` needs (no torch: about a minute less on a fresh machine)
+#   --no-hf    jaxft alone
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="dev"
 [ "${1:-}" = "--no-hf" ] && extras="plain"
+[ "${1:-}" = "--demo" ] && extras="demo"
 
 works() {  # a real interpreter >= 3.12 (pyenv shims of absent versions exit non-zero)
   "$1" -c 'import sys, venv; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1
@@ -34,11 +38,13 @@ if [ ! -x .venv/bin/python ] || ! works .venv/bin/python; then
   .venv/bin/python -m pip install -q --upgrade pip
 fi
 stamp=.venv/.jaxft-installed-$extras
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  if [ "$extras" = "dev" ]; then
-    .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[dev]"
-  else
+fresh() { [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ]; }
+# A dev install holds everything the demo needs.
+if ! fresh "$stamp" && ! { [ "$extras" != "dev" ] && fresh .venv/.jaxft-installed-dev; }; then
+  if [ "$extras" = "plain" ]; then
     .venv/bin/python -m pip install -q -c scripts/constraints.txt -e .
+  else
+    .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[$extras]"
   fi
   touch "$stamp"
 fi
