@@ -5,27 +5,34 @@ Public API:
     save_pretrained(model, path)                           (LoRA merged)
     apply_lora(model, LoraConfig(...)), merge_lora(model)
     save_adapter(model, dir), load_adapter(model, dir)     (PEFT format)
+    generate(model, tokenizer, prompts, ...)               (KV-cached decoding)
+    ExecutionConfig(...)                                   how a forward/step runs (kernels, remat, layer loop)
+    Run(...) / Run.from_config(train_config, steps)        the training recipe (jaxft.run)
 """
 
 from jaxft.config import ConfigError, ModelConfig, RopeConfig
+from jaxft.execution import ExecutionConfig
 from jaxft.generation import generate
 from jaxft.io import from_pretrained, save_pretrained
 from jaxft.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
 from jaxft.models import Decoder, LoraParam, init_model
+from jaxft.run import Run
 
 __all__ = [
     "ConfigError",
-    "LoraConfig",
-    "apply_lora",
-    "load_adapter",
-    "merge_lora",
-    "save_adapter",
     "Decoder",
+    "ExecutionConfig",
+    "LoraConfig",
     "LoraParam",
     "ModelConfig",
     "RopeConfig",
+    "Run",
+    "apply_lora",
     "from_pretrained",
     "generate",
     "init_model",
+    "load_adapter",
+    "merge_lora",
+    "save_adapter",
     "save_pretrained",
 ]
