@@ -53,3 +53,18 @@ def format_timings(rows: Sequence[Timing]) -> str:
         temp = "n/a" if r.temp_bytes is None else f"{r.temp_bytes / 2**20:.1f}"
         lines.append(f"{r.op:<10} {r.shape:<16} {r.implementation:<10} {r.milliseconds:>11.3f} {temp:>9}")
     return "\n".join(lines)
+
+
+def bench_main(description: str, run: Callable[..., list[Timing]], smoke_shapes, bench_shapes,
+               argv: Sequence[str] | None = None) -> list[Timing]:
+    """The command line of an elementwise op's bench: `--smoke` (one test shape, CPU ok) and `--iters`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args(argv)
+    rows = run(smoke_shapes[:1] if args.smoke else bench_shapes, iters=args.iters)
+    print(f"devices: {jax.devices()}")
+    print(format_timings(rows))
+    return rows

@@ -6,12 +6,9 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
-import jax
-
-from kernels_pallas._bench import Timing, format_timings, time_fwd_bwd
+from kernels_pallas._bench import Timing, bench_main, time_fwd_bwd
 
 from .api import OP
 from .shapes import BENCH_SHAPES, TEST_SHAPES, make_inputs
@@ -28,14 +25,7 @@ def run(shapes=BENCH_SHAPES, implementations: Sequence[str] = OP.names, iters: i
 
 
 def main(argv: Sequence[str] | None = None) -> list[Timing]:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--iters", type=int, default=10)
-    args = ap.parse_args(argv)
-    rows = run(TEST_SHAPES[:1] if args.smoke else BENCH_SHAPES, iters=args.iters)
-    print(f"devices: {jax.devices()}")
-    print(format_timings(rows))
-    return rows
+    return bench_main(__doc__, run, TEST_SHAPES, BENCH_SHAPES, argv)
 
 
 if __name__ == "__main__":
