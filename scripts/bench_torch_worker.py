@@ -5,7 +5,7 @@ The harness gives each torch system one session holding all its workloads, group
 shape (see bench.worker_common for the session contract: results rewritten after every task).
 
 Systems:
-  hf_ckpt / hf_nockpt  transformers + PEFT, attn_implementation="sdpa", bf16 weights, LoRA
+  hf_ckpt / hf_nockpt  transformers + PEFT, attn_implementation="sdpa" ("eager" for Gemma 2's softcap), bf16 weights, LoRA
                        parameters fp32 (PEFT's autocast_adapter_dtype), gradient checkpointing
                        (non-reentrant) on / off, torch.optim.AdamW(fused=True on CUDA).
                        Packed workloads use HF's padding-free path: one row of concatenated
@@ -163,11 +163,17 @@ def _check_hf_packing(workload: Workload, data: TokenData) -> str:
 
 
 def _load_hf(model_dir: str, device: str):
+    import json
+    import os
+
     import torch
     from transformers import AutoModelForCausalLM
 
+    with open(os.path.join(model_dir, "config.json")) as f:
+        softcap = json.load(f).get("attn_logit_softcapping")
+    # transformers runs attention logit soft-capping (Gemma 2) only in its eager attention; SDPA is refused.
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16, attn_implementation="sdpa", device_map=device)
+        model_dir, dtype=torch.bfloat16, attn_implementation="eager" if softcap else "sdpa", device_map=device)
     model.config.use_cache = False
     return model
 

@@ -146,6 +146,14 @@ _QWEN3_COMMON = {
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3,
 }
 
+_GEMMA2_COMMON = {
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True, "attention_bias": False, "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "max_position_embeddings": 8192,
+    "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "initializer_range": 0.02,
+    "use_cache": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3,
+}
+
 SHAPES: dict[str, ModelShape] = {
     "llama-3.2-1b": ModelShape("llama-3.2-1b", {
         **_LLAMA_COMMON, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -159,7 +167,16 @@ SHAPES: dict[str, ModelShape] = {
         **_QWEN3_COMMON, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
         "vocab_size": 151936, "max_position_embeddings": 40960, "max_window_layers": 36}),
+    # Gemma-2-9B: sliding window 4096 on every other layer, logit softcaps 50 (attention) / 30 (final).
+    "gemma-2-9b": ModelShape("gemma-2-9b", {
+        **_GEMMA2_COMMON, "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
+        "sliding_window": 4096, "vocab_size": 256000}),
     # Tiny shapes for the CPU smoke test (--tiny): same families, same code paths.
+    "tiny-gemma2": ModelShape("tiny-gemma2", {
+        **_GEMMA2_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
+        "sliding_window": 32, "vocab_size": 512}),
     "tiny-llama": ModelShape("tiny-llama", {
         **_LLAMA_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -229,7 +246,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("8b_16384", "llama-3.1-8b", 1, 16384),
     Workload("qwen3_8b_4096", "qwen3-8b", 1, 4096),
     Workload("8b_packed_16384", "llama-3.1-8b", 1, 16384, packed=True, mean_doc_len=300),
+    Workload("gemma2_9b_4096", "gemma-2-9b", 1, 4096),
+    Workload("gemma2_9b_packed_16384", "gemma-2-9b", 1, 16384, packed=True, mean_doc_len=300),
     Workload("tiny_llama", "tiny-llama", 2, 128, tiny=True),
+    Workload("tiny_gemma2", "tiny-gemma2", 1, 128, tiny=True),
     Workload("tiny_qwen3", "tiny-qwen3", 1, 128, tiny=True),
     Workload("tiny_packed", "tiny-llama", 1, 128, packed=True, mean_doc_len=24, tiny=True),
 )}
