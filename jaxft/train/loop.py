@@ -34,7 +34,6 @@ from jaxft.train.config import LORA_KEYS, TrainConfig, TrainConfigError, part_er
 from jaxft.train.guard import OutputDirBusy, OutputDirLock, StopRequests, TrainingInterrupted
 from jaxft.train.meter import RunSummary, WindowMeter, device_peak_bytes
 from jaxft.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
-from jaxft.train.schedules import warmup_steps_for
 
 logger = logging.getLogger("jaxft.train")
 
@@ -71,7 +70,7 @@ def _plan(config: TrainConfig, num_rows: int, num_devices: int) -> _Plan:
     rows = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_devices
     per_epoch = math.ceil(num_rows / rows)
     total = config.max_steps if config.max_steps > 0 else max(1, math.ceil(config.num_train_epochs * per_epoch))
-    return _Plan(rows, per_epoch, total, warmup_steps_for(total, config.warmup_steps, config.warmup_ratio))
+    return _Plan(rows, per_epoch, total, config.optim.warmup_for(total))
 
 
 # ---------------------------------------------------------------------------------------------- setup pieces
