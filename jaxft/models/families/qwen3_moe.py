@@ -67,9 +67,9 @@ def config_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
     for k in _EXPERT_KEYS:
         out.pop(k, None)
     out[key] = cfg.num_experts
-    out.update(attention_bias=cfg.qkv_bias, use_sliding_window=bool(windows), num_experts_per_tok=cfg.num_experts_per_tok,
-               moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
-               mlp_only_layers=[], decoder_sparse_step=1)
+    out.update(attention_bias=cfg.qkv_bias, use_sliding_window=bool(windows),
+               num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
+               norm_topk_prob=cfg.norm_topk_prob, mlp_only_layers=[], decoder_sparse_step=1)
     if windows:
         out["sliding_window"] = windows.pop()
 
