@@ -124,6 +124,13 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (Gemma); None: head_dim
     rope_local: RopeConfig | None = None
     layer_ropes: tuple[str, ...] = ()
+    # Mixture of experts (0 experts: a dense MLP): every layer routes each token to `num_experts_per_tok` of
+    # `num_experts` experts of width `moe_intermediate_size`, weighted by their router probabilities
+    # (renormalised over the chosen ones when `norm_topk_prob`).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
     # The source config.json, kept so that `to_hf` round-trips keys jaxft does not model (token ids, ...).
     hf_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
@@ -167,6 +174,14 @@ class ModelConfig:
                     f"layer_types/{key} has {len(getattr(self, key))} entries but num_hidden_layers is "
                     f"{self.num_layers}"
                 )
+        if self.num_experts:
+            for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
+                    raise ConfigError(f"{key} must be a positive integer for a mixture-of-experts model, got "
+                                      f"{getattr(self, key)!r}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most num_experts "
+                                  f"({self.num_experts})")
         bad = sorted(set(self.layer_ropes) - set(LAYER_ROPES))
         if bad:
             raise ConfigError(f"layer_ropes has {bad}; each entry must be one of {LAYER_ROPES}")
@@ -252,6 +267,7 @@ class ModelConfig:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         norms = 4 if family_for(self.model_type).parts.sandwich_norms else 2
-        per_layer = attn + 3 * h * i + norms * h + (2 * d if self.qk_norm else 0)
+        mlp = 3 * h * i if not self.num_experts else h * self.num_experts * (1 + 3 * self.moe_intermediate_size)
+        per_layer = attn + mlp + norms * h + (2 * d if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + head + h + self.num_layers * per_layer

@@ -45,7 +45,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16") -> Decoder
     dtype = jnp.dtype(dtype)
     model = abstract_model(cfg, dtype=dtype)
     expected = param_shapes(model)
-    arrays = bridge.load_weights(path, family_for(cfg.model_type).table, expected, cfg.num_layers, dtype)
+    arrays = bridge.load_weights(path, family_for(cfg.model_type).table, expected, cfg.num_layers, dtype,
+                                 num_experts=cfg.num_experts or None)
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
     leaves = []
@@ -88,5 +89,5 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | Non
     hf["dtype"] = str(out_dtype)
     params = {k: v.astype(out_dtype) for k, v in model_params(model).items()}
     bridge.save_weights(path, family_for(cfg.model_type).table, params, cfg.num_layers, hf,
-                        max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+                        max_shard_bytes=max_shard_bytes, overwrite=overwrite, num_experts=cfg.num_experts or None)
     return Path(path)

@@ -25,6 +25,7 @@ from flax import nnx
 
 from jaxft.config import ModelConfig
 from jaxft.models.layers import Linear, _recompute, project
+from jaxft.models.moe import MoeMLP
 from jaxft.models.rope import apply_rope
 from kernels_pallas.glu import swiglu
 from kernels_pallas.rmsnorm import rmsnorm
@@ -165,7 +166,7 @@ class GluMLP(nnx.Module):
         return self.act_down(*self.gate_up(x, none), none)
 
 
-MLPS: dict[str, type] = {"glu": GluMLP}
+MLPS: dict[str, type] = {"glu": GluMLP, "moe": MoeMLP}
 
 
 # ------------------------------------------------------------------------------------------------ the block

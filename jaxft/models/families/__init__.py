@@ -33,7 +33,7 @@ class Family:
     config_to_hf: Callable[[ModelConfig, dict[str, Any]], None]
 
 
-_MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ("dense", "gemma"))
+_MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ("dense", "gemma", "qwen3_moe"))
 
 FAMILIES: dict[str, Family] = {f.model_type: f for m in _MODULES for f in m.FAMILIES}
 HINTS: dict[str, str] = {k: v for m in _MODULES for k, v in m.HINTS.items()}

@@ -1,0 +1,31 @@
+"""Name map for Qwen3-MoE (`Qwen3MoeForCausalLM`, model_type "qwen3_moe").
+
+Attention, norms, embeddings and head are named as in the dense table (`bridge.mappings.dense`, Qwen3 rows:
+q/k norm, optional attention biases). The MLP of every layer is a router and E experts, stored per expert as
+transformers 5 writes them on disk (its module fuses them into 3-D `experts.gate_up_proj` / `down_proj`
+parameters, but `save_pretrained` converts back to these names):
+
+    model.layers.{i}.mlp.gate.weight                    [E, H]  -> ours router     [L, H, E]
+    model.layers.{i}.mlp.experts.{e}.gate_proj.weight   [I, H]  -> ours gate_proj  [L, E, H, I]
+    model.layers.{i}.mlp.experts.{e}.up_proj.weight     [I, H]  -> ours up_proj    [L, E, H, I]
+    model.layers.{i}.mlp.experts.{e}.down_proj.weight   [H, I]  -> ours down_proj  [L, E, I, H]
+
+Every row is transposed ([out, in] -> [in, out]); the fused on-disk layout is not read (see the family).
+"""
+
+from __future__ import annotations
+
+from bridge.mappings import dense
+from bridge.mappings.schema import Row, Table, validate_table
+
+_L = "model.layers.{i}."
+_EXPERT = _L + "mlp.experts.{e}."
+
+TABLE: Table = validate_table(
+    tuple(row for row in dense.TABLE if ".mlp." not in row.hf) + (
+        Row(_L + "mlp.gate.weight", ("layers", "mlp", "router"), "T", True),
+        Row(_EXPERT + "gate_proj.weight", ("layers", "mlp", "gate_proj"), "T", True),
+        Row(_EXPERT + "up_proj.weight", ("layers", "mlp", "up_proj"), "T", True),
+        Row(_EXPERT + "down_proj.weight", ("layers", "mlp", "down_proj"), "T", True),
+    )
+)

@@ -1,0 +1,231 @@
+"""Qwen3-MoE against transformers' Qwen3MoeForCausalLM (and PEFT) on tiny random models, fp32, CPU.
+
+Checks: logits equal transformers' at 2 x 512 tokens with norm_topk_prob on and off; the MoE block's
+gradients (input, router, experts) equal torch autograd through transformers' sparse block; HF -> jaxft ->
+HF is byte-identical; a merged export with attention LoRA loads in transformers with our logits; attention
+LoRA round-trips through PEFT; packed rows equal each document alone; the compiled forward has one grouped
+matmul per expert projection in the layer body, no host callback and no loop but the layer scan; mixed
+dense/sparse configs are refused with the keys named.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors.numpy import load_file
+
+import jaxft
+from jaxft import lora
+from jaxft.config import ConfigError, ModelConfig
+from jaxft.models.layers import linears
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+            max_position_embeddings=1024, tie_word_embeddings=False)
+
+
+def _hf_model(norm_topk_prob: bool, seed: int = 0):
+    config = transformers.Qwen3MoeConfig(**TINY, norm_topk_prob=norm_topk_prob)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.3)  # decisive routing that spreads tokens over the experts
+            elif "experts" in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    out = {}
+    for norm in (False, True):
+        path = tmp_path_factory.mktemp(f"qwen3_moe_norm{int(norm)}")
+        _hf_model(norm).save_pretrained(path)
+        out[norm] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.default_rng(0).integers(0, TINY["vocab_size"], (2, 512))
+
+
+def _fresh_hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _torch_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+
+
+def _logits(model, ids, **kw):
+    return np.asarray(nnx.jit(lambda m, x: m(x, **kw))(model, jnp.asarray(ids)))
+
+
+def _rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _perturb(model, seed: int = 1, std: float = 0.1):
+    rng = np.random.default_rng(seed)
+    for _, lin in linears(model):
+        if lin.has_lora:
+            lin.lora_b[...] = jnp.asarray(rng.normal(0.0, std, lin.lora_b.shape).astype(np.float32))
+
+
+# --------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_logits_equal_transformers_at_512_tokens(bases, ids, norm_topk_prob):
+    model = jaxft.from_pretrained(bases[norm_topk_prob], dtype="float32")
+    assert model.config.num_experts == 8 and model.config.norm_topk_prob is norm_topk_prob
+    expected = _torch_logits(_fresh_hf(bases[norm_topk_prob]), ids)
+    assert _rel_err(_logits(model, ids), expected) < 1e-5
+
+
+def test_moe_block_gradients_equal_torch_autograd(bases):
+    """The sparse block alone: output and d(input), d(router), d(experts) against transformers' block."""
+    hf = _fresh_hf(bases[True])
+    block = hf.model.layers[1].mlp
+    mlp = jaxft.from_pretrained(bases[True], dtype="float32").layers.mlp
+    layer = jax.tree.map(lambda a: a[1], nnx.state(mlp))  # layer 1's slice of the stacked parameters
+    rng = np.random.default_rng(3)
+    x = rng.normal(0.0, 1.0, (2, 64, TINY["hidden_size"])).astype(np.float32)
+    dy = rng.normal(0.0, 1.0, x.shape).astype(np.float32)
+
+    xt = torch.tensor(x, requires_grad=True)
+    yt = block(xt)
+    (yt * torch.tensor(dy)).sum().backward()
+
+    graphdef = nnx.graphdef(mlp)
+
+    def f(state, x):
+        return nnx.merge(graphdef, state)(x)
+
+    y, vjp = jax.vjp(f, layer, jnp.asarray(x))
+    d_state, dx = vjp(jnp.asarray(dy))
+    assert _rel_err(y, yt.detach().numpy()) < 1e-5
+    assert _rel_err(dx, xt.grad.numpy()) < 1e-5
+    assert _rel_err(d_state["router"][...], block.gate.weight.grad.numpy().T) < 1e-5
+    gate_up = block.experts.gate_up_proj.grad.numpy()  # [E, 2I, H]: gate rows, then up rows
+    i = TINY["moe_intermediate_size"]
+    assert _rel_err(d_state["gate_proj"][...], gate_up[:, :i].transpose(0, 2, 1)) < 1e-5
+    assert _rel_err(d_state["up_proj"][...], gate_up[:, i:].transpose(0, 2, 1)) < 1e-5
+    assert _rel_err(d_state["down_proj"][...], block.experts.down_proj.grad.numpy().transpose(0, 2, 1)) < 1e-5
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_hf_round_trip_is_byte_identical_with_per_expert_tensors(bases, tmp_path):
+    src = load_file(bases[False] / "model.safetensors")
+    assert "model.layers.2.mlp.experts.7.down_proj.weight" in src and "model.layers.0.mlp.gate.weight" in src
+    out = jaxft.save_pretrained(jaxft.from_pretrained(bases[False], dtype="float32"), tmp_path / "out")
+    dst = load_file(out / "model.safetensors")
+    assert sorted(src) == sorted(dst)
+    for name in src:
+        assert src[name].shape == dst[name].shape and src[name].tobytes() == dst[name].tobytes(), name
+    written = json.loads((out / "config.json").read_text())
+    assert written["num_local_experts"] == 8 and "num_experts" not in written  # the source's spelling kept
+
+
+def test_merged_export_with_attention_lora_loads_in_transformers(bases, ids, tmp_path):
+    model = lora.apply_lora(jaxft.from_pretrained(bases[True], dtype="float32"),
+                            lora.LoraConfig(r=4, alpha=8, target_modules="all-linear"))
+    assert {p.split(".")[-1] for p, lin in linears(model) if lin.has_lora} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    _perturb(model)
+    ours = _logits(model, ids)
+    assert _rel_err(ours, _torch_logits(_fresh_hf(bases[True]), ids)) > 1e-2, "the adapter must change the logits"
+    out = jaxft.save_pretrained(model, tmp_path / "merged")
+    assert _rel_err(_torch_logits(_fresh_hf(out), ids), ours) < 1e-5
+
+
+def test_attention_lora_round_trips_with_peft(bases, ids, tmp_path):
+    fields = dict(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    model = lora.apply_lora(jaxft.from_pretrained(bases[False], dtype="float32"), lora.LoraConfig(**fields))
+    _perturb(model, seed=2)
+    ours = _logits(model, ids)
+    lora.save_adapter(model, tmp_path / "ours")
+    reference = peft.PeftModel.from_pretrained(_fresh_hf(bases[False]), tmp_path / "ours").eval()
+    assert _rel_err(_torch_logits(reference, ids), ours) < 1e-5
+
+    reference.save_pretrained(tmp_path / "peft")
+    back = lora.load_adapter(jaxft.from_pretrained(bases[False], dtype="float32"), tmp_path / "peft")
+    assert _rel_err(_logits(back, ids), ours) < 1e-5
+
+
+# --------------------------------------------------------------------------- packing and program
+
+
+def test_packed_rows_equal_each_document_alone(bases):
+    model = jaxft.from_pretrained(bases[True], dtype="float32")
+    rng = np.random.default_rng(4)
+    lengths = (200, 57, 255)
+    docs = [rng.integers(0, TINY["vocab_size"], (1, n)) for n in lengths]
+    packed = np.concatenate(docs, axis=1)
+    segments = np.concatenate([np.full((1, n), k + 1) for k, n in enumerate(lengths)], axis=1)
+    got = _logits(model, packed, segment_ids=jnp.asarray(segments))
+    start = 0
+    for doc in docs:
+        alone = _logits(model, doc)
+        np.testing.assert_allclose(got[:, start:start + doc.shape[1]], alone, rtol=1e-5, atol=1e-5)
+        start += doc.shape[1]
+
+
+def _eqns(jaxpr):
+    """Every equation of a closed jaxpr, sub-jaxprs (scan/jit/checkpoint bodies) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
+
+
+def test_forward_program_has_one_grouped_matmul_per_projection_and_no_host_sync(bases, ids):
+    model = jaxft.from_pretrained(bases[False], dtype="float32")
+    graphdef, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, jnp.asarray(ids)).jaxpr
+    names = [e.primitive.name for e in _eqns(jaxpr)]
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scans) == 1 and scans[0].params["length"] == TINY["num_hidden_layers"]
+    body = [e.primitive.name for e in _eqns(scans[0].params["jaxpr"].jaxpr)]
+    assert body.count("ragged_dot_general") == 3  # gate, up, down: one each, whatever the number of experts
+    assert names.count("ragged_dot_general") == 3  # and none outside the layer body
+    assert not [n for n in names if "callback" in n or n in ("while", "cond")], sorted(set(names))
+    assert names.count("scan") == 1  # no loop over experts
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("keys, dense", [(dict(mlp_only_layers=[1]), "[1]"), (dict(decoder_sparse_step=2), "[0, 2]")])
+def test_mixed_dense_and_sparse_layers_are_refused_naming_the_keys(keys, dense):
+    hf = transformers.Qwen3MoeConfig(**TINY, **keys).to_dict()
+    with pytest.raises(ConfigError, match=rf"cfg.json: mlp_only_layers=.* / decoder_sparse_step=.* make layers "
+                                          rf"{dense.replace('[', r'\[').replace(']', r'\]')} dense"):
+        ModelConfig.from_hf(hf, source="cfg.json")
+
+
+def test_config_round_trips_and_bad_expert_counts_are_refused():
+    hf = transformers.Qwen3MoeConfig(**TINY, norm_topk_prob=True).to_dict()
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (8, 2, 32)
+    again = transformers.Qwen3MoeConfig(**{k: v for k, v in cfg.to_hf().items() if k != "model_type"})
+    assert (again.num_experts, again.num_experts_per_tok, again.norm_topk_prob) == (8, 2, True)
+    with pytest.raises(ConfigError, match=r"num_experts_per_tok \(9\) must be at most num_experts \(8\)"):
+        ModelConfig.from_hf({**hf, "num_experts_per_tok": 9})
