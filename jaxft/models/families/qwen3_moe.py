@@ -14,12 +14,14 @@ in config.json on export.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 from bridge.mappings import qwen3_moe as moe_table
 from jaxft.config import ConfigError, ModelConfig, RopeConfig
 from jaxft.models.parts import BlockParts
 
+logger = logging.getLogger("jaxft.models")
 PARTS = BlockParts(mlp="moe")
 _EXPERT_KEYS = ("num_experts", "num_local_experts")
 
@@ -49,6 +51,10 @@ def config_from_hf(hf: Mapping[str, Any], common: dict[str, Any]) -> dict[str, A
     _check_all_sparse(hf, common["num_layers"], num_experts)
     bias = bool(hf.get("attention_bias", False))
     window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+    if hf.get("output_router_logits") and float(hf.get("router_aux_loss_coef") or 0.0) > 0:
+        logger.warning("config.json sets output_router_logits with router_aux_loss_coef=%s: transformers would add "
+                       "that multiple of the router load-balancing loss to the training loss; jaxft does not yet "
+                       "(its loss is the cross-entropy alone)", hf.get("router_aux_loss_coef"))
     if hf.get("moe_intermediate_size") is None:
         raise ConfigError("required key 'moe_intermediate_size' is missing for model_type='qwen3_moe'")
     return dict(
