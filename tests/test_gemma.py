@@ -25,6 +25,7 @@ from jaxft.config import ConfigError, ModelConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.models import init_model, linears
 from jaxft.train.step import token_loss_sum
+from lora_helpers import perturb_lora_b, rel_err
 
 SEQ = 576
 VOCAB = 256
@@ -80,16 +81,6 @@ def _hf_logits(model, ids, **kw):
         return model(tokens, **kw).logits.float().numpy()
 
 
-def _rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def _perturb(model, seed: int = 1, std: float = 0.1):
-    rng = np.random.default_rng(seed)
-    for _, lin in linears(model):
-        if lin.has_lora:
-            lin.lora_b[...] = jnp.asarray(rng.normal(0.0, std, lin.lora_b.shape).astype(np.float32))
 
 
 # --------------------------------------------------------------------------- config
@@ -143,10 +134,10 @@ def test_logits_match_transformers(saved, ids, kind):
     got = np.asarray(model(jnp.asarray(ids)))
     want = _hf_logits(hf, ids)
     assert np.abs(want).max() > 4.5  # the final softcap (5.0) is active
-    assert _rel_err(got, want) < 2e-4
+    assert rel_err(got, want) < 2e-4
     if kind == "gemma2":  # ... and so is the attention softcap: without it the logits move
         model.config = model.config.replace(attn_logit_softcap=None)
-        assert _rel_err(np.asarray(model(jnp.asarray(ids))), want) > 1e-2
+        assert rel_err(np.asarray(model(jnp.asarray(ids))), want) > 1e-2
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -181,7 +172,7 @@ def test_inputs_embeds_equal_scaled_token_embeddings(saved, ids):
     got = np.asarray(model(inputs_embeds=embeds))
     np.testing.assert_array_equal(got, np.asarray(model(jnp.asarray(ids[:, :200]))))
     want = _hf_logits(hf, None, inputs_embeds=torch.tensor(np.asarray(embeds)))
-    assert _rel_err(got, want) < 2e-4
+    assert rel_err(got, want) < 2e-4
     with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
         model(jnp.asarray(ids), inputs_embeds=embeds)
 
@@ -194,7 +185,7 @@ def test_lora_gradients_equal_peft(saved, ids, tmp_path, kind):
     hf, path = saved[kind]
     model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"),
                             lora.LoraConfig(r=4, alpha=8, target_modules="all-linear"))
-    _perturb(model)
+    perturb_lora_b(model)
     tokens = jnp.asarray(ids[:, :300])
     graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
 
@@ -221,8 +212,8 @@ def test_lora_gradients_equal_peft(saved, ids, tmp_path, kind):
         for layer, name in enumerate(sites[key].names(model.config.num_layers)):
             ref_a = modules[name].lora_A["default"].weight.grad.numpy()
             ref_b = modules[name].lora_B["default"].weight.grad.numpy()
-            assert _rel_err(flat[(*key, "lora_a")][layer].T, ref_a) < 1e-4, name
-            assert _rel_err(flat[(*key, "lora_b")][layer].T, ref_b) < 1e-4, name
+            assert rel_err(flat[(*key, "lora_a")][layer].T, ref_a) < 1e-4, name
+            assert rel_err(flat[(*key, "lora_b")][layer].T, ref_b) < 1e-4, name
             compared += 1
     assert compared == 7 * model.config.num_layers
 
@@ -232,13 +223,13 @@ def test_peft_adapter_round_trip_and_merged_export(saved, ids, tmp_path, kind):
     hf, path = saved[kind]
     cfg = lora.LoraConfig(r=4, alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
     model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"), cfg)
-    _perturb(model, seed=3)
+    perturb_lora_b(model, seed=3)
     ours = np.asarray(model(jnp.asarray(ids)))
     # jaxft adapter -> PEFT
     lora.save_adapter(model, tmp_path / "ours")
     base = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     peft_model = peft.PeftModel.from_pretrained(base, tmp_path / "ours").eval()
-    assert _rel_err(ours, _hf_logits(peft_model, ids)) < 2e-4
+    assert rel_err(ours, _hf_logits(peft_model, ids)) < 2e-4
     # PEFT adapter -> jaxft
     base = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     theirs = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "gate_proj"]))
@@ -249,12 +240,12 @@ def test_peft_adapter_round_trip_and_merged_export(saved, ids, tmp_path, kind):
                 p.normal_(0.0, 0.1)
     theirs.save_pretrained(tmp_path / "theirs")
     loaded = lora.load_adapter(jaxft.from_pretrained(path, dtype="float32"), tmp_path / "theirs")
-    assert _rel_err(np.asarray(loaded(jnp.asarray(ids))), _hf_logits(theirs.eval(), ids)) < 2e-4
+    assert rel_err(np.asarray(loaded(jnp.asarray(ids))), _hf_logits(theirs.eval(), ids)) < 2e-4
     # merged export loads in transformers with equal logits
     merged = jaxft.save_pretrained(model, tmp_path / "merged")
     again = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager",
                                                               dtype=torch.float32).eval()
-    assert _rel_err(ours, _hf_logits(again, ids)) < 2e-4
+    assert rel_err(ours, _hf_logits(again, ids)) < 2e-4
 
 
 # --------------------------------------------------------------------------- packing, kernels, generation
@@ -265,7 +256,7 @@ def test_packed_row_equals_each_document_alone(saved, kind):
     _, path = saved[kind]
     model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"),
                             lora.LoraConfig(r=4, alpha=8, target_modules="all-linear"))
-    _perturb(model)
+    perturb_lora_b(model)
     rng = np.random.default_rng(7)
     docs = [rng.integers(3, VOCAB, n) for n in (150, 230)]  # both longer than the 128 window
     graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
@@ -291,7 +282,7 @@ def test_packed_row_equals_each_document_alone(saved, kind):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b + c), rtol=1e-4, atol=1e-5 * float(jnp.abs(a).max()))
     logits = np.asarray(model(packed["input_ids"], segment_ids=packed["segment_ids"]))
     first = np.asarray(model(jnp.asarray(docs[0][None])))
-    assert _rel_err(logits[0, :len(docs[0])], first[0]) < 1e-5
+    assert rel_err(logits[0, :len(docs[0])], first[0]) < 1e-5
 
 
 def test_pallas_flash_attention_with_softcap_and_window_matches_reference():
@@ -305,10 +296,10 @@ def test_pallas_flash_attention_with_softcap_and_window_matches_reference():
     seg = jnp.asarray(np.repeat([1, 2], [50, 78])[None].astype(np.int32))
     want = model(ids, segment_ids=seg, execution=REFERENCE)
     got = model(ids, segment_ids=seg, execution=ExecutionConfig(attention_implementation="pallas", remat="none"))
-    assert _rel_err(got, want) < 1e-5
+    assert rel_err(got, want) < 1e-5
     uncapped = model.config.replace(attn_logit_softcap=None)
     model.config = uncapped
-    assert _rel_err(model(ids, segment_ids=seg, execution=REFERENCE), want) > 1e-3
+    assert rel_err(model(ids, segment_ids=seg, execution=REFERENCE), want) > 1e-3
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -27,6 +27,7 @@ import jaxft
 from jaxft import lora
 from jaxft.config import ConfigError
 from jaxft.models import linears
+from lora_helpers import perturb_lora_b, rel_err
 
 SEQ = 512
 VOCAB = 256
@@ -102,20 +103,6 @@ def _logits(model, ids):
     return np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
 
 
-def _rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def _perturb(model, seed: int = 1, std: float = 0.1):
-    """B ~ N(0, std) on the live entries (rows < rank of targeted layers); padding stays exactly zero."""
-    rng = np.random.default_rng(seed)
-    for _, lin in linears(model):
-        if lin.has_lora:
-            ranks = np.asarray(lin.lora_rank[...])
-            b = rng.normal(0.0, std, lin.lora_b.shape).astype(np.float32)
-            b *= np.arange(b.shape[1])[None, :, None] < ranks[:, None, None]
-            lin.lora_b[...] = jnp.asarray(b)
 
 
 def _perturb_peft(model, seed: int = 1, std: float = 0.1):
@@ -237,13 +224,13 @@ def test_init_matches_peft_distribution_and_is_fp32(bases):
 def test_dropout_is_read_from_config(bases, ids):
     model = lora.apply_lora(jaxft.from_pretrained(bases["llama"], dtype="float32"),
                             lora.LoraConfig(r=4, alpha=8, dropout=0.5, target_modules=["q_proj", "v_proj"]))
-    _perturb(model)
+    perturb_lora_b(model)
     assert {lin.lora_dropout for _, lin in linears(model) if lin.has_lora} == {0.5}
     x = jnp.asarray(ids[:, :64])
     forward = nnx.jit(lambda m, x, rng: m(x, dropout_rng=rng))
     plain = np.asarray(forward(model, x, None))
     dropped = np.asarray(forward(model, x, jax.random.key(0)))
-    assert _rel_err(dropped, plain) > 1e-3
+    assert rel_err(dropped, plain) > 1e-3
 
 
 # --------------------------------------------------------------------------- logits: export -> PEFT
@@ -253,7 +240,7 @@ def test_dropout_is_read_from_config(bases, ids):
 def test_export_loads_in_peft_without_warnings_and_logits_match(bases, ids, tmp_path, model_type):
     fields = dict(r=4, alpha=8, target_modules="all-linear")
     model = lora.apply_lora(jaxft.from_pretrained(bases[model_type], dtype="float32"), lora.LoraConfig(**fields))
-    _perturb(model)
+    perturb_lora_b(model)
     ours = _logits(model, ids)
     lora.save_adapter(model, tmp_path / "ours", base_model_name_or_path="tiny/base")
 
@@ -268,8 +255,8 @@ def test_export_loads_in_peft_without_warnings_and_logits_match(bases, ids, tmp_
 
     expected = _torch_logits(reference, ids)
     base_only = _torch_logits(_fresh_hf(bases[model_type]), ids)
-    assert _rel_err(expected, base_only) > 1e-2, "the perturbed adapter must change the logits"
-    assert _rel_err(ours, expected) < 1e-4
+    assert rel_err(expected, base_only) > 1e-2, "the perturbed adapter must change the logits"
+    assert rel_err(ours, expected) < 1e-4
 
 
 # --------------------------------------------------------------------------- round trips
@@ -289,18 +276,18 @@ def test_round_trips_with_peft(bases, ids, tmp_path, model_type, variant):
     _assert_same_modules(_our_modules(loaded), _peft_modules(created))
     if fields["target_modules"] != "all-linear":  # PEFT stores "all-linear" resolved to names
         assert loaded.lora_config == lora.LoraConfig(**fields)
-    assert _rel_err(_logits(loaded, ids), expected) < 1e-4
+    assert rel_err(_logits(loaded, ids), expected) < 1e-4
 
     # Our adapter -> PEFT -> same logits as ours (and PEFT builds the same modules, ranks and scales).
     model = lora.apply_lora(jaxft.from_pretrained(base, dtype="float32"), lora.LoraConfig(**fields), seed=5)
-    _perturb(model, seed=6)
+    perturb_lora_b(model, seed=6)
     ours = _logits(model, ids)
     lora.save_adapter(model, tmp_path / "from_ours")
     reference, messages = _peft_load(base, tmp_path / "from_ours")
     _, baseline = _peft_load(base, tmp_path / "from_peft")  # what PEFT's own file emits in this environment
     assert [m for m in messages if m not in baseline] == []
     _assert_same_modules(_our_modules(model), _peft_modules(reference))
-    assert _rel_err(ours, _torch_logits(reference, ids)) < 1e-4
+    assert rel_err(ours, _torch_logits(reference, ids)) < 1e-4
 
     # ... and back: our file read by us gives bit-identical adapters.
     back = lora.load_adapter(jaxft.from_pretrained(base, dtype="float32"), tmp_path / "from_ours")
@@ -318,7 +305,7 @@ def test_round_trips_with_peft(bases, ids, tmp_path, model_type, variant):
 def test_merge_matches_peft_merged(bases, ids, tmp_path, model_type):
     fields = VARIANTS["patterns"]
     model = lora.apply_lora(jaxft.from_pretrained(bases[model_type], dtype="float32"), lora.LoraConfig(**fields))
-    _perturb(model)
+    perturb_lora_b(model)
     ours = _logits(model, ids)
     lora.save_adapter(model, tmp_path / "adapter")
     merged_ref = _torch_logits(_peft_load(bases[model_type], tmp_path / "adapter")[0].merge_and_unload(), ids)
@@ -327,7 +314,7 @@ def test_merge_matches_peft_merged(bases, ids, tmp_path, model_type):
     jaxft.save_pretrained(model, tmp_path / "merged")
     assert model.layers.attn.q_proj.has_lora
     exported = _torch_logits(_fresh_hf(tmp_path / "merged"), ids)
-    assert _rel_err(exported, merged_ref) < 1e-4
+    assert rel_err(exported, merged_ref) < 1e-4
 
     kernels = lora.merged_kernels(model)
     assert set(kernels) == {("layers", "attn", "q_proj", "kernel"), ("layers", "attn", "v_proj", "kernel"),
@@ -336,7 +323,7 @@ def test_merge_matches_peft_merged(bases, ids, tmp_path, model_type):
     lora.merge_lora(model)
     assert not lora_state_leaves(model)
     assert model.lora_config is None
-    assert _rel_err(_logits(model, ids), ours) < 1e-5
+    assert rel_err(_logits(model, ids), ours) < 1e-5
     with pytest.raises(ValueError, match="no LoRA adapters"):
         lora.save_adapter(model, tmp_path / "nothing")
 
@@ -367,7 +354,7 @@ def _our_grads(model, ids):
 def test_lora_gradients_equal_peft(bases, ids, tmp_path, model_type, variant):
     base = bases[model_type]
     model = lora.apply_lora(jaxft.from_pretrained(base, dtype="float32"), lora.LoraConfig(**VARIANTS[variant]))
-    _perturb(model)
+    perturb_lora_b(model)
     loss, grads, params = _our_grads(model, ids)
 
     lora.save_adapter(model, tmp_path / "adapter")
@@ -399,8 +386,8 @@ def test_lora_gradients_equal_peft(bases, ids, tmp_path, model_type, variant):
             module = torch_modules[name]
             ref_a = module.lora_A["default"].weight.grad.numpy()  # [r, in] = our A^T
             ref_b = module.lora_B["default"].weight.grad.numpy()  # [out, r] = our B^T
-            assert _rel_err(ga[layer, :, :r].T, ref_a) < 1e-4, f"{name}.lora_A"
-            assert _rel_err(gb[layer, :r, :].T, ref_b) < 1e-4, f"{name}.lora_B"
+            assert rel_err(ga[layer, :, :r].T, ref_a) < 1e-4, f"{name}.lora_A"
+            assert rel_err(gb[layer, :r, :].T, ref_b) < 1e-4, f"{name}.lora_B"
             compared += 1
     assert compared == len(_peft_modules(reference))
 

@@ -27,6 +27,7 @@ import jaxft
 from jaxft import lora
 from jaxft.config import ConfigError, ModelConfig
 from jaxft.models.layers import linears
+from lora_helpers import perturb_lora_b, rel_err
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -76,16 +77,6 @@ def _logits(model, ids, **kw):
     return np.asarray(nnx.jit(lambda m, x: m(x, **kw))(model, jnp.asarray(ids)))
 
 
-def _rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def _perturb(model, seed: int = 1, std: float = 0.1):
-    rng = np.random.default_rng(seed)
-    for _, lin in linears(model):
-        if lin.has_lora:
-            lin.lora_b[...] = jnp.asarray(rng.normal(0.0, std, lin.lora_b.shape).astype(np.float32))
 
 
 # --------------------------------------------------------------------------- parity
@@ -96,7 +87,7 @@ def test_logits_equal_transformers_at_512_tokens(bases, ids, norm_topk_prob):
     model = jaxft.from_pretrained(bases[norm_topk_prob], dtype="float32")
     assert model.config.num_experts == 8 and model.config.norm_topk_prob is norm_topk_prob
     expected = _torch_logits(_fresh_hf(bases[norm_topk_prob]), ids)
-    assert _rel_err(_logits(model, ids), expected) < 1e-5
+    assert rel_err(_logits(model, ids), expected) < 1e-5
 
 
 def test_moe_block_gradients_equal_torch_autograd(bases):
@@ -120,14 +111,14 @@ def test_moe_block_gradients_equal_torch_autograd(bases):
 
     y, vjp = jax.vjp(f, layer, jnp.asarray(x))
     d_state, dx = vjp(jnp.asarray(dy))
-    assert _rel_err(y, yt.detach().numpy()) < 1e-5
-    assert _rel_err(dx, xt.grad.numpy()) < 1e-5
-    assert _rel_err(d_state["router"][...], block.gate.weight.grad.numpy().T) < 1e-5
+    assert rel_err(y, yt.detach().numpy()) < 1e-5
+    assert rel_err(dx, xt.grad.numpy()) < 1e-5
+    assert rel_err(d_state["router"][...], block.gate.weight.grad.numpy().T) < 1e-5
     gate_up = block.experts.gate_up_proj.grad.numpy()  # [E, 2I, H]: gate rows, then up rows
     i = TINY["moe_intermediate_size"]
-    assert _rel_err(d_state["gate_proj"][...], gate_up[:, :i].transpose(0, 2, 1)) < 1e-5
-    assert _rel_err(d_state["up_proj"][...], gate_up[:, i:].transpose(0, 2, 1)) < 1e-5
-    assert _rel_err(d_state["down_proj"][...], block.experts.down_proj.grad.numpy().transpose(0, 2, 1)) < 1e-5
+    assert rel_err(d_state["gate_proj"][...], gate_up[:, :i].transpose(0, 2, 1)) < 1e-5
+    assert rel_err(d_state["up_proj"][...], gate_up[:, i:].transpose(0, 2, 1)) < 1e-5
+    assert rel_err(d_state["down_proj"][...], block.experts.down_proj.grad.numpy().transpose(0, 2, 1)) < 1e-5
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -149,25 +140,25 @@ def test_merged_export_with_attention_lora_loads_in_transformers(bases, ids, tmp
     model = lora.apply_lora(jaxft.from_pretrained(bases[True], dtype="float32"),
                             lora.LoraConfig(r=4, alpha=8, target_modules="all-linear"))
     assert {p.split(".")[-1] for p, lin in linears(model) if lin.has_lora} == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    _perturb(model)
+    perturb_lora_b(model)
     ours = _logits(model, ids)
-    assert _rel_err(ours, _torch_logits(_fresh_hf(bases[True]), ids)) > 1e-2, "the adapter must change the logits"
+    assert rel_err(ours, _torch_logits(_fresh_hf(bases[True]), ids)) > 1e-2, "the adapter must change the logits"
     out = jaxft.save_pretrained(model, tmp_path / "merged")
-    assert _rel_err(_torch_logits(_fresh_hf(out), ids), ours) < 1e-5
+    assert rel_err(_torch_logits(_fresh_hf(out), ids), ours) < 1e-5
 
 
 def test_attention_lora_round_trips_with_peft(bases, ids, tmp_path):
     fields = dict(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     model = lora.apply_lora(jaxft.from_pretrained(bases[False], dtype="float32"), lora.LoraConfig(**fields))
-    _perturb(model, seed=2)
+    perturb_lora_b(model, seed=2)
     ours = _logits(model, ids)
     lora.save_adapter(model, tmp_path / "ours")
     reference = peft.PeftModel.from_pretrained(_fresh_hf(bases[False]), tmp_path / "ours").eval()
-    assert _rel_err(_torch_logits(reference, ids), ours) < 1e-5
+    assert rel_err(_torch_logits(reference, ids), ours) < 1e-5
 
     reference.save_pretrained(tmp_path / "peft")
     back = lora.load_adapter(jaxft.from_pretrained(bases[False], dtype="float32"), tmp_path / "peft")
-    assert _rel_err(_logits(back, ids), ours) < 1e-5
+    assert rel_err(_logits(back, ids), ours) < 1e-5
 
 
 # --------------------------------------------------------------------------- packing and program

@@ -13,6 +13,8 @@ from jaxft.train import TrainConfig, read_metrics, train
 from jaxft.train.meter import WindowMeter
 from test_train_fixtures import make_jsonl, make_tiny_model
 
+SHORT, LONG = 10, 50
+
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
@@ -37,14 +39,15 @@ def _run(d, name: str, steps: int):
 def runs(workdir):
     _run(workdir, "warmup", 5)  # one-time costs of the process (first compilation, imports) go here
     # Each length twice, the faster kept: another process stealing a core for a while slows one run, not both.
-    short = min((_run(workdir, f"short{i}", 20) for i in range(2)), key=lambda r: r[1])
-    long = min((_run(workdir, f"long{i}", 40) for i in range(2)), key=lambda r: r[1])
+    # 10 vs 50 steps: the 40-step difference dwarfs the run-to-run jitter of loading and compiling (~0.5 s).
+    short = min((_run(workdir, f"short{i}", SHORT) for i in range(2)), key=lambda r: r[1])
+    long = min((_run(workdir, f"long{i}", LONG) for i in range(2)), key=lambda r: r[1])
     return short, long
 
 
 def test_logged_step_time_matches_wall_time_difference(runs):
     (short, t_short), (long, t_long) = runs
-    wall_per_step = (t_long - t_short) / 20  # loading, compiling and export cancel out
+    wall_per_step = (t_long - t_short) / (LONG - SHORT)  # loading, compiling and export cancel out
     records = [r for r in read_metrics(long.metrics_path) if "loss" in r]
     logged = statistics.median(r["step_seconds"] for r in records)
     assert logged == pytest.approx(wall_per_step, rel=0.25), (logged, wall_per_step)
@@ -65,11 +68,11 @@ def test_compilation_is_kept_out_of_the_first_window(runs):
 def test_num_tokens_is_cumulative_and_summary_loss_is_the_logged_one(runs):
     (_, _), (long, _) = runs
     records = [r for r in read_metrics(long.metrics_path) if "loss" in r]
-    assert [r["step"] for r in records] == list(range(5, 41, 5))
+    assert [r["step"] for r in records] == list(range(5, LONG + 1, 5))
     cumulative = np.cumsum([r["window_tokens"] for r in records])
     assert [r["num_tokens"] for r in records] == cumulative.tolist()
     assert long.summary.num_tokens == records[-1]["num_tokens"]
-    assert long.summary.steps == 40
+    assert long.summary.steps == LONG
     assert long.train_loss == records[-1]["loss"]
     assert long.summary.wall_seconds > long.summary.training_seconds + long.summary.compile_seconds
     assert "peak_memory_gib" not in records[-1]  # no allocator statistics on the CPU: nothing is made up

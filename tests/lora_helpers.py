@@ -1,0 +1,26 @@
+"""Helpers shared by the parity tests (no tests here): relative error, and LoRA B perturbed away from PEFT's
+zero init (with B = 0 an adapter changes nothing, so a comparison would prove nothing)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxft.models import linears
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b|, in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def perturb_lora_b(model, seed: int = 1, std: float = 0.1) -> None:
+    """B ~ N(0, std) on the live entries (rows < rank of targeted layers); rank padding stays exactly zero."""
+    rng = np.random.default_rng(seed)
+    for _, lin in linears(model):
+        if lin.has_lora:
+            ranks = np.asarray(lin.lora_rank[...])
+            b = rng.normal(0.0, std, lin.lora_b.shape).astype(np.float32)
+            b *= np.arange(b.shape[-2])[:, None] < ranks[..., None, None]  # ranks: one per stacked layer
+            lin.lora_b[...] = jnp.asarray(b)
