@@ -96,16 +96,8 @@ def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str):
     for env, key in (("REMAT", "remat"), ("ATTENTION", "attention_implementation"), ("LAYERS", "layer_loop")):
         if os.environ.get(f"JAXFT_BENCH_{env}"):
             overrides.append(f"{key}={os.environ[f'JAXFT_BENCH_{env}']}")
-    config = load_config(mode_yaml(mode), overrides)
-    if jax_platform() == "cpu":  # the GPU kernels' interpret mode is a test tool, not a benchmark
-        config = config.replace(attention_implementation="reference")
-    return config
-
-
-def jax_platform() -> str:
-    import jax
-
-    return jax.devices()[0].platform
+    # attention "auto" is the reference off the GPU (kernels_pallas.attention.config.choose_implementation)
+    return load_config(mode_yaml(mode), overrides)
 
 
 def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast",

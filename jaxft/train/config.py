@@ -204,12 +204,16 @@ class TrainConfig:
         """The LoRA part (`jaxft.lora.LoraConfig`)."""
         return self._lora
 
+    def rows_per_step(self, num_devices: int) -> int:
+        """Packed rows one optimizer step consumes: per-device batch x accumulation x devices."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * num_devices
+
     def data(self, num_devices: int):
         """The data part (`jaxft.data.DataConfig`) for a run over `num_devices` devices (the rows per step
         scale with them)."""
         from jaxft.data.pipeline import DataConfig
 
-        rows = self.per_device_train_batch_size * self.gradient_accumulation_steps * num_devices
+        rows = self.rows_per_step(num_devices)
         eval_rows = (self.per_device_eval_batch_size or self.per_device_train_batch_size) * num_devices
         return DataConfig(path=self.dataset, seq_len=self.max_seq_length, batch_size=rows,
                           eval_path=self.eval_dataset, eval_batch_size=eval_rows, seed=self.seed,

@@ -24,13 +24,18 @@ import threading
 import time
 from pathlib import Path
 
+from jaxft.train.config import TrainConfigError
+
 logger = logging.getLogger("jaxft.train")
 
 LOCK_NAME = ".jaxft-train.lock"
 
 
-class OutputDirBusy(ValueError):
-    """Another live run writes to the same output_dir."""
+class OutputDirBusy(TrainConfigError):
+    """Another live run writes to the same output_dir (a bad `output_dir` for this run: the key is named)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, key="output_dir")
 
 
 class TrainingInterrupted(Exception):

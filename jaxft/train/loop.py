@@ -31,7 +31,7 @@ import numpy as np
 from jaxft.lora import LoraConfigError
 from jaxft.train import checkpoint as ckpt
 from jaxft.train.config import LORA_KEYS, TrainConfig, TrainConfigError, part_error
-from jaxft.train.guard import OutputDirBusy, OutputDirLock, StopRequests, TrainingInterrupted
+from jaxft.train.guard import OutputDirLock, StopRequests, TrainingInterrupted
 from jaxft.train.meter import RunSummary, WindowMeter, device_peak_bytes
 from jaxft.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
 
@@ -67,7 +67,7 @@ class _Plan:
 
 
 def _plan(config: TrainConfig, num_rows: int, num_devices: int) -> _Plan:
-    rows = config.per_device_train_batch_size * config.gradient_accumulation_steps * num_devices
+    rows = config.rows_per_step(num_devices)
     per_epoch = math.ceil(num_rows / rows)
     total = config.max_steps if config.max_steps > 0 else max(1, math.ceil(config.num_train_epochs * per_epoch))
     return _Plan(rows, per_epoch, total, config.optim.warmup_for(total))
@@ -141,16 +141,10 @@ def train(config: TrainConfig) -> TrainResult:
     wall_start = time.perf_counter()
     out = Path(config.output_dir).expanduser().absolute()
     lock = OutputDirLock(out)
-    try:
-        lock.check()  # refuse early, before minutes of loading, when another live run writes there
-    except OutputDirBusy as e:
-        raise TrainConfigError(str(e)) from None
+    lock.check()  # refuse early, before minutes of loading, when another live run writes there
     setup = _prepare(config, out)
     # ---- everything validated: from here on output_dir is written (by this run only)
-    try:
-        lock.acquire()
-    except OutputDirBusy as e:
-        raise TrainConfigError(str(e)) from None
+    lock.acquire()
     try:
         return _run(config, out, setup, wall_start)
     finally:
