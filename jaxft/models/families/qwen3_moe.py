@@ -83,7 +83,8 @@ def config_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
 def _family():
     from jaxft.models.families import Family  # the registry module imports this one
 
-    return Family("qwen3_moe", "Qwen3MoeForCausalLM", moe_table.TABLE, PARTS, config_from_hf, config_to_hf)
+    return Family("qwen3_moe", "Qwen3MoeForCausalLM", moe_table.TABLE, PARTS, config_from_hf, config_to_hf,
+                  lora_parameters=moe_table.LORA_PARAMETERS)
 
 
 FAMILIES = (_family(),)
