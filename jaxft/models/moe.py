@@ -48,6 +48,25 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool):
     return logits, weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
+def router_stats(logits: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """[2, E] fp32: row 0 the weighted count of top-k assignments per expert, row 1 the weighted sum of router
+    probabilities per expert, over tokens with weights [N] (1 = counted, 0 = padding)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    k = experts.shape[-1]
+    counts = jnp.zeros(probs.shape[-1], jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(weights, k))
+    return jnp.stack([counts, jnp.sum(probs * weights[:, None], axis=0)])
+
+
+def load_balancing_loss(stats: jax.Array, rows: jax.Array) -> jax.Array:
+    """Switch-Transformer load balancing as transformers' `load_balancing_loss_func`:
+
+        aux = E * sum_e f_e P_e,   f_e = (top-k assignments to e) / rows,   P_e = (sum of p_e) / rows
+
+    with counts and probability sums taken over every sparse layer's counted tokens together (`stats`, the sum
+    of the layers' `router_stats`) and rows = counted tokens x sparse layers. f sums to k, not 1 (as there)."""
+    return stats.shape[-1] * jnp.sum((stats[0] / rows) * (stats[1] / rows))
+
+
 def dispatch(experts: jax.Array, num_experts: int):
     """Sort the N*k assignments by expert: (order [N*k], token [N*k], group_sizes [E] int32).
 
@@ -110,14 +129,16 @@ class MoeMLP(nnx.Module):
         kernels = [getattr(self, k) for k in self.LORA_KERNELS[slot]]
         return kernels[0].shape[-2], sum(k.shape[-1] for k in kernels)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, token_weights: jax.Array | None = None):
+        """The block's output; with `token_weights` ([B, T] fp32, 0 on padding) also its `router_stats`."""
         from jaxft.models.parts import ACTIVATIONS  # parts registers this class in its MLP slot
 
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         with jax.named_scope("moe_router"):
-            _, weights, experts = route(xf, self.router[...], self.top_k, self.norm_topk_prob)
+            logits, weights, experts = route(xf, self.router[...], self.top_k, self.norm_topk_prob)
             order, token, sizes = dispatch(experts, self.num_experts)
+            stats = None if token_weights is None else router_stats(logits, experts, token_weights.reshape(-1))
         with jax.named_scope("moe_experts"):
             xs = xf[token]
             gate = grouped_matmul(xs, self.gate_proj[...].astype(x.dtype), sizes)
@@ -130,12 +151,12 @@ class MoeMLP(nnx.Module):
             if self.down_lora is not None:
                 ys = ys + self.down_lora.delta(h, sizes)
             ys = ys * weights.reshape(-1)[order][:, None]
-            out = jnp.zeros_like(xf).at[token].add(ys)
-        return out.reshape(shape)
+            out = jnp.zeros_like(xf).at[token].add(ys).reshape(shape)
+        return out if stats is None else (out, stats)
 
-    def branch(self, norm, h, rngs: tuple, prevent_cse: bool) -> jax.Array:
+    def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None):
         # Nothing LoRA'd inside: autodiff keeps what the grouped matmuls' backward needs.
-        return self(norm(h))
+        return self(norm(h), token_weights)
 
     def infer(self, x) -> jax.Array:
         return self(x)

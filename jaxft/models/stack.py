@@ -68,8 +68,12 @@ def layer_slice(layer_state: nnx.State, i: int) -> nnx.State:
 
 
 def run_groups(layers: nnx.Module, x: jax.Array, groups: list[LayerGroup],
-               group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, remat: str) -> jax.Array:
-    """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled."""
+               group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, remat: str,
+               router_stats: jax.Array | None = None):
+    """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled.
+
+    With `router_stats` (a zero [2, E] accumulator, and "router_token_weights" in the group contexts) every
+    layer returns (x, its router's stats), which are summed in the scan carry: the result is (x, stats)."""
     graphdef, state = nnx.split(layers)
     unrolled = is_unstacked(state)
     num_layers = groups[-1].end
@@ -78,15 +82,28 @@ def run_groups(layers: nnx.Module, x: jax.Array, groups: list[LayerGroup],
         # the forward pass; the CSE barriers keep remat meaning remat there (inside a scan they are moot).
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
         layer_fn = _layer_fn(graphdef, ctx, dropout_rng, remat=remat, prevent_cse=unrolled)
+        if router_stats is not None:
+            layer_fn = _summing_stats(layer_fn)
+        carry = x if router_stats is None else (x, router_stats)
         if unrolled:
             for i in range(group.start, group.end):
-                x = layer_fn(x, layer_slice(state, i), i)
-            continue
-        run_state = state if (group.start, group.end) == (0, num_layers) else jax.tree.map(
-            lambda leaf: leaf[group.start:group.end], state)
-        indices = jnp.arange(group.start, group.end, dtype=jnp.int32)
-        x, _ = jax.lax.scan(lambda carry, xs: (layer_fn(carry, *xs), None), x, (run_state, indices))
-    return x
+                carry = layer_fn(carry, layer_slice(state, i), i)
+        else:
+            run_state = state if (group.start, group.end) == (0, num_layers) else jax.tree.map(
+                lambda leaf: leaf[group.start:group.end], state)
+            indices = jnp.arange(group.start, group.end, dtype=jnp.int32)
+            carry, _ = jax.lax.scan(lambda c, xs: (layer_fn(c, *xs), None), carry, (run_state, indices))
+        x, router_stats = (carry, None) if router_stats is None else carry
+    return x if router_stats is None else (x, router_stats)
+
+
+def _summing_stats(layer_fn):
+    """`((x, acc), state, i) -> (x', acc + stats)` for a layer that returns (x', stats)."""
+    def fn(carry, layer_state, index):
+        x, acc = carry
+        x, stats = layer_fn(x, layer_state, index)
+        return x, acc + stats
+    return fn
 
 
 def _layer_fn(graphdef, layer_ctx, dropout_rng, *, remat: str, prevent_cse: bool):
