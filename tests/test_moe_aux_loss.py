@@ -78,7 +78,8 @@ def _packed_batch(docs):
 
 
 def _jaxft_step_loss(path, batch):
-    model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"), lora.LoraConfig(r=2, target_modules=["q_proj"]))
+    model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"),
+                            lora.LoraConfig(r=2, target_modules=["q_proj"]))
     graphdef, params, frozen = split_model(model)
     loss_sum, _, count = nnx.jit(loss_and_grad_sums, static_argnums=(0,))(graphdef, params, frozen, batch, None)
     eval_sum, eval_count = make_eval_step(graphdef)(params, frozen, _first_micro_batch(batch))

@@ -96,7 +96,8 @@ def test_exported_expert_adapter_gives_peft_our_logits_at_512_tokens(base, ids, 
     gate_up = tensors["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"]
     down_b = tensors["base_model.model.model.layers.1.mlp.experts.lora_B.weight"]
     assert gate_up.shape == (4 * 4, 64) and down_b.shape == (64, 2 * 4)
-    assert json.loads((out / "adapter_config.json").read_text())["target_parameters"] == sorted(FIELDS["target_parameters"])
+    written = json.loads((out / "adapter_config.json").read_text())
+    assert written["target_parameters"] == sorted(FIELDS["target_parameters"])
     reference = peft.PeftModel.from_pretrained(_hf(base), out).eval()
     assert set(_wrappers(reference)) == {f"model.layers.{i}.{p}" for i in range(2) for p in EXPERTS}
     assert rel_err(_torch_logits(reference, ids), ours) < 1e-5
