@@ -10,10 +10,19 @@ from collections.abc import Iterable
 from jaxft.config import ConfigError
 from jaxft.quant.blockwise import BLOCKSIZES, NESTED_ROUNDINGS
 
-__all__ = ["DEFAULT_SKIP", "QuantConfig", "is_skipped"]
+__all__ = ["DEFAULT_SKIP", "QuantConfig", "QuantConfigError", "is_skipped"]
 
 # Never quantised unless asked: the output head (transformers keeps it too), routers and vision towers.
 DEFAULT_SKIP = ("lm_head", "mlp.gate", "router", "vision_tower", "visual", "multi_modal_projector")
+
+
+class QuantConfigError(ConfigError):
+    """A bad 4-bit setting; `field` and `problem` as `jaxft.lora.LoraConfigError` (TrainConfig restates it under
+    its own key)."""
+
+    def __init__(self, field: str, problem: str):
+        self.field, self.problem = field, problem
+        super().__init__(f"QuantConfig.{field}: {problem}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +48,7 @@ class QuantConfig:
 
     def __post_init__(self):
         def bad(field, why):
-            raise ConfigError(f"QuantConfig.{field}={getattr(self, field)!r}: {why}")
+            raise QuantConfigError(field, f"value {getattr(self, field)!r} is invalid; {why}")
 
         if self.quant_type not in ("nf4", "fp4"):
             bad("quant_type", "use 'nf4' or 'fp4'")

@@ -27,7 +27,7 @@ from jaxft.quant.blockwise import quantize_4bit
 from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, is_skipped
 from kernels_pallas.nf4_matmul import DYNAMIC, code_4bit, dequantize_4bit
 
-__all__ = ["DEFAULT_SKIP", "QuantConfig", "Site", "install", "is_skipped", "linear_sites", "quantize_site",
+__all__ = ["DEFAULT_SKIP", "QuantConfig", "Site", "abstract_quantize", "install", "is_skipped", "linear_sites", "quantize_site",
            "records_of", "saved_bytes", "site_from_records"]
 
 @dataclasses.dataclass(frozen=True)
@@ -163,3 +163,36 @@ def saved_bytes(quant: Quant4bit, dtype) -> int:
     held = sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize
                for v in (quant.packed, quant.absmax, quant.nested_absmax, quant.offset) if v is not None)
     return dense - held
+
+
+def abstract_quantize(model, path, cfg: QuantConfig | None) -> None:
+    """Installs the 4-bit modules `from_pretrained(path, quant_config=cfg)` would, with zero arrays (call it under
+    `nnx.eval_shape` for shapes alone): for ahead-of-time compilation before the weights are read."""
+    from bridge import bnb4bit, checkpoint_files, read_config
+
+    hf = read_config(path)
+    stored = bnb4bit.quantization_config(hf, str(path))
+    num_layers = model.config.num_layers
+    if stored is not None:
+        records = bnb4bit.read_quantized(path, checkpoint_files(path))
+        for site in linear_sites(model):
+            names = site.names(num_layers)
+            if names[0] in records:
+                r = records[names[0]]
+                lead = (num_layers,) if site.stacked else ()
+                install(site.linear(model), Quant4bit(
+                    r.shape[0], r.shape[1], stack=lead, quant_type=r.quant_type, blocksize=r.blocksize,
+                    double_quant=r.double_quant, nested_blocksize=r.nested_blocksize or 256, source_dtype=r.dtype))
+        return
+    if cfg is None:
+        return
+    if cfg.max_rel_error is not None:
+        raise ValueError("QuantConfig.max_rel_error decides which modules stay dense from the weights themselves: "
+                         "load the model (Run.load) before compiling")
+    for site in linear_sites(model):
+        if any(is_skipped(n, cfg.skip_modules) for n in site.names(num_layers)):
+            continue
+        lin = site.linear(model)
+        install(lin, Quant4bit(lin.out_features, lin.in_features, stack=(num_layers,) if site.stacked else (),
+                               quant_type=cfg.quant_type, blocksize=cfg.blocksize, double_quant=cfg.double_quant,
+                               nested_blocksize=cfg.nested_blocksize, source_dtype=str(model.dtype)))
