@@ -189,3 +189,44 @@ def test_layer_mixed_checkpoint_is_one_line_error(base, tmp_path):
         jaxft.from_pretrained(path, dtype="float32")
     with pytest.raises(ValueError, match="already bitsandbytes 4-bit"):
         jaxft.from_pretrained(path, dtype="float32", quantize="nf4")
+
+
+def _bnb_rel_error(weight: torch.Tensor) -> float:
+    import bitsandbytes.functional as F
+    q, state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
+    back = F.dequantize_4bit(q, state)
+    return float(torch.linalg.norm(back - weight) / torch.linalg.norm(weight))
+
+
+def test_dynamic_4bit_keeps_sensitive_modules_dense(base, ids, tmp_path, capsys):
+    # Heavy tails in v_proj (a few large weights per row): its blocks' absmax grows and the rest lose precision.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            w = layer.self_attn.v_proj.weight
+            w[:, ::16] *= 12.0
+    path = tmp_path / "tails"
+    hf.save_pretrained(path)
+    # The oracle's error per module (worst layer), and a threshold in the gap between v_proj and the rest.
+    errors = {}
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear) and "lm_head" not in name:
+            site = name.split(".", 3)[-1]
+            errors[site] = max(errors.get(site, 0.0), _bnb_rel_error(module.weight.detach()))
+    worst_other = max(e for s, e in errors.items() if s != "self_attn.v_proj")
+    assert errors["self_attn.v_proj"] > worst_other * 1.2
+    threshold = (errors["self_attn.v_proj"] + worst_other) / 2
+    cfg = QuantConfig(skip_modules=("lm_head", "mlp.down_proj"), max_rel_error=threshold)
+    model = jaxft.from_pretrained(path, dtype="float32", quant_config=cfg)
+    printed = capsys.readouterr().out
+    assert "model.layers.{i}.mlp.down_proj: by name" in printed
+    assert "model.layers.{i}.self_attn.v_proj: relative error" in printed and "MiB saved" in printed
+    assert model.layers.attn.v_proj.quant is None and model.layers.mlp.down_proj.quant is None
+    assert model.layers.attn.q_proj.quant is not None
+    jaxft.save_pretrained(model, tmp_path / "q", quantized=True)
+    skip = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["llm_int8_skip_modules"]
+    assert skip == sorted(["lm_head"] + [f"model.layers.{i}.{m}" for i in range(2)
+                                         for m in ("mlp.down_proj", "self_attn.v_proj")])
+    loaded = _hf_load(tmp_path / "q")
+    assert type(loaded.model.layers[0].self_attn.v_proj) is torch.nn.Linear
+    assert rel_err(_torch_logits(loaded, ids), _logits(model, ids)) < F32_TOL
