@@ -38,6 +38,7 @@ Usage (the harness does this): python scripts/bench_torch_worker.py --task TASKS
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -258,7 +259,11 @@ def run_unsloth(task: Task) -> dict[str, Any]:
                          "attention_backends_available": backends,
                          "packed": "position_ids (Unsloth infers packed_seq_lengths)"
                          if workload.packed else None,
-                         "non_lora_trainable": non_lora}}
+                         "non_lora_trainable": non_lora,
+                         # Unsloth switches set by the caller (e.g. UNSLOTH_BLOCK_COMPILE=0), minus the
+                         # harness's own bookkeeping ones; recorded so a row says how Unsloth ran.
+                         "unsloth_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UNSLOTH_")
+                                         and k not in ("UNSLOTH_DISABLE_STATISTICS", "UNSLOTH_COMPILE_LOCATION")}}}
 
 
 def run_task(task: Task, out_json: str, cache: ModelCache) -> dict[str, Any]:
