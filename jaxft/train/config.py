@@ -44,7 +44,7 @@ OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps
 QUANT_KEYS = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant",
               "skip_modules": "llm_int8_skip_modules", "max_rel_error": "bnb_4bit_max_rel_error"}
 LORA_KEYS = {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "lora_target_modules",
-              "use_rslora": "use_rslora"}
+              "use_rslora": "use_rslora", "target_parameters": "lora_target_parameters"}
 
 
 def part_error(error, fields: Mapping[str, str]) -> "TrainConfigError":
@@ -147,6 +147,9 @@ class TrainConfig:
     lora_alpha: float = 32.0
     lora_dropout: float = 0.0
     lora_target_modules: str | list[str] = "all-linear"
+    # PEFT's target_parameters: raw MoE expert parameters, e.g. [experts.gate_up_proj, experts.down_proj]
+    # (null: none). Needs lora_dropout: 0 (PEFT cannot apply dropout to a raw parameter).
+    lora_target_parameters: list[str] | None = None
     use_rslora: bool = False
     save_merged_model: bool = False
     # QLoRA (transformers' BitsAndBytesConfig names): frozen linears in bitsandbytes' 4-bit format. A checkpoint
@@ -289,6 +292,12 @@ class TrainConfig:
              "lora_target_modules", "give 'all-linear' or a non-empty list of module names such as [q_proj, v_proj]")
         if isinstance(targets, list):
             object.__setattr__(self, "lora_target_modules", tuple(targets))
+        params = self.lora_target_parameters
+        need(params is None or (len(params) > 0 and all(isinstance(t, str) and t.strip() for t in params)),
+             "lora_target_parameters", "give a non-empty list of parameter names such as "
+             "[experts.gate_up_proj, experts.down_proj] (or null)")
+        if isinstance(params, list):
+            object.__setattr__(self, "lora_target_parameters", tuple(params))
         prompts = self.eval_generate_prompts
         need(prompts is None or (len(prompts) > 0 and all(p.strip() for p in prompts)), "eval_generate_prompts",
              "give a non-empty list of non-empty prompt strings (or null)")
@@ -328,7 +337,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for key in ("lora_target_modules", "eval_generate_prompts", "llm_int8_skip_modules"):
+        for key in ("lora_target_modules", "lora_target_parameters", "eval_generate_prompts", "llm_int8_skip_modules"):
             if isinstance(out[key], tuple):
                 out[key] = list(out[key])
         return out

@@ -1,0 +1,74 @@
+"""`jaxft-train` on a tiny Qwen3-MoE with the `lora_target_parameters` key: expert LoRA (PEFT's
+`target_parameters`) trains from the run config, and the exported adapter carries the expert parameters."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+
+from jaxft.train import TrainConfig, train
+from jaxft.train.config import TrainConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "examples" / "tiny-llama"
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=3)
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+def _model_dir(tmp_path) -> Path:
+    """A tiny random Qwen3-MoE with the tiny Llama's tokenizer (same vocabulary size)."""
+    out = tmp_path / "base"
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**TINY)).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TOKENIZER / name, out / name)
+    return out
+
+
+def _config(tmp_path, base, **overrides) -> TrainConfig:
+    values = dict(model_name_or_path=str(base), dataset=str(ROOT / "examples" / "data" / "train.jsonl"),
+                  output_dir=str(tmp_path / "run"), bf16=False, max_seq_length=128, per_device_train_batch_size=2,
+                  max_steps=12, logging_steps=4, save_steps=12, learning_rate=1e-2, lr_scheduler_type="constant",
+                  report_to="none", disable_tqdm=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj"],
+                  lora_target_parameters=EXPERTS, seed=0)
+    return TrainConfig(**{**values, **overrides})
+
+
+def test_lora_target_parameters_key_is_validated(tmp_path):
+    base = _model_dir(tmp_path)
+    cfg = _config(tmp_path, base)
+    assert cfg.lora.target_parameters == tuple(sorted(EXPERTS))
+    assert cfg.to_dict()["lora_target_parameters"] == EXPERTS
+    assert _config(tmp_path, base, lora_target_parameters=None).lora.target_parameters is None
+    with pytest.raises(TrainConfigError, match=r"key 'lora_target_parameters': value \[\] is invalid; give a non-empty"):
+        _config(tmp_path, base, lora_target_parameters=[])
+    with pytest.raises(TrainConfigError, match=r"key 'lora_target_parameters': value 'experts.down_proj' .* wrong type"):
+        _config(tmp_path, base, lora_target_parameters="experts.down_proj")
+    with pytest.raises(TrainConfigError, match=r"key 'lora_dropout': value 0.1 must be 0 with target_parameters"):
+        _config(tmp_path, base, lora_dropout=0.1)
+
+
+def test_train_run_with_expert_lora_exports_a_peft_adapter_with_the_expert_parameters(tmp_path):
+    base = _model_dir(tmp_path)
+    result = train(_config(tmp_path, base))
+    losses = [r["loss"] for r in map(json.loads, result.metrics_path.read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.05, losses
+    adapter = json.loads((result.adapter_dir / "adapter_config.json").read_text())
+    assert sorted(adapter["target_parameters"]) == sorted(EXPERTS)
+    tensors = load_file(result.adapter_dir / "adapter_model.safetensors")
+    for layer in range(TINY["num_hidden_layers"]):
+        # PEFT nests one ParamWrapper per expert parameter: experts.lora_B and experts.base_layer.lora_B.
+        bs = [v for k, v in tensors.items() if k.startswith(f"base_model.model.model.layers.{layer}.mlp.experts.")
+              and k.endswith("lora_B.weight")]
+        assert len(bs) == 2 and all(np.abs(b).max() > 0 for b in bs), (layer, sorted(tensors))
+        assert {b.shape for b in bs} == {(2 * TINY["moe_intermediate_size"], 4 * TINY["num_experts"]),
+                                         (TINY["hidden_size"], 4 * TINY["num_experts"])}
