@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+import yaml
 from safetensors.numpy import load_file
 
 from jaxft.train import TrainConfig, train
-from jaxft.train.config import TrainConfigError
+from jaxft.train.config import TrainConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "examples" / "tiny-llama"
@@ -49,6 +50,10 @@ def test_lora_target_parameters_key_is_validated(tmp_path):
     assert cfg.lora.target_parameters == tuple(sorted(EXPERTS))
     assert cfg.to_dict()["lora_target_parameters"] == EXPERTS
     assert _config(tmp_path, base, lora_target_parameters=None).lora.target_parameters is None
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.to_dict().items()
+                                                      if k != "lora_target_parameters"}))
+    cli = load_config(tmp_path / "run.yaml", ["lora_target_parameters=[experts.down_proj, experts.gate_up_proj]"])
+    assert cli.lora.target_parameters == cfg.lora.target_parameters
     with pytest.raises(TrainConfigError, match=r"key 'lora_target_parameters': value \[\] is invalid; give a non-empty"):
         _config(tmp_path, base, lora_target_parameters=[])
     with pytest.raises(TrainConfigError, match=r"key 'lora_target_parameters': value 'experts.down_proj' .* wrong type"):
@@ -72,3 +77,10 @@ def test_train_run_with_expert_lora_exports_a_peft_adapter_with_the_expert_param
         assert len(bs) == 2 and all(np.abs(b).max() > 0 for b in bs), (layer, sorted(tensors))
         assert {b.shape for b in bs} == {(2 * TINY["moe_intermediate_size"], 4 * TINY["num_experts"]),
                                          (TINY["hidden_size"], 4 * TINY["num_experts"])}
+
+
+def test_lora_target_parameters_on_a_model_without_experts_is_one_line_naming_the_key(tmp_path):
+    cfg = _config(tmp_path, ROOT / "examples" / "tiny-llama", lora_target_parameters=["experts.down_proj"])
+    with pytest.raises(TrainConfigError, match=r"^key 'lora_target_parameters': .*'experts.down_proj': this llama "
+                                               r"model has no raw parameters LoRA can target"):
+        train(cfg)
