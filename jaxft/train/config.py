@@ -147,6 +147,9 @@ class TrainConfig:
     lora_target_modules: str | list[str] = "all-linear"
     use_rslora: bool = False
     save_merged_model: bool = False
+    # Devices per mesh axis, e.g. {data: 2, fsdp: 4, tensor: 1} (-1: the rest of the devices); null: every device
+    # on data. Frozen weights are split over fsdp/tensor, batch rows over data x fsdp (see jaxft.sharding).
+    mesh: dict | None = None
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -188,6 +191,12 @@ class TrainConfig:
             except (ExecutionConfigError, OptimConfigError, LoraConfigError) as e:
                 raise part_error(e, fields) from None
             object.__setattr__(self, f"_{name}", part)
+        from jaxft.sharding import MeshConfig, MeshConfigError
+
+        try:
+            object.__setattr__(self, "_mesh", MeshConfig.from_mapping(self.mesh))
+        except MeshConfigError as e:
+            raise TrainConfigError(str(e), key="mesh") from None
 
     @property
     def execution(self):
@@ -200,12 +209,18 @@ class TrainConfig:
         return self._optim
 
     @property
+    def mesh_config(self):
+        """The device mesh (`jaxft.sharding.MeshConfig`), from the `mesh` key."""
+        return self._mesh
+
+    @property
     def lora(self):
         """The LoRA part (`jaxft.lora.LoraConfig`)."""
         return self._lora
 
     def rows_per_step(self, num_devices: int) -> int:
-        """Packed rows one optimizer step consumes: per-device batch x accumulation x devices."""
+        """Packed rows one optimizer step consumes: per-device batch x accumulation x devices (the devices that
+        split batch rows: data x fsdp of the mesh; all of them unless `mesh` has a tensor axis)."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * num_devices
 
     def data(self, num_devices: int):
