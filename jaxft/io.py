@@ -37,14 +37,20 @@ def param_shapes(model: Decoder) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
     return out
 
 
-def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16") -> Decoder:
-    """Loads an HF model directory (config.json + safetensors) into a jaxft `Decoder` in `dtype`."""
+def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", *, mesh=None) -> Decoder:
+    """Loads an HF model directory (config.json + safetensors) into a jaxft `Decoder` in `dtype`.
+
+    `mesh` (a `jaxft.sharding.Placement` or `MeshConfig`): every weight is built sharded by the rules
+    (`jax.make_array_from_callback`), each device's shard read from the safetensors slices it holds, so no
+    host or device ever holds a whole (sharded) weight."""
     path = Path(path)
     hf = bridge.read_config(path)
     cfg = ModelConfig.from_hf(hf, source=str(path / "config.json"))
     dtype = jnp.dtype(dtype)
     model = abstract_model(cfg, dtype=dtype)
     expected = param_shapes(model)
+    if mesh is not None:
+        return _sharded(model, path, cfg, expected, dtype, mesh)
     arrays = bridge.load_weights(path, family_for(cfg.model_type).table, expected, cfg.num_layers, dtype,
                                  num_experts=cfg.num_experts or None)
     graphdef, state = nnx.split(model)
@@ -91,3 +97,21 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | Non
     bridge.save_weights(path, family_for(cfg.model_type).table, params, cfg.num_layers, hf,
                         max_shard_bytes=max_shard_bytes, overwrite=overwrite, num_experts=cfg.num_experts or None)
     return Path(path)
+
+
+def _sharded(model: Decoder, path: Path, cfg: ModelConfig, expected, dtype, mesh) -> Decoder:
+    from jaxft.sharding import MeshConfig, Placement
+
+    placement = Placement(mesh) if isinstance(mesh, MeshConfig) else mesh
+    graphdef, state = nnx.split(model)
+    leaves = []
+    with bridge.WeightSlices(path, family_for(cfg.model_type).table, expected, cfg.num_layers, dtype,
+                             num_experts=cfg.num_experts or None) as source:
+        for p, var in nnx.to_flat_state(state):
+            key = _path_key(p)
+            if key in expected:
+                read = lambda index, key=key: source.read(key, index)  # noqa: E731  (one shard, on demand)
+                value = jax.make_array_from_callback(var.shape, placement.sharding_of(var), read)
+                var = var.replace(value.block_until_ready())
+            leaves.append((p, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))

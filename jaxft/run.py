@@ -104,7 +104,9 @@ class Run:
         """Reads the weights, applies LoRA (seeded), splits by variable type and places the state."""
         from jaxft.io import from_pretrained
 
-        model = apply_lora(from_pretrained(self.model_path, self.dtype), self.lora_config, seed=self.seed)
+        # One device: whole arrays. A mesh: each weight is read shard by shard into its place (jaxft.io).
+        mesh = self.placement if len(self.placement.devices) > 1 else None
+        model = apply_lora(from_pretrained(self.model_path, self.dtype, mesh=mesh), self.lora_config, seed=self.seed)
         graphdef, lora, frozen = split_model(model)
         del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
         if self.unrolled:

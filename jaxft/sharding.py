@@ -175,10 +175,6 @@ def constrain_rows(x: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------------------------------ placement
 
 
-def _shape_of(value) -> tuple[int, ...]:
-    return tuple(value.shape)
-
-
 class Placement:
     """Puts a run's state and batches on a mesh by the rules: `place(state)`, `abstract(state)` (shapes with
     shardings, for compiling before the weights exist), `batch(host_batch)`, `shardings(state)`.
@@ -205,13 +201,17 @@ class Placement:
     def replicated(self) -> jax.sharding.NamedSharding:
         return self.named()
 
+    def sharding_of(self, var: nnx.Variable) -> jax.sharding.NamedSharding:
+        """Where the rules put the array of `var` (by its logical axes and type)."""
+        return self._var_sharding(var)
+
     def _var_sharding(self, var: nnx.Variable):
         value = var.get_value()
         names = None if isinstance(var, self.rules.replicated) else logical_axes(var)
         if isinstance(value, tuple):  # per-layer buffers: the stack axis is gone
             sub = None if names is None else names[1:]
-            return tuple(self._sharding_for(_shape_of(v), sub) for v in value)
-        return self._sharding_for(_shape_of(value), names)
+            return tuple(self._sharding_for(tuple(v.shape), sub) for v in value)
+        return self._sharding_for(tuple(value.shape), names)
 
     def _sharding_for(self, shape, names) -> jax.sharding.NamedSharding:
         return jax.sharding.NamedSharding(self.mesh, partition_spec(shape, names, self.mesh, self.rules))
