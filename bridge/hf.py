@@ -22,7 +22,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from bridge.tree import flatten_tree, unflatten_tree  # re-exported: bridge.hf i
 __all__ = [
     "CheckpointError",
     "WeightSlices",
+    "checkpoint_files",
     "flatten_tree",
     "load_weights",
     "read_config",
@@ -155,8 +156,8 @@ def _listing(items: list[str]) -> str:
     return "\n  " + shown + more
 
 
-def _checkpoint_files(root: Path) -> list[Path]:
-    """The safetensors files of a checkpoint dir (via the index if there is one)."""
+def checkpoint_files(root: Path) -> list[Path]:
+    """The safetensors files of an HF model directory (the index's shards, or model.safetensors)."""
     if not root.exists():
         raise CheckpointError(f"checkpoint directory {root} does not exist{hub_id_hint(root)}")
     if not root.is_dir():
@@ -197,7 +198,7 @@ def _checkpoint_files(root: Path) -> list[Path]:
 
 
 def _locate(root: Path, table: Table, expected: Mapping[tuple, Any], num_layers: int, dtype: Any,
-            num_experts: int | None):
+            num_experts: int | None, ignore: Collection[str] = ()):
     """Pass 1 of a load, headers only: every problem is found (and raised) before any data is read.
 
     Returns (wants: HF name -> (path, index, row, hf_shape), specs: path -> (shape, dtype), files,
@@ -224,7 +225,7 @@ def _locate(root: Path, table: Table, expected: Mapping[tuple, Any], num_layers:
             wants[row.name_at(index)] = (p, index, row, hf_shape)
 
     # Pass 1: headers only. Find every problem before reading any data.
-    files = _checkpoint_files(root)
+    files = checkpoint_files(root)
     located: dict[str, tuple[Path, TensorInfo]] = {}
     unexpected: list[str] = []
     misshaped: list[str] = []
@@ -234,6 +235,8 @@ def _locate(root: Path, table: Table, expected: Mapping[tuple, Any], num_layers:
     for file in files:
         infos, _ = read_header(file)
         for name, info in infos.items():
+            if name in ignore:
+                continue
             if name in located:
                 raise CheckpointError(f"tensor {name!r} appears in both {located[name][0]} and {file}; re-save the checkpoint")
             want = wants.get(name)
@@ -263,6 +266,7 @@ def load_weights(
     dtype: Any = None,
     *,
     num_experts: int | None = None,
+    ignore: Collection[str] = (),
 ) -> dict[tuple, np.ndarray]:
     """Load an HF safetensors checkpoint into flat tree arrays.
 
@@ -274,6 +278,8 @@ def load_weights(
       num_layers: L, the number of decoder layers.
       dtype: if given, every output uses it instead of the per-path dtype.
       num_experts: E, for rows with an ``{e}`` placeholder (MoE experts).
+      ignore: tensor names another reader takes (``bridge.bnb4bit``: 4-bit weights and their statistics);
+        they are neither loaded nor reported as unexpected.
 
     Returns:
       ``{path: np.ndarray}`` with the expected shapes/dtypes (bf16 is
@@ -286,7 +292,7 @@ def load_weights(
     expected) silently skips a file ``lm_head.weight`` shaped like the embedding.
     """
     root = Path(path)
-    wants, specs, files, located = _locate(root, table, expected, num_layers, dtype, num_experts)
+    wants, specs, files, located = _locate(root, table, expected, num_layers, dtype, num_experts, ignore)
 
     # Pass 2: data into preallocated outputs. Host-side transposes run at ~1 GB/s per core, so tensors are
     # spread over a few threads (pread and numpy copies release the GIL); each thread reads its tensors in
@@ -398,6 +404,7 @@ def save_weights(
     *,
     overwrite: bool = False,
     num_experts: int | None = None,
+    extra: Sequence[PendingTensor] = (),
 ) -> Path:
     """Write an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
@@ -416,6 +423,7 @@ def save_weights(
       dtype: cast every tensor to this dtype (default: keep each array's dtype).
       overwrite: replace an existing non-empty ``path``; otherwise that is an error.
       num_experts: E, for rows with an ``{e}`` placeholder (MoE experts).
+      extra: tensors written as they are after the table's (``bridge.bnb4bit``: 4-bit weights).
 
     Returns the target path.
     """
@@ -434,7 +442,7 @@ def save_weights(
         raise ValueError(f"save target {target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise ValueError(f"save target {target} exists and is not empty; pass overwrite=True to replace it")
-    tensors = _pending_tensors(table, params, _sizes(num_layers, num_experts), dtype)
+    tensors = _pending_tensors(table, params, _sizes(num_layers, num_experts), dtype) + list(extra)
 
     shards: list[list[PendingTensor]] = [[]]
     size = 0
@@ -528,7 +536,6 @@ def _swap_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
     os.rename(target, old / "prev")  # the target is absent only between these two renames
     os.rename(tmp, target)
     shutil.rmtree(old, ignore_errors=True)
-
 
 
 # --------------------------------------------------------------------------- load by slices

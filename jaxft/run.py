@@ -57,6 +57,7 @@ class Run:
     seed: int = 0
     accumulation: int = 1
     devices: Any = None
+    quant_config: Any = None  # jaxft.quant.QuantConfig: frozen linears in 4 bits (QLoRA); None: as stored
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):
@@ -78,7 +79,7 @@ class Run:
         return cls(model_path=config.model_name_or_path, lora_config=config.lora, execution=config.execution,
                    optim=config.optim, total_steps=total_steps, dtype="bfloat16" if config.bf16 else "float32",
                    seed=config.seed, accumulation=config.gradient_accumulation_steps, devices=devices,
-                   mesh=config.mesh_config)
+                   quant_config=config.quant, mesh=config.mesh_config)
 
     # ------------------------------------------------------------------ building the state
     @property
@@ -86,9 +87,13 @@ class Run:
         return self.execution.resolved_layer_loop == "unroll"
 
     def _abstract_split(self):
-        model = nnx.eval_shape(lambda: apply_lora(Decoder(self.model_config, dtype=jnp.dtype(self.dtype),
-                                                          rngs=nnx.Rngs(0)), self.lora_config, seed=self.seed))
-        return split_model(model)
+        from jaxft.quant.weights import abstract_quantize
+
+        def build():
+            model = Decoder(self.model_config, dtype=jnp.dtype(self.dtype), rngs=nnx.Rngs(0))
+            abstract_quantize(model, self.model_path, self.quant_config)
+            return apply_lora(model, self.lora_config, seed=self.seed)
+        return split_model(nnx.eval_shape(build))
 
     def check_targets(self) -> list[str]:
         """The HF module names the LoRA config adapts (raises `LoraConfigError` when a target matches nothing);
@@ -104,9 +109,11 @@ class Run:
         """Reads the weights, applies LoRA (seeded), splits by variable type and places the state."""
         from jaxft.io import from_pretrained
 
-        # One device: whole arrays. A mesh: each weight is read shard by shard into its place (jaxft.io).
-        mesh = self.placement if len(self.placement.devices) > 1 else None
-        model = apply_lora(from_pretrained(self.model_path, self.dtype, mesh=mesh), self.lora_config, seed=self.seed)
+        # One device: whole arrays. A mesh: each weight is read shard by shard into its place (jaxft.io); 4-bit
+        # weights are quantised on one device and then placed (their variable type has no logical axes yet).
+        mesh = self.placement if len(self.placement.devices) > 1 and self.quant_config is None else None
+        model = apply_lora(from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config, mesh=mesh),
+                           self.lora_config, seed=self.seed)
         graphdef, lora, frozen = split_model(model)
         del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
         if self.unrolled:
