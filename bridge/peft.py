@@ -11,6 +11,17 @@ An adapter directory, as PEFT (0.17 .. 0.21) writes it for a causal LM::
 A module's output becomes ``W x + s * B (A x)`` with ``s = alpha / r`` (``alpha / sqrt(r)`` under rsLoRA), where
 ``r`` and ``alpha`` may be overridden per module by ``rank_pattern`` / ``alpha_pattern``.
 
+Raw parameters (``target_parameters``, PEFT >= 0.17: MoE experts stored as one [E, ., .] tensor) are adapted by
+PEFT's ``ParamWrapper``: for a parameter of E experts with math shape [in] -> [out] per expert,
+
+    lora_A.weight [r*E, in]   = reshape of A [E, r, in]   (expert index SLOWEST: rows e*r .. e*r+r-1)
+    lora_B.weight [out, r*E]  = reshape of B [out, r, E]  (expert index FASTEST: column j*E + e)
+    delta W_e = s * B[:, :, e] @ A[e]      ([out, in]; PEFT's ``get_delta_weight``)
+
+Several targeted parameters of one module nest one wrapper per parameter, in the module's parameter order,
+so their weights are stored under ``<module>.base_layer.`` repeated (see ``param_wrapper_keys``); ranks and
+patterns are those of the full parameter name (``model.layers.3.mlp.experts.down_proj``).
+
 The PEFT matching rules live here as pure string functions, so that the jaxft side and the file format agree
 on one definition:
 
@@ -33,7 +44,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +64,13 @@ __all__ = [
     "load_adapter",
     "make_adapter_config",
     "module_rank_alpha",
+    "pack_experts",
+    "param_wrapper_keys",
     "pattern_key",
+    "read_adapter_config",
     "save_adapter",
     "target_matches",
+    "unpack_experts",
 ]
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -112,6 +127,39 @@ def module_rank_alpha(config: Mapping[str, Any], name: str) -> tuple[int, float]
     return int(rank), alpha
 
 
+def param_wrapper_keys(targeted: Sequence[str]) -> dict[str, str]:
+    """{full parameter name: the module key its LoRA weights are stored under} for the targeted raw parameters,
+    listed in each module's parameter order (``model.layers.0.mlp.experts.gate_up_proj``, ``..down_proj``).
+
+    PEFT wraps the module once per targeted parameter in that order, each wrapper around the previous one, and
+    a wrapper's weights sit at its place in the module tree: the last parameter's under ``<module>``, the one
+    before under ``<module>.base_layer``, and so on."""
+    by_module: dict[str, list[str]] = {}
+    for name in targeted:
+        by_module.setdefault(name.rpartition(".")[0], []).append(name)
+    out = {}
+    for module, names in by_module.items():
+        for k, name in enumerate(names):
+            out[name] = module + ".base_layer" * (len(names) - 1 - k)
+    return out
+
+
+def pack_experts(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-expert factors A [E, in, r], B [E, r, out] (W_e + A_e B_e in [in, out] form) -> PEFT's ParamWrapper
+    (lora_A [r*E, in] with the expert index slowest, lora_B [out, r*E] with the expert index fastest)."""
+    e, n_in, r = a.shape
+    return (np.ascontiguousarray(a.transpose(0, 2, 1).reshape(e * r, n_in)),
+            np.ascontiguousarray(b.transpose(2, 1, 0).reshape(b.shape[2], r * e)))
+
+
+def unpack_experts(lora_a: np.ndarray, lora_b: np.ndarray, experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of ``pack_experts``: PEFT's lora_A [r*E, in], lora_B [out, r*E] -> A [E, in, r], B [E, r, out]
+    (PEFT's own reshapes: ``A.reshape(E, r, in)`` and ``B.reshape(out, r, E)``)."""
+    r = lora_a.shape[0] // experts
+    return (lora_a.reshape(experts, r, lora_a.shape[1]).transpose(0, 2, 1),
+            lora_b.reshape(lora_b.shape[0], r, experts).transpose(2, 1, 0))
+
+
 # --------------------------------------------------------------------------- config
 
 # Keys that must be absent/false/empty: each is a PEFT feature that changes the forward pass or the base weights
@@ -123,7 +171,6 @@ _UNSUPPORTED = {
     "modules_to_save": "modules_to_save (fully trained copies of whole modules) is not supported; only LoRA "
                        "adapters on linear layers can be loaded",
     "trainable_token_indices": "trainable tokens (trainable_token_indices) are not supported",
-    "target_parameters": "LoRA on raw parameters (target_parameters) is not supported",
     "layers_to_transform": "layers_to_transform is not supported; select layers with full module names or a "
                            "regex in target_modules instead",
     "layers_pattern": "layers_pattern is not supported; select layers with a regex in target_modules instead",
@@ -170,21 +217,26 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
-def make_adapter_config(*, r: int, lora_alpha: float, target_modules: str | Sequence[str],
+def make_adapter_config(*, r: int, lora_alpha: float, target_modules: str | Sequence[str] | None,
                         lora_dropout: float = 0.0, use_rslora: bool = False,
                         rank_pattern: Mapping[str, int] | None = None,
                         alpha_pattern: Mapping[str, float] | None = None,
                         exclude_modules: str | Sequence[str] | None = None,
+                        target_parameters: Sequence[str] | None = None,
                         base_model_name_or_path: str | None = None) -> dict[str, Any]:
     """A complete ``adapter_config.json`` dict for a CAUSAL_LM LoRA adapter (validated).
 
     ``target_modules``: a regex string is written as is; a list is written sorted (PEFT keeps a set). Pass
     "all-linear" resolved to explicit names: the file then means the same thing whatever the loader's rules.
+    None (only with ``target_parameters``) is written as [] (PEFT's way of saying "no modules").
+    ``target_parameters`` is written as given (only when set: PEFT < 0.17 does not know the key).
     """
     cfg = dict(_DEFAULTS)
+    if target_parameters:
+        cfg["target_parameters"] = list(target_parameters)
     cfg.update(
         r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_rslora=use_rslora,
-        target_modules=target_modules if isinstance(target_modules, str) else sorted(target_modules),
+        target_modules=(target_modules if isinstance(target_modules, str) else sorted(target_modules or ())),
         rank_pattern=dict(rank_pattern or {}), alpha_pattern=dict(alpha_pattern or {}),
         exclude_modules=(exclude_modules if exclude_modules is None or isinstance(exclude_modules, str)
                          else sorted(exclude_modules)),
@@ -237,11 +289,19 @@ def check_adapter_config(config: Mapping[str, Any], source: str | os.PathLike) -
     if not isinstance(cfg.get("use_rslora", False), bool):
         bad("use_rslora", "must be true or false")
 
+    params = cfg.get("target_parameters")
+    if params is not None and not (isinstance(params, (list, tuple)) and all(isinstance(t, str) and t for t in params)):
+        bad("target_parameters", "must be null or a list of parameter names (e.g. ['mlp.experts.gate_up_proj'])")
+    if params and dropout:
+        bad("lora_dropout", "must be 0 with target_parameters (PEFT's ParamWrapper cannot apply dropout to a "
+            "raw parameter)")
     targets = cfg.get("target_modules")
     if isinstance(targets, str):
         _check_regex(targets, "target_modules", source)
     elif isinstance(targets, (list, tuple, set)) and targets and all(isinstance(t, str) and t for t in targets):
         cfg["target_modules"] = sorted(targets)
+    elif params and not targets:
+        cfg["target_modules"] = []  # only parameters are adapted
     else:
         bad("target_modules", "must be a regex string or a non-empty list of module names (e.g. "
             "['q_proj', 'v_proj'])")
@@ -277,7 +337,8 @@ def _check_regex(pattern: str, what: str, source) -> None:
 
 
 def save_adapter(path: str | os.PathLike, config: Mapping[str, Any],
-                 weights: Mapping[str, tuple[np.ndarray, np.ndarray]], *, overwrite: bool = False) -> Path:
+                 weights: Mapping[str, tuple[np.ndarray, np.ndarray]], *, overwrite: bool = False,
+                 parameters: Mapping[str, tuple[str, int]] | None = None) -> Path:
     """Write a PEFT adapter directory.
 
     Args:
@@ -287,17 +348,19 @@ def save_adapter(path: str | os.PathLike, config: Mapping[str, Any],
       weights: ``{module name: (A [r, in], B [out, r])}`` in PEFT's (torch) layout, ``module name`` being the
         HF dotted name (``model.layers.0.self_attn.q_proj``). Each module's rank must be the one the config
         assigns it (``r`` or its ``rank_pattern`` entry).
+      parameters: ``{module key: (parameter name, experts E)}`` for the keys of ``weights`` that adapt raw
+        parameters (see ``param_wrapper_keys``): their A is [r*E, in], B [out, r*E], r that of the parameter name.
     """
     target = Path(path)
     cfg = check_adapter_config(config, f"adapter config for {target}")
     tensors: list[PendingTensor] = []
     for name in sorted(weights):
         a, b = (np.asarray(x) for x in weights[name])
-        rank, _ = module_rank_alpha(cfg, name)
+        rank = _packed_rank(cfg, name, parameters)
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise AdapterError(
                 f"adapter weights for {name!r}: A {list(a.shape)} / B {list(b.shape)} must be [r, in] / [out, r] "
-                f"with r={rank} (the rank adapter_config assigns to this module)")
+                f"with r={rank} (the rank adapter_config assigns to this module, times its experts)")
         for suffix, arr in ((_SUFFIX_A, a), (_SUFFIX_B, b)):
             arr = np.ascontiguousarray(arr)
             tensors.append(PendingTensor(KEY_PREFIX + name + suffix, arr.shape, arr.dtype,
@@ -329,14 +392,18 @@ def save_adapter(path: str | os.PathLike, config: Mapping[str, Any],
     return target
 
 
-def load_adapter(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """Read a PEFT LoRA adapter directory -> (validated config dict, {module name: (A [r, in], B [out, r])}).
+def _packed_rank(cfg: Mapping[str, Any], key: str, parameters: Mapping[str, tuple[str, int]] | None) -> int:
+    """The leading/trailing size of a stored A/B pair: r of a module, r*E of a raw expert parameter."""
+    if parameters and key in parameters:
+        name, experts = parameters[key]
+        return module_rank_alpha(cfg, name)[0] * int(experts)
+    return module_rank_alpha(cfg, key)[0]
 
-    Arrays keep their stored dtype (bfloat16 comes back as ``ml_dtypes.bfloat16``). Every module must have both
-    matrices, with the rank the config assigns it; any other tensor is an error naming it.
-    """
+
+def read_adapter_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The validated ``adapter_config.json`` of adapter directory ``path`` (errors name the file)."""
     root = Path(path)
-    cfg_file, weights_file = root / ADAPTER_CONFIG_NAME, root / ADAPTER_WEIGHTS_NAME
+    cfg_file = root / ADAPTER_CONFIG_NAME
     if not root.is_dir():
         hint = hub_id_hint(root) or f"; pass the folder holding {ADAPTER_CONFIG_NAME}"
         raise AdapterError(f"adapter path {root} is not a directory{hint}")
@@ -346,7 +413,22 @@ def load_adapter(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tup
         raw = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterError(f"{cfg_file}: cannot read adapter config ({e})") from None
-    cfg = check_adapter_config(raw, cfg_file)
+    return check_adapter_config(raw, cfg_file)
+
+
+def load_adapter(path: str | os.PathLike, *,
+                 parameters: Callable[[dict[str, Any]], Mapping[str, tuple[str, int]]] | None = None
+                 ) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Read a PEFT LoRA adapter directory -> (validated config dict, {module name: (A [r, in], B [out, r])}).
+
+    Arrays keep their stored dtype (bfloat16 comes back as ``ml_dtypes.bfloat16``). Every module must have both
+    matrices, with the rank the config assigns it; any other tensor is an error naming it. ``parameters``:
+    called with the validated config once the file holds only LoRA pairs, it returns (as for ``save_adapter``)
+    the keys that hold raw-parameter (expert) adapters, whose sizes are r*E.
+    """
+    root = Path(path)
+    cfg_file, weights_file = root / ADAPTER_CONFIG_NAME, root / ADAPTER_WEIGHTS_NAME
+    cfg = read_adapter_config(root)
     if not weights_file.is_file():
         pickled = [p for p in _PICKLED if (root / p).is_file()]
         hint = ""
@@ -368,6 +450,7 @@ def load_adapter(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tup
     if foreign:
         raise AdapterError(f"{weights_file}: tensors that are not plain LoRA A/B matrices: {_listing(foreign)}\n"
                            f"{_why_foreign(foreign)}")
+    wrapped = parameters(cfg) if parameters is not None else None
 
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     fd = os.open(weights_file, os.O_RDONLY)
@@ -380,7 +463,7 @@ def load_adapter(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, tup
                     raise AdapterError(f"{weights_file}: {KEY_PREFIX}{name}{suffix} is missing (its partner "
                                        "matrix is present); the file is incomplete: re-export the adapter")
             a_info, b_info = half[_SUFFIX_A], half[_SUFFIX_B]
-            rank, _ = module_rank_alpha(cfg, name)
+            rank = _packed_rank(cfg, name, wrapped)
             for info, ok in ((a_info, len(a_info.shape) == 2 and a_info.shape[0] == rank),
                              (b_info, len(b_info.shape) == 2 and b_info.shape[1] == rank)):
                 if not ok:

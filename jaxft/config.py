@@ -131,6 +131,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # The router load-balancing loss (transformers' `load_balancing_loss_func`) times this coefficient is added
+    # to the training loss; None: not added (config.json's output_router_logits false).
+    router_aux_loss_coef: float | None = None
     # The source config.json, kept so that `to_hf` round-trips keys jaxft does not model (token ids, ...).
     hf_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
@@ -182,6 +185,11 @@ class ModelConfig:
             if self.num_experts_per_tok > self.num_experts:
                 raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be at most num_experts "
                                   f"({self.num_experts})")
+        coef = self.router_aux_loss_coef
+        if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef >= 0
+                                 or coef == float("inf") or not self.num_experts):
+            raise ConfigError(f"router_aux_loss_coef={coef!r} must be a finite number >= 0 on a mixture-of-experts "
+                              "model (or output_router_logits: false)")
         bad = sorted(set(self.layer_ropes) - set(LAYER_ROPES))
         if bad:
             raise ConfigError(f"layer_ropes has {bad}; each entry must be one of {LAYER_ROPES}")

@@ -13,11 +13,17 @@ Which modules are targeted is decided on Hugging Face module names (`model.layer
 PEFT's rules (`bridge.peft.target_matches`, `pattern_key`), so a `LoraConfig` selects exactly the modules the
 equivalent `peft.LoraConfig` selects. The HF name <-> jaxft path correspondence comes from the bridge's
 mapping table (rows `<module>.weight` -> `<path>.kernel`): one source of truth for checkpoints and adapters.
+
+MoE experts are raw 3-D parameters in transformers, adapted by PEFT's `target_parameters`
+(`LoraConfig.target_parameters=("experts.gate_up_proj", "experts.down_proj")`): each becomes a
+`jaxft.models.moe.ExpertLora` (A [L, E, in, r], B [L, E, r, out]) at the path the family's `lora_parameters`
+rows name; PEFT's packed [r*E, in] / [out, r*E] layout is converted in `save_adapter` / `load_adapter`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -35,6 +41,7 @@ from bridge.mappings.schema import LAYER
 from jaxft.config import ConfigError
 from jaxft.models.families import family_for
 from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, linears, logical
+from jaxft.models.moe import ExpertLora, expert_adapters
 
 __all__ = [
     "LoraConfig",
@@ -78,6 +85,9 @@ class LoraConfig:
     rank_pattern / alpha_pattern: {pattern: value}; a module takes the value of the first key (dict order)
     that matches its full name as `(.*\\.)?(key)$` (e.g. {"q_proj": 4, "model.layers.0.mlp.up_proj": 2}).
     exclude_modules: names (list, same rule as target_modules) or a regex removed from the targets.
+    target_parameters: raw parameter names (MoE experts: ["experts.gate_up_proj", "experts.down_proj"]), each
+    matching a parameter whose full name (`model.layers.0.mlp.experts.down_proj`) equals it or ends with "." +
+    it; PEFT's ParamWrapper has no dropout, so dropout must be 0. target_modules may then be None (no modules).
     Lists are stored as sorted tuples and the pattern dicts are copied (their order is kept: first match wins),
     so a config is hashable (it is static metadata of the model it is applied to).
     """
@@ -90,6 +100,7 @@ class LoraConfig:
     rank_pattern: Mapping[str, int] = dataclasses.field(default_factory=dict)
     alpha_pattern: Mapping[str, float] = dataclasses.field(default_factory=dict)
     exclude_modules: str | tuple[str, ...] | None = None
+    target_parameters: tuple[str, ...] | None = None
 
     def __post_init__(self):
         def bad(field: str, why: str):
@@ -103,7 +114,22 @@ class LoraConfig:
             bad("dropout", "must be a number in [0, 1)")
         if not isinstance(self.use_rslora, bool):
             bad("use_rslora", "must be True or False")
-        object.__setattr__(self, "target_modules", _names_or_regex(self.target_modules, "target_modules", False))
+        params = self.target_parameters
+        if params is not None:
+            if isinstance(params, str) or not isinstance(params, (list, tuple, set, frozenset)) or not all(
+                    isinstance(n, str) and n for n in params):
+                bad("target_parameters", "must be None or a list of parameter names such as "
+                    "['experts.gate_up_proj', 'experts.down_proj'] (PEFT has no regex form)")
+            params = tuple(sorted(params)) or None  # PEFT keeps a set
+            object.__setattr__(self, "target_parameters", params)
+        if params and self.dropout:
+            bad("dropout", "must be 0 with target_parameters (PEFT's ParamWrapper cannot apply dropout to a raw "
+                "parameter)")
+        if params and self.target_modules in (None, (), []):
+            object.__setattr__(self, "target_modules", None)  # only parameters are adapted
+        else:
+            object.__setattr__(self, "target_modules",
+                               _names_or_regex(self.target_modules, "target_modules", False))
         if isinstance(self.target_modules, str) and self.target_modules.lower() == ALL_LINEAR:
             object.__setattr__(self, "target_modules", ALL_LINEAR)  # PEFT compares case-insensitively
         object.__setattr__(self, "exclude_modules", _names_or_regex(self.exclude_modules, "exclude_modules", True))
@@ -123,7 +149,8 @@ class LoraConfig:
 
     def __hash__(self) -> int:
         return hash((self.r, self.alpha, self.dropout, self.target_modules, self.use_rslora,
-                     frozenset(self.rank_pattern.items()), frozenset(self.alpha_pattern.items()), self.exclude_modules))
+                     frozenset(self.rank_pattern.items()), frozenset(self.alpha_pattern.items()), self.exclude_modules,
+                     self.target_parameters))
 
     def scale(self, rank: int, alpha: float) -> float:
         """The LoRA scale of a module of this rank and alpha: alpha / r, or alpha / sqrt(r) under rsLoRA."""
@@ -136,7 +163,7 @@ class LoraConfig:
         return dict(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
                     target_modules=listed(self.target_modules), use_rslora=self.use_rslora,
                     rank_pattern=dict(self.rank_pattern), alpha_pattern=dict(self.alpha_pattern),
-                    exclude_modules=listed(self.exclude_modules))
+                    exclude_modules=listed(self.exclude_modules), target_parameters=listed(self.target_parameters))
 
     @classmethod
     def from_peft(cls, peft: Mapping[str, Any]) -> "LoraConfig":
@@ -144,7 +171,8 @@ class LoraConfig:
         return cls(r=peft["r"], alpha=peft["lora_alpha"], dropout=peft.get("lora_dropout", 0.0) or 0.0,
                    target_modules=peft["target_modules"], use_rslora=bool(peft.get("use_rslora", False)),
                    rank_pattern=peft.get("rank_pattern") or {}, alpha_pattern=peft.get("alpha_pattern") or {},
-                   exclude_modules=peft.get("exclude_modules") or None)
+                   exclude_modules=peft.get("exclude_modules") or None,
+                   target_parameters=peft.get("target_parameters") or None)
 
 
 def _finite_number(x) -> bool:
@@ -199,11 +227,19 @@ class _Modules:
     unsupported: dict[str, str]  # HF module name -> why LoRA cannot go there (output head, non-linear modules)
     head: frozenset[str]  # the output head's name(s): adapter weights there cannot be represented at all
     num_layers: int
+    params: tuple[_Site, ...] = ()  # raw expert parameters (target_parameters), in the HF module's order
 
     def linear_names(self) -> Iterator[tuple[str, _Site, int]]:
         for site in self.sites:
             for layer, name in enumerate(site.names(self.num_layers)):
                 yield name, site, layer
+
+    def param_names(self) -> Iterator[tuple[str, _Site, int]]:
+        """(full parameter name, site, layer), layer by layer and in module order within a layer (the order PEFT
+        nests its wrappers in, see `bridge.peft.param_wrapper_keys`)."""
+        for layer in range(self.num_layers):
+            for site in self.params:
+                yield site.names(self.num_layers)[layer], site, layer
 
 
 def _modules(model) -> _Modules:
@@ -227,7 +263,8 @@ def _modules(model) -> _Modules:
         else:
             why = "not a linear layer: jaxft supports LoRA on linear layers only (no embedding or norm LoRA)"
             unsupported.update({n: why for n in names})
-    return _Modules(tuple(sites), unsupported, frozenset(head), cfg.num_layers)
+    params = tuple(_Site(row.path, row.hf, True) for row in family_for(cfg.model_type).lora_parameters)
+    return _Modules(tuple(sites), unsupported, frozenset(head), cfg.num_layers, params)
 
 
 def _short_names(mods: _Modules) -> list[str]:
@@ -245,7 +282,8 @@ def _no_match_error(what: str, mods: _Modules, model_type: str, regex: bool) -> 
 
 
 def _plan(model, cfg: LoraConfig, *, strict: bool) -> dict[_Site, list[tuple[int, float] | None]]:
-    """{site: per layer (rank, scale) or None when that layer's module is not targeted}.
+    """{site: per layer (rank, scale) or None when that layer's module is not targeted}; linear sites from
+    target_modules, expert-parameter sites from target_parameters.
 
     strict (apply_lora): every target list entry, exclude entry and pattern key must select something, and a
     match on a module LoRA cannot adapt is an error. Lenient (load_adapter): like PEFT, only an adapter that
@@ -253,6 +291,27 @@ def _plan(model, cfg: LoraConfig, *, strict: bool) -> dict[_Site, list[tuple[int
     """
     mods = _modules(model)
     model_type = model.config.model_type
+    targets = cfg.target_modules
+    kept = _plan_linears(mods, cfg, model_type, strict) if targets is not None else []
+    if cfg.target_parameters:
+        kept += _plan_params(mods, cfg, model_type, strict)
+
+    peft_like = dict(r=cfg.r, lora_alpha=cfg.alpha, rank_pattern=cfg.rank_pattern, alpha_pattern=cfg.alpha_pattern)
+    plan: dict[_Site, list[tuple[int, float] | None]] = {}
+    for name, site, layer in kept:
+        rank, alpha = peft_io.module_rank_alpha(peft_like, name)
+        plan.setdefault(site, [None] * mods.num_layers)[layer] = (rank, cfg.scale(rank, alpha))
+    if strict:
+        for field in ("rank_pattern", "alpha_pattern"):
+            for key in getattr(cfg, field):
+                if not any(peft_io.pattern_key({key: 0}, n) for n, _, _ in kept):
+                    raise ConfigError(f"LoraConfig.{field} key {key!r} matches none of the targeted modules (e.g. "
+                                      f"{kept[0][0]!r}); keys match a full name as '(.*\\.)?(key)$'")
+    return plan
+
+
+def _plan_linears(mods: _Modules, cfg: LoraConfig, model_type: str, strict: bool) -> list[tuple[str, _Site, int]]:
+    """The (name, site, layer) of every linear module target_modules selects and exclude_modules keeps."""
     targets = cfg.target_modules
     entries = list(mods.linear_names())
 
@@ -281,19 +340,23 @@ def _plan(model, cfg: LoraConfig, *, strict: bool) -> dict[_Site, list[tuple[int
     if strict and cfg.exclude_modules and len(kept) == len(chosen):
         raise ConfigError(f"LoraConfig.exclude_modules={_show(cfg.exclude_modules)} excludes none of the targeted "
                           f"modules (e.g. {chosen[0][0]!r}); fix the names or drop it")
+    return kept
 
-    peft_like = dict(r=cfg.r, lora_alpha=cfg.alpha, rank_pattern=cfg.rank_pattern, alpha_pattern=cfg.alpha_pattern)
-    plan: dict[_Site, list[tuple[int, float] | None]] = {}
-    for name, site, layer in kept:
-        rank, alpha = peft_io.module_rank_alpha(peft_like, name)
-        plan.setdefault(site, [None] * mods.num_layers)[layer] = (rank, cfg.scale(rank, alpha))
-    if strict:
-        for field in ("rank_pattern", "alpha_pattern"):
-            for key in getattr(cfg, field):
-                if not any(peft_io.pattern_key({key: 0}, n) for n, _, _ in kept):
-                    raise ConfigError(f"LoraConfig.{field} key {key!r} matches none of the targeted modules (e.g. "
-                                      f"{kept[0][0]!r}); keys match a full name as '(.*\\.)?(key)$'")
-    return plan
+
+def _plan_params(mods: _Modules, cfg: LoraConfig, model_type: str, strict: bool) -> list[tuple[str, _Site, int]]:
+    """The (name, site, layer) of every expert parameter target_parameters selects (PEFT's matching rule: the
+    full name equals an entry or ends with "." + it)."""
+    entries = list(mods.param_names())
+    wanted = cfg.target_parameters
+    unmatched = [t for t in wanted if not any(peft_io.target_matches(n, (t,)) for n, _, _ in entries)]
+    if unmatched and (strict or len(unmatched) == len(wanted)):
+        if not mods.params:
+            raise LoraConfigError("target_parameters", f"{unmatched[0]!r}: this {model_type} model has no raw "
+                                  "parameters LoRA can target (they are MoE expert weights); use target_modules")
+        short = ", ".join(".".join(s.template.split(".")[-2:]) for s in mods.params)
+        raise LoraConfigError("target_parameters", f"{unmatched[0]!r} matches no parameter of this {model_type} "
+                              f"model; expert parameters: {short} (full names look like {entries[0][0]!r})")
+    return [(n, s, l) for n, s, l in entries if peft_io.target_matches(n, wanted)]
 
 
 def _show(value) -> str:
@@ -304,7 +367,8 @@ def target_names(model, cfg: LoraConfig) -> list[str]:
     """The HF module names `cfg` adapts on `model` (what PEFT would wrap), by module type (table order), then layer."""
     plan = _plan(model, cfg, strict=True)
     mods = _modules(model)
-    return [n for n, site, layer in mods.linear_names() if plan.get(site, [None] * mods.num_layers)[layer]]
+    names = [*mods.linear_names(), *mods.param_names()]
+    return [n for n, site, layer in names if plan.get(site, [None] * mods.num_layers)[layer]]
 
 
 # --------------------------------------------------------------------------- apply / merge
@@ -336,29 +400,54 @@ def _random_fill(seed: int):
     with g = dL/dy (times s_l), dL/dA_l[:, j] = x^T g B_l[j, :]^T = 0 because row j of B_l is 0, and
     dL/dB_l[j, :] = (x A_l[:, j])^T g = 0 because column j of A_l is 0. (For untargeted layers s_l = 0 as well.)
     """
-    def fill(index: int, site: _Site, lin: Linear, ranks: np.ndarray):
-        # Drawn on the host (numpy): no XLA program to compile per adapter shape, and A is small ([L, in, r]).
+    def fill(index: int, site: _Site, shape: tuple[int, ...], ranks: np.ndarray):
+        # shape: the per-layer weight, [in, out] or [E, in, out] (experts: PEFT's lora_A is one nn.Linear(in,
+        # r*E), so its bound is 1/sqrt(in) as well). Drawn on the host (numpy): no XLA program to compile per
+        # adapter shape, and A is small ([L, (E,) in, r]).
+        *lead, n_in, n_out = shape
         r_max = int(ranks.max())
-        bound = 1.0 / math.sqrt(lin.in_features)
+        bound = 1.0 / math.sqrt(n_in)
         rng = np.random.default_rng([seed, index])
-        a = rng.uniform(-bound, bound, (len(ranks), lin.in_features, r_max)).astype(np.float32)
-        a *= np.arange(r_max)[None, None, :] < ranks[:, None, None]
-        return jnp.asarray(a), jnp.zeros((len(ranks), r_max, lin.out_features), jnp.float32)
+        a = rng.uniform(-bound, bound, (len(ranks), *lead, n_in, r_max)).astype(np.float32)
+        a *= (np.arange(r_max) < ranks.reshape(-1, *[1] * (len(lead) + 2)))
+        return jnp.asarray(a), jnp.zeros((len(ranks), *lead, r_max, n_out), jnp.float32)
     return fill
 
 
+def _ranks_scales(per_layer) -> tuple[np.ndarray, np.ndarray]:
+    return (np.array([p[0] if p else 0 for p in per_layer], np.int32),
+            np.array([p[1] if p else 0.0 for p in per_layer], np.float32))
+
+
+def _expert_shape(holder, slot: str) -> tuple[int, int, int]:
+    """(E, in, out) of the expert weight an adapter slot of a MoE MLP adapts."""
+    n_in, n_out = holder.lora_features(slot)
+    return getattr(holder, holder.LORA_KERNELS[slot][0]).shape[-3], n_in, n_out
+
+
 def _install(model, cfg: LoraConfig, plan, fill) -> None:
-    if any(lin.has_lora for _, lin in linears(model)):
+    if any(lin.has_lora for _, lin in linears(model)) or expert_adapters(model):
         raise ValueError("the model already has LoRA adapters; merge_lora(model) first to stack a new adapter on "
                          "the merged weights, or start from a freshly loaded base model")
-    for index, site in enumerate(_modules(model).sites):
+    mods = _modules(model)
+    for index, site in enumerate(mods.params, start=len(mods.sites)):
+        if site not in plan:
+            continue
+        holder, slot = _linear(model, site.path[:-1]), site.path[-1]
+        ranks, scales = _ranks_scales(plan[site])
+        a, b = fill(index, site, _expert_shape(holder, slot), ranks)
+        kernel = getattr(holder, holder.LORA_KERNELS[slot][0])[...]
+        adapter = ExpertLora(_like_kernel(a, kernel, (0, 1, 2, None)), _like_kernel(b, kernel, (0, 1, None, None)),
+                             _like_kernel(jnp.asarray(scales), kernel, (0,)),
+                             _like_kernel(jnp.asarray(ranks), kernel, (0,)))
+        setattr(holder, slot, nnx.data(adapter))
+    for index, site in enumerate(mods.sites):
         per_layer = plan.get(site)
         if per_layer is None:
             continue
         lin = _linear(model, site.path)
-        ranks = np.array([p[0] if p else 0 for p in per_layer], np.int32)
-        scales = np.array([p[1] if p else 0.0 for p in per_layer], np.float32)
-        a, b = fill(index, site, lin, ranks)
+        ranks, scales = _ranks_scales(per_layer)
+        a, b = fill(index, site, (lin.in_features, lin.out_features), ranks)
         kernel = lin.kernel[...] if lin.quant is None else None
         # `nnx.data`: these attributes were None (static) on the fresh Linear and now hold state.
         # Logical axes as the kernel's: A [layers, in, rank], B [layers, rank, out] (jaxft.sharding's rules).
@@ -396,6 +485,29 @@ def _merged(kernel, a, b, scale):
     return (kernel.astype(jnp.float32) + scale[:, None, None] * delta).astype(kernel.dtype)
 
 
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _merged_experts(kernel, a, b, scale, start: int, stop: int):
+    """W_e + s_l * (A_e B_e)[:, start:stop] per layer and expert (the columns of the fused adapter output that
+    belong to this kernel), accumulated in fp32, returned in the kernel's dtype."""
+    delta = jnp.einsum("leir,lero->leio", a, b[..., start:stop], precision=jax.lax.Precision.HIGHEST)
+    return (kernel.astype(jnp.float32) + scale[:, None, None, None] * delta).astype(kernel.dtype)
+
+
+def _expert_merges(model) -> dict[tuple[str, ...], tuple]:
+    """{expert kernel path: (MoE MLP, kernel attribute, first column, end column, ExpertLora)} for every adapted
+    expert kernel: the adapter output columns [first, end) add to that kernel."""
+    out = {}
+    for path, adapter in expert_adapters(model):
+        *owner, slot = path.split(".")
+        holder = _linear(model, tuple(owner))
+        start = 0
+        for name in holder.LORA_KERNELS[slot]:
+            width = getattr(holder, name).shape[-1]
+            out[(*owner, name)] = (holder, name, start, start + width, adapter)
+            start += width
+    return out
+
+
 class _MergedKernels(Mapping):
     """{kernel path: merged kernel}, each computed when it is read, so a caller that moves one to host at a time
     holds one extra kernel at a time on the device."""
@@ -403,21 +515,28 @@ class _MergedKernels(Mapping):
     def __init__(self, model):
         self._dtype = getattr(model, "dtype", None)
         self._lins = {(*tuple(p.split(".")), "kernel"): lin for p, lin in linears(model) if lin.has_lora}
+        self._experts = _expert_merges(model)
 
     def __getitem__(self, key):
-        lin = self._lins[tuple(key)]
+        key = tuple(key)
+        if key in self._experts:
+            holder, name, start, stop, ad = self._experts[key]
+            return _merged_experts(getattr(holder, name)[...], ad.lora_a[...], ad.lora_b[...], ad.lora_scale[...],
+                                   start, stop)
+        lin = self._lins[key]
         # A 4-bit linear merges into its dequantised weight (in the model's dtype, as bitsandbytes computes it).
         return _merged(lin.frozen_kernel(self._dtype), lin.lora_a[...], lin.lora_b[...], lin.lora_scale[...])
 
     def __iter__(self):
-        return iter(self._lins)
+        return iter([*self._lins, *self._experts])
 
     def __len__(self):
-        return len(self._lins)
+        return len(self._lins) + len(self._experts)
 
 
 def merged_kernels(model) -> Mapping[tuple[str, ...], jax.Array]:
-    """{("layers", "attn", "q_proj", "kernel"): W + s*A@B (per layer, kernel dtype)} for every Linear with LoRA.
+    """{("layers", "attn", "q_proj", "kernel"): W + s*A@B (per layer, kernel dtype)} for every Linear with LoRA,
+    and {("layers", "mlp", "gate_proj"): W_e + s*A_e@B_e (per layer and expert)} for every adapted expert kernel.
 
     The model is not modified (what `save_pretrained` exports). Values are computed on access.
     """
@@ -427,16 +546,25 @@ def merged_kernels(model) -> Mapping[tuple[str, ...], jax.Array]:
 def merge_lora(model):
     """Folds every adapter into its kernel (W <- W + s*A@B) and removes the adapters; in place, returns model."""
     merged = merged_kernels(model)
+    experts = _expert_merges(model)
     for key in merged:
-        if _linear(model, key[:-1]).quant is not None:
+        if key not in experts and _linear(model, key[:-1]).quant is not None:
             raise ValueError(f"merge_lora: {'.'.join(key[:-1])} is a 4-bit linear; merging would need re-quantising "
                              "it. Export the merged model with jaxft.save_pretrained (dequantised), or keep the "
                              "adapter separate (save_adapter)")
+    values = {key: merged[key] for key in experts}  # every expert kernel before any adapter is removed
     for key in list(merged):
+        if key in experts:
+            holder, name = experts[key][:2]
+            getattr(holder, name)[...] = values[key]
+            continue
         lin = _linear(model, key[:-1])
         lin.kernel[...] = merged[key]
         lin.lora_a = lin.lora_b = lin.lora_scale = lin.lora_rank = nnx.static(None)
         lin.lora_dropout = 0.0
+    for path, _ in expert_adapters(model):
+        *owner, slot = path.split(".")
+        setattr(_linear(model, tuple(owner)), slot, None)
     model.lora_config = None
     return model
 
@@ -499,11 +627,26 @@ def save_adapter(model, path: str | os.PathLike, *, base_model_name_or_path: str
                 continue
             r = int(ranks[layer])
             weights[name] = (a[layer, :, :r].T, b[layer, :r, :].T)
+    keys = _param_keys(model, plan)
+    for key, (name, site, layer, _) in keys.items():
+        adapter = _linear(model, site.path)
+        r = int(np.asarray(adapter.lora_rank[...])[layer])
+        a = np.asarray(adapter.lora_a[...][layer], np.float32)[..., :r]
+        b = np.asarray(adapter.lora_b[...][layer], np.float32)[..., :r, :]
+        weights[key] = peft_io.pack_experts(a, b)
     fields = cfg.peft_fields()
     if cfg.target_modules == ALL_LINEAR:
         fields.update(target_modules=_condensed_targets(model, plan), exclude_modules=None)
     config = peft_io.make_adapter_config(**fields, base_model_name_or_path=base_model_name_or_path)
-    return peft_io.save_adapter(path, config, weights, overwrite=overwrite)
+    return peft_io.save_adapter(path, config, weights, overwrite=overwrite,
+                                parameters={k: (v[0], v[3]) for k, v in keys.items()})
+
+
+def _param_keys(model, plan) -> dict[str, tuple[str, _Site, int, int]]:
+    """{adapter-file module key: (parameter name, site, layer, experts E)} for every targeted expert parameter."""
+    targeted = [(n, s, l) for n, s, l in _modules(model).param_names() if plan.get(s) and plan[s][l]]
+    keys = peft_io.param_wrapper_keys([n for n, _, _ in targeted])
+    return {keys[n]: (n, s, l, _expert_shape(_linear(model, s.path[:-1]), s.path[-1])[0]) for n, s, l in targeted}
 
 
 def load_adapter(model, path: str | os.PathLike):
@@ -515,15 +658,23 @@ def load_adapter(model, path: str | os.PathLike):
     this model lacks, and shape mismatches with the model.
     """
     path = Path(path)
-    peft_cfg, weights = peft_io.load_adapter(path)
     source = path / peft_io.ADAPTER_CONFIG_NAME
-    try:
-        cfg = LoraConfig.from_peft(peft_cfg)
-        plan = _plan(model, cfg, strict=False)
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+    planned = {}
+
+    def expert_keys(peft_cfg):  # called by the reader once the file holds only LoRA pairs
+        try:
+            planned["cfg"] = cfg = LoraConfig.from_peft(peft_cfg)
+            planned["plan"] = plan = _plan(model, cfg, strict=False)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        planned["keys"] = keys = _param_keys(model, plan)
+        return {k: (v[0], v[3]) for k, v in keys.items()}
+
+    _, weights = peft_io.load_adapter(path, parameters=expert_keys)
+    cfg, plan, keys = planned["cfg"], planned["plan"], planned["keys"]
     mods = _modules(model)
-    targeted = {n for n, site, layer in mods.linear_names() if plan.get(site) and plan[site][layer]}
+    key_of = {(site, layer): key for key, (_, site, layer, _) in keys.items()}
+    targeted = {n for n, site, layer in mods.linear_names() if plan.get(site) and plan[site][layer]} | set(keys)
     missing, extra = sorted(targeted - set(weights)), sorted(set(weights) - targeted)
     weights_file = path / peft_io.ADAPTER_WEIGHTS_NAME
     if missing:
@@ -534,21 +685,29 @@ def load_adapter(model, path: str | os.PathLike):
                          f"model does not have or {source.name} does not target, e.g. {extra[:3]}; was the "
                          "adapter trained for a different base model?")
 
-    def fill(index: int, site: _Site, lin: Linear, ranks: np.ndarray):
-        a = np.zeros((len(ranks), lin.in_features, int(ranks.max())), np.float32)
-        b = np.zeros((len(ranks), int(ranks.max()), lin.out_features), np.float32)
+    def fill(index: int, site: _Site, shape: tuple[int, ...], ranks: np.ndarray):
+        *lead, n_in, n_out = shape  # lead: (E,) for an expert parameter
+        r_max = int(ranks.max())
+        a = np.zeros((len(ranks), *lead, n_in, r_max), np.float32)
+        b = np.zeros((len(ranks), *lead, r_max, n_out), np.float32)
         for layer, name in enumerate(site.names(mods.num_layers)):
-            if not ranks[layer]:
+            r = int(ranks[layer])
+            if not r:
                 continue
-            pa, pb = weights[name]
-            want = ((int(ranks[layer]), lin.in_features), (lin.out_features, int(ranks[layer])))
+            key = key_of.get((site, layer), name)
+            pa, pb = weights[key]
+            packed = r * (lead[0] if lead else 1)  # PEFT stacks the experts' ranks: r*E rows of A
+            want = ((packed, n_in), (n_out, packed))
             if (pa.shape, pb.shape) != want:
                 raise ValueError(
-                    f"{weights_file}: {name}: lora_A {list(pa.shape)} / lora_B {list(pb.shape)} do not fit this "
-                    f"model's layer (expected {list(want[0])} / {list(want[1])}); was the adapter trained for a "
+                    f"{weights_file}: {key}: lora_A {list(pa.shape)} / lora_B {list(pb.shape)} do not fit this "
+                    f"model's {name} (expected {list(want[0])} / {list(want[1])}); was the adapter trained for a "
                     "different base model?")
-            a[layer, :, : ranks[layer]] = np.asarray(pa, np.float32).T
-            b[layer, : ranks[layer], :] = np.asarray(pb, np.float32).T
+            pa, pb = np.asarray(pa, np.float32), np.asarray(pb, np.float32)
+            if lead:
+                a[layer, ..., :r], b[layer, ..., :r, :] = peft_io.unpack_experts(pa, pb, lead[0])
+            else:
+                a[layer, :, :r], b[layer, :r, :] = pa.T, pb.T
         return jnp.asarray(a), jnp.asarray(b)
 
     _install(model, cfg, plan, fill)

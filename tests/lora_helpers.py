@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxft.models import linears
+from jaxft.models.moe import expert_adapters
 
 
 def rel_err(a, b) -> float:
@@ -16,11 +17,12 @@ def rel_err(a, b) -> float:
 
 
 def perturb_lora_b(model, seed: int = 1, std: float = 0.1) -> None:
-    """B ~ N(0, std) on the live entries (rows < rank of targeted layers); rank padding stays exactly zero."""
+    """B ~ N(0, std) on the live entries (rows < rank of targeted layers) of every adapter, Linear or expert
+    (`ExpertLora`, B [L, E, r, out]); rank padding stays exactly zero."""
     rng = np.random.default_rng(seed)
-    for _, lin in linears(model):
-        if lin.has_lora:
-            ranks = np.asarray(lin.lora_rank[...])
-            b = rng.normal(0.0, std, lin.lora_b.shape).astype(np.float32)
-            b *= np.arange(b.shape[-2])[:, None] < ranks[..., None, None]  # ranks: one per stacked layer
-            lin.lora_b[...] = jnp.asarray(b)
+    adapters = [lin for _, lin in linears(model) if lin.has_lora] + [ad for _, ad in expert_adapters(model)]
+    for ad in adapters:
+        ranks = np.asarray(ad.lora_rank[...])
+        b = rng.normal(0.0, std, ad.lora_b.shape).astype(np.float32)
+        live = np.arange(b.shape[-2])[:, None] < ranks.reshape(-1, *[1] * (b.ndim - 1))  # one rank per layer
+        ad.lora_b[...] = jnp.asarray(b * live)

@@ -220,17 +220,3 @@ def test_config_round_trips_and_bad_expert_counts_are_refused():
     assert (again.num_experts, again.num_experts_per_tok, again.norm_topk_prob) == (8, 2, True)
     with pytest.raises(ConfigError, match=r"num_experts_per_tok \(9\) must be at most num_experts \(8\)"):
         ModelConfig.from_hf({**hf, "num_experts_per_tok": 9})
-
-
-def test_router_aux_loss_that_jaxft_omits_is_announced(caplog):
-    from jaxft.models.families import qwen3_moe
-
-    hf = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, output_router_logits=True,
-              router_aux_loss_coef=0.001)
-    with caplog.at_level("WARNING", logger="jaxft.models"):
-        qwen3_moe.config_from_hf(hf, dict(num_layers=2))
-    assert any("router load-balancing loss" in r.message for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="jaxft.models"):
-        qwen3_moe.config_from_hf({**hf, "output_router_logits": False}, dict(num_layers=2))
-    assert not caplog.records

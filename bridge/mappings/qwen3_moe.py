@@ -11,12 +11,16 @@ parameters, but `save_pretrained` converts back to these names):
     model.layers.{i}.mlp.experts.{e}.down_proj.weight   [H, I]  -> ours down_proj  [L, E, I, H]
 
 Every row is transposed ([out, in] -> [in, out]); the fused on-disk layout is not read (see the family).
+
+Expert LoRA (`LORA_PARAMETERS`) targets the fused module parameters, as PEFT's `target_parameters` does:
+`experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `experts.down_proj` [E, H, I], declared in
+that order by transformers' Qwen3MoeExperts.
 """
 
 from __future__ import annotations
 
 from bridge.mappings import dense
-from bridge.mappings.schema import Row, Table, validate_table
+from bridge.mappings.schema import LoraParamRow, Row, Table, validate_table
 
 _L = "model.layers.{i}."
 _EXPERT = _L + "mlp.experts.{e}."
@@ -28,4 +32,9 @@ TABLE: Table = validate_table(
         Row(_EXPERT + "up_proj.weight", ("layers", "mlp", "up_proj"), "T", True),
         Row(_EXPERT + "down_proj.weight", ("layers", "mlp", "down_proj"), "T", True),
     )
+)
+
+LORA_PARAMETERS: tuple[LoraParamRow, ...] = (
+    LoraParamRow(_L + "mlp.experts.gate_up_proj", ("layers", "mlp", "gate_up_lora")),
+    LoraParamRow(_L + "mlp.experts.down_proj", ("layers", "mlp", "down_lora")),
 )

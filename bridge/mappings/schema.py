@@ -118,6 +118,33 @@ class Row:
 Table = tuple[Row, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraParamRow:
+    """A raw (non-Linear) HF parameter that LoRA can adapt, as PEFT's `target_parameters` does (MoE experts
+    stored as one 3-D tensor per layer), and the path of the adapter module jaxft keeps for it.
+
+    ``hf``: the parameter's name template inside the transformers model (``"model.layers.{i}.mlp.experts.
+    gate_up_proj"``, the name `target_parameters` entries match); ``path``: our adapter module
+    (``("layers", "mlp", "gate_up_lora")``). A family lists these rows in the order the transformers module
+    declares the parameters: PEFT nests one wrapper per targeted parameter in that order, which decides the
+    adapter file's key names (``bridge.peft.param_wrapper_keys``)."""
+
+    hf: str
+    path: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.hf.count(LAYER) != 1 or "{" in self.hf.replace(LAYER, ""):
+            raise ValueError(f"LoraParamRow {self.hf!r}: the template needs exactly one {LAYER} and no other slot")
+
+    @property
+    def module(self) -> str:
+        """The owning module's name template (``"model.layers.{i}.mlp.experts"``)."""
+        return self.hf.rpartition(".")[0]
+
+    def name(self, layer: int) -> str:
+        return self.hf.replace(LAYER, str(int(layer)))
+
+
 def validate_table(table: Table) -> Table:
     """Check a table is a tuple of Rows with unique HF templates and unique paths."""
     if not isinstance(table, tuple) or not table:

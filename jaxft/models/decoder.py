@@ -122,19 +122,40 @@ class Decoder(nnx.Module):
 
         `inputs_embeds` [B, T, H] replaces the token embedding (e.g. a vision tower's output merged with
         text embeddings); as in transformers it is used as given (no embedding scale)."""
+        return self._forward(input_ids, positions, segment_ids, dropout_rng, execution, inputs_embeds, False)[0]
+
+    def hidden_states_and_router_stats(self, input_ids, positions=None, segment_ids=None, *, dropout_rng=None,
+                                       execution: ExecutionConfig = DEFAULT_EXECUTION):
+        """(final-normed hidden states, router stats [2, E] summed over the sparse layers, counted rows): what
+        `jaxft.models.moe.load_balancing_loss` needs. Tokens count unless they are padding (segment id 0); rows
+        = counted tokens x sparse layers (transformers' attention-mask handling)."""
+        return self._forward(input_ids, positions, segment_ids, dropout_rng, execution, None, True)
+
+    def _forward(self, input_ids, positions, segment_ids, dropout_rng, execution, inputs_embeds, with_stats):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Decoder.hidden_states: pass exactly one of input_ids and inputs_embeds")
+        cfg = self.config
+        if with_stats and not cfg.num_experts:
+            raise ValueError(f"Decoder.hidden_states_and_router_stats: this {cfg.model_type} model has no router")
         shape = None if inputs_embeds is None else inputs_embeds.shape[:2]
         ctx = self.batch_context(input_ids, positions, segment_ids, execution, shape=shape)
         x = self.embed_tokens(ctx["input_ids"]) if inputs_embeds is None else jnp.asarray(inputs_embeds, self.dtype)
+        extra, stats, rows = {}, None, None
+        if with_stats:
+            seg = ctx["segment_ids"]
+            weights = jnp.ones(x.shape[:2], jnp.float32) if seg is None else (seg != 0).astype(jnp.float32)
+            extra = dict(router_token_weights=weights)
+            stats = jnp.zeros((2, cfg.num_experts), jnp.float32)
+            rows = jnp.sum(weights) * cfg.num_layers  # every layer is sparse
 
         def group_ctx(group):
             cos, sin = ctx["rope"][group.rope]
-            return dict(cos=cos, sin=sin, attend=self._attend_fn(ctx, group.window))
+            return dict(cos=cos, sin=sin, attend=self._attend_fn(ctx, group.window), **extra)
 
-        x = run_groups(self.layers, x, layer_groups(self.config), group_ctx, dropout_rng=dropout_rng,
-                       remat=execution.remat)
-        return self.final_norm(x)
+        out = run_groups(self.layers, x, layer_groups(cfg), group_ctx, dropout_rng=dropout_rng,
+                         remat=execution.remat, router_stats=stats)
+        x, stats = out if with_stats else (out, None)
+        return self.final_norm(x), stats, rows
 
     def embed_tokens(self, input_ids) -> jax.Array:
         """Token embeddings [B, T, H] in the activation dtype (times sqrt(H) rounded to it, for Gemma)."""

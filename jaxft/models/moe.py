@@ -16,7 +16,15 @@ Dispatch here has neither a host sync nor a loop over experts, and every shape i
     y  = zeros[N, H].at[token].add(ys)               (the weighted scatter back; duplicates are summed)
 `gmm` is `kernels_pallas.grouped_matmul`. The router is a plain parameter, not a `Linear`: LoRA never
 targets it (neither does PEFT: transformers' router is not an nn.Linear); the experts are [E, in, out]
-stacks, also not `Linear`s (expert LoRA is not supported yet).
+stacks, also not `Linear`s.
+
+Expert LoRA (`ExpertLora`, PEFT's `target_parameters` on the fused `experts.gate_up_proj` / `down_proj`):
+per expert e a rank-r update of W_e, applied without forming any per-expert delta weight:
+    y = gmm(xs, W) + gmm(gmm(xs, A), s * B)        A [E, in, r], B [E, r, out] (fp32 `LoraParam`), s = alpha/r
+The gate/up adapter is one adapter of width 2I (PEFT adapts the fused [E, 2I, H] parameter): its output's
+first I columns add to gate, the last I to up, so A is shared by both. Gradients: dB_e = s (xs_e A_e)^T dy_e
+and dA_e = xs_e^T (dy_e (s B_e)^T) come out of the grouped matmuls' own transposes (ragged dots); the frozen
+W is only read (d xs = dy W_e^T), never differentiated.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxft.config import ModelConfig
-from jaxft.models.layers import _init, logical, stack_axes
+from jaxft.models.layers import LoraParam, LoraRank, LoraScale, _init, logical, stack_axes
 from kernels_pallas.grouped_matmul import grouped_matmul
 
 
@@ -38,6 +46,25 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool):
     if norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return logits, weights.astype(x.dtype), experts.astype(jnp.int32)
+
+
+def router_stats(logits: jax.Array, experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """[2, E] fp32: row 0 the weighted count of top-k assignments per expert, row 1 the weighted sum of router
+    probabilities per expert, over tokens with weights [N] (1 = counted, 0 = padding)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    k = experts.shape[-1]
+    counts = jnp.zeros(probs.shape[-1], jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(weights, k))
+    return jnp.stack([counts, jnp.sum(probs * weights[:, None], axis=0)])
+
+
+def load_balancing_loss(stats: jax.Array, rows: jax.Array) -> jax.Array:
+    """Switch-Transformer load balancing as transformers' `load_balancing_loss_func`:
+
+        aux = E * sum_e f_e P_e,   f_e = (top-k assignments to e) / rows,   P_e = (sum of p_e) / rows
+
+    with counts and probability sums taken over every sparse layer's counted tokens together (`stats`, the sum
+    of the layers' `router_stats`) and rows = counted tokens x sparse layers. f sums to k, not 1 (as there)."""
+    return stats.shape[-1] * jnp.sum((stats[0] / rows) * (stats[1] / rows))
 
 
 def dispatch(experts: jax.Array, num_experts: int):
@@ -52,10 +79,38 @@ def dispatch(experts: jax.Array, num_experts: int):
     return order, token, group_sizes
 
 
+class ExpertLora(nnx.Module):
+    """LoRA on a stack of expert weights [L, E, in, out]: A [L, E, in, r_max], B [L, E, r_max, out] (fp32),
+    per-layer scale [L] (0 where the layer is not targeted) and rank [L] (columns/rows past it are zero, as
+    for `jaxft.models.layers.Linear`). Called on one layer's slice: `delta(xs, sizes)` = gmm(gmm(xs, A), s B)."""
+
+    def __init__(self, a: jax.Array, b: jax.Array, scale: jax.Array, rank: jax.Array):
+        self.lora_a = LoraParam(a)
+        self.lora_b = LoraParam(b)
+        self.lora_scale = LoraScale(scale)
+        self.lora_rank = LoraRank(rank)
+
+    def delta(self, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        with jax.named_scope("expert_lora"):
+            xa = grouped_matmul(xs, self.lora_a[...].astype(xs.dtype), group_sizes)
+            # The scale is folded into the small [E, r, out] factor, never multiplied into a [tokens, out] tensor.
+            sb = (self.lora_b[...] * self.lora_scale[...]).astype(xs.dtype)
+            return grouped_matmul(xa, sb, group_sizes)
+
+
+def expert_adapters(module: nnx.Module):
+    """(dotted path, ExpertLora) for every expert adapter under `module`, in a stable order."""
+    out = [(".".join(str(p) for p in path), node) for path, node in nnx.iter_graph(module)
+           if isinstance(node, ExpertLora)]
+    return sorted(out, key=lambda item: item[0])
+
+
 class MoeMLP(nnx.Module):
     """Router + E gated experts (see the module docstring); the MLP slot's `branch` / `infer` interface."""
 
     NUM_LINEARS = 0  # no LoRA'd linears inside, so no dropout keys
+    # Expert adapter slots -> the kernels their output columns add to, in order (name, width from the kernel).
+    LORA_KERNELS = {"gate_up_lora": ("gate_proj", "up_proj"), "down_lora": ("down_proj",)}
 
     def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -70,28 +125,42 @@ class MoeMLP(nnx.Module):
                                    **logical(*lead, "experts", "mlp", "embed"))
         self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.hidden_act = cfg.hidden_act  # a name (static), looked up in parts.ACTIVATIONS
+        self.gate_up_lora: ExpertLora | None = None  # set by jaxft.lora
+        self.down_lora: ExpertLora | None = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def lora_features(self, slot: str) -> tuple[int, int]:
+        """(in, out) of an adapter slot's expert weight: the out width is that of its kernels together."""
+        kernels = [getattr(self, k) for k in self.LORA_KERNELS[slot]]
+        return kernels[0].shape[-2], sum(k.shape[-1] for k in kernels)
+
+    def __call__(self, x: jax.Array, token_weights: jax.Array | None = None):
+        """The block's output; with `token_weights` ([B, T] fp32, 0 on padding) also its `router_stats`."""
         from jaxft.models.parts import ACTIVATIONS  # parts registers this class in its MLP slot
 
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         with jax.named_scope("moe_router"):
-            _, weights, experts = route(xf, self.router[...], self.top_k, self.norm_topk_prob)
+            logits, weights, experts = route(xf, self.router[...], self.top_k, self.norm_topk_prob)
             order, token, sizes = dispatch(experts, self.num_experts)
+            stats = None if token_weights is None else router_stats(logits, experts, token_weights.reshape(-1))
         with jax.named_scope("moe_experts"):
             xs = xf[token]
             gate = grouped_matmul(xs, self.gate_proj[...].astype(x.dtype), sizes)
             up = grouped_matmul(xs, self.up_proj[...].astype(x.dtype), sizes)
+            if self.gate_up_lora is not None:
+                d = self.gate_up_lora.delta(xs, sizes)
+                gate, up = gate + d[:, :gate.shape[-1]], up + d[:, gate.shape[-1]:]
             h = ACTIVATIONS[self.hidden_act](gate, up)
             ys = grouped_matmul(h, self.down_proj[...].astype(x.dtype), sizes)
+            if self.down_lora is not None:
+                ys = ys + self.down_lora.delta(h, sizes)
             ys = ys * weights.reshape(-1)[order][:, None]
-            out = jnp.zeros_like(xf).at[token].add(ys)
-        return out.reshape(shape)
+            out = jnp.zeros_like(xf).at[token].add(ys).reshape(shape)
+        return out if stats is None else (out, stats)
 
-    def branch(self, norm, h, rngs: tuple, prevent_cse: bool) -> jax.Array:
+    def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None):
         # Nothing LoRA'd inside: autodiff keeps what the grouped matmuls' backward needs.
-        return self(norm(h))
+        return self(norm(h), token_weights)
 
     def infer(self, x) -> jax.Array:
         return self(x)

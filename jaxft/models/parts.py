@@ -198,7 +198,12 @@ class DecoderLayer(nnx.Module):
         q, k, v = _recompute(lambda x: self.attn.project(self.input_norm(x), ra), pc)(x)
         attn = _recompute(lambda o: self.attn.output(o, ra), pc)(self.attn.attend(q, k, v, ctx))
         h = x + self._out(self.attn_out_norm, attn)
-        return h + self._out(self.mlp_out_norm, self.mlp.branch(self.post_attn_norm, h, rm, pc))
+        token_weights = ctx.get("router_token_weights")
+        if token_weights is None:
+            return h + self._out(self.mlp_out_norm, self.mlp.branch(self.post_attn_norm, h, rm, pc))
+        # Router statistics requested (the load-balancing loss): (x, [2, E] stats of this layer's router).
+        y, stats = self.mlp.branch(self.post_attn_norm, h, rm, pc, token_weights)
+        return h + self._out(self.mlp_out_norm, y), stats
 
     def cached(self, x, ctx: dict[str, Any], cache):
         """Inference forward of new tokens x [B,T,H] against a KV cache: `(x, cache)`.

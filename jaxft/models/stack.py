@@ -83,9 +83,13 @@ def layer_period(groups: list[LayerGroup]) -> int | None:
 
 
 def run_groups(layers: nnx.Module, x: jax.Array, groups: list[LayerGroup],
-               group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, remat: str) -> jax.Array:
+               group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, remat: str,
+               router_stats: jax.Array | None = None):
     """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled.
-    Stacked weights of a periodic stack scan over whole periods (`layer_period`), the rest by group."""
+    Stacked weights of a periodic stack scan over whole periods (`layer_period`), the rest by group.
+
+    With `router_stats` (a zero [2, E] accumulator, and "router_token_weights" in the group contexts) every
+    layer returns (x, its router's stats), which are summed in the scan carry: the result is (x, stats)."""
     graphdef, state = nnx.split(layers)
     unrolled = is_unstacked(state)
     num_layers = groups[-1].end
@@ -94,7 +98,10 @@ def run_groups(layers: nnx.Module, x: jax.Array, groups: list[LayerGroup],
         # Unrolled layers run as separate program regions, so XLA could merge a recomputation back into
         # the forward pass; the CSE barriers keep remat meaning remat there (inside a scan they are moot).
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
-        return _layer_fn(graphdef, ctx, dropout_rng, remat=remat, prevent_cse=unrolled)
+        fn = _layer_fn(graphdef, ctx, dropout_rng, remat=remat, prevent_cse=unrolled)
+        return fn if router_stats is None else _summing_stats(fn)
+
+    carry = x if router_stats is None else (x, router_stats)
 
     period = None if unrolled else layer_period(groups)
     if period is not None:
@@ -110,20 +117,29 @@ def run_groups(layers: nnx.Module, x: jax.Array, groups: list[LayerGroup],
 
         head = jax.tree.map(lambda leaf: leaf[:reps * period].reshape(reps, period, *leaf.shape[1:]), state)
         bases = jnp.arange(0, reps * period, period, dtype=jnp.int32)
-        x, _ = jax.lax.scan(body, x, (head, bases))
+        carry, _ = jax.lax.scan(body, carry, (head, bases))
         # A last, incomplete period (e.g. 62 = 10 x 6 + 2 layers) runs by group below.
         groups = [dataclasses.replace(g, start=max(g.start, reps * period)) for g in groups if g.end > reps * period]
     for group in groups:
         layer_fn = fn_for(group)
         if unrolled:
             for i in range(group.start, group.end):
-                x = layer_fn(x, layer_slice(state, i), i)
+                carry = layer_fn(carry, layer_slice(state, i), i)
             continue
         run_state = state if (group.start, group.end) == (0, num_layers) else jax.tree.map(
             lambda leaf: leaf[group.start:group.end], state)
         indices = jnp.arange(group.start, group.end, dtype=jnp.int32)
-        x, _ = jax.lax.scan(lambda carry, xs: (layer_fn(carry, *xs), None), x, (run_state, indices))
-    return x
+        carry, _ = jax.lax.scan(lambda c, xs: (layer_fn(c, *xs), None), carry, (run_state, indices))
+    return carry  # x, or (x, router stats)
+
+
+def _summing_stats(layer_fn):
+    """`((x, acc), state, i) -> (x', acc + stats)` for a layer that returns (x', stats)."""
+    def fn(carry, layer_state, index):
+        x, acc = carry
+        x, stats = layer_fn(x, layer_state, index)
+        return x, acc + stats
+    return fn
 
 
 def _layer_fn(graphdef, layer_ctx, dropout_rng, *, remat: str, prevent_cse: bool):

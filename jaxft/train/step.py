@@ -7,7 +7,17 @@ Loss of one optimizer step over micro-batches m = 1..A (gradient accumulation) o
 
 Summed losses and summed gradients are accumulated over the micro-batches (a `lax.scan` inside the one
 jitted step) and divided once by the global target count, so A micro-batches of B rows give exactly the
-loss and gradient of one batch of A*B rows (up to float summation order). CE comes from
+loss and gradient of one batch of A*B rows (up to float summation order).
+
+MoE models whose config asks for the router load-balancing loss (`ModelConfig.router_aux_loss_coef`, from
+config.json's output_router_logits / router_aux_loss_coef) add c * aux_m per micro-batch, as transformers adds
+c * aux to its mean CE per forward pass:
+
+    L = (sum of w_t CE_t) / (sum of w_t)  +  c * mean_m aux_m
+
+(aux_m: `jaxft.models.moe.load_balancing_loss` over micro-batch m's non-padding tokens; with one micro-batch
+this is transformers' `outputs.loss`). It enters each micro-batch's summed objective as c * aux_m * N / A
+(N the step's target count), so the one division by N gives L. Other models' numbers are unchanged. CE comes from
 `kernels_pallas.linear_cross_entropy` on the final hidden states: the [tokens, vocab] fp32 logits are
 never materialised.
 
@@ -28,6 +38,7 @@ from flax import nnx
 from jaxft.execution import ExecutionConfig
 from jaxft.models.layers import LoraParam
 from jaxft.train.optim import make_optimizer  # noqa: F401  (re-exported: jaxft.train.step.make_optimizer)
+from jaxft.models.moe import load_balancing_loss
 from kernels_pallas.linear_cross_entropy import linear_cross_entropy
 
 Batch = dict[str, jax.Array]
@@ -87,12 +98,32 @@ def restack_layers(frozen: nnx.State, *, delete_source: bool = False) -> nnx.Sta
     return nnx.from_flat_state(out)
 
 
+def has_router_aux_loss(model) -> bool:
+    """Whether the model's training objective includes the router load-balancing loss."""
+    return model.config.router_aux_loss_coef is not None
+
+
 def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
-                   execution: ExecutionConfig = TRAIN_EXECUTION) -> jax.Array:
+                   execution: ExecutionConfig = TRAIN_EXECUTION, aux_weight: jax.Array | None = None) -> jax.Array:
     """sum_t loss_mask_t * CE(softmax(softcap(h_t @ W_head)), targets_t) over a [B, T] packed batch (fp32
-    scalar); softcap is the model's final logit softcap (Gemma 2), the identity when it has none."""
-    hidden = model.hidden_states(batch["input_ids"], batch["positions"], batch["segment_ids"],
-                                 dropout_rng=dropout_rng, execution=execution)
+    scalar); softcap is the model's final logit softcap (Gemma 2), the identity when it has none.
+
+    With `aux_weight` on a model that has the router aux loss, adds coef * aux * aux_weight (see the module
+    docstring); otherwise `aux_weight` is ignored."""
+    args = (batch["input_ids"], batch["positions"], batch["segment_ids"])
+    aux = None
+    if aux_weight is not None and has_router_aux_loss(model):
+        hidden, stats, rows = model.hidden_states_and_router_stats(*args, dropout_rng=dropout_rng,
+                                                                   execution=execution)
+        with jax.named_scope("router_aux_loss"):
+            aux = model.config.router_aux_loss_coef * load_balancing_loss(stats, jnp.maximum(rows, 1.0)) * aux_weight
+    else:
+        hidden = model.hidden_states(*args, dropout_rng=dropout_rng, execution=execution)
+    ce = _ce_sum(model, hidden, batch, execution)
+    return ce if aux is None else ce + aux
+
+
+def _ce_sum(model, hidden, batch: Batch, execution: ExecutionConfig) -> jax.Array:
     b, t, h = hidden.shape
     with jax.named_scope("cross_entropy"):
         return linear_cross_entropy(
@@ -108,8 +139,13 @@ def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.Stat
     """(sum of token losses, sum of their gradients w.r.t. `lora`, target count) over `batch` whose leaves are
     [A, B, T] (A micro-batches, scanned one at a time so only one micro-batch's activations are live)."""
 
+    accum = batch["loss_mask"].shape[0]
+    count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    aux_weight = count / accum  # c * aux_m * N / A per micro-batch: c * mean_m aux_m once divided by N
+
     def micro_loss(lora_, mb, r):
-        return token_loss_sum(nnx.merge(graphdef, lora_, frozen), mb, dropout_rng=r, execution=execution)
+        return token_loss_sum(nnx.merge(graphdef, lora_, frozen), mb, dropout_rng=r, execution=execution,
+                              aux_weight=aux_weight)
 
     grad_fn = jax.value_and_grad(micro_loss)
 
@@ -120,11 +156,9 @@ def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.Stat
         loss, grads = grad_fn(lora, mb, r)
         return (loss_acc + loss, jax.tree.map(jnp.add, grad_acc, grads)), None
 
-    accum = batch["loss_mask"].shape[0]
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), lora)
     init = (jnp.zeros((), jnp.float32), zeros)
     (loss_sum, grad_sum), _ = jax.lax.scan(body, init, (batch, jnp.arange(accum, dtype=jnp.int32)))
-    count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
     return loss_sum, grad_sum, count
 
 
@@ -164,8 +198,11 @@ def make_eval_step(graphdef: nnx.GraphDef, *, execution: ExecutionConfig = TRAIN
 
     def eval_step(lora, frozen, batch):
         model = nnx.merge(graphdef, lora, frozen)
-        loss = token_loss_sum(model, batch, execution=execution.replace(remat="none"))  # no backward: no remat
-        return loss, jnp.sum(batch["loss_mask"].astype(jnp.float32))
+        count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+        # No backward: no remat. The router aux loss (if any) is weighted by the batch's targets, so the eval
+        # loss is the CE mean plus c times the target-weighted mean of the batches' aux losses.
+        loss = token_loss_sum(model, batch, execution=execution.replace(remat="none"), aux_weight=count)
+        return loss, count
 
     return jax.jit(eval_step)
 

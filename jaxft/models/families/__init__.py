@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable, Mapping
 
-from bridge.mappings.schema import Table
+from bridge.mappings.schema import LoraParamRow, Table
 from jaxft.config import ConfigError, ModelConfig
 from jaxft.models.parts import BlockParts
 
@@ -23,7 +23,8 @@ class Family:
     config_from_hf(hf, common) -> the ModelConfig fields this family reads its own way (`common` holds the
     fields every family shares, already parsed, which the family may override); config_to_hf(cfg, out)
     writes them back into the config.json dict `out`. `table` maps HF tensor names to our parameter paths
-    (both directions); `parts` is what its decoder layer is assembled from."""
+    (both directions); `parts` is what its decoder layer is assembled from; `lora_parameters` lists the raw
+    (non-Linear) parameters LoRA can adapt, PEFT's `target_parameters` (MoE experts), in module order."""
 
     model_type: str
     architecture: str
@@ -31,6 +32,7 @@ class Family:
     parts: BlockParts
     config_from_hf: Callable[[Mapping[str, Any], dict[str, Any]], dict[str, Any]]
     config_to_hf: Callable[[ModelConfig, dict[str, Any]], None]
+    lora_parameters: tuple[LoraParamRow, ...] = ()
 
 
 _MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ("dense", "gemma", "qwen3_moe"))

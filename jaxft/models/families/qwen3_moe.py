@@ -6,22 +6,21 @@ is `jaxft.models.moe.MoeMLP`: `num_experts` (config.json spells it `num_experts`
 it, `num_local_experts`) experts of width `moe_intermediate_size`, `num_experts_per_tok` per token,
 `norm_topk_prob`.
 
+With `output_router_logits`, training adds `router_aux_loss_coef` (default 0.001, as transformers) times the
+router load-balancing loss to the cross-entropy (`ModelConfig.router_aux_loss_coef`; `jaxft.train.step`).
+
 Not modelled yet, and refused when it matters: dense layers among the sparse ones (`mlp_only_layers`,
-`decoder_sparse_step` > 1 need a second parameter stack per MLP kind). The router aux loss
-(`output_router_logits`, `router_aux_loss_coef`) is not added to jaxft's training loss; both keys are kept
-in config.json on export.
+`decoder_sparse_step` > 1 need a second parameter stack per MLP kind).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping
 
 from bridge.mappings import qwen3_moe as moe_table
 from jaxft.config import ConfigError, ModelConfig, RopeConfig
 from jaxft.models.parts import BlockParts
 
-logger = logging.getLogger("jaxft.models")
 PARTS = BlockParts(mlp="moe")
 _EXPERT_KEYS = ("num_experts", "num_local_experts")
 
@@ -51,10 +50,7 @@ def config_from_hf(hf: Mapping[str, Any], common: dict[str, Any]) -> dict[str, A
     _check_all_sparse(hf, common["num_layers"], num_experts)
     bias = bool(hf.get("attention_bias", False))
     window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
-    if hf.get("output_router_logits") and float(hf.get("router_aux_loss_coef") or 0.0) > 0:
-        logger.warning("config.json sets output_router_logits with router_aux_loss_coef=%s: transformers would add "
-                       "that multiple of the router load-balancing loss to the training loss; jaxft does not yet "
-                       "(its loss is the cross-entropy alone)", hf.get("router_aux_loss_coef"))
+    coef = hf.get("router_aux_loss_coef", 0.001)  # transformers' default
     if hf.get("moe_intermediate_size") is None:
         raise ConfigError("required key 'moe_intermediate_size' is missing for model_type='qwen3_moe'")
     return dict(
@@ -64,6 +60,8 @@ def config_from_hf(hf: Mapping[str, Any], common: dict[str, Any]) -> dict[str, A
         num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
         moe_intermediate_size=int(hf["moe_intermediate_size"]),
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        router_aux_loss_coef=(float(coef) if isinstance(coef, (int, float)) and not isinstance(coef, bool) else coef)
+        if hf.get("output_router_logits") else None,
     )
 
 
@@ -75,7 +73,10 @@ def config_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
     out[key] = cfg.num_experts
     out.update(attention_bias=cfg.qkv_bias, use_sliding_window=bool(windows),
                num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_intermediate_size,
-               norm_topk_prob=cfg.norm_topk_prob, mlp_only_layers=[], decoder_sparse_step=1)
+               norm_topk_prob=cfg.norm_topk_prob, mlp_only_layers=[], decoder_sparse_step=1,
+               output_router_logits=cfg.router_aux_loss_coef is not None)
+    if cfg.router_aux_loss_coef is not None:
+        out["router_aux_loss_coef"] = cfg.router_aux_loss_coef
     if windows:
         out["sliding_window"] = windows.pop()
 
@@ -83,7 +84,8 @@ def config_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
 def _family():
     from jaxft.models.families import Family  # the registry module imports this one
 
-    return Family("qwen3_moe", "Qwen3MoeForCausalLM", moe_table.TABLE, PARTS, config_from_hf, config_to_hf)
+    return Family("qwen3_moe", "Qwen3MoeForCausalLM", moe_table.TABLE, PARTS, config_from_hf, config_to_hf,
+                  lora_parameters=moe_table.LORA_PARAMETERS)
 
 
 FAMILIES = (_family(),)
