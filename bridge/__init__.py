@@ -3,6 +3,7 @@
 Public API:
   read_config(path) -> dict
   load_weights(path, table, expected, num_layers, dtype=None) -> {path_tuple: np.ndarray}
+  WeightSlices(path, table, expected, num_layers, dtype=None).read(path_tuple, index): one slice, from the files
   save_weights(path, table, params, num_layers, config, max_shard_bytes=5e9, dtype=None, *, overwrite=False)
   table_for(model_type) / TABLES / Row: name-mapping tables (bridge.mappings)
   flatten_tree / unflatten_tree: nested dict <-> {path_tuple: leaf}
@@ -10,7 +11,7 @@ Public API:
 """
 
 from bridge.errors import CheckpointError
-from bridge.hf import checkpoint_files, load_weights, read_config, save_weights
+from bridge.hf import WeightSlices, checkpoint_files, load_weights, read_config, save_weights
 from bridge.mappings import TABLES, Row, Table, table_for
 from bridge.tree import flatten_tree, unflatten_tree
 
@@ -20,6 +21,7 @@ __all__ = [
     "Row",
     "TABLES",
     "Table",
+    "WeightSlices",
     "flatten_tree",
     "load_weights",
     "read_config",

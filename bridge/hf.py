@@ -16,6 +16,7 @@ that is renamed onto the target at the end.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from bridge.tree import flatten_tree, unflatten_tree  # re-exported: bridge.hf i
 
 __all__ = [
     "CheckpointError",
+    "WeightSlices",
     "checkpoint_files",
     "flatten_tree",
     "load_weights",
@@ -195,40 +197,12 @@ def checkpoint_files(root: Path) -> list[Path]:
 # --------------------------------------------------------------------------- load
 
 
-def load_weights(
-    path: str | os.PathLike,
-    table: Table,
-    expected: Mapping[tuple, Any],
-    num_layers: int,
-    dtype: Any = None,
-    *,
-    num_experts: int | None = None,
-    ignore: Collection[str] = (),
-) -> dict[tuple, np.ndarray]:
-    """Load an HF safetensors checkpoint into flat tree arrays.
+def _locate(root: Path, table: Table, expected: Mapping[tuple, Any], num_layers: int, dtype: Any,
+            num_experts: int | None, ignore: Collection[str] = ()):
+    """Pass 1 of a load, headers only: every problem is found (and raised) before any data is read.
 
-    Args:
-      path: HF model directory (``model.safetensors`` or index + shards).
-      table: mapping table, e.g. ``bridge.mappings.table_for(config["model_type"])``.
-      expected: exactly the tree paths the model has -> ``jax.ShapeDtypeStruct``
-        or ``(shape, dtype)``; stacked paths include the leading ``num_layers``.
-      num_layers: L, the number of decoder layers.
-      dtype: if given, every output uses it instead of the per-path dtype.
-      num_experts: E, for rows with an ``{e}`` placeholder (MoE experts).
-      ignore: tensor names another reader takes (``bridge.bnb4bit``: 4-bit weights and their statistics);
-        they are neither loaded nor reported as unexpected.
-
-    Returns:
-      ``{path: np.ndarray}`` with the expected shapes/dtypes (bf16 is
-      ``ml_dtypes.bfloat16``). ``out[p][i] == hf[name_i].T`` for stacked
-      transposed rows, and so on.
-
-    Raises CheckpointError (a ValueError) for pickle-only directories, missing
-    / unexpected / mis-shaped tensors, corrupt or truncated files, and index
-    entries pointing at absent shards. A tied model (no ``lm_head.kernel``
-    expected) silently skips a file ``lm_head.weight`` shaped like the embedding.
-    """
-    root = Path(path)
+    Returns (wants: HF name -> (path, index, row, hf_shape), specs: path -> (shape, dtype), files,
+    located: HF name -> (file, TensorInfo))."""
     validate_table(table)
     num_layers = int(num_layers)
     override = None if dtype is None else _as_float_dtype(dtype, "load_weights(dtype=...)")
@@ -281,6 +255,44 @@ def load_weights(
                 bad_dtype.append(f"{name} in {file.name}: dtype {info.code}")
     missing = [f"{n} (expected shape {list(w[3])})" for n, w in wants.items() if n not in located]
     _raise_problems(root, missing, unexpected, misshaped, bad_dtype)
+    return wants, specs, files, located
+
+
+def load_weights(
+    path: str | os.PathLike,
+    table: Table,
+    expected: Mapping[tuple, Any],
+    num_layers: int,
+    dtype: Any = None,
+    *,
+    num_experts: int | None = None,
+    ignore: Collection[str] = (),
+) -> dict[tuple, np.ndarray]:
+    """Load an HF safetensors checkpoint into flat tree arrays.
+
+    Args:
+      path: HF model directory (``model.safetensors`` or index + shards).
+      table: mapping table, e.g. ``bridge.mappings.table_for(config["model_type"])``.
+      expected: exactly the tree paths the model has -> ``jax.ShapeDtypeStruct``
+        or ``(shape, dtype)``; stacked paths include the leading ``num_layers``.
+      num_layers: L, the number of decoder layers.
+      dtype: if given, every output uses it instead of the per-path dtype.
+      num_experts: E, for rows with an ``{e}`` placeholder (MoE experts).
+      ignore: tensor names another reader takes (``bridge.bnb4bit``: 4-bit weights and their statistics);
+        they are neither loaded nor reported as unexpected.
+
+    Returns:
+      ``{path: np.ndarray}`` with the expected shapes/dtypes (bf16 is
+      ``ml_dtypes.bfloat16``). ``out[p][i] == hf[name_i].T`` for stacked
+      transposed rows, and so on.
+
+    Raises CheckpointError (a ValueError) for pickle-only directories, missing
+    / unexpected / mis-shaped tensors, corrupt or truncated files, and index
+    entries pointing at absent shards. A tied model (no ``lm_head.kernel``
+    expected) silently skips a file ``lm_head.weight`` shaped like the embedding.
+    """
+    root = Path(path)
+    wants, specs, files, located = _locate(root, table, expected, num_layers, dtype, num_experts, ignore)
 
     # Pass 2: data into preallocated outputs. Host-side transposes run at ~1 GB/s per core, so tensors are
     # spread over a few threads (pread and numpy copies release the GIL); each thread reads its tensors in
@@ -525,3 +537,63 @@ def _swap_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
     os.rename(tmp, target)
     shutil.rmtree(old, ignore_errors=True)
 
+
+# --------------------------------------------------------------------------- load by slices
+
+
+class WeightSlices:
+    """An HF checkpoint read one slice of one tree array at a time (for sharded loading: each device's shard
+    is read from the files alone, so no process holds a whole tensor it does not own).
+
+    Opened with the same arguments as ``load_weights`` and validated the same way (headers only, every problem
+    reported before any data is read). ``read(path, index)`` returns ``out[path][index]`` of what
+    ``load_weights`` would return, for ``index`` a tuple of slices (what ``jax.make_array_from_callback``
+    passes), reading through ``safe_open(...).get_slice``: the leading layer / expert axes select HF tensors,
+    the rest select a slice of each (of its transpose for ``transpose`` rows). A row with another named
+    transform reads its whole HF tensor (one at a time) and slices the result. Use as a context manager.
+    """
+
+    def __init__(self, path: str | os.PathLike, table: Table, expected: Mapping[tuple, Any], num_layers: int,
+                 dtype: Any = None, *, num_experts: int | None = None):
+        from safetensors import safe_open
+
+        self.root = Path(path)
+        wants, self.specs, files, located = _locate(self.root, table, expected, num_layers, dtype, num_experts)
+        self._names = {(p, index): name for name, (p, index, _, _) in wants.items()}
+        self._rows = {p: row for p, _, row, _ in wants.values()}
+        self._file_of = {name: file for name, (file, _) in located.items()}
+        self._handles = {file: safe_open(str(file), framework="numpy") for file in files}
+
+    def __enter__(self) -> "WeightSlices":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles = {}
+
+    def read(self, path: tuple, index: tuple = ()) -> np.ndarray:
+        shape, dt = self.specs[path]
+        row = self._rows[path]
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        lead, rest = index[:len(row.axes)], index[len(row.axes):]
+        lead_ranges = [range(*sl.indices(n)) for sl, n in zip(lead, shape[:len(row.axes)])]
+        rest_slices = [slice(*sl.indices(n)) for sl, n in zip(rest, shape[len(row.axes):])]
+        out = np.empty([len(r) for r in lead_ranges] + [len(range(sl.start, sl.stop, sl.step or 1))
+                                                           for sl in rest_slices], dt)
+        for k, at in zip(itertools.product(*[range(len(r)) for r in lead_ranges]),
+                         itertools.product(*lead_ranges)):
+            out[k] = self._one(path, tuple(at), row, rest_slices).astype(dt, copy=False)
+        return out
+
+    def _one(self, path: tuple, at: tuple, row: Row, rest: list[slice]) -> np.ndarray:
+        name = self._names[(path, at)]
+        tensor = self._handles[self._file_of[name]].get_slice(name)
+        if row.transform is None:
+            return tensor[tuple(rest)] if rest else np.asarray(tensor[:])
+        if row.transform == "transpose":  # ours [a, b] = hf[b, a].T
+            return tensor[rest[1], rest[0]].T
+        return transforms.to_ours(row.transform, tensor[:])[tuple(rest)]

@@ -40,7 +40,7 @@ from bridge import peft as peft_io
 from bridge.mappings.schema import LAYER
 from jaxft.config import ConfigError
 from jaxft.models.families import family_for
-from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, linears
+from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, linears, logical
 from jaxft.models.moe import ExpertLora, expert_adapters
 
 __all__ = [
@@ -450,10 +450,14 @@ def _install(model, cfg: LoraConfig, plan, fill) -> None:
         a, b = fill(index, site, (lin.in_features, lin.out_features), ranks)
         kernel = lin.kernel[...] if lin.quant is None else None
         # `nnx.data`: these attributes were None (static) on the fresh Linear and now hold state.
-        lin.lora_a = nnx.data(LoraParam(_like_kernel(a, kernel, (0, 1, None))))
-        lin.lora_b = nnx.data(LoraParam(_like_kernel(b, kernel, (0, None, 2))))
-        lin.lora_scale = nnx.data(LoraScale(_like_kernel(jnp.asarray(scales), kernel, (0,))))
-        lin.lora_rank = nnx.data(LoraRank(_like_kernel(jnp.asarray(ranks), kernel, (0,))))
+        # Logical axes as the kernel's: A [layers, in, rank], B [layers, rank, out] (jaxft.sharding's rules).
+        lin_in, lin_out = lin.axes
+        lin.lora_a = nnx.data(LoraParam(_like_kernel(a, kernel, (0, 1, None)),
+                                        **logical("layers", lin_in, "lora_rank")))
+        lin.lora_b = nnx.data(LoraParam(_like_kernel(b, kernel, (0, None, 2)),
+                                        **logical("layers", "lora_rank", lin_out)))
+        lin.lora_scale = nnx.data(LoraScale(_like_kernel(jnp.asarray(scales), kernel, (0,)), **logical("layers")))
+        lin.lora_rank = nnx.data(LoraRank(_like_kernel(jnp.asarray(ranks), kernel, (0,)), **logical("layers")))
         lin.lora_dropout = float(cfg.dropout)
     # Static metadata (hashable), kept through nnx.split/merge; save_adapter writes it back as adapter_config.
     model.lora_config = cfg

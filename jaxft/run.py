@@ -33,42 +33,10 @@ from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.lora import LoraConfig, apply_lora, target_names
 from jaxft.models.decoder import Decoder, abstract_model
+from jaxft.sharding import MeshConfig, Placement
 from jaxft.train.optim import OptimConfig
 from jaxft.train.step import (make_eval_step, make_train_step, restack_layers, split_model, stack_micro_batches,
                               unstack_layers)
-
-
-class Placement:
-    """Data parallelism over the given devices: batch rows (axis 1 of [A, B, T], axis 0 of [B, T]) are split
-    over a 1-D "data" mesh; LoRA, optimizer state and frozen weights are replicated. One device: plain arrays."""
-
-    def __init__(self, devices=None):
-        self.devices = list(devices) if devices is not None else jax.devices()
-        self.mesh = jax.sharding.Mesh(np.array(self.devices), ("data",)) if len(self.devices) > 1 else None
-
-    def _sharding(self, *spec):
-        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
-
-    def _batch_sharding(self, ndim: int):
-        return self._sharding(*((None, "data") if ndim == 3 else ("data",)))
-
-    def batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        if self.mesh is None:
-            return {k: jnp.asarray(v) for k, v in batch.items()}
-        return {k: jax.device_put(v, self._batch_sharding(v.ndim)) for k, v in batch.items()}
-
-    def replicate(self, tree):
-        return tree if self.mesh is None else jax.device_put(tree, self._sharding())
-
-    def abstract_batch(self, batch: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
-        return {k: jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype),
-                                        sharding=None if self.mesh is None else self._batch_sharding(v.ndim))
-                for k, v in batch.items()}
-
-    def abstract_replicated(self, tree):
-        if self.mesh is None:
-            return tree
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._sharding()), tree)
 
 
 def _abstract(tree):
@@ -90,13 +58,14 @@ class Run:
     accumulation: int = 1
     devices: Any = None
     quant_config: Any = None  # jaxft.quant.QuantConfig: frozen linears in 4 bits (QLoRA); None: as stored
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):
         self.model_path = Path(self.model_path).expanduser()
         self.model_config = ModelConfig.from_hf(bridge.read_config(self.model_path),
                                                 source=str(self.model_path / "config.json"))
         self.optimizer, self.schedule = self.optim.build(self.total_steps)
-        self.placement = Placement(self.devices)
+        self.placement = Placement(self.mesh, self.devices)
         self.rng = jax.random.key(self.seed)
         self.graphdef = self.lora = self.frozen = self.opt_state = None
         self._compiled = None
@@ -110,7 +79,7 @@ class Run:
         return cls(model_path=config.model_name_or_path, lora_config=config.lora, execution=config.execution,
                    optim=config.optim, total_steps=total_steps, dtype="bfloat16" if config.bf16 else "float32",
                    seed=config.seed, accumulation=config.gradient_accumulation_steps, devices=devices,
-                   quant_config=config.quant)
+                   quant_config=config.quant, mesh=config.mesh_config)
 
     # ------------------------------------------------------------------ building the state
     @property
@@ -140,20 +109,24 @@ class Run:
         """Reads the weights, applies LoRA (seeded), splits by variable type and places the state."""
         from jaxft.io import from_pretrained
 
-        model = apply_lora(from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config),
+        # One device: whole arrays. A mesh: each weight is read shard by shard into its place (jaxft.io); 4-bit
+        # weights are quantised on one device and then placed (their variable type has no logical axes yet).
+        mesh = self.placement if len(self.placement.devices) > 1 and self.quant_config is None else None
+        model = apply_lora(from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config, mesh=mesh),
                            self.lora_config, seed=self.seed)
         graphdef, lora, frozen = split_model(model)
         del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
         if self.unrolled:
             frozen = unstack_layers(frozen, delete_source=True)
         self.graphdef = graphdef
-        self.lora, self.frozen = self.placement.replicate(lora), self.placement.replicate(frozen)
-        self.opt_state = self.placement.replicate(self.optimizer.init(self.lora))
+        self.lora, self.frozen = self.placement.place(lora), self.placement.place(frozen)
+        self.opt_state = self.placement.place_like(self.optimizer.init(self.lora), self.lora)
         return self
 
     def set_state(self, lora, opt_state) -> None:
         """Replaces the trainable state (a restored checkpoint, or a fresh LoRA init for another task)."""
-        self.lora, self.opt_state = self.placement.replicate(lora), self.placement.replicate(opt_state)
+        self.lora = self.placement.place(lora)
+        self.opt_state = self.placement.place_like(opt_state, self.lora)
 
     @property
     def loaded(self) -> bool:
@@ -172,7 +145,7 @@ class Run:
         elif self.unrolled and not other.unrolled:
             frozen = restack_layers(frozen)
         lora = jax.tree.map(jnp.copy, self.lora) if lora is None else lora
-        other.frozen = frozen
+        other.frozen = other.placement.place(frozen)
         other.set_state(lora, other.optimizer.init(lora))
         return other
 
@@ -181,9 +154,16 @@ class Run:
         """[A*B, T] host arrays -> the step's [A, B, T] device batch (rows split over the data mesh)."""
         return self.placement.batch(stack_micro_batches(host_batch, self.accumulation))
 
-    def _step_fn(self, graphdef):
+    def _step_fn(self, graphdef, lora, opt_state, frozen, batch):
+        """The jitted step with the placement's shardings as its in/out shardings (XLA adds the collectives)."""
+        p = self.placement
+        lora_sh = p.shardings(lora)
+        opt_sh = p.like(opt_state, lora, lora_sh)
+        batch_sh = {k: p.batch_sharding(len(v.shape)) for k, v in batch.items()}
         return make_train_step(graphdef, self.optimizer, self.schedule, execution=self.execution,
-                               dropout=self.lora_config.dropout > 0)
+                               dropout=self.lora_config.dropout > 0,
+                               in_shardings=(lora_sh, opt_sh, p.shardings(frozen), batch_sh, p.replicated),
+                               out_shardings=(lora_sh, opt_sh, p.replicated))
 
     def compile(self, host_batch: dict[str, np.ndarray]):
         """Compiles the training step for batches shaped like `host_batch` ([A*B, T] arrays). Before `load`
@@ -196,13 +176,13 @@ class Run:
         if self.loaded:
             args = (self.lora, self.opt_state, self.frozen)
             graphdef = self.graphdef
-        else:
+        else:  # shapes only; the step's in_shardings say where each argument will live
             graphdef, lora, frozen = self.abstract_state()
-            args = (self.placement.abstract_replicated(lora),
-                    self.placement.abstract_replicated(jax.eval_shape(self.optimizer.init, lora)),
-                    self.placement.abstract_replicated(frozen))
+            args = (lora, jax.eval_shape(self.optimizer.init, lora), frozen)
             self.graphdef = graphdef
-        self._compiled = self._step_fn(graphdef).lower(*args, batch, rng).compile()
+        with self.placement.tracing():
+            lowered = self._step_fn(graphdef, *args, batch).lower(*args, batch, rng)
+        self._compiled = lowered.compile()
         self._compiled_spec = _abstract(stacked)
         self.compile_seconds = time.perf_counter() - began
         return self._compiled

@@ -23,7 +23,7 @@ from flax import nnx
 from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.models.families import family_for
-from jaxft.models.layers import Linear, _init
+from jaxft.models.layers import Linear, _init, logical
 from jaxft.models.parts import DecoderLayer, RMSNorm
 from jaxft.models.rope import rope_tables
 from jaxft.models.stack import _layer_runs, is_unstacked, layer_groups, layer_slice, run_groups
@@ -62,12 +62,14 @@ class Decoder(nnx.Module):
         parts = family_for(cfg.model_type).parts
         self.embed_scale = parts.embed_scale
         self.embed = nnx.Module()
-        self.embed.embedding = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 0.02))
+        self.embed.embedding = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 0.02),
+                                         **logical("vocab", "embed"))
         self.layers = DecoderLayer(cfg, stack=(cfg.num_layers,), dtype=dtype, rngs=rngs, parts=parts)
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, stack=(), dtype=dtype,
                                   offset=parts.norm_offset)
         self.lm_head = (None if cfg.tie_word_embeddings else
-                        Linear(cfg.hidden_size, cfg.vocab_size, bias=False, stack=(), dtype=dtype, rngs=rngs))
+                        Linear(cfg.hidden_size, cfg.vocab_size, bias=False, stack=(), dtype=dtype, rngs=rngs,
+                               axes=("embed", "vocab")))
 
     # ---------------------------------------------------------------- batch-level metadata (once per step)
     def batch_context(self, input_ids, positions=None, segment_ids=None,

@@ -7,6 +7,10 @@ training step over per-layer weight buffers (`jaxft.train.unstack_layers`), one 
 meaning: `nnx.Param` is the frozen base, `LoraParam` is what training updates, `LoraScale` is a per-layer
 constant, `QuantizedWeight` is a frozen 4-bit weight's storage (a `Linear` whose `quant` is set has no
 `kernel`). Optimisers, the trainer and the exporters select by type, never by name.
+
+Every parameter also names its dimensions where it is created (`logical(...)`, kept as the Variable's
+"logical_axes" metadata): the stack axis is "layers", a Linear's input and output axes are given by the
+block that builds it ("embed", "heads", "mlp", ...). `jaxft.sharding.RULES` maps these names to mesh axes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,31 @@ from flax import nnx
 
 from jaxft.quant.blockwise import dequantize_absmax
 from kernels_pallas import nf4_matmul as nf4_ops
+
+
+# The names a parameter dimension can have (see `jaxft.sharding` for what each is split over).
+LOGICAL_AXES = ("layers", "embed", "mlp", "heads", "kv_heads", "vocab", "experts", "norm", "lora_rank")
+_METADATA_KEY = "logical_axes"
+
+
+def logical(*names: str | None) -> dict[str, tuple[str | None, ...]]:
+    """The Variable metadata naming each dimension: `nnx.Param(value, **logical("layers", "embed", "mlp"))`."""
+    bad = [n for n in names if n is not None and n not in LOGICAL_AXES]
+    if bad:
+        raise ValueError(f"unknown logical axis {bad[0]!r}; known: {', '.join(LOGICAL_AXES)}")
+    return {_METADATA_KEY: tuple(names)}
+
+
+def logical_axes(var: nnx.Variable) -> tuple[str | None, ...] | None:
+    """The logical axis names a Variable declares (None: none declared, the array is kept whole)."""
+    return var.get_metadata().get(_METADATA_KEY)
+
+
+def stack_axes(stack: tuple[int, ...]) -> tuple[str, ...]:
+    """The names of a module's leading stack axes (one "layers" axis for a layer stack, none otherwise)."""
+    if len(stack) > 1:
+        raise ValueError(f"stack={stack}: one stack axis at most (the layer axis)")
+    return ("layers",) * len(stack)
 
 
 class LoraParam(nnx.Param):
@@ -113,10 +142,14 @@ class Linear(nnx.Module):
     """y = x @ W (+ b) (+ s * dropout(x) @ A @ B).  W: [in, out] (transposed w.r.t. torch's [out, in])."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, stack: tuple[int, ...], dtype,
-                 rngs: nnx.Rngs | None, std: float = 0.02):
+                 rngs: nnx.Rngs | None, std: float = 0.02, axes: tuple[str | None, str | None] = (None, None)):
         self.in_features, self.out_features = in_features, out_features
-        self.kernel = nnx.Param(_init(rngs, (*stack, in_features, out_features), dtype, std))
-        self.bias = nnx.Param(jnp.zeros((*stack, out_features), dtype)) if bias else None
+        self.axes = tuple(axes)  # logical names of the input and output dimensions (static)
+        lead = stack_axes(stack)
+        self.kernel = nnx.Param(_init(rngs, (*stack, in_features, out_features), dtype, std),
+                                **logical(*lead, *self.axes))
+        self.bias = (nnx.Param(jnp.zeros((*stack, out_features), dtype), **logical(*lead, self.axes[1]))
+                     if bias else None)
         self.lora_a: LoraParam | None = None
         self.lora_b: LoraParam | None = None
         self.lora_scale: LoraScale | None = None

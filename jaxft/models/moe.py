@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxft.config import ModelConfig
-from jaxft.models.layers import LoraParam, LoraRank, LoraScale, _init
+from jaxft.models.layers import LoraParam, LoraRank, LoraScale, _init, logical, stack_axes
 from kernels_pallas.grouped_matmul import grouped_matmul
 
 
@@ -115,10 +115,14 @@ class MoeMLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         # Our layouts are [in, out] like `Linear.kernel`: router [H, E], experts [E, H, I] and [E, I, H].
-        self.router = nnx.Param(_init(rngs, (*stack, h, e), dtype, 0.02))
-        self.gate_proj = nnx.Param(_init(rngs, (*stack, e, h, i), dtype, 0.02))
-        self.up_proj = nnx.Param(_init(rngs, (*stack, e, h, i), dtype, 0.02))
-        self.down_proj = nnx.Param(_init(rngs, (*stack, e, i, h), dtype, 0.02))
+        lead = stack_axes(stack)
+        self.router = nnx.Param(_init(rngs, (*stack, h, e), dtype, 0.02), **logical(*lead, "embed", "experts"))
+        self.gate_proj = nnx.Param(_init(rngs, (*stack, e, h, i), dtype, 0.02),
+                                   **logical(*lead, "experts", "embed", "mlp"))
+        self.up_proj = nnx.Param(_init(rngs, (*stack, e, h, i), dtype, 0.02),
+                                 **logical(*lead, "experts", "embed", "mlp"))
+        self.down_proj = nnx.Param(_init(rngs, (*stack, e, i, h), dtype, 0.02),
+                                   **logical(*lead, "experts", "mlp", "embed"))
         self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.hidden_act = cfg.hidden_act  # a name (static), looked up in parts.ACTIVATIONS
         self.gate_up_lora: ExpertLora | None = None  # set by jaxft.lora

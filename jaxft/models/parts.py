@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxft.config import ModelConfig
-from jaxft.models.layers import Linear, _recompute, project
+from jaxft.models.layers import Linear, _recompute, logical, project, stack_axes
 from jaxft.models.moe import MoeMLP
 from jaxft.models.rope import apply_rope
 from kernels_pallas.glu import geglu_tanh, swiglu
@@ -51,7 +51,8 @@ class RMSNorm(nnx.Module):
     (x_hat * (1 + w)).astype(dtype) with the product in fp32 (Gemma, whose stored weights start at 0)."""
 
     def __init__(self, dim: int, *, eps: float, stack: tuple[int, ...], dtype, offset: bool = False):
-        self.scale = nnx.Param((jnp.zeros if offset else jnp.ones)((*stack, dim), dtype))
+        self.scale = nnx.Param((jnp.zeros if offset else jnp.ones)((*stack, dim), dtype),
+                               **logical(*stack_axes(stack), "norm"))
         self.eps = eps
         self.offset = offset
 
@@ -82,10 +83,10 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs, norm_offset: bool = False):
         h, d = cfg.hidden_size, cfg.head_dim
         lin = dict(stack=stack, dtype=dtype, rngs=rngs)
-        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias, **lin)
-        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, **lin)
-        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, **lin)
-        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, **lin)
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias, axes=("embed", "heads"), **lin)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, axes=("embed", "kv_heads"), **lin)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, axes=("embed", "kv_heads"), **lin)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=cfg.o_bias, axes=("heads", "embed"), **lin)
         if cfg.qk_norm:
             norm = dict(eps=cfg.rms_norm_eps, stack=stack, dtype=dtype, offset=norm_offset)
             self.q_norm, self.k_norm = RMSNorm(d, **norm), RMSNorm(d, **norm)
@@ -134,9 +135,9 @@ class GluMLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
         lin = dict(bias=cfg.mlp_bias, stack=stack, dtype=dtype, rngs=rngs)
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **lin)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, axes=("embed", "mlp"), **lin)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, axes=("embed", "mlp"), **lin)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, axes=("mlp", "embed"), **lin)
         self.hidden_act = cfg.hidden_act  # a name (static), looked up in ACTIVATIONS
 
     def gate_up(self, x, rngs: tuple) -> tuple[jax.Array, jax.Array]:

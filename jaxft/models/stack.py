@@ -24,6 +24,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
+from jaxft.sharding import constrain_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +146,7 @@ def _layer_fn(graphdef, layer_ctx, dropout_rng, *, remat: str, prevent_cse: bool
     """`(x, layer_state, index) -> x` for one layer, rematerialised per the `remat` policy."""
     def layer_fn(carry, layer_state, index):
         layer = nnx.merge(graphdef, layer_state)
+        carry = constrain_rows(carry)  # rows stay split: the partitioner gathers this layer's weights instead
         if remat == "offload":
             carry = checkpoint_name(carry, "layer_input")
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)

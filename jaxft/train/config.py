@@ -161,6 +161,9 @@ class TrainConfig:
     bnb_4bit_use_double_quant: bool = False
     llm_int8_skip_modules: list[str] | None = None
     bnb_4bit_max_rel_error: float | None = None
+    # Devices per mesh axis, e.g. {data: 2, fsdp: 4, tensor: 1} (-1: the rest of the devices); null: every device
+    # on data. Frozen weights are split over fsdp/tensor, batch rows over data x fsdp (see jaxft.sharding).
+    mesh: dict | None = None
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -203,6 +206,12 @@ class TrainConfig:
                 raise part_error(e, fields) from None
             object.__setattr__(self, f"_{name}", part)
         object.__setattr__(self, "_quant", self._build_quant())
+        from jaxft.sharding import MeshConfig, MeshConfigError
+
+        try:
+            object.__setattr__(self, "_mesh", MeshConfig.from_mapping(self.mesh))
+        except MeshConfigError as e:
+            raise TrainConfigError(str(e), key="mesh") from None
 
     def _build_quant(self):
         from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, QuantConfigError
@@ -237,12 +246,18 @@ class TrainConfig:
         return self._optim
 
     @property
+    def mesh_config(self):
+        """The device mesh (`jaxft.sharding.MeshConfig`), from the `mesh` key."""
+        return self._mesh
+
+    @property
     def lora(self):
         """The LoRA part (`jaxft.lora.LoraConfig`)."""
         return self._lora
 
     def rows_per_step(self, num_devices: int) -> int:
-        """Packed rows one optimizer step consumes: per-device batch x accumulation x devices."""
+        """Packed rows one optimizer step consumes: per-device batch x accumulation x devices (the devices that
+        split batch rows: data x fsdp of the mesh; all of them unless `mesh` has a tensor axis)."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps * num_devices
 
     def data(self, num_devices: int):

@@ -152,20 +152,25 @@ def train(config: TrainConfig) -> TrainResult:
 
 
 def _prepare(config: TrainConfig, out: Path) -> _Setup:
-    num_devices = len(jax.devices())
     resume_path = _resume_path(config, out)
     _check_output_dir(config, out, resume_path is not None)
     from jaxft.run import Run  # here: jaxft.run imports jaxft.train's step module
+    from jaxft.sharding import MeshConfigError
 
     try:  # on the shapes only: a target that matches nothing is reported before the data is read
-        Run.from_config(config, total_steps=1).check_targets()
+        probe = Run.from_config(config, total_steps=1)
+        probe.check_targets()
     except LoraConfigError as e:
         raise part_error(e, LORA_KEYS) from None
+    except MeshConfigError as e:  # the mesh does not fit this process's devices
+        raise TrainConfigError(str(e), key="mesh") from None
+    num_devices = probe.placement.batch_parallel  # the devices batch rows are split over
 
     tokenizer, train_ds, eval_ds = _load_data(config, num_devices)
     plan = _plan(config, train_ds.num_rows, num_devices)
     assert plan.steps_per_epoch == train_ds.num_batches_per_epoch, (plan, train_ds.num_batches_per_epoch)
-    logger.info("%d rows per step (%d rows x %d micro-batches x %d devices), %d steps per epoch, %d steps",
+    logger.info("%d rows per step (%d rows x %d micro-batches x %d batch-parallel devices), %d steps per epoch, "
+                "%d steps",
                 plan.rows_per_step, config.per_device_train_batch_size,
                 config.gradient_accumulation_steps, num_devices, plan.steps_per_epoch, plan.total_steps)
     if config.execution.resolved_layer_loop == "unroll" and config.remat == "offload":

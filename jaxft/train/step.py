@@ -164,14 +164,15 @@ def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.Stat
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule | None = None, *, execution: ExecutionConfig = TRAIN_EXECUTION,
-                    dropout: bool = False, donate: bool = True) -> Callable:
+                    dropout: bool = False, donate: bool = True, in_shardings=None, out_shardings=None) -> Callable:
     """`step(lora, opt_state, frozen, batch [A,B,T], rng) -> (lora, opt_state, metrics)`, jitted once.
 
     `lora` and `opt_state` are donated. metrics: loss (mean over the step's target tokens), grad_norm (global
     norm before clipping), learning_rate (used by this update), num_target_tokens. `rng` drives LoRA dropout
     (one key per micro-batch via fold_in); it is ignored unless `dropout`. `execution` says how the step runs
     (attention kernel, remat policy, CE chunk; its `compiler_options` apply to this program only, never as
-    process-wide flags)."""
+    process-wide flags). `in_shardings` / `out_shardings` (for the five arguments and the three outputs) place
+    the step on a mesh (`jaxft.sharding.Placement`); XLA inserts the collectives."""
 
     def step(lora, opt_state, frozen, batch, rng):
         loss_sum, grad_sum, count = loss_and_grad_sums(graphdef, lora, frozen, batch, rng if dropout else None,
@@ -186,8 +187,9 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
             lora = optax.apply_updates(lora, updates)
         return lora, opt_state, metrics
 
+    shardings = {} if in_shardings is None else dict(in_shardings=in_shardings, out_shardings=out_shardings)
     return jax.jit(step, donate_argnums=(0, 1) if donate else (),
-                   compiler_options=dict(execution.compiler_options) or None)
+                   compiler_options=dict(execution.compiler_options) or None, **shardings)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, *, execution: ExecutionConfig = TRAIN_EXECUTION) -> Callable:

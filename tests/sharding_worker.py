@@ -1,0 +1,131 @@
+"""Run by tests/test_sharding.py in a subprocess with 8 host CPU devices (JAX fixes its device count at start):
+`python tests/sharding_worker.py MODEL_DIR OUT.json`. Writes what the test asserts on:
+
+- losses: 5 fp32 LoRA steps on one device and on several meshes of the 8 devices (same global batches);
+- all_gathers: every all-gather of the compiled FSDP step (layer scan) with its result shape and whether it
+  runs inside a while loop (the layer scan's body or a computation it calls);
+- loaded: for a model loaded sharded on {data: 2, fsdp: 2, tensor: 2}, per weight: its spec, the shapes of
+  the device shards, whether every shard equals the matching slice of the unsharded weight; and the logits'
+  largest difference from the unsharded model's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import jax
+import numpy as np
+
+from jaxft.execution import ExecutionConfig
+from jaxft.io import from_pretrained
+from jaxft.lora import LoraConfig
+from jaxft.run import Run
+from jaxft.sharding import MeshConfig, Placement
+from jaxft.train.optim import OptimConfig
+
+STEPS, ROWS, SEQ = 5, 16, 64
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(STEPS):
+        ids = rng.integers(4, 64, (ROWS, SEQ)).astype(np.int32)
+        seg = np.ones((ROWS, SEQ), np.int32)
+        seg[:, SEQ // 2:] = 2
+        pos = np.concatenate([np.arange(SEQ // 2), np.arange(SEQ // 2)])[None].repeat(ROWS, 0).astype(np.int32)
+        mask = (rng.random((ROWS, SEQ)) < 0.8).astype(np.float32)
+        out.append(dict(input_ids=ids, targets=np.roll(ids, -1, 1), loss_mask=mask, segment_ids=seg, positions=pos))
+    return out
+
+
+def _run(model_dir, mesh: dict | None, layer_loop: str, devices=None) -> Run:
+    return Run(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32", total_steps=STEPS, seed=0,
+               execution=ExecutionConfig(attention_implementation="reference", layer_loop=layer_loop),
+               optim=OptimConfig(learning_rate=1e-2, lr_scheduler_type="constant"),
+               mesh=MeshConfig.from_mapping(mesh), devices=devices, accumulation=2)
+
+
+def _losses(run: Run, batches) -> list[float]:
+    return [float(run.step(b, i)["loss"]) for i, b in enumerate(batches)]
+
+
+def _all_gathers(hlo: str) -> list[dict]:
+    """(shape, inside a while loop) of every all-gather in the compiled HLO text."""
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(", line)
+        if m:
+            name = m.group(1)
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    called = {n: set(re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)",
+                                "\n".join(body))) for n, body in comps.items()}
+    in_loop: set[str] = set()
+    todo = [b for body in comps.values() for line in body if " while(" in line
+            for b in re.findall(r"body=%?([\w.\-]+)", line)]
+    while todo:
+        n = todo.pop()
+        if n not in in_loop:
+            in_loop.add(n)
+            todo.extend(called.get(n, ()))
+    out = []
+    for n, body in comps.items():
+        for line in body:
+            m = re.search(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", line)
+            if m:
+                shape = [int(d) for d in m.group(1).split(",") if d]
+                out.append(dict(shape=shape, in_loop=n in in_loop))
+    return out
+
+
+def _loaded(model_dir) -> dict:
+    placement = Placement(MeshConfig(data=2, fsdp=2, tensor=2))
+    sharded = from_pretrained(model_dir, "float32", mesh=placement)
+    whole = from_pretrained(model_dir, "float32")
+    ids = np.random.default_rng(1).integers(4, 64, (2, 48)).astype(np.int32)
+    diff = float(np.max(np.abs(np.asarray(sharded(ids)) - np.asarray(whole(ids)))))
+    from flax import nnx
+
+    weights = {}
+    want = dict(nnx.to_flat_state(nnx.state(whole)))
+    for path, var in nnx.to_flat_state(nnx.state(sharded)):
+        value, ref = var.get_value(), np.asarray(want[path].get_value())
+        weights[".".join(map(str, path))] = dict(
+            spec=[None if s is None else str(s) for s in value.sharding.spec],
+            shard_shapes=sorted({tuple(s.data.shape) for s in value.addressable_shards}),
+            shards_match=all(np.array_equal(np.asarray(s.data), ref[s.index]) for s in value.addressable_shards),
+            num_shards=len(value.addressable_shards))
+    return dict(logits_max_abs_diff=diff, weights=weights)
+
+
+def main(model_dir: str, out_path: str) -> None:
+    assert len(jax.devices()) == 8, jax.devices()
+    batches = _batches()
+    result = {"losses": {"one_device": _losses(_run(model_dir, None, "scan", devices=jax.devices()[:1]).load(),
+                                               batches)}}
+    for key, mesh, loop in (("data2_fsdp4", dict(data=2, fsdp=4), "scan"),
+                            ("fsdp8_unrolled", dict(fsdp=8, data=1), "unroll"),
+                            ("data8", dict(data=8), "scan")):
+        run = _run(model_dir, mesh, loop)
+        compiled = run.compile(batches[0])  # before load: from shapes and shardings alone
+        if key == "data2_fsdp4":
+            result["all_gathers"] = _all_gathers(compiled.as_text())
+        run.load()
+        result["losses"][key] = _losses(run, batches)
+        assert run._compiled is compiled, f"{key}: the step compiled before load was not reused"
+        frozen_spec = run.frozen["layers"]["attn"]["q_proj"]["kernel"].get_value()
+        frozen_spec = frozen_spec[0] if isinstance(frozen_spec, tuple) else frozen_spec
+        result.setdefault("q_proj_spec", {})[key] = [None if s is None else str(s) for s in frozen_spec.sharding.spec]
+        lora_a = run.lora["layers"]["attn"]["q_proj"]["lora_a"].get_value()
+        result.setdefault("lora_replicated", {})[key] = bool(lora_a.sharding.is_fully_replicated)
+    result["loaded"] = _loaded(model_dir)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

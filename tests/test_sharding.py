@@ -1,0 +1,212 @@
+"""Sharding (jaxft.sharding): the mesh from config, logical axes -> mesh axes, FSDP x data parallel training
+equal to one device, checkpoints across a mesh change, per-layer weight gathers, and loading by shards.
+
+Multi-device runs happen in subprocesses with 8 host CPU devices (XLA's
+--xla_force_host_platform_device_count; JAX fixes its device count when it starts): one worker process
+(tests/sharding_worker.py) for the training/HLO/loading checks and two `jaxft-train` runs for the resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+import bridge
+from jaxft.config import ModelConfig
+from jaxft.io import param_shapes
+from jaxft.lora import LoraConfig, apply_lora
+from jaxft.models.decoder import abstract_model
+from jaxft.models.families import family_for
+from jaxft.models.layers import logical_axes
+from jaxft.sharding import RULES, MeshConfig, MeshConfigError, partition_spec
+from jaxft.train import TrainConfigError, load_config, read_metrics
+from test_train_fixtures import make_jsonl, make_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+P = jax.sharding.PartitionSpec
+
+
+def _env(devices: int) -> dict:
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+
+
+# ------------------------------------------------------------------------------------------------ mesh config
+
+
+def test_mesh_config_resolves_the_rest_and_checks_the_device_count():
+    assert MeshConfig().shape(8) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert MeshConfig(data=2, fsdp=-1).shape(8) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert MeshConfig.from_mapping({"fsdp": 4, "data": 2}).shape(8) == {"data": 2, "fsdp": 4, "tensor": 1}
+    with pytest.raises(MeshConfigError, match=r"key 'mesh': \{data: 2, fsdp: 2, tensor: 1\} needs 4 devices but "
+                                              "there are 8"):
+        MeshConfig(data=2, fsdp=2).shape(8)
+    with pytest.raises(MeshConfigError, match="8 devices are not a multiple of 3"):
+        MeshConfig(data=-1, fsdp=3).shape(8)
+    with pytest.raises(MeshConfigError, match="more than one -1"):
+        MeshConfig(data=-1, fsdp=-1)
+    with pytest.raises(MeshConfigError, match=r"fsdp=0 must be a positive integer or -1"):
+        MeshConfig(fsdp=0)
+    with pytest.raises(MeshConfigError, match=r"tensor=True must be"):
+        MeshConfig(tensor=True)
+    with pytest.raises(MeshConfigError, match="unknown mesh axis 'fsd'; did you mean 'fsdp'"):
+        MeshConfig.from_mapping({"fsd": 2})
+
+
+def test_train_config_mesh_key_is_validated_with_its_file_line(tmp_path):
+    make_tiny_model(tmp_path / "model")
+    make_jsonl(tmp_path / "train.jsonl", 4)
+    base = dict(model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "train.jsonl"),
+                output_dir=str(tmp_path / "out"))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(base) + "mesh: {data: 2, fsdp: 0}\n")
+    with pytest.raises(TrainConfigError, match=rf"^{path}:4: key 'mesh': fsdp=0 must be a positive integer"):
+        load_config(path)
+    path.write_text(yaml.safe_dump(base) + "mesh: {data: 2, fsdp: -1}\n")
+    assert load_config(path).mesh_config == MeshConfig(data=2, fsdp=-1)
+    assert load_config(path, ["mesh={fsdp: 8, data: 1}"]).mesh_config == MeshConfig(data=1, fsdp=8)
+    assert load_config(path, ["mesh=null"]).mesh_config == MeshConfig()  # every device on data
+
+
+# ------------------------------------------------------------------------------------------------ rules
+
+
+def test_partition_spec_follows_the_rules_and_keeps_indivisible_or_reused_axes_whole():
+    mesh = jax.sharding.AbstractMesh((2, 4, 2), ("data", "fsdp", "tensor"))
+    assert partition_spec((3, 64, 128), ("layers", "embed", "mlp"), mesh) == P(None, "fsdp", "tensor")
+    assert partition_spec((64, 128), ("vocab", "embed"), mesh) == P("tensor", "fsdp")
+    assert partition_spec((3, 6, 128), ("layers", "embed", "heads"), mesh) == P(None, None, "tensor")  # 6 % 4
+    assert partition_spec((64, 64), ("embed", "embed"), mesh) == P("fsdp", None)  # a mesh axis splits one dim
+    assert partition_spec((3, 64), ("layers", "norm"), mesh) == P(None, None)
+    assert partition_spec((3, 64, 4), ("layers", "embed", "lora_rank"), mesh) == P(None, "fsdp", None)
+    assert partition_spec((64,), None, mesh) == P()
+
+
+def test_every_parameter_names_its_axes(tmp_path):
+    cfg = ModelConfig.from_hf(bridge.read_config(make_tiny_model(tmp_path / "m")))
+    from flax import nnx
+
+    from jaxft.models.decoder import Decoder
+
+    model = nnx.eval_shape(lambda: apply_lora(Decoder(cfg, dtype=np.float32, rngs=nnx.Rngs(0)), LoraConfig(r=4)))
+
+    flat = nnx.to_flat_state(nnx.state(model))
+    for path, var in flat:
+        names = logical_axes(var)
+        assert names is not None and len(names) == len(var.shape), (path, names, var.shape)
+    axes = {".".join(map(str, p)): logical_axes(v) for p, v in flat}
+    assert axes["layers.attn.q_proj.kernel"] == ("layers", "embed", "heads")
+    assert axes["layers.attn.k_proj.kernel"] == ("layers", "embed", "kv_heads")
+    assert axes["layers.mlp.down_proj.kernel"] == ("layers", "mlp", "embed")
+    assert axes["layers.mlp.down_proj.lora_a"] == ("layers", "mlp", "lora_rank")
+    assert axes["layers.mlp.down_proj.lora_b"] == ("layers", "lora_rank", "embed")
+    assert axes["embed.embedding"] == ("vocab", "embed") and axes["lm_head.kernel"] == ("embed", "vocab")
+    assert set(RULES.axes) >= {n for names in axes.values() for n in names}  # every name has a rule
+
+
+def test_weight_slices_read_what_load_weights_loads(tmp_path):
+    path = make_tiny_model(tmp_path / "m", layers=3)
+    cfg = ModelConfig.from_hf(bridge.read_config(path))
+    expected = param_shapes(abstract_model(cfg, dtype=np.float32))
+    table = family_for(cfg.model_type).table
+    whole = bridge.load_weights(path, table, expected, cfg.num_layers, np.float32)
+    with bridge.WeightSlices(path, table, expected, cfg.num_layers, np.float32) as source:
+        for key, index in [(("layers", "attn", "q_proj", "kernel"), (slice(1, 3), slice(8, 24), slice(0, 16))),
+                           (("layers", "mlp", "down_proj", "kernel"), (slice(0, 1), slice(32, 64), slice(16, 32))),
+                           (("embed", "embedding"), (slice(32, 64), slice(0, 16))),
+                           (("lm_head", "kernel"), (slice(16, 32),)),
+                           (("layers", "input_norm", "scale"), ())]:
+            got = source.read(key, index)
+            np.testing.assert_array_equal(got, whole[key][index])
+            assert got.dtype == np.float32
+
+
+# ------------------------------------------------------------------------------------------------ 8 devices
+
+
+@pytest.fixture(scope="module")
+def worker_result(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sharding")
+    make_tiny_model(d / "model")
+    res = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), str(d / "model"),
+                          str(d / "out.json")], cwd=REPO, env=_env(8), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads((d / "out.json").read_text())
+
+
+@pytest.mark.slow
+def test_fsdp_and_data_parallel_losses_equal_one_device(worker_result):
+    losses = worker_result["losses"]
+    one = losses.pop("one_device")
+    assert len(one) == 5 and one[-1] < one[0]  # it trains
+    assert set(losses) == {"data2_fsdp4", "fsdp8_unrolled", "data8"}
+    for mesh, got in losses.items():
+        np.testing.assert_allclose(got, one, rtol=1e-5, err_msg=mesh)
+    # the frozen weights really were split on fsdp (and whole under pure data parallelism)
+    assert worker_result["q_proj_spec"] == {"data2_fsdp4": [None, "fsdp", None], "fsdp8_unrolled": ["fsdp", None],
+                                            "data8": [None, None, None]}
+    assert all(worker_result["lora_replicated"].values())  # LoRA factors (and so Adam's moments) on every device
+
+
+@pytest.mark.slow
+def test_fsdp_step_gathers_each_layers_weights_inside_the_layer_loop(worker_result):
+    """Tiny Llama (hidden 32, q/o 32x32, k/v 32x16, MLP 64, 2 layers) on data=2 x fsdp=4, layer scan: each
+    per-layer kernel is all-gathered inside the scan (forward, and again for the backward), and no stacked
+    [L, in, out] weight is gathered (which would mean all layers at once, before the loop)."""
+    gathers = worker_result["all_gathers"]
+    kernels = {(32, 32), (32, 16), (32, 64), (64, 32)}
+    in_loop = [tuple(g["shape"]) for g in gathers if g["in_loop"]]
+    assert kernels <= set(in_loop), gathers
+    assert sum(s in kernels for s in in_loop) >= 2 * 7  # q, k, v, o, gate, up, down: forward and backward
+    stacked = [g for g in gathers if len(g["shape"]) == 3 and g["shape"][0] == 2 and tuple(g["shape"][1:]) in kernels]
+    assert not stacked, stacked
+
+
+@pytest.mark.slow
+def test_sharded_load_reads_each_shard_and_matches_the_unsharded_model(worker_result):
+    loaded = worker_result["loaded"]
+    assert loaded["logits_max_abs_diff"] < 1e-5
+    weights = loaded["weights"]
+    want = {  # data=2, fsdp=2, tensor=2: embed halves on fsdp, heads / mlp / vocab halves on tensor
+        "layers.attn.q_proj.kernel": ([None, "fsdp", "tensor"], [[2, 16, 16]]),
+        "layers.attn.k_proj.kernel": ([None, "fsdp", "tensor"], [[2, 16, 8]]),
+        "layers.attn.o_proj.kernel": ([None, "tensor", "fsdp"], [[2, 16, 16]]),
+        "layers.mlp.gate_proj.kernel": ([None, "fsdp", "tensor"], [[2, 16, 32]]),
+        "layers.mlp.down_proj.kernel": ([None, "tensor", "fsdp"], [[2, 32, 16]]),
+        "embed.embedding": (["tensor", "fsdp"], [[32, 16]]),
+        "lm_head.kernel": (["fsdp", "tensor"], [[16, 32]]),
+        "layers.input_norm.scale": ([None, None], [[2, 32]]),
+    }
+    for name, (spec, shapes) in want.items():
+        assert (weights[name]["spec"], weights[name]["shard_shapes"]) == (spec, shapes), name
+    assert all(w["shards_match"] and w["num_shards"] == 8 for w in weights.values()), weights
+
+
+@pytest.mark.slow
+def test_checkpoint_written_on_one_mesh_resumes_on_another(tmp_path):
+    make_tiny_model(tmp_path / "model")
+    make_jsonl(tmp_path / "train.jsonl", 60, seed=0)
+
+    def cli(name, devices, mesh, per_device, **extra):
+        cfg = dict(model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "train.jsonl"),
+                   output_dir=str(tmp_path / name), max_seq_length=64, per_device_train_batch_size=per_device,
+                   max_steps=5, logging_steps=1, save_steps=3, learning_rate=5e-3, lr_scheduler_type="cosine",
+                   warmup_steps=1, lora_r=4, seed=0, bf16=False, disable_tqdm=True, report_to="none", mesh=mesh,
+                   layer_loop="scan", **extra)
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+        res = subprocess.run([sys.executable, "-m", "jaxft.cli", str(tmp_path / f"{name}.yaml")], cwd=REPO,
+                             env=_env(devices), capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return {r["step"]: r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in r}
+
+    # 8 rows per step on both: 1 per device on 8 devices (data 2 x fsdp 4), 4 per device on 2 (data 2)
+    full = cli("fsdp", 8, {"data": 2, "fsdp": 4}, 1)
+    resumed = cli("data", 2, {"data": 2}, 4, resume_from_checkpoint=str(tmp_path / "fsdp" / "checkpoints" / "3"))
+    assert sorted(full) == [1, 2, 3, 4, 5] and sorted(resumed) == [4, 5]
+    np.testing.assert_allclose([resumed[4], resumed[5]], [full[4], full[5]], rtol=1e-5)
