@@ -128,10 +128,12 @@ class Decoder(nnx.Module):
 
         def group_ctx(group):
             cos, sin = ctx["rope"][group.rope]
-            return dict(cos=cos, sin=sin, attend=self._attend_fn(ctx, group.window))
+            return dict(cos=cos, sin=sin, attend=self._attend_fn(ctx, group.window),
+                        mlp_chunk_size=execution.mlp_chunk_size)
 
+        policy = execution.layer_policy(self.config, x.shape[0], x.shape[1], x.dtype.itemsize)
         x = run_groups(self.layers, x, layer_groups(self.config), group_ctx, dropout_rng=dropout_rng,
-                       remat=execution.remat)
+                       policy=policy)
         return self.final_norm(x)
 
     def embed_tokens(self, input_ids) -> jax.Array:

@@ -27,6 +27,8 @@ from jaxft.config import ModelConfig
 from jaxft.models.layers import Linear, _recompute, project
 from jaxft.models.moe import MoeMLP
 from jaxft.models.rope import apply_rope
+from jaxft.remat import ATTN_QKV, MLP_GATE_UP, MLP_INPUT
+from jax.ad_checkpoint import checkpoint_name
 from kernels_pallas.glu import swiglu
 from kernels_pallas.rmsnorm import rmsnorm
 
@@ -120,8 +122,10 @@ class Attention(nnx.Module):
         return q, k
 
     def attend(self, q, k, v, ctx: dict[str, Any]) -> jax.Array:
-        """(q/k norm,) RoPE and attention: [B,T,H,D]."""
+        """(q/k norm,) RoPE and attention: [B,T,H,D]. The attention ops name their output and softmax
+        statistics themselves (`kernels_pallas.attention.residuals`); what they read is named here."""
         q, k = self.rotate(q, k, ctx)
+        q, k, v = (checkpoint_name(a, ATTN_QKV) for a in (q, k, v))
         with jax.named_scope("attention"):
             return ctx["attend"](q, k, v)
 
@@ -159,6 +163,7 @@ class GluMLP(nnx.Module):
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool) -> jax.Array:
         gate, up = _recompute(lambda h: self.gate_up(norm(h), rngs), prevent_cse)(h)
+        gate, up = checkpoint_name(gate, MLP_GATE_UP), checkpoint_name(up, MLP_GATE_UP)
         return _recompute(lambda g, u: self.act_down(g, u, rngs), prevent_cse)(gate, up)
 
     def infer(self, x) -> jax.Array:
@@ -167,6 +172,34 @@ class GluMLP(nnx.Module):
 
 
 MLPS: dict[str, type] = {"glu": GluMLP, "moe": MoeMLP}
+
+
+def tiled_mlp(branch, h, rngs: tuple, chunk: int | None, prevent_cse: bool) -> jax.Array:
+    """`branch(h, rngs)` (the MLP slot of a [B, T, H] input) evaluated over sequence chunks of `chunk` tokens.
+
+    The MLP acts on each token alone, so the chunks' outputs concatenated are the untiled output (up to the
+    matmuls' rounding on smaller operands). Each chunk runs under a save-nothing checkpoint inside a
+    `lax.map`: the forward keeps only the chunks' inputs (slices of h), the backward recomputes one chunk's
+    [chunk, intermediate] activations at a time, so no layer ever holds [T, intermediate] tensors. T is padded
+    to a multiple of `chunk` with zero rows whose outputs are dropped (their gradient is zero). With LoRA
+    dropout each chunk folds its index into the dropout keys (other masks than untiled, same distribution).
+    `chunk` None, or >= T: one plain call."""
+    b, t, width = h.shape
+    if chunk is None or chunk >= t:
+        return branch(h, rngs)
+    n = -(-t // chunk)
+    padded = jnp.pad(h, ((0, 0), (0, n * chunk - t), (0, 0)))
+    chunks = padded.reshape(b, n, chunk, width).swapaxes(0, 1)
+
+    def one(args):
+        hc, index = args
+        keys = tuple(None if r is None else jax.random.fold_in(r, index) for r in rngs)
+        return branch(hc, keys)
+
+    body = jax.checkpoint(one, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=prevent_cse)
+    with jax.named_scope("tiled_mlp"):
+        out = jax.lax.map(body, (chunks, jnp.arange(n, dtype=jnp.int32)))
+    return out.swapaxes(0, 1).reshape(b, n * chunk, -1)[:, :t]
 
 
 # ------------------------------------------------------------------------------------------------ the block
@@ -206,8 +239,10 @@ class DecoderLayer(nnx.Module):
         pc = bool(ctx.get("prevent_cse", False))
         q, k, v = _recompute(lambda x: self.attn.project(self.input_norm(x), ra), pc)(x)
         attn = _recompute(lambda o: self.attn.output(o, ra), pc)(self.attn.attend(q, k, v, ctx))
-        h = x + self._out(self.attn_out_norm, attn)
-        return h + self._out(self.mlp_out_norm, self.mlp.branch(self.post_attn_norm, h, rm, pc))
+        h = checkpoint_name(x + self._out(self.attn_out_norm, attn), MLP_INPUT)
+        mlp = tiled_mlp(lambda h, r: self.mlp.branch(self.post_attn_norm, h, r, pc), h, rm,
+                        ctx.get("mlp_chunk_size"), pc)
+        return h + self._out(self.mlp_out_norm, mlp)
 
     def cached(self, x, ctx: dict[str, Any], cache):
         """Inference forward of new tokens x [B,T,H] against a KV cache: `(x, cache)`.

@@ -8,7 +8,22 @@ function, built from batch metadata computed once per batch by the decoder), so 
 are per-layer buffers (`jaxft.train.unstack_layers`), as unrolled calls. Gemma 2 alternates sliding/global
 every layer (L groups of 1); Gemma 3 runs five sliding layers per global one.
 
-Rematerialisation policies (`ExecutionConfig.remat`) are applied per layer here.
+Rematerialisation policies (`ExecutionConfig.remat`, `jaxft.remat`) are applied per layer here, the same way
+in both loops: each layer is one `jax.checkpoint` whose policy sees the named residuals (layer input here,
+the others in the block and the attention ops).
+
+CSE barriers (`prevent_cse`): unrolled layers are separate program regions, so XLA could merge a layer's
+recomputation back into its forward pass; the barriers keep remat meaning remat there (inside a scan the
+forward and backward loops are separate and the barriers would only constrain fusion). On GPUs a layer whose
+policy offloads goes without the outer barrier: its backward starts from the copy moved back from the host (a
+side-effecting placement op XLA does not merge with the forward), so nothing can be CSE'd into the forward,
+while the barrier would wrap the host-resident residual in an optimization barrier between the copy to the
+host and the copy back - a pattern the scan never produces, and the one difference between the scanned
+layers, whose offload XLA kept on the H200, and the unrolled ones, whose offload it did not
+(docs/benchmarks.md: 13.47 GiB temp unrolled, about the no-remat temp, vs 1.30 GiB scanned).
+`tests/test_remat_gpu.py` checks the compiled memory on the GPU. On the CPU JAX lowers no placement ops
+(there is no host offload to keep): an offloading policy is a plain remat there and keeps its barriers, or
+XLA merges the recompute back into the forward.
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
+from jaxft.remat import LAYER_INPUT, RematPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,16 +84,16 @@ def layer_slice(layer_state: nnx.State, i: int) -> nnx.State:
 
 
 def run_groups(layers: nnx.Module, x: jax.Array, groups: list[LayerGroup],
-               group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, remat: str) -> jax.Array:
-    """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled."""
+               group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, policy: RematPolicy) -> jax.Array:
+    """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled, each
+    layer rematerialised per `policy` (see the module docstring for the CSE barriers)."""
     graphdef, state = nnx.split(layers)
     unrolled = is_unstacked(state)
     num_layers = groups[-1].end
     for group in groups:
-        # Unrolled layers run as separate program regions, so XLA could merge a recomputation back into
-        # the forward pass; the CSE barriers keep remat meaning remat there (inside a scan they are moot).
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
-        layer_fn = _layer_fn(graphdef, ctx, dropout_rng, remat=remat, prevent_cse=unrolled)
+        layer_fn = _layer_fn(graphdef, ctx, dropout_rng, policy=policy,
+                             prevent_cse=unrolled and not (policy.offloads and _places_memory()))
         if unrolled:
             for i in range(group.start, group.end):
                 x = layer_fn(x, layer_slice(state, i), i)
@@ -89,22 +105,19 @@ def run_groups(layers: nnx.Module, x: jax.Array, groups: list[LayerGroup],
     return x
 
 
-def _layer_fn(graphdef, layer_ctx, dropout_rng, *, remat: str, prevent_cse: bool):
-    """`(x, layer_state, index) -> x` for one layer, rematerialised per the `remat` policy."""
+def _places_memory() -> bool:
+    """Whether this backend lowers memory-placement ops (host offload): JAX does so on GPUs and TPUs only."""
+    return jax.default_backend() in ("gpu", "tpu")
+
+
+def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_cse: bool):
+    """`(x, layer_state, index) -> x` for one layer, rematerialised per `policy`."""
     def layer_fn(carry, layer_state, index):
         layer = nnx.merge(graphdef, layer_state)
-        if remat == "offload":
-            carry = checkpoint_name(carry, "layer_input")
+        carry = checkpoint_name(carry, LAYER_INPUT)  # a no-op unless the policy keeps or offloads it
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
         return layer(carry, layer_ctx, rng)
 
-    if remat == "none":
+    if not policy.checkpointed:
         return layer_fn
-    policy = {
-        "full": jax.checkpoint_policies.nothing_saveable,
-        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
-            offload_src="device", offload_dst="pinned_host"),
-    }[remat]
-    return jax.checkpoint(layer_fn, policy=policy, prevent_cse=prevent_cse)
+    return jax.checkpoint(layer_fn, policy=policy.jax_policy(), prevent_cse=prevent_cse)

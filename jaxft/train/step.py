@@ -98,7 +98,8 @@ def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
         return linear_cross_entropy(
             hidden.reshape(b * t, h), model.head_weight(), batch["targets"].reshape(b * t),
             batch["loss_mask"].reshape(b * t).astype(jnp.float32),
-            logit_softcap=model.config.final_logit_softcap, chunk_size=execution.ce_chunk_size,
+            logit_softcap=model.config.final_logit_softcap,
+            chunk_size=execution.resolved_ce_chunk(b * t, model.config.vocab_size, h, hidden.dtype.itemsize),
             implementation=execution.ce_implementation)
 
 
