@@ -10,12 +10,13 @@ Public API:
 """
 
 from bridge.errors import CheckpointError
-from bridge.hf import load_weights, read_config, save_weights
+from bridge.hf import checkpoint_files, load_weights, read_config, save_weights
 from bridge.mappings import TABLES, Row, Table, table_for
 from bridge.tree import flatten_tree, unflatten_tree
 
 __all__ = [
     "CheckpointError",
+    "checkpoint_files",
     "Row",
     "TABLES",
     "Table",

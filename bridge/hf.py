@@ -21,7 +21,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from bridge.tree import flatten_tree, unflatten_tree  # re-exported: bridge.hf i
 
 __all__ = [
     "CheckpointError",
+    "checkpoint_files",
     "flatten_tree",
     "load_weights",
     "read_config",
@@ -153,8 +154,8 @@ def _listing(items: list[str]) -> str:
     return "\n  " + shown + more
 
 
-def _checkpoint_files(root: Path) -> list[Path]:
-    """The safetensors files of a checkpoint dir (via the index if there is one)."""
+def checkpoint_files(root: Path) -> list[Path]:
+    """The safetensors files of an HF model directory (the index's shards, or model.safetensors)."""
     if not root.exists():
         raise CheckpointError(f"checkpoint directory {root} does not exist{hub_id_hint(root)}")
     if not root.is_dir():
@@ -202,6 +203,7 @@ def load_weights(
     dtype: Any = None,
     *,
     num_experts: int | None = None,
+    ignore: Collection[str] = (),
 ) -> dict[tuple, np.ndarray]:
     """Load an HF safetensors checkpoint into flat tree arrays.
 
@@ -213,6 +215,8 @@ def load_weights(
       num_layers: L, the number of decoder layers.
       dtype: if given, every output uses it instead of the per-path dtype.
       num_experts: E, for rows with an ``{e}`` placeholder (MoE experts).
+      ignore: tensor names another reader takes (``bridge.bnb4bit``: 4-bit weights and their statistics);
+        they are neither loaded nor reported as unexpected.
 
     Returns:
       ``{path: np.ndarray}`` with the expected shapes/dtypes (bf16 is
@@ -247,7 +251,7 @@ def load_weights(
             wants[row.name_at(index)] = (p, index, row, hf_shape)
 
     # Pass 1: headers only. Find every problem before reading any data.
-    files = _checkpoint_files(root)
+    files = checkpoint_files(root)
     located: dict[str, tuple[Path, TensorInfo]] = {}
     unexpected: list[str] = []
     misshaped: list[str] = []
@@ -257,6 +261,8 @@ def load_weights(
     for file in files:
         infos, _ = read_header(file)
         for name, info in infos.items():
+            if name in ignore:
+                continue
             if name in located:
                 raise CheckpointError(f"tensor {name!r} appears in both {located[name][0]} and {file}; re-save the checkpoint")
             want = wants.get(name)
@@ -386,6 +392,7 @@ def save_weights(
     *,
     overwrite: bool = False,
     num_experts: int | None = None,
+    extra: Sequence[PendingTensor] = (),
 ) -> Path:
     """Write an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
@@ -404,6 +411,7 @@ def save_weights(
       dtype: cast every tensor to this dtype (default: keep each array's dtype).
       overwrite: replace an existing non-empty ``path``; otherwise that is an error.
       num_experts: E, for rows with an ``{e}`` placeholder (MoE experts).
+      extra: tensors written as they are after the table's (``bridge.bnb4bit``: 4-bit weights).
 
     Returns the target path.
     """
@@ -422,7 +430,7 @@ def save_weights(
         raise ValueError(f"save target {target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise ValueError(f"save target {target} exists and is not empty; pass overwrite=True to replace it")
-    tensors = _pending_tensors(table, params, _sizes(num_layers, num_experts), dtype)
+    tensors = _pending_tensors(table, params, _sizes(num_layers, num_experts), dtype) + list(extra)
 
     shards: list[list[PendingTensor]] = [[]]
     size = 0

@@ -1,7 +1,8 @@
 """jaxft: fast, memory-lean LoRA fine-tuning of Hugging Face LLMs in JAX.
 
 Public API:
-    from_pretrained(path, dtype="bfloat16") -> model      model(input_ids, positions=None, segment_ids=None)
+    from_pretrained(path, dtype="bfloat16", quantize=None) -> model  (quantize="nf4"/"fp4": QLoRA's 4-bit base)
+        model(input_ids, positions=None, segment_ids=None)
     save_pretrained(model, path)                           (LoRA merged)
     apply_lora(model, LoraConfig(...)), merge_lora(model)
     save_adapter(model, dir), load_adapter(model, dir)     (PEFT format)
@@ -16,6 +17,7 @@ from jaxft.generation import generate
 from jaxft.io import from_pretrained, save_pretrained
 from jaxft.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
 from jaxft.models import Decoder, LoraParam, init_model
+from jaxft.quant import QuantConfig
 from jaxft.run import Run
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "LoraConfig",
     "LoraParam",
     "ModelConfig",
+    "QuantConfig",
     "RopeConfig",
     "Run",
     "apply_lora",

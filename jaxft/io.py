@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 import bridge
+from bridge import bnb4bit
 from jaxft.config import ModelConfig
 from jaxft.models.decoder import Decoder, abstract_model
 from jaxft.models.families import family_for
@@ -37,16 +38,66 @@ def param_shapes(model: Decoder) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
     return out
 
 
-def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16") -> Decoder:
-    """Loads an HF model directory (config.json + safetensors) into a jaxft `Decoder` in `dtype`."""
+def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: str | None = None, *,
+                    double_quant: bool = True, quant_config=None, verbose: bool = True) -> Decoder:
+    """Loads an HF model directory (config.json + safetensors) into a jaxft `Decoder` in `dtype`.
+
+    quantize="nf4" / "fp4" (or `quant_config=jaxft.quant.QuantConfig(...)`) stores the frozen linears in
+    bitsandbytes' 4-bit format, quantised one layer at a time on the device from the host copy, so the whole
+    model never exists in `dtype` on the accelerator; modules named in `QuantConfig.skip_modules` or over its
+    `max_rel_error` stay in `dtype` (listed, with the memory saved, when `verbose`). A bitsandbytes 4-bit
+    checkpoint (config.json `quantization_config`) loads as stored, byte for byte.
+    """
+    from jaxft.quant import weights as qw  # local: jaxft.quant imports the models
+
     path = Path(path)
     hf = bridge.read_config(path)
-    cfg = ModelConfig.from_hf(hf, source=str(path / "config.json"))
+    source = str(path / "config.json")
+    cfg = ModelConfig.from_hf(hf, source=source)
     dtype = jnp.dtype(dtype)
+    stored = bnb4bit.quantization_config(hf, source)
+    if quant_config is None and quantize is not None:
+        quant_config = qw.QuantConfig(quant_type=quantize, double_quant=double_quant)
+    if stored is not None and quant_config is not None:
+        raise ValueError(f"{source}: the checkpoint is already bitsandbytes 4-bit; load it without quantize= / "
+                         "quant_config= (it loads as stored)")
     model = abstract_model(cfg, dtype=dtype)
+    table = family_for(cfg.model_type).table
     expected = param_shapes(model)
-    arrays = bridge.load_weights(path, family_for(cfg.model_type).table, expected, cfg.num_layers, dtype,
-                                 num_experts=cfg.num_experts or None)
+    sites = qw.linear_sites(model)
+    quants: dict = {}
+    ignore: set[str] = set()
+    if stored is not None:
+        records = bnb4bit.read_quantized(path, bridge.checkpoint_files(path))
+        by_name = {n: (site, i) for site in sites for i, n in enumerate(site.names(cfg.num_layers))}
+        stray = sorted(set(records) - set(by_name))
+        if stray:
+            raise bridge.CheckpointError(
+                f"{path}: 4-bit weights for modules that are not linear layers of this {cfg.model_type} model: "
+                f"{stray[:3]}; re-quantise with them in llm_int8_skip_modules")
+        for site in sites:
+            names = site.names(cfg.num_layers)
+            present = [n for n in names if n in records]
+            if not present:
+                continue
+            if len(present) != len(names):
+                raise bridge.CheckpointError(
+                    f"{path}: {site.template} is 4-bit in {len(present)} of {len(names)} layers (e.g. {present[0]}); "
+                    "jaxft stores a module in one format for all layers: re-quantise with the whole module in or "
+                    "out of llm_int8_skip_modules")
+            quants[site] = qw.site_from_records([records[n] for n in names], site.stacked, f"{path}: {names[0]}")
+            ignore.update(t for n in names for t in bnb4bit.tensor_names(n, records[n]))
+            del expected[(*site.path, "kernel")]
+        quant_config = qw.QuantConfig.from_hf(stored)
+    arrays = bridge.load_weights(path, table, expected, cfg.num_layers, dtype,
+                                 num_experts=cfg.num_experts or None, ignore=ignore)
+    skipped: list[str] = []
+    if stored is None and quant_config is not None:
+        skipped = _quantize_sites(model, sites, arrays, quant_config, quants, str(dtype), verbose)
+    elif stored is not None:
+        skipped = [s.template for s in sites if s not in quants]
+    for site, quant in quants.items():
+        qw.install(site.linear(model), quant)
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
     leaves = []
@@ -57,16 +108,60 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16") -> Decoder
             # the largest tensor); without the wait the runtime keeps the host buffer alive until later.
             var = var.replace(jax.device_put(arrays.pop(key)).block_until_ready())
         leaves.append((p, var))
-    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+    model = nnx.merge(graphdef, nnx.from_flat_state(leaves))
+    if quant_config is not None:
+        model.quant_config = quant_config
+        model.quant_skipped = tuple(skipped)
+    return model
 
 
-def model_params(model: Decoder, *, merge_lora: bool = True) -> dict[tuple[str, ...], np.ndarray]:
-    """Base parameters as host arrays, with LoRA deltas merged into the kernels when present."""
+def _quantize_sites(model, sites, arrays, qcfg, quants, dtype_name, verbose) -> list[str]:
+    """Quantises every site not skipped by name or by error (into `quants`, popping its host kernel); returns
+    the HF names of the linears kept in the model dtype."""
+    from jaxft.quant import weights as qw
+
+    kept, lines, saved = [], [], 0
+    num_layers = model.config.num_layers
+    for site in sites:
+        names = site.names(num_layers)
+        hit = [n for n in names if qw.is_skipped(n, qcfg.skip_modules)]
+        if hit:
+            kept.extend(hit if len(hit) == len(names) else names)
+            lines.append(f"  {site.template}: by name (skip_modules)")
+            continue
+        key = (*site.path, "kernel")
+        quant, err = qw.quantize_site(arrays[key], site.stacked, qcfg, dtype_name)
+        if quant is None:
+            kept.extend(names)
+            lines.append(f"  {site.template}: relative error {err:.4f} > max_rel_error {qcfg.max_rel_error}")
+            continue
+        del arrays[key]
+        quants[site] = quant
+        saved += qw.saved_bytes(quant, model.dtype)
+    if verbose:
+        print(f"jaxft: {len(quants)} linear module(s) in 4-bit {qcfg.quant_type} "
+              f"({'double-quantised absmax, ' if qcfg.double_quant else ''}blocks of {qcfg.blocksize}), "
+              f"{saved / 2**20:.1f} MiB saved over {model.dtype}; kept in {model.dtype}:"
+              + ("\n" + "\n".join(lines) if lines else " none"))
+    return kept
+
+
+def model_params(model: Decoder, *, merge_lora: bool = True, dequantize: bool = True
+                 ) -> dict[tuple[str, ...], np.ndarray]:
+    """Base parameters as host arrays, with LoRA deltas merged into the kernels when present, and the 4-bit
+    linears' kernels dequantised in the model dtype (left out with dequantize=False)."""
     from jaxft.lora import merged_kernels  # local: lora imports io-free modules only
+    from jaxft.models.layers import linears
 
     merged = merged_kernels(model) if merge_lora else {}
     out = {}
-    for key in param_shapes(model):
+    for p, lin in linears(model):
+        key = (*p.split("."), "kernel")
+        if lin.quant is not None and key not in merged and dequantize:
+            out[key] = np.asarray(lin.frozen_kernel(model.dtype))
+    for key in list(param_shapes(model)) + [k for k in merged if k not in out]:
+        if key in out:
+            continue
         if key in merged:
             out[key] = np.asarray(merged[key])
             continue
@@ -78,16 +173,44 @@ def model_params(model: Decoder, *, merge_lora: bool = True) -> dict[tuple[str, 
 
 
 def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | None = None,
-                    max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False) -> Path:
-    """Writes an HF directory (config.json + sharded safetensors + index); LoRA adapters are merged.
+                    max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False, quantized: bool = False) -> Path:
+    """Writes an HF directory (config.json + sharded safetensors + index); LoRA adapters are merged, and 4-bit
+    linears are dequantised (a merged export is dense).
 
+    quantized=True writes a 4-bit model in bitsandbytes' format instead (what transformers saves and loads with
+    `quantization_config`; the linears kept in the model dtype listed as llm_int8_skip_modules); a model with
+    LoRA adapters is refused there (merging would need re-quantising: save the adapter with save_adapter).
     The directory is written atomically (a temp dir renamed into place). An existing non-empty `path` is
     refused unless `overwrite=True`, which replaces it whole."""
     cfg: ModelConfig = model.config
     hf = cfg.to_hf()
     out_dtype = jnp.dtype(dtype) if dtype else model.dtype
     hf["dtype"] = str(out_dtype)
-    params = {k: v.astype(out_dtype) for k, v in model_params(model).items()}
-    bridge.save_weights(path, family_for(cfg.model_type).table, params, cfg.num_layers, hf,
-                        max_shard_bytes=max_shard_bytes, overwrite=overwrite, num_experts=cfg.num_experts or None)
+    table = family_for(cfg.model_type).table
+    extra = []
+    if quantized:
+        from jaxft.models.layers import linears
+        from jaxft.quant import weights as qw
+
+        qcfg = getattr(model, "quant_config", None)
+        if qcfg is None:
+            raise ValueError("save_pretrained(quantized=True): the model has no 4-bit linears; load it with "
+                             "jaxft.from_pretrained(path, quantize='nf4')")
+        if any(lin.has_lora for _, lin in linears(model)):
+            raise ValueError("save_pretrained(quantized=True): the model has LoRA adapters, which a 4-bit base "
+                             "cannot absorb without re-quantising; save them with jaxft.save_adapter, or export a "
+                             "merged dense model with quantized=False")
+        for site in qw.linear_sites(model):
+            lin = site.linear(model)
+            if lin.quant is not None:
+                for name, record in zip(site.names(cfg.num_layers), qw.records_of(lin.quant, site.stacked)):
+                    extra.extend(bnb4bit.tensors_of(name, record))
+        hf["quantization_config"] = qcfg.to_hf(str(model.dtype), model.quant_skipped)
+        params = {k: v.astype(out_dtype) for k, v in model_params(model, merge_lora=False, dequantize=False).items()}
+    else:
+        hf.pop("quantization_config", None)  # from a 4-bit source's config.json: the export is dense
+        params = {k: v.astype(out_dtype) for k, v in model_params(model).items()}
+    bridge.save_weights(path, table, params, cfg.num_layers, hf, max_shard_bytes=max_shard_bytes,
+                        overwrite=overwrite, num_experts=cfg.num_experts or None, extra=extra)
     return Path(path)
+

@@ -319,7 +319,7 @@ def _linear(model, path: tuple[str, ...]) -> Linear:
 
 def _like_kernel(x: jax.Array, kernel: jax.Array, axes: tuple[int | None, ...]) -> jax.Array:
     """Place `x` sharded like `kernel` along the mapped axes (`axes[d]` = kernel axis of x's dim d, or None)."""
-    sharding = getattr(kernel, "sharding", None)
+    sharding = getattr(kernel, "sharding", None)  # None for a 4-bit linear (no kernel): placed as is
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return x
     spec = tuple(sharding.spec) + (None,) * (kernel.ndim - len(sharding.spec))
@@ -359,7 +359,7 @@ def _install(model, cfg: LoraConfig, plan, fill) -> None:
         ranks = np.array([p[0] if p else 0 for p in per_layer], np.int32)
         scales = np.array([p[1] if p else 0.0 for p in per_layer], np.float32)
         a, b = fill(index, site, lin, ranks)
-        kernel = lin.kernel[...]
+        kernel = lin.kernel[...] if lin.quant is None else None
         # `nnx.data`: these attributes were None (static) on the fresh Linear and now hold state.
         lin.lora_a = nnx.data(LoraParam(_like_kernel(a, kernel, (0, 1, None))))
         lin.lora_b = nnx.data(LoraParam(_like_kernel(b, kernel, (0, None, 2))))
@@ -397,11 +397,13 @@ class _MergedKernels(Mapping):
     holds one extra kernel at a time on the device."""
 
     def __init__(self, model):
+        self._dtype = getattr(model, "dtype", None)
         self._lins = {(*tuple(p.split(".")), "kernel"): lin for p, lin in linears(model) if lin.has_lora}
 
     def __getitem__(self, key):
         lin = self._lins[tuple(key)]
-        return _merged(lin.kernel[...], lin.lora_a[...], lin.lora_b[...], lin.lora_scale[...])
+        # A 4-bit linear merges into its dequantised weight (in the model's dtype, as bitsandbytes computes it).
+        return _merged(lin.frozen_kernel(self._dtype), lin.lora_a[...], lin.lora_b[...], lin.lora_scale[...])
 
     def __iter__(self):
         return iter(self._lins)
@@ -421,6 +423,11 @@ def merged_kernels(model) -> Mapping[tuple[str, ...], jax.Array]:
 def merge_lora(model):
     """Folds every adapter into its kernel (W <- W + s*A@B) and removes the adapters; in place, returns model."""
     merged = merged_kernels(model)
+    for key in merged:
+        if _linear(model, key[:-1]).quant is not None:
+            raise ValueError(f"merge_lora: {'.'.join(key[:-1])} is a 4-bit linear; merging would need re-quantising "
+                             "it. Export the merged model with jaxft.save_pretrained (dequantised), or keep the "
+                             "adapter separate (save_adapter)")
     for key in list(merged):
         lin = _linear(model, key[:-1])
         lin.kernel[...] = merged[key]

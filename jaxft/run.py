@@ -120,6 +120,7 @@ class Run:
     seed: int = 0
     accumulation: int = 1
     devices: Any = None
+    quant_config: Any = None  # jaxft.quant.QuantConfig: frozen linears in 4 bits (QLoRA); None: as stored
 
     def __post_init__(self):
         self.model_path = Path(self.model_path).expanduser()
@@ -140,7 +141,8 @@ class Run:
         """The run a `jaxft.train.TrainConfig` describes (its validated LoRA, execution and optimiser parts)."""
         return cls(model_path=config.model_name_or_path, lora_config=config.lora, execution=config.execution,
                    optim=config.optim, total_steps=total_steps, dtype="bfloat16" if config.bf16 else "float32",
-                   seed=config.seed, accumulation=config.gradient_accumulation_steps, devices=devices)
+                   seed=config.seed, accumulation=config.gradient_accumulation_steps, devices=devices,
+                   quant_config=config.quant)
 
     # ------------------------------------------------------------------ building the state
     @property
@@ -148,9 +150,13 @@ class Run:
         return self.execution.resolved_layer_loop == "unroll"
 
     def _abstract_split(self):
-        model = nnx.eval_shape(lambda: apply_lora(Decoder(self.model_config, dtype=jnp.dtype(self.dtype),
-                                                          rngs=nnx.Rngs(0)), self.lora_config, seed=self.seed))
-        return split_model(model)
+        from jaxft.quant.weights import abstract_quantize
+
+        def build():
+            model = Decoder(self.model_config, dtype=jnp.dtype(self.dtype), rngs=nnx.Rngs(0))
+            abstract_quantize(model, self.model_path, self.quant_config)
+            return apply_lora(model, self.lora_config, seed=self.seed)
+        return split_model(nnx.eval_shape(build))
 
     def check_targets(self) -> list[str]:
         """The HF module names the LoRA config adapts (raises `LoraConfigError` when a target matches nothing);
@@ -169,7 +175,8 @@ class Run:
         if self.execution.remat == "auto":
             raise RuntimeError("Run.load() with remat 'auto': call run.choose_remat(batch) or run.compile(batch) "
                                "first (the chosen policy decides the weight layout)")
-        model = apply_lora(from_pretrained(self.model_path, self.dtype), self.lora_config, seed=self.seed)
+        model = apply_lora(from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config),
+                           self.lora_config, seed=self.seed)
         graphdef, lora, frozen = split_model(model)
         del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
         if self.unrolled:

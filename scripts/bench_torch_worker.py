@@ -38,6 +38,7 @@ Usage (the harness does this): python scripts/bench_torch_worker.py --task TASKS
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -58,6 +59,10 @@ def _peek_tasks(argv: list[str]) -> list[dict[str, Any]]:
 
 
 _UNSLOTH_IMPORT_ERROR: BaseException | None = None
+# The caller's Unsloth switches (e.g. UNSLOTH_BLOCK_COMPILE=0), read before `import unsloth` sets its own
+# UNSLOTH_* variables; the harness's bookkeeping ones are left out. Recorded so a row says how Unsloth ran.
+_UNSLOTH_CALLER_ENV = {k: v for k, v in sorted(os.environ.items()) if k.startswith("UNSLOTH_")
+                       and k not in ("UNSLOTH_DISABLE_STATISTICS", "UNSLOTH_COMPILE_LOCATION")}
 if any(t.get("system") == "unsloth" and t.get("device") == "cuda" for t in _peek_tasks(sys.argv)):
     try:
         import unsloth  # noqa: F401  (patches transformers/peft; must come first)
@@ -258,7 +263,8 @@ def run_unsloth(task: Task) -> dict[str, Any]:
                          "attention_backends_available": backends,
                          "packed": "position_ids (Unsloth infers packed_seq_lengths)"
                          if workload.packed else None,
-                         "non_lora_trainable": non_lora}}
+                         "non_lora_trainable": non_lora,
+                         "unsloth_env": _UNSLOTH_CALLER_ENV}}
 
 
 def run_task(task: Task, out_json: str, cache: ModelCache) -> dict[str, Any]:

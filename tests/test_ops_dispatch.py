@@ -24,10 +24,12 @@ from kernels_pallas.linear_cross_entropy import shapes as lce_shapes
 from kernels_pallas.rmsnorm import shapes as norm_shapes
 
 CPU = jax.devices("cpu")[0]
-OPS = {"attention": attention.OP, "rmsnorm": rmsnorm.OP, "swiglu": glu.OP,
+OPS = {"attention": attention.OP, "rmsnorm": rmsnorm.OP, "rmsnorm_offset": rmsnorm.OFFSET_OP, "swiglu": glu.OP,
+       "geglu_tanh": glu.GEGLU_OP,
        "linear_cross_entropy": linear_cross_entropy.OP}
 EXPECTED = {"attention": ("reference", "pallas", "cudnn"), "rmsnorm": ("reference", "xla"),
-            "swiglu": ("reference", "xla"), "linear_cross_entropy": ("reference", "xla")}
+            "rmsnorm_offset": ("reference", "xla"), "swiglu": ("reference", "xla"),
+            "geglu_tanh": ("reference", "xla"), "linear_cross_entropy": ("reference", "xla")}
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 
 
@@ -79,7 +81,9 @@ def _unknown_calls():
     return {
         "attention": lambda impl: attention.dot_product_attention(q, k, k, implementation=impl),
         "rmsnorm": lambda impl: rmsnorm.rmsnorm(x, jnp.ones((8,)), 1e-6, implementation=impl),
+        "rmsnorm_offset": lambda impl: rmsnorm.rmsnorm(x, jnp.ones((8,)), 1e-6, implementation=impl, offset=True),
         "swiglu": lambda impl: glu.swiglu(x, x, implementation=impl),
+        "geglu_tanh": lambda impl: glu.geglu_tanh(x, x, implementation=impl),
         "linear_cross_entropy": lambda impl: linear_cross_entropy.linear_cross_entropy(
             hidden, weight, targets, weights, implementation=impl),
     }
@@ -92,7 +96,8 @@ def test_unknown_implementation_is_one_line_naming_the_choices(op, bad):
         _unknown_calls()[op](bad)
     msg = str(info.value)
     assert "\n" not in msg
-    assert f"kernels_pallas/{'glu' if op == 'swiglu' else op}/api.py" in msg
+    folder = {"swiglu": "glu", "geglu_tanh": "glu", "rmsnorm_offset": "rmsnorm"}.get(op, op)
+    assert f"kernels_pallas/{folder}/api.py" in msg
     assert f"{op} has no implementation={bad!r}" in msg
     for name in OPS[op].accepted:
         assert repr(name) in msg

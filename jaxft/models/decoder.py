@@ -148,7 +148,7 @@ class Decoder(nnx.Module):
         """The LM head as [H, V] (the tied embedding transposed when `tie_word_embeddings`)."""
         if self.lm_head is None:
             return self.embed.embedding[...].T
-        return self.lm_head.kernel[...]
+        return self.lm_head.frozen_kernel(self.dtype if self.lm_head.quant is not None else None)
 
     def __call__(self, input_ids=None, positions=None, segment_ids=None, *, dropout_rng=None,
                  execution: ExecutionConfig = DEFAULT_EXECUTION, inputs_embeds=None) -> jax.Array:

@@ -5,7 +5,8 @@ layer's parameters: a slice inside `jax.lax.scan` (compile time does not grow wi
 training step over per-layer weight buffers (`jaxft.train.unstack_layers`), one unrolled call per layer
 (no weight-slicing copies). The variable types carry
 meaning: `nnx.Param` is the frozen base, `LoraParam` is what training updates, `LoraScale` is a per-layer
-constant. Optimisers and the trainer select by type, never by name.
+constant, `QuantizedWeight` is a frozen 4-bit weight's storage (a `Linear` whose `quant` is set has no
+`kernel`). Optimisers, the trainer and the exporters select by type, never by name.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jaxft.quant.blockwise import dequantize_absmax
+from kernels_pallas import nf4_matmul as nf4_ops
 
 
 class LoraParam(nnx.Param):
@@ -25,6 +29,76 @@ class LoraScale(nnx.Variable):
 
 class LoraRank(nnx.Variable):
     """Per-layer effective rank (int32): adapters are zero-padded to the largest rank of the stack."""
+
+
+class QuantizedWeight(nnx.Variable):
+    """Storage of a frozen 4-bit weight (packed codes, absmax, nested absmax, offset): never differentiated,
+    never given optimiser state, never a `Param` (so exporters and loaders that walk `Param`s skip it)."""
+
+
+class Quant4bit(nnx.Module):
+    """A stack of frozen [out, in] weights in bitsandbytes' 4-bit format (`jaxft.quant.blockwise`), per layer:
+
+    packed [ceil(out*in/2)] uint8, absmax [blocks] (float32, or uint8 codes with double quantisation, then
+    nested_absmax [ceil(blocks/nested_blocksize)] float32 and offset [] float32). `source_dtype` is the dtype
+    the weight was quantised from (written back into the checkpoint's quant state).
+    """
+
+    def __init__(self, out_features: int, in_features: int, *, stack: tuple[int, ...], quant_type: str = "nf4",
+                 blocksize: int = 64, double_quant: bool = True, nested_blocksize: int = 256,
+                 source_dtype: str = "bfloat16", arrays: dict | None = None):
+        # `arrays` ({packed, absmax[, nested_absmax, offset]}) fills the variables instead of zeros.
+        n = out_features * in_features
+        blocks = -(-n // blocksize)
+        self.out_features, self.in_features = out_features, in_features
+        self.quant_type, self.blocksize, self.nested_blocksize = quant_type, blocksize, nested_blocksize
+        self.source_dtype = source_dtype
+        shapes = dict(packed=((*stack, -(-n // 2)), jnp.uint8),
+                      absmax=((*stack, blocks), jnp.uint8 if double_quant else jnp.float32))
+        if double_quant:
+            shapes.update(nested_absmax=((*stack, -(-blocks // nested_blocksize)), jnp.float32),
+                          offset=(stack, jnp.float32))
+        for name, (shape, dtype) in shapes.items():
+            value = jnp.zeros(shape, dtype) if arrays is None else arrays[name]
+            if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+                raise ValueError(f"Quant4bit.{name}: got {value.dtype} {tuple(value.shape)}, expected {jnp.dtype(dtype)} "
+                                 f"{tuple(shape)} for a [{out_features}, {in_features}] weight in blocks of {blocksize}")
+            setattr(self, name, QuantizedWeight(value))
+        if not double_quant:
+            self.nested_absmax = self.offset = None
+
+    @property
+    def double_quant(self) -> bool:
+        return self.nested_absmax is not None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def _get(self, var, layer):
+        value = var[...]
+        return value if layer is None else value[layer]
+
+    def absmax_f32(self, layer: int | None = None) -> jax.Array:
+        """The float32 block absmax (de-nested when double-quantised) of the layer the module holds, or of
+        `layer` of a stack."""
+        absmax = self._get(self.absmax, layer)
+        if not self.double_quant:
+            return absmax
+        return dequantize_absmax(absmax, self._get(self.nested_absmax, layer), self._get(self.offset, layer),
+                                 self.nested_blocksize)
+
+    def dequantize(self, dtype, layer: int | None = None) -> jax.Array:
+        """The weight as [in, out] in `dtype` (the layout of `Linear.kernel`), of one layer (see absmax_f32)."""
+        w = nf4_ops.dequantize_4bit(self._get(self.packed, layer), self.absmax_f32(layer), shape=self.shape,
+                                    blocksize=self.blocksize, quant_type=self.quant_type, dtype=dtype)
+        return w.T
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        """x [..., in] @ W -> [..., out], dequantising in x's dtype inside the op's custom VJP (the dequantised
+        weight lives only inside this layer's forward and backward)."""
+        return nf4_ops.nf4_matmul(x, self.packed[...], self.absmax_f32(), shape=self.shape, blocksize=self.blocksize,
+                                  quant_type=self.quant_type)
 
 
 def _init(rngs: nnx.Rngs | None, shape, dtype, std: float | None):
@@ -48,6 +122,7 @@ class Linear(nnx.Module):
         self.lora_scale: LoraScale | None = None
         self.lora_rank: LoraRank | None = None
         self.lora_dropout: float = 0.0
+        self.quant: Quant4bit | None = None  # set (and `kernel` dropped) by jaxft.quant: a frozen 4-bit weight
 
     @property
     def has_lora(self) -> bool:
@@ -55,10 +130,23 @@ class Linear(nnx.Module):
 
     def base(self, x: jax.Array) -> jax.Array:
         """x @ W (+ b): the frozen part."""
-        y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
+        if self.quant is not None:
+            y = self.quant.matmul(x)
+        else:
+            y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
+
+    def frozen_kernel(self, dtype=None) -> jax.Array:
+        """W [*stack, in, out]: the kernel, or the 4-bit weight dequantised (every layer) in `dtype`."""
+        if self.quant is None:
+            return self.kernel[...] if dtype is None else self.kernel[...].astype(dtype)
+        dtype = dtype or jnp.bfloat16
+        lead = self.quant.packed.shape[:-1]
+        if not lead:
+            return self.quant.dequantize(dtype)
+        return jnp.stack([self.quant.dequantize(dtype, i) for i in range(lead[0])])
 
     def __call__(self, x: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
         return project((self,), x, (dropout_rng,))[0]

@@ -22,14 +22,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
 from jaxft.models.layers import Linear, _recompute, project
 from jaxft.models.moe import MoeMLP
 from jaxft.models.rope import apply_rope
 from jaxft.remat import ATTN_QKV, MLP_GATE_UP, MLP_INPUT
-from jax.ad_checkpoint import checkpoint_name
-from kernels_pallas.glu import swiglu
+from kernels_pallas.glu import geglu_tanh, swiglu
 from kernels_pallas.rmsnorm import rmsnorm
 
 
@@ -59,28 +59,18 @@ class RMSNorm(nnx.Module):
 
     @jax.named_scope("rmsnorm")
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.offset:
-            x32 = x.astype(jnp.float32)
-            normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-            return (normed * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         # Custom VJP: the backward keeps x in its own dtype and one fp32 scalar per row, not fp32 copies.
-        return rmsnorm(x, self.scale[...], self.eps)
+        return rmsnorm(x, self.scale[...], self.eps, offset=self.offset)
 
 
 # ------------------------------------------------------------------------------------------------ activations
-
-
-def geglu_tanh(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """gelu_tanh(gate) * up with gelu evaluated in fp32 and rounded to the input dtype (torch's
-    `gelu(x, approximate="tanh")`), then the product in the input dtype."""
-    return jax.nn.gelu(gate.astype(jnp.float32), approximate=True).astype(gate.dtype) * up
 
 
 # HF `hidden_act` / `hidden_activation` -> the gated activation h = act(gate) * up.
 ACTIVATIONS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
     "silu": swiglu,  # custom VJP: only gate and up are kept for its own backward
     "swish": swiglu,
-    "gelu_pytorch_tanh": geglu_tanh,
+    "gelu_pytorch_tanh": geglu_tanh,  # the same for GeGLU (gelu_tanh evaluated in fp32, as torch does)
 }
 
 

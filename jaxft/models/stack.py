@@ -6,7 +6,8 @@ same MLP slot. Every layer of a group sees the same per-group context (its RoPE 
 function, built from batch metadata computed once per batch by the decoder), so a group runs as one
 `jax.lax.scan` over its slice of the stack (compile time independent of depth), or, when the frozen weights
 are per-layer buffers (`jaxft.train.unstack_layers`), as unrolled calls. Gemma 2 alternates sliding/global
-every layer (L groups of 1); Gemma 3 runs five sliding layers per global one.
+every layer (L groups of 1); Gemma 3 runs five sliding layers per global one. Over stacked weights such a
+periodic stack is one scan whose body is one period (`layer_period`).
 
 Rematerialisation policies (`ExecutionConfig.remat`, `jaxft.remat`) are applied per layer here, the same way
 in both loops: each layer is one `jax.checkpoint` whose policy sees the named residuals (layer input here,
@@ -83,17 +84,52 @@ def layer_slice(layer_state: nnx.State, i: int) -> nnx.State:
     return nnx.from_flat_state([(p, v.replace(v.get_value()[i])) for p, v in nnx.to_flat_state(layer_state)])
 
 
+def layer_period(groups: list[LayerGroup]) -> int | None:
+    """The length P of the shortest repeating pattern of layer kinds when it repeats at least twice over whole
+    periods and holds more than one group (Gemma 2: P = 2; Gemma 3: P = 6), else None. A period runs as one
+    scan body, so an alternating stack is still one scan over L // P steps instead of L scans of one layer
+    (each of those slices the stacked weights and keeps its own copy for the backward pass)."""
+    kinds = [(g.window, g.rope, g.mlp) for g in groups for _ in range(g.start, g.end)]
+    n = len(kinds)
+    for p in range(2, n // 2 + 1):
+        if all(kinds[i] == kinds[i % p] for i in range(n)) and len(set(kinds[:p])) > 1:
+            return p
+    return None
+
+
 def run_groups(layers: nnx.Module, x: jax.Array, groups: list[LayerGroup],
                group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, policy: RematPolicy) -> jax.Array:
     """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled, each
-    layer rematerialised per `policy` (see the module docstring for the CSE barriers)."""
+    layer rematerialised per `policy` (see the module docstring for the CSE barriers). Stacked weights of a
+    periodic stack scan over whole periods (`layer_period`), the rest by group."""
     graphdef, state = nnx.split(layers)
     unrolled = is_unstacked(state)
     num_layers = groups[-1].end
-    for group in groups:
+
+    def fn_for(group):
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
-        layer_fn = _layer_fn(graphdef, ctx, dropout_rng, policy=policy,
-                             prevent_cse=unrolled and not (policy.offloads and _places_memory()))
+        return _layer_fn(graphdef, ctx, dropout_rng, policy=policy,
+                         prevent_cse=unrolled and not (policy.offloads and _places_memory()))
+
+    period = None if unrolled else layer_period(groups)
+    if period is not None:
+        kinds = [g for g in groups for _ in range(g.start, g.end)][:period]
+        fns = [fn_for(g) for g in kinds]  # one per position in the period: its window and RoPE table
+        reps = num_layers // period
+
+        def body(carry, xs):
+            period_state, base = xs
+            for j, fn in enumerate(fns):
+                carry = fn(carry, jax.tree.map(lambda leaf: leaf[j], period_state), base + j)
+            return carry, None
+
+        head = jax.tree.map(lambda leaf: leaf[:reps * period].reshape(reps, period, *leaf.shape[1:]), state)
+        bases = jnp.arange(0, reps * period, period, dtype=jnp.int32)
+        x, _ = jax.lax.scan(body, x, (head, bases))
+        # A last, incomplete period (e.g. 62 = 10 x 6 + 2 layers) runs by group below.
+        groups = [dataclasses.replace(g, start=max(g.start, reps * period)) for g in groups if g.end > reps * period]
+    for group in groups:
+        layer_fn = fn_for(group)
         if unrolled:
             for i in range(group.start, group.end):
                 x = layer_fn(x, layer_slice(state, i), i)

@@ -42,6 +42,8 @@ EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "layer_loo
                                   "mlp_chunk_size", "max_memory_gb", "host_memory_gb", "compiler_options")}
 OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
                               "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")}
+QUANT_KEYS = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant",
+              "skip_modules": "llm_int8_skip_modules", "max_rel_error": "bnb_4bit_max_rel_error"}
 LORA_KEYS = {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "lora_target_modules",
               "use_rslora": "use_rslora"}
 
@@ -155,6 +157,15 @@ class TrainConfig:
     lora_target_modules: str | list[str] = "all-linear"
     use_rslora: bool = False
     save_merged_model: bool = False
+    # QLoRA (transformers' BitsAndBytesConfig names): frozen linears in bitsandbytes' 4-bit format. A checkpoint
+    # that is already bitsandbytes 4-bit loads as stored whatever these say. llm_int8_skip_modules (null: lm_head,
+    # routers, vision towers) stay in the compute dtype, and so does any module whose relative quantisation
+    # error exceeds bnb_4bit_max_rel_error (jaxft's key: dynamic 4-bit; null: no such check).
+    load_in_4bit: bool = False
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
+    bnb_4bit_use_double_quant: bool = False
+    llm_int8_skip_modules: list[str] | None = None
+    bnb_4bit_max_rel_error: float | None = None
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -197,6 +208,29 @@ class TrainConfig:
                 raise part_error(e, fields) from None
             object.__setattr__(self, f"_{name}", part)
         object.__setattr__(self, "remat", self._execution.remat)  # canonical (a mapping becomes its string)
+        object.__setattr__(self, "_quant", self._build_quant())
+
+    def _build_quant(self):
+        from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, QuantConfigError
+
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if not self.load_in_4bit:
+            given = [k for k in QUANT_KEYS.values() if getattr(self, k) != defaults[k]]
+            if given:
+                raise TrainConfigError(f"key {given[0]!r} is set but load_in_4bit is false; add `load_in_4bit: true` "
+                                       f"or drop {given[0]}", key=given[0])
+            return None
+        values = {field: getattr(self, key) for field, key in QUANT_KEYS.items()}
+        values["skip_modules"] = tuple(values["skip_modules"]) if values["skip_modules"] is not None else DEFAULT_SKIP
+        try:
+            return QuantConfig(**values)
+        except QuantConfigError as e:
+            raise part_error(e, QUANT_KEYS) from None
+
+    @property
+    def quant(self):
+        """The 4-bit part (`jaxft.quant.QuantConfig`), or None without load_in_4bit."""
+        return self._quant
 
     @property
     def execution(self):
@@ -303,7 +337,7 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for key in ("lora_target_modules", "eval_generate_prompts"):
+        for key in ("lora_target_modules", "eval_generate_prompts", "llm_int8_skip_modules"):
             if isinstance(out[key], tuple):
                 out[key] = list(out[key])
         return out

@@ -1,5 +1,6 @@
-"""Public entry point: h = silu(gate) * up (the gated MLP's activation), see reference.py; and the op's
-registry ``OP`` (names as in kernels_pallas/_dispatch.py: "xla" custom VJP, "reference")."""
+"""Public entry points: h = silu(gate) * up (SwiGLU, see reference.py) and h = gelu_tanh(gate) * up (GeGLU,
+see geglu.py), the gated MLP's activation; and their registries ``OP`` / ``GEGLU_OP`` (names as in
+kernels_pallas/_dispatch.py: "xla" custom VJP, "reference")."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import jax
 
 from kernels_pallas._dispatch import ALL_PLATFORMS, Implementation, Op
 
+from .geglu import geglu_tanh_reference, geglu_tanh_xla
 from .reference import swiglu_reference
 from .xla import swiglu_xla
 
@@ -23,12 +25,34 @@ OP = Op(
 )
 IMPLEMENTATIONS = OP.accepted
 
+GEGLU_OP = Op(
+    name="geglu_tanh",
+    where=_WHERE,
+    implementations=(
+        Implementation("reference", geglu_tanh_reference, ALL_PLATFORMS, summary="autodiff of the definition"),
+        Implementation("xla", geglu_tanh_xla, ALL_PLATFORMS, summary="custom VJP saving gate and up only"),
+    ),
+    auto_order=("xla", "reference"),
+)
+
+
+def _check(gate: jax.Array, up: jax.Array) -> None:
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"{_WHERE}: gate {gate.shape} {gate.dtype} and up {up.shape} {up.dtype} "
+                         "must have the same shape and dtype")
+
 
 def swiglu(gate: jax.Array, up: jax.Array, *, implementation: str | None = "xla") -> jax.Array:
     """silu(gate) * up. "xla": custom VJP saving only gate and up; "reference": plain autodiff;
     "auto"/None: "xla"."""
     impl = OP.resolve(implementation)
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"{_WHERE}: gate {gate.shape} {gate.dtype} and up {up.shape} {up.dtype} "
-                         "must have the same shape and dtype")
+    _check(gate, up)
+    return impl.fn(gate, up)
+
+
+def geglu_tanh(gate: jax.Array, up: jax.Array, *, implementation: str | None = "xla") -> jax.Array:
+    """gelu_tanh(gate) * up (Gemma's MLP). "xla": custom VJP saving only gate and up; "reference": plain
+    autodiff; "auto"/None: "xla"."""
+    impl = GEGLU_OP.resolve(implementation)
+    _check(gate, up)
     return impl.fn(gate, up)

@@ -1,5 +1,6 @@
-"""Public entry point: y = w * normalise(x) over the last axis (fp32 statistics), see reference.py; and
-the op's registry ``OP`` (names as in kernels_pallas/_dispatch.py: "xla" custom VJP, "reference")."""
+"""Public entry points: y = w * normalise(x) over the last axis (fp32 statistics) and Gemma's
+y = (1 + w) * normalise(x) in fp32, see reference.py; and their registries ``OP`` / ``OFFSET_OP`` (names as in
+kernels_pallas/_dispatch.py: "xla" custom VJP, "reference")."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import jax
 
 from kernels_pallas._dispatch import ALL_PLATFORMS, Implementation, Op
 
-from .reference import rmsnorm_reference
-from .xla import rmsnorm_xla
+from .reference import rmsnorm_offset_reference, rmsnorm_reference
+from .xla import rmsnorm_offset_xla, rmsnorm_xla
 
 _WHERE = "kernels_pallas/rmsnorm/api.py"
 
@@ -23,11 +24,23 @@ OP = Op(
 )
 IMPLEMENTATIONS = OP.accepted
 
+OFFSET_OP = Op(
+    name="rmsnorm_offset",
+    where=_WHERE,
+    implementations=(
+        Implementation("reference", rmsnorm_offset_reference, ALL_PLATFORMS, summary="autodiff of the definition"),
+        Implementation("xla", rmsnorm_offset_xla, ALL_PLATFORMS, summary="custom VJP saving x and the inverse RMS"),
+    ),
+    auto_order=("xla", "reference"),
+)
 
-def rmsnorm(x: jax.Array, weight: jax.Array, eps: float, *, implementation: str | None = "xla") -> jax.Array:
-    """RMSNorm of `x [..., D]` with `weight [D]`. "xla": custom VJP saving only x and the inverse RMS;
-    "reference": plain autodiff of the definition; "auto"/None: "xla"."""
-    impl = OP.resolve(implementation)
+
+def rmsnorm(x: jax.Array, weight: jax.Array, eps: float, *, implementation: str | None = "xla",
+            offset: bool = False) -> jax.Array:
+    """RMSNorm of `x [..., D]` with `weight [D]`; `offset=True` scales by (1 + weight) in fp32 (Gemma).
+    "xla": custom VJP saving only x and the inverse RMS; "reference": plain autodiff of the definition;
+    "auto"/None: "xla"."""
+    impl = (OFFSET_OP if offset else OP).resolve(implementation)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"{_WHERE}: weight shape {weight.shape} must equal the last axis "
                          f"of x {x.shape[-1:]}")

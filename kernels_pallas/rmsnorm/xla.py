@@ -47,3 +47,35 @@ def _bwd(eps, residuals, dy):
 
 
 rmsnorm_xla.defvjp(_fwd, _bwd)
+
+
+# Gemma's form, y = (n * (1 + w)) in fp32 then rounded (n = x32 * r). With s = 1 + w32 the gradient is the
+# one above with g = dy * s, and dw = sum of dy * n in fp32 (no rounding of n: the product is fp32 here).
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rmsnorm_offset_xla(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    return _offset_forward(x, weight, eps)[0]
+
+
+def _offset_forward(x, weight, eps):
+    x32 = x.astype(_F32)
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * r * (1.0 + weight.astype(_F32))).astype(x.dtype), r
+
+
+def _offset_fwd(x, weight, eps):
+    y, r = _offset_forward(x, weight, eps)
+    return y, (x, weight, r)
+
+
+def _offset_bwd(eps, residuals, dy):
+    del eps
+    x, weight, r = residuals
+    n = x.astype(_F32) * r
+    dy32 = dy.astype(_F32)
+    g = dy32 * (1.0 + weight.astype(_F32))
+    dx = r * (g - n * jnp.mean(g * n, axis=-1, keepdims=True))
+    dw = jnp.sum((dy32 * n).reshape(-1, x.shape[-1]), axis=0)
+    return dx.astype(x.dtype), dw.astype(weight.dtype)
+
+
+rmsnorm_offset_xla.defvjp(_offset_fwd, _offset_bwd)

@@ -154,6 +154,21 @@ _GEMMA2_COMMON = {
     "use_cache": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3,
 }
 
+_GEMMA3_COMMON = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True, "attention_bias": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "initializer_range": 0.02,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
+    "use_cache": False, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+}
+
+
+def _gemma3_layer_types(n: int) -> list[str]:
+    """Gemma 3's 5:1 pattern: five sliding-window layers, then one global layer."""
+    return ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+
+
 SHAPES: dict[str, ModelShape] = {
     "llama-3.2-1b": ModelShape("llama-3.2-1b", {
         **_LLAMA_COMMON, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -172,7 +187,16 @@ SHAPES: dict[str, ModelShape] = {
         **_GEMMA2_COMMON, "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
         "sliding_window": 4096, "vocab_size": 256000}),
+    # Gemma-3-12B (text): 5 sliding (window 1024, RoPE base 10k) : 1 global (base 1M, linear x8), qk-norm, no softcaps.
+    "gemma-3-12b": ModelShape("gemma-3-12b", {
+        **_GEMMA3_COMMON, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
+        "sliding_window": 1024, "layer_types": _gemma3_layer_types(48), "vocab_size": 262208}),
     # Tiny shapes for the CPU smoke test (--tiny): same families, same code paths.
+    "tiny-gemma3": ModelShape("tiny-gemma3", {
+        **_GEMMA3_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
+        "sliding_window": 32, "layer_types": _gemma3_layer_types(6), "vocab_size": 512}),
     "tiny-gemma2": ModelShape("tiny-gemma2", {
         **_GEMMA2_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
@@ -248,8 +272,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("8b_packed_16384", "llama-3.1-8b", 1, 16384, packed=True, mean_doc_len=300),
     Workload("gemma2_9b_4096", "gemma-2-9b", 1, 4096),
     Workload("gemma2_9b_packed_16384", "gemma-2-9b", 1, 16384, packed=True, mean_doc_len=300),
+    Workload("gemma3_12b_4096", "gemma-3-12b", 1, 4096),
+    Workload("gemma3_12b_packed_16384", "gemma-3-12b", 1, 16384, packed=True, mean_doc_len=300),
     Workload("tiny_llama", "tiny-llama", 2, 128, tiny=True),
     Workload("tiny_gemma2", "tiny-gemma2", 1, 128, tiny=True),
+    Workload("tiny_gemma3", "tiny-gemma3", 1, 128, tiny=True),
     Workload("tiny_qwen3", "tiny-qwen3", 1, 128, tiny=True),
     Workload("tiny_packed", "tiny-llama", 1, 128, packed=True, mean_doc_len=24, tiny=True),
 )}

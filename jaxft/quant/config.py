@@ -1,0 +1,94 @@
+"""`QuantConfig`: which frozen linears are stored in 4 bits and how (bitsandbytes' meaning of every field), and
+transformers' rule for matching `llm_int8_skip_modules` names."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable
+
+from jaxft.config import ConfigError
+from jaxft.quant.blockwise import BLOCKSIZES, NESTED_ROUNDINGS
+
+__all__ = ["DEFAULT_SKIP", "QuantConfig", "QuantConfigError", "is_skipped"]
+
+# Never quantised unless asked: the output head (transformers keeps it too), routers and vision towers.
+DEFAULT_SKIP = ("lm_head", "mlp.gate", "router", "vision_tower", "visual", "multi_modal_projector")
+
+
+class QuantConfigError(ConfigError):
+    """A bad 4-bit setting; `field` and `problem` as `jaxft.lora.LoraConfigError` (TrainConfig restates it under
+    its own key)."""
+
+    def __init__(self, field: str, problem: str):
+        self.field, self.problem = field, problem
+        super().__init__(f"QuantConfig.{field}: {problem}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """How frozen linears are stored in 4 bits (bitsandbytes' meaning; BitsAndBytesConfig names in brackets).
+
+    quant_type [bnb_4bit_quant_type]: "nf4" or "fp4".  double_quant [bnb_4bit_use_double_quant]: absmax in
+    8 bits.  blocksize: elements per absmax (bitsandbytes' 64).  nested_blocksize: absmax per nested absmax.
+    nested_rounding: "cuda" (nearest) or "cpu" (bitsandbytes' CPU lookup table), see `jaxft.quant.blockwise`.
+    skip_modules [llm_int8_skip_modules]: HF module names kept in the model dtype, matched as transformers
+    does (from the start up to a module boundary, as a regex with that boundary, or as a suffix).
+    max_rel_error: dynamic 4-bit: a site whose relative quantisation error ||W - Q(W)||_F / ||W||_F exceeds it
+    in any layer stays in the model dtype (None: no such check).
+    """
+
+    quant_type: str = "nf4"
+    double_quant: bool = True
+    blocksize: int = 64
+    nested_blocksize: int = 256
+    nested_rounding: str = "cuda"
+    skip_modules: tuple[str, ...] = DEFAULT_SKIP
+    max_rel_error: float | None = None
+
+    def __post_init__(self):
+        def bad(field, why):
+            raise QuantConfigError(field, f"value {getattr(self, field)!r} is invalid; {why}")
+
+        if self.quant_type not in ("nf4", "fp4"):
+            bad("quant_type", "use 'nf4' or 'fp4'")
+        if not isinstance(self.double_quant, bool):
+            bad("double_quant", "must be True or False")
+        if self.blocksize not in BLOCKSIZES:
+            bad("blocksize", f"use one of {BLOCKSIZES}")
+        if not isinstance(self.nested_blocksize, int) or self.nested_blocksize <= 0:
+            bad("nested_blocksize", "must be a positive integer (bitsandbytes uses 256)")
+        if self.nested_rounding not in NESTED_ROUNDINGS:
+            bad("nested_rounding", f"use one of {NESTED_ROUNDINGS}")
+        skip = (self.skip_modules,) if isinstance(self.skip_modules, str) else tuple(self.skip_modules or ())
+        if not all(isinstance(k, str) and k for k in skip):
+            bad("skip_modules", "must be a list of module names, e.g. ['lm_head', 'mlp.down_proj']")
+        object.__setattr__(self, "skip_modules", skip)
+        if self.max_rel_error is not None and not (isinstance(self.max_rel_error, (int, float))
+                                                   and not isinstance(self.max_rel_error, bool)
+                                                   and 0 < self.max_rel_error < 1):
+            bad("max_rel_error", "must be a number in (0, 1), e.g. 0.12, or None")
+
+    @classmethod
+    def from_hf(cls, q: dict) -> "QuantConfig":
+        """From config.json's bitsandbytes `quantization_config`."""
+        skip = q.get("llm_int8_skip_modules")
+        return cls(quant_type=q.get("bnb_4bit_quant_type", "nf4"),
+                   double_quant=bool(q.get("bnb_4bit_use_double_quant", False)),
+                   skip_modules=tuple(skip) if skip else ())
+
+    def to_hf(self, compute_dtype: str, skipped: Iterable[str]) -> dict:
+        """config.json's `quantization_config`, with the modules kept in the model dtype as llm_int8_skip_modules."""
+        skipped = sorted(set(skipped))
+        return {"_load_in_4bit": True, "_load_in_8bit": False, "bnb_4bit_compute_dtype": compute_dtype,
+                "bnb_4bit_quant_storage": "uint8", "bnb_4bit_quant_type": self.quant_type,
+                "bnb_4bit_use_double_quant": self.double_quant, "llm_int8_enable_fp32_cpu_offload": False,
+                "llm_int8_has_fp16_weight": False, "llm_int8_skip_modules": skipped or None,
+                "llm_int8_threshold": 6.0, "load_in_4bit": True, "load_in_8bit": False,
+                "quant_method": "bitsandbytes"}
+
+
+def is_skipped(name: str, patterns: Iterable[str]) -> bool:
+    """transformers' rule for llm_int8_skip_modules (`should_convert_module`, negated)."""
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return any(re.match(rf"(?:{key}){boundary}", name) or name.endswith(key) for key in patterns)

@@ -1,0 +1,198 @@
+"""Frozen linears as 4-bit weights: which ones (`QuantConfig`, by HF module name and by measured error), the
+quantisation of loaded weights one layer at a time on the device, and bitsandbytes checkpoint records.
+
+A quantised `Linear` keeps its bias and LoRA slots; its `kernel` is replaced by `quant`, a `Quant4bit` module
+whose variables are `QuantizedWeight`s (`jaxft.models.layers`): trainable and quantised state are told apart
+by variable type. A site (one linear of the layer stack, all layers) is quantised as a whole: the stacked
+arrays hold every layer in one format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bridge.bnb4bit import Quant4bitTensor
+from bridge.mappings.schema import LAYER
+from jaxft.config import ConfigError
+from jaxft.models.families import family_for
+from jaxft.models.layers import Linear, Quant4bit, linears
+from jaxft.quant.blockwise import quantize_4bit
+from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, is_skipped
+from kernels_pallas.nf4_matmul import DYNAMIC, code_4bit, dequantize_4bit
+
+__all__ = ["DEFAULT_SKIP", "QuantConfig", "Site", "abstract_quantize", "install", "is_skipped", "linear_sites", "quantize_site",
+           "records_of", "saved_bytes", "site_from_records"]
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One `Linear` of the model: its tree path (without "kernel"), HF module template, stacked over layers."""
+
+    path: tuple[str, ...]
+    template: str
+    stacked: bool
+
+    def names(self, num_layers: int) -> list[str]:
+        if not self.stacked:
+            return [self.template]
+        return [self.template.replace(LAYER, str(i)) for i in range(num_layers)]
+
+    def linear(self, model) -> Linear:
+        node = model
+        for part in self.path:
+            node = getattr(node, part)
+        return node
+
+
+def linear_sites(model) -> list[Site]:
+    """Every `Linear` of `model` with its HF module name (bridge table rows `<module>.weight -> <path>.kernel`)."""
+    present = {tuple(p.split(".")) for p, _ in linears(model)}
+    out = []
+    for row in family_for(model.config.model_type).table:
+        if row.path[-1] == "kernel" and row.path[:-1] in present and row.hf.endswith(".weight"):
+            out.append(Site(row.path[:-1], row.hf[: -len(".weight")], row.stacked))
+    return out
+
+
+def install(lin: Linear, quant: Quant4bit) -> None:
+    """Makes `lin` a 4-bit linear: `quant` replaces its kernel."""
+    # `nnx.data` / `nnx.static`: `quant` was None (static) on the fresh Linear and now holds state; the kernel
+    # goes away (None, static), so nothing can read a stale float copy.
+    lin.quant = nnx.data(quant)
+    lin.kernel = nnx.static(None)
+
+
+def _layers_of(kernel: np.ndarray, stacked: bool):
+    return [kernel[i] for i in range(kernel.shape[0])] if stacked else [kernel]
+
+
+def _stack(parts: list, stacked: bool):
+    return jnp.stack(parts) if stacked else parts[0]
+
+
+def quantize_site(kernel: np.ndarray, stacked: bool, cfg: QuantConfig, source_dtype: str
+                  ) -> tuple[Quant4bit | None, float]:
+    """(Quant4bit, worst relative error over layers) of a host kernel [L?, in, out], one layer on the device at a
+    time; (None, error) when `cfg.max_rel_error` is exceeded (the site stays dense)."""
+    packed, absmax, nested, offsets, worst = [], [], [], [], 0.0
+    in_f, out_f = kernel.shape[-2:]
+    for layer in _layers_of(kernel, stacked):
+        w = jnp.asarray(layer).T  # torch's [out, in]: the blocks run along `in`
+        q = quantize_4bit(w, quant_type=cfg.quant_type, blocksize=cfg.blocksize, double_quant=cfg.double_quant,
+                          nested_blocksize=cfg.nested_blocksize, nested_rounding=cfg.nested_rounding)
+        if cfg.max_rel_error is not None:
+            back = dequantize_4bit(q.packed, q.absmax_f32(), shape=q.shape, blocksize=cfg.blocksize,
+                                   quant_type=cfg.quant_type, dtype=jnp.float32)
+            w32 = w.astype(jnp.float32)
+            worst = max(worst, float(jnp.linalg.norm(back - w32) / jnp.maximum(jnp.linalg.norm(w32), 1e-30)))
+        packed.append(q.packed)
+        absmax.append(q.absmax)
+        if cfg.double_quant:
+            nested.append(q.nested_absmax)
+            offsets.append(jnp.float32(q.offset))
+        del w
+    if cfg.max_rel_error is not None and worst > cfg.max_rel_error:
+        return None, worst
+    arrays = dict(packed=_stack(packed, stacked), absmax=_stack(absmax, stacked))
+    if cfg.double_quant:
+        arrays.update(nested_absmax=_stack(nested, stacked), offset=_stack(offsets, stacked))
+    return _module(out_f, in_f, stacked, cfg.quant_type, cfg.blocksize, cfg.double_quant, cfg.nested_blocksize,
+                   source_dtype, arrays), worst
+
+
+def _module(out_f, in_f, stacked, quant_type, blocksize, double_quant, nested_blocksize, source_dtype, arrays):
+    lead = (arrays["packed"].shape[0],) if stacked else ()
+    return Quant4bit(out_f, in_f, stack=lead, quant_type=quant_type, blocksize=blocksize, double_quant=double_quant,
+                     nested_blocksize=nested_blocksize, source_dtype=source_dtype, arrays=arrays)
+
+
+def site_from_records(records: list[Quant4bitTensor], stacked: bool, where: str) -> Quant4bit:
+    """A Quant4bit from a checkpoint's per-layer records (checked to share one format and the standard codes)."""
+    first = records[0]
+    for r in records:
+        same = (r.shape, r.blocksize, r.quant_type, r.double_quant, r.nested_blocksize) == \
+               (first.shape, first.blocksize, first.quant_type, first.double_quant, first.nested_blocksize)
+        if not same:
+            raise ConfigError(f"{where}: the layers of this module are quantised differently ({r.quant_type}, "
+                              f"blocksize {r.blocksize}, double quant {r.double_quant} vs {first.quant_type}, "
+                              f"{first.blocksize}, {first.double_quant}); re-quantise the checkpoint uniformly")
+        if not np.array_equal(r.quant_map, code_4bit(r.quant_type)):
+            raise ConfigError(f"{where}: quant_map is not bitsandbytes' standard {r.quant_type} code; only the "
+                              "standard NF4/FP4 tables are supported")
+        if r.double_quant and not np.array_equal(r.nested_quant_map, DYNAMIC):
+            raise ConfigError(f"{where}: nested_quant_map is not bitsandbytes' dynamic 8-bit map; only the "
+                              "standard map is supported")
+    arrays = dict(packed=_stack([jnp.asarray(r.packed) for r in records], stacked),
+                  absmax=_stack([jnp.asarray(r.absmax) for r in records], stacked))
+    if first.double_quant:
+        arrays.update(nested_absmax=_stack([jnp.asarray(r.nested_absmax) for r in records], stacked),
+                      offset=_stack([jnp.float32(r.nested_offset) for r in records], stacked))
+    out_f, in_f = first.shape
+    return _module(out_f, in_f, stacked, first.quant_type, first.blocksize, first.double_quant,
+                   first.nested_blocksize or 256, first.dtype, arrays)
+
+
+def records_of(quant: Quant4bit, stacked: bool) -> list[Quant4bitTensor]:
+    """Per-layer checkpoint records of a Quant4bit (host copies)."""
+    layers = quant.packed.shape[0] if stacked else 1
+    out = []
+    for i in range(layers):
+        def get(var):
+            value = np.asarray(var[...])
+            return value[i] if stacked else value
+        out.append(Quant4bitTensor(
+            packed=get(quant.packed), absmax=get(quant.absmax), quant_map=code_4bit(quant.quant_type),
+            shape=quant.shape, blocksize=quant.blocksize, quant_type=quant.quant_type, dtype=quant.source_dtype,
+            nested_absmax=get(quant.nested_absmax) if quant.double_quant else None,
+            nested_quant_map=DYNAMIC if quant.double_quant else None,
+            nested_offset=float(get(quant.offset)) if quant.double_quant else None,
+            nested_blocksize=quant.nested_blocksize if quant.double_quant else None))
+    return out
+
+
+def saved_bytes(quant: Quant4bit, dtype) -> int:
+    """Device bytes the 4-bit form saves over the weight in `dtype`."""
+    layers = math.prod(quant.packed.shape[:-1])
+    dense = layers * quant.out_features * quant.in_features * jnp.dtype(dtype).itemsize
+    held = sum(int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize
+               for v in (quant.packed, quant.absmax, quant.nested_absmax, quant.offset) if v is not None)
+    return dense - held
+
+
+def abstract_quantize(model, path, cfg: QuantConfig | None) -> None:
+    """Installs the 4-bit modules `from_pretrained(path, quant_config=cfg)` would, with zero arrays (call it under
+    `nnx.eval_shape` for shapes alone): for ahead-of-time compilation before the weights are read."""
+    from bridge import bnb4bit, checkpoint_files, read_config
+
+    hf = read_config(path)
+    stored = bnb4bit.quantization_config(hf, str(path))
+    num_layers = model.config.num_layers
+    if stored is not None:
+        records = bnb4bit.read_quantized(path, checkpoint_files(path))
+        for site in linear_sites(model):
+            names = site.names(num_layers)
+            if names[0] in records:
+                r = records[names[0]]
+                lead = (num_layers,) if site.stacked else ()
+                install(site.linear(model), Quant4bit(
+                    r.shape[0], r.shape[1], stack=lead, quant_type=r.quant_type, blocksize=r.blocksize,
+                    double_quant=r.double_quant, nested_blocksize=r.nested_blocksize or 256, source_dtype=r.dtype))
+        return
+    if cfg is None:
+        return
+    if cfg.max_rel_error is not None:
+        raise ValueError("QuantConfig.max_rel_error decides which modules stay dense from the weights themselves: "
+                         "load the model (Run.load) before compiling")
+    for site in linear_sites(model):
+        if any(is_skipped(n, cfg.skip_modules) for n in site.names(num_layers)):
+            continue
+        lin = site.linear(model)
+        install(lin, Quant4bit(lin.out_features, lin.in_features, stack=(num_layers,) if site.stacked else (),
+                               quant_type=cfg.quant_type, blocksize=cfg.blocksize, double_quant=cfg.double_quant,
+                               nested_blocksize=cfg.nested_blocksize, source_dtype=str(model.dtype)))
