@@ -6,12 +6,18 @@ The model holds parameters and math; everything that changes speed or memory but
 - `attention_implementation`: which attention kernel runs (see `kernels_pallas.attention`): "auto" picks per
   batch on the device (cuDNN for single-document rows, the Pallas flash kernel for packed rows, the XLA
   reference on CPU), or one of "reference" ("xla" is its older spelling), "pallas", "cudnn".
-- `remat`: what the backward pass recomputes instead of keeping: "none" keeps every residual, "full" keeps
-  only layer inputs, "dots" keeps matmul outputs, "offload" moves layer inputs to pinned host memory.
+- `remat`: what the backward pass keeps, offloads to pinned host memory or recomputes (`jaxft.remat`: "none",
+  "full", "dots", "offload", "offload+attn", "offload_all", "save=..;offload=..", "auto"); a mapping
+  {save: [...], offload: [...]} is accepted and stored as its canonical string. `host_memory_gb` bounds what
+  "offload_all" puts in host memory (None: no bound); `max_memory_gb` is "auto"'s device budget (None: the
+  device's free memory less a margin, `jaxft.run.default_memory_budget`).
 - `layer_loop`: "scan" runs one layer body over stacked weights; "unroll" one program region per layer over
   per-layer weight buffers (no weight-slice copies, longer compile); "auto" unrolls only without remat (the
-  host offload was measured to be kept only by the scan).
-- `ce_chunk_size` / `ce_implementation`: the linear cross-entropy's token chunk (None = its default) and kernel.
+  host offload of unrolled layers is not yet confirmed on the GPU: tests/test_remat_gpu.py).
+- `mlp_chunk_size`: the MLP runs over sequence chunks of this many tokens, each under a save-nothing
+  checkpoint, so one layer never holds [T, intermediate] activations (None: one chunk).
+- `ce_chunk_size` / `ce_implementation`: the linear cross-entropy's token chunk and kernel. None picks by
+  length (`resolved_ce_chunk`).
 - `compiler_options`: XLA options for the step's program only (never process-wide flags).
 
 Frozen and validated once; every error names the field, which is also the flat `jaxft-train` key.
@@ -22,10 +28,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+import jax
+
+from jaxft import remat as remat_policies
 from jaxft.config import ConfigError
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "cudnn")
-REMAT_POLICIES = ("none", "full", "dots", "offload")
+REMAT_POLICIES = remat_policies.FIXED  # plus selective 'save=..;offload=..' strings
 LAYER_LOOPS = ("auto", "scan", "unroll")
 CE_IMPLEMENTATIONS = ("xla", "reference")
 
@@ -49,18 +58,32 @@ class ExecutionConfig:
     remat: str = "none"
     layer_loop: str = "auto"
     ce_chunk_size: int | None = None
+    mlp_chunk_size: int | None = None
+    max_memory_gb: float | None = None
+    host_memory_gb: float | None = None
     ce_implementation: str = "xla"
     compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         _choice("attention_implementation", self.attention_implementation, ATTENTION_IMPLEMENTATIONS)
-        _choice("remat", self.remat, REMAT_POLICIES)
+        try:
+            object.__setattr__(self, "remat", remat_policies.canonical(self.remat))
+        except remat_policies.RematError as e:
+            raise ExecutionConfigError("remat", str(e).removeprefix("remat ")) from None
         _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
         _choice("ce_implementation", self.ce_implementation, CE_IMPLEMENTATIONS)
         chunk = self.ce_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ExecutionConfigError("ce_chunk_size", f"value {chunk!r} must be an integer >= 1 (or null for the "
                                                         "kernel's default)")
+        chunk = self.mlp_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ExecutionConfigError("mlp_chunk_size", f"value {chunk!r} must be an integer >= 1 (or null for "
+                                                         "one chunk)")
+        for key in ("max_memory_gb", "host_memory_gb"):
+            gb = getattr(self, key)
+            if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0):
+                raise ExecutionConfigError(key, f"value {gb!r} must be a number of GiB > 0 (or null)")
         if not isinstance(self.compiler_options, Mapping) or not all(isinstance(k, str)
                                                                      for k in self.compiler_options):
             raise ExecutionConfigError("compiler_options", f"value {self.compiler_options!r} must be a mapping of "
@@ -72,6 +95,28 @@ class ExecutionConfig:
     def attention(self) -> str:
         """The attention implementation as `kernels_pallas.attention` names it ("xla" is the reference)."""
         return "reference" if self.attention_implementation == "xla" else self.attention_implementation
+
+    def layer_policy(self, cfg, batch: int, seq: int, itemsize: int) -> remat_policies.RematPolicy:
+        """The per-layer policy for a [batch, seq] micro-batch of model `cfg`: "offload_all" spends
+        `host_memory_gb` on the names in `jaxft.remat.NAMES` order (`budget_offload_all`)."""
+        names = remat_policies.NAMES
+        if self.remat == "offload_all":
+            names, _ = remat_policies.budget_offload_all(cfg, batch, seq, itemsize, self.host_memory_gb)
+        return remat_policies.parse(self.remat, offload_all=names)
+
+    def resolved_ce_chunk(self, num_tokens: int, vocab_size: int, hidden_size: int, itemsize: int) -> int | None:
+        """`ce_chunk_size`, or when None the rule by length: without remat, the kernel's default (a fixed
+        byte budget per [chunk, vocab] fp32 block, `kernels_pallas.linear_cross_entropy.config`); with any remat
+        policy the block is also capped at 4 x one layer input of the step (num_tokens x hidden x itemsize x 4),
+        so the loss never needs more transient memory than a few residual-stream tensors, floored at 128 tokens
+        (8B, 1 x 4096: 256 tokens, the lean mode's measured choice; 1 x 65536: the kernel's 512)."""
+        if self.ce_chunk_size is not None or self.remat == "none":
+            return self.ce_chunk_size
+        from kernels_pallas.linear_cross_entropy import tiles_for
+
+        default = tiles_for(jax.devices()[0].device_kind, num_tokens, vocab_size)
+        cap = max(128, (4 * num_tokens * hidden_size * itemsize) // (vocab_size * 4) // 128 * 128)
+        return min(default, cap, num_tokens)
 
     @property
     def resolved_layer_loop(self) -> str:
@@ -85,4 +130,5 @@ class ExecutionConfig:
 
     def __hash__(self) -> int:
         return hash((self.attention_implementation, self.remat, self.layer_loop, self.ce_chunk_size,
-                     self.ce_implementation, tuple(sorted(self.compiler_options.items()))))
+                     self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb, self.ce_implementation,
+                     tuple(sorted(self.compiler_options.items()))))

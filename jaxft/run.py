@@ -2,6 +2,7 @@
 
     run = Run.from_config(train_config, total_steps)      # or Run(model_dir, lora=..., execution=..., optim=...)
     run.compile(host_batch)        # optional, before load(): compiled from shapes, no weight on the device yet
+    run.choose_remat(host_batch)   # remat "auto": compiles candidates from shapes, keeps the fastest that fits
     run.load()                     # HF weights -> LoRA -> split by type -> per-layer buffers? -> placed
     metrics = run.step(host_batch, step_index)                 # one optimizer update (the compiled step)
     loss_sum, count = run.evaluate(host_batches)
@@ -19,6 +20,8 @@ weights resident that transient can exceed the training peak, which the allocato
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,13 +33,41 @@ from flax import nnx
 
 import bridge
 from jaxft.config import ModelConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.remat import AUTO_ORDER
 from jaxft.lora import LoraConfig, apply_lora, target_names
 from jaxft.models.decoder import Decoder, abstract_model
 from jaxft.sharding import MeshConfig, Placement
 from jaxft.train.optim import OptimConfig
 from jaxft.train.step import (make_eval_step, make_train_step, restack_layers, split_model, stack_micro_batches,
                               unstack_layers)
+
+
+logger = logging.getLogger("jaxft.run")
+GIB = 2**30
+
+
+def default_memory_budget(device=None) -> tuple[int, str]:
+    """(bytes, where from) that `remat: auto` may plan a step to use when `max_memory_gb` is not given: the
+    device's free memory (allocator limit minus bytes in use) less a margin of max(1 GiB, 5%) for the
+    allocator's fragmentation and XLA's workspace. On the CPU, whose device memory is the host's, the host's
+    available physical memory less the same margin."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        free, source = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device.device_kind} free"
+    else:
+        free, source = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host available memory"
+    return int(free - max(GIB, 0.05 * free)), f"{source} less max(1 GiB, 5%)"
+
+
+def peak_estimate(analysis: dict[str, int]) -> int:
+    """A step's device peak from XLA's compiled memory analysis (JAX 0.11 `CompiledMemoryStats`): arguments
+    (weights, LoRA, optimizer state, batch) + outputs + temporaries (activations, residuals, workspace), less
+    the outputs aliased to donated arguments (the updated LoRA and optimizer state reuse their inputs' buffers,
+    so they are counted once). Host-memory fields (host_*_size_in_bytes) are not device memory."""
+    return (analysis.get("argument_size_in_bytes", 0) + analysis.get("output_size_in_bytes", 0)
+            + analysis.get("temp_size_in_bytes", 0) - analysis.get("alias_size_in_bytes", 0))
 
 
 def _abstract(tree):
@@ -72,6 +103,7 @@ class Run:
         self._compiled_spec = None
         self._eval_fn = None
         self.compile_seconds = 0.0
+        self.remat_estimates: dict[str, int] = {}  # remat "auto": candidate -> estimated peak bytes
 
     @classmethod
     def from_config(cls, config, total_steps: int, *, devices=None) -> "Run":
@@ -109,6 +141,9 @@ class Run:
         """Reads the weights, applies LoRA (seeded), splits by variable type and places the state."""
         from jaxft.io import from_pretrained
 
+        if self.execution.remat == "auto":
+            raise RuntimeError("Run.load() with remat 'auto': call run.choose_remat(batch) or run.compile(batch) "
+                               "first (the chosen policy decides the weight layout)")
         # One device: whole arrays. A mesh: each weight is read shard by shard into its place (jaxft.io); 4-bit
         # weights are quantised on one device and then placed (their variable type has no logical axes yet).
         mesh = self.placement if len(self.placement.devices) > 1 and self.quant_config is None else None
@@ -169,6 +204,9 @@ class Run:
         """Compiles the training step for batches shaped like `host_batch` ([A*B, T] arrays). Before `load`
         it compiles from shapes alone. Returns the compiled step (its `memory_analysis()` gives the static
         memory) and records `compile_seconds`."""
+        if self.execution.remat == "auto":
+            self.choose_remat(host_batch)
+            return self._compiled
         began = time.perf_counter()
         stacked = stack_micro_batches(host_batch, self.accumulation)
         batch = self.placement.abstract_batch(stacked)
@@ -186,6 +224,54 @@ class Run:
         self._compiled_spec = _abstract(stacked)
         self.compile_seconds = time.perf_counter() - began
         return self._compiled
+
+    def compiled_for(self, host_batch: dict[str, np.ndarray]) -> bool:
+        """Whether the compiled step serves batches shaped like `host_batch`."""
+        return self._compiled is not None and _abstract(stack_micro_batches(host_batch, self.accumulation)) == \
+            self._compiled_spec
+
+    def choose_remat(self, host_batch: dict[str, np.ndarray], *, log=logger.info) -> str:
+        """Resolves `remat: auto` (a no-op for any other policy): compiles the step from shapes for each policy
+        of `jaxft.remat.AUTO_ORDER` (fastest expected first), estimates its device peak (`peak_estimate`) and
+        keeps the first within `max_memory_gb` (default `default_memory_budget`). Faster candidates that do not
+        fit and the choice are logged, one line each; slower ones are not compiled. The chosen step stays
+        compiled. Raises ExecutionConfigError on key max_memory_gb (one line, with the smallest estimate) when
+        nothing fits. Must run before `load`: the policy decides the layer loop, hence the weight layout."""
+        base = self.execution
+        if base.remat != "auto":
+            return base.remat
+        if self.loaded:
+            raise RuntimeError("Run.choose_remat after Run.load(): choose the policy before the weights are placed")
+        if base.max_memory_gb is not None:
+            budget, source = int(base.max_memory_gb * GIB), "max_memory_gb"
+        else:
+            budget, source = default_memory_budget(self.placement.devices[0])
+        log(f"remat auto: device budget {budget / GIB:.2f} GiB ({source}); candidates in order of expected speed: "
+            f"{', '.join(AUTO_ORDER)}")
+        seconds, self.remat_estimates = 0.0, {}
+        for policy in AUTO_ORDER:
+            self.execution = base.replace(remat=policy)
+            self.compile(host_batch)
+            seconds += self.compile_seconds
+            m = self.memory_analysis()
+            estimate = self.remat_estimates[policy] = peak_estimate(m)
+            fits = estimate <= budget
+            log(f"remat auto: {policy:<12} estimated peak {estimate / GIB:.3f} GiB (arguments "
+                f"{m.get('argument_size_in_bytes', 0) / GIB:.3f} + outputs {m.get('output_size_in_bytes', 0) / GIB:.3f}"
+                f" + temp {m.get('temp_size_in_bytes', 0) / GIB:.3f} - aliased {m.get('alias_size_in_bytes', 0) / GIB:.3f})"
+                f" -> {'fits: chosen' if fits else 'does not fit'}")
+            if fits:
+                rest = AUTO_ORDER[AUTO_ORDER.index(policy) + 1:]
+                if rest:
+                    log(f"remat auto: chose {policy} (not compiled: {', '.join(rest)}, expected slower)")
+                self.compile_seconds = seconds
+                return policy
+        self.execution, self._compiled, self._compiled_spec = base, None, None
+        smallest = min(self.remat_estimates, key=self.remat_estimates.get)
+        raise ExecutionConfigError(
+            "max_memory_gb", f"no remat policy fits in {budget / GIB:.3f} GiB ({source}): the smallest estimate is "
+            f"{smallest} at {self.remat_estimates[smallest] / GIB:.3f} GiB; raise max_memory_gb, or lower "
+            "per_device_train_batch_size / max_seq_length")
 
     def step(self, host_batch: dict[str, np.ndarray], step_index: int) -> dict[str, jax.Array]:
         """One optimizer update on `host_batch` (compiled on first use); returns the step's metrics, still on

@@ -23,8 +23,10 @@ task (or the load) set it, and the task reports the static estimate bytes_in_use
 temp + output - alias of the compiled step ("static_estimate").
 
 Profiling (optional): JAXFT_PROFILE_DIR=DIR profiles 3 extra steps of the workloads named in
-JAXFT_PROFILE_WORKLOADS (default 8b_4096, mode fast) and dumps the optimized step HLO, so trace
-events map to jaxft's named scopes. XLA reads XLA_FLAGS once per process, so the dump flags are set
+JAXFT_PROFILE_WORKLOADS (default 8b_4096) in the modes named in JAXFT_PROFILE_MODES (default fast) and
+dumps the optimized step HLO, so trace events map to jaxft's named scopes; the result's extra.profile
+also holds `overlap` (bench.profile.overlap_summary: host-copy time, per-layer backward time and how
+much of the copies ran under compute). Each profiled mode writes its trace under DIR/<mode>. XLA reads XLA_FLAGS once per process, so the dump flags are set
 at worker start, before JAX initialises, whenever any task of the session is profiled.
 
 Usage (the harness does this): python scripts/bench_jaxft_worker.py --task TASKS.json --out RESULTS.json
@@ -50,7 +52,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #         per-layer weight slices are copies; scripts/ablate_step.py, docs/benchmarks.md);
 #   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass; the
 #         layer scan (host offload of the scanned layer inputs is what keeps the memory down).
-MODES = ("fast", "lean", "full_remat")
+#   offload_attn, offload_all, offload_unroll, auto: the remat policies of jaxft.remat (one YAML each).
+MODES = ("fast", "lean", "full_remat", "offload_attn", "offload_all", "offload_unroll", "auto")
 PROFILE_STEPS = 3
 
 
@@ -60,7 +63,9 @@ def mode_yaml(mode: str) -> str:
 
 def _profile_dir(workload_name: str, mode: str) -> str | None:
     wanted = os.environ.get("JAXFT_PROFILE_WORKLOADS", "8b_4096").split(",")
-    return os.environ.get("JAXFT_PROFILE_DIR") if workload_name in wanted and mode == "fast" else None
+    modes = os.environ.get("JAXFT_PROFILE_MODES", "fast").split(",")
+    root = os.environ.get("JAXFT_PROFILE_DIR")
+    return os.path.join(root, mode) if root and workload_name in wanted and mode in modes else None
 
 
 def setup_profiling(tasks: list[Task]) -> None:
@@ -68,7 +73,7 @@ def setup_profiling(tasks: list[Task]) -> None:
     dirs = {_profile_dir(t.workload, _mode(t)) for t in tasks if t.kind == "train"} - {None}
     if not dirs:
         return
-    profile_dir = dirs.pop()  # one JAXFT_PROFILE_DIR per process
+    profile_dir = dirs.pop()  # one process per system: one mode, one directory
     os.makedirs(profile_dir, exist_ok=True)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={profile_dir}/hlo"
                                " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*"
@@ -80,9 +85,16 @@ def setup_profiling(tasks: list[Task]) -> None:
                                " " + os.environ.get("JAXFT_PROFILE_XLA_FLAGS", "")).strip()
 
 
+def system_mode(system: str) -> str:
+    """System "jaxft" = the fast mode; "jaxft_<mode>" = examples/bench/<mode>.yaml (jaxft_lean = lean)."""
+    mode = "fast" if system == "jaxft" else system.removeprefix("jaxft_")
+    if mode not in MODES:
+        raise ValueError(f"system {system!r} names no jaxft mode; modes: {', '.join(MODES)}")
+    return mode
+
+
 def _mode(task: Task) -> str:
-    # System "jaxft" = fastest settings; "jaxft_lean" = host-offloaded rematerialisation (least memory).
-    return os.environ.get("JAXFT_BENCH_MODE", "lean" if task.system == "jaxft_lean" else "fast")
+    return os.environ.get("JAXFT_BENCH_MODE", system_mode(task.system))
 
 
 def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str):
@@ -158,7 +170,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
              "memory_bytes": _memory_breakdown(run.frozen, run.lora, run.opt_state, batches, peak),
              "recipe": os.path.relpath(mode_yaml(mode), REPO)}
     if profile_dir:
-        extra.update(_profile(profile_dir, run, batches))
+        extra.update(_profile(profile_dir, run, batches, run.model_config.num_layers))
     execution = config.execution
     return {
         "step_times_s": times,
@@ -171,7 +183,8 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
         "trainable_params": int(sum(x.size for x in jax.tree.leaves(run.lora))),
         "device_name": str(device.device_kind),
         "versions": {"jax": jax.__version__, "jaxft": getattr(jaxft, "__version__", "dev")},
-        "settings": {"mode": mode, "recipe": extra["recipe"], "remat": execution.remat,
+        "settings": {"mode": mode, "recipe": extra["recipe"], "remat": run.execution.remat,
+                     "remat_estimates": run.remat_estimates,
                      "attention": execution.attention_implementation, "layers": execution.resolved_layer_loop,
                      "ce_chunk_size": execution.ce_chunk_size, "dtype": dtype, "lora_dtype": "float32",
                      "compute": dtype},
@@ -193,11 +206,11 @@ def _task_peak(before: dict[str, int], after: dict[str, int],
     return int(estimate), "static_estimate", numbers
 
 
-def _profile(profile_dir: str, run, batches) -> dict[str, Any]:
+def _profile(profile_dir: str, run, batches, num_layers: int) -> dict[str, Any]:
     """A few more steps under jax.profiler, summarised by jaxft's named scopes (after the timed steps)."""
     import jax
 
-    from bench.profile import load_step_hlo, load_trace, summarize_trace
+    from bench.profile import load_step_hlo, load_trace, overlap_summary, summarize_trace
 
     try:  # the timings are the result; a profiler failure must not lose them
         t0 = time.perf_counter()
@@ -207,8 +220,10 @@ def _profile(profile_dir: str, run, batches) -> dict[str, Any]:
             jax.block_until_ready(metrics["loss"])
         wall = time.perf_counter() - t0
         # The dump holds only this session's step modules compiled so far: the profiled task's is the largest.
-        return {"profile": summarize_trace(load_trace(profile_dir), load_step_hlo(f"{profile_dir}/hlo"),
-                                           PROFILE_STEPS, wall)}
+        trace, hlo = load_trace(profile_dir), load_step_hlo(f"{profile_dir}/hlo")
+        summary = summarize_trace(trace, hlo, PROFILE_STEPS, wall)
+        summary["overlap"] = overlap_summary(trace, hlo, PROFILE_STEPS, num_layers)
+        return {"profile": summary}
     except Exception as e:  # noqa: BLE001 - recorded in the result
         return {"profile_error": f"{type(e).__name__}: {str(e)[:1000]}"}
 

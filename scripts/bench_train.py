@@ -61,9 +61,12 @@ from bench.worker_common import Task  # noqa: E402
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(SCRIPTS)
-WORKER = {"jaxft": "bench_jaxft_worker.py", "jaxft_lean": "bench_jaxft_worker.py", "hf_ckpt": "bench_torch_worker.py",
-          "hf_nockpt": "bench_torch_worker.py", "unsloth": "bench_torch_worker.py"}
+# jaxft systems: "jaxft" (examples/bench/fast.yaml) and "jaxft_<mode>" (examples/bench/<mode>.yaml).
+JAXFT_MODES = ("lean", "full_remat", "offload_attn", "offload_all", "offload_unroll", "auto")
+WORKER = {"jaxft": "bench_jaxft_worker.py", **{f"jaxft_{m}": "bench_jaxft_worker.py" for m in JAXFT_MODES},
+          "hf_ckpt": "bench_torch_worker.py", "hf_nockpt": "bench_torch_worker.py", "unsloth": "bench_torch_worker.py"}
 ALL_SYSTEMS = tuple(WORKER)
+DEFAULT_SYSTEMS = ("jaxft", "jaxft_lean", "hf_ckpt", "hf_nockpt", "unsloth")  # the table's systems
 DONE_STATUSES = ("ok", "oom")  # what --resume keeps
 MIN_TIMED_STEPS = 10
 REPORT_RESERVE_S = 15.0  # budget kept back to write the report after the last session
@@ -74,7 +77,7 @@ FAKE_GPUS_ENV = "BENCH_FAKE_GPUS"  # tests: pretend nvidia-smi lists this many G
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS),
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"comma list of {', '.join(ALL_SYSTEMS)}")
     p.add_argument("--workloads", default=None,
                    help=f"comma list of {', '.join(WORKLOADS)} (default: the 5 real ones; "

@@ -69,3 +69,24 @@ def test_summary_buckets_device_time_and_idle():
     assert out["device_busy_ms_per_step"] == pytest.approx(1.0)
     assert out["idle_or_host_ms_per_step"] == pytest.approx(0.2)
     assert sum(out["kernel_share"].values()) == pytest.approx(1.0)
+
+
+def test_overlap_summary_measures_hidden_and_serialised_copies():
+    from bench.profile import overlap_summary
+
+    hlo = ('  %copy-start.1 = (bf16[8], bf16[8]) copy-start(%a), metadata={op_name="jit(step)/layers/x"}\n'
+           '  %fusion.2 = bf16[8] fusion(%c), kind=kLoop, metadata={op_name="jit(step)/transpose(jvp(layers))/mul"}\n'
+           '  %fusion.3 = bf16[8] fusion(%c), kind=kLoop, metadata={op_name="jit(step)/layers/mul"}\n')
+
+    def ev(name, hlo_op, ts, dur):
+        return {"ph": "X", "pid": 7, "tid": 1, "name": name, "ts": ts, "dur": dur, "args": {"hlo_op": hlo_op}}
+
+    meta = {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}}
+    # Forward 0-1000 us, backward 1000-3000 us; a 500 us copy inside the backward and a 500 us one after it.
+    trace = {"traceEvents": [meta, ev("loop_fusion", "fusion.3", 0, 1000), ev("loop_fusion", "fusion.2", 1000, 2000),
+                             ev("MemcpyDtoH", "copy-start.1", 1500, 500), ev("MemcpyHtoD", "", 3000, 500)]}
+    out = overlap_summary(trace, hlo, steps=1, num_layers=2)
+    assert out["host_copy_ms_per_step"] == 1.0 and out["compute_ms_per_step"] == 3.0
+    assert out["backward_compute_ms_per_step"] == 2.0 and out["backward_ms_per_layer"] == 1.0
+    assert out["copy_overlapped_ms_per_step"] == 0.5 and out["copy_hidden_fraction"] == 0.5
+    assert (out["serialised_bound_ms"], out["overlapped_bound_ms"], out["busy_ms_per_step"]) == (4.0, 3.0, 3.5)

@@ -89,7 +89,11 @@ def test_export_after_unrolled_training_loads_as_the_trained_model(model_dir, tm
 def test_bench_recipes_use_the_peers_lora_and_optimizer():
     from bench.workloads import ADAMW, LORA
 
-    for mode in ("fast", "lean", "full_remat"):
+    from bench_jaxft_worker import MODES, system_mode
+    from bench_train import WORKER
+
+    assert [system_mode(s) for s in WORKER if s.startswith("jaxft")] == list(MODES)
+    for mode in MODES:
         cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml")
         assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == (LORA.r, LORA.alpha, LORA.dropout)
         assert cfg.lora.target_modules == tuple(sorted(LORA.targets))
@@ -101,9 +105,13 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert (lean.remat, lean.resolved_layer_loop, lean.ce_chunk_size) == ("offload", "scan", 256)
     fast = load_config(REPO / "examples/bench/fast.yaml").execution
     assert (fast.remat, fast.resolved_layer_loop) == ("none", "unroll")
+    policies = {mode: load_config(REPO / "examples/bench" / f"{mode}.yaml").execution for mode in MODES}
+    assert (policies["offload_attn"].remat, policies["offload_all"].remat, policies["auto"].remat) == (
+        "offload+attn", "offload_all", "auto")
+    assert (policies["offload_all"].host_memory_gb, policies["offload_unroll"].resolved_layer_loop) == (100, "unroll")
 
 
-@pytest.mark.parametrize("mode", ["fast", "lean"])
+@pytest.mark.parametrize("mode", ["fast", "lean", "offload_attn"])
 def test_bench_recipes_run_in_jaxft_train(mode, model_dir, tmp_path):
     make_jsonl(tmp_path / "train.jsonl", 40)
     cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml", [

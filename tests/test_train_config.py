@@ -117,8 +117,8 @@ def test_gradient_checkpointing_selects_offload_and_says_so(tmp_path, paths, cap
 
 
 def test_gradient_checkpointing_with_or_without_remat(tmp_path, paths):
-    assert TrainConfig(**paths).remat == "none"
-    assert TrainConfig(**paths, gradient_checkpointing=False).remat == "none"
+    assert TrainConfig(**paths).remat == "auto"  # the default: chosen per run from the compiled step's memory
+    assert TrainConfig(**paths, gradient_checkpointing=False).remat == "auto"
     assert TrainConfig(**paths, gradient_checkpointing=False, remat="dots").remat == "dots"
     assert TrainConfig(**paths, gradient_checkpointing=True, remat="full").remat == "full"  # a given policy wins
     assert load_config(_yaml(tmp_path, paths, "remat: full\n"), ["gradient_checkpointing=true"]).remat == "full"

@@ -150,10 +150,12 @@ class Decoder(nnx.Module):
 
         def group_ctx(group):
             cos, sin = ctx["rope"][group.rope]
-            return dict(cos=cos, sin=sin, attend=self._attend_fn(ctx, group.window), **extra)
+            return dict(cos=cos, sin=sin, attend=self._attend_fn(ctx, group.window),
+                        mlp_chunk_size=execution.mlp_chunk_size, **extra)
 
+        policy = execution.layer_policy(cfg, x.shape[0], x.shape[1], x.dtype.itemsize)
         out = run_groups(self.layers, x, layer_groups(cfg), group_ctx, dropout_rng=dropout_rng,
-                         remat=execution.remat, router_stats=stats)
+                         policy=policy, router_stats=stats)
         x, stats = out if with_stats else (out, None)
         return self.final_norm(x), stats, rows
 

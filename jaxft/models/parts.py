@@ -22,11 +22,13 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
 from jaxft.models.layers import Linear, _recompute, logical, project, stack_axes
 from jaxft.models.moe import MoeMLP
 from jaxft.models.rope import apply_rope
+from jaxft.remat import ATTN_QKV, MLP_GATE_UP, MLP_INPUT
 from kernels_pallas.glu import geglu_tanh, swiglu
 from kernels_pallas.rmsnorm import rmsnorm
 
@@ -111,8 +113,10 @@ class Attention(nnx.Module):
         return q, k
 
     def attend(self, q, k, v, ctx: dict[str, Any]) -> jax.Array:
-        """(q/k norm,) RoPE and attention: [B,T,H,D]."""
+        """(q/k norm,) RoPE and attention: [B,T,H,D]. The attention ops name their output and softmax
+        statistics themselves (`kernels_pallas.attention.residuals`); what they read is named here."""
         q, k = self.rotate(q, k, ctx)
+        q, k, v = (checkpoint_name(a, ATTN_QKV) for a in (q, k, v))
         with jax.named_scope("attention"):
             return ctx["attend"](q, k, v)
 
@@ -150,6 +154,7 @@ class GluMLP(nnx.Module):
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool) -> jax.Array:
         gate, up = _recompute(lambda h: self.gate_up(norm(h), rngs), prevent_cse)(h)
+        gate, up = checkpoint_name(gate, MLP_GATE_UP), checkpoint_name(up, MLP_GATE_UP)
         return _recompute(lambda g, u: self.act_down(g, u, rngs), prevent_cse)(gate, up)
 
     def infer(self, x) -> jax.Array:
@@ -158,6 +163,34 @@ class GluMLP(nnx.Module):
 
 
 MLPS: dict[str, type] = {"glu": GluMLP, "moe": MoeMLP}
+
+
+def tiled_mlp(branch, h, rngs: tuple, chunk: int | None, prevent_cse: bool) -> jax.Array:
+    """`branch(h, rngs)` (the MLP slot of a [B, T, H] input) evaluated over sequence chunks of `chunk` tokens.
+
+    The MLP acts on each token alone, so the chunks' outputs concatenated are the untiled output (up to the
+    matmuls' rounding on smaller operands). Each chunk runs under a save-nothing checkpoint inside a
+    `lax.map`: the forward keeps only the chunks' inputs (slices of h), the backward recomputes one chunk's
+    [chunk, intermediate] activations at a time, so no layer ever holds [T, intermediate] tensors. T is padded
+    to a multiple of `chunk` with zero rows whose outputs are dropped (their gradient is zero). With LoRA
+    dropout each chunk folds its index into the dropout keys (other masks than untiled, same distribution).
+    `chunk` None, or >= T: one plain call."""
+    b, t, width = h.shape
+    if chunk is None or chunk >= t:
+        return branch(h, rngs)
+    n = -(-t // chunk)
+    padded = jnp.pad(h, ((0, 0), (0, n * chunk - t), (0, 0)))
+    chunks = padded.reshape(b, n, chunk, width).swapaxes(0, 1)
+
+    def one(args):
+        hc, index = args
+        keys = tuple(None if r is None else jax.random.fold_in(r, index) for r in rngs)
+        return branch(hc, keys)
+
+    body = jax.checkpoint(one, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=prevent_cse)
+    with jax.named_scope("tiled_mlp"):
+        out = jax.lax.map(body, (chunks, jnp.arange(n, dtype=jnp.int32)))
+    return out.swapaxes(0, 1).reshape(b, n * chunk, -1)[:, :t]
 
 
 # ------------------------------------------------------------------------------------------------ the block
@@ -197,11 +230,16 @@ class DecoderLayer(nnx.Module):
         pc = bool(ctx.get("prevent_cse", False))
         q, k, v = _recompute(lambda x: self.attn.project(self.input_norm(x), ra), pc)(x)
         attn = _recompute(lambda o: self.attn.output(o, ra), pc)(self.attn.attend(q, k, v, ctx))
-        h = x + self._out(self.attn_out_norm, attn)
+        h = checkpoint_name(x + self._out(self.attn_out_norm, attn), MLP_INPUT)
         token_weights = ctx.get("router_token_weights")
         if token_weights is None:
-            return h + self._out(self.mlp_out_norm, self.mlp.branch(self.post_attn_norm, h, rm, pc))
+            mlp = tiled_mlp(lambda h, r: self.mlp.branch(self.post_attn_norm, h, r, pc), h, rm,
+                            ctx.get("mlp_chunk_size"), pc)
+            return h + self._out(self.mlp_out_norm, mlp)
         # Router statistics requested (the load-balancing loss): (x, [2, E] stats of this layer's router).
+        if ctx.get("mlp_chunk_size") is not None:
+            raise ValueError("mlp_chunk_size with the router load-balancing loss (output_router_logits) is not "
+                             "supported yet; set mlp_chunk_size to null")
         y, stats = self.mlp.branch(self.post_attn_norm, h, rm, pc, token_weights)
         return h + self._out(self.mlp_out_norm, y), stats
 

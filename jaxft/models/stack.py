@@ -9,7 +9,22 @@ are per-layer buffers (`jaxft.train.unstack_layers`), as unrolled calls. Gemma 2
 every layer (L groups of 1); Gemma 3 runs five sliding layers per global one. Over stacked weights such a
 periodic stack is one scan whose body is one period (`layer_period`).
 
-Rematerialisation policies (`ExecutionConfig.remat`) are applied per layer here.
+Rematerialisation policies (`ExecutionConfig.remat`, `jaxft.remat`) are applied per layer here, the same way
+in both loops: each layer is one `jax.checkpoint` whose policy sees the named residuals (layer input here,
+the others in the block and the attention ops).
+
+CSE barriers (`prevent_cse`): unrolled layers are separate program regions, so XLA could merge a layer's
+recomputation back into its forward pass; the barriers keep remat meaning remat there (inside a scan the
+forward and backward loops are separate and the barriers would only constrain fusion). On GPUs a layer whose
+policy offloads goes without the outer barrier: its backward starts from the copy moved back from the host (a
+side-effecting placement op XLA does not merge with the forward), so nothing can be CSE'd into the forward,
+while the barrier would wrap the host-resident residual in an optimization barrier between the copy to the
+host and the copy back - a pattern the scan never produces, and the one difference between the scanned
+layers, whose offload XLA kept on the H200, and the unrolled ones, whose offload it did not
+(docs/benchmarks.md: 13.47 GiB temp unrolled, about the no-remat temp, vs 1.30 GiB scanned).
+`tests/test_remat_gpu.py` checks the compiled memory on the GPU. On the CPU JAX lowers no placement ops
+(there is no host offload to keep): an offloading policy is a plain remat there and keeps its barriers, or
+XLA merges the recompute back into the forward.
 """
 
 from __future__ import annotations
@@ -25,6 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
 from jaxft.sharding import constrain_rows
+from jaxft.remat import LAYER_INPUT, RematPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +99,11 @@ def layer_period(groups: list[LayerGroup]) -> int | None:
 
 
 def run_groups(layers: nnx.Module, x: jax.Array, groups: list[LayerGroup],
-               group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, remat: str,
+               group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, policy: RematPolicy,
                router_stats: jax.Array | None = None):
-    """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled.
-    Stacked weights of a periodic stack scan over whole periods (`layer_period`), the rest by group.
+    """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled, each
+    layer rematerialised per `policy` (see the module docstring for the CSE barriers). Stacked weights of a
+    periodic stack scan over whole periods (`layer_period`), the rest by group.
 
     With `router_stats` (a zero [2, E] accumulator, and "router_token_weights" in the group contexts) every
     layer returns (x, its router's stats), which are summed in the scan carry: the result is (x, stats)."""
@@ -95,10 +112,9 @@ def run_groups(layers: nnx.Module, x: jax.Array, groups: list[LayerGroup],
     num_layers = groups[-1].end
 
     def fn_for(group):
-        # Unrolled layers run as separate program regions, so XLA could merge a recomputation back into
-        # the forward pass; the CSE barriers keep remat meaning remat there (inside a scan they are moot).
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
-        fn = _layer_fn(graphdef, ctx, dropout_rng, remat=remat, prevent_cse=unrolled)
+        fn = _layer_fn(graphdef, ctx, dropout_rng, policy=policy,
+                       prevent_cse=unrolled and not (policy.offloads and _places_memory()))
         return fn if router_stats is None else _summing_stats(fn)
 
     carry = x if router_stats is None else (x, router_stats)
@@ -142,23 +158,20 @@ def _summing_stats(layer_fn):
     return fn
 
 
-def _layer_fn(graphdef, layer_ctx, dropout_rng, *, remat: str, prevent_cse: bool):
-    """`(x, layer_state, index) -> x` for one layer, rematerialised per the `remat` policy."""
+def _places_memory() -> bool:
+    """Whether this backend lowers memory-placement ops (host offload): JAX does so on GPUs and TPUs only."""
+    return jax.default_backend() in ("gpu", "tpu")
+
+
+def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_cse: bool):
+    """`(x, layer_state, index) -> x` for one layer, rematerialised per `policy`."""
     def layer_fn(carry, layer_state, index):
         layer = nnx.merge(graphdef, layer_state)
         carry = constrain_rows(carry)  # rows stay split: the partitioner gathers this layer's weights instead
-        if remat == "offload":
-            carry = checkpoint_name(carry, "layer_input")
+        carry = checkpoint_name(carry, LAYER_INPUT)  # a no-op unless the policy keeps or offloads it
         rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
         return layer(carry, layer_ctx, rng)
 
-    if remat == "none":
+    if not policy.checkpointed:
         return layer_fn
-    policy = {
-        "full": jax.checkpoint_policies.nothing_saveable,
-        "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-        "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[], names_which_can_be_offloaded=["layer_input"],
-            offload_src="device", offload_dst="pinned_host"),
-    }[remat]
-    return jax.checkpoint(layer_fn, policy=policy, prevent_cse=prevent_cse)
+    return jax.checkpoint(layer_fn, policy=policy.jax_policy(), prevent_cse=prevent_cse)

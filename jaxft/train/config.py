@@ -8,7 +8,8 @@ value and expected type), ranges, choices and that input paths exist; every fail
 `TrainConfigError` whose message is one line the CLI can print as is. Errors about one key carry that key
 (`TrainConfigError.key`), so `from_dict` can prefix the place the key came from without rewriting text.
 
-`gradient_checkpointing: true` (the HF/TRL switch) selects `remat: offload` when `remat` is not given.
+`remat` not given: `gradient_checkpointing: true` (the HF/TRL switch) selects `remat: offload`, otherwise the
+policy is `auto` (chosen per run from the compiled step's memory, within `max_memory_gb`: `jaxft.run.Run`).
 
 Loss selection, with TRL's two keys, each acting on its own data format only:
 `assistant_only_loss` (chat `messages` records; default true: the assistant replies are trained, false: every
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 # Part field -> flat key. ExecutionConfig's and OptimConfig's fields are the flat keys themselves.
 EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "layer_loop", "ce_chunk_size",
-                                  "compiler_options")}
+                                  "mlp_chunk_size", "max_memory_gb", "host_memory_gb", "compiler_options")}
 OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
                               "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")}
 QUANT_KEYS = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant",
@@ -131,14 +132,21 @@ class TrainConfig:
     attention_implementation: Literal["auto", "reference", "xla", "pallas", "cudnn"] = "auto"
     # HF/TRL's switch. Not given, `remat` becomes "offload" when this is true (HF keeps each layer's input on
     # the device and recomputes the rest; offload keeps it in host memory: the lean mode of docs/benchmarks.md),
-    # else "none". After construction `remat` is always one of the four policies.
+    # else "auto". After construction `remat` is always a canonical policy string (jaxft.remat).
     gradient_checkpointing: bool = False
-    remat: Literal["none", "full", "dots", "offload"] | None = None
+    # none, full, dots, offload, offload+attn, offload_all, auto, or selective: "save=attn_out,attn_lse;offload=
+    # layer_input" or a mapping {save: [...], offload: [...]} (jaxft.remat lists the residual names).
+    remat: str | dict | None = None
+    # auto's device budget in GiB (null: the device's free memory less a margin); offload_all's host budget.
+    max_memory_gb: float | None = None
+    host_memory_gb: float | None = None
+    # The MLP in sequence chunks of this many tokens (null: one chunk), each recomputed on its own in the backward.
+    mlp_chunk_size: int | None = None
     # "unroll": one program region per layer over per-layer weight buffers (faster steps, longer compile);
     # "scan": one scanned layer body over stacked weights; "auto": unroll when remat is "none", else scan.
     layer_loop: Literal["auto", "scan", "unroll"] = "auto"
-    # Tokens per chunk of the linear cross-entropy (null: the kernel's default); smaller chunks keep fewer
-    # [chunk, vocab] fp32 logits alive (the lean benchmark mode uses 256).
+    # Tokens per chunk of the linear cross-entropy (null: by length, ExecutionConfig.resolved_ce_chunk); smaller
+    # chunks keep fewer [chunk, vocab] fp32 logits alive (the lean benchmark mode uses 256).
     ce_chunk_size: int | None = None
     # XLA options for the training step's program only, e.g. {xla_gpu_enable_dynamic_slice_fusion: true}.
     compiler_options: dict | None = None
@@ -205,6 +213,7 @@ class TrainConfig:
             except (ExecutionConfigError, OptimConfigError, LoraConfigError) as e:
                 raise part_error(e, fields) from None
             object.__setattr__(self, f"_{name}", part)
+        object.__setattr__(self, "remat", self._execution.remat)  # canonical (a mapping becomes its string)
         object.__setattr__(self, "_quant", self._build_quant())
         from jaxft.sharding import MeshConfig, MeshConfigError
 
@@ -279,7 +288,7 @@ class TrainConfig:
             if self.gradient_checkpointing:
                 logger.info("gradient_checkpointing=true -> remat=offload (layer inputs kept in host memory); "
                             "set remat to choose another policy")
-            object.__setattr__(self, "remat", "offload" if self.gradient_checkpointing else "none")
+            object.__setattr__(self, "remat", "offload" if self.gradient_checkpointing else "auto")
         elif self.gradient_checkpointing and self.remat == "none":
             raise TrainConfigError(
                 "key 'gradient_checkpointing': true contradicts remat: none; drop one of the two keys, or set remat "

@@ -28,9 +28,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxft import remat as remat_policies
+from jaxft.execution import ExecutionConfigError
 from jaxft.lora import LoraConfigError
 from jaxft.train import checkpoint as ckpt
-from jaxft.train.config import LORA_KEYS, TrainConfig, TrainConfigError, part_error
+from jaxft.train.config import EXECUTION_KEYS, LORA_KEYS, TrainConfig, TrainConfigError, part_error
 from jaxft.train.guard import OutputDirLock, StopRequests, TrainingInterrupted
 from jaxft.train.meter import RunSummary, WindowMeter, device_peak_bytes
 from jaxft.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
@@ -173,14 +175,23 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
                 "%d steps",
                 plan.rows_per_step, config.per_device_train_batch_size,
                 config.gradient_accumulation_steps, num_devices, plan.steps_per_epoch, plan.total_steps)
-    if config.execution.resolved_layer_loop == "unroll" and config.remat == "offload":
-        logger.warning("layer_loop=unroll with remat=offload: XLA kept the unrolled layers' activations on the "
-                       "device in our H200 measurement (13.5 GiB of temporaries vs 1.3 GiB with the layer scan "
-                       "at 8B, 4096 tokens); use layer_loop: scan (or auto) for the memory saving")
+    if (config.execution.resolved_layer_loop == "unroll" and config.remat != "auto"
+            and remat_policies.parse(config.remat).offloads):
+        logger.warning("layer_loop=unroll with an offloading remat policy: before the unrolled loop's fix (no CSE "
+                       "barrier on offloaded inputs, jaxft/models/stack.py) XLA kept the unrolled layers' "
+                       "activations on the device (13.5 GiB of temporaries vs 1.3 GiB with the layer scan at 8B, "
+                       "4096 tokens on an H200); the fix awaits tests/test_remat_gpu.py on a GPU, layer_loop: scan "
+                       "is the measured choice")
     if config.lr_scheduler_type == "constant" and plan.warmup_steps:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
-    run = Run.from_config(config, plan.total_steps).load()
+    run = Run.from_config(config, plan.total_steps)
+    if config.remat == "auto":  # compiled from shapes, before any weight is on the device
+        try:
+            run.choose_remat(train_ds.batch(0))
+        except ExecutionConfigError as e:
+            raise part_error(e, EXECUTION_KEYS) from None
+    run.load()
     start_step, start_tokens = 0, 0
     if resume_path is not None:
         try:
@@ -251,7 +262,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
             if step < plan.total_steps:
                 # Compiled ahead of time so that no logging window contains the compilation.
                 try:
-                    run.compile(train_ds.batch(step))
+                    if not run.compiled_for(train_ds.batch(step)):  # remat auto compiled it already
+                        run.compile(train_ds.batch(step))
                 except jax.errors.JaxRuntimeError as e:
                     raise _out_of_memory(e, config) from None
                 logger.info("compiled the training step in %.1f s", run.compile_seconds)
@@ -302,6 +314,12 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                          training_seconds=meter.training_seconds, compile_seconds=run.compile_seconds,
                          peak_memory_bytes=device_peak_bytes(), wall_seconds=time.perf_counter() - wall_start)
     logger.info("summary: %s", summary.line())
+    if run.remat_estimates:
+        chosen = run.execution.remat
+        measured = ("not measured (the CPU keeps no allocator statistics)" if summary.peak_memory_bytes is None
+                    else f"measured allocator peak {summary.peak_memory_bytes / 2**30:.3f} GiB")
+        logger.info("remat auto: %s estimated peak %.3f GiB, %s", chosen, run.remat_estimates[chosen] / 2**30,
+                    measured)
     return TrainResult(output_dir=out, adapter_dir=adapter_dir, merged_dir=merged_dir, metrics_path=writer.path,
                        loss_curve=curve, checkpoint_dir=out / "checkpoints", global_step=step, train_loss=last_loss,
                        eval_loss=last_eval, resumed_from=resume_path, summary=summary)

@@ -129,7 +129,8 @@ def _ce_sum(model, hidden, batch: Batch, execution: ExecutionConfig) -> jax.Arra
         return linear_cross_entropy(
             hidden.reshape(b * t, h), model.head_weight(), batch["targets"].reshape(b * t),
             batch["loss_mask"].reshape(b * t).astype(jnp.float32),
-            logit_softcap=model.config.final_logit_softcap, chunk_size=execution.ce_chunk_size,
+            logit_softcap=model.config.final_logit_softcap,
+            chunk_size=execution.resolved_ce_chunk(b * t, model.config.vocab_size, h, hidden.dtype.itemsize),
             implementation=execution.ce_implementation)
 
 

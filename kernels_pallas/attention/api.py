@@ -14,13 +14,16 @@ import jax.numpy as jnp
 from kernels_pallas._dispatch import ALL_PLATFORMS, GPU_PLATFORMS, Implementation, Op
 from kernels_pallas.attention.metadata import AttentionMetadata, check_compatible, make_metadata
 from kernels_pallas.attention.reference import attention_reference
+from kernels_pallas.attention.residuals import name_output, named_vjp
 
 _WHERE = "kernels_pallas/attention/api.py"
 
 
 def _run_reference(q, k, v, segment_ids, metadata, kwargs):
+    # Plain autodiff: its backward needs the [T, T] probabilities, so keeping the named output alone does not
+    # spare the recompute (the kernels' custom VJPs need only the output and the statistics).
     del metadata
-    return attention_reference(q, k, v, segment_ids=segment_ids, **kwargs)
+    return name_output(attention_reference(q, k, v, segment_ids=segment_ids, **kwargs))
 
 
 def _run_pallas(q, k, v, segment_ids, metadata, kwargs):
@@ -36,7 +39,8 @@ def _run_cudnn(q, k, v, segment_ids, metadata, kwargs):
     del metadata
     from kernels_pallas.attention.cudnn import cudnn_attention
 
-    return cudnn_attention(q, k, v, segment_ids=segment_ids, **kwargs)
+    # JAX's cuDNN VJP keeps its residuals unnamed; named_vjp names them so remat policies can keep them.
+    return named_vjp(lambda q, k, v: cudnn_attention(q, k, v, segment_ids=segment_ids, **kwargs))(q, k, v)
 
 
 OP = Op(

@@ -59,6 +59,7 @@ from kernels_pallas.attention.config import (
     fit_to_metadata,
 )
 from kernels_pallas.attention.metadata import FULL, AttentionMetadata, check_compatible
+from kernels_pallas.attention.residuals import name_output, name_stats
 
 # Finite stand-in for -inf: exp(NEG - m) underflows to 0 for any real m, and a
 # row whose first tiles are fully masked self-corrects (alpha = 0) once a kept
@@ -390,7 +391,9 @@ def _flash(st: _Static, q, k, v, sinks, meta):
 
 
 def _flash_vjp_fwd(st, q, k, v, sinks, meta):
+    # Named (residuals.py): a remat policy that keeps attn_out/attn_lse never re-runs this forward kernel.
     o, lse = _flash_fwd(st, q, k, v, sinks, meta)
+    o, lse = name_output(o), name_stats(lse)
     return o, (q, k, v, sinks, meta, o, lse)
 
 

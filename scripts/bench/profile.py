@@ -150,3 +150,52 @@ def load_step_hlo(dump_dir: str, module_hint: str = "step") -> str:
         return ""
     with open(max(paths, key=os.path.getsize)) as f:
         return f.read()
+
+
+def _intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of (union of a) intersected with (union of b)."""
+    return _union_length(a) + _union_length(b) - _union_length(a + b)
+
+
+def _host_copy(kernel: str, opcode: str) -> bool:
+    k = kernel.lower()
+    return ("memcpy" in k and ("dtoh" in k or "htod" in k or "d2h" in k or "h2d" in k)) or opcode in (
+        "copy-start", "copy-done")
+
+
+def overlap_summary(trace: dict[str, Any], hlo_text: str, steps: int, num_layers: int) -> dict[str, Any]:
+    """Host offload vs compute in a profiled step (ms per step): the host<->device copy time c, the compute
+    time g (union of non-copy device kernels), the backward's compute (ops under JAX's `transpose(` name stack)
+    and its per-layer share, and how much of c ran while compute ran. Overlapped copies cost max(c, g),
+    serialised ones c + g: `copy_hidden_fraction` = overlap / c (1.0 = fully hidden, 0.0 = serialised)."""
+    events = trace.get("traceEvents", [])
+    pids = _device_pids(events)
+    names, opcodes = op_names_from_hlo(hlo_text)
+    copies, compute, backward = [], [], []
+    for e in events:
+        if e.get("ph") != "X" or (pids and e.get("pid") not in pids):
+            continue
+        kernel = str(e.get("name", ""))
+        hlo_op = str(e.get("args", {}).get("hlo_op", ""))
+        span = (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        if _host_copy(kernel, opcodes.get(hlo_op, "")):
+            copies.append(span)
+        elif hlo_op:
+            compute.append(span)
+            if "transpose(" in names.get(hlo_op, ""):
+                backward.append(span)
+    c, g = _union_length(copies), _union_length(compute)
+    overlap = _intersection_length(copies, compute)
+    per = 1e3 * steps
+    return {
+        "host_copy_ms_per_step": c / per,
+        "compute_ms_per_step": g / per,
+        "backward_compute_ms_per_step": _union_length(backward) / per,
+        "backward_ms_per_layer": _union_length(backward) / per / max(num_layers, 1),
+        "copy_overlapped_ms_per_step": overlap / per,
+        "copy_hidden_fraction": overlap / c if c else None,
+        "serialised_bound_ms": (c + g) / per,
+        "overlapped_bound_ms": max(c, g) / per,
+        "busy_ms_per_step": _union_length(copies + compute) / per,
+        "host_copy_events": len(copies),
+    }

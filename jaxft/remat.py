@@ -1,0 +1,201 @@
+"""Rematerialisation policies: which residuals a layer's backward pass keeps (on the device or in pinned host
+memory) and which it recomputes from the layer input.
+
+The model names the residuals worth keeping with `jax.ad_checkpoint.checkpoint_name` (`NAMES`); a policy
+says, per name, "save" (kept on the device), "offload" (moved to pinned host memory after the forward, moved
+back for the backward) or nothing (recomputed). Policies (`ExecutionConfig.remat`, the flat `remat` key):
+
+    none          no checkpoint: every residual stays on the device (fastest, most memory)
+    full          keep nothing but the layer inputs (on the device); recompute the rest
+    dots          keep matmul outputs (jax's dots_with_no_batch_dims_saveable)
+    offload       layer inputs to pinned host, recompute the rest (attention included)
+    offload+attn  layer inputs to pinned host, attention output + softmax statistics kept on the device, so
+                  the backward never re-runs the attention forward (recomputes projections, norms, the MLP)
+    offload_all   every named residual to pinned host, within `host_memory_gb` (see `budget_offload_all`)
+    save=N,..;offload=N,..   selective: the named residuals kept on the device / offloaded (either part may be
+                  left out); the YAML key also takes a mapping {save: [...], offload: [...]}
+    auto          chosen per run from the compiled step's memory analysis (`jaxft.run.Run.choose_remat`)
+
+Why names rather than "save dots": the attention kernels are custom VJPs (Pallas flash, cuDNN) whose
+residuals (output, logsumexp) are named inside their forward rules (`kernels_pallas.attention.residuals`),
+so a policy can keep exactly those and the backward runs only the attention backward kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+
+from jaxft.config import ConfigError
+from kernels_pallas.attention import residuals as attention_residuals
+
+# Residual names, in the order `offload_all` spends its host budget on them: most recompute saved per byte
+# first (the attention forward is the costliest recompute at long context; the MLP's gate/up are the largest
+# and cheapest to recompute: two matmuls).
+LAYER_INPUT, ATTN_OUT, ATTN_LSE = "layer_input", attention_residuals.OUT_NAME, attention_residuals.STATS_NAME
+ATTN_QKV, MLP_INPUT, MLP_GATE_UP = "attn_qkv", "mlp_input", "mlp_gate_up"
+NAMES = (ATTN_OUT, ATTN_LSE, LAYER_INPUT, MLP_INPUT, ATTN_QKV, MLP_GATE_UP)
+NAME_HELP = {
+    LAYER_INPUT: "the layer's input (residual stream) [B,T,H]",
+    ATTN_OUT: "the attention output [B,T,heads,D]",
+    ATTN_LSE: "the attention softmax statistics (flash logsumexp [B,heads,T] fp32; cuDNN's stats)",
+    ATTN_QKV: "q, k (after norm and RoPE) and v, what the attention kernel reads",
+    MLP_INPUT: "the residual stream after attention [B,T,H], the MLP block's input",
+    MLP_GATE_UP: "the MLP's gate and up projections [B,T,intermediate] each",
+}
+FIXED = ("none", "full", "dots", "offload", "offload+attn", "offload_all", "auto")
+# `auto`'s candidates, in the order of expected speed (it takes the first that fits; see Run.choose_remat):
+#   none          recomputes nothing;
+#   offload+attn  recomputes projections/norms/MLP but not attention, copies one [B,T,H] per layer each way;
+#   full          recomputes the whole layer, attention included, no host copies;
+#   offload       the same recompute as full plus the host copies (at best hidden under compute), so never
+#                 faster than full, but it keeps L fewer layer inputs on the device.
+# Device memory falls along the same order, so "the first that fits" is also "the fastest that fits".
+AUTO_ORDER = ("none", "offload+attn", "full", "offload")
+REMAT_HELP = ("one of " + ", ".join(repr(p) for p in FIXED) + ", or a selective policy 'save=NAME,...;offload=NAME,...'"
+              " (names: " + ", ".join(NAMES) + ")")
+
+
+class RematError(ConfigError):
+    """A bad remat policy; the message is one line naming the valid policies and names."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RematPolicy:
+    """A parsed policy: `kind` is "none", "full", "dots" or "names" (keep `save` on the device, `offload` on
+    the host, recompute everything else)."""
+
+    kind: str
+    save: tuple[str, ...] = ()
+    offload: tuple[str, ...] = ()
+
+    @property
+    def checkpointed(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def offloads(self) -> bool:
+        return bool(self.offload)
+
+    def jax_policy(self):
+        """The `jax.checkpoint` policy of one layer."""
+        if self.kind == "full":
+            return jax.checkpoint_policies.nothing_saveable
+        if self.kind == "dots":
+            return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        if self.kind == "names":
+            if not self.offload:
+                return jax.checkpoint_policies.save_only_these_names(*self.save)
+            return jax.checkpoint_policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=list(self.save), names_which_can_be_offloaded=list(self.offload),
+                offload_src="device", offload_dst="pinned_host")
+        raise ValueError(f"remat policy {self.kind!r} has no checkpoint policy")
+
+    def spelled(self) -> str:
+        """The canonical string of this policy (what `parse` reads back)."""
+        if self.kind != "names":
+            return self.kind
+        parts = [f"{key}={','.join(names)}" for key, names in (("save", self.save), ("offload", self.offload))
+                 if names]
+        return ";".join(parts) or "full"
+
+
+def _names(value: Any, part: str, spelled: str) -> tuple[str, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(n, str) for n in items):
+        raise RematError(f"remat {spelled!r}: {part} must list residual names; valid names: {', '.join(NAMES)}")
+    names = tuple(dict.fromkeys(n.strip() for n in items if n.strip()))
+    bad = [n for n in names if n not in NAMES]
+    if bad:
+        raise RematError(f"remat {spelled!r}: unknown residual name {bad[0]!r} in {part}; valid names: "
+                         f"{', '.join(NAMES)}")
+    return names
+
+
+def canonical(value: Any) -> str:
+    """The canonical string of a remat value (a policy name, a 'save=..;offload=..' string, or a mapping with
+    keys save/offload); raises RematError (one line) on anything else."""
+    if isinstance(value, Mapping):
+        bad = [k for k in value if k not in ("save", "offload")]
+        if bad:
+            raise RematError(f"remat mapping key {bad[0]!r} is not 'save' or 'offload'; {REMAT_HELP}")
+        return _selective({k: _names(v, k, str(dict(value))) for k, v in value.items()}, str(dict(value)))
+    if not isinstance(value, str):
+        raise RematError(f"remat value {value!r} is not a policy; {REMAT_HELP}")
+    if value in FIXED:
+        return value
+    if "=" not in value:
+        raise RematError(f"remat value {value!r} is not a policy; {REMAT_HELP}")
+    parts: dict[str, tuple[str, ...]] = {}
+    for chunk in value.split(";"):
+        key, sep, names = chunk.partition("=")
+        key = key.strip()
+        if not sep or key not in ("save", "offload") or key in parts:
+            raise RematError(f"remat value {value!r}: expected 'save=NAME,...;offload=NAME,...' (each part once); "
+                             f"{REMAT_HELP}")
+        parts[key] = _names(names, key, value)
+    return _selective(parts, value)
+
+
+def _selective(parts: Mapping[str, tuple[str, ...]], spelled: str) -> str:
+    save, offload = tuple(parts.get("save", ())), tuple(parts.get("offload", ()))
+    both = set(save) & set(offload)
+    if both:
+        raise RematError(f"remat {spelled!r}: {sorted(both)[0]!r} is both saved and offloaded; name it in one part")
+    return RematPolicy("names", save, offload).spelled()
+
+
+def parse(value: str, *, offload_all: tuple[str, ...] = NAMES) -> RematPolicy:
+    """The policy of a canonical remat string ("auto" must be resolved first). `offload_all` is the names
+    `offload_all` moves to the host (all of them unless a host budget cut the list: `budget_offload_all`)."""
+    value = canonical(value)
+    if value in ("none", "full", "dots"):
+        return RematPolicy(value)
+    if value == "offload":
+        return RematPolicy("names", offload=(LAYER_INPUT,))
+    if value == "offload+attn":
+        return RematPolicy("names", save=(ATTN_OUT, ATTN_LSE), offload=(LAYER_INPUT,))
+    if value == "offload_all":
+        return RematPolicy("names", offload=tuple(offload_all))
+    if value == "auto":
+        raise ValueError("remat 'auto' is resolved by jaxft.run.Run.choose_remat before the step is built")
+    save, offload = (), ()
+    for chunk in value.split(";"):
+        key, _, names = chunk.partition("=")
+        if key == "save":
+            save = tuple(names.split(","))
+        else:
+            offload = tuple(names.split(","))
+    return RematPolicy("names", save, offload)
+
+
+def residual_bytes(cfg, batch: int, seq: int, itemsize: int) -> dict[str, int]:
+    """Bytes of each named residual of ONE layer for a [batch, seq] micro-batch (activation dtype `itemsize`)."""
+    tokens = batch * seq
+    heads, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return {
+        LAYER_INPUT: tokens * cfg.hidden_size * itemsize,
+        MLP_INPUT: tokens * cfg.hidden_size * itemsize,
+        ATTN_OUT: tokens * heads * d * itemsize,
+        ATTN_LSE: tokens * heads * 4,
+        ATTN_QKV: tokens * (heads + 2 * kv) * d * itemsize,
+        MLP_GATE_UP: 2 * tokens * cfg.intermediate_size * itemsize,
+    }
+
+
+def budget_offload_all(cfg, batch: int, seq: int, itemsize: int, host_memory_gb: float | None
+                       ) -> tuple[tuple[str, ...], int]:
+    """(names `offload_all` moves to the host, their host bytes over all layers): `NAMES` in order while the
+    running total over `cfg.num_layers` layers stays within `host_memory_gb` (None: no limit). A name that does
+    not fit is skipped (recomputed) and smaller later ones may still fit."""
+    sizes = residual_bytes(cfg, batch, seq, itemsize)
+    limit = None if host_memory_gb is None else host_memory_gb * 2**30
+    chosen, total = [], 0
+    for name in NAMES:
+        cost = sizes[name] * cfg.num_layers
+        if limit is None or total + cost <= limit:
+            chosen.append(name)
+            total += cost
+    return tuple(chosen), total

@@ -1,0 +1,232 @@
+"""Rematerialisation policies (jaxft.remat): parsing and its one-line errors, gradients of every policy equal to
+no remat in both layer loops (Llama and Gemma 2, packed rows), the named attention residuals that spare the
+kernel forward, and the host offload present per layer in both loops (jaxpr and the CUDA-lowered StableHLO:
+the CPU backend lowers no memory placement, so only the GPU test shows the compiled copies and their memory)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxft.config import ModelConfig
+from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.lora import LoraConfig, apply_lora
+from jaxft.models import init_model
+from jaxft.remat import NAMES, RematPolicy, budget_offload_all, canonical, parse, residual_bytes
+from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batches, unstack_layers
+from lora_helpers import perturb_lora_b
+
+def llama(layers: int = 2, head_dim: int = 16) -> ModelConfig:
+    return ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=layers,
+                       num_heads=2, num_kv_heads=1, head_dim=head_dim)
+
+
+LLAMA = llama()
+GEMMA = ModelConfig(model_type="gemma2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                    num_heads=2, num_kv_heads=1, head_dim=16, layer_windows=(24, None), attn_logit_softcap=5.0,
+                    final_logit_softcap=8.0, query_pre_attn_scalar=16.0)
+POLICIES = ("full", "dots", "offload", "offload+attn", "offload_all", "save=attn_out,mlp_gate_up;offload=layer_input")
+
+
+def packed_batch(vocab: int, b: int = 2, t: int = 64, seed: int = 0) -> dict[str, np.ndarray]:
+    """[b, t] rows of three documents and padding, loss on the documents' next tokens."""
+    rng = np.random.default_rng(seed)
+    lengths = (20, 25, 13)
+    seg = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)] + [np.zeros(t - sum(lengths))])
+    seg = np.repeat(seg[None], b, 0).astype(np.int32)
+    pos = np.concatenate([np.arange(n) for n in lengths] + [np.arange(t - sum(lengths))])
+    ids = rng.integers(0, vocab, (b, t)).astype(np.int32)
+    mask = ((seg > 0) & (np.roll(seg, -1, 1) == seg)).astype(np.float32)
+    mask[:, -1] = 0
+    return dict(input_ids=ids, targets=np.roll(ids, -1, 1), loss_mask=mask, segment_ids=seg,
+                positions=np.repeat(pos[None], b, 0).astype(np.int32))
+
+
+def lora_split(cfg: ModelConfig):
+    model = apply_lora(init_model(cfg, dtype=jnp.float32, seed=0), LoraConfig(r=4, alpha=8), seed=1)
+    perturb_lora_b(model)  # B = 0 would make every A gradient zero
+    return split_model(model)
+
+
+def grads(cfg, split, remat: str, loop: str, attention: str = "reference", **execution):
+    graphdef, lora, frozen = split
+    frozen = unstack_layers(frozen) if loop == "unroll" else frozen
+    batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
+    ex = ExecutionConfig(attention_implementation=attention, remat=remat, layer_loop=loop, **execution)
+    loss, g, _ = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex))(lora, frozen, batch)
+    return float(loss), jax.tree.leaves(g)
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+def test_policy_strings_and_mappings_are_canonical():
+    assert canonical("offload+attn") == "offload+attn"
+    assert canonical({"offload": ["layer_input"], "save": ["attn_out", "attn_lse"]}) == \
+        "save=attn_out,attn_lse;offload=layer_input"
+    assert canonical(" offload = layer_input ; save=attn_out") == "save=attn_out;offload=layer_input"
+    assert parse("offload+attn") == RematPolicy("names", ("attn_out", "attn_lse"), ("layer_input",))
+    assert parse("offload") == RematPolicy("names", offload=("layer_input",))
+    assert parse("save=mlp_input").jax_policy is not None and not parse("save=mlp_input").offloads
+    assert ExecutionConfig(remat={"save": ["attn_out"]}).remat == "save=attn_out"
+    assert hash(ExecutionConfig(remat="save=attn_out")) == hash(ExecutionConfig(remat={"save": "attn_out"}))
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("fulll", "value 'fulll' is not a policy; one of 'none', 'full'"),
+    ("save=attn_outt", "unknown residual name 'attn_outt' in save; valid names: attn_out, attn_lse, layer_input"),
+    ({"keep": ["attn_out"]}, "mapping key 'keep' is not 'save' or 'offload'"),
+    ("save=attn_out;save=layer_input", "expected 'save=NAME,...;offload=NAME,...' (each part once)"),
+    ("save=attn_out;offload=attn_out", "'attn_out' is both saved and offloaded"),
+])
+def test_bad_policies_get_one_line_naming_the_key_and_the_valid_names(value, needle):
+    with pytest.raises(ExecutionConfigError) as info:
+        ExecutionConfig(remat=value)
+    text = str(info.value)
+    assert text.startswith("key 'remat': ") and needle in text and "\n" not in text
+
+
+def test_train_config_reports_a_bad_policy_at_its_line(tmp_path):
+    from jaxft.train import TrainConfigError, load_config
+    from test_train_fixtures import make_jsonl, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", hidden=32, layers=1)
+    make_jsonl(tmp_path / "d.jsonl", 4)
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model_name_or_path: {model}\ndataset: {tmp_path / 'd.jsonl'}\noutput_dir: {tmp_path / 'o'}\n"
+                    "remat: {save: [attn_out], offload: [layer_inputs]}\n")
+    with pytest.raises(TrainConfigError) as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}:4: key 'remat': ") and "'layer_inputs'" in str(info.value)
+    assert load_config(path, ["remat={save: [attn_out], offload: [layer_input]}"]).remat == \
+        "save=attn_out;offload=layer_input"
+
+
+def test_offload_all_spends_the_host_budget_in_name_order():
+    cfg = LLAMA
+    sizes = residual_bytes(cfg, 1, 1024, 2)
+    names, total = budget_offload_all(cfg, 1, 1024, 2, None)
+    assert names == NAMES and total == cfg.num_layers * sum(sizes.values())
+    # Room for the attention output, its statistics and the layer input only: the rest is recomputed.
+    room = cfg.num_layers * (sizes["attn_out"] + sizes["attn_lse"] + sizes["layer_input"])
+    names, total = budget_offload_all(cfg, 1, 1024, 2, room / 2**30)
+    assert names == ("attn_out", "attn_lse", "layer_input") and total == room
+    ex = ExecutionConfig(remat="offload_all", host_memory_gb=room / 2**30)
+    assert ex.layer_policy(cfg, 1, 1024, 2).offload == ("attn_out", "attn_lse", "layer_input")
+
+
+# ---------------------------------------------------------------------------------------------- gradients
+@pytest.fixture(scope="module", params=["llama", "gemma2"])
+def model_case(request):
+    cfg = {"llama": LLAMA, "gemma2": GEMMA}[request.param]
+    split = lora_split(cfg)
+    return cfg, split, {loop: grads(cfg, split, "none", loop) for loop in ("scan", "unroll")}
+
+
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+@pytest.mark.parametrize("remat", POLICIES)
+def test_every_policy_gives_the_gradients_of_no_remat(model_case, remat, loop):
+    """fp32, packed rows of three documents. The recompute repeats the forward's operations on the same
+    values, but XLA fuses a program with checkpoints (and the unrolled loop's CSE barriers) differently from the
+    no-remat one, so a few fp32 sums round in another order: agreement to 2e-6 of each gradient's largest
+    entry (measured: 0 for full/offload in the scan, up to 1.2e-6 elsewhere - Gemma 2 unrolled full/offload;
+    main's unrolled full remat was already at 1.0e-6)."""
+    cfg, split, want = model_case
+    want_loss, want_grads = want[loop]
+    loss, got = grads(cfg, split, remat, loop)
+    assert len(got) == len(want_grads) == 14
+    assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
+    for g, w in zip(got, want_grads):
+        scale = float(np.max(np.abs(w)))
+        assert scale > 0
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * scale)
+
+
+# ---------------------------------------------------------------------------------------------- named residuals
+def _flash_forward_loops(remat: str) -> int:
+    """While loops of the Pallas flash forward kernel (interpret mode on CPU: a loop over its grid) in the
+    compiled gradient of a 1-layer model. Compiled, because the jaxpr still lists a recomputation that the
+    saved residuals made dead; XLA removes it."""
+    import re
+
+    cfg = llama(1, head_dim=64)  # a head size the Pallas kernels support
+    graphdef, lora, frozen = lora_split(cfg)
+    batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
+    ex = ExecutionConfig(attention_implementation="pallas", remat=remat, layer_loop="scan")
+    text = jax.jit(lambda lo: loss_and_grad_sums(graphdef, lo, frozen, batch, None, ex)[1]).lower(lora).compile()
+    return sum(1 for line in text.as_text().splitlines()
+               if re.search(r"= .*\bwhile\(", line) and "jaxft_flash_fwd" in line)
+
+
+@pytest.mark.slow  # four CPU compilations of interpret-mode kernels (~60 s on 2 cores)
+def test_keeping_the_attention_residuals_never_reruns_the_flash_forward():
+    once = _flash_forward_loops("none")
+    assert once > 0
+    assert _flash_forward_loops("offload") == 2 * once  # recomputed in the backward
+    assert _flash_forward_loops("offload+attn") == once
+    assert _flash_forward_loops("save=attn_out;offload=layer_input,attn_lse") == once  # offloaded stats count too
+    assert _flash_forward_loops("save=attn_out") == 2 * once  # without the statistics the kernel runs again
+
+
+def test_named_vjp_keeps_values_gradients_and_spares_the_forward():
+    """The wrapper used for cuDNN (tested here around the reference): same output and gradients; under a policy
+    that keeps its names, the wrapped function's forward appears once in the gradient's jaxpr."""
+    from kernels_pallas.attention.reference import attention_reference
+    from kernels_pallas.attention.residuals import named_vjp
+
+    ks = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(ks[0], (1, 16, 2, 8))
+    k, v = (jax.random.normal(key, (1, 16, 1, 8)) for key in ks[1:3])
+    ct = jax.random.normal(ks[3], q.shape)
+    wrapped = named_vjp(lambda q, k, v: jnp.tanh(attention_reference(q, k, v)))
+
+    def plain(q, k, v):
+        return jnp.tanh(attention_reference(q, k, v))
+
+    out, back = jax.vjp(wrapped, q, k, v)
+    want_out, want_back = jax.vjp(plain, q, k, v)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+    for g, w in zip(back(ct), want_back(ct)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+    def loss(policy, q):
+        return jnp.sum(jax.checkpoint(lambda q: jnp.sin(wrapped(jnp.cos(q), k, v)), policy=policy)(q))
+
+    def tanh_count(policy) -> int:
+        return str(jax.make_jaxpr(jax.grad(lambda q: loss(policy, q)))(q)).count("= tanh ")
+
+    keep = jax.checkpoint_policies.save_only_these_names("attn_out", "attn_lse")
+    assert tanh_count(keep) == 1 and tanh_count(jax.checkpoint_policies.nothing_saveable) == 2
+
+
+# ---------------------------------------------------------------------------------------------- host offload
+def _offload_texts(loop: str, remat: str):
+    cfg = llama(3)
+    graphdef, lora, frozen = lora_split(cfg)
+    frozen = unstack_layers(frozen) if loop == "unroll" else frozen
+    batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
+    ex = ExecutionConfig(attention_implementation="reference", remat=remat, layer_loop=loop)
+    fn = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])
+    jaxpr = str(jax.make_jaxpr(fn)(lora, frozen, batch))
+    hlo = fn.trace(lora, frozen, batch).lower(lowering_platforms=("cuda",)).as_text()
+    return jaxpr, hlo
+
+
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+@pytest.mark.parametrize("remat, per_layer", [("offload", 1), ("offload+attn", 1), ("offload_all", 7)])
+def test_offload_policies_place_residuals_in_host_memory_in_both_loops(loop, remat, per_layer):
+    """Per layer: `per_layer` values go to pinned host (offload_all: the layer input, attention output and
+    statistics, the MLP input, q, k, v, gate and up - 9 arrays under 6 names; the reference attention has no
+    statistics, so 8 here... counted from the program, see the assertion) and come back for the backward. The
+    scan's body is one layer (one annotation per name), the unrolled program has one per layer."""
+    jaxpr, hlo = _offload_texts(loop, remat)
+    layers = 1 if loop == "scan" else 3
+    to_host = hlo.count('_xla_buffer_placement = "pinned_host"')
+    to_device = hlo.count('_xla_buffer_placement = "device"')
+    assert to_host == to_device and to_host > 0 and to_host % layers == 0
+    if remat != "offload_all":
+        assert to_host == per_layer * layers
+    else:  # layer input, mlp input, attn_out, q, k, v, gate, up (the reference attention has no statistics)
+        assert to_host == 8 * layers
+    assert jaxpr.count("devices=(MemorySpace.Host,)") == to_host

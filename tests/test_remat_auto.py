@@ -1,0 +1,161 @@
+"""`remat: auto` (Run.choose_remat): the choice follows max_memory_gb through the compiled estimates, its lines,
+the one-line error when nothing fits, the CLI default; the tiled MLP (same numbers, less compiled memory) and
+the cross-entropy chunk chosen by length."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxft.config import ModelConfig
+from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.lora import LoraConfig
+from jaxft.remat import AUTO_ORDER
+from jaxft.run import GIB, Run, peak_estimate
+from test_remat import grads, lora_split, packed_batch
+from test_train_fixtures import make_jsonl, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("auto") / "model", hidden=64, layers=2)
+
+
+def _batch():
+    return packed_batch(64, b=2, t=128)
+
+
+def _run(model_dir, remat, **execution):
+    return Run(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+               execution=ExecutionConfig(attention_implementation="reference", remat=remat, **execution))
+
+
+@pytest.fixture(scope="module")
+def estimates(model_dir):
+    out = {}
+    for policy in AUTO_ORDER[:2]:
+        run = _run(model_dir, policy)
+        run.compile(_batch())
+        out[policy] = peak_estimate(run.memory_analysis())
+    assert out["none"] > out["offload+attn"] > 0
+    return out
+
+
+def test_the_choice_follows_the_budget(model_dir, estimates):
+    lines = []
+    roomy = _run(model_dir, "auto", max_memory_gb=2 * estimates["none"] / GIB)
+    assert roomy.choose_remat(_batch(), log=lines.append) == "none"
+    assert roomy.execution.remat == "none" and roomy.remat_estimates == {"none": estimates["none"]}
+    assert lines[0].startswith("remat auto: device budget ") and "(max_memory_gb)" in lines[0]
+    assert lines[1].startswith(f"remat auto: none         estimated peak {estimates['none'] / GIB:.3f} GiB")
+    assert lines[1].endswith("-> fits: chosen")
+    assert lines[2] == "remat auto: chose none (not compiled: offload+attn, full, offload, expected slower)"
+
+    lines.clear()
+    between = (estimates["none"] + estimates["offload+attn"]) / 2 / GIB
+    tight = _run(model_dir, "auto", max_memory_gb=between)
+    assert tight.choose_remat(_batch(), log=lines.append) == "offload+attn"
+    assert tight.remat_estimates == estimates
+    assert lines[1].endswith("-> does not fit") and lines[2].endswith("-> fits: chosen")
+    # The chosen step stays compiled: loading and stepping reuse it.
+    compiled = tight._compiled
+    tight.load()
+    assert np.isfinite(float(tight.step(_batch(), 0)["loss"])) and tight._compiled is compiled
+
+
+def test_nothing_fits_is_one_line_naming_the_key_and_the_smallest_estimate(model_dir):
+    run = _run(model_dir, "auto", max_memory_gb=1e-4)
+    with pytest.raises(ExecutionConfigError) as info:
+        run.choose_remat(_batch(), log=lambda line: None)
+    text = str(info.value)
+    smallest = min(run.remat_estimates, key=run.remat_estimates.get)
+    assert set(run.remat_estimates) == set(AUTO_ORDER) and "\n" not in text
+    assert text.startswith("key 'max_memory_gb': no remat policy fits in 0.000 GiB (max_memory_gb): the smallest "
+                           f"estimate is {smallest} at {run.remat_estimates[smallest] / GIB:.3f} GiB")
+    assert run.execution.remat == "auto" and run._compiled is None
+    with pytest.raises(RuntimeError, match="choose_remat"):
+        run.load()
+
+
+def test_auto_is_the_cli_default_and_reports_estimate_and_peak(model_dir, tmp_path, caplog):
+    import logging
+
+    from jaxft.train import TrainConfig, train
+
+    make_jsonl(tmp_path / "train.jsonl", 24)
+    cfg = TrainConfig(model_name_or_path=str(model_dir), dataset=str(tmp_path / "train.jsonl"),
+                      output_dir=str(tmp_path / "out"), max_seq_length=64, per_device_train_batch_size=2,
+                      max_steps=2, bf16=False, disable_tqdm=True, report_to="none")
+    assert cfg.remat == "auto" and cfg.execution.max_memory_gb is None
+    with caplog.at_level(logging.INFO, logger="jaxft"):
+        result = train(cfg)
+    messages = [r.getMessage() for r in caplog.records]
+    assert result.global_step == 2
+    assert any(m.startswith("remat auto: device budget ") and "host available memory" in m for m in messages)
+    assert any(m.startswith("remat auto: none ") and m.endswith("fits: chosen") for m in messages)
+    assert any(m.startswith("remat auto: none estimated peak ") and m.endswith(
+        "not measured (the CPU keeps no allocator statistics)") for m in messages)
+
+
+# ---------------------------------------------------------------------------------------------- tiled MLP
+def test_tiled_mlp_gives_the_untiled_numbers():
+    """Chunks of 24 tokens over 64 (the last chunk padded): the MLP acts per token, so the loss and the LoRA
+    gradients agree to fp32 rounding of the smaller matmuls and of dA/dB summed chunk by chunk."""
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=16)
+    split = lora_split(cfg)
+    for remat in ("none", "full"):
+        want_loss, want = grads(cfg, split, remat, "scan")
+        loss, got = grads(cfg, split, remat, "scan", mlp_chunk_size=24)
+        assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6 * float(np.max(np.abs(w))))
+
+
+def test_tiled_mlp_holds_one_chunk_of_intermediate_activations():
+    """Compiled on CPU from shapes: with a wide MLP the step's temporaries shrink when the MLP is tiled (the
+    [T, intermediate] gate/up/act tensors become [chunk, intermediate])."""
+    from flax import nnx
+
+    from jaxft.lora import apply_lora
+    from jaxft.models.decoder import Decoder
+    from jaxft.train.step import loss_and_grad_sums, split_model
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=2048, num_layers=1,
+                      num_heads=1, num_kv_heads=1, head_dim=64)
+    graphdef, lora, frozen = split_model(nnx.eval_shape(
+        lambda: apply_lora(Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), LoraConfig(r=4, alpha=8))))
+    t = 1024
+    batch = {k: jax.ShapeDtypeStruct((1, 1, t), jnp.float32 if k == "loss_mask" else jnp.int32)
+             for k in ("input_ids", "targets", "loss_mask", "segment_ids", "positions")}
+
+    def temp(chunk):
+        ex = ExecutionConfig(attention_implementation="reference", remat="full", mlp_chunk_size=chunk)
+        step = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])
+        return step.lower(lora, frozen, batch).compile().memory_analysis().temp_size_in_bytes
+
+    untiled, tiled = temp(None), temp(128)
+    one_intermediate = t * cfg.intermediate_size * 4  # one fp32 [T, intermediate] tensor: 8 MiB
+    assert untiled - tiled > one_intermediate
+
+
+def test_mlp_chunk_size_is_validated():
+    with pytest.raises(ExecutionConfigError, match=r"^key 'mlp_chunk_size': value 0 must be an integer >= 1"):
+        ExecutionConfig(mlp_chunk_size=0)
+
+
+# ---------------------------------------------------------------------------------------------- CE chunk
+def test_ce_chunk_follows_length_under_remat():
+    full = ExecutionConfig(remat="full")
+    # The cap: 4 layer inputs (4 x 1024 tokens x 64 x 4 bytes = 1 MiB) of fp32 logits over a 1024 vocabulary are
+    # 256 tokens, below the kernel's byte-budget default (16384 tokens here) and the 1024 tokens.
+    assert full.resolved_ce_chunk(1024, 1024, 64, 4) == 256
+    assert full.resolved_ce_chunk(4096, 1024, 64, 4) == 1024  # 4x the tokens, 4x the chunk
+    assert full.resolved_ce_chunk(64, 1000, 32, 4) == 64  # short rows: the floor of 128, then at most the tokens
+    # 8B widths, bf16, 1 x 4096: the cap is 256 tokens of a 128k vocabulary (the lean mode's measured choice);
+    # off the H200 the kernel's smaller default (64 MiB = 128 tokens) wins.
+    assert full.resolved_ce_chunk(4096, 128256, 4096, 2) == 128
+    assert ExecutionConfig(remat="none").resolved_ce_chunk(4096, 128256, 4096, 2) is None  # the kernel decides
+    assert ExecutionConfig(remat="full", ce_chunk_size=77).resolved_ce_chunk(4096, 128256, 4096, 2) == 77
