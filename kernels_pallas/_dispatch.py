@@ -146,3 +146,13 @@ class Op:
                 f"{_platform(device)!r}; there use one of {here} or 'auto'."
             )
         return impl
+
+
+def reference_and_xla(name: str, where: str, reference: Callable, xla: Callable, xla_summary: str) -> Op:
+    """The registry of an op whose implementations are its definition ("reference", plain autodiff) and one
+    portable custom-VJP version ("xla", preferred by "auto"): the norms, the GLUs, the 4-bit matmul."""
+    return Op(name=name, where=where,
+              implementations=(Implementation("reference", reference, ALL_PLATFORMS,
+                                              summary="autodiff of the definition"),
+                               Implementation("xla", xla, ALL_PLATFORMS, summary=xla_summary)),
+              auto_order=("xla", "reference"))

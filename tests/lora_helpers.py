@@ -26,3 +26,18 @@ def perturb_lora_b(model, seed: int = 1, std: float = 0.1) -> None:
         b = rng.normal(0.0, std, ad.lora_b.shape).astype(np.float32)
         live = np.arange(b.shape[-2])[:, None] < ranks.reshape(-1, *[1] * (b.ndim - 1))  # one rank per layer
         ad.lora_b[...] = jnp.asarray(b * live)
+
+
+def torch_logits(model, ids) -> np.ndarray:
+    """fp32 numpy logits of a transformers/PEFT model on token ids (no grad)."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
+
+
+def jax_logits(model, ids, **kw) -> np.ndarray:
+    """numpy logits of a jaxft model on token ids, through one jitted call."""
+    from flax import nnx
+
+    return np.asarray(nnx.jit(lambda m, x: m(x, **kw))(model, jnp.asarray(ids)))

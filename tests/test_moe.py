@@ -27,7 +27,7 @@ import jaxft
 from jaxft import lora
 from jaxft.config import ConfigError, ModelConfig
 from jaxft.models.layers import linears
-from lora_helpers import perturb_lora_b, rel_err
+from lora_helpers import jax_logits, perturb_lora_b, rel_err, torch_logits
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -68,13 +68,6 @@ def _fresh_hf(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _torch_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
-
-
-def _logits(model, ids, **kw):
-    return np.asarray(nnx.jit(lambda m, x: m(x, **kw))(model, jnp.asarray(ids)))
 
 
 
@@ -86,8 +79,8 @@ def _logits(model, ids, **kw):
 def test_logits_equal_transformers_at_512_tokens(bases, ids, norm_topk_prob):
     model = jaxft.from_pretrained(bases[norm_topk_prob], dtype="float32")
     assert model.config.num_experts == 8 and model.config.norm_topk_prob is norm_topk_prob
-    expected = _torch_logits(_fresh_hf(bases[norm_topk_prob]), ids)
-    assert rel_err(_logits(model, ids), expected) < 1e-5
+    expected = torch_logits(_fresh_hf(bases[norm_topk_prob]), ids)
+    assert rel_err(jax_logits(model, ids), expected) < 1e-5
 
 
 def test_moe_block_gradients_equal_torch_autograd(bases):
@@ -141,24 +134,24 @@ def test_merged_export_with_attention_lora_loads_in_transformers(bases, ids, tmp
                             lora.LoraConfig(r=4, alpha=8, target_modules="all-linear"))
     assert {p.split(".")[-1] for p, lin in linears(model) if lin.has_lora} == {"q_proj", "k_proj", "v_proj", "o_proj"}
     perturb_lora_b(model)
-    ours = _logits(model, ids)
-    assert rel_err(ours, _torch_logits(_fresh_hf(bases[True]), ids)) > 1e-2, "the adapter must change the logits"
+    ours = jax_logits(model, ids)
+    assert rel_err(ours, torch_logits(_fresh_hf(bases[True]), ids)) > 1e-2, "the adapter must change the logits"
     out = jaxft.save_pretrained(model, tmp_path / "merged")
-    assert rel_err(_torch_logits(_fresh_hf(out), ids), ours) < 1e-5
+    assert rel_err(torch_logits(_fresh_hf(out), ids), ours) < 1e-5
 
 
 def test_attention_lora_round_trips_with_peft(bases, ids, tmp_path):
     fields = dict(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     model = lora.apply_lora(jaxft.from_pretrained(bases[False], dtype="float32"), lora.LoraConfig(**fields))
     perturb_lora_b(model, seed=2)
-    ours = _logits(model, ids)
+    ours = jax_logits(model, ids)
     lora.save_adapter(model, tmp_path / "ours")
     reference = peft.PeftModel.from_pretrained(_fresh_hf(bases[False]), tmp_path / "ours").eval()
-    assert rel_err(_torch_logits(reference, ids), ours) < 1e-5
+    assert rel_err(torch_logits(reference, ids), ours) < 1e-5
 
     reference.save_pretrained(tmp_path / "peft")
     back = lora.load_adapter(jaxft.from_pretrained(bases[False], dtype="float32"), tmp_path / "peft")
-    assert rel_err(_logits(back, ids), ours) < 1e-5
+    assert rel_err(jax_logits(back, ids), ours) < 1e-5
 
 
 # --------------------------------------------------------------------------- packing and program
@@ -171,10 +164,10 @@ def test_packed_rows_equal_each_document_alone(bases):
     docs = [rng.integers(0, TINY["vocab_size"], (1, n)) for n in lengths]
     packed = np.concatenate(docs, axis=1)
     segments = np.concatenate([np.full((1, n), k + 1) for k, n in enumerate(lengths)], axis=1)
-    got = _logits(model, packed, segment_ids=jnp.asarray(segments))
+    got = jax_logits(model, packed, segment_ids=jnp.asarray(segments))
     start = 0
     for doc in docs:
-        alone = _logits(model, doc)
+        alone = jax_logits(model, doc)
         np.testing.assert_allclose(got[:, start:start + doc.shape[1]], alone, rtol=1e-5, atol=1e-5)
         start += doc.shape[1]
 

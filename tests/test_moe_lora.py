@@ -25,7 +25,7 @@ from bridge import peft as peft_io
 from jaxft import lora
 from jaxft.config import ConfigError
 from jaxft.models.moe import expert_adapters
-from lora_helpers import perturb_lora_b, rel_err
+from lora_helpers import jax_logits, perturb_lora_b, rel_err, torch_logits
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
@@ -61,13 +61,6 @@ def _hf(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _torch_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
-
-
-def _logits(model, ids):
-    return np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
 
 
 def _adapted(base, seed=2):
@@ -88,8 +81,8 @@ def _wrappers(peft_model):
 def test_exported_expert_adapter_gives_peft_our_logits_at_512_tokens(base, ids, tmp_path):
     model = _adapted(base)
     assert {p for p, _ in expert_adapters(model)} == {"layers.mlp.gate_up_lora", "layers.mlp.down_lora"}
-    ours = _logits(model, ids)
-    assert rel_err(ours, _torch_logits(_hf(base), ids)) > 1e-2, "the adapter must change the logits"
+    ours = jax_logits(model, ids)
+    assert rel_err(ours, torch_logits(_hf(base), ids)) > 1e-2, "the adapter must change the logits"
     out = lora.save_adapter(model, tmp_path / "ours")
     tensors = load_file(out / "adapter_model.safetensors")
     # PEFT nests one wrapper per parameter in module order: gate_up_proj inside, down_proj outside.
@@ -100,10 +93,10 @@ def test_exported_expert_adapter_gives_peft_our_logits_at_512_tokens(base, ids, 
     assert written["target_parameters"] == sorted(FIELDS["target_parameters"])
     reference = peft.PeftModel.from_pretrained(_hf(base), out).eval()
     assert set(_wrappers(reference)) == {f"model.layers.{i}.{p}" for i in range(2) for p in EXPERTS}
-    assert rel_err(_torch_logits(reference, ids), ours) < 1e-5
+    assert rel_err(torch_logits(reference, ids), ours) < 1e-5
     for _, adapter in expert_adapters(model):  # the experts' share of the change is not negligible
         adapter.lora_b[...] = jnp.zeros_like(adapter.lora_b[...])
-    assert rel_err(_logits(model, ids), ours) > 1e-3
+    assert rel_err(jax_logits(model, ids), ours) > 1e-3
 
 
 def _peft_model(base, seed=5):
@@ -121,11 +114,11 @@ def _peft_model(base, seed=5):
 def test_peft_saved_expert_adapter_imports_with_peft_logits(base, ids, tmp_path):
     reference = _peft_model(base)
     reference.save_pretrained(tmp_path / "peft")
-    expected = _torch_logits(reference, ids)
-    assert rel_err(expected, _torch_logits(_hf(base), ids)) > 1e-2
+    expected = torch_logits(reference, ids)
+    assert rel_err(expected, torch_logits(_hf(base), ids)) > 1e-2
     model = lora.load_adapter(jaxft.from_pretrained(base, dtype="float32"), tmp_path / "peft")
     assert model.lora_config.target_parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
-    assert rel_err(_logits(model, ids), expected) < 1e-5
+    assert rel_err(jax_logits(model, ids), expected) < 1e-5
 
 
 def test_peft_delta_weight_equals_ours_on_every_expert(base, tmp_path):
@@ -193,12 +186,12 @@ def test_expert_lora_gradients_equal_torch_autograd_through_peft(base, tmp_path)
 
 def test_merged_export_with_expert_lora_loads_in_transformers(base, ids, tmp_path):
     model = _adapted(base, seed=6)
-    ours = _logits(model, ids)
+    ours = jax_logits(model, ids)
     out = jaxft.save_pretrained(model, tmp_path / "merged")
-    assert rel_err(_torch_logits(_hf(out), ids), ours) < 1e-5
+    assert rel_err(torch_logits(_hf(out), ids), ours) < 1e-5
     merged = lora.merge_lora(model)
     assert not expert_adapters(merged)
-    assert rel_err(_logits(merged, ids), ours) < 1e-5
+    assert rel_err(jax_logits(merged, ids), ours) < 1e-5
 
 
 def test_bad_expert_targets_are_refused_in_one_line(base):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 
-from kernels_pallas._dispatch import ALL_PLATFORMS, Implementation, Op
+from kernels_pallas._dispatch import reference_and_xla
 
 from .geglu import geglu_tanh_reference, geglu_tanh_xla
 from .reference import swiglu_reference
@@ -14,26 +14,11 @@ from .xla import swiglu_xla
 
 _WHERE = "kernels_pallas/glu/api.py"
 
-OP = Op(
-    name="swiglu",
-    where=_WHERE,
-    implementations=(
-        Implementation("reference", swiglu_reference, ALL_PLATFORMS, summary="autodiff of the definition"),
-        Implementation("xla", swiglu_xla, ALL_PLATFORMS, summary="custom VJP saving gate and up only"),
-    ),
-    auto_order=("xla", "reference"),
-)
+OP = reference_and_xla("swiglu", _WHERE, swiglu_reference, swiglu_xla, "custom VJP saving gate and up only")
 IMPLEMENTATIONS = OP.accepted
 
-GEGLU_OP = Op(
-    name="geglu_tanh",
-    where=_WHERE,
-    implementations=(
-        Implementation("reference", geglu_tanh_reference, ALL_PLATFORMS, summary="autodiff of the definition"),
-        Implementation("xla", geglu_tanh_xla, ALL_PLATFORMS, summary="custom VJP saving gate and up only"),
-    ),
-    auto_order=("xla", "reference"),
-)
+GEGLU_OP = reference_and_xla("geglu_tanh", _WHERE, geglu_tanh_reference, geglu_tanh_xla,
+                             "custom VJP saving gate and up only")
 
 
 def _check(gate: jax.Array, up: jax.Array) -> None:

@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas._dispatch import ALL_PLATFORMS, Implementation, Op
+from kernels_pallas._dispatch import reference_and_xla
 
 from .codes import QUANT_TYPES
 from .reference import nf4_matmul_reference
@@ -16,16 +16,8 @@ from .xla import nf4_matmul_xla
 
 _WHERE = "kernels_pallas/nf4_matmul/api.py"
 
-OP = Op(
-    name="nf4_matmul",
-    where=_WHERE,
-    implementations=(
-        Implementation("reference", nf4_matmul_reference, ALL_PLATFORMS, summary="autodiff of the definition"),
-        Implementation("xla", nf4_matmul_xla, ALL_PLATFORMS,
-                       summary="dequantise-then-matmul, custom VJP re-dequantising in the backward"),
-    ),
-    auto_order=("xla", "reference"),
-)
+OP = reference_and_xla("nf4_matmul", _WHERE, nf4_matmul_reference, nf4_matmul_xla,
+                       "dequantise-then-matmul, custom VJP re-dequantising in the backward")
 IMPLEMENTATIONS = OP.accepted
 
 

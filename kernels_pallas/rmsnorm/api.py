@@ -6,33 +6,18 @@ from __future__ import annotations
 
 import jax
 
-from kernels_pallas._dispatch import ALL_PLATFORMS, Implementation, Op
+from kernels_pallas._dispatch import reference_and_xla
 
 from .reference import rmsnorm_offset_reference, rmsnorm_reference
 from .xla import rmsnorm_offset_xla, rmsnorm_xla
 
 _WHERE = "kernels_pallas/rmsnorm/api.py"
 
-OP = Op(
-    name="rmsnorm",
-    where=_WHERE,
-    implementations=(
-        Implementation("reference", rmsnorm_reference, ALL_PLATFORMS, summary="autodiff of the definition"),
-        Implementation("xla", rmsnorm_xla, ALL_PLATFORMS, summary="custom VJP saving x and the inverse RMS"),
-    ),
-    auto_order=("xla", "reference"),
-)
+OP = reference_and_xla("rmsnorm", _WHERE, rmsnorm_reference, rmsnorm_xla, "custom VJP saving x and the inverse RMS")
 IMPLEMENTATIONS = OP.accepted
 
-OFFSET_OP = Op(
-    name="rmsnorm_offset",
-    where=_WHERE,
-    implementations=(
-        Implementation("reference", rmsnorm_offset_reference, ALL_PLATFORMS, summary="autodiff of the definition"),
-        Implementation("xla", rmsnorm_offset_xla, ALL_PLATFORMS, summary="custom VJP saving x and the inverse RMS"),
-    ),
-    auto_order=("xla", "reference"),
-)
+OFFSET_OP = reference_and_xla("rmsnorm_offset", _WHERE, rmsnorm_offset_reference, rmsnorm_offset_xla,
+                              "custom VJP saving x and the inverse RMS")
 
 
 def rmsnorm(x: jax.Array, weight: jax.Array, eps: float, *, implementation: str | None = "xla",

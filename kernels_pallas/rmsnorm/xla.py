@@ -25,9 +25,14 @@ def rmsnorm_xla(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return _forward(x, weight, eps)[0]
 
 
-def _forward(x, weight, eps):
+def _inv_rms(x, eps):
+    """(x in fp32, r = rsqrt(mean(x32^2) + eps) per row)."""
     x32 = x.astype(_F32)
-    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x32, jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def _forward(x, weight, eps):
+    x32, r = _inv_rms(x, eps)
     return weight.astype(x.dtype) * (x32 * r).astype(x.dtype), r
 
 
@@ -57,8 +62,7 @@ def rmsnorm_offset_xla(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array
 
 
 def _offset_forward(x, weight, eps):
-    x32 = x.astype(_F32)
-    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32, r = _inv_rms(x, eps)
     return (x32 * r * (1.0 + weight.astype(_F32))).astype(x.dtype), r
 
 
