@@ -28,6 +28,14 @@ def perturb_lora_b(model, seed: int = 1, std: float = 0.1) -> None:
         ad.lora_b[...] = jnp.asarray(b * live)
 
 
+def hf_model_fp32(path):
+    """A transformers causal LM from a local directory, fp32, in eval mode (a fresh copy per call)."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def torch_logits(model, ids) -> np.ndarray:
     """fp32 numpy logits of a transformers/PEFT model on token ids (no grad)."""
     import torch

@@ -27,7 +27,7 @@ import jaxft
 from jaxft import lora
 from jaxft.config import ConfigError, ModelConfig
 from jaxft.models.layers import linears
-from lora_helpers import jax_logits, perturb_lora_b, rel_err, torch_logits
+from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, torch_logits
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -64,9 +64,6 @@ def ids():
     return np.random.default_rng(0).integers(0, TINY["vocab_size"], (2, 512))
 
 
-def _fresh_hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
 
 
 
@@ -79,13 +76,13 @@ def _fresh_hf(path):
 def test_logits_equal_transformers_at_512_tokens(bases, ids, norm_topk_prob):
     model = jaxft.from_pretrained(bases[norm_topk_prob], dtype="float32")
     assert model.config.num_experts == 8 and model.config.norm_topk_prob is norm_topk_prob
-    expected = torch_logits(_fresh_hf(bases[norm_topk_prob]), ids)
+    expected = torch_logits(hf_model_fp32(bases[norm_topk_prob]), ids)
     assert rel_err(jax_logits(model, ids), expected) < 1e-5
 
 
 def test_moe_block_gradients_equal_torch_autograd(bases):
     """The sparse block alone: output and d(input), d(router), d(experts) against transformers' block."""
-    hf = _fresh_hf(bases[True])
+    hf = hf_model_fp32(bases[True])
     block = hf.model.layers[1].mlp
     mlp = jaxft.from_pretrained(bases[True], dtype="float32").layers.mlp
     layer = jax.tree.map(lambda a: a[1], nnx.state(mlp))  # layer 1's slice of the stacked parameters
@@ -135,9 +132,9 @@ def test_merged_export_with_attention_lora_loads_in_transformers(bases, ids, tmp
     assert {p.split(".")[-1] for p, lin in linears(model) if lin.has_lora} == {"q_proj", "k_proj", "v_proj", "o_proj"}
     perturb_lora_b(model)
     ours = jax_logits(model, ids)
-    assert rel_err(ours, torch_logits(_fresh_hf(bases[True]), ids)) > 1e-2, "the adapter must change the logits"
+    assert rel_err(ours, torch_logits(hf_model_fp32(bases[True]), ids)) > 1e-2, "the adapter must change the logits"
     out = jaxft.save_pretrained(model, tmp_path / "merged")
-    assert rel_err(torch_logits(_fresh_hf(out), ids), ours) < 1e-5
+    assert rel_err(torch_logits(hf_model_fp32(out), ids), ours) < 1e-5
 
 
 def test_attention_lora_round_trips_with_peft(bases, ids, tmp_path):
@@ -146,7 +143,7 @@ def test_attention_lora_round_trips_with_peft(bases, ids, tmp_path):
     perturb_lora_b(model, seed=2)
     ours = jax_logits(model, ids)
     lora.save_adapter(model, tmp_path / "ours")
-    reference = peft.PeftModel.from_pretrained(_fresh_hf(bases[False]), tmp_path / "ours").eval()
+    reference = peft.PeftModel.from_pretrained(hf_model_fp32(bases[False]), tmp_path / "ours").eval()
     assert rel_err(torch_logits(reference, ids), ours) < 1e-5
 
     reference.save_pretrained(tmp_path / "peft")

@@ -25,7 +25,7 @@ from bridge import peft as peft_io
 from jaxft import lora
 from jaxft.config import ConfigError
 from jaxft.models.moe import expert_adapters
-from lora_helpers import jax_logits, perturb_lora_b, rel_err, torch_logits
+from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, torch_logits
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
@@ -57,9 +57,6 @@ def ids():
     return np.random.default_rng(0).integers(0, TINY["vocab_size"], (1, 512))
 
 
-def _hf(path):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
 
 
 
@@ -82,7 +79,7 @@ def test_exported_expert_adapter_gives_peft_our_logits_at_512_tokens(base, ids, 
     model = _adapted(base)
     assert {p for p, _ in expert_adapters(model)} == {"layers.mlp.gate_up_lora", "layers.mlp.down_lora"}
     ours = jax_logits(model, ids)
-    assert rel_err(ours, torch_logits(_hf(base), ids)) > 1e-2, "the adapter must change the logits"
+    assert rel_err(ours, torch_logits(hf_model_fp32(base), ids)) > 1e-2, "the adapter must change the logits"
     out = lora.save_adapter(model, tmp_path / "ours")
     tensors = load_file(out / "adapter_model.safetensors")
     # PEFT nests one wrapper per parameter in module order: gate_up_proj inside, down_proj outside.
@@ -91,7 +88,7 @@ def test_exported_expert_adapter_gives_peft_our_logits_at_512_tokens(base, ids, 
     assert gate_up.shape == (4 * 4, 64) and down_b.shape == (64, 2 * 4)
     written = json.loads((out / "adapter_config.json").read_text())
     assert written["target_parameters"] == sorted(FIELDS["target_parameters"])
-    reference = peft.PeftModel.from_pretrained(_hf(base), out).eval()
+    reference = peft.PeftModel.from_pretrained(hf_model_fp32(base), out).eval()
     assert set(_wrappers(reference)) == {f"model.layers.{i}.{p}" for i in range(2) for p in EXPERTS}
     assert rel_err(torch_logits(reference, ids), ours) < 1e-5
     for _, adapter in expert_adapters(model):  # the experts' share of the change is not negligible
@@ -102,7 +99,7 @@ def test_exported_expert_adapter_gives_peft_our_logits_at_512_tokens(base, ids, 
 def _peft_model(base, seed=5):
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=EXPERTS,
                              rank_pattern={"down_proj": 2}, task_type="CAUSAL_LM")
-    model = peft.get_peft_model(_hf(base), config).eval()
+    model = peft.get_peft_model(hf_model_fp32(base), config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -115,7 +112,7 @@ def test_peft_saved_expert_adapter_imports_with_peft_logits(base, ids, tmp_path)
     reference = _peft_model(base)
     reference.save_pretrained(tmp_path / "peft")
     expected = torch_logits(reference, ids)
-    assert rel_err(expected, torch_logits(_hf(base), ids)) > 1e-2
+    assert rel_err(expected, torch_logits(hf_model_fp32(base), ids)) > 1e-2
     model = lora.load_adapter(jaxft.from_pretrained(base, dtype="float32"), tmp_path / "peft")
     assert model.lora_config.target_parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
     assert rel_err(jax_logits(model, ids), expected) < 1e-5
@@ -126,7 +123,7 @@ def test_peft_delta_weight_equals_ours_on_every_expert(base, tmp_path):
     grouped matmuls of ExpertLora, every row routed to that expert)."""
     model = _adapted(base, seed=3)
     lora.save_adapter(model, tmp_path / "ours")
-    wrappers = _wrappers(peft.PeftModel.from_pretrained(_hf(base), tmp_path / "ours"))
+    wrappers = _wrappers(peft.PeftModel.from_pretrained(hf_model_fp32(base), tmp_path / "ours"))
     plain = jaxft.from_pretrained(base, dtype="float32").layers.mlp
     merged = lora.merged_kernels(model)
     mlp = model.layers.mlp
@@ -155,7 +152,7 @@ def test_peft_delta_weight_equals_ours_on_every_expert(base, tmp_path):
 def test_expert_lora_gradients_equal_torch_autograd_through_peft(base, tmp_path):
     model = _adapted(base, seed=4)
     lora.save_adapter(model, tmp_path / "ours")
-    reference = peft.PeftModel.from_pretrained(_hf(base), tmp_path / "ours", is_trainable=True)
+    reference = peft.PeftModel.from_pretrained(hf_model_fp32(base), tmp_path / "ours", is_trainable=True)
     rng = np.random.default_rng(8)
     ids = rng.integers(0, TINY["vocab_size"], (1, 128))
     dy = rng.normal(size=(1, 128, TINY["vocab_size"])).astype(np.float32)
@@ -188,7 +185,7 @@ def test_merged_export_with_expert_lora_loads_in_transformers(base, ids, tmp_pat
     model = _adapted(base, seed=6)
     ours = jax_logits(model, ids)
     out = jaxft.save_pretrained(model, tmp_path / "merged")
-    assert rel_err(torch_logits(_hf(out), ids), ours) < 1e-5
+    assert rel_err(torch_logits(hf_model_fp32(out), ids), ours) < 1e-5
     merged = lora.merge_lora(model)
     assert not expert_adapters(merged)
     assert rel_err(jax_logits(merged, ids), ours) < 1e-5

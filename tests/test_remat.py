@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError

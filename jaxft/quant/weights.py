@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -41,12 +41,16 @@ def _fwd(x, weight, eps):
     return y, (x, weight, r)
 
 
+def _dx(x, r, g):
+    """(dx in fp32, n = x32 * r) for the normalisation's input given g = dL/dn (formula in the docstring)."""
+    n = x.astype(_F32) * r
+    return r * (g - n * jnp.mean(g * n, axis=-1, keepdims=True)), n
+
+
 def _bwd(eps, residuals, dy):
     del eps
     x, weight, r = residuals
-    n = x.astype(_F32) * r
-    g = dy.astype(_F32) * weight.astype(_F32)
-    dx = r * (g - n * jnp.mean(g * n, axis=-1, keepdims=True))
+    dx, n = _dx(x, r, dy.astype(_F32) * weight.astype(_F32))
     dw = jnp.sum((dy.astype(_F32) * n.astype(x.dtype).astype(_F32)).reshape(-1, x.shape[-1]), axis=0)
     return dx.astype(x.dtype), dw.astype(weight.dtype)
 
@@ -74,10 +78,8 @@ def _offset_fwd(x, weight, eps):
 def _offset_bwd(eps, residuals, dy):
     del eps
     x, weight, r = residuals
-    n = x.astype(_F32) * r
     dy32 = dy.astype(_F32)
-    g = dy32 * (1.0 + weight.astype(_F32))
-    dx = r * (g - n * jnp.mean(g * n, axis=-1, keepdims=True))
+    dx, n = _dx(x, r, dy32 * (1.0 + weight.astype(_F32)))
     dw = jnp.sum((dy32 * n).reshape(-1, x.shape[-1]), axis=0)
     return dx.astype(x.dtype), dw.astype(weight.dtype)
 
