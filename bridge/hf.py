@@ -139,7 +139,7 @@ def _hf_shape(row: Row, ours: tuple[int, ...], path_str: str) -> tuple[int, ...]
 def _check_lead(row: Row, shape: tuple[int, ...], sizes: Mapping[str, int], where: str) -> None:
     """Our array of a row has one leading axis per placeholder, of the placeholder's count."""
     want = tuple(int(sizes[a]) for a in row.axes if a in sizes)
-    names = {"i": "num_layers", "e": "num_experts"}
+    names = {"i": "num_layers", "e": "num_experts", "v": "num_vision_blocks"}
     if len(want) != len(row.axes) or tuple(shape[:len(want)]) != want:
         need = ", ".join(f"{names[a]}={sizes.get(a, '?')}" for a in row.axes)
         kind = "per layer" if row.axes == ("i",) else f"indexed by {row.axes}"
@@ -198,7 +198,7 @@ def checkpoint_files(root: Path) -> list[Path]:
 
 
 def _locate(root: Path, table: Table, expected: Mapping[tuple, Any], num_layers: int, dtype: Any,
-            num_experts: int | None, ignore: Collection[str] = ()):
+            num_experts: int | None, ignore: Collection[str] = (), num_vision_blocks: int | None = None):
     """Pass 1 of a load, headers only: every problem is found (and raised) before any data is read.
 
     Returns (wants: HF name -> (path, index, row, hf_shape), specs: path -> (shape, dtype), files,
@@ -208,7 +208,7 @@ def _locate(root: Path, table: Table, expected: Mapping[tuple, Any], num_layers:
     override = None if dtype is None else _as_float_dtype(dtype, "load_weights(dtype=...)")
     by_path = {row.path: row for row in table}
 
-    sizes = _sizes(num_layers, num_experts)
+    sizes = _sizes(num_layers, num_experts, num_vision_blocks)
     # What the model wants, by concrete HF name: name -> (path, index, row, hf_shape).
     wants: dict[str, tuple[tuple, tuple[int, ...], Row, tuple[int, ...]]] = {}
     specs: dict[tuple, tuple[tuple[int, ...], np.dtype]] = {}
@@ -267,6 +267,7 @@ def load_weights(
     *,
     num_experts: int | None = None,
     ignore: Collection[str] = (),
+    num_vision_blocks: int | None = None,
 ) -> dict[tuple, np.ndarray]:
     """Load an HF safetensors checkpoint into flat tree arrays.
 
@@ -278,6 +279,7 @@ def load_weights(
       num_layers: L, the number of decoder layers.
       dtype: if given, every output uses it instead of the per-path dtype.
       num_experts: E, for rows with an ``{e}`` placeholder (MoE experts).
+      num_vision_blocks: the vision tower's depth, for rows with a ``{v}`` placeholder.
       ignore: tensor names another reader takes (``bridge.bnb4bit``: 4-bit weights and their statistics);
         they are neither loaded nor reported as unexpected.
 
@@ -292,7 +294,8 @@ def load_weights(
     expected) silently skips a file ``lm_head.weight`` shaped like the embedding.
     """
     root = Path(path)
-    wants, specs, files, located = _locate(root, table, expected, num_layers, dtype, num_experts, ignore)
+    wants, specs, files, located = _locate(root, table, expected, num_layers, dtype, num_experts, ignore,
+                                           num_vision_blocks)
 
     # Pass 2: data into preallocated outputs. Host-side transposes run at ~1 GB/s per core, so tensors are
     # spread over a few threads (pread and numpy copies release the GIL); each thread reads its tensors in
@@ -339,15 +342,17 @@ def _is_tied_head(name, info, by_path, expected, embed_shape) -> bool:
     )
 
 
-def _sizes(num_layers: int, num_experts: int | None) -> dict[str, int]:
+def _sizes(num_layers: int, num_experts: int | None, num_vision_blocks: int | None = None) -> dict[str, int]:
     sizes = {"i": int(num_layers)}
     if num_experts is not None:
         sizes["e"] = int(num_experts)
+    if num_vision_blocks is not None:
+        sizes["v"] = int(num_vision_blocks)
     return sizes
 
 
 def _why_unexpected(name: str, table: Table, expected: Mapping, sizes: Mapping[str, int]) -> str:
-    what = {"i": ("layer", "num_layers"), "e": ("expert", "num_experts")}
+    what = {"i": ("layer", "num_layers"), "e": ("expert", "num_experts"), "v": ("vision block", "num_vision_blocks")}
     for row in table:
         m = row.pattern().fullmatch(name)
         if m is None:
@@ -405,6 +410,7 @@ def save_weights(
     overwrite: bool = False,
     num_experts: int | None = None,
     extra: Sequence[PendingTensor] = (),
+    num_vision_blocks: int | None = None,
 ) -> Path:
     """Write an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
@@ -423,6 +429,7 @@ def save_weights(
       dtype: cast every tensor to this dtype (default: keep each array's dtype).
       overwrite: replace an existing non-empty ``path``; otherwise that is an error.
       num_experts: E, for rows with an ``{e}`` placeholder (MoE experts).
+      num_vision_blocks: the vision tower's depth, for rows with a ``{v}`` placeholder.
       extra: tensors written as they are after the table's (``bridge.bnb4bit``: 4-bit weights).
 
     Returns the target path.
@@ -442,7 +449,7 @@ def save_weights(
         raise ValueError(f"save target {target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise ValueError(f"save target {target} exists and is not empty; pass overwrite=True to replace it")
-    tensors = _pending_tensors(table, params, _sizes(num_layers, num_experts), dtype) + list(extra)
+    tensors = _pending_tensors(table, params, _sizes(num_layers, num_experts, num_vision_blocks), dtype) + list(extra)
 
     shards: list[list[PendingTensor]] = [[]]
     size = 0
@@ -554,11 +561,12 @@ class WeightSlices:
     """
 
     def __init__(self, path: str | os.PathLike, table: Table, expected: Mapping[tuple, Any], num_layers: int,
-                 dtype: Any = None, *, num_experts: int | None = None):
+                 dtype: Any = None, *, num_experts: int | None = None, num_vision_blocks: int | None = None):
         from safetensors import safe_open
 
         self.root = Path(path)
-        wants, self.specs, files, located = _locate(self.root, table, expected, num_layers, dtype, num_experts)
+        wants, self.specs, files, located = _locate(self.root, table, expected, num_layers, dtype, num_experts,
+                                                    num_vision_blocks=num_vision_blocks)
         self._names = {(p, index): name for name, (p, index, _, _) in wants.items()}
         self._rows = {p: row for p, _, row, _ in wants.values()}
         self._file_of = {name: file for name, (file, _) in located.items()}

@@ -3,8 +3,9 @@
 A table is a tuple of :class:`Row`. Each row ties one Hugging Face tensor name template to one path in our
 flat parameter tree, plus the named layout change between the two (``bridge.mappings.transforms``):
 
-* placeholders: ``{i}`` is the layer index, ``{e}`` the expert index (MoE). Each appears at most once; our
-  array has one leading axis per placeholder, in the order ``i`` then ``e``:
+* placeholders: ``{i}`` is the layer index, ``{e}`` the expert index (MoE), ``{v}`` the block index of a vision
+  tower (its own stack, of another depth than the decoder's). Each appears at most once; our
+  array has one leading axis per placeholder, in the order ``i``, ``e``, ``v``:
   ``ours[i, e] == transform(hf[name(i=i, e=e)])``.
 * ``stacked``: the row has ``{i}`` (one HF tensor per layer, stacked on axis 0 in our tree); kept as an
   explicit field so a table reads as what it means and a mismatch with the template is caught.
@@ -24,7 +25,8 @@ from bridge.mappings import transforms
 
 LAYER = "{i}"
 EXPERT = "{e}"
-AXES = ("i", "e")  # the placeholders, in the order of our array's leading axes
+VISION_BLOCK = "{v}"
+AXES = ("i", "e", "v")  # the placeholders, in the order of our array's leading axes
 _SLOT = re.compile(r"\{([^{}]*)\}")
 
 
@@ -60,7 +62,7 @@ class Row:
         slots = _SLOT.findall(self.hf)
         bad = [s for s in slots if s not in AXES]
         if bad or self.hf.count("{") != len(slots) or self.hf.count("}") != len(slots):
-            raise ValueError(f"row {self.hf!r}: only the {{i}} (layer) and {{e}} (expert) placeholders are allowed")
+            raise ValueError(f"row {self.hf!r}: only the {{i}} (layer), {{e}} (expert) and {{v}} (vision block) placeholders are allowed")
         if len(set(slots)) != len(slots):
             raise ValueError(f"row {self.hf!r}: each placeholder may appear once")
         # A per-layer tensor needs the layer slot in its name and vice versa, otherwise the name could not be
@@ -100,7 +102,7 @@ class Row:
         """Every index tuple of the row's axes (``()`` once for an unindexed row), e.g. sizes={"i": L}."""
         missing = [a for a in self.axes if a not in sizes]
         if missing:
-            raise ValueError(f"row {self.hf!r} needs the count of {missing} (e.g. num_layers / num_experts)")
+            raise ValueError(f"row {self.hf!r} needs the count of {missing} (e.g. num_layers / num_experts / num_vision_blocks)")
         return itertools.product(*(range(int(sizes[a])) for a in self.axes))
 
     def name_at(self, index: tuple[int, ...]) -> str:

@@ -1,0 +1,128 @@
+"""Qwen2-VL and Qwen2.5-VL against transformers (the oracle), on tiny random models built here.
+
+The configs make the vision details bite: several images of different sizes in one flat patch sequence (the
+tower must never attend across them), 2.5-VL windows smaller than the images (and images whose block grid is
+not a multiple of the window, so edge windows are partial) with one full-attention block among windowed
+ones, norm weights and biases drawn away from their init, and M-RoPE sections of unequal width.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import jax
+import jax.numpy as jnp
+
+from bridge.mappings import qwen2_vl as vl_table
+from bridge.mappings import transforms
+from jaxft.models.vision import VisionConfig, VisionTower
+from lora_helpers import rel_err
+
+KINDS = ("qwen2_vl", "qwen2_5_vl")
+VOCAB = 256
+IMAGE, VIDEO, START, END = 250, 251, 252, 253
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+VISION = {
+    "qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=2,
+                     spatial_merge_size=2, temporal_patch_size=2),
+    "qwen2_5_vl": dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=4, patch_size=2,
+                       spatial_merge_size=2, temporal_patch_size=2, window_size=8, fullatt_block_indexes=[1]),
+}
+CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+# (t, h, w) in patches: 2.5-VL windows are 2 x 2 merged tokens, so 6 x 10 patches = 3 x 5 blocks leave
+# partial windows at the bottom and right edges.
+GRIDS = [[(1, 6, 10)], [(1, 6, 10), (1, 4, 4)], [(1, 8, 6), (1, 2, 2), (1, 6, 10)]]
+
+
+def _hf_model(kind: str, seed: int = 0):
+    config = transformers.AutoConfig.for_model(kind, text_config=TEXT, vision_config=VISION[kind],
+                                               image_token_id=IMAGE, video_token_id=VIDEO,
+                                               vision_start_token_id=START, vision_end_token_id=END)
+    torch.manual_seed(seed)
+    model = getattr(transformers, CLASSES[kind])._from_config(config, attn_implementation="eager",
+                                                              dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+            elif "visual" in name:
+                p.normal_(0.0, 0.15)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def hf(request):
+    return request.param, _hf_model(request.param)
+
+
+def _vision_config(kind: str, model) -> VisionConfig:
+    return VisionConfig.from_hf(kind, model.config.to_dict())
+
+
+def _tower_from_hf(kind: str, model) -> VisionTower:
+    """Our tower with the HF tower's weights, through the bridge table's vision rows."""
+    cfg = _vision_config(kind, model)
+    tower = VisionTower(cfg, dtype=jnp.float32, rngs=None)
+    state = {k.replace("model.visual.", "visual."): v.detach().numpy() for k, v in model.state_dict().items()
+             if k.startswith("model.visual.")}
+    filled = 0
+    for row in vl_table.VISION:
+        node = tower
+        for part in row.path[1:-1]:
+            node = getattr(node, part)
+        if node is None or getattr(node, row.path[-1], None) is None:
+            continue
+        parts = [transforms.to_ours(row.transform, state.pop(row.name_at(ix))) for ix in row.indices({"v": cfg.depth})]
+        getattr(node, row.path[-1])[...] = jnp.asarray(np.stack(parts) if row.axes else parts[0])
+        filled += 1
+    assert not state, f"HF tensors without a row: {sorted(state)}"
+    assert filled > 10
+    return tower
+
+
+def _pixels(grids, seed=0):
+    rng = np.random.default_rng(seed)
+    n = sum(t * h * w for t, h, w in grids)
+    patch = 3 * 2 * 2 * 2
+    return rng.normal(0.0, 1.0, (n, patch)).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- vision tower
+
+
+def test_vision_tower_equals_transformers(hf):
+    kind, model = hf
+    tower = _tower_from_hf(kind, model)
+    run = jax.jit(lambda p, g: tower(p, g))
+    for grids in GRIDS:  # 1, 2 and 3 images of different sizes
+        pixels = _pixels(grids)
+        thw = np.asarray(grids, np.int64)
+        with torch.no_grad():
+            want = model.model.visual(torch.tensor(pixels), grid_thw=torch.tensor(thw)).pooler_output.numpy()
+        got = np.asarray(run(jnp.asarray(pixels), jnp.asarray(thw, jnp.int32)))
+        assert got.shape == want.shape == (len(pixels) // 4, 64)
+        assert rel_err(got, want) < 1e-5, grids
+
+
+def test_vision_attention_stays_inside_each_image(hf):
+    kind, model = hf
+    tower = _tower_from_hf(kind, model)
+    grids = GRIDS[1]
+    pixels = _pixels(grids)
+    run = jax.jit(lambda p, g: tower(p, g))
+    alone = np.asarray(run(jnp.asarray(pixels[:60]), jnp.asarray(grids[:1])))
+    both = np.asarray(run(jnp.asarray(pixels), jnp.asarray(grids)))
+    # The first image's tokens do not depend on the second image (nor on being packed with it).
+    np.testing.assert_allclose(both[:15], alone, rtol=1e-5, atol=1e-6)
+    changed = pixels.copy()
+    changed[60:] += 1.0
+    again = np.asarray(run(jnp.asarray(changed), jnp.asarray(grids)))
+    np.testing.assert_array_equal(again[:15], both[:15])
+    assert np.abs(again[15:] - both[15:]).max() > 1e-3
