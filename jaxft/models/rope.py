@@ -96,3 +96,20 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarra
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+def mrope_tables(positions: jnp.ndarray, rope: RopeConfig, dim: int, max_position_embeddings: int, dtype,
+                 section: tuple[int, ...]):
+    """cos, sin [B, T, dim] of multimodal RoPE (Qwen2-VL) for 3-D positions [3, B, T] (t, h, w).
+
+    Frequency j < dim/2 turns with the position row (s mod 3), s the index of the `section` chunk holding j
+    (sum(section) == dim / 2): the first chunk with t, the next with h, then w. Both halves of the head use
+    the same table, as in `rope_tables`. 1-D positions broadcast to all three rows (plain RoPE)."""
+    inv, scale = inv_freq_and_scale(rope, dim, max_position_embeddings)
+    if positions.ndim == 2:
+        positions = jnp.broadcast_to(positions[None], (3, *positions.shape))
+    rows = np.repeat(np.arange(len(section)) % 3, section)  # [dim / 2]: which position row drives each freq
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)  # [3, B, T, dim / 2]
+    freqs = jnp.where(rows == 0, freqs[0], jnp.where(rows == 1, freqs[1], freqs[2]))  # a selection, exact
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return (jnp.cos(emb) * scale).astype(dtype), (jnp.sin(emb) * scale).astype(dtype)
