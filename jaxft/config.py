@@ -134,6 +134,11 @@ class ModelConfig:
     # The router load-balancing loss (transformers' `load_balancing_loss_func`) times this coefficient is added
     # to the training loss; None: not added (config.json's output_router_logits false).
     router_aux_loss_coef: float | None = None
+    # Multimodal RoPE (Qwen2-VL): widths, in rotated pairs, of the chunks of each head turned by the t, h, w
+    # position rows (sum = head_dim / 2); () is plain RoPE.
+    mrope_section: tuple[int, ...] = ()
+    # The vision tower (a `jaxft.models.vision.VisionConfig`) of a vision-language model; None: text only.
+    vision: Any = None
     # The source config.json, kept so that `to_hf` round-trips keys jaxft does not model (token ids, ...).
     hf_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
@@ -190,6 +195,9 @@ class ModelConfig:
                                  or coef == float("inf") or not self.num_experts):
             raise ConfigError(f"router_aux_loss_coef={coef!r} must be a finite number >= 0 on a mixture-of-experts "
                               "model (or output_router_logits: false)")
+        if self.mrope_section and sum(self.mrope_section) != self.head_dim // 2:
+            raise ConfigError(f"rope_parameters.mrope_section={list(self.mrope_section)} must sum to head_dim / 2 = "
+                              f"{self.head_dim // 2}")
         bad = sorted(set(self.layer_ropes) - set(LAYER_ROPES))
         if bad:
             raise ConfigError(f"layer_ropes has {bad}; each entry must be one of {LAYER_ROPES}")
@@ -219,6 +227,8 @@ class ModelConfig:
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
 
+        hf_all, hf = hf, (family.text_config(hf) if family.text_config else hf)  # a VLM's text keys
+
         def need(key):
             if hf.get(key) is None:
                 raise ConfigError(f"{source}: required key {key!r} is missing for model_type={model_type!r}")
@@ -239,9 +249,9 @@ class ModelConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 hidden_act=hf.get("hidden_act", "silu"),
-                hf_json=json.dumps(dict(hf), sort_keys=True, default=str),
+                hf_json=json.dumps(dict(hf_all), sort_keys=True, default=str),
             )
-            kw.update(family.config_from_hf(hf, kw))
+            kw.update(family.config_from_hf(hf_all, kw))
             return cls(**kw)
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None

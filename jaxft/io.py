@@ -24,6 +24,11 @@ from jaxft.models.families import family_for
 from jaxft.models.layers import LoraParam
 
 
+def _vision_blocks(cfg: ModelConfig) -> int | None:
+    """The vision tower's depth (the count of the table's {v} rows), None for a text-only model."""
+    return None if cfg.vision is None else cfg.vision.depth
+
+
 def _path_key(path) -> tuple[str, ...]:
     return tuple(str(p) for p in path)
 
@@ -99,7 +104,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
             del expected[(*site.path, "kernel")]
         quant_config = qw.QuantConfig.from_hf(stored)
     arrays = bridge.load_weights(path, table, expected, cfg.num_layers, dtype,
-                                 num_experts=cfg.num_experts or None, ignore=ignore)
+                                 num_experts=cfg.num_experts or None, ignore=ignore,
+                                 num_vision_blocks=_vision_blocks(cfg))
     skipped: list[str] = []
     if stored is None and quant_config is not None:
         skipped = _quantize_sites(model, sites, arrays, quant_config, quants, str(dtype), verbose)
@@ -220,7 +226,8 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | Non
         hf.pop("quantization_config", None)  # from a 4-bit source's config.json: the export is dense
         params = {k: v.astype(out_dtype) for k, v in model_params(model).items()}
     bridge.save_weights(path, table, params, cfg.num_layers, hf, max_shard_bytes=max_shard_bytes,
-                        overwrite=overwrite, num_experts=cfg.num_experts or None, extra=extra)
+                        overwrite=overwrite, num_experts=cfg.num_experts or None, extra=extra,
+                        num_vision_blocks=_vision_blocks(cfg))
     return Path(path)
 
 
@@ -231,7 +238,7 @@ def _sharded(model: Decoder, path: Path, cfg: ModelConfig, expected, dtype, mesh
     graphdef, state = nnx.split(model)
     leaves = []
     with bridge.WeightSlices(path, family_for(cfg.model_type).table, expected, cfg.num_layers, dtype,
-                             num_experts=cfg.num_experts or None) as source:
+                             num_experts=cfg.num_experts or None, num_vision_blocks=_vision_blocks(cfg)) as source:
         for p, var in nnx.to_flat_state(state):
             key = _path_key(p)
             if key in expected:

@@ -36,7 +36,7 @@ from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.remat import AUTO_ORDER
 from jaxft.lora import LoraConfig, apply_lora, target_names
-from jaxft.models.decoder import Decoder, abstract_model
+from jaxft.models.decoder import abstract_model, model_class
 from jaxft.sharding import MeshConfig, Placement
 from jaxft.train.optim import OptimConfig
 from jaxft.train.step import (make_eval_step, make_train_step, restack_layers, split_model, stack_micro_batches,
@@ -122,7 +122,8 @@ class Run:
         from jaxft.quant.weights import abstract_quantize
 
         def build():
-            model = Decoder(self.model_config, dtype=jnp.dtype(self.dtype), rngs=nnx.Rngs(0))
+            model = model_class(self.model_config)(self.model_config, dtype=jnp.dtype(self.dtype),
+                                                   rngs=nnx.Rngs(0))
             abstract_quantize(model, self.model_path, self.quant_config)
             return apply_lora(model, self.lora_config, seed=self.seed)
         return split_model(nnx.eval_shape(build))

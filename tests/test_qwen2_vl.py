@@ -54,6 +54,8 @@ def _hf_model(kind: str, seed: int = 0):
                 p.normal_(0.0, 0.2)
             elif "visual" in name:
                 p.normal_(0.0, 0.15)
+            elif "q_proj" in name or "k_proj" in name:
+                p.normal_(0.0, 0.3)  # large attention scores: a wrong rotation shows in the logits
     return model.eval()
 
 
@@ -126,3 +128,109 @@ def test_vision_attention_stays_inside_each_image(hf):
     again = np.asarray(run(jnp.asarray(changed), jnp.asarray(grids)))
     np.testing.assert_array_equal(again[:15], both[:15])
     assert np.abs(again[15:] - both[15:]).max() > 1e-3
+
+
+# --------------------------------------------------------------------------- M-RoPE positions
+
+def _tokens(grids) -> list[int]:
+    m = 2
+    return [START] + [IMAGE] * (sum(t * h * w for t, h, w in grids) // (m * m)) + [END]
+
+
+def _rows(layouts, length, seed=0):
+    """Rows of `length` tokens: text runs of random tokens with the images of `layouts` (a list of grids per
+    row) between them; returns (ids [B, T], the grids in row-major order)."""
+    rng = np.random.default_rng(seed)
+    rows, grids = [], []
+    for images in layouts:
+        row = list(rng.integers(3, 240, 17))
+        for grid in images:
+            row += _tokens([grid]) + list(rng.integers(3, 240, int(rng.integers(1, 40))))
+            grids.append(grid)
+        assert len(row) <= length
+        rows.append(row + list(rng.integers(3, 240, length - len(row))))
+    return np.asarray(rows, np.int64), np.asarray(grids, np.int64).reshape(-1, 3)
+
+
+LAYOUTS = [[], [(1, 6, 10)], [(1, 8, 6), (1, 2, 2), (1, 6, 10)], [(1, 4, 4), (1, 6, 10)]]
+
+
+def _hf_positions(model, ids, grids):
+    with torch.no_grad():
+        pos, _ = model.model.get_rope_index(torch.tensor(ids), mm_token_type_ids=torch.tensor(ids == IMAGE).int(),
+                                            image_grid_thw=torch.tensor(grids) if len(grids) else None)
+    return pos.numpy()
+
+
+def test_mrope_positions_equal_get_rope_index(hf):
+    from jaxft.models.vision.mrope import mrope_positions
+
+    kind, model = hf
+    cfg = _vision_config(kind, model)
+    ids, grids = _rows(LAYOUTS, 160)
+    got = np.asarray(jax.jit(lambda i, g: mrope_positions(i, g, cfg))(jnp.asarray(ids), jnp.asarray(grids)))
+    want = _hf_positions(model, ids, grids)
+    np.testing.assert_array_equal(got, want)
+    assert (got[1] != got[2]).any() and (got[0] != got[1]).any()  # images really have 3-D positions
+    # Packed: two documents in one row (segment ids 1, 2) get the positions each has alone.
+    packed = np.concatenate([ids[1], ids[3]])[None]
+    seg = np.repeat([[1, 2]], ids.shape[1], axis=1)
+    got = np.asarray(mrope_positions(jnp.asarray(packed), jnp.asarray(grids[[0, 4, 5]]), cfg, jnp.asarray(seg)))
+    alone = [_hf_positions(model, ids[1:2], grids[0:1]), _hf_positions(model, ids[3:4], grids[4:6])]
+    np.testing.assert_array_equal(got, np.concatenate(alone, axis=2))
+
+
+# --------------------------------------------------------------------------- the full model
+
+@pytest.fixture(scope="module")
+def saved(hf, tmp_path_factory):
+    kind, model = hf
+    path = tmp_path_factory.mktemp(kind)
+    model.save_pretrained(path)
+    return kind, model, path
+
+
+def _processed(sizes, seed=0):
+    """pixel_values and image_grid_thw from transformers' image processor for random RGB images of `sizes`."""
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+    processor = Qwen2VLImageProcessorPil(patch_size=2, merge_size=2, temporal_patch_size=2,
+                                         size={"shortest_edge": 16, "longest_edge": 4096})
+    out = processor(images=images, return_tensors="np")
+    return out["pixel_values"].astype(np.float32), out["image_grid_thw"].astype(np.int64)
+
+
+def _hf_logits(model, ids, pixels, grids):
+    with torch.no_grad():
+        kw = {} if pixels is None else dict(pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grids))
+        return model(input_ids=torch.tensor(ids), mm_token_type_ids=torch.tensor(ids == IMAGE).int(),
+                     **kw).logits.float().numpy()
+
+
+def test_logits_match_transformers(saved):
+    import jaxft
+    from flax import nnx
+
+    kind, hf_model, path = saved
+    model = jaxft.from_pretrained(path, dtype="float32")
+    # Rows of 600 tokens (>= 512 of text): 1, then 3 images of different sizes, from the processor.
+    pixels, grids = _processed([(12, 20), (16, 12), (8, 8), (12, 20)])
+    ids, layout_grids = _rows([[tuple(grids[0])], [tuple(g) for g in grids[1:]]], 600)
+    np.testing.assert_array_equal(layout_grids, grids)
+    run = nnx.jit(lambda m, i, p, g: m(i, pixel_values=p, image_grid_thw=g))
+    got = np.asarray(run(model, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids, jnp.int32)))
+    want = _hf_logits(hf_model, ids, pixels, grids)
+    assert rel_err(got, want) < 1e-5
+    # The images matter: the logits move when one pixel block changes (through the tower) ...
+    changed = pixels.copy()
+    changed[: grids[0].prod()] += 0.5
+    moved = np.asarray(run(model, jnp.asarray(ids), jnp.asarray(changed), jnp.asarray(grids, jnp.int32)))
+    assert rel_err(moved, want) > 1e-3
+    # ... and text-only rows are the Qwen2 decoder with positions (p, p, p).
+    text = ids.copy()
+    text[text == IMAGE] = 7
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(text))), _hf_logits(hf_model, text, None, None),
+                               rtol=2e-4, atol=2e-4 * np.abs(want).max())

@@ -25,12 +25,12 @@ from jaxft.execution import ExecutionConfig
 from jaxft.models.families import family_for
 from jaxft.models.layers import Linear, _init, logical
 from jaxft.models.parts import DecoderLayer, RMSNorm
-from jaxft.models.rope import rope_tables
+from jaxft.models.rope import mrope_tables, rope_tables
 from jaxft.models.stack import _layer_runs, is_unstacked, layer_groups, layer_slice, run_groups
 from kernels_pallas import attention as attention_ops
 
 __all__ = ["DEFAULT_EXECUTION", "Decoder", "_layer_runs", "abstract_model", "init_model", "is_unstacked",
-           "layer_slice", "positions_from_segments", "softcap"]
+           "layer_slice", "model_class", "positions_from_segments", "softcap"]
 
 # A plain forward pass: the reference attention and no rematerialisation (what tests and exports use).
 DEFAULT_EXECUTION = ExecutionConfig(attention_implementation="reference", remat="none")
@@ -94,8 +94,10 @@ class Decoder(nnx.Module):
                 positions = positions_from_segments(segment_ids)
         positions = jnp.asarray(positions, jnp.int32)
         # One cos/sin pair per RoPE kind in use (Gemma 3: local base for sliding layers, global for full).
-        rope = {kind: rope_tables(positions, cfg.rope_for(kind), cfg.head_dim, cfg.max_position_embeddings,
-                                  self.dtype) for kind in dict.fromkeys(cfg.layer_ropes)}
+        # M-RoPE (Qwen2-VL) reads positions [3, B, T] (t, h, w); the text of a row is `positions[0]`.
+        tables = (functools.partial(mrope_tables, section=cfg.mrope_section) if cfg.mrope_section else rope_tables)
+        rope = {kind: tables(positions, cfg.rope_for(kind), cfg.head_dim, cfg.max_position_embeddings,
+                             self.dtype) for kind in dict.fromkeys(cfg.layer_ropes)}
         metadata = {window: None for window in cfg.layer_windows}
         # Only the Pallas kernels read block tables; "auto" runs them on GPUs alone (off the GPU it is the
         # reference, and building unused tables cost the CPU quickstart about half of its step time).
@@ -188,11 +190,20 @@ class Decoder(nnx.Module):
         return softcap(z, self.config.final_logit_softcap)
 
 
+def model_class(cfg: ModelConfig) -> type[Decoder]:
+    """`Decoder`, or its vision-language subclass when the config has a vision tower."""
+    if cfg.vision is None:
+        return Decoder
+    from jaxft.models.vision.model import VisionLanguageModel  # it imports this module
+
+    return VisionLanguageModel
+
+
 def init_model(cfg: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0, **kw) -> Decoder:
     """A randomly initialised model (normal(0, 0.02) linears and embeddings, unit norms)."""
-    return Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(seed), **kw)
+    return model_class(cfg)(cfg, dtype=dtype, rngs=nnx.Rngs(seed), **kw)
 
 
 def abstract_model(cfg: ModelConfig, *, dtype=jnp.bfloat16, **kw) -> Decoder:
     """The model with `jax.ShapeDtypeStruct` leaves: no memory is allocated (for real-size shape checks)."""
-    return nnx.eval_shape(lambda: Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(0), **kw))
+    return nnx.eval_shape(lambda: model_class(cfg)(cfg, dtype=dtype, rngs=nnx.Rngs(0), **kw))

@@ -24,7 +24,9 @@ class Family:
     fields every family shares, already parsed, which the family may override); config_to_hf(cfg, out)
     writes them back into the config.json dict `out`. `table` maps HF tensor names to our parameter paths
     (both directions); `parts` is what its decoder layer is assembled from; `lora_parameters` lists the raw
-    (non-Linear) parameters LoRA can adapt, PEFT's `target_parameters` (MoE experts), in module order."""
+    (non-Linear) parameters LoRA can adapt, PEFT's `target_parameters` (MoE experts), in module order.
+    `text_config(hf)`, for a multimodal config.json, is the dict the shared text keys are read from (its
+    `text_config` object over the top level)."""
 
     model_type: str
     architecture: str
@@ -33,9 +35,11 @@ class Family:
     config_from_hf: Callable[[Mapping[str, Any], dict[str, Any]], dict[str, Any]]
     config_to_hf: Callable[[ModelConfig, dict[str, Any]], None]
     lora_parameters: tuple[LoraParamRow, ...] = ()
+    text_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
 
 
-_MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ("dense", "gemma", "qwen3_moe"))
+_MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ("dense", "gemma", "qwen3_moe",
+                                                                                  "qwen2_vl"))
 
 FAMILIES: dict[str, Family] = {f.model_type: f for m in _MODULES for f in m.FAMILIES}
 HINTS: dict[str, str] = {k: v for m in _MODULES for k, v in m.HINTS.items()}
