@@ -29,6 +29,19 @@ def _vision_blocks(cfg: ModelConfig) -> int | None:
     return None if cfg.vision is None else cfg.vision.depth
 
 
+def _checkpoint_table(family, path: Path):
+    """The family's name table, or one of its other `layouts` when the checkpoint holds more of that one's
+    (unindexed) tensor names; ties go to the family's table, and the load reports what does not match."""
+    if not family.layouts:
+        return family.table
+    from bridge.safetensors_io import read_header
+
+    names = {n for f in bridge.checkpoint_files(path) for n in read_header(f)[0]}
+    tables = (family.table, *family.layouts)
+    hits = [sum(row.hf in names for row in table if not row.axes) for table in tables]
+    return tables[hits.index(max(hits))]
+
+
 def _path_key(path) -> tuple[str, ...]:
     return tuple(str(p) for p in path)
 
@@ -71,13 +84,13 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         raise ValueError(f"{source}: the checkpoint is already bitsandbytes 4-bit; load it without quantize= / "
                          "quant_config= (it loads as stored)")
     model = abstract_model(cfg, dtype=dtype)
-    table = family_for(cfg.model_type).table
+    table = _checkpoint_table(family_for(cfg.model_type), path)
     expected = param_shapes(model)
     if mesh is not None:
         if stored is not None or quant_config is not None:
             raise ValueError(f"{source}: loading 4-bit weights sharded over a mesh is not supported yet; load "
                              "without mesh= (one device), or without quantisation")
-        return _sharded(model, path, cfg, expected, dtype, mesh)
+        return _sharded(model, path, cfg, expected, dtype, mesh, table)
     sites = qw.linear_sites(model)
     quants: dict = {}
     ignore: set[str] = set()
@@ -231,13 +244,13 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | Non
     return Path(path)
 
 
-def _sharded(model: Decoder, path: Path, cfg: ModelConfig, expected, dtype, mesh) -> Decoder:
+def _sharded(model: Decoder, path: Path, cfg: ModelConfig, expected, dtype, mesh, table) -> Decoder:
     from jaxft.sharding import MeshConfig, Placement
 
     placement = Placement(mesh) if isinstance(mesh, MeshConfig) else mesh
     graphdef, state = nnx.split(model)
     leaves = []
-    with bridge.WeightSlices(path, family_for(cfg.model_type).table, expected, cfg.num_layers, dtype,
+    with bridge.WeightSlices(path, table, expected, cfg.num_layers, dtype,
                              num_experts=cfg.num_experts or None, num_vision_blocks=_vision_blocks(cfg)) as source:
         for p, var in nnx.to_flat_state(state):
             key = _path_key(p)

@@ -234,3 +234,57 @@ def test_logits_match_transformers(saved):
     text[text == IMAGE] = 7
     np.testing.assert_allclose(np.asarray(model(jnp.asarray(text))), _hf_logits(hf_model, text, None, None),
                                rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+# --------------------------------------------------------------------------- import / export
+
+def test_config_round_trips_and_transformers_reads_it(saved):
+    import jaxft
+    from jaxft.config import ModelConfig
+
+    kind, hf_model, path = saved
+    cfg = jaxft.from_pretrained(path, dtype="float32").config
+    assert cfg.mrope_section == (2, 3, 3) and cfg.qkv_bias and not cfg.o_bias and cfg.head_dim == 16
+    assert cfg.vision.kind == kind and cfg.vision.depth == VISION[kind]["depth"]
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    theirs = transformers.AutoConfig.for_model(**cfg.to_hf())
+    assert theirs.text_config.rope_parameters["mrope_section"] == [2, 3, 3]
+    drop = ("transformers_version",)
+    assert ({k: v for k, v in theirs.vision_config.to_dict().items() if k not in drop}
+            == {k: v for k, v in hf_model.config.vision_config.to_dict().items() if k not in drop})
+    # A transformers-4 style config.json (text keys at the top level, rope_scaling type "mrope") reads the same.
+    flat = {k: v for k, v in hf_model.config.to_dict().items() if k != "text_config"}
+    text = {k: v for k, v in hf_model.config.text_config.to_dict().items() if k not in ("model_type", "rope_parameters")}
+    flat.update(text, rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+    assert ModelConfig.from_hf(flat) == cfg
+
+
+def test_round_trip_is_byte_identical(saved, tmp_path):
+    import jaxft
+    from safetensors.numpy import load_file
+
+    kind, hf_model, path = saved
+    out = jaxft.save_pretrained(jaxft.from_pretrained(path, dtype="float32"), tmp_path / "out")
+    src, dst = load_file(path / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(src) == sorted(dst) and any(k.startswith("visual.blocks.") for k in src)
+    for name in src:
+        assert src[name].dtype == dst[name].dtype and src[name].tobytes() == dst[name].tobytes(), name
+    # transformers loads the export (its own class, through its conversion of the checkpoint names)
+    again = getattr(transformers, CLASSES[kind]).from_pretrained(out, dtype=torch.float32)
+    for name, p in hf_model.state_dict().items():
+        assert torch.equal(again.state_dict()[name], p), name
+
+
+def test_transformers5_module_names_load(saved, tmp_path):
+    """A checkpoint named as transformers 5's modules (model.visual.*, model.language_model.*) loads the same."""
+    import jaxft
+    from safetensors.numpy import load_file
+
+    kind, hf_model, path = saved
+    hf_model.save_pretrained(tmp_path / "v5", save_original_format=False)
+    assert any(k.startswith("model.language_model.") for k in load_file(tmp_path / "v5" / "model.safetensors"))
+    a = jaxft.from_pretrained(path, dtype="float32")
+    b = jaxft.from_pretrained(tmp_path / "v5", dtype="float32")
+    ids = jnp.asarray(_rows([[]], 64)[0])
+    np.testing.assert_array_equal(np.asarray(a(ids)), np.asarray(b(ids)))
+    np.testing.assert_array_equal(np.asarray(a.vision.patch_embed.kernel[...]), np.asarray(b.vision.patch_embed.kernel[...]))

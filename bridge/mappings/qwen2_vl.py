@@ -48,3 +48,17 @@ VISION: Table = (
 # Both models: the Qwen2 text rows plus the tower's; which rows a model has is decided by its parameters.
 TABLE: Table = validate_table(tuple(dense.TABLE) + VISION)
 
+
+# transformers 5's module names: what `save_pretrained(save_original_format=False)` writes. Read on load (the
+# first layout whose names a checkpoint holds is used); saves write TABLE's names, as transformers does.
+_V5_PREFIXES = (("visual.", "model.visual."), ("model.", "model.language_model."))
+
+
+def _v5(name: str) -> str:
+    for old, new in _V5_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+V5_TABLE: Table = validate_table(tuple(Row(_v5(r.hf), r.path, r.transform, r.stacked) for r in TABLE))

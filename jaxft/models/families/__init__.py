@@ -26,7 +26,8 @@ class Family:
     (both directions); `parts` is what its decoder layer is assembled from; `lora_parameters` lists the raw
     (non-Linear) parameters LoRA can adapt, PEFT's `target_parameters` (MoE experts), in module order.
     `text_config(hf)`, for a multimodal config.json, is the dict the shared text keys are read from (its
-    `text_config` object over the top level)."""
+    `text_config` object over the top level). `layouts` are other name tables a checkpoint of the family may
+    use (read on load when its tensors are named so; saves write `table`'s names)."""
 
     model_type: str
     architecture: str
@@ -36,6 +37,7 @@ class Family:
     config_to_hf: Callable[[ModelConfig, dict[str, Any]], None]
     lora_parameters: tuple[LoraParamRow, ...] = ()
     text_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+    layouts: tuple[Table, ...] = ()
 
 
 _MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ("dense", "gemma", "qwen3_moe",

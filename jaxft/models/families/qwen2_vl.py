@@ -6,7 +6,9 @@ num_attention_heads (transformers' Qwen2VLAttention ignores a head_dim key). RoP
 `rope_parameters.mrope_section` (v4: `rope_scaling` with type "mrope") splits each head's rotated pairs into
 chunks turned by the token's t, h and w positions (`jaxft.models.vision.mrope`). The tower is
 `jaxft.models.vision` (`ModelConfig.vision`). config.json: transformers 5 nests the text keys under
-`text_config`; older files keep them at the top level. Both are read; `to_hf` writes the nested form.
+`text_config`; older files keep them at the top level. Both are read; `to_hf` writes the nested form. Tensor
+names: the checkpoint layout (`visual.*`, `model.layers.*`) or transformers 5's module names
+(`model.visual.*`, `model.language_model.*`), see `bridge.mappings.qwen2_vl`.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def _family(model_type: str, architecture: str):
     from jaxft.models.families import Family  # the registry module imports this one
 
     return Family(model_type, architecture, vl_table.TABLE, PARTS, _from_hf(model_type), _to_hf,
-                  text_config=text_config)
+                  text_config=text_config, layouts=(vl_table.V5_TABLE,))
 
 
 FAMILIES = (_family("qwen2_vl", "Qwen2VLForConditionalGeneration"),
