@@ -245,13 +245,20 @@ class _Modules:
 def _modules(model) -> _Modules:
     """Our linears under their HF names, derived from the bridge table rows `<module>.weight -> <path>.kernel`."""
     cfg = model.config
-    table = family_for(cfg.model_type).table
+    table = family_for(cfg.model_type).module_table
     present = {tuple(path.split(".")) for path, _ in linears(model)}
     sites, unsupported, head = [], {}, set()
     for row in table:
         if not row.hf.endswith(".weight") or "e" in row.axes:  # expert tensors are not Linear modules
             continue
         module = row.hf[: -len(".weight")]
+        if row.path[0] == "vision":  # the vision tower (its blocks are their own stack, {v})
+            if row.path[-1] == "kernel" and row.path[:-1] in present:
+                why = ("a vision-tower linear: jaxft adapts the language model only so far; remove it from "
+                       "target_modules")
+                blocks = range(cfg.vision.depth) if "v" in row.axes else [0]
+                unsupported.update({module.replace("{v}", str(b)): why for b in blocks})
+            continue
         names = _Site(row.path[:-1], module, row.stacked).names(cfg.num_layers)
         if row.path[-1] == "kernel" and row.path[:-1] in present and row.stacked:
             sites.append(_Site(row.path[:-1], module, True))

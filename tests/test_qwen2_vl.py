@@ -288,3 +288,49 @@ def test_transformers5_module_names_load(saved, tmp_path):
     ids = jnp.asarray(_rows([[]], 64)[0])
     np.testing.assert_array_equal(np.asarray(a(ids)), np.asarray(b(ids)))
     np.testing.assert_array_equal(np.asarray(a.vision.patch_embed.kernel[...]), np.asarray(b.vision.patch_embed.kernel[...]))
+
+
+# --------------------------------------------------------------------------- LoRA (language model) and PEFT
+
+LANGUAGE = r".*language_model.*\.(q_proj|v_proj|o_proj|down_proj)"  # 2.5-VL's vision MLP has a down_proj too
+
+
+def test_language_lora_adapter_loads_in_peft_with_equal_logits(saved, tmp_path):
+    import jaxft
+    import peft
+    from flax import nnx
+    from jaxft import lora
+    from lora_helpers import perturb_lora_b
+
+    kind, hf_model, path = saved
+    model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"),
+                            lora.LoraConfig(r=4, alpha=8, target_modules=LANGUAGE))
+    perturb_lora_b(model, seed=2)
+    pixels, grids = _processed([(12, 20), (8, 8)])
+    ids, _ = _rows([[tuple(grids[0]), tuple(grids[1])]], 520)
+    run = nnx.jit(lambda m, i, p, g: m(i, pixel_values=p, image_grid_thw=g))
+    ours = np.asarray(run(model, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids, jnp.int32)))
+    lora.save_adapter(model, tmp_path / "adapter")
+    base = getattr(transformers, CLASSES[kind]).from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    wrapped = [n for n, _ in theirs.named_modules() if n.endswith("lora_A")]
+    assert len(wrapped) == 4 * TEXT["num_hidden_layers"] and all("language_model" in n for n in wrapped)
+    want = _hf_logits(theirs, ids, pixels, grids)
+    assert rel_err(ours, want) < 1e-5
+    assert rel_err(ours, _hf_logits(hf_model, ids, pixels, grids)) > 1e-3  # the adapter changes the logits
+    # ... and back: the adapter file loads into jaxft with the same logits.
+    again = lora.load_adapter(jaxft.from_pretrained(path, dtype="float32"), tmp_path / "adapter")
+    np.testing.assert_allclose(np.asarray(run(again, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids))),
+                               ours, rtol=1e-5, atol=1e-6 * np.abs(ours).max())
+
+
+def test_lora_on_the_vision_tower_is_one_clear_error(saved):
+    import jaxft
+    from jaxft import lora
+    from jaxft.config import ConfigError
+
+    _, _, path = saved
+    for target in (["qkv"], ["merger.mlp.0"]):
+        with pytest.raises(ConfigError, match=r"model\.visual\..*vision-tower linear") as info:
+            lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"), lora.LoraConfig(target_modules=target))
+        assert "\n" not in str(info.value)

@@ -27,7 +27,9 @@ class Family:
     (non-Linear) parameters LoRA can adapt, PEFT's `target_parameters` (MoE experts), in module order.
     `text_config(hf)`, for a multimodal config.json, is the dict the shared text keys are read from (its
     `text_config` object over the top level). `layouts` are other name tables a checkpoint of the family may
-    use (read on load when its tensors are named so; saves write `table`'s names)."""
+    use (read on load when its tensors are named so; saves write `table`'s names). `modules` names the
+    tensors as transformers' modules are named when that differs from the checkpoint (transformers 5 VLMs):
+    LoRA sites and PEFT adapter keys use those names."""
 
     model_type: str
     architecture: str
@@ -38,6 +40,12 @@ class Family:
     lora_parameters: tuple[LoraParamRow, ...] = ()
     text_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     layouts: tuple[Table, ...] = ()
+    modules: Table | None = None
+
+    @property
+    def module_table(self) -> Table:
+        """The table whose HF names are transformers' module names (LoRA / PEFT)."""
+        return self.table if self.modules is None else self.modules
 
 
 _MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ("dense", "gemma", "qwen3_moe",

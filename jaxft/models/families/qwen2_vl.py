@@ -83,7 +83,7 @@ def _family(model_type: str, architecture: str):
     from jaxft.models.families import Family  # the registry module imports this one
 
     return Family(model_type, architecture, vl_table.TABLE, PARTS, _from_hf(model_type), _to_hf,
-                  text_config=text_config, layouts=(vl_table.V5_TABLE,))
+                  text_config=text_config, layouts=(vl_table.V5_TABLE,), modules=vl_table.V5_TABLE)
 
 
 FAMILIES = (_family("qwen2_vl", "Qwen2VLForConditionalGeneration"),
