@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 
 from bridge import peft as peft_io
-from bridge.mappings.schema import LAYER
+from bridge.mappings.schema import LAYER, VISION_BLOCK
 from jaxft.config import ConfigError
 from jaxft.models.families import family_for
 from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, linears, logical
@@ -214,11 +214,18 @@ class _Site:
     path: tuple[str, ...]  # ("layers", "attn", "q_proj")
     template: str  # "model.layers.{i}.self_attn.q_proj"
     stacked: bool
+    # A stack of its own depth (a vision tower's blocks, "{v}"); None: the decoder's layers ("{i}").
+    slot: str = LAYER
+    count: int | None = None
+
+    def size(self, num_layers: int) -> int:
+        """How many per-layer modules the site has."""
+        return self.count if self.count is not None else num_layers
 
     def names(self, num_layers: int) -> list[str]:
         if not self.stacked:
             return [self.template]
-        return [self.template.replace(LAYER, str(i)) for i in range(num_layers)]
+        return [self.template.replace(self.slot, str(i)) for i in range(self.size(num_layers))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,12 +259,12 @@ def _modules(model) -> _Modules:
         if not row.hf.endswith(".weight") or "e" in row.axes:  # expert tensors are not Linear modules
             continue
         module = row.hf[: -len(".weight")]
-        if row.path[0] == "vision":  # the vision tower (its blocks are their own stack, {v})
-            if row.path[-1] == "kernel" and row.path[:-1] in present:
-                why = ("a vision-tower linear: jaxft adapts the language model only so far; remove it from "
-                       "target_modules")
-                blocks = range(cfg.vision.depth) if "v" in row.axes else [0]
-                unsupported.update({module.replace("{v}", str(b)): why for b in blocks})
+        if row.path[0] == "vision":  # the vision tower: its blocks are a stack of their own ({v})
+            if row.path[-1] == "kernel" and row.path[:-1] in present and "v" in row.axes:
+                sites.append(_Site(row.path[:-1], module, True, VISION_BLOCK, cfg.vision.depth))
+            elif row.path[-1] == "kernel" and row.path[:-1] in present:
+                unsupported[module] = ("the vision merger: LoRA there is not supported (the vision blocks and the "
+                                       "language model are); remove it from target_modules")
             continue
         names = _Site(row.path[:-1], module, row.stacked).names(cfg.num_layers)
         if row.path[-1] == "kernel" and row.path[:-1] in present and row.stacked:
@@ -307,7 +314,7 @@ def _plan(model, cfg: LoraConfig, *, strict: bool) -> dict[_Site, list[tuple[int
     plan: dict[_Site, list[tuple[int, float] | None]] = {}
     for name, site, layer in kept:
         rank, alpha = peft_io.module_rank_alpha(peft_like, name)
-        plan.setdefault(site, [None] * mods.num_layers)[layer] = (rank, cfg.scale(rank, alpha))
+        plan.setdefault(site, [None] * site.size(mods.num_layers))[layer] = (rank, cfg.scale(rank, alpha))
     if strict:
         for field in ("rank_pattern", "alpha_pattern"):
             for key in getattr(cfg, field):
@@ -375,7 +382,7 @@ def target_names(model, cfg: LoraConfig) -> list[str]:
     plan = _plan(model, cfg, strict=True)
     mods = _modules(model)
     names = [*mods.linear_names(), *mods.param_names()]
-    return [n for n, site, layer in names if plan.get(site, [None] * mods.num_layers)[layer]]
+    return [n for n, site, layer in names if plan.get(site, [None] * site.size(mods.num_layers))[layer]]
 
 
 # --------------------------------------------------------------------------- apply / merge

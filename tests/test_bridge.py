@@ -44,10 +44,11 @@ def _load(directory, dtype=np.float32, override=None):
 
 
 def test_tables_cover_supported_types_and_agree_with_oracle():
-    assert set(TABLES) == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe"}
+    assert set(TABLES) == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "qwen2_vl",
+                           "qwen2_5_vl"}
     for model_type, table in TABLES.items():
-        if model_type.startswith("gemma") or model_type == "qwen3_moe":
-            continue  # four norms per layer: tests/test_gemma.py; experts: tests/test_moe.py
+        if model_type.startswith("gemma") or model_type in ("qwen3_moe", "qwen2_vl", "qwen2_5_vl"):
+            continue  # four norms per layer: tests/test_gemma.py; experts: tests/test_moe.py; VLMs: test_qwen2_vl.py
         assert table is table_for(model_type)
         by_path = {row.path: row for row in table}
         assert set(by_path) == set(ORACLE_NAMES), model_type
@@ -70,7 +71,8 @@ def test_row_validation():
         Row("model.norm.weight", ("final_norm", "scale"), None, True)
     with pytest.raises(ValueError, match="unknown transform 'rotate'; registered: transpose"):
         Row("model.norm.weight", ("final_norm", "scale"), "rotate", False)
-    with pytest.raises(ValueError, match=r"only the \{i\} \(layer\) and \{e\} \(expert\) placeholders"):
+    with pytest.raises(ValueError, match=r"only the \{i\} \(layer\), \{e\} \(expert\) and \{v\} \(vision block\) "
+                                         r"placeholders"):
         Row("model.layers.{i}.{j}.weight", ("layers", "x"), None, True)
     row = Row("model.layers.{i}.mlp.up_proj.weight", ("layers", "mlp", "up_proj", "kernel"), "T", True)
     assert row.name(3) == "model.layers.3.mlp.up_proj.weight"

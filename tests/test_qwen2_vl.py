@@ -292,21 +292,19 @@ def test_transformers5_module_names_load(saved, tmp_path):
 
 # --------------------------------------------------------------------------- LoRA (language model) and PEFT
 
-LANGUAGE = r".*language_model.*\.(q_proj|v_proj|o_proj|down_proj)"  # 2.5-VL's vision MLP has a down_proj too
-
-
-def test_language_lora_adapter_loads_in_peft_with_equal_logits(saved, tmp_path):
+def test_vision_and_language_lora_adapter_loads_in_peft_with_equal_logits(saved, tmp_path):
     import jaxft
     import peft
     from flax import nnx
     from jaxft import lora
+    from jaxft.models.vision import finetune_targets
     from lora_helpers import perturb_lora_b
 
     kind, hf_model, path = saved
     model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"),
-                            lora.LoraConfig(r=4, alpha=8, target_modules=LANGUAGE))
-    perturb_lora_b(model, seed=2)
-    pixels, grids = _processed([(12, 20), (8, 8)])
+                            lora.LoraConfig(r=4, alpha=8, target_modules=finetune_targets(kind)))
+    perturb_lora_b(model, seed=4)
+    pixels, grids = _processed([(12, 20), (16, 12)])
     ids, _ = _rows([[tuple(grids[0]), tuple(grids[1])]], 520)
     run = nnx.jit(lambda m, i, p, g: m(i, pixel_values=p, image_grid_thw=g))
     ours = np.asarray(run(model, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids, jnp.int32)))
@@ -314,23 +312,100 @@ def test_language_lora_adapter_loads_in_peft_with_equal_logits(saved, tmp_path):
     base = getattr(transformers, CLASSES[kind]).from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     wrapped = [n for n, _ in theirs.named_modules() if n.endswith("lora_A")]
-    assert len(wrapped) == 4 * TEXT["num_hidden_layers"] and all("language_model" in n for n in wrapped)
+    per_block = 4 if kind == "qwen2_vl" else 5  # qkv, proj + fc1, fc2 / gate, up, down
+    assert sum("visual.blocks" in n for n in wrapped) == per_block * VISION[kind]["depth"]
+    assert sum("language_model" in n for n in wrapped) == 7 * TEXT["num_hidden_layers"]
     want = _hf_logits(theirs, ids, pixels, grids)
     assert rel_err(ours, want) < 1e-5
-    assert rel_err(ours, _hf_logits(hf_model, ids, pixels, grids)) > 1e-3  # the adapter changes the logits
+    assert rel_err(ours, _hf_logits(hf_model, ids, pixels, grids)) > 1e-3  # the adapters change the logits
     # ... and back: the adapter file loads into jaxft with the same logits.
     again = lora.load_adapter(jaxft.from_pretrained(path, dtype="float32"), tmp_path / "adapter")
     np.testing.assert_allclose(np.asarray(run(again, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids))),
                                ours, rtol=1e-5, atol=1e-6 * np.abs(ours).max())
+    # The vision adapters take part: without them (language adapters only) the logits differ.
+    for _, lin in nnx.iter_graph(model.vision):
+        if isinstance(lin, jaxft.models.Linear) and lin.has_lora:
+            lin.lora_b[...] = jnp.zeros_like(lin.lora_b[...])
+    assert rel_err(np.asarray(run(model, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids))), want) > 1e-4
 
 
-def test_lora_on_the_vision_tower_is_one_clear_error(saved):
+def test_finetune_flags_select_the_parts(saved):
     import jaxft
     from jaxft import lora
     from jaxft.config import ConfigError
+    from jaxft.models.vision import finetune_targets
+
+    kind, _, path = saved
+    model = jaxft.from_pretrained(path, dtype="float32")
+
+    def names(**flags):
+        return lora.target_names(model, lora.LoraConfig(target_modules=finetune_targets(kind, **flags)))
+
+    everything = names()
+    language = names(finetune_vision_layers=False)
+    vision_mlp = names(finetune_language_layers=False, finetune_attention_modules=False)
+    assert language and all(n.startswith("model.language_model.layers.") for n in language)
+    assert vision_mlp and all(n.startswith("model.visual.blocks.") and ".mlp." in n for n in vision_mlp)
+    assert set(language) | set(names(finetune_language_layers=False)) == set(everything)
+    assert not any("merger" in n or "lm_head" in n for n in everything)
+    with pytest.raises(ConfigError, match="select nothing"):
+        finetune_targets(kind, finetune_attention_modules=False, finetune_mlp_modules=False)
+    with pytest.raises(ConfigError, match=r"model\.visual\.merger\.mlp\.0.*the vision merger") as info:
+        lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"), lora.LoraConfig(target_modules=["merger.mlp.0"]))
+    assert "\n" not in str(info.value)
+
+
+def test_every_parameter_has_exactly_one_row_and_every_row_a_parameter():
+    import collections
+
+    from jaxft.config import ModelConfig
+    from jaxft.io import param_shapes
+    from jaxft.models import FAMILIES, abstract_model
+
+    used = set()
+    for kind in KINDS:
+        hf = transformers.AutoConfig.for_model(kind, text_config=TEXT, vision_config=VISION[kind],
+                                               image_token_id=IMAGE).to_dict()
+        paths = set(param_shapes(abstract_model(ModelConfig.from_hf(hf))))
+        rows = collections.Counter(row.path for row in FAMILIES[kind].table)
+        assert all(rows[p] == 1 for p in paths), [p for p in paths if rows[p] != 1]
+        used |= paths
+        assert FAMILIES[kind].table is FAMILIES[KINDS[0]].table
+    unused = [row.hf for row in FAMILIES[KINDS[0]].table if row.path not in used]
+    # Only the shared dense rows Qwen2's decoder has no tensor for (o bias, q/k norm, MLP biases).
+    assert set(unused) == {f"model.layers.{{i}}.{m}" for m in (
+        "self_attn.o_proj.bias", "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.bias",
+        "mlp.up_proj.bias", "mlp.down_proj.bias")}
+
+
+def test_image_token_count_mismatch_is_one_clear_error(saved):
+    import jaxft
 
     _, _, path = saved
-    for target in (["qkv"], ["merger.mlp.0"]):
-        with pytest.raises(ConfigError, match=r"model\.visual\..*vision-tower linear") as info:
-            lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"), lora.LoraConfig(target_modules=target))
-        assert "\n" not in str(info.value)
+    model = jaxft.from_pretrained(path, dtype="float32")
+    pixels, grids = _processed([(12, 20)])
+    ids, _ = _rows([[tuple(grids[0])]], 64)
+    ids[0, np.flatnonzero(ids[0] == IMAGE)[0]] = 7  # one image token short
+    with pytest.raises(ValueError, match=r"input_ids hold 14 image tokens \(id 250\) but pixel_values give 15") as e:
+        model(jnp.asarray(ids), pixel_values=pixels, image_grid_thw=grids)
+    assert "\n" not in str(e.value)
+
+
+def test_packed_documents_with_images_equal_each_document_alone(saved):
+    """Two documents with images in one row (segment ids 1, 2): attention, M-RoPE and the image embeddings stay
+    per document, so each one's logits are transformers' logits of that document alone."""
+    import jaxft
+
+    kind, hf_model, path = saved
+    model = jaxft.from_pretrained(path, dtype="float32")
+    pixels, grids = _processed([(12, 20), (8, 8), (16, 12)])
+    first, _ = _rows([[tuple(grids[0])]], 90, seed=1)
+    second, _ = _rows([[tuple(grids[1]), tuple(grids[2])]], 110, seed=2)
+    packed = np.concatenate([first, second], axis=1)
+    seg = np.asarray([[1] * 90 + [2] * 110])
+    got = np.asarray(model(jnp.asarray(packed), segment_ids=jnp.asarray(seg), pixel_values=pixels,
+                           image_grid_thw=grids))
+    n0 = int(grids[0].prod())
+    want = np.concatenate([_hf_logits(hf_model, first, pixels[:n0], grids[:1]),
+                           _hf_logits(hf_model, second, pixels[n0:], grids[1:])], axis=1)
+    assert rel_err(got, want) < 1e-5

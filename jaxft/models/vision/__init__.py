@@ -2,6 +2,7 @@
 
 from jaxft.models.vision.config import VisionConfig
 from jaxft.models.vision.layout import PatchLayout, patch_layout
+from jaxft.models.vision.targets import finetune_targets
 from jaxft.models.vision.tower import VisionTower
 
-__all__ = ["PatchLayout", "VisionConfig", "VisionTower", "patch_layout"]
+__all__ = ["PatchLayout", "VisionConfig", "VisionTower", "finetune_targets", "patch_layout"]
