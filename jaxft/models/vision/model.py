@@ -72,8 +72,10 @@ class VisionLanguageModel(Decoder):
 
 
 def _vision_attention(execution: ExecutionConfig) -> str:
-    # The tower's segments are whole frames or windows (contiguous); its attention is bidirectional.
-    return execution.attention
+    """The tower's attention implementation: the reference when the step asks for it, else "auto", which picks
+    per shape among the kernels that support it. Not the decoder's choice as such: the released towers have
+    head_dim 80 (1280 / 16), which no Pallas tile size fits, so a forced "pallas" would fail there."""
+    return "reference" if execution.attention == "reference" else "auto"
 
 
 def _check_counts(input_ids, mask, num_features: int, image_token_id: int) -> None:
