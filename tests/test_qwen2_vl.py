@@ -292,7 +292,9 @@ def test_transformers5_module_names_load(saved, tmp_path):
 
 # --------------------------------------------------------------------------- LoRA (language model) and PEFT
 
-def test_vision_and_language_lora_adapter_loads_in_peft_with_equal_logits(saved, tmp_path):
+def test_vision_and_language_lora_adapter_equals_peft(saved, tmp_path):
+    """jaxft's adapter (vision blocks + language layers) in PEFT on transformers' class: equal logits and LoRA
+    gradients; and the file loads back into jaxft."""
     import jaxft
     import peft
     from flax import nnx
@@ -310,7 +312,7 @@ def test_vision_and_language_lora_adapter_loads_in_peft_with_equal_logits(saved,
     ours = np.asarray(run(model, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids, jnp.int32)))
     lora.save_adapter(model, tmp_path / "adapter")
     base = getattr(transformers, CLASSES[kind]).from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
-    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter", is_trainable=True).eval()
     wrapped = [n for n, _ in theirs.named_modules() if n.endswith("lora_A")]
     per_block = 4 if kind == "qwen2_vl" else 5  # qkv, proj + fc1, fc2 / gate, up, down
     assert sum("visual.blocks" in n for n in wrapped) == per_block * VISION[kind]["depth"]
@@ -322,6 +324,28 @@ def test_vision_and_language_lora_adapter_loads_in_peft_with_equal_logits(saved,
     again = lora.load_adapter(jaxft.from_pretrained(path, dtype="float32"), tmp_path / "adapter")
     np.testing.assert_allclose(np.asarray(run(again, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids))),
                                ours, rtol=1e-5, atol=1e-6 * np.abs(ours).max())
+    # LoRA gradients of the next-token loss equal PEFT's, in a vision block and a language layer.
+    graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
+    tokens = jnp.asarray(ids)
+
+    def loss_fn(params):
+        logits = nnx.merge(graphdef, params, rest)(tokens, pixel_values=jnp.asarray(pixels),
+                                                   image_grid_thw=jnp.asarray(grids, jnp.int32))
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+    grads = {tuple(str(k) for k in key): np.asarray(v[...])
+             for key, v in nnx.to_flat_state(jax.jit(jax.grad(loss_fn))(params))}
+    t = torch.tensor(ids)
+    out = theirs(input_ids=t, pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grids),
+                 mm_token_type_ids=(t == IMAGE).int()).logits
+    torch.nn.functional.cross_entropy(out[0, :-1], t[0, 1:]).backward()
+    modules = dict(theirs.base_model.model.named_modules())
+    for path, layer, name in ((("vision", "blocks", "qkv"), 0, "model.visual.blocks.0.attn.qkv"),
+                              (("layers", "mlp", "down_proj"), 1, "model.language_model.layers.1.mlp.down_proj")):
+        for ours_key, theirs_key in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+            want_grad = getattr(modules[name], theirs_key)["default"].weight.grad.numpy()
+            assert rel_err(grads[(*path, ours_key)][layer].T, want_grad) < 1e-4, (name, ours_key)
     # The vision adapters take part: without them (language adapters only) the logits differ.
     for _, lin in nnx.iter_graph(model.vision):
         if isinstance(lin, jaxft.models.Linear) and lin.has_lora:

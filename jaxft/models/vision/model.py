@@ -44,7 +44,7 @@ class VisionLanguageModel(Decoder):
         with jax.named_scope("image_embeds"):
             feats = self.vision(pixel_values, image_grid_thw, implementation=_vision_attention(execution))
             mask = (ids == v.image_token_id).reshape(-1)
-            _check_counts(input_ids, mask, feats.shape[0], v.image_token_id)
+            _check_counts(input_ids, feats.shape[0], v.image_token_id)
             where = jnp.nonzero(mask, size=feats.shape[0], fill_value=mask.shape[0])[0]
             flat = x.reshape(-1, x.shape[-1]).at[where].set(feats.astype(x.dtype), mode="drop")
         return flat.reshape(x.shape), positions
@@ -78,11 +78,12 @@ def _vision_attention(execution: ExecutionConfig) -> str:
     return "reference" if execution.attention == "reference" else "auto"
 
 
-def _check_counts(input_ids, mask, num_features: int, image_token_id: int) -> None:
-    """One clear error when the ids are concrete and their image tokens do not match the image features."""
+def _check_counts(input_ids, num_features: int, image_token_id: int) -> None:
+    """One clear error when the ids are concrete (not traced) and their image tokens do not match the image
+    features (under jit the scatter would silently drop or leave tokens)."""
     if isinstance(input_ids, jax.core.Tracer):
         return
-    count = int(np.sum(np.asarray(mask)))
+    count = int(np.sum(np.asarray(input_ids) == image_token_id))
     if count != num_features:
         raise ValueError(f"input_ids hold {count} image tokens (id {image_token_id}) but pixel_values give "
                          f"{num_features} merged image embeddings; build input_ids with the processor that made "
