@@ -49,7 +49,14 @@ def _host_copies(text: str) -> int:
     return count
 
 
-@pytest.mark.parametrize("loop", ["scan", "unroll"])
+# Both fail on the H200 (JAX 0.11.2, 2026-12-01, docs/benchmarks.md section 10): in the scan the host copies are
+# in the compiled program but temp stays at 65.2 GiB vs 67.6 GiB without remat; in the unrolled loop XLA
+# drops the host copies (none in the compiled program). Strict: they report the day the offload works.
+OFFLOAD_NOT_YET = "host offload does not lower the compiled temp on the GPU yet (issue 10; see the comment above)"
+
+
+@pytest.mark.parametrize("loop", [pytest.param("scan", marks=pytest.mark.xfail(strict=True, reason=OFFLOAD_NOT_YET)),
+                                  pytest.param("unroll", marks=pytest.mark.xfail(strict=True, reason=OFFLOAD_NOT_YET))])
 def test_offload_is_kept_in_both_layer_loops(loop):
     none = _compiled("none", loop).memory_analysis().temp_size_in_bytes
     offload = _compiled("offload", loop)
