@@ -629,6 +629,15 @@ def save_adapter(model, path: str | os.PathLike, *, base_model_name_or_path: str
                          "load_adapter(model, dir) first")
     plan = _plan(model, cfg, strict=False)
     mods = _modules(model)
+    dense_mlp = [n for site in mods.sites if site.path[:2] == ("dense_layers", "mlp") and plan.get(site)
+                 for n, p in zip(site.names(), plan[site]) if p]
+    if dense_mlp:
+        # PEFT (0.21 with transformers 5) reads gate_proj / up_proj / down_proj targets of a Qwen3-MoE model as
+        # the fused experts (its v4 -> v5 conversion), so these adapters would load onto the wrong weights.
+        raise ValueError(f"save_adapter: LoRA on the dense layers' MLP ({dense_mlp[0]}, ...) of this "
+                         f"{model.config.model_type} model has no PEFT form (PEFT reads gate_proj/up_proj/down_proj "
+                         "targets there as the experts); export merged weights with jaxft.save_pretrained, or leave "
+                         "them out of target_modules")
     weights = {}
     for site in mods.sites:
         if site not in plan:
