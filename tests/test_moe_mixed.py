@@ -151,6 +151,7 @@ def test_hf_round_trip_is_byte_identical(bases, tmp_path, name):
 # --------------------------------------------------------------------------- router aux loss
 
 
+@pytest.mark.slow
 def test_step_loss_with_router_aux_over_the_sparse_layers_equals_transformers(tmp_path):
     config = transformers.Qwen3MoeConfig(**{**aux_case.TINY, "mlp_only_layers": [1]}, output_router_logits=True,
                                          router_aux_loss_coef=aux_case.COEF)
@@ -244,6 +245,7 @@ def test_dense_mlp_lora_exports_merged_and_has_no_peft_form(bases, ids, tmp_path
 # --------------------------------------------------------------------------- generation and training
 
 
+@pytest.mark.slow
 def test_greedy_generation_equals_the_forward_argmax(bases):
     model = lora.apply_lora(jaxft.from_pretrained(bases["step2"], dtype="float32"),
                             lora.LoraConfig(r=2, target_modules=["q_proj", "gate_proj"]))
