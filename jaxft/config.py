@@ -134,6 +134,11 @@ class ModelConfig:
     # The router load-balancing loss (transformers' `load_balancing_loss_func`) times this coefficient is added
     # to the training loss; None: not added (config.json's output_router_logits false).
     router_aux_loss_coef: float | None = None
+    # GPT-OSS: a learned per-head logit joined to every attention softmax's denominator (`attention_sinks`), and
+    # the experts' clamped SwiGLU (up + 1) * g * sigmoid(alpha * g), g = min(gate, limit), up in [-limit, limit].
+    attention_sinks: bool = False
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     # The source config.json, kept so that `to_hf` round-trips keys jaxft does not model (token ids, ...).
     hf_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
@@ -190,6 +195,10 @@ class ModelConfig:
                                  or coef == float("inf") or not self.num_experts):
             raise ConfigError(f"router_aux_loss_coef={coef!r} must be a finite number >= 0 on a mixture-of-experts "
                               "model (or output_router_logits: false)")
+        for key in ("swiglu_limit", "swiglu_alpha"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"{key}={value!r} must be a finite number > 0")
         bad = sorted(set(self.layer_ropes) - set(LAYER_ROPES))
         if bad:
             raise ConfigError(f"layer_ropes has {bad}; each entry must be one of {LAYER_ROPES}")
@@ -275,7 +284,11 @@ class ModelConfig:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         norms = 4 if family_for(self.model_type).parts.sandwich_norms else 2
-        mlp = 3 * h * i if not self.num_experts else h * self.num_experts * (1 + 3 * self.moe_intermediate_size)
+        e, m = self.num_experts, self.moe_intermediate_size
+        mlp = 3 * h * i if not e else h * e * (1 + 3 * m)
+        if self.attention_sinks:  # GPT-OSS: biased router and experts, fused gate/up, sinks, attention biases
+            mlp += e + e * (3 * m + h)
+            attn += self.num_heads + d * (self.num_heads + 2 * self.num_kv_heads) + h
         per_layer = attn + mlp + norms * h + (2 * d if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + head + h + self.num_layers * per_layer
