@@ -20,7 +20,7 @@ import jaxft
 from jaxft import lora
 from jaxft.models.moe import expert_adapters
 from test_gpt_oss import TINY, gpt_oss_model
-from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, torch_logits
+from lora_helpers import hf_model_fp32, jax_logits, param_wrappers, perturb_lora_b, rel_err, torch_logits
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 FIELDS = dict(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -45,14 +45,6 @@ def _adapted(base, seed=2):
     return model
 
 
-def _wrappers(peft_model):
-    out = {}
-    for name, module in peft_model.base_model.model.named_modules():
-        if isinstance(module, peft.tuners.lora.ParamWrapper):
-            out[name.replace(".base_layer", "") + "." + module.parameter_name] = module
-    return out
-
-
 def test_exported_adapter_gives_peft_our_logits_and_round_trips(base, ids, tmp_path):
     model = _adapted(base)
     ours = jax_logits(model, ids)
@@ -63,7 +55,7 @@ def test_exported_adapter_gives_peft_our_logits_and_round_trips(base, ids, tmp_p
     assert tensors["base_model.model.model.layers.1.mlp.experts.base_layer.lora_B.weight"].shape == (64, 4 * e)
     assert tensors["base_model.model.model.layers.1.mlp.experts.lora_A.weight"].shape == (2 * e, 32)
     reference = peft.PeftModel.from_pretrained(hf_model_fp32(base), out).eval()
-    assert set(_wrappers(reference)) == {f"model.layers.{i}.{p}" for i in range(2) for p in EXPERTS}
+    assert set(param_wrappers(reference)) == {f"model.layers.{i}.{p}" for i in range(2) for p in EXPERTS}
     assert rel_err(torch_logits(reference, ids), ours) < 1e-5
     reference.save_pretrained(tmp_path / "peft")
     back = lora.load_adapter(jaxft.from_pretrained(base, dtype="float32"), tmp_path / "peft")
@@ -76,7 +68,7 @@ def test_exported_adapter_gives_peft_our_logits_and_round_trips(base, ids, tmp_p
 def test_peft_delta_weight_equals_ours_on_every_expert(base, tmp_path):
     model = _adapted(base, seed=3)
     lora.save_adapter(model, tmp_path / "ours")
-    wrappers = _wrappers(peft.PeftModel.from_pretrained(hf_model_fp32(base), tmp_path / "ours"))
+    wrappers = param_wrappers(peft.PeftModel.from_pretrained(hf_model_fp32(base), tmp_path / "ours"))
     plain = jaxft.from_pretrained(base, dtype="float32").layers.mlp
     merged = lora.merged_kernels(model)
     for layer in range(TINY["num_hidden_layers"]):

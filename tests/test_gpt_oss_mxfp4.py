@@ -95,7 +95,8 @@ def test_mxfp4_problems_are_one_line(checkpoints, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     tensors = load_file(quantised / "model.safetensors")
-    tensors["model.layers.1.mlp.experts.down_proj_scales"] = tensors["model.layers.1.mlp.experts.down_proj_scales"][:, :8]
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][:, :8]
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     (bad / "config.json").write_text((quantised / "config.json").read_text())
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.experts.down_proj_scales in model.safetensors is "

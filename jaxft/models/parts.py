@@ -96,8 +96,8 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         # GPT-OSS: one learned logit per head joined to the softmax denominator (its probability is dropped).
-        self.sinks = (nnx.Param(_init(rngs, (*stack, cfg.num_heads), dtype, 0.02), **logical(*stack_axes(stack), "heads"))
-                      if cfg.attention_sinks else None)
+        self.sinks = (nnx.Param(_init(rngs, (*stack, cfg.num_heads), dtype, 0.02),
+                                **logical(*stack_axes(stack), "heads")) if cfg.attention_sinks else None)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
 
     def sink_kwargs(self) -> dict[str, Any]:
