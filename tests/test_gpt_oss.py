@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,7 +27,7 @@ from jaxft.config import ConfigError, ModelConfig, RopeConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.models.rope import inv_freq_and_scale
 from jaxft.train.step import token_loss_sum
-from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, torch_logits
+from lora_helpers import hf_model_fp32, jax_logits, jaxpr_eqns, perturb_lora_b, rel_err, torch_logits
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
@@ -107,6 +106,19 @@ def test_moe_block_gradients_equal_torch_autograd_with_clamps_active(base):
                          ("gate_up_proj", experts.gate_up_proj.grad), ("gate_up_bias", experts.gate_up_proj_bias.grad),
                          ("down_proj", experts.down_proj.grad), ("down_bias", experts.down_proj_bias.grad)):
         assert rel_err(d_state[ours][...], np.asarray(theirs)) < 1e-5, ours
+
+
+def test_router_load_balancing_loss_equals_transformers(base, ids):
+    """transformers' aux_loss (softmax over all E of the biased router logits, top-k counts) for GPT-OSS."""
+    from jaxft.models.moe import load_balancing_loss
+
+    hf = hf_model_fp32(base)
+    with torch.no_grad():
+        want = float(hf(torch.tensor(ids), output_router_logits=True).aux_loss)
+    model = jaxft.from_pretrained(base, dtype="float32")
+    _, stats, rows = nnx.jit(lambda m, x: m.hidden_states_and_router_stats(x))(model, jnp.asarray(ids))
+    assert float(load_balancing_loss(stats, rows)) == pytest.approx(want, rel=1e-5)
+    assert want > TINY["num_experts_per_tok"] * 1.01  # unbalanced routing: above the minimum k
 
 
 @pytest.mark.parametrize("truncate", [False, True])
@@ -225,19 +237,41 @@ def test_greedy_generation_matches_transformers(base):
         assert row == out[0, len(prompt):].tolist()
 
 
-def _eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _eqns(sub)
-
-
 def test_forward_program_has_one_grouped_matmul_per_projection_and_no_host_sync(base, ids):
     model = jaxft.from_pretrained(base, dtype="float32")
     graphdef, state = nnx.split(model)
     jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, jnp.asarray(ids)).jaxpr
-    names = [e.primitive.name for e in _eqns(jaxpr)]
+    names = [e.primitive.name for e in jaxpr_eqns(jaxpr)]
     # One scan per layer kind (sliding, full); in each layer one grouped matmul for the fused gate/up, one for down.
     assert names.count("scan") == 2
     assert names.count("ragged_dot_general") == 2 * TINY["num_hidden_layers"]
     assert not [n for n in names if "callback" in n or n in ("while", "cond")], sorted(set(names))
+
+
+@pytest.mark.gpu
+def test_gpu_pallas_attention_with_sinks_gradients_match_reference():
+    """On the GPU (compiled Pallas kernels, not interpret mode): a GPT-OSS model's logits and the gradients of its
+    sinks and q projection through the flash forward/backward with sinks and a window equal the reference's."""
+    from jaxft.models import init_model
+
+    hf = dict(TINY, model_type="gpt_oss", head_dim=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=40)
+    model = init_model(ModelConfig.from_hf(hf), dtype=jnp.float32, seed=0)
+    model.layers.attn.sinks[...] = jnp.asarray(np.random.default_rng(2).normal(0.0, 2.0, (2, 4)), jnp.float32)
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(0, TINY["vocab_size"], (2, 256)))
+    seg = jnp.asarray(np.repeat([1, 2], [90, 166])[None].repeat(2, 0).astype(np.int32))
+    dy = jnp.asarray(rng.normal(size=(2, 256, TINY["vocab_size"])).astype(np.float32))
+    graphdef, state = nnx.split(model)
+
+    def grads(impl):
+        execution = ExecutionConfig(attention_implementation=impl, remat="none")
+        loss = lambda s: jnp.sum(nnx.merge(graphdef, s)(ids, segment_ids=seg, execution=execution) * dy)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(state)
+
+    (want, g_want), (got, g_got) = grads("reference"), grads("pallas")
+    assert abs(float(got) - float(want)) <= 1e-4 * abs(float(want))
+    for path in (("layers", "attn", "sinks"), ("layers", "attn", "q_proj", "kernel")):
+        a, b = g_got, g_want
+        for p in path:
+            a, b = a[p], b[p]
+        assert rel_err(a[...], b[...]) < 1e-4, path
