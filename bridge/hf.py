@@ -32,7 +32,7 @@ import numpy as np
 
 from bridge.errors import CheckpointError, hub_id_hint, python_command
 from bridge.mappings import transforms
-from bridge.mappings.schema import Row, Table, validate_table
+from bridge.mappings.schema import LayerMap, Row, Table, stack_layers, validate_table
 from bridge.safetensors_io import PendingTensor, TensorInfo, read_header, read_into, write_file
 from bridge.tree import flatten_tree, unflatten_tree  # re-exported: bridge.hf is the one-stop I/O module
 
@@ -198,7 +198,7 @@ def checkpoint_files(root: Path) -> list[Path]:
 
 
 def _locate(root: Path, table: Table, expected: Mapping[tuple, Any], num_layers: int, dtype: Any,
-            num_experts: int | None, ignore: Collection[str] = ()):
+            num_experts: int | None, ignore: Collection[str] = (), layer_map: LayerMap | None = None):
     """Pass 1 of a load, headers only: every problem is found (and raised) before any data is read.
 
     Returns (wants: HF name -> (path, index, row, hf_shape), specs: path -> (shape, dtype), files,
@@ -219,10 +219,16 @@ def _locate(root: Path, table: Table, expected: Mapping[tuple, Any], num_layers:
         shape, dt = _spec(value, f"expected[{ps}]")
         specs[p] = (shape, dt if override is None else override)
         row = by_path[p]
-        _check_lead(row, shape, sizes, f"expected[{ps}]")
+        layers = stack_layers(row, layer_map, num_layers)
+        row_sizes = sizes if layers is None else {**sizes, "i": len(layers)}
+        _check_lead(row, shape, row_sizes, f"expected[{ps}]")
         hf_shape = _hf_shape(row, shape, ps)
-        for index in row.indices(sizes):
-            wants[row.name_at(index)] = (p, index, row, hf_shape)
+        for index in row.indices(row_sizes):
+            name = row.name_at(index, layers)
+            if name in wants:
+                raise ValueError(f"{name} maps to both {_path_str(wants[name][0])} and {ps}: the layer_map puts one "
+                                 "layer in two stacks")
+            wants[name] = (p, index, row, hf_shape)
 
     # Pass 1: headers only. Find every problem before reading any data.
     files = checkpoint_files(root)
@@ -267,6 +273,7 @@ def load_weights(
     *,
     num_experts: int | None = None,
     ignore: Collection[str] = (),
+    layer_map: LayerMap | None = None,
 ) -> dict[tuple, np.ndarray]:
     """Load an HF safetensors checkpoint into flat tree arrays.
 
@@ -280,6 +287,8 @@ def load_weights(
       num_experts: E, for rows with an ``{e}`` placeholder (MoE experts).
       ignore: tensor names another reader takes (``bridge.bnb4bit``: 4-bit weights and their statistics);
         they are neither loaded nor reported as unexpected.
+      layer_map: {layer stack (a path's first name): the HF layer of each of its rows} for a model whose
+        layers are in several stacks (``bridge.mappings.schema``); default: row i of ``layers`` is layer i.
 
     Returns:
       ``{path: np.ndarray}`` with the expected shapes/dtypes (bf16 is
@@ -292,7 +301,7 @@ def load_weights(
     expected) silently skips a file ``lm_head.weight`` shaped like the embedding.
     """
     root = Path(path)
-    wants, specs, files, located = _locate(root, table, expected, num_layers, dtype, num_experts, ignore)
+    wants, specs, files, located = _locate(root, table, expected, num_layers, dtype, num_experts, ignore, layer_map)
 
     # Pass 2: data into preallocated outputs. Host-side transposes run at ~1 GB/s per core, so tensors are
     # spread over a few threads (pread and numpy copies release the GIL); each thread reads its tensors in
@@ -405,6 +414,7 @@ def save_weights(
     overwrite: bool = False,
     num_experts: int | None = None,
     extra: Sequence[PendingTensor] = (),
+    layer_map: LayerMap | None = None,
 ) -> Path:
     """Write an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
@@ -424,6 +434,7 @@ def save_weights(
       overwrite: replace an existing non-empty ``path``; otherwise that is an error.
       num_experts: E, for rows with an ``{e}`` placeholder (MoE experts).
       extra: tensors written as they are after the table's (``bridge.bnb4bit``: 4-bit weights).
+      layer_map: as for ``load_weights``.
 
     Returns the target path.
     """
@@ -442,7 +453,7 @@ def save_weights(
         raise ValueError(f"save target {target} exists and is not a directory")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise ValueError(f"save target {target} exists and is not empty; pass overwrite=True to replace it")
-    tensors = _pending_tensors(table, params, _sizes(num_layers, num_experts), dtype) + list(extra)
+    tensors = _pending_tensors(table, params, _sizes(num_layers, num_experts), dtype, layer_map) + list(extra)
 
     shards: list[list[PendingTensor]] = [[]]
     size = 0
@@ -478,7 +489,7 @@ def save_weights(
 
 
 def _pending_tensors(table: Table, params: Mapping[tuple, Any], sizes: Mapping[str, int],
-                     dtype: Any) -> list[PendingTensor]:
+                     dtype: Any, layer_map: LayerMap | None = None) -> list[PendingTensor]:
     by_path = {row.path: row for row in table}
     unknown = [_path_str(p) for p in params if p not in by_path]
     if unknown:
@@ -488,7 +499,7 @@ def _pending_tensors(table: Table, params: Mapping[tuple, Any], sizes: Mapping[s
         )
     override = None if dtype is None else _as_float_dtype(dtype, "save_weights(dtype=...)")
     flat: list[PendingTensor] = []
-    per_layer: list[tuple[Row, Any, np.dtype, tuple[int, ...]]] = []
+    per_layer: list[tuple[Row, Any, np.dtype, tuple[int, ...], dict[int, int]]] = []
     num_layers = sizes["i"]
     for row in table:  # table order gives a stable, HF-like file order
         if row.path not in params:
@@ -497,18 +508,21 @@ def _pending_tensors(table: Table, params: Mapping[tuple, Any], sizes: Mapping[s
         ps = _path_str(row.path)
         shape = tuple(int(d) for d in arr.shape)
         dt = _as_float_dtype(arr.dtype if override is None else override, f"params[{ps}]")
-        _check_lead(row, shape, sizes, f"params[{ps}]")
+        layers = stack_layers(row, layer_map, num_layers)
+        _check_lead(row, shape, sizes if layers is None else {**sizes, "i": len(layers)}, f"params[{ps}]")
         hf_shape = _hf_shape(row, shape, ps)
         if row.stacked:
-            per_layer.append((row, arr, dt, hf_shape))
+            per_layer.append((row, arr, dt, hf_shape, {layer: r for r, layer in enumerate(layers)}))
         else:
             for index in row.indices(sizes):
                 flat.append(PendingTensor(row.name_at(index), hf_shape, dt, _producer(arr, index, row.transform, dt)))
     for layer in range(num_layers):  # layer-major file order, as transformers writes
-        for row, arr, dt, hf_shape in per_layer:
+        for row, arr, dt, hf_shape, rows in per_layer:
+            if layer not in rows:  # the layer is in another stack
+                continue
             for index in row.indices({**sizes, "i": 1}):
-                index = (layer, *index[1:])
-                flat.append(PendingTensor(row.name_at(index), hf_shape, dt,
+                index = (rows[layer], *index[1:])
+                flat.append(PendingTensor(row.name(**{**dict(zip(row.axes, index)), "i": layer}), hf_shape, dt,
                                           _producer(arr, index, row.transform, dt)))
     return flat
 
@@ -554,11 +568,12 @@ class WeightSlices:
     """
 
     def __init__(self, path: str | os.PathLike, table: Table, expected: Mapping[tuple, Any], num_layers: int,
-                 dtype: Any = None, *, num_experts: int | None = None):
+                 dtype: Any = None, *, num_experts: int | None = None, layer_map: LayerMap | None = None):
         from safetensors import safe_open
 
         self.root = Path(path)
-        wants, self.specs, files, located = _locate(self.root, table, expected, num_layers, dtype, num_experts)
+        wants, self.specs, files, located = _locate(self.root, table, expected, num_layers, dtype, num_experts,
+                                                    layer_map=layer_map)
         self._names = {(p, index): name for name, (p, index, _, _) in wants.items()}
         self._rows = {p: row for p, _, row, _ in wants.values()}
         self._file_of = {name: file for name, (file, _) in located.items()}

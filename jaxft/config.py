@@ -13,6 +13,9 @@ import json
 from typing import Any, Mapping
 
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
+LAYER_MLPS = ("glu", "moe", "gpt_oss_moe")  # a layer's MLP: dense gated (`glu`) or mixture of experts (`moe`; GPT-OSS's
+# biased one, `gpt_oss_moe`), see jaxft.models.parts.MLPS
+SPARSE_MLPS = ("moe", "gpt_oss_moe")  # the kinds with a router (num_experts, router statistics)
 LAYER_ROPES = ("global", "local")  # which RoPE table a layer uses: `rope`, or `rope_local` (Gemma 3 sliding layers)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -124,7 +127,11 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar**-0.5 (Gemma); None: head_dim
     rope_local: RopeConfig | None = None
     layer_ropes: tuple[str, ...] = ()
-    # Mixture of experts (0 experts: a dense MLP): every layer routes each token to `num_experts_per_tok` of
+    # Per layer i, `layer_mlps[i]` is its MLP kind ("glu": dense of width `intermediate_size`, "moe": the
+    # sparse block below); default: the family's kind on every layer (Qwen3-MoE's `mlp_only_layers` /
+    # `decoder_sparse_step` make some layers dense).
+    layer_mlps: tuple[str, ...] = ()
+    # Mixture of experts (0 experts: a dense MLP): every "moe" layer routes each token to `num_experts_per_tok` of
     # `num_experts` experts of width `moe_intermediate_size`, weighted by their router probabilities
     # (renormalised over the chosen ones when `norm_topk_prob`).
     num_experts: int = 0
@@ -174,7 +181,10 @@ class ModelConfig:
             # One RoPE for every layer is the default, not a per-layer choice: it follows num_layers (e.g. through
             # dataclasses.replace(cfg, num_layers=...)).
             object.__setattr__(self, "layer_ropes", ())
-        for key, default in (("layer_windows", None), ("layer_ropes", "global")):
+        main_mlp = family_for(self.model_type).parts.mlp
+        if set(self.layer_mlps) == {main_mlp}:
+            object.__setattr__(self, "layer_mlps", ())  # the default, like layer_ropes: it follows num_layers
+        for key, default in (("layer_windows", None), ("layer_ropes", "global"), ("layer_mlps", main_mlp)):
             if not getattr(self, key):
                 object.__setattr__(self, key, (default,) * self.num_layers)
             if len(getattr(self, key)) != self.num_layers:
@@ -199,6 +209,15 @@ class ModelConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ConfigError(f"{key}={value!r} must be a finite number > 0")
+        bad = sorted(set(self.layer_mlps) - set(LAYER_MLPS))
+        if bad:
+            raise ConfigError(f"layer_mlps has {bad}; each entry must be one of {LAYER_MLPS}")
+        if main_mlp not in self.layer_mlps:
+            raise ConfigError(f"no layer of this {self.model_type} model has its family's {main_mlp!r} MLP (layer_mlps="
+                              f"{list(self.layer_mlps)}); a model whose layers are all dense is a dense model: use "
+                              "its dense model_type")
+        if set(SPARSE_MLPS) & set(self.layer_mlps) and not self.num_experts:
+            raise ConfigError("layer_mlps has sparse ('moe') layers but num_experts is 0; set num_experts in config.json")
         bad = sorted(set(self.layer_ropes) - set(LAYER_ROPES))
         if bad:
             raise ConfigError(f"layer_ropes has {bad}; each entry must be one of {LAYER_ROPES}")
@@ -285,10 +304,12 @@ class ModelConfig:
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         norms = 4 if family_for(self.model_type).parts.sandwich_norms else 2
         e, m = self.num_experts, self.moe_intermediate_size
-        mlp = 3 * h * i if not e else h * e * (1 + 3 * m)
-        if self.attention_sinks:  # GPT-OSS: biased router and experts, fused gate/up, sinks, attention biases
-            mlp += e + e * (3 * m + h)
+        mlp = {"glu": 3 * h * i, "moe": h * e * (1 + 3 * m),
+               # GPT-OSS: biased router, fused gate/up and down experts with biases
+               "gpt_oss_moe": h * e * (1 + 3 * m) + e + e * (3 * m + h)}
+        if self.attention_sinks:  # GPT-OSS: sinks and q/k/v/o biases
             attn += self.num_heads + d * (self.num_heads + 2 * self.num_kv_heads) + h
-        per_layer = attn + mlp + norms * h + (2 * d if self.qk_norm else 0)
+        per_layer = attn + norms * h + (2 * d if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + head + h + self.num_layers * per_layer
+        return (self.vocab_size * h + head + h + self.num_layers * per_layer
+                + sum(mlp[kind] for kind in self.layer_mlps))

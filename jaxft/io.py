@@ -23,6 +23,7 @@ from jaxft.config import ModelConfig
 from jaxft.models.decoder import Decoder, abstract_model
 from jaxft.models.families import family_for
 from jaxft.models.layers import LoraParam
+from jaxft.models.stack import layer_stacks
 
 
 def _path_key(path) -> tuple[str, ...]:
@@ -94,14 +95,14 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     ignore: set[str] = set()
     if stored is not None:
         records = bnb4bit.read_quantized(path, bridge.checkpoint_files(path))
-        by_name = {n: (site, i) for site in sites for i, n in enumerate(site.names(cfg.num_layers))}
+        by_name = {n: (site, i) for site in sites for i, n in enumerate(site.names())}
         stray = sorted(set(records) - set(by_name))
         if stray:
             raise bridge.CheckpointError(
                 f"{path}: 4-bit weights for modules that are not linear layers of this {cfg.model_type} model: "
                 f"{stray[:3]}; re-quantise with them in llm_int8_skip_modules")
         for site in sites:
-            names = site.names(cfg.num_layers)
+            names = site.names()
             present = [n for n in names if n in records]
             if not present:
                 continue
@@ -117,7 +118,7 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     if mx_shapes:
         ignore.update(n for row in rows for n in mxfp4.tensor_names(row, cfg.num_layers))
     arrays = bridge.load_weights(path, table, expected, cfg.num_layers, dtype,
-                                 num_experts=cfg.num_experts or None, ignore=ignore)
+                                 num_experts=cfg.num_experts or None, ignore=ignore, layer_map=layer_stacks(cfg))
     if mx_shapes:
         arrays.update(mxfp4.load_rows(path, bridge.checkpoint_files(path), rows, mx_shapes, cfg.num_layers, dtype))
     skipped: list[str] = []
@@ -150,9 +151,8 @@ def _quantize_sites(model, sites, arrays, qcfg, quants, dtype_name, verbose) -> 
     from jaxft.quant import weights as qw
 
     kept, lines, saved = [], [], 0
-    num_layers = model.config.num_layers
     for site in sites:
-        names = site.names(num_layers)
+        names = site.names()
         hit = [n for n in names if qw.is_skipped(n, qcfg.skip_modules)]
         if hit:
             kept.extend(hit if len(hit) == len(names) else names)
@@ -232,7 +232,7 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | Non
         for site in qw.linear_sites(model):
             lin = site.linear(model)
             if lin.quant is not None:
-                for name, record in zip(site.names(cfg.num_layers), qw.records_of(lin.quant, site.stacked)):
+                for name, record in zip(site.names(), qw.records_of(lin.quant, site.stacked)):
                     extra.extend(bnb4bit.tensors_of(name, record))
         hf["quantization_config"] = qcfg.to_hf(str(model.dtype), model.quant_skipped)
         params = {k: v.astype(out_dtype) for k, v in model_params(model, merge_lora=False, dequantize=False).items()}
@@ -240,7 +240,8 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | Non
         hf.pop("quantization_config", None)  # from a 4-bit source's config.json: the export is dense
         params = {k: v.astype(out_dtype) for k, v in model_params(model).items()}
     bridge.save_weights(path, table, params, cfg.num_layers, hf, max_shard_bytes=max_shard_bytes,
-                        overwrite=overwrite, num_experts=cfg.num_experts or None, extra=extra)
+                        overwrite=overwrite, num_experts=cfg.num_experts or None, extra=extra,
+                        layer_map=layer_stacks(cfg))
     return Path(path)
 
 
@@ -251,7 +252,7 @@ def _sharded(model: Decoder, path: Path, cfg: ModelConfig, expected, dtype, mesh
     graphdef, state = nnx.split(model)
     leaves = []
     with bridge.WeightSlices(path, family_for(cfg.model_type).table, expected, cfg.num_layers, dtype,
-                             num_experts=cfg.num_experts or None) as source:
+                             num_experts=cfg.num_experts or None, layer_map=layer_stacks(cfg)) as source:
         for p, var in nnx.to_flat_state(state):
             key = _path_key(p)
             if key in expected:

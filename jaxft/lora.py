@@ -42,6 +42,7 @@ from jaxft.config import ConfigError
 from jaxft.models.families import family_for
 from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, linears, logical
 from jaxft.models.moe import ExpertLora, expert_adapters
+from jaxft.models.stack import layer_stacks
 
 __all__ = [
     "LoraConfig",
@@ -209,16 +210,20 @@ def _names_or_regex(value, field: str, optional: bool):
 
 @dataclasses.dataclass(frozen=True)
 class _Site:
-    """One jaxft Linear (a stack of L per-layer linears) and the HF module name of each of its layers."""
+    """One jaxft Linear (a stack of per-layer linears) and the HF module name of each of its layers: row r of
+    the stack is HF layer `layers[r]` (`jaxft.models.stack.layer_stacks`; a model with dense and sparse layers
+    has one site per stack for the same template)."""
 
     path: tuple[str, ...]  # ("layers", "attn", "q_proj")
     template: str  # "model.layers.{i}.self_attn.q_proj"
     stacked: bool
+    layers: tuple[int, ...] = ()
 
-    def names(self, num_layers: int) -> list[str]:
+    def names(self) -> list[str]:
+        """The HF module name of each row of the stack."""
         if not self.stacked:
             return [self.template]
-        return [self.template.replace(LAYER, str(i)) for i in range(num_layers)]
+        return [self.template.replace(LAYER, str(i)) for i in self.layers]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,20 +231,21 @@ class _Modules:
     sites: tuple[_Site, ...]  # per-layer linears LoRA can target
     unsupported: dict[str, str]  # HF module name -> why LoRA cannot go there (output head, non-linear modules)
     head: frozenset[str]  # the output head's name(s): adapter weights there cannot be represented at all
-    num_layers: int
     params: tuple[_Site, ...] = ()  # raw expert parameters (target_parameters), in the HF module's order
 
     def linear_names(self) -> Iterator[tuple[str, _Site, int]]:
+        """(HF module name, site, row of the site's stack) of every linear."""
         for site in self.sites:
-            for layer, name in enumerate(site.names(self.num_layers)):
-                yield name, site, layer
+            for row, name in enumerate(site.names()):
+                yield name, site, row
 
     def param_names(self) -> Iterator[tuple[str, _Site, int]]:
-        """(full parameter name, site, layer), layer by layer and in module order within a layer (the order PEFT
-        nests its wrappers in, see `bridge.peft.param_wrapper_keys`)."""
-        for layer in range(self.num_layers):
-            for site in self.params:
-                yield site.names(self.num_layers)[layer], site, layer
+        """(full parameter name, site, row), HF layer by layer and in module order within a layer (the order
+        PEFT nests its wrappers in, see `bridge.peft.param_wrapper_keys`)."""
+        entries = [(layer, k, name, site, row) for k, site in enumerate(self.params)
+                   for row, (layer, name) in enumerate(zip(site.layers, site.names()))]
+        for _, _, name, site, row in sorted(entries, key=lambda e: e[:2]):
+            yield name, site, row
 
 
 def _modules(model) -> _Modules:
@@ -247,14 +253,18 @@ def _modules(model) -> _Modules:
     cfg = model.config
     table = family_for(cfg.model_type).table
     present = {tuple(path.split(".")) for path, _ in linears(model)}
+    stacks = layer_stacks(cfg)
     sites, unsupported, head = [], {}, set()
     for row in table:
         if not row.hf.endswith(".weight") or "e" in row.axes:  # expert tensors are not Linear modules
             continue
+        if row.stacked and row.stack not in stacks:  # a stack this model does not have (no dense layers)
+            continue
         module = row.hf[: -len(".weight")]
-        names = _Site(row.path[:-1], module, row.stacked).names(cfg.num_layers)
+        layers = stacks[row.stack] if row.stacked else ()
+        names = _Site(row.path[:-1], module, row.stacked, layers).names()
         if row.path[-1] == "kernel" and row.path[:-1] in present and row.stacked:
-            sites.append(_Site(row.path[:-1], module, True))
+            sites.append(_Site(row.path[:-1], module, True, layers))
         elif row.path[-1] == "kernel":
             why = ("the output head: LoRA on it is not supported (the fused loss reads its kernel directly); "
                    "remove it from target_modules")
@@ -263,8 +273,9 @@ def _modules(model) -> _Modules:
         else:
             why = "not a linear layer: jaxft supports LoRA on linear layers only (no embedding or norm LoRA)"
             unsupported.update({n: why for n in names})
-    params = tuple(_Site(row.path, row.hf, True) for row in family_for(cfg.model_type).lora_parameters)
-    return _Modules(tuple(sites), unsupported, frozenset(head), cfg.num_layers, params)
+    params = tuple(_Site(row.path, row.hf, True, stacks[row.path[0]])
+                   for row in family_for(cfg.model_type).lora_parameters if row.path[0] in stacks)
+    return _Modules(tuple(sites), unsupported, frozenset(head), params)
 
 
 def _short_names(mods: _Modules) -> list[str]:
@@ -272,7 +283,7 @@ def _short_names(mods: _Modules) -> list[str]:
 
 
 def _no_match_error(what: str, mods: _Modules, model_type: str, regex: bool) -> ConfigError:
-    example = mods.sites[0].names(mods.num_layers)[0] if mods.sites else "?"
+    example = mods.sites[0].names()[0] if mods.sites else "?"
     hint = (" A string is a regex that must match the WHOLE name (re.fullmatch); to match by name pass a list, "
             "e.g. ['q_proj', 'v_proj'].") if regex else ""
     return LoraConfigError(
@@ -300,7 +311,7 @@ def _plan(model, cfg: LoraConfig, *, strict: bool) -> dict[_Site, list[tuple[int
     plan: dict[_Site, list[tuple[int, float] | None]] = {}
     for name, site, layer in kept:
         rank, alpha = peft_io.module_rank_alpha(peft_like, name)
-        plan.setdefault(site, [None] * mods.num_layers)[layer] = (rank, cfg.scale(rank, alpha))
+        plan.setdefault(site, [None] * len(site.names()))[layer] = (rank, cfg.scale(rank, alpha))
     if strict:
         for field in ("rank_pattern", "alpha_pattern"):
             for key in getattr(cfg, field):
@@ -368,7 +379,7 @@ def target_names(model, cfg: LoraConfig) -> list[str]:
     plan = _plan(model, cfg, strict=True)
     mods = _modules(model)
     names = [*mods.linear_names(), *mods.param_names()]
-    return [n for n, site, layer in names if plan.get(site, [None] * mods.num_layers)[layer]]
+    return [n for n, site, layer in names if plan.get(site) and plan[site][layer]]
 
 
 # --------------------------------------------------------------------------- apply / merge
@@ -578,27 +589,30 @@ def lora_state(model) -> nnx.State:
 
 
 def _condensed_targets(model, plan) -> list[str]:
-    """Explicit target names for an adapter file: a site's shortest unique suffix when all its layers are
-    targeted, else each targeted full name. Exact for every module name of the model."""
+    """Explicit target names for an adapter file: a module's shortest unique suffix when all its layers are
+    targeted (in every layer stack), else each targeted full name. Exact for every module name of the model."""
     mods = _modules(model)
     everything = [n for n, _, _ in mods.linear_names()] + list(mods.unsupported)
-    out = []
+    by_template: dict[str, list[_Site]] = {}
     for site in mods.sites:
-        per_layer = plan.get(site)
-        if per_layer is None:
+        by_template.setdefault(site.template, []).append(site)
+    out = []
+    for template, sites in by_template.items():
+        targeted = [(n, p) for site in sites for n, p in zip(site.names(), plan.get(site) or [None] * len(site.names()))]
+        if not any(p for _, p in targeted):
             continue
-        names = site.names(mods.num_layers)
-        if all(per_layer):
-            parts = site.template.split(".")
+        names = {n for n, _ in targeted}
+        if all(p for _, p in targeted):
+            parts = template.split(".")
             for k in range(1, len(parts) + 1):
                 suffix = ".".join(parts[-k:])
-                if "{" not in suffix and {n for n in everything if peft_io.target_matches(n, (suffix,))} == set(names):
+                if "{" not in suffix and {n for n in everything if peft_io.target_matches(n, (suffix,))} == names:
                     out.append(suffix)
                     break
             else:
-                out.extend(names)
+                out.extend(n for n, _ in targeted)
         else:
-            out.extend(n for n, p in zip(names, per_layer) if p)
+            out.extend(n for n, p in targeted if p)
     return out
 
 
@@ -615,6 +629,15 @@ def save_adapter(model, path: str | os.PathLike, *, base_model_name_or_path: str
                          "load_adapter(model, dir) first")
     plan = _plan(model, cfg, strict=False)
     mods = _modules(model)
+    dense_mlp = [n for site in mods.sites if site.path[:2] == ("dense_layers", "mlp") and plan.get(site)
+                 for n, p in zip(site.names(), plan[site]) if p]
+    if dense_mlp:
+        # PEFT (0.21 with transformers 5) reads gate_proj / up_proj / down_proj targets of a Qwen3-MoE model as
+        # the fused experts (its v4 -> v5 conversion), so these adapters would load onto the wrong weights.
+        raise ValueError(f"save_adapter: LoRA on the dense layers' MLP ({dense_mlp[0]}, ...) of this "
+                         f"{model.config.model_type} model has no PEFT form (PEFT reads gate_proj/up_proj/down_proj "
+                         "targets there as the experts); export merged weights with jaxft.save_pretrained, or leave "
+                         "them out of target_modules")
     weights = {}
     for site in mods.sites:
         if site not in plan:
@@ -622,7 +645,7 @@ def save_adapter(model, path: str | os.PathLike, *, base_model_name_or_path: str
         lin = _linear(model, site.path)
         a, b = np.asarray(lin.lora_a[...], np.float32), np.asarray(lin.lora_b[...], np.float32)
         ranks = np.asarray(lin.lora_rank[...])
-        for layer, name in enumerate(site.names(mods.num_layers)):
+        for layer, name in enumerate(site.names()):
             if plan[site][layer] is None:
                 continue
             r = int(ranks[layer])
@@ -690,7 +713,7 @@ def load_adapter(model, path: str | os.PathLike):
         r_max = int(ranks.max())
         a = np.zeros((len(ranks), *lead, n_in, r_max), np.float32)
         b = np.zeros((len(ranks), *lead, r_max, n_out), np.float32)
-        for layer, name in enumerate(site.names(mods.num_layers)):
+        for layer, name in enumerate(site.names()):
             r = int(ranks[layer])
             if not r:
                 continue

@@ -57,14 +57,14 @@ NAME_HELP = {
 FIXED = ("none", "full", "dots", "offload", "offload+attn", "offload_stream", "offload_all", "auto")
 # `auto`'s candidates, in the order of expected speed (it takes the first that fits; see Run.choose_remat):
 #   none          recomputes nothing;
-#   offload_stream  recomputes only elementwise ops and rank-r LoRA products; copies 2 (4 with sandwich norms)
-#                 [B,T,H] per layer each way, which a layer's matmuls hide when the copy engine overlaps them;
 #   offload+attn  recomputes projections/norms/MLP but not attention, copies one [B,T,H] per layer each way;
 #   full          recomputes the whole layer, attention included, no host copies;
 #   offload       the same recompute as full plus the host copies (at best hidden under compute), so never
 #                 faster than full, but it keeps L fewer layer inputs on the device.
 # Device memory falls along the same order, so "the first that fits" is also "the fastest that fits".
-AUTO_ORDER = ("none", "offload_stream", "offload+attn", "full", "offload")
+# offload_stream is not a candidate: measured on the H200 (docs/benchmarks.md section 10) it saved no memory in
+# the unrolled loop (XLA drops the host copies there) and was slower and larger than no remat in the scan.
+AUTO_ORDER = ("none", "offload+attn", "full", "offload")
 REMAT_HELP = ("one of " + ", ".join(repr(p) for p in FIXED) + ", or a selective policy 'save=NAME,...;offload=NAME,...'"
               " (names: " + ", ".join(NAMES) + ")")
 

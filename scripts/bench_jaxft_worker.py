@@ -53,9 +53,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass; the
 #         layer scan (host offload of the scanned layer inputs is what keeps the memory down).
 #   offload_attn, offload_stream, offload_all, offload_unroll, auto, auto_40gb: the remat policies of
-#         jaxft.remat (one YAML each; auto_40gb = auto within 40 GB).
+#         jaxft.remat (one YAML each; auto_40gb = auto within 40 GB);
+#   qlora: fast on a 4-bit base (the frozen linears quantised to bitsandbytes nf4 with double quantisation
+#         while loading).
 MODES = ("fast", "lean", "full_remat", "offload_attn", "offload_stream", "offload_all", "offload_unroll", "auto",
-         "auto_40gb")
+         "auto_40gb", "qlora")
 PROFILE_STEPS = 3
 
 

@@ -17,9 +17,13 @@ Systems:
                        happens without a KV cache, so use_cache=False is passed explicitly: with
                        the config default (True, and gradient checkpointing off) a DynamicCache is
                        created and the packing is silently ignored (attention crosses documents).
+  hf_qlora             hf_ckpt on a bitsandbytes 4-bit base (BitsAndBytesConfig: nf4, double quantisation,
+                       bf16 compute; quantised by transformers while loading the bf16 directory):
+                       HF + PEFT + bitsandbytes QLoRA as its users run it.
   unsloth              FastLanguageModel (16-bit LoRA, use_gradient_checkpointing="unsloth");
                        imported before transformers/peft, needs a CUDA GPU. Packed workloads pass
                        the same position_ids (Unsloth derives packed_seq_lengths from them).
+  unsloth_4bit         the same with load_in_4bit=True (Unsloth's QLoRA: bitsandbytes nf4 base).
 Also task kind "save_model": write the random-weight model directory of a shape (the harness
 saves every shape in one session).
 
@@ -44,8 +48,9 @@ import sys
 import time
 from typing import Any, Callable
 
-HF_SYSTEMS = ("hf_ckpt", "hf_nockpt")
-SYSTEMS = HF_SYSTEMS + ("unsloth",)
+HF_SYSTEMS = ("hf_ckpt", "hf_nockpt", "hf_qlora")
+UNSLOTH_SYSTEMS = ("unsloth", "unsloth_4bit")
+SYSTEMS = HF_SYSTEMS + UNSLOTH_SYSTEMS
 
 
 def _peek_tasks(argv: list[str]) -> list[dict[str, Any]]:
@@ -63,7 +68,7 @@ _UNSLOTH_IMPORT_ERROR: BaseException | None = None
 # UNSLOTH_* variables; the harness's bookkeeping ones are left out. Recorded so a row says how Unsloth ran.
 _UNSLOTH_CALLER_ENV = {k: v for k, v in sorted(os.environ.items()) if k.startswith("UNSLOTH_")
                        and k not in ("UNSLOTH_DISABLE_STATISTICS", "UNSLOTH_COMPILE_LOCATION")}
-if any(t.get("system") == "unsloth" and t.get("device") == "cuda" for t in _peek_tasks(sys.argv)):
+if any(t.get("system") in UNSLOTH_SYSTEMS and t.get("device") == "cuda" for t in _peek_tasks(sys.argv)):
     try:
         import unsloth  # noqa: F401  (patches transformers/peft; must come first)
     except Exception as _e:  # reported as not_run by run_train
@@ -167,7 +172,7 @@ def _check_hf_packing(workload: Workload, data: TokenData) -> str:
             "-> transformers builds a block-diagonal causal 4D bool mask for SDPA")
 
 
-def _load_hf(model_dir: str, device: str):
+def _load_hf(model_dir: str, device: str, four_bit: bool = False):
     import json
     import os
 
@@ -176,14 +181,22 @@ def _load_hf(model_dir: str, device: str):
 
     with open(os.path.join(model_dir, "config.json")) as f:
         softcap = json.load(f).get("attn_logit_softcapping")
+    quant = {}
+    if four_bit:
+        from transformers import BitsAndBytesConfig
+
+        quant["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
     # transformers runs attention logit soft-capping (Gemma 2) only in its eager attention; SDPA is refused.
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16, attn_implementation="eager" if softcap else "sdpa", device_map=device)
+        model_dir, dtype=torch.bfloat16, attn_implementation="eager" if softcap else "sdpa", device_map=device,
+        **quant)
     model.config.use_cache = False
     return model
 
 
-def run_hf(task: Task, ckpt: bool, cache: ModelCache) -> dict[str, Any]:
+def run_hf(task: Task, ckpt: bool, cache: ModelCache, four_bit: bool = False) -> dict[str, Any]:
     import torch
     from peft import LoraConfig, get_peft_model
 
@@ -191,7 +204,8 @@ def run_hf(task: Task, ckpt: bool, cache: ModelCache) -> dict[str, Any]:
     data = make_token_data(workload, task.steps)
     attention = _check_hf_packing(workload, data)
     t0 = time.perf_counter()
-    base, reused = cache.get((task.model_dir, task.device), lambda: _load_hf(task.model_dir, task.device))
+    base, reused = cache.get((task.model_dir, task.device, four_bit),
+                             lambda: _load_hf(task.model_dir, task.device, four_bit))
     load_s = time.perf_counter() - t0
     if ckpt:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -217,7 +231,8 @@ def run_hf(task: Task, ckpt: bool, cache: ModelCache) -> dict[str, Any]:
             "device_name": torch.cuda.get_device_name() if task.device == "cuda" else "cpu",
             "versions": _versions(),
             "settings": {"attn_implementation": attn_impl,
-                         "weights": "bf16", "gradient_checkpointing": ckpt,
+                         "weights": "bitsandbytes nf4 (double quant), bf16 compute" if four_bit else "bf16",
+                         "gradient_checkpointing": ckpt,
                          "use_reentrant": False if ckpt else None,
                          "optimizer": f"torch.optim.AdamW(fused={task.device == 'cuda'})",
                          "attention_masking": attention,
@@ -225,7 +240,7 @@ def run_hf(task: Task, ckpt: bool, cache: ModelCache) -> dict[str, Any]:
             "extra": {**result["extra"], "model_load_s": load_s}}
 
 
-def run_unsloth(task: Task) -> dict[str, Any]:
+def run_unsloth(task: Task, four_bit: bool = False) -> dict[str, Any]:
     if task.device != "cuda":
         raise SystemUnavailable("Unsloth needs a CUDA GPU (its kernels are Triton)")
     if _UNSLOTH_IMPORT_ERROR is not None:
@@ -238,7 +253,7 @@ def run_unsloth(task: Task) -> dict[str, Any]:
     data = make_token_data(workload, task.steps)
     model, _tok = FastLanguageModel.from_pretrained(
         model_name=task.model_dir, max_seq_length=workload.seq_len, dtype=torch.bfloat16,
-        load_in_4bit=False, load_in_16bit=True, local_files_only=True)
+        load_in_4bit=four_bit, load_in_16bit=not four_bit, local_files_only=True)
     model = FastLanguageModel.get_peft_model(
         model, r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
         target_modules=list(LORA.targets), use_gradient_checkpointing="unsloth", bias="none",
@@ -258,7 +273,8 @@ def run_unsloth(task: Task) -> dict[str, Any]:
             "device_name": torch.cuda.get_device_name(),
             "versions": _versions(("unsloth", "unsloth_zoo", "bitsandbytes", "flash_attn",
                                    "xformers")),
-            "settings": {"load_in_16bit": True, "use_gradient_checkpointing": "unsloth",
+            "settings": {"load_in_16bit": not four_bit, "load_in_4bit": four_bit,
+                         "use_gradient_checkpointing": "unsloth",
                          "optimizer": "torch.optim.AdamW(fused=True)",
                          "attention_backends_available": backends,
                          "packed": "position_ids (Unsloth infers packed_seq_lengths)"
@@ -273,9 +289,9 @@ def run_task(task: Task, out_json: str, cache: ModelCache) -> dict[str, Any]:
 
         return save_random_model(task.workload_obj.shape, task.model_dir, task.device)
     if task.system in HF_SYSTEMS:
-        return run_hf(task, ckpt=task.system == "hf_ckpt", cache=cache)
-    if task.system == "unsloth":
-        return run_unsloth(task)
+        return run_hf(task, ckpt=task.system != "hf_nockpt", cache=cache, four_bit=task.system == "hf_qlora")
+    if task.system in UNSLOTH_SYSTEMS:
+        return run_unsloth(task, four_bit=task.system == "unsloth_4bit")
     raise ValueError(f"bench_torch_worker: unknown system {task.system!r}; known {SYSTEMS}")
 
 

@@ -63,9 +63,11 @@ SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(SCRIPTS)
 # jaxft systems: "jaxft" (examples/bench/fast.yaml) and "jaxft_<mode>" (examples/bench/<mode>.yaml).
 JAXFT_MODES = ("lean", "full_remat", "offload_attn", "offload_stream", "offload_all", "offload_unroll", "auto",
-               "auto_40gb")
+               "auto_40gb", "qlora")
+# Torch systems whose worker needs the carried peer wheels on its path (Unsloth; bitsandbytes for HF QLoRA).
+PEER_WHEEL_SYSTEMS = ("unsloth", "unsloth_4bit", "hf_qlora")
 WORKER = {"jaxft": "bench_jaxft_worker.py", **{f"jaxft_{m}": "bench_jaxft_worker.py" for m in JAXFT_MODES},
-          "hf_ckpt": "bench_torch_worker.py", "hf_nockpt": "bench_torch_worker.py", "unsloth": "bench_torch_worker.py"}
+          **{s: "bench_torch_worker.py" for s in ("hf_ckpt", "hf_nockpt") + PEER_WHEEL_SYSTEMS}}
 ALL_SYSTEMS = tuple(WORKER)
 DEFAULT_SYSTEMS = ("jaxft", "jaxft_lean", "hf_ckpt", "hf_nockpt", "unsloth")  # the table's systems
 DONE_STATUSES = ("ok", "oom")  # what --resume keeps
@@ -423,11 +425,11 @@ class Bench:
             if error is not None:
                 self.record(system, name, {"status": "skipped", "error": f"model dir not available: {error}"},
                             *infos[name])
-            elif system == "unsloth" and self.unsloth_error and self.args.device == "cuda":
+            elif system in PEER_WHEEL_SYSTEMS and self.unsloth_error and self.args.device == "cuda":
                 self.record(system, name, {"status": "not_run", "error": self.unsloth_error}, *infos[name])
             else:
                 runnable.append(name)
-        path = self.unsloth_path if system == "unsloth" else []
+        path = self.unsloth_path if system in PEER_WHEEL_SYSTEMS else []
         jobs = []
         for session, names in self.sessions(system, runnable):
             tasks = [Task("train", system, name, os.path.join(self.models_dir, get_workload(name).shape_name),
@@ -453,7 +455,7 @@ class Bench:
                                                               order.get(r["system"], 1 << 30)))
             if raw.get("versions"):
                 side = ("jax_side" if system.startswith("jaxft")
-                        else "unsloth" if system == "unsloth" else "torch_side")
+                        else "unsloth" if system.startswith("unsloth") else "torch_side")
                 self.report["meta"]["versions"].setdefault(side, {}).update(raw["versions"])
             self.save()
         mfu = summary.get("mfu")
@@ -469,7 +471,7 @@ class Bench:
 
     def run(self) -> None:
         self.ceilings()
-        if "unsloth" in self.args.systems and self.args.device == "cuda":
+        if any(s in PEER_WHEEL_SYSTEMS for s in self.args.systems) and self.args.device == "cuda":
             self.unsloth_path, self.unsloth_error = ensure_unsloth(self.args.unsloth_wheels, self.workdir)
         order = run_order(self.args.workloads)
         infos = {name: self.workload_info(name) for name in order}

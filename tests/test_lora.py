@@ -130,7 +130,7 @@ def _our_modules(model) -> dict[str, tuple[int, float]]:
             continue
         site = sites[tuple(path.split("."))]
         ranks, scales = np.asarray(lin.lora_rank[...]), np.asarray(lin.lora_scale[...])
-        for layer, name in enumerate(site.names(model.config.num_layers)):
+        for layer, name in enumerate(site.names()):
             if ranks[layer]:
                 out[name] = (int(ranks[layer]), float(scales[layer]))
     return out
@@ -377,7 +377,7 @@ def test_lora_gradients_equal_peft(bases, ids, tmp_path, model_type, variant):
         key = tuple(path.split("."))
         ga, gb = flat[(*key, "lora_a")], flat[(*key, "lora_b")]
         ranks = np.asarray(lin.lora_rank[...])
-        for layer, name in enumerate(sites[key].names(model.config.num_layers)):
+        for layer, name in enumerate(sites[key].names()):
             r = int(ranks[layer])
             # Padding (and untargeted layers) gets exactly zero gradient: it stays zero in training.
             assert not ga[layer, :, r:].any() and not gb[layer, r:, :].any(), name

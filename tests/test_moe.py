@@ -4,8 +4,8 @@ Checks: logits equal transformers' at 2 x 512 tokens with norm_topk_prob on and 
 gradients (input, router, experts) equal torch autograd through transformers' sparse block; HF -> jaxft ->
 HF is byte-identical; a merged export with attention LoRA loads in transformers with our logits; attention
 LoRA round-trips through PEFT; packed rows equal each document alone; the compiled forward has one grouped
-matmul per expert projection in the layer body, no host callback and no loop but the layer scan; mixed
-dense/sparse configs are refused with the keys named.
+matmul per expert projection in the layer body, no host callback and no loop but the layer scan. (Mixed
+dense/sparse stacks: tests/test_moe_mixed.py.)
 """
 
 from __future__ import annotations
@@ -192,14 +192,6 @@ def test_forward_program_has_one_grouped_matmul_per_projection_and_no_host_sync(
 
 
 # --------------------------------------------------------------------------- config
-
-
-@pytest.mark.parametrize("keys, dense", [(dict(mlp_only_layers=[1]), "[1]"), (dict(decoder_sparse_step=2), "[0, 2]")])
-def test_mixed_dense_and_sparse_layers_are_refused_naming_the_keys(keys, dense):
-    hf = transformers.Qwen3MoeConfig(**TINY, **keys).to_dict()
-    with pytest.raises(ConfigError, match=rf"cfg.json: mlp_only_layers=.* / decoder_sparse_step=.* make layers "
-                                          rf"{dense.replace('[', r'\[').replace(']', r'\]')} dense"):
-        ModelConfig.from_hf(hf, source="cfg.json")
 
 
 def test_config_round_trips_and_bad_expert_counts_are_refused():

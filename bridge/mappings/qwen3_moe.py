@@ -12,6 +12,10 @@ parameters, but `save_pretrained` converts back to these names):
 
 Every row is transposed ([out, in] -> [in, out]); the fused on-disk layout is not read (see the family).
 
+Dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step`) are the `dense_layers` stack:
+the dense table's per-layer rows again (attention, norms and `mlp.{gate,up,down}_proj`), under that stack; the
+caller's layer map (`jaxft.models.stack.layer_stacks`) says which HF layer each row of either stack is.
+
 Expert LoRA (`LORA_PARAMETERS`) targets the fused module parameters, as PEFT's `target_parameters` does:
 `experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `experts.down_proj` [E, H, I], declared in
 that order by transformers' Qwen3MoeExperts.
@@ -31,7 +35,7 @@ TABLE: Table = validate_table(
         Row(_EXPERT + "gate_proj.weight", ("layers", "mlp", "gate_proj"), "T", True),
         Row(_EXPERT + "up_proj.weight", ("layers", "mlp", "up_proj"), "T", True),
         Row(_EXPERT + "down_proj.weight", ("layers", "mlp", "down_proj"), "T", True),
-    )
+    ) + tuple(Row(row.hf, ("dense_layers", *row.path[1:]), row.transform, True) for row in dense.TABLE if row.stacked)
 )
 
 LORA_PARAMETERS: tuple[LoraParamRow, ...] = (

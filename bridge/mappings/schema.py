@@ -11,6 +11,12 @@ flat parameter tree, plus the named layout change between the two (``bridge.mapp
 * ``transform``: a registered transform name (``"transpose"``, alias ``"T"``) or ``None`` (identity).
 
 Tables are pure data, read in both directions (load and save).
+
+Layer stacks: a per-layer row's array is one layer stack, named by ``path[0]`` (``"layers"``). A model may
+keep its layers in several stacks (Qwen3-MoE: sparse layers in ``layers``, dense ones in ``dense_layers``);
+the same HF template then has one row per stack, and the caller's ``layer_map`` ({stack: HF layer indices,
+in row order}) says which HF layer each row of a stack is: ``ours[r] == transform(hf[name(i=layer_map[stack][r])])``.
+Without a map (or for a stack it does not name) row r is layer r.
 """
 
 from __future__ import annotations
@@ -103,8 +109,17 @@ class Row:
             raise ValueError(f"row {self.hf!r} needs the count of {missing} (e.g. num_layers / num_experts)")
         return itertools.product(*(range(int(sizes[a])) for a in self.axes))
 
-    def name_at(self, index: tuple[int, ...]) -> str:
-        return self.name(**dict(zip(self.axes, index)))
+    def name_at(self, index: tuple[int, ...], layers: tuple[int, ...] | None = None) -> str:
+        """The HF name of our array's element `index`; `layers` (see `stack_layers`) maps a stack row to its layer."""
+        named = dict(zip(self.axes, index))
+        if layers is not None and "i" in named:
+            named["i"] = layers[named["i"]]
+        return self.name(**named)
+
+    @property
+    def stack(self) -> str | None:
+        """The layer stack a per-layer row belongs to (its path's first name), None for other rows."""
+        return self.path[0] if self.stacked else None
 
     def pattern(self) -> re.Pattern[str]:
         """Regex matching concrete names of this row; one group per placeholder (named i / e), in template order."""
@@ -116,6 +131,16 @@ class Row:
 
 
 Table = tuple[Row, ...]
+LayerMap = Mapping[str, tuple[int, ...]]  # stack name -> the HF layer index of each of its rows
+
+
+def stack_layers(row: Row, layer_map: LayerMap | None, num_layers: int) -> tuple[int, ...] | None:
+    """The HF layer of each row of a per-layer row's array (None for a row without layers)."""
+    if not row.stacked:
+        return None
+    if layer_map is not None and row.stack in layer_map:
+        return tuple(int(i) for i in layer_map[row.stack])
+    return tuple(range(int(num_layers)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,15 +174,15 @@ def validate_table(table: Table) -> Table:
     """Check a table is a tuple of Rows with unique HF templates and unique paths."""
     if not isinstance(table, tuple) or not table:
         raise ValueError(f"a mapping table must be a non-empty tuple of Row, got {type(table).__name__}")
-    seen_hf: dict[str, Row] = {}
+    seen_hf: dict[tuple[str, str | None], Row] = {}
     seen_path: dict[tuple[str, ...], Row] = {}
     for row in table:
         if not isinstance(row, Row):
             raise ValueError(f"table entries must be bridge.mappings.Row, got {row!r}")
-        if row.hf in seen_hf:
+        if (row.hf, row.stack) in seen_hf:  # one row per HF template and layer stack
             raise ValueError(f"duplicate HF name {row.hf!r} in mapping table")
         if row.path in seen_path:
             raise ValueError(f"path {row.path} mapped twice: {seen_path[row.path].hf!r} and {row.hf!r}")
-        seen_hf[row.hf] = row
+        seen_hf[(row.hf, row.stack)] = row
         seen_path[row.path] = row
     return table

@@ -14,11 +14,14 @@ of that position before any query can see it, so no separate validity mask is ne
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxft.models.decoder import Decoder, is_unstacked, layer_slice
+from jaxft.models.stack import layer_stacks
 from jaxft.models.rope import rope_tables
 from kernels_pallas.attention.reference import MASK_VALUE
 
@@ -105,31 +108,53 @@ def forward(model: Decoder, input_ids: jax.Array, positions: jax.Array, cache: d
     cos_all, sin_all = jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
     rows = jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None]
     x = model.embed_tokens(jnp.asarray(input_ids, jnp.int32))
-    graphdef, state = nnx.split(model.layers)
+    # Layer i's parameters are row r of its stack (`jaxft.models.stack.layer_stacks`: one stack unless dense and
+    # sparse layers are mixed); the cache is indexed by the layer itself.
+    split = {name: nnx.split(module) for name, module in model.layer_stacks().items()}
+    where = {i: (name, r) for name, layers in layer_stacks(cfg).items() for r, i in enumerate(layers)}
 
     def layer_ctx(index, window, rope):
         return dict(cos=cos_all[rope], sin=sin_all[rope],
                     attend_cached=_layer_attention(cfg, positions, rows, index, window))
 
     ropes = [kinds.index(kind) for kind in cfg.layer_ropes]
-    if is_unstacked(state):
+    if any(is_unstacked(state) for _, state in split.values()):
         k_all, v_all = list(cache["k"]), list(cache["v"])
         for i, window in enumerate(cfg.layer_windows):
-            layer = nnx.merge(graphdef, layer_slice(state, i))
+            name, r = where[i]
+            graphdef, state = split[name]
+            layer = nnx.merge(graphdef, layer_slice(state, r))
             x, (k_all[i], v_all[i]) = layer.cached(x, layer_ctx(None, window or NO_WINDOW, ropes[i]),
                                                    (k_all[i], v_all[i]))
         return model.final_norm(x), {"k": tuple(k_all), "v": tuple(v_all)}
 
     windows = jnp.asarray([w or NO_WINDOW for w in cfg.layer_windows], jnp.int32)
+    ropes = jnp.asarray(ropes, jnp.int32)
+    carry = (x, cache["k"], cache["v"])
+    start = 0
+    # One scan per run of consecutive layers in the same stack (windows and RoPE kinds are scanned as data).
+    for name, run in itertools.groupby(range(cfg.num_layers), key=lambda i: where[i][0]):
+        n = len(list(run))
+        graphdef, state = split[name]
+        first = where[start][1]
+        if (first, n) != (0, _rows(state)):
+            state = jax.tree.map(lambda leaf: leaf[first:first + n], state)
 
-    def body(carry, xs):
-        x, k_all, v_all = carry
-        layer_state, index, window, rope = xs
-        x, (k_all, v_all) = nnx.merge(graphdef, layer_state).cached(x, layer_ctx(index, window, rope),
-                                                                    (k_all, v_all))
-        return (x, k_all, v_all), None
+        def body(carry, xs, graphdef=graphdef):
+            x, k_all, v_all = carry
+            layer_state, index, window, rope = xs
+            x, (k_all, v_all) = nnx.merge(graphdef, layer_state).cached(x, layer_ctx(index, window, rope),
+                                                                        (k_all, v_all))
+            return (x, k_all, v_all), None
 
-    indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    xs = (state, indices, windows, jnp.asarray(ropes, jnp.int32))
-    (x, k_all, v_all), _ = jax.lax.scan(body, (x, cache["k"], cache["v"]), xs)
+        end = start + n
+        xs = (state, jnp.arange(start, end, dtype=jnp.int32), windows[start:end], ropes[start:end])
+        carry, _ = jax.lax.scan(body, carry, xs)
+        start = end
+    x, k_all, v_all = carry
     return model.final_norm(x), {"k": k_all, "v": v_all}
+
+
+def _rows(state) -> int:
+    """The number of rows of a stacked layer state."""
+    return jax.tree.leaves(state)[0].shape[0]

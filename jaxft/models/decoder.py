@@ -13,6 +13,7 @@ The family (`jaxft.models.families`, chosen by `model_type`) decides the block's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -20,13 +21,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxft.config import ModelConfig
+from jaxft.config import SPARSE_MLPS, ModelConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.models.families import family_for
 from jaxft.models.layers import Linear, _init, logical
 from jaxft.models.parts import DecoderLayer, RMSNorm
 from jaxft.models.rope import rope_tables
-from jaxft.models.stack import _layer_runs, is_unstacked, layer_groups, layer_slice, run_groups
+from jaxft.models.stack import _layer_runs, is_unstacked, layer_groups, layer_slice, layer_stacks, run_groups, STACK_NAMES
 from kernels_pallas import attention as attention_ops
 
 __all__ = ["DEFAULT_EXECUTION", "Decoder", "_layer_runs", "abstract_model", "init_model", "is_unstacked",
@@ -64,7 +65,13 @@ class Decoder(nnx.Module):
         self.embed = nnx.Module()
         self.embed.embedding = nnx.Param(_init(rngs, (cfg.vocab_size, cfg.hidden_size), dtype, 0.02),
                                          **logical("vocab", "embed"))
-        self.layers = DecoderLayer(cfg, stack=(cfg.num_layers,), dtype=dtype, rngs=rngs, parts=parts)
+        # One stack per MLP kind in use (`layer_stacks`): `layers` holds the family's own kind; Qwen3-MoE's dense
+        # layers among the sparse ones are a second stack, `dense_layers` (None when there are none).
+        stacks = layer_stacks(cfg)
+        for name in STACK_NAMES:
+            rows = stacks.get(name)
+            setattr(self, name, None if rows is None else DecoderLayer(
+                cfg, stack=(len(rows),), dtype=dtype, rngs=rngs, parts=dataclasses.replace(parts, mlp=cfg.layer_mlps[rows[0]])))
         self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, stack=(), dtype=dtype,
                                   offset=parts.norm_offset)
         self.lm_head = (None if cfg.tie_word_embeddings else
@@ -146,18 +153,22 @@ class Decoder(nnx.Module):
             weights = jnp.ones(x.shape[:2], jnp.float32) if seg is None else (seg != 0).astype(jnp.float32)
             extra = dict(router_token_weights=weights)
             stats = jnp.zeros((2, cfg.num_experts), jnp.float32)
-            rows = jnp.sum(weights) * cfg.num_layers  # every layer is sparse
+            rows = jnp.sum(weights) * sum(m in SPARSE_MLPS for m in cfg.layer_mlps)  # sparse layers only, as HF
 
         def group_ctx(group):
             cos, sin = ctx["rope"][group.rope]
             return dict(cos=cos, sin=sin, attend=self._attend_fn(ctx, group.window),
-                        mlp_chunk_size=execution.mlp_chunk_size, **extra)
+                        mlp_chunk_size=execution.mlp_chunk_size, **(extra if group.mlp in SPARSE_MLPS else {}))
 
         policy = execution.layer_policy(cfg, x.shape[0], x.shape[1], x.dtype.itemsize)
-        out = run_groups(self.layers, x, layer_groups(cfg), group_ctx, dropout_rng=dropout_rng,
+        out = run_groups(self.layer_stacks(), x, layer_groups(cfg), group_ctx, dropout_rng=dropout_rng,
                          policy=policy, router_stats=stats)
         x, stats = out if with_stats else (out, None)
         return self.final_norm(x), stats, rows
+
+    def layer_stacks(self) -> dict[str, DecoderLayer]:
+        """{stack attribute: stacked layer module} for every layer stack (see `jaxft.models.stack.layer_stacks`)."""
+        return {name: getattr(self, name) for name in layer_stacks(self.config)}
 
     def embed_tokens(self, input_ids) -> jax.Array:
         """Token embeddings [B, T, H] in the activation dtype (times sqrt(H) rounded to it, for Gemma)."""

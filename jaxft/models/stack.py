@@ -1,8 +1,11 @@
 """The layer stack as a sequence of homogeneous groups, each scanned or unrolled.
 
-All layers' parameters live in one stacked module (a leading layer axis). A group is a maximal run of
-consecutive layers of the same kind: the same sliding window, the same RoPE table ("global"/"local") and the
-same MLP slot. Every layer of a group sees the same per-group context (its RoPE tables and attention
+The layers' parameters live in stacked modules (a leading layer axis), one per MLP kind in use
+(`layer_stacks`): the layers of the family's own kind at `Decoder.layers`, and, when some layers have the
+other kind (Qwen3-MoE's dense layers among sparse ones), those at `dense_layers` (or `moe_layers`). Row r of
+a stack is the r-th layer of its kind. A group is a maximal run of consecutive layers of the same kind: the
+same sliding window, the same RoPE table ("global"/"local") and the same MLP kind (so one stack, and a
+contiguous range of its rows). Every layer of a group sees the same per-group context (its RoPE tables and attention
 function, built from batch metadata computed once per batch by the decoder), so a group runs as one
 `jax.lax.scan` over its slice of the stack (compile time independent of depth), or, when the frozen weights
 are per-layer buffers (`jaxft.train.unstack_layers`), as unrolled calls. Gemma 2 alternates sliding/global
@@ -39,28 +42,57 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
+from jaxft.models.families import family_for
 from jaxft.sharding import constrain_rows
 from jaxft.remat import LAYER_INPUT, RematPolicy
 
 
+# The attribute of a layer stack of an MLP kind that is not its family's own (that one is `layers`).
+OTHER_STACKS = {"glu": "dense_layers", "moe": "moe_layers"}
+STACK_NAMES = ("layers", *OTHER_STACKS.values())
+
+
+def stack_name(cfg: ModelConfig, mlp: str) -> str:
+    """The decoder attribute that stacks the layers of MLP kind `mlp`."""
+    return "layers" if mlp == family_for(cfg.model_type).parts.mlp else OTHER_STACKS[mlp]
+
+
+def layer_stacks(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{stack attribute: the layer indices it holds, in order}, `layers` first: row r of a stack is layer
+    `stacks[name][r]` (what the weight tables, LoRA and the KV cache map HF layer indices through)."""
+    out: dict[str, list[int]] = {"layers": []}
+    for i, mlp in enumerate(cfg.layer_mlps):
+        out.setdefault(stack_name(cfg, mlp), []).append(i)
+    return {name: tuple(rows) for name, rows in out.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerGroup:
-    """Layers [start, end) that share a window, a RoPE kind and an MLP kind."""
+    """Layers [start, end) that share a window, a RoPE kind and an MLP kind; their parameters are rows
+    [row, row + end - start) of the stack `stack`."""
 
     start: int
     end: int
     window: int | None
     rope: str = "global"
     mlp: str = "glu"
+    stack: str = "layers"
+    row: int | None = None  # None: `start` (a model with one stack)
+
+    @property
+    def first_row(self) -> int:
+        return self.start if self.row is None else self.row
 
 
-def layer_groups(cfg: ModelConfig, mlp: str = "glu") -> list[LayerGroup]:
+def layer_groups(cfg: ModelConfig) -> list[LayerGroup]:
     """The homogeneous runs of `cfg`'s layers, in order."""
-    kinds = list(zip(cfg.layer_windows, cfg.layer_ropes))
-    groups, start = [], 0
-    for (window, rope), run in itertools.groupby(kinds):
+    kinds = list(zip(cfg.layer_windows, cfg.layer_ropes, cfg.layer_mlps))
+    groups, start, rows = [], 0, {}
+    for (window, rope, mlp), run in itertools.groupby(kinds):
         n = len(list(run))
-        groups.append(LayerGroup(start, start + n, window, rope, mlp))
+        stack = stack_name(cfg, mlp)
+        groups.append(LayerGroup(start, start + n, window, rope, mlp, stack, rows.get(stack, 0)))
+        rows[stack] = rows.get(stack, 0) + n
         start += n
     return groups
 
@@ -98,52 +130,69 @@ def layer_period(groups: list[LayerGroup]) -> int | None:
     return None
 
 
-def run_groups(layers: nnx.Module, x: jax.Array, groups: list[LayerGroup],
+def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
                group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, policy: RematPolicy,
                router_stats: jax.Array | None = None):
     """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled, each
     layer rematerialised per `policy` (see the module docstring for the CSE barriers). Stacked weights of a
     periodic stack scan over whole periods (`layer_period`), the rest by group.
 
-    With `router_stats` (a zero [2, E] accumulator, and "router_token_weights" in the group contexts) every
-    layer returns (x, its router's stats), which are summed in the scan carry: the result is (x, stats)."""
-    graphdef, state = nnx.split(layers)
-    unrolled = is_unstacked(state)
+    `layers`: the stacked layer module, or {stack name: module} (`layer_stacks`) when groups name several.
+    With `router_stats` (a zero [2, E] accumulator, and "router_token_weights" in the contexts of the sparse
+    groups) every sparse layer returns (x, its router's stats), which are summed in the scan carry (dense
+    layers pass the accumulator through): the result is (x, stats)."""
+    stacks = layers if isinstance(layers, dict) else {"layers": layers}
+    split = {name: nnx.split(module) for name, module in stacks.items()}
+    states = {name: state for name, (_, state) in split.items()}
+    unrolled = any(is_unstacked(state) for state in states.values())
     num_layers = groups[-1].end
 
     def fn_for(group):
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
-        fn = _layer_fn(graphdef, ctx, dropout_rng, policy=policy,
+        fn = _layer_fn(split[group.stack][0], ctx, dropout_rng, policy=policy,
                        prevent_cse=unrolled and not (policy.offloads and _places_memory()))
-        return fn if router_stats is None else _summing_stats(fn)
+        if router_stats is None:
+            return fn
+        return _summing_stats(fn) if "router_token_weights" in ctx else _passing_stats(fn)
 
     carry = x if router_stats is None else (x, router_stats)
 
     period = None if unrolled else layer_period(groups)
     if period is not None:
         kinds = [g for g in groups for _ in range(g.start, g.end)][:period]
-        fns = [fn_for(g) for g in kinds]  # one per position in the period: its window and RoPE table
+        fns = [fn_for(g) for g in kinds]  # one per position in the period: its window, RoPE table and stack
+        # Position j of the period reads row `slot[j]` of its stack's rows for the period.
+        counts: dict[str, int] = {}
+        slot = []
+        for g in kinds:
+            slot.append(counts.get(g.stack, 0))
+            counts[g.stack] = counts.get(g.stack, 0) + 1
         reps = num_layers // period
 
         def body(carry, xs):
-            period_state, base = xs
-            for j, fn in enumerate(fns):
-                carry = fn(carry, jax.tree.map(lambda leaf: leaf[j], period_state), base + j)
+            period_states, base = xs
+            for j, (fn, g) in enumerate(zip(fns, kinds)):
+                carry = fn(carry, jax.tree.map(lambda leaf: leaf[slot[j]], period_states[g.stack]), base + j)
             return carry, None
 
-        head = jax.tree.map(lambda leaf: leaf[:reps * period].reshape(reps, period, *leaf.shape[1:]), state)
+        head = {name: jax.tree.map(lambda leaf, c=c: leaf[:reps * c].reshape(reps, c, *leaf.shape[1:]),
+                                   states[name]) for name, c in counts.items()}
         bases = jnp.arange(0, reps * period, period, dtype=jnp.int32)
         carry, _ = jax.lax.scan(body, carry, (head, bases))
         # A last, incomplete period (e.g. 62 = 10 x 6 + 2 layers) runs by group below.
-        groups = [dataclasses.replace(g, start=max(g.start, reps * period)) for g in groups if g.end > reps * period]
+        cut = reps * period
+        groups = [dataclasses.replace(g, start=max(g.start, cut), row=g.first_row + max(0, cut - g.start))
+                  for g in groups if g.end > cut]
     for group in groups:
         layer_fn = fn_for(group)
+        state = states[group.stack]
+        first, n = group.first_row, group.end - group.start
         if unrolled:
-            for i in range(group.start, group.end):
-                carry = layer_fn(carry, layer_slice(state, i), i)
+            for k in range(n):
+                carry = layer_fn(carry, layer_slice(state, first + k), group.start + k)
             continue
-        run_state = state if (group.start, group.end) == (0, num_layers) else jax.tree.map(
-            lambda leaf: leaf[group.start:group.end], state)
+        whole = first == 0 and all(leaf.shape[0] == n for leaf in jax.tree.leaves(state))
+        run_state = state if whole else jax.tree.map(lambda leaf: leaf[first:first + n], state)
         indices = jnp.arange(group.start, group.end, dtype=jnp.int32)
         carry, _ = jax.lax.scan(lambda c, xs: (layer_fn(c, *xs), None), carry, (run_state, indices))
     return carry  # x, or (x, router stats)
@@ -155,6 +204,14 @@ def _summing_stats(layer_fn):
         x, acc = carry
         x, stats = layer_fn(x, layer_state, index)
         return x, acc + stats
+    return fn
+
+
+def _passing_stats(layer_fn):
+    """`((x, acc), state, i) -> (x', acc)` for a layer without a router (a dense layer of a mixed stack)."""
+    def fn(carry, layer_state, index):
+        x, acc = carry
+        return layer_fn(x, layer_state, index), acc
     return fn
 
 

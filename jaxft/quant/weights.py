@@ -30,16 +30,18 @@ __all__ = ["DEFAULT_SKIP", "QuantConfig", "Site", "abstract_quantize", "install"
 
 @dataclasses.dataclass(frozen=True)
 class Site:
-    """One `Linear` of the model: its tree path (without "kernel"), HF module template, stacked over layers."""
+    """One `Linear` of the model: its tree path (without "kernel"), HF module template, stacked over layers
+    (`layers`: the HF layer of each row of its stack, `jaxft.models.stack.layer_stacks`)."""
 
     path: tuple[str, ...]
     template: str
     stacked: bool
+    layers: tuple[int, ...] = ()
 
-    def names(self, num_layers: int) -> list[str]:
+    def names(self) -> list[str]:
         if not self.stacked:
             return [self.template]
-        return [self.template.replace(LAYER, str(i)) for i in range(num_layers)]
+        return [self.template.replace(LAYER, str(i)) for i in self.layers]
 
     def linear(self, model) -> Linear:
         node = model
@@ -50,11 +52,14 @@ class Site:
 
 def linear_sites(model) -> list[Site]:
     """Every `Linear` of `model` with its HF module name (bridge table rows `<module>.weight -> <path>.kernel`)."""
+    from jaxft.models.stack import layer_stacks  # local: the models import this package
+
     present = {tuple(p.split(".")) for p, _ in linears(model)}
+    stacks = layer_stacks(model.config)
     out = []
     for row in family_for(model.config.model_type).table:
         if row.path[-1] == "kernel" and row.path[:-1] in present and row.hf.endswith(".weight"):
-            out.append(Site(row.path[:-1], row.hf[: -len(".weight")], row.stacked))
+            out.append(Site(row.path[:-1], row.hf[: -len(".weight")], row.stacked, stacks.get(row.path[0], ())))
     return out
 
 
@@ -170,14 +175,13 @@ def abstract_quantize(model, path, cfg: QuantConfig | None) -> None:
 
     hf = read_config(path)
     stored = bnb4bit.quantization_config(hf, str(path))
-    num_layers = model.config.num_layers
     if stored is not None:
         records = bnb4bit.read_quantized(path, checkpoint_files(path))
         for site in linear_sites(model):
-            names = site.names(num_layers)
+            names = site.names()
             if names[0] in records:
                 r = records[names[0]]
-                lead = (num_layers,) if site.stacked else ()
+                lead = (len(site.layers),) if site.stacked else ()
                 install(site.linear(model), Quant4bit(
                     r.shape[0], r.shape[1], stack=lead, quant_type=r.quant_type, blocksize=r.blocksize,
                     double_quant=r.double_quant, nested_blocksize=r.nested_blocksize or 256, source_dtype=r.dtype))
@@ -188,9 +192,9 @@ def abstract_quantize(model, path, cfg: QuantConfig | None) -> None:
         raise ValueError("QuantConfig.max_rel_error decides which modules stay dense from the weights themselves: "
                          "load the model (Run.load) before compiling")
     for site in linear_sites(model):
-        if any(is_skipped(n, cfg.skip_modules) for n in site.names(num_layers)):
+        if any(is_skipped(n, cfg.skip_modules) for n in site.names()):
             continue
         lin = site.linear(model)
-        install(lin, Quant4bit(lin.out_features, lin.in_features, stack=(num_layers,) if site.stacked else (),
+        install(lin, Quant4bit(lin.out_features, lin.in_features, stack=(len(site.layers),) if site.stacked else (),
                                quant_type=cfg.quant_type, blocksize=cfg.blocksize, double_quant=cfg.double_quant,
                                nested_blocksize=cfg.nested_blocksize, source_dtype=str(model.dtype)))

@@ -37,6 +37,7 @@ from flax import nnx
 
 from jaxft.execution import ExecutionConfig
 from jaxft.models.layers import LoraParam
+from jaxft.models.stack import STACK_NAMES
 from jaxft.train.optim import make_optimizer  # noqa: F401  (re-exported: jaxft.train.step.make_optimizer)
 from jaxft.models.moe import load_balancing_loss
 from kernels_pallas.linear_cross_entropy import linear_cross_entropy
@@ -55,7 +56,8 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
 
 
 def unstack_layers(frozen: nnx.State, *, delete_source: bool = False) -> nnx.State:
-    """`frozen` with every stacked per-layer weight [L, ...] replaced by a tuple of L arrays.
+    """`frozen` with every stacked per-layer weight [L, ...] (of every layer stack, `jaxft.models.stack`)
+    replaced by a tuple of L arrays.
 
     The decoder then runs its layers unrolled (see `jaxft.models.decoder.is_unstacked`) and every matmul
     reads its own weight buffer. A layer scan instead slices each layer's weights out of the stacked arrays,
@@ -67,11 +69,11 @@ def unstack_layers(frozen: nnx.State, *, delete_source: bool = False) -> nnx.Sta
     out = []
     for path, var in nnx.to_flat_state(frozen):
         value = var.get_value()
-        if path[0] == "layers" and isinstance(value, jax.ShapeDtypeStruct) and value.ndim >= 1:
+        if path[0] in STACK_NAMES and isinstance(value, jax.ShapeDtypeStruct) and value.ndim >= 1:
             # An abstract state (nnx.eval_shape): the same structure, for ahead-of-time compilation.
             var = var.replace(tuple(jax.ShapeDtypeStruct(value.shape[1:], value.dtype)
                                     for _ in range(value.shape[0])))
-        elif path[0] == "layers" and isinstance(value, jax.Array) and value.ndim >= 1:
+        elif path[0] in STACK_NAMES and isinstance(value, jax.Array) and value.ndim >= 1:
             parts = tuple(value[i] for i in range(value.shape[0]))
             jax.block_until_ready(parts)
             if delete_source:
