@@ -44,10 +44,10 @@ def _load(directory, dtype=np.float32, override=None):
 
 
 def test_tables_cover_supported_types_and_agree_with_oracle():
-    assert set(TABLES) == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe"}
+    assert set(TABLES) == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "gpt_oss"}
     for model_type, table in TABLES.items():
-        if model_type.startswith("gemma") or model_type == "qwen3_moe":
-            continue  # four norms per layer: tests/test_gemma.py; experts: tests/test_moe.py
+        if model_type.startswith("gemma") or model_type in ("qwen3_moe", "gpt_oss"):
+            continue  # four norms per layer: tests/test_gemma.py; experts: tests/test_moe.py, tests/test_gpt_oss.py
         assert table is table_for(model_type)
         by_path = {row.path: row for row in table}
         assert set(by_path) == set(ORACLE_NAMES), model_type
@@ -61,7 +61,7 @@ def test_tables_cover_supported_types_and_agree_with_oracle():
 
 
 def test_table_for_unknown_type_lists_supported():
-    with pytest.raises(ValueError, match=r"unsupported model_type 'gemma3'.*gemma2, gemma3_text, llama, mistral"):
+    with pytest.raises(ValueError, match=r"unsupported model_type 'gemma3'.*gemma2, gemma3_text, gpt_oss, llama, mistral"):
         table_for("gemma3")
 
 

@@ -35,7 +35,7 @@ class Family:
     lora_parameters: tuple[LoraParamRow, ...] = ()
 
 
-_MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ("dense", "gemma", "qwen3_moe"))
+_MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ("dense", "gemma", "qwen3_moe", "gpt_oss"))
 
 FAMILIES: dict[str, Family] = {f.model_type: f for m in _MODULES for f in m.FAMILIES}
 HINTS: dict[str, str] = {k: v for m in _MODULES for k, v in m.HINTS.items()}
