@@ -13,7 +13,9 @@ import json
 from typing import Any, Mapping
 
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
-LAYER_MLPS = ("glu", "moe")  # a layer's MLP: dense gated (`glu`) or mixture of experts (`moe`), see jaxft.models.parts.MLPS
+LAYER_MLPS = ("glu", "moe", "gpt_oss_moe")  # a layer's MLP: dense gated (`glu`) or mixture of experts (`moe`; GPT-OSS's
+# biased one, `gpt_oss_moe`), see jaxft.models.parts.MLPS
+SPARSE_MLPS = ("moe", "gpt_oss_moe")  # the kinds with a router (num_experts, router statistics)
 LAYER_ROPES = ("global", "local")  # which RoPE table a layer uses: `rope`, or `rope_local` (Gemma 3 sliding layers)
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -139,6 +141,11 @@ class ModelConfig:
     # The router load-balancing loss (transformers' `load_balancing_loss_func`) times this coefficient is added
     # to the training loss; None: not added (config.json's output_router_logits false).
     router_aux_loss_coef: float | None = None
+    # GPT-OSS: a learned per-head logit joined to every attention softmax's denominator (`attention_sinks`), and
+    # the experts' clamped SwiGLU (up + 1) * g * sigmoid(alpha * g), g = min(gate, limit), up in [-limit, limit].
+    attention_sinks: bool = False
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     # Multimodal RoPE (Qwen2-VL): widths, in rotated pairs, of the chunks of each head turned by the t, h, w
     # position rows (sum = head_dim / 2); () is plain RoPE.
     mrope_section: tuple[int, ...] = ()
@@ -203,6 +210,10 @@ class ModelConfig:
                                  or coef == float("inf") or not self.num_experts):
             raise ConfigError(f"router_aux_loss_coef={coef!r} must be a finite number >= 0 on a mixture-of-experts "
                               "model (or output_router_logits: false)")
+        for key in ("swiglu_limit", "swiglu_alpha"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"{key}={value!r} must be a finite number > 0")
         bad = sorted(set(self.layer_mlps) - set(LAYER_MLPS))
         if bad:
             raise ConfigError(f"layer_mlps has {bad}; each entry must be one of {LAYER_MLPS}")
@@ -210,7 +221,7 @@ class ModelConfig:
             raise ConfigError(f"no layer of this {self.model_type} model has its family's {main_mlp!r} MLP (layer_mlps="
                               f"{list(self.layer_mlps)}); a model whose layers are all dense is a dense model: use "
                               "its dense model_type")
-        if "moe" in self.layer_mlps and not self.num_experts:
+        if set(SPARSE_MLPS) & set(self.layer_mlps) and not self.num_experts:
             raise ConfigError("layer_mlps has sparse ('moe') layers but num_experts is 0; set num_experts in config.json")
         if self.mrope_section and sum(self.mrope_section) != self.head_dim // 2:
             raise ConfigError(f"rope_parameters.mrope_section={list(self.mrope_section)} must sum to head_dim / 2 = "
@@ -302,7 +313,12 @@ class ModelConfig:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         norms = 4 if family_for(self.model_type).parts.sandwich_norms else 2
-        mlp = {"glu": 3 * h * i, "moe": h * self.num_experts * (1 + 3 * self.moe_intermediate_size)}
+        e, m = self.num_experts, self.moe_intermediate_size
+        mlp = {"glu": 3 * h * i, "moe": h * e * (1 + 3 * m),
+               # GPT-OSS: biased router, fused gate/up and down experts with biases
+               "gpt_oss_moe": h * e * (1 + 3 * m) + e + e * (3 * m + h)}
+        if self.attention_sinks:  # GPT-OSS: sinks and q/k/v/o biases
+            attn += self.num_heads + d * (self.num_heads + 2 * self.num_kv_heads) + h
         per_layer = attn + norms * h + (2 * d if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return (self.vocab_size * h + head + h + self.num_layers * per_layer

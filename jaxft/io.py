@@ -17,7 +17,8 @@ import numpy as np
 from flax import nnx
 
 import bridge
-from bridge import bnb4bit
+from bridge import bnb4bit, mxfp4
+from bridge.safetensors_io import read_header
 from jaxft.config import ModelConfig
 from jaxft.models.decoder import Decoder, abstract_model
 from jaxft.models.families import family_for
@@ -65,7 +66,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     bitsandbytes' 4-bit format, quantised one layer at a time on the device from the host copy, so the whole
     model never exists in `dtype` on the accelerator; modules named in `QuantConfig.skip_modules` or over its
     `max_rel_error` stay in `dtype` (listed, with the memory saved, when `verbose`). A bitsandbytes 4-bit
-    checkpoint (config.json `quantization_config`) loads as stored, byte for byte.
+    checkpoint (config.json `quantization_config`) loads as stored, byte for byte; an MXFP4 checkpoint (GPT-OSS)
+    has its expert weights decoded to `dtype` (`bridge.mxfp4`).
 
     `mesh` (a `jaxft.sharding.Placement` or `MeshConfig`): every weight is built sharded by the rules
     (`jax.make_array_from_callback`), each device's shard read from the safetensors slices it holds, so no
@@ -78,7 +80,7 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     source = str(path / "config.json")
     cfg = ModelConfig.from_hf(hf, source=source)
     dtype = jnp.dtype(dtype)
-    stored = bnb4bit.quantization_config(hf, source)
+    stored = None if mxfp4.is_mxfp4(hf) else bnb4bit.quantization_config(hf, source)  # MXFP4: experts, below
     if quant_config is None and quantize is not None:
         quant_config = qw.QuantConfig(quant_type=quantize, double_quant=double_quant)
     if stored is not None and quant_config is not None:
@@ -87,7 +89,21 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     model = abstract_model(cfg, dtype=dtype)
     table = _checkpoint_table(family_for(cfg.model_type), path)
     expected = param_shapes(model)
+    mx_shapes = {}
+    if mxfp4.is_mxfp4(hf):
+        if quant_config is not None:
+            raise ValueError(f"{source}: the checkpoint's experts are MXFP4 (decoded to {dtype} on load); load it "
+                             "without quantize= / quant_config=")
+        names = {n for f in bridge.checkpoint_files(path) for n in read_header(f)[0]}
+        rows = mxfp4.quantized_rows(table, names)
+        if not rows:
+            raise bridge.CheckpointError(f"{source}: quantization_config.quant_method is 'mxfp4' but no tensor is "
+                                         "stored as <name>_blocks / <name>_scales; remove quantization_config")
+        mx_shapes = {row.path: expected.pop(row.path).shape for row in rows}
     if mesh is not None:
+        if mx_shapes:
+            raise ValueError(f"{source}: loading an MXFP4 checkpoint sharded over a mesh is not supported yet; load "
+                             "without mesh=, save_pretrained it (bf16) and load that sharded")
         if stored is not None or quant_config is not None:
             raise ValueError(f"{source}: loading 4-bit weights sharded over a mesh is not supported yet; load "
                              "without mesh= (one device), or without quantisation")
@@ -117,9 +133,13 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
             ignore.update(t for n in names for t in bnb4bit.tensor_names(n, records[n]))
             del expected[(*site.path, "kernel")]
         quant_config = qw.QuantConfig.from_hf(stored)
+    if mx_shapes:
+        ignore.update(n for row in rows for n in mxfp4.tensor_names(row, cfg.num_layers))
     arrays = bridge.load_weights(path, table, expected, cfg.num_layers, dtype,
                                  num_experts=cfg.num_experts or None, ignore=ignore, layer_map=layer_stacks(cfg),
                                  num_vision_blocks=_vision_blocks(cfg))
+    if mx_shapes:
+        arrays.update(mxfp4.load_rows(path, bridge.checkpoint_files(path), rows, mx_shapes, cfg.num_layers, dtype))
     skipped: list[str] = []
     if stored is None and quant_config is not None:
         skipped = _quantize_sites(model, sites, arrays, quant_config, quants, str(dtype), verbose)

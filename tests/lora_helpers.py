@@ -49,3 +49,24 @@ def jax_logits(model, ids, **kw) -> np.ndarray:
     from flax import nnx
 
     return np.asarray(nnx.jit(lambda m, x: m(x, **kw))(model, jnp.asarray(ids)))
+
+
+def param_wrappers(peft_model) -> dict:
+    """{full parameter name ("model.layers.0.mlp.experts.down_proj"): PEFT ParamWrapper} of a PeftModel."""
+    import peft
+
+    out = {}
+    for name, module in peft_model.base_model.model.named_modules():
+        if isinstance(module, peft.tuners.lora.ParamWrapper):
+            out[name.replace(".base_layer", "") + "." + module.parameter_name] = module
+    return out
+
+
+def jaxpr_eqns(jaxpr):
+    """Every equation of a jaxpr, sub-jaxprs (scan/jit/checkpoint bodies) included."""
+    import jax.extend
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from jaxpr_eqns(sub)

@@ -44,11 +44,12 @@ def _load(directory, dtype=np.float32, override=None):
 
 
 def test_tables_cover_supported_types_and_agree_with_oracle():
-    assert set(TABLES) == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "qwen2_vl",
-                           "qwen2_5_vl"}
+    assert set(TABLES) == {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "gpt_oss",
+                           "qwen2_vl", "qwen2_5_vl"}
     for model_type, table in TABLES.items():
-        if model_type.startswith("gemma") or model_type in ("qwen3_moe", "qwen2_vl", "qwen2_5_vl"):
-            continue  # four norms per layer: tests/test_gemma.py; experts: tests/test_moe.py; VLMs: test_qwen2_vl.py
+        if model_type.startswith("gemma") or model_type in ("qwen3_moe", "gpt_oss", "qwen2_vl", "qwen2_5_vl"):
+            continue  # four norms per layer: tests/test_gemma.py; experts: tests/test_moe.py, tests/test_gpt_oss.py;
+            # VLMs: tests/test_qwen2_vl.py
         assert table is table_for(model_type)
         by_path = {row.path: row for row in table}
         assert set(by_path) == set(ORACLE_NAMES), model_type
@@ -62,7 +63,7 @@ def test_tables_cover_supported_types_and_agree_with_oracle():
 
 
 def test_table_for_unknown_type_lists_supported():
-    with pytest.raises(ValueError, match=r"unsupported model_type 'gemma3'.*gemma2, gemma3_text, llama, mistral"):
+    with pytest.raises(ValueError, match=r"unsupported model_type 'gemma3'.*gemma2, gemma3_text, gpt_oss, llama, mistral"):
         table_for("gemma3")
 
 

@@ -25,7 +25,7 @@ from bridge import peft as peft_io
 from jaxft import lora
 from jaxft.config import ConfigError
 from jaxft.models.moe import expert_adapters
-from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, torch_logits
+from lora_helpers import hf_model_fp32, jax_logits, param_wrappers, perturb_lora_b, rel_err, torch_logits
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
@@ -66,15 +66,6 @@ def _adapted(base, seed=2):
     return model
 
 
-def _wrappers(peft_model):
-    """{full parameter name: PEFT ParamWrapper}."""
-    out = {}
-    for name, module in peft_model.base_model.model.named_modules():
-        if isinstance(module, peft.tuners.lora.ParamWrapper):
-            out[name.replace(".base_layer", "") + "." + module.parameter_name] = module
-    return out
-
-
 def test_exported_expert_adapter_gives_peft_our_logits_at_512_tokens(base, ids, tmp_path):
     model = _adapted(base)
     assert {p for p, _ in expert_adapters(model)} == {"layers.mlp.gate_up_lora", "layers.mlp.down_lora"}
@@ -89,7 +80,7 @@ def test_exported_expert_adapter_gives_peft_our_logits_at_512_tokens(base, ids, 
     written = json.loads((out / "adapter_config.json").read_text())
     assert written["target_parameters"] == sorted(FIELDS["target_parameters"])
     reference = peft.PeftModel.from_pretrained(hf_model_fp32(base), out).eval()
-    assert set(_wrappers(reference)) == {f"model.layers.{i}.{p}" for i in range(2) for p in EXPERTS}
+    assert set(param_wrappers(reference)) == {f"model.layers.{i}.{p}" for i in range(2) for p in EXPERTS}
     assert rel_err(torch_logits(reference, ids), ours) < 1e-5
     for _, adapter in expert_adapters(model):  # the experts' share of the change is not negligible
         adapter.lora_b[...] = jnp.zeros_like(adapter.lora_b[...])
@@ -123,7 +114,7 @@ def test_peft_delta_weight_equals_ours_on_every_expert(base, tmp_path):
     grouped matmuls of ExpertLora, every row routed to that expert)."""
     model = _adapted(base, seed=3)
     lora.save_adapter(model, tmp_path / "ours")
-    wrappers = _wrappers(peft.PeftModel.from_pretrained(hf_model_fp32(base), tmp_path / "ours"))
+    wrappers = param_wrappers(peft.PeftModel.from_pretrained(hf_model_fp32(base), tmp_path / "ours"))
     plain = jaxft.from_pretrained(base, dtype="float32").layers.mlp
     merged = lora.merged_kernels(model)
     mlp = model.layers.mlp

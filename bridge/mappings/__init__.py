@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bridge.mappings import dense, gemma, qwen2_vl, qwen3_moe
+from bridge.mappings import dense, gemma, gpt_oss, qwen2_vl, qwen3_moe
 from bridge.mappings.schema import Row, Table, validate_table
 
 # HF `config.json["model_type"]` -> table.
@@ -13,6 +13,7 @@ TABLES: dict[str, Table] = {
     "qwen3": dense.TABLE,
     "gemma2": gemma.TABLE, "gemma3_text": gemma.TABLE,
     "qwen3_moe": qwen3_moe.TABLE,
+    "gpt_oss": gpt_oss.TABLE,
     "qwen2_vl": qwen2_vl.TABLE, "qwen2_5_vl": qwen2_vl.TABLE,
 }
 

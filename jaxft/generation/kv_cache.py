@@ -39,13 +39,15 @@ def init_cache(model: Decoder, batch: int, max_len: int) -> dict:
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
-                     window, *, scale: float | None = None, logit_softcap: float | None = None) -> jax.Array:
+                     window, *, scale: float | None = None, logit_softcap: float | None = None,
+                     sinks: jax.Array | None = None) -> jax.Array:
     """q [B,T,H,D] at `positions` [B,T] over cache slots [B,S,KV,D]: causal, left window, fp32 softmax.
 
     The math of `kernels_pallas.attention.reference.attention_reference` (scores `scale * q.k`, scale
     defaulting to D^-1/2, soft-capped as c * tanh(s / c) before the mask, GQA by grouping the query heads,
-    softmax and P@V in fp32), with the mask built from each query's absolute position instead of segment
-    ids. `window` may be traced (one value per scanned layer).
+    softmax and P@V in fp32, `sinks` [H] as one extra logit column whose probability is dropped), with the
+    mask built from each query's absolute position instead of segment ids. `window` may be traced (one value
+    per scanned layer).
     """
     b, t, h, d = q.shape
     s, kvh = k_cache.shape[1], k_cache.shape[2]
@@ -57,7 +59,11 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     diff = positions[:, :, None] - jnp.arange(s, dtype=jnp.int32)[None, None, :]  # [B, T, S]
     keep = (diff >= 0) & (diff < window)
     scores = jnp.where(keep[:, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, h // kvh, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(jnp.float32),
                      preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, d).astype(q.dtype)
@@ -65,7 +71,7 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
 
 def _layer_attention(cfg, positions, rows, index, window):
     """`attend_cached` for one layer: `index` selects the layer of a stacked cache (None: a per-layer one)."""
-    def attend_cached(q, k, v, cache):
+    def attend_cached(q, k, v, cache, sinks=None):
         k_buf, v_buf = cache
         if index is None:
             k_buf = k_buf.at[rows, positions].set(k.astype(k_buf.dtype))
@@ -77,7 +83,7 @@ def _layer_attention(cfg, positions, rows, index, window):
             v_buf = v_buf.at[index, rows, positions].set(v.astype(v_buf.dtype))
             k_layer, v_layer = k_buf[index], v_buf[index]
         o = cached_attention(q, k_layer, v_layer, positions, window, scale=cfg.attn_scale,
-                             logit_softcap=cfg.attn_logit_softcap)
+                             logit_softcap=cfg.attn_logit_softcap, sinks=sinks)
         return o, (k_buf, v_buf)
 
     return attend_cached

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxft.config import ModelConfig
+from jaxft.config import SPARSE_MLPS, ModelConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.models.families import family_for
 from jaxft.models.layers import Linear, _init, logical
@@ -155,12 +155,12 @@ class Decoder(nnx.Module):
             weights = jnp.ones(x.shape[:2], jnp.float32) if seg is None else (seg != 0).astype(jnp.float32)
             extra = dict(router_token_weights=weights)
             stats = jnp.zeros((2, cfg.num_experts), jnp.float32)
-            rows = jnp.sum(weights) * cfg.layer_mlps.count("moe")  # over the sparse layers only, as transformers
+            rows = jnp.sum(weights) * sum(m in SPARSE_MLPS for m in cfg.layer_mlps)  # sparse layers only, as HF
 
         def group_ctx(group):
             cos, sin = ctx["rope"][group.rope]
             return dict(cos=cos, sin=sin, attend=self._attend_fn(ctx, group.window),
-                        mlp_chunk_size=execution.mlp_chunk_size, **(extra if group.mlp == "moe" else {}))
+                        mlp_chunk_size=execution.mlp_chunk_size, **(extra if group.mlp in SPARSE_MLPS else {}))
 
         policy = execution.layer_policy(cfg, x.shape[0], x.shape[1], x.dtype.itemsize)
         out = run_groups(self.layer_stacks(), x, layer_groups(cfg), group_ctx, dropout_rng=dropout_rng,

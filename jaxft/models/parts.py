@@ -25,7 +25,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
-from jaxft.models.layers import Linear, _recompute, logical, project, stack_axes
+from jaxft.models.gpt_oss_moe import GptOssMoeMLP
+from jaxft.models.layers import Linear, _init, _recompute, logical, project, stack_axes
 from jaxft.models.moe import MoeMLP
 from jaxft.models.rope import apply_rope
 from jaxft.remat import ATTN_PROJ, ATTN_QKV, MLP_GATE_UP, MLP_INPUT, MLP_OUT
@@ -94,7 +95,14 @@ class Attention(nnx.Module):
             self.q_norm, self.k_norm = RMSNorm(d, **norm), RMSNorm(d, **norm)
         else:
             self.q_norm = self.k_norm = None
+        # GPT-OSS: one learned logit per head joined to the softmax denominator (its probability is dropped).
+        self.sinks = (nnx.Param(_init(rngs, (*stack, cfg.num_heads), dtype, 0.02),
+                                **logical(*stack_axes(stack), "heads")) if cfg.attention_sinks else None)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+
+    def sink_kwargs(self) -> dict[str, Any]:
+        """{"sinks": this layer's [H] sink logits} for the attention op, or {} without sinks."""
+        return {} if self.sinks is None else {"sinks": self.sinks[...]}
 
     def project(self, x, rngs: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [B,T,H,D], k, v [B,T,KV,D] from normed hidden states (before q/k norm and RoPE)."""
@@ -118,7 +126,7 @@ class Attention(nnx.Module):
         q, k = self.rotate(q, k, ctx)
         q, k, v = (checkpoint_name(a, ATTN_QKV) for a in (q, k, v))
         with jax.named_scope("attention"):
-            return ctx["attend"](q, k, v)
+            return ctx["attend"](q, k, v, **self.sink_kwargs())
 
     def output(self, o, rngs: tuple) -> jax.Array:
         b, t = o.shape[:2]
@@ -162,7 +170,7 @@ class GluMLP(nnx.Module):
         return self.act_down(*self.gate_up(x, none), none)
 
 
-MLPS: dict[str, type] = {"glu": GluMLP, "moe": MoeMLP}
+MLPS: dict[str, type] = {"glu": GluMLP, "moe": MoeMLP, "gpt_oss_moe": GptOssMoeMLP}
 
 
 def tiled_mlp(branch, h, rngs: tuple, chunk: int | None, prevent_cse: bool) -> jax.Array:
@@ -255,6 +263,6 @@ class DecoderLayer(nnx.Module):
         q, k, v = self.attn.project(self.input_norm(x), none)
         q, k = self.attn.rotate(q, k, ctx)
         with jax.named_scope("attention"):
-            o, cache = ctx["attend_cached"](q, k, v, cache)
+            o, cache = ctx["attend_cached"](q, k, v, cache, **self.attn.sink_kwargs())
         h = x + self._out(self.attn_out_norm, self.attn.output(o, none))
         return h + self._out(self.mlp_out_norm, self.mlp.infer(self.post_attn_norm(h))), cache

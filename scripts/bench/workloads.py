@@ -164,6 +164,21 @@ _GEMMA3_COMMON = {
 }
 
 
+_GPT_OSS_COMMON = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_act": "silu",
+    "tie_word_embeddings": False, "attention_bias": True, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    "sliding_window": 128, "swiglu_limit": 7.0, "initializer_range": 0.02, "use_cache": False,
+    "output_router_logits": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3,
+}
+
+
+def _alternating_layer_types(n: int) -> list[str]:
+    """GPT-OSS: sliding-window (128) and full attention alternate, layer 0 sliding."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+
+
 def _gemma3_layer_types(n: int) -> list[str]:
     """Gemma 3's 5:1 pattern: five sliding-window layers, then one global layer."""
     return ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
@@ -192,7 +207,16 @@ SHAPES: dict[str, ModelShape] = {
         **_GEMMA3_COMMON, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
         "sliding_window": 1024, "layer_types": _gemma3_layer_types(48), "vocab_size": 262208}),
+    # GPT-OSS-20B: 24 layers of 32 experts (top-4, width 2880), 64 query heads x 64, 8 KV heads, sinks, yarn RoPE.
+    "gpt-oss-20b": ModelShape("gpt-oss-20b", {
+        **_GPT_OSS_COMMON, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "layer_types": _alternating_layer_types(24), "vocab_size": 201088}),
     # Tiny shapes for the CPU smoke test (--tiny): same families, same code paths.
+    "tiny-gpt-oss": ModelShape("tiny-gpt-oss", {
+        **_GPT_OSS_COMMON, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": 4,
+        "num_experts_per_tok": 2, "layer_types": _alternating_layer_types(2), "vocab_size": 512}),
     "tiny-gemma3": ModelShape("tiny-gemma3", {
         **_GEMMA3_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
@@ -274,7 +298,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("gemma2_9b_packed_16384", "gemma-2-9b", 1, 16384, packed=True, mean_doc_len=300),
     Workload("gemma3_12b_4096", "gemma-3-12b", 1, 4096),
     Workload("gemma3_12b_packed_16384", "gemma-3-12b", 1, 16384, packed=True, mean_doc_len=300),
+    Workload("gpt_oss_20b_4096", "gpt-oss-20b", 1, 4096),
+    Workload("gpt_oss_20b_packed_16384", "gpt-oss-20b", 1, 16384, packed=True, mean_doc_len=300),
     Workload("tiny_llama", "tiny-llama", 2, 128, tiny=True),
+    Workload("tiny_gpt_oss", "tiny-gpt-oss", 1, 256, tiny=True),
     Workload("tiny_gemma2", "tiny-gemma2", 1, 128, tiny=True),
     Workload("tiny_gemma3", "tiny-gemma3", 1, 128, tiny=True),
     Workload("tiny_qwen3", "tiny-qwen3", 1, 128, tiny=True),
@@ -410,9 +437,15 @@ def param_counts(shape: ModelShape, lora: LoraSettings = LORA) -> dict[str, int]
     """Frozen matmul parameters (layers + lm_head) and LoRA parameters."""
     layers = shape.get("num_hidden_layers")
     lin = linear_shapes(shape)
-    frozen = layers * sum(a * b for a, b in lin.values())
+    experts_per_token = shape.hf_config.get("num_experts_per_tok", 1) if "num_local_experts" in shape.hf_config else 1
+    # Per token a mixture-of-experts layer runs its top-k experts' MLPs (the FLOPs that count), not all of them.
+    frozen = layers * sum(a * b * (experts_per_token if name.endswith(("gate_proj", "up_proj", "down_proj")) else 1)
+                          for name, (a, b) in lin.items())
     frozen += shape.get("hidden_size") * shape.get("vocab_size")  # lm_head (tied or not)
-    lora_p = layers * sum(lora.r * (lin[t][0] + lin[t][1]) for t in lora.targets)
+    # A mixture-of-experts MLP has no Linear modules: "all-linear" LoRA adapts the attention projections only there.
+    targets = [t for t in lora.targets if experts_per_token == 1 and "num_local_experts" not in shape.hf_config
+               or not t.endswith(("gate_proj", "up_proj", "down_proj"))]
+    lora_p = layers * sum(lora.r * (lin[t][0] + lin[t][1]) for t in targets)
     return {"frozen_matmul": int(frozen), "lora": int(lora_p)}
 
 

@@ -48,8 +48,8 @@ class Family:
         return self.table if self.modules is None else self.modules
 
 
-_MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in ("dense", "gemma", "qwen3_moe",
-                                                                                  "qwen2_vl"))
+_MODULES = tuple(importlib.import_module(f"{__name__}.{name}")
+                 for name in ("dense", "gemma", "qwen3_moe", "gpt_oss", "qwen2_vl"))
 
 FAMILIES: dict[str, Family] = {f.model_type: f for m in _MODULES for f in m.FAMILIES}
 HINTS: dict[str, str] = {k: v for m in _MODULES for k, v in m.HINTS.items()}

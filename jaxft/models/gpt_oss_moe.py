@@ -1,0 +1,109 @@
+"""GPT-OSS's mixture-of-experts MLP for the MLP slot ("gpt_oss_moe"), on the sort-based routing of
+`jaxft.models.moe`.
+
+Math, for the tokens x [N, H] of one layer, E experts of width I, top-k routing (transformers'
+GptOssTopKRouter / GptOssExperts):
+    router:  z = x Wr + br                 [N, E], in x's dtype (a linear layer with a bias)
+    top-k:   (v, e) = top_k(z, k);  w = softmax(v) over the k chosen logits only (not over all E)
+    expert j, with its fused, INTERLEAVED gate/up weight Wgu_j [H, 2I] (even columns gate, odd columns up):
+        gu = x Wgu_j + bgu_j;   g = min(gu[:, 0::2], L);   u = clip(gu[:, 1::2], -L, L)
+        f_j(x) = ((u + 1) * g * sigmoid(alpha * g)) Wd_j + bd_j        (alpha 1.702, L = 7 by default)
+    y[n] = sum_k w[n, k] * f_{e[n, k]}(x[n])
+
+Dispatch is `jaxft.models.moe.dispatch` (stable argsort by expert, static bincount; no host sync, no loop
+over experts), then ONE grouped matmul for the fused gate/up projection and one for down; the expert biases
+are gathered per sorted row (bias[expert of the row]). The weights stay in transformers' layout ([E, in, out],
+gate/up interleaved), so the bridge maps them without a transform and PEFT's `target_parameters` delta on
+`experts.gate_up_proj` adds to the fused output column for column (no permutation anywhere).
+
+Gradients are plain autodiff: the clamps pass the gradient where the input is inside the limits (as torch's
+clamp) and zero outside; the grouped matmuls differentiate as ragged dots (`kernels_pallas.grouped_matmul`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxft.config import ModelConfig
+from jaxft.models.layers import _init, logical, stack_axes
+from jaxft.models.moe import ExpertLora, dispatch, router_stats
+from kernels_pallas.grouped_matmul import grouped_matmul
+
+
+def route_top_k_softmax(x: jax.Array, router: jax.Array, bias: jax.Array, top_k: int):
+    """(logits [N, E], weights [N, k], experts [N, k] int32): top-k of the biased logits, softmax over those k
+    (in the logits' dtype, as transformers)."""
+    logits = jnp.einsum("nh,he->ne", x, router.astype(x.dtype)) + bias.astype(x.dtype)
+    values, experts = jax.lax.top_k(logits, top_k)
+    return logits, jax.nn.softmax(values, axis=-1), experts.astype(jnp.int32)
+
+
+def clamped_swiglu(gate_up: jax.Array, limit: float, alpha: float) -> jax.Array:
+    """GPT-OSS's activation of the interleaved gate/up output [rows, 2I] -> [rows, I]."""
+    gate = jnp.minimum(gate_up[..., 0::2], limit)
+    up = jnp.clip(gate_up[..., 1::2], -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+class GptOssMoeMLP(nnx.Module):
+    """Biased router + E experts with fused interleaved gate/up and biases (see the module docstring).
+
+    Parameters ([in, out] like `Linear.kernel`, with the layer stack in front): router [H, E], router_bias [E],
+    gate_up_proj [E, H, 2I], gate_up_bias [E, 2I], down_proj [E, I, H], down_bias [E, H]. Expert adapters
+    (`ExpertLora`) sit in `gate_up_lora` / `down_lora`, as for `jaxft.models.moe.MoeMLP`."""
+
+    NUM_LINEARS = 0  # no LoRA'd Linear inside, so no dropout keys
+    LORA_KERNELS = {"gate_up_lora": ("gate_up_proj",), "down_lora": ("down_proj",)}
+
+    def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        lead = stack_axes(stack)
+        self.router = nnx.Param(_init(rngs, (*stack, h, e), dtype, 0.02), **logical(*lead, "embed", "experts"))
+        self.router_bias = nnx.Param(jnp.zeros((*stack, e), dtype), **logical(*lead, "experts"))
+        self.gate_up_proj = nnx.Param(_init(rngs, (*stack, e, h, 2 * i), dtype, 0.02),
+                                      **logical(*lead, "experts", "embed", "mlp"))
+        self.gate_up_bias = nnx.Param(jnp.zeros((*stack, e, 2 * i), dtype), **logical(*lead, "experts", "mlp"))
+        self.down_proj = nnx.Param(_init(rngs, (*stack, e, i, h), dtype, 0.02),
+                                   **logical(*lead, "experts", "mlp", "embed"))
+        self.down_bias = nnx.Param(jnp.zeros((*stack, e, h), dtype), **logical(*lead, "experts", "embed"))
+        self.num_experts, self.top_k = e, cfg.num_experts_per_tok
+        self.limit, self.alpha = float(cfg.swiglu_limit), float(cfg.swiglu_alpha)
+        self.gate_up_lora: ExpertLora | None = None  # set by jaxft.lora
+        self.down_lora: ExpertLora | None = None
+
+    def lora_features(self, slot: str) -> tuple[int, int]:
+        """(in, out) of an adapter slot's expert weight."""
+        kernel = getattr(self, self.LORA_KERNELS[slot][0])
+        return kernel.shape[-2], kernel.shape[-1]
+
+    def __call__(self, x: jax.Array, token_weights: jax.Array | None = None):
+        """The block's output; with `token_weights` ([B, T] fp32, 0 on padding) also its `router_stats`."""
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        with jax.named_scope("moe_router"):
+            logits, weights, experts = route_top_k_softmax(xf, self.router[...], self.router_bias[...], self.top_k)
+            order, token, sizes = dispatch(experts, self.num_experts)
+            expert_of_row = experts.reshape(-1)[order]  # the expert of each sorted row (for its biases)
+            stats = None if token_weights is None else router_stats(logits, experts, token_weights.reshape(-1))
+        with jax.named_scope("moe_experts"):
+            xs = xf[token]
+            gate_up = grouped_matmul(xs, self.gate_up_proj[...].astype(x.dtype), sizes)
+            gate_up = gate_up + self.gate_up_bias[...].astype(x.dtype)[expert_of_row]
+            if self.gate_up_lora is not None:
+                gate_up = gate_up + self.gate_up_lora.delta(xs, sizes)
+            h = clamped_swiglu(gate_up, self.limit, self.alpha)
+            ys = grouped_matmul(h, self.down_proj[...].astype(x.dtype), sizes)
+            ys = ys + self.down_bias[...].astype(x.dtype)[expert_of_row]
+            if self.down_lora is not None:
+                ys = ys + self.down_lora.delta(h, sizes)
+            ys = ys * weights.reshape(-1)[order][:, None].astype(x.dtype)
+            out = jnp.zeros_like(xf).at[token].add(ys).reshape(shape)
+        return out if stats is None else (out, stats)
+
+    def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None):
+        return self(norm(h), token_weights)
+
+    def infer(self, x) -> jax.Array:
+        return self(x)
