@@ -26,7 +26,10 @@ VARIANTS = {
     "qwen3": dict(tie_word_embeddings=True),
     "gemma2": dict(attention_bias=True, tie_word_embeddings=False, sliding_window=16),
     "gemma3_text": dict(sliding_window=16),
-    "qwen3_moe": dict(attention_bias=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "qwen3_moe": dict(attention_bias=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      mlp_only_layers=[0]),  # layer 0 dense: both layer stacks
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False),
 }
 
 
