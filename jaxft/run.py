@@ -239,6 +239,69 @@ class Run:
         """Whether the compiled step serves batches shaped like `host_batch`."""
         return self._compiled is not None and self._batch_spec(host_batch) == self._compiled_spec
 
+    def _budget(self) -> tuple[int, str]:
+        """(bytes, where from) a step may plan to use on each device: `max_memory_gb`, else the free memory of
+        this process's first device less a margin (`default_memory_budget`); several processes take the
+        smallest of theirs, so that every process chooses the same step."""
+        if self.execution.max_memory_gb is not None:
+            return int(self.execution.max_memory_gb * GIB), "max_memory_gb"
+        local = [d for d in self.placement.devices if d.process_index == jax.process_index()]
+        budget, source = default_memory_budget(local[0])
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
+            source += f", the smallest of {jax.process_count()} processes"
+        return budget, source
+
+    def choose_mesh(self, host_batch: dict[str, np.ndarray], *, log=logger.info) -> MeshConfig:
+        """Resolves `mesh: auto` (a no-op for a given mesh): compiles the step from shapes on each mesh of
+        `MeshConfig.candidates` (least communication first: pure data parallel, then more fsdp) and keeps the
+        first whose estimated per-device peak (`peak_estimate`) fits the budget (`max_memory_gb`, else the
+        device's free memory); with `remat: auto` each mesh gets its own remat choice. Logs one line per mesh
+        tried and the choice; the chosen step stays compiled. Raises ExecutionConfigError on key max_memory_gb
+        when no mesh fits. Must run before `load` (the mesh decides where the weights go)."""
+        if not self.mesh.auto:
+            return self.mesh
+        if self.loaded:
+            raise RuntimeError("Run.choose_mesh after Run.load(): choose the mesh before the weights are placed")
+        budget, source = self._budget()
+        candidates = self.mesh.candidates(len(self.placement.devices))
+        log(f"mesh auto: device budget {budget / GIB:.3f} GiB ({source}); candidates in order of communication: "
+            f"{', '.join(c.describe() for c in candidates)}")
+        base, estimates = self.execution, {}
+        for mesh in candidates:
+            self.placement = Placement(mesh, self.devices)
+            self.graphdef, self._compiled, self._compiled_spec = None, None, None
+            if base.remat == "auto":
+                self.execution = base.replace(max_memory_gb=budget / GIB)
+                try:
+                    self.choose_remat(host_batch, log=log)
+                except ExecutionConfigError:
+                    estimates[mesh.describe()] = min(self.remat_estimates.values())
+                    log(f"mesh auto: {mesh.describe()} no remat policy fits -> does not fit")
+                    continue
+                finally:
+                    self.execution = dataclasses.replace(self.execution, max_memory_gb=base.max_memory_gb)
+                estimate = self.remat_estimates[self.execution.remat]
+            else:
+                self.compile(host_batch)
+                estimate = peak_estimate(self.memory_analysis())
+            estimates[mesh.describe()] = estimate
+            fits = estimate <= budget
+            log(f"mesh auto: {mesh.describe()} estimated peak {estimate / GIB:.3f} GiB per device -> "
+                f"{'fits: chosen' if fits else 'does not fit'}")
+            if fits:
+                self.mesh = mesh
+                return mesh
+        self.execution, self._compiled, self._compiled_spec = base, None, None
+        self.placement = Placement(candidates[0], self.devices)
+        smallest = min(estimates, key=estimates.get)
+        raise ExecutionConfigError(
+            "max_memory_gb", f"no mesh fits in {budget / GIB:.3f} GiB per device ({source}): the smallest estimate "
+            f"is {smallest} at {estimates[smallest] / GIB:.3f} GiB; raise max_memory_gb, use more devices, or lower "
+            "per_device_train_batch_size / max_seq_length")
+
     def choose_remat(self, host_batch: dict[str, np.ndarray], *, log=logger.info) -> str:
         """Resolves `remat: auto` (a no-op for any other policy): compiles the step from shapes for each policy
         of `jaxft.remat.AUTO_ORDER` (fastest expected first), estimates its device peak (`peak_estimate`) and
@@ -251,16 +314,7 @@ class Run:
             return base.remat
         if self.loaded:
             raise RuntimeError("Run.choose_remat after Run.load(): choose the policy before the weights are placed")
-        if base.max_memory_gb is not None:
-            budget, source = int(base.max_memory_gb * GIB), "max_memory_gb"
-        else:
-            local = [d for d in self.placement.devices if d.process_index == jax.process_index()]
-            budget, source = default_memory_budget(local[0])
-            if jax.process_count() > 1:  # every process must choose the same step: the smallest budget of all
-                from jax.experimental import multihost_utils
-
-                budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
-                source += f", the smallest of {jax.process_count()} processes"
+        budget, source = self._budget()
         log(f"remat auto: device budget {budget / GIB:.2f} GiB ({source}); candidates in order of expected speed: "
             f"{', '.join(AUTO_ORDER)}")
         seconds, self.remat_estimates = 0.0, {}

@@ -65,8 +65,12 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    # `mesh: auto`: the first of `candidates` whose step fits the device memory (`jaxft.run.Run.choose_mesh`)
+    auto: bool = False
 
     def __post_init__(self):
+        if self.auto and (self.data, self.fsdp, self.tensor) != (-1, 1, 1):
+            raise MeshConfigError("auto chooses the axis sizes itself; write mesh: auto or give the sizes")
         for axis in MESH_AXES:
             n = getattr(self, axis)
             if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
@@ -82,8 +86,10 @@ class MeshConfig:
             return cls()
         if isinstance(values, MeshConfig):
             return values
+        if values == "auto":
+            return cls(auto=True)
         if not isinstance(values, Mapping):
-            raise MeshConfigError(f"value {values!r} must be a mapping such as {{data: 2, fsdp: 4, tensor: 1}}")
+            raise MeshConfigError(f"value {values!r} must be auto or a mapping such as {{data: 2, fsdp: 4, tensor: 1}}")
         for key in values:
             if key not in MESH_AXES:
                 close = difflib.get_close_matches(str(key), MESH_AXES, n=1)
@@ -92,10 +98,23 @@ class MeshConfig:
         return cls(**dict(values))
 
     def describe(self) -> str:
+        if self.auto:
+            return "auto"
         return "{" + ", ".join(f"{a}: {getattr(self, a)}" for a in MESH_AXES) + "}"
 
+    def candidates(self, num_devices: int) -> list["MeshConfig"]:
+        """`mesh: auto`'s meshes in order of communication: pure data parallelism first (weights replicated:
+        one gradient all-reduce per step), then ever more of the devices on fsdp (weights split: each layer's
+        weights all-gathered where it runs, forward and backward). A given mesh is its own only candidate."""
+        if not self.auto:
+            return [self]
+        return [MeshConfig(data=num_devices // f, fsdp=f) for f in range(1, num_devices + 1) if num_devices % f == 0]
+
     def shape(self, num_devices: int) -> dict[str, int]:
-        """{axis: size} for `num_devices` devices (-1 resolved); the product must be `num_devices`."""
+        """{axis: size} for `num_devices` devices (-1 resolved); the product must be `num_devices`. `auto`: the
+        first candidate's (until `Run.choose_mesh` picks one)."""
+        if self.auto:
+            return self.candidates(num_devices)[0].shape(num_devices)
         sizes = {a: getattr(self, a) for a in MESH_AXES}
         known = math.prod(n for n in sizes.values() if n != -1)
         rest = [a for a, n in sizes.items() if n == -1]

@@ -171,7 +171,8 @@ class TrainConfig:
     bnb_4bit_max_rel_error: float | None = None
     # Devices per mesh axis, e.g. {data: 2, fsdp: 4, tensor: 1} (-1: the rest of the devices); null: every device
     # on data. Frozen weights are split over fsdp/tensor, batch rows over data x fsdp (see jaxft.sharding).
-    mesh: dict | None = None
+    # auto: the least-communicating data x fsdp mesh whose step fits the device memory (max_memory_gb if set).
+    mesh: str | dict | None = None
     # Several processes (hosts): null (one, unless JAXFT_NUM_PROCESSES is set), off, auto (SLURM / Open MPI as JAX
     # detects them: one process per device) or {coordinator_address, num_processes, process_id} (jaxft.distributed).
     distributed: str | dict | None = None

@@ -195,9 +195,12 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
     run = Run.from_config(config, plan.total_steps)
-    if config.remat == "auto":  # compiled from shapes, before any weight is on the device
+    if config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is on the device
         try:
-            run.choose_remat(_local_batch(run, train_ds, 0))
+            if run.mesh.auto:  # (with remat auto, each mesh gets its own remat choice)
+                run.choose_mesh(_local_batch(run, train_ds, 0))
+            else:
+                run.choose_remat(_local_batch(run, train_ds, 0))
         except ExecutionConfigError as e:
             raise part_error(e, EXECUTION_KEYS) from None
     run.load()
