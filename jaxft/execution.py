@@ -7,7 +7,7 @@ The model holds parameters and math; everything that changes speed or memory but
   batch on the device (cuDNN for single-document rows, the Pallas flash kernel for packed rows, the XLA
   reference on CPU), or one of "reference" ("xla" is its older spelling), "pallas", "cudnn".
 - `remat`: what the backward pass keeps, offloads to pinned host memory or recomputes (`jaxft.remat`: "none",
-  "full", "dots", "offload", "offload+attn", "offload_all", "save=..;offload=..", "auto"); a mapping
+  "full", "dots", "offload", "offload+attn", "offload_stream", "offload_all", "save=..;offload=..", "auto"); a mapping
   {save: [...], offload: [...]} is accepted and stored as its canonical string. `host_memory_gb` bounds what
   "offload_all" puts in host memory (None: no bound); `max_memory_gb` is "auto"'s device budget (None: the
   device's free memory less a margin, `jaxft.run.default_memory_budget`).

@@ -11,6 +11,9 @@ back for the backward) or nothing (recomputed). Policies (`ExecutionConfig.remat
     offload       layer inputs to pinned host, recompute the rest (attention included)
     offload+attn  layer inputs to pinned host, attention output + softmax statistics kept on the device, so
                   the backward never re-runs the attention forward (recomputes projections, norms, the MLP)
+    offload_stream  every named residual kept, the residual-stream tensors ([B,T,H]: layer input, MLP input and,
+                  with sandwich norms, the attention and MLP outputs their output norms read) in pinned host
+                  memory: the backward recomputes only elementwise ops and LoRA's rank-r products
     offload_all   every named residual to pinned host, within `host_memory_gb` (see `budget_offload_all`)
     save=N,..;offload=N,..   selective: the named residuals kept on the device / offloaded (either part may be
                   left out); the YAML key also takes a mapping {save: [...], offload: [...]}
@@ -36,24 +39,32 @@ from kernels_pallas.attention import residuals as attention_residuals
 # and cheapest to recompute: two matmuls).
 LAYER_INPUT, ATTN_OUT, ATTN_LSE = "layer_input", attention_residuals.OUT_NAME, attention_residuals.STATS_NAME
 ATTN_QKV, MLP_INPUT, MLP_GATE_UP = "attn_qkv", "mlp_input", "mlp_gate_up"
-NAMES = (ATTN_OUT, ATTN_LSE, LAYER_INPUT, MLP_INPUT, ATTN_QKV, MLP_GATE_UP)
+# The branch outputs before their output norms (sandwich norms, Gemma 2/3: the norms' backward reads them;
+# without those norms the residual add needs neither, so naming them keeps nothing).
+ATTN_PROJ, MLP_OUT = "attn_proj", "mlp_out"
+NAMES = (ATTN_OUT, ATTN_LSE, LAYER_INPUT, MLP_INPUT, ATTN_PROJ, MLP_OUT, ATTN_QKV, MLP_GATE_UP)
+STREAM = (LAYER_INPUT, MLP_INPUT, ATTN_PROJ, MLP_OUT)  # the [B,T,H] residuals, what `offload_stream` moves
 NAME_HELP = {
     LAYER_INPUT: "the layer's input (residual stream) [B,T,H]",
     ATTN_OUT: "the attention output [B,T,heads,D]",
     ATTN_LSE: "the attention softmax statistics (flash logsumexp [B,heads,T] fp32; cuDNN's stats)",
     ATTN_QKV: "q, k (after norm and RoPE) and v, what the attention kernel reads",
     MLP_INPUT: "the residual stream after attention [B,T,H], the MLP block's input",
+    ATTN_PROJ: "the attention branch output (o_proj) before its output norm [B,T,H] (sandwich norms only)",
+    MLP_OUT: "the MLP output (down_proj) before its output norm [B,T,H] (sandwich norms only)",
     MLP_GATE_UP: "the MLP's gate and up projections [B,T,intermediate] each",
 }
-FIXED = ("none", "full", "dots", "offload", "offload+attn", "offload_all", "auto")
+FIXED = ("none", "full", "dots", "offload", "offload+attn", "offload_stream", "offload_all", "auto")
 # `auto`'s candidates, in the order of expected speed (it takes the first that fits; see Run.choose_remat):
 #   none          recomputes nothing;
+#   offload_stream  recomputes only elementwise ops and rank-r LoRA products; copies 2 (4 with sandwich norms)
+#                 [B,T,H] per layer each way, which a layer's matmuls hide when the copy engine overlaps them;
 #   offload+attn  recomputes projections/norms/MLP but not attention, copies one [B,T,H] per layer each way;
 #   full          recomputes the whole layer, attention included, no host copies;
 #   offload       the same recompute as full plus the host copies (at best hidden under compute), so never
 #                 faster than full, but it keeps L fewer layer inputs on the device.
 # Device memory falls along the same order, so "the first that fits" is also "the fastest that fits".
-AUTO_ORDER = ("none", "offload+attn", "full", "offload")
+AUTO_ORDER = ("none", "offload_stream", "offload+attn", "full", "offload")
 REMAT_HELP = ("one of " + ", ".join(repr(p) for p in FIXED) + ", or a selective policy 'save=NAME,...;offload=NAME,...'"
               " (names: " + ", ".join(NAMES) + ")")
 
@@ -157,6 +168,8 @@ def parse(value: str, *, offload_all: tuple[str, ...] = NAMES) -> RematPolicy:
         return RematPolicy("names", offload=(LAYER_INPUT,))
     if value == "offload+attn":
         return RematPolicy("names", save=(ATTN_OUT, ATTN_LSE), offload=(LAYER_INPUT,))
+    if value == "offload_stream":
+        return RematPolicy("names", save=tuple(n for n in NAMES if n not in STREAM), offload=STREAM)
     if value == "offload_all":
         return RematPolicy("names", offload=tuple(offload_all))
     if value == "auto":
@@ -175,9 +188,15 @@ def residual_bytes(cfg, batch: int, seq: int, itemsize: int) -> dict[str, int]:
     """Bytes of each named residual of ONE layer for a [batch, seq] micro-batch (activation dtype `itemsize`)."""
     tokens = batch * seq
     heads, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    stream = tokens * cfg.hidden_size * itemsize
+    from jaxft.models.families import family_for  # the model registry imports this module
+
+    sandwich = stream if family_for(cfg.model_type).parts.sandwich_norms else 0  # kept where an output norm reads them
     return {
-        LAYER_INPUT: tokens * cfg.hidden_size * itemsize,
-        MLP_INPUT: tokens * cfg.hidden_size * itemsize,
+        LAYER_INPUT: stream,
+        MLP_INPUT: stream,
+        ATTN_PROJ: sandwich,
+        MLP_OUT: sandwich,
         ATTN_OUT: tokens * heads * d * itemsize,
         ATTN_LSE: tokens * heads * 4,
         ATTN_QKV: tokens * (heads + 2 * kv) * d * itemsize,
@@ -189,12 +208,15 @@ def budget_offload_all(cfg, batch: int, seq: int, itemsize: int, host_memory_gb:
                        ) -> tuple[tuple[str, ...], int]:
     """(names `offload_all` moves to the host, their host bytes over all layers): `NAMES` in order while the
     running total over `cfg.num_layers` layers stays within `host_memory_gb` (None: no limit). A name that does
-    not fit is skipped (recomputed) and smaller later ones may still fit."""
+    not fit is skipped (recomputed) and smaller later ones may still fit; names the model keeps nothing under
+    are left out."""
     sizes = residual_bytes(cfg, batch, seq, itemsize)
     limit = None if host_memory_gb is None else host_memory_gb * 2**30
     chosen, total = [], 0
     for name in NAMES:
         cost = sizes[name] * cfg.num_layers
+        if cost == 0:  # the model keeps no such residual (attn_proj / mlp_out without output norms)
+            continue
         if limit is None or total + cost <= limit:
             chosen.append(name)
             total += cost

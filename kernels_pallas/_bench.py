@@ -24,15 +24,19 @@ class Timing:
 
 
 def time_fwd_bwd(op: str, shape: str, implementation: str, fn: Callable, args: Sequence[jax.Array],
-                 *, iters: int = 10, warmup: int = 2) -> Timing:
-    """Median wall time of ``vjp(fn, *args)`` and its pullback on ones, compiled once."""
+                 *, iters: int = 10, warmup: int = 2, frozen: Sequence[jax.Array] = ()) -> Timing:
+    """Median wall time of ``vjp(fn, *args)`` and its pullback on ones, compiled once. ``frozen`` arrays are
+    passed to ``fn`` after ``args`` as jit arguments that are not differentiated (a frozen weight): closing
+    over them instead would make them constants, which XLA may fold (e.g. a whole dequantisation) at compile."""
     if iters < 1 or warmup < 0:
         raise ValueError(f"kernels_pallas/_bench.py: need iters >= 1 and warmup >= 0, got {iters}, {warmup}.")
+    n = len(args)
 
     def step(*a):
-        out, pullback = jax.vjp(fn, *a)
+        out, pullback = jax.vjp(lambda *d: fn(*d, *a[n:]), *a[:n])
         return out, pullback(jax.numpy.ones_like(out))
 
+    args = (*args, *frozen)
     compiled = jax.jit(step).lower(*args).compile()
     analysis = compiled.memory_analysis()
     temp = None if analysis is None else int(analysis.temp_size_in_bytes)

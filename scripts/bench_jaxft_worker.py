@@ -52,8 +52,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #         per-layer weight slices are copies; scripts/ablate_step.py, docs/benchmarks.md);
 #   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass; the
 #         layer scan (host offload of the scanned layer inputs is what keeps the memory down).
-#   offload_attn, offload_all, offload_unroll, auto: the remat policies of jaxft.remat (one YAML each).
-MODES = ("fast", "lean", "full_remat", "offload_attn", "offload_all", "offload_unroll", "auto")
+#   offload_attn, offload_stream, offload_all, offload_unroll, auto, auto_40gb: the remat policies of
+#         jaxft.remat (one YAML each; auto_40gb = auto within 40 GB).
+MODES = ("fast", "lean", "full_remat", "offload_attn", "offload_stream", "offload_all", "offload_unroll", "auto",
+         "auto_40gb")
 PROFILE_STEPS = 3
 
 

@@ -62,7 +62,8 @@ from bench.worker_common import Task  # noqa: E402
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(SCRIPTS)
 # jaxft systems: "jaxft" (examples/bench/fast.yaml) and "jaxft_<mode>" (examples/bench/<mode>.yaml).
-JAXFT_MODES = ("lean", "full_remat", "offload_attn", "offload_all", "offload_unroll", "auto")
+JAXFT_MODES = ("lean", "full_remat", "offload_attn", "offload_stream", "offload_all", "offload_unroll", "auto",
+               "auto_40gb")
 WORKER = {"jaxft": "bench_jaxft_worker.py", **{f"jaxft_{m}": "bench_jaxft_worker.py" for m in JAXFT_MODES},
           "hf_ckpt": "bench_torch_worker.py", "hf_nockpt": "bench_torch_worker.py", "unsloth": "bench_torch_worker.py"}
 ALL_SYSTEMS = tuple(WORKER)

@@ -34,7 +34,7 @@ fi
 if has tests; then
   stamp "gpu tests"
   # Written to the log as it runs (no tail in the pipe): a timeout must not swallow the failure report.
-  timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider -rA --tb=short \
+  timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -v --durations=20 -m gpu -p no:cacheprovider -rfEs --tb=short \
     ${TESTS:-tests} >> "$OUT/check.log" 2>&1; tail -60 "$OUT/check.log"
 fi
 

@@ -35,7 +35,7 @@ def _run(model_dir, remat, **execution):
 @pytest.fixture(scope="module")
 def estimates(model_dir):
     out = {}
-    for policy in AUTO_ORDER[:2]:
+    for policy in AUTO_ORDER[:AUTO_ORDER.index("offload+attn") + 1]:
         run = _run(model_dir, policy)
         run.compile(_batch())
         out[policy] = peak_estimate(run.memory_analysis())
@@ -51,14 +51,18 @@ def test_the_choice_follows_the_budget(model_dir, estimates):
     assert lines[0].startswith("remat auto: device budget ") and "(max_memory_gb)" in lines[0]
     assert lines[1].startswith(f"remat auto: none         estimated peak {estimates['none'] / GIB:.3f} GiB")
     assert lines[1].endswith("-> fits: chosen")
-    assert lines[2] == "remat auto: chose none (not compiled: offload+attn, full, offload, expected slower)"
+    assert lines[2] == ("remat auto: chose none (not compiled: offload_stream, offload+attn, full, offload, "
+                        "expected slower)")
 
     lines.clear()
     between = (estimates["none"] + estimates["offload+attn"]) / 2 / GIB
+    # The first candidate (in AUTO_ORDER) whose estimate fits: offload+attn, or offload_stream where the
+    # backend's memory analysis credits its host copies.
+    want = next(p for p in estimates if estimates[p] <= between * GIB)
     tight = _run(model_dir, "auto", max_memory_gb=between)
-    assert tight.choose_remat(_batch(), log=lines.append) == "offload+attn"
-    assert tight.remat_estimates == estimates
-    assert lines[1].endswith("-> does not fit") and lines[2].endswith("-> fits: chosen")
+    assert tight.choose_remat(_batch(), log=lines.append) == want != "none"
+    assert tight.remat_estimates == {p: estimates[p] for p in AUTO_ORDER[:AUTO_ORDER.index(want) + 1]}
+    assert lines[1].endswith("-> does not fit") and lines[len(tight.remat_estimates)].endswith("-> fits: chosen")
     # The chosen step stays compiled: loading and stepping reuse it.
     compiled = tight._compiled
     tight.load()

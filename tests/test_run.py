@@ -108,6 +108,9 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     policies = {mode: load_config(REPO / "examples/bench" / f"{mode}.yaml").execution for mode in MODES}
     assert (policies["offload_attn"].remat, policies["offload_all"].remat, policies["auto"].remat) == (
         "offload+attn", "offload_all", "auto")
+    assert (policies["offload_stream"].remat, policies["offload_stream"].resolved_layer_loop) == (
+        "offload_stream", "scan")
+    assert (policies["auto_40gb"].remat, policies["auto_40gb"].max_memory_gb) == ("auto", 37.25)
     assert (policies["offload_all"].host_memory_gb, policies["offload_unroll"].resolved_layer_loop) == (100, "unroll")
 
 

@@ -28,7 +28,7 @@ from jaxft.config import ModelConfig
 from jaxft.models.layers import Linear, _recompute, logical, project, stack_axes
 from jaxft.models.moe import MoeMLP
 from jaxft.models.rope import apply_rope
-from jaxft.remat import ATTN_QKV, MLP_GATE_UP, MLP_INPUT
+from jaxft.remat import ATTN_PROJ, ATTN_QKV, MLP_GATE_UP, MLP_INPUT, MLP_OUT
 from kernels_pallas.glu import geglu_tanh, swiglu
 from kernels_pallas.rmsnorm import rmsnorm
 
@@ -230,18 +230,19 @@ class DecoderLayer(nnx.Module):
         pc = bool(ctx.get("prevent_cse", False))
         q, k, v = _recompute(lambda x: self.attn.project(self.input_norm(x), ra), pc)(x)
         attn = _recompute(lambda o: self.attn.output(o, ra), pc)(self.attn.attend(q, k, v, ctx))
+        attn = checkpoint_name(attn, ATTN_PROJ)  # kept only where an output norm's backward reads it
         h = checkpoint_name(x + self._out(self.attn_out_norm, attn), MLP_INPUT)
         token_weights = ctx.get("router_token_weights")
         if token_weights is None:
             mlp = tiled_mlp(lambda h, r: self.mlp.branch(self.post_attn_norm, h, r, pc), h, rm,
                             ctx.get("mlp_chunk_size"), pc)
-            return h + self._out(self.mlp_out_norm, mlp)
+            return h + self._out(self.mlp_out_norm, checkpoint_name(mlp, MLP_OUT))
         # Router statistics requested (the load-balancing loss): (x, [2, E] stats of this layer's router).
         if ctx.get("mlp_chunk_size") is not None:
             raise ValueError("mlp_chunk_size with the router load-balancing loss (output_router_logits) is not "
                              "supported yet; set mlp_chunk_size to null")
         y, stats = self.mlp.branch(self.post_attn_norm, h, rm, pc, token_weights)
-        return h + self._out(self.mlp_out_norm, y), stats
+        return h + self._out(self.mlp_out_norm, checkpoint_name(y, MLP_OUT)), stats
 
     def cached(self, x, ctx: dict[str, Any], cache):
         """Inference forward of new tokens x [B,T,H] against a KV cache: `(x, cache)`.

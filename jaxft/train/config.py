@@ -134,7 +134,7 @@ class TrainConfig:
     # the device and recomputes the rest; offload keeps it in host memory: the lean mode of docs/benchmarks.md),
     # else "auto". After construction `remat` is always a canonical policy string (jaxft.remat).
     gradient_checkpointing: bool = False
-    # none, full, dots, offload, offload+attn, offload_all, auto, or selective: "save=attn_out,attn_lse;offload=
+    # none, full, dots, offload, offload+attn, offload_stream, offload_all, auto, or selective: "save=attn_out,attn_lse;offload=
     # layer_input" or a mapping {save: [...], offload: [...]} (jaxft.remat lists the residual names).
     remat: str | dict | None = None
     # auto's device budget in GiB (null: the device's free memory less a margin); offload_all's host budget.

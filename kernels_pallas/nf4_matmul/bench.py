@@ -4,8 +4,9 @@
     python -m kernels_pallas.nf4_matmul.bench            # BENCH_SHAPES (GPU-sized)
     python -m kernels_pallas.nf4_matmul.bench --smoke    # shapes.TEST_SHAPES[0], CPU ok
 
-The weight is quantised once per shape (NF4, blocks of 64, float32 absmax); the timed function closes over
-it, so only x is differentiated (the weight is frozen).
+The weight is quantised once per shape (NF4, blocks of 64, float32 absmax) and passed to the timed program as
+a frozen (not differentiated) argument: only x is differentiated. (A closed-over weight would be a constant
+that XLA folds - the whole dequantisation at compile time - and the timing would be of a dense matmul.)
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ def run(shapes=BENCH_SHAPES, implementations: Sequence[str] = OP.names, iters: i
         dims = (shape.out_features, shape.in_features)
         dense = w.astype(x.dtype)
         rows.append(time_fwd_bwd("nf4_matmul", shape.name, "dense_bf16",
-                                 lambda a, d=dense: jnp.einsum("mi,oi->mo", a, d), (x,), iters=iters))
+                                 lambda a, d: jnp.einsum("mi,oi->mo", a, d), (x,), iters=iters, frozen=(dense,)))
         for name in implementations:
-            fn = functools.partial(OP.resolve(name).fn, packed=packed, absmax=absmax, shape=dims,
-                                   blocksize=shape.blocksize, quant_type="nf4")
-            rows.append(time_fwd_bwd("nf4_matmul", shape.name, name, lambda a, f=fn: f(a), (x,), iters=iters))
+            fn = functools.partial(OP.resolve(name).fn, shape=dims, blocksize=shape.blocksize, quant_type="nf4")
+            rows.append(time_fwd_bwd("nf4_matmul", shape.name, name,
+                                     lambda a, p, m, f=fn: f(a, packed=p, absmax=m), (x,), iters=iters,
+                                     frozen=(packed, absmax)))
     return rows
 
 
