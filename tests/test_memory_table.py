@@ -49,3 +49,23 @@ def test_estimate_and_mesh_auto_on_two_devices(tmp_path):
     assert r["mesh_lines"][2].startswith("mesh auto: {data: 1, fsdp: 2, tensor: 1}") and \
         r["mesh_lines"][2].endswith("fits: chosen")
     assert r["steps"] == 2
+
+
+def test_mesh_auto_with_remat_auto_gives_each_mesh_its_remat_choice_and_says_when_nothing_fits(tmp_path):
+    from jaxft.execution import ExecutionConfig, ExecutionConfigError
+    from jaxft.lora import LoraConfig
+    from jaxft.run import Run
+    from test_remat import packed_batch
+
+    run = Run(make_tiny_model(tmp_path / "model"), lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+              mesh=MeshConfig(auto=True),
+              execution=ExecutionConfig(attention_implementation="reference", remat="auto", max_memory_gb=1e-4))
+    lines = []
+    with pytest.raises(ExecutionConfigError, match=r"^key 'max_memory_gb': no mesh fits in 0\.000 GiB per device "
+                                                   r"\(max_memory_gb\): the smallest estimate is \{data: 1, fsdp: 1"):
+        run.choose_mesh(packed_batch(64, b=2, t=64), log=lines.append)
+    assert lines[0].startswith("mesh auto: device budget 0.000 GiB (max_memory_gb); candidates in order of "
+                               "communication: {data: 1, fsdp: 1, tensor: 1}")
+    assert any(s.startswith("remat auto: none ") for s in lines)  # the mesh's own remat choice ran
+    assert lines[-1] == "mesh auto: {data: 1, fsdp: 1, tensor: 1} no remat policy fits -> does not fit"
+    assert run.execution.remat == "auto" and run.execution.max_memory_gb == 1e-4 and run._compiled is None
