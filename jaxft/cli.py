@@ -200,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         root.removeHandler(handler)
         root.propagate = propagate
 
+    import jax
+
+    if jax.process_index() > 0:  # process 0 wrote the outputs and prints where they are
+        print(f"process {jax.process_index()} of {jax.process_count()}: trained {result.global_step} steps; process 0 "
+              f"wrote the outputs to {result.output_dir}")
+        return 0
     base = Path(config.model_name_or_path).expanduser().absolute()
     summary = f"trained {result.global_step} steps"
     if result.train_loss is not None:

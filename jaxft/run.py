@@ -186,9 +186,19 @@ class Run:
         return other
 
     # ------------------------------------------------------------------ compiling and stepping
+    def local_rows(self, num_rows: int) -> np.ndarray:
+        """Which rows of a step's global batch of `num_rows` rows this process feeds (`Placement.local_rows`;
+        one process: all of them, in order). Host batches given to `compile` / `step` are those rows."""
+        return self.placement.local_rows(num_rows, self.accumulation)
+
     def device_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """[A*B, T] host arrays -> the step's [A, B, T] device batch (rows split over the data mesh)."""
+        """This process's [A*b, T] host rows -> the step's global [A, B, T] device batch (rows split over the
+        (data, fsdp) mesh axes)."""
         return self.placement.batch(stack_micro_batches(host_batch, self.accumulation))
+
+    def _batch_spec(self, host_batch):
+        """Global shapes/dtypes of the device batch made from `host_batch` (what a compiled step serves)."""
+        return _abstract(self.placement.abstract_batch(stack_micro_batches(host_batch, self.accumulation)))
 
     def _step_fn(self, graphdef, lora, opt_state, frozen, batch):
         """The jitted step with the placement's shardings as its in/out shardings (XLA adds the collectives)."""
@@ -222,14 +232,76 @@ class Run:
         with self.placement.tracing():
             lowered = self._step_fn(graphdef, *args, batch).lower(*args, batch, rng)
         self._compiled = lowered.compile()
-        self._compiled_spec = _abstract(stacked)
+        self._compiled_spec = _abstract(batch)
         self.compile_seconds = time.perf_counter() - began
         return self._compiled
 
     def compiled_for(self, host_batch: dict[str, np.ndarray]) -> bool:
         """Whether the compiled step serves batches shaped like `host_batch`."""
-        return self._compiled is not None and _abstract(stack_micro_batches(host_batch, self.accumulation)) == \
-            self._compiled_spec
+        return self._compiled is not None and self._batch_spec(host_batch) == self._compiled_spec
+
+    def _budget(self) -> tuple[int, str]:
+        """(bytes, where from) a step may plan to use on each device: `max_memory_gb`, else the free memory of
+        this process's first device less a margin (`default_memory_budget`); several processes take the
+        smallest of theirs, so that every process chooses the same step."""
+        if self.execution.max_memory_gb is not None:
+            return int(self.execution.max_memory_gb * GIB), "max_memory_gb"
+        local = [d for d in self.placement.devices if d.process_index == jax.process_index()]
+        budget, source = default_memory_budget(local[0])
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
+            source += f", the smallest of {jax.process_count()} processes"
+        return budget, source
+
+    def choose_mesh(self, host_batch: dict[str, np.ndarray], *, log=logger.info) -> MeshConfig:
+        """Resolves `mesh: auto` (a no-op for a given mesh): compiles the step from shapes on each mesh of
+        `MeshConfig.candidates` (least communication first: pure data parallel, then more fsdp) and keeps the
+        first whose estimated per-device peak (`peak_estimate`) fits the budget (`max_memory_gb`, else the
+        device's free memory); with `remat: auto` each mesh gets its own remat choice. Logs one line per mesh
+        tried and the choice; the chosen step stays compiled. Raises ExecutionConfigError on key max_memory_gb
+        when no mesh fits. Must run before `load` (the mesh decides where the weights go)."""
+        if not self.mesh.auto:
+            return self.mesh
+        if self.loaded:
+            raise RuntimeError("Run.choose_mesh after Run.load(): choose the mesh before the weights are placed")
+        budget, source = self._budget()
+        candidates = self.mesh.candidates(len(self.placement.devices))
+        log(f"mesh auto: device budget {budget / GIB:.3f} GiB ({source}); candidates in order of communication: "
+            f"{', '.join(c.describe() for c in candidates)}")
+        base, estimates = self.execution, {}
+        for mesh in candidates:
+            self.placement = Placement(mesh, self.devices)
+            self.graphdef, self._compiled, self._compiled_spec = None, None, None
+            if base.remat == "auto":
+                self.execution = base.replace(max_memory_gb=budget / GIB)
+                try:
+                    self.choose_remat(host_batch, log=log)
+                except ExecutionConfigError:
+                    estimates[mesh.describe()] = min(self.remat_estimates.values())
+                    log(f"mesh auto: {mesh.describe()} no remat policy fits -> does not fit")
+                    continue
+                finally:
+                    self.execution = dataclasses.replace(self.execution, max_memory_gb=base.max_memory_gb)
+                estimate = self.remat_estimates[self.execution.remat]
+            else:
+                self.compile(host_batch)
+                estimate = peak_estimate(self.memory_analysis())
+            estimates[mesh.describe()] = estimate
+            fits = estimate <= budget
+            log(f"mesh auto: {mesh.describe()} estimated peak {estimate / GIB:.3f} GiB per device -> "
+                f"{'fits: chosen' if fits else 'does not fit'}")
+            if fits:
+                self.mesh = mesh
+                return mesh
+        self.execution, self._compiled, self._compiled_spec = base, None, None
+        self.placement = Placement(candidates[0], self.devices)
+        smallest = min(estimates, key=estimates.get)
+        raise ExecutionConfigError(
+            "max_memory_gb", f"no mesh fits in {budget / GIB:.3f} GiB per device ({source}): the smallest estimate "
+            f"is {smallest} at {estimates[smallest] / GIB:.3f} GiB; raise max_memory_gb, use more devices, or lower "
+            "per_device_train_batch_size / max_seq_length")
 
     def choose_remat(self, host_batch: dict[str, np.ndarray], *, log=logger.info) -> str:
         """Resolves `remat: auto` (a no-op for any other policy): compiles the step from shapes for each policy
@@ -243,10 +315,7 @@ class Run:
             return base.remat
         if self.loaded:
             raise RuntimeError("Run.choose_remat after Run.load(): choose the policy before the weights are placed")
-        if base.max_memory_gb is not None:
-            budget, source = int(base.max_memory_gb * GIB), "max_memory_gb"
-        else:
-            budget, source = default_memory_budget(self.placement.devices[0])
+        budget, source = self._budget()
         log(f"remat auto: device budget {budget / GIB:.2f} GiB ({source}); candidates in order of expected speed: "
             f"{', '.join(AUTO_ORDER)}")
         seconds, self.remat_estimates = 0.0, {}
@@ -312,19 +381,57 @@ class Run:
             self.frozen = frozen
         return nnx.merge(self.graphdef, self.lora, frozen)
 
+    def _host_model(self, *, weights: bool):
+        """The model for an export when the arrays span several processes: every process must call this (the
+        gathers are collectives); the state comes back as host arrays, the frozen weights gathered one layer at
+        a time (weights=False: the split weights as shapes only, for an adapter export, which reads the LoRA
+        state, scales and ranks alone)."""
+        frozen = restack_layers(self.frozen, delete_source=True) if self.unrolled else self.frozen
+        self.frozen = frozen
+        lora = jax.tree.map(_to_host, self.lora)
+        if not weights:  # the replicated leaves (LoRA scales and ranks, norms) are read locally; the rest: shapes
+            frozen = jax.tree.map(lambda x: np.asarray(x) if x.is_fully_replicated else
+                                  jax.ShapeDtypeStruct(x.shape, x.dtype), frozen)
+        else:
+            frozen = jax.tree.map(_to_host, frozen)
+        return nnx.merge(self.graphdef, lora, frozen)
+
     def export_adapter(self, path: str | Path, *, tokenizer=None) -> Path:
+        """Writes the PEFT adapter to `path`. Several processes: all call it, process 0 writes."""
+        from jaxft.distributed import is_main_process
         from jaxft.lora import save_adapter
 
-        save_adapter(self.model(restack=self.unrolled), path,
-                     base_model_name_or_path=str(self.model_path.absolute()))
+        model = self.model(restack=self.unrolled) if jax.process_count() == 1 else self._host_model(weights=False)
+        if not is_main_process():
+            return Path(path)
+        save_adapter(model, path, base_model_name_or_path=str(self.model_path.absolute()))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(path))
         return Path(path)
 
     def export_merged(self, path: str | Path, *, tokenizer=None) -> Path:
+        """Writes the merged HF model to `path`. Several processes: all call it (each weight is gathered onto
+        every host, layer by layer), process 0 writes."""
+        from jaxft.distributed import is_main_process
         from jaxft.io import save_pretrained
 
-        save_pretrained(self.model(restack=self.unrolled), path)
+        model = self.model(restack=self.unrolled) if jax.process_count() == 1 else self._host_model(weights=True)
+        if not is_main_process():
+            return Path(path)
+        save_pretrained(model, path)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(path))
         return Path(path)
+
+
+def _to_host(x):
+    """A (possibly multi-process) array as one host numpy array. Sharded arrays are gathered by a collective
+    that every process runs, a stacked [L, ...] weight one layer at a time (so no device holds more than one
+    whole layer of it)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    if x.ndim >= 3:
+        return np.stack([np.asarray(multihost_utils.process_allgather(x[i], tiled=True)) for i in range(x.shape[0])])
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

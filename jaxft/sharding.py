@@ -65,8 +65,12 @@ class MeshConfig:
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    # `mesh: auto`: the first of `candidates` whose step fits the device memory (`jaxft.run.Run.choose_mesh`)
+    auto: bool = False
 
     def __post_init__(self):
+        if self.auto and (self.data, self.fsdp, self.tensor) != (-1, 1, 1):
+            raise MeshConfigError("auto chooses the axis sizes itself; write mesh: auto or give the sizes")
         for axis in MESH_AXES:
             n = getattr(self, axis)
             if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
@@ -82,8 +86,10 @@ class MeshConfig:
             return cls()
         if isinstance(values, MeshConfig):
             return values
+        if values == "auto":
+            return cls(auto=True)
         if not isinstance(values, Mapping):
-            raise MeshConfigError(f"value {values!r} must be a mapping such as {{data: 2, fsdp: 4, tensor: 1}}")
+            raise MeshConfigError(f"value {values!r} must be auto or a mapping such as {{data: 2, fsdp: 4, tensor: 1}}")
         for key in values:
             if key not in MESH_AXES:
                 close = difflib.get_close_matches(str(key), MESH_AXES, n=1)
@@ -92,10 +98,23 @@ class MeshConfig:
         return cls(**dict(values))
 
     def describe(self) -> str:
+        if self.auto:
+            return "auto"
         return "{" + ", ".join(f"{a}: {getattr(self, a)}" for a in MESH_AXES) + "}"
 
+    def candidates(self, num_devices: int) -> list["MeshConfig"]:
+        """`mesh: auto`'s meshes in order of communication: pure data parallelism first (weights replicated:
+        one gradient all-reduce per step), then ever more of the devices on fsdp (weights split: each layer's
+        weights all-gathered where it runs, forward and backward). A given mesh is its own only candidate."""
+        if not self.auto:
+            return [self]
+        return [MeshConfig(data=num_devices // f, fsdp=f) for f in range(1, num_devices + 1) if num_devices % f == 0]
+
     def shape(self, num_devices: int) -> dict[str, int]:
-        """{axis: size} for `num_devices` devices (-1 resolved); the product must be `num_devices`."""
+        """{axis: size} for `num_devices` devices (-1 resolved); the product must be `num_devices`. `auto`: the
+        first candidate's (until `Run.choose_mesh` picks one)."""
+        if self.auto:
+            return self.candidates(num_devices)[0].shape(num_devices)
         sizes = {a: getattr(self, a) for a in MESH_AXES}
         known = math.prod(n for n in sizes.values() if n != -1)
         rest = [a for a, n in sizes.items() if n == -1]
@@ -245,13 +264,76 @@ class Placement:
         return jax.set_mesh(self.mesh)
 
     # ---- batches
+    # A step's global batch is [A, B, T] (A micro-batches of B rows) with B split into data x fsdp row shards,
+    # shard s = rows s*B/(D*F) .. of every micro-batch, held by the devices at mesh position (d, f, *) with
+    # s = d*F + f. A process feeds only the rows of the shards its devices hold (`local_rows`), in the order
+    # (micro-batch, shard, row); with one process that is the whole batch in order.
     def batch_sharding(self, ndim: int) -> jax.sharding.NamedSharding:
         """Rows (axis 1 of [A, B, T], axis 0 of [B, T]) split over (data, fsdp)."""
         return self.named(*((None, BATCH_AXES) if ndim == 3 else (BATCH_AXES,)))
 
+    def row_shards(self, process: int | None = None) -> list[int]:
+        """The batch-row shards (0 .. data x fsdp - 1) held by devices of `process` (default: this process)."""
+        process = jax.process_index() if process is None else process
+        fsdp = self.mesh.shape["fsdp"]
+        return sorted({d * fsdp + f for (d, f, _), dev in np.ndenumerate(self.mesh.devices)
+                       if dev.process_index == process})
+
+    def _local_fraction(self) -> tuple[list[int], int]:
+        """(this process's row shards, data x fsdp); every process must hold as many shards (or its share of the
+        global batch would differ from the others')."""
+        counts = {p: len(self.row_shards(p)) for p in {d.process_index for d in self.mesh.devices.flat}}
+        if len(set(counts.values())) > 1:
+            raise MeshConfigError(f"{self.config.describe()}: the processes hold different numbers of batch-row "
+                                  f"shards ({counts}); give every process the same number of devices")
+        return self.row_shards(), self.batch_parallel
+
+    def local_rows(self, num_rows: int, accumulation: int = 1) -> np.ndarray:
+        """The positions in a global batch of `num_rows` rows ([A*B]: micro-batch a = rows a*B ..) that this
+        process feeds, in the order `batch` expects them."""
+        shards, parallel = self._local_fraction()
+        if num_rows % (accumulation * parallel):
+            raise ValueError(f"a batch of {num_rows} rows does not split into {accumulation} micro-batches of "
+                             f"{parallel} row shards")
+        per_micro = num_rows // accumulation
+        size = per_micro // parallel
+        return np.array([a * per_micro + s * size + j for a in range(accumulation) for s in shards
+                         for j in range(size)], dtype=np.int64)
+
+    def global_batch_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The global shape of a batch array of which this process holds `local_shape` (its `local_rows`)."""
+        shards, parallel = self._local_fraction()
+        axis = 1 if len(local_shape) == 3 else 0
+        if local_shape[axis] % len(shards):
+            raise ValueError(f"a local batch of {local_shape[axis]} rows does not split over this process's "
+                             f"{len(shards)} row shards")
+        shape = list(local_shape)
+        shape[axis] = local_shape[axis] // len(shards) * parallel
+        return tuple(shape)
+
     def batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: jax.device_put(v, self.batch_sharding(np.ndim(v))) for k, v in batch.items()}
+        """This process's rows (`local_rows` order; one process: the whole batch) -> global device arrays."""
+        return {k: self._global_batch_array(np.asarray(v)) for k, v in batch.items()}
+
+    def _global_batch_array(self, local: np.ndarray) -> jax.Array:
+        shards, _ = self._local_fraction()
+        shape = self.global_batch_shape(local.shape)
+        axis = 1 if local.ndim == 3 else 0
+        size = local.shape[axis] // len(shards)  # rows per shard
+        where = {s: i * size for i, s in enumerate(shards)}
+
+        def rows_of(index):  # a device's global index -> the same block of `local`
+            rows = index[axis]
+            start = rows.start or 0
+            stop = shape[axis] if rows.stop is None else rows.stop
+            at = where[start // size] + start % size
+            out = list(index)
+            out[axis] = slice(at, at + stop - start)
+            return local[tuple(out)]
+        return jax.make_array_from_callback(shape, self.batch_sharding(local.ndim), rows_of)
 
     def abstract_batch(self, batch: dict[str, Any]) -> dict[str, jax.ShapeDtypeStruct]:
-        return {k: jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype),
+        """Global shapes (with their shardings) of the device batch made from this process's `batch`."""
+        return {k: jax.ShapeDtypeStruct(self.global_batch_shape(tuple(v.shape)),
+                                        jax.dtypes.canonicalize_dtype(v.dtype),
                                         sharding=self.batch_sharding(len(v.shape))) for k, v in batch.items()}

@@ -70,3 +70,22 @@ def jaxpr_eqns(jaxpr):
         yield eqn
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from jaxpr_eqns(sub)
+
+
+def tiny_qwen3_moe(config: dict, seed: int = 0):
+    """A random fp32 transformers Qwen3MoeForCausalLM of `config` (Qwen3MoeConfig keys), perturbed so the test
+    bites: norms away from 1, decisive routing that spreads tokens over the experts, experts of a useful scale."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**config)).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.3)
+            elif "experts" in name:
+                p.normal_(0.0, 0.1)
+    return model

@@ -27,7 +27,7 @@ import jaxft
 from jaxft import lora
 from jaxft.config import ConfigError, ModelConfig
 from jaxft.models.layers import linears
-from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, torch_logits
+from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -35,18 +35,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermedia
 
 
 def _hf_model(norm_topk_prob: bool, seed: int = 0):
-    config = transformers.Qwen3MoeConfig(**TINY, norm_topk_prob=norm_topk_prob)
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.3)  # decisive routing that spreads tokens over the experts
-            elif "experts" in name:
-                p.normal_(0.0, 0.1)
-    return model
+    return tiny_qwen3_moe({**TINY, "norm_topk_prob": norm_topk_prob}, seed)
 
 
 @pytest.fixture(scope="module")

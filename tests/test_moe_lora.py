@@ -25,7 +25,8 @@ from bridge import peft as peft_io
 from jaxft import lora
 from jaxft.config import ConfigError
 from jaxft.models.moe import expert_adapters
-from lora_helpers import hf_model_fp32, jax_logits, param_wrappers, perturb_lora_b, rel_err, torch_logits
+from lora_helpers import (hf_model_fp32, jax_logits, param_wrappers, perturb_lora_b, rel_err, tiny_qwen3_moe,
+                          torch_logits)
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
@@ -37,16 +38,7 @@ FIELDS = dict(r=4, alpha=8, target_modules=["q_proj"], target_parameters=["exper
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**TINY)).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.3)  # decisive routing that spreads tokens over the experts
-            elif "experts" in name:
-                p.normal_(0.0, 0.1)
+    model = tiny_qwen3_moe(TINY)
     path = tmp_path_factory.mktemp("qwen3_moe_lora")
     model.save_pretrained(path)
     return path

@@ -35,7 +35,7 @@ from jaxft.generation import generate_ids
 from jaxft.models.moe import expert_adapters
 from jaxft.models.stack import layer_stacks
 from jaxft.train.step import loss_and_grad_sums, split_model, unstack_layers
-from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, torch_logits
+from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
@@ -44,17 +44,7 @@ MIXED = {"only1": dict(num_hidden_layers=3, mlp_only_layers=[1]), "step2": dict(
 
 
 def _hf_model(seed: int = 0, **kw):
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**TINY, **kw})).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.3)  # decisive routing that spreads tokens over the experts
-            elif "experts" in name:
-                p.normal_(0.0, 0.1)
-    return model
+    return tiny_qwen3_moe({**TINY, **kw}, seed)
 
 
 @pytest.fixture(scope="module")

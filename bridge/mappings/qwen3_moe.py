@@ -35,7 +35,9 @@ TABLE: Table = validate_table(
         Row(_EXPERT + "gate_proj.weight", ("layers", "mlp", "gate_proj"), "T", True),
         Row(_EXPERT + "up_proj.weight", ("layers", "mlp", "up_proj"), "T", True),
         Row(_EXPERT + "down_proj.weight", ("layers", "mlp", "down_proj"), "T", True),
-    ) + tuple(Row(row.hf, ("dense_layers", *row.path[1:]), row.transform, True) for row in dense.TABLE if row.stacked)
+    ) + tuple(Row(row.hf, ("dense_layers", *row.path[1:]), row.transform, True) for row in dense.TABLE
+              # Qwen3MoeMLP (the dense layers' MLP) has no biases, whatever mlp_bias says.
+              if row.stacked and not (".mlp." in row.hf and row.hf.endswith(".bias")))
 )
 
 LORA_PARAMETERS: tuple[LoraParamRow, ...] = (

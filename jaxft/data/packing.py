@@ -278,9 +278,17 @@ class PackedDataset:
         """Indices of the kept documents packed into ``row``, in layout order."""
         return self._rows[row]
 
-    def batch(self, step: int) -> dict[str, np.ndarray]:
-        """The packed batch of global step ``step`` (see the module docstring for the layout)."""
-        b, t = self.batch_size, self.seq_len
+    def batch(self, step: int, slots: Sequence[int] | np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The packed batch of global step ``step`` (see the module docstring for the layout).
+
+        ``slots``: only these rows (indices into the batch's ``batch_size`` rows, in the order given) are packed,
+        so ``batch(step, slots) == batch(step)[slots]``; a process of a multi-process run packs only the rows its
+        devices hold (`jaxft.sharding.Placement.local_rows`)."""
+        t = self.seq_len
+        slots = np.arange(self.batch_size) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
+        if slots.size and (slots.min() < 0 or slots.max() >= self.batch_size):
+            raise ValueError(f"batch slots must be in [0, {self.batch_size}), got {slots.min()}..{slots.max()}")
+        b = len(slots)
         out = {
             "input_ids": np.zeros((b, t), np.int32),
             "targets": np.zeros((b, t), np.int32),
@@ -289,10 +297,10 @@ class PackedDataset:
             "positions": np.zeros((b, t), np.int32),
         }
         rows = self.rows_of(step)
-        for r in range(b):
+        for r, slot in enumerate(slots.tolist()):
             pos = 0
-            if r < len(rows):
-                for j, d in enumerate(self._rows[rows[r]].tolist(), start=1):
+            if slot < len(rows):
+                for j, d in enumerate(self._rows[rows[slot]].tolist(), start=1):
                     s, n = int(self._doc_start[d]), int(self._doc_len[d])
                     out["input_ids"][r, pos : pos + n] = self._tokens[s : s + n]
                     out["targets"][r, pos : pos + n - 1] = self._tokens[s + 1 : s + n]
@@ -304,6 +312,11 @@ class PackedDataset:
         # Masked targets are 0 by contract, even where the next token exists.
         out["targets"] *= out["loss_mask"].astype(np.int32)
         return out
+
+    def num_tokens(self, step: int) -> int:
+        """Non-padding tokens of batch ``step`` (= nonzero ``segment_ids`` of ``batch(step)``), without packing it:
+        every process of a multi-process run counts the whole batch's tokens from the row index alone."""
+        return int(sum(int(self._doc_len[self._rows[r]].sum()) for r in self.rows_of(step)))
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         """The batches of epoch 0, in order (for evaluation)."""

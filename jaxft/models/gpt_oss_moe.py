@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxft.config import ModelConfig
 from jaxft.models.layers import _init, logical, stack_axes
-from jaxft.models.moe import ExpertLora, dispatch, router_stats
+from jaxft.models.moe import ExpertLora, combine, dispatch, router_stats
 from kernels_pallas.grouped_matmul import grouped_matmul
 
 
@@ -98,8 +98,7 @@ class GptOssMoeMLP(nnx.Module):
             ys = ys + self.down_bias[...].astype(x.dtype)[expert_of_row]
             if self.down_lora is not None:
                 ys = ys + self.down_lora.delta(h, sizes)
-            ys = ys * weights.reshape(-1)[order][:, None].astype(x.dtype)
-            out = jnp.zeros_like(xf).at[token].add(ys).reshape(shape)
+            out = combine(ys, weights, order, token, xf).reshape(shape)
         return out if stats is None else (out, stats)
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None):

@@ -79,6 +79,14 @@ def dispatch(experts: jax.Array, num_experts: int):
     return order, token, group_sizes
 
 
+def combine(ys: jax.Array, weights: jax.Array, order: jax.Array, token: jax.Array, xf: jax.Array) -> jax.Array:
+    """The weighted scatter back of `dispatch`: each expert-sorted row's output [N*k, H] times its routing weight,
+    summed into its token's row of a zeros_like(xf) [N, H] output. The product is taken at the weights' precision
+    (fp32) and rounded once to the activations' dtype (a bf16 scatter of fp32 values is deprecated in JAX)."""
+    ys = (ys * weights.reshape(-1)[order][:, None]).astype(xf.dtype)
+    return jnp.zeros_like(xf).at[token].add(ys)
+
+
 class ExpertLora(nnx.Module):
     """LoRA on a stack of expert weights [L, E, in, out]: A [L, E, in, r_max], B [L, E, r_max, out] (fp32),
     per-layer scale [L] (0 where the layer is not targeted) and rank [L] (columns/rows past it are zero, as
@@ -154,8 +162,7 @@ class MoeMLP(nnx.Module):
             ys = grouped_matmul(h, self.down_proj[...].astype(x.dtype), sizes)
             if self.down_lora is not None:
                 ys = ys + self.down_lora.delta(h, sizes)
-            ys = ys * weights.reshape(-1)[order][:, None]
-            out = jnp.zeros_like(xf).at[token].add(ys).reshape(shape)
+            out = combine(ys, weights, order, token, xf).reshape(shape)
         return out if stats is None else (out, stats)
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None):

@@ -171,7 +171,11 @@ class TrainConfig:
     bnb_4bit_max_rel_error: float | None = None
     # Devices per mesh axis, e.g. {data: 2, fsdp: 4, tensor: 1} (-1: the rest of the devices); null: every device
     # on data. Frozen weights are split over fsdp/tensor, batch rows over data x fsdp (see jaxft.sharding).
-    mesh: dict | None = None
+    # auto: the least-communicating data x fsdp mesh whose step fits the device memory (max_memory_gb if set).
+    mesh: str | dict | None = None
+    # Several processes (hosts): null (one, unless JAXFT_NUM_PROCESSES is set), off, auto (SLURM / Open MPI as JAX
+    # detects them: one process per device) or {coordinator_address, num_processes, process_id} (jaxft.distributed).
+    distributed: str | dict | None = None
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -221,6 +225,12 @@ class TrainConfig:
             object.__setattr__(self, "_mesh", MeshConfig.from_mapping(self.mesh))
         except MeshConfigError as e:
             raise TrainConfigError(str(e), key="mesh") from None
+        from jaxft.distributed import DistributedConfig, DistributedConfigError
+
+        try:
+            object.__setattr__(self, "_distributed", DistributedConfig.from_value(self.distributed))
+        except DistributedConfigError as e:
+            raise TrainConfigError(str(e), key="distributed") from None
 
     def _build_quant(self):
         from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, QuantConfigError
@@ -258,6 +268,11 @@ class TrainConfig:
     def mesh_config(self):
         """The device mesh (`jaxft.sharding.MeshConfig`), from the `mesh` key."""
         return self._mesh
+
+    @property
+    def distributed_config(self):
+        """How this process joins the run's others (`jaxft.distributed.DistributedConfig`)."""
+        return self._distributed
 
     @property
     def lora(self):

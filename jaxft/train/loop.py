@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxft import distributed
 from jaxft import remat as remat_policies
 from jaxft.execution import ExecutionConfigError
 from jaxft.lora import LoraConfigError
@@ -141,16 +142,21 @@ def train(config: TrainConfig) -> TrainResult:
     if not isinstance(config, TrainConfig):
         raise TypeError(f"train() takes a TrainConfig, got {type(config).__name__}")
     wall_start = time.perf_counter()
+    distributed.initialize(config.distributed_config)  # before anything touches a device
+    main = distributed.is_main_process()
     out = Path(config.output_dir).expanduser().absolute()
     lock = OutputDirLock(out)
-    lock.check()  # refuse early, before minutes of loading, when another live run writes there
+    if main:  # process 0 holds the lock for the run's processes (the others write no file of their own)
+        lock.check()  # refuse early, before minutes of loading, when another live run writes there
     setup = _prepare(config, out)
     # ---- everything validated: from here on output_dir is written (by this run only)
-    lock.acquire()
+    if main:
+        lock.acquire()
     try:
         return _run(config, out, setup, wall_start)
     finally:
-        lock.release()
+        if main:
+            lock.release()
 
 
 def _prepare(config: TrainConfig, out: Path) -> _Setup:
@@ -166,7 +172,10 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
         raise part_error(e, LORA_KEYS) from None
     except MeshConfigError as e:  # the mesh does not fit this process's devices
         raise TrainConfigError(str(e), key="mesh") from None
-    num_devices = probe.placement.batch_parallel  # the devices batch rows are split over
+    num_devices = probe.placement.batch_parallel  # the devices batch rows are split over (all processes')
+    if jax.process_count() > 1 and config.eval_generate_prompts:
+        raise TrainConfigError("key 'eval_generate_prompts': sample generation runs in one process only; drop it "
+                               f"for this {jax.process_count()}-process run", key="eval_generate_prompts")
 
     tokenizer, train_ds, eval_ds = _load_data(config, num_devices)
     plan = _plan(config, train_ds.num_rows, num_devices)
@@ -186,9 +195,12 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
     run = Run.from_config(config, plan.total_steps)
-    if config.remat == "auto":  # compiled from shapes, before any weight is on the device
+    if config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is on the device
         try:
-            run.choose_remat(train_ds.batch(0))
+            if run.mesh.auto:  # (with remat auto, each mesh gets its own remat choice)
+                run.choose_mesh(_local_batch(run, train_ds, 0))
+            else:
+                run.choose_remat(_local_batch(run, train_ds, 0))
         except ExecutionConfigError as e:
             raise part_error(e, EXECUTION_KEYS) from None
     run.load()
@@ -203,7 +215,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
         _check_resume_meta(meta, config, plan, train_ds.num_rows)
         # Checkpoints written before the count was kept: recount (batches are a pure function of the step).
         start_tokens = int(meta["num_tokens"]) if "num_tokens" in meta else sum(
-            int(np.count_nonzero(train_ds.batch(s)["segment_ids"])) for s in range(start_step))
+            train_ds.num_tokens(s) for s in range(start_step))
         logger.info("resumed from %s at step %d (epoch %d, step %d of the epoch)", resume_path, start_step,
                     meta["epoch"], meta["step_in_epoch"])
     return _Setup(plan=plan, tokenizer=tokenizer, train_ds=train_ds, eval_ds=eval_ds, run=run,
@@ -214,13 +226,16 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     """Steps, evaluation, checkpoints and exports; the caller holds the output_dir lock."""
     plan, train_ds, eval_ds, run = setup.plan, setup.train_ds, setup.eval_ds, setup.run
     start_step, resume_path, tokenizer = setup.start_step, setup.resume_path, setup.tokenizer
-    if resume_path is None and config.overwrite_output_dir and (out / "checkpoints").exists():
-        shutil.rmtree(out / "checkpoints")
-    (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    main = distributed.is_main_process()
+    if main:
+        if resume_path is None and config.overwrite_output_dir and (out / "checkpoints").exists():
+            shutil.rmtree(out / "checkpoints")
+        (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    distributed.sync("jaxft:output_dir")  # old checkpoints are gone before any process makes the manager
     checkpointer = ckpt.Checkpointer(out / "checkpoints", save_steps=config.save_steps,
                                      max_to_keep=config.save_total_limit)
-    writer = MetricsWriter(out, resume_step=start_step if resume_path else None,
-                           tensorboard=config.report_to == "tensorboard")
+    writer = (MetricsWriter(out, resume_step=start_step if resume_path else None,
+                            tensorboard=config.report_to == "tensorboard") if main else _NoMetrics(out))
     eval_every = config.eval_steps or config.logging_steps
     num_tokens = setup.start_tokens  # cumulative non-padding tokens trained on (TRL's num_tokens)
 
@@ -231,7 +246,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                     num_rows=train_ds.num_rows, total_steps=plan.total_steps, num_tokens=num_tokens)
 
     def evaluate(step: int) -> float:
-        loss_sum, count = run.evaluate(eval_ds)
+        loss_sum, count = run.evaluate(_local_batches(run, eval_ds))
         value = loss_sum / max(count, 1.0)
         writer.write({"step": step, "eval_loss": value, "eval_tokens": int(count)})
         if config.eval_generate_prompts:
@@ -247,7 +262,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
             writer.write({"step": step, "checkpoint": str(path)})
         return path
 
-    bar = _progress(plan.total_steps, start_step, disable=config.disable_tqdm)
+    bar = _progress(plan.total_steps, start_step, disable=config.disable_tqdm or not main)
     meter = WindowMeter()
     last_loss, last_eval = None, None
     window: list[tuple[Any, int]] = []
@@ -262,16 +277,17 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
             if step < plan.total_steps:
                 # Compiled ahead of time so that no logging window contains the compilation.
                 try:
-                    if not run.compiled_for(train_ds.batch(step)):  # remat auto compiled it already
-                        run.compile(train_ds.batch(step))
+                    first = _local_batch(run, train_ds, step)
+                    if not run.compiled_for(first):  # remat auto compiled it already
+                        run.compile(first)
                 except jax.errors.JaxRuntimeError as e:
                     raise _out_of_memory(e, config) from None
                 logger.info("compiled the training step in %.1f s", run.compile_seconds)
             jax.block_until_ready((run.lora, run.opt_state))
             meter.start()
             while step < plan.total_steps:
-                host = train_ds.batch(step)
-                batch_tokens = int(np.count_nonzero(host["segment_ids"]))
+                host = _local_batch(run, train_ds, step)  # this process's rows only
+                batch_tokens = train_ds.num_tokens(step)  # the whole batch's
                 try:
                     metrics = run.step(host, step)
                 except jax.errors.JaxRuntimeError as e:
@@ -284,9 +300,10 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                     window = []
                 do_eval = eval_ds is not None and (step % eval_every == 0 or step == plan.total_steps)
                 do_save = step % config.save_steps == 0 or step == plan.total_steps
-                if stop.requested or do_eval or do_save:
+                stopping = _stop_agreed(stop.requested, step % config.logging_steps == 0 or do_eval or do_save)
+                if stopping or do_eval or do_save:
                     with meter.paused(run.lora):  # syncs first: queued steps count as training time
-                        if stop.requested:
+                        if stopping:
                             path = save(step, force=True)
                             raise TrainingInterrupted(stop.requested, step, str(path) if path else None)
                         if do_eval:
@@ -301,9 +318,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         checkpointer.close()
         writer.close()
 
-    # ---- exports
-    records = read_metrics(writer.path)
-    curve = plot_loss_curve(records, out / "loss_curve.png")
+    # ---- exports (every process takes part in their gathers, process 0 writes)
+    curve = plot_loss_curve(read_metrics(writer.path), out / "loss_curve.png") if main else None
     adapter_dir = _export(out, "adapter", lambda d: run.export_adapter(d, tokenizer=tokenizer))
     merged_dir = None
     if config.save_merged_model:
@@ -396,8 +412,47 @@ def _progress(total: int, initial: int, *, disable: bool):
     return tqdm(total=total, initial=initial, disable=disable, unit="step", dynamic_ncols=True, desc="train")
 
 
+def _local_batch(run, dataset, step: int) -> dict[str, np.ndarray]:
+    """The rows of batch `step` this process feeds (one process: the whole batch)."""
+    if jax.process_count() == 1:
+        return dataset.batch(step)
+    return dataset.batch(step, run.local_rows(dataset.batch_size))
+
+
+def _local_batches(run, dataset):
+    """This process's rows of each batch of `dataset`'s first epoch (the eval set, in order)."""
+    slots = run.placement.local_rows(dataset.batch_size) if jax.process_count() > 1 else None
+    return (dataset.batch(step, slots) for step in range(dataset.num_batches_per_epoch))
+
+
+def _stop_agreed(requested: bool, at_sync_point: bool) -> bool:
+    """Whether the run stops now (SIGINT/SIGTERM). Several processes must stop at the same step (the
+    checkpoint is a collective), so they agree, at steps that sync anyway (logging, eval, save), on whether any
+    of them was asked to stop."""
+    if jax.process_count() == 1:
+        return requested
+    return at_sync_point and distributed.any_process(requested)
+
+
+class _NoMetrics:
+    """The metrics writer of a process other than 0: the records are process 0's to write."""
+
+    def __init__(self, out: Path):
+        self.path = out / "metrics.jsonl"
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _export(out: Path, name: str, write) -> Path:
-    """Runs `write(dir)` into a fresh temporary directory inside `out`, then renames it to `out/name`."""
+    """Runs `write(dir)` into a fresh temporary directory inside `out`, then renames it to `out/name`. Other
+    processes than 0 run `write` (its gathers are collectives) without writing anything."""
+    if not distributed.is_main_process():
+        write(out / name)
+        return out / name
     tmp_root = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out))
     try:
         target = tmp_root / name
