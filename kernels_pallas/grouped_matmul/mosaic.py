@@ -54,7 +54,10 @@ class TileConfig:
 
     block_m x block_n: one output tile (block_m rows of one group); block_k: contraction step.
     dw_block_k x dw_block_n: one tile of d rhs[g]; dw_block_t: rows per contraction step.
-    stages: TMA buffers in flight. grid_block_n: width of the snake over (tile, N-block), for L2 reuse."""
+    stages: TMA buffers in flight. grid_block_n: width of the snake over (tile, N-block), for L2 reuse.
+    warp_specialized: the row-tile kernel with one memory warpgroup feeding two compute warpgroups, which split
+    the output tile along N (wg_split "n": a block_m x 2 block_n tile, block_n each) or along M ("m": a
+    block_m x block_n tile, block_m / 2 rows each); else one warpgroup does both (block_m x block_n)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -65,10 +68,14 @@ class TileConfig:
     dw_block_n: int = 128
     dw_block_t: int = 64
     dw_stages: int = 4
+    warp_specialized: bool = False
+    wg_split: str = "n"
 
     def __post_init__(self):
+        if self.wg_split not in ("n", "m"):
+            raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
         for f in dataclasses.fields(self):
-            if getattr(self, f.name) < 1:
+            if f.type == "int" and getattr(self, f.name) < 1:
                 raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= 1, got {getattr(self, f.name)}")
         if self.block_m % self.dw_block_t:
             raise ValueError(f"{_WHERE}: TileConfig.block_m ({self.block_m}) must be a multiple of dw_block_t "
@@ -99,8 +106,8 @@ def _num_sms(interpret: bool) -> int:
     return _INTERPRET_SMS if interpret else jax.devices()[0].core_count
 
 
-def _kernel(body, out_type, interpret: bool, name: str):
-    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret),), grid_names=("sm",),
+def _kernel(body, out_type, interpret: bool, name: str, **threads):
+    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret),), grid_names=("sm",), **threads,
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
                         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
 
@@ -200,10 +207,11 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
                     plgpu.emit_pipeline(
                         step, grid=(k_steps,), max_concurrent_steps=cfg.stages,
                         in_specs=[
-                            plgpu.BlockSpec((bm, bk), lambda kk: (block, kk), delay_release=1),
+                            plgpu.BlockSpec((bm, bk), lambda kk: (block, kk), delay_release=1,
+                                            transforms=_swizzled(bk, dtype)),
                             plgpu.BlockSpec((bn, bk) if transpose_rhs else (bk, bn),
                                             (lambda kk: (ni, kk)) if transpose_rhs else (lambda kk: (kk, ni)),
-                                            delay_release=1),
+                                            delay_release=1, transforms=_swizzled(bk if transpose_rhs else bn, dtype)),
                         ],
                     )(lhs_ref, rhs_ref.at[jnp.minimum(group, g - 1)])
 
@@ -213,6 +221,110 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
             _store_rows(acc, out_ref, block * bm, lo - block * bm, hi - lo, ni * bn, bm, bn)
 
     out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows")(*tiles, lhs_p, rhs_p)
+    return out[:m, :n]
+
+
+def _store_rows_from(o_smem, out_ref, row0, start, size, col0, rows_max: int, block_n: int):
+    """TMA-store rows [start, start + size) of the (already written and committed) tile ``o_smem`` to
+    out[row0 + start + i, col0:col0 + block_n], one store per set bit of ``size``; no wait."""
+    offset = start
+    rows = 1 << (rows_max.bit_length() - 1)
+    while rows >= 1:
+        @pl.when((size & rows) != 0)
+        def _(offset=offset, rows=rows):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, rows)],
+                                    out_ref.at[pl.ds(row0 + offset, rows), pl.ds(col0, block_n)])
+
+        offset = offset + (size & rows)
+        rows //= 2
+
+
+def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
+                transpose_rhs: bool = False, interpret: bool = False) -> jax.Array:
+    """``gmm_rows`` with warp specialisation: a memory warpgroup runs the TMA pipeline, two compute
+    warpgroups each own half of the output tile (``cfg.wg_split``) and store their rows while the next tile's
+    loads are in flight. Same schedule (``row_tiles``), same results."""
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    split_n = cfg.wg_split == "n"
+    cta_n, wg_m = (2 * bn, bm) if split_n else (bn, bm // 2)
+    lhs_p = _pad(_pad(lhs, 0, bm), 1, bk)
+    rhs_p = _pad(_pad(rhs, 2, bk), 1, cta_n) if transpose_rhs else _pad(_pad(rhs, 1, bk), 2, cta_n)
+    mp, kp = lhs_p.shape
+    np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
+    tiles = row_tiles(group_sizes, mp, bm)
+    n_tiles, grid_n, k_steps = tiles[0].shape[0], np_ // cta_n, kp // bk
+    dtype = lhs.dtype
+    b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+
+    def rhs_tile(rhs_ref, group, ni):
+        cols = pl.ds(ni * cta_n, cta_n)
+        return rhs_ref.at[group, cols, :] if transpose_rhs else rhs_ref.at[group, :, cols]
+
+    def pipeline(step, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(k_steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=cfg.stages, compute_context=context,
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=_swizzled(bk, dtype),
+                                memory_space=plgpu.SMEM),
+                plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
+                                transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM),
+            ])
+
+    def body(group_ref, block_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref):
+        ignore = lambda *_, **__: None
+        allocations = pipeline(ignore, ignore).get_allocations(lhs_ref.at[pl.ds(0, bm), :],
+                                                                rhs_tile(rhs_ref, 0, 0))
+
+        @functools.partial(pl.run_scoped, allocs=allocations, o_smem=plgpu.SMEM((2, wg_m, bn), dtype),
+                           collective_axes="wg")
+        def _(allocs, o_smem):
+            wg = jax.lax.axis_index("wg")
+
+            @plgpu.nd_loop((n_tiles * grid_n,), collective_axes="sm")
+            def _(info: plgpu.NDLoopInfo):
+                ti, ni = plgpu.planar_snake(info.index[0], (n_tiles, grid_n), 1, cfg.grid_block_n)
+                group, block, lo, hi = group_ref[ti], block_ref[ti], lo_ref[ti], hi_ref[ti]
+                row_off = 0 if split_n else wg * wg_m  # this warpgroup's rows / columns within the tile
+                col0 = ni * cta_n + (wg * bn if split_n else 0)
+
+                def step(_, a_smem, b_smem, acc_ref):
+                    @pl.when(group < g)  # the pseudo-group's rows multiply nothing: acc stays 0
+                    def _():
+                        a = a_smem if split_n else a_smem.at[pl.ds(wg * wg_m, wg_m)]
+                        if transpose_rhs:
+                            b = (b_smem.at[pl.ds(wg * bn, bn)] if split_n else b_smem).transpose((1, 0))
+                        else:
+                            b = b_smem.at[:, pl.ds(wg * bn, bn)] if split_n else b_smem
+                        plgpu.wgmma(acc_ref, a, b)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                def context(run_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, bn), jnp.float32))
+                    def _(acc_ref):
+                        run_pipeline(acc_ref)
+                        acc = acc_ref[...].astype(dtype)
+                        first = jnp.clip(lo - block * bm - row_off, 0, wg_m)
+                        last = jnp.clip(hi - block * bm - row_off, 0, wg_m)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores left o_smem
+                        o_smem[wg] = acc
+                        plgpu.commit_smem()
+                        _store_rows_from(o_smem.at[wg], out_ref, block * bm + row_off, first, last - first, col0,
+                                         wg_m, bn)
+
+                @pl.when(hi > lo)  # tiles past the real count: nothing to load, nothing to store
+                def _():
+                    pipeline(step, context)(lhs_ref.at[pl.ds(block * bm, bm), :],
+                                            rhs_tile(rhs_ref, jnp.minimum(group, g - 1), ni), allocations=allocs)
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", num_threads=3,
+                  thread_name="wg")(*tiles, lhs_p, rhs_p)
     return out[:m, :n]
 
 
@@ -291,10 +403,14 @@ def _dlhs_config(cfg_fwd: TileConfig, k: int, n: int, g: int) -> TileConfig:
     return CONFIGS.get((n, k, g), dataclasses.replace(cfg_fwd, block_n=64 if k <= 64 else cfg_fwd.block_n))
 
 
+def _rows(cfg: TileConfig):
+    return gmm_rows_ws if cfg.warp_specialized else gmm_rows
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gmm(lhs, rhs, group_sizes, interpret: bool):
     cfg = config_for(lhs.shape[1], rhs.shape[2], rhs.shape[0])
-    return gmm_rows(lhs, rhs, group_sizes, cfg, interpret=interpret)
+    return _rows(cfg)(lhs, rhs, group_sizes, cfg, interpret=interpret)
 
 
 def _gmm_fwd(lhs, rhs, group_sizes, interpret):
@@ -306,7 +422,8 @@ def _gmm_bwd(interpret, residuals, dout):
     k, n, g = lhs.shape[1], rhs.shape[2], rhs.shape[0]
     cfg = config_for(k, n, g)
     dout = dout.astype(lhs.dtype)
-    dlhs = gmm_rows(dout, rhs, group_sizes, _dlhs_config(cfg, k, n, g), transpose_rhs=True, interpret=interpret)
+    cfg_dlhs = _dlhs_config(cfg, k, n, g)
+    dlhs = _rows(cfg_dlhs)(dout, rhs, group_sizes, cfg_dlhs, transpose_rhs=True, interpret=interpret)
     drhs = gmm_drhs(lhs, dout, group_sizes, cfg, interpret=interpret)
     return dlhs, drhs, None
 
