@@ -137,3 +137,19 @@ def test_auto_is_xla_on_cpu_and_the_kernels_only_on_hopper():
     lhs, rhs, sizes, _ = make_inputs(TEST_SHAPES[0])
     with pytest.raises(ValueError, match=r"grouped_matmul/mosaic.py: .*bfloat16/float16 operands, got float32"):
         grouped_matmul_mosaic(lhs, rhs, sizes, interpret=False)
+
+
+@pytest.mark.parametrize("split,transpose", [("n", False), ("m", True)])
+def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose):
+    """The memory-warpgroup + two-compute-warpgroup variant in interpret mode, each way of splitting the tile
+    (N halves with rhs as stored, M halves with rhs read transposed as d lhs does)."""
+    from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows_ws
+
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split)
+    sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
+    k1, k2 = jax.random.split(jax.random.key(4))
+    lhs = jax.random.normal(k1, (200, 128), jnp.float32)
+    rhs = jax.random.normal(k2, (6, 128, 256), jnp.float32)
+    got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
+                      interpret=True)
+    _close(got, _loop(lhs, rhs, sizes, np.zeros((200, 256)))[0], "float32", f"out (split {split})")
