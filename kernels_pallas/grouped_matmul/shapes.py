@@ -5,8 +5,8 @@ last group. ``BENCH_SHAPES``: the expert projections of Qwen3-30B-A3B (128 exper
 expert width 768: gate+up [2048 -> 1536], down [768 -> 2048]) at 8k tokens (65536 routed rows) and of
 GPT-OSS-20B (32 experts, top-4, hidden 2880, expert width 2880: gate_up [2880 -> 5760], down [2880 -> 2880])
 at 8k tokens (32768 rows), with ragged (fixed-seed, +-50 %) group sizes like a real router's.
-``GPU_TEST_SHAPES``: the same projections scaled down (few experts, ragged sizes with an empty group and
-tails that are not a multiple of any tile) for the GPU tests.
+``GPU_TEST_SHAPES``: the same projections (same K, N and expert count, so the same tile configs) at ~4k / 2k
+rows, ragged sizes with empty groups and rows left over past the last group, for the GPU tests.
 """
 
 from __future__ import annotations
@@ -54,11 +54,20 @@ BENCH_SHAPES: tuple[GmmShape, ...] = (
     GmmShape("gpt_oss_20b_gate_up", ragged_sizes(32768, 32), 32768, 2880, 5760, "bfloat16"),
     GmmShape("gpt_oss_20b_down", ragged_sizes(32768, 32), 32768, 2880, 2880, "bfloat16"),
 )
+
+
+def _with_gaps(sizes: tuple[int, ...], empty: tuple[int, ...], extra: int) -> tuple[int, ...]:
+    """``sizes`` with the groups at ``empty`` set to 0 and ``extra`` more rows on the first group left."""
+    out = [0 if i in empty else x for i, x in enumerate(sizes)]
+    out[next(i for i in range(len(out)) if i not in empty)] += extra
+    return tuple(out)
+
+
 GPU_TEST_SHAPES: tuple[GmmShape, ...] = (
-    GmmShape("g_qwen_gate_up", (300, 0, 517, 77, 130, 1), 1100, 2048, 1536, "bfloat16"),
-    GmmShape("g_qwen_down", (1, 129, 0, 640, 255), 1100, 768, 2048, "bfloat16"),
-    GmmShape("g_gpt_oss_gate_up", (0, 700, 333, 13), 1100, 2880, 5760, "bfloat16"),
-    GmmShape("g_gpt_oss_down", (513, 0, 0, 480), 1100, 2880, 2880, "bfloat16"),
+    GmmShape("g_qwen_gate_up", _with_gaps(ragged_sizes(4000, 128, 1), (0, 5, 127), 3), 4096, 2048, 1536, "bfloat16"),
+    GmmShape("g_qwen_down", _with_gaps(ragged_sizes(4000, 128, 2), (64,), 1), 4096, 768, 2048, "bfloat16"),
+    GmmShape("g_gpt_oss_gate_up", _with_gaps(ragged_sizes(2000, 32, 3), (1, 31), 5), 2048, 2880, 5760, "bfloat16"),
+    GmmShape("g_gpt_oss_down", _with_gaps(ragged_sizes(2000, 32, 4), (0,), 7), 2048, 2880, 2880, "bfloat16"),
 )
 
 
