@@ -3,7 +3,8 @@
 # Results go under $OUT (JSON + markdown + logs; at most 8 files come back: check.log, forward.json,
 # attention.{json,md}, bench_train.{json,md}, bench_logs.tgz). Phases and sizes are chosen by environment variables so
 # one script serves a quick check and the full scoreboard:
-#   PHASES="env tests forward attention ce train"   (default: all; "nf4" adds the 4-bit matmul benchmark)
+#   PHASES="env tests forward attention ce train"   (default: all; "nf4" adds the 4-bit matmul benchmark, "gmm" the
+#   MoE grouped-matmul benchmark: xla ragged_dot / pallas_mosaic / dense, written to gmm.json, GMM_TIMEOUT_S=150)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
 #   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
 #   TRAIN_GPUS=1 (default: sessions one after another on one GPU) | N | all (bench_train.py --gpus: up to N
@@ -59,6 +60,12 @@ if has nf4; then
   stamp "nf4 matmul benchmark (8B projections, M = 4k..16k: dense bf16 vs dequantise-then-matmul)"
   timeout "${NF4_TIMEOUT_S:-120}" python3 -m kernels_pallas.nf4_matmul.bench --iters 5 \
     2>&1 | tail -30 | tee -a "$OUT/check.log"
+fi
+
+if has gmm; then
+  stamp "grouped matmul benchmark (MoE expert shapes: lax.ragged_dot vs the Mosaic GPU kernels vs dense)"
+  timeout "${GMM_TIMEOUT_S:-150}" python3 -m kernels_pallas.grouped_matmul.bench --json "$OUT/gmm.json" \
+    2>&1 | grep -v '^  File\|^    ' | tail -40 | tee -a "$OUT/check.log"
 fi
 
 if has train; then
