@@ -11,6 +11,11 @@ The model holds parameters and math; everything that changes speed or memory but
   {save: [...], offload: [...]} is accepted and stored as its canonical string. `host_memory_gb` bounds what
   "offload_all" puts in host memory (None: no bound); `max_memory_gb` is "auto"'s device budget (None: the
   device's free memory less a margin, `jaxft.run.default_memory_budget`).
+- `offload_transfer`: how remat "offload" moves each layer input to pinned host memory: "policy" (jax.checkpoint's
+  offload policy), "explicit" (`jaxft.offload`: the two copies written in a custom VJP, the copy back ordered
+  after the layer's output cotangent) or "auto" (explicit in the unrolled loop, whose policy copies XLA folds
+  away, the policy in the scan, whose copies XLA keeps). Other offloading policies keep more than the layer
+  input and always use the policy.
 - `layer_loop`: "scan" runs one layer body over stacked weights; "unroll" one program region per layer over
   per-layer weight buffers (no weight-slice copies, longer compile); "auto" unrolls only without remat (the
   host offload of unrolled layers is not yet confirmed on the GPU: tests/test_remat_gpu.py).
@@ -36,6 +41,7 @@ from jaxft.config import ConfigError
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "cudnn")
 REMAT_POLICIES = remat_policies.FIXED  # plus selective 'save=..;offload=..' strings
 LAYER_LOOPS = ("auto", "scan", "unroll")
+OFFLOAD_TRANSFERS = ("auto", "policy", "explicit")
 CE_IMPLEMENTATIONS = ("xla", "reference")
 
 
@@ -63,6 +69,7 @@ class ExecutionConfig:
     host_memory_gb: float | None = None
     ce_implementation: str = "xla"
     compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    offload_transfer: str = "auto"
 
     def __post_init__(self):
         _choice("attention_implementation", self.attention_implementation, ATTENTION_IMPLEMENTATIONS)
@@ -72,6 +79,7 @@ class ExecutionConfig:
             raise ExecutionConfigError("remat", str(e).removeprefix("remat ")) from None
         _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
         _choice("ce_implementation", self.ce_implementation, CE_IMPLEMENTATIONS)
+        _choice("offload_transfer", self.offload_transfer, OFFLOAD_TRANSFERS)
         chunk = self.ce_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ExecutionConfigError("ce_chunk_size", f"value {chunk!r} must be an integer >= 1 (or null for the "
@@ -98,11 +106,13 @@ class ExecutionConfig:
 
     def layer_policy(self, cfg, batch: int, seq: int, itemsize: int) -> remat_policies.RematPolicy:
         """The per-layer policy for a [batch, seq] micro-batch of model `cfg`: "offload_all" spends
-        `host_memory_gb` on the names in `jaxft.remat.NAMES` order (`budget_offload_all`)."""
+        `host_memory_gb` on the names in `jaxft.remat.NAMES` order (`budget_offload_all`); the policy carries
+        `offload_transfer`."""
         names = remat_policies.NAMES
         if self.remat == "offload_all":
             names, _ = remat_policies.budget_offload_all(cfg, batch, seq, itemsize, self.host_memory_gb)
-        return remat_policies.parse(self.remat, offload_all=names)
+        policy = remat_policies.parse(self.remat, offload_all=names)
+        return dataclasses.replace(policy, transfer=self.offload_transfer)
 
     def resolved_ce_chunk(self, num_tokens: int, vocab_size: int, hidden_size: int, itemsize: int) -> int | None:
         """`ce_chunk_size`, or when None the rule by length: without remat, the kernel's default (a fixed
@@ -131,4 +141,4 @@ class ExecutionConfig:
     def __hash__(self) -> int:
         return hash((self.attention_implementation, self.remat, self.layer_loop, self.ce_chunk_size,
                      self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb, self.ce_implementation,
-                     tuple(sorted(self.compiler_options.items()))))
+                     tuple(sorted(self.compiler_options.items())), self.offload_transfer))

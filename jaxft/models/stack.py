@@ -44,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxft.config import ModelConfig
 from jaxft.models.families import family_for
 from jaxft.sharding import constrain_rows
+from jaxft.offload import host_offloaded, layer_index
 from jaxft.remat import LAYER_INPUT, RematPolicy
 
 
@@ -147,10 +148,12 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     unrolled = any(is_unstacked(state) for state in states.values())
     num_layers = groups[-1].end
 
+    transfer = resolve_transfer(policy, unrolled)
+
     def fn_for(group):
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
         fn = _layer_fn(split[group.stack][0], ctx, dropout_rng, policy=policy,
-                       prevent_cse=unrolled and not (policy.offloads and _places_memory()))
+                       prevent_cse=unrolled and not (policy.offloads and _places_memory()), transfer=transfer)
         if router_stats is None:
             return fn
         return _summing_stats(fn) if "router_token_weights" in ctx else _passing_stats(fn)
@@ -215,13 +218,26 @@ def _passing_stats(layer_fn):
     return fn
 
 
+def resolve_transfer(policy: RematPolicy, unrolled: bool) -> str:
+    """How the layer input reaches the host under `policy`: "explicit" (`jaxft.offload.host_offloaded`) or
+    "policy" (jax.checkpoint's offload policy). `policy.transfer` "auto" is explicit in the unrolled loop, whose
+    policy offload XLA drops (see `jaxft.offload`), and the policy in the scan, whose offload XLA keeps;
+    "explicit" applies only where the policy offloads the layer input alone and keeps nothing else
+    (`RematPolicy.explicit_capable`): elsewhere the policy's own transfers are used."""
+    if not policy.explicit_capable or policy.transfer == "policy":
+        return "policy"
+    return "explicit" if policy.transfer == "explicit" or unrolled else "policy"
+
+
 def _places_memory() -> bool:
     """Whether this backend lowers memory-placement ops (host offload): JAX does so on GPUs and TPUs only."""
     return jax.default_backend() in ("gpu", "tpu")
 
 
-def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_cse: bool):
-    """`(x, layer_state, index) -> x` for one layer, rematerialised per `policy`."""
+def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_cse: bool,
+              transfer: str = "policy"):
+    """`(x, layer_state, index) -> x` for one layer, rematerialised per `policy`; `transfer` "explicit" (only
+    for a policy that `explicit_capable` accepts) moves the layer input to the host through `jaxft.offload`."""
     def layer_fn(carry, layer_state, index):
         layer = nnx.merge(graphdef, layer_state)
         carry = constrain_rows(carry)  # rows stay split: the partitioner gathers this layer's weights instead
@@ -231,4 +247,7 @@ def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_
 
     if not policy.checkpointed:
         return layer_fn
+    if transfer == "explicit":  # layer input to host by hand, full recompute (jaxft.offload)
+        offloaded = host_offloaded(layer_fn)
+        return lambda carry, layer_state, index: offloaded(carry, layer_state, layer_index(index))
     return jax.checkpoint(layer_fn, policy=policy.jax_policy(), prevent_cse=prevent_cse)
