@@ -19,15 +19,16 @@ the others in the block and the attention ops).
 CSE barriers (`prevent_cse`): unrolled layers are separate program regions, so XLA could merge a layer's
 recomputation back into its forward pass; the barriers keep remat meaning remat there (inside a scan the
 forward and backward loops are separate and the barriers would only constrain fusion). On GPUs a layer whose
-policy offloads goes without the outer barrier: its backward starts from the copy moved back from the host (a
-side-effecting placement op XLA does not merge with the forward), so nothing can be CSE'd into the forward,
-while the barrier would wrap the host-resident residual in an optimization barrier between the copy to the
-host and the copy back - a pattern the scan never produces, and the one difference between the scanned
-layers, whose offload XLA kept on the H200, and the unrolled ones, whose offload it did not
-(docs/benchmarks.md: 13.47 GiB temp unrolled, about the no-remat temp, vs 1.30 GiB scanned).
-`tests/test_remat_gpu.py` checks the compiled memory on the GPU. On the CPU JAX lowers no placement ops
-(there is no host offload to keep): an offloading policy is a plain remat there and keeps its barriers, or
-XLA merges the recompute back into the forward.
+policy offloads goes without the outer barrier: its backward starts from the copy moved back from the host, so
+nothing can be CSE'd into the forward.
+
+Host offload of the layer input (`resolve_transfer`): in the scan, jax.checkpoint's offload policy, whose copies
+XLA keeps (they go through the loop's stacked host buffer); in the unrolled loop XLA folded the policy's copy to
+the host and copy back into nothing (docs/benchmarks.md section 10: no S(5) value in the compiled program), so
+remat "offload" there takes the explicit transfer of `jaxft.offload` (ExecutionConfig.offload_transfer), whose
+copy back reads an optimization barrier. `tests/test_remat_gpu.py` checks the compiled memory on the GPU,
+`scripts/offload_probe.py` measures every combination. On the CPU JAX lowers no placement ops (there is no host
+offload to keep): an offloading policy is a plain remat there.
 """
 
 from __future__ import annotations
