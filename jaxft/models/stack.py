@@ -134,9 +134,10 @@ def layer_period(groups: list[LayerGroup]) -> int | None:
 
 def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
                group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, policy: RematPolicy,
-               router_stats: jax.Array | None = None):
+               policy_layers: int | None = None, router_stats: jax.Array | None = None):
     """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled, each
-    layer rematerialised per `policy` (see the module docstring for the CSE barriers). Stacked weights of a
+    layer rematerialised per `policy` (see the module docstring for the CSE barriers); with `policy_layers` = N
+    only layers 0..N-1 are, the rest run without remat (unrolled layers only: a scan body is one policy). Stacked weights of a
     periodic stack scan over whole periods (`layer_period`), the rest by group.
 
     `layers`: the stacked layer module, or {stack name: module} (`layer_stacks`) when groups name several.
@@ -148,13 +149,16 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     states = {name: state for name, (_, state) in split.items()}
     unrolled = any(is_unstacked(state) for state in states.values())
     num_layers = groups[-1].end
+    if policy_layers is not None and not unrolled:
+        raise ValueError("run_groups: policy_layers (ExecutionConfig.remat_layers) needs per-layer weight buffers "
+                         "(layer_loop: unroll)")
+    without = RematPolicy("none")
 
-    transfer = resolve_transfer(policy, unrolled)
-
-    def fn_for(group):
+    def fn_for(group, policy=policy):
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
         fn = _layer_fn(split[group.stack][0], ctx, dropout_rng, policy=policy,
-                       prevent_cse=unrolled and not (policy.offloads and _places_memory()), transfer=transfer)
+                       prevent_cse=unrolled and not (policy.offloads and _places_memory()),
+                       transfer=resolve_transfer(policy, unrolled))
         if router_stats is None:
             return fn
         return _summing_stats(fn) if "router_token_weights" in ctx else _passing_stats(fn)
@@ -192,8 +196,14 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         state = states[group.stack]
         first, n = group.first_row, group.end - group.start
         if unrolled:
+            rest_fn = None
             for k in range(n):
-                carry = layer_fn(carry, layer_slice(state, first + k), group.start + k)
+                index = group.start + k
+                if policy_layers is not None and index >= policy_layers:
+                    rest_fn = rest_fn or fn_for(group, without)
+                    carry = rest_fn(carry, layer_slice(state, first + k), index)
+                else:
+                    carry = layer_fn(carry, layer_slice(state, first + k), index)
             continue
         whole = first == 0 and all(leaf.shape[0] == n for leaf in jax.tree.leaves(state))
         run_state = state if whole else jax.tree.map(lambda leaf: leaf[first:first + n], state)

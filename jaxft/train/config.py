@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 # Part field -> flat key. ExecutionConfig's and OptimConfig's fields are the flat keys themselves.
-EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "layer_loop", "ce_chunk_size",
+EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "remat_layers", "layer_loop", "ce_chunk_size",
                                   "mlp_chunk_size", "max_memory_gb", "host_memory_gb", "compiler_options")}
 OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
                               "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")}
@@ -137,6 +137,9 @@ class TrainConfig:
     # none, full, dots, offload, offload+attn, offload_stream, offload_all, auto, or selective: "save=attn_out,attn_lse;offload=
     # layer_input" or a mapping {save: [...], offload: [...]} (jaxft.remat lists the residual names).
     remat: str | dict | None = None
+    # The remat policy on the first N layers only, the rest without remat (null: every layer); needs the unrolled
+    # layer loop. `remat: auto` sets it itself when no remat does not fit but remat on a few layers does.
+    remat_layers: int | None = None
     # auto's device budget in GiB (null: the device's free memory less a margin); offload_all's host budget.
     max_memory_gb: float | None = None
     host_memory_gb: float | None = None
