@@ -14,6 +14,11 @@ The model holds parameters and math; everything that changes speed or memory but
   to the first N layers only and runs the rest without remat (None: every layer): memory falls by about one
   layer's residuals per layer at the recompute cost of that layer alone, the steps between "none" and a policy
   on all layers (unrolled loop only; "auto" picks N when "none" does not fit, `jaxft.run.Run.choose_remat`).
+- `offload_transfer`: how remat "offload" moves each layer input to pinned host memory: "policy" (jax.checkpoint's
+  offload policy), "explicit" (`jaxft.offload`: the two copies written in a custom VJP, the copy back ordered
+  after the layer's output cotangent) or "auto" (explicit in the unrolled loop, whose policy copies XLA folds
+  away, the policy in the scan, whose copies XLA keeps). Other offloading policies keep more than the layer
+  input and always use the policy.
 - `layer_loop`: "scan" runs one layer body over stacked weights; "unroll" one program region per layer over
   per-layer weight buffers (no weight-slice copies, longer compile); "auto" unrolls only without remat (the
   host offload of unrolled layers is not yet confirmed on the GPU: tests/test_remat_gpu.py).
@@ -39,6 +44,7 @@ from jaxft.config import ConfigError
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "cudnn")
 REMAT_POLICIES = remat_policies.FIXED  # plus selective 'save=..;offload=..' strings
 LAYER_LOOPS = ("auto", "scan", "unroll")
+OFFLOAD_TRANSFERS = ("auto", "policy", "explicit")
 CE_IMPLEMENTATIONS = ("xla", "reference")
 
 
@@ -67,6 +73,7 @@ class ExecutionConfig:
     host_memory_gb: float | None = None
     ce_implementation: str = "xla"
     compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    offload_transfer: str = "auto"
 
     def __post_init__(self):
         _choice("attention_implementation", self.attention_implementation, ATTENTION_IMPLEMENTATIONS)
@@ -88,6 +95,7 @@ class ExecutionConfig:
                 raise ExecutionConfigError("remat_layers", "needs the unrolled layer loop (one region per layer); set "
                                            "layer_loop: unroll (or auto), or drop remat_layers")
         _choice("ce_implementation", self.ce_implementation, CE_IMPLEMENTATIONS)
+        _choice("offload_transfer", self.offload_transfer, OFFLOAD_TRANSFERS)
         chunk = self.ce_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ExecutionConfigError("ce_chunk_size", f"value {chunk!r} must be an integer >= 1 (or null for the "
@@ -114,11 +122,13 @@ class ExecutionConfig:
 
     def layer_policy(self, cfg, batch: int, seq: int, itemsize: int) -> remat_policies.RematPolicy:
         """The per-layer policy for a [batch, seq] micro-batch of model `cfg`: "offload_all" spends
-        `host_memory_gb` on the names in `jaxft.remat.NAMES` order (`budget_offload_all`)."""
+        `host_memory_gb` on the names in `jaxft.remat.NAMES` order (`budget_offload_all`); the policy carries
+        `offload_transfer`."""
         names = remat_policies.NAMES
         if self.remat == "offload_all":
             names, _ = remat_policies.budget_offload_all(cfg, batch, seq, itemsize, self.host_memory_gb)
-        return remat_policies.parse(self.remat, offload_all=names)
+        policy = remat_policies.parse(self.remat, offload_all=names)
+        return dataclasses.replace(policy, transfer=self.offload_transfer)
 
     def resolved_ce_chunk(self, num_tokens: int, vocab_size: int, hidden_size: int, itemsize: int) -> int | None:
         """`ce_chunk_size`, or when None the rule by length: without remat, the kernel's default (a fixed
@@ -148,4 +158,4 @@ class ExecutionConfig:
     def __hash__(self) -> int:
         return hash((self.attention_implementation, self.remat, self.remat_layers, self.layer_loop, self.ce_chunk_size,
                      self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb, self.ce_implementation,
-                     tuple(sorted(self.compiler_options.items()))))
+                     tuple(sorted(self.compiler_options.items())), self.offload_transfer))
