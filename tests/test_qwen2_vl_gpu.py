@@ -4,13 +4,11 @@ the fp32 reference attention, for head_dim 64 (a Pallas tile size) and 80 (the r
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from gpu_helpers import NO_AUTOTUNE
 from jaxft.models.vision import VisionConfig, VisionTower
 from lora_helpers import rel_err
 
@@ -37,17 +35,10 @@ def test_tower_kernels_match_reference(kind, head_dim):
         out = tower(pixels, jnp.asarray(GRIDS), implementation=implementation)
         return jnp.sum(out.astype(jnp.float32) ** 2), out
 
+    @nnx.jit(static_argnums=1)
     def run(tower, implementation):
-        graphdef, state = nnx.split(tower)
-
-        def out_and_grad(state):
-            (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(nnx.merge(graphdef, state), pixels,
-                                                                    implementation)
-            return out.astype(jnp.float32), grads.patch_embed.kernel[...].astype(jnp.float32)
-
-        # jit, not lower().compile(): on the H200 the AOT call of the head_dim-80 program dropped its hoisted
-        # constants ("compiled for 24 inputs but called with 18")
-        return jax.jit(out_and_grad, compiler_options=NO_AUTOTUNE)(state)
+        (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(tower, pixels, implementation)
+        return out.astype(jnp.float32), grads.patch_embed.kernel[...].astype(jnp.float32)
 
     want, want_grad = run(tower, "reference")
     got, got_grad = run(VisionTower(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), "auto")
