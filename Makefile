@@ -1,5 +1,5 @@
 # `make demo` and `make test` each set up .venv first (scripts/setup.sh finds a Python >= 3.12).
-.PHONY: setup demo test test-fast gpu-check
+.PHONY: setup demo demo-vlm test test-fast gpu-check
 
 setup:
 	scripts/setup.sh
@@ -7,6 +7,11 @@ setup:
 demo:
 	scripts/setup.sh --demo
 	.venv/bin/jaxft-train examples/quickstart.yaml overwrite_output_dir=true
+
+# The vision-language example: a LoRA on the tiny random Qwen2-VL over synthetic pictures (examples/vlm.yaml).
+demo-vlm:
+	scripts/setup.sh --demo
+	.venv/bin/jaxft-train examples/vlm.yaml overwrite_output_dir=true
 
 test: setup
 	.venv/bin/python -m pytest -q tests

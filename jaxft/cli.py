@@ -149,6 +149,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _auto_class(model_dir: Path) -> str:
+    """The transformers Auto class that loads the base model: image-text-to-text for a vision-language model."""
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    return "AutoModelForImageTextToText" if "vision_config" in config else "AutoModelForCausalLM"
+
+
 def _resume_command(args) -> str:
     """The command line that continues this run from its latest checkpoint."""
     return " ".join(shlex.quote(w) for w in [PROG, args.config, *args.overrides, "--resume"])
@@ -222,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
               f"loss curve:  {result.loss_curve}" if result.loss_curve else
               "loss curve:  skipped (matplotlib is not installed)",
               f"checkpoints: {result.checkpoint_dir}",
-              f"load in PEFT: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('{base}'), "
+              f"load in PEFT: PeftModel.from_pretrained({_auto_class(base)}.from_pretrained('{base}'), "
               f"'{result.adapter_dir}')"]
     print("\n".join(lines))
     return 0

@@ -10,7 +10,15 @@ The model holds parameters and math; everything that changes speed or memory but
   "full", "dots", "offload", "offload+attn", "offload_stream", "offload_all", "save=..;offload=..", "auto"); a mapping
   {save: [...], offload: [...]} is accepted and stored as its canonical string. `host_memory_gb` bounds what
   "offload_all" puts in host memory (None: no bound); `max_memory_gb` is "auto"'s device budget (None: the
-  device's free memory less a margin, `jaxft.run.default_memory_budget`).
+  device's free memory less a margin, `jaxft.run.default_memory_budget`). `remat_layers` = N applies the policy
+  to the first N layers only and runs the rest without remat (None: every layer): memory falls by about one
+  layer's residuals per layer at the recompute cost of that layer alone, the steps between "none" and a policy
+  on all layers (unrolled loop only; "auto" picks N when "none" does not fit, `jaxft.run.Run.choose_remat`).
+- `offload_transfer`: how remat "offload" moves each layer input to pinned host memory: "policy" (jax.checkpoint's
+  offload policy), "explicit" (`jaxft.offload`: the two copies written in a custom VJP, the copy back ordered
+  after the layer's output cotangent) or "auto" (explicit in the unrolled loop, whose policy copies XLA folds
+  away, the policy in the scan, whose copies XLA keeps). Other offloading policies keep more than the layer
+  input and always use the policy.
 - `layer_loop`: "scan" runs one layer body over stacked weights; "unroll" one program region per layer over
   per-layer weight buffers (no weight-slice copies, longer compile); "auto" unrolls only without remat (the
   host offload of unrolled layers is not yet confirmed on the GPU: tests/test_remat_gpu.py).
@@ -36,6 +44,7 @@ from jaxft.config import ConfigError
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "cudnn")
 REMAT_POLICIES = remat_policies.FIXED  # plus selective 'save=..;offload=..' strings
 LAYER_LOOPS = ("auto", "scan", "unroll")
+OFFLOAD_TRANSFERS = ("auto", "policy", "explicit")
 CE_IMPLEMENTATIONS = ("xla", "reference")
 
 
@@ -56,6 +65,7 @@ def _choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
 class ExecutionConfig:
     attention_implementation: str = "auto"
     remat: str = "none"
+    remat_layers: int | None = None
     layer_loop: str = "auto"
     ce_chunk_size: int | None = None
     mlp_chunk_size: int | None = None
@@ -63,6 +73,7 @@ class ExecutionConfig:
     host_memory_gb: float | None = None
     ce_implementation: str = "xla"
     compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    offload_transfer: str = "auto"
 
     def __post_init__(self):
         _choice("attention_implementation", self.attention_implementation, ATTENTION_IMPLEMENTATIONS)
@@ -71,7 +82,20 @@ class ExecutionConfig:
         except remat_policies.RematError as e:
             raise ExecutionConfigError("remat", str(e).removeprefix("remat ")) from None
         _choice("layer_loop", self.layer_loop, LAYER_LOOPS)
+        n = self.remat_layers
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ExecutionConfigError("remat_layers", f"value {n!r} must be an integer >= 0 (or null for every "
+                                                           "layer)")
+            if self.remat in ("none", "auto"):
+                raise ExecutionConfigError("remat_layers", f"is set ({n}) but remat is {self.remat!r}: it applies a "
+                                           "remat policy to the first N layers, so set remat to that policy (e.g. "
+                                           "full), or drop remat_layers")
+            if self.layer_loop == "scan":
+                raise ExecutionConfigError("remat_layers", "needs the unrolled layer loop (one region per layer); set "
+                                           "layer_loop: unroll (or auto), or drop remat_layers")
         _choice("ce_implementation", self.ce_implementation, CE_IMPLEMENTATIONS)
+        _choice("offload_transfer", self.offload_transfer, OFFLOAD_TRANSFERS)
         chunk = self.ce_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ExecutionConfigError("ce_chunk_size", f"value {chunk!r} must be an integer >= 1 (or null for the "
@@ -98,11 +122,13 @@ class ExecutionConfig:
 
     def layer_policy(self, cfg, batch: int, seq: int, itemsize: int) -> remat_policies.RematPolicy:
         """The per-layer policy for a [batch, seq] micro-batch of model `cfg`: "offload_all" spends
-        `host_memory_gb` on the names in `jaxft.remat.NAMES` order (`budget_offload_all`)."""
+        `host_memory_gb` on the names in `jaxft.remat.NAMES` order (`budget_offload_all`); the policy carries
+        `offload_transfer`."""
         names = remat_policies.NAMES
         if self.remat == "offload_all":
             names, _ = remat_policies.budget_offload_all(cfg, batch, seq, itemsize, self.host_memory_gb)
-        return remat_policies.parse(self.remat, offload_all=names)
+        policy = remat_policies.parse(self.remat, offload_all=names)
+        return dataclasses.replace(policy, transfer=self.offload_transfer)
 
     def resolved_ce_chunk(self, num_tokens: int, vocab_size: int, hidden_size: int, itemsize: int) -> int | None:
         """`ce_chunk_size`, or when None the rule by length: without remat, the kernel's default (a fixed
@@ -120,15 +146,16 @@ class ExecutionConfig:
 
     @property
     def resolved_layer_loop(self) -> str:
-        """"auto" unrolls only without remat: the host offload and recompute policies are tuned for the scan."""
+        """"auto" unrolls only without remat or with remat on some layers (`remat_layers`): the host offload and
+        recompute policies on every layer are tuned for the scan."""
         if self.layer_loop != "auto":
             return self.layer_loop
-        return "unroll" if self.remat == "none" else "scan"
+        return "unroll" if self.remat == "none" or self.remat_layers is not None else "scan"
 
     def replace(self, **changes) -> "ExecutionConfig":
         return dataclasses.replace(self, **changes)
 
     def __hash__(self) -> int:
-        return hash((self.attention_implementation, self.remat, self.layer_loop, self.ce_chunk_size,
+        return hash((self.attention_implementation, self.remat, self.remat_layers, self.layer_loop, self.ce_chunk_size,
                      self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb, self.ce_implementation,
-                     tuple(sorted(self.compiler_options.items()))))
+                     tuple(sorted(self.compiler_options.items())), self.offload_transfer))

@@ -81,6 +81,9 @@ class RematPolicy:
     kind: str
     save: tuple[str, ...] = ()
     offload: tuple[str, ...] = ()
+    # How an offloaded layer input travels (ExecutionConfig.offload_transfer): "policy" (jax.checkpoint's offload
+    # policy), "explicit" (jaxft.offload: copies written in a custom VJP) or "auto" (explicit in unrolled loops).
+    transfer: str = "auto"
 
     @property
     def checkpointed(self) -> bool:
@@ -89,6 +92,12 @@ class RematPolicy:
     @property
     def offloads(self) -> bool:
         return bool(self.offload)
+
+    @property
+    def explicit_capable(self) -> bool:
+        """Whether `jaxft.offload` can run this policy: the layer input offloaded, nothing else kept (remat
+        "offload"); its backward recomputes the whole layer, so a policy that keeps other residuals cannot."""
+        return self.kind == "names" and self.offload == (LAYER_INPUT,) and not self.save
 
     def jax_policy(self):
         """The `jax.checkpoint` policy of one layer."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -320,29 +321,61 @@ class Run:
         log(f"remat auto: device budget {budget / GIB:.2f} GiB ({source}); candidates in order of expected speed: "
             f"{', '.join(AUTO_ORDER)}")
         seconds, self.remat_estimates = 0.0, {}
-        for policy in AUTO_ORDER:
-            self.execution = base.replace(remat=policy)
+
+        def fits(policy: str, layers: int | None = None) -> bool:
+            nonlocal seconds
+            self.execution = base.replace(remat=policy, remat_layers=layers)
             self.compile(host_batch)
             seconds += self.compile_seconds
             m = self.memory_analysis()
-            estimate = self.remat_estimates[policy] = peak_estimate(m)
-            fits = estimate <= budget
-            log(f"remat auto: {policy:<12} estimated peak {estimate / GIB:.3f} GiB (arguments "
+            name = policy if layers is None else f"{policy} on {layers} layers"
+            estimate = self.remat_estimates[name] = peak_estimate(m)
+            ok = estimate <= budget
+            log(f"remat auto: {name:<12} estimated peak {estimate / GIB:.3f} GiB (arguments "
                 f"{m.get('argument_size_in_bytes', 0) / GIB:.3f} + outputs {m.get('output_size_in_bytes', 0) / GIB:.3f}"
                 f" + temp {m.get('temp_size_in_bytes', 0) / GIB:.3f} - aliased {m.get('alias_size_in_bytes', 0) / GIB:.3f})"
-                f" -> {'fits: chosen' if fits else 'does not fit'}")
-            if fits:
+                f" -> {'fits: chosen' if ok else 'does not fit'}")
+            if ok:
+                self.compile_seconds = seconds
+            return ok
+
+        for policy in AUTO_ORDER:
+            if fits(policy):
                 rest = AUTO_ORDER[AUTO_ORDER.index(policy) + 1:]
                 if rest:
                     log(f"remat auto: chose {policy} (not compiled: {', '.join(rest)}, expected slower)")
-                self.compile_seconds = seconds
                 return policy
+            if policy == "none" and self._partial_remat(fits, budget):
+                return self.execution.remat
         self.execution, self._compiled, self._compiled_spec = base, None, None
         smallest = min(self.remat_estimates, key=self.remat_estimates.get)
         raise ExecutionConfigError(
             "max_memory_gb", f"no remat policy fits in {budget / GIB:.3f} GiB ({source}): the smallest estimate is "
             f"{smallest} at {self.remat_estimates[smallest] / GIB:.3f} GiB; raise max_memory_gb, or lower "
             "per_device_train_batch_size / max_seq_length")
+
+    def _partial_remat(self, fits, budget: int) -> bool:
+        """After "none" does not fit: full remat on the first k layers only (`remat_layers`), the smallest k that
+        fits by the per-layer saving measured from one more compile (full remat on every unrolled layer), then
+        checked by compiling k itself (once more with k grown by the remaining excess if the estimate was
+        short). Models of 4 layers or more; taken only while k <= 3/4 of the layers: full remat of one layer costs about a third of that
+        layer's step, so beyond that recomputing every layer's projections and MLP but not its attention
+        (offload+attn, next in `AUTO_ORDER`) is expected to be cheaper. Returns whether a k fitted (the step is
+        then compiled and `execution` holds it)."""
+        layers = self.model_config.num_layers
+        none = self.remat_estimates["none"]
+        if layers < 4 or not fits("full", layers):  # below 4 layers one layer's step is within the estimates' noise
+            return False
+        per_layer = (none - self.remat_estimates[f"full on {layers} layers"]) / layers
+        limit = (3 * layers) // 4
+        k = math.ceil((none - budget) / per_layer) if per_layer > 0 else layers
+        for _ in range(2):
+            if k > limit:
+                return False
+            if fits("full", k):
+                return True
+            k += max(1, math.ceil((self.remat_estimates[f"full on {k} layers"] - budget) / per_layer))
+        return False
 
     def step(self, host_batch: dict[str, np.ndarray], step_index: int) -> dict[str, jax.Array]:
         """One optimizer update on `host_batch` (compiled on first use); returns the step's metrics, still on

@@ -9,7 +9,8 @@ Implementation names mean the same thing in every op:
                    fewer residuals); runs everywhere.
   "pallas"         Pallas kernels on the Triton backend (NVIDIA GPUs); off the GPU the same kernels run
                    in interpret mode, which is a test vehicle, so ``supported_on`` says False there.
-  "pallas_mosaic"  reserved for a Mosaic GPU port of the Pallas kernels (none registered yet).
+  "pallas_mosaic"  Pallas kernels on the Mosaic GPU backend (Hopper wgmma/TMA; grouped_matmul); off the GPU
+                   they run in Mosaic GPU's interpreter, a test vehicle like "pallas"'s.
   "cudnn"          cuDNN's fused kernels through XLA (NVIDIA GPUs only).
 
 ``None`` and ``"auto"`` ask the op to choose: ``Op.resolve`` takes the first implementation of the op's
@@ -47,6 +48,8 @@ class Implementation:
 
     ``platforms``: where it runs natively (and may be picked by ``auto``).  ``interpret_platforms``: where
     it can still be asked for by name because it runs in an interpreter there (Pallas on CPU).
+    ``device_check``: a further condition on a device of those platforms (e.g. a compute capability), given
+    the ``jax.Device``, or for a platform name the default device when it is of that platform.
     ``fn`` is the callable the op's api invokes; its signature is the op's business.
     """
 
@@ -55,10 +58,19 @@ class Implementation:
     platforms: tuple[str, ...]
     interpret_platforms: tuple[str, ...] = ()
     summary: str = ""
+    device_check: Callable | None = None
 
     def supported_on(self, device=None) -> bool:
         """True iff this implementation runs natively on ``device`` (a ``jax.Device`` or platform name)."""
-        return _platform(device) in self.platforms
+        if _platform(device) not in self.platforms:
+            return False
+        if self.device_check is None:
+            return True
+        if device is None or isinstance(device, str):
+            device = jax.devices()[0]
+            if _platform(device) not in self.platforms:
+                return False
+        return bool(self.device_check(device))
 
     def runs_on(self, device=None) -> bool:
         """True iff it can run on ``device`` at all: natively or in interpret mode."""

@@ -3,7 +3,9 @@
 # Results go under $OUT (JSON + markdown + logs; at most 8 files come back: check.log, forward.json,
 # attention.{json,md}, bench_train.{json,md}, bench_logs.tgz). Phases and sizes are chosen by environment variables so
 # one script serves a quick check and the full scoreboard:
-#   PHASES="env tests forward attention ce train"   (default: all; "nf4" adds the 4-bit matmul benchmark)
+#   PHASES="env tests forward attention ce train"   (default: all; "nf4" adds the 4-bit matmul benchmark, "gmm" the
+#   MoE grouped-matmul benchmark: xla ragged_dot / pallas_mosaic / dense, written to gmm.json, GMM_TIMEOUT_S=150;
+#   "offload" the host-offload probe: $OUT/offload_probe.jsonl; OFFLOAD_DUMP=variant,... adds $OUT/offload_dump.tgz)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
 #   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
 #   TESTS_WORKERS=4 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)
@@ -82,10 +84,29 @@ if has ce; then
     2>&1 | tail -30 | tee -a "$OUT/check.log"
 fi
 
+if has offload; then
+  # Host-offloaded remat: copies in the compiled HLO, temp and real peaks per policy / loop / attention / transfer
+  # (one JSON line per variant; scripts/offload_probe.py says what is counted). About 2-3 minutes on an H200.
+  stamp "offload probe (remat none/full/offload/offload_explicit x scan/unroll, mini + 4-layer 1B-width recipe)"
+  # OFFLOAD_DUMP="mini/offload,jaxft/offload_explicit/unroll" also dumps those variants' HLO (before/after XLA's
+  # passes, the host-offload passes, buffer assignment) into $OUT/offload_dump.tgz.
+  dump=()
+  [ -n "${OFFLOAD_DUMP:-}" ] && dump=(--dump /tmp/offload_dump --dump-only "$OFFLOAD_DUMP")
+  timeout "${OFFLOAD_TIMEOUT_S:-300}" python3 scripts/offload_probe.py --out "$OUT/offload_probe.jsonl" \
+    "${dump[@]}" ${OFFLOAD_ARGS:-} 2>&1 | tee -a "$OUT/check.log" | grep "^#"
+  [ -d /tmp/offload_dump ] && tar czf "$OUT/offload_dump.tgz" -C /tmp offload_dump
+fi
+
 if has nf4; then
   stamp "nf4 matmul benchmark (8B projections, M = 4k..16k: dense bf16 vs dequantise-then-matmul)"
   timeout "${NF4_TIMEOUT_S:-120}" python3 -m kernels_pallas.nf4_matmul.bench --iters 5 \
     2>&1 | tail -30 | tee -a "$OUT/check.log"
+fi
+
+if has gmm; then
+  stamp "grouped matmul benchmark (MoE expert shapes: lax.ragged_dot vs the Mosaic GPU kernels vs dense)"
+  timeout "${GMM_TIMEOUT_S:-150}" python3 -m kernels_pallas.grouped_matmul.bench --json "$OUT/gmm.json" \
+    2>&1 | grep -v '^  File\|^    ' | tail -40 | tee -a "$OUT/check.log"
 fi
 
 if has train; then

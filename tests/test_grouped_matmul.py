@@ -78,3 +78,78 @@ def test_bad_shapes_are_one_line_naming_the_file():
         grouped_matmul(lhs.astype(jnp.bfloat16), rhs, sizes)
     with pytest.raises(ValueError, match=r"grouped_matmul has no implementation='triton'"):
         grouped_matmul(lhs, rhs, sizes, implementation="triton")
+
+
+# --------------------------------------------------------------------------- the Mosaic GPU kernels' schedule
+
+
+@pytest.mark.parametrize("sizes,m,block_m", [((0, 5, 0, 1, 9, 0), 15, 8), ((70, 0, 61, 3, 0, 50), 200, 64),
+                                             ((64, 64), 128, 64), ((0, 0, 0), 40, 16)])
+def test_row_tiles_cover_every_row_once_inside_its_block_and_group(sizes, m, block_m):
+    from kernels_pallas.grouped_matmul.mosaic import row_tiles
+
+    group, block, lo, hi = (np.asarray(a) for a in row_tiles(jnp.asarray(sizes, jnp.int32), m, block_m))
+    g = len(sizes)
+    assert group.shape == (-(-m // block_m) + g,)
+    ends = np.concatenate([np.cumsum(sizes), [m]])
+    starts = np.concatenate([[0], ends[:-1]])
+    owner = np.full(m, -1)
+    for t in range(len(group)):
+        if hi[t] == lo[t]:
+            continue
+        assert group[t] <= g and block[t] * block_m <= lo[t] < hi[t] <= (block[t] + 1) * block_m
+        assert starts[group[t]] <= lo[t] and hi[t] <= ends[group[t]]
+        assert np.all(owner[lo[t]:hi[t]] == -1), f"tile {t} overlaps an earlier tile"
+        owner[lo[t]:hi[t]] = group[t]
+    want = np.repeat(np.arange(g + 1), np.diff(np.concatenate([[0], ends])))  # row -> group (g: past the end)
+    np.testing.assert_array_equal(owner, want)
+
+
+def test_mosaic_kernels_with_several_row_blocks_and_contraction_steps():
+    """Interpret mode with 64-row tiles: groups straddle blocks, two blocks share a boundary, K and N take
+    several steps / tiles, an empty group sits between two others, and 16 rows are left over."""
+    from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_drhs, gmm_rows
+
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, dw_block_k=64, dw_block_n=64, dw_block_t=64,
+                     dw_stages=2)
+    sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    lhs = jax.random.normal(k1, (200, 128), jnp.float32)
+    rhs = jax.random.normal(k2, (6, 128, 192), jnp.float32)
+    dout = jax.random.normal(k3, (200, 192), jnp.float32)
+    want_out, want_dlhs, want_drhs = _loop(lhs, rhs, sizes, dout)
+    _close(gmm_rows(lhs, rhs, sizes, cfg, interpret=True), want_out, "float32", "out")
+    _close(gmm_rows(dout, rhs, sizes, cfg, transpose_rhs=True, interpret=True), want_dlhs, "float32", "d lhs")
+    _close(gmm_drhs(lhs, dout, sizes, cfg, interpret=True), want_drhs, "float32", "d rhs")
+
+
+def test_auto_is_xla_on_cpu_and_the_kernels_only_on_hopper():
+    import types
+
+    from kernels_pallas.grouped_matmul.mosaic import grouped_matmul_mosaic
+
+    assert OP.resolve("auto", "cpu").name == "xla" and OP.resolve(None, "cpu").name == "xla"
+    mosaic = OP.get("pallas_mosaic")
+    gpu = lambda cc: types.SimpleNamespace(platform="gpu", compute_capability=cc)
+    assert mosaic.supported_on(gpu("9.0")) and not mosaic.supported_on(gpu("8.0"))
+    assert not mosaic.supported_on("cpu") and mosaic.runs_on("cpu")  # interpret mode, by name only
+    assert OP.default_for(gpu("9.0")) == "pallas_mosaic" and OP.default_for(gpu("8.6")) == "xla"
+    lhs, rhs, sizes, _ = make_inputs(TEST_SHAPES[0])
+    with pytest.raises(ValueError, match=r"grouped_matmul/mosaic.py: .*bfloat16/float16 operands, got float32"):
+        grouped_matmul_mosaic(lhs, rhs, sizes, interpret=False)
+
+
+@pytest.mark.parametrize("split,transpose", [("n", False), ("m", True)])
+def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose):
+    """The memory-warpgroup + two-compute-warpgroup variant in interpret mode, each way of splitting the tile
+    (N halves with rhs as stored, M halves with rhs read transposed as d lhs does)."""
+    from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows_ws
+
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split)
+    sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
+    k1, k2 = jax.random.split(jax.random.key(4))
+    lhs = jax.random.normal(k1, (200, 128), jnp.float32)
+    rhs = jax.random.normal(k2, (6, 128, 256), jnp.float32)
+    got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
+                      interpret=True)
+    _close(got, _loop(lhs, rhs, sizes, np.zeros((200, 256)))[0], "float32", f"out (split {split})")

@@ -203,10 +203,11 @@ def _processed(sizes, seed=0):
     return out["pixel_values"].astype(np.float32), out["image_grid_thw"].astype(np.int64)
 
 
-def _hf_logits(model, ids, pixels, grids):
+def _hf_logits(model, ids, pixels, grids, image_token_id=IMAGE):
+    """transformers' logits (the oracle) of rows `ids` with the processor's images (pixels None: text only)."""
     with torch.no_grad():
         kw = {} if pixels is None else dict(pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grids))
-        return model(input_ids=torch.tensor(ids), mm_token_type_ids=torch.tensor(ids == IMAGE).int(),
+        return model(input_ids=torch.tensor(ids), mm_token_type_ids=torch.tensor(ids == image_token_id).int(),
                      **kw).logits.float().numpy()
 
 

@@ -5,6 +5,8 @@ the CPU backend lowers no memory placement, so only the GPU test shows the compi
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -242,3 +244,53 @@ def test_offload_stream_also_moves_what_sandwich_output_norms_read():
     sizes = residual_bytes(GEMMA, 1, 64, 4)
     assert sizes["attn_proj"] == sizes["mlp_out"] == sizes["layer_input"] > 0
     assert residual_bytes(LLAMA, 1, 64, 4)["attn_proj"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- explicit transfer
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+def test_explicit_offload_gives_the_gradients_of_no_remat(model_case, loop):
+    """jaxft.offload (the layer input to host in a custom VJP, full recompute from the copy): the gradients of
+    no remat, as every policy (same tolerance and reason as above)."""
+    cfg, split, want = model_case
+    want_loss, want_grads = want[loop]
+    loss, got = grads(cfg, split, "offload", loop, offload_transfer="explicit")
+    assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
+    for g, w in zip(got, want_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * float(np.max(np.abs(w))))
+
+
+def _host_barriers(jaxpr: str) -> int:
+    """Optimization barriers with a host-memory value among their results (the explicit transfer's backward)."""
+    return sum(1 for line in jaxpr.splitlines() if "optimization_barrier" in line and "<host>" in line)
+
+
+@pytest.mark.parametrize("transfer, loop, barriers", [("auto", "unroll", 3), ("auto", "scan", 0), ("policy", "unroll", 0),
+                                                      ("explicit", "scan", 1)])
+def test_the_copy_back_of_an_explicit_offload_waits_behind_a_barrier(transfer, loop, barriers):
+    """With the explicit transfer every copy back to the device reads an optimization barrier that holds the host
+    copy and the layer's output cotangent (what keeps XLA from folding the copy pair, jaxft.offload); `auto`
+    takes it in the unrolled loop only. Still one placement each way per layer (the scan: one body)."""
+    cfg = llama(3)
+    graphdef, lora, frozen = lora_split(cfg)
+    frozen = unstack_layers(frozen) if loop == "unroll" else frozen
+    batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
+    ex = ExecutionConfig(attention_implementation="reference", remat="offload", layer_loop=loop,
+                         offload_transfer=transfer)
+    fn = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])
+    assert _host_barriers(str(jax.make_jaxpr(fn)(lora, frozen, batch))) == barriers
+    hlo = fn.trace(lora, frozen, batch).lower(lowering_platforms=("cuda",)).as_text()
+    layers = 3 if loop == "unroll" else 1
+    assert hlo.count('_xla_buffer_placement = "pinned_host"') == hlo.count('_xla_buffer_placement = "device"') == layers
+    if barriers:
+        # `%12 = stablehlo.custom_call @annotate_device_placement(%11#0) {... "device"}` with %11 a barrier's result
+        results = {m.group(1) for m in re.finditer(r"(%\d+):\d+ = stablehlo.optimization_barrier", hlo)}
+        backs = re.findall(r"@annotate_device_placement\((%\d+)#\d+\)[^\n]*_xla_buffer_placement = \"device\"", hlo)
+        assert len(backs) == layers and set(backs) <= results
+
+
+def test_offload_transfer_is_validated_and_carried_by_the_layer_policy():
+    with pytest.raises(ExecutionConfigError, match="key 'offload_transfer': value 'manual' is not one of"):
+        ExecutionConfig(offload_transfer="manual")
+    ex = ExecutionConfig(remat="offload", offload_transfer="explicit")
+    assert ex.layer_policy(LLAMA, 1, 64, 4).transfer == "explicit" and hash(ex) != hash(ex.replace(offload_transfer="auto"))
+    assert parse("offload").explicit_capable and not parse("offload+attn").explicit_capable

@@ -113,10 +113,12 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert (policies["auto_40gb"].remat, policies["auto_40gb"].max_memory_gb) == ("auto", 37.25)
     qlora = load_config(REPO / "examples/bench/qlora.yaml")
     assert (qlora.quant.quant_type, qlora.quant.double_quant, qlora.execution) == ("nf4", True, fast)
+    qlora_lean = load_config(REPO / "examples/bench/qlora_lean.yaml")
+    assert (qlora_lean.quant, qlora_lean.execution) == (qlora.quant, policies["full_remat"])
     assert (policies["offload_all"].host_memory_gb, policies["offload_unroll"].resolved_layer_loop) == (100, "unroll")
 
 
-@pytest.mark.parametrize("mode", ["fast", "lean", "offload_attn", "qlora"])
+@pytest.mark.parametrize("mode", ["fast", "lean", "offload_attn", "qlora", "qlora_lean"])
 def test_bench_recipes_run_in_jaxft_train(mode, model_dir, tmp_path):
     make_jsonl(tmp_path / "train.jsonl", 40)
     cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml", [

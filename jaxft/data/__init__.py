@@ -17,6 +17,7 @@ from jaxft.data.errors import (
     TokenizerError,
 )
 from jaxft.data.formatting import Document, Formatter, load_tokenizer, record_kind, tokenize_records
+from jaxft.data.images import ImageError, ImageProcessor, ImageRef
 from jaxft.data.packing import PackedDataset, PackingStats, best_fit_decreasing
 from jaxft.data.pipeline import DataConfig, build_datasets
 from jaxft.data.sources import Record, read_records
@@ -31,6 +32,9 @@ __all__ = [
     "Document",
     "EmptyDatasetError",
     "Formatter",
+    "ImageError",
+    "ImageProcessor",
+    "ImageRef",
     "MissingFieldError",
     "PackedDataset",
     "PackingStats",

@@ -54,6 +54,7 @@ from jaxft.data.errors import (
     TokenizerError,
     one_line,
 )
+from jaxft.data.images import image_parts
 from jaxft.data.sources import Record
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -72,6 +73,8 @@ class Document:
     tokens: np.ndarray  # int32 [n]
     loss_mask: np.ndarray  # bool [n]
     source: str
+    # The images of a chat with image parts, in the order of their runs of image tokens (`jaxft.data.images`).
+    images: tuple = ()
 
     def __post_init__(self):
         tokens = np.asarray(self.tokens, dtype=np.int32)
@@ -134,7 +137,10 @@ def record_kind(record: Record) -> Literal["chat", "prompt_completion", "text"]:
 class Formatter:
     """Tokenizes records for one tokenizer (caches what it learns about the tokenizer)."""
 
-    def __init__(self, tokenizer, *, assistant_only_loss: bool = True, completion_only_loss: bool = True):
+    def __init__(self, tokenizer, *, assistant_only_loss: bool = True, completion_only_loss: bool = True,
+                 images=None):
+        """`images`: a `jaxft.data.images.ImageProcessor` (vision-language models); chats with image parts need
+        one."""
         for key, value in (("assistant_only_loss", assistant_only_loss),
                            ("completion_only_loss", completion_only_loss)):
             if not isinstance(value, bool):
@@ -142,6 +148,7 @@ class Formatter:
         self.tokenizer = tokenizer
         self.assistant_only_loss = assistant_only_loss
         self.completion_only_loss = completion_only_loss
+        self.images = images
         self._name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         self._specials: tuple[list[int], list[int]] | None = None
         self._end_marker: str | None = None
@@ -251,9 +258,21 @@ class Formatter:
 
     def _chat(self, record: Record, messages: Any, *, first_trained: int, masked: bool) -> Document:
         """A rendered chat; ``masked``: train the assistant turns from ``messages[first_trained]`` on,
-        else every token."""
+        else every token. Image parts (`jaxft.data.images`) become runs of image tokens."""
+        _check_messages(messages, record.source)
+        doc = self._chat_text(record, messages, first_trained=first_trained, masked=masked)
+        if not image_parts(messages):
+            return doc
+        if self.images is None:
+            raise MissingFieldError(
+                f"{record.source}: the chat has image parts but the model has no vision tower (no image processor); "
+                "train a vision-language model (e.g. Qwen2-VL) or drop the image parts")
+        refs = self.images.resolve(record.source, messages)
+        tokens, mask = self.images.expand(doc.tokens, doc.loss_mask, refs, record.source)
+        return Document(tokens, mask, record.source, images=tuple(refs))
+
+    def _chat_text(self, record: Record, messages: Any, *, first_trained: int, masked: bool) -> Document:
         src = record.source
-        _check_messages(messages, src)
         template = self._template(src)
         tools = record.data.get("tools")
         if masked and _GENERATION_TAG.search(template) and first_trained == 0:

@@ -18,6 +18,15 @@ Per row, with documents d_1..d_k laid out back to back from column 0:
                    (so 0 at each document's last token and on padding)
   segment_ids[t] = j for document d_j, 0 on padding
   positions[t]   = t - start(d_j) (restarts at 0 per document; padding counts 0, 1, ...)
+
+Documents with images (vision-language models, `jaxft.data.images`) add two keys, so that every batch array is
+[rows, ...] and row-split, stacked into micro-batches and placed like the token arrays:
+  pixel_values[r]   float32 [P * patch_dim]: the patches of row r's images (its documents' images in layout
+                    order, each as the image processor emits it), zero after them; P = the largest row's patches
+  image_grid_thw[r] int32 [G * 3]: their (t, h, w) grids, zero after them; G = the most images a row holds
+`jaxft.models.vision.model.flat_images` turns them back into the processor's flat [N, patch_dim] / [I, 3] form on
+the device. A document longer than seq_len is cut before the first image that does not fit whole (an image's
+tokens are never split from its pixels).
 """
 
 from __future__ import annotations
@@ -136,6 +145,22 @@ def _verb(n: int, singular: str, plural: str) -> str:
     return singular if n == 1 else plural
 
 
+def _image_cut(doc: Document, seq_len: int, images) -> tuple[int, tuple]:
+    """(tokens kept, images kept) of a document cut to seq_len: before the first image that does not fit whole."""
+    if not doc.images:
+        return seq_len, ()
+    at = np.flatnonzero(doc.tokens == images.image_token_id)  # the images' tokens, image after image
+    kept, used = [], 0
+    for im in doc.images:
+        n = im.num_patches // images.merge_unit
+        first, last = int(at[used]), int(at[used + n - 1])
+        if last >= seq_len:
+            return first, tuple(kept)
+        kept.append(im)
+        used += n
+    return seq_len, tuple(kept)
+
+
 def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[int]]:
     """Bin-pack items of the given lengths (each ``1 <= length <= capacity``); returns the item
     indices of each bin, deterministic (ties broken by item index)."""
@@ -182,6 +207,7 @@ class PackedDataset:
         shuffle: bool = True,
         overlong: Overlong = "truncate",
         name: str = "train",
+        images=None,
     ):
         if not isinstance(seq_len, int) or seq_len < 2:
             raise DataConfigError(f"seq_len must be an int >= 2, got {seq_len!r}")
@@ -193,7 +219,8 @@ class PackedDataset:
             seq_len, batch_size, int(seed), bool(shuffle), name,
         )
 
-        kept_tokens, kept_masks = [], []
+        self.images = images  # jaxft.data.images.ImageProcessor when documents may hold images
+        kept_tokens, kept_masks, kept_images = [], [], []
         # Documents that lost something, by what they lost: (count, first few (source, detail)).
         lost = {k: _Named() for k in ("truncated", "dropped", "cut", "untrained")}
         for doc in documents:
@@ -202,7 +229,10 @@ class PackedDataset:
                 if overlong == "drop":
                     lost["dropped"].add(doc.source, len(tokens))
                     continue
-                tokens, mask = tokens[:seq_len], mask[:seq_len]
+                cut, doc_images = _image_cut(doc, seq_len, images)
+                tokens, mask = tokens[:cut], mask[:cut]
+            else:
+                doc_images = doc.images
             if not mask[1:].any():
                 if doc.loss_mask[1:].any():  # it had targets, all beyond seq_len
                     first = int(np.flatnonzero(doc.loss_mask[1:])[0]) + 1
@@ -214,6 +244,7 @@ class PackedDataset:
                 lost["truncated"].add(doc.source, len(doc.tokens))
             kept_tokens.append(tokens)
             kept_masks.append(mask)
+            kept_images.append(tuple(doc_images))
         truncated, dropped = lost["truncated"].count, lost["dropped"].count
         skipped = lost["cut"].count + lost["untrained"].count
         notes = _loss_notes(lost, seq_len)
@@ -224,6 +255,13 @@ class PackedDataset:
         self._tokens = np.concatenate(kept_tokens) if kept_tokens else np.zeros(0, np.int32)
         self._mask = np.concatenate(kept_masks) if kept_masks else np.zeros(0, bool)
         self._rows = [np.array(r, dtype=np.int64) for r in best_fit_decreasing(lengths, seq_len)]
+        self._images = kept_images
+        # Per-row image budgets (static batch shapes): the most patches / images any row holds.
+        self.max_row_patches = max((sum(im.num_patches for d in r for im in kept_images[d]) for r in self._rows),
+                                   default=0)
+        self.max_row_images = max((sum(len(kept_images[d]) for d in r) for r in self._rows), default=0)
+        if self.max_row_images and images is None:
+            raise DataConfigError(f"{name} data: documents hold images but no image processor was given")
         self.stats = PackingStats(
             seq_len=seq_len,
             num_input=len(documents),
@@ -311,7 +349,26 @@ class PackedDataset:
             out["positions"][r, pos:] = np.arange(t - pos, dtype=np.int32)
         # Masked targets are 0 by contract, even where the next token exists.
         out["targets"] *= out["loss_mask"].astype(np.int32)
+        if self.max_row_images:
+            out.update(self._row_images(rows, slots))
         return out
+
+    def _row_images(self, rows: np.ndarray, slots: np.ndarray) -> dict[str, np.ndarray]:
+        """pixel_values [b, P * patch_dim] and image_grid_thw [b, G * 3] of the batch rows (module docstring)."""
+        dim = self.images.patch_dim
+        pixels = np.zeros((len(slots), self.max_row_patches * dim), np.float32)
+        grids = np.zeros((len(slots), self.max_row_images * 3), np.int32)
+        for r, slot in enumerate(slots.tolist()):
+            refs = [im for d in self._rows[rows[slot]].tolist() for im in self._images[d]] if slot < len(rows) else []
+            if not refs:
+                continue
+            values, grid = self.images.process(refs)
+            if [tuple(g) for g in grid.tolist()] != [im.grid for im in refs] or values.shape[1] != dim:
+                raise DataConfigError(f"{refs[0].source}: the image processor gave other grids than when the data "
+                                      f"was tokenized ({grid.tolist()} vs {[im.grid for im in refs]})")
+            pixels[r, : values.size] = values.reshape(-1)
+            grids[r, : grid.size] = grid.reshape(-1)
+        return {"pixel_values": pixels, "image_grid_thw": grids}
 
     def num_tokens(self, step: int) -> int:
         """Non-padding tokens of batch ``step`` (= nonzero ``segment_ids`` of ``batch(step)``), without packing it:

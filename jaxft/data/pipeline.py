@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxft.data.errors import DataConfigError, EmptyDatasetError
 from jaxft.data.formatting import Document, Formatter, load_tokenizer
+from jaxft.data.images import ImageProcessor
 from jaxft.data.packing import OVERLONG, Overlong, PackedDataset
 from jaxft.data.sources import iter_records
 
@@ -76,17 +77,21 @@ def _documents(path, split, fmt: Formatter) -> list[Document]:
 
 
 def build_datasets(
-    config: DataConfig, tokenizer
+    config: DataConfig, tokenizer, images=None
 ) -> tuple[PackedDataset, PackedDataset | None]:
     """Read, tokenize and pack the train (shuffled per epoch) and eval (in order) sets.
 
-    ``tokenizer`` is a Hugging Face tokenizer or the path of a model directory holding one.
+    ``tokenizer`` is a Hugging Face tokenizer or the path of a model directory holding one (a vision-language
+    model's directory also gives the image processor). ``images``: a `jaxft.data.images.ImageProcessor` for
+    chats with image parts (None: from the model directory when it is a vision-language model's).
     Raises a `DataError` subclass with a file/line/key and a fix on any bad input.
     """
     if isinstance(tokenizer, (str, Path)):
+        if images is None:
+            images = ImageProcessor.for_model_dir(tokenizer)
         tokenizer = load_tokenizer(tokenizer)
     fmt = Formatter(tokenizer, assistant_only_loss=config.assistant_only_loss,
-                    completion_only_loss=config.completion_only_loss)
+                    completion_only_loss=config.completion_only_loss, images=images)
     train_docs = _documents(config.path, config.split, fmt)
     eval_docs: list[Document] | None = None
     if config.eval_path or config.eval_split:
@@ -103,7 +108,7 @@ def build_datasets(
         eval_docs = [d for i, d in enumerate(train_docs) if i in held]
         train_docs = [d for i, d in enumerate(train_docs) if i not in held]
 
-    common = dict(seq_len=config.seq_len, overlong=config.overlong, seed=config.seed)
+    common = dict(seq_len=config.seq_len, overlong=config.overlong, seed=config.seed, images=images)
     train = PackedDataset(train_docs, batch_size=config.batch_size, shuffle=True, name="train", **common)
     evalset = None
     if eval_docs is not None:

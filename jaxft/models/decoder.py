@@ -164,7 +164,7 @@ class Decoder(nnx.Module):
 
         policy = execution.layer_policy(cfg, x.shape[0], x.shape[1], x.dtype.itemsize)
         out = run_groups(self.layer_stacks(), x, layer_groups(cfg), group_ctx, dropout_rng=dropout_rng,
-                         policy=policy, router_stats=stats)
+                         policy=policy, policy_layers=execution.remat_layers, router_stats=stats)
         x, stats = out if with_stats else (out, None)
         return self.final_norm(x), stats, rows
 

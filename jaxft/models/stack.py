@@ -19,15 +19,16 @@ the others in the block and the attention ops).
 CSE barriers (`prevent_cse`): unrolled layers are separate program regions, so XLA could merge a layer's
 recomputation back into its forward pass; the barriers keep remat meaning remat there (inside a scan the
 forward and backward loops are separate and the barriers would only constrain fusion). On GPUs a layer whose
-policy offloads goes without the outer barrier: its backward starts from the copy moved back from the host (a
-side-effecting placement op XLA does not merge with the forward), so nothing can be CSE'd into the forward,
-while the barrier would wrap the host-resident residual in an optimization barrier between the copy to the
-host and the copy back - a pattern the scan never produces, and the one difference between the scanned
-layers, whose offload XLA kept on the H200, and the unrolled ones, whose offload it did not
-(docs/benchmarks.md: 13.47 GiB temp unrolled, about the no-remat temp, vs 1.30 GiB scanned).
-`tests/test_remat_gpu.py` checks the compiled memory on the GPU. On the CPU JAX lowers no placement ops
-(there is no host offload to keep): an offloading policy is a plain remat there and keeps its barriers, or
-XLA merges the recompute back into the forward.
+policy offloads goes without the outer barrier: its backward starts from the copy moved back from the host, so
+nothing can be CSE'd into the forward.
+
+Host offload of the layer input (`resolve_transfer`): in the scan, jax.checkpoint's offload policy, whose copies
+XLA keeps (they go through the loop's stacked host buffer); in the unrolled loop XLA folded the policy's copy to
+the host and copy back into nothing (docs/benchmarks.md section 10: no S(5) value in the compiled program), so
+remat "offload" there takes the explicit transfer of `jaxft.offload` (ExecutionConfig.offload_transfer), whose
+copy back reads an optimization barrier. `tests/test_remat_gpu.py` checks the compiled memory on the GPU,
+`scripts/offload_probe.py` measures every combination. On the CPU JAX lowers no placement ops (there is no host
+offload to keep): an offloading policy is a plain remat there.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxft.config import ModelConfig
 from jaxft.models.families import family_for
 from jaxft.sharding import constrain_rows
+from jaxft.offload import host_offloaded, layer_index
 from jaxft.remat import LAYER_INPUT, RematPolicy
 
 
@@ -132,9 +134,10 @@ def layer_period(groups: list[LayerGroup]) -> int | None:
 
 def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
                group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, policy: RematPolicy,
-               router_stats: jax.Array | None = None):
+               policy_layers: int | None = None, router_stats: jax.Array | None = None):
     """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled, each
-    layer rematerialised per `policy` (see the module docstring for the CSE barriers). Stacked weights of a
+    layer rematerialised per `policy` (see the module docstring for the CSE barriers); with `policy_layers` = N
+    only layers 0..N-1 are, the rest run without remat (unrolled layers only: a scan body is one policy). Stacked weights of a
     periodic stack scan over whole periods (`layer_period`), the rest by group.
 
     `layers`: the stacked layer module, or {stack name: module} (`layer_stacks`) when groups name several.
@@ -146,11 +149,16 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     states = {name: state for name, (_, state) in split.items()}
     unrolled = any(is_unstacked(state) for state in states.values())
     num_layers = groups[-1].end
+    if policy_layers is not None and not unrolled:
+        raise ValueError("run_groups: policy_layers (ExecutionConfig.remat_layers) needs per-layer weight buffers "
+                         "(layer_loop: unroll)")
+    without = RematPolicy("none")
 
-    def fn_for(group):
+    def fn_for(group, policy=policy):
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
         fn = _layer_fn(split[group.stack][0], ctx, dropout_rng, policy=policy,
-                       prevent_cse=unrolled and not (policy.offloads and _places_memory()))
+                       prevent_cse=unrolled and not (policy.offloads and _places_memory()),
+                       transfer=resolve_transfer(policy, unrolled))
         if router_stats is None:
             return fn
         return _summing_stats(fn) if "router_token_weights" in ctx else _passing_stats(fn)
@@ -188,8 +196,14 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         state = states[group.stack]
         first, n = group.first_row, group.end - group.start
         if unrolled:
+            rest_fn = None
             for k in range(n):
-                carry = layer_fn(carry, layer_slice(state, first + k), group.start + k)
+                index = group.start + k
+                if policy_layers is not None and index >= policy_layers:
+                    rest_fn = rest_fn or fn_for(group, without)
+                    carry = rest_fn(carry, layer_slice(state, first + k), index)
+                else:
+                    carry = layer_fn(carry, layer_slice(state, first + k), index)
             continue
         whole = first == 0 and all(leaf.shape[0] == n for leaf in jax.tree.leaves(state))
         run_state = state if whole else jax.tree.map(lambda leaf: leaf[first:first + n], state)
@@ -215,13 +229,26 @@ def _passing_stats(layer_fn):
     return fn
 
 
+def resolve_transfer(policy: RematPolicy, unrolled: bool) -> str:
+    """How the layer input reaches the host under `policy`: "explicit" (`jaxft.offload.host_offloaded`) or
+    "policy" (jax.checkpoint's offload policy). `policy.transfer` "auto" is explicit in the unrolled loop, whose
+    policy offload XLA drops (see `jaxft.offload`), and the policy in the scan, whose offload XLA keeps;
+    "explicit" applies only where the policy offloads the layer input alone and keeps nothing else
+    (`RematPolicy.explicit_capable`): elsewhere the policy's own transfers are used."""
+    if not policy.explicit_capable or policy.transfer == "policy":
+        return "policy"
+    return "explicit" if policy.transfer == "explicit" or unrolled else "policy"
+
+
 def _places_memory() -> bool:
     """Whether this backend lowers memory-placement ops (host offload): JAX does so on GPUs and TPUs only."""
     return jax.default_backend() in ("gpu", "tpu")
 
 
-def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_cse: bool):
-    """`(x, layer_state, index) -> x` for one layer, rematerialised per `policy`."""
+def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_cse: bool,
+              transfer: str = "policy"):
+    """`(x, layer_state, index) -> x` for one layer, rematerialised per `policy`; `transfer` "explicit" (only
+    for a policy that `explicit_capable` accepts) moves the layer input to the host through `jaxft.offload`."""
     def layer_fn(carry, layer_state, index):
         layer = nnx.merge(graphdef, layer_state)
         carry = constrain_rows(carry)  # rows stay split: the partitioner gathers this layer's weights instead
@@ -231,4 +258,7 @@ def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_
 
     if not policy.checkpointed:
         return layer_fn
+    if transfer == "explicit":  # layer input to host by hand, full recompute (jaxft.offload)
+        offloaded = host_offloaded(layer_fn)
+        return lambda carry, layer_state, index: offloaded(carry, layer_state, layer_index(index))
     return jax.checkpoint(layer_fn, policy=policy.jax_policy(), prevent_cse=prevent_cse)

@@ -38,12 +38,14 @@ logger = logging.getLogger(__name__)
 
 
 # Part field -> flat key. ExecutionConfig's and OptimConfig's fields are the flat keys themselves.
-EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "layer_loop", "ce_chunk_size",
+EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "remat_layers", "layer_loop", "ce_chunk_size",
                                   "mlp_chunk_size", "max_memory_gb", "host_memory_gb", "compiler_options")}
 OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
                               "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")}
 QUANT_KEYS = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant",
               "skip_modules": "llm_int8_skip_modules", "max_rel_error": "bnb_4bit_max_rel_error"}
+FINETUNE_KEYS = ("finetune_vision_layers", "finetune_language_layers", "finetune_attention_modules",
+                 "finetune_mlp_modules")
 LORA_KEYS = {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "lora_target_modules",
               "use_rslora": "use_rslora", "target_parameters": "lora_target_parameters"}
 
@@ -137,6 +139,9 @@ class TrainConfig:
     # none, full, dots, offload, offload+attn, offload_stream, offload_all, auto, or selective: "save=attn_out,attn_lse;offload=
     # layer_input" or a mapping {save: [...], offload: [...]} (jaxft.remat lists the residual names).
     remat: str | dict | None = None
+    # The remat policy on the first N layers only, the rest without remat (null: every layer); needs the unrolled
+    # layer loop. `remat: auto` sets it itself when no remat does not fit but remat on a few layers does.
+    remat_layers: int | None = None
     # auto's device budget in GiB (null: the device's free memory less a margin); offload_all's host budget.
     max_memory_gb: float | None = None
     host_memory_gb: float | None = None
@@ -159,6 +164,14 @@ class TrainConfig:
     # (null: none). Needs lora_dropout: 0 (PEFT cannot apply dropout to a raw parameter).
     lora_target_parameters: list[str] | None = None
     use_rslora: bool = False
+    # Vision-language models (Qwen2-VL, Qwen2.5-VL): which halves and kinds of linears get LoRA, as Unsloth's
+    # FastVisionModel.get_peft_model names them (null: not given = true, Unsloth's default). Any of them given
+    # replaces lora_target_modules (which must stay all-linear) by the chosen vision blocks' / language layers'
+    # attention (q/k/v/o, qkv/proj) and MLP (gate/up/down, fc1/fc2) linears; the merger and lm_head never.
+    finetune_vision_layers: bool | None = None
+    finetune_language_layers: bool | None = None
+    finetune_attention_modules: bool | None = None
+    finetune_mlp_modules: bool | None = None
     save_merged_model: bool = False
     # QLoRA (transformers' BitsAndBytesConfig names): frozen linears in bitsandbytes' 4-bit format. A checkpoint
     # that is already bitsandbytes 4-bit loads as stored whatever these say. llm_int8_skip_modules (null: lm_head,
@@ -229,6 +242,8 @@ class TrainConfig:
                                                                                      OPTIM_KEYS),
                                     ("lora", LoraConfig, LORA_KEYS)):
             values = {field: getattr(self, key) for field, key in fields.items()}
+            if name == "lora":
+                values["target_modules"] = self._lora_targets()
             if name == "execution":
                 values["compiler_options"] = values["compiler_options"] or {}
             try:
@@ -249,6 +264,41 @@ class TrainConfig:
             object.__setattr__(self, "_distributed", DistributedConfig.from_value(self.distributed))
         except DistributedConfigError as e:
             raise TrainConfigError(str(e), key="distributed") from None
+
+    def _lora_targets(self):
+        """lora_target_modules, or the finetune_* keys' choice for a vision-language model (see the field
+        comment); each contradiction is one error on the key that causes it."""
+        given = [k for k in FINETUNE_KEYS if getattr(self, k) is not None]
+        if not given:
+            return self.lora_target_modules
+        import json
+
+        from jaxft.models.vision.targets import finetune_targets
+
+        key = given[0]
+        hf = json.loads((Path(self.model_name_or_path).expanduser() / "config.json").read_text(encoding="utf-8"))
+        if "vision_config" not in hf:
+            raise TrainConfigError(
+                f"key {key!r}: {self.model_name_or_path!r} is a text-only model (model_type "
+                f"{hf.get('model_type')!r}); the finetune_* keys choose between the vision and language layers of a "
+                "vision-language model (Qwen2-VL, Qwen2.5-VL): drop them and use lora_target_modules", key=key)
+        if self.lora_target_modules != "all-linear":
+            raise TrainConfigError(
+                f"key {key!r}: the finetune_* keys choose the LoRA targets, but lora_target_modules is also given "
+                f"({self.lora_target_modules!r}); keep lora_target_modules: all-linear or drop the finetune_* keys",
+                key=key)
+        flags = {k: getattr(self, k) is not False for k in FINETUNE_KEYS}
+        for a, b, what in ((FINETUNE_KEYS[0], FINETUNE_KEYS[1], "layers"), (FINETUNE_KEYS[2], FINETUNE_KEYS[3],
+                                                                            "module kinds")):
+            if not flags[a] and not flags[b]:
+                raise TrainConfigError(f"key {b!r}: {a} and {b} are both false, so no {what} would get LoRA and "
+                                       "nothing would train; set one of them to true", key=b)
+        from jaxft.config import ConfigError
+
+        try:
+            return finetune_targets(hf.get("model_type", ""), **flags)
+        except ConfigError as e:
+            raise TrainConfigError(f"key {key!r}: {e}", key=key) from None
 
     def _build_quant(self):
         from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, QuantConfigError

@@ -107,10 +107,12 @@ def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
 
 def _load_data(config: TrainConfig, num_devices: int):
     from jaxft.data.formatting import load_tokenizer
+    from jaxft.data.images import ImageProcessor
     from jaxft.data.pipeline import build_datasets
 
     tokenizer = load_tokenizer(config.model.path)
-    train_ds, eval_ds = build_datasets(config.data(num_devices), tokenizer)
+    images = ImageProcessor.for_model_dir(config.model.path)  # None for a text-only model
+    train_ds, eval_ds = build_datasets(config.data(num_devices), tokenizer, images)
     return tokenizer, train_ds, eval_ds
 
 

@@ -44,6 +44,8 @@ from kernels_pallas.linear_cross_entropy import linear_cross_entropy
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("input_ids", "targets", "loss_mask", "segment_ids", "positions")
+# Batches of documents with images (vision-language models) also hold these, per row (`jaxft.data.packing`).
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 TRAIN_EXECUTION = ExecutionConfig()  # attention "auto" (per device and batch), no remat
 
 
@@ -112,7 +114,7 @@ def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
 
     With `aux_weight` on a model that has the router aux loss, adds coef * aux * aux_weight (see the module
     docstring); otherwise `aux_weight` is ignored."""
-    args = (batch["input_ids"], batch["positions"], batch["segment_ids"])
+    args, images = model_inputs(model, batch)
     aux = None
     if aux_weight is not None and has_router_aux_loss(model):
         hidden, stats, rows = model.hidden_states_and_router_stats(*args, dropout_rng=dropout_rng,
@@ -120,9 +122,25 @@ def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
         with jax.named_scope("router_aux_loss"):
             aux = model.config.router_aux_loss_coef * load_balancing_loss(stats, jnp.maximum(rows, 1.0)) * aux_weight
     else:
-        hidden = model.hidden_states(*args, dropout_rng=dropout_rng, execution=execution)
+        hidden = model.hidden_states(*args, dropout_rng=dropout_rng, execution=execution, **images)
     ce = _ce_sum(model, hidden, batch, execution)
     return ce if aux is None else ce + aux
+
+
+def model_inputs(model, batch: Batch) -> tuple[tuple, dict[str, jax.Array]]:
+    """(input_ids, positions, segment_ids) and the image inputs of a packed batch for `model`. A vision-language
+    model gets no positions (it computes its M-RoPE positions from the ids, the segments and the image grids)
+    and its images in the processor's flat form (`jaxft.models.vision.model.flat_images`)."""
+    vision = getattr(model.config, "vision", None)
+    if vision is None:
+        return (batch["input_ids"], batch["positions"], batch["segment_ids"]), {}
+    images = {}
+    if "pixel_values" in batch:
+        from jaxft.models.vision.model import flat_images
+
+        pixels, grids = flat_images(batch["pixel_values"], batch["image_grid_thw"], vision)
+        images = dict(pixel_values=pixels, image_grid_thw=grids)
+    return (batch["input_ids"], None, batch["segment_ids"]), images
 
 
 def _ce_sum(model, hidden, batch: Batch, execution: ExecutionConfig) -> jax.Array:
@@ -221,7 +239,7 @@ def _update_count(opt_state) -> jax.Array:
 def stack_micro_batches(batch: dict[str, Any], accum: int) -> dict[str, Any]:
     """[A*B, T] host arrays -> [A, B, T] (micro-batch m = rows m*B .. m*B+B-1)."""
     out = {}
-    for key in BATCH_KEYS:
+    for key in BATCH_KEYS + tuple(k for k in IMAGE_KEYS if k in batch):
         x = batch[key]
         if x.shape[0] % accum:
             raise ValueError(f"batch[{key!r}] has {x.shape[0]} rows, not a multiple of gradient_accumulation_steps="

@@ -3,7 +3,11 @@ in kernels_pallas/_dispatch.py: "xla" = ``jax.lax.ragged_dot``, "reference" = th
 
 "xla" is XLA's native ragged dot: its transpose rules are the gradients of reference.py (d lhs is a ragged
 dot against rhs^T, d rhs a ragged-contracting dot giving one [K, N] block per group), so it needs no custom
-VJP of its own. A Mosaic GPU kernel will register here as "pallas_mosaic".
+VJP of its own. "pallas_mosaic" is mosaic.py's Hopper kernels (forward, d lhs, d rhs under one custom VJP);
+natively only on CUDA devices of compute capability 9.x, in Mosaic GPU's interpreter on CPU (tests).
+
+"auto" (the default, what the MoE blocks use) takes "pallas_mosaic" on a Hopper GPU for bf16/f16 operands
+and "xla" everywhere else (CPU, other GPUs, float32), so CPU numerics are those of lax.ragged_dot.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas._dispatch import ALL_PLATFORMS, Implementation, Op
+from kernels_pallas._dispatch import ALL_PLATFORMS, AUTO, GPU_PLATFORMS, Implementation, Op
 
+from .mosaic import grouped_matmul_mosaic
 from .reference import grouped_matmul_reference
 
 _WHERE = "kernels_pallas/grouped_matmul/api.py"
@@ -22,6 +27,13 @@ def grouped_matmul_xla(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -
     return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32))
 
 
+def is_hopper(device) -> bool:
+    """A CUDA device of compute capability 9.x (H100/H200): what the wgmma/TMA kernels are written for."""
+    return str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
 OP = Op(
     name="grouped_matmul",
     where=_WHERE,
@@ -29,17 +41,23 @@ OP = Op(
         Implementation("reference", grouped_matmul_reference, ALL_PLATFORMS,
                        summary="every row times every group, masked (G x the FLOPs)"),
         Implementation("xla", grouped_matmul_xla, ALL_PLATFORMS, summary="jax.lax.ragged_dot"),
+        Implementation("pallas_mosaic", grouped_matmul_mosaic, GPU_PLATFORMS, interpret_platforms=("cpu",),
+                       summary="Mosaic GPU wgmma kernels (Hopper), custom VJP", device_check=is_hopper),
     ),
-    auto_order=("xla", "reference"),
+    auto_order=("pallas_mosaic", "xla", "reference"),
 )
 IMPLEMENTATIONS = OP.accepted
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                   implementation: str | None = "xla") -> jax.Array:
+                   implementation: str | None = AUTO) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for lhs [M, K] sorted by group, rhs [G, K, N], group_sizes [G] (int);
-    rows past sum(group_sizes) are 0. "xla": lax.ragged_dot; "reference": masked dense; "auto"/None: "xla"."""
+    rows past sum(group_sizes) are 0. "xla": lax.ragged_dot; "reference": masked dense; "pallas_mosaic": the
+    Mosaic GPU kernels; "auto"/None: "pallas_mosaic" on Hopper for bf16/f16, else "xla"."""
     impl = OP.resolve(implementation)
+    if OP.canonical(implementation) == AUTO and impl.name == "pallas_mosaic" and \
+            jnp.dtype(lhs.dtype) not in _KERNEL_DTYPES:
+        impl = OP.get("xla")  # the kernels are bf16/f16 only (wgmma); float32 keeps ragged_dot's numerics
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"{_WHERE}: grouped_matmul needs lhs [M, K] and rhs [G, K, N], got lhs {lhs.shape} and "
                          f"rhs {rhs.shape}")

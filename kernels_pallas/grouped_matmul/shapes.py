@@ -1,8 +1,12 @@
 """Grouped-matmul problem shapes for the tests and a later bench: ``M`` rows split into ``G`` ragged groups.
 
 ``TEST_SHAPES``: small, with empty groups (first, middle and last), uneven sizes and rows left over past the
-last group; ``BENCH_SHAPES``: a Qwen3-30B-A3B expert projection (128 experts, top-8, hidden 2048, expert
-width 768) at 16k tokens.
+last group. ``BENCH_SHAPES``: the expert projections of Qwen3-30B-A3B (128 experts, top-8, hidden 2048,
+expert width 768: gate+up [2048 -> 1536], down [768 -> 2048]) at 8k tokens (65536 routed rows) and of
+GPT-OSS-20B (32 experts, top-4, hidden 2880, expert width 2880: gate_up [2880 -> 5760], down [2880 -> 2880])
+at 8k tokens (32768 rows), with ragged (fixed-seed, +-50 %) group sizes like a real router's.
+``GPU_TEST_SHAPES``: the same projections (same K, N and expert count, so the same tile configs) at ~4k / 2k
+rows, ragged sizes with empty groups and rows left over past the last group, for the GPU tests.
 """
 
 from __future__ import annotations
@@ -34,8 +38,36 @@ TEST_SHAPES: tuple[GmmShape, ...] = (
     GmmShape("t_leftover_rows_f32", (3, 0, 4), 10, 16, 8),
     GmmShape("t_ragged_bf16", (7, 0, 2, 11), 20, 32, 48, "bfloat16"),
 )
+
+
+def ragged_sizes(rows: int, groups: int, seed: int = 0) -> tuple[int, ...]:
+    """``groups`` sizes summing to ``rows``, each within about +-50 % of the mean (fixed seed)."""
+    w = np.random.default_rng(seed).uniform(0.5, 1.5, groups)
+    sizes = np.floor(w / w.sum() * rows).astype(np.int64)
+    sizes[: rows - int(sizes.sum())] += 1
+    return tuple(int(x) for x in sizes)
+
+
 BENCH_SHAPES: tuple[GmmShape, ...] = (
-    GmmShape("qwen3_30b_a3b_up_16k", (1024,) * 128, 16384 * 8, 2048, 768, "bfloat16"),
+    GmmShape("qwen3_30b_a3b_gate_up", ragged_sizes(65536, 128), 65536, 2048, 1536, "bfloat16"),
+    GmmShape("qwen3_30b_a3b_down", ragged_sizes(65536, 128), 65536, 768, 2048, "bfloat16"),
+    GmmShape("gpt_oss_20b_gate_up", ragged_sizes(32768, 32), 32768, 2880, 5760, "bfloat16"),
+    GmmShape("gpt_oss_20b_down", ragged_sizes(32768, 32), 32768, 2880, 2880, "bfloat16"),
+)
+
+
+def _with_gaps(sizes: tuple[int, ...], empty: tuple[int, ...], extra: int) -> tuple[int, ...]:
+    """``sizes`` with the groups at ``empty`` set to 0 and ``extra`` more rows on the first group left."""
+    out = [0 if i in empty else x for i, x in enumerate(sizes)]
+    out[next(i for i in range(len(out)) if i not in empty)] += extra
+    return tuple(out)
+
+
+GPU_TEST_SHAPES: tuple[GmmShape, ...] = (
+    GmmShape("g_qwen_gate_up", _with_gaps(ragged_sizes(4000, 128, 1), (0, 5, 127), 3), 4096, 2048, 1536, "bfloat16"),
+    GmmShape("g_qwen_down", _with_gaps(ragged_sizes(4000, 128, 2), (64,), 1), 4096, 768, 2048, "bfloat16"),
+    GmmShape("g_gpt_oss_gate_up", _with_gaps(ragged_sizes(2000, 32, 3), (1, 31), 5), 2048, 2880, 5760, "bfloat16"),
+    GmmShape("g_gpt_oss_down", _with_gaps(ragged_sizes(2000, 32, 4), (0,), 7), 2048, 2880, 2880, "bfloat16"),
 )
 
 

@@ -71,6 +71,29 @@ class VisionLanguageModel(Decoder):
                                               pixel_values=pixel_values, image_grid_thw=image_grid_thw))
 
 
+def flat_images(row_pixels: jax.Array, row_grids: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
+    """A packed batch's per-row images (`jaxft.data.packing`: pixel_values [B, P * patch_dim], image_grid_thw
+    [B, G * 3], each row's images first, zeros after) -> the processor's flat form: pixel_values [B * P,
+    patch_dim] with every real patch first (row after row, image after image) and the padding patches after
+    them, image_grid_thw [B * G + 1, 3] with the real grids first, the unused (all-zero) ones next, and last one
+    padding "image" (1, m, pad / m) covering the B * P - N padding patches (pad is a multiple of m^2, so it is a
+    valid merge grid). The padding image is a segment of its own in the tower, so it changes no real patch; its
+    merged tokens match no image token and are dropped. Array ops only (jit-able; the grids may be traced)."""
+    b = row_pixels.shape[0]
+    pixels = row_pixels.reshape(-1, cfg.patch_dim)
+    per_row = pixels.shape[0] // b
+    grids = jnp.asarray(row_grids, jnp.int32).reshape(b, -1, 3)
+    real = jnp.sum(jnp.prod(grids, axis=-1), axis=1)  # patches per row
+    is_pad = (jnp.arange(per_row)[None, :] >= real[:, None]).reshape(-1)
+    pixels = pixels[jnp.argsort(is_pad, stable=True)]
+    grids = grids.reshape(-1, 3)
+    grids = grids[jnp.argsort(jnp.prod(grids, axis=-1) == 0, stable=True)]
+    m = cfg.spatial_merge_size
+    pad = pixels.shape[0] - jnp.sum(real)
+    dummy = jnp.stack([jnp.ones((), jnp.int32), jnp.full((), m, jnp.int32), (pad // m).astype(jnp.int32)])
+    return pixels, jnp.concatenate([grids, dummy[None]], axis=0)
+
+
 def _vision_attention(execution: ExecutionConfig) -> str:
     """The tower's attention implementation: the reference when the step asks for it, else "auto", which picks
     per shape among the kernels that support it. Not the decoder's choice as such: the released towers have

@@ -1,0 +1,90 @@
+"""Explicit host offload of a layer's input: the forward copies it to pinned host memory, the backward copies it
+back and recomputes the layer from it (what remat "offload" means), with the two transfers written out in a
+`custom_vjp` instead of left to `jax.checkpoint`'s offload policy.
+
+Why: with the policy, JAX lowers the residual as MoveToHost in the forward and MoveToDevice in the backward
+(`annotate_device_placement` custom calls). XLA's host offloader turns them into a copy to memory space 5 and a
+copy back. Inside a layer scan the copies go through the loop's stacked residual buffer (a dynamic-update-slice
+into a host buffer, a dynamic-slice out of it) and survive; in an unrolled program the copy back reads the copy
+to the host directly, and XLA's algebraic simplifier folds Copy(Copy(x)) with equal outer and inner shapes
+(layouts, memory space included) into x (`AlgebraicSimplifierVisitor::HandleCopy`): the offload is silently
+dropped (measured on the H200: no S(5) value in the compiled unrolled program, docs/benchmarks.md section 10).
+
+Here the backward passes the host copy through an `optimization_barrier` together with the layer's output
+cotangent before copying it back. XLA's host offloader accepts a barrier on a host-memory path
+(`host_offload_utils::IsValidDuringPureMemoryOffload`), the simplifier no longer sees a copy of a copy, and the
+copy back cannot be scheduled before the cotangent of this layer exists (so at most one layer input is back on
+the device at a time, not all of them prefetched at once). The barrier also keeps XLA from merging the
+recompute with the forward on backends that lower no placement (the CPU: there both transfers are identities).
+
+Math: for y = f(x, p), the backward returns vjp_f(x, p)(dy) evaluated at x itself (the host copy is a bitwise
+copy), i.e. exactly the gradients of f recomputed from its input - those of remat "full".
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+Space = jax.memory.Space  # Host: pinned host memory; Device: the accelerator's own (an attribute, not a module)
+
+
+def host_offloaded(fn: Callable) -> Callable:
+    """`fn(x, *args) -> y` whose backward pass keeps nothing on the device: the forward keeps `x` in pinned host
+    memory (and `args`, the layer's parameters and index, as they are), the backward copies `x` back once the
+    output cotangent exists and differentiates `fn` there (a full recompute). `x` must be one array. `fn` may
+    close over traced values (the layer's RoPE tables, positions, dropout key): they become explicit arguments
+    (`_hoist_constants`), as a custom VJP requires."""
+
+    def call(x, *args):
+        converted, consts = _hoist_constants(fn, x, *args)
+        return _offloaded(converted, x, *args, *consts)
+
+    return call
+
+
+def _hoist_constants(fn: Callable, *args):
+    """(g, consts) with g(*args, *consts) == fn(*args) and no traced value closed over in g: every constant of
+    fn's jaxpr is hoisted, integer ones too (`jax.closure_convert` keeps integer tracers closed over, which
+    leak out of a custom VJP inside a scan: the positions and attention metadata are int32)."""
+    leaves, in_tree = jax.tree.flatten(args)
+    closed, out_shape = jax.make_jaxpr(lambda *flat: fn(*jax.tree.unflatten(in_tree, flat)),
+                                       return_shape=True)(*leaves)
+    out_tree = jax.tree.structure(out_shape)
+    n_consts = len(closed.consts)
+
+    def converted(*args_and_consts):
+        consts = args_and_consts[len(args_and_consts) - n_consts:]
+        flat = jax.tree.leaves(args_and_consts[:len(args_and_consts) - n_consts])
+        return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(closed.jaxpr, consts, *flat))
+
+    return converted, list(closed.consts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _offloaded(fn, x, *args):
+    return fn(x, *args)
+
+
+def _offloaded_fwd(fn, x, *args):
+    return fn(x, *args), (jax.device_put(x, Space.Host), args)
+
+
+def _offloaded_bwd(fn, res, dy):
+    x_host, args = res
+    # The barrier orders the copy back after dy and hides the host copy from Copy(Copy) folding (docstring).
+    x_host, dy = jax.lax.optimization_barrier((x_host, dy))
+    x = jax.device_put(x_host, Space.Device)
+    _, vjp = jax.vjp(fn, x, *args)
+    return vjp(dy)
+
+
+_offloaded.defvjp(_offloaded_fwd, _offloaded_bwd)
+
+
+def layer_index(index) -> jax.Array:
+    """A layer index as an int32 array (a custom_vjp differentiates its arguments: a Python int is not one)."""
+    return jnp.asarray(index, jnp.int32)

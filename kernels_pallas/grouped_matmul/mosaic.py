@@ -1,0 +1,450 @@
+"""Grouped matmul on Hopper with Mosaic GPU (``plgpu.kernel``): wgmma from TMA-fed shared memory, a multi-stage
+pipeline over the contraction, and one ``jax.custom_vjp`` for the MoE training step.
+
+Math (reference.py has the definition). lhs [M, K] rows sorted by group, rhs [G, K, N], sizes [G]:
+
+    out[m]   = lhs[m] @ rhs[g(m)]             (0 for rows past sum(sizes))
+    d lhs[m] = dout[m] @ rhs[g(m)]^T          the forward kernel again, reading rhs[g] as [N, K] (its
+                                              transpose through the wgmma operand, never materialised)
+    d rhs[g] = lhs_g^T @ dout_g               a grouped *contraction* over the rows of group g, [K, N] per
+                                              group (0 for an empty group): its own kernel, not dense
+
+Derivation: out = sum_g P_g lhs rhs[g], with P_g the 0/1 diagonal selecting group g's rows. For a scalar
+loss with cotangent dout, d lhs = sum_g P_g dout rhs[g]^T (each row back through its own group's matrix,
+rows past the end get no group and so 0), and d rhs[g] = (P_g lhs)^T dout = lhs_g^T dout_g. group_sizes is
+integer data: no cotangent.
+
+Forward / d-lhs kernel ("row tiles"). The M rows are cut into tiles of ``block_m`` rows *per group*: a
+block of M that straddles a group boundary is visited once for every group it touches, each visit
+multiplying the whole block by that group's matrix and storing only that group's rows (a ladder of
+power-of-two TMA stores, since a TMA store has a static size). The schedule (group, block, first row,
+end row of each tile) is computed on the device from group_sizes in plain jnp (``row_tiles``): at most
+cdiv(M, block_m) + G tiles, with the rows past the last group as one extra pseudo-group whose tiles store
+zeros; tiles past the real count store nothing. Every SM loops over (tile, N-block) pairs.
+
+d-rhs kernel ("group tiles"). Every SM loops over (group, K-block, N-block); the pipeline walks the blocks
+of ``block_t`` rows that the group's rows touch, and zeroes (in shared memory, before the wgmma) the rows of
+its first and last block that belong to a neighbouring group. An empty group runs no step and stores 0.
+
+No host sync: group_sizes stays on the device; one compiled program serves every split. Shapes that do not
+fit the tiles (K or N not a multiple of the block, M not a multiple of block_m) are zero-padded here and
+sliced back: padded rows fall into the pseudo-group (0), padded contraction columns add 0.
+
+Two row-tile kernels: ``gmm_rows`` (one warpgroup issues the TMA loads and the wgmmas) and ``gmm_rows_ws``
+(warp-specialised: a memory warpgroup feeds two compute warpgroups that split the tile along N or M and
+store their rows while the next tile loads); ``CONFIGS`` picks one per shape. Measured on an H200 (each
+kernel alone, ragged bench sizes): forward 210-460 TFLOP/s, d lhs 280-470, d rhs 280-500 - below the
+600 / 500 target on these shapes (dense XLA matmuls of the same FLOPs: 280-640).
+
+bf16/f16 operands, fp32 accumulation, output in the input dtype. On CPU the same kernels run in Mosaic
+GPU's interpreter (``interpret=True``: the tests; float32 operands are accepted there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_WHERE = "kernels_pallas/grouped_matmul/mosaic.py"
+_INTERPRET_SMS = 2  # "SMs" the interpreter simulates: each one is a thread on the CPU
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tiles of the row-tile kernel (forward, d lhs) and of the group-tile kernel (d rhs).
+
+    block_m x block_n: one output tile (block_m rows of one group); block_k: contraction step.
+    dw_block_k x dw_block_n: one tile of d rhs[g]; dw_block_t: rows per contraction step.
+    stages: TMA buffers in flight. grid_block_n: width of the snake over (tile, N-block), for L2 reuse.
+    warp_specialized: the row-tile kernel with one memory warpgroup feeding two compute warpgroups, which split
+    the output tile along N (wg_split "n": a block_m x 2 block_n tile, block_n each) or along M ("m": a
+    block_m x block_n tile, block_m / 2 rows each); else one warpgroup does both (block_m x block_n)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    stages: int = 4
+    grid_block_n: int = 1
+    dw_block_k: int = 128
+    dw_block_n: int = 128
+    dw_block_t: int = 64
+    dw_stages: int = 4
+    warp_specialized: bool = False
+    wg_split: str = "n"
+
+    def __post_init__(self):
+        if self.wg_split not in ("n", "m"):
+            raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
+        for f in dataclasses.fields(self):
+            if f.type == "int" and getattr(self, f.name) < 1:
+                raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= 1, got {getattr(self, f.name)}")
+        if self.block_m % self.dw_block_t:
+            raise ValueError(f"{_WHERE}: TileConfig.block_m ({self.block_m}) must be a multiple of dw_block_t "
+                             f"({self.dw_block_t}): M is padded to block_m for both kernels")
+
+
+DEFAULT_CONFIG = TileConfig()
+_WS_N = dict(warp_specialized=True, wg_split="n", block_n=128, stages=3)  # a 128 x 256 tile over two warpgroups
+# Per row-kernel problem (contraction K, output width N, groups G): the forward of a (K, N, G) projection looks
+# up (K, N, G), its d lhs (N, K, G); d rhs takes the dw_* fields of the forward's entry. Measured on an H200
+# (JAX 0.11.2, the ragged sizes of shapes.BENCH_SHAPES, TFLOP/s of each kernel alone in the comments).
+CONFIGS: dict[tuple[int, int, int], TileConfig] = {
+    # Qwen3-30B-A3B gate_up [2048 -> 1536]: fwd 348, d rhs 336; its d lhs (1536 -> 2048): 316
+    (2048, 1536, 128): TileConfig(**_WS_N, dw_block_k=64, dw_block_n=256),
+    (1536, 2048, 128): TileConfig(**_WS_N),
+    # Qwen3-30B-A3B down [768 -> 2048]: fwd 210, d rhs 282; its d lhs (2048 -> 768): 283
+    (768, 2048, 128): TileConfig(warp_specialized=True, wg_split="m", dw_block_k=192, dw_block_n=128),
+    (2048, 768, 128): TileConfig(**_WS_N),
+    # GPT-OSS-20B gate_up [2880 -> 5760]: fwd 459, d rhs 501; its d lhs (5760 -> 2880): 471
+    (2880, 5760, 32): TileConfig(block_n=192, dw_block_k=192, dw_block_n=128),
+    (5760, 2880, 32): TileConfig(block_n=192),
+    # GPT-OSS-20B down [2880 -> 2880]: fwd 392, d lhs 364, d rhs 428
+    (2880, 2880, 32): TileConfig(block_n=192, dw_block_k=64, dw_block_n=192, dw_stages=6),
+}
+
+
+def config_for(k: int, n: int, g: int) -> TileConfig:
+    """The table's entry for a (K, N, G) problem, else the default with block_n shrunk for a narrow N."""
+    if (k, n, g) in CONFIGS:
+        return CONFIGS[(k, n, g)]
+    return dataclasses.replace(DEFAULT_CONFIG, block_n=64 if n <= 64 else DEFAULT_CONFIG.block_n,
+                               dw_block_n=64 if n <= 64 else DEFAULT_CONFIG.dw_block_n,
+                               dw_block_k=64 if k <= 64 else DEFAULT_CONFIG.dw_block_k)
+
+
+def _num_sms(interpret: bool) -> int:
+    return _INTERPRET_SMS if interpret else jax.devices()[0].core_count
+
+
+def _kernel(body, out_type, interpret: bool, name: str, **threads):
+    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret),), grid_names=("sm",), **threads,
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                        interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
+
+
+def _swizzled(minor: int, dtype) -> tuple:
+    """Tiling + swizzle transforms for a shared-memory tile whose minor dimension has ``minor`` elements."""
+    swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths)
+
+
+def row_tiles(group_sizes: jax.Array, m: int, block_m: int):
+    """The row-tile schedule, on the device: (group, block, lo, hi) int32 arrays of cdiv(m, block_m) + G tiles.
+
+    Tile t multiplies rows [block * block_m, (block + 1) * block_m) by rhs[group] and keeps rows [lo, hi).
+    group == G is the pseudo-group of the rows past sum(group_sizes) (stored as 0); tiles past the real count
+    have group G + 1 and lo == hi (nothing stored)."""
+    g = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    starts = jnp.concatenate([starts, ends[-1:]])
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    first = starts // block_m
+    count = jnp.where(ends > starts, (ends - 1) // block_m - first + 1, 0)
+    cum = jnp.cumsum(count)
+    t = jnp.arange(pl.cdiv(m, block_m) + g, dtype=jnp.int32)
+    group = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)
+    gc = jnp.minimum(group, g)
+    block = first[gc] + t - (cum[gc] - count[gc])
+    lo = jnp.maximum(starts[gc], block * block_m)
+    hi = jnp.minimum(ends[gc], (block + 1) * block_m)
+    valid = group <= g
+    block = jnp.where(valid, block, 0)
+    lo = jnp.where(valid, lo, 0)
+    hi = jnp.where(valid, hi, 0)
+    return group, block, lo, hi
+
+
+def _store_rows(acc, out_ref, row0, start, size, col0, block_m: int, block_n: int):
+    """Store rows [start, start + size) of the [block_m, block_n] tile ``acc`` to out[row0 + start + i, col0:]
+    through a scratch tile in shared memory, and wait for the stores."""
+
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((block_m, block_n), dtype=out_ref.dtype))
+    def _(o_smem):
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        _store_rows_from(o_smem, out_ref, row0, start, size, col0, block_m, block_n)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
+             transpose_rhs: bool = False, interpret: bool = False) -> jax.Array:
+    """out[m] = lhs[m] @ rhs[g(m)] (rhs [G, K, N]), or with ``transpose_rhs`` lhs[m] @ rhs[g(m)]^T (rhs
+    [G, N, K]); rows past sum(group_sizes) are 0. Pads to the tiles and slices back."""
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    lhs_p = _pad(_pad(lhs, 0, bm), 1, bk)
+    rhs_p = _pad(_pad(rhs, 2, bk), 1, bn) if transpose_rhs else _pad(_pad(rhs, 1, bk), 2, bn)
+    mp, kp = lhs_p.shape
+    np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
+    tiles = row_tiles(group_sizes, mp, bm)
+    n_tiles, grid_n, k_steps = tiles[0].shape[0], np_ // bn, kp // bk
+    dtype = lhs.dtype
+
+    def body(group_ref, block_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref):
+        @plgpu.nd_loop((n_tiles * grid_n,), collective_axes="sm")
+        def _(info: plgpu.NDLoopInfo):
+            ti, ni = plgpu.planar_snake(info.index[0], (n_tiles, grid_n), 1, cfg.grid_block_n)
+            group, block, lo, hi = group_ref[ti], block_ref[ti], lo_ref[ti], hi_ref[ti]
+
+            def acc_scope(acc_ref):
+                def step(_, a_smem, b_smem):
+                    plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)) if transpose_rhs else b_smem)
+
+                @pl.when(group < g)  # the pseudo-group and the unused tiles multiply nothing: acc stays 0
+                def _():
+                    plgpu.emit_pipeline(
+                        step, grid=(k_steps,), max_concurrent_steps=cfg.stages,
+                        in_specs=[
+                            plgpu.BlockSpec((bm, bk), lambda kk: (block, kk), delay_release=1,
+                                            transforms=_swizzled(bk, dtype)),
+                            plgpu.BlockSpec((bn, bk) if transpose_rhs else (bk, bn),
+                                            (lambda kk: (ni, kk)) if transpose_rhs else (lambda kk: (kk, ni)),
+                                            delay_release=1, transforms=_swizzled(bk if transpose_rhs else bn, dtype)),
+                        ],
+                    )(lhs_ref, rhs_ref.at[jnp.minimum(group, g - 1)])
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+            _store_rows(acc, out_ref, block * bm, lo - block * bm, hi - lo, ni * bn, bm, bn)
+
+    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows")(*tiles, lhs_p, rhs_p)
+    return out[:m, :n]
+
+
+def _store_rows_from(o_smem, out_ref, row0, start, size, col0, rows_max: int, block_n: int):
+    """TMA-store rows [start, start + size) of the (already written and committed) tile ``o_smem`` to
+    out[row0 + start + i, col0:col0 + block_n]; no wait. A TMA store has a static row count, so ``size``
+    (at most rows_max) goes out as its binary digits: one store of 2^b rows per set bit b."""
+    offset = start
+    rows = 1 << (rows_max.bit_length() - 1)
+    while rows >= 1:
+        @pl.when((size & rows) != 0)
+        def _(offset=offset, rows=rows):
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, rows)],
+                                    out_ref.at[pl.ds(row0 + offset, rows), pl.ds(col0, block_n)])
+
+        offset = offset + (size & rows)
+        rows //= 2
+
+
+def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
+                transpose_rhs: bool = False, interpret: bool = False) -> jax.Array:
+    """``gmm_rows`` with warp specialisation: a memory warpgroup runs the TMA pipeline, two compute
+    warpgroups each own half of the output tile (``cfg.wg_split``) and store their rows while the next tile's
+    loads are in flight. Same schedule (``row_tiles``), same results."""
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    split_n = cfg.wg_split == "n"
+    cta_n, wg_m = (2 * bn, bm) if split_n else (bn, bm // 2)
+    lhs_p = _pad(_pad(lhs, 0, bm), 1, bk)
+    rhs_p = _pad(_pad(rhs, 2, bk), 1, cta_n) if transpose_rhs else _pad(_pad(rhs, 1, bk), 2, cta_n)
+    mp, kp = lhs_p.shape
+    np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
+    tiles = row_tiles(group_sizes, mp, bm)
+    n_tiles, grid_n, k_steps = tiles[0].shape[0], np_ // cta_n, kp // bk
+    dtype = lhs.dtype
+    b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+
+    def rhs_tile(rhs_ref, group, ni):
+        cols = pl.ds(ni * cta_n, cta_n)
+        return rhs_ref.at[group, cols, :] if transpose_rhs else rhs_ref.at[group, :, cols]
+
+    def pipeline(step, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            step, grid=(k_steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=cfg.stages, compute_context=context,
+            in_specs=[
+                plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=_swizzled(bk, dtype),
+                                memory_space=plgpu.SMEM),
+                plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
+                                transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM),
+            ])
+
+    def body(group_ref, block_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref):
+        ignore = lambda *_, **__: None
+        allocations = pipeline(ignore, ignore).get_allocations(lhs_ref.at[pl.ds(0, bm), :],
+                                                                rhs_tile(rhs_ref, 0, 0))
+
+        @functools.partial(pl.run_scoped, allocs=allocations, o_smem=plgpu.SMEM((2, wg_m, bn), dtype),
+                           collective_axes="wg")
+        def _(allocs, o_smem):
+            wg = jax.lax.axis_index("wg")
+
+            @plgpu.nd_loop((n_tiles * grid_n,), collective_axes="sm")
+            def _(info: plgpu.NDLoopInfo):
+                ti, ni = plgpu.planar_snake(info.index[0], (n_tiles, grid_n), 1, cfg.grid_block_n)
+                group, block, lo, hi = group_ref[ti], block_ref[ti], lo_ref[ti], hi_ref[ti]
+                row_off = 0 if split_n else wg * wg_m  # this warpgroup's rows / columns within the tile
+                col0 = ni * cta_n + (wg * bn if split_n else 0)
+
+                def step(_, a_smem, b_smem, acc_ref):
+                    @pl.when(group < g)  # the pseudo-group's rows multiply nothing: acc stays 0
+                    def _():
+                        a = a_smem if split_n else a_smem.at[pl.ds(wg * wg_m, wg_m)]
+                        if transpose_rhs:
+                            b = (b_smem.at[pl.ds(wg * bn, bn)] if split_n else b_smem).transpose((1, 0))
+                        else:
+                            b = b_smem.at[:, pl.ds(wg * bn, bn)] if split_n else b_smem
+                        plgpu.wgmma(acc_ref, a, b)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                def context(run_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, bn), jnp.float32))
+                    def _(acc_ref):
+                        run_pipeline(acc_ref)
+                        acc = acc_ref[...].astype(dtype)
+                        first = jnp.clip(lo - block * bm - row_off, 0, wg_m)
+                        last = jnp.clip(hi - block * bm - row_off, 0, wg_m)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores left o_smem
+                        o_smem[wg] = acc
+                        plgpu.commit_smem()
+                        _store_rows_from(o_smem.at[wg], out_ref, block * bm + row_off, first, last - first, col0,
+                                         wg_m, bn)
+
+                @pl.when(hi > lo)  # tiles past the real count: nothing to load, nothing to store
+                def _():
+                    pipeline(step, context)(lhs_ref.at[pl.ds(block * bm, bm), :],
+                                            rhs_tile(rhs_ref, jnp.minimum(group, g - 1), ni), allocations=allocs)
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", num_threads=3,
+                  thread_name="wg")(*tiles, lhs_p, rhs_p)
+    return out[:m, :n]
+
+
+def gmm_drhs(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
+             interpret: bool = False) -> jax.Array:
+    """d rhs[g] = lhs_g^T @ dout_g for lhs [M, K], dout [M, N]: [G, K, N], 0 for empty groups."""
+    m, k = lhs.shape
+    n = dout.shape[1]
+    g = group_sizes.shape[0]
+    bt, bk, bn = cfg.dw_block_t, cfg.dw_block_k, cfg.dw_block_n
+    lhs_p = _pad(_pad(lhs, 0, cfg.block_m), 1, bk)
+    dout_p = _pad(_pad(dout, 0, cfg.block_m), 1, bn)
+    kp, np_ = lhs_p.shape[1], dout_p.shape[1]
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // bt
+    n_blocks = jnp.where(sizes > 0, (ends - 1) // bt - first + 1, 0)
+    grid_k, grid_n = kp // bk, np_ // bn
+    dtype = lhs.dtype
+    a_transforms, b_transforms = _swizzled(bk, dtype), _swizzled(bn, dtype)
+
+    def body(starts_ref, ends_ref, first_ref, nb_ref, lhs_ref, dout_ref, out_ref):
+        @plgpu.nd_loop((g, grid_k * grid_n), collective_axes="sm")
+        def _(info: plgpu.NDLoopInfo):
+            gi = info.index[0]
+            ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, cfg.grid_block_n)
+            start, end, first_block, nb = starts_ref[gi], ends_ref[gi], first_ref[gi], nb_ref[gi]
+
+            def acc_scope(acc_ref):
+                def step(idx, a_smem, b_smem):
+                    row0 = (first_block + idx[0]) * bt
+
+                    @pl.when((row0 < start) | (row0 + bt > end))
+                    def _():
+                        # An edge block holds rows of the neighbouring groups: zero them in lhs before the wgmma.
+                        rows = plgpu.layout_cast(jax.lax.broadcasted_iota(jnp.int32, (bt, bk), 0),
+                                                 plgpu.Layout.WGMMA) + row0
+                        keep = ((rows >= start) & (rows < end)).astype(a_smem.dtype)
+                        a_smem[...] = a_smem[...] * keep
+                        plgpu.commit_smem()
+
+                    plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_smem)
+
+                @pl.when(nb > 0)
+                def _():
+                    plgpu.emit_pipeline(
+                        step, grid=(nb,), max_concurrent_steps=cfg.dw_stages,
+                        in_specs=[
+                            plgpu.BlockSpec((bt, bk), lambda t: (first_block + t, ki), delay_release=1,
+                                            transforms=a_transforms),
+                            plgpu.BlockSpec((bt, bn), lambda t: (first_block + t, ni), delay_release=1,
+                                            transforms=b_transforms),
+                        ],
+                    )(lhs_ref, dout_ref)
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(acc_scope, plgpu.ACC((bk, bn)))
+
+            @functools.partial(pl.run_scoped,
+                               o_smem=plgpu.SMEM((bk, bn), dtype=dtype, transforms=_swizzled(bn, dtype)))
+            def _(o_smem):
+                o_smem[...] = acc.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[gi, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    out = _kernel(body, jax.ShapeDtypeStruct((g, kp, np_), dtype), interpret, "gmm_drhs")(
+        starts, ends, first, n_blocks, lhs_p, dout_p)
+    return out[:, :k, :n]
+
+
+def _dlhs_config(cfg_fwd: TileConfig, k: int, n: int, g: int) -> TileConfig:
+    """d lhs is a row-tile product with output width K and contraction N: the table's (N, K, G) entry."""
+    return CONFIGS.get((n, k, g), dataclasses.replace(cfg_fwd, block_n=64 if k <= 64 else cfg_fwd.block_n))
+
+
+def _rows(cfg: TileConfig):
+    return gmm_rows_ws if cfg.warp_specialized else gmm_rows
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gmm(lhs, rhs, group_sizes, interpret: bool):
+    cfg = config_for(lhs.shape[1], rhs.shape[2], rhs.shape[0])
+    return _rows(cfg)(lhs, rhs, group_sizes, cfg, interpret=interpret)
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, interpret):
+    return _gmm(lhs, rhs, group_sizes, interpret), (lhs, rhs, group_sizes)
+
+
+def _gmm_bwd(interpret, residuals, dout):
+    lhs, rhs, group_sizes = residuals
+    k, n, g = lhs.shape[1], rhs.shape[2], rhs.shape[0]
+    cfg = config_for(k, n, g)
+    dout = dout.astype(lhs.dtype)
+    cfg_dlhs = _dlhs_config(cfg, k, n, g)
+    dlhs = _rows(cfg_dlhs)(dout, rhs, group_sizes, cfg_dlhs, transpose_rhs=True, interpret=interpret)
+    drhs = gmm_drhs(lhs, dout, group_sizes, cfg, interpret=interpret)
+    return dlhs, drhs, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def grouped_matmul_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                          interpret: bool | None = None) -> jax.Array:
+    """out = gmm(lhs, rhs, group_sizes) by the Mosaic GPU kernels, differentiable in lhs and rhs.
+    ``interpret`` defaults to True off-GPU (Mosaic GPU's CPU interpreter)."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if not interpret and jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"{_WHERE}: the Mosaic GPU grouped matmul takes bfloat16/float16 operands, got "
+                         f"{lhs.dtype}; cast them, or use implementation='xla'")
+    return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), bool(interpret))
