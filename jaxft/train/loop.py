@@ -189,11 +189,10 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
                 config.gradient_accumulation_steps, num_devices, plan.steps_per_epoch, plan.total_steps)
     if (config.execution.resolved_layer_loop == "unroll" and config.remat != "auto"
             and remat_policies.parse(config.remat).offloads):
-        logger.warning("layer_loop=unroll with an offloading remat policy: before the unrolled loop's fix (no CSE "
-                       "barrier on offloaded inputs, jaxft/models/stack.py) XLA kept the unrolled layers' "
-                       "activations on the device (13.5 GiB of temporaries vs 1.3 GiB with the layer scan at 8B, "
-                       "4096 tokens on an H200); the fix awaits tests/test_remat_gpu.py on a GPU, layer_loop: scan "
-                       "is the measured choice")
+        logger.warning("layer_loop=unroll with an offloading remat policy: through jax.checkpoint's policy XLA "
+                       "drops the unrolled program's host copies (measured on an H200, docs/benchmarks.md section "
+                       "10); remat offload there takes the explicit transfer (jaxft/offload.py), not yet measured "
+                       "on a GPU (tests/test_remat_gpu.py); layer_loop: scan is the measured choice")
     if config.lr_scheduler_type == "constant" and plan.warmup_steps:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
