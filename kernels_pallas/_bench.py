@@ -1,4 +1,4 @@
-"""Timing helper shared by the elementwise ops' benchmarks (rmsnorm/bench.py, glu/bench.py).
+"""Timing helpers shared by the ops' benchmarks (rmsnorm/bench.py, glu/bench.py; `median_ms` also grouped_matmul).
 
 Each benchmark times, per implementation of the op's registry, the jitted forward+backward
 (``jax.vjp`` then the pullback) on the op's shared shapes and reports the compiled temporary memory,
@@ -40,6 +40,12 @@ def time_fwd_bwd(op: str, shape: str, implementation: str, fn: Callable, args: S
     compiled = jax.jit(step).lower(*args).compile()
     analysis = compiled.memory_analysis()
     temp = None if analysis is None else int(analysis.temp_size_in_bytes)
+    return Timing(op, shape, implementation, median_ms(compiled, args, iters, warmup), temp)
+
+
+def median_ms(compiled: Callable, args: Sequence[jax.Array], iters: int, warmup: int = 2) -> float:
+    """Median wall time in ms of ``compiled(*args)`` over ``iters`` calls after ``warmup`` ones, each call
+    synchronised (block_until_ready) before the clock is read."""
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
     times = []
@@ -47,8 +53,7 @@ def time_fwd_bwd(op: str, shape: str, implementation: str, fn: Callable, args: S
         start = time.perf_counter()
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
-    times.sort()
-    return Timing(op, shape, implementation, 1e3 * times[len(times) // 2], temp)
+    return 1e3 * sorted(times)[len(times) // 2]
 
 
 def format_timings(rows: Sequence[Timing]) -> str:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
-from jaxft.lora import LoraConfig
-from jaxft.run import GIB, Run, peak_estimate
-from test_remat import grads, llama, lora_split, packed_batch
+from jaxft.run import GIB, peak_estimate
+from test_remat import grads, llama, lora_split
+from test_remat_auto import _batch, _run
 from test_train_fixtures import make_tiny_model
 
 LAYERS = 4
@@ -53,15 +53,6 @@ def test_auto_loop_unrolls_under_remat_on_some_layers():
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("partial") / "model", hidden=64, layers=LAYERS)
-
-
-def _batch():
-    return packed_batch(64, b=2, t=128)
-
-
-def _run(model_dir, remat, **execution):
-    return Run(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
-               execution=ExecutionConfig(attention_implementation="reference", remat=remat, **execution))
 
 
 @pytest.fixture(scope="module")

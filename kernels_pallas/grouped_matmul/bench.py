@@ -15,28 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import traceback
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
+from kernels_pallas._bench import median_ms
+
 from .api import grouped_matmul
 from .shapes import BENCH_SHAPES, TEST_SHAPES, GmmShape, make_inputs
 
 IMPLS = ("xla", "pallas_mosaic", "dense")
-
-
-def _median_ms(compiled, args, iters: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
 
 
 def _programs(impl: str, shape: GmmShape):
@@ -67,7 +57,7 @@ def run(shapes: Sequence[GmmShape] = BENCH_SHAPES, impls: Sequence[str] = IMPLS,
             try:
                 fwd, fwd_bwd, args = _programs(impl, shape)
                 for mode, fn, work in (("fwd", fwd, flops), ("fwd_bwd", fwd_bwd, 3 * flops)):
-                    ms = _median_ms(fn.lower(*args).compile(), args, iters)
+                    ms = median_ms(fn.lower(*args).compile(), args, iters)
                     row[f"{mode}_ms"] = ms
                     row[f"{mode}_tflops"] = work / (ms * 1e-3) / 1e12
             except Exception as e:  # noqa: BLE001 - one failure must not lose the other rows
