@@ -4,6 +4,8 @@ smallest N that fits when no remat does not."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from test_remat_auto import _batch, _run
 from test_train_fixtures import make_tiny_model
 
 LAYERS = 4
+DATA = str(Path(__file__).resolve().parents[1] / "examples" / "data" / "train.jsonl")
 
 
 def test_remat_on_some_layers_gives_the_gradients_of_no_remat():
@@ -43,6 +46,16 @@ def test_bad_remat_layers_get_one_line_naming_the_key(kwargs, needle):
     with pytest.raises(ExecutionConfigError) as info:
         ExecutionConfig(**kwargs)
     assert str(info.value).startswith(needle) and "\n" not in str(info.value)
+
+
+def test_the_flat_keys_reach_the_execution_config(model_dir, tmp_path):
+    from jaxft.train import TrainConfig
+
+    cfg = TrainConfig(model_name_or_path=str(model_dir), dataset=DATA, output_dir=str(tmp_path / "o"), remat="full", remat_layers=3,
+                      offload_transfer="explicit")
+    assert (cfg.execution.remat_layers, cfg.execution.offload_transfer) == (3, "explicit")
+    with pytest.raises(Exception, match="key 'offload_transfer': value 'eager' is not one of"):
+        TrainConfig(model_name_or_path=str(model_dir), dataset=DATA, output_dir=str(tmp_path / "o"), offload_transfer="eager")
 
 
 def test_auto_loop_unrolls_under_remat_on_some_layers():

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 # Part field -> flat key. ExecutionConfig's and OptimConfig's fields are the flat keys themselves.
 EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "remat_layers", "layer_loop", "ce_chunk_size",
-                                  "mlp_chunk_size", "max_memory_gb", "host_memory_gb", "compiler_options")}
+                                  "mlp_chunk_size", "max_memory_gb", "host_memory_gb", "offload_transfer",
+                                  "compiler_options")}
 OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
                               "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")}
 QUANT_KEYS = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant",
@@ -142,6 +143,9 @@ class TrainConfig:
     # The remat policy on the first N layers only, the rest without remat (null: every layer); needs the unrolled
     # layer loop. `remat: auto` sets it itself when no remat does not fit but remat on a few layers does.
     remat_layers: int | None = None
+    # How remat "offload" moves the layer inputs to host memory: "policy" (jax.checkpoint's offload policy),
+    # "explicit" (jaxft.offload: its own copies, which the unrolled loop needs), "auto" (explicit when unrolled).
+    offload_transfer: Literal["auto", "policy", "explicit"] = "auto"
     # auto's device budget in GiB (null: the device's free memory less a margin); offload_all's host budget.
     max_memory_gb: float | None = None
     host_memory_gb: float | None = None
