@@ -366,7 +366,8 @@ class Bench:
     def workload_info(self, name: str) -> tuple[list[float], str]:
         w = get_workload(name)
         data = make_token_data(w, self.args.steps)
-        flops = [useful_flops(w.shape, w.tokens_per_step, int(p)) for p in data.attention_pairs]
+        flops = [useful_flops(w.shape, w.tokens_per_step, int(p), image_grids=data.image_grids(i))
+                 for i, p in enumerate(data.attention_pairs)]
         self.report["workloads"][name] = {
             **w.to_dict(), "shape": w.shape_name, "params": param_counts(w.shape),
             "data": data.stats(), "useful_flops_per_step": sum(flops[self.args.warmup:])
@@ -490,9 +491,12 @@ class Bench:
 
 
 def model_bytes(shape: ModelShape) -> int:
-    """bf16 bytes of a shape's saved weights: the matmuls (lm_head included) plus an untied embedding."""
+    """bf16 bytes of a shape's saved weights: the stored matmuls (every expert, lm_head included) plus an
+    untied embedding (and a VLM's vision tower, biases and norms left out: a fraction of a percent)."""
+    counts = param_counts(shape)
     embed = 0 if shape.get("tie_word_embeddings") else shape.get("vocab_size") * shape.get("hidden_size")
-    return 2 * (param_counts(shape)["frozen_matmul"] + embed)
+    vision = counts.get("vision_per_patch", 0) + counts.get("vision_per_merged", 0)
+    return 2 * (counts["stored_matmul"] + embed + vision)
 
 
 def run_order(workloads: list[str]) -> list[str]:
