@@ -548,7 +548,7 @@ def new_report(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
 def workload_notes(workloads: list[str]) -> list[str]:
     """Notes for the MoE and vision-language rows, when the run has any."""
-    shapes = {get_workload(n).shape for n in workloads}
+    shapes = [SHAPES[name] for name in dict.fromkeys(get_workload(n).shape_name for n in workloads)]
     notes = []
     if any(moe_layout(sh) is not None for sh in shapes):
         notes.append(
