@@ -757,7 +757,8 @@ def vision_params(shape: ModelShape) -> dict[str, int]:
     patch_in = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
     block = hv * 3 * hv + hv * hv + 2 * hv * iv + iv * hv
     merged = hv * v["spatial_merge_size"] ** 2
-    return {"per_patch": patch_in * hv + v["depth"] * block, "per_merged": merged * merged + merged * v["out_hidden_size"]}
+    return {"per_patch": patch_in * hv + v["depth"] * block,
+            "per_merged": merged * merged + merged * v["out_hidden_size"]}
 
 
 def vision_attention_pairs(shape: ModelShape, grid: tuple[int, int, int]) -> dict[str, int]:
