@@ -41,7 +41,7 @@ def host_offloaded(fn: Callable) -> Callable:
 
     def call(x, *args):
         converted, consts = _hoist_constants(fn, x, *args)
-        return _offloaded(converted, x, *args, *consts)
+        return _offloaded(converted, len(consts), x, *args, *consts)
 
     return call
 
@@ -64,22 +64,28 @@ def _hoist_constants(fn: Callable, *args):
     return converted, list(closed.consts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _offloaded(fn, x, *args):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _offloaded(fn, n_consts, x, *args):
     return fn(x, *args)
 
 
-def _offloaded_fwd(fn, x, *args):
+def _offloaded_fwd(fn, n_consts, x, *args):
     return fn(x, *args), (jax.device_put(x, Space.Host), args)
 
 
-def _offloaded_bwd(fn, res, dy):
+def _offloaded_bwd(fn, n_consts, res, dy):
+    """Cotangents for x and the explicit arguments; none for the hoisted constants (the layer's RoPE tables,
+    positions, masks, dropout key: nothing trainable reaches a layer other than through its arguments). Not
+    differentiating them matters: a constant can be an input of a custom VJP inside the layer (e.g. the NF4
+    code table of the 4-bit matmul), and JAX refuses to differentiate a custom VJP in what it closes over."""
     x_host, args = res
     # The barrier orders the copy back after dy and hides the host copy from Copy(Copy) folding (docstring).
     x_host, dy = jax.lax.optimization_barrier((x_host, dy))
     x = jax.device_put(x_host, Space.Device)
-    _, vjp = jax.vjp(fn, x, *args)
-    return vjp(dy)
+    split = len(args) - n_consts
+    explicit, consts = args[:split], args[split:]
+    _, vjp = jax.vjp(lambda x, *explicit: fn(x, *explicit, *consts), x, *explicit)
+    return (*vjp(dy), *([None] * n_consts))
 
 
 _offloaded.defvjp(_offloaded_fwd, _offloaded_bwd)

@@ -108,11 +108,12 @@ class Run:
 
     @classmethod
     def from_config(cls, config, total_steps: int, *, devices=None) -> "Run":
-        """The run a `jaxft.train.TrainConfig` describes (its validated LoRA, execution and optimiser parts)."""
-        return cls(model_path=config.model_name_or_path, lora_config=config.lora, execution=config.execution,
-                   optim=config.optim, total_steps=total_steps, dtype="bfloat16" if config.bf16 else "float32",
-                   seed=config.seed, accumulation=config.gradient_accumulation_steps, devices=devices,
-                   quant_config=config.quant, mesh=config.mesh_config)
+        """The run a `jaxft.train.TrainConfig` describes (its validated model, LoRA, execution and optimiser
+        parts)."""
+        return cls(model_path=config.model.path, lora_config=config.lora, execution=config.execution,
+                   optim=config.optim, total_steps=total_steps, dtype=config.model.dtype, seed=config.seed,
+                   accumulation=config.gradient_accumulation_steps, devices=devices, quant_config=config.model.quant,
+                   mesh=config.mesh_config)
 
     # ------------------------------------------------------------------ building the state
     @property

@@ -55,9 +55,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #   offload_attn, offload_stream, offload_all, offload_unroll, auto, auto_40gb: the remat policies of
 #         jaxft.remat (one YAML each; auto_40gb = auto within 40 GB);
 #   qlora: fast on a 4-bit base (the frozen linears quantised to bitsandbytes nf4 with double quantisation
-#         while loading); qlora_lean: the same base with full remat over the layer scan.
+#         while loading); qlora_lean: the same base with full remat over the layer scan;
+#         qlora_offload: the same base with the layer inputs offloaded from the unrolled loop.
 MODES = ("fast", "lean", "full_remat", "offload_attn", "offload_stream", "offload_all", "offload_unroll", "auto",
-         "auto_40gb", "qlora", "qlora_lean")
+         "auto_40gb", "qlora", "qlora_lean", "qlora_offload")
 PROFILE_STEPS = 3
 
 

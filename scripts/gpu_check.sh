@@ -8,6 +8,7 @@
 #   "offload" the host-offload probe: $OUT/offload_probe.jsonl; OFFLOAD_DUMP=variant,... adds $OUT/offload_dump.tgz)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
 #   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
+#   TESTS_WORKERS=4 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)
 #   TRAIN_GPUS=1 (default: sessions one after another on one GPU) | N | all (bench_train.py --gpus: up to N
 #   sessions at once, each worker pinned to its own GPU by CUDA_VISIBLE_DEVICES; ceilings + model saves first, on GPU 0).
 #   On a multi-GPU kind (e.g. 8 x H200) TRAIN_GPUS=all runs the whole table (5 systems x 5 workloads) in one call:
@@ -35,9 +36,35 @@ fi
 
 if has tests; then
   stamp "gpu tests"
-  # Written to the log as it runs (no tail in the pipe): a timeout must not swallow the failure report.
-  timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest -v --durations=20 -m gpu -p no:cacheprovider -rfEs --tb=short \
-    ${TESTS:-tests} >> "$OUT/check.log" 2>&1; tail -60 "$OUT/check.log"
+  # Two pytest calls at once. The `serial` tests (they read compiled memory sizes, which may depend on the memory
+  # XLA compiles for) in one process with the usual share of the GPU (TESTS_SERIAL_MEM_FRACTION); the others on
+  # TESTS_WORKERS pytest-xdist workers (1: one process) sharing what is left, tests that share a module-scoped
+  # compile kept on one worker (xdist_group, --dist loadgroup). pytest-xdist comes from the image, else from the
+  # wheels in .peers/pytest when they are there. Only files that mark gpu tests are collected (imports cost
+  # seconds per file). TESTS_TIMEOUT_S bounds each call. Written to the logs as they run (no tail in the pipe):
+  # a timeout must not swallow the failure report.
+  workers=${TESTS_WORKERS:-4}
+  if ! python3 -c "import xdist" 2>/dev/null && compgen -G ".peers/pytest/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-deps .peers/pytest/*.whl 2>&1 | tail -3
+  fi
+  if [ "$workers" -gt 1 ] && ! python3 -c "import xdist" 2>/dev/null; then
+    stamp "no pytest-xdist: the gpu tests run in one process"; workers=1
+  fi
+  parallel=(); [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadgroup)
+  serial_fraction=${TESTS_SERIAL_MEM_FRACTION:-0.75}
+  fraction=$(awk -v n="$workers" -v s="$serial_fraction" 'BEGIN { printf "%.3f", (0.95 - s) / n }')
+  test_files=${TESTS:-$(grep -l "mark\.gpu" tests/test_*.py | tr '\n' ' ')}
+  pytest_args=(-v --durations=20 -p no:cacheprovider -rfEs --tb=short)
+  serial_log=$(mktemp)
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$serial_fraction timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest \
+    "${pytest_args[@]}" -m "gpu and serial" $test_files > "$serial_log" 2>&1 &
+  serial_pid=$!
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest "${pytest_args[@]}" \
+    ${parallel[@]+"${parallel[@]}"} -m "gpu and not serial" $test_files >> "$OUT/check.log" 2>&1
+  wait "$serial_pid"
+  { echo "---- serial gpu tests (run beside the parallel ones)"; cat "$serial_log"; } >> "$OUT/check.log"
+  rm -f "$serial_log"
+  tail -60 "$OUT/check.log"
 fi
 
 if has forward; then

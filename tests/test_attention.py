@@ -21,6 +21,7 @@ from kernels_pallas.attention import attention_reference, dot_product_attention,
 from kernels_pallas.attention.shapes import GPU_TEST_SHAPES, TEST_SHAPES, make_segment_ids
 from kernels_pallas.attention.config import BlockConfig, FlashConfig
 from kernels_pallas.attention.flash import DKDV_NAME, DQ_NAME, FWD_NAME, flash_attention
+from gpu_helpers import compile_no_autotune
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -273,7 +274,6 @@ def test_cudnn_segment_runs():
 # On the device.  Programs are compiled without XLA's GEMM autotuning: it cost 12-23 s per program on the
 # H200 (measured), the reference's einsums are the only GEMMs, and the kernels under test are ours.
 # ---------------------------------------------------------------------------
-NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
 GPU_CASES = [
     # (t, h, kvh, d, causal, window, softcap, sinks, packed)
     (512, 8, 2, 128, True, None, None, False, False),
@@ -283,9 +283,7 @@ GPU_CASES = [
     (512, 8, 8, 128, False, 100, None, False, True),
 ]
 
-
-def _gpu_compile(fn, *args):
-    return jax.jit(fn).lower(*args).compile(compiler_options=NO_AUTOTUNE)
+_gpu_compile = compile_no_autotune
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +320,7 @@ def gpu_case_results():
 
 
 @pytest.mark.gpu
+@pytest.mark.xdist_group("attention_gpu_cases")  # one worker: they share gpu_case_results' compiles
 @needs_gpu
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gpu_pallas_matches_reference_bf16(case, gpu_case_results):
@@ -334,6 +333,7 @@ def test_gpu_pallas_matches_reference_bf16(case, gpu_case_results):
 
 
 @pytest.mark.gpu
+@pytest.mark.xdist_group("attention_gpu_cases")
 @needs_gpu
 def test_gpu_compiled_hlo_contains_named_kernels(gpu_case_results):
     compiled, _, _ = gpu_case_results(GPU_CASES[2])  # window + softcap + sinks: all three kernels

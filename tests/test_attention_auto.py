@@ -11,6 +11,7 @@ import pytest
 from kernels_pallas.attention import attention_reference, dot_product_attention, make_metadata
 from kernels_pallas.attention.flash import FWD_NAME
 from kernels_pallas.attention.shapes import GPU_TEST_SHAPES, make_segment_ids
+from gpu_helpers import NO_AUTOTUNE
 
 
 def _qkv(b, t, h, kvh, d, seed=0):
@@ -28,7 +29,6 @@ def test_single_segment_flag():
 
 # Compiled without XLA's GEMM autotuning (12-23 s per program on the H200, measured; the only GEMMs are the
 # reference's); one program per layout computes the output and the gradients, and its HLO is checked.
-NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
 
 
 @pytest.mark.gpu

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gpu_helpers import compile_no_autotune
+
 pytestmark = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
 
@@ -60,7 +62,7 @@ def _loss_and_grads(path, dtype, execution, batch):
     def loss_fn(p, batch):
         return token_loss_sum(nnx.merge(graphdef, p, rest), batch, execution=execution) / batch["loss_mask"].sum()
 
-    step = jax.jit(jax.value_and_grad(loss_fn)).lower(params, batch).compile()
+    step = compile_no_autotune(jax.value_and_grad(loss_fn), params, batch)
     loss, grads = step(params, batch)
     return float(loss), [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)], step.as_text()
 

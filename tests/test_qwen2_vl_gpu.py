@@ -14,7 +14,8 @@ from lora_helpers import rel_err
 
 pytestmark = pytest.mark.gpu
 
-# Three images of different sizes, ~1.9k patches: several attention blocks per segment, partial windows.
+# Three images of different sizes, ~1.9k patches: several attention blocks per segment, partial windows. Two
+# blocks: 2.5-VL's first is windowed, its second (fullatt_block_indexes) full.
 GRIDS = np.asarray([(1, 28, 40), (1, 16, 16), (1, 12, 20)], np.int32)
 
 
@@ -22,7 +23,7 @@ GRIDS = np.asarray([(1, 28, 40), (1, 16, 16), (1, 12, 20)], np.int32)
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_tower_kernels_match_reference(kind, head_dim):
     heads = 4
-    cfg = VisionConfig(kind=kind, depth=3, embed_dim=heads * head_dim, num_heads=heads, mlp_dim=2 * heads * head_dim,
+    cfg = VisionConfig(kind=kind, depth=2, embed_dim=heads * head_dim, num_heads=heads, mlp_dim=2 * heads * head_dim,
                        out_hidden_size=256, hidden_act="quick_gelu" if kind == "qwen2_vl" else "silu",
                        patch_size=14, window_size=112 if kind == "qwen2_5_vl" else 0,
                        fullatt_block_indexes=(1,) if kind == "qwen2_5_vl" else ())

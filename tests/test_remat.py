@@ -201,6 +201,30 @@ def test_named_vjp_keeps_values_gradients_and_spares_the_forward():
     assert tanh_count(keep) == 1 and tanh_count(jax.checkpoint_policies.nothing_saveable) == 2
 
 
+def test_named_vjp_takes_segment_ids_made_inside_a_layer_scan():
+    """The cuDNN path wraps attention whose segment ids are computed per batch and reach each layer inside the
+    layer scan (the Qwen2-VL tower's image segments): passed as an argument they are no closed-over tracer, so
+    the gradient traces (closing over them leaked the scan body's tracer) and equals the unwrapped one."""
+    from kernels_pallas.attention.reference import attention_reference
+    from kernels_pallas.attention.residuals import named_vjp
+
+    q = jax.random.normal(jax.random.key(1), (3, 1, 16, 2, 8))
+    seg = jnp.array([[1] * 8 + [2] * 8], jnp.int32)
+
+    def loss(q, attend):
+        def body(c, qq):
+            s = seg + (c > 1e9).astype(jnp.int32)  # made in the body, as the tower's per-image segments are
+            return c + jnp.sum(jnp.sin(attend(qq, s))), None
+        return jax.lax.scan(body, 0.0, q)[0]
+
+    wrapped = named_vjp(lambda q, k, v, s: attention_reference(q, k, v, segment_ids=s, causal=False))
+    got = jax.jit(jax.grad(lambda q: loss(q, lambda qq, s: wrapped(qq, qq, qq, s))))(q)
+    want = jax.jit(jax.grad(lambda q: loss(q, lambda qq, s: attention_reference(qq, qq, qq, segment_ids=s,
+                                                                               causal=False))))(q)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert float(jnp.max(jnp.abs(want))) > 0
+
+
 # ---------------------------------------------------------------------------------------------- host offload
 def _offload_texts(loop: str, remat: str, cfg: ModelConfig | None = None):
     cfg = cfg or llama(3)

@@ -4,6 +4,7 @@ the attention residuals kept by offload+attn spare the kernel forward (cuDNN and
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -16,8 +17,10 @@ from jaxft.execution import ExecutionConfig
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models.decoder import Decoder
 from jaxft.train.step import loss_and_grad_sums, split_model, unstack_layers
+from gpu_helpers import NO_AUTOTUNE
 
-pytestmark = pytest.mark.gpu
+# serial: the temp sizes and the HLO depend on the device memory XLA compiles for (gpu_check.sh runs these alone).
+pytestmark = [pytest.mark.gpu, pytest.mark.serial]
 
 # 4 layers of Llama-3.2-1B widths at 1 x 2048: one layer's saved activations (~75 MiB) dwarf its input (8 MiB).
 CFG = ModelConfig(model_type="llama", vocab_size=8192, hidden_size=2048, intermediate_size=8192, num_layers=4,
@@ -25,6 +28,7 @@ CFG = ModelConfig(model_type="llama", vocab_size=8192, hidden_size=2048, interme
 T = 2048
 
 
+@functools.cache  # each setting compiled once per process, whichever test asks first
 def _compiled(remat: str, loop: str, attention: str = "cudnn", segments: bool = True):
     model = nnx.eval_shape(lambda: apply_lora(Decoder(CFG, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
                                               LoraConfig(r=16, alpha=32)))
@@ -36,7 +40,7 @@ def _compiled(remat: str, loop: str, attention: str = "cudnn", segments: bool = 
         batch["segment_ids"] = None
     ex = ExecutionConfig(attention_implementation=attention, remat=remat, layer_loop=loop)
     step = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])
-    return step.lower(lora, frozen, batch).compile()
+    return step.lower(lora, frozen, batch).compile(compiler_options=NO_AUTOTUNE)
 
 
 def _host_copies(text: str) -> int:

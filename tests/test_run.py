@@ -115,10 +115,13 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert (qlora.quant.quant_type, qlora.quant.double_quant, qlora.execution) == ("nf4", True, fast)
     qlora_lean = load_config(REPO / "examples/bench/qlora_lean.yaml")
     assert (qlora_lean.quant, qlora_lean.execution) == (qlora.quant, policies["full_remat"])
+    qlora_offload = load_config(REPO / "examples/bench/qlora_offload.yaml")
+    assert (qlora_offload.quant, qlora_offload.execution) == (qlora.quant, policies["offload_unroll"].replace(
+        ce_chunk_size=256))
     assert (policies["offload_all"].host_memory_gb, policies["offload_unroll"].resolved_layer_loop) == (100, "unroll")
 
 
-@pytest.mark.parametrize("mode", ["fast", "lean", "offload_attn", "qlora", "qlora_lean"])
+@pytest.mark.parametrize("mode", ["fast", "lean", "offload_attn", "qlora", "qlora_lean", "qlora_offload"])
 def test_bench_recipes_run_in_jaxft_train(mode, model_dir, tmp_path):
     make_jsonl(tmp_path / "train.jsonl", 40)
     cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml", [

@@ -127,3 +127,51 @@ def test_gradient_checkpointing_with_or_without_remat(tmp_path, paths):
                             "two keys, or set remat to full, dots or offload")
     assert _error(_yaml(tmp_path, paths, "gradient_checkpointing: yes please\n")).startswith(
         f"{tmp_path / 'run.yaml'}:4: key 'gradient_checkpointing'")
+
+
+def test_model_and_logging_parts_come_from_the_flat_keys(paths):
+    from jaxft.train.parts import LoggingConfig, ModelSource
+
+    cfg = TrainConfig(**paths, bf16=False, logging_steps=5, eval_generate_prompts=["hi"])
+    assert cfg.model == ModelSource(path=paths["model_name_or_path"], dtype="float32", quant=None)
+    assert cfg.quant is cfg.model.quant is None
+    assert cfg.logging == LoggingConfig(output_dir=paths["output_dir"], logging_steps=5,
+                                        eval_generate_prompts=("hi",))
+    assert cfg.logging.eval_every == 5 and cfg.replace(eval_steps=3).logging.eval_every == 3
+    assert TrainConfig(**paths).model.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("part,values,message", [
+    ("model", dict(path="/nowhere/model"), "key 'path': path '/nowhere/model' does not exist; fix the path"),
+    ("model", dict(path=""), "key 'path': value '' is invalid; give a non-empty path"),
+    ("model", dict(dtype="float16"), "key 'dtype': value 'float16' is not one of 'bfloat16', 'float32'"),
+    ("model", dict(quant="nf4"), "key 'quant': value 'nf4' must be a jaxft.quant.QuantConfig"),
+    ("logging", dict(output_dir=" "), "key 'output_dir': value ' ' is invalid; give a non-empty path"),
+    ("logging", dict(logging_steps=0), "key 'logging_steps': value 0 is invalid; must be an integer >= 1"),
+    ("logging", dict(save_steps=True), "key 'save_steps': value True is invalid; must be an integer >= 1"),
+    ("logging", dict(eval_steps=0), "key 'eval_steps': value 0 is invalid; must be an integer >= 1 (or null)"),
+    ("logging", dict(save_total_limit=-1), "key 'save_total_limit': value -1 is invalid; must be an integer >= 1"),
+    ("logging", dict(report_to="wandb"), "key 'report_to': value 'wandb' is not one of 'tensorboard', 'none'"),
+    ("logging", dict(disable_tqdm="yes"), "key 'disable_tqdm': value 'yes' is invalid; must be true or false"),
+    ("logging", dict(eval_generate_prompts=["ok", " "]), "key 'eval_generate_prompts': value ['ok', ' '] is invalid"),
+    ("logging", dict(eval_generate_max_new_tokens=0), "key 'eval_generate_max_new_tokens': value 0 is invalid"),
+])
+def test_model_and_logging_parts_reject_bad_values_in_one_line(paths, part, values, message):
+    from jaxft.train.parts import LoggingConfig, ModelSource, PartError
+
+    build, base = {"model": (ModelSource, dict(path=paths["model_name_or_path"])),
+                   "logging": (LoggingConfig, dict(output_dir=paths["output_dir"]))}[part]
+    with pytest.raises(PartError) as info:
+        build(**{**base, **values})
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    assert info.value.field == next(iter(values))
+
+
+def test_part_errors_name_the_flat_key_and_its_yaml_line(tmp_path, paths):
+    # The model part's error under model_name_or_path, at its line; a logging key at its line, or on the command line.
+    path = _yaml(tmp_path, {**paths, "model_name_or_path": "/nowhere/model"}, "")
+    assert _error(path) == f"{path}:1: key 'model_name_or_path': path '/nowhere/model' does not exist; fix the path"
+    path = _yaml(tmp_path, paths, "save_total_limit: 0\n")
+    assert _error(path) == f"{path}:4: key 'save_total_limit': value 0 is invalid; must be an integer >= 1 (or null)"
+    assert _error(path, ["save_total_limit=2", "eval_generate_prompts=[]"]).startswith(
+        "command line: key 'eval_generate_prompts': value [] is invalid; give a non-empty list")

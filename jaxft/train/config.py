@@ -209,8 +209,27 @@ class TrainConfig:
             object.__setattr__(self, f.name, value)
         self._resolve_remat()
         self._check_ranges()
+        self._build_model_and_logging()
         self._check_paths()
         self._build_parts()
+
+    def _build_model_and_logging(self):
+        """The model part (it checks the model directory) and the logging part, errors under the flat keys."""
+        from jaxft.train.parts import LOGGING_KEYS, MODEL_KEYS, LoggingConfig, ModelSource, PartError
+
+        try:
+            logging_part = LoggingConfig(**{field: getattr(self, key) for field, key in LOGGING_KEYS.items()})
+        except PartError as e:
+            raise part_error(e, LOGGING_KEYS) from None
+        object.__setattr__(self, "eval_generate_prompts", logging_part.eval_generate_prompts)  # a list -> tuple
+        object.__setattr__(self, "_logging", logging_part)
+        quant = self._build_quant()
+        try:
+            model = ModelSource(path=self.model_name_or_path, dtype="bfloat16" if self.bf16 else "float32",
+                                quant=quant)
+        except PartError as e:
+            raise part_error(e, MODEL_KEYS) from None
+        object.__setattr__(self, "_model", model)
 
     def _build_parts(self):
         """The validated parts a run is built from, each checking its own fields once. Their errors carry the
@@ -233,7 +252,6 @@ class TrainConfig:
                 raise part_error(e, fields) from None
             object.__setattr__(self, f"_{name}", part)
         object.__setattr__(self, "remat", self._execution.remat)  # canonical (a mapping becomes its string)
-        object.__setattr__(self, "_quant", self._build_quant())
         from jaxft.sharding import MeshConfig, MeshConfigError
 
         try:
@@ -300,9 +318,19 @@ class TrainConfig:
             raise part_error(e, QUANT_KEYS) from None
 
     @property
+    def model(self):
+        """The model part (`jaxft.train.parts.ModelSource`): directory, compute dtype, 4-bit quantisation."""
+        return self._model
+
+    @property
+    def logging(self):
+        """The logging part (`jaxft.train.parts.LoggingConfig`): output_dir, log / eval / save cadence, reporting."""
+        return self._logging
+
+    @property
     def quant(self):
-        """The 4-bit part (`jaxft.quant.QuantConfig`), or None without load_in_4bit."""
-        return self._quant
+        """The 4-bit part (`jaxft.quant.QuantConfig`), or None without load_in_4bit (also `model.quant`)."""
+        return self._model.quant
 
     @property
     def execution(self):
@@ -365,13 +393,12 @@ class TrainConfig:
             if not cond:
                 raise TrainConfigError(f"key {key!r}: value {getattr(self, key)!r} is invalid; {what}", key=key)
 
-        for key in ("model_name_or_path", "dataset", "output_dir"):
-            need(bool(getattr(self, key).strip()), key, "give a non-empty path")
-        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps",
-                    "lora_r"):
+        # model_name_or_path and the logging keys are checked by their parts (jaxft.train.parts).
+        need(bool(self.dataset.strip()), "dataset", "give a non-empty path")
+        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "lora_r"):
             need(getattr(self, key) >= 1, key, "must be an integer >= 1")
-        for key in ("per_device_eval_batch_size", "eval_steps", "save_total_limit"):
-            need(getattr(self, key) is None or getattr(self, key) >= 1, key, "must be an integer >= 1 (or null)")
+        need(self.per_device_eval_batch_size is None or self.per_device_eval_batch_size >= 1,
+             "per_device_eval_batch_size", "must be an integer >= 1 (or null)")
         need(self.max_seq_length >= 2, "max_seq_length", "must be an integer >= 2")
         need(self.max_steps == -1 or self.max_steps >= 1, "max_steps", "must be >= 1, or -1 to use num_train_epochs")
         need(self.max_steps >= 1 or self.num_train_epochs > 0, "num_train_epochs",
@@ -387,29 +414,19 @@ class TrainConfig:
              "[experts.gate_up_proj, experts.down_proj] (or null)")
         if isinstance(params, list):
             object.__setattr__(self, "lora_target_parameters", tuple(params))
-        prompts = self.eval_generate_prompts
-        need(prompts is None or (len(prompts) > 0 and all(p.strip() for p in prompts)), "eval_generate_prompts",
-             "give a non-empty list of non-empty prompt strings (or null)")
-        if isinstance(prompts, list):
-            object.__setattr__(self, "eval_generate_prompts", tuple(prompts))
-        need(self.eval_generate_max_new_tokens >= 1, "eval_generate_max_new_tokens", "must be an integer >= 1")
         need(self.packing, "packing", "only packing=true is supported: documents are packed into rows with "
                                       "block-diagonal attention (no cross-document attention), so it is exact")
 
     def _check_paths(self):
         from bridge.errors import hub_id_hint  # deferred: bridge imports numpy
 
-        for key in ("model_name_or_path", "dataset", "eval_dataset"):
+        for key in ("dataset", "eval_dataset"):  # the model directory is checked by the model part
             value = getattr(self, key)
             if value is not None and not Path(value).expanduser().exists():
-                # A Hub id ("meta-llama/Llama-3.2-1B") gets the download command: nothing is fetched here.
-                hint = hub_id_hint(value, repo_type="model" if key == "model_name_or_path" else "dataset")
+                # A Hub id ("HuggingFaceH4/ultrachat_200k") gets the download command: nothing is fetched here.
+                hint = hub_id_hint(value, repo_type="dataset")
                 raise TrainConfigError(f"key {key!r}: path {value!r} does not exist{hint or '; fix the path'}",
                                        key=key)
-        if not (Path(self.model_name_or_path).expanduser() / "config.json").is_file():
-            raise TrainConfigError(
-                f"key 'model_name_or_path': {self.model_name_or_path!r} has no config.json; give a local Hugging "
-                "Face model directory (config.json + *.safetensors + tokenizer files)", key="model_name_or_path")
         resume = self.resume_from_checkpoint
         if isinstance(resume, str) and resume.lower() not in ("true", "false"):
             if not Path(resume).expanduser().exists():

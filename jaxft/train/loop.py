@@ -37,6 +37,7 @@ from jaxft.train.config import EXECUTION_KEYS, LORA_KEYS, TrainConfig, TrainConf
 from jaxft.train.guard import OutputDirLock, StopRequests, TrainingInterrupted
 from jaxft.train.meter import RunSummary, WindowMeter, device_peak_bytes
 from jaxft.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
+from jaxft.train.parts import LoggingConfig
 
 logger = logging.getLogger("jaxft.train")
 
@@ -109,8 +110,8 @@ def _load_data(config: TrainConfig, num_devices: int):
     from jaxft.data.images import ImageProcessor
     from jaxft.data.pipeline import build_datasets
 
-    tokenizer = load_tokenizer(config.model_name_or_path)
-    images = ImageProcessor.for_model_dir(config.model_name_or_path)  # None for a text-only model
+    tokenizer = load_tokenizer(config.model.path)
+    images = ImageProcessor.for_model_dir(config.model.path)  # None for a text-only model
     train_ds, eval_ds = build_datasets(config.data(num_devices), tokenizer, images)
     return tokenizer, train_ds, eval_ds
 
@@ -146,7 +147,7 @@ def train(config: TrainConfig) -> TrainResult:
     wall_start = time.perf_counter()
     distributed.initialize(config.distributed_config)  # before anything touches a device
     main = distributed.is_main_process()
-    out = Path(config.output_dir).expanduser().absolute()
+    out = Path(config.logging.output_dir).expanduser().absolute()
     lock = OutputDirLock(out)
     if main:  # process 0 holds the lock for the run's processes (the others write no file of their own)
         lock.check()  # refuse early, before minutes of loading, when another live run writes there
@@ -175,7 +176,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     except MeshConfigError as e:  # the mesh does not fit this process's devices
         raise TrainConfigError(str(e), key="mesh") from None
     num_devices = probe.placement.batch_parallel  # the devices batch rows are split over (all processes')
-    if jax.process_count() > 1 and config.eval_generate_prompts:
+    if jax.process_count() > 1 and config.logging.eval_generate_prompts:
         raise TrainConfigError("key 'eval_generate_prompts': sample generation runs in one process only; drop it "
                                f"for this {jax.process_count()}-process run", key="eval_generate_prompts")
 
@@ -188,11 +189,10 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
                 config.gradient_accumulation_steps, num_devices, plan.steps_per_epoch, plan.total_steps)
     if (config.execution.resolved_layer_loop == "unroll" and config.remat != "auto"
             and remat_policies.parse(config.remat).offloads):
-        logger.warning("layer_loop=unroll with an offloading remat policy: before the unrolled loop's fix (no CSE "
-                       "barrier on offloaded inputs, jaxft/models/stack.py) XLA kept the unrolled layers' "
-                       "activations on the device (13.5 GiB of temporaries vs 1.3 GiB with the layer scan at 8B, "
-                       "4096 tokens on an H200); the fix awaits tests/test_remat_gpu.py on a GPU, layer_loop: scan "
-                       "is the measured choice")
+        logger.warning("layer_loop=unroll with an offloading remat policy: through jax.checkpoint's policy XLA "
+                       "drops the unrolled program's host copies (measured on an H200, docs/benchmarks.md section "
+                       "10); remat offload there takes the explicit transfer (jaxft/offload.py), not yet measured "
+                       "on a GPU (tests/test_remat_gpu.py); layer_loop: scan is the measured choice")
     if config.lr_scheduler_type == "constant" and plan.warmup_steps:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
@@ -234,11 +234,11 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
             shutil.rmtree(out / "checkpoints")
         (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
     distributed.sync("jaxft:output_dir")  # old checkpoints are gone before any process makes the manager
-    checkpointer = ckpt.Checkpointer(out / "checkpoints", save_steps=config.save_steps,
-                                     max_to_keep=config.save_total_limit)
+    log = config.logging
+    checkpointer = ckpt.Checkpointer(out / "checkpoints", save_steps=log.save_steps, max_to_keep=log.save_total_limit)
     writer = (MetricsWriter(out, resume_step=start_step if resume_path else None,
-                            tensorboard=config.report_to == "tensorboard") if main else _NoMetrics(out))
-    eval_every = config.eval_steps or config.logging_steps
+                            tensorboard=log.report_to == "tensorboard") if main else _NoMetrics(out))
+    eval_every = log.eval_every
     num_tokens = setup.start_tokens  # cumulative non-padding tokens trained on (TRL's num_tokens)
 
     def meta_for(step: int) -> dict[str, Any]:
@@ -251,8 +251,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         loss_sum, count = run.evaluate(_local_batches(run, eval_ds))
         value = loss_sum / max(count, 1.0)
         writer.write({"step": step, "eval_loss": value, "eval_tokens": int(count)})
-        if config.eval_generate_prompts:
-            samples = _sample_completions(run.model(), tokenizer, config)
+        if log.eval_generate_prompts:
+            samples = _sample_completions(run.model(), tokenizer, log)
             writer.write({"step": step, "samples": samples})
             for s in samples:
                 logger.info("step %d sample: %r -> %r", step, s["prompt"], s["completion"])
@@ -264,7 +264,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
             writer.write({"step": step, "checkpoint": str(path)})
         return path
 
-    bar = _progress(plan.total_steps, start_step, disable=config.disable_tqdm or not main)
+    bar = _progress(plan.total_steps, start_step, disable=log.disable_tqdm or not main)
     meter = WindowMeter()
     last_loss, last_eval = None, None
     window: list[tuple[Any, int]] = []
@@ -297,12 +297,12 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                 step += 1
                 num_tokens += batch_tokens
                 window.append((metrics, batch_tokens))
-                if step % config.logging_steps == 0 or step == plan.total_steps:
+                if step % log.logging_steps == 0 or step == plan.total_steps:
                     last_loss = _log_window(writer, status, meter, window, step, plan, num_tokens)
                     window = []
                 do_eval = eval_ds is not None and (step % eval_every == 0 or step == plan.total_steps)
-                do_save = step % config.save_steps == 0 or step == plan.total_steps
-                stopping = _stop_agreed(stop.requested, step % config.logging_steps == 0 or do_eval or do_save)
+                do_save = step % log.save_steps == 0 or step == plan.total_steps
+                stopping = _stop_agreed(stop.requested, step % log.logging_steps == 0 or do_eval or do_save)
                 if stopping or do_eval or do_save:
                     with meter.paused(run.lora):  # syncs first: queued steps count as training time
                         if stopping:
@@ -343,13 +343,13 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                        eval_loss=last_eval, resumed_from=resume_path, summary=summary)
 
 
-def _sample_completions(model, tokenizer, config: TrainConfig) -> list[dict[str, str]]:
+def _sample_completions(model, tokenizer, log: LoggingConfig) -> list[dict[str, str]]:
     """Greedy completions of `eval_generate_prompts` by the model as trained so far (one compiled decode
     program, reused at every evaluation)."""
     from jaxft.generation import generate
 
-    prompts = list(config.eval_generate_prompts)
-    completions = generate(model, tokenizer, prompts, max_new_tokens=config.eval_generate_max_new_tokens,
+    prompts = list(log.eval_generate_prompts)
+    completions = generate(model, tokenizer, prompts, max_new_tokens=log.eval_generate_max_new_tokens,
                            temperature=0.0, chat_template=True)
     return [{"prompt": p, "completion": c} for p, c in zip(prompts, completions)]
 

@@ -40,7 +40,9 @@ def _run_cudnn(q, k, v, segment_ids, metadata, kwargs):
     from kernels_pallas.attention.cudnn import cudnn_attention
 
     # JAX's cuDNN VJP keeps its residuals unnamed; named_vjp names them so remat policies can keep them.
-    return named_vjp(lambda q, k, v: cudnn_attention(q, k, v, segment_ids=segment_ids, **kwargs))(q, k, v)
+    if segment_ids is None:
+        return named_vjp(lambda q, k, v: cudnn_attention(q, k, v, **kwargs))(q, k, v)
+    return named_vjp(lambda q, k, v, seg: cudnn_attention(q, k, v, segment_ids=seg, **kwargs))(q, k, v, segment_ids)
 
 
 OP = Op(

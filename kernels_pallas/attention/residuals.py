@@ -36,28 +36,32 @@ def name_stats(s: jax.Array) -> jax.Array:
     return checkpoint_name(s, STATS_NAME)
 
 
-def named_vjp(fn: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]):
-    """`fn(q, k, v) -> o` with the same values and gradients, whose backward residuals are named (see the
-    module docstring). Only arrays cross from the forward rule to the backward rule; the pullback's pytree
-    structure, which is not an array, is taken from the forward's trace (a custom VJP traces its forward rule
-    before its backward rule), one structure per wrapped function."""
+def named_vjp(fn: Callable[..., jax.Array]):
+    """`fn(q, k, v, *extras) -> o` with the same values and gradients, whose backward residuals are named (see
+    the module docstring). `extras` are arrays the attention reads but is not differentiated in (segment ids):
+    they must be arguments, not values `fn` closes over, because a custom VJP may not close over a traced value
+    of an enclosing transformation (a layer scan's body: its tracer would leak out of the scan). Only arrays
+    cross from the forward rule to the backward rule; the pullback's pytree structure, which is not an array,
+    is taken from the forward's trace (a custom VJP traces its forward rule before its backward rule), one
+    structure per wrapped function."""
     structure = []
 
     @jax.custom_vjp
-    def attend(q, k, v):
-        return fn(q, k, v)
+    def attend(q, k, v, *extras):
+        return fn(q, k, v, *extras)
 
-    def fwd(q, k, v):
-        raw, vjp = jax.vjp(fn, q, k, v)
+    def fwd(q, k, v, *extras):
+        raw, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, *extras), q, k, v)
         o = name_output(raw)
         leaves, tree = jax.tree.flatten(vjp)
-        structure[:] = [tree]
+        structure[:] = [(tree, len(extras))]
         leaves = [leaf if any(leaf is x for x in (q, k, v)) else o if leaf is raw else name_stats(leaf)
                   for leaf in leaves]
         return o, leaves
 
     def bwd(leaves, do):
-        return jax.tree.unflatten(structure[0], leaves)(do)
+        tree, extras = structure[0]
+        return (*jax.tree.unflatten(tree, leaves)(do), *([None] * extras))  # no cotangent for the extras
 
     attend.defvjp(fwd, bwd)
     return attend
