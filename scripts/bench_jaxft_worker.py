@@ -109,12 +109,29 @@ def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str):
 
     overrides = [f"model_name_or_path={model_dir}", f"dataset={os.path.join(REPO, 'examples/data/train.jsonl')}",
                  f"max_seq_length={workload.seq_len}", f"per_device_train_batch_size={workload.batch}",
-                 f"bf16={'true' if dtype == 'bfloat16' else 'false'}"]
+                 f"bf16={'true' if dtype == 'bfloat16' else 'false'}"] + lora_overrides(workload)
     for env, key in (("REMAT", "remat"), ("ATTENTION", "attention_implementation"), ("LAYERS", "layer_loop")):
         if os.environ.get(f"JAXFT_BENCH_{env}"):
             overrides.append(f"{key}={os.environ[f'JAXFT_BENCH_{env}']}")
     # attention "auto" is the reference off the GPU (kernels_pallas.attention.config.choose_implementation)
     return load_config(mode_yaml(mode), overrides)
+
+
+def lora_overrides(workload: Workload) -> list[str]:
+    """The recipe's LoRA keys for the shapes where the peers' LoRA differs from q..down linears: a MoE shape
+    adapts its attention linears and, as expert LoRA, the fused expert parameters (PEFT's target_parameters,
+    as hf_ckpt and unsloth train);
+    a vision-language shape adapts the language model's linears only (finetune_vision_layers: false replaces
+    lora_target_modules, which must then be all-linear: the language layers' q..down, never the merger)."""
+    from bench.workloads import LORA, lora_module_targets, moe_layout
+
+    out = []
+    if moe_layout(workload.shape) is not None:  # bench.workloads.lora_module_targets says why attention only
+        out.append(f"lora_target_modules=[{', '.join(lora_module_targets(workload.shape))}]")
+        out.append(f"lora_target_parameters=[{', '.join(LORA.expert_targets)}]")
+    if workload.shape.is_vlm:
+        out += ["lora_target_modules=all-linear", "finetune_vision_layers=false"]
+    return out
 
 
 def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast",

@@ -24,6 +24,16 @@ Systems:
                        imported before transformers/peft, needs a CUDA GPU. Packed workloads pass
                        the same position_ids (Unsloth derives packed_seq_lengths from them).
   unsloth_4bit         the same with load_in_4bit=True (Unsloth's QLoRA: bitsandbytes nf4 base).
+Mixture-of-experts shapes (Qwen3-MoE, GPT-OSS): the experts are raw [E, ., .] parameters, not Linear
+modules; every system adapts the attention linears and, as expert LoRA at rank r, the experts (PEFT's
+target_parameters = LORA.expert_targets, the same two jaxft's lora_target_parameters adapts; see
+bench.workloads.lora_module_targets for why gate/up/down_proj are not passed as target_modules). Unsloth runs its MoE backend (UNSLOTH_MOE_BACKEND, default
+grouped_mm where torch._grouped_mm runs; the chosen one is recorded in settings.moe_backend).
+Vision-language shapes (Qwen2.5-VL): HF loads Qwen2_5_VLForConditionalGeneration (AutoModelForImageTextToText)
+and adapts the language model's q..down linears only (a regex on model.language_model.layers, so the
+vision tower's own gate/up/down_proj stay frozen, as jaxft's finetune_vision_layers=false); Unsloth uses
+FastVisionModel with finetune_vision_layers=False. Every step passes the same pixel_values and
+image_grid_thw (TokenData.hf_images); M-RoPE positions are computed by the model from the ids and grids.
 Also task kind "save_model": write the random-weight model directory of a shape (the harness
 saves every shape in one session).
 
@@ -76,8 +86,9 @@ if any(t.get("system") in UNSLOTH_SYSTEMS and t.get("device") == "cuda" for t in
 
 import numpy as np  # noqa: E402
 
-from bench.workloads import ADAMW, LORA, TokenData, Workload, make_token_data  # noqa: E402
-from bench.worker_common import ModelCache, SystemUnavailable, Task, worker_main  # noqa: E402
+from bench.workloads import (ADAMW, LORA, TokenData, Workload, lora_module_targets,  # noqa: E402
+                             make_token_data, moe_layout)
+from bench.worker_common import ModelCache, SystemUnavailable, Task, is_oom_message, worker_main  # noqa: E402
 
 
 def _versions(extra: tuple[str, ...] = ()) -> dict[str, str]:
@@ -108,6 +119,24 @@ def _lora_dtype_and_count(model) -> tuple[str, int, list[str]]:
     return ",".join(dtypes), int(sum(p.numel() for _, p in trainable)), non_lora[:5]
 
 
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def hf_lora_targets(workload: Workload) -> dict[str, Any]:
+    """PEFT LoraConfig target keys training the same parameters as jaxft's recipe for this shape (see the
+    module docstring): target_modules (a regex on the language model for a VLM) and target_parameters."""
+    shape = workload.shape
+    targets: Any = list(lora_module_targets(shape))
+    if shape.is_vlm:
+        attn = "|".join(t for t in LORA.targets if t in _ATTENTION)
+        mlp = "|".join(t for t in LORA.targets if t not in _ATTENTION)
+        targets = rf"model\.language_model\.layers\.\d+\.(self_attn\.({attn})|mlp\.({mlp}))"
+    out = {"target_modules": targets}
+    if moe_layout(shape) is not None:
+        out["target_parameters"] = list(LORA.expert_targets)
+    return out
+
+
 def train_loop(model, workload: Workload, data: TokenData, steps: int, device: str) -> dict[str, Any]:
     """Run ``steps`` AdamW steps on the staged batches; time each one device-synchronised."""
     import torch
@@ -119,6 +148,12 @@ def train_loop(model, workload: Workload, data: TokenData, steps: int, device: s
     ids = torch.from_numpy(data.input_ids.astype(np.int64)).to(device)
     labels = torch.from_numpy(data.hf_labels()).to(device)
     pos = torch.from_numpy(data.positions.astype(np.int64)).to(device) if workload.packed else None
+    images = []
+    if data.pixel_values is not None:  # the processor's flat form; float32 (the tower casts to its dtype)
+        for i in range(steps):
+            pixels, grids = data.hf_images(i)
+            images.append({"pixel_values": torch.from_numpy(pixels).to(device),
+                           "image_grid_thw": torch.from_numpy(grids).to(device)})
     sync = _sync(device)
     allocated_before = 0
     if device == "cuda":
@@ -134,6 +169,7 @@ def train_loop(model, workload: Workload, data: TokenData, steps: int, device: s
         sync()
         t0 = time.perf_counter()
         kwargs = {"position_ids": pos[i]} if pos is not None else {}
+        kwargs.update(images[i] if images else {})
         out = model(input_ids=ids[i], labels=labels[i], use_cache=False, **kwargs)
         out.loss.backward()
         opt.step()
@@ -177,10 +213,12 @@ def _load_hf(model_dir: str, device: str, four_bit: bool = False):
     import os
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     with open(os.path.join(model_dir, "config.json")) as f:
-        softcap = json.load(f).get("attn_logit_softcapping")
+        config = json.load(f)
+    softcap = config.get("attn_logit_softcapping")
+    auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
     quant = {}
     if four_bit:
         from transformers import BitsAndBytesConfig
@@ -189,7 +227,7 @@ def _load_hf(model_dir: str, device: str, four_bit: bool = False):
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16)
     # transformers runs attention logit soft-capping (Gemma 2) only in its eager attention; SDPA is refused.
-    model = AutoModelForCausalLM.from_pretrained(
+    model = auto.from_pretrained(
         model_dir, dtype=torch.bfloat16, attn_implementation="eager" if softcap else "sdpa", device_map=device,
         **quant)
     model.config.use_cache = False
@@ -213,8 +251,9 @@ def run_hf(task: Task, ckpt: bool, cache: ModelCache, four_bit: bool = False) ->
         # transformers 5.24 renamed it (the old name warns); older versions have only the old name.
         (getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable)()
     torch.manual_seed(0)  # LoRA A's init draws: identical in a fresh process and a reused model
-    lcfg = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
-                      target_modules=list(LORA.targets), bias="none", task_type="CAUSAL_LM")
+    targets = hf_lora_targets(workload)
+    lcfg = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout, bias="none",
+                      task_type="CAUSAL_LM", **targets)
     model = get_peft_model(base, lcfg)  # autocast_adapter_dtype=True: LoRA params in fp32
     lora_dtype, n_train, non_lora = _lora_dtype_and_count(model)
     result = train_loop(model, workload, data, task.steps, task.device)
@@ -236,8 +275,36 @@ def run_hf(task: Task, ckpt: bool, cache: ModelCache, four_bit: bool = False) ->
                          "use_reentrant": False if ckpt else None,
                          "optimizer": f"torch.optim.AdamW(fused={task.device == 'cuda'})",
                          "attention_masking": attention,
+                         "lora_targets": targets,
                          "non_lora_trainable": non_lora},
             "extra": {**result["extra"], "model_load_s": load_s}}
+
+
+def unsloth_peft_kwargs(workload: Workload) -> dict[str, Any]:
+    """get_peft_model's keyword arguments (FastLanguageModel, or FastVisionModel for a VLM) training the same
+    parameters as jaxft and hf_ckpt: q..down linears; a MoE shape's experts through target_parameters (Unsloth
+    would derive the same two from gate/up/down_proj; given explicitly so the row does not depend on its
+    detection); a VLM's language layers only (finetune_vision_layers=False: the tower and merger frozen)."""
+    kwargs: dict[str, Any] = {"r": LORA.r, "lora_alpha": LORA.alpha, "lora_dropout": LORA.dropout, "bias": "none",
+                              "use_gradient_checkpointing": "unsloth", "random_state": 3407}
+    if workload.shape.is_vlm:
+        kwargs.update(finetune_vision_layers=False, finetune_language_layers=True, finetune_attention_modules=True,
+                      finetune_mlp_modules=True)
+    else:
+        kwargs.update(target_modules=list(lora_module_targets(workload.shape)), max_seq_length=workload.seq_len)
+    if moe_layout(workload.shape) is not None:
+        kwargs["target_parameters"] = list(LORA.expert_targets)
+    return kwargs
+
+
+def _unsloth_moe_backend() -> str | None:
+    """The MoE backend unsloth_zoo chose (grouped_mm / unsloth_triton / native_torch), for the record."""
+    try:
+        from unsloth_zoo.temporary_patches.moe_utils import select_moe_backend
+
+        return str(select_moe_backend())
+    except Exception as e:  # informational only
+        return f"unknown ({type(e).__name__}: {str(e)[:200]})"
 
 
 def run_unsloth(task: Task, four_bit: bool = False) -> dict[str, Any]:
@@ -247,18 +314,27 @@ def run_unsloth(task: Task, four_bit: bool = False) -> dict[str, Any]:
         raise SystemUnavailable(f"import unsloth failed: {type(_UNSLOTH_IMPORT_ERROR).__name__}: "
                                 f"{_UNSLOTH_IMPORT_ERROR}")
     import torch
-    from unsloth import FastLanguageModel
 
     workload = task.workload_obj
+    vlm = workload.shape.is_vlm
+    if vlm:
+        from unsloth import FastVisionModel as Fast
+    else:
+        from unsloth import FastLanguageModel as Fast
     data = make_token_data(workload, task.steps)
-    model, _tok = FastLanguageModel.from_pretrained(
-        model_name=task.model_dir, max_seq_length=workload.seq_len, dtype=torch.bfloat16,
-        load_in_4bit=four_bit, load_in_16bit=not four_bit, local_files_only=True)
-    model = FastLanguageModel.get_peft_model(
-        model, r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
-        target_modules=list(LORA.targets), use_gradient_checkpointing="unsloth", bias="none",
-        random_state=3407, max_seq_length=workload.seq_len)
-    FastLanguageModel.for_training(model)
+    load = {"use_gradient_checkpointing": "unsloth"} if vlm else {}
+    peft_kwargs = unsloth_peft_kwargs(workload)
+    try:
+        model, _tok = Fast.from_pretrained(
+            model_name=task.model_dir, max_seq_length=workload.seq_len, dtype=torch.bfloat16,
+            load_in_4bit=four_bit, load_in_16bit=not four_bit, local_files_only=True, **load)
+        model = Fast.get_peft_model(model, **peft_kwargs)
+        Fast.for_training(model)
+    except Exception as e:  # Unsloth refusing a shape is a result (not_run), running out of memory another (oom)
+        if is_oom_message(f"{type(e).__name__} {e}"):
+            raise
+        raise SystemUnavailable(f"Unsloth {Fast.__name__} cannot set up {workload.shape.name} "
+                                f"({workload.shape.get('model_type')}): {type(e).__name__}: {str(e)[:1500]}") from e
     lora_dtype, n_train, non_lora = _lora_dtype_and_count(model)
     result = train_loop(model, workload, data, task.steps, task.device)
     backends = {}
@@ -273,12 +349,15 @@ def run_unsloth(task: Task, four_bit: bool = False) -> dict[str, Any]:
             "device_name": torch.cuda.get_device_name(),
             "versions": _versions(("unsloth", "unsloth_zoo", "bitsandbytes", "flash_attn",
                                    "xformers")),
-            "settings": {"load_in_16bit": not four_bit, "load_in_4bit": four_bit,
+            "settings": {"loader": "FastVisionModel" if vlm else "FastLanguageModel",
+                         "load_in_16bit": not four_bit, "load_in_4bit": four_bit,
                          "use_gradient_checkpointing": "unsloth",
                          "optimizer": "torch.optim.AdamW(fused=True)",
                          "attention_backends_available": backends,
                          "packed": "position_ids (Unsloth infers packed_seq_lengths)"
                          if workload.packed else None,
+                         "peft_kwargs": peft_kwargs,
+                         "moe_backend": _unsloth_moe_backend() if moe_layout(workload.shape) else None,
                          "non_lora_trainable": non_lora,
                          "unsloth_env": _UNSLOTH_CALLER_ENV}}
 

@@ -56,7 +56,7 @@ from bench.sessions import (Job, SessionRunner, keep_logs, pin_env, run_jobs,  #
                             run_subprocess)
 from bench.workloads import (ADAMW, DEFAULT_WORKLOADS, LORA, SHAPES, TINY_WORKLOADS,  # noqa: E402
                              WORKLOADS, ModelShape, Workload, get_workload, make_token_data,
-                             param_counts, useful_flops)
+                             moe_layout, param_counts, useful_flops)
 from bench.worker_common import Task  # noqa: E402
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
@@ -366,7 +366,8 @@ class Bench:
     def workload_info(self, name: str) -> tuple[list[float], str]:
         w = get_workload(name)
         data = make_token_data(w, self.args.steps)
-        flops = [useful_flops(w.shape, w.tokens_per_step, int(p)) for p in data.attention_pairs]
+        flops = [useful_flops(w.shape, w.tokens_per_step, int(p), image_grids=data.image_grids(i))
+                 for i, p in enumerate(data.attention_pairs)]
         self.report["workloads"][name] = {
             **w.to_dict(), "shape": w.shape_name, "params": param_counts(w.shape),
             "data": data.stats(), "useful_flops_per_step": sum(flops[self.args.warmup:])
@@ -490,9 +491,12 @@ class Bench:
 
 
 def model_bytes(shape: ModelShape) -> int:
-    """bf16 bytes of a shape's saved weights: the matmuls (lm_head included) plus an untied embedding."""
+    """bf16 bytes of a shape's saved weights: the stored matmuls (every expert, lm_head included) plus an
+    untied embedding (and a VLM's vision tower, biases and norms left out: a fraction of a percent)."""
+    counts = param_counts(shape)
     embed = 0 if shape.get("tie_word_embeddings") else shape.get("vocab_size") * shape.get("hidden_size")
-    return 2 * (param_counts(shape)["frozen_matmul"] + embed)
+    vision = counts.get("vision_per_patch", 0) + counts.get("vision_per_merged", 0)
+    return 2 * (counts["stored_matmul"] + embed + vision)
 
 
 def run_order(workloads: list[str]) -> list[str]:
@@ -538,8 +542,32 @@ def new_report(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "mask and SDPA runs dense masked attention (no varlen kernel with sdpa).",
             "Statuses: oom = ran out of device memory (a result); not_run = system unavailable "
             "or not implemented; skipped = time budget or missing model; timeout/crashed = see raw.",
-        ] + ([concurrency_note(args.gpu_ids, args.gpu_names)] if args.gpu_ids else []),
+        ] + workload_notes(args.workloads) + ([concurrency_note(args.gpu_ids, args.gpu_names)] if args.gpu_ids else []),
     }
+
+
+def workload_notes(workloads: list[str]) -> list[str]:
+    """Notes for the MoE and vision-language rows, when the run has any."""
+    shapes = [SHAPES[name] for name in dict.fromkeys(get_workload(n).shape_name for n in workloads)]
+    notes = []
+    if any(moe_layout(sh) is not None for sh in shapes):
+        notes.append(
+            "MoE rows (Qwen3-MoE, GPT-OSS): every system trains LoRA on the attention linears and expert LoRA on "
+            f"the fused expert parameters ({', '.join(LORA.expert_targets)}: PEFT target_parameters, jaxft "
+            "lora_target_parameters, Unsloth target_parameters), rank r on every expert; gate/up/down_proj are not "
+            "passed as target_modules (PEFT's transformers-5 MoE conversion would turn them into rank-2r expert "
+            "LoRA on gate_up). Useful FLOPs count the router and the top-k experts a token runs, not all experts.")
+    if any(sh.is_vlm for sh in shapes):
+        notes.append(
+            "Vision-language rows (Qwen2.5-VL): one synthetic image per row (seeded uniform noise, processed by "
+            "transformers' Qwen2-VL image processor with the model's preprocessor_config.json) after 16 text "
+            "tokens, then text to the row length; tokens/s counts text + image tokens (the language model runs "
+            "on both; seq_len is their sum); image tokens carry no loss. Every system gets the same token ids "
+            "and pixel values (the data SHA-256 covers the pixels) and adapts the language model's q..down "
+            "linears only (jaxft finetune_vision_layers=false, PEFT a regex on model.language_model.layers, "
+            "Unsloth FastVisionModel finetune_vision_layers=False); the vision tower and merger are frozen, so "
+            "useful FLOPs add the tower's forward only.")
+    return notes
 
 
 def concurrency_note(gpu_ids: list[int], gpu_names: list[str]) -> str:

@@ -5,7 +5,10 @@ device (initialising an 8B model on the GPU takes seconds, on CPU minutes), cast
 created in bf16) and writes it with ``save_pretrained`` (safetensors) next to a small generated
 tokenizer. Every system then loads that same directory, so all of them start from identical
 weights. The tokenizer only exists because Unsloth's loader insists on one: its vocabulary (256
-word-level tokens) is far smaller than the model's and the benchmark never tokenises text.
+word-level tokens) is far smaller than the model's and the benchmark never tokenises text. A
+vision-language shape's directory also gets its image processor's preprocessor_config.json (the
+real model's) and the tokenizer its vision special tokens at the config's ids (<|image_pad|> ->
+image_token_id, ...), so a processor built from the directory agrees with the config.
 """
 
 from __future__ import annotations
@@ -21,17 +24,39 @@ TOKENIZER_VOCAB = 256
 SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
 
 
-def save_tokenizer(save_dir: str) -> None:
-    """A word-level fast tokenizer with ids 0..3 = <unk>, <s>, </s>, <pad> (config ids match)."""
+# Qwen2-VL / Qwen2.5-VL vision special tokens and the config key holding each one's id.
+VISION_TOKENS = {"<|vision_start|>": "vision_start_token_id", "<|vision_end|>": "vision_end_token_id",
+                 "<|image_pad|>": "image_token_id", "<|video_pad|>": "video_token_id"}
+
+
+def save_tokenizer(save_dir: str, shape: ModelShape | None = None) -> None:
+    """A word-level fast tokenizer with ids 0..3 = <unk>, <s>, </s>, <pad> (config ids match), plus a
+    vision-language shape's vision tokens at its config's ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS.values())}
     vocab.update({f"t{i}": i for i in range(len(vocab), TOKENIZER_VOCAB)})
+    extra = {}
+    if shape is not None and shape.is_vlm:
+        extra = {tok: int(shape.get(key)) for tok, key in VISION_TOKENS.items()}
+        clash = sorted(t for t, i in extra.items() if i < TOKENIZER_VOCAB)
+        if clash:
+            raise ValueError(f"ModelShape {shape.name!r}: vision token ids of {clash} must be >= {TOKENIZER_VOCAB} "
+                             "(the word-level tokenizer's own ids)")
+        vocab.update(extra)
     backend = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=backend, **SPECIAL_TOKENS)
+    if extra:
+        fast.add_special_tokens({"additional_special_tokens": list(extra)})
     fast.save_pretrained(save_dir)
+
+
+def save_processor_config(shape: ModelShape, save_dir: str) -> None:
+    """The real model's preprocessor_config.json (what AutoImageProcessor and AutoProcessor read)."""
+    with open(os.path.join(save_dir, "preprocessor_config.json"), "w") as f:
+        json.dump(dict(shape.processor_config), f, indent=2)
 
 
 def build_config(shape: ModelShape):
@@ -45,7 +70,7 @@ def build_config(shape: ModelShape):
 def save_random_model(shape: ModelShape, save_dir: str, device: str, seed: int = 0) -> dict[str, Any]:
     """Create the model of ``shape`` with random bf16 weights on ``device`` and save it."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     marker = os.path.join(save_dir, "bench_saved.json")
     if os.path.exists(marker):  # a kept --workdir: the same shape and seed were saved by an earlier call
@@ -58,11 +83,14 @@ def save_random_model(shape: ModelShape, save_dir: str, device: str, seed: int =
     t0 = time.perf_counter()
     config = build_config(shape)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        auto = AutoModelForImageTextToText if shape.is_vlm else AutoModelForCausalLM
+        model = auto.from_config(config, dtype=torch.bfloat16)
     n_params = sum(p.numel() for p in model.parameters())
     t1 = time.perf_counter()
     model.save_pretrained(save_dir)
-    save_tokenizer(save_dir)
+    save_tokenizer(save_dir, shape)
+    if shape.is_vlm:
+        save_processor_config(shape, save_dir)
     t2 = time.perf_counter()
     size = sum(os.path.getsize(os.path.join(save_dir, f)) for f in os.listdir(save_dir))
     del model

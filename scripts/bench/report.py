@@ -128,7 +128,11 @@ def markdown(report: dict[str, Any]) -> str:
                  f"(median of {meta['steps'] - meta['warmup']}); loss = loss of the last step")
     lora, adamw = meta["lora"], meta["adamw"]
     lines.append(f"- LoRA: r={lora['r']}, alpha={lora['alpha']}, dropout={lora['dropout']}, "
-                 f"targets {','.join(lora['targets'])}; AdamW lr={adamw['lr']}, "
+                 f"targets {','.join(lora['targets'])}"
+                 + (f" (MoE: attention + experts {','.join(lora['expert_targets'])})" if lora.get("expert_targets")
+                    and any(w.get("params", {}).get("lora_active", 0) != w.get("params", {}).get("lora", 0)
+                            for w in report["workloads"].values()) else "")
+                 + f"; AdamW lr={adamw['lr']}, "
                  f"betas=({adamw['b1']}, {adamw['b2']}), eps={adamw['eps']}, "
                  f"weight_decay={adamw['weight_decay']} on the LoRA parameters")
     lines.append(f"- FLOPs: {FLOP_FORMULA}")
