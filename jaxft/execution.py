@@ -156,6 +156,6 @@ class ExecutionConfig:
         return dataclasses.replace(self, **changes)
 
     def __hash__(self) -> int:
-        return hash((self.attention_implementation, self.remat, self.remat_layers, self.layer_loop, self.ce_chunk_size,
-                     self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb, self.ce_implementation,
+        return hash((self.attention_implementation, self.remat, self.remat_layers, self.layer_loop,
+                     self.ce_chunk_size, self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb, self.ce_implementation,
                      tuple(sorted(self.compiler_options.items())), self.offload_transfer))

@@ -322,7 +322,9 @@ class Run:
             f"{', '.join(AUTO_ORDER)}")
         seconds, self.remat_estimates = 0.0, {}
 
-        def fits(policy: str, layers: int | None = None) -> bool:
+        def fits(policy: str, layers: int | None = None, *, probe: bool = False) -> bool:
+            """Compiles `policy` (on the first `layers` layers), logs its estimate, and says whether it fits; a
+            fitting probe is measured, not chosen, so it neither logs "chosen" nor ends the compile count."""
             nonlocal seconds
             self.execution = base.replace(remat=policy, remat_layers=layers)
             self.compile(host_batch)
@@ -334,8 +336,8 @@ class Run:
             log(f"remat auto: {name:<12} estimated peak {estimate / GIB:.3f} GiB (arguments "
                 f"{m.get('argument_size_in_bytes', 0) / GIB:.3f} + outputs {m.get('output_size_in_bytes', 0) / GIB:.3f}"
                 f" + temp {m.get('temp_size_in_bytes', 0) / GIB:.3f} - aliased {m.get('alias_size_in_bytes', 0) / GIB:.3f})"
-                f" -> {'fits: chosen' if ok else 'does not fit'}")
-            if ok:
+                f" -> {('fits (probe)' if probe else 'fits: chosen') if ok else 'does not fit'}")
+            if ok and not probe:
                 self.compile_seconds = seconds
             return ok
 
@@ -358,13 +360,14 @@ class Run:
         """After "none" does not fit: full remat on the first k layers only (`remat_layers`), the smallest k that
         fits by the per-layer saving measured from one more compile (full remat on every unrolled layer), then
         checked by compiling k itself (once more with k grown by the remaining excess if the estimate was
-        short). Models of 4 layers or more; taken only while k <= 3/4 of the layers: full remat of one layer costs about a third of that
-        layer's step, so beyond that recomputing every layer's projections and MLP but not its attention
+        short). Models of 4 layers or more; taken only while k <= 3/4 of the layers: full remat of one layer
+        costs about a third of that layer's step, so beyond that recomputing every layer's projections and MLP
+        but not its attention
         (offload+attn, next in `AUTO_ORDER`) is expected to be cheaper. Returns whether a k fitted (the step is
         then compiled and `execution` holds it)."""
         layers = self.model_config.num_layers
         none = self.remat_estimates["none"]
-        if layers < 4 or not fits("full", layers):  # below 4 layers one layer's step is within the estimates' noise
+        if layers < 4 or not fits("full", layers, probe=True):  # below 4 layers: one layer is within the noise
             return False
         per_layer = (none - self.remat_estimates[f"full on {layers} layers"]) / layers
         limit = (3 * layers) // 4

@@ -92,5 +92,8 @@ def test_auto_takes_the_fewest_layers_that_fit_when_no_remat_does_not(model_dir,
     assert run.remat_estimates[f"full on {LAYERS} layers"] == estimates[LAYERS]
     assert run.remat_estimates["full on 2 layers"] == estimates[2] <= budget
     assert lines[-1].startswith("remat auto: full on 2 layers estimated peak ") and lines[-1].endswith("fits: chosen")
+    probe = [line for line in lines if line.startswith(f"remat auto: full on {LAYERS} layers ")]
+    assert len(probe) == 1 and probe[0].endswith("-> fits (probe)")  # measured, not chosen
+    assert sum(line.endswith("fits: chosen") for line in lines) == 1
     run.load()
     assert np.isfinite(float(run.step(_batch(), 0)["loss"]))

@@ -137,8 +137,8 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
                policy_layers: int | None = None, router_stats: jax.Array | None = None):
     """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled, each
     layer rematerialised per `policy` (see the module docstring for the CSE barriers); with `policy_layers` = N
-    only layers 0..N-1 are, the rest run without remat (unrolled layers only: a scan body is one policy). Stacked weights of a
-    periodic stack scan over whole periods (`layer_period`), the rest by group.
+    only layers 0..N-1 are, the rest run without remat (unrolled layers only: a scan body is one policy).
+    Stacked weights of a periodic stack scan over whole periods (`layer_period`), the rest by group.
 
     `layers`: the stacked layer module, or {stack name: module} (`layer_stacks`) when groups name several.
     With `router_stats` (a zero [2, E] accumulator, and "router_token_weights" in the contexts of the sparse
