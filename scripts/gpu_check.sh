@@ -6,7 +6,7 @@
 #   PHASES="env tests forward attention ce train"   (default: all; "nf4" adds the 4-bit matmul benchmark, "gmm" the
 #   MoE grouped-matmul benchmark: xla ragged_dot / pallas_mosaic / dense, written to gmm.json, GMM_TIMEOUT_S=150;
 #   "offload" the host-offload probe: $OUT/offload_probe.jsonl; OFFLOAD_DUMP=variant,... adds $OUT/offload_dump.tgz;
-#   "maxctx" the longest 8B row per remat policy + one real step at 256k: $OUT/max_context.{jsonl,md}, MAXCTX_TIMEOUT_S=300;
+#   "maxctx" the longest 8B row per remat policy + one real step at 256k: $OUT/max_context.{jsonl,md}, MAXCTX_TIMEOUT_S=360;
 #   "overlap" copy/compute overlap of the host offload from a profile: $OUT/offload_overlap.json and
 #   $OUT/overlap_trace.json.gz, OVERLAP_TIMEOUT_S=150)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
@@ -105,8 +105,8 @@ if has maxctx; then
   # (random weights); everything ends by MAXCTX_TIMEOUT_S (the step alone is ~4-5 minutes: compile + ~170 s step).
   # MAXCTX_ARGS passes more options (e.g. "--step-seq 0", "--policies offload,full", "--host-memory-gb 128").
   stamp "max context (8B shape, batch 1, every remat policy; compiled memory + host accounting; one real step)"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=${MAXCTX_MEM_FRACTION:-0.95} timeout $(( ${MAXCTX_TIMEOUT_S:-300} + 60 )) \
-    python3 scripts/max_context.py --deadline-s "${MAXCTX_TIMEOUT_S:-300}" --out "$OUT/max_context.jsonl" \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${MAXCTX_MEM_FRACTION:-0.95} timeout $(( ${MAXCTX_TIMEOUT_S:-360} + 60 )) \
+    python3 scripts/max_context.py --deadline-s "${MAXCTX_TIMEOUT_S:-360}" --out "$OUT/max_context.jsonl" \
     --md "$OUT/max_context.md" ${MAXCTX_ARGS:-} 2>&1 | grep -v '^{"event": "probe"' | tail -40 | tee -a "$OUT/check.log"
 fi
 

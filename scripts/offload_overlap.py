@@ -16,7 +16,7 @@ format). In the JSON a GPU is a process named `/device:GPU:<n>`; its threads are
 (...)`) plus lines derived from them (`XLA Ops`, `XLA Modules`, `Steps`, name scopes ...) that repeat the same time
 spans: only the stream lines are counted. A kernel event's `args.hlo_op` names the HLO instruction; the optimized
 HLO text (`compiled.as_text()`) gives that instruction's `op_name`, and ops under JAX's `transpose(` name stack are
-the backward pass. A copy between host and device is a memcpy event whose name or arguments say the direction
+the backward pass (the layers': the loss's scope `cross_entropy` and the optimizer's are left out). A copy between host and device is a memcpy event whose name or arguments say the direction
 (D2H / H2D; device-to-device copies are neither host copies nor compute).
 
 Per step (`analyse_trace`, averaged over the profiled steps, ms): d2h, h2d and their union `copy`; `compute` (union
@@ -100,6 +100,12 @@ def copy_direction(e: dict) -> str | None:
     return "d2d"
 
 
+def layer_backward(op_name: str) -> bool:
+    """Whether an HLO op of this name stack is the layers' backward: under JAX's `transpose(`, outside the
+    loss (scope cross_entropy: its backward is the lm_head's, not a layer's) and the optimizer."""
+    return "transpose(" in op_name and "cross_entropy" not in op_name and "optimizer" not in op_name
+
+
 def analyse_trace(trace: dict[str, Any], hlo_text: str, num_layers: int, marker: str = STEP_MARKER) -> dict[str, Any]:
     """The per-step overlap figures of the module docstring from a Chrome-format trace and the step's HLO."""
     events = trace.get("traceEvents", [])
@@ -137,7 +143,7 @@ def analyse_trace(trace: dict[str, Any], hlo_text: str, num_layers: int, marker:
             else:
                 spans["compute"].append((a, b))
                 kernel_streams.add(stream)
-                if "transpose(" in names.get(str(e.get("args", {}).get("hlo_op", "")), ""):
+                if layer_backward(names.get(str(e.get("args", {}).get("hlo_op", "")), "")):
                     spans["backward"].append((a, b))
         copies = spans["d2h"] + spans["h2d"]
         c, g = _union(copies), _union(spans["compute"])
