@@ -152,6 +152,27 @@ class Run:
         mesh = self.placement if len(self.placement.devices) > 1 and self.quant_config is None else None
         model = apply_lora(from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config, mesh=mesh),
                            self.lora_config, seed=self.seed)
+        return self._adopt(model)
+
+    def init_random(self) -> "Run":
+        """Like `load`, with random weights instead of the checkpoint's (`jaxft.models.decoder.init_model`:
+        normal(0, 0.02) linears and embeddings, unit norms; seeded by `seed`), made on the default device: a
+        run of a model shape that has no weights on disk, e.g. memory and speed at real sizes
+        (scripts/max_context.py, scripts/offload_overlap.py). Not for a 4-bit base (its codes come from the
+        checkpoint's weights)."""
+        from jaxft.models.decoder import init_model
+
+        if self.execution.remat == "auto":
+            raise RuntimeError("Run.init_random() with remat 'auto': call run.choose_remat(batch) or "
+                               "run.compile(batch) first (the chosen policy decides the weight layout)")
+        if self.quant_config is not None:
+            raise ValueError("Run.init_random() with a 4-bit base (quant_config): random 4-bit codes are not "
+                             "supported; use load()")
+        model = init_model(self.model_config, dtype=jnp.dtype(self.dtype), seed=self.seed)
+        return self._adopt(apply_lora(model, self.lora_config, seed=self.seed))
+
+    def _adopt(self, model) -> "Run":
+        """Splits a model with LoRA applied by variable type and places its state (the end of `load`)."""
         graphdef, lora, frozen = split_model(model)
         del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
         if self.unrolled:

@@ -5,7 +5,10 @@
 # one script serves a quick check and the full scoreboard:
 #   PHASES="env tests forward attention ce train"   (default: all; "nf4" adds the 4-bit matmul benchmark, "gmm" the
 #   MoE grouped-matmul benchmark: xla ragged_dot / pallas_mosaic / dense, written to gmm.json, GMM_TIMEOUT_S=150;
-#   "offload" the host-offload probe: $OUT/offload_probe.jsonl; OFFLOAD_DUMP=variant,... adds $OUT/offload_dump.tgz)
+#   "offload" the host-offload probe: $OUT/offload_probe.jsonl; OFFLOAD_DUMP=variant,... adds $OUT/offload_dump.tgz;
+#   "maxctx" the longest 8B row per remat policy + one real step at 256k: $OUT/max_context.{jsonl,md}, MAXCTX_TIMEOUT_S=360;
+#   "overlap" copy/compute overlap of the host offload from a profile: $OUT/offload_overlap.json and
+#   $OUT/overlap_trace.json.gz, OVERLAP_TIMEOUT_S=150)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
 #   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
 #   TESTS_WORKERS=4 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)
@@ -98,6 +101,25 @@ if has offload; then
   timeout "${OFFLOAD_TIMEOUT_S:-300}" python3 scripts/offload_probe.py --out "$OUT/offload_probe.jsonl" \
     "${dump[@]}" ${OFFLOAD_ARGS:-} 2>&1 | tee -a "$OUT/check.log" | grep "^#"
   [ -d /tmp/offload_dump ] && tar czf "$OUT/offload_dump.tgz" -C /tmp offload_dump
+fi
+
+if has maxctx; then
+  # Compile-only searches (one process per policy, no weights on the device) beside one real step at 262144 tokens
+  # (random weights); everything ends by MAXCTX_TIMEOUT_S (the step alone is ~4-5 minutes: compile + ~170 s step).
+  # MAXCTX_ARGS passes more options (e.g. "--step-seq 0", "--policies offload,full", "--host-memory-gb 128").
+  stamp "max context (8B shape, batch 1, every remat policy; compiled memory + host accounting; one real step)"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${MAXCTX_MEM_FRACTION:-0.95} timeout $(( ${MAXCTX_TIMEOUT_S:-360} + 60 )) \
+    python3 scripts/max_context.py --deadline-s "${MAXCTX_TIMEOUT_S:-360}" --out "$OUT/max_context.jsonl" \
+    --md "$OUT/max_context.md" ${MAXCTX_ARGS:-} 2>&1 | grep -v '^{"event": "probe"' | tail -40 | tee -a "$OUT/check.log"
+fi
+
+if has overlap; then
+  # A profile of 3 steps of 4 layers of the 8B width, 1 x 8192: full vs offload (policy transfer in the scan,
+  # explicit transfer unrolled); per-layer backward, copy time, copy/compute overlap, copy streams.
+  stamp "offload overlap (profiled steps: full vs offload policy/explicit)"
+  timeout $(( ${OVERLAP_TIMEOUT_S:-150} + 30 )) python3 scripts/offload_overlap.py --deadline-s "${OVERLAP_TIMEOUT_S:-150}" \
+    --out "$OUT/offload_overlap.json" --trace "$OUT/overlap_trace.json.gz" ${OVERLAP_ARGS:-} 2>&1 | tail -12 \
+    | tee -a "$OUT/check.log"
 fi
 
 if has nf4; then
