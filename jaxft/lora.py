@@ -570,11 +570,12 @@ def merge_lora(model):
     """Folds every adapter into its kernel (W <- W + s*A@B) and removes the adapters; in place, returns model."""
     merged = merged_kernels(model)
     experts = _expert_merges(model)
-    for key in merged:
-        if key in experts and isinstance(getattr(experts[key][0], experts[key][1]), Quant4bitExperts):
+    for key, (holder, name, *_) in experts.items():
+        if isinstance(getattr(holder, name), Quant4bitExperts):
             raise ValueError(f"merge_lora: {'.'.join(key)} holds 4-bit experts; merging would need re-quantising "
                              "them. Export the merged model with jaxft.save_pretrained (dequantised), or keep the "
                              "adapter separate (save_adapter)")
+    for key in merged:
         if key not in experts and _linear(model, key[:-1]).quant is not None:
             raise ValueError(f"merge_lora: {'.'.join(key[:-1])} is a 4-bit linear; merging would need re-quantising "
                              "it. Export the merged model with jaxft.save_pretrained (dequantised), or keep the "

@@ -78,7 +78,7 @@ def test_backward_keeps_no_dequantised_weight():
 def test_layer_scan_temp_memory_holds_no_dequantised_layers():
     """Eight 'layers' of 4-bit experts scanned, gradient w.r.t. the input: XLA's memory analysis of the
     compiled program. The reference saves every layer's dequantised [G, K, K] weights for the backward; the
-    custom VJP keeps the 4-bit bytes only (temp below half of ONE layer's worth... of all layers')."""
+    custom VJP keeps the 4-bit bytes only (temp well below the dequantised weights of all layers)."""
     layers, width = 8, 128
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal((layers * G, width, width)).astype(np.float32) * 0.05)
