@@ -66,12 +66,17 @@ def _host_copies(text: str) -> int:
 # unrolled loop now takes the explicit transfer (`jaxft.offload`, ExecutionConfig.offload_transfer "auto").
 @pytest.mark.parametrize("loop", ["scan", "unroll"])
 def test_offload_is_kept_in_both_layer_loops(loop):
-    none = _compiled("none", loop, segments=False).memory_analysis().temp_size_in_bytes
+    temps = {r: _compiled(r, loop, segments=False).memory_analysis().temp_size_in_bytes for r in ("none", "full")}
     offload = _compiled("offload", loop, segments=False)
     temp = offload.memory_analysis().temp_size_in_bytes
     assert _host_copies(offload.as_text()) > 0
+    # offload keeps less on the device than full remat (the layer inputs go to the host), so it must save at least
+    # (nearly) what full remat saves. Measured at b50b7b0 (H200): scan none 0.654 / offload 0.330 GiB (the fixed
+    # part - loss, LoRA gradients - is about half of this small config, so a ratio to `none` is the wrong bound);
+    # unrolled none 0.501 / offload 0.535 GiB: the explicit transfer saved nothing there.
     # Before the unrolled fix the unrolled offload temp was ABOVE the no-remat temp (13.47 vs 13.08 GB at 8B).
-    assert temp < 0.5 * none, (loop, temp / 2**30, none / 2**30)
+    saved, full_saves = temps["none"] - temp, temps["none"] - temps["full"]
+    assert full_saves > 0 and saved >= 0.9 * full_saves, (loop, {k: v / 2**30 for k, v in temps.items()}, temp / 2**30)
 
 
 @pytest.mark.parametrize("attention", ["cudnn", "pallas"])
