@@ -147,6 +147,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         skipped = [s.template for s in sites if s not in quants]
     for site, quant in quants.items():
         qw.install(site.linear(model), quant)
+    if stored is None and quant_config is not None:
+        _quantize_experts(model, arrays, quant_config, str(dtype), verbose)
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
     leaves = []
@@ -194,12 +196,34 @@ def _quantize_sites(model, sites, arrays, qcfg, quants, dtype_name, verbose) -> 
     return kept
 
 
+def _quantize_experts(model, arrays, qcfg, dtype_name, verbose) -> None:
+    """Stores every MoE expert stack not skipped by name in 4 bits (`jaxft.quant.experts`), popping its host
+    copy; prints what it saved."""
+    from jaxft.quant import experts as qe
+    from jaxft.quant.config import is_skipped
+
+    done, kept, saved = 0, [], 0
+    for site in qe.expert_sites(model):
+        if any(is_skipped(n, qcfg.skip_modules) for n in site.names()):
+            kept.append(site.param)
+            continue
+        quant = qe.quantize_experts(arrays.pop(site.path), qcfg, dtype_name)
+        qe.install_experts(model, site, quant)
+        done, saved = done + 1, saved + qe.saved_expert_bytes(quant, model.dtype)
+    if verbose and (done or kept):
+        print(f"jaxft: {done} expert stack(s) in 4-bit {qcfg.quant_type}, {saved / 2**20:.1f} MiB saved over "
+              f"{model.dtype}" + (f"; kept in {model.dtype} (skip_modules): {', '.join(kept)}" if kept else ""))
+
+
 def model_params(model: Decoder, *, merge_lora: bool = True, dequantize: bool = True
                  ) -> dict[tuple[str, ...], np.ndarray]:
     """Base parameters as host arrays, with LoRA deltas merged into the kernels when present, and the 4-bit
-    linears' kernels dequantised in the model dtype (left out with dequantize=False)."""
+    linears' kernels dequantised in the model dtype (left out with dequantize=False); 4-bit expert stacks are
+    dequantised in the model dtype either way."""
     from jaxft.lora import merged_kernels  # local: lora imports io-free modules only
     from jaxft.models.layers import linears
+
+    from jaxft.models.quant_experts import Quant4bitExperts
 
     merged = merged_kernels(model) if merge_lora else {}
     out = {}
@@ -207,6 +231,11 @@ def model_params(model: Decoder, *, merge_lora: bool = True, dequantize: bool = 
         key = (*p.split("."), "kernel")
         if lin.quant is not None and key not in merged and dequantize:
             out[key] = np.asarray(lin.frozen_kernel(model.dtype))
+    for p, node in nnx.iter_graph(model):
+        key = _path_key(p)
+        # 4-bit experts are always written dense: a bitsandbytes checkpoint has no 4-bit expert format.
+        if isinstance(node, Quant4bitExperts) and key not in merged:
+            out[key] = np.asarray(node.dequantize(model.dtype))
     for key in list(param_shapes(model)) + [k for k in merged if k not in out]:
         if key in out:
             continue

@@ -40,8 +40,9 @@ from bridge import peft as peft_io
 from bridge.mappings.schema import LAYER, VISION_BLOCK
 from jaxft.config import ConfigError
 from jaxft.models.families import family_for
-from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, linears, logical
+from jaxft.models.layers import ExpertParam, Linear, LoraParam, LoraRank, LoraScale, linears, logical
 from jaxft.models.moe import ExpertLora, expert_adapters
+from jaxft.models.quant_experts import Quant4bitExperts, expert_weight
 from jaxft.models.stack import layer_stacks
 
 __all__ = [
@@ -456,7 +457,8 @@ def _install(model, cfg: LoraConfig, plan, fill) -> None:
         holder, slot = _linear(model, site.path[:-1]), site.path[-1]
         ranks, scales = _ranks_scales(plan[site])
         a, b = fill(index, site, _expert_shape(holder, slot), ranks)
-        kernel = getattr(holder, holder.LORA_KERNELS[slot][0])[...]
+        kernel = getattr(holder, holder.LORA_KERNELS[slot][0])
+        kernel = kernel[...] if isinstance(kernel, ExpertParam) else None  # 4-bit experts: placed as is
         adapter = ExpertLora(_like_kernel(a, kernel, (0, 1, 2, None)), _like_kernel(b, kernel, (0, 1, None, None)),
                              _like_kernel(jnp.asarray(scales), kernel, (0,)),
                              _like_kernel(jnp.asarray(ranks), kernel, (0,)))
@@ -541,8 +543,9 @@ class _MergedKernels(Mapping):
         key = tuple(key)
         if key in self._experts:
             holder, name, start, stop, ad = self._experts[key]
-            return _merged_experts(getattr(holder, name)[...], ad.lora_a[...], ad.lora_b[...], ad.lora_scale[...],
-                                   start, stop)
+            # 4-bit experts merge into their dequantised weights (in the model's dtype, as for a 4-bit linear).
+            return _merged_experts(expert_weight(getattr(holder, name), self._dtype), ad.lora_a[...], ad.lora_b[...],
+                                   ad.lora_scale[...], start, stop)
         lin = self._lins[key]
         # A 4-bit linear merges into its dequantised weight (in the model's dtype, as bitsandbytes computes it).
         return _merged(lin.frozen_kernel(self._dtype), lin.lora_a[...], lin.lora_b[...], lin.lora_scale[...])
@@ -567,6 +570,11 @@ def merge_lora(model):
     """Folds every adapter into its kernel (W <- W + s*A@B) and removes the adapters; in place, returns model."""
     merged = merged_kernels(model)
     experts = _expert_merges(model)
+    for key, (holder, name, *_) in experts.items():
+        if isinstance(getattr(holder, name), Quant4bitExperts):
+            raise ValueError(f"merge_lora: {'.'.join(key)} holds 4-bit experts; merging would need re-quantising "
+                             "them. Export the merged model with jaxft.save_pretrained (dequantised), or keep the "
+                             "adapter separate (save_adapter)")
     for key in merged:
         if key not in experts and _linear(model, key[:-1]).quant is not None:
             raise ValueError(f"merge_lora: {'.'.join(key[:-1])} is a 4-bit linear; merging would need re-quantising "

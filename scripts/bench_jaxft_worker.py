@@ -54,8 +54,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #         layer scan (host offload of the scanned layer inputs is what keeps the memory down).
 #   offload_attn, offload_stream, offload_all, offload_unroll, auto, auto_40gb: the remat policies of
 #         jaxft.remat (one YAML each; auto_40gb = auto within 40 GB);
-#   qlora: fast on a 4-bit base (the frozen linears quantised to bitsandbytes nf4 with double quantisation
-#         while loading); qlora_lean: the same base with full remat over the layer scan;
+#   qlora: fast on a 4-bit base (the frozen linears, and a MoE shape's experts, quantised to bitsandbytes nf4
+#         with double quantisation while loading); qlora_lean: the same base with full remat over the layer scan;
 #         qlora_offload: the same base with the layer inputs offloaded from the unrolled loop.
 MODES = ("fast", "lean", "full_remat", "offload_attn", "offload_stream", "offload_all", "offload_unroll", "auto",
          "auto_40gb", "qlora", "qlora_lean", "qlora_offload")
@@ -262,7 +262,20 @@ def _memory_breakdown(frozen, lora, opt_state, batches, peak: int) -> dict[str, 
              "batches": nbytes(batches)}
     parts["activations_and_workspace"] = max(peak - sum(parts.values()), 0)
     parts["peak"] = peak
+    parts["frozen_4bit_weights"] = quantized_bytes(frozen)  # the part of frozen_weights stored in 4 bits
     return parts
+
+
+def quantized_bytes(frozen) -> int:
+    """Bytes of the 4-bit storage (`QuantizedWeight`: linears and MoE experts, codes and scales) in `frozen`."""
+    import jax
+    from flax import nnx
+
+    from jaxft.models.layers import QuantizedWeight
+
+    quantized = [v for _, v in nnx.to_flat_state(frozen) if isinstance(v, QuantizedWeight)]
+    # A Variable is a pytree of its value (one stacked array, or the per-layer arrays of the unrolled loop).
+    return int(sum(x.nbytes for x in jax.tree.leaves(quantized) if hasattr(x, "nbytes")))
 
 
 def _run_task(task: Task, out_json: str, cache: ModelCache) -> dict[str, Any]:

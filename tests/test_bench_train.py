@@ -829,3 +829,25 @@ def test_tiny_pipeline_moe_and_vlm_with_jaxft_and_hf(tmp_path):
     assert vlm["data"]["image_tokens_per_step"] == 25 and vlm["params"]["vision_per_patch"] > 0
     assert any("text + image tokens" in n for n in report["notes"])
     assert any("expert LoRA" in n for n in report["notes"])
+
+
+def test_qlora_mode_trains_the_moe_shape_with_4bit_experts(tmp_path):
+    """The jaxft_qlora system on the tiny Qwen3-MoE (the plumbing of its qwen3_30b_a3b_4096 run): the recipe
+    loads in 4 bits with expert LoRA, the experts are stored 4-bit (their codes alone are half a byte per
+    weight: more than every 4-bit linear together here) and it trains."""
+    import bench_jaxft_worker
+    from bench.models import save_random_model
+    from bench.workloads import moe_layout
+
+    w = get_workload("tiny_qwen3_moe")
+    model_dir = str(tmp_path / "m")
+    save_random_model(w.shape, model_dir, "cpu")
+    config = bench_jaxft_worker.mode_config("qlora", model_dir, w, "float32")
+    assert config.model.quant is not None and config.lora.target_parameters
+    raw = bench_jaxft_worker.run_jaxft(w, model_dir, 2, mode="qlora")
+    assert len(raw["losses"]) == 2 and all(np.isfinite(raw["losses"]))
+    moe = moe_layout(w.shape)
+    experts = sum(moe.sparse) * moe.num_experts * 3 * w.shape.get("hidden_size") * moe.width
+    mem = raw["extra"]["memory_bytes"]
+    assert mem["frozen_4bit_weights"] >= experts // 2
+    assert mem["frozen_weights"] < 4 * experts  # all frozen weights < the experts alone in float32

@@ -18,6 +18,8 @@ gate/up interleaved), so the bridge maps them without a transform and PEFT's `ta
 
 Gradients are plain autodiff: the clamps pass the gradient where the input is inside the limits (as torch's
 clamp) and zero outside; the grouped matmuls differentiate as ragged dots (`kernels_pallas.grouped_matmul`).
+The two expert weights are `ExpertParam`s, 4-bit `Quant4bitExperts` with `load_in_4bit` (biases stay in the
+model dtype), both through `jaxft.models.quant_experts.expert_matmul`.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxft.config import ModelConfig
-from jaxft.models.layers import _init, logical, stack_axes
+from jaxft.models.layers import ExpertParam, _init, logical, stack_axes
 from jaxft.models.moe import ExpertLora, combine, dispatch, router_stats
-from kernels_pallas.grouped_matmul import grouped_matmul
+from jaxft.models.quant_experts import expert_matmul
 
 
 def route_top_k_softmax(x: jax.Array, router: jax.Array, bias: jax.Array, top_k: int):
@@ -62,10 +64,10 @@ class GptOssMoeMLP(nnx.Module):
         lead = stack_axes(stack)
         self.router = nnx.Param(_init(rngs, (*stack, h, e), dtype, 0.02), **logical(*lead, "embed", "experts"))
         self.router_bias = nnx.Param(jnp.zeros((*stack, e), dtype), **logical(*lead, "experts"))
-        self.gate_up_proj = nnx.Param(_init(rngs, (*stack, e, h, 2 * i), dtype, 0.02),
+        self.gate_up_proj = ExpertParam(_init(rngs, (*stack, e, h, 2 * i), dtype, 0.02),
                                       **logical(*lead, "experts", "embed", "mlp"))
         self.gate_up_bias = nnx.Param(jnp.zeros((*stack, e, 2 * i), dtype), **logical(*lead, "experts", "mlp"))
-        self.down_proj = nnx.Param(_init(rngs, (*stack, e, i, h), dtype, 0.02),
+        self.down_proj = ExpertParam(_init(rngs, (*stack, e, i, h), dtype, 0.02),
                                    **logical(*lead, "experts", "mlp", "embed"))
         self.down_bias = nnx.Param(jnp.zeros((*stack, e, h), dtype), **logical(*lead, "experts", "embed"))
         self.num_experts, self.top_k = e, cfg.num_experts_per_tok
@@ -89,12 +91,12 @@ class GptOssMoeMLP(nnx.Module):
             stats = None if token_weights is None else router_stats(logits, experts, token_weights.reshape(-1))
         with jax.named_scope("moe_experts"):
             xs = xf[token]
-            gate_up = grouped_matmul(xs, self.gate_up_proj[...].astype(x.dtype), sizes)
+            gate_up = expert_matmul(xs, self.gate_up_proj, sizes)
             gate_up = gate_up + self.gate_up_bias[...].astype(x.dtype)[expert_of_row]
             if self.gate_up_lora is not None:
                 gate_up = gate_up + self.gate_up_lora.delta(xs, sizes)
             h = clamped_swiglu(gate_up, self.limit, self.alpha)
-            ys = grouped_matmul(h, self.down_proj[...].astype(x.dtype), sizes)
+            ys = expert_matmul(h, self.down_proj, sizes)
             ys = ys + self.down_bias[...].astype(x.dtype)[expert_of_row]
             if self.down_lora is not None:
                 ys = ys + self.down_lora.delta(h, sizes)

@@ -6,7 +6,8 @@ training step over per-layer weight buffers (`jaxft.train.unstack_layers`), one 
 (no weight-slicing copies). The variable types carry
 meaning: `nnx.Param` is the frozen base, `LoraParam` is what training updates, `LoraScale` is a per-layer
 constant, `QuantizedWeight` is a frozen 4-bit weight's storage (a `Linear` whose `quant` is set has no
-`kernel`). Optimisers, the trainer and the exporters select by type, never by name.
+`kernel`); `ExpertParam` is a MoE expert stack, `QuantizedExpertWeight` the storage of one in 4 bits.
+Optimisers, the trainer and the exporters select by type, never by name.
 
 Every parameter also names its dimensions where it is created (`logical(...)`, kept as the Variable's
 "logical_axes" metadata): the stack axis is "layers", a Linear's input and output axes are given by the
@@ -63,6 +64,16 @@ class LoraRank(nnx.Variable):
 class QuantizedWeight(nnx.Variable):
     """Storage of a frozen 4-bit weight (packed codes, absmax, nested absmax, offset): never differentiated,
     never given optimiser state, never a `Param` (so exporters and loaders that walk `Param`s skip it)."""
+
+
+class ExpertParam(nnx.Param):
+    """A stack of MoE expert weights [*stack, E, in, out] (frozen, like any `nnx.Param`): what `load_in_4bit`
+    stores in 4 bits as a `jaxft.models.quant_experts.Quant4bitExperts` (selected by this type)."""
+
+
+class QuantizedExpertWeight(QuantizedWeight):
+    """Storage of a stack of frozen 4-bit expert weights (one bitsandbytes record per expert); a
+    `QuantizedWeight`, so whatever skips those (optimisers, gradients, exporters of `Param`s) skips it too."""
 
 
 class Quant4bit(nnx.Module):

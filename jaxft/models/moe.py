@@ -16,7 +16,8 @@ Dispatch here has neither a host sync nor a loop over experts, and every shape i
     y  = zeros[N, H].at[token].add(ys)               (the weighted scatter back; duplicates are summed)
 `gmm` is `kernels_pallas.grouped_matmul`. The router is a plain parameter, not a `Linear`: LoRA never
 targets it (neither does PEFT: transformers' router is not an nn.Linear); the experts are [E, in, out]
-stacks, also not `Linear`s.
+stacks, also not `Linear`s: `ExpertParam`s, or with `load_in_4bit` `jaxft.models.quant_experts.Quant4bitExperts`
+(the grouped matmul on weights dequantised inside the layer, `expert_matmul`).
 
 Expert LoRA (`ExpertLora`, PEFT's `target_parameters` on the fused `experts.gate_up_proj` / `down_proj`):
 per expert e a rank-r update of W_e, applied without forming any per-expert delta weight:
@@ -34,7 +35,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxft.config import ModelConfig
-from jaxft.models.layers import LoraParam, LoraRank, LoraScale, _init, logical, stack_axes
+from jaxft.models.layers import ExpertParam, LoraParam, LoraRank, LoraScale, _init, logical, stack_axes
+from jaxft.models.quant_experts import expert_matmul
 from kernels_pallas.grouped_matmul import grouped_matmul
 
 
@@ -125,11 +127,11 @@ class MoeMLP(nnx.Module):
         # Our layouts are [in, out] like `Linear.kernel`: router [H, E], experts [E, H, I] and [E, I, H].
         lead = stack_axes(stack)
         self.router = nnx.Param(_init(rngs, (*stack, h, e), dtype, 0.02), **logical(*lead, "embed", "experts"))
-        self.gate_proj = nnx.Param(_init(rngs, (*stack, e, h, i), dtype, 0.02),
+        self.gate_proj = ExpertParam(_init(rngs, (*stack, e, h, i), dtype, 0.02),
                                    **logical(*lead, "experts", "embed", "mlp"))
-        self.up_proj = nnx.Param(_init(rngs, (*stack, e, h, i), dtype, 0.02),
+        self.up_proj = ExpertParam(_init(rngs, (*stack, e, h, i), dtype, 0.02),
                                  **logical(*lead, "experts", "embed", "mlp"))
-        self.down_proj = nnx.Param(_init(rngs, (*stack, e, i, h), dtype, 0.02),
+        self.down_proj = ExpertParam(_init(rngs, (*stack, e, i, h), dtype, 0.02),
                                    **logical(*lead, "experts", "mlp", "embed"))
         self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.hidden_act = cfg.hidden_act  # a name (static), looked up in parts.ACTIVATIONS
@@ -153,13 +155,13 @@ class MoeMLP(nnx.Module):
             stats = None if token_weights is None else router_stats(logits, experts, token_weights.reshape(-1))
         with jax.named_scope("moe_experts"):
             xs = xf[token]
-            gate = grouped_matmul(xs, self.gate_proj[...].astype(x.dtype), sizes)
-            up = grouped_matmul(xs, self.up_proj[...].astype(x.dtype), sizes)
+            gate = expert_matmul(xs, self.gate_proj, sizes)
+            up = expert_matmul(xs, self.up_proj, sizes)
             if self.gate_up_lora is not None:
                 d = self.gate_up_lora.delta(xs, sizes)
                 gate, up = gate + d[:, :gate.shape[-1]], up + d[:, gate.shape[-1]:]
             h = ACTIVATIONS[self.hidden_act](gate, up)
-            ys = grouped_matmul(h, self.down_proj[...].astype(x.dtype), sizes)
+            ys = expert_matmul(h, self.down_proj, sizes)
             if self.down_lora is not None:
                 ys = ys + self.down_lora.delta(h, sizes)
             out = combine(ys, weights, order, token, xf).reshape(shape)

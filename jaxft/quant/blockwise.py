@@ -34,7 +34,7 @@ import numpy as np
 from kernels_pallas.nf4_matmul.codes import DYNAMIC, code_4bit
 
 __all__ = ["BLOCKSIZES", "NESTED_ROUNDINGS", "Quantized4bit", "dequantize_absmax", "double_quantize",
-           "quantize_4bit", "quantize_blockwise_8bit"]
+           "quantize_4bit", "quantize_4bit_batch", "quantize_blockwise_8bit"]
 
 BLOCKSIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 NESTED_ROUNDINGS = ("cuda", "cpu")
@@ -176,3 +176,28 @@ def quantize_4bit(w, *, quant_type: str = "nf4", blocksize: int = 64, double_qua
         return Quantized4bit(packed, absmax, shape, blocksize, quant_type)
     q, nested, offset = double_quantize(absmax, blocksize=nested_blocksize, rounding=nested_rounding)
     return Quantized4bit(packed, q, shape, blocksize, quant_type, nested, offset, nested_blocksize)
+
+
+def quantize_4bit_batch(w, *, quant_type: str = "nf4", blocksize: int = 64, double_quant: bool = True,
+                        nested_blocksize: int = 256, nested_rounding: str = "cuda") -> dict[str, jax.Array]:
+    """`quantize_4bit` of each [out, in] matrix of w [G, out, in] (a layer's experts), in one vmapped program:
+    {packed [G, ceil(out*in/2)], absmax [G, blocks] (uint8 with double quantisation, else float32) and with it
+    nested_absmax [G, nested blocks], offset [G]}, each row byte-identical to `quantize_4bit(w[g])` (the same
+    jitted formulas; the offsets are each matrix's own `mean_f32`, so double quantisation is per matrix, as
+    bitsandbytes quantises each expert's weight on its own)."""
+    if quant_type not in ("nf4", "fp4"):
+        raise ValueError(f"jaxft/quant/blockwise.py: quant_type={quant_type!r}; use 'nf4' or 'fp4'")
+    if blocksize not in BLOCKSIZES:
+        raise ValueError(f"jaxft/quant/blockwise.py: blocksize={blocksize!r}; use one of {BLOCKSIZES}")
+    if nested_rounding not in NESTED_ROUNDINGS:
+        raise ValueError(f"jaxft/quant/blockwise.py: nested_rounding={nested_rounding!r}; use one of {NESTED_ROUNDINGS}")
+    w = jnp.asarray(w)
+    if w.ndim != 3:
+        raise ValueError(f"jaxft/quant/blockwise.py: quantize_4bit_batch takes [G, out, in] weights, got shape {w.shape}")
+    packed, absmax = jax.vmap(lambda m: _quantize_4bit(m, blocksize, quant_type))(w)
+    if not double_quant:
+        return {"packed": packed, "absmax": absmax}
+    offsets = np.array([mean_f32(row) for row in np.asarray(absmax)], np.float32)  # host: float64 sums
+    centred = absmax - jnp.asarray(offsets)[:, None]
+    q, nested = jax.vmap(lambda a: _quantize_8bit(a, int(nested_blocksize), nested_rounding))(centred)
+    return {"packed": packed, "absmax": q, "nested_absmax": nested, "offset": jnp.asarray(offsets)}

@@ -191,6 +191,9 @@ def abstract_quantize(model, path, cfg: QuantConfig | None) -> None:
     if cfg.max_rel_error is not None:
         raise ValueError("QuantConfig.max_rel_error decides which modules stay dense from the weights themselves: "
                          "load the model (Run.load) before compiling")
+    from jaxft.quant.experts import abstract_experts
+
+    abstract_experts(model, cfg)
     for site in linear_sites(model):
         if any(is_skipped(n, cfg.skip_modules) for n in site.names()):
             continue
