@@ -56,6 +56,7 @@ if has tests; then
   test_files=${TESTS:-$(grep -l "mark\.gpu" tests/test_*.py | tr '\n' ' ')}
   pytest_args=(-v --durations=20 -p no:cacheprovider -rfEs --tb=short)
   serial_log=$(mktemp)
+  export JAXFT_FAILURE_LOG="$OUT/gpu_failures.log"  # tests/conftest.py: each failure's traceback when it happens
   XLA_PYTHON_CLIENT_MEM_FRACTION=$serial_fraction timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest \
     "${pytest_args[@]}" -m "gpu and serial" $test_files > "$serial_log" 2>&1 &
   serial_pid=$!
@@ -64,6 +65,8 @@ if has tests; then
   wait "$serial_pid"
   { echo "---- serial gpu tests (run beside the parallel ones)"; cat "$serial_log"; } >> "$OUT/check.log"
   rm -f "$serial_log"
+  [ -s "$JAXFT_FAILURE_LOG" ] && { echo "---- failures (tracebacks, written as they happened)"; cat "$JAXFT_FAILURE_LOG"; } >> "$OUT/check.log"
+  unset JAXFT_FAILURE_LOG
   tail -60 "$OUT/check.log"
 fi
 

@@ -24,3 +24,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With JAXFT_FAILURE_LOG set (scripts/gpu_check.sh sets it), each failure's traceback is appended to that
+    file the moment the test ends: pytest-xdist prints failures only in its final summary, which a timeout of the
+    whole call never reaches. Written by the controller only (workers forward their reports to it)."""
+    path = os.environ.get("JAXFT_FAILURE_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with open(path, "a") as f:
+        f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
