@@ -2,7 +2,10 @@
 
 Completes prompts with a HF model directory (optionally with a PEFT LoRA adapter, e.g. the output_dir/adapter
 that jaxft-train writes). Prompts are wrapped in the tokenizer's chat template unless --no-chat-template.
-`--file` is JSONL, one {"prompt": str} or {"messages": [{role, content}, ...]} object per line. Output: each
+`--file` is JSONL, one {"prompt": str} or {"messages": [{role, content}, ...]} object per line; with a
+vision-language model (Qwen2-VL, Qwen2.5-VL) a message's content may be a list of parts as in the training
+data, {"type": "text", "text": ...} and {"type": "image", "image": "path.png"} (paths relative to the file),
+run through the model directory's image processor. Output: each
 completion under a `### prompt N` header, or one JSON object per line with --json. A bad input ends the program
 with one line on stderr naming the file / line / option and the fix, exit status 2.
 """
@@ -82,7 +85,8 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
 def _run(args) -> tuple[list, list[str], dict | None]:
     import jaxft
     from jaxft.data.formatting import load_tokenizer
-    from jaxft.generation import decode_completion, encode_prompt, run_generation, stop_ids
+    from jaxft.data.images import ImageProcessor, image_parts
+    from jaxft.generation import decode_completion, encode_prompt_images, run_generation, stop_ids
 
     prompts = read_prompts(args.file) if args.file else list(args.prompt)
     model_dir = Path(args.model_dir)
@@ -96,11 +100,23 @@ def _run(args) -> tuple[list, list[str], dict | None]:
         model = jaxft.load_adapter(model, args.adapter)
     tokenizer = load_tokenizer(model_dir)
     where = args.file or "--prompt"
-    ids = [encode_prompt(tokenizer, p, wrap_strings=not args.no_chat_template, source=f"{where} #{i + 1}")
-           for i, p in enumerate(prompts)]
+    # The image processor only when a prompt has images (a text-only run needs no preprocessor_config.json).
+    with_images = any(not isinstance(p, str) and image_parts(p) for p in prompts)
+    processor = ImageProcessor.for_model_dir(model_dir) if with_images else None
+    if with_images and processor is None:
+        first = next(i for i, p in enumerate(prompts) if not isinstance(p, str) and image_parts(p))
+        raise InputError(f"{where} #{first + 1}: the chat has image parts but {model_dir} is a text-only model (no "
+                         "vision_config in config.json); use a vision-language model (e.g. Qwen2-VL) or drop the "
+                         "image parts")
+    base = Path(args.file).parent if args.file else None
+    encoded = [encode_prompt_images(tokenizer, p, processor, wrap_strings=not args.no_chat_template,
+                                    source=f"{where} #{i + 1}", base=base,
+                                    relative_to="the prompts file" if args.file else "the working directory")
+               for i, p in enumerate(prompts)]
+    ids, images = [e[0] for e in encoded], [e[1] for e in encoded]
     stops = stop_ids(model, tokenizer, model_dir=model_dir)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-              stop_token_ids=stops)
+              stop_token_ids=stops, images=images if with_images else None)
     if args.stats:  # a first, untimed run compiles both programs, so the timed one measures the device work
         run_generation(model, ids, **kw)
     result = run_generation(model, ids, timed=args.stats, **kw)

@@ -83,7 +83,9 @@ class LoraConfig:
     use_rslora).  dropout [lora_dropout]: dropout on the adapter input during training.
     target_modules: a list of module names, each matching a module whose full HF name equals it or ends with
     "." + it (["q_proj", "v_proj"]); or one regex string that must `re.fullmatch` the full name
-    (r".*\\.(q|v)_proj"); or "all-linear": every linear layer except the output head.
+    (r".*\\.(q|v)_proj"); or "all-linear": every linear layer except the output head and a vision model's
+    patch merger (`visual.merger.mlp.0` / `.mlp.2`, left out by Unsloth's finetune_vision_layers as well: a list
+    entry or a regex that names them adapts them).
     rank_pattern / alpha_pattern: {pattern: value}; a module takes the value of the first key (dict order)
     that matches its full name as `(.*\\.)?(key)$` (e.g. {"q_proj": 4, "model.layers.0.mlp.up_proj": 2}).
     exclude_modules: names (list, same rule as target_modules) or a regex removed from the targets.
@@ -220,6 +222,9 @@ class _Site:
     stacked: bool
     layers: tuple[int, ...] = ()
     slot: str = LAYER  # the placeholder `layers` fill: "{i}", or "{v}" for a vision tower's blocks
+    # Selected only by name (a target_modules list or regex), never by "all-linear": the vision merger, which
+    # Unsloth's finetune_vision_layers leaves out as well (a linear seen once, like a head).
+    by_name_only: bool = False
 
     def names(self) -> list[str]:
         """The HF module name of each row of the stack."""
@@ -267,9 +272,8 @@ def _modules(model) -> _Modules:
             if row.path[-1] == "kernel" and row.path[:-1] in present and "v" in row.axes:
                 sites.append(_Site(row.path[:-1], module, True, tuple(range(cfg.vision.depth)),
                                    VISION_BLOCK))
-            elif row.path[-1] == "kernel" and row.path[:-1] in present:
-                unsupported[module] = ("the vision merger: LoRA there is not supported (the vision blocks and the "
-                                       "language model are); remove it from target_modules")
+            elif row.path[-1] == "kernel" and row.path[:-1] in present:  # the merger's two linears
+                sites.append(_Site(row.path[:-1], module, False, by_name_only=True))
             continue
         layers = stacks[row.stack] if row.stacked else ()
         names = _Site(row.path[:-1], module, row.stacked, layers).names()
@@ -336,8 +340,10 @@ def _plan_linears(mods: _Modules, cfg: LoraConfig, model_type: str, strict: bool
     targets = cfg.target_modules
     entries = list(mods.linear_names())
 
-    def selected(name: str) -> bool:
-        return True if targets == ALL_LINEAR else peft_io.target_matches(name, targets)
+    def selected(name: str, site: _Site | None = None) -> bool:
+        if targets == ALL_LINEAR:
+            return site is not None and not site.by_name_only
+        return peft_io.target_matches(name, targets)
 
     bad = {name: why for name, why in mods.unsupported.items() if targets != ALL_LINEAR and selected(name)}
     bad = {n: w for n, w in bad.items() if not peft_io.is_excluded(n, cfg.exclude_modules)}
@@ -351,7 +357,7 @@ def _plan_linears(mods: _Modules, cfg: LoraConfig, model_type: str, strict: bool
             if not any(peft_io.target_matches(n, (t,)) for n, _, _ in entries):
                 raise _no_match_error(repr(t), mods, model_type, regex=False)
 
-    chosen = [(n, s, l) for n, s, l in entries if selected(n)]
+    chosen = [(n, s, l) for n, s, l in entries if selected(n, s)]
     kept = [(n, s, l) for n, s, l in chosen if not peft_io.is_excluded(n, cfg.exclude_modules)]
     if not chosen:
         raise _no_match_error(_show(targets), mods, model_type, regex=isinstance(targets, str))
@@ -471,15 +477,23 @@ def _install(model, cfg: LoraConfig, plan, fill) -> None:
         ranks, scales = _ranks_scales(per_layer)
         a, b = fill(index, site, (lin.in_features, lin.out_features), ranks)
         kernel = lin.kernel[...] if lin.quant is None else None
+        ranks, scales = jnp.asarray(ranks), jnp.asarray(scales)
         # `nnx.data`: these attributes were None (static) on the fresh Linear and now hold state.
-        # Logical axes as the kernel's: A [layers, in, rank], B [layers, rank, out] (jaxft.sharding's rules).
+        # Logical axes as the kernel's: A [layers, in, rank], B [layers, rank, out] (jaxft.sharding's rules);
+        # a linear outside any stack (the vision merger) has A [in, rank], B [rank, out] and scalar scale/rank.
         lin_in, lin_out = lin.axes
-        lin.lora_a = nnx.data(LoraParam(_like_kernel(a, kernel, (0, 1, None)),
-                                        **logical("layers", lin_in, "lora_rank")))
-        lin.lora_b = nnx.data(LoraParam(_like_kernel(b, kernel, (0, None, 2)),
-                                        **logical("layers", "lora_rank", lin_out)))
-        lin.lora_scale = nnx.data(LoraScale(_like_kernel(jnp.asarray(scales), kernel, (0,)), **logical("layers")))
-        lin.lora_rank = nnx.data(LoraRank(_like_kernel(jnp.asarray(ranks), kernel, (0,)), **logical("layers")))
+        if not site.stacked:
+            a, b, ranks, scales = a[0], b[0], ranks[0], scales[0]
+            lin.lora_a = nnx.data(LoraParam(_like_kernel(a, kernel, (0, None)), **logical(lin_in, "lora_rank")))
+            lin.lora_b = nnx.data(LoraParam(_like_kernel(b, kernel, (None, 1)), **logical("lora_rank", lin_out)))
+            lin.lora_scale, lin.lora_rank = nnx.data(LoraScale(scales)), nnx.data(LoraRank(ranks))
+        else:
+            lin.lora_a = nnx.data(LoraParam(_like_kernel(a, kernel, (0, 1, None)),
+                                            **logical("layers", lin_in, "lora_rank")))
+            lin.lora_b = nnx.data(LoraParam(_like_kernel(b, kernel, (0, None, 2)),
+                                            **logical("layers", "lora_rank", lin_out)))
+            lin.lora_scale = nnx.data(LoraScale(_like_kernel(scales, kernel, (0,)), **logical("layers")))
+            lin.lora_rank = nnx.data(LoraRank(_like_kernel(ranks, kernel, (0,)), **logical("layers")))
         lin.lora_dropout = float(cfg.dropout)
     # Static metadata (hashable), kept through nnx.split/merge; save_adapter writes it back as adapter_config.
     model.lora_config = cfg
@@ -548,7 +562,10 @@ class _MergedKernels(Mapping):
                                    ad.lora_scale[...], start, stop)
         lin = self._lins[key]
         # A 4-bit linear merges into its dequantised weight (in the model's dtype, as bitsandbytes computes it).
-        return _merged(lin.frozen_kernel(self._dtype), lin.lora_a[...], lin.lora_b[...], lin.lora_scale[...])
+        kernel, a, b, scale = lin.frozen_kernel(self._dtype), lin.lora_a[...], lin.lora_b[...], lin.lora_scale[...]
+        if a.ndim == 2:  # a linear outside any stack (the vision merger): one "layer"
+            return _merged(kernel[None], a[None], b[None], scale[None])[0]
+        return _merged(kernel, a, b, scale)
 
     def __iter__(self):
         return iter([*self._lins, *self._experts])
@@ -662,6 +679,8 @@ def save_adapter(model, path: str | os.PathLike, *, base_model_name_or_path: str
         lin = _linear(model, site.path)
         a, b = np.asarray(lin.lora_a[...], np.float32), np.asarray(lin.lora_b[...], np.float32)
         ranks = np.asarray(lin.lora_rank[...])
+        if not site.stacked:  # one "layer"
+            a, b, ranks = a[None], b[None], ranks.reshape(1)
         for layer, name in enumerate(site.names()):
             if plan[site][layer] is None:
                 continue

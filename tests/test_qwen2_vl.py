@@ -304,8 +304,10 @@ def test_vision_and_language_lora_adapter_equals_peft(saved, tmp_path):
     from lora_helpers import perturb_lora_b
 
     kind, hf_model, path = saved
+    # Unsloth's vision + language selection, plus the merger's two linears (by name).
+    targets = rf"(?:{finetune_targets(kind)}|model\.visual\.merger\.mlp\.[02])"
     model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"),
-                            lora.LoraConfig(r=4, alpha=8, target_modules=finetune_targets(kind)))
+                            lora.LoraConfig(r=4, alpha=8, target_modules=targets))
     perturb_lora_b(model, seed=4)
     pixels, grids = _processed([(12, 20), (16, 12)])
     ids, _ = _rows([[tuple(grids[0]), tuple(grids[1])]], 520)
@@ -318,6 +320,8 @@ def test_vision_and_language_lora_adapter_equals_peft(saved, tmp_path):
     per_block = 4 if kind == "qwen2_vl" else 5  # qkv, proj + fc1, fc2 / gate, up, down
     assert sum("visual.blocks" in n for n in wrapped) == per_block * VISION[kind]["depth"]
     assert sum("language_model" in n for n in wrapped) == 7 * TEXT["num_hidden_layers"]
+    assert [n for n in wrapped if "merger" in n] == [f"base_model.model.model.visual.merger.mlp.{i}.lora_A"
+                                                      for i in (0, 2)]
     want = _hf_logits(theirs, ids, pixels, grids)
     assert rel_err(ours, want) < 1e-5
     assert rel_err(ours, _hf_logits(hf_model, ids, pixels, grids)) > 1e-3  # the adapters change the logits
@@ -325,6 +329,11 @@ def test_vision_and_language_lora_adapter_equals_peft(saved, tmp_path):
     again = lora.load_adapter(jaxft.from_pretrained(path, dtype="float32"), tmp_path / "adapter")
     np.testing.assert_allclose(np.asarray(run(again, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids))),
                                ours, rtol=1e-5, atol=1e-6 * np.abs(ours).max())
+    # ... and merged into the kernels (the merger's unstacked linears included) it gives them too.
+    merged = lora.merge_lora(again)
+    assert not merged.vision.merger.fc1.has_lora
+    np.testing.assert_allclose(np.asarray(run(merged, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids))),
+                               ours, rtol=1e-4, atol=1e-5 * np.abs(ours).max())
     # LoRA gradients of the next-token loss equal PEFT's, in a vision block and a language layer.
     graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
     tokens = jnp.asarray(ids)
@@ -343,10 +352,12 @@ def test_vision_and_language_lora_adapter_equals_peft(saved, tmp_path):
     torch.nn.functional.cross_entropy(out[0, :-1], t[0, 1:]).backward()
     modules = dict(theirs.base_model.model.named_modules())
     for path, layer, name in ((("vision", "blocks", "qkv"), 0, "model.visual.blocks.0.attn.qkv"),
+                              (("vision", "merger", "fc1"), None, "model.visual.merger.mlp.0"),
                               (("layers", "mlp", "down_proj"), 1, "model.language_model.layers.1.mlp.down_proj")):
         for ours_key, theirs_key in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
             want_grad = getattr(modules[name], theirs_key)["default"].weight.grad.numpy()
-            assert rel_err(grads[(*path, ours_key)][layer].T, want_grad) < 1e-4, (name, ours_key)
+            got = grads[(*path, ours_key)] if layer is None else grads[(*path, ours_key)][layer]
+            assert rel_err(got.T, want_grad) < 1e-4, (name, ours_key)
     # The vision adapters take part: without them (language adapters only) the logits differ.
     for _, lin in nnx.iter_graph(model.vision):
         if isinstance(lin, jaxft.models.Linear) and lin.has_lora:
@@ -375,9 +386,10 @@ def test_finetune_flags_select_the_parts(saved):
     assert not any("merger" in n or "lm_head" in n for n in everything)
     with pytest.raises(ConfigError, match="select nothing"):
         finetune_targets(kind, finetune_attention_modules=False, finetune_mlp_modules=False)
-    with pytest.raises(ConfigError, match=r"model\.visual\.merger\.mlp\.0.*the vision merger") as info:
-        lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"), lora.LoraConfig(target_modules=["merger.mlp.0"]))
-    assert "\n" not in str(info.value)
+    # The merger (left out by Unsloth's finetune_vision_layers, and by all-linear) is adapted when named.
+    assert set(lora.target_names(model, lora.LoraConfig())) == set(everything)
+    merger = lora.target_names(model, lora.LoraConfig(target_modules=["merger.mlp.0", "merger.mlp.2", "q_proj"]))
+    assert [n for n in merger if "merger" in n] == ["model.visual.merger.mlp.0", "model.visual.merger.mlp.2"]
 
 
 def test_every_parameter_has_exactly_one_row_and_every_row_a_parameter():

@@ -182,3 +182,39 @@ def test_truncation_never_splits_an_image_from_its_tokens(tmp_path, images):
     assert int((batch["input_ids"] == images.image_token_id).sum()) == first
     assert (batch["segment_ids"][0] > 0).sum() == at[first]  # cut where the second image's tokens begin
     np.testing.assert_array_equal(batch["image_grid_thw"][0], np.asarray(doc.images[0].grid))
+
+
+class _Counting:
+    """The model directory's image processor, counting the images it is asked to process."""
+
+    def __init__(self, processor):
+        self.processor, self.images = processor, 0
+
+    def __getattr__(self, name):
+        return getattr(self.processor, name)
+
+    def __call__(self, images, **kw):
+        self.images += len(images)
+        return self.processor(images=images, **kw)
+
+
+def test_each_image_is_processed_once_when_its_batch_is_built(tmp_path, images, tokenizer):
+    """Tokenizing only opens the images (their grids come from their sizes); the processor runs once per image,
+    for its batch, and the grids it gives are the ones the tokens were laid out for (packing checks them)."""
+    path, layout = _dataset(tmp_path)
+    counting = _Counting(images.processor)
+    train, _ = build_datasets(DataConfig(str(path), seq_len=128, batch_size=1), tokenizer,
+                              images=ImageProcessor(counting, images.image_token_id))
+    assert counting.images == 0
+    for step in range(train.num_batches_per_epoch):
+        train.batch(step)
+    assert counting.images == sum(len(pics) for pics in layout) == 3
+
+
+@pytest.mark.parametrize("size", [(70, 90), (20, 500), (600, 30), (1000, 800), (28, 28)])
+def test_grid_from_the_size_is_the_processors(images, size):
+    """The resize target (smart_resize with the processor's min/max pixels) in patches, clamped both ways."""
+    w, h = size
+    picture = Image.fromarray(np.zeros((h, w, 3), np.uint8))
+    want = images.processor(images=[picture], return_tensors="np")["image_grid_thw"][0]
+    assert images.grid(w, h) == tuple(int(g) for g in want)

@@ -10,10 +10,13 @@ model should generate), whatever ``assistant_only_loss`` says.
 
 Pixels come from transformers' image processor of the model directory (``AutoImageProcessor``: its
 ``preprocessor_config.json``; without torchvision that is ``Qwen2VLImageProcessorPil``): resize, normalise and
-patchify are its, not re-implemented here. Every image is opened and processed once while the records are
-tokenized (that gives its grid, hence its token count, and reports a missing or unreadable image before
-training starts, naming the record); the pixels are made again when a batch holding the image is built, so
-a dataset's images are never all in memory at once.
+patchify are its, not re-implemented here. The processor runs once per image: when a batch holding it is
+built, so a dataset's pixels are never all in memory at once. While the records are tokenized every image
+is only opened and decoded (a missing or unreadable image is reported before training starts, naming the
+record), and its grid, hence its token count, comes from its size through transformers' own `smart_resize`
+with the processor's settings (patch and merge size, min/max pixels): what the processor's resize computes,
+without the resize, normalise and patchify work. The batch builder checks that the processor's grids are
+those (`jaxft.data.packing`).
 """
 
 from __future__ import annotations
@@ -103,12 +106,12 @@ class ImageProcessor:
         pr = self.processor
         return 3 * int(pr.temporal_patch_size) * int(pr.patch_size) ** 2
 
-    def _open(self, path: str, source: str):
+    def _open(self, path: str, source: str, relative_to: str = "the dataset file"):
         from PIL import Image
 
         if not Path(path).is_file():
             raise ImageError(f"{source}: image {path!r} does not exist; fix the path (relative paths are relative "
-                             "to the dataset file)")
+                             f"to {relative_to})")
         try:
             with Image.open(path) as image:
                 image.load()
@@ -123,10 +126,26 @@ class ImageProcessor:
         out = self.processor(images=images, return_tensors="np")
         return np.asarray(out["pixel_values"], np.float32), np.asarray(out["image_grid_thw"], np.int64)
 
-    def resolve(self, record_source: str, messages: Any) -> list[ImageRef]:
-        """The image parts of a record's chat, opened and processed once (their grids); one clear error naming
-        the record and the part for a part without a path, a missing file or an unreadable one."""
-        base = Path(split_source(record_source)[0]).parent
+    def grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """The patch grid (t, h, w) the processor gives a still image of this size: its resize target from
+        transformers' `smart_resize` (the function the processor's resize calls) with the processor's settings,
+        in patches; one frame (a still image is padded to `temporal_patch_size` frames, one temporal patch)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        pr = self.processor
+        patch = int(pr.patch_size)
+        if getattr(pr, "do_resize", True):
+            size = pr.size
+            height, width = smart_resize(height, width, factor=patch * int(pr.merge_size),
+                                         min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+        return 1, height // patch, width // patch
+
+    def resolve(self, record_source: str, messages: Any, *, base: str | Path | None = None,
+                relative_to: str = "the dataset file") -> list[ImageRef]:
+        """The image parts of a record's chat with their grids (each image opened and decoded, not processed);
+        one clear error naming the record and the part for a part without a path, a missing file or an
+        unreadable one. Relative paths are relative to `base` (default: the directory of the record's file)."""
+        base = Path(split_source(record_source)[0]).parent if base is None else Path(base)
         refs = []
         for i, j, image in image_parts(messages):
             where = f"{record_source}: messages[{i}].content[{j}]"
@@ -135,9 +154,8 @@ class ImageProcessor:
                                         f"{image!r}; fix the record")
             path = Path(image).expanduser()
             path = path if path.is_absolute() else base / path
-            ref = ImageRef(str(path), (0, 0, 0), where)
-            _, grid = self.process([ref])
-            refs.append(dataclasses.replace(ref, grid=tuple(int(g) for g in grid[0])))
+            opened = self._open(str(path), where, relative_to)
+            refs.append(ImageRef(str(path), self.grid(*opened.size), where))
         return refs
 
     def expand(self, tokens: np.ndarray, mask: np.ndarray, refs: list[ImageRef], source: str):

@@ -10,6 +10,17 @@ calls reuse the compiled programs: the batch is padded with dummy rows to a powe
 length rounded up to a multiple of `PROMPT_BUCKET`. `jax.jit` keeps one compiled program per (graphdef,
 bucket, max_new_tokens, number of stop ids, greedy or not); temperature, top_p and the seed are data.
 
+Prompts with images (a vision-language model, Qwen2-VL / Qwen2.5-VL): each prompt's `PromptImages` (the
+processor's pixel_values and image_grid_thw; its ids hold one image pad token per merged patch) go into the
+prefill, which runs the vision tower once and feeds the decoder `inputs_embeds` with the merged patch
+embeddings at the image tokens, with 3-D M-RoPE positions. After the prompt every position is text again:
+as transformers' `rope_deltas`, the token in cache slot s of a row turns with position s + delta (all three
+axes), delta = max(prompt's 3-D positions) + 1 - prompt length, so decoding continues right after the
+largest position the prompt used. The cache slots (and hence the causal mask) stay the plain token index. The
+patches of the batch are padded to a multiple of `PATCH_BUCKET` merge units with one padding "image" of
+their own (its merged tokens match no image token and are dropped), so prompts with images of similar sizes
+reuse one compiled prefill.
+
 Dynamic RoPE (`rope_type="dynamic"`) is data-dependent: as in transformers, theta is recomputed in every
 forward call from the largest position of the batch in that call (the prefill's longest prompt, then each
 decode step's largest position), while the cached keys keep the rotation they were written with. A prompt
@@ -33,8 +44,10 @@ from flax import nnx
 from jaxft.generation.kv_cache import forward, init_cache
 from jaxft.generation.sampling import sample
 from jaxft.models.decoder import Decoder
+from jaxft.models.vision.model import VisionLanguageModel
 
 PROMPT_BUCKET = 64
+PATCH_BUCKET = 64  # merge units (spatial_merge_size^2 patches each)
 
 
 class GenerationError(ValueError):
@@ -50,6 +63,15 @@ class Generation:
     prefill_s: float | None = None
     decode_s: float | None = None
     decode_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptImages:
+    """The images of one prompt as the model directory's image processor gives them: pixel_values [patches,
+    patch_dim] and image_grid_thw [images, 3] (t, h, w in patches), in the order of the prompt's image runs."""
+
+    pixel_values: np.ndarray
+    image_grid_thw: np.ndarray
 
 
 def _bucket(n: int, multiple: int) -> int:
@@ -72,19 +94,27 @@ def model_stop_ids(model: Decoder) -> list[int]:
     return _config_ids(model, "eos_token_id")
 
 
-def _prefill(graphdef, state, input_ids, lengths, key, temperature, top_p, *, max_new_tokens: int, greedy: bool):
+def _prefill(graphdef, state, input_ids, lengths, key, temperature, top_p, pixel_values=None, image_grid_thw=None,
+             *, max_new_tokens: int, greedy: bool):
     model = nnx.merge(graphdef, state)
     b, p = input_ids.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     real = positions < lengths[:, None]
     cache = init_cache(model, b, p + max_new_tokens)
-    hidden, cache = forward(model, input_ids, positions, cache, rope_positions=jnp.where(real, positions, 0))
+    if isinstance(model, VisionLanguageModel):
+        embeds, rope = model.multimodal_inputs(input_ids, pixel_values, image_grid_thw)  # rope: [3, B, P]
+        rope = jnp.where(real[None], rope, 0)
+        delta = jnp.max(rope, axis=(0, 2)) + 1 - lengths  # transformers' rope_deltas (0 for text-only rows)
+        hidden, cache = forward(model, None, positions, cache, rope_positions=rope, inputs_embeds=embeds)
+    else:
+        delta = jnp.zeros_like(lengths)
+        hidden, cache = forward(model, input_ids, positions, cache, rope_positions=jnp.where(real, positions, 0))
     last = hidden[jnp.arange(b), lengths - 1]  # only the last prompt token's logits are needed
     logits = model.logits(last).astype(jnp.float32)
-    return sample(logits, jax.random.fold_in(key, 0), temperature, top_p, greedy=greedy), cache
+    return sample(logits, jax.random.fold_in(key, 0), temperature, top_p, greedy=greedy), cache, delta
 
 
-def _decode(graphdef, state, cache, first, lengths, done, stop_ids, key, temperature, top_p, *,
+def _decode(graphdef, state, cache, first, lengths, delta, done, stop_ids, key, temperature, top_p, *,
             max_new_tokens: int, greedy: bool, pad_id: int):
     model = nnx.merge(graphdef, state)
     tokens = jnp.full((first.shape[0], max_new_tokens), pad_id, jnp.int32).at[:, 0].set(first)
@@ -96,7 +126,8 @@ def _decode(graphdef, state, cache, first, lengths, done, stop_ids, key, tempera
     def body(carry):
         i, tokens, last, done, cache = carry
         positions = (lengths + i - 1)[:, None]  # token i-1 sits right after the prompt's len + i - 1 tokens
-        hidden, cache = forward(model, last[:, None], positions, cache)
+        # Its RoPE position is shifted by the row's M-RoPE delta (0 without images).
+        hidden, cache = forward(model, last[:, None], positions, cache, rope_positions=positions + delta[:, None])
         logits = model.logits(hidden[:, 0]).astype(jnp.float32)
         token = sample(logits, jax.random.fold_in(key, i), temperature, top_p, greedy=greedy)
         token = jnp.where(done, pad_id, token)
@@ -143,15 +174,59 @@ def _check(model, prompt_ids, max_new_tokens, temperature, top_p) -> list[list[i
     return out
 
 
+def _batch_images(model, prompts: list[list[int]], images):
+    """(pixel_values [patches + pad, patch_dim], image_grid_thw [images + 1, 3]) of the prompts' images, in prompt
+    order, padded to a `PATCH_BUCKET` multiple of merge units by one padding image (1, m, pad / m); None, None
+    when no prompt has images. Each prompt's image tokens must match its images' merged patches."""
+    if images is None or all(im is None for im in images):
+        return None, None
+    if len(images) != len(prompts):
+        raise GenerationError(f"images must hold one entry (PromptImages or None) per prompt: {len(images)} for "
+                              f"{len(prompts)} prompts")
+    if not isinstance(model, VisionLanguageModel):
+        first = next(i for i, im in enumerate(images) if im is not None)
+        raise GenerationError(f"prompt {first} has images but this {model.config.model_type} model has no vision "
+                              "tower; use a vision-language model (e.g. Qwen2-VL) or drop the image parts")
+    v = model.config.vision
+    pixels, grids = [], []
+    for i, (ids, im) in enumerate(zip(prompts, images)):
+        count = sum(t == v.image_token_id for t in ids)
+        if im is None:
+            if count:
+                raise GenerationError(f"prompt {i} holds {count} image tokens (id {v.image_token_id}) but no images; "
+                                      "give its images, or build the prompt from messages with image parts")
+            continue
+        px, grid = np.asarray(im.pixel_values, np.float32), np.asarray(im.image_grid_thw, np.int64).reshape(-1, 3)
+        patches = int(np.prod(grid, axis=1).sum())
+        if px.ndim != 2 or px.shape != (patches, v.patch_dim):
+            raise GenerationError(f"prompt {i}: pixel_values {list(px.shape)} do not fit image_grid_thw "
+                                  f"{grid.tolist()} (expected [{patches}, {v.patch_dim}]); use the model "
+                                  "directory's image processor")
+        if count != patches // v.merge_unit:
+            raise GenerationError(f"prompt {i} holds {count} image tokens (id {v.image_token_id}) but its images "
+                                  f"give {patches // v.merge_unit} merged patches; expand each image pad token "
+                                  "once per merged patch (jaxft.generation.encode_prompt_images does)")
+        pixels.append(px)
+        grids.append(grid)
+    pixels, grids = np.concatenate(pixels), np.concatenate(grids)
+    unit, m = v.merge_unit, v.spatial_merge_size
+    pad = _bucket(len(pixels) // unit + 1, PATCH_BUCKET) * unit - len(pixels)  # >= one merge unit: a valid grid
+    pixels = np.concatenate([pixels, np.zeros((pad, pixels.shape[1]), np.float32)])
+    grids = np.concatenate([grids, [[1, m, pad // m]]]).astype(np.int32)
+    return jnp.asarray(pixels), jnp.asarray(grids)
+
+
 def run_generation(model: Decoder, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                   stop_token_ids: Iterable[int] | None = None, timed: bool = False) -> Generation:
+                   stop_token_ids: Iterable[int] | None = None, timed: bool = False,
+                   images: Sequence[PromptImages | None] | None = None) -> Generation:
     """`generate_ids`, plus prefill/decode timings when `timed` (a device sync after each stage)."""
     prompts = _check(model, prompt_ids, max_new_tokens, temperature, top_p)
     stops = model_stop_ids(model) if stop_token_ids is None else [int(t) for t in stop_token_ids]
     pad_ids = _config_ids(model, "pad_token_id")
     pad_id = pad_ids[0] if pad_ids else 0
     n, batch = len(prompts), _batch_bucket(len(prompts))
+    pixel_values, image_grid_thw = _batch_images(model, prompts, images)
     lengths = np.ones(batch, np.int32)  # dummy rows: one pad token, done from the start
     lengths[:n] = [len(p) for p in prompts]
     input_ids = np.full((batch, _bucket(int(lengths.max()), PROMPT_BUCKET)), pad_id, np.int32)
@@ -167,13 +242,14 @@ def run_generation(model: Decoder, prompt_ids: Sequence[Sequence[int]], *, max_n
     static = dict(graphdef=graphdef, max_new_tokens=max_new_tokens, greedy=greedy)
 
     t0 = time.perf_counter()
-    first, cache = prefill(state=state, input_ids=jnp.asarray(input_ids), lengths=lengths_arr, key=key,
-                           temperature=temperature_arr, top_p=top_p_arr, **static)
+    first, cache, delta = prefill(state=state, input_ids=jnp.asarray(input_ids), lengths=lengths_arr, key=key,
+                                  temperature=temperature_arr, top_p=top_p_arr, pixel_values=pixel_values,
+                                  image_grid_thw=image_grid_thw, **static)
     if timed:
         first.block_until_ready()
     t1 = time.perf_counter()
     done = jnp.isin(first, stop_arr) | (jnp.arange(batch) >= n)
-    tokens, steps = decode(state=state, cache=cache, first=first, lengths=lengths_arr, done=done,
+    tokens, steps = decode(state=state, cache=cache, first=first, lengths=lengths_arr, delta=delta, done=done,
                            stop_ids=stop_arr, key=key, temperature=temperature_arr, top_p=top_p_arr,
                            pad_id=pad_id, **static)
     tokens = np.asarray(tokens)  # the one wait for the result
@@ -191,14 +267,17 @@ def run_generation(model: Decoder, prompt_ids: Sequence[Sequence[int]], *, max_n
 
 def generate_ids(model: Decoder, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                 stop_token_ids: Iterable[int] | None = None) -> list[list[int]]:
+                 stop_token_ids: Iterable[int] | None = None,
+                 images: Sequence[PromptImages | None] | None = None) -> list[list[int]]:
     """New token ids for each prompt (a list of token ids), in the order given.
 
     A row stops at the first token in `stop_token_ids` (included in its output, as transformers does) or after
     `max_new_tokens` tokens. `stop_token_ids=None` stops on the eos id(s) of the model's config.json; pass a
     list to choose them exactly (`[]`: never stop early). temperature 0 is greedy; otherwise sampling with
     nucleus `top_p`, reproducible for a given `seed`. `model` may carry LoRA adapters and stacked or unstacked
-    layer weights (e.g. `nnx.merge(graphdef, lora, frozen)` of the training loop).
+    layer weights (e.g. `nnx.merge(graphdef, lora, frozen)` of the training loop). `images` (a vision-language
+    model): one `PromptImages` or None per prompt, whose ids then hold one image pad token per merged patch
+    (`jaxft.generation.encode_prompt_images` builds both from messages with image parts).
     """
     return run_generation(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=top_p, seed=seed, stop_token_ids=stop_token_ids).ids
+                          top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, images=images).ids

@@ -14,6 +14,7 @@ of that position before any query can see it, so no separate validity mask is ne
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -22,7 +23,7 @@ from flax import nnx
 
 from jaxft.models.decoder import Decoder, is_unstacked, layer_slice
 from jaxft.models.stack import layer_stacks
-from jaxft.models.rope import rope_tables
+from jaxft.models.rope import mrope_tables, rope_tables
 from kernels_pallas.attention.reference import MASK_VALUE
 
 # Window of a full-attention layer inside the layer scan (windows are scanned over as data there).
@@ -89,25 +90,31 @@ def _layer_attention(cfg, positions, rows, index, window):
     return attend_cached
 
 
-def forward(model: Decoder, input_ids: jax.Array, positions: jax.Array, cache: dict,
-            rope_positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
-    """Final-normed hidden states [B,T,H] of tokens `input_ids` [B,T] at `positions` [B,T], and the cache
-    with their k/v written at those positions.
+def forward(model: Decoder, input_ids: jax.Array | None, positions: jax.Array, cache: dict,
+            rope_positions: jax.Array | None = None, inputs_embeds: jax.Array | None = None
+            ) -> tuple[jax.Array, dict]:
+    """Final-normed hidden states [B,T,H] of tokens `input_ids` [B,T] (or of `inputs_embeds` [B,T,H]: a vision
+    model's merged image embeddings) in cache slots `positions` [B,T], and the cache with their k/v written there.
 
     `rope_positions` (default `positions`) feed the RoPE tables only: the prefill passes 0 for pad tokens so
     that dynamic RoPE, which rescales theta from the largest position in the call (as transformers does),
-    sees only real tokens.
+    sees only real tokens; an M-RoPE model (Qwen2-VL) gets its 3-D (t, h, w) positions [3,B,T] here, which
+    differ from the slots once a prompt holds an image.
     """
     cfg = model.config
     positions = jnp.asarray(positions, jnp.int32)
     rope_positions = positions if rope_positions is None else jnp.asarray(rope_positions, jnp.int32)
     # One cos/sin pair per RoPE kind (Gemma 3: local and global), stacked so a scanned layer picks its own.
     kinds = list(dict.fromkeys(cfg.layer_ropes))
-    tables = [rope_tables(rope_positions, cfg.rope_for(kind), cfg.head_dim, cfg.max_position_embeddings,
-                          model.dtype) for kind in kinds]
+    table = functools.partial(mrope_tables, section=cfg.mrope_section) if cfg.mrope_section else rope_tables
+    tables = [table(rope_positions, cfg.rope_for(kind), cfg.head_dim, cfg.max_position_embeddings, model.dtype)
+              for kind in kinds]
     cos_all, sin_all = jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
     rows = jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None]
-    x = model.embed_tokens(jnp.asarray(input_ids, jnp.int32))
+    if inputs_embeds is None:
+        x = model.embed_tokens(jnp.asarray(input_ids, jnp.int32))
+    else:
+        x = jnp.asarray(inputs_embeds, model.dtype)
     # Layer i's parameters are row r of its stack (`jaxft.models.stack.layer_stacks`: one stack unless dense and
     # sparse layers are mixed); the cache is indexed by the layer itself.
     split = {name: nnx.split(module) for name, module in model.layer_stacks().items()}

@@ -3,16 +3,24 @@
 Prompts tokenize as in training (`jaxft.data.formatting.Formatter`): a plain string gets the tokenizer's
 special tokens (BOS where the tokenizer adds one), a chat is rendered by the tokenizer's chat template (which
 writes its own BOS) with `add_generation_prompt=True` and tokenized without adding special tokens again.
+
+A chat's messages may hold image parts (`{"type": "image", "image": "path.png"}`, the training data's record
+format) for a vision-language model: `encode_prompt_images` renders the chat, expands each image pad token
+into one per merged patch and runs the model directory's image processor (`jaxft.data.images`, as in
+training), giving the ids and the `PromptImages` the engine prefills with.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import numpy as np
 from typing import Any, Iterable, Sequence
 
 from jaxft.data.errors import one_line
-from jaxft.generation.engine import GenerationError, generate_ids, model_stop_ids
+from jaxft.data.images import ImageProcessor, image_parts
+from jaxft.generation.engine import GenerationError, PromptImages, generate_ids, model_stop_ids
 from jaxft.models.decoder import Decoder
 
 Chat = list[dict[str, Any]]
@@ -59,6 +67,27 @@ def encode_prompt(tokenizer, prompt: str | Chat, *, wrap_strings: bool = False, 
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def encode_prompt_images(tokenizer, prompt: str | Chat, image_processor: ImageProcessor | None, *,
+                         wrap_strings: bool = False, source: str = "prompt", base: str | Path | None = None,
+                         relative_to: str = "the working directory") -> tuple[list[int], PromptImages | None]:
+    """(token ids, PromptImages or None) of one prompt: `encode_prompt`, then, when the chat has image parts,
+    each image pad token repeated once per merged patch of its image and the images' pixels from
+    `image_processor` (the model directory's, `jaxft.data.ImageProcessor.from_model_dir`). Image paths are
+    relative to `base` (default: the working directory; `relative_to` says which in errors)."""
+    ids = encode_prompt(tokenizer, prompt, wrap_strings=wrap_strings, source=source)
+    if isinstance(prompt, str) or not image_parts(prompt):
+        return ids, None
+    if image_processor is None:
+        raise GenerationError(f"{source}: the chat has image parts but the model has no image processor (no "
+                              "vision tower, or none given); use a vision-language model (e.g. Qwen2-VL) with its "
+                              "preprocessor_config.json, or drop the image parts")
+    refs = image_processor.resolve(source, prompt, base=Path.cwd() if base is None else base,
+                                   relative_to=relative_to)
+    tokens, _ = image_processor.expand(np.asarray(ids), np.zeros(len(ids), bool), refs, source)
+    pixels, grids = image_processor.process(refs)
+    return tokens.tolist(), PromptImages(pixels, grids)
+
+
 def stop_ids(model: Decoder, tokenizer=None, model_dir: str | Path | None = None,
              extra: Iterable[int] | None = None) -> list[int]:
     """Every id that ends a completion: the tokenizer's eos, config.json's eos id(s), generation_config.json's
@@ -82,19 +111,24 @@ def stop_ids(model: Decoder, tokenizer=None, model_dir: str | Path | None = None
 
 def generate(model: Decoder, tokenizer, prompts: str | Chat | Sequence[str | Chat], *, max_new_tokens: int = 128,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             stop_token_ids: Iterable[int] | None = None, chat_template: bool = False) -> list[str]:
+             stop_token_ids: Iterable[int] | None = None, chat_template: bool = False,
+             image_processor: ImageProcessor | None = None) -> list[str]:
     """The completion of each prompt (a string, or a chat rendered with the tokenizer's chat template and the
     generation prompt), decoded without special tokens and without the stop token that ended it.
 
     Generation stops on the eos ids of the tokenizer, config.json and generation_config.json and on
-    `stop_token_ids`. `chat_template=True` wraps plain strings as one user turn. See `generate_ids`.
+    `stop_token_ids`. `chat_template=True` wraps plain strings as one user turn. Chats may hold image parts
+    (paths relative to the working directory) when `image_processor` is the vision-language model's
+    (`jaxft.data.ImageProcessor.from_model_dir(model_dir)`). See `generate_ids`.
     """
     items = normalize_prompts(prompts)
-    ids = [encode_prompt(tokenizer, p, wrap_strings=chat_template, source=f"prompts[{i}]")
-           for i, p in enumerate(items)]
+    encoded = [encode_prompt_images(tokenizer, p, image_processor, wrap_strings=chat_template,
+                                    source=f"prompts[{i}]") for i, p in enumerate(items)]
     stops = stop_ids(model, tokenizer, extra=stop_token_ids)
-    out = generate_ids(model, ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                       stop_token_ids=stops)
+    images = [im for _, im in encoded]
+    out = generate_ids(model, [ids for ids, _ in encoded], max_new_tokens=max_new_tokens, temperature=temperature,
+                       top_p=top_p, seed=seed, stop_token_ids=stops,
+                       images=images if any(im is not None for im in images) else None)
     return [decode_completion(tokenizer, row, stops) for row in out]
 
 

@@ -5,7 +5,9 @@ finetune_attention_modules=..., finetune_mlp_modules=...)` is a `LoraConfig.targ
 `re.fullmatch` on transformers' module names) selecting the linears of the chosen halves (vision blocks,
 language layers) and kinds (attention: q/k/v/o, the tower's qkv/proj; MLP: gate/up/down, the tower's fc1/fc2).
 The names come from the family's module table, so an adapter trained with it names the same modules in PEFT.
-The merger and the LM head are never selected.
+The merger and the LM head are never selected, as in Unsloth (unsloth_zoo/peft_utils.py `get_peft_regex`: a linear
+leaf name seen once in the model and not inside a numbered layer stack is set aside as a projection, which is
+what `visual.merger.mlp.0` / `.mlp.2` are); name them in `target_modules` to adapt them (`jaxft.lora`).
 """
 
 from __future__ import annotations
