@@ -124,7 +124,7 @@ def test_mosaic_kernels_with_several_row_blocks_and_contraction_steps():
     _close(gmm_drhs(lhs, dout, sizes, cfg, interpret=True), want_drhs, "float32", "d rhs")
 
 
-def test_auto_is_xla_and_the_kernels_only_on_hopper():
+def test_auto_takes_the_kernels_only_on_hopper():
     import types
 
     from kernels_pallas.grouped_matmul.mosaic import grouped_matmul_mosaic
@@ -134,7 +134,7 @@ def test_auto_is_xla_and_the_kernels_only_on_hopper():
     gpu = lambda cc: types.SimpleNamespace(platform="gpu", compute_capability=cc)
     assert mosaic.supported_on(gpu("9.0")) and not mosaic.supported_on(gpu("8.0"))
     assert not mosaic.supported_on("cpu") and mosaic.runs_on("cpu")  # interpret mode, by name only
-    assert OP.default_for(gpu("9.0")) == "xla" == OP.default_for(gpu("8.6"))  # until the GPU tests pass (api.py)
+    assert OP.default_for(gpu("9.0")) == "pallas_mosaic" and OP.default_for(gpu("8.6")) == "xla"
     assert GPU_FIRST[0] == "pallas_mosaic" and all(OP.get(name) for name in GPU_FIRST)
     lhs, rhs, sizes, _ = make_inputs(TEST_SHAPES[0])
     with pytest.raises(ValueError, match=r"grouped_matmul/mosaic.py: .*bfloat16/float16 operands, got float32"):

@@ -6,12 +6,13 @@ dot against rhs^T, d rhs a ragged-contracting dot giving one [K, N] block per gr
 VJP of its own. "pallas_mosaic" is mosaic.py's Hopper kernels (forward, d lhs, d rhs under one custom VJP);
 natively only on CUDA devices of compute capability 9.x, in Mosaic GPU's interpreter on CPU (tests).
 
-"auto" (the default, what the MoE blocks use) takes "xla" for now, on every device: the kernels have passed
-their interpret-mode tests on the CPU and an early single-warpgroup version its GPU smoke test, but the GPU
-tests of the current kernels (tests/test_grouped_matmul_gpu.py) have not run yet, and a wrong kernel would train
-silently wrong. Once they pass on the H200, `GPU_FIRST` becomes the auto order ("pallas_mosaic" on a Hopper GPU
-for bf16/f16 operands, "xla" everywhere else, CPU numerics unchanged); until then "pallas_mosaic" is chosen by
-name (the benchmark, the GPU tests).
+"auto" (the default, what the MoE blocks use) takes "pallas_mosaic" on a Hopper GPU (compute capability 9.x)
+for bf16/f16 operands and "xla" everywhere else (float32 keeps ragged_dot's numerics; CPU numerics unchanged).
+The kernels passed their GPU tests on the H200 at ed4a32e (tests/test_grouped_matmul_gpu.py: forward, d lhs
+and d rhs on the four MoE expert shapes with empty groups and ragged tails, every row-kernel variant, one full
+bench shape compiled to three Mosaic GPU calls; docs/benchmarks.md section 14), where they are 15-80x
+`lax.ragged_dot` (section 14's table). Under a mesh that shards the experts, the Mosaic custom call is not
+partitioned by XLA (its operands are gathered): choose "xla" by name there.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ OP = Op(
         Implementation("pallas_mosaic", grouped_matmul_mosaic, GPU_PLATFORMS, interpret_platforms=("cpu",),
                        summary="Mosaic GPU wgmma kernels (Hopper), custom VJP", device_check=is_hopper),
     ),
-    auto_order=("xla", "reference"),
+    auto_order=("pallas_mosaic", "xla", "reference"),
 )
-GPU_FIRST = ("pallas_mosaic", "xla", "reference")  # the auto order once the GPU tests pass (module docstring)
+GPU_FIRST = OP.auto_order  # "pallas_mosaic" where supported (Hopper), else ragged_dot
 IMPLEMENTATIONS = OP.accepted
 
 
@@ -58,8 +59,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    implementation: str | None = AUTO) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for lhs [M, K] sorted by group, rhs [G, K, N], group_sizes [G] (int);
     rows past sum(group_sizes) are 0. "xla": lax.ragged_dot; "reference": masked dense; "pallas_mosaic": the
-    Mosaic GPU kernels (bf16/f16); "auto"/None: "xla" (see the module docstring; with `GPU_FIRST` as the auto
-    order: "pallas_mosaic" on Hopper for bf16/f16, else "xla")."""
+    Mosaic GPU kernels (bf16/f16); "auto"/None: "pallas_mosaic" on Hopper for bf16/f16, else "xla" (module
+    docstring)."""
     impl = OP.resolve(implementation)
     if OP.canonical(implementation) == AUTO and impl.name == "pallas_mosaic" and \
             jnp.dtype(lhs.dtype) not in _KERNEL_DTYPES:
