@@ -193,7 +193,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
              "recipe": os.path.relpath(mode_yaml(mode), REPO)}
     if profile_dir:
         extra.update(_profile(profile_dir, run, batches, run.model_config.num_layers))
-    execution = config.execution
+    execution = run.execution  # as run: `remat: auto` resolved (policy, remat_layers, hence the layer loop)
     return {
         "step_times_s": times,
         "losses": losses,
@@ -205,7 +205,8 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
         "trainable_params": int(sum(x.size for x in jax.tree.leaves(run.lora))),
         "device_name": str(device.device_kind),
         "versions": {"jax": jax.__version__, "jaxft": getattr(jaxft, "__version__", "dev")},
-        "settings": {"mode": mode, "recipe": extra["recipe"], "remat": run.execution.remat,
+        "settings": {"mode": mode, "recipe": extra["recipe"], "remat": execution.remat,
+                     "remat_layers": execution.remat_layers,
                      "remat_estimates": run.remat_estimates,
                      "attention": execution.attention_implementation, "layers": execution.resolved_layer_loop,
                      "ce_chunk_size": execution.ce_chunk_size, "dtype": dtype, "lora_dtype": "float32",

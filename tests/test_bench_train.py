@@ -416,6 +416,16 @@ def test_jaxft_session_matches_a_fresh_run_and_reports_its_memory(tiny_model_dir
             analysis["temp_size_in_bytes"] + analysis["output_size_in_bytes"] - analysis["alias_size_in_bytes"]
 
 
+def test_jaxft_row_reports_the_settings_it_ran_with_after_remat_auto(tiny_model_dir):
+    import bench_jaxft_worker
+
+    # remat auto resolves on CPU to "none" (the tiny model fits), and "none" unrolls the layers: the row must say
+    # so, not the unresolved config's "scan" (the Gemma auto_40gb row of 3fa6ed3 said "scan" for an unrolled run).
+    raw = bench_jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 2, mode="auto")
+    settings = raw["settings"]
+    assert (settings["remat"], settings["remat_layers"], settings["layers"]) == ("none", None, "unroll"), settings
+
+
 def test_jax_task_peak_uses_the_allocator_only_when_the_steps_raised_it():
     from bench_jaxft_worker import _task_peak
 

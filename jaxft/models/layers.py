@@ -76,6 +76,31 @@ class QuantizedExpertWeight(QuantizedWeight):
     `QuantizedWeight`, so whatever skips those (optimisers, gradients, exporters of `Param`s) skips it too."""
 
 
+def init_4bit_buffers(module: nnx.Module, lead: tuple[int, ...], out_features: int, in_features: int, *,
+                      blocksize: int, double_quant: bool, nested_blocksize: int, arrays: dict | None,
+                      var_type: type, what: str) -> None:
+    """Sets `module`'s 4-bit variables, each a `var_type` with the leading axes `lead`, one bitsandbytes record
+    of an [out, in] matrix per leading index: packed [ceil(out*in/2)] uint8, absmax [blocks] (float32, or uint8
+    codes with double quantisation, then nested_absmax [ceil(blocks/nested_blocksize)] float32 and offset []
+    float32; both None without). Zeros, or `arrays` checked against those shapes (`what` names the matrix in the
+    error)."""
+    n = out_features * in_features
+    blocks = -(-n // blocksize)
+    shapes = dict(packed=((*lead, -(-n // 2)), jnp.uint8),
+                  absmax=((*lead, blocks), jnp.uint8 if double_quant else jnp.float32))
+    if double_quant:
+        shapes.update(nested_absmax=((*lead, -(-blocks // nested_blocksize)), jnp.float32),
+                      offset=(lead, jnp.float32))
+    for name, (shape, dtype) in shapes.items():
+        value = jnp.zeros(shape, dtype) if arrays is None else arrays[name]
+        if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+            raise ValueError(f"{type(module).__name__}.{name}: got {value.dtype} {tuple(value.shape)}, expected "
+                             f"{jnp.dtype(dtype)} {tuple(shape)} for {what} in blocks of {blocksize}")
+        setattr(module, name, var_type(value))
+    if not double_quant:
+        module.nested_absmax = module.offset = None
+
+
 class Quant4bit(nnx.Module):
     """A stack of frozen [out, in] weights in bitsandbytes' 4-bit format (`jaxft.quant.blockwise`), per layer:
 
@@ -88,24 +113,12 @@ class Quant4bit(nnx.Module):
                  blocksize: int = 64, double_quant: bool = True, nested_blocksize: int = 256,
                  source_dtype: str = "bfloat16", arrays: dict | None = None):
         # `arrays` ({packed, absmax[, nested_absmax, offset]}) fills the variables instead of zeros.
-        n = out_features * in_features
-        blocks = -(-n // blocksize)
         self.out_features, self.in_features = out_features, in_features
         self.quant_type, self.blocksize, self.nested_blocksize = quant_type, blocksize, nested_blocksize
         self.source_dtype = source_dtype
-        shapes = dict(packed=((*stack, -(-n // 2)), jnp.uint8),
-                      absmax=((*stack, blocks), jnp.uint8 if double_quant else jnp.float32))
-        if double_quant:
-            shapes.update(nested_absmax=((*stack, -(-blocks // nested_blocksize)), jnp.float32),
-                          offset=(stack, jnp.float32))
-        for name, (shape, dtype) in shapes.items():
-            value = jnp.zeros(shape, dtype) if arrays is None else arrays[name]
-            if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-                raise ValueError(f"Quant4bit.{name}: got {value.dtype} {tuple(value.shape)}, expected {jnp.dtype(dtype)} "
-                                 f"{tuple(shape)} for a [{out_features}, {in_features}] weight in blocks of {blocksize}")
-            setattr(self, name, QuantizedWeight(value))
-        if not double_quant:
-            self.nested_absmax = self.offset = None
+        init_4bit_buffers(self, stack, out_features, in_features, blocksize=blocksize, double_quant=double_quant,
+                          nested_blocksize=nested_blocksize, arrays=arrays, var_type=QuantizedWeight,
+                          what=f"a [{out_features}, {in_features}] weight")
 
     @property
     def double_quant(self) -> bool:

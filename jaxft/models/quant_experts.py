@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxft.models.layers import ExpertParam, QuantizedExpertWeight
+from jaxft.models.layers import ExpertParam, QuantizedExpertWeight, init_4bit_buffers
 from jaxft.quant.blockwise import dequantize_absmax
 from kernels_pallas import nf4_matmul as nf4_ops
 from kernels_pallas.grouped_matmul import grouped_matmul
@@ -38,26 +38,13 @@ class Quant4bitExperts(nnx.Module):
                  source_dtype: str = "bfloat16", arrays: dict | None = None):
         # `arrays` ({packed, absmax[, nested_absmax, offset]}, `jaxft.quant.quantize_4bit_batch` per layer,
         # stacked) fills the variables instead of zeros.
-        n = out_features * in_features
-        blocks = -(-n // blocksize)
         self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
         self.quant_type, self.blocksize, self.nested_blocksize = quant_type, blocksize, nested_blocksize
         self.source_dtype = source_dtype
-        lead = (*stack, num_experts)
-        shapes = dict(packed=((*lead, -(-n // 2)), jnp.uint8),
-                      absmax=((*lead, blocks), jnp.uint8 if double_quant else jnp.float32))
-        if double_quant:
-            shapes.update(nested_absmax=((*lead, -(-blocks // nested_blocksize)), jnp.float32),
-                          offset=(lead, jnp.float32))
-        for name, (shape, dtype) in shapes.items():
-            value = jnp.zeros(shape, dtype) if arrays is None else arrays[name]
-            if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-                raise ValueError(f"Quant4bitExperts.{name}: got {value.dtype} {tuple(value.shape)}, expected "
-                                 f"{jnp.dtype(dtype)} {tuple(shape)} for {num_experts} experts [{out_features}, "
-                                 f"{in_features}] in blocks of {blocksize}")
-            setattr(self, name, QuantizedExpertWeight(value))
-        if not double_quant:
-            self.nested_absmax = self.offset = None
+        init_4bit_buffers(self, (*stack, num_experts), out_features, in_features, blocksize=blocksize,
+                          double_quant=double_quant, nested_blocksize=nested_blocksize, arrays=arrays,
+                          var_type=QuantizedExpertWeight,
+                          what=f"{num_experts} experts [{out_features}, {in_features}]")
 
     @property
     def double_quant(self) -> bool:
