@@ -16,11 +16,13 @@ Dispatch here has neither a host sync nor a loop over experts, and every shape i
     y  = zeros[N, H].at[token].add(ys)               (the weighted scatter back; duplicates are summed)
 `gmm` is `kernels_pallas.grouped_matmul`, every call of a layer (experts, expert LoRA, 4-bit experts) with the
 implementation the step's `ExecutionConfig.grouped_matmul_implementation` names: the decoder puts it in the
-sparse layers' context and the block receives it per call (`branch(..., gmm_implementation=)`); the module stores
-no choice (the model holds parameters and math, the execution config how). The router is a plain parameter, not a `Linear`: LoRA never
-targets it (neither does PEFT: transformers' router is not an nn.Linear); the experts are [E, in, out]
-stacks, also not `Linear`s: `ExpertParam`s, or with `load_in_4bit` `jaxft.models.quant_experts.Quant4bitExperts`
-(the grouped matmul on weights dequantised inside the layer, `expert_matmul`).
+sparse layers' context and the block receives it per call (`branch(..., gmm_implementation=)`); the module
+stores no choice (the model holds parameters and math, the execution config how).
+
+The router is a plain parameter, not a `Linear`: LoRA never targets it (neither does PEFT: transformers' router
+is not an nn.Linear); the experts are [E, in, out] stacks, also not `Linear`s: `ExpertParam`s, or with
+`load_in_4bit` `jaxft.models.quant_experts.Quant4bitExperts` (the grouped matmul on weights dequantised inside
+the layer, `expert_matmul`).
 
 Expert LoRA (`ExpertLora`, PEFT's `target_parameters` on the fused `experts.gate_up_proj` / `down_proj`):
 per expert e a rank-r update of W_e, applied without forming any per-expert delta weight:
@@ -95,8 +97,8 @@ def combine(ys: jax.Array, weights: jax.Array, order: jax.Array, token: jax.Arra
 class ExpertLora(nnx.Module):
     """LoRA on a stack of expert weights [L, E, in, out]: A [L, E, in, r_max], B [L, E, r_max, out] (fp32),
     per-layer scale [L] (0 where the layer is not targeted) and rank [L] (columns/rows past it are zero, as
-    for `jaxft.models.layers.Linear`). Called on one layer's slice: `delta(xs, sizes)` = gmm(gmm(xs, A), s B), both
-grouped matmuls by `gmm_implementation`."""
+    for `jaxft.models.layers.Linear`). Called on one layer's slice: `delta(xs, sizes)` = gmm(gmm(xs, A), s B),
+    both grouped matmuls by `gmm_implementation`."""
 
     def __init__(self, a: jax.Array, b: jax.Array, scale: jax.Array, rank: jax.Array):
         self.lora_a = LoraParam(a)
