@@ -6,6 +6,12 @@ The model holds parameters and math; everything that changes speed or memory but
 - `attention_implementation`: which attention kernel runs (see `kernels_pallas.attention`): "auto" picks per
   batch on the device (cuDNN for single-document rows, the Pallas flash kernel for packed rows, the XLA
   reference on CPU), or one of "reference" ("xla" is its older spelling), "pallas", "cudnn".
+- `grouped_matmul_implementation`: which grouped matmul the MoE layers run (`kernels_pallas.grouped_matmul`):
+  every grouped matmul of a step (expert projections, expert LoRA products, the 4-bit experts' dequantise-then-gmm
+  forward and backward) takes it. "auto" runs the Mosaic GPU kernels on Hopper for bf16/f16 and `lax.ragged_dot`
+  elsewhere; "xla" (ragged_dot), "reference" (masked dense) or "pallas_mosaic" (the Mosaic kernels; in Mosaic
+  GPU's interpreter off the GPU) by name. Under a mesh that shards the experts XLA cannot partition the Mosaic
+  custom call: choose "xla" there; also the A/B switch of the MoE benchmarks.
 - `remat`: what the backward pass keeps, offloads to pinned host memory or recomputes (`jaxft.remat`: "none",
   "full", "dots", "offload", "offload+attn", "offload_stream", "offload_all", "save=..;offload=..", "auto"); a mapping
   {save: [...], offload: [...]} is accepted and stored as its canonical string. `host_memory_gb` bounds what
@@ -40,6 +46,7 @@ import jax
 
 from jaxft import remat as remat_policies
 from jaxft.config import ConfigError
+from kernels_pallas.grouped_matmul import IMPLEMENTATIONS as GROUPED_MATMUL_IMPLEMENTATIONS
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "cudnn")
 REMAT_POLICIES = remat_policies.FIXED  # plus selective 'save=..;offload=..' strings
@@ -74,9 +81,11 @@ class ExecutionConfig:
     ce_implementation: str = "xla"
     compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     offload_transfer: str = "auto"
+    grouped_matmul_implementation: str = "auto"
 
     def __post_init__(self):
         _choice("attention_implementation", self.attention_implementation, ATTENTION_IMPLEMENTATIONS)
+        _choice("grouped_matmul_implementation", self.grouped_matmul_implementation, GROUPED_MATMUL_IMPLEMENTATIONS)
         try:
             object.__setattr__(self, "remat", remat_policies.canonical(self.remat))
         except remat_policies.RematError as e:
@@ -158,4 +167,5 @@ class ExecutionConfig:
     def __hash__(self) -> int:
         return hash((self.attention_implementation, self.remat, self.remat_layers, self.layer_loop,
                      self.ce_chunk_size, self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb, self.ce_implementation,
-                     tuple(sorted(self.compiler_options.items())), self.offload_transfer))
+                     tuple(sorted(self.compiler_options.items())), self.offload_transfer,
+                     self.grouped_matmul_implementation))

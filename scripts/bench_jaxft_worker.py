@@ -22,6 +22,11 @@ it is this task's training peak, exactly (peak_memory_source "allocator"); other
 task (or the load) set it, and the task reports the static estimate bytes_in_use_before +
 temp + output - alias of the compiled step ("static_estimate").
 
+Mixture-of-experts shapes record the grouped matmul of their experts in the row's settings: ``grouped_matmul`` is
+the implementation that ran (kernels_pallas.grouped_matmul.implementation_for: "auto" resolved for the step's dtype
+on this device), ``grouped_matmul_setting`` the recipe's ``grouped_matmul_implementation`` (JAXFT_BENCH_GMM=xla
+runs the ragged_dot side of an A/B).
+
 Profiling (optional): JAXFT_PROFILE_DIR=DIR profiles 3 extra steps of the workloads named in
 JAXFT_PROFILE_WORKLOADS (default 8b_4096) in the modes named in JAXFT_PROFILE_MODES (default fast) and
 dumps the optimized step HLO, so trace events map to jaxft's named scopes; the result's extra.profile
@@ -104,13 +109,15 @@ def _mode(task: Task) -> str:
 
 def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str):
     """The TrainConfig of `examples/bench/<mode>.yaml` for this workload's model, batch and length (plus
-    JAXFT_BENCH_REMAT / _ATTENTION / _LAYERS overrides for ablations): what `jaxft-train` would run."""
+    JAXFT_BENCH_REMAT / _ATTENTION / _LAYERS / _GMM overrides for ablations; _GMM: the MoE grouped matmul, e.g.
+    xla for the ragged_dot side of an A/B): what `jaxft-train` would run."""
     from jaxft.train import load_config
 
     overrides = [f"model_name_or_path={model_dir}", f"dataset={os.path.join(REPO, 'examples/data/train.jsonl')}",
                  f"max_seq_length={workload.seq_len}", f"per_device_train_batch_size={workload.batch}",
                  f"bf16={'true' if dtype == 'bfloat16' else 'false'}"] + lora_overrides(workload)
-    for env, key in (("REMAT", "remat"), ("ATTENTION", "attention_implementation"), ("LAYERS", "layer_loop")):
+    for env, key in (("REMAT", "remat"), ("ATTENTION", "attention_implementation"), ("LAYERS", "layer_loop"),
+                     ("GMM", "grouped_matmul_implementation")):
         if os.environ.get(f"JAXFT_BENCH_{env}"):
             overrides.append(f"{key}={os.environ[f'JAXFT_BENCH_{env}']}")
     # attention "auto" is the reference off the GPU (kernels_pallas.attention.config.choose_implementation)
@@ -210,9 +217,22 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
                      "remat_estimates": run.remat_estimates,
                      "attention": execution.attention_implementation, "layers": execution.resolved_layer_loop,
                      "ce_chunk_size": execution.ce_chunk_size, "dtype": dtype, "lora_dtype": "float32",
-                     "compute": dtype},
+                     "compute": dtype, **grouped_matmul_settings(workload, execution, dtype)},
         "extra": extra,
     }
+
+
+def grouped_matmul_settings(workload: Workload, execution, dtype: str) -> dict[str, Any]:
+    """A MoE shape's grouped matmul: the setting (`grouped_matmul_implementation`) and the implementation that
+    ran for the step's dtype on this device ("auto" resolved: pallas_mosaic on Hopper in bf16, else xla); {} for
+    a dense shape (no grouped matmul)."""
+    from bench.workloads import moe_layout
+    from kernels_pallas.grouped_matmul import implementation_for
+
+    if moe_layout(workload.shape) is None:
+        return {}
+    setting = execution.grouped_matmul_implementation
+    return {"grouped_matmul_setting": setting, "grouped_matmul": implementation_for(setting, dtype)}
 
 
 def _task_peak(before: dict[str, int], after: dict[str, int],

@@ -856,8 +856,29 @@ def test_qlora_mode_trains_the_moe_shape_with_4bit_experts(tmp_path):
     assert config.model.quant is not None and config.lora.target_parameters
     raw = bench_jaxft_worker.run_jaxft(w, model_dir, 2, mode="qlora")
     assert len(raw["losses"]) == 2 and all(np.isfinite(raw["losses"]))
+    # The row says which grouped matmul ran: the recipe's "auto" is ragged_dot off the GPU.
+    assert (raw["settings"]["grouped_matmul_setting"], raw["settings"]["grouped_matmul"]) == ("auto", "xla")
     moe = moe_layout(w.shape)
     experts = sum(moe.sparse) * moe.num_experts * 3 * w.shape.get("hidden_size") * moe.width
     mem = raw["extra"]["memory_bytes"]
     assert mem["frozen_4bit_weights"] >= experts // 2
     assert mem["frozen_weights"] < 4 * experts  # all frozen weights < the experts alone in float32
+
+
+def test_moe_rows_record_the_grouped_matmul_and_jaxft_bench_gmm_chooses_it(tmp_path, monkeypatch):
+    """JAXFT_BENCH_GMM sets the recipe's grouped_matmul_implementation (the A/B switch); a MoE row's settings name
+    the implementation that ran, a dense row's none."""
+    import bench_jaxft_worker
+    from bench.models import save_random_model
+
+    w = get_workload("tiny_qwen3_moe")
+    model_dir = str(tmp_path / "m")
+    save_random_model(w.shape, model_dir, "cpu")
+    monkeypatch.setenv("JAXFT_BENCH_GMM", "reference")
+    execution = bench_jaxft_worker.mode_config("fast", model_dir, w, "float32").execution
+    assert execution.grouped_matmul_implementation == "reference"
+    assert bench_jaxft_worker.grouped_matmul_settings(w, execution, "bfloat16") == {
+        "grouped_matmul_setting": "reference", "grouped_matmul": "reference"}
+    auto = execution.replace(grouped_matmul_implementation="auto")
+    assert bench_jaxft_worker.grouped_matmul_settings(w, auto, "float32")["grouped_matmul"] == "xla"  # CPU
+    assert bench_jaxft_worker.grouped_matmul_settings(get_workload("tiny_llama"), auto, "float32") == {}

@@ -159,8 +159,10 @@ class Decoder(nnx.Module):
 
         def group_ctx(group):
             cos, sin = ctx["rope"][group.rope]
+            # Sparse layers also get the grouped matmul of their experts (every gmm of the layer, LoRA included).
+            sparse = dict(extra, grouped_matmul_implementation=execution.grouped_matmul_implementation)
             return dict(cos=cos, sin=sin, attend=self._attend_fn(ctx, group.window),
-                        mlp_chunk_size=execution.mlp_chunk_size, **(extra if group.mlp in SPARSE_MLPS else {}))
+                        mlp_chunk_size=execution.mlp_chunk_size, **(sparse if group.mlp in SPARSE_MLPS else {}))
 
         policy = execution.layer_policy(cfg, x.shape[0], x.shape[1], x.dtype.itemsize)
         out = run_groups(self.layer_stacks(), x, layer_groups(cfg), group_ctx, dropout_rng=dropout_rng,

@@ -17,7 +17,9 @@ gate/up interleaved), so the bridge maps them without a transform and PEFT's `ta
 `experts.gate_up_proj` adds to the fused output column for column (no permutation anywhere).
 
 Gradients are plain autodiff: the clamps pass the gradient where the input is inside the limits (as torch's
-clamp) and zero outside; the grouped matmuls differentiate as ragged dots (`kernels_pallas.grouped_matmul`).
+clamp) and zero outside; the grouped matmuls differentiate by their implementation's rules
+(`kernels_pallas.grouped_matmul`: ragged dots for "xla", the Mosaic kernels' custom VJP), chosen per step by
+`ExecutionConfig.grouped_matmul_implementation` (`jaxft.models.moe`).
 The two expert weights are `ExpertParam`s, 4-bit `Quant4bitExperts` with `load_in_4bit` (biases stay in the
 model dtype), both through `jaxft.models.quant_experts.expert_matmul`.
 """
@@ -80,8 +82,9 @@ class GptOssMoeMLP(nnx.Module):
         kernel = getattr(self, self.LORA_KERNELS[slot][0])
         return kernel.shape[-2], kernel.shape[-1]
 
-    def __call__(self, x: jax.Array, token_weights: jax.Array | None = None):
-        """The block's output; with `token_weights` ([B, T] fp32, 0 on padding) also its `router_stats`."""
+    def __call__(self, x: jax.Array, token_weights: jax.Array | None = None, *, gmm_implementation: str = "auto"):
+        """The block's output; with `token_weights` ([B, T] fp32, 0 on padding) also its `router_stats`. Every
+        grouped matmul runs by `gmm_implementation` (`ExecutionConfig.grouped_matmul_implementation`)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         with jax.named_scope("moe_router"):
@@ -91,20 +94,22 @@ class GptOssMoeMLP(nnx.Module):
             stats = None if token_weights is None else router_stats(logits, experts, token_weights.reshape(-1))
         with jax.named_scope("moe_experts"):
             xs = xf[token]
-            gate_up = expert_matmul(xs, self.gate_up_proj, sizes)
+            gmm = gmm_implementation
+            gate_up = expert_matmul(xs, self.gate_up_proj, sizes, gmm)
             gate_up = gate_up + self.gate_up_bias[...].astype(x.dtype)[expert_of_row]
             if self.gate_up_lora is not None:
-                gate_up = gate_up + self.gate_up_lora.delta(xs, sizes)
+                gate_up = gate_up + self.gate_up_lora.delta(xs, sizes, gmm)
             h = clamped_swiglu(gate_up, self.limit, self.alpha)
-            ys = expert_matmul(h, self.down_proj, sizes)
+            ys = expert_matmul(h, self.down_proj, sizes, gmm)
             ys = ys + self.down_bias[...].astype(x.dtype)[expert_of_row]
             if self.down_lora is not None:
-                ys = ys + self.down_lora.delta(h, sizes)
+                ys = ys + self.down_lora.delta(h, sizes, gmm)
             out = combine(ys, weights, order, token, xf).reshape(shape)
         return out if stats is None else (out, stats)
 
-    def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None):
-        return self(norm(h), token_weights)
+    def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None, *,
+               gmm_implementation: str = "auto"):
+        return self(norm(h), token_weights, gmm_implementation=gmm_implementation)
 
     def infer(self, x) -> jax.Array:
         return self(x)

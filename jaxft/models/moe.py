@@ -14,10 +14,15 @@ Dispatch here has neither a host sync nor a loop over experts, and every shape i
     xs = x[token]                                    [N*k, H], rows grouped by expert
     h  = act(gmm(xs, Wg)) * gmm(xs, Wu); ys = gmm(h, Wd) * w[order]  (one grouped matmul per projection)
     y  = zeros[N, H].at[token].add(ys)               (the weighted scatter back; duplicates are summed)
-`gmm` is `kernels_pallas.grouped_matmul`. The router is a plain parameter, not a `Linear`: LoRA never
-targets it (neither does PEFT: transformers' router is not an nn.Linear); the experts are [E, in, out]
-stacks, also not `Linear`s: `ExpertParam`s, or with `load_in_4bit` `jaxft.models.quant_experts.Quant4bitExperts`
-(the grouped matmul on weights dequantised inside the layer, `expert_matmul`).
+`gmm` is `kernels_pallas.grouped_matmul`, every call of a layer (experts, expert LoRA, 4-bit experts) with the
+implementation the step's `ExecutionConfig.grouped_matmul_implementation` names: the decoder puts it in the
+sparse layers' context and the block receives it per call (`branch(..., gmm_implementation=)`); the module
+stores no choice (the model holds parameters and math, the execution config how).
+
+The router is a plain parameter, not a `Linear`: LoRA never targets it (neither does PEFT: transformers' router
+is not an nn.Linear); the experts are [E, in, out] stacks, also not `Linear`s: `ExpertParam`s, or with
+`load_in_4bit` `jaxft.models.quant_experts.Quant4bitExperts` (the grouped matmul on weights dequantised inside
+the layer, `expert_matmul`).
 
 Expert LoRA (`ExpertLora`, PEFT's `target_parameters` on the fused `experts.gate_up_proj` / `down_proj`):
 per expert e a rank-r update of W_e, applied without forming any per-expert delta weight:
@@ -92,7 +97,8 @@ def combine(ys: jax.Array, weights: jax.Array, order: jax.Array, token: jax.Arra
 class ExpertLora(nnx.Module):
     """LoRA on a stack of expert weights [L, E, in, out]: A [L, E, in, r_max], B [L, E, r_max, out] (fp32),
     per-layer scale [L] (0 where the layer is not targeted) and rank [L] (columns/rows past it are zero, as
-    for `jaxft.models.layers.Linear`). Called on one layer's slice: `delta(xs, sizes)` = gmm(gmm(xs, A), s B)."""
+    for `jaxft.models.layers.Linear`). Called on one layer's slice: `delta(xs, sizes)` = gmm(gmm(xs, A), s B),
+    both grouped matmuls by `gmm_implementation`."""
 
     def __init__(self, a: jax.Array, b: jax.Array, scale: jax.Array, rank: jax.Array):
         self.lora_a = LoraParam(a)
@@ -100,12 +106,12 @@ class ExpertLora(nnx.Module):
         self.lora_scale = LoraScale(scale)
         self.lora_rank = LoraRank(rank)
 
-    def delta(self, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def delta(self, xs: jax.Array, group_sizes: jax.Array, gmm_implementation: str = "auto") -> jax.Array:
         with jax.named_scope("expert_lora"):
-            xa = grouped_matmul(xs, self.lora_a[...].astype(xs.dtype), group_sizes)
+            xa = grouped_matmul(xs, self.lora_a[...].astype(xs.dtype), group_sizes, implementation=gmm_implementation)
             # The scale is folded into the small [E, r, out] factor, never multiplied into a [tokens, out] tensor.
             sb = (self.lora_b[...] * self.lora_scale[...]).astype(xs.dtype)
-            return grouped_matmul(xa, sb, group_sizes)
+            return grouped_matmul(xa, sb, group_sizes, implementation=gmm_implementation)
 
 
 def expert_adapters(module: nnx.Module):
@@ -143,8 +149,9 @@ class MoeMLP(nnx.Module):
         kernels = [getattr(self, k) for k in self.LORA_KERNELS[slot]]
         return kernels[0].shape[-2], sum(k.shape[-1] for k in kernels)
 
-    def __call__(self, x: jax.Array, token_weights: jax.Array | None = None):
-        """The block's output; with `token_weights` ([B, T] fp32, 0 on padding) also its `router_stats`."""
+    def __call__(self, x: jax.Array, token_weights: jax.Array | None = None, *, gmm_implementation: str = "auto"):
+        """The block's output; with `token_weights` ([B, T] fp32, 0 on padding) also its `router_stats`. Every
+        grouped matmul runs by `gmm_implementation` (`kernels_pallas.grouped_matmul`)."""
         from jaxft.models.parts import ACTIVATIONS  # parts registers this class in its MLP slot
 
         shape = x.shape
@@ -155,21 +162,23 @@ class MoeMLP(nnx.Module):
             stats = None if token_weights is None else router_stats(logits, experts, token_weights.reshape(-1))
         with jax.named_scope("moe_experts"):
             xs = xf[token]
-            gate = expert_matmul(xs, self.gate_proj, sizes)
-            up = expert_matmul(xs, self.up_proj, sizes)
+            gmm = gmm_implementation
+            gate = expert_matmul(xs, self.gate_proj, sizes, gmm)
+            up = expert_matmul(xs, self.up_proj, sizes, gmm)
             if self.gate_up_lora is not None:
-                d = self.gate_up_lora.delta(xs, sizes)
+                d = self.gate_up_lora.delta(xs, sizes, gmm)
                 gate, up = gate + d[:, :gate.shape[-1]], up + d[:, gate.shape[-1]:]
             h = ACTIVATIONS[self.hidden_act](gate, up)
-            ys = expert_matmul(h, self.down_proj, sizes)
+            ys = expert_matmul(h, self.down_proj, sizes, gmm)
             if self.down_lora is not None:
-                ys = ys + self.down_lora.delta(h, sizes)
+                ys = ys + self.down_lora.delta(h, sizes, gmm)
             out = combine(ys, weights, order, token, xf).reshape(shape)
         return out if stats is None else (out, stats)
 
-    def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None):
+    def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None, *,
+               gmm_implementation: str = "auto"):
         # Nothing LoRA'd inside: autodiff keeps what the grouped matmuls' backward needs.
-        return self(norm(h), token_weights)
+        return self(norm(h), token_weights, gmm_implementation=gmm_implementation)
 
     def infer(self, x) -> jax.Array:
         return self(x)

@@ -241,15 +241,18 @@ class DecoderLayer(nnx.Module):
         attn = checkpoint_name(attn, ATTN_PROJ)  # kept only where an output norm's backward reads it
         h = checkpoint_name(x + self._out(self.attn_out_norm, attn), MLP_INPUT)
         token_weights = ctx.get("router_token_weights")
+        # A sparse layer's context names the grouped-matmul implementation of its experts (the decoder's group_ctx).
+        gmm = ({} if "grouped_matmul_implementation" not in ctx
+               else {"gmm_implementation": ctx["grouped_matmul_implementation"]})
         if token_weights is None:
-            mlp = tiled_mlp(lambda h, r: self.mlp.branch(self.post_attn_norm, h, r, pc), h, rm,
+            mlp = tiled_mlp(lambda h, r: self.mlp.branch(self.post_attn_norm, h, r, pc, **gmm), h, rm,
                             ctx.get("mlp_chunk_size"), pc)
             return h + self._out(self.mlp_out_norm, checkpoint_name(mlp, MLP_OUT))
         # Router statistics requested (the load-balancing loss): (x, [2, E] stats of this layer's router).
         if ctx.get("mlp_chunk_size") is not None:
             raise ValueError("mlp_chunk_size with the router load-balancing loss (output_router_logits) is not "
                              "supported yet; set mlp_chunk_size to null")
-        y, stats = self.mlp.branch(self.post_attn_norm, h, rm, pc, token_weights)
+        y, stats = self.mlp.branch(self.post_attn_norm, h, rm, pc, token_weights, **gmm)
         return h + self._out(self.mlp_out_norm, checkpoint_name(y, MLP_OUT)), stats
 
     def cached(self, x, ctx: dict[str, Any], cache):

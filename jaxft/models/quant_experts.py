@@ -10,7 +10,9 @@ records per layer, each expert quantised as its own torch-layout [out, in] matri
 all `QuantizedExpertWeight`s. The MoE block calls `expert_matmul(xs, weight, sizes)` on one layer's slice: for
 a `Quant4bitExperts` that is `kernels_pallas.nf4_matmul.nf4_grouped_matmul` (the layer's experts dequantised to
 the compute dtype inside its custom VJP, forward and again in the backward; nothing dequantised is saved), for
-an `ExpertParam` the plain grouped matmul. `expert_weight` gives the dense stack (merged exports, LoRA merges).
+an `ExpertParam` the plain grouped matmul; either way the grouped matmul is the one `gmm_implementation` names
+(`ExecutionConfig.grouped_matmul_implementation`, handed down by the block). `expert_weight` gives the dense stack
+(merged exports, LoRA merges).
 """
 
 from __future__ import annotations
@@ -79,23 +81,23 @@ class Quant4bitExperts(nnx.Module):
                                       blocksize=self.blocksize, quant_type=self.quant_type, dtype=dtype)
         return jnp.swapaxes(w, -1, -2).reshape(*lead, self.in_features, self.out_features)
 
-    def matmul(self, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    def matmul(self, xs: jax.Array, group_sizes: jax.Array, gmm_implementation: str = "auto") -> jax.Array:
         """gmm(xs, W) on ONE layer's experts (the slice the layer loop passes), dequantised in xs's dtype inside
-        the op's custom VJP."""
+        the op's custom VJP; its grouped matmuls (forward and backward) are `gmm_implementation`'s."""
         if self.packed.ndim != 2:
             raise ValueError(f"Quant4bitExperts.matmul: called on a stack {self.packed.shape[:-1]}; the MoE block "
                              "runs on one layer's experts [E, ...] (inside the layer loop)")
         return nf4_ops.nf4_grouped_matmul(xs, self.packed[...], self.absmax_f32(), group_sizes,
                                           shape=self.record_shape, blocksize=self.blocksize,
-                                          quant_type=self.quant_type)
+                                          quant_type=self.quant_type, gmm_implementation=gmm_implementation)
 
 
-def expert_matmul(xs: jax.Array, weight, group_sizes: jax.Array) -> jax.Array:
+def expert_matmul(xs: jax.Array, weight, group_sizes: jax.Array, gmm_implementation: str = "auto") -> jax.Array:
     """out[m] = xs[m] @ W_g(m) for one layer's expert weight: an `ExpertParam` [E, in, out] (cast to xs's dtype)
-    or a `Quant4bitExperts`."""
+    or a `Quant4bitExperts`, by the grouped matmul `gmm_implementation` names (`kernels_pallas.grouped_matmul`)."""
     if isinstance(weight, Quant4bitExperts):
-        return weight.matmul(xs, group_sizes)
-    return grouped_matmul(xs, weight[...].astype(xs.dtype), group_sizes)
+        return weight.matmul(xs, group_sizes, gmm_implementation)
+    return grouped_matmul(xs, weight[...].astype(xs.dtype), group_sizes, implementation=gmm_implementation)
 
 
 def expert_weight(weight, dtype=None) -> jax.Array:

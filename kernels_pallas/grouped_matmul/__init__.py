@@ -1,9 +1,10 @@
 """Grouped matrix multiply: rows of ``lhs`` sorted by group, each group times its own ``rhs[g]`` (MoE experts).
 
-Public API: grouped_matmul(lhs, rhs, group_sizes, *, implementation="xla"), grouped_matmul_reference(...).
+Public API: grouped_matmul(lhs, rhs, group_sizes, *, implementation="auto"), grouped_matmul_reference(...),
+implementation_for(implementation, dtype) (the name that call runs), IMPLEMENTATIONS (every accepted name).
 """
 
-from .api import IMPLEMENTATIONS, OP, grouped_matmul
+from .api import IMPLEMENTATIONS, OP, grouped_matmul, implementation_for
 from .reference import grouped_matmul_reference
 
-__all__ = ["IMPLEMENTATIONS", "OP", "grouped_matmul", "grouped_matmul_reference"]
+__all__ = ["IMPLEMENTATIONS", "OP", "grouped_matmul", "grouped_matmul_reference", "implementation_for"]

@@ -12,7 +12,8 @@ The kernels passed their GPU tests on the H200 at ed4a32e (tests/test_grouped_ma
 and d rhs on the four MoE expert shapes with empty groups and ragged tails, every row-kernel variant, one full
 bench shape compiled to three Mosaic GPU calls; docs/benchmarks.md section 14), where they are 15-80x
 `lax.ragged_dot` (section 14's table). Under a mesh that shards the experts, the Mosaic custom call is not
-partitioned by XLA (its operands are gathered): choose "xla" by name there.
+partitioned by XLA (its operands are gathered): choose "xla" by name there (the MoE blocks take the name from
+``ExecutionConfig.grouped_matmul_implementation``, the ``jaxft-train`` key of the same name).
 """
 
 from __future__ import annotations
@@ -55,16 +56,24 @@ GPU_FIRST = OP.auto_order  # "pallas_mosaic" where supported (Hopper), else ragg
 IMPLEMENTATIONS = OP.accepted
 
 
+def implementation_for(implementation: str | None, dtype, device=None) -> str:
+    """The canonical name of what ``grouped_matmul(..., implementation=)`` runs for operands of ``dtype`` on
+    ``device`` (None: the default device): an explicit name as given (alias resolved), "auto"/None per the
+    module docstring. What the benchmarks record as the implementation that ran."""
+    impl = OP.resolve(implementation, device)
+    if OP.canonical(implementation) == AUTO and impl.name == "pallas_mosaic" and \
+            jnp.dtype(dtype) not in _KERNEL_DTYPES:
+        return "xla"  # the kernels are bf16/f16 only (wgmma); float32 keeps ragged_dot's numerics
+    return impl.name
+
+
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    implementation: str | None = AUTO) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for lhs [M, K] sorted by group, rhs [G, K, N], group_sizes [G] (int);
     rows past sum(group_sizes) are 0. "xla": lax.ragged_dot; "reference": masked dense; "pallas_mosaic": the
-    Mosaic GPU kernels (bf16/f16); "auto"/None: "pallas_mosaic" on Hopper for bf16/f16, else "xla" (module
-    docstring)."""
-    impl = OP.resolve(implementation)
-    if OP.canonical(implementation) == AUTO and impl.name == "pallas_mosaic" and \
-            jnp.dtype(lhs.dtype) not in _KERNEL_DTYPES:
-        impl = OP.get("xla")  # the kernels are bf16/f16 only (wgmma); float32 keeps ragged_dot's numerics
+    Mosaic GPU kernels (bf16/f16; Mosaic GPU's interpreter off the GPU); "auto"/None: "pallas_mosaic" on Hopper
+    for bf16/f16, else "xla" (module docstring, `implementation_for`)."""
+    impl = OP.get(implementation_for(implementation, lhs.dtype))
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"{_WHERE}: grouped_matmul needs lhs [M, K] and rhs [G, K, N], got lhs {lhs.shape} and "
                          f"rhs {rhs.shape}")

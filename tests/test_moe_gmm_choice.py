@@ -1,0 +1,161 @@
+"""`grouped_matmul_implementation` (ExecutionConfig field and flat `jaxft-train` key): validated once in one line,
+and it reaches every grouped matmul of a MoE training step (tiny Qwen3-MoE and GPT-OSS, CPU, fp32).
+
+Checks: a bad name is one line naming the key and the valid names (ExecutionConfig, and TrainConfig at its YAML
+line); the flat key, the command line and `to_dict` carry it into the execution config; a LoRA step (attention
+LoRA + expert LoRA through `target_parameters`, B perturbed) gives the same loss and LoRA gradients with
+"reference", "xla" and "pallas_mosaic" (Mosaic GPU's interpreter on CPU: 1 layer, few tokens); and the traced step
+has exactly the grouped matmuls asked for: no ragged dot under "reference", ragged dots only under "xla", the
+Mosaic kernels' wgmma under "pallas_mosaic" - so a call that ignored the setting (the forward, the expert LoRA
+products, the 4-bit experts' dequantise-then-gmm forward or its custom-VJP backward) would show as a ragged dot.
+"""
+
+from __future__ import annotations
+
+import collections
+import typing
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxft
+from jaxft import lora
+from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from kernels_pallas.grouped_matmul import OP
+from lora_helpers import jaxpr_eqns, perturb_lora_b, rel_err, tiny_qwen3_moe
+
+QWEN = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=1024, tie_word_embeddings=False, norm_topk_prob=True)
+LORA = dict(r=4, alpha=8, target_modules=["q_proj", "v_proj"],
+            target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+RAGGED, MOSAIC = "ragged_dot_general", "wgmma_ref"  # lax.ragged_dot; the Mosaic kernels' MMA (interpreted)
+MESSAGE = ("key 'grouped_matmul_implementation': value 'mosaic' is not one of 'reference', 'xla', 'pallas_mosaic', "
+           "'auto'")
+
+
+def _saved(family, path, layers):
+    if family == "qwen3_moe":
+        model = tiny_qwen3_moe({**QWEN, "num_hidden_layers": layers})
+    else:
+        from test_gpt_oss import gpt_oss_model
+
+        model = gpt_oss_model(seed=2, num_hidden_layers=layers)
+    model.save_pretrained(path)
+    return path
+
+
+def _batch(vocab, t, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (1, t + 1))
+    seg = np.repeat([1, 2], [t // 2, t - t // 2])[None].astype(np.int32)  # two documents: packed rows
+    return dict(input_ids=jnp.asarray(ids[:, :-1]), targets=jnp.asarray(ids[:, 1:]),
+                loss_mask=jnp.ones((1, t), jnp.float32), segment_ids=jnp.asarray(seg), positions=None)
+
+
+def _step(path, batch, implementation, *, run=True, **load):
+    """(loss, LoRA gradients, primitive counts of the traced step) of one value-and-grad with that grouped matmul
+    (loss and gradients None unless `run`)."""
+    from jaxft.train.step import token_loss_sum
+
+    model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32", verbose=False, **load),
+                            lora.LoraConfig(**LORA))
+    perturb_lora_b(model)
+    graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
+    execution = ExecutionConfig(attention_implementation="reference", grouped_matmul_implementation=implementation)
+
+    def loss_fn(p, b):
+        return token_loss_sum(nnx.merge(graphdef, p, rest), b, execution=execution) / b["loss_mask"].sum()
+
+    traced = jax.jit(jax.value_and_grad(loss_fn)).trace(params, batch)
+    counts = collections.Counter(e.primitive.name for e in jaxpr_eqns(traced.jaxpr.jaxpr))
+    if not run:
+        return None, None, counts
+    loss, grads = traced.lower().compile()(params, batch)
+    return float(loss), [np.asarray(g) for g in jax.tree.leaves(grads)], counts
+
+
+def _assert_same(got, want, tol):
+    loss, grads, _ = got
+    want_loss, want_grads, _ = want
+    assert loss == pytest.approx(want_loss, rel=tol)
+    assert len(grads) == len(want_grads) and all(rel_err(g, w) < tol for g, w in zip(grads, want_grads))
+
+
+# ------------------------------------------------------------------------------------------------ the setting
+def test_a_bad_name_is_one_line_naming_the_key_and_the_valid_names():
+    with pytest.raises(ExecutionConfigError) as info:
+        ExecutionConfig(grouped_matmul_implementation="mosaic")
+    assert str(info.value) == MESSAGE and info.value.field == "grouped_matmul_implementation"
+    assert ExecutionConfig().grouped_matmul_implementation == "auto"
+    for name in OP.accepted:  # every name the op accepts, and only those
+        assert ExecutionConfig(grouped_matmul_implementation=name).grouped_matmul_implementation == name
+    assert hash(ExecutionConfig(grouped_matmul_implementation="xla")) != hash(ExecutionConfig())
+
+
+def test_the_flat_key_reaches_the_execution_config(tmp_path):
+    from jaxft.train import TrainConfig, TrainConfigError, load_config
+    from test_train_fixtures import make_jsonl, make_tiny_model
+
+    hints = typing.get_type_hints(TrainConfig)["grouped_matmul_implementation"]
+    assert set(typing.get_args(hints)) == set(OP.accepted)  # the key's choices are the op's names
+    head = (f"model_name_or_path: {make_tiny_model(tmp_path / 'm', hidden=32, layers=1)}\n"
+            f"dataset: {make_jsonl(tmp_path / 'd.jsonl', 4)}\noutput_dir: {tmp_path / 'o'}\n")
+    path = tmp_path / "run.yaml"
+    path.write_text(head + "grouped_matmul_implementation: xla\n")
+    cfg = load_config(path)
+    assert cfg.execution.grouped_matmul_implementation == "xla"
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg  # what train_config.json holds
+    assert load_config(path, ["grouped_matmul_implementation=reference"]).execution.grouped_matmul_implementation \
+        == "reference"
+    path.write_text(head + "grouped_matmul_implementation: mosaic\n")
+    with pytest.raises(TrainConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (f"{path}:4: key 'grouped_matmul_implementation': value 'mosaic' is not one of 'auto', "
+                               "'reference', 'xla', 'pallas_mosaic'; did you mean 'pallas_mosaic'?")
+
+
+# ------------------------------------------------------------------------------------------------ the step
+# 1 layer and 32 tokens in two documents: what Mosaic GPU's interpreter compiles in tens of seconds (it compiles
+# every kernel call: 6-7 forward, twice as many backward); the reference and xla steps of the same config are
+# shared by the tests (module fixture).
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
+def steps(request, tmp_path_factory):
+    path = _saved(request.param, tmp_path_factory.mktemp(request.param), 1)
+    batch = _batch(128, 32)
+    return dict(family=request.param, path=path, batch=batch, reference=_step(path, batch, "reference"),
+                xla=_step(path, batch, "xla"))
+
+
+def test_reference_and_xla_steps_agree_and_run_what_they_name(steps):
+    ref, xla = steps["reference"], steps["xla"]
+    _assert_same(xla, ref, 1e-5)
+    assert ref[2][RAGGED] == 0 and ref[2][MOSAIC] == 0
+    # Every grouped matmul of the xla step is a ragged dot: forward and backward of the experts and expert LoRA.
+    gmms = 7 if steps["family"] == "qwen3_moe" else 6  # expert projections + 2 per expert adapter
+    assert xla[2][RAGGED] >= 2 * gmms and xla[2][MOSAIC] == 0
+    assert _step(steps["path"], steps["batch"], "auto", run=False)[2] == xla[2]  # off the GPU "auto" is ragged_dot
+
+
+@pytest.mark.slow  # ~25 s per family on 2 cores: the Mosaic kernels compiled in Mosaic GPU's interpreter
+def test_pallas_mosaic_step_in_the_interpreter_agrees_with_the_reference(steps):
+    mosaic = _step(steps["path"], steps["batch"], "pallas_mosaic")
+    _assert_same(mosaic, steps["reference"], 1e-5)
+    gmms = 7 if steps["family"] == "qwen3_moe" else 6
+    assert mosaic[2][RAGGED] == 0 and mosaic[2][MOSAIC] == 3 * gmms  # forward, d lhs and d rhs kernels of each
+
+
+def test_the_4bit_experts_forward_and_backward_take_the_setting(tmp_path):
+    """Qwen3-MoE with its experts in NF4: the dequantise-then-gmm custom VJP's forward and backward grouped matmuls
+    follow the setting (no ragged dot at all under "reference"), with equal losses and gradients."""
+    path = _saved("qwen3_moe", tmp_path / "q", 1)
+    batch = _batch(128, 32)
+    ref, xla = _step(path, batch, "reference", quantize="nf4"), _step(path, batch, "xla", quantize="nf4")
+    _assert_same(xla, ref, 1e-5)
+    assert ref[2][RAGGED] == 0
+    # 3 expert forwards + their 3 custom-VJP backwards (d lhs only: the 4-bit weight is frozen) + the adapters' 4
+    # forwards and their backwards.
+    assert xla[2][RAGGED] >= 3 + 3 + 4 * 2
