@@ -284,7 +284,7 @@ def test_explicit_offload_gives_the_gradients_of_no_remat(model_case, loop):
 
 
 def _host_barriers(jaxpr: str) -> int:
-    """Optimization barriers with a host-memory value among their results (the explicit transfer's backward)."""
+    """Optimization barriers with a host-memory value among their results (the explicit transfer's, one each way)."""
     return sum(1 for line in jaxpr.splitlines() if "optimization_barrier" in line and "<host>" in line)
 
 
