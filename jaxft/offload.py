@@ -17,6 +17,20 @@ copy back cannot be scheduled before the cotangent of this layer exists (so at m
 the device at a time, not all of them prefetched at once). The barrier also keeps XLA from merging the
 recompute with the forward on backends that lower no placement (the CPU: there both transfers are identities).
 
+Two more barriers decide what the device keeps (found in the step compiled for an H200 target on a CPU machine -
+the CUDA plugin's deviceless compile - with 4 layers of Llama-3.2-1B widths at 1 x 2048 and Pallas attention: the
+unrolled offload's temp was 562 MiB, about no remat's 615, vs 322 with full remat; 275 MiB with both barriers;
+tests/test_offload_order.py checks them on the jaxpr):
+- the forward holds the host copy together with the layer's output, so the copy completes before the next layer
+  starts and the device x dies there (else its completion is scheduled beside its only use, in the backward, and
+  every layer input stays on the device through the forward);
+- the backward holds this layer's weight cotangents together with its input cotangent, so the layer below cannot
+  start its backward before this layer's LoRA weight gradients exist. Without it XLA's scheduler put every
+  layer's weight-gradient matmuls at the end of the program, beside the stacked gradient they feed, and their
+  operands - each layer's recomputed activations - stayed live through the whole backward. Only the cotangents
+  the caller differentiates are in it (`symbolic_zeros`: the perturbed bits): a barrier keeps every operand alive,
+  so a frozen weight's cotangent in it would be computed instead of dropped as dead code.
+
 Math: for y = f(x, p), the backward returns vjp_f(x, p)(dy) evaluated at x itself (the host copy is a bitwise
 copy), i.e. exactly the gradients of f recomputed from its input - those of remat "full".
 """
@@ -28,6 +42,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 Space = jax.memory.Space  # Host: pinned host memory; Device: the accelerator's own (an attribute, not a module)
 
@@ -70,25 +85,69 @@ def _offloaded(fn, n_consts, x, *args):
 
 
 def _offloaded_fwd(fn, n_consts, x, *args):
-    return fn(x, *args), (jax.device_put(x, Space.Host), args)
+    """Primal output and residuals (x on the host, the arguments, which of them are differentiated). With
+    `symbolic_zeros` every leaf arrives as a `CustomVJPPrimal` (value, perturbed); the perturbed bits travel to the
+    backward as the structure of `flags` (an empty tuple for a perturbed leaf, None otherwise: no array), so the
+    backward differentiates only what the caller differentiates."""
+    x, x_perturbed = x.value, x.perturbed
+    flags = jax.tree.map(lambda p: () if p.perturbed else None, args)
+    args = jax.tree.map(lambda p: p.value, args)
+    y = fn(x, *args)
+    # The copy to the host completes before y leaves the layer: the next layer cannot start until it is done, so
+    # the device x dies here (without this the copy's completion is scheduled next to its only use, in the
+    # backward pass, and every layer input stays on the device through the forward).
+    x_host, y = jax.lax.optimization_barrier((jax.device_put(x, Space.Host), y))
+    return y, (x_host, args, (() if x_perturbed else None, flags))
 
 
 def _offloaded_bwd(fn, n_consts, res, dy):
-    """Cotangents for x and the explicit arguments; none for the hoisted constants (the layer's RoPE tables,
-    positions, masks, dropout key: nothing trainable reaches a layer other than through its arguments). Not
-    differentiating them matters: a constant can be an input of a custom VJP inside the layer (e.g. the NF4
-    code table of the 4-bit matmul), and JAX refuses to differentiate a custom VJP in what it closes over."""
-    x_host, args = res
+    """Cotangents for x and the differentiated explicit arguments; None for the rest and for the hoisted
+    constants (the layer's RoPE tables, positions, masks, dropout key: nothing trainable reaches a layer other
+    than through its arguments). Not differentiating them matters: a constant can be an input of a custom VJP
+    inside the layer (e.g. the NF4 code table of the 4-bit matmul), and JAX refuses to differentiate a custom VJP
+    in what it closes over; and the frozen weights' cotangents must not be computed (see the last barrier)."""
+    x_host, args, (x_flag, flags) = res
+    dy = jax.tree.map(_instantiate, dy, is_leaf=lambda t: isinstance(t, SymbolicZero))
     # The barrier orders the copy back after dy and hides the host copy from Copy(Copy) folding (docstring).
     x_host, dy = jax.lax.optimization_barrier((x_host, dy))
     x = jax.device_put(x_host, Space.Device)
     split = len(args) - n_consts
     explicit, consts = args[:split], args[split:]
-    _, vjp = jax.vjp(lambda x, *explicit: fn(x, *explicit, *consts), x, *explicit)
-    return (*vjp(dy), *([None] * n_consts))
+    leaves, tree = jax.tree.flatten(explicit)
+    marks = jax.tree.leaves(flags[:split], is_leaf=lambda f: f is None or f == ())
+    wanted = [i for i, mark in enumerate(marks) if mark == ()]
+
+    def layer(x, diff):
+        full = list(leaves)
+        for i, leaf in zip(wanted, diff):
+            full[i] = leaf
+        return fn(x, *jax.tree.unflatten(tree, full), *consts)
+
+    diff = [leaves[i] for i in wanted]
+    if x_flag == ():
+        _, vjp = jax.vjp(layer, x, diff)
+        dx, d_diff = vjp(dy)
+    else:  # the layer input is not differentiated (layer 0's: the frozen embedding's output)
+        _, vjp = jax.vjp(lambda diff: layer(x, diff), diff)
+        (d_diff,), dx = vjp(dy), None
+    # This layer's weight gradients are finished before its input cotangent leaves it. Without this barrier the
+    # scheduler may defer every layer's LoRA weight-gradient matmuls to the end of the unrolled program (they are
+    # only needed by the stacked gradient at the root), and their operands - this layer's recomputed activations -
+    # stay live through the backward of every layer below: the device temp of no remat at all (measured on the
+    # H200 compile). Only differentiated leaves are in it: a barrier keeps all its operands, so a frozen weight's
+    # cotangent in it would be computed (it is dead code otherwise).
+    dx, d_diff = jax.lax.optimization_barrier((dx, d_diff))
+    d_leaves: list = [None] * len(leaves)
+    for i, g in zip(wanted, d_diff):
+        d_leaves[i] = g
+    return (dx, *jax.tree.unflatten(tree, d_leaves), *([None] * n_consts))
 
 
-_offloaded.defvjp(_offloaded_fwd, _offloaded_bwd)
+def _instantiate(t):
+    return jnp.zeros(t.shape, t.dtype) if isinstance(t, SymbolicZero) else t
+
+
+_offloaded.defvjp(_offloaded_fwd, _offloaded_bwd, symbolic_zeros=True)
 
 
 def layer_index(index) -> jax.Array:

@@ -191,8 +191,9 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
             and remat_policies.parse(config.remat).offloads):
         logger.warning("layer_loop=unroll with an offloading remat policy: through jax.checkpoint's policy XLA "
                        "drops the unrolled program's host copies (measured on an H200, docs/benchmarks.md section "
-                       "10); remat offload there takes the explicit transfer (jaxft/offload.py), not yet measured "
-                       "on a GPU (tests/test_remat_gpu.py); layer_loop: scan is the measured choice")
+                       "10); remat offload there takes the explicit transfer (jaxft/offload.py), below full remat's "
+                       "temp in a compile for an H200 target but not yet re-measured on a GPU "
+                       "(tests/test_remat_gpu.py); layer_loop: scan is the measured choice")
     if config.lr_scheduler_type == "constant" and plan.warmup_steps:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)

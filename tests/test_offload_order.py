@@ -1,0 +1,82 @@
+"""The order the explicit host offload (jaxft.offload) imposes on an unrolled layer loop, read from the step's jaxpr:
+what keeps its device temp at or below full remat's on the GPU (the CPU lowers no placement and its scheduler
+shows neither effect, so its compiled memory cannot; tests/test_remat_gpu.py measures the GPU program).
+
+Measured on a compile for the H200 (4 layers of Llama-3.2-1B widths, 1 x 2048, Pallas attention, temp of the
+compiled step): no remat 615 MiB, full 322 MiB, explicit offload 562 MiB before, 275 MiB after. The two causes:
+- each layer's LoRA weight-gradient matmuls were scheduled at the end of the program, next to the stacked gradient
+  they feed, so every layer's recomputed activations (their operands) stayed live through the backward of all the
+  layers below: now a barrier holds the layer's weight cotangents with its input cotangent;
+- the copy of each layer input to the host completed next to its only use, in the backward, so the device copy
+  lived through the forward: now a barrier holds the host copy with the layer's output."""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+
+from jaxft.execution import ExecutionConfig
+from jaxft.train.step import loss_and_grad_sums, stack_micro_batches, unstack_layers
+from test_remat import llama, lora_split, packed_batch
+
+LAYERS = 3
+
+
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs in its equations' parameters (scan bodies, jit calls)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from _eqns(inner)
+
+
+def _barriers(transfer: str):
+    """[(output shapes, whether one output is in host memory)] of the optimization barriers of an unrolled step
+    under remat offload, plus the per-layer LoRA leaf shapes and the layer input's shape."""
+    cfg = llama(LAYERS)
+    graphdef, lora, frozen = lora_split(cfg)
+    batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
+    ex = ExecutionConfig(attention_implementation="reference", remat="offload", layer_loop="unroll",
+                         offload_transfer=transfer)
+    closed = jax.make_jaxpr(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])(
+        lora, unstack_layers(frozen), batch)
+    found = [([tuple(v.aval.shape) for v in eqn.outvars], any("<host>" in str(v.aval) for v in eqn.outvars))
+             for eqn in _eqns(closed.jaxpr) if eqn.primitive.name == "optimization_barrier"]
+    per_layer = sorted(tuple(leaf.shape[1:]) for leaf in jax.tree.leaves(lora))
+    b, t = batch["input_ids"].shape[1:]
+    return found, per_layer, (b, t, cfg.hidden_size)
+
+
+def _weight_gradient_barriers(found, per_layer, stream):
+    """The barriers whose results are exactly one layer's LoRA cotangents, with or without the layer input's."""
+    want = collections.Counter(per_layer)
+    return [shapes for shapes, host in found if not host
+            and collections.Counter(s for s in shapes if s != stream) == want]
+
+
+def test_each_layer_finishes_its_weight_gradients_before_its_input_cotangent_leaves():
+    found, per_layer, stream = _barriers("explicit")
+    held = _weight_gradient_barriers(found, per_layer, stream)
+    assert len(held) == LAYERS, (len(held), per_layer)
+    # The input cotangent rides along except for layer 0, whose input (the frozen embedding's output) is not
+    # differentiated; no frozen weight's cotangent is in any of them (a barrier would force computing it).
+    assert sorted(shapes.count(stream) for shapes in held) == [0] + [1] * (LAYERS - 1)
+
+
+def test_the_host_copy_of_a_layer_input_completes_before_the_layer_output_is_used():
+    found, _, stream = _barriers("explicit")
+    host = [shapes for shapes, on_host in found if on_host]
+    # Per layer: (host copy, layer output) in the forward and (host copy, output cotangent) in the backward.
+    assert len(host) == 2 * LAYERS and all(shapes == [stream, stream] for shapes in host)
+
+
+def test_the_policy_transfer_has_neither_barrier():
+    """The policy's offload (jax.checkpoint) is untouched: its barriers hold the checkpoint's inputs, no host copy
+    and no set of weight cotangents (so the two tests above see the explicit transfer's own barriers)."""
+    found, per_layer, stream = _barriers("policy")
+    assert not _weight_gradient_barriers(found, per_layer, stream)
+    assert not any(host for _, host in found)
