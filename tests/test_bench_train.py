@@ -22,7 +22,7 @@ if SCRIPTS not in sys.path:  # the bench package lives beside the scripts, not i
     sys.path.insert(0, SCRIPTS)
 
 from bench.report import markdown, summarise_run  # noqa: E402
-from bench.workloads import (LORA, SHAPES, WORKLOADS, get_workload, make_token_data,  # noqa: E402
+from bench.workloads import (LORA, SHAPES, get_workload, make_token_data,  # noqa: E402
                              param_counts, useful_flops)
 from bench.worker_common import Task, dump_session, validate_train_result, worker_main  # noqa: E402
 
