@@ -159,14 +159,18 @@ def dequantize_absmax(q: jax.Array, nested_absmax: jax.Array, offset, nested_blo
     return _dequantize_absmax(q, nested_absmax, jnp.asarray(offset, _F32), int(nested_blocksize))
 
 
-def quantize_4bit(w, *, quant_type: str = "nf4", blocksize: int = 64, double_quant: bool = True,
-                  nested_blocksize: int = 256, nested_rounding: str = "cuda") -> Quantized4bit:
-    """bitsandbytes' `quantize_4bit` of a weight in torch's [out, in] layout (any float dtype; see the module
-    docstring), computed where `w` lives (pass a device array to quantise on the accelerator)."""
+def _check_format(quant_type: str, blocksize: int) -> None:
     if quant_type not in ("nf4", "fp4"):
         raise ValueError(f"jaxft/quant/blockwise.py: quant_type={quant_type!r}; use 'nf4' or 'fp4'")
     if blocksize not in BLOCKSIZES:
         raise ValueError(f"jaxft/quant/blockwise.py: blocksize={blocksize!r}; use one of {BLOCKSIZES}")
+
+
+def quantize_4bit(w, *, quant_type: str = "nf4", blocksize: int = 64, double_quant: bool = True,
+                  nested_blocksize: int = 256, nested_rounding: str = "cuda") -> Quantized4bit:
+    """bitsandbytes' `quantize_4bit` of a weight in torch's [out, in] layout (any float dtype; see the module
+    docstring), computed where `w` lives (pass a device array to quantise on the accelerator)."""
+    _check_format(quant_type, blocksize)
     w = jnp.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"jaxft/quant/blockwise.py: quantize_4bit takes one [out, in] weight, got shape {w.shape}")
@@ -185,10 +189,7 @@ def quantize_4bit_batch(w, *, quant_type: str = "nf4", blocksize: int = 64, doub
     nested_absmax [G, nested blocks], offset [G]}, each row byte-identical to `quantize_4bit(w[g])` (the same
     jitted formulas; the offsets are each matrix's own `mean_f32`, so double quantisation is per matrix, as
     bitsandbytes quantises each expert's weight on its own)."""
-    if quant_type not in ("nf4", "fp4"):
-        raise ValueError(f"jaxft/quant/blockwise.py: quant_type={quant_type!r}; use 'nf4' or 'fp4'")
-    if blocksize not in BLOCKSIZES:
-        raise ValueError(f"jaxft/quant/blockwise.py: blocksize={blocksize!r}; use one of {BLOCKSIZES}")
+    _check_format(quant_type, blocksize)
     if nested_rounding not in NESTED_ROUNDINGS:
         raise ValueError(f"jaxft/quant/blockwise.py: nested_rounding={nested_rounding!r}; use one of {NESTED_ROUNDINGS}")
     w = jnp.asarray(w)
