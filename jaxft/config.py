@@ -306,6 +306,16 @@ class ModelConfig:
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
+    def first_layers(self, n: int) -> "ModelConfig":
+        """The config of the model made of this one's first `n` layers (the per-layer windows, RoPE kinds and MLP
+        kinds cut; widths, embeddings and head as they are): what `remat: auto` compiles shallow copies of to
+        measure per-layer memory. Raises ConfigError when those layers make no valid model of this family (a
+        mixture-of-experts model whose first layers are all dense)."""
+        if not 1 <= n <= self.num_layers:
+            raise ConfigError(f"first_layers({n!r}) must keep between 1 and num_layers ({self.num_layers}) layers")
+        return self.replace(num_layers=n, layer_windows=self.layer_windows[:n], layer_ropes=self.layer_ropes[:n],
+                            layer_mlps=self.layer_mlps[:n])
+
     def num_params(self) -> int:
         """Parameter count of the base model (embeddings included)."""
         from jaxft.models.families import family_for

@@ -19,6 +19,7 @@ weights resident that transient can exceed the training peak, which the allocato
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -33,9 +34,9 @@ import numpy as np
 from flax import nnx
 
 import bridge
-from jaxft.config import ModelConfig
+from jaxft.config import ConfigError, ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
-from jaxft.remat import AUTO_ORDER
+from jaxft.remat import AUTO_ORDER, AUTO_PROBE_DEPTHS
 from jaxft.lora import LoraConfig, apply_lora, target_names
 from jaxft.models.decoder import abstract_model, model_class
 from jaxft.sharding import MeshConfig, Placement
@@ -105,6 +106,10 @@ class Run:
         self._eval_fn = None
         self.compile_seconds = 0.0
         self.remat_estimates: dict[str, int] = {}  # remat "auto": candidate -> estimated peak bytes
+        # remat "auto": what it compiled, in order: (policy, remat_layers, model depth); a depth below the model's
+        # is a shallow probe (`_shallow`), whose estimate is in `remat_probes`, not `remat_estimates`
+        self.remat_compiles: list[tuple[str, int | None, int]] = []
+        self.remat_probes: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, config, total_steps: int, *, devices=None) -> "Run":
@@ -329,10 +334,12 @@ class Run:
     def choose_remat(self, host_batch: dict[str, np.ndarray], *, log=logger.info) -> str:
         """Resolves `remat: auto` (a no-op for any other policy): compiles the step from shapes for each policy
         of `jaxft.remat.AUTO_ORDER` (fastest expected first), estimates its device peak (`peak_estimate`) and
-        keeps the first within `max_memory_gb` (default `default_memory_budget`). Faster candidates that do not
-        fit and the choice are logged, one line each; slower ones are not compiled. The chosen step stays
-        compiled. Raises ExecutionConfigError on key max_memory_gb (one line, with the smallest estimate) when
-        nothing fits. Must run before `load`: the policy decides the layer loop, hence the weight layout."""
+        keeps the first within `max_memory_gb` (default `default_memory_budget`); between "none" and the next
+        policy it tries full remat on the first k layers (`_partial_remat`). Every compile logs one line (what,
+        its estimate, and why it was compiled); slower candidates than the choice are not compiled. The chosen
+        step stays compiled; `remat_compiles` lists what was compiled. Raises ExecutionConfigError on key
+        max_memory_gb (one line, with the smallest estimate) when nothing fits. Must run before `load`: the
+        policy decides the layer loop, hence the weight layout."""
         base = self.execution
         if base.remat != "auto":
             return base.remat
@@ -341,26 +348,41 @@ class Run:
         budget, source = self._budget()
         log(f"remat auto: device budget {budget / GIB:.2f} GiB ({source}); candidates in order of expected speed: "
             f"{', '.join(AUTO_ORDER)}")
-        seconds, self.remat_estimates = 0.0, {}
+        seconds, self.remat_estimates, self.remat_probes, self.remat_compiles = 0.0, {}, {}, []
 
-        def fits(policy: str, layers: int | None = None, *, probe: bool = False) -> bool:
-            """Compiles `policy` (on the first `layers` layers), logs its estimate, and says whether it fits; a
-            fitting probe is measured, not chosen, so it neither logs "chosen" nor ends the compile count."""
+        def compiled(run: "Run", policy: str, layers: int | None, name: str, verdict) -> int:
+            """Compiles `policy` (on the first `layers` layers) on `run` (this run or a shallow copy), records it
+            and logs one line ending in `verdict(estimate)`; returns the estimate."""
             nonlocal seconds
-            self.execution = base.replace(remat=policy, remat_layers=layers)
-            self.compile(host_batch)
-            seconds += self.compile_seconds
-            m = self.memory_analysis()
-            name = policy if layers is None else f"{policy} on {layers} layers"
-            estimate = self.remat_estimates[name] = peak_estimate(m)
-            ok = estimate <= budget
+            run.execution = base.replace(remat=policy, remat_layers=layers)
+            run.compile(host_batch)
+            seconds += run.compile_seconds
+            self.remat_compiles.append((policy, layers, run.model_config.num_layers))
+            m = run.memory_analysis()
+            estimate = peak_estimate(m)
             log(f"remat auto: {name:<12} estimated peak {estimate / GIB:.3f} GiB (arguments "
                 f"{m.get('argument_size_in_bytes', 0) / GIB:.3f} + outputs {m.get('output_size_in_bytes', 0) / GIB:.3f}"
                 f" + temp {m.get('temp_size_in_bytes', 0) / GIB:.3f} - aliased {m.get('alias_size_in_bytes', 0) / GIB:.3f})"
-                f" -> {('fits (probe)' if probe else 'fits: chosen') if ok else 'does not fit'}")
-            if ok and not probe:
+                f" -> {verdict(estimate)}")
+            return estimate
+
+        def fits(policy: str, layers: int | None = None, *, probe: bool = False) -> bool:
+            """Compiles `policy` (on the first `layers` layers) at the model's depth and says whether it fits; a
+            fitting probe is measured, not chosen, so it neither logs "chosen" nor ends the compile count."""
+            name = policy if layers is None else f"{policy} on {layers} layers"
+            estimate = self.remat_estimates[name] = compiled(
+                self, policy, layers, name, lambda e: ("fits (probe)" if probe else "fits: chosen") if e <= budget
+                else "does not fit")
+            if estimate <= budget and not probe:
                 self.compile_seconds = seconds
-            return ok
+            return estimate <= budget
+
+        def shallow(policy: str, depth: int) -> int:
+            """`policy` on every layer of a `depth`-layer copy of the model (`_shallow`), for its per-layer memory."""
+            name = f"{policy} on a {depth}-layer copy"
+            self.remat_probes[name] = compiled(self._shallow(depth), policy, None if policy == "none" else depth,
+                                               name, lambda e: "probe (per-layer saving of full remat)")
+            return self.remat_probes[name]
 
         for policy in AUTO_ORDER:
             if fits(policy):
@@ -368,7 +390,7 @@ class Run:
                 if rest:
                     log(f"remat auto: chose {policy} (not compiled: {', '.join(rest)}, expected slower)")
                 return policy
-            if policy == "none" and self._partial_remat(fits, budget):
+            if policy == "none" and self._partial_remat(fits, shallow, budget, log):
                 return self.execution.remat
         self.execution, self._compiled, self._compiled_spec = base, None, None
         smallest = min(self.remat_estimates, key=self.remat_estimates.get)
@@ -377,29 +399,67 @@ class Run:
             f"{smallest} at {self.remat_estimates[smallest] / GIB:.3f} GiB; raise max_memory_gb, or lower "
             "per_device_train_batch_size / max_seq_length")
 
-    def _partial_remat(self, fits, budget: int) -> bool:
+    def _partial_remat(self, fits, shallow, budget: int, log) -> bool:
         """After "none" does not fit: full remat on the first k layers only (`remat_layers`), the smallest k that
-        fits by the per-layer saving measured from one more compile (full remat on every unrolled layer), then
-        checked by compiling k itself (once more with k grown by the remaining excess if the estimate was
-        short). Models of 4 layers or more; taken only while k <= 3/4 of the layers: full remat of one layer
-        costs about a third of that layer's step, so beyond that recomputing every layer's projections and MLP
-        but not its attention
-        (offload+attn, next in `AUTO_ORDER`) is expected to be cheaper. Returns whether a k fitted (the step is
-        then compiled and `execution` holds it)."""
+        fits by full remat's per-layer saving, then checked by compiling k itself at the model's depth (once more
+        with k grown by the remaining excess if the estimate was short). Models of 4 layers or more (below, one
+        layer is within the noise) whose loop can unroll; taken only while k <= 3/4 of the layers: full remat of
+        one layer costs about a third of that layer's step, so beyond that recomputing every layer's projections
+        and MLP but not its attention (offload+attn, next in `AUTO_ORDER`) is expected to be cheaper. Returns
+        whether a k fitted (the step is then compiled and `execution` holds it).
+
+        The per-layer saving: in the unrolled loop the peak of a policy is close to affine in the depth, but its
+        intercept is not (XLA reuses more buffers in a deep program than a shallow one extrapolates to), so only
+        the slope is taken from shallow copies of the model (`_shallow`, `jaxft.remat.AUTO_PROBE_DEPTHS` layers,
+        compiled from shapes): none and full at two depths, whose difference of differences cancels what does
+        not grow with the depth (full remat's smaller cross-entropy chunk, the last layer, whose recompute saves
+        nothing). That costs a few shallow compiles instead of full remat on every layer at full depth. Models
+        no deeper than the deeper copy (or with no valid copy) measure it from that full-depth compile."""
         layers = self.model_config.num_layers
         none = self.remat_estimates["none"]
-        if layers < 4 or not fits("full", layers, probe=True):  # below 4 layers: one layer is within the noise
+        if layers < 4 or self.execution.layer_loop == "scan":  # remat_layers needs the unrolled loop
             return False
-        per_layer = (none - self.remat_estimates[f"full on {layers} layers"]) / layers
+        probing = layers > AUTO_PROBE_DEPTHS[-1]
+        if probing:
+            try:
+                for depth in AUTO_PROBE_DEPTHS:
+                    self.model_config.first_layers(depth)
+            except ConfigError as e:  # e.g. a MoE model whose first layers are all dense
+                log(f"remat auto: no {depth}-layer copy of this model ({e}); full on every layer is compiled instead")
+                probing = False
+        if probing:
+            a, b = AUTO_PROBE_DEPTHS
+            saving = [shallow("none", d) - shallow("full", d) for d in AUTO_PROBE_DEPTHS]
+            per_layer, how = (saving[1] - saving[0]) / (b - a), f"{a}- and {b}-layer copies"
+        else:
+            if not fits("full", layers, probe=True):
+                return False
+            per_layer, how = (none - self.remat_estimates[f"full on {layers} layers"]) / layers, f"{layers} layers"
         limit = (3 * layers) // 4
         k = math.ceil((none - budget) / per_layer) if per_layer > 0 else layers
+        log(f"remat auto: full remat saves {per_layer / GIB:.3f} GiB per layer ({how}); none is "
+            f"{(none - budget) / GIB:.3f} GiB over the budget -> full on {k} layers predicted to fit")
         for _ in range(2):
             if k > limit:
+                log(f"remat auto: full on {k} layers is beyond 3/4 of the {layers} layers: not compiled (offload+attn "
+                    "is expected faster)")
                 return False
             if fits("full", k):
                 return True
             k += max(1, math.ceil((self.remat_estimates[f"full on {k} layers"] - budget) / per_layer))
         return False
+
+    def _shallow(self, depth: int) -> "Run":
+        """A copy of this run whose model is its first `depth` layers (same widths, embeddings and head), with no
+        state, for compiles from shapes alone (`_partial_remat`'s probes): it shares this run's placement,
+        optimizer and settings, and compiling it leaves this run's graphdef, compiled step and execution as they
+        are. Never loaded (the checkpoint holds every layer)."""
+        other = copy.copy(self)
+        other.model_config = self.model_config.first_layers(depth)
+        other.graphdef = other.lora = other.frozen = other.opt_state = None
+        other._compiled = other._compiled_spec = other._eval_fn = None
+        other.remat_estimates, other.remat_probes, other.remat_compiles = {}, {}, []
+        return other
 
     def step(self, host_batch: dict[str, np.ndarray], step_index: int) -> dict[str, jax.Array]:
         """One optimizer update on `host_batch` (compiled on first use); returns the step's metrics, still on

@@ -34,6 +34,12 @@ also holds `overlap` (bench.profile.overlap_summary: host-copy time, per-layer b
 much of the copies ran under compute). Each profiled mode writes its trace under DIR/<mode>. XLA reads XLA_FLAGS once per process, so the dump flags are set
 at worker start, before JAX initialises, whenever any task of the session is profiled.
 
+Compilation cache (optional): JAX_COMPILATION_CACHE_DIR=DIR (JAX's own setting, read from the environment, which
+the harness passes to every worker) keeps each compiled step on disk, so a later process compiling the same step
+(a later pass or a resumed session of one device call, the same recipe on a shape again) reads it instead of
+compiling: `remat: auto`'s candidates included. The row's extra.compilation_cache_dir says whether it was set,
+since compile_s is then a cache read; the peak statistics are unaffected (a read runs no autotuning).
+
 Usage (the harness does this): python scripts/bench_jaxft_worker.py --task TASKS.json --out RESULTS.json
 """
 
@@ -197,7 +203,11 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     peak, source, memory = _task_peak(before, after, analysis)
     extra = {"memory": memory, "memory_analysis": analysis, "compile_s": compile_s, "model_load_s": load_s,
              "memory_bytes": _memory_breakdown(run.frozen, run.lora, run.opt_state, batches, peak),
-             "recipe": os.path.relpath(mode_yaml(mode), REPO)}
+             "recipe": os.path.relpath(mode_yaml(mode), REPO),
+             # compile_s is a cache read, not a compile, when an earlier process compiled the same step
+             "compilation_cache_dir": jax.config.jax_compilation_cache_dir}
+    if run.remat_compiles:  # remat "auto": what it compiled, [policy, remat_layers, depth] (a shallow depth: a probe)
+        extra["remat_compiles"] = [list(c) for c in run.remat_compiles]
     if profile_dir:
         extra.update(_profile(profile_dir, run, batches, run.model_config.num_layers))
     execution = run.execution  # as run: `remat: auto` resolved (policy, remat_layers, hence the layer loop)

@@ -97,3 +97,64 @@ def test_auto_takes_the_fewest_layers_that_fit_when_no_remat_does_not(model_dir,
     assert sum(line.endswith("fits: chosen") for line in lines) == 1
     run.load()
     assert np.isfinite(float(run.step(_batch(), 0)["loss"]))
+
+
+# ---------------------------------------------------------------------------------------------- shallow probes
+DEEP = 5  # deeper than the deepest probe copy (jaxft.remat.AUTO_PROBE_DEPTHS), so auto measures on copies
+
+
+def test_first_layers_cuts_the_per_layer_choices():
+    from jaxft.config import ConfigError, ModelConfig
+
+    cfg = ModelConfig(model_type="gemma2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=5,
+                      num_heads=2, num_kv_heads=1, head_dim=16, layer_windows=(24, None, 24, None, 24))
+    cut = cfg.first_layers(2)
+    assert (cut.num_layers, cut.layer_windows, cut.layer_ropes) == (2, (24, None), ("global", "global"))
+    assert cut.replace(num_layers=5, layer_windows=cfg.layer_windows) == cfg  # nothing else changed
+    moe = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
+                      num_heads=2, num_kv_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=16, layer_mlps=("glu", "glu", "moe", "moe"))
+    with pytest.raises(ConfigError, match="no layer of this qwen3_moe model has its family's 'moe' MLP"):
+        moe.first_layers(2)  # all dense: no valid copy (auto then compiles full remat at full depth)
+    with pytest.raises(ConfigError, match=r"first_layers\(0\) must keep between 1 and num_layers \(4\)"):
+        moe.first_layers(0)
+
+
+@pytest.fixture(scope="module")
+def deep_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("deep") / "model", hidden=64, layers=DEEP)
+
+
+def test_auto_measures_the_saving_on_shallow_copies(deep_dir):
+    """A 5-layer model whose budget fits full remat on 2 layers, not 1: the per-layer saving comes from 2- and
+    4-layer copies, so the only full-depth programs are "none" and the chosen one (before: also full remat on
+    every layer), each compile logs one line, and the run keeps its own depth and the chosen step."""
+    from jaxft.remat import AUTO_PROBE_DEPTHS
+
+    full = {}
+    for k in (1, 2):
+        run = _run(deep_dir, "full", remat_layers=k)
+        run.compile(_batch())
+        full[k] = peak_estimate(run.memory_analysis())
+    budget = (full[1] + full[2]) / 2
+    lines = []
+    run = _run(deep_dir, "auto", max_memory_gb=budget / GIB)
+    assert run.choose_remat(_batch(), log=lines.append) == "full" and run.execution.remat_layers == 2
+    assert run.remat_estimates["full on 2 layers"] == full[2] <= budget < full[1] < run.remat_estimates["none"]
+    deep = [c for c in run.remat_compiles if c[2] == DEEP]
+    assert deep == [("none", None, DEEP), ("full", 2, DEEP)]
+    assert sorted(c for c in run.remat_compiles if c[2] != DEEP) == sorted(
+        (p, None if p == "none" else d, d) for d in AUTO_PROBE_DEPTHS for p in ("none", "full"))
+    assert set(run.remat_estimates) == {"none", "full on 2 layers"}  # the copies' peaks are probes, not candidates
+    assert len(run.remat_probes) == 4 and all(v > 0 for v in run.remat_probes.values())
+    probes = [line for line in lines if "-layer copy " in line]
+    assert len(probes) == 4 and all(line.endswith("-> probe (per-layer saving of full remat)") for line in probes)
+    assert any(line.startswith("remat auto: full remat saves ") and "(2- and 4-layer copies)" in line
+               and line.endswith("-> full on 2 layers predicted to fit") for line in lines)
+    assert len(lines) == 1 + len(run.remat_compiles) + 1  # budget, one per compile, the prediction
+    assert lines[-1].startswith("remat auto: full on 2 layers estimated peak ") and lines[-1].endswith("fits: chosen")
+    # The probes left the run's own state alone: its depth, and the chosen step, which loading and stepping reuse.
+    compiled = run._compiled
+    assert run.model_config.num_layers == DEEP and run.execution.remat_layers == 2
+    run.load()
+    assert np.isfinite(float(run.step(_batch(), 0)["loss"])) and run._compiled is compiled
