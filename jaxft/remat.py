@@ -65,12 +65,12 @@ FIXED = ("none", "full", "dots", "offload", "offload+attn", "offload_stream", "o
 # offload_stream is not a candidate: measured on the H200 (docs/benchmarks.md section 10) it saved no memory in
 # the unrolled loop (XLA drops the host copies there) and was slower and larger than no remat in the scan.
 AUTO_ORDER = ("none", "offload+attn", "full", "offload")
-# The depths of the shallow copies of the model on which `auto` measures full remat's per-layer saving over none
-# before trying full remat on the first k layers (Run._partial_remat): two depths, so that what does not grow
-# with the depth cancels; whole periods of the layer pattern for period 1 and 2 stacks (Llama, Qwen, Gemma 2,
-# GPT-OSS), and for longer periods (Gemma 3's 6) the first layers, which are the ones partial remat recomputes
-# (their residuals have the same shapes whatever the window).
-AUTO_PROBE_DEPTHS = (2, 4)
+# How `auto` measures full remat's per-layer saving before trying it on the first k layers (Run._partial_remat):
+# full remat on the first 1 and on the first 3 layers of a 4-layer copy of the model (compiled from shapes). Four
+# layers are two whole periods of period 1 and 2 stacks (Llama, Qwen, Gemma 2, GPT-OSS) and the two counts differ
+# by one period (a sliding and a global Gemma 2 layer); for Gemma 3 (period 6) they are its first layers, the
+# ones partial remat recomputes (residual shapes do not depend on the window).
+AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS = 4, (1, 3)
 REMAT_HELP = ("one of " + ", ".join(repr(p) for p in FIXED) + ", or a selective policy 'save=NAME,...;offload=NAME,...'"
               " (names: " + ", ".join(NAMES) + ")")
 

@@ -36,7 +36,7 @@ from flax import nnx
 import bridge
 from jaxft.config import ConfigError, ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
-from jaxft.remat import AUTO_ORDER, AUTO_PROBE_DEPTHS
+from jaxft.remat import AUTO_ORDER, AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
 from jaxft.lora import LoraConfig, apply_lora, target_names
 from jaxft.models.decoder import abstract_model, model_class
 from jaxft.sharding import MeshConfig, Placement
@@ -377,11 +377,11 @@ class Run:
                 self.compile_seconds = seconds
             return estimate <= budget
 
-        def shallow(policy: str, depth: int) -> int:
-            """`policy` on every layer of a `depth`-layer copy of the model (`_shallow`), for its per-layer memory."""
-            name = f"{policy} on a {depth}-layer copy"
-            self.remat_probes[name] = compiled(self._shallow(depth), policy, None if policy == "none" else depth,
-                                               name, lambda e: "probe (per-layer saving of full remat)")
+        def shallow(layers: int, depth: int) -> int:
+            """Full remat on the first `layers` layers of a `depth`-layer copy of the model (`_shallow`)."""
+            name = f"full on {layers} of a {depth}-layer copy"
+            self.remat_probes[name] = compiled(self._shallow(depth), "full", layers, name,
+                                               lambda e: "probe (per-layer saving of full remat)")
             return self.remat_probes[name]
 
         for policy in AUTO_ORDER:
@@ -408,29 +408,30 @@ class Run:
         and MLP but not its attention (offload+attn, next in `AUTO_ORDER`) is expected to be cheaper. Returns
         whether a k fitted (the step is then compiled and `execution` holds it).
 
-        The per-layer saving: in the unrolled loop the peak of a policy is close to affine in the depth, but its
-        intercept is not (XLA reuses more buffers in a deep program than a shallow one extrapolates to), so only
-        the slope is taken from shallow copies of the model (`_shallow`, `jaxft.remat.AUTO_PROBE_DEPTHS` layers,
-        compiled from shapes): none and full at two depths, whose difference of differences cancels what does
-        not grow with the depth (full remat's smaller cross-entropy chunk, the last layer, whose recompute saves
-        nothing). That costs a few shallow compiles instead of full remat on every layer at full depth. Models
-        no deeper than the deeper copy (or with no valid copy) measure it from that full-depth compile."""
+        The per-layer saving is measured on a shallow copy of the model (`_shallow`: its first
+        `jaxft.remat.AUTO_PROBE_DEPTH` layers, compiled from shapes), as the difference between full remat on
+        two numbers of its first layers (`AUTO_PROBE_LAYERS`), per layer: the quantity k needs, in the program
+        partial remat runs, at a few layers' compile time instead of full remat on every layer at full depth.
+        Only a slope is taken from the copy: a policy's peak is close to affine in the depth, but the intercept
+        a shallow program shows is not the deep one's (XLA reuses more buffers in a deep program), and what
+        does not grow with the rematerialised layers (full remat's smaller cross-entropy chunk) cancels in the
+        difference. Models no deeper than the copy (or with no valid copy) measure it from full remat on every
+        layer at full depth."""
         layers = self.model_config.num_layers
         none = self.remat_estimates["none"]
         if layers < 4 or self.execution.layer_loop == "scan":  # remat_layers needs the unrolled loop
             return False
-        probing = layers > AUTO_PROBE_DEPTHS[-1]
+        depth, (few, more) = AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
+        probing = layers > depth
         if probing:
             try:
-                for depth in AUTO_PROBE_DEPTHS:
-                    self.model_config.first_layers(depth)
+                self.model_config.first_layers(depth)
             except ConfigError as e:  # e.g. a MoE model whose first layers are all dense
                 log(f"remat auto: no {depth}-layer copy of this model ({e}); full on every layer is compiled instead")
                 probing = False
         if probing:
-            a, b = AUTO_PROBE_DEPTHS
-            saving = [shallow("none", d) - shallow("full", d) for d in AUTO_PROBE_DEPTHS]
-            per_layer, how = (saving[1] - saving[0]) / (b - a), f"{a}- and {b}-layer copies"
+            per_layer = (shallow(few, depth) - shallow(more, depth)) / (more - few)
+            how = f"full on {few} and on {more} of a {depth}-layer copy"
         else:
             if not fits("full", layers, probe=True):
                 return False
