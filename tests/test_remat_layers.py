@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.remat import AUTO_ORDER
 from jaxft.run import GIB, peak_estimate
 from test_remat import grads, llama, lora_split
 from test_remat_auto import _batch, _run
@@ -159,3 +160,13 @@ def test_auto_measures_the_saving_on_a_shallow_copy(deep_dir):
     assert run.model_config.num_layers == DEEP
     run.load()
     assert np.isfinite(float(run.step(_batch(), 0)["loss"])) and run._compiled is compiled
+
+
+def test_auto_over_the_layer_scan_skips_partial_remat(deep_dir):
+    """`layer_loop: scan` has no per-layer remat (remat_layers needs the unrolled loop): when none does not fit,
+    auto goes on to the next policy instead of failing on a remat_layers it was not given."""
+    run = _run(deep_dir, "auto", layer_loop="scan", max_memory_gb=1e-4)
+    with pytest.raises(ExecutionConfigError) as info:
+        run.choose_remat(_batch(), log=lambda line: None)
+    assert info.value.field == "max_memory_gb" and set(run.remat_estimates) == set(AUTO_ORDER)
+    assert all(layers is None for _, layers, _ in run.remat_compiles)
