@@ -3,8 +3,8 @@
 `NO_AUTOTUNE`: XLA's GEMM autotuning took 12-23 s per compiled program on the H200 (measured) and changes which
 GEMM algorithm runs, not the math, so the GPU tests compile without it. The tests that read compiled memory sizes
 (tests/test_remat_gpu.py) compile with `NO_AUTOTUNE` alone: the GEMM emitter changes the schedule, and with it what
-is live (an unrolled 2-layer step compiled for an H200 target: the explicit host offload saves more than full remat
-with XLA's Triton GEMM fusions, and less than half of that with cuBLAS GEMMs).
+is live (a 2-layer step compiled for an H200 target: the host offload saves more than full remat with XLA's Triton
+GEMM fusions, and less than full remat with cuBLAS GEMMs, in the layer scan and unrolled).
 
 `FAST_COMPILE`: `NO_AUTOTUNE` and cuBLAS for every GEMM (`xla_gpu_enable_triton_gemm` off), for the tests that
 check values and which kernels are in the program: XLA's Triton GEMM fusions are code-generated and compiled one
