@@ -155,11 +155,14 @@ class ExecutionConfig:
 
     @property
     def resolved_layer_loop(self) -> str:
-        """"auto" unrolls only without remat or with remat on some layers (`remat_layers`): the host offload and
-        recompute policies on every layer are tuned for the scan."""
+        """"auto" unrolls without remat, with remat on some layers (`remat_layers`) and with offload_stream (its
+        host copies go through `jaxft.offload`'s explicit transfer, which needs unrolled layers; in the scan it
+        kept more than no remat, docs/benchmarks.md section 10): the other host offload and recompute policies on
+        every layer are tuned for the scan."""
         if self.layer_loop != "auto":
             return self.layer_loop
-        return "unroll" if self.remat == "none" or self.remat_layers is not None else "scan"
+        unrolled = self.remat in ("none", "offload_stream") or self.remat_layers is not None
+        return "unroll" if unrolled else "scan"
 
     def replace(self, **changes) -> "ExecutionConfig":
         return dataclasses.replace(self, **changes)

@@ -47,16 +47,23 @@ from jax.custom_derivatives import SymbolicZero
 Space = jax.memory.Space  # Host: pinned host memory; Device: the accelerator's own (an attribute, not a module)
 
 
-def host_offloaded(fn: Callable) -> Callable:
+def host_offloaded(fn: Callable, policy: Callable | None = None) -> Callable:
     """`fn(x, *args) -> y` whose backward pass keeps nothing on the device: the forward keeps `x` in pinned host
     memory (and `args`, the layer's parameters and index, as they are), the backward copies `x` back once the
     output cotangent exists and differentiates `fn` there (a full recompute). `x` must be one array. `fn` may
     close over traced values (the layer's RoPE tables, positions, dropout key): they become explicit arguments
-    (`_hoist_constants`), as a custom VJP requires."""
+    (`_hoist_constants`), as a custom VJP requires.
+
+    With `policy` (a `jax.checkpoint` policy, e.g. `save_and_offload_only_these_names`) the layer keeps what the
+    policy keeps instead: the forward is the vjp of `jax.checkpoint(fn, policy)`, its residuals (device-saved and
+    host-offloaded values) are this custom VJP's residuals, held with the layer output (so the copies to the host
+    complete inside the layer), and the backward passes them through a barrier with the output cotangent before
+    the policy's copies back run (as for x above: no Copy(Copy) folding, no early prefetch of every layer's
+    residuals), then recomputes only what the policy did not keep."""
 
     def call(x, *args):
         converted, consts = _hoist_constants(fn, x, *args)
-        return _offloaded(converted, len(consts), x, *args, *consts)
+        return _offloaded(converted, len(consts), policy, x, *args, *consts)
 
     return call
 
@@ -79,12 +86,12 @@ def _hoist_constants(fn: Callable, *args):
     return converted, list(closed.consts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _offloaded(fn, n_consts, x, *args):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _offloaded(fn, n_consts, policy, x, *args):
     return fn(x, *args)
 
 
-def _offloaded_fwd(fn, n_consts, x, *args):
+def _offloaded_fwd(fn, n_consts, policy, x, *args):
     """Primal output and residuals (x on the host, the arguments, which of them are differentiated). With
     `symbolic_zeros` every leaf arrives as a `CustomVJPPrimal` (value, perturbed); the perturbed bits travel to the
     backward as the structure of `flags` (an empty tuple for a perturbed leaf, None otherwise: no array), so the
@@ -92,6 +99,8 @@ def _offloaded_fwd(fn, n_consts, x, *args):
     x, x_perturbed = x.value, x.perturbed
     flags = jax.tree.map(lambda p: () if p.perturbed else None, args)
     args = jax.tree.map(lambda p: p.value, args)
+    if policy is not None:
+        return _policy_fwd(fn, n_consts, policy, x, x_perturbed, args, flags)
     y = fn(x, *args)
     # The copy to the host completes before y leaves the layer: the next layer cannot start until it is done, so
     # the device x dies here (without this the copy's completion is scheduled next to its only use, in the
@@ -100,17 +109,28 @@ def _offloaded_fwd(fn, n_consts, x, *args):
     return y, (x_host, args, (() if x_perturbed else None, flags))
 
 
-def _offloaded_bwd(fn, n_consts, res, dy):
+def _offloaded_bwd(fn, n_consts, policy, res, dy):
     """Cotangents for x and the differentiated explicit arguments; None for the rest and for the hoisted
     constants (the layer's RoPE tables, positions, masks, dropout key: nothing trainable reaches a layer other
     than through its arguments). Not differentiating them matters: a constant can be an input of a custom VJP
     inside the layer (e.g. the NF4 code table of the 4-bit matmul), and JAX refuses to differentiate a custom VJP
     in what it closes over; and the frozen weights' cotangents must not be computed (see the last barrier)."""
-    x_host, args, (x_flag, flags) = res
     dy = jax.tree.map(_instantiate, dy, is_leaf=lambda t: isinstance(t, SymbolicZero))
+    if policy is not None:
+        return _policy_bwd(n_consts, res, dy)
+    x_host, args, (x_flag, flags) = res
     # The barrier orders the copy back after dy and hides the host copy from Copy(Copy) folding (docstring).
     x_host, dy = jax.lax.optimization_barrier((x_host, dy))
     x = jax.device_put(x_host, Space.Device)
+    layer, diff, unsplit = _differentiated(fn, n_consts, args, flags)
+    _, vjp = _vjp(layer, x, x_flag == (), diff)
+    return _cotangents(vjp, dy, unsplit, n_consts)
+
+
+def _differentiated(fn, n_consts, args, flags):
+    """(layer(x, diff), diff, unsplit): `fn` as a function of x and the differentiated leaves of the explicit
+    arguments only (the frozen ones and the hoisted constants are closed over), those leaves, and
+    unsplit(d_diff) -> the cotangents of the explicit arguments (None where not differentiated)."""
     split = len(args) - n_consts
     explicit, consts = args[:split], args[split:]
     leaves, tree = jax.tree.flatten(explicit)
@@ -123,13 +143,31 @@ def _offloaded_bwd(fn, n_consts, res, dy):
             full[i] = leaf
         return fn(x, *jax.tree.unflatten(tree, full), *consts)
 
-    diff = [leaves[i] for i in wanted]
-    if x_flag == ():
-        _, vjp = jax.vjp(layer, x, diff)
-        dx, d_diff = vjp(dy)
-    else:  # the layer input is not differentiated (layer 0's: the frozen embedding's output)
-        _, vjp = jax.vjp(lambda diff: layer(x, diff), diff)
-        (d_diff,), dx = vjp(dy), None
+    def unsplit(d_diff):
+        d_leaves: list = [None] * len(leaves)
+        for i, g in zip(wanted, d_diff):
+            d_leaves[i] = g
+        return jax.tree.unflatten(tree, d_leaves)
+
+    return layer, [leaves[i] for i in wanted], unsplit
+
+
+def _vjp(layer, x, x_differentiated: bool, diff):
+    """(y, vjp) with vjp(dy) -> (dx or None, d_diff). The layer input is not differentiated for layer 0 (the
+    frozen embedding's output): then it is closed over."""
+    if x_differentiated:
+        return jax.vjp(layer, x, diff)
+    y, vjp = jax.vjp(lambda diff: layer(x, diff), diff)
+    return y, jax.tree_util.Partial(_no_dx, vjp)
+
+
+def _no_dx(vjp, dy):
+    (d_diff,) = vjp(dy)
+    return None, d_diff
+
+
+def _cotangents(vjp, dy, unsplit, n_consts):
+    dx, d_diff = vjp(dy)
     # This layer's weight gradients are finished before its input cotangent leaves it. Without this barrier the
     # scheduler may defer every layer's LoRA weight-gradient matmuls to the end of the unrolled program (they are
     # only needed by the stacked gradient at the root), and their operands - this layer's recomputed activations -
@@ -137,10 +175,25 @@ def _offloaded_bwd(fn, n_consts, res, dy):
     # H200 compile). Only differentiated leaves are in it: a barrier keeps all its operands, so a frozen weight's
     # cotangent in it would be computed (it is dead code otherwise).
     dx, d_diff = jax.lax.optimization_barrier((dx, d_diff))
-    d_leaves: list = [None] * len(leaves)
-    for i, g in zip(wanted, d_diff):
-        d_leaves[i] = g
-    return (dx, *jax.tree.unflatten(tree, d_leaves), *([None] * n_consts))
+    return (dx, *unsplit(d_diff), *([None] * n_consts))
+
+
+def _policy_fwd(fn, n_consts, policy, x, x_perturbed, args, flags):
+    """The forward under a checkpoint policy: the residuals are those of the vjp of the checkpointed layer (what
+    the policy saves on the device, the host copies of what it offloads), returned through a barrier with y."""
+    layer, diff, _ = _differentiated(fn, n_consts, args, flags)
+    y, vjp = _vjp(jax.checkpoint(layer, policy=policy), x, x_perturbed, diff)
+    leaves, tree = jax.tree.flatten(vjp)
+    leaves, y = jax.lax.optimization_barrier((leaves, y))
+    return y, (jax.tree.unflatten(tree, leaves), args, flags)
+
+
+def _policy_bwd(n_consts, res, dy):
+    vjp, args, flags = res
+    leaves, tree = jax.tree.flatten(vjp)
+    leaves, dy = jax.lax.optimization_barrier((leaves, dy))  # copies back only once dy exists
+    _, _, unsplit = _differentiated(None, n_consts, args, flags)
+    return _cotangents(jax.tree.unflatten(tree, leaves), dy, unsplit, n_consts)
 
 
 def _instantiate(t):

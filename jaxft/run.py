@@ -249,7 +249,8 @@ class Run:
         began = time.perf_counter()
         stacked = stack_micro_batches(host_batch, self.accumulation)
         batch = self.placement.abstract_batch(stacked)
-        rng = jax.random.fold_in(self.rng, 0)
+        key = jax.random.fold_in(self.rng, 0)  # a shape only: the devices may be a compile target, not this host's
+        rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=self.placement.replicated)
         if self.loaded:
             args = (self.lora, self.opt_state, self.frozen)
             graphdef = self.graphdef

@@ -11,7 +11,7 @@
 #   $OUT/overlap_trace.json.gz, OVERLAP_TIMEOUT_S=150)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
 #   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
-#   TESTS_WORKERS=4 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)
+#   TESTS_WORKERS=5 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)
 #   TRAIN_GPUS=1 (default: sessions one after another on one GPU) | N | all (bench_train.py --gpus: up to N
 #   sessions at once, each worker pinned to its own GPU by CUDA_VISIBLE_DEVICES; ceilings + model saves first, on GPU 0).
 #   On a multi-GPU kind (e.g. 8 x H200) TRAIN_GPUS=all runs the whole table (5 systems x 5 workloads) in one call:
@@ -42,13 +42,17 @@ fi
 if has tests; then
   stamp "gpu tests"
   # Two pytest calls at once. The `serial` tests (they read compiled memory sizes, which may depend on the memory
-  # XLA compiles for) in one process with the usual share of the GPU (TESTS_SERIAL_MEM_FRACTION); the others on
+  # XLA compiles for) in one process with their own share of the GPU (TESTS_SERIAL_MEM_FRACTION; they compile
+  # programs of < 1 GiB temp and one 8k x 128k cross-entropy of ~13 GB, far below either share); the others on
   # TESTS_WORKERS pytest-xdist workers (1: one process) sharing what is left, tests that share a module-scoped
-  # compile kept on one worker (xdist_group, --dist loadgroup). pytest-xdist comes from the image, else from the
-  # wheels in .peers/pytest when they are there. Only files that mark gpu tests are collected (imports cost
-  # seconds per file). TESTS_TIMEOUT_S bounds each call. Written to the logs as they run (no tail in the pipe):
-  # a timeout must not swallow the failure report.
-  workers=${TESTS_WORKERS:-4}
+  # compile kept on one worker (xdist_group, --dist loadgroup). The suite is compile-bound (CPU): 16 cores feed
+  # 1 + TESTS_WORKERS processes. pytest-xdist comes from the image, else from the wheels in .peers/pytest when
+  # they are there. Only files that mark gpu tests are collected (imports cost seconds per file; the serial call
+  # collects only the files that mark serial tests), the slowest files first: xdist hands tests out in collection
+  # order, so the long ones start at once instead of last. TESTS_TIMEOUT_S bounds each call. Written to the logs
+  # as they run (no tail in the pipe): a timeout must not swallow the failure report, and every test's duration
+  # goes to $OUT/gpu_durations.log as it ends (tests/conftest.py), moved into check.log slowest first at the end.
+  workers=${TESTS_WORKERS:-5}
   if ! python3 -c "import xdist" 2>/dev/null && compgen -G ".peers/pytest/*.whl" > /dev/null; then
     python3 -m pip install -q --no-deps .peers/pytest/*.whl 2>&1 | tail -3
   fi
@@ -56,23 +60,39 @@ if has tests; then
     stamp "no pytest-xdist: the gpu tests run in one process"; workers=1
   fi
   parallel=(); [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadgroup)
-  serial_fraction=${TESTS_SERIAL_MEM_FRACTION:-0.75}
+  serial_fraction=${TESTS_SERIAL_MEM_FRACTION:-0.5}
   fraction=$(awk -v n="$workers" -v s="$serial_fraction" 'BEGIN { printf "%.3f", (0.95 - s) / n }')
-  test_files=${TESTS:-$(grep -l "mark\.gpu" tests/test_*.py | tr '\n' ' ')}
+  slow_first="tests/test_remat_gpu.py tests/test_gemma_gpu.py tests/test_train_gpu.py tests/test_grouped_matmul_gpu.py
+    tests/test_qwen2_vl_gpu.py tests/test_moe_gpu.py tests/test_gpt_oss.py tests/test_attention_auto.py"
+  gpu_files=$(grep -l "mark\.gpu" tests/test_*.py)
+  ordered=$(for f in $slow_first; do [[ " $(echo $gpu_files) " == *" $f "* ]] && echo "$f"; done;
+            for f in $gpu_files; do [[ " $(echo $slow_first) " == *" $f "* ]] || echo "$f"; done)
+  test_files=${TESTS:-$(echo $ordered)}
+  serial_files=$(grep -l "pytest\.mark\.serial" $test_files | tr '\n' ' ')
   pytest_args=(-v --durations=20 -p no:cacheprovider -rfEs --tb=short)
   serial_log=$(mktemp)
   export JAXFT_FAILURE_LOG="$OUT/gpu_failures.log"  # tests/conftest.py: each failure's traceback when it happens
-  XLA_PYTHON_CLIENT_MEM_FRACTION=$serial_fraction timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest \
-    "${pytest_args[@]}" -m "gpu and serial" $test_files > "$serial_log" 2>&1 &
-  serial_pid=$!
+  export JAXFT_DURATIONS_LOG="$OUT/gpu_durations.log"  # ... and each test's duration
+  stamp "serial: $serial_files (memory fraction $serial_fraction); parallel: $workers workers x $fraction"
+  started=$SECONDS
+  if [ -n "$serial_files" ]; then
+    ( XLA_PYTHON_CLIENT_MEM_FRACTION=$serial_fraction timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest \
+        "${pytest_args[@]}" -m "gpu and serial" $serial_files > "$serial_log" 2>&1
+      echo "serial pytest: rc $? after $(( SECONDS - started )) s" >> "$serial_log" ) &
+    serial_pid=$!
+  fi
   XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction timeout "${TESTS_TIMEOUT_S:-150}" python3 -m pytest "${pytest_args[@]}" \
     ${parallel[@]+"${parallel[@]}"} -m "gpu and not serial" $test_files >> "$OUT/check.log" 2>&1
-  wait "$serial_pid"
+  echo "parallel pytest: rc $? after $(( SECONDS - started )) s" >> "$OUT/check.log"
+  [ -n "$serial_files" ] && wait "$serial_pid"
   { echo "---- serial gpu tests (run beside the parallel ones)"; cat "$serial_log"; } >> "$OUT/check.log"
   rm -f "$serial_log"
   [ -s "$JAXFT_FAILURE_LOG" ] && { echo "---- failures (tracebacks, written as they happened)"; cat "$JAXFT_FAILURE_LOG"; } >> "$OUT/check.log"
-  unset JAXFT_FAILURE_LOG
-  tail -60 "$OUT/check.log"
+  { echo "---- gpu tests: $(( SECONDS - started )) s wall for both calls; slowest phases (s, phase, outcome, worker, test; main = the serial call)"
+    [ -s "$JAXFT_DURATIONS_LOG" ] && sort -rn "$JAXFT_DURATIONS_LOG" | head -40; } >> "$OUT/check.log"
+  rm -f "$JAXFT_DURATIONS_LOG"  # now in check.log: at most 8 files come back from a device call
+  unset JAXFT_FAILURE_LOG JAXFT_DURATIONS_LOG
+  tail -80 "$OUT/check.log"
 fi
 
 if has forward; then

@@ -29,9 +29,19 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_logreport(report):
     """With JAXFT_FAILURE_LOG set (scripts/gpu_check.sh sets it), each failure's traceback is appended to that
     file the moment the test ends: pytest-xdist prints failures only in its final summary, which a timeout of the
-    whole call never reaches. Written by the controller only (workers forward their reports to it)."""
+    whole call never reaches. With JAXFT_DURATIONS_LOG set, every phase of a test that took 0.5 s or more is
+    appended there as it ends (seconds, phase, outcome, worker, test), for the same reason: gpu_check.sh prints
+    the slowest from it even when a call timed out. Written by the controller only (workers forward their reports
+    to it)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    durations = os.environ.get("JAXFT_DURATIONS_LOG")
+    if durations and report.duration >= 0.5:
+        worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", "main")
+        with open(durations, "a") as f:
+            f.write(f"{report.duration:8.2f}  {report.when:<8} {report.outcome:<7} {worker:<4} {report.nodeid}\n")
     path = os.environ.get("JAXFT_FAILURE_LOG")
-    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not path or not report.failed:
         return
     with open(path, "a") as f:
         f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")

@@ -21,7 +21,7 @@ from kernels_pallas.attention import attention_reference, dot_product_attention,
 from kernels_pallas.attention.shapes import GPU_TEST_SHAPES, TEST_SHAPES, make_segment_ids
 from kernels_pallas.attention.config import BlockConfig, FlashConfig
 from kernels_pallas.attention.flash import DKDV_NAME, DQ_NAME, FWD_NAME, flash_attention
-from gpu_helpers import compile_no_autotune
+from gpu_helpers import compile_fast
 
 ON_GPU = jax.default_backend() == "gpu"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
@@ -271,8 +271,9 @@ def test_cudnn_segment_runs():
 
 
 # ---------------------------------------------------------------------------
-# On the device.  Programs are compiled without XLA's GEMM autotuning: it cost 12-23 s per program on the
-# H200 (measured), the reference's einsums are the only GEMMs, and the kernels under test are ours.
+# On the device.  Programs are compiled without XLA's GEMM autotuning (it cost 12-23 s per program on the
+# H200, measured) and with cuBLAS GEMMs (gpu_helpers.FAST_COMPILE): the reference's einsums are the only GEMMs,
+# and the kernels under test are ours.
 # ---------------------------------------------------------------------------
 GPU_CASES = [
     # (t, h, kvh, d, causal, window, softcap, sinks, packed)
@@ -283,7 +284,7 @@ GPU_CASES = [
     (512, 8, 8, 128, False, 100, None, False, True),
 ]
 
-_gpu_compile = compile_no_autotune
+_gpu_compile = compile_fast
 
 
 @pytest.fixture(scope="module")

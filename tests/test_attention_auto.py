@@ -11,7 +11,7 @@ import pytest
 from kernels_pallas.attention import attention_reference, dot_product_attention, make_metadata
 from kernels_pallas.attention.flash import FWD_NAME
 from kernels_pallas.attention.shapes import GPU_TEST_SHAPES, make_segment_ids
-from gpu_helpers import NO_AUTOTUNE
+from gpu_helpers import FAST_COMPILE
 
 
 def _qkv(b, t, h, kvh, d, seed=0):
@@ -45,7 +45,7 @@ def test_gpu_auto_dense_or_packed_matches_reference(shape):
         def f(q, k, v, do, seg, meta):
             out, vjp = jax.vjp(lambda q, k, v: attn(q, k, v, seg, meta), q, k, v)
             return (out,) + vjp(do)
-        return jax.jit(f).lower(q, k, v, do, seg, meta).compile(compiler_options=NO_AUTOTUNE)
+        return jax.jit(f).lower(q, k, v, do, seg, meta).compile(compiler_options=FAST_COMPILE)
 
     auto = fwd_bwd(lambda q, k, v, seg, meta: dot_product_attention(
         q, k, v, segment_ids=seg, metadata=meta, implementation="auto"))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gpu_helpers import compile_no_autotune
+from gpu_helpers import compile_fast
 
 pytestmark = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU")
@@ -62,7 +62,7 @@ def _loss_and_grads(path, dtype, execution, batch):
     def loss_fn(p, batch):
         return token_loss_sum(nnx.merge(graphdef, p, rest), batch, execution=execution) / batch["loss_mask"].sum()
 
-    step = compile_no_autotune(jax.value_and_grad(loss_fn), params, batch)
+    step = compile_fast(jax.value_and_grad(loss_fn), params, batch)
     loss, grads = step(params, batch)
     return float(loss), [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)], step.as_text()
 

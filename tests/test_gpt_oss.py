@@ -252,7 +252,7 @@ def test_forward_program_has_one_grouped_matmul_per_projection_and_no_host_sync(
 def test_gpu_pallas_attention_with_sinks_gradients_match_reference():
     """On the GPU (compiled Pallas kernels, not interpret mode): a GPT-OSS model's logits and the gradients of its
     sinks and q projection through the flash forward/backward with sinks and a window equal the reference's."""
-    from gpu_helpers import compile_no_autotune
+    from gpu_helpers import compile_fast
     from jaxft.models import init_model
 
     hf = dict(TINY, model_type="gpt_oss", head_dim=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=40)
@@ -267,7 +267,7 @@ def test_gpu_pallas_attention_with_sinks_gradients_match_reference():
     def grads(impl):
         execution = ExecutionConfig(attention_implementation=impl, remat="none")
         loss = lambda s: jnp.sum(nnx.merge(graphdef, s)(ids, segment_ids=seg, execution=execution) * dy)  # noqa: E731
-        return compile_no_autotune(jax.value_and_grad(loss), state)(state)
+        return compile_fast(jax.value_and_grad(loss), state)(state)
 
     (want, g_want), (got, g_got) = grads("reference"), grads("pallas")
     assert abs(float(got) - float(want)) <= 1e-4 * abs(float(want))

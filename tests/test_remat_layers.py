@@ -62,6 +62,8 @@ def test_the_flat_keys_reach_the_execution_config(model_dir, tmp_path):
 def test_auto_loop_unrolls_under_remat_on_some_layers():
     assert ExecutionConfig(remat="full", remat_layers=3).resolved_layer_loop == "unroll"
     assert ExecutionConfig(remat="full").resolved_layer_loop == "scan"
+    # offload_stream's host copies take the explicit transfer, which runs on unrolled layers only
+    assert ExecutionConfig(remat="offload_stream").resolved_layer_loop == "unroll"
 
 
 @pytest.fixture(scope="module")

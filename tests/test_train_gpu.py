@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_helpers import NO_AUTOTUNE
+from gpu_helpers import FAST_COMPILE
 from test_train_fixtures import make_jsonl, make_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -22,7 +22,7 @@ def test_pallas_attention_training_tracks_xla(tmp_path):
                           output_dir=str(tmp_path / impl), max_seq_length=512, per_device_train_batch_size=4,
                           gradient_accumulation_steps=2, max_steps=8, logging_steps=1, save_steps=8,
                           learning_rate=5e-3, lr_scheduler_type="constant", lora_r=8, bf16=True,
-                          attention_implementation=impl, remat="full", compiler_options=NO_AUTOTUNE,
+                          attention_implementation=impl, remat="full", compiler_options=FAST_COMPILE,
                           disable_tqdm=True, report_to="none")
         train(cfg)
         losses[impl] = np.array([r["loss"] for r in read_metrics(tmp_path / impl / "metrics.jsonl") if "loss" in r])
@@ -47,7 +47,7 @@ def test_unrolled_layers_train_like_the_scan(tmp_path, remat):
                           max_steps=6, logging_steps=1, save_steps=6, learning_rate=5e-3,
                           lr_scheduler_type="constant", lora_r=8, bf16=True, attention_implementation="auto",
                           remat=remat, layer_loop=loop, save_merged_model=(loop == "unroll"),
-                          compiler_options=NO_AUTOTUNE, disable_tqdm=True, report_to="none")
+                          compiler_options=FAST_COMPILE, disable_tqdm=True, report_to="none")
         train(cfg)
         losses[loop] = np.array([r["loss"] for r in read_metrics(tmp_path / loop / "metrics.jsonl") if "loss" in r])
     assert len(losses["scan"]) == 6 and losses["scan"][-3:].mean() < losses["scan"][0]

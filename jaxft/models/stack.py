@@ -233,10 +233,16 @@ def resolve_transfer(policy: RematPolicy, unrolled: bool) -> str:
     """How the layer input reaches the host under `policy`: "explicit" (`jaxft.offload.host_offloaded`) or
     "policy" (jax.checkpoint's offload policy). `policy.transfer` "auto" is explicit in the unrolled loop, whose
     policy offload XLA drops (see `jaxft.offload`), and the policy in the scan, whose offload XLA keeps;
-    "explicit" applies only where the policy offloads the layer input alone and keeps nothing else
-    (`RematPolicy.explicit_capable`): elsewhere the policy's own transfers are used."""
-    if not policy.explicit_capable or policy.transfer == "policy":
+    "explicit" applies to every policy that offloads something: the layer input alone with nothing else kept
+    (`RematPolicy.explicit_capable`) by hand with a full recompute, any other through the policy's own vjp
+    inside the explicit custom VJP (`host_offloaded(fn, policy)`), whose barriers decide when the copies run."""
+    if not policy.offloads or policy.transfer == "policy":
         return "policy"
+    if not policy.explicit_capable:
+        # Unrolled loops only: in a scan the residuals of this form are stacked host buffers that XLA's layout
+        # assignment rejects (JAX 0.11.2, compiled for an H200: "Expected instruction to have shape equal to"),
+        # and there the policy's own offload is kept anyway.
+        return "explicit" if unrolled else "policy"
     return "explicit" if policy.transfer == "explicit" or unrolled else "policy"
 
 
@@ -258,7 +264,7 @@ def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_
 
     if not policy.checkpointed:
         return layer_fn
-    if transfer == "explicit":  # layer input to host by hand, full recompute (jaxft.offload)
-        offloaded = host_offloaded(layer_fn)
+    if transfer == "explicit":  # host copies in a custom VJP whose barriers order them (jaxft.offload)
+        offloaded = host_offloaded(layer_fn, None if policy.explicit_capable else policy.jax_policy())
         return lambda carry, layer_state, index: offloaded(carry, layer_state, layer_index(index))
     return jax.checkpoint(layer_fn, policy=policy.jax_policy(), prevent_cse=prevent_cse)
