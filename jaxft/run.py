@@ -436,11 +436,13 @@ class Run:
         else:
             if not fits("full", layers, probe=True):
                 return False
-            per_layer, how = (none - self.remat_estimates[f"full on {layers} layers"]) / layers, f"{layers} layers"
+            per_layer = (none - self.remat_estimates[f"full on {layers} layers"]) / layers
+            how = f"full on all {layers} layers"
         limit = (3 * layers) // 4
         k = math.ceil((none - budget) / per_layer) if per_layer > 0 else layers
         log(f"remat auto: full remat saves {per_layer / GIB:.3f} GiB per layer ({how}); none is "
-            f"{(none - budget) / GIB:.3f} GiB over the budget -> full on {k} layers predicted to fit")
+            f"{(none - budget) / GIB:.3f} GiB over the budget -> "
+            + (f"full on {k} layers predicted to fit" if per_layer > 0 else "no saving to predict from"))
         for _ in range(2):
             if k > limit:
                 log(f"remat auto: full on {k} layers is beyond 3/4 of the {layers} layers: not compiled (offload+attn "
