@@ -424,6 +424,11 @@ def test_jaxft_row_reports_the_settings_it_ran_with_after_remat_auto(tiny_model_
     raw = bench_jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 2, mode="auto")
     settings = raw["settings"]
     assert (settings["remat"], settings["remat_layers"], settings["layers"]) == ("none", None, "unroll"), settings
+    # What auto compiled ([policy, remat_layers, depth]) and whether a compilation cache served compile_s.
+    with open(os.path.join(tiny_model_dir, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    assert raw["extra"]["remat_compiles"] == [["none", None, layers]]
+    assert raw["extra"]["compilation_cache_dir"] == os.environ.get("JAX_COMPILATION_CACHE_DIR")
 
 
 def test_jax_task_peak_uses_the_allocator_only_when_the_steps_raised_it():
