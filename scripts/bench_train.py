@@ -62,7 +62,7 @@ from bench.worker_common import Task  # noqa: E402
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(SCRIPTS)
 # jaxft systems: "jaxft" (examples/bench/fast.yaml) and "jaxft_<mode>" (examples/bench/<mode>.yaml).
-JAXFT_MODES = ("lean", "full_remat", "offload_attn", "offload_stream", "offload_all", "offload_unroll", "auto",
+JAXFT_MODES = ("lean", "full_remat", "offload_attn", "offload_stream", "save_named", "offload_all", "offload_unroll", "auto",
                "auto_40gb", "qlora", "qlora_lean", "qlora_offload")
 # Torch systems whose worker needs the carried peer wheels on its path (Unsloth; bitsandbytes for HF QLoRA).
 PEER_WHEEL_SYSTEMS = ("unsloth", "unsloth_4bit", "hf_qlora")

@@ -11,7 +11,7 @@
 #   $OUT/overlap_trace.json.gz, OVERLAP_TIMEOUT_S=150)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
 #   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
-#   TESTS_WORKERS=5 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)
+#   TESTS_WORKERS=6 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)
 #   TRAIN_GPUS=1 (default: sessions one after another on one GPU) | N | all (bench_train.py --gpus: up to N
 #   sessions at once, each worker pinned to its own GPU by CUDA_VISIBLE_DEVICES; ceilings + model saves first, on GPU 0).
 #   On a multi-GPU kind (e.g. 8 x H200) TRAIN_GPUS=all runs the whole table (5 systems x 5 workloads) in one call:
@@ -52,7 +52,7 @@ if has tests; then
   # order, so the long ones start at once instead of last. TESTS_TIMEOUT_S bounds each call. Written to the logs
   # as they run (no tail in the pipe): a timeout must not swallow the failure report, and every test's duration
   # goes to $OUT/gpu_durations.log as it ends (tests/conftest.py), moved into check.log slowest first at the end.
-  workers=${TESTS_WORKERS:-5}
+  workers=${TESTS_WORKERS:-6}
   if ! python3 -c "import xdist" 2>/dev/null && compgen -G ".peers/pytest/*.whl" > /dev/null; then
     python3 -m pip install -q --no-deps .peers/pytest/*.whl 2>&1 | tail -3
   fi
@@ -62,8 +62,8 @@ if has tests; then
   parallel=(); [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadgroup)
   serial_fraction=${TESTS_SERIAL_MEM_FRACTION:-0.5}
   fraction=$(awk -v n="$workers" -v s="$serial_fraction" 'BEGIN { printf "%.3f", (0.95 - s) / n }')
-  slow_first="tests/test_remat_gpu.py tests/test_gemma_gpu.py tests/test_train_gpu.py tests/test_grouped_matmul_gpu.py
-    tests/test_qwen2_vl_gpu.py tests/test_moe_gpu.py tests/test_gpt_oss.py tests/test_attention_auto.py"
+  slow_first="tests/test_train_gpu.py tests/test_gemma_gpu.py tests/test_moe_gpu.py tests/test_remat_gpu.py
+    tests/test_grouped_matmul_gpu.py tests/test_qwen2_vl_gpu.py tests/test_gpt_oss.py tests/test_attention_auto.py"
   gpu_files=$(grep -l "mark\.gpu" tests/test_*.py)
   ordered=$(for f in $slow_first; do [[ " $(echo $gpu_files) " == *" $f "* ]] && echo "$f"; done;
             for f in $gpu_files; do [[ " $(echo $slow_first) " == *" $f "* ]] || echo "$f"; done)

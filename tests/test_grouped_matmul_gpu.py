@@ -1,7 +1,9 @@
 """The Mosaic GPU grouped matmul on the GPU (H100/H200): forward, d lhs and d rhs against the reference on the
-MoE expert shapes scaled down (shapes.GPU_TEST_SHAPES: an empty group, tails that are no multiple of a tile,
-rows past the last group) and on one full bench shape (three of its groups checked), against per-group numpy products; the compiled program is the Mosaic
-GPU custom call, not XLA's ragged dot; "auto" takes them for bf16 (they passed at ed4a32e) and not for float32."""
+MoE expert shapes scaled down (shapes.GPU_TEST_SHAPES: the full shapes' K, N and tile configs at fewer experts and
+rows; an empty group, tails that are no multiple of a tile, rows past the last group) and, through
+`grouped_matmul`, on one full bench shape (three of its groups checked), against per-group numpy products; the
+compiled program is the Mosaic GPU custom call, not XLA's ragged dot; "auto" takes them for bf16 (they passed at
+ed4a32e) and not for float32."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import numpy as np
 import pytest
 
 from kernels_pallas.grouped_matmul import grouped_matmul
+from kernels_pallas.grouped_matmul import mosaic
 from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows, gmm_rows_ws
-from kernels_pallas.grouped_matmul.shapes import BENCH_SHAPES, GPU_TEST_SHAPES, GmmShape, make_inputs
+from kernels_pallas.grouped_matmul.shapes import BENCH_SHAPES, GPU_TEST_SHAPES, GPU_TEST_TILES_OF, GmmShape, make_inputs
 from gpu_helpers import NO_AUTOTUNE
 
 pytestmark = pytest.mark.gpu
@@ -54,10 +57,28 @@ def _assert_close(got, want, what):
     assert err <= TOL * scale, f"{what}: max |err| {err:.4g} > {TOL} * {scale:.4g}"
 
 
+def _fwd_bwd_on_tiles_of(full: GmmShape, sizes):
+    """Forward, d lhs and d rhs as `grouped_matmul`'s custom VJP computes them (mosaic._gmm, _gmm_bwd), on the
+    tile configs the table gives the full shape `full` (keyed by its K, N and expert count), for operands of
+    fewer experts and rows."""
+    g = len(full.group_sizes)
+    cfg = mosaic.config_for(full.k, full.n, g)
+    cfg_dlhs = mosaic._dlhs_config(cfg, full.k, full.n, g)
+    assert (full.k, full.n, g) in mosaic.CONFIGS  # a tuned entry, not the default
+
+    def run(lhs, rhs, dout):
+        out = mosaic._rows(cfg)(lhs, rhs, sizes, cfg)
+        dlhs = mosaic._rows(cfg_dlhs)(dout, rhs, sizes, cfg_dlhs, transpose_rhs=True)
+        return out, dlhs, mosaic.gmm_drhs(lhs, dout, sizes, cfg)
+    return jax.jit(run)
+
+
 @pytest.mark.parametrize("shape", GPU_TEST_SHAPES, ids=[s.name for s in GPU_TEST_SHAPES])
 def test_kernels_match_the_reference_on_ragged_moe_shapes(shape):
+    full = GPU_TEST_TILES_OF[shape.name]
+    assert (shape.k, shape.n) == (full.k, full.n)
     lhs, rhs, sizes, dout = make_inputs(shape)
-    got = _fwd_bwd("pallas_mosaic", sizes)(lhs, rhs, dout)
+    got = _fwd_bwd_on_tiles_of(full, sizes)(lhs, rhs, dout)
     want = _numpy_fwd_bwd(lhs, rhs, dout, shape.group_sizes)
     for name, g, w in zip(("out", "d lhs", "d rhs"), got, want):
         assert g.dtype == jnp.bfloat16 and g.shape == w.shape
@@ -79,7 +100,7 @@ VARIANTS = {
 def test_every_row_kernel_variant_forward_and_transposed(variant):
     """Each row-kernel variant, whatever the tile table picks: forward, and rhs read transposed (as d lhs)."""
     cfg = VARIANTS[variant]
-    shape = GPU_TEST_SHAPES[1]  # K 768, N 2048: N not a multiple of 192, so the padded path too
+    shape = GPU_TEST_SHAPES[1]  # K 768, N 2048: N not a multiple of 192, so the padded path too; 16 ragged groups
     lhs, rhs, sizes, dout = make_inputs(shape)
     rows = gmm_rows_ws if cfg.warp_specialized else gmm_rows
     want, want_t, _ = _numpy_fwd_bwd(lhs, rhs, dout, shape.group_sizes)  # d lhs = dout @ rhs^T per group
@@ -91,7 +112,7 @@ def test_every_row_kernel_variant_forward_and_transposed(variant):
 def test_full_gpt_oss_down_shape_matches_and_compiles_to_mosaic_gpu():
     shape = next(s for s in BENCH_SHAPES if s.name == "gpt_oss_20b_down")
     lhs, rhs, sizes, dout = make_inputs(shape)
-    kernel = _fwd_bwd("pallas_mosaic", sizes)
+    kernel = _fwd_bwd("pallas_mosaic", sizes).lower(lhs, rhs, dout).compile()  # one compile: run and HLO
     got = kernel(lhs, rhs, dout)
     checked = (0, 1, len(shape.group_sizes) - 1)  # three groups' rows and weights: the full oracle is ~1.6 TFLOP
     want = _numpy_fwd_bwd(lhs, rhs, dout, shape.group_sizes, groups=checked)
@@ -100,7 +121,7 @@ def test_full_gpt_oss_down_shape_matches_and_compiles_to_mosaic_gpu():
     for name, g, w in zip(("out", "d lhs"), got, want):
         _assert_close(np.asarray(g, np.float32)[rows], w[rows], f"{shape.name} {name}")
     _assert_close(np.asarray(got[2], np.float32)[list(checked)], want[2][list(checked)], f"{shape.name} d rhs")
-    hlo = kernel.lower(lhs, rhs, dout).compile().as_text()
+    hlo = kernel.as_text()
     # forward, d lhs, d rhs: three Mosaic GPU kernels and no XLA ragged dot left
     assert len(re.findall(MOSAIC_CALL, hlo)) == 3, re.findall(r'custom_call_target="[^"]+"', hlo)
     assert "ragged" not in hlo

@@ -22,7 +22,7 @@ from jaxft.execution import ExecutionConfig
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models.decoder import Decoder
 from jaxft.train.step import loss_and_grad_sums, split_model, unstack_layers
-from gpu_helpers import NO_AUTOTUNE
+from gpu_helpers import FAST_COMPILE, NO_AUTOTUNE
 
 pytestmark = pytest.mark.gpu
 # serial: the temp sizes depend on the device memory XLA compiles for (gpu_check.sh runs these in one process).
@@ -42,8 +42,15 @@ SMALL_CFG = ModelConfig(model_type="llama", vocab_size=2048, hidden_size=512, in
 SMALL_T = 1024
 
 
-@functools.cache  # each setting compiled once per process, whichever test asks first
 def _compiled(remat: str, loop: str, attention: str = "cudnn", segments: bool = True, small: bool = False):
+    # One cache key per setting however it is passed: `_compiled("none", "scan", segments=False)` and
+    # `_compiled("none", "scan", "cudnn", False, False)` are one program (functools.cache keys on the call's form,
+    # and the cuDNN dense case compiled the memory test's three programs again: 38 s of the serial process).
+    return _compiled_once(remat, loop, attention, segments, small)
+
+
+@functools.cache  # each setting compiled once per process, whichever test asks first
+def _compiled_once(remat: str, loop: str, attention: str, segments: bool, small: bool):
     cfg, t = (SMALL_CFG, SMALL_T) if small else (CFG, T)
     model = nnx.eval_shape(lambda: apply_lora(Decoder(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
                                               LoraConfig(r=16, alpha=32)))
@@ -55,7 +62,10 @@ def _compiled(remat: str, loop: str, attention: str = "cudnn", segments: bool = 
         batch["segment_ids"] = None
     ex = ExecutionConfig(attention_implementation=attention, remat=remat, layer_loop=loop)
     step = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])
-    return step.lower(lora, frozen, batch).compile(compiler_options=NO_AUTOTUNE)
+    # The memory tests read temp sizes, which depend on the GEMM emitter (gpu_helpers): XLA's default emitters.
+    # The small programs are only searched for kernel forwards, which the remat policy decides before XLA's GEMM
+    # passes: cuBLAS GEMMs there, a shorter compile.
+    return step.lower(lora, frozen, batch).compile(compiler_options=FAST_COMPILE if small else NO_AUTOTUNE)
 
 
 def _host_copies(text: str) -> int:

@@ -13,6 +13,7 @@ import pytest
 from jaxft.execution import ExecutionConfig
 from jaxft.lora import LoraConfig
 from jaxft.run import Run
+from jaxft.remat import NAMES
 from jaxft.train import load_config, train
 from jaxft.train.optim import OptimConfig
 from test_train_fixtures import make_jsonl, make_tiny_model
@@ -111,6 +112,7 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert (policies["offload_stream"].remat, policies["offload_stream"].resolved_layer_loop) == (
         "offload_stream", "unroll")
     assert (policies["auto_40gb"].remat, policies["auto_40gb"].max_memory_gb) == ("auto", 37.25)
+    assert policies["save_named"].remat == "save=" + ",".join(NAMES)
     qlora = load_config(REPO / "examples/bench/qlora.yaml")
     assert (qlora.quant.quant_type, qlora.quant.double_quant, qlora.execution) == ("nf4", True, fast)
     qlora_lean = load_config(REPO / "examples/bench/qlora_lean.yaml")

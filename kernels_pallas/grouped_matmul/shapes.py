@@ -5,8 +5,9 @@ last group. ``BENCH_SHAPES``: the expert projections of Qwen3-30B-A3B (128 exper
 expert width 768: gate+up [2048 -> 1536], down [768 -> 2048]) at 8k tokens (65536 routed rows) and of
 GPT-OSS-20B (32 experts, top-4, hidden 2880, expert width 2880: gate_up [2880 -> 5760], down [2880 -> 2880])
 at 8k tokens (32768 rows), with ragged (fixed-seed, +-50 %) group sizes like a real router's.
-``GPU_TEST_SHAPES``: the same projections (same K, N and expert count, so the same tile configs) at ~4k / 2k
-rows, ragged sizes with empty groups and rows left over past the last group, for the GPU tests.
+``GPU_TEST_SHAPES``: the same projections (same K and N) at 16 / 8 experts and ~1k / 600 rows, ragged sizes with
+empty groups and rows left over past the last group, for the GPU tests, which run them on the tile configs of the
+full shapes (``GPU_TEST_TILES_OF``).
 """
 
 from __future__ import annotations
@@ -64,11 +65,15 @@ def _with_gaps(sizes: tuple[int, ...], empty: tuple[int, ...], extra: int) -> tu
 
 
 GPU_TEST_SHAPES: tuple[GmmShape, ...] = (
-    GmmShape("g_qwen_gate_up", _with_gaps(ragged_sizes(4000, 128, 1), (0, 5, 127), 3), 4096, 2048, 1536, "bfloat16"),
-    GmmShape("g_qwen_down", _with_gaps(ragged_sizes(4000, 128, 2), (64,), 1), 4096, 768, 2048, "bfloat16"),
-    GmmShape("g_gpt_oss_gate_up", _with_gaps(ragged_sizes(2000, 32, 3), (1, 31), 5), 2048, 2880, 5760, "bfloat16"),
-    GmmShape("g_gpt_oss_down", _with_gaps(ragged_sizes(2000, 32, 4), (0,), 7), 2048, 2880, 2880, "bfloat16"),
+    GmmShape("g_qwen_gate_up", _with_gaps(ragged_sizes(1000, 16, 1), (0, 5, 15), 3), 1024, 2048, 1536, "bfloat16"),
+    GmmShape("g_qwen_down", _with_gaps(ragged_sizes(1000, 16, 2), (8,), 1), 1024, 768, 2048, "bfloat16"),
+    GmmShape("g_gpt_oss_gate_up", _with_gaps(ragged_sizes(600, 8, 3), (1, 7), 5), 640, 2880, 5760, "bfloat16"),
+    GmmShape("g_gpt_oss_down", _with_gaps(ragged_sizes(600, 8, 4), (0,), 7), 640, 2880, 2880, "bfloat16"),
 )
+# The bench shape whose tile configs (mosaic.CONFIGS, keyed by K, N and the expert count) each GPU test shape runs:
+# the same K and N at fewer experts and rows, so the host oracle and the expert weights (up to 1 GiB at 32 experts)
+# stay small while every kernel variant of the full shapes is compiled and checked.
+GPU_TEST_TILES_OF: dict[str, GmmShape] = dict(zip((t.name for t in GPU_TEST_SHAPES), BENCH_SHAPES))  # in order
 
 
 def make_inputs(shape: GmmShape, seed: int = 0):
