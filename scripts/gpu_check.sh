@@ -56,6 +56,10 @@ if has tests; then
   if ! python3 -c "import xdist" 2>/dev/null && compgen -G ".peers/pytest/*.whl" > /dev/null; then
     python3 -m pip install -q --no-deps .peers/pytest/*.whl 2>&1 | tail -3
   fi
+  # bitsandbytes (not on the image) for the byte-exact quantiser tests: the carried peer wheel, when there.
+  if ! python3 -c "import bitsandbytes" 2>/dev/null && compgen -G ".peers/unsloth/bitsandbytes-*.whl" > /dev/null; then
+    python3 -m pip install -q --no-deps .peers/unsloth/bitsandbytes-*.whl 2>&1 | tail -3
+  fi
   if [ "$workers" -gt 1 ] && ! python3 -c "import xdist" 2>/dev/null; then
     stamp "no pytest-xdist: the gpu tests run in one process"; workers=1
   fi
