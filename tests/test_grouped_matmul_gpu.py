@@ -58,18 +58,14 @@ def _assert_close(got, want, what):
 
 
 def _fwd_bwd_on_tiles_of(full: GmmShape, sizes):
-    """Forward, d lhs and d rhs as `grouped_matmul`'s custom VJP computes them (mosaic._gmm, _gmm_bwd), on the
+    """Forward, d lhs and d rhs by the kernels of `grouped_matmul`'s custom VJP (mosaic.forward / backward), on the
     tile configs the table gives the full shape `full` (keyed by its K, N and expert count), for operands of
     fewer experts and rows."""
-    g = len(full.group_sizes)
-    cfg = mosaic.config_for(full.k, full.n, g)
-    cfg_dlhs = mosaic._dlhs_config(cfg, full.k, full.n, g)
-    assert (full.k, full.n, g) in mosaic.CONFIGS  # a tuned entry, not the default
+    key = (full.k, full.n, len(full.group_sizes))
+    assert key in mosaic.CONFIGS  # a tuned entry, not the default
 
     def run(lhs, rhs, dout):
-        out = mosaic._rows(cfg)(lhs, rhs, sizes, cfg)
-        dlhs = mosaic._rows(cfg_dlhs)(dout, rhs, sizes, cfg_dlhs, transpose_rhs=True)
-        return out, dlhs, mosaic.gmm_drhs(lhs, dout, sizes, cfg)
+        return mosaic.forward(lhs, rhs, sizes, key), *mosaic.backward(lhs, rhs, sizes, dout, key)
     return jax.jit(run)
 
 
