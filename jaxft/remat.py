@@ -64,7 +64,7 @@ FIXED = ("none", "full", "dots", "offload", "offload+attn", "offload_stream", "o
 # Device memory falls along the same order, so "the first that fits" is also "the fastest that fits".
 # offload_stream is not a candidate: through the explicit transfer of the unrolled loop it now saves memory, but
 # measured on the H200 (docs/benchmarks.md section 15, Gemma-2-9B 1 x 4096) it was 15% slower than no remat
-# (6,806 vs ~8,040 tok/s at 33.38 vs 38.20 GiB): the copies of the tensors made last in a layer end it, and full
+# (6,806 vs 8,038 tok/s at 33.38 vs 38.20 GiB, no remat from section 10's call): the copies of the tensors made last in a layer end it, and full
 # remat on the few layers a budget needs is cheaper.
 AUTO_ORDER = ("none", "offload+attn", "full", "offload")
 # How `auto` measures full remat's per-layer saving before trying it on the first k layers (Run._partial_remat):
