@@ -161,6 +161,50 @@ def test_xla_bf16_inputs(softcap):
     _close(value, t_value, 1e-4, "loss vs torch")
 
 
+@pytest.mark.parametrize("impl,chunk,softcap", [("xla", 16, 2.5), ("xla", 32, None), ("reference", None, 2.5)])
+def test_vocab_major_weight_equals_transposed(impl, chunk, softcap):
+    # A tied head passes the [V, H] embedding table as it is (weight_layout="vh"): the same loss and
+    # gradients as its [H, V] transpose, and d weight comes back [V, H].
+    hidden, weight, targets, weights = _problem(67, 32, 301, seed=4)
+    table = jnp.asarray(np.ascontiguousarray(np.asarray(weight).T))
+
+    def fn(layout):
+        return lambda h, w, t, m: linear_cross_entropy(h, w, t, m, chunk_size=chunk, logit_softcap=softcap,
+                                                       implementation=impl, weight_layout=layout)
+
+    value, grads = _value_and_grads(fn("vh"), hidden, table, targets, weights)
+    want, want_grads = _value_and_grads(fn("hv"), hidden, weight, targets, weights)
+    assert grads[1].shape == table.shape
+    _close(value, want, 1e-6, "loss")
+    for name, g, wg in zip(("dhidden", "dweight^T", "dweights"), (grads[0], grads[1].T, grads[2]), want_grads):
+        _close(g, wg, 1e-6, name)
+
+
+def _table_transposes(hlo: str, v: int, h: int) -> list[str]:
+    shapes = (f"[{v},{h}]", f"[{h},{v}]")
+    return [line for line in hlo.splitlines()
+            if " transpose(" in line and any(s in line.split("=")[0] + line.split("=")[1][:40] for s in shapes)]
+
+
+def test_vocab_major_weight_is_not_copied_transposed():
+    # Why the layout exists: `embedding.T` fed to the chunk loop was materialised as a transposed copy of the
+    # whole table (XLA does not fold a transpose into the loop's dots; 1.7 GiB for Gemma 2's table on the
+    # H200 target), the same on CPU. weight_layout="vh" reads the table in place.
+    n, h, v = 256, 64, 1000
+    args = (jax.ShapeDtypeStruct((n, h), jnp.bfloat16), jax.ShapeDtypeStruct((v, h), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.float32))
+
+    def hlo(transposed: bool) -> str:
+        def grad(hd, table, t, m):
+            w, layout = (table.T, "hv") if transposed else (table, "vh")
+            return jax.grad(lambda x: linear_cross_entropy(x, w, t, m, chunk_size=64, logit_softcap=30.0,
+                                                           weight_layout=layout))(hd)
+        return jax.jit(grad).lower(*args).compile().as_text()
+
+    assert _table_transposes(hlo(True), v, h), "the check no longer sees the transposed copy it guards against"
+    assert _table_transposes(hlo(False), v, h) == []
+
+
 def test_ignored_tokens_do_not_contribute():
     hidden, weight, targets, weights = _problem(40, 16, 97, seed=5, ignore_frac=0.5)
     keep = np.asarray(weights) != 0
@@ -224,7 +268,9 @@ def _bad_inputs():
     m = jnp.ones((6,), jnp.float32)
     return [
         ((h[None], w, t, m), {}, "flatten batch"),
-        ((h, w.T, t, m), {}, "embedding.T"),
+        ((h, w.T, t, m), {}, "weight_layout='vh'"),
+        ((h, w, t, m), {"weight_layout": "vh"}, "weight_layout='hv'"),
+        ((h, w, t, m), {"weight_layout": "v,h"}, "weight_layout must be"),
         ((h, w, t[:5], m), {}, "targets"),
         ((h, w, t.astype(jnp.float32), m), {}, "targets"),
         ((h, w, t, m[:5]), {}, "loss_mask"),

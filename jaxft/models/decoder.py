@@ -182,11 +182,14 @@ class Decoder(nnx.Module):
             x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.dtype)
         return x
 
-    def head_weight(self) -> jax.Array:
-        """The LM head as [H, V] (the tied embedding transposed when `tie_word_embeddings`)."""
+    def head_weight(self) -> tuple[jax.Array, str]:
+        """The LM head's weight as stored and its layout, for `linear_cross_entropy(..., weight_layout=)`:
+        (lm_head kernel [H, V], "hv"), or with `tie_word_embeddings` (the embedding table [V, H], "vh"). The
+        table is handed over untransposed: `embedding.T` fed to the loss's chunk loop was materialised as a
+        transposed copy (1.7 GiB for Gemma 2) at the no-remat step's memory peak."""
         if self.lm_head is None:
-            return self.embed.embedding[...].T
-        return self.lm_head.frozen_kernel(self.dtype if self.lm_head.quant is not None else None)
+            return self.embed.embedding[...], "vh"
+        return self.lm_head.frozen_kernel(self.dtype if self.lm_head.quant is not None else None), "hv"
 
     def __call__(self, input_ids=None, positions=None, segment_ids=None, *, dropout_rng=None,
                  execution: ExecutionConfig = DEFAULT_EXECUTION, inputs_embeds=None) -> jax.Array:

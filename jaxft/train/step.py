@@ -145,13 +145,14 @@ def model_inputs(model, batch: Batch) -> tuple[tuple, dict[str, jax.Array]]:
 
 def _ce_sum(model, hidden, batch: Batch, execution: ExecutionConfig) -> jax.Array:
     b, t, h = hidden.shape
+    weight, layout = model.head_weight()
     with jax.named_scope("cross_entropy"):
         return linear_cross_entropy(
-            hidden.reshape(b * t, h), model.head_weight(), batch["targets"].reshape(b * t),
+            hidden.reshape(b * t, h), weight, batch["targets"].reshape(b * t),
             batch["loss_mask"].reshape(b * t).astype(jnp.float32),
             logit_softcap=model.config.final_logit_softcap,
             chunk_size=execution.resolved_ce_chunk(b * t, model.config.vocab_size, h, hidden.dtype.itemsize),
-            implementation=execution.ce_implementation)
+            implementation=execution.ce_implementation, weight_layout=layout)
 
 
 def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.State, batch: Batch,

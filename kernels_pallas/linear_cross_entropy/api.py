@@ -24,22 +24,24 @@ from kernels_pallas._dispatch import ALL_PLATFORMS, Implementation, Op
 
 from .config import tiles_for
 from .reference import linear_cross_entropy_reference
-from .xla import linear_cross_entropy_xla
+from .xla import LAYOUTS, linear_cross_entropy_xla, vocab_axis
 
 _WHERE = "kernels_pallas/linear_cross_entropy/api.py: linear_cross_entropy"
 
 
-def _run_reference(hidden, weight, targets, weights, *, logit_softcap, chunk_size):
+def _run_reference(hidden, weight, targets, weights, *, logit_softcap, chunk_size, weight_layout):
     del chunk_size  # one [N, V] block by definition
-    return linear_cross_entropy_reference(hidden, weight, targets, weights, logit_softcap=logit_softcap)
+    return linear_cross_entropy_reference(hidden, weight, targets, weights, logit_softcap=logit_softcap,
+                                          weight_layout=weight_layout)
 
 
-def _run_xla(hidden, weight, targets, weights, *, logit_softcap, chunk_size):
-    n, vocab = hidden.shape[0], weight.shape[1]
+def _run_xla(hidden, weight, targets, weights, *, logit_softcap, chunk_size, weight_layout):
+    n, vocab = hidden.shape[0], weight.shape[vocab_axis(weight_layout)]
     if chunk_size is None:
         chunk_size = tiles_for(jax.devices()[0].device_kind, n, vocab)
     return linear_cross_entropy_xla(
-        hidden, weight, targets, weights, chunk_size=min(int(chunk_size), n), logit_softcap=logit_softcap
+        hidden, weight, targets, weights, chunk_size=min(int(chunk_size), n), logit_softcap=logit_softcap,
+        weight_layout=weight_layout,
     )
 
 
@@ -62,6 +64,7 @@ class _Options:
     logit_softcap: float | None
     chunk_size: int | None
     implementation: str | None
+    weight_layout: str = "hv"
 
     def __post_init__(self) -> None:
         cap = self.logit_softcap
@@ -87,11 +90,18 @@ class _Options:
                 f"positive int number of tokens per chunk, got {size!r}."
             )
         OP.canonical(self.implementation)  # one-line error for an unknown name
+        if self.weight_layout not in LAYOUTS:
+            raise ValueError(
+                f"{_WHERE}: weight_layout must be 'hv' (weight [H, V], an lm_head kernel) or 'vh' "
+                f"(weight [V, H], a tied embedding table), got {self.weight_layout!r}."
+            )
 
 
-def _check_arrays(hidden, weight, targets, weights) -> None:
+def _check_arrays(hidden, weight, targets, weights, layout: str) -> None:
     def fail(msg: str) -> None:
         raise ValueError(f"{_WHERE}: {msg}")
+
+    shape_name = "[H, V]" if layout == "hv" else "[V, H]"
 
     if hidden.ndim != 2:
         fail(
@@ -99,15 +109,15 @@ def _check_arrays(hidden, weight, targets, weights) -> None:
             f"sequence axes first (hidden.reshape(-1, H))."
         )
     if weight.ndim != 2:
-        fail(f"weight must be [H, V] (lm_head kernel layout), got {weight.shape}.")
+        fail(f"weight must be {shape_name} (weight_layout={layout!r}), got {weight.shape}.")
     n, h = hidden.shape
-    if weight.shape[0] != h:
-        fail(
-            f"weight {weight.shape} must be [H, V] with H={h} from hidden "
-            f"{hidden.shape}; pass an embedding table [V, H] transposed (embedding.T)."
-        )
-    if n == 0 or weight.shape[1] == 0:
-        fail(f"needs at least one token and one vocabulary entry, got N={n}, V={weight.shape[1]}.")
+    vocab = weight.shape[vocab_axis(layout)]
+    if weight.shape[1 - vocab_axis(layout)] != h:
+        hint = ("; pass an embedding table [V, H] as it is with weight_layout='vh'" if layout == "hv"
+                else "; pass an lm_head kernel [H, V] with weight_layout='hv'")
+        fail(f"weight {weight.shape} must be {shape_name} with H={h} from hidden {hidden.shape}{hint}.")
+    if n == 0 or vocab == 0:
+        fail(f"needs at least one token and one vocabulary entry, got N={n}, V={vocab}.")
     for name, x in (("hidden", hidden), ("weight", weight)):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             fail(f"{name} must be floating point (bf16/fp32), got {x.dtype}.")
@@ -133,13 +143,16 @@ def linear_cross_entropy(
     logit_softcap: float | None = None,
     chunk_size: int | None = None,
     implementation: str | None = "xla",
+    weight_layout: str = "hv",
 ) -> jax.Array:
     """Weighted sum of token cross-entropies of ``hidden @ weight``.
 
     Args:
       hidden: ``[N, H]`` bf16/fp32 hidden states (after the final norm).
-      weight: ``[H, V]`` output projection (``lm_head.kernel``, or
-        ``embedding.T`` when tied).
+      weight: ``[H, V]`` output projection (``lm_head.kernel``), or with
+        ``weight_layout="vh"`` a ``[V, H]`` embedding table (tied head), read in
+        place: passing ``embedding.T`` instead costs a materialised transposed
+        copy of the table (the chunk loop keeps XLA from folding the transpose).
       targets: ``[N]`` integer target ids; values of ignored tokens are never
         used (they are clipped into range), so -100 padding is fine.
       weights: ``[N]`` float per-token weights; 0 ignores the token.  The loss
@@ -152,17 +165,20 @@ def linear_cross_entropy(
       implementation: ``"xla"`` (chunked, custom VJP; never holds ``[N, V]``),
         ``"reference"`` (naive full logits; for tests and benchmarks), or
         ``"auto"``/None (``"xla"``).
+      weight_layout: ``"hv"`` (default) or ``"vh"``, see ``weight``; the weight
+        gradient comes back in the same layout.
 
     Returns:
       fp32 scalar ``sum_i weights_i * CE_i``.  Differentiable w.r.t.
       ``hidden``, ``weight`` and ``weights``; gradients that are not requested
       are not computed (in particular no ``[H, V]`` work for a frozen head).
     """
-    options = _Options(logit_softcap, chunk_size, implementation)
+    options = _Options(logit_softcap, chunk_size, implementation, weight_layout)
     hidden, weight = jnp.asarray(hidden), jnp.asarray(weight)
     targets, weights = jnp.asarray(targets), jnp.asarray(weights)
-    _check_arrays(hidden, weight, targets, weights)
+    _check_arrays(hidden, weight, targets, weights, options.weight_layout)
     targets = targets.astype(jnp.int32)
     impl = OP.resolve(options.implementation)
     return impl.fn(hidden, weight, targets, weights,
-                   logit_softcap=options.logit_softcap, chunk_size=options.chunk_size)
+                   logit_softcap=options.logit_softcap, chunk_size=options.chunk_size,
+                   weight_layout=options.weight_layout)

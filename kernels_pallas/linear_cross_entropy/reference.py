@@ -30,12 +30,14 @@ def linear_cross_entropy_reference(
     weights: jax.Array,
     *,
     logit_softcap: float | None = None,
+    weight_layout: str = "hv",
 ) -> jax.Array:
     """Weighted sum of token cross-entropies, computed from full logits.
 
     Args:
       hidden: ``[N, H]`` hidden states (bf16 or fp32).
-      weight: ``[H, V]`` output projection.
+      weight: ``[H, V]`` output projection, or ``[V, H]`` (an embedding table) with
+        ``weight_layout="vh"``.
       targets: ``[N]`` int target ids.
       weights: ``[N]`` per-token weights (0 = ignored).
       logit_softcap: optional ``cap``; logits become ``cap * tanh(x / cap)``.
@@ -46,12 +48,12 @@ def linear_cross_entropy_reference(
     logits = lax.dot_general(
         hidden,
         weight,
-        (((1,), (0,)), ((), ())),
+        (((1,), (0 if weight_layout == "hv" else 1,)), ((), ())),
         preferred_element_type=jnp.float32,
     )
     if logit_softcap is not None:
         logits = logit_softcap * jnp.tanh(logits / logit_softcap)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    safe_targets = jnp.clip(targets, 0, weight.shape[1] - 1)
+    safe_targets = jnp.clip(targets, 0, logits.shape[1] - 1)
     target_logits = jnp.take_along_axis(logits, safe_targets[:, None], axis=-1)[:, 0]
     return jnp.sum(weights.astype(jnp.float32) * (lse - target_logits))

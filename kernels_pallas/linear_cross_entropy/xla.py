@@ -18,6 +18,14 @@ Gradient.  With the output cotangent ``g = dJ/dL``:
     dW       = hidden^T @ dx = sum_chunks h_c^T @ dx_c   (fp32 accumulator)
     dw_i     = g * CE_i
 
+Weight layout.  ``W`` comes as ``[H, V]`` (``layout="hv"``: an ``lm_head`` kernel) or as ``[V, H]``
+(``layout="vh"``: a tied embedding table, read in place).  Only the contraction dimensions of the three
+matmuls change (``h W`` contracts H of either layout, ``dx W^T`` contracts V, ``dW`` comes out in the
+weight's own layout).  Why not pass ``embedding.T``: the chunk loop is an XLA while loop, and XLA does
+not fold a transpose into a dot across the loop boundary, so ``embedding.T`` became a materialised
+``[H, V]`` copy, live through the loss's forward pass (1.7 GiB for Gemma 2's 256k x 3584 table,
+compiled for an H200), which is the no-remat step's memory peak.
+
 Only ``l`` (and ``CE`` when ``weights`` is differentiated) is kept between the
 passes; the backward pass recomputes each chunk's logits.  The tokens are
 processed in chunks of ``C`` rows, so the live logits are ``[C, V]`` instead
@@ -101,10 +109,18 @@ def _rows(x: jax.Array, start, size: int) -> jax.Array:
     return lax.dynamic_slice_in_dim(x, start, size, axis=0)
 
 
-def _raw_logits(h: jax.Array, weight: jax.Array) -> jax.Array:
-    """``h [C, H] @ weight [H, V]`` with fp32 accumulation and fp32 result."""
+LAYOUTS = ("hv", "vh")
+
+
+def vocab_axis(layout: str) -> int:
+    """The weight's vocabulary axis: 1 for ``[H, V]`` ("hv"), 0 for ``[V, H]`` ("vh")."""
+    return 1 if layout == "hv" else 0
+
+
+def _raw_logits(h: jax.Array, weight: jax.Array, layout: str) -> jax.Array:
+    """``h [C, H] @ W`` (``W`` = weight, or weight^T for "vh") with fp32 accumulation and fp32 result."""
     return lax.dot_general(
-        h, weight, (((1,), (0,)), ((), ())), preferred_element_type=_F32
+        h, weight, (((1,), (1 - vocab_axis(layout),)), ((), ())), preferred_element_type=_F32
     )
 
 
@@ -113,18 +129,24 @@ def _safe_targets(targets: jax.Array, vocab: int) -> jax.Array:
     return jnp.clip(targets, 0, vocab - 1)
 
 
-def _capped_logits(h, weight, softcap: float | None):
+def _capped_logits(h, weight, softcap: float | None, layout: str):
     """``(z, tanh(x / c))`` for one chunk, ``x = h @ W``; the tanh is None without soft-cap."""
-    x = _raw_logits(h, weight)
+    x = _raw_logits(h, weight, layout)
     if softcap is None:
         return x, None
     tz = jnp.tanh(x / softcap)
     return softcap * tz, tz
 
 
-def _hidden_grad(dx, weight):
+def _hidden_grad(dx, weight, layout: str):
     """``dx [C, V] @ W^T`` with fp32 accumulation."""
-    return lax.dot_general(dx, weight, (((1,), (1,)), ((), ())), preferred_element_type=_F32)
+    return lax.dot_general(dx, weight, (((1,), (vocab_axis(layout),)), ((), ())), preferred_element_type=_F32)
+
+
+def _weight_grad(h, dx, layout: str):
+    """``h^T dx`` [H, V] ("hv") or ``dx^T h`` [V, H] ("vh") for one chunk, fp32."""
+    lhs, rhs = (h, dx) if layout == "hv" else (dx, h)
+    return lax.dot_general(lhs, rhs, (((0,), (0,)), ((), ())), preferred_element_type=_F32)
 
 
 def _dlogits(z, tz, lse, t, coef, dtype):
@@ -139,21 +161,21 @@ def _dlogits(z, tz, lse, t, coef, dtype):
     return dx.astype(dtype)
 
 
-def _forward(hidden, weight, targets, chunk: int, softcap: float | None, weights=None):
+def _forward(hidden, weight, targets, chunk: int, softcap: float | None, layout: str, weights=None):
     """Per-token ``(lse [N], CE [N])`` in fp32, chunk by chunk; with ``weights`` also the unit hidden
     gradient ``U = dx(g=1) @ W^T`` [N, H] (the frozen-head eager gradient, see the module docstring)."""
-    vocab = weight.shape[1]
+    vocab = weight.shape[vocab_axis(layout)]
     dtype = jnp.promote_types(hidden.dtype, weight.dtype)
 
     def body(carry, start, size):
-        z, tz = _capped_logits(_rows(hidden, start, size), weight, softcap)
+        z, tz = _capped_logits(_rows(hidden, start, size), weight, softcap, layout)
         lse = jax.nn.logsumexp(z, axis=-1)
         t = _safe_targets(_rows(targets, start, size), vocab)
         z_t = jnp.take_along_axis(z, t[:, None], axis=-1)[:, 0]
         if weights is None:
             return carry, (lse, lse - z_t)
         coef = _rows(weights, start, size).astype(_F32)
-        unit = _hidden_grad(_dlogits(z, tz, lse, t, coef, dtype), weight)
+        unit = _hidden_grad(_dlogits(z, tz, lse, t, coef, dtype), weight, layout)
         return carry, (lse, lse - z_t, unit.astype(hidden.dtype))
 
     _, out = _scan_chunks(body, None, hidden.shape[0], chunk)
@@ -164,13 +186,13 @@ def _weighted_sum(weights: jax.Array, ce: jax.Array) -> jax.Array:
     return jnp.sum(weights.astype(_F32) * ce)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _linear_cross_entropy(hidden, weight, targets, weights, chunk, softcap):
-    _, ce = _forward(hidden, weight, targets, chunk, softcap)
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _linear_cross_entropy(hidden, weight, targets, weights, chunk, softcap, layout):
+    _, ce = _forward(hidden, weight, targets, chunk, softcap, layout)
     return _weighted_sum(weights, ce)
 
 
-def _fwd(hidden, weight, targets, weights, chunk, softcap):
+def _fwd(hidden, weight, targets, weights, chunk, softcap, layout):
     perturbed = _Perturbed(
         hidden=hidden.perturbed, weight=weight.perturbed, weights=weights.perturbed
     )
@@ -178,10 +200,10 @@ def _fwd(hidden, weight, targets, weights, chunk, softcap):
         hidden.value, weight.value, targets.value, weights.value
     )
     if perturbed.hidden and not perturbed.weight:
-        lse, ce, unit = _forward(hidden, weight, targets, chunk, softcap, weights)
+        lse, ce, unit = _forward(hidden, weight, targets, chunk, softcap, layout, weights)
         loss = _weighted_sum(weights, ce)
         return loss, (unit, None, None, weights, None, ce if perturbed.weights else None, perturbed)
-    lse, ce = _forward(hidden, weight, targets, chunk, softcap)
+    lse, ce = _forward(hidden, weight, targets, chunk, softcap, layout)
     loss = _weighted_sum(weights, ce)
     # CE is only needed for d/dweights; keep [N] fp32 only then.
     residuals = (
@@ -191,7 +213,7 @@ def _fwd(hidden, weight, targets, weights, chunk, softcap):
     return loss, residuals
 
 
-def _bwd(chunk, softcap, residuals, g):
+def _bwd(chunk, softcap, layout, residuals, g):
     hidden, weight, targets, weights, lse, ce, perturbed = residuals
     if isinstance(g, SymbolicZero):
         return (None, None, None, None)
@@ -201,7 +223,7 @@ def _bwd(chunk, softcap, residuals, g):
         dweights = (g.astype(_F32) * ce).astype(weights.dtype) if perturbed.weights else None
         return (dhidden, None, None, dweights)
     need_dh, need_dw = perturbed.hidden, perturbed.weight
-    num_tokens, vocab = hidden.shape[0], weight.shape[1]
+    num_tokens, vocab = hidden.shape[0], weight.shape[vocab_axis(layout)]
     compute_dtype = jnp.promote_types(hidden.dtype, weight.dtype)
     g = g.astype(_F32)
 
@@ -210,15 +232,13 @@ def _bwd(chunk, softcap, residuals, g):
 
         def body(dw_acc, start, size):
             h = _rows(hidden, start, size)
-            z, tz = _capped_logits(h, weight, softcap)
+            z, tz = _capped_logits(h, weight, softcap, layout)
             t = _safe_targets(_rows(targets, start, size), vocab)
             coef = g * _rows(weights, start, size).astype(_F32)
             dx = _dlogits(z, tz, _rows(lse, start, size), t, coef, compute_dtype)
-            dh = _hidden_grad(dx, weight).astype(hidden.dtype) if need_dh else None
+            dh = _hidden_grad(dx, weight, layout).astype(hidden.dtype) if need_dh else None
             if need_dw:
-                dw_acc = dw_acc + lax.dot_general(
-                    h, dx, (((0,), (0,)), ((), ())), preferred_element_type=_F32
-                )
+                dw_acc = dw_acc + _weight_grad(h, dx, layout)
             return dw_acc, dh
 
         init = jnp.zeros(weight.shape, _F32) if need_dw else None
@@ -241,8 +261,9 @@ def linear_cross_entropy_xla(
     *,
     chunk_size: int,
     logit_softcap: float | None,
+    weight_layout: str = "hv",
 ) -> jax.Array:
     """Chunked forward/backward; inputs are assumed validated by ``api.py``."""
     return _linear_cross_entropy(
-        hidden, weight, targets, weights, chunk_size, logit_softcap
+        hidden, weight, targets, weights, chunk_size, logit_softcap, weight_layout
     )
