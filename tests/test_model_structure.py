@@ -190,6 +190,14 @@ def test_alternating_stack_scans_over_periods_with_unrolled_numbers(num_layers):
     lengths = sorted(e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan")
     # forward and backward: the period scan (L // 2 steps) and, for odd L, the last layer's own scan
     assert lengths == sorted([num_layers // 2] * 2 + [1] * 2 * (num_layers % 2))
+    # The forward period scan stacks, for the backward, the layer inputs alone: never a copy of a layer's frozen
+    # weights (each position slices its row of the period's block inside its checkpoint; sliced before the
+    # call, the rows were stacked residuals: a second copy of every layer's weights, 0.38 GiB a Gemma-2-9B
+    # layer). The frozen weights here are [64, 64] (q, o, gate, up, down) and [64, 32] (k, v) per layer.
+    weight_rows = {(64, 64), (64, 32)}
+    stacked = [v.aval.shape for e in jaxpr.eqns if e.primitive.name == "scan" and e.params["length"] > 1
+               for v in e.outvars if v.aval.shape[1:] in weight_rows]
+    assert stacked == [], f"the period scan stacks weight copies {stacked}"
     got_loss, got = jax.value_and_grad(loss)(lora, frozen)
     want_loss, want = jax.value_and_grad(loss)(lora, unstack_layers(frozen))
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)

@@ -154,11 +154,11 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
                          "(layer_loop: unroll)")
     without = RematPolicy("none")
 
-    def fn_for(group, policy=policy):
+    def fn_for(group, policy=policy, row=None):
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
         fn = _layer_fn(split[group.stack][0], ctx, dropout_rng, policy=policy,
                        prevent_cse=unrolled and not (policy.offloads and _places_memory()),
-                       transfer=resolve_transfer(policy, unrolled))
+                       transfer=resolve_transfer(policy, unrolled), row=row)
         if router_stats is None:
             return fn
         return _summing_stats(fn) if "router_token_weights" in ctx else _passing_stats(fn)
@@ -168,7 +168,6 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     period = None if unrolled else layer_period(groups)
     if period is not None:
         kinds = [g for g in groups for _ in range(g.start, g.end)][:period]
-        fns = [fn_for(g) for g in kinds]  # one per position in the period: its window, RoPE table and stack
         # Position j of the period reads row `slot[j]` of its stack's rows for the period.
         counts: dict[str, int] = {}
         slot = []
@@ -176,11 +175,14 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
             slot.append(counts.get(g.stack, 0))
             counts[g.stack] = counts.get(g.stack, 0) + 1
         reps = num_layers // period
+        # One fn per position in the period (its window, RoPE table and stack); each takes the period's block of
+        # its stack and slices its row itself, inside its checkpoint (`_layer_fn` row=): see there for why.
+        fns = [fn_for(g, row=slot[j]) for j, g in enumerate(kinds)]
 
         def body(carry, xs):
             period_states, base = xs
             for j, (fn, g) in enumerate(zip(fns, kinds)):
-                carry = fn(carry, jax.tree.map(lambda leaf: leaf[slot[j]], period_states[g.stack]), base + j)
+                carry = fn(carry, period_states[g.stack], base + j)
             return carry, None
 
         head = {name: jax.tree.map(lambda leaf, c=c: leaf[:reps * c].reshape(reps, c, *leaf.shape[1:]),
@@ -252,10 +254,20 @@ def _places_memory() -> bool:
 
 
 def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_cse: bool,
-              transfer: str = "policy"):
+              transfer: str = "policy", row: int | None = None):
     """`(x, layer_state, index) -> x` for one layer, rematerialised per `policy`; `transfer` "explicit" (only
-    for a policy that `explicit_capable` accepts) moves the layer input to the host through `jaxft.offload`."""
+    for a policy that `explicit_capable` accepts) moves the layer input to the host through `jaxft.offload`.
+
+    `row` (a periodic scan's body): `layer_state` is the period's block of the stack ([c, ...] leaves) and the
+    layer's weights are its row `row`. The slice is taken inside the layer's checkpoint and never saved: had the
+    body sliced the block before the call, each slice would be a value made inside the scan, which the scan's
+    backward keeps as a stacked residual, i.e. a second copy of every layer's frozen weights (compiled for an
+    H200, Gemma-2-9B: 0.49 GiB a layer at 1 x 16384 with full remat, of which 0.38 GiB were weight copies). The
+    block itself is a scan input, which the backward reads in place. (Without remat nothing is gained: see
+    below.)"""
     def layer_fn(carry, layer_state, index):
+        if row is not None:
+            layer_state = jax.tree.map(lambda leaf: leaf[row], layer_state)
         layer = nnx.merge(graphdef, layer_state)
         carry = constrain_rows(carry)  # rows stay split: the partitioner gathers this layer's weights instead
         carry = checkpoint_name(carry, LAYER_INPUT)  # a no-op unless the policy keeps or offloads it
@@ -263,6 +275,9 @@ def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_
         return layer(carry, layer_ctx, rng)
 
     if not policy.checkpointed:
+        # Without remat the backward keeps the weights the matmuls read, whichever way they are sliced (a
+        # save-anything-but-the-slice checkpoint measured 1 GiB more on 4 Gemma-2-9B layers), so no remat is
+        # unrolled by default (`ExecutionConfig.resolved_layer_loop`).
         return layer_fn
     if transfer == "explicit":  # host copies in a custom VJP whose barriers order them (jaxft.offload)
         offloaded = host_offloaded(layer_fn, None if policy.explicit_capable else policy.jax_policy())
