@@ -45,6 +45,7 @@ Usage (the harness does this): python scripts/bench_jaxft_worker.py --task TASKS
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -316,6 +317,10 @@ def _run_task(task: Task, out_json: str, cache: ModelCache) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    # remat auto's lines (the budget, every candidate's estimate, the choice) go to the session's log: a row that
+    # fails (out of memory, say) records no settings, and these lines are then all that says what ran and why.
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("jaxft.run").setLevel(logging.INFO)
     if "--task" in sys.argv:  # before worker_main imports JAX's backend (XLA_FLAGS is read once)
         setup_profiling(load_tasks(sys.argv[sys.argv.index("--task") + 1])[0])
     sys.exit(worker_main(_run_task))
