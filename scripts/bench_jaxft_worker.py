@@ -193,6 +193,15 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
         compile_s = run.compile_seconds
     analysis = run.memory_analysis()
     before = device.memory_stats() or {}  # None on CPU
+    if before:
+        # XLA allocates the step's temp as one buffer: where the allocator's pool (its regions, which can exceed the
+        # bytes in use) leaves less than that below its limit, the first step runs out of memory. One line before
+        # the steps, so a failed row's log says by how much (docs/benchmarks.md section 16).
+        gib = 2**30
+        print(f"[jaxft] device memory before the steps: in use {before.get('bytes_in_use', 0) / gib:.2f} GiB, pool "
+              f"{before.get('pool_bytes', 0) / gib:.2f} GiB, largest free block "
+              f"{before.get('largest_free_block_bytes', 0) / gib:.2f} GiB, limit {before.get('bytes_limit', 0) / gib:.2f} "
+              f"GiB; the step's temp {analysis.get('temp_size_in_bytes', 0) / gib:.2f} GiB", flush=True)
     times, losses = [], []
     for i in range(steps):
         t0 = time.perf_counter()
@@ -254,7 +263,10 @@ def _task_peak(before: dict[str, int], after: dict[str, int],
     estimate = in_use + analysis.get("temp_size_in_bytes", 0) + analysis.get("output_size_in_bytes", 0) \
         - analysis.get("alias_size_in_bytes", 0)
     numbers = {"bytes_in_use_before_steps": in_use, "process_peak_before_steps": peak_before,
-               "process_peak_after_steps": peak_after, "static_estimate": int(estimate)}
+               "process_peak_after_steps": peak_after, "static_estimate": int(estimate),
+               # the allocator's regions and limit (what a one-buffer temp must fit beside)
+               "pool_bytes_before_steps": int(before.get("pool_bytes", 0)),
+               "bytes_limit": int(before.get("bytes_limit", 0))}
     if peak_after > peak_before:  # the allocator's maximum was reached during these steps
         return peak_after, "allocator", numbers
     return int(estimate), "static_estimate", numbers

@@ -439,6 +439,9 @@ def test_jax_task_peak_uses_the_allocator_only_when_the_steps_raised_it():
     assert _task_peak(before, {"peak_bytes_in_use": 700}, analysis)[:2] == (700, "allocator")
     # An earlier task (or the load) set the process peak: fall back to in-use + temp + output - alias.
     assert _task_peak(before, {"peak_bytes_in_use": 500}, analysis)[:2] == (100 + 50 + 30 - 20, "static_estimate")
+    # The allocator's regions and limit are recorded beside (the step's temp is one buffer that must fit there).
+    numbers = _task_peak({**before, "pool_bytes": 400, "bytes_limit": 900}, {"peak_bytes_in_use": 700}, analysis)[2]
+    assert (numbers["pool_bytes_before_steps"], numbers["bytes_limit"]) == (400, 900)
 
 
 def test_markdown_marks_static_memory_estimates():
