@@ -15,6 +15,21 @@ from jaxft.quant import blockwise  # noqa: E402
 from kernels_pallas import nf4_matmul  # noqa: E402
 from kernels_pallas.nf4_matmul.codes import DYNAMIC, FP4, NF4  # noqa: E402
 
+
+def _bnb_dequantize_4bit(packed, absmax, quant_type, blocksize, shape, dtype) -> np.ndarray:
+    """bitsandbytes' own dequantisation of 4-bit bytes, in its generic implementation: blocks of `blocksize` over
+    the flattened weight, as its CUDA kernel and the checkpoint format have them. Not its CPU C kernel: on an x86 CPU
+    where bitsandbytes loads that library it blocks each ROW (seen with bitsandbytes 0.50.2 on an AVX-512 Xeon: it
+    disagrees with bitsandbytes' generic and CUDA paths, and with its own quantiser's bytes, whenever the row length
+    is not a multiple of the block), so `functional.dequantize_4bit` is a different oracle on different machines.
+    bitsandbytes itself falls back to this generic code for odd rows and, with AVX-512, for blocks >= 2048."""
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+    from bitsandbytes.backends.utils import _get_4bit_code
+
+    code = _get_4bit_code(quant_type, packed.device)
+    return _dequantize_4bit_compute(packed.reshape(-1).view(torch.uint8), absmax.float(), code, blocksize, shape,
+                                    dtype).float().numpy()
+
 # (out, in, blocksize): block-aligned projections, one whose size is not a multiple of the block (a partial last
 # block, handled by the same formula) and the extreme block sizes.
 CASES = [(96, 64, 64), (48, 80, 32), (64, 96, 128), (40, 72, 4096), (128, 192, 256), (20, 24, 64)]
@@ -46,8 +61,8 @@ def test_packed_bytes_and_absmax_equal_bitsandbytes(quant_type, dtype, out_f, in
     assert np.array_equal(np.asarray(ours.packed), ref_q.numpy().reshape(-1))
     assert np.asarray(ours.absmax).dtype == np.float32
     assert np.array_equal(np.asarray(ours.absmax), ref_state.absmax.numpy())
-    # Dequantised: bitsandbytes' own kernel on the same bytes, in the weight's dtype.
-    ref = bnb_functional.dequantize_4bit(ref_q, ref_state).float().numpy()
+    # Dequantised: bitsandbytes' own dequantisation of the same bytes, in the weight's dtype.
+    ref = _bnb_dequantize_4bit(ref_q, ref_state.absmax, quant_type, blocksize, (out_f, in_f), t.dtype)
     got = nf4_matmul.dequantize_4bit(ours.packed, ours.absmax, shape=(out_f, in_f), blocksize=blocksize,
                                      quant_type=quant_type, dtype=w.dtype)
     assert np.array_equal(np.asarray(got, np.float32), ref)
@@ -70,7 +85,7 @@ def test_double_quant_equals_bitsandbytes(out_f, in_f, blocksize):
     # The de-nested absmax, and the weight, as bitsandbytes dequantises them.
     ref_absmax = bnb_functional.dequantize_blockwise(ref_state.absmax, ref_state.state2) + ref_state.offset
     assert np.array_equal(np.asarray(blockwise.dequantize_absmax(q, nested, ref_offset)), ref_absmax.numpy())
-    ref = bnb_functional.dequantize_4bit(ref_q, ref_state).numpy()
+    ref = _bnb_dequantize_4bit(ref_q, ref_absmax, "nf4", blocksize, (out_f, in_f), torch.float32)
     got = nf4_matmul.dequantize_4bit(ours.packed, blockwise.dequantize_absmax(q, nested, ref_offset),
                                      shape=(out_f, in_f), blocksize=blocksize, dtype=jnp.float32)
     assert np.array_equal(np.asarray(got), ref)

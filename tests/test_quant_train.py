@@ -22,6 +22,7 @@ import jaxft  # noqa: E402
 from jaxft.models.layers import Quant4bit  # noqa: E402
 from jaxft.train import TrainConfig, train  # noqa: E402
 from jaxft.train.config import TrainConfigError  # noqa: E402
+from bnb_helpers import cpu_4bit_logit_tol  # noqa: E402
 from lora_helpers import rel_err  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,4 +69,4 @@ def test_qlora_run_exports_an_adapter_peft_loads_on_bitsandbytes(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     got = np.asarray(nnx.jit(lambda m, x: m(x))(ours, jnp.asarray(ids)))
-    assert rel_err(got, ref) < 1e-5
+    assert rel_err(got, ref) < cpu_4bit_logit_tol(1e-5)  # bitsandbytes' CPU kernel may compute in bf16

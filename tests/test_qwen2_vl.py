@@ -122,7 +122,9 @@ def test_vision_attention_stays_inside_each_image(hf):
     alone = np.asarray(run(jnp.asarray(pixels[:60]), jnp.asarray(grids[:1])))
     both = np.asarray(run(jnp.asarray(pixels), jnp.asarray(grids)))
     # The first image's tokens do not depend on the second image (nor on being packed with it).
-    np.testing.assert_allclose(both[:15], alone, rtol=1e-5, atol=1e-6)
+    # Rounding only (other matmul shapes, other blockings: ~2e-6 on outputs up to ~2.3 on an AVX-512 CPU); a leak
+    # across images would move the outputs by their own size.
+    np.testing.assert_allclose(both[:15], alone, rtol=1e-5, atol=1e-5 * float(np.abs(alone).max()))
     changed = pixels.copy()
     changed[60:] += 1.0
     again = np.asarray(run(jnp.asarray(changed), jnp.asarray(grids)))
