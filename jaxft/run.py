@@ -313,7 +313,7 @@ class Run:
                     continue
                 finally:
                     self.execution = dataclasses.replace(self.execution, max_memory_gb=base.max_memory_gb)
-                estimate = self.remat_estimates[self.execution.remat]
+                estimate = self.remat_choice[1]
             else:
                 self.compile(host_batch)
                 estimate = peak_estimate(self.memory_analysis())
@@ -399,6 +399,16 @@ class Run:
             "max_memory_gb", f"no remat policy fits in {budget / GIB:.3f} GiB ({source}): the smallest estimate is "
             f"{smallest} at {self.remat_estimates[smallest] / GIB:.3f} GiB; raise max_memory_gb, or lower "
             "per_device_train_batch_size / max_seq_length")
+
+    @property
+    def remat_choice(self) -> tuple[str, int] | None:
+        """What `remat: auto` chose, named as in `remat_estimates` ("full on 2 layers" for full remat on the first
+        2 layers), and its estimated peak bytes; None when auto has not run."""
+        if not self.remat_estimates:
+            return None
+        ex = self.execution
+        name = ex.remat if ex.remat_layers is None else f"{ex.remat} on {ex.remat_layers} layers"
+        return name, self.remat_estimates[name]
 
     def _partial_remat(self, fits, shallow, budget: int, log) -> bool:
         """After "none" does not fit: full remat on the first k layers only (`remat_layers`), the smallest k that

@@ -98,6 +98,9 @@ def test_auto_takes_the_fewest_layers_that_fit_when_no_remat_does_not(model_dir,
     probe = [line for line in lines if line.startswith(f"remat auto: full on {LAYERS} layers ")]
     assert len(probe) == 1 and probe[0].endswith("-> fits (probe)")  # measured, not chosen
     assert sum(line.endswith("fits: chosen") for line in lines) == 1
+    # The choice as the estimates name it (the end-of-training "estimate vs measured" line reads it; keyed by the
+    # bare policy it raised KeyError after a partial choice).
+    assert run.remat_choice == ("full on 2 layers", estimates[2])
     run.load()
     assert np.isfinite(float(run.step(_batch(), 0)["loss"]))
 

@@ -333,12 +333,11 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                          training_seconds=meter.training_seconds, compile_seconds=run.compile_seconds,
                          peak_memory_bytes=device_peak_bytes(), wall_seconds=time.perf_counter() - wall_start)
     logger.info("summary: %s", summary.line())
-    if run.remat_estimates:
-        chosen = run.execution.remat
+    if run.remat_choice is not None:
+        chosen, estimate = run.remat_choice
         measured = ("not measured (the CPU keeps no allocator statistics)" if summary.peak_memory_bytes is None
                     else f"measured allocator peak {summary.peak_memory_bytes / 2**30:.3f} GiB")
-        logger.info("remat auto: %s estimated peak %.3f GiB, %s", chosen, run.remat_estimates[chosen] / 2**30,
-                    measured)
+        logger.info("remat auto: %s estimated peak %.3f GiB, %s", chosen, estimate / 2**30, measured)
     return TrainResult(output_dir=out, adapter_dir=adapter_dir, merged_dir=merged_dir, metrics_path=writer.path,
                        loss_curve=curve, checkpoint_dir=out / "checkpoints", global_step=step, train_loss=last_loss,
                        eval_loss=last_eval, resumed_from=resume_path, summary=summary)
