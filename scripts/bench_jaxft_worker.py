@@ -52,7 +52,7 @@ import time
 from typing import Any
 
 from bench.workloads import Workload
-from bench.worker_common import ModelCache, Task, load_tasks, worker_main
+from bench.worker_common import BENCH_RECIPES, ModelCache, Task, jaxft_modes, load_tasks, worker_main
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,13 +69,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #   qlora: fast on a 4-bit base (the frozen linears, and a MoE shape's experts, quantised to bitsandbytes nf4
 #         with double quantisation while loading); qlora_lean: the same base with full remat over the layer scan;
 #         qlora_offload: the same base with the layer inputs offloaded from the unrolled loop.
-MODES = ("fast", "lean", "full_remat", "offload_attn", "offload_stream", "save_named", "offload_all", "offload_unroll", "auto",
-         "auto_40gb", "qlora", "qlora_lean", "qlora_offload")
+MODES = jaxft_modes()  # one per examples/bench/<mode>.yaml
 PROFILE_STEPS = 3
 
 
 def mode_yaml(mode: str) -> str:
-    return os.path.join(REPO, "examples", "bench", f"{mode}.yaml")
+    return os.path.join(BENCH_RECIPES, f"{mode}.yaml")
 
 
 def _profile_dir(workload_name: str, mode: str) -> str | None:

@@ -57,13 +57,12 @@ from bench.sessions import (Job, SessionRunner, keep_logs, pin_env, run_jobs,  #
 from bench.workloads import (ADAMW, DEFAULT_WORKLOADS, LORA, SHAPES, TINY_WORKLOADS,  # noqa: E402
                              WORKLOADS, ModelShape, Workload, get_workload, make_token_data,
                              moe_layout, param_counts, useful_flops)
-from bench.worker_common import Task  # noqa: E402
+from bench.worker_common import Task, jaxft_modes  # noqa: E402
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(SCRIPTS)
 # jaxft systems: "jaxft" (examples/bench/fast.yaml) and "jaxft_<mode>" (examples/bench/<mode>.yaml).
-JAXFT_MODES = ("lean", "full_remat", "offload_attn", "offload_stream", "save_named", "offload_all", "offload_unroll", "auto",
-               "auto_40gb", "qlora", "qlora_lean", "qlora_offload")
+JAXFT_MODES = jaxft_modes()[1:]
 # Torch systems whose worker needs the carried peer wheels on its path (Unsloth; bitsandbytes for HF QLoRA).
 PEER_WHEEL_SYSTEMS = ("unsloth", "unsloth_4bit", "hf_qlora")
 WORKER = {"jaxft": "bench_jaxft_worker.py", **{f"jaxft_{m}": "bench_jaxft_worker.py" for m in JAXFT_MODES},

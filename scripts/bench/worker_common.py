@@ -46,6 +46,16 @@ from typing import Any, Callable
 from bench.workloads import Workload, get_workload
 
 STATUSES = ("ok", "oom", "not_run", "error", "timeout", "crashed", "skipped")
+# The jaxft benchmark recipes: every mode is a `jaxft-train` YAML here (docs/benchmarks.md names it per row).
+BENCH_RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             "examples", "bench")
+
+
+def jaxft_modes() -> tuple[str, ...]:
+    """The jaxft benchmark modes, one per recipe `examples/bench/<mode>.yaml`: "fast" (system "jaxft") first, then
+    the others (systems "jaxft_<mode>") by name. A new mode is a new YAML file, and nothing else."""
+    names = sorted(f.removesuffix(".yaml") for f in os.listdir(BENCH_RECIPES) if f.endswith(".yaml"))
+    return ("fast", *(n for n in names if n != "fast"))
 _OOM_MARKERS = ("out of memory", "outofmemoryerror", "resource_exhausted", "resource exhausted",
                 "cuda error: out of memory", "failed to allocate")
 
