@@ -8,11 +8,12 @@ Public API:
   OP   the op's implementations ("xla", "reference"; kernels_pallas._dispatch.Op)
   LinearCrossEntropyConfig, DEFAULT_CONFIG, default_chunk_size, config_for, tiles_for
   max_intermediate_elements, iter_eqns, find_eqns   jaxpr memory checks
+  transposed_copies   transposes of a [V, H] table in a compiled program
 """
 
 from .api import IMPLEMENTATIONS, OP, linear_cross_entropy
 from .config import DEFAULT_CONFIG, LinearCrossEntropyConfig, config_for, default_chunk_size, tiles_for
-from .jaxpr_stats import find_eqns, iter_eqns, max_intermediate_elements
+from .jaxpr_stats import find_eqns, iter_eqns, max_intermediate_elements, transposed_copies
 from .reference import linear_cross_entropy_reference
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "linear_cross_entropy_reference",
     "max_intermediate_elements",
     "tiles_for",
+    "transposed_copies",
 ]

@@ -68,3 +68,13 @@ def find_eqns(
         ):
             found.append(eqn)
     return found
+
+
+def transposed_copies(hlo_text: str, shape: tuple[int, int]) -> list[str]:
+    """The instructions of a compiled program's text (``compiled.as_text()``) that transpose into a 2-D array of
+    ``shape`` or its transpose: what a loss given ``table.T`` materialises when XLA cannot fold the transpose into
+    its dots (the tied head before ``weight_layout="vh"``)."""
+    a, b = shape
+    names = (f"[{a},{b}]", f"[{b},{a}]")
+    return [line.strip() for line in hlo_text.splitlines()
+            if " transpose(" in line and any(name in line.split(" transpose(")[0] for name in names)]

@@ -49,6 +49,8 @@ STATUSES = ("ok", "oom", "not_run", "error", "timeout", "crashed", "skipped")
 # The jaxft benchmark recipes: every mode is a `jaxft-train` YAML here (docs/benchmarks.md names it per row).
 BENCH_RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                              "examples", "bench")
+_OOM_MARKERS = ("out of memory", "outofmemoryerror", "resource_exhausted", "resource exhausted",
+                "cuda error: out of memory", "failed to allocate")
 
 
 def jaxft_modes() -> tuple[str, ...]:
@@ -56,8 +58,6 @@ def jaxft_modes() -> tuple[str, ...]:
     the others (systems "jaxft_<mode>") by name. A new mode is a new YAML file, and nothing else."""
     names = sorted(f.removesuffix(".yaml") for f in os.listdir(BENCH_RECIPES) if f.endswith(".yaml"))
     return ("fast", *(n for n in names if n != "fast"))
-_OOM_MARKERS = ("out of memory", "outofmemoryerror", "resource_exhausted", "resource exhausted",
-                "cuda error: out of memory", "failed to allocate")
 
 
 @dataclasses.dataclass(frozen=True)
