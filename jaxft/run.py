@@ -63,13 +63,31 @@ def default_memory_budget(device=None) -> tuple[int, str]:
     return int(free - max(GIB, 0.05 * free)), f"{source} less max(1 GiB, 5%)"
 
 
+# XLA's GPU allocator (BFC) rounds: it hands a whole free chunk to a request when the chunk is less than twice the
+# request and the rest is under 128 MiB, and counts the whole chunk as in use. Measured on the H200 (docs/benchmarks.md
+# section 17): bytes in use before the first step exceeded the step's arguments by 0.15-1.5% (Gemma-3-12B unrolled:
+# 0.34 GiB over 22.65 GiB, which took a 36.95 GiB estimate to a 37.29 GiB peak). A plan counts 2% of the arguments.
+ALLOCATOR_SLACK = 0.02
+
+
 def peak_estimate(analysis: dict[str, int]) -> int:
     """A step's device peak from XLA's compiled memory analysis (JAX 0.11 `CompiledMemoryStats`): arguments
     (weights, LoRA, optimizer state, batch) + outputs + temporaries (activations, residuals, workspace), less
     the outputs aliased to donated arguments (the updated LoRA and optimizer state reuse their inputs' buffers,
-    so they are counted once). Host-memory fields (host_*_size_in_bytes) are not device memory."""
-    return (analysis.get("argument_size_in_bytes", 0) + analysis.get("output_size_in_bytes", 0)
-            + analysis.get("temp_size_in_bytes", 0) - analysis.get("alias_size_in_bytes", 0))
+    so they are counted once), plus the allocator's rounding of the resident arguments (`ALLOCATOR_SLACK`).
+    Host-memory fields (host_*_size_in_bytes) are not device memory."""
+    arguments = analysis.get("argument_size_in_bytes", 0)
+    return int(arguments + analysis.get("output_size_in_bytes", 0) + analysis.get("temp_size_in_bytes", 0)
+               - analysis.get("alias_size_in_bytes", 0) + ALLOCATOR_SLACK * arguments)
+
+
+def contiguous_room(stats: dict[str, int]) -> int | None:
+    """Bytes one new buffer can take on a device, from its `memory_stats()`: the larger of the allocator's largest
+    free block and what its limit leaves for a new region beside its pool; None when the device does not report a
+    pool (the CPU)."""
+    if "bytes_limit" not in stats or "pool_bytes" not in stats:
+        return None
+    return max(int(stats.get("largest_free_block_bytes", 0)), int(stats["bytes_limit"]) - int(stats["pool_bytes"]))
 
 
 def _abstract(tree):
@@ -110,6 +128,7 @@ class Run:
         # is a shallow probe (`_shallow`), whose estimate is in `remat_probes`, not `remat_estimates`
         self.remat_compiles: list[tuple[str, int | None, int]] = []
         self.remat_probes: dict[str, int] = {}
+        self._remat_slope: float | None = None  # remat "auto": bytes full remat saves per layer (`_partial_remat`)
 
     @classmethod
     def from_config(cls, config, total_steps: int, *, devices=None) -> "Run":
@@ -363,7 +382,8 @@ class Run:
             estimate = peak_estimate(m)
             log(f"remat auto: {name:<12} estimated peak {estimate / GIB:.3f} GiB (arguments "
                 f"{m.get('argument_size_in_bytes', 0) / GIB:.3f} + outputs {m.get('output_size_in_bytes', 0) / GIB:.3f}"
-                f" + temp {m.get('temp_size_in_bytes', 0) / GIB:.3f} - aliased {m.get('alias_size_in_bytes', 0) / GIB:.3f})"
+                f" + temp {m.get('temp_size_in_bytes', 0) / GIB:.3f} - aliased {m.get('alias_size_in_bytes', 0) / GIB:.3f}"
+                f" + allocator slack {ALLOCATOR_SLACK * m.get('argument_size_in_bytes', 0) / GIB:.3f})"
                 f" -> {verdict(estimate)}")
             return estimate
 
@@ -448,6 +468,7 @@ class Run:
                 return False
             per_layer = (none - self.remat_estimates[f"full on {layers} layers"]) / layers
             how = f"full on all {layers} layers"
+        self._remat_slope = per_layer
         limit = (3 * layers) // 4
         k = math.ceil((none - budget) / per_layer) if per_layer > 0 else layers
         log(f"remat auto: full remat saves {per_layer / GIB:.3f} GiB per layer ({how}); none is "
@@ -474,6 +495,83 @@ class Run:
         other._compiled = other._compiled_spec = other._eval_fn = None
         other.remat_estimates, other.remat_probes, other.remat_compiles = {}, {}, []
         return other
+
+    def fit_allocator(self, host_batch: dict[str, np.ndarray], *, stats: dict[str, int] | None = None,
+                      log=logger.info) -> None:
+        """After `load`: checks that the step's temporaries (XLA allocates them as ONE buffer per step) fit where the
+        device's allocator can still place one buffer (`contiguous_room`), and when they do not, takes full remat on
+        more layers until they do. A no-op where the device does not report its pool (CPU) or the step fits.
+
+        Why after the load: with a growing allocator (XLA_PYTHON_CLIENT_PREALLOCATE=false) the regions that hold
+        the weights are up to about twice their bytes (regions double in size), so a step whose peak fits the
+        budget can still find no room for its temp: Gemma-2-9B packed 16k, no remat, ran out of memory at a
+        73.54 GiB temp beside 34 GiB of regions holding 18 GiB of weights (docs/benchmarks.md section 17). The
+        remedy keeps the weights where they are, so only steps of the unrolled loop `remat: auto` chose (none or
+        full on k layers) are re-chosen, from full remat's per-layer saving (`_partial_remat`'s, else measured on
+        the shallow copy) and checked by compiling; anything else raises ExecutionConfigError on key
+        max_memory_gb with the numbers and the fixes."""
+        if not self.loaded:
+            raise RuntimeError("Run.fit_allocator before Run.load(): the allocator's pool is known once the weights "
+                               "are placed")
+        if stats is None:
+            local = [d for d in self.placement.devices if d.process_index == jax.process_index()]
+            stats = local[0].memory_stats() or {}
+        room = contiguous_room(stats)
+        if room is None:
+            return
+        if not self.compiled_for(host_batch):
+            self.compile(host_batch)
+        temp = self.memory_analysis().get("temp_size_in_bytes", 0)
+        if temp <= room:
+            return
+        where = (f"the allocator can place one buffer of {room / GIB:.3f} GiB (pool {stats['pool_bytes'] / GIB:.3f} "
+                 f"GiB of its {stats['bytes_limit'] / GIB:.3f} GiB limit, largest free block "
+                 f"{stats.get('largest_free_block_bytes', 0) / GIB:.3f} GiB)")
+        log(f"remat auto: after the load {where}; the step's temp is {temp / GIB:.3f} GiB")
+        ex, layers = self.execution, self.model_config.num_layers
+        chosen = bool(self.remat_estimates) and self.unrolled and ex.remat in ("none", "full") and \
+            (ex.remat == "none" or (ex.remat_layers or layers) < layers)
+        if chosen:
+            slope = self._remat_slope or self._probe_slope(host_batch, log)
+            k = (ex.remat_layers or 0) if ex.remat == "full" else 0
+            for _ in range(3):
+                k = min(layers, k + max(1, math.ceil((temp - room) / slope))) if slope > 0 else layers
+                self.execution = ex.replace(remat="full", remat_layers=k)
+                self.compile(host_batch)
+                temp = self.memory_analysis().get("temp_size_in_bytes", 0)
+                name = f"full on {k} layers"
+                self.remat_estimates[name] = peak_estimate(self.memory_analysis())
+                self.remat_compiles.append(("full", k, layers))
+                log(f"remat auto: {name:<12} temp {temp / GIB:.3f} GiB -> "
+                    + ("fits the allocator: chosen" if temp <= room else "does not fit the allocator"))
+                if temp <= room:
+                    return
+                if k == layers:
+                    break
+        raise ExecutionConfigError(
+            "max_memory_gb", f"after the load {where}, below the step's temp ({temp / GIB:.3f} GiB): set "
+            "XLA_PYTHON_CLIENT_PREALLOCATE=true (one region for the whole limit) or raise XLA_PYTHON_CLIENT_MEM_FRACTION,"
+            " or lower max_memory_gb")
+
+    def _probe_slope(self, host_batch: dict[str, np.ndarray], log) -> float:
+        """Bytes full remat saves per layer, from full remat on `AUTO_PROBE_LAYERS` of the first
+        `AUTO_PROBE_DEPTH` layers of a shallow copy (`_shallow`), as `_partial_remat` measures it; on models no
+        deeper than the copy, from full remat on 1 and on every layer at full depth (weights as placed)."""
+        depth, (few, more) = AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
+        layers = self.model_config.num_layers
+        if layers <= depth:
+            depth, few, more = layers, 1, layers
+        estimates = {}
+        for k in (few, more):
+            run = self._shallow(depth)
+            run.execution = self.execution.replace(remat="full", remat_layers=k)
+            run.compile(host_batch)
+            estimates[k] = peak_estimate(run.memory_analysis())
+            self.remat_compiles.append(("full", k, depth))
+        slope = (estimates[few] - estimates[more]) / max(1, more - few)
+        log(f"remat auto: full remat saves {slope / GIB:.3f} GiB per layer (full on {few} and on {more} of a "
+            f"{depth}-layer copy)")
+        return slope
 
     def step(self, host_batch: dict[str, np.ndarray], step_index: int) -> dict[str, jax.Array]:
         """One optimizer update on `host_batch` (compiled on first use); returns the step's metrics, still on

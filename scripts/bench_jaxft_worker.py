@@ -190,6 +190,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     if compile_s is None:  # a reused model: the weights are resident anyway
         run.compile(host_batches[0])
         compile_s = run.compile_seconds
+    run.fit_allocator(host_batches[0])  # as jaxft-train does: the temp must fit beside the load's pool
     analysis = run.memory_analysis()
     before = device.memory_stats() or {}  # None on CPU
     if before:

@@ -11,7 +11,8 @@ The step is the benchmark's (`examples/bench/auto.yaml`: LoRA r16 alpha 32 on q.
 and, for rows longer than `--mlp-chunk-size` (8192), the MLP in chunks of that many tokens (`mlp_chunk_size`: one
 layer never holds [T, intermediate] activations). A length T fits when
 
-    device: arguments + outputs + temporaries - aliased (`jaxft.run.peak_estimate` of `Run.compile` from shapes,
+    device: arguments + outputs + temporaries - aliased + allocator slack (`jaxft.run.peak_estimate` of
+            `Run.compile` from shapes,
             before any weight exists) <= the device budget (free memory less max(1 GiB, 5%), or --device-memory-gb)
     host:   the offloaded residuals (`jaxft.remat.residual_bytes` of the policy's offloaded names x layers, or what
             the compiled program reports in host memory if more) <= the host budget (--host-memory-gb, default the

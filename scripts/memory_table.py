@@ -7,9 +7,10 @@ so an 8B or 70B model "fits" in the table without a byte of it being allocated.
         python scripts/memory_table.py --models 8b,70b --devices 1,2,4,8 --remat none,full --md table.md
 
 Per-device peak = arguments (frozen weights, LoRA, optimizer state, batch: each device's shards) + outputs +
-temporaries - outputs aliased to donated inputs (`jaxft.run.peak_estimate`, what `remat: auto` and
-`mesh: auto` use). Meshes: "dp" = every device on data (weights replicated), "fsdp" = every device on fsdp
-(frozen weights split on their hidden dimension); both split the batch rows, 1 row of `--seq` tokens per device.
+temporaries - outputs aliased to donated inputs + the allocator's rounding (2% of arguments;
+`jaxft.run.peak_estimate`, what `remat: auto` and `mesh: auto` use). Meshes: "dp" = every device on data
+(weights replicated), "fsdp" = every device on fsdp (frozen weights split on their hidden dimension); both split
+the batch rows, 1 row of `--seq` tokens per device.
 
 This is the CPU compiler's analysis, an approximation of the GPU's: the CPU backend fuses differently and
 has no cuDNN; attention runs the Pallas flash kernel in interpret mode (`--attention pallas`, O(T) memory

@@ -175,3 +175,65 @@ def test_auto_over_the_layer_scan_skips_partial_remat(deep_dir):
         run.choose_remat(_batch(), log=lambda line: None)
     assert info.value.field == "max_memory_gb" and set(run.remat_estimates) == set(AUTO_ORDER)
     assert all(layers is None for _, layers, _ in run.remat_compiles)
+
+
+# ---------------------------------------------------------------------------------------- the allocator after load
+
+def test_contiguous_room_is_the_larger_of_the_free_block_and_the_limit_left_beside_the_pool():
+    from jaxft.run import contiguous_room
+
+    assert contiguous_room({}) is None  # the CPU reports no pool
+    assert contiguous_room({"bytes_limit": 100, "pool_bytes": 70, "largest_free_block_bytes": 10}) == 30
+    assert contiguous_room({"bytes_limit": 100, "pool_bytes": 95, "largest_free_block_bytes": 20}) == 20
+
+
+def _stats(room: int) -> dict[str, int]:
+    """memory_stats() of an allocator whose pool leaves `room` bytes below its limit and has no larger free block
+    (as a GPU's after loading weights with XLA_PYTHON_CLIENT_PREALLOCATE=false)."""
+    return {"bytes_limit": 10 * GIB, "pool_bytes": 10 * GIB - room, "largest_free_block_bytes": room // 2}
+
+
+def test_fit_allocator_takes_more_remat_when_the_pool_leaves_no_room_for_the_temp(model_dir, estimates):
+    """auto chose no remat (the budget fits it); after the load the allocator's pool leaves less than the step's
+    temp for one buffer (the Gemma-2-9B packed OOM of docs/benchmarks.md section 16): full remat on the fewest
+    layers whose temp fits is compiled and kept, over the weights as placed, and the step runs."""
+    lines = []
+    run = _run(model_dir, "auto", max_memory_gb=2 * estimates[None] / GIB)
+    assert run.choose_remat(_batch(), log=lines.append) == "none"
+    run.load()
+    temp = {k: None for k in (1, 2)}
+    for k in temp:
+        probe = _run(model_dir, "full", remat_layers=k)
+        probe.compile(_batch())
+        temp[k] = probe.memory_analysis()["temp_size_in_bytes"]
+    none_temp = run.memory_analysis()["temp_size_in_bytes"]
+    assert none_temp > temp[1] > temp[2]
+    room = (temp[1] + temp[2]) // 2  # fits full remat on 2 layers, not on 1
+    run.fit_allocator(_batch(), stats=_stats(room), log=lines.append)
+    k = run.execution.remat_layers
+    # k is predicted from full remat's per-layer saving, then checked by compiling: it fits, and 1 layer did not
+    assert run.execution.remat == "full" and 2 <= k <= LAYERS
+    assert run.memory_analysis()["temp_size_in_bytes"] <= room
+    assert any(line.startswith("remat auto: after the load the allocator can place one buffer of ") for line in lines)
+    assert any(line.startswith("remat auto: full remat saves ") for line in lines)  # auto had not measured it
+    assert lines[-1].startswith(f"remat auto: full on {k} layers temp ") and lines[-1].endswith("fits the allocator: chosen")
+    assert run.remat_choice == (f"full on {k} layers", run.remat_estimates[f"full on {k} layers"])
+    assert np.isfinite(float(run.step(_batch(), 0)["loss"]))
+    run.fit_allocator(_batch(), stats=_stats(10 * GIB), log=lines.append)  # room enough: nothing changes
+    assert (run.execution.remat, run.execution.remat_layers) == ("full", k)
+
+
+def test_fit_allocator_names_the_fix_when_the_step_cannot_be_rechosen(model_dir):
+    """A policy the user set (not auto): its temp does not fit the pool's room -> one line on key max_memory_gb
+    with the numbers and the fixes, instead of the allocator's out-of-memory at the first step."""
+    run = _run(model_dir, "full", layer_loop="scan")
+    run.compile(_batch())
+    run.load()
+    with pytest.raises(ExecutionConfigError) as info:
+        run.fit_allocator(_batch(), stats=_stats(1024))
+    text = str(info.value)
+    assert text.startswith("key 'max_memory_gb': after the load the allocator can place one buffer of 0.000 GiB "
+                           "(pool 10.000 GiB of its 10.000 GiB limit") and "\n" not in text
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=true" in text and "below the step's temp" in text
+    with pytest.raises(RuntimeError, match="before Run.load"):
+        _run(model_dir, "none").fit_allocator(_batch(), stats=_stats(1024))

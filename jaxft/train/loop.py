@@ -207,6 +207,10 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
         except ExecutionConfigError as e:
             raise part_error(e, EXECUTION_KEYS) from None
     run.load()
+    try:  # the step's temp must fit beside the pool the load left (a growing allocator's regions)
+        run.fit_allocator(_local_batch(run, train_ds, 0))
+    except ExecutionConfigError as e:
+        raise part_error(e, EXECUTION_KEYS) from None
     start_step, start_tokens = 0, 0
     if resume_path is not None:
         try:
