@@ -203,3 +203,51 @@ def test_alternating_stack_scans_over_periods_with_unrolled_numbers(num_layers):
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # fp32, different fusions: rounding only
         assert rel_err(np.asarray(a), np.asarray(b)) < 1e-5
+
+
+@pytest.mark.parametrize("remat, inner", [("full", True), ("offload+attn", False)])
+def test_a_run_of_one_kind_in_a_period_is_an_inner_scan(remat, inner):
+    """Gemma 3's period (five sliding layers, then one global), here (sliding, sliding, global) x 2: under a
+    policy that keeps its residuals on the device the two sliding positions run as an inner scan inside the period
+    scan, so the backward recomputes them one at a time (compiled for an H200, Gemma-3-12B, 12 layers at 16k,
+    full remat: temp 16.85 -> 9.10 GiB); a policy that offloads keeps one call per position (stacked host
+    buffers in two loops fail XLA's layout assignment). Loss and LoRA gradients equal the unrolled layers'."""
+    from jaxft.lora import LoraConfig, apply_lora
+    from jaxft.models.stack import layer_groups, layer_period
+    from jaxft.train import split_model, unstack_layers
+    from jaxft.train.step import token_loss_sum
+    from lora_helpers import rel_err
+
+    windows = (16, 16, None) * 2
+    cfg = ModelConfig(model_type="gemma3_text", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=6,
+                      num_heads=2, num_kv_heads=1, head_dim=32, layer_windows=windows,
+                      layer_ropes=tuple("local" if w else "global" for w in windows), qk_norm=True,
+                      rope=ModelConfig.from_hf(dict(model_type="llama", vocab_size=1, hidden_size=1,
+                                                    intermediate_size=1, num_attention_heads=1,
+                                                    num_hidden_layers=1, rope_theta=1e6)).rope,
+                      rope_local=CFG.rope)
+    assert layer_period(layer_groups(cfg)) == 3
+    model = init_model(cfg, dtype=jnp.float32, seed=0)
+    apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"), seed=0)
+    graphdef, lora, frozen = split_model(model)
+    lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape, a.dtype), lora)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 49)))
+    batch = dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=jnp.ones((1, 48)),
+                 segment_ids=jnp.asarray(np.repeat([1, 2], [20, 28])[None]), positions=None)
+    execution = ExecutionConfig(attention_implementation="reference", remat=remat)
+
+    def loss(lr, fz):
+        return token_loss_sum(nnx.merge(graphdef, lr, fz), batch, execution=execution)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(lora, frozen).jaxpr
+    outer = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert outer and all(e.params["length"] == 2 for e in outer)  # the period scans (2 periods of 3 layers)
+    nested = [e.params["length"] for s in outer for e in _all_eqns(s.params["jaxpr"].jaxpr)
+              if e.primitive.name == "scan"]
+    # the sliding pair's scan (length 2) in the forward that saves the residuals and in the backward
+    assert nested == ([2, 2] if inner else []), nested
+    got_loss, got = jax.value_and_grad(loss)(lora, frozen)
+    want_loss, want = jax.value_and_grad(loss)(lora, unstack_layers(frozen))
+    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # fp32, different fusions: rounding only
+        assert rel_err(np.asarray(a), np.asarray(b)) < 1e-5
