@@ -527,7 +527,7 @@ class Run:
         where = (f"the allocator can place one buffer of {room / GIB:.3f} GiB (pool {stats['pool_bytes'] / GIB:.3f} "
                  f"GiB of its {stats['bytes_limit'] / GIB:.3f} GiB limit, largest free block "
                  f"{stats.get('largest_free_block_bytes', 0) / GIB:.3f} GiB)")
-        log(f"remat auto: after the load {where}; the step's temp is {temp / GIB:.3f} GiB")
+        log(f"allocator: after the load {where}; the step's temp is {temp / GIB:.3f} GiB")
         ex, layers = self.execution, self.model_config.num_layers
         chosen = bool(self.remat_estimates) and self.unrolled and ex.remat in ("none", "full") and \
             (ex.remat == "none" or (ex.remat_layers or layers) < layers)
@@ -556,7 +556,8 @@ class Run:
     def _probe_slope(self, host_batch: dict[str, np.ndarray], log) -> float:
         """Bytes full remat saves per layer, from full remat on `AUTO_PROBE_LAYERS` of the first
         `AUTO_PROBE_DEPTH` layers of a shallow copy (`_shallow`), as `_partial_remat` measures it; on models no
-        deeper than the copy, from full remat on 1 and on every layer at full depth (weights as placed)."""
+        deeper than that, from full remat on 1 and on every layer of a copy of the whole depth. Compiled from
+        shapes: the placed weights are not touched."""
         depth, (few, more) = AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
         layers = self.model_config.num_layers
         if layers <= depth:

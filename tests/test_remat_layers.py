@@ -214,7 +214,7 @@ def test_fit_allocator_takes_more_remat_when_the_pool_leaves_no_room_for_the_tem
     # k is predicted from full remat's per-layer saving, then checked by compiling: it fits, and 1 layer did not
     assert run.execution.remat == "full" and 2 <= k <= LAYERS
     assert run.memory_analysis()["temp_size_in_bytes"] <= room
-    assert any(line.startswith("remat auto: after the load the allocator can place one buffer of ") for line in lines)
+    assert any(line.startswith("allocator: after the load the allocator can place one buffer of ") for line in lines)
     assert any(line.startswith("remat auto: full remat saves ") for line in lines)  # auto had not measured it
     assert lines[-1].startswith(f"remat auto: full on {k} layers temp ") and lines[-1].endswith("fits the allocator: chosen")
     assert run.remat_choice == (f"full on {k} layers", run.remat_estimates[f"full on {k} layers"])
