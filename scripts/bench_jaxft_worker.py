@@ -64,8 +64,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #         per-layer weight slices are copies; scripts/ablate_step.py, docs/benchmarks.md);
 #   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass; the
 #         layer scan (host offload of the scanned layer inputs is what keeps the memory down).
-#   offload_attn(_unroll), offload_stream, save_named, offload_all, offload_unroll, auto, auto_40gb: the remat
-#         policies of jaxft.remat (one YAML each; auto_40gb = auto within 40 GB; *_unroll over unrolled layers);
+#   offload_attn, offload_stream, save_named, offload_all, offload_unroll, auto, auto_40gb: the remat policies of
+#         jaxft.remat (one YAML each; auto_40gb = auto within 40 GB);
 #   qlora: fast on a 4-bit base (the frozen linears, and a MoE shape's experts, quantised to bitsandbytes nf4
 #         with double quantisation while loading); qlora_lean: the same base with full remat over the layer scan;
 #         qlora_offload: the same base with the layer inputs offloaded from the unrolled loop.
