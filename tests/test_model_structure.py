@@ -209,8 +209,8 @@ def test_alternating_stack_scans_over_periods_with_unrolled_numbers(num_layers):
 def test_a_run_of_one_kind_in_a_period_is_an_inner_scan(remat, inner):
     """Gemma 3's period (five sliding layers, then one global), here (sliding, sliding, global) x 2: under a
     policy that keeps its residuals on the device the two sliding positions run as an inner scan inside the period
-    scan, so the backward recomputes them one at a time (compiled for an H200, Gemma-3-12B, 12 layers at 16k,
-    full remat: temp 16.85 -> 9.10 GiB); a policy that offloads keeps one call per position (stacked host
+    scan, so the backward recomputes them one at a time (compiled for an H200, Gemma-3-12B, 48 layers at 16k,
+    full remat: temp 21.25 -> 13.63 GiB); a policy that offloads keeps one call per position (stacked host
     buffers in two loops fail XLA's layout assignment). Loss and LoRA gradients equal the unrolled layers'."""
     from jaxft.lora import LoraConfig, apply_lora
     from jaxft.models.stack import layer_groups, layer_period

@@ -194,10 +194,10 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         # of one). A run of one position is one call; a longer run is an inner scan over its rows. Why: in the
         # backward of one period XLA may recompute every checkpointed layer of the body before it needs any, so a
         # body of six calls held several layers' recomputed activations at once; an inner scan's backward runs its
-        # layers one at a time. Compiled for an H200, Gemma-3-12B, 12 layers at 1 x 16384 packed, full remat: temp
-        # 16.85 GiB with six calls, 9.10 with the inner scan (10.23 unrolled). Not for policies that offload to the
-        # host: their residuals would be host buffers stacked in two loops, which XLA's layout assignment rejects
-        # on JAX 0.11.2 (offload+attn there: 17.27 GiB with six calls, 7.66 unrolled; not solved here). Each fn
+        # layers one at a time. Compiled for an H200, Gemma-3-12B at 1 x 16384 packed, full remat: temp 21.25 GiB
+        # with six calls, 13.63 with the inner scan (48 layers). Not for policies that offload to the host: their
+        # residuals would be host buffers stacked in two loops, which XLA's layout assignment rejects on JAX
+        # 0.11.2 (offload+attn keeps the six calls; not solved here). Each fn
         # takes its stack's block for the period and slices its row itself, inside its checkpoint (`_layer_fn`
         # row=): see there for why.
         runs = _period_runs(kinds) if not policy.offloads else [(j, j + 1) for j in range(period)]
