@@ -99,22 +99,13 @@ def layer_groups(cfg: ModelConfig) -> list[LayerGroup]:
     return groups
 
 
-def _layer_runs(windows: tuple[int | None, ...]) -> list[tuple[int, int, int | None]]:
-    """(start, end, window) runs of equal windows (the grouping by window alone)."""
+def _layer_runs(windows: tuple[Any, ...]) -> list[tuple[int, int, Any]]:
+    """(start, end, window) runs of equal windows (the grouping by window alone); any values group the same way
+    (a period's positions by their group's id)."""
     runs, start = [], 0
     for window, group in itertools.groupby(windows):
         n = len(list(group))
         runs.append((start, start + n, window))
-        start += n
-    return runs
-
-
-def _period_runs(kinds: list[LayerGroup]) -> list[tuple[int, int]]:
-    """(start, end) positions of the runs of one group in a period's list of groups (a position's kind)."""
-    runs, start = [], 0
-    for _, run in itertools.groupby(kinds, key=id):
-        n = len(list(run))
-        runs.append((start, start + n))
         start += n
     return runs
 
@@ -200,7 +191,8 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         # 0.11.2 (offload+attn keeps the six calls; not solved here). Each fn
         # takes its stack's block for the period and slices its row itself, inside its checkpoint (`_layer_fn`
         # row=): see there for why.
-        runs = _period_runs(kinds) if not policy.offloads else [(j, j + 1) for j in range(period)]
+        runs = ([(a, b) for a, b, _ in _layer_runs(tuple(map(id, kinds)))] if not policy.offloads
+                else [(j, j + 1) for j in range(period)])
         fns = [fn_for(kinds[a], row=slot[a] if b - a == 1 else DYNAMIC_ROW) for a, b in runs]
 
         def body(carry, xs):
