@@ -129,6 +129,7 @@ class Run:
         self.remat_compiles: list[tuple[str, int | None, int]] = []
         self.remat_probes: dict[str, int] = {}
         self._remat_slope: float | None = None  # remat "auto": bytes full remat saves per layer (`_partial_remat`)
+        self._auto_seconds = 0.0  # remat "auto": seconds of its compiles so far (`_compile_candidate`)
 
     @classmethod
     def from_config(cls, config, total_steps: int, *, devices=None) -> "Run":
@@ -368,42 +369,21 @@ class Run:
         budget, source = self._budget()
         log(f"remat auto: device budget {budget / GIB:.2f} GiB ({source}); candidates in order of expected speed: "
             f"{', '.join(AUTO_ORDER)}")
-        seconds, self.remat_estimates, self.remat_probes, self.remat_compiles = 0.0, {}, {}, []
-
-        def compiled(run: "Run", policy: str, layers: int | None, name: str, verdict) -> int:
-            """Compiles `policy` (on the first `layers` layers) on `run` (this run or a shallow copy), records it
-            and logs one line ending in `verdict(estimate)`; returns the estimate."""
-            nonlocal seconds
-            run.execution = base.replace(remat=policy, remat_layers=layers)
-            run.compile(host_batch)
-            seconds += run.compile_seconds
-            self.remat_compiles.append((policy, layers, run.model_config.num_layers))
-            m = run.memory_analysis()
-            estimate = peak_estimate(m)
-            log(f"remat auto: {name:<12} estimated peak {estimate / GIB:.3f} GiB (arguments "
-                f"{m.get('argument_size_in_bytes', 0) / GIB:.3f} + outputs {m.get('output_size_in_bytes', 0) / GIB:.3f}"
-                f" + temp {m.get('temp_size_in_bytes', 0) / GIB:.3f} - aliased {m.get('alias_size_in_bytes', 0) / GIB:.3f}"
-                f" + allocator slack {ALLOCATOR_SLACK * m.get('argument_size_in_bytes', 0) / GIB:.3f})"
-                f" -> {verdict(estimate)}")
-            return estimate
+        self._auto_seconds, self.remat_estimates, self.remat_probes, self.remat_compiles = 0.0, {}, {}, []
 
         def fits(policy: str, layers: int | None = None, *, probe: bool = False) -> bool:
             """Compiles `policy` (on the first `layers` layers) at the model's depth and says whether it fits; a
             fitting probe is measured, not chosen, so it neither logs "chosen" nor ends the compile count."""
             name = policy if layers is None else f"{policy} on {layers} layers"
-            estimate = self.remat_estimates[name] = compiled(
-                self, policy, layers, name, lambda e: ("fits (probe)" if probe else "fits: chosen") if e <= budget
-                else "does not fit")
+            estimate = self.remat_estimates[name] = self._compile_candidate(
+                self, base, host_batch, policy, layers, name,
+                lambda e: ("fits (probe)" if probe else "fits: chosen") if e <= budget else "does not fit", log)
             if estimate <= budget and not probe:
-                self.compile_seconds = seconds
+                self.compile_seconds = self._auto_seconds
             return estimate <= budget
 
         def shallow(layers: int, depth: int) -> int:
-            """Full remat on the first `layers` layers of a `depth`-layer copy of the model (`_shallow`)."""
-            name = f"full on {layers} of a {depth}-layer copy"
-            self.remat_probes[name] = compiled(self._shallow(depth), "full", layers, name,
-                                               lambda e: "probe (per-layer saving of full remat)")
-            return self.remat_probes[name]
+            return self._shallow_probe(base, host_batch, layers, depth, log)
 
         for policy in AUTO_ORDER:
             if fits(policy):
@@ -430,6 +410,55 @@ class Run:
         name = ex.remat if ex.remat_layers is None else f"{ex.remat} on {ex.remat_layers} layers"
         return name, self.remat_estimates[name]
 
+    def _compile_candidate(self, run: "Run", base: ExecutionConfig, host_batch: dict[str, np.ndarray], policy: str,
+                           layers: int | None, name: str, verdict, log) -> int:
+        """`remat: auto`'s one compile: `policy` (on the first `layers` layers) over `base` on `run` (this run or a
+        shallow copy), recorded in `remat_compiles` and `_auto_seconds`, logged as one line ending in
+        `verdict(estimate)`; returns the estimate (`peak_estimate`)."""
+        run.execution = base.replace(remat=policy, remat_layers=layers)
+        run.compile(host_batch)
+        self._auto_seconds += run.compile_seconds
+        self.remat_compiles.append((policy, layers, run.model_config.num_layers))
+        m = run.memory_analysis()
+        estimate = peak_estimate(m)
+        log(f"remat auto: {name:<12} estimated peak {estimate / GIB:.3f} GiB (arguments "
+            f"{m.get('argument_size_in_bytes', 0) / GIB:.3f} + outputs {m.get('output_size_in_bytes', 0) / GIB:.3f}"
+            f" + temp {m.get('temp_size_in_bytes', 0) / GIB:.3f} - aliased {m.get('alias_size_in_bytes', 0) / GIB:.3f}"
+            f" + allocator slack {ALLOCATOR_SLACK * m.get('argument_size_in_bytes', 0) / GIB:.3f})"
+            f" -> {verdict(estimate)}")
+        return estimate
+
+    def _shallow_probe(self, base: ExecutionConfig, host_batch: dict[str, np.ndarray], layers: int, depth: int,
+                       log) -> int:
+        """Full remat on the first `layers` layers of a `depth`-layer copy of the model (`_shallow`), recorded in
+        `remat_probes`; returns its estimate."""
+        name = f"full on {layers} of a {depth}-layer copy"
+        self.remat_probes[name] = self._compile_candidate(self._shallow(depth), base, host_batch, "full", layers,
+                                                          name, lambda e: "probe (per-layer saving of full remat)", log)
+        return self.remat_probes[name]
+
+    def _full_remat_saving(self, shallow, everywhere, log) -> tuple[float, str] | None:
+        """(bytes full remat saves per layer, how it was measured): from `shallow(layers, depth)` (full remat on
+        `AUTO_PROBE_LAYERS` of the first `AUTO_PROBE_DEPTH` layers of a shallow copy, see `_partial_remat`), or,
+        for a model no deeper than the copy or with no valid copy, from `everywhere()` (the estimate of full
+        remat on every layer at full depth against "none"'s; None: not measured, and neither is the saving)."""
+        layers = self.model_config.num_layers
+        depth, (few, more) = AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
+        probing = layers > depth
+        if probing:
+            try:
+                self.model_config.first_layers(depth)
+            except ConfigError as e:  # e.g. a MoE model whose first layers are all dense
+                log(f"remat auto: no {depth}-layer copy of this model ({e}); full on every layer is compiled instead")
+                probing = False
+        if probing:
+            return ((shallow(few, depth) - shallow(more, depth)) / (more - few),
+                    f"full on {few} and on {more} of a {depth}-layer copy")
+        full = everywhere()
+        if full is None:
+            return None
+        return (self.remat_estimates["none"] - full) / layers, f"full on all {layers} layers"
+
     def _partial_remat(self, fits, shallow, budget: int, log) -> bool:
         """After "none" does not fit: full remat on the first k layers only (`remat_layers`), the smallest k that
         fits by full remat's per-layer saving, then checked by compiling k itself at the model's depth (once more
@@ -452,22 +481,12 @@ class Run:
         none = self.remat_estimates["none"]
         if layers < 4 or self.execution.layer_loop == "scan":  # remat_layers needs the unrolled loop
             return False
-        depth, (few, more) = AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
-        probing = layers > depth
-        if probing:
-            try:
-                self.model_config.first_layers(depth)
-            except ConfigError as e:  # e.g. a MoE model whose first layers are all dense
-                log(f"remat auto: no {depth}-layer copy of this model ({e}); full on every layer is compiled instead")
-                probing = False
-        if probing:
-            per_layer = (shallow(few, depth) - shallow(more, depth)) / (more - few)
-            how = f"full on {few} and on {more} of a {depth}-layer copy"
-        else:
-            if not fits("full", layers, probe=True):
-                return False
-            per_layer = (none - self.remat_estimates[f"full on {layers} layers"]) / layers
-            how = f"full on all {layers} layers"
+        saving = self._full_remat_saving(
+            shallow, lambda: self.remat_estimates[f"full on {layers} layers"] if fits("full", layers, probe=True)
+            else None, log)
+        if saving is None:
+            return False
+        per_layer, how = saving
         self._remat_slope = per_layer
         limit = (3 * layers) // 4
         k = math.ceil((none - budget) / per_layer) if per_layer > 0 else layers
@@ -507,8 +526,8 @@ class Run:
         budget can still find no room for its temp: Gemma-2-9B packed 16k, no remat, ran out of memory at a
         73.54 GiB temp beside 34 GiB of regions holding 18 GiB of weights (docs/benchmarks.md section 17). The
         remedy keeps the weights where they are, so only steps of the unrolled loop `remat: auto` chose (none or
-        full on k layers) are re-chosen, from full remat's per-layer saving (`_partial_remat`'s, else measured on
-        the shallow copy) and checked by compiling; anything else raises ExecutionConfigError on key
+        full on k layers) are re-chosen, from full remat's per-layer saving (`_partial_remat`'s, else measured the
+        same way: `_full_remat_saving`) and checked by compiling; anything else raises ExecutionConfigError on key
         max_memory_gb with the numbers and the fixes."""
         if not self.loaded:
             raise RuntimeError("Run.fit_allocator before Run.load(): the allocator's pool is known once the weights "
@@ -532,7 +551,14 @@ class Run:
         chosen = bool(self.remat_estimates) and self.unrolled and ex.remat in ("none", "full") and \
             (ex.remat == "none" or (ex.remat_layers or layers) < layers)
         if chosen:
-            slope = self._remat_slope or self._probe_slope(host_batch, log)
+            slope = self._remat_slope
+            if slope is None:  # auto chose "none" outright: measure the saving as `_partial_remat` does
+                saving = self._full_remat_saving(
+                    lambda n, depth: self._shallow_probe(ex, host_batch, n, depth, log),
+                    lambda: self._compile_candidate(self, ex, host_batch, "full", layers, f"full on {layers} layers",
+                                                    lambda e: "probe (per-layer saving of full remat)", log), log)
+                slope = saving[0]
+                log(f"remat auto: full remat saves {slope / GIB:.3f} GiB per layer ({saving[1]})")
             k = (ex.remat_layers or 0) if ex.remat == "full" else 0
             for _ in range(3):
                 k = min(layers, k + max(1, math.ceil((temp - room) / slope))) if slope > 0 else layers
@@ -552,27 +578,6 @@ class Run:
             "max_memory_gb", f"after the load {where}, below the step's temp ({temp / GIB:.3f} GiB): set "
             "XLA_PYTHON_CLIENT_PREALLOCATE=true (one region for the whole limit) or raise XLA_PYTHON_CLIENT_MEM_FRACTION,"
             " or lower max_memory_gb")
-
-    def _probe_slope(self, host_batch: dict[str, np.ndarray], log) -> float:
-        """Bytes full remat saves per layer, from full remat on `AUTO_PROBE_LAYERS` of the first
-        `AUTO_PROBE_DEPTH` layers of a shallow copy (`_shallow`), as `_partial_remat` measures it; on models no
-        deeper than that, from full remat on 1 and on every layer of a copy of the whole depth. Compiled from
-        shapes: the placed weights are not touched."""
-        depth, (few, more) = AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
-        layers = self.model_config.num_layers
-        if layers <= depth:
-            depth, few, more = layers, 1, layers
-        estimates = {}
-        for k in (few, more):
-            run = self._shallow(depth)
-            run.execution = self.execution.replace(remat="full", remat_layers=k)
-            run.compile(host_batch)
-            estimates[k] = peak_estimate(run.memory_analysis())
-            self.remat_compiles.append(("full", k, depth))
-        slope = (estimates[few] - estimates[more]) / max(1, more - few)
-        log(f"remat auto: full remat saves {slope / GIB:.3f} GiB per layer (full on {few} and on {more} of a "
-            f"{depth}-layer copy)")
-        return slope
 
     def step(self, host_batch: dict[str, np.ndarray], step_index: int) -> dict[str, jax.Array]:
         """One optimizer update on `host_batch` (compiled on first use); returns the step's metrics, still on
