@@ -29,7 +29,8 @@ The model holds parameters and math; everything that changes speed or memory but
   per-layer weight buffers (no weight-slice copies, longer compile); "auto" unrolls only without remat (the
   host offload of unrolled layers is not yet confirmed on the GPU: tests/test_remat_gpu.py).
 - `mlp_chunk_size`: the MLP runs over sequence chunks of this many tokens, each under a save-nothing
-  checkpoint, so one layer never holds [T, intermediate] activations (None: one chunk).
+  checkpoint, so one layer never holds [T, intermediate] activations (None: one chunk); where it tiles, no
+  remat policy keeps `mlp_gate_up` (it is recomputed per chunk).
 - `ce_chunk_size` / `ce_implementation`: the linear cross-entropy's token chunk and kernel. None picks by
   length (`resolved_ce_chunk`).
 - `compiler_options`: XLA options for the step's program only (never process-wide flags).
@@ -131,12 +132,16 @@ class ExecutionConfig:
 
     def layer_policy(self, cfg, batch: int, seq: int, itemsize: int) -> remat_policies.RematPolicy:
         """The per-layer policy for a [batch, seq] micro-batch of model `cfg`: "offload_all" spends
-        `host_memory_gb` on the names in `jaxft.remat.NAMES` order (`budget_offload_all`); the policy carries
-        `offload_transfer`."""
+        `host_memory_gb` on the names in `jaxft.remat.NAMES` order (`budget_offload_all`); with a tiled MLP no
+        policy keeps the names inside it (`jaxft.remat.tiled_mlp_names`); the policy carries `offload_transfer`."""
         names = remat_policies.NAMES
         if self.remat == "offload_all":
-            names, _ = remat_policies.budget_offload_all(cfg, batch, seq, itemsize, self.host_memory_gb)
+            names, _ = remat_policies.budget_offload_all(cfg, batch, seq, itemsize, self.host_memory_gb,
+                                                         self.mlp_chunk_size)
         policy = remat_policies.parse(self.remat, offload_all=names)
+        dropped = remat_policies.tiled_mlp_names(seq, self.mlp_chunk_size)
+        if dropped and policy.kind == "names":
+            policy = policy.without(dropped)
         return dataclasses.replace(policy, transfer=self.offload_transfer)
 
     def resolved_ce_chunk(self, num_tokens: int, vocab_size: int, hidden_size: int, itemsize: int) -> int | None:

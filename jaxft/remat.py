@@ -121,6 +121,11 @@ class RematPolicy:
                 offload_src="device", offload_dst="pinned_host")
         raise ValueError(f"remat policy {self.kind!r} has no checkpoint policy")
 
+    def without(self, names: tuple[str, ...]) -> "RematPolicy":
+        """This policy keeping none of `names` (recomputed instead)."""
+        return dataclasses.replace(self, save=tuple(n for n in self.save if n not in names),
+                                   offload=tuple(n for n in self.offload if n not in names))
+
     def spelled(self) -> str:
         """The canonical string of this policy (what `parse` reads back)."""
         if self.kind != "names":
@@ -201,14 +206,16 @@ def parse(value: str, *, offload_all: tuple[str, ...] = NAMES) -> RematPolicy:
     return RematPolicy("names", save, offload)
 
 
-def residual_bytes(cfg, batch: int, seq: int, itemsize: int) -> dict[str, int]:
-    """Bytes of each named residual of ONE layer for a [batch, seq] micro-batch (activation dtype `itemsize`)."""
+def residual_bytes(cfg, batch: int, seq: int, itemsize: int, mlp_chunk_size: int | None = None) -> dict[str, int]:
+    """Bytes of each named residual of ONE layer for a [batch, seq] micro-batch (activation dtype `itemsize`).
+    With a tiled MLP (`mlp_chunk_size` < seq) the layer keeps nothing under `MLP_GATE_UP` (`tiled_mlp_names`)."""
     tokens = batch * seq
     heads, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     stream = tokens * cfg.hidden_size * itemsize
     from jaxft.models.families import family_for  # the model registry imports this module
 
     sandwich = stream if family_for(cfg.model_type).parts.sandwich_norms else 0  # kept where an output norm reads them
+    tiled = tiled_mlp_names(seq, mlp_chunk_size)
     return {
         LAYER_INPUT: stream,
         MLP_INPUT: stream,
@@ -217,17 +224,26 @@ def residual_bytes(cfg, batch: int, seq: int, itemsize: int) -> dict[str, int]:
         ATTN_OUT: tokens * heads * d * itemsize,
         ATTN_LSE: tokens * heads * 4,
         ATTN_QKV: tokens * (heads + 2 * kv) * d * itemsize,
-        MLP_GATE_UP: 2 * tokens * cfg.intermediate_size * itemsize,
+        MLP_GATE_UP: 0 if MLP_GATE_UP in tiled else 2 * tokens * cfg.intermediate_size * itemsize,
     }
 
 
-def budget_offload_all(cfg, batch: int, seq: int, itemsize: int, host_memory_gb: float | None
-                       ) -> tuple[tuple[str, ...], int]:
+def tiled_mlp_names(seq: int, mlp_chunk_size: int | None) -> tuple[str, ...]:
+    """The residual names a layer of `seq` tokens cannot keep because its MLP runs in chunks of `mlp_chunk_size`
+    (`jaxft.models.parts.tiled_mlp`: each chunk under a save-nothing checkpoint inside a loop, so the MLP's
+    gate/up exist one chunk at a time and are recomputed in the backward); none when the MLP is one call.
+    A policy naming them there would ask XLA to keep a value of the inner loop outside it (for an offload, XLA
+    0.11.2 fails its layout assignment: docs/benchmarks.md section 18), and would hold [T, intermediate] again."""
+    return (MLP_GATE_UP,) if mlp_chunk_size is not None and mlp_chunk_size < seq else ()
+
+
+def budget_offload_all(cfg, batch: int, seq: int, itemsize: int, host_memory_gb: float | None,
+                       mlp_chunk_size: int | None = None) -> tuple[tuple[str, ...], int]:
     """(names `offload_all` moves to the host, their host bytes over all layers): `NAMES` in order while the
     running total over `cfg.num_layers` layers stays within `host_memory_gb` (None: no limit). A name that does
     not fit is skipped (recomputed) and smaller later ones may still fit; names the model keeps nothing under
     are left out."""
-    sizes = residual_bytes(cfg, batch, seq, itemsize)
+    sizes = residual_bytes(cfg, batch, seq, itemsize, mlp_chunk_size)
     limit = None if host_memory_gb is None else host_memory_gb * 2**30
     chosen, total = [], 0
     for name in NAMES:

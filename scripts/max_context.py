@@ -216,18 +216,17 @@ def make_batch(seq: int, vocab: int, *, seed: int = 0) -> dict:
 
 
 def host_bytes_analytic(run, seq: int) -> int:
-    """Host bytes of the policy's offloaded residuals: `residual_bytes` of each offloaded name x layers (a name
-    inside the tiled MLP is recomputed per chunk, never kept: not counted)."""
+    """Host bytes of the policy's offloaded residuals: `residual_bytes` of each offloaded name x layers (the
+    policy never names what a tiled MLP recomputes per chunk: `ExecutionConfig.layer_policy`)."""
     import jax.numpy as jnp
 
-    from jaxft.remat import MLP_GATE_UP, residual_bytes
+    from jaxft.remat import residual_bytes
 
     cfg, ex = run.model_config, run.execution
     itemsize = jnp.dtype(run.dtype).itemsize
     policy = ex.layer_policy(cfg, 1, seq, itemsize)
-    sizes = residual_bytes(cfg, 1, seq, itemsize)
-    names = [n for n in policy.offload if not (n == MLP_GATE_UP and ex.mlp_chunk_size)]
-    return sum(sizes[n] for n in names) * cfg.num_layers
+    sizes = residual_bytes(cfg, 1, seq, itemsize, ex.mlp_chunk_size)
+    return sum(sizes[n] for n in policy.offload) * cfg.num_layers
 
 
 def argument_bytes(run) -> int:

@@ -42,15 +42,16 @@ SMALL_CFG = ModelConfig(model_type="llama", vocab_size=2048, hidden_size=512, in
 SMALL_T = 1024
 
 
-def _compiled(remat: str, loop: str, attention: str = "cudnn", segments: bool = True, small: bool = False):
+def _compiled(remat: str, loop: str, attention: str = "cudnn", segments: bool = True, small: bool = False,
+              mlp_chunk: int | None = None):
     # One cache key per setting however it is passed: `_compiled("none", "scan", segments=False)` and
     # `_compiled("none", "scan", "cudnn", False, False)` are one program (functools.cache keys on the call's form,
     # and the cuDNN dense case compiled the memory test's three programs again: 38 s of the serial process).
-    return _compiled_once(remat, loop, attention, segments, small)
+    return _compiled_once(remat, loop, attention, segments, small, mlp_chunk)
 
 
 @functools.cache  # each setting compiled once per process, whichever test asks first
-def _compiled_once(remat: str, loop: str, attention: str, segments: bool, small: bool):
+def _compiled_once(remat: str, loop: str, attention: str, segments: bool, small: bool, mlp_chunk: int | None):
     cfg, t = (SMALL_CFG, SMALL_T) if small else (CFG, T)
     model = nnx.eval_shape(lambda: apply_lora(Decoder(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
                                               LoraConfig(r=16, alpha=32)))
@@ -60,7 +61,7 @@ def _compiled_once(remat: str, loop: str, attention: str, segments: bool, small:
              for k in ("input_ids", "targets", "loss_mask", "segment_ids", "positions")}
     if not segments:  # one document per row: cuDNN's dense kernel (jax.nn.dot_product_attention)
         batch["segment_ids"] = None
-    ex = ExecutionConfig(attention_implementation=attention, remat=remat, layer_loop=loop)
+    ex = ExecutionConfig(attention_implementation=attention, remat=remat, layer_loop=loop, mlp_chunk_size=mlp_chunk)
     step = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])
     # The memory tests read temp sizes, which depend on the GEMM emitter (gpu_helpers): XLA's default emitters.
     # The small programs are only searched for kernel forwards, which the remat policy decides before XLA's GEMM
@@ -132,3 +133,13 @@ def test_offload_attn_does_not_rerun_the_attention_forward(attention, segments, 
     # full recompute adds kernel forwards, keeping the attention residuals adds none.
     once = forwards("none")
     assert once > 0 and forwards("offload") > once and forwards("offload+attn") <= once
+
+
+def test_offload_all_compiles_with_a_tiled_mlp():
+    """offload_all with the MLP in chunks (max_context's setting beyond 8192 tokens) once asked XLA to copy the
+    chunk loop's gate/up to the host, and XLA 0.11.2 failed its layout assignment ("INTERNAL: during context
+    [end-of-post-layout_assignment]", 8B at 321536 tokens on the H200, docs/benchmarks.md section 18; the same at
+    this small shape compiled for an H200 on a CPU). The tiled MLP's names are now kept by no policy
+    (`jaxft.remat.tiled_mlp_names`): it compiles, and the other residuals still go to the host."""
+    compiled = _compiled("offload_all", "scan", "pallas", small=True, mlp_chunk=256)
+    assert _host_copies(compiled.as_text()) > 0
