@@ -10,11 +10,12 @@ to the host directly, and XLA's algebraic simplifier folds Copy(Copy(x)) with eq
 (layouts, memory space included) into x (`AlgebraicSimplifierVisitor::HandleCopy`): the offload is silently
 dropped (measured on the H200: no S(5) value in the compiled unrolled program, docs/benchmarks.md section 10).
 
-Here the backward passes the host copy through an `optimization_barrier` together with the layer's output
-cotangent before copying it back. XLA's host offloader accepts a barrier on a host-memory path
+Here the backward passes the host copy through an `optimization_barrier` together with a signal before copying it
+back. XLA's host offloader accepts a barrier on a host-memory path
 (`host_offload_utils::IsValidDuringPureMemoryOffload`), the simplifier no longer sees a copy of a copy, and the
-copy back cannot be scheduled before the cotangent of this layer exists (so at most one layer input is back on
-the device at a time, not all of them prefetched at once). The barrier also keeps XLA from merging the
+copy back cannot be scheduled before the signal exists: the start of the backward of the layer above in an
+unrolled loop (`PrefetchChain`: the copy runs under that layer's compute, and at most two layer inputs are back on
+the device at a time, not all of them prefetched at once), else this layer's own output cotangent. The barrier also keeps XLA from merging the
 recompute with the forward on backends that lower no placement (the CPU: there both transfers are identities).
 
 Two more barriers decide what the device keeps (found in the step compiled for an H200 target on a CPU machine -
@@ -47,7 +48,7 @@ from jax.custom_derivatives import SymbolicZero
 Space = jax.memory.Space  # Host: pinned host memory; Device: the accelerator's own (an attribute, not a module)
 
 
-def host_offloaded(fn: Callable, policy: Callable | None = None) -> Callable:
+def host_offloaded(fn: Callable, policy: Callable | None = None, chain: "PrefetchChain | None" = None) -> Callable:
     """`fn(x, *args) -> y` whose backward pass keeps nothing on the device: the forward keeps `x` in pinned host
     memory (and `args`, the layer's parameters and index, as they are), the backward copies `x` back once the
     output cotangent exists and differentiates `fn` there (a full recompute). `x` must be one array. `fn` may
@@ -63,9 +64,32 @@ def host_offloaded(fn: Callable, policy: Callable | None = None) -> Callable:
 
     def call(x, *args):
         converted, consts = _hoist_constants(fn, x, *args)
-        return _offloaded(converted, len(consts), policy, x, *args, *consts)
+        signal = jnp.zeros((), jnp.float32) if chain is None else chain.signal
+        y, signal = _offloaded(converted, len(consts), policy, x, signal, *args, *consts)
+        if chain is not None:
+            chain.signal = signal
+        return y
 
     return call
+
+
+class PrefetchChain:
+    """The signal that lets each layer's copy back start one layer early, threaded through the layers of ONE
+    unrolled loop while it is traced (`jaxft.models.stack.run_groups` makes one per trace; never shared).
+
+    Each `host_offloaded` layer takes a float32 scalar from the layer below and passes one to the layer above,
+    through its custom VJP, which does nothing with it in the forward. In the backward the scalar's cotangent is
+    the signal: layer i+1 makes it from its output cotangent as soon as that exists (the start of its backward),
+    and layer i starts copying its input back once the signal exists, i.e. while layer i+1 recomputes and
+    differentiates, instead of after layer i+1 has finished (a barrier on layer i's own output cotangent, which
+    is layer i+1's input cotangent, its last product). Measured on the H200 before (docs/benchmarks.md section
+    18, 8B width, 4 layers, 1 x 8192): the unrolled backward waited 1.21-1.24 ms per layer for its copy back. At
+    most two layer inputs are on the device at once. In a scan the signal would come from the previous
+    iteration, which holds nothing for this one: a scan's layer function gets no chain (the signal is then a
+    constant, the copy back waits for the layer's own cotangent as before)."""
+
+    def __init__(self):
+        self.signal = jnp.zeros((), jnp.float32)
 
 
 def _hoist_constants(fn: Callable, *args):
@@ -87,44 +111,52 @@ def _hoist_constants(fn: Callable, *args):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _offloaded(fn, n_consts, policy, x, *args):
-    return fn(x, *args)
+def _offloaded(fn, n_consts, policy, x, signal, *args):
+    return fn(x, *args), signal
 
 
-def _offloaded_fwd(fn, n_consts, policy, x, *args):
-    """Primal output and residuals (x on the host, the arguments, which of them are differentiated). With
-    `symbolic_zeros` every leaf arrives as a `CustomVJPPrimal` (value, perturbed); the perturbed bits travel to the
-    backward as the structure of `flags` (an empty tuple for a perturbed leaf, None otherwise: no array), so the
-    backward differentiates only what the caller differentiates."""
+def _offloaded_fwd(fn, n_consts, policy, x, signal, *args):
+    """Primal output (and the prefetch signal, passed through) and residuals (x on the host, the arguments, which
+    of them are differentiated). With `symbolic_zeros` every leaf arrives as a `CustomVJPPrimal` (value,
+    perturbed); the perturbed bits travel to the backward as the structure of `flags` (an empty tuple for a
+    perturbed leaf, None otherwise: no array), so the backward differentiates only what the caller
+    differentiates."""
     x, x_perturbed = x.value, x.perturbed
     flags = jax.tree.map(lambda p: () if p.perturbed else None, args)
+    marks = (() if x_perturbed else None, () if signal.perturbed else None)
     args = jax.tree.map(lambda p: p.value, args)
     if policy is not None:
-        return _policy_fwd(fn, n_consts, policy, x, x_perturbed, args, flags)
+        y, res = _policy_fwd(fn, n_consts, policy, x, x_perturbed, args, flags)
+        return (y, signal.value), (res, marks)
     y = fn(x, *args)
     # The copy to the host completes before y leaves the layer: the next layer cannot start until it is done, so
     # the device x dies here (without this the copy's completion is scheduled next to its only use, in the
     # backward pass, and every layer input stays on the device through the forward).
     x_host, y = jax.lax.optimization_barrier((jax.device_put(x, Space.Host), y))
-    return y, (x_host, args, (() if x_perturbed else None, flags))
+    return (y, signal.value), ((x_host, args, flags), marks)
 
 
-def _offloaded_bwd(fn, n_consts, policy, res, dy):
+def _offloaded_bwd(fn, n_consts, policy, res, cts):
     """Cotangents for x and the differentiated explicit arguments; None for the rest and for the hoisted
     constants (the layer's RoPE tables, positions, masks, dropout key: nothing trainable reaches a layer other
     than through its arguments). Not differentiating them matters: a constant can be an input of a custom VJP
     inside the layer (e.g. the NF4 code table of the 4-bit matmul), and JAX refuses to differentiate a custom VJP
     in what it closes over; and the frozen weights' cotangents must not be computed (see the last barrier)."""
-    dy = jax.tree.map(_instantiate, dy, is_leaf=lambda t: isinstance(t, SymbolicZero))
+    (dy, above), (res, (x_flag, signal_flag)) = jax.tree.map(
+        _instantiate, cts, is_leaf=lambda t: isinstance(t, SymbolicZero)), res
+    # This layer's backward starts once dy exists: the layer below may start its copy back then (PrefetchChain).
+    dy, below = jax.lax.optimization_barrier((dy, jnp.zeros((), jnp.float32)))
+    below = below if signal_flag == () else None
     if policy is not None:
-        return _policy_bwd(n_consts, res, dy)
-    x_host, args, (x_flag, flags) = res
-    # The barrier orders the copy back after dy and hides the host copy from Copy(Copy) folding (docstring).
-    x_host, dy = jax.lax.optimization_barrier((x_host, dy))
-    x = jax.device_put(x_host, Space.Device)
+        return _policy_bwd(n_consts, res, dy, below)
+    x_host, args, flags = res
+    # The copy back starts once the layer above has begun its backward (`above`; a constant without a chain) and
+    # the barrier hides the host copy from Copy(Copy) folding (docstring); the recompute waits for dy.
+    x_host, above = jax.lax.optimization_barrier((x_host, above))
+    x, dy = jax.lax.optimization_barrier((jax.device_put(x_host, Space.Device), dy))
     layer, diff, unsplit = _differentiated(fn, n_consts, args, flags)
     _, vjp = _vjp(layer, x, x_flag == (), diff)
-    return _cotangents(vjp, dy, unsplit, n_consts)
+    return _cotangents(vjp, dy, unsplit, n_consts, below)
 
 
 def _differentiated(fn, n_consts, args, flags):
@@ -166,7 +198,7 @@ def _no_dx(vjp, dy):
     return None, d_diff
 
 
-def _cotangents(vjp, dy, unsplit, n_consts):
+def _cotangents(vjp, dy, unsplit, n_consts, signal):
     dx, d_diff = vjp(dy)
     # This layer's weight gradients are finished before its input cotangent leaves it. Without this barrier the
     # scheduler may defer every layer's LoRA weight-gradient matmuls to the end of the unrolled program (they are
@@ -175,7 +207,7 @@ def _cotangents(vjp, dy, unsplit, n_consts):
     # H200 compile). Only differentiated leaves are in it: a barrier keeps all its operands, so a frozen weight's
     # cotangent in it would be computed (it is dead code otherwise).
     dx, d_diff = jax.lax.optimization_barrier((dx, d_diff))
-    return (dx, *unsplit(d_diff), *([None] * n_consts))
+    return (dx, signal, *unsplit(d_diff), *([None] * n_consts))
 
 
 def _policy_fwd(fn, n_consts, policy, x, x_perturbed, args, flags):
@@ -188,12 +220,14 @@ def _policy_fwd(fn, n_consts, policy, x, x_perturbed, args, flags):
     return y, (jax.tree.unflatten(tree, leaves), args, flags)
 
 
-def _policy_bwd(n_consts, res, dy):
+def _policy_bwd(n_consts, res, dy, signal):
+    """The policy's copies back run inside its vjp, beside the recompute that reads them, so they cannot start
+    early: they wait for dy (the chain's signal is passed on, unused)."""
     vjp, args, flags = res
     leaves, tree = jax.tree.flatten(vjp)
     leaves, dy = jax.lax.optimization_barrier((leaves, dy))  # copies back only once dy exists
     _, _, unsplit = _differentiated(None, n_consts, args, flags)
-    return _cotangents(jax.tree.unflatten(tree, leaves), dy, unsplit, n_consts)
+    return _cotangents(jax.tree.unflatten(tree, leaves), dy, unsplit, n_consts, signal)
 
 
 def _instantiate(t):

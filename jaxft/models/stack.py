@@ -45,7 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxft.config import ModelConfig
 from jaxft.models.families import family_for
 from jaxft.sharding import constrain_rows
-from jaxft.offload import host_offloaded, layer_index
+from jaxft.offload import PrefetchChain, host_offloaded, layer_index
 from jaxft.remat import LAYER_INPUT, RematPolicy
 
 
@@ -159,12 +159,15 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         raise ValueError("run_groups: policy_layers (ExecutionConfig.remat_layers) needs per-layer weight buffers "
                          "(layer_loop: unroll)")
     without = RematPolicy("none")
+    # The explicitly offloaded layers of an unrolled loop pass each other the signal that starts a copy back one
+    # layer early (jaxft.offload.PrefetchChain); this trace's own, in layer order.
+    chain = PrefetchChain() if unrolled else None
 
     def fn_for(group, policy=policy, row=None):
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
         fn = _layer_fn(split[group.stack][0], ctx, dropout_rng, policy=policy,
                        prevent_cse=unrolled and not (policy.offloads and _places_memory()),
-                       transfer=resolve_transfer(policy, unrolled), row=row)
+                       transfer=resolve_transfer(policy, unrolled), row=row, chain=chain)
         if router_stats is None:
             return fn
         return _summing_stats(fn) if "router_token_weights" in ctx else _passing_stats(fn)
@@ -276,9 +279,10 @@ def _places_memory() -> bool:
 
 
 def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_cse: bool,
-              transfer: str = "policy", row: int | None = None):
+              transfer: str = "policy", row: int | None = None, chain: PrefetchChain | None = None):
     """`(x, layer_state, index) -> x` for one layer, rematerialised per `policy`; `transfer` "explicit" (only
-    for a policy that `explicit_capable` accepts) moves the layer input to the host through `jaxft.offload`.
+    for a policy that `explicit_capable` accepts) moves the layer input to the host through `jaxft.offload`, with
+    its copy back started one layer early when the layers share a `chain` (unrolled loops).
 
     `row` (a periodic scan's body): `layer_state` is the period's block of the stack ([c, ...] leaves) and the
     layer's weights are its row `row`. The slice is taken inside the layer's checkpoint and never saved: had the
@@ -303,6 +307,6 @@ def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_
         # unrolled by default (`ExecutionConfig.resolved_layer_loop`).
         return layer_fn
     if transfer == "explicit":  # host copies in a custom VJP whose barriers order them (jaxft.offload)
-        offloaded = host_offloaded(layer_fn, None if policy.explicit_capable else policy.jax_policy())
+        offloaded = host_offloaded(layer_fn, None if policy.explicit_capable else policy.jax_policy(), chain)
         return lambda carry, layer_state, index: offloaded(carry, layer_state, layer_index(index))
     return jax.checkpoint(layer_fn, policy=policy.jax_policy(), prevent_cse=prevent_cse)
