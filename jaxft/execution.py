@@ -21,10 +21,10 @@ The model holds parameters and math; everything that changes speed or memory but
   layer's residuals per layer at the recompute cost of that layer alone, the steps between "none" and a policy
   on all layers (unrolled loop only; "auto" picks N when "none" does not fit, `jaxft.run.Run.choose_remat`).
 - `offload_transfer`: how remat "offload" moves each layer input to pinned host memory: "policy" (jax.checkpoint's
-  offload policy), "explicit" (`jaxft.offload`: the two copies written in a custom VJP, the copy back ordered
-  after the layer's output cotangent) or "auto" (explicit in the unrolled loop, whose policy copies XLA folds
-  away, the policy in the scan, whose copies XLA keeps). Other offloading policies keep more than the layer
-  input and always use the policy.
+  offload policy), "explicit" (`jaxft.offload`: the two copies written in a custom VJP, each copy back started
+  when the layer above starts its backward; unrolled loop only) or "auto" (explicit in the unrolled loop, whose
+  policy copies XLA folds away, the policy in the scan, whose copies XLA keeps). Other offloading policies
+  unrolled go through the explicit transfer with their policy's own copies inside it.
 - `layer_loop`: "scan" runs one layer body over stacked weights; "unroll" one program region per layer over
   per-layer weight buffers (no weight-slice copies, longer compile); "auto" unrolls only without remat (the
   host offload of unrolled layers is not yet confirmed on the GPU: tests/test_remat_gpu.py).
@@ -106,6 +106,12 @@ class ExecutionConfig:
                                            "layer_loop: unroll (or auto), or drop remat_layers")
         _choice("ce_implementation", self.ce_implementation, CE_IMPLEMENTATIONS)
         _choice("offload_transfer", self.offload_transfer, OFFLOAD_TRANSFERS)
+        if self.offload_transfer == "explicit" and self.layer_loop == "scan":
+            # Its host copies would be residuals stacked by the scan's AD in a host buffer, which XLA's layout
+            # assignment rejects (JAX 0.11.2, compiled for an H200: "Expected instruction to have shape equal to").
+            raise ExecutionConfigError("offload_transfer", "'explicit' needs the unrolled layer loop (XLA cannot place "
+                                       "the scan's stacked host copies); set layer_loop: unroll (or auto), or "
+                                       "offload_transfer: auto")
         chunk = self.ce_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ExecutionConfigError("ce_chunk_size", f"value {chunk!r} must be an integer >= 1 (or null for the "
@@ -160,13 +166,14 @@ class ExecutionConfig:
 
     @property
     def resolved_layer_loop(self) -> str:
-        """"auto" unrolls without remat, with remat on some layers (`remat_layers`) and with offload_stream (its
-        host copies go through `jaxft.offload`'s explicit transfer, which needs unrolled layers; in the scan it
-        kept more than no remat, docs/benchmarks.md section 10): the other host offload and recompute policies on
-        every layer are tuned for the scan."""
+        """"auto" unrolls without remat, with remat on some layers (`remat_layers`), with offload_stream and
+        with `offload_transfer: explicit` (their host copies go through `jaxft.offload`'s explicit transfer, which
+        needs unrolled layers; offload_stream in the scan kept more than no remat, docs/benchmarks.md section 10):
+        the other host offload and recompute policies on every layer are tuned for the scan."""
         if self.layer_loop != "auto":
             return self.layer_loop
-        unrolled = self.remat in ("none", "offload_stream") or self.remat_layers is not None
+        unrolled = (self.remat in ("none", "offload_stream") or self.remat_layers is not None
+                    or self.offload_transfer == "explicit")
         return "unroll" if unrolled else "scan"
 
     def replace(self, **changes) -> "ExecutionConfig":

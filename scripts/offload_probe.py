@@ -60,15 +60,18 @@ def variants(gpu: bool) -> list[dict]:
     policies = ("none", "full", "offload", "offload_explicit")
     for loop in ("scan", "unroll"):
         out += [dict(model="mini", policy=p, loop=loop, flags="") for p in policies]
+        # jaxft's explicit transfer is unrolled only (ExecutionConfig rejects it in the scan: XLA cannot place its
+        # stacked host copies); the mini program keeps both loops to show that.
+        recipe = [p for p in policies if not (loop == "scan" and p == "offload_explicit")]
         if gpu:
-            out += [dict(model="jaxft", policy=p, loop=loop, attention="cudnn_dense", flags="") for p in policies]
+            out += [dict(model="jaxft", policy=p, loop=loop, attention="cudnn_dense", flags="") for p in recipe]
             out += [dict(model="jaxft", policy=p, loop=loop, attention="cudnn", flags="") for p in ("none", "full")]
             for model, attention in (("mini", None), ("jaxft", "cudnn_dense")):
-                for p in ("offload", "offload_explicit"):
+                for p in ("offload", "offload_explicit") if model == "mini" else [p for p in recipe if "offload" in p]:
                     v = dict(model=model, policy=p, loop=loop, flags="pipelined")
                     out.append(v if attention is None else dict(v, attention=attention))
         else:
-            out += [dict(model="jaxft", policy=p, loop=loop, attention="reference", flags="") for p in policies]
+            out += [dict(model="jaxft", policy=p, loop=loop, attention="reference", flags="") for p in recipe]
     return out
 
 
