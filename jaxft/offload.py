@@ -84,7 +84,8 @@ class PrefetchChain:
     differentiates, instead of after layer i+1 has finished (a barrier on layer i's own output cotangent, which
     is layer i+1's input cotangent, its last product). Measured on the H200 before (docs/benchmarks.md section
     18, 8B width, 4 layers, 1 x 8192): the unrolled backward waited 1.21-1.24 ms per layer for its copy back. At
-    most two layer inputs are on the device at once. In a scan the signal would come from the previous
+    most two layers' offloaded residuals are on the device at once (under a policy that offloads more than the
+    layer input, all of its host residuals are copied back this way, outside its vjp). In a scan the signal would come from the previous
     iteration, which holds nothing for this one: a scan's layer function gets no chain (the signal is then a
     constant, the copy back waits for the layer's own cotangent as before)."""
 
@@ -148,7 +149,7 @@ def _offloaded_bwd(fn, n_consts, policy, res, cts):
     dy, below = jax.lax.optimization_barrier((dy, jnp.zeros((), jnp.float32)))
     below = below if signal_flag == () else None
     if policy is not None:
-        return _policy_bwd(n_consts, res, dy, below)
+        return _policy_bwd(n_consts, res, dy, above, below)
     x_host, args, flags = res
     # The copy back starts once the layer above has begun its backward (`above`; a constant without a chain) and
     # the barrier hides the host copy from Copy(Copy) folding (docstring); the recompute waits for dy.
@@ -220,14 +221,19 @@ def _policy_fwd(fn, n_consts, policy, x, x_perturbed, args, flags):
     return y, (jax.tree.unflatten(tree, leaves), args, flags)
 
 
-def _policy_bwd(n_consts, res, dy, signal):
-    """The policy's copies back run inside its vjp, beside the recompute that reads them, so they cannot start
-    early: they wait for dy (the chain's signal is passed on, unused)."""
+def _policy_bwd(n_consts, res, dy, above, below):
+    """The residuals the policy offloaded are copied back here, once the layer above has begun its backward
+    (`above`, as for the layer input; the vjp's own copy back of a value already on the device is none), the
+    ones it saved on the device are read in place; the recompute waits for dy."""
     vjp, args, flags = res
     leaves, tree = jax.tree.flatten(vjp)
-    leaves, dy = jax.lax.optimization_barrier((leaves, dy))  # copies back only once dy exists
+    host = [i for i, leaf in enumerate(leaves) if jax.typeof(leaf).memory_space == Space.Host]
+    on_host, above = jax.lax.optimization_barrier(([leaves[i] for i in host], above))
+    for i, leaf in zip(host, on_host):
+        leaves[i] = jax.device_put(leaf, Space.Device)
+    leaves, dy = jax.lax.optimization_barrier((leaves, dy))
     _, _, unsplit = _differentiated(None, n_consts, args, flags)
-    return _cotangents(jax.tree.unflatten(tree, leaves), dy, unsplit, n_consts, signal)
+    return _cotangents(jax.tree.unflatten(tree, leaves), dy, unsplit, n_consts, below)
 
 
 def _instantiate(t):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 
 import jax
+import pytest
 
 from jaxft.execution import ExecutionConfig
 from jaxft.train.step import loss_and_grad_sums, stack_micro_batches, unstack_layers
@@ -109,15 +110,15 @@ def _signal_sources(remat: str = "offload"):
     return sources
 
 
-def test_each_copy_back_starts_when_the_layer_above_starts_its_backward():
+@pytest.mark.parametrize("remat", ["offload", "offload_stream", "offload+attn", "offload_all"])
+def test_each_copy_back_starts_when_the_layer_above_starts_its_backward(remat):
     """Unrolled: layer i's copy back is gated by the scalar layer i+1 makes from its output cotangent (the
     start of its backward, `jaxft.offload.PrefetchChain`), so the copy runs under layer i+1's recompute and
     backward instead of after it (measured on the H200 before: 1.2 ms of idle compute per layer, 8B width at
-    1 x 8192, docs/benchmarks.md section 18). The top layer has no layer above (a constant). offload_stream
-    (the policy's own copies inside the custom VJP) cannot start early: its copies back run inside the policy's
-    vjp, so its gates hold no host copy with a scalar."""
-    assert sorted(_signal_sources()) == ["constant"] + ["signal"] * (LAYERS - 1)
-    assert _signal_sources("offload_stream") == []
+    1 x 8192, docs/benchmarks.md section 18). The top layer has no layer above (a constant). The same for the
+    policies that keep more (their vjp inside the custom VJP): their offloaded residuals are copied back early,
+    what they keep on the device is read in place."""
+    assert sorted(_signal_sources(remat)) == ["constant"] + ["signal"] * (LAYERS - 1)
 
 
 def test_the_policy_transfer_has_neither_barrier():
@@ -132,11 +133,13 @@ def test_a_policy_that_keeps_residuals_offloads_through_the_same_barriers_when_u
     """offload_stream keeps most residuals on the device and moves the [B,T,H] ones to the host; unrolled, its copies
     go through the explicit transfer too (the jax.checkpoint offload there kept more device memory than no remat:
     compiled for an H200, 4 Gemma-2-9B layers at 1 x 4096, temp 4.44 GiB vs 4.10 without remat; 3.30 this way).
-    Per layer: one barrier holding the host copies with the layer output, one holding them with the output
-    cotangent (so the copies back wait for it), and the weight-gradient barrier."""
+    Per layer: one barrier holding the host copies with the layer output, one holding them with the prefetch
+    signal (so the copies back wait for it), and the weight-gradient barrier."""
     found, per_layer, stream = _barriers("auto", "offload_stream")
     host = [shapes for shapes, on_host in found if on_host]
     assert len(host) == 2 * LAYERS, host
     # Llama has no output norms: the layer input and the MLP input go to the host, both [B,T,H].
-    assert all(shapes.count(stream) >= 3 for shapes in host), host
+    gates = [shapes for shapes in host if shapes == [stream, stream, ()]]
+    forward = [shapes for shapes in host if shapes != [stream, stream, ()]]
+    assert len(gates) == len(forward) == LAYERS and all(shapes.count(stream) >= 3 for shapes in forward), host
     assert len(_weight_gradient_barriers(found, per_layer, stream)) == LAYERS

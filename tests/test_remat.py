@@ -238,6 +238,14 @@ def _offload_texts(loop: str, remat: str, cfg: ModelConfig | None = None):
     return jaxpr, hlo
 
 
+def _placements_back(loop: str, remat: str) -> int:
+    """Placements on the device per offloaded residual. Unrolled, a policy that keeps more than the layer input
+    runs its vjp inside jaxft.offload's custom VJP, which copies the host residuals back itself (one layer early,
+    PrefetchChain); the vjp's own placement then reads a value already on the device (a second annotation, which
+    compiles to no copy: compiled for an H200, one copy back per residual)."""
+    return 2 if loop == "unroll" and not parse(remat).explicit_capable else 1
+
+
 @pytest.mark.parametrize("loop", ["scan", "unroll"])
 @pytest.mark.parametrize("remat, per_layer", [("offload", 1), ("offload+attn", 1), ("offload_stream", 2),
                                               ("offload_all", 7)])
@@ -250,7 +258,7 @@ def test_offload_policies_place_residuals_in_host_memory_in_both_loops(loop, rem
     layers = 1 if loop == "scan" else 3
     to_host = hlo.count('_xla_buffer_placement = "pinned_host"')
     to_device = hlo.count('_xla_buffer_placement = "device"')
-    assert to_host == to_device and to_host > 0 and to_host % layers == 0
+    assert to_host == to_device // _placements_back(loop, remat) and to_host > 0 and to_host % layers == 0
     if remat != "offload_all":
         assert to_host == per_layer * layers
     else:  # layer input, mlp input, attn_out, q, k, v, gate, up (the reference attention has no statistics)
@@ -264,7 +272,8 @@ def test_offload_stream_also_moves_what_sandwich_output_norms_read():
     output norms, checked above) moves two."""
     jaxpr, hlo = _offload_texts("unroll", "offload_stream", GEMMA)
     to_host = hlo.count('_xla_buffer_placement = "pinned_host"')
-    assert to_host == hlo.count('_xla_buffer_placement = "device"') == 4 * GEMMA.num_layers
+    to_device = hlo.count('_xla_buffer_placement = "device"') // _placements_back("unroll", "offload_stream")
+    assert to_host == to_device == 4 * GEMMA.num_layers
     sizes = residual_bytes(GEMMA, 1, 64, 4)
     assert sizes["attn_proj"] == sizes["mlp_out"] == sizes["layer_input"] > 0
     assert residual_bytes(LLAMA, 1, 64, 4)["attn_proj"] == 0
