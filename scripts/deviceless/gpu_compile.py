@@ -15,6 +15,14 @@ executable (`.memory_analysis()`, `.as_text()`; pass `xla_dump_to` in `compiler_
 The target description `h200_target.txtpb` was written from XLA's H200 device spec (132 SMs, 141 GB, compute
 capability 9.0, cuDNN 9.10): autotuning cannot run without a device (compile with `xla_gpu_autotune_level` 0),
 and cuDNN kernels need cuDNN installed here (use attention "pallas" or "xla" otherwise).
+
+Caveat for attention "pallas": the flash kernels pick interpret mode from the process's default backend (the CPU
+here), so the program holds the interpreter's loops and its NaN-filled output buffers, not the Triton kernels
+(their lowering needs a GPU to describe; `interpret=False` here fails with "No supported GPU devices found").
+Those buffers are temp: compiled here, Gemma-3-12B at 1 x 16384 kept 36 NaN-filled [16384, 16, 256] buffers
+(4.5 GiB) live on 12 unrolled layers, about 0.37 GiB per layer that the GPU program does not have. So per-layer
+slopes and absolute temps with Pallas attention are not the GPU's (section 18 of docs/benchmarks.md); use
+attention "xla" (the reference, no interpreter) when the attention's own memory does not matter.
 """
 
 from __future__ import annotations
