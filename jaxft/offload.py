@@ -14,8 +14,9 @@ Here the backward passes the host copy through an `optimization_barrier` togethe
 back. XLA's host offloader accepts a barrier on a host-memory path
 (`host_offload_utils::IsValidDuringPureMemoryOffload`), the simplifier no longer sees a copy of a copy, and the
 copy back cannot be scheduled before the signal exists: the start of the backward of the layer above in an
-unrolled loop (`PrefetchChain`: the copy runs under that layer's compute, and at most two layer inputs are back on
-the device at a time, not all of them prefetched at once), else this layer's own output cotangent. The barrier also keeps XLA from merging the
+unrolled loop (`PrefetchChain`: the copy runs under that layer's compute, and at most two layer inputs are back
+on the device at a time, not all of them prefetched at once), else this layer's own output cotangent. The
+recompute waits for this layer's output cotangent (a second barrier). The barriers also keep XLA from merging the
 recompute with the forward on backends that lower no placement (the CPU: there both transfers are identities).
 
 Two more barriers decide what the device keeps (found in the step compiled for an H200 target on a CPU machine -
@@ -50,8 +51,9 @@ Space = jax.memory.Space  # Host: pinned host memory; Device: the accelerator's 
 
 def host_offloaded(fn: Callable, policy: Callable | None = None, chain: "PrefetchChain | None" = None) -> Callable:
     """`fn(x, *args) -> y` whose backward pass keeps nothing on the device: the forward keeps `x` in pinned host
-    memory (and `args`, the layer's parameters and index, as they are), the backward copies `x` back once the
-    output cotangent exists and differentiates `fn` there (a full recompute). `x` must be one array. `fn` may
+    memory (and `args`, the layer's parameters and index, as they are), the backward copies `x` back (once the
+    layer above starts its backward with a `chain`, else once this layer's output cotangent exists) and
+    differentiates `fn` there (a full recompute) after the output cotangent exists. `x` must be one array. `fn` may
     close over traced values (the layer's RoPE tables, positions, dropout key): they become explicit arguments
     (`_hoist_constants`), as a custom VJP requires.
 
@@ -85,9 +87,9 @@ class PrefetchChain:
     is layer i+1's input cotangent, its last product). Measured on the H200 before (docs/benchmarks.md section
     18, 8B width, 4 layers, 1 x 8192): the unrolled backward waited 1.21-1.24 ms per layer for its copy back. At
     most two layers' offloaded residuals are on the device at once (under a policy that offloads more than the
-    layer input, all of its host residuals are copied back this way, outside its vjp). In a scan the signal would come from the previous
-    iteration, which holds nothing for this one: a scan's layer function gets no chain (the signal is then a
-    constant, the copy back waits for the layer's own cotangent as before)."""
+    layer input, all of its host residuals are copied back this way, outside its vjp). In a scan the signal
+    would come from the previous iteration, which holds nothing for this one: a scan's layer function gets no
+    chain (the signal is then a constant; explicit transfers are unrolled only anyway, ExecutionConfig)."""
 
     def __init__(self):
         self.signal = jnp.zeros((), jnp.float32)
@@ -143,8 +145,8 @@ def _offloaded_bwd(fn, n_consts, policy, res, cts):
     than through its arguments). Not differentiating them matters: a constant can be an input of a custom VJP
     inside the layer (e.g. the NF4 code table of the 4-bit matmul), and JAX refuses to differentiate a custom VJP
     in what it closes over; and the frozen weights' cotangents must not be computed (see the last barrier)."""
-    (dy, above), (res, (x_flag, signal_flag)) = jax.tree.map(
-        _instantiate, cts, is_leaf=lambda t: isinstance(t, SymbolicZero)), res
+    dy, above = jax.tree.map(_instantiate, cts, is_leaf=lambda t: isinstance(t, SymbolicZero))
+    res, (x_flag, signal_flag) = res
     # This layer's backward starts once dy exists: the layer below may start its copy back then (PrefetchChain).
     dy, below = jax.lax.optimization_barrier((dy, jnp.zeros((), jnp.float32)))
     below = below if signal_flag == () else None
