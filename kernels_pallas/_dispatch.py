@@ -35,10 +35,24 @@ GPU_PLATFORMS = ("gpu", "cuda")
 ALL_PLATFORMS = ("cpu", "gpu", "cuda", "tpu")
 
 
+def target_platform() -> str:
+    """The platform a program is being built for when no device is named: the device of the mesh set for tracing
+    (`jax.set_mesh`, as `jaxft.sharding.Placement.tracing` does), else ``jax_default_device``, else the first
+    device. An ahead-of-time compile for a GPU target on a CPU-only host (``scripts/deviceless``) traces under
+    the target's mesh, so its Pallas kernels lower for that GPU, not for the CPU's interpreter."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    if abstract is not None:
+        return abstract.platform
+    chosen = jax.config.jax_default_device
+    if isinstance(chosen, jax.Device):
+        return chosen.platform
+    return chosen if isinstance(chosen, str) else jax.devices()[0].platform
+
+
 def _platform(device) -> str:
     """Platform name of a ``jax.Device`` or of a platform string ("cpu", "gpu"); None: the default device."""
     if device is None:
-        device = jax.devices()[0]
+        return target_platform()
     return device if isinstance(device, str) else device.platform
 
 

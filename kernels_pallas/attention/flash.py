@@ -52,6 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas._dispatch import target_platform
 from kernels_pallas.attention.config import (
     BlockConfig,
     FlashConfig,
@@ -435,7 +436,7 @@ def flash_attention(
         config = default_flash_config(d)
     config = fit_to_metadata(config, metadata.block_q, metadata.block_k)
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = target_platform() != "gpu"
     st = _Static(
         causal=bool(causal),
         sliding_window=sliding_window,

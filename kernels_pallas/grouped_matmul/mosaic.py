@@ -50,6 +50,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas._dispatch import target_platform
+
 _WHERE = "kernels_pallas/grouped_matmul/mosaic.py"
 _INTERPRET_SMS = 2  # "SMs" the interpreter simulates: each one is a thread on the CPU
 
@@ -457,7 +459,7 @@ def grouped_matmul_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array
     """out = gmm(lhs, rhs, group_sizes) by the Mosaic GPU kernels, differentiable in lhs and rhs.
     ``interpret`` defaults to True off-GPU (Mosaic GPU's CPU interpreter)."""
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = target_platform() != "gpu"
     if not interpret and jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"{_WHERE}: the Mosaic GPU grouped matmul takes bfloat16/float16 operands, got "
                          f"{lhs.dtype}; cast them, or use implementation='xla'")

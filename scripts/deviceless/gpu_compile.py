@@ -16,13 +16,14 @@ The target description `h200_target.txtpb` was written from XLA's H200 device sp
 capability 9.0, cuDNN 9.10): autotuning cannot run without a device (compile with `xla_gpu_autotune_level` 0),
 and cuDNN kernels need cuDNN installed here (use attention "pallas" or "xla" otherwise).
 
-Caveat for attention "pallas": the flash kernels pick interpret mode from the process's default backend (the CPU
-here), so the program holds the interpreter's loops and its NaN-filled output buffers, not the Triton kernels
-(their lowering needs a GPU to describe; `interpret=False` here fails with "No supported GPU devices found").
-Those buffers are temp: compiled here, Gemma-3-12B at 1 x 16384 kept 36 NaN-filled [16384, 16, 256] buffers
-(4.5 GiB) live on 12 unrolled layers, about 0.37 GiB per layer that the GPU program does not have. So per-layer
-slopes and absolute temps with Pallas attention are not the GPU's (section 18 of docs/benchmarks.md); use
-attention "xla" (the reference, no interpreter) when the attention's own memory does not matter.
+Pallas kernels choose interpret mode from the platform being traced for (`kernels_pallas._dispatch.target_platform`:
+the mesh set with `jax.set_mesh`, as `jaxft.run.Run.compile` does with its devices, else `jax_default_device`).
+Trace under the target's mesh (or `with jax.default_device(h200_device())` around a bare `.lower()`) and they lower
+for the GPU (Triton for the flash attention). Otherwise the program holds the CPU interpreter's loops and
+NaN-filled output buffers: compiled that way, Gemma-3-12B at 1 x 16384 kept 36 of them, [16384, 16, 256] bf16
+(4.5 GiB), live on 12 unrolled layers, about 0.37 GiB per layer the GPU program does not have (docs/benchmarks.md
+section 18; before the platform came from the mesh, every deviceless `Run.compile` was of that kind). The Mosaic
+GPU kernels (grouped matmul) do not lower here at all.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 
+def h200_device():
+    """The H200 target's device (for `jax.default_device` around a bare `.lower()`: eager operations cannot run
+    on it, so never make it the process's default)."""
+    return h200_topology().devices[0]
+
+
 def h200_topology():
     with open(os.path.join(HERE, "h200_target.txtpb")) as f:
         target = f.read()
@@ -51,7 +58,9 @@ def compile_for_h200(fn, *args, compiler_options=None):
     replicated = NamedSharding(mesh, PartitionSpec())
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), args)
     jitted = jax.jit(fn, in_shardings=jax.tree.map(lambda _: replicated, args))
-    return jitted.trace(*shapes).lower(lowering_platforms=("cuda",)).compile(
+    with jax.set_mesh(mesh):  # the traced platform is the target's (Pallas kernels lower for it)
+        lowered = jitted.trace(*shapes).lower(lowering_platforms=("cuda",))
+    return lowered.compile(
         {"xla_gpu_autotune_level": 0, **(compiler_options or {})})
 
 
