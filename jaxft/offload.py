@@ -51,18 +51,17 @@ Space = jax.memory.Space  # Host: pinned host memory; Device: the accelerator's 
 
 def host_offloaded(fn: Callable, policy: Callable | None = None, chain: "PrefetchChain | None" = None) -> Callable:
     """`fn(x, *args) -> y` whose backward pass keeps nothing on the device: the forward keeps `x` in pinned host
-    memory (and `args`, the layer's parameters and index, as they are), the backward copies `x` back (once the
-    layer above starts its backward with a `chain`, else once this layer's output cotangent exists) and
-    differentiates `fn` there (a full recompute) after the output cotangent exists. `x` must be one array. `fn` may
+    memory (and `args`, the layer's parameters and index, as they are); the backward copies `x` back (as soon as
+    the layer above starts its backward with a `chain`) and, once this layer's output cotangent exists,
+    differentiates `fn` there (a full recompute). `x` must be one array. `fn` may
     close over traced values (the layer's RoPE tables, positions, dropout key): they become explicit arguments
     (`_hoist_constants`), as a custom VJP requires.
 
     With `policy` (a `jax.checkpoint` policy, e.g. `save_and_offload_only_these_names`) the layer keeps what the
     policy keeps instead: the forward is the vjp of `jax.checkpoint(fn, policy)`, its residuals (device-saved and
     host-offloaded values) are this custom VJP's residuals, held with the layer output (so the copies to the host
-    complete inside the layer), and the backward passes them through a barrier with the output cotangent before
-    the policy's copies back run (as for x above: no Copy(Copy) folding, no early prefetch of every layer's
-    residuals), then recomputes only what the policy did not keep."""
+    complete inside the layer); the backward copies the host ones back as it does `x` (`_copied_back`; the
+    policy's own placements then find them on the device) and recomputes only what the policy did not keep."""
 
     def call(x, *args):
         converted, consts = _hoist_constants(fn, x, *args)
@@ -153,13 +152,23 @@ def _offloaded_bwd(fn, n_consts, policy, res, cts):
     if policy is not None:
         return _policy_bwd(n_consts, res, dy, above, below)
     x_host, args, flags = res
-    # The copy back starts once the layer above has begun its backward (`above`; a constant without a chain) and
-    # the barrier hides the host copy from Copy(Copy) folding (docstring); the recompute waits for dy.
-    x_host, above = jax.lax.optimization_barrier((x_host, above))
-    x, dy = jax.lax.optimization_barrier((jax.device_put(x_host, Space.Device), dy))
+    (x,), dy = _copied_back([x_host], above, dy)
     layer, diff, unsplit = _differentiated(fn, n_consts, args, flags)
     _, vjp = _vjp(layer, x, x_flag == (), diff)
     return _cotangents(vjp, dy, unsplit, n_consts, below)
+
+
+def _copied_back(values: list, above, dy):
+    """(`values` on the device, dy). Those in host memory are copied back once `above` exists (the start of the
+    layer above's backward with a `PrefetchChain`, else a constant); the barrier holding them with it also hides
+    each host copy from Copy(Copy) folding (module docstring). The results are held with dy, so the recompute
+    that reads them waits for this layer's output cotangent."""
+    host = [i for i, value in enumerate(values) if jax.typeof(value).memory_space == Space.Host]
+    on_host, above = jax.lax.optimization_barrier(([values[i] for i in host], above))
+    values = list(values)
+    for i, value in zip(host, on_host):
+        values[i] = jax.device_put(value, Space.Device)
+    return jax.lax.optimization_barrier((values, dy))
 
 
 def _differentiated(fn, n_consts, args, flags):
@@ -224,16 +233,11 @@ def _policy_fwd(fn, n_consts, policy, x, x_perturbed, args, flags):
 
 
 def _policy_bwd(n_consts, res, dy, above, below):
-    """The residuals the policy offloaded are copied back here, once the layer above has begun its backward
-    (`above`, as for the layer input; the vjp's own copy back of a value already on the device is none), the
-    ones it saved on the device are read in place; the recompute waits for dy."""
+    """The residuals the policy offloaded are copied back here (`_copied_back`; the vjp's own copy back of a value
+    already on the device is none), the ones it saved on the device are read in place."""
     vjp, args, flags = res
     leaves, tree = jax.tree.flatten(vjp)
-    host = [i for i, leaf in enumerate(leaves) if jax.typeof(leaf).memory_space == Space.Host]
-    on_host, above = jax.lax.optimization_barrier(([leaves[i] for i in host], above))
-    for i, leaf in zip(host, on_host):
-        leaves[i] = jax.device_put(leaf, Space.Device)
-    leaves, dy = jax.lax.optimization_barrier((leaves, dy))
+    leaves, dy = _copied_back(leaves, above, dy)
     _, _, unsplit = _differentiated(None, n_consts, args, flags)
     return _cotangents(jax.tree.unflatten(tree, leaves), dy, unsplit, n_consts, below)
 

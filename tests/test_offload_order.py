@@ -24,20 +24,25 @@ from test_remat import llama, lora_split, packed_batch
 LAYERS = 3
 
 
-def _eqns(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs in its equations' parameters (scan bodies, jit calls)."""
+def _jaxprs(jaxpr):
+    """`jaxpr` and every jaxpr in its equations' parameters (scan bodies, jit calls), recursively."""
+    yield jaxpr
     for eqn in jaxpr.eqns:
-        yield eqn
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
                 if isinstance(inner, jax.extend.core.Jaxpr):
-                    yield from _eqns(inner)
+                    yield from _jaxprs(inner)
 
 
-def _barriers(transfer: str, remat: str = "offload"):
-    """[(output shapes, whether one output is in host memory)] of the optimization barriers of an unrolled step
-    under `remat`, plus the per-layer LoRA leaf shapes and the layer input's shape."""
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs in its equations' parameters."""
+    for inner in _jaxprs(jaxpr):
+        yield from inner.eqns
+
+
+def _unrolled_step(transfer: str, remat: str):
+    """(jaxpr of the unrolled step's gradient under `remat` / `offload_transfer`, the LoRA tree, the batch, cfg)."""
     cfg = llama(LAYERS)
     graphdef, lora, frozen = lora_split(cfg)
     batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
@@ -45,8 +50,15 @@ def _barriers(transfer: str, remat: str = "offload"):
                          offload_transfer=transfer)
     closed = jax.make_jaxpr(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])(
         lora, unstack_layers(frozen), batch)
+    return closed.jaxpr, lora, batch, cfg
+
+
+def _barriers(transfer: str, remat: str = "offload"):
+    """[(output shapes, whether one output is in host memory)] of the optimization barriers of an unrolled step
+    under `remat`, plus the per-layer LoRA leaf shapes and the layer input's shape."""
+    jaxpr, lora, batch, cfg = _unrolled_step(transfer, remat)
     found = [([tuple(v.aval.shape) for v in eqn.outvars], any("<host>" in str(v.aval) for v in eqn.outvars))
-             for eqn in _eqns(closed.jaxpr) if eqn.primitive.name == "optimization_barrier"]
+             for eqn in _eqns(jaxpr) if eqn.primitive.name == "optimization_barrier"]
     per_layer = sorted(tuple(leaf.shape[1:]) for leaf in jax.tree.leaves(lora))
     b, t = batch["input_ids"].shape[1:]
     return found, per_layer, (b, t, cfg.hidden_size)
@@ -79,17 +91,9 @@ def _signal_sources(remat: str = "offload"):
     """For each backward barrier that holds a host copy with a scalar (the copy back's gate): what made the
     scalar - "signal" (a barrier of a layer's output cotangent with a scalar: the start of that layer's
     backward) or "constant"."""
-    cfg = llama(LAYERS)
-    graphdef, lora, frozen = lora_split(cfg)
-    batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
-    ex = ExecutionConfig(attention_implementation="reference", remat=remat, layer_loop="unroll",
-                         offload_transfer="explicit")
-    closed = jax.make_jaxpr(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])(
-        lora, unstack_layers(frozen), batch)
     sources = []
-
-    def walk(jaxpr):
-        made = {}
+    for jaxpr in _jaxprs(_unrolled_step("explicit", remat)[0]):
+        made = {}  # variable -> the equation that made it, within this jaxpr
         for eqn in jaxpr.eqns:
             made.update({v: eqn for v in eqn.outvars})
             shapes = [tuple(v.aval.shape) for v in eqn.outvars]
@@ -100,13 +104,6 @@ def _signal_sources(remat: str = "offload"):
                           and [tuple(v.aval.shape) for v in maker.outvars][-1] == ()
                           and not any("<host>" in str(v.aval) for v in maker.outvars))
                 sources.append("signal" if signal else "constant")
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (tuple, list)) else (param,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if isinstance(inner, jax.extend.core.Jaxpr):
-                        walk(inner)
-
-    walk(closed.jaxpr)
     return sources
 
 
