@@ -172,9 +172,14 @@ class ExecutionConfig:
         the other host offload and recompute policies on every layer are tuned for the scan."""
         if self.layer_loop != "auto":
             return self.layer_loop
-        unrolled = (self.remat in ("none", "offload_stream") or self.remat_layers is not None
-                    or self.offload_transfer == "explicit")
-        return "unroll" if unrolled else "scan"
+        return "unroll" if self.remat == "none" or self.needs_unrolled_layers else "scan"
+
+    @property
+    def needs_unrolled_layers(self) -> bool:
+        """Whether these settings only run on unrolled layers (remat on some layers; offload_stream's and the
+        explicit transfer's host copies), as opposed to preferring them (no remat: faster unrolled)."""
+        return (self.remat == "offload_stream" or self.remat_layers is not None
+                or self.offload_transfer == "explicit")
 
     def replace(self, **changes) -> "ExecutionConfig":
         return dataclasses.replace(self, **changes)

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 import bridge
-from jaxft.config import ConfigError, ModelConfig
+from jaxft.config import SPARSE_MLPS, ConfigError, ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.remat import AUTO_ORDER, AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
 from jaxft.lora import LoraConfig, apply_lora, target_names
@@ -143,7 +143,24 @@ class Run:
     # ------------------------------------------------------------------ building the state
     @property
     def unrolled(self) -> bool:
-        return self.execution.resolved_layer_loop == "unroll"
+        """Whether the layers run unrolled (`ExecutionConfig.resolved_layer_loop`), except that `layer_loop: auto`
+        scans an MoE model whose experts run the Mosaic GPU grouped matmul when nothing needs the unrolled loop:
+        every call site of a Mosaic GPU kernel is compiled on its own, so 24 unrolled GPT-OSS-20B layers compiled
+        for over 4 minutes on the H200 (docs/benchmarks.md section 19), where the scan compiles each kernel once."""
+        ex = self.execution
+        if ex.resolved_layer_loop != "unroll":
+            return False
+        return not (ex.layer_loop == "auto" and not ex.needs_unrolled_layers and self.mosaic_experts)
+
+    @property
+    def mosaic_experts(self) -> bool:
+        """Whether the model has expert layers whose grouped matmul resolves to the Mosaic GPU kernels here."""
+        from kernels_pallas.grouped_matmul import implementation_for
+
+        if not set(SPARSE_MLPS) & set(self.model_config.layer_mlps):
+            return False
+        device = self.placement.devices[0]
+        return implementation_for(self.execution.grouped_matmul_implementation, self.dtype, device) == "pallas_mosaic"
 
     def _abstract_split(self):
         from jaxft.quant.weights import abstract_quantize

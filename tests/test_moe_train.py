@@ -84,3 +84,28 @@ def test_lora_target_parameters_on_a_model_without_experts_is_one_line_naming_th
     with pytest.raises(TrainConfigError, match=r"^key 'lora_target_parameters': .*'experts.down_proj': this llama "
                                                r"model has no raw parameters LoRA can target"):
         train(cfg)
+
+
+def test_auto_layer_loop_scans_experts_on_the_mosaic_kernels(tmp_path):
+    """Every call site of a Mosaic GPU kernel compiles on its own (24 unrolled GPT-OSS-20B layers: over 4 minutes on
+    the H200), so `layer_loop: auto` without remat scans an MoE model whose experts take those kernels; a dense
+    model, or experts on ragged_dot, stay unrolled; an explicit `unroll`, or remat on some layers, are obeyed."""
+    from jaxft import Run
+    from jaxft.execution import ExecutionConfig
+    from jaxft.lora import LoraConfig
+
+    base = _model_dir(tmp_path)
+
+    def run(**execution):
+        return Run(base, lora_config=LoraConfig(r=4, alpha=8), dtype="bfloat16",
+                   execution=ExecutionConfig(**{"remat": "none", **execution}))
+
+    mosaic = run(grouped_matmul_implementation="pallas_mosaic")
+    assert mosaic.mosaic_experts and mosaic.execution.resolved_layer_loop == "unroll" and not mosaic.unrolled
+    assert run(grouped_matmul_implementation="xla").unrolled  # ragged_dot: one XLA op, deduplicated by XLA
+    assert run(grouped_matmul_implementation="pallas_mosaic", layer_loop="unroll").unrolled
+    assert run(grouped_matmul_implementation="pallas_mosaic", remat="full", remat_layers=1).unrolled
+    assert not run().mosaic_experts  # auto on this CPU: ragged_dot
+    dense = Run(ROOT / "examples" / "tiny-llama", lora_config=LoraConfig(r=4, alpha=8),
+                execution=ExecutionConfig(remat="none", grouped_matmul_implementation="pallas_mosaic"))
+    assert not dense.mosaic_experts and dense.unrolled

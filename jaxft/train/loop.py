@@ -198,6 +198,12 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
     run = Run.from_config(config, plan.total_steps)
+    if run.mosaic_experts and config.execution.resolved_layer_loop == "unroll":
+        if run.unrolled:
+            logger.warning("layer_loop=unroll with the Mosaic GPU grouped matmul: each layer's expert kernels compile "
+                           "on their own (24 GPT-OSS-20B layers: over 4 minutes); layer_loop: auto scans them")
+        else:
+            logger.info("layer_loop auto: the layers are scanned, so the Mosaic GPU expert kernels compile once")
     if config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is on the device
         try:
             if run.mesh.auto:  # (with remat auto, each mesh gets its own remat choice)
