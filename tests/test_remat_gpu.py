@@ -110,8 +110,15 @@ def test_offload_is_kept_in_both_layer_loops(loop):
     # part - loss, LoRA gradients - is about half of this small config, so a ratio to `none` is the wrong bound);
     # unrolled none 0.501 / offload 0.535 GiB: the explicit transfer saved nothing there before its barriers.
     # Before the unrolled fix the unrolled offload temp was ABOVE the no-remat temp (13.47 vs 13.08 GB at 8B).
+    # Unrolled, the copy back of a layer's input is prefetched one layer ahead (jaxft.offload.PrefetchChain): the
+    # next layer's input arrives while this layer's backward runs, beside its staging. On these 2 layers, where full
+    # remat's 2 layer inputs are all it keeps, that costs about what the offload spares: measured at de7bcca (H200)
+    # none 0.309 / full 0.215 / offload 0.231 GiB, 2.1 layer inputs above full; before the prefetch (b50b7b0) the
+    # bound was 90% of full remat's saving. A dropped offload (none's temp) is 12 layer inputs above this bound.
     saved, full_saves = temps["none"] - temp, temps["none"] - temps["full"]
-    assert full_saves > 0 and saved >= 0.9 * full_saves, (loop, {k: v / 2**30 for k, v in temps.items()}, temp / 2**30)
+    prefetch = 3 * T * CFG.hidden_size * 2 if loop == "unroll" else 0.1 * full_saves
+    assert full_saves > 0 and saved >= full_saves - prefetch, (loop, {k: v / 2**30 for k, v in temps.items()},
+                                                               temp / 2**30)
 
 
 # cuDNN dense shares the layer scan's "none" and "offload" programs with the test above (one more compile in the
