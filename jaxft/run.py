@@ -480,7 +480,7 @@ class Run:
         """After "none" does not fit: full remat on the first k layers only (`remat_layers`), the smallest k that
         fits by full remat's per-layer saving, then checked by compiling k itself at the model's depth (once more
         with k grown by the remaining excess if the estimate was short). Models of 4 layers or more (below, one
-        layer is within the noise) whose loop can unroll; taken only while k <= 3/4 of the layers: full remat of
+        layer is within the noise) whose loop can unroll (not an MoE model on the Mosaic GPU expert kernels: `unrolled`); taken only while k <= 3/4 of the layers: full remat of
         one layer costs about a third of that layer's step, so beyond that recomputing every layer's projections
         and MLP but not its attention (offload+attn, next in `AUTO_ORDER`) is expected to be cheaper. Returns
         whether a k fitted (the step is then compiled and `execution` holds it).
@@ -497,6 +497,10 @@ class Run:
         layers = self.model_config.num_layers
         none = self.remat_estimates["none"]
         if layers < 4 or self.execution.layer_loop == "scan":  # remat_layers needs the unrolled loop
+            return False
+        if self.mosaic_experts:  # unrolled, every layer's Mosaic GPU kernels compile on their own (`unrolled`)
+            log("remat auto: no full remat on the first layers only (it needs unrolled layers, whose Mosaic GPU "
+                "expert kernels compile for minutes); offload+attn is next")
             return False
         saving = self._full_remat_saving(
             shallow, lambda: self.remat_estimates[f"full on {layers} layers"] if fits("full", layers, probe=True)

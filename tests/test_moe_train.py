@@ -25,11 +25,11 @@ TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=96, moe_intermedi
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 
 
-def _model_dir(tmp_path) -> Path:
+def _model_dir(tmp_path, **config) -> Path:
     """A tiny random Qwen3-MoE with the tiny Llama's tokenizer (same vocabulary size)."""
     out = tmp_path / "base"
     torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**TINY)).save_pretrained(out)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**TINY, **config})).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(TOKENIZER / name, out / name)
     return out
@@ -94,7 +94,7 @@ def test_auto_layer_loop_scans_experts_on_the_mosaic_kernels(tmp_path):
     from jaxft.execution import ExecutionConfig
     from jaxft.lora import LoraConfig
 
-    base = _model_dir(tmp_path)
+    base = _model_dir(tmp_path, num_hidden_layers=4)
 
     def run(**execution):
         return Run(base, lora_config=LoraConfig(r=4, alpha=8), dtype="bfloat16",
@@ -109,3 +109,13 @@ def test_auto_layer_loop_scans_experts_on_the_mosaic_kernels(tmp_path):
     dense = Run(ROOT / "examples" / "tiny-llama", lora_config=LoraConfig(r=4, alpha=8),
                 execution=ExecutionConfig(remat="none", grouped_matmul_implementation="pallas_mosaic"))
     assert not dense.mosaic_experts and dense.unrolled
+
+    # remat auto: full remat on the first k layers needs them unrolled, so it is not tried there (no compile).
+    lines, auto = [], run(grouped_matmul_implementation="pallas_mosaic", remat="auto")
+    auto.remat_estimates["none"] = 2**40
+
+    def never(*args, **kwargs):
+        raise AssertionError("compiled a partial remat candidate")
+    assert not auto._partial_remat(never, never, 2**30, lines.append)
+    assert lines == ["remat auto: no full remat on the first layers only (it needs unrolled layers, whose Mosaic GPU "
+                     "expert kernels compile for minutes); offload+attn is next"]
