@@ -5,7 +5,8 @@ The harness gives each torch system one session holding all its workloads, group
 shape (see bench.worker_common for the session contract: results rewritten after every task).
 
 Systems:
-  hf_ckpt / hf_nockpt  transformers + PEFT, attn_implementation="sdpa" ("eager" for Gemma 2's softcap), bf16 weights, LoRA
+  hf_ckpt / hf_nockpt  transformers + PEFT, attn_implementation="sdpa" (`hf_attention`: "eager" for Gemma 2's softcap,
+                       "flex_attention" for GPT-OSS's sinks), bf16 weights, LoRA
                        parameters fp32 (PEFT's autocast_adapter_dtype), gradient checkpointing
                        (non-reentrant) on / off, torch.optim.AdamW(fused=True on CUDA).
                        Packed workloads use HF's padding-free path: one row of concatenated
@@ -226,12 +227,22 @@ def _load_hf(model_dir: str, device: str, four_bit: bool = False):
         quant["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16)
-    # transformers runs attention logit soft-capping (Gemma 2) only in its eager attention; SDPA is refused.
-    model = auto.from_pretrained(
-        model_dir, dtype=torch.bfloat16, attn_implementation="eager" if softcap else "sdpa", device_map=device,
-        **quant)
+    model = auto.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=hf_attention(config, device),
+                                 device_map=device, **quant)
     model.config.use_cache = False
     return model
+
+
+def hf_attention(config: dict[str, Any], device: str) -> str:
+    """transformers' attention for HF+PEFT: SDPA, except where transformers refuses it. Attention logit
+    soft-capping (Gemma 2) runs only in its eager attention. GPT-OSS's sinks have no SDPA path; on a GPU flex
+    attention (its one path without a hub kernel that does not materialise [heads, T, T] per layer), on the CPU,
+    where transformers refuses sinks in flex attention, eager."""
+    if config.get("attn_logit_softcapping"):
+        return "eager"
+    if config.get("model_type") == "gpt_oss":
+        return "flex_attention" if device == "cuda" else "eager"
+    return "sdpa"
 
 
 def run_hf(task: Task, ckpt: bool, cache: ModelCache, four_bit: bool = False) -> dict[str, Any]:

@@ -890,3 +890,21 @@ def test_moe_rows_record_the_grouped_matmul_and_jaxft_bench_gmm_chooses_it(tmp_p
     auto = execution.replace(grouped_matmul_implementation="auto")
     assert bench_jaxft_worker.grouped_matmul_settings(w, auto, "float32")["grouped_matmul"] == "xla"  # CPU
     assert bench_jaxft_worker.grouped_matmul_settings(get_workload("tiny_llama"), auto, "float32") == {}
+
+
+def test_hf_attention_is_what_transformers_accepts_for_each_family(tmp_path):
+    """SDPA unless transformers refuses it: eager for Gemma 2's soft-capping; GPT-OSS's sinks have no SDPA path,
+    flex attention on a GPU and eager on the CPU (transformers refuses sinks in flex attention there). The H200's
+    GPT-OSS-20B call of docs/benchmarks.md section 19 had no HF+PEFT row: SDPA failed on that model."""
+    import transformers
+
+    from bench.models import build_config
+    from bench_torch_worker import hf_attention
+
+    configs = {name: build_config(SHAPES[name]).to_dict() for name in ("tiny-gpt-oss", "tiny-gemma2", "tiny-llama")}
+    assert hf_attention(configs["tiny-llama"], "cuda") == "sdpa"
+    assert hf_attention(configs["tiny-gemma2"], "cuda") == hf_attention(configs["tiny-gemma2"], "cpu") == "eager"
+    assert (hf_attention(configs["tiny-gpt-oss"], "cuda"), hf_attention(configs["tiny-gpt-oss"], "cpu")) == (
+        "flex_attention", "eager")
+    with pytest.raises(ValueError, match="does not support an attention implementation through"):
+        transformers.AutoModelForCausalLM.from_config(build_config(SHAPES["tiny-gpt-oss"]), attn_implementation="sdpa")
