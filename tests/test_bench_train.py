@@ -894,8 +894,8 @@ def test_moe_rows_record_the_grouped_matmul_and_jaxft_bench_gmm_chooses_it(tmp_p
 
 def test_hf_attention_is_what_transformers_accepts_for_each_family(tmp_path):
     """SDPA unless transformers refuses it: eager for Gemma 2's soft-capping; GPT-OSS's sinks have no SDPA path,
-    flex attention on a GPU and eager on the CPU (transformers refuses sinks in flex attention there). The H200's
-    GPT-OSS-20B call of docs/benchmarks.md section 19 had no HF+PEFT row: SDPA failed on that model."""
+    flex attention on a GPU and eager on the CPU (transformers refuses sinks in flex attention there). Before,
+    the worker asked for SDPA and HF+PEFT could not load GPT-OSS at all (found on a tiny model, CPU)."""
     import transformers
 
     from bench.models import build_config
