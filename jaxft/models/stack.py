@@ -47,6 +47,7 @@ from jaxft.models.families import family_for
 from jaxft.sharding import constrain_rows
 from jaxft.offload import PrefetchChain, host_offloaded, layer_index
 from jaxft.remat import LAYER_INPUT, RematPolicy
+from kernels_pallas._dispatch import target_platform
 
 
 # The attribute of a layer stack of an MLP kind that is not its family's own (that one is `layers`).
@@ -274,8 +275,9 @@ def resolve_transfer(policy: RematPolicy, unrolled: bool) -> str:
 
 
 def _places_memory() -> bool:
-    """Whether this backend lowers memory-placement ops (host offload): JAX does so on GPUs and TPUs only."""
-    return jax.default_backend() in ("gpu", "tpu")
+    """Whether the platform being traced for (`kernels_pallas._dispatch.target_platform`: a compile for an H200 on a
+    CPU-only host too) lowers memory-placement ops (host offload): JAX does so on GPUs and TPUs only."""
+    return target_platform() in ("gpu", "tpu")
 
 
 def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_cse: bool,
