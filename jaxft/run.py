@@ -153,6 +153,11 @@ class Run:
         return not (ex.layer_loop == "auto" and not ex.needs_unrolled_layers and self.mosaic_experts)
 
     @property
+    def layer_loop(self) -> str:
+        """The layer loop this run uses, "unroll" or "scan" (`unrolled`), as the configs spell it."""
+        return "unroll" if self.unrolled else "scan"
+
+    @property
     def mosaic_experts(self) -> bool:
         """Whether the model has expert layers whose grouped matmul resolves to the Mosaic GPU kernels here."""
         from kernels_pallas.grouped_matmul import implementation_for
@@ -498,7 +503,7 @@ class Run:
         none = self.remat_estimates["none"]
         if layers < 4 or self.execution.layer_loop == "scan":  # remat_layers needs the unrolled loop
             return False
-        if self.mosaic_experts:  # unrolled, every layer's Mosaic GPU kernels compile on their own (`unrolled`)
+        if self.execution.layer_loop == "auto" and self.mosaic_experts:  # auto scans these (`unrolled`)
             log("remat auto: no full remat on the first layers only (it needs unrolled layers, whose Mosaic GPU "
                 "expert kernels compile for minutes); offload+attn is next")
             return False

@@ -235,7 +235,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
         "settings": {"mode": mode, "recipe": extra["recipe"], "remat": execution.remat,
                      "remat_layers": execution.remat_layers,
                      "remat_estimates": run.remat_estimates,
-                     "attention": execution.attention_implementation, "layers": "unroll" if run.unrolled else "scan",
+                     "attention": execution.attention_implementation, "layers": run.layer_loop,
                      "ce_chunk_size": execution.ce_chunk_size, "dtype": dtype, "lora_dtype": "float32",
                      "compute": dtype, **grouped_matmul_settings(workload, execution, dtype)},
         "extra": extra,

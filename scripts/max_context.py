@@ -298,7 +298,7 @@ def probe(settings: Settings, policy: str, seq: int) -> dict[str, Any]:
                mlp_chunk_size=run.execution.mlp_chunk_size,
                ce_chunk_size=run.execution.resolved_ce_chunk(seq, run.model_config.vocab_size,
                                                              run.model_config.hidden_size, 2),
-               layer_loop="unroll" if run.unrolled else "scan", backend=jax.default_backend())
+               layer_loop=run.layer_loop, backend=jax.default_backend())
     return rec
 
 
