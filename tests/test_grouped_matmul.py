@@ -155,3 +155,46 @@ def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose):
     got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
                       interpret=True)
     _close(got, _loop(lhs, rhs, sizes, np.zeros((200, 256)))[0], "float32", f"out (split {split})")
+
+
+@pytest.mark.parametrize("impl", OP.names)
+def test_a_row_of_a_layer_stack_equals_the_sliced_product(impl):
+    """grouped_matmul(..., row=r) on a stack [L, G, K, N] is the product with rhs[r] (r traced: a jit argument),
+    its d lhs that product's, and its d rhs the row's gradient with zeros on every other row."""
+    shape = TEST_SHAPES[0]
+    lhs, rhs, sizes, dout = make_inputs(shape)
+    stack = jnp.stack([rhs * (i + 1) for i in range(3)])  # rows differ: a wrong row shows
+    fn = jax.jit(lambda l, s, r: jax.vjp(lambda l, s: grouped_matmul(l, s, sizes, implementation=impl, row=r),
+                                         l, s))
+    for r in (2, 0):
+        out, vjp = fn(lhs, stack, r)
+        dlhs, dstack = vjp(dout)
+        want_out, want_dlhs, want_drhs = _loop(lhs, stack[r], sizes, dout)
+        _close(out, want_out, shape.dtype, f"out (row {r})")
+        _close(dlhs, want_dlhs, shape.dtype, f"d lhs (row {r})")
+        _close(dstack[r], want_drhs, shape.dtype, f"d rhs (row {r})")
+        assert not np.any(np.asarray(np.delete(np.asarray(dstack, np.float32), r, axis=0)))
+    with pytest.raises(ValueError, match=r"grouped_matmul/api.py: .*rhs \[L, G, K, N\] \(with row=\)"):
+        grouped_matmul(lhs, rhs, sizes, implementation=impl, row=0)
+
+
+@pytest.mark.parametrize("ws", [False, True])
+def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
+    """The row-tile kernels with `rhs_base` on a flattened stack [L * G, K, N] whose tiles need no padding read
+    matrices base .. base + G - 1 of it (d lhs too), and with N needing padding fall back to the slice."""
+    from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows, gmm_rows_ws
+
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws)
+    kernel = gmm_rows_ws if ws else gmm_rows
+    sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
+    k1, k2 = jax.random.split(jax.random.key(5))
+    lhs = jax.random.normal(k1, (200, 128), jnp.float32)
+    for n in (256, 200):  # 200: N padded to the tiles, so the window is sliced out first
+        stack = jax.random.normal(k2, (3 * 6, 128, n), jnp.float32)
+        rhs = stack[12:18]
+        got = kernel(lhs, stack, sizes, cfg, interpret=True, rhs_base=jnp.int32(12))
+        _close(got, _loop(lhs, rhs, sizes, np.zeros((200, n)))[0], "float32", f"out from base 12 (N {n})")
+        dout = jax.random.normal(k1, (200, n), jnp.float32)
+        got = kernel(dout, stack, sizes, cfg, transpose_rhs=True, interpret=True, rhs_base=jnp.int32(6))
+        _close(got, _loop(dout, jnp.swapaxes(stack[6:12], 1, 2), sizes, np.zeros((200, 128)))[0], "float32",
+               f"d lhs from base 6 (N {n})")

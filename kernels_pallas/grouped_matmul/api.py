@@ -68,18 +68,28 @@ def implementation_for(implementation: str | None, dtype, device=None) -> str:
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                   implementation: str | None = AUTO) -> jax.Array:
+                   implementation: str | None = AUTO, row=None) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for lhs [M, K] sorted by group, rhs [G, K, N], group_sizes [G] (int);
     rows past sum(group_sizes) are 0. "xla": lax.ragged_dot; "reference": masked dense; "pallas_mosaic": the
     Mosaic GPU kernels (bf16/f16; Mosaic GPU's interpreter off the GPU); "auto"/None: "pallas_mosaic" on Hopper
-    for bf16/f16, else "xla" (module docstring, `implementation_for`)."""
+    for bf16/f16, else "xla" (module docstring, `implementation_for`).
+
+    With `row` (an int scalar, traced or not) rhs is a stack [L, G, K, N] and the product is with rhs[row]: the
+    Mosaic kernels read that row of the stack in place (a layer scan's slice of a stack would be copied out
+    whole before a custom call), the others slice it (XLA fuses the slice into its own ops)."""
     impl = OP.get(implementation_for(implementation, lhs.dtype))
-    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
-        raise ValueError(f"{_WHERE}: grouped_matmul needs lhs [M, K] and rhs [G, K, N], got lhs {lhs.shape} and "
+    stacked = row is not None
+    if lhs.ndim != 2 or rhs.ndim != 3 + stacked or lhs.shape[1] != rhs.shape[-2]:
+        want = "[L, G, K, N] (with row=)" if stacked else "[G, K, N]"
+        raise ValueError(f"{_WHERE}: grouped_matmul needs lhs [M, K] and rhs {want}, got lhs {lhs.shape} and "
                          f"rhs {rhs.shape}")
-    if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"{_WHERE}: group_sizes must be integers of shape ({rhs.shape[0]},) (one per rhs group), "
+    if group_sizes.shape != (rhs.shape[-3],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"{_WHERE}: group_sizes must be integers of shape ({rhs.shape[-3]},) (one per rhs group), "
                          f"got {group_sizes.dtype} {group_sizes.shape}")
     if lhs.dtype != rhs.dtype:
         raise ValueError(f"{_WHERE}: lhs {lhs.dtype} and rhs {rhs.dtype} must have the same dtype; cast one")
-    return impl.fn(lhs, rhs, group_sizes)
+    if not stacked:
+        return impl.fn(lhs, rhs, group_sizes)
+    if impl.name == "pallas_mosaic":
+        return impl.fn(lhs, rhs, group_sizes, row=row)
+    return impl.fn(lhs, jax.lax.dynamic_index_in_dim(rhs, row, 0, keepdims=False), group_sizes)

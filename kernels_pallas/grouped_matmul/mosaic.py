@@ -172,6 +172,18 @@ def row_tiles(group_sizes: jax.Array, m: int, block_m: int):
     return group, block, lo, hi
 
 
+def _rhs_window(rhs: jax.Array, g: int, rhs_base, pads: dict[int, int]):
+    """(rhs, tile -> rhs index function) for a row-tile kernel over G = `g` groups whose matrices are
+    rhs[base + group]: rhs is [G, ...] with base 0, or a longer stack ([R, ...], R a multiple of G: a layer stack
+    of experts flattened by `grouped_matmul_mosaic(row=)`) read in place from `rhs_base`, so the layer's
+    matrices are never copied out of the stack. Were an axis of rhs to need zero-padding to the tiles (`pads`:
+    {axis: multiple}), padding the whole stack would copy it, so the G matrices are sliced out first."""
+    base = jnp.zeros((), jnp.int32) if rhs_base is None else jnp.asarray(rhs_base, jnp.int32)
+    if rhs.shape[0] != g and any(rhs.shape[a] % m for a, m in pads.items()):
+        rhs, base = jax.lax.dynamic_slice_in_dim(rhs, base, g), jnp.zeros((), jnp.int32)
+    return rhs, lambda group: base + jnp.minimum(group, g - 1)
+
+
 def _store_rows(acc, out_ref, row0, start, size, col0, block_m: int, block_n: int):
     """Store rows [start, start + size) of the [block_m, block_n] tile ``acc`` to out[row0 + start + i, col0:]
     through a scratch tile in shared memory, and wait for the stores."""
@@ -185,13 +197,15 @@ def _store_rows(acc, out_ref, row0, start, size, col0, block_m: int, block_n: in
 
 
 def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
-             transpose_rhs: bool = False, interpret: bool = False) -> jax.Array:
+             transpose_rhs: bool = False, interpret: bool = False, rhs_base=None) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] (rhs [G, K, N]), or with ``transpose_rhs`` lhs[m] @ rhs[g(m)]^T (rhs
-    [G, N, K]); rows past sum(group_sizes) are 0. Pads to the tiles and slices back."""
+    [G, N, K]); rows past sum(group_sizes) are 0. Pads to the tiles and slices back. With ``rhs_base`` (int32
+    scalar) rhs may be a longer stack whose matrices rhs_base .. rhs_base + G - 1 are used (`_rhs_window`)."""
     m, k = lhs.shape
-    g = rhs.shape[0]
+    g = group_sizes.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    rhs, rhs_index = _rhs_window(rhs, g, rhs_base, {2: bk, 1: bn} if transpose_rhs else {1: bk, 2: bn})
     lhs_p = _pad(_pad(lhs, 0, bm), 1, bk)
     rhs_p = _pad(_pad(rhs, 2, bk), 1, bn) if transpose_rhs else _pad(_pad(rhs, 1, bk), 2, bn)
     mp, kp = lhs_p.shape
@@ -200,7 +214,7 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
     n_tiles, grid_n, k_steps = tiles[0].shape[0], np_ // bn, kp // bk
     dtype = lhs.dtype
 
-    def body(group_ref, block_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref):
+    def body(group_ref, index_ref, block_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref):
         @plgpu.nd_loop((n_tiles * grid_n,), collective_axes="sm")
         def _(info: plgpu.NDLoopInfo):
             ti, ni = plgpu.planar_snake(info.index[0], (n_tiles, grid_n), 1, cfg.grid_block_n)
@@ -221,14 +235,16 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
                                             (lambda kk: (ni, kk)) if transpose_rhs else (lambda kk: (kk, ni)),
                                             delay_release=1, transforms=_swizzled(bk if transpose_rhs else bn, dtype)),
                         ],
-                    )(lhs_ref, rhs_ref.at[jnp.minimum(group, g - 1)])
+                    )(lhs_ref, rhs_ref.at[index_ref[ti]])
 
                 return acc_ref[...]
 
             acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
             _store_rows(acc, out_ref, block * bm, lo - block * bm, hi - lo, ni * bn, bm, bn)
 
-    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows")(*tiles, lhs_p, rhs_p)
+    group, block, lo, hi = tiles
+    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows")(
+        group, rhs_index(group), block, lo, hi, lhs_p, rhs_p)
     return out[:m, :n]
 
 
@@ -249,16 +265,17 @@ def _store_rows_from(o_smem, out_ref, row0, start, size, col0, rows_max: int, bl
 
 
 def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
-                transpose_rhs: bool = False, interpret: bool = False) -> jax.Array:
+                transpose_rhs: bool = False, interpret: bool = False, rhs_base=None) -> jax.Array:
     """``gmm_rows`` with warp specialisation: a memory warpgroup runs the TMA pipeline, two compute
     warpgroups each own half of the output tile (``cfg.wg_split``) and store their rows while the next tile's
-    loads are in flight. Same schedule (``row_tiles``), same results."""
+    loads are in flight. Same schedule (``row_tiles``), same results, same ``rhs_base``."""
     m, k = lhs.shape
-    g = rhs.shape[0]
+    g = group_sizes.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     split_n = cfg.wg_split == "n"
     cta_n, wg_m = (2 * bn, bm) if split_n else (bn, bm // 2)
+    rhs, rhs_index = _rhs_window(rhs, g, rhs_base, {2: bk, 1: cta_n} if transpose_rhs else {1: bk, 2: cta_n})
     lhs_p = _pad(_pad(lhs, 0, bm), 1, bk)
     rhs_p = _pad(_pad(rhs, 2, bk), 1, cta_n) if transpose_rhs else _pad(_pad(rhs, 1, bk), 2, cta_n)
     mp, kp = lhs_p.shape
@@ -283,7 +300,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                                 transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM),
             ])
 
-    def body(group_ref, block_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref):
+    def body(group_ref, index_ref, block_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref):
         ignore = lambda *_, **__: None
         allocations = pipeline(ignore, ignore).get_allocations(lhs_ref.at[pl.ds(0, bm), :],
                                                                 rhs_tile(rhs_ref, 0, 0))
@@ -328,12 +345,12 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                 @pl.when(hi > lo)  # tiles past the real count: nothing to load, nothing to store
                 def _():
                     pipeline(step, context)(lhs_ref.at[pl.ds(block * bm, bm), :],
-                                            rhs_tile(rhs_ref, jnp.minimum(group, g - 1), ni), allocations=allocs)
+                                            rhs_tile(rhs_ref, index_ref[ti], ni), allocations=allocs)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", num_threads=3,
-                  thread_name="wg")(*tiles, lhs_p, rhs_p)
+                  thread_name="wg")(tiles[0], rhs_index(tiles[0]), *tiles[1:], lhs_p, rhs_p)
     return out[:m, :n]
 
 
@@ -416,25 +433,32 @@ def _rows(cfg: TileConfig):
     return gmm_rows_ws if cfg.warp_specialized else gmm_rows
 
 
-def forward(lhs, rhs, group_sizes, key: tuple[int, int, int], *, interpret: bool = False) -> jax.Array:
+def forward(lhs, rhs, group_sizes, key: tuple[int, int, int], *, interpret: bool = False,
+            rhs_base=None) -> jax.Array:
     """The custom VJP's forward kernel on the tiles the table gives `key` = (K, N, groups): the operands' own
-    shape in training; the GPU tests pass a full bench shape's key for operands of fewer groups and rows."""
+    shape in training; the GPU tests pass a full bench shape's key for operands of fewer groups and rows.
+    `rhs_base`: see `gmm_rows`."""
     cfg = config_for(*key)
-    return _rows(cfg)(lhs, rhs, group_sizes, cfg, interpret=interpret)
+    return _rows(cfg)(lhs, rhs, group_sizes, cfg, interpret=interpret, rhs_base=rhs_base)
+
+
+def backward_lhs(rhs, group_sizes, dout, key: tuple[int, int, int], *, interpret: bool = False, rhs_base=None):
+    """d lhs of `forward` for `key`'s tiles: dout @ rhs^T per group, a row-tile product with the table's
+    (N, K, groups) entry."""
+    cfg_dlhs = _dlhs_config(config_for(*key), *key)
+    return _rows(cfg_dlhs)(dout, rhs, group_sizes, cfg_dlhs, transpose_rhs=True, interpret=interpret,
+                           rhs_base=rhs_base)
 
 
 def backward(lhs, rhs, group_sizes, dout, key: tuple[int, int, int], *, interpret: bool = False):
-    """(d lhs, d rhs) of `forward` for `key`'s tiles: d lhs = dout @ rhs^T per group (a row-tile product with the
-    table's (N, K, groups) entry), d rhs = lhs^T @ dout per group."""
-    cfg = config_for(*key)
+    """(d lhs, d rhs) of `forward` for `key`'s tiles: d lhs by `backward_lhs`, d rhs = lhs^T @ dout per group."""
     dout = dout.astype(lhs.dtype)
-    cfg_dlhs = _dlhs_config(cfg, *key)
-    dlhs = _rows(cfg_dlhs)(dout, rhs, group_sizes, cfg_dlhs, transpose_rhs=True, interpret=interpret)
-    return dlhs, gmm_drhs(lhs, dout, group_sizes, cfg, interpret=interpret)
+    dlhs = backward_lhs(rhs, group_sizes, dout, key, interpret=interpret)
+    return dlhs, gmm_drhs(lhs, dout, group_sizes, config_for(*key), interpret=interpret)
 
 
 def _key(lhs, rhs) -> tuple[int, int, int]:
-    return lhs.shape[1], rhs.shape[2], rhs.shape[0]
+    return lhs.shape[1], rhs.shape[-1], rhs.shape[-3]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -454,13 +478,50 @@ def _gmm_bwd(interpret, residuals, dout):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def grouped_matmul_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+# gmm(lhs, rhs[row], sizes) for a layer stack rhs [L, G, K, N] read in place. Why: in a layer scan each layer's
+# expert matrices are a slice of the stack, and a slice handed to a custom call is first copied out whole (XLA
+# fuses a dynamic slice only into its own GEMMs): 1.48 GiB a layer for GPT-OSS-20B, in the forward and again in the
+# backward. Here the kernels index the flattened stack [L * G, K, N] (a free reshape) from row * G instead.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gmm_row(lhs, rhs, row, group_sizes, interpret: bool):
+    return forward(lhs, _flat_groups(rhs), group_sizes, _key(lhs, rhs), interpret=interpret,
+                   rhs_base=row * rhs.shape[1])
+
+
+def _flat_groups(rhs):
+    return rhs.reshape(-1, *rhs.shape[2:])
+
+
+def _gmm_row_fwd(lhs, rhs, row, group_sizes, interpret):
+    return _gmm_row(lhs, rhs, row, group_sizes, interpret), (lhs, rhs, row, group_sizes)
+
+
+def _gmm_row_bwd(interpret, residuals, dout):
+    """d lhs from the stack in place; d rhs is the layer's [G, K, N] gradient placed at its row of a zero stack
+    (what a frozen stack's caller never asks for: it is then dead code and compiled away)."""
+    lhs, rhs, row, group_sizes = residuals
+    key = _key(lhs, rhs)
+    dout = dout.astype(lhs.dtype)
+    dlhs = backward_lhs(_flat_groups(rhs), group_sizes, dout, key, interpret=interpret,
+                        rhs_base=row * rhs.shape[1])
+    drhs_row = gmm_drhs(lhs, dout, group_sizes, config_for(*key), interpret=interpret)
+    drhs = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(rhs), drhs_row.astype(rhs.dtype), row, 0)
+    return dlhs, drhs, None, None
+
+
+_gmm_row.defvjp(_gmm_row_fwd, _gmm_row_bwd)
+
+
+def grouped_matmul_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, row=None,
                           interpret: bool | None = None) -> jax.Array:
-    """out = gmm(lhs, rhs, group_sizes) by the Mosaic GPU kernels, differentiable in lhs and rhs.
+    """out = gmm(lhs, rhs, group_sizes) by the Mosaic GPU kernels, differentiable in lhs and rhs; with `row` (int
+    scalar) rhs is a stack [L, G, K, N] and out = gmm(lhs, rhs[row], group_sizes), the stack read in place.
     ``interpret`` defaults to True off-GPU (Mosaic GPU's CPU interpreter)."""
     if interpret is None:
         interpret = target_platform() != "gpu"
     if not interpret and jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"{_WHERE}: the Mosaic GPU grouped matmul takes bfloat16/float16 operands, got "
                          f"{lhs.dtype}; cast them, or use implementation='xla'")
-    return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), bool(interpret))
+    if row is None:
+        return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), bool(interpret))
+    return _gmm_row(lhs, rhs, jnp.asarray(row, jnp.int32), group_sizes.astype(jnp.int32), bool(interpret))
