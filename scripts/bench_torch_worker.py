@@ -33,8 +33,9 @@ grouped_mm where torch._grouped_mm runs; the chosen one is recorded in settings.
 Vision-language shapes (Qwen2.5-VL): HF loads Qwen2_5_VLForConditionalGeneration (AutoModelForImageTextToText)
 and adapts the language model's q..down linears only (a regex on model.language_model.layers, so the
 vision tower's own gate/up/down_proj stay frozen, as jaxft's finetune_vision_layers=false); Unsloth uses
-FastVisionModel with finetune_vision_layers=False. Every step passes the same pixel_values and
-image_grid_thw (TokenData.hf_images); M-RoPE positions are computed by the model from the ids and grids.
+FastVisionModel with finetune_vision_layers=False. Every step passes the same pixel_values,
+image_grid_thw and mm_token_type_ids (TokenData.hf_vision_inputs), from which the model computes its M-RoPE
+positions (without mm_token_type_ids it would use 1-D positions: see there).
 Also task kind "save_model": write the random-weight model directory of a shape (the harness
 saves every shape in one session).
 
@@ -152,9 +153,10 @@ def train_loop(model, workload: Workload, data: TokenData, steps: int, device: s
     images = []
     if data.pixel_values is not None:  # the processor's flat form; float32 (the tower casts to its dtype)
         for i in range(steps):
-            pixels, grids = data.hf_images(i)
-            images.append({"pixel_values": torch.from_numpy(pixels).to(device),
-                           "image_grid_thw": torch.from_numpy(grids).to(device)})
+            images.append({k: torch.from_numpy(v).to(device) for k, v in data.hf_vision_inputs(i).items()})
+    rope_owners = [m for m in model.modules() if hasattr(m, "get_rope_index") and hasattr(m, "rope_deltas")]
+    for m in rope_owners:  # set by each VLM forward that computes M-RoPE positions; a previous task's must not count
+        m.rope_deltas = None
     sync = _sync(device)
     allocated_before = 0
     if device == "cuda":
@@ -176,6 +178,9 @@ def train_loop(model, workload: Workload, data: TokenData, steps: int, device: s
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss = float(out.loss.detach().float().item())
+        if images and i == 0 and rope_owners and all(m.rope_deltas is None for m in rope_owners):
+            raise RuntimeError(f"{workload.name}: the model computed no M-RoPE positions in step 0 (rope_deltas is "
+                               "None): it trained on 1-D positions; pass mm_token_type_ids (TokenData.hf_vision_inputs)")
         sync()
         times.append(time.perf_counter() - t0)
         losses.append(loss)

@@ -908,3 +908,46 @@ def test_hf_attention_is_what_transformers_accepts_for_each_family(tmp_path):
         "flex_attention", "eager")
     with pytest.raises(ValueError, match="does not support an attention implementation through"):
         transformers.AutoModelForCausalLM.from_config(build_config(SHAPES["tiny-gpt-oss"]), attn_implementation="sdpa")
+
+
+def test_hf_vlm_steps_take_the_m_rope_positions_jaxft_computes(tmp_path):
+    """The torch side's vision inputs (`TokenData.hf_vision_inputs`) make transformers compute M-RoPE positions
+    equal to jaxft's `mrope_positions` for the same row (text after an image advances by max(h, w) merged
+    patches, not by the image's token count), and `train_loop` refuses a VLM step that computed none: without
+    mm_token_type_ids transformers 5 silently trains on 1-D positions (what the 7B rows of section 19 did)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    from transformers import AutoModelForImageTextToText
+
+    from bench.models import build_config
+    from bench_torch_worker import train_loop
+    from jaxft.models.vision.config import VisionConfig
+    from jaxft.models.vision.mrope import mrope_positions
+
+    w = get_workload("tiny_qwen2_5_vl")
+    d = make_token_data(w, 2)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(build_config(w.shape))
+    inputs = d.hf_vision_inputs(0)
+    assert set(inputs) == {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
+    assert inputs["mm_token_type_ids"].sum() == (d.input_ids[0] == w.shape.get("image_token_id")).sum() == 25
+    theirs, _ = model.model.get_rope_index(torch.from_numpy(d.input_ids[0].astype(np.int64)),
+                                           mm_token_type_ids=torch.from_numpy(inputs["mm_token_type_ids"]),
+                                           image_grid_thw=torch.from_numpy(inputs["image_grid_thw"]))
+    cfg = VisionConfig.from_hf("qwen2_5_vl", build_config(w.shape).to_dict())
+    ours = mrope_positions(jnp.asarray(d.input_ids[0]), jnp.asarray(inputs["image_grid_thw"]), cfg)
+    np.testing.assert_array_equal(theirs.numpy(), np.asarray(ours))
+    t = d.input_ids.shape[-1]
+    assert int(theirs[0, 0, -1]) == t - 1 - 25 + 5  # 25 image tokens advance the text by 5 (a 5 x 5 merged grid)
+
+    out = train_loop(model, w, d, 1, "cpu")
+    assert np.isfinite(out["losses"][0])
+
+    class OneDimensional(type(d)):  # what the bench passed before: no mm_token_type_ids
+        def hf_vision_inputs(self, i):
+            return {k: v for k, v in super().hf_vision_inputs(i).items() if k != "mm_token_type_ids"}
+
+    with pytest.raises(RuntimeError, match=r"tiny_qwen2_5_vl: the model computed no M-RoPE positions .*"
+                                           r"pass mm_token_type_ids"):
+        train_loop(model, w, OneDimensional(**{f.name: getattr(d, f.name) for f in dataclasses.fields(d)}), 1, "cpu")

@@ -159,3 +159,55 @@ def test_the_4bit_experts_forward_and_backward_take_the_setting(tmp_path):
     # 3 expert forwards + their 3 custom-VJP backwards (d lhs only: the 4-bit weight is frozen) + the adapters' 4
     # forwards and their backwards.
     assert xla[2][RAGGED] >= 3 + 3 + 4 * 2
+
+
+# ------------------------------------------------------------------------------------------------ the layer scan
+def test_a_layer_scan_reads_the_expert_stacks_in_place(tmp_path):
+    """In the scan over 4 GPT-OSS layers (2 periods of sliding + full) the expert stacks [L, E, in, out] are not
+    scanned over (a scanned slice handed to the Mosaic kernels' custom call is copied out whole first) but passed
+    whole, each layer's kernels reading its row from a base index (`StackRow`, grouped_matmul(row=)): no slice of a
+    stack anywhere in the step, forward or backward, and the kernels' operand is the flattened stack. Under "xla"
+    the same stacks are sliced inside the layer (where XLA fuses the slice into its own ops). Without remat: the
+    Mosaic GPU interpreter's callbacks are effects, which jax.checkpoint's AD rejects (the remat policies on the
+    kernels: tests/test_moe_gpu.py)."""
+    from jaxft.train.step import token_loss_sum
+
+    remat = "none"
+    path = _saved("gpt_oss", tmp_path / "m", 4)
+    model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32", verbose=False), lora.LoraConfig(**LORA))
+    stacks = {tuple(v.shape) for _, v in nnx.to_flat_state(nnx.state(model))
+              if type(v).__name__ == "ExpertParam"}
+    assert len(stacks) == 2 and all(s[0] == 4 for s in stacks)
+    graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
+    batch = _batch(128, 32)
+
+    def eqns_for(implementation):
+        execution = ExecutionConfig(attention_implementation="reference", grouped_matmul_implementation=implementation,
+                                    layer_loop="scan", remat=remat)
+
+        def loss_fn(p, b):
+            return token_loss_sum(nnx.merge(graphdef, p, rest), b, execution=execution) / b["loss_mask"].sum()
+
+        return list(jaxpr_eqns(jax.jit(jax.value_and_grad(loss_fn)).trace(params, batch).jaxpr.jaxpr))
+
+    def sliced(eqns):
+        return [e for e in eqns if e.primitive.name in ("dynamic_slice", "slice", "gather", "squeeze")
+                and tuple(e.invars[0].aval.shape) in stacks]
+
+    eqns = eqns_for("pallas_mosaic")
+    scans = [e for e in eqns if e.primitive.name == "scan" and e.params["length"] == 2]
+    assert scans
+    def split(scan):
+        """(inputs read whole, scanned inputs) of a scan equation: a scanned input's slice in the body lacks its
+        leading axis; a constant or a carry has the same shape in the body."""
+        pairs = list(zip(scan.invars, scan.params["jaxpr"].jaxpr.invars))
+        return ([v for v, b in pairs if v.aval.shape == b.aval.shape],
+                [v for v, b in pairs if v.aval.shape != b.aval.shape])
+
+    for scan in scans:
+        assert not any(v.aval.ndim == 4 and tuple(v.aval.shape[1:]) in {s[1:] for s in stacks} for v in split(scan)[1])
+    assert any(tuple(v.aval.shape) in stacks for scan in scans for v in split(scan)[0])
+    assert not sliced(eqns)
+    flat = {(s[0] * s[1], *s[2:]) for s in stacks}
+    assert any(e.primitive.name == "reshape" and tuple(e.outvars[0].aval.shape) in flat for e in eqns)
+    assert sliced(eqns_for("xla"))

@@ -82,3 +82,62 @@ def test_qwen3_moe_bf16_step_on_the_mosaic_kernels_matches_ragged_dot(tmp_path):
         # near-tie token differently: the same step on CPU with the masked-dense reference against ragged_dot
         # differs by up to 7e-2 (loss by 2e-5); a wrong group, row or transpose is O(1).
         assert rel_err(g, w) < 1e-1
+
+
+GPT_OSS_LAYERS = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, num_local_experts=8, num_experts_per_tok=2, vocab_size=512,
+                      max_position_embeddings=4096)
+
+
+def _mosaic_operand_shapes(hlo: str) -> list[tuple[int, ...]]:
+    """The bf16 operand shapes of every Mosaic GPU custom call of a compiled HLO text."""
+    shapes = []
+    for line in hlo.splitlines():
+        if "mosaic_gpu_v2" in line and "custom-call(" in line:
+            operands = line.split("custom-call(", 1)[1].split("), custom_call_target", 1)[0]
+            shapes += [tuple(map(int, s.split(","))) for s in re.findall(r"bf16\[([\d,]+)\]", operands)]
+    return shapes
+
+
+@needs_gpu
+def test_scanned_gpt_oss_layers_read_the_expert_stacks_in_place_under_offload(tmp_path):
+    """The lean recipe's loop (a scan over periods of sliding + full layers, remat "offload"): the kernels read the
+    frozen expert stacks in place, flattened to [L * E, in, out] (`StackRow`, grouped_matmul(row=)); no kernel
+    operand is one layer's [E, in, out] copy of them (XLA copies a scanned slice out whole before a custom call:
+    1.48 GiB a layer at GPT-OSS-20B). Loss and LoRA gradients match the same step on ragged_dot."""
+    from flax import nnx
+
+    import jaxft
+    from jaxft import lora
+    from jaxft.execution import ExecutionConfig
+    from jaxft.train.step import token_loss_sum
+    from lora_helpers import perturb_lora_b, rel_err
+    from test_gpt_oss import gpt_oss_model
+
+    path = tmp_path / "gpt_oss"
+    gpt_oss_model(seed=3, **GPT_OSS_LAYERS).save_pretrained(path)
+    batch = batch_of(vocab=GPT_OSS_LAYERS["vocab_size"])
+    out = {}
+    for implementation in ("pallas_mosaic", "xla"):
+        model = lora.apply_lora(jaxft.from_pretrained(path, dtype="bfloat16", verbose=False), lora.LoraConfig(**LORA))
+        perturb_lora_b(model)
+        graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
+        execution = ExecutionConfig(attention_implementation="reference", remat="offload", layer_loop="scan",
+                                    grouped_matmul_implementation=implementation)
+
+        def loss_fn(p, b, execution=execution, graphdef=graphdef, rest=rest):
+            return token_loss_sum(nnx.merge(graphdef, p, rest), b, execution=execution) / b["loss_mask"].sum()
+
+        step = compile_no_autotune(jax.value_and_grad(loss_fn), params, batch)
+        loss, grads = step(params, batch)
+        out[implementation] = (float(loss), [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)],
+                               step.as_text())
+    loss, grads, hlo = out["pallas_mosaic"]
+    want_loss, want_grads, _ = out["xla"]
+    h, i, e, layers = (GPT_OSS_LAYERS[k] for k in ("hidden_size", "intermediate_size", "num_local_experts",
+                                                   "num_hidden_layers"))
+    shapes = set(_mosaic_operand_shapes(hlo))
+    assert {(layers * e, h, 2 * i), (layers * e, i, h)} <= shapes, sorted(shapes)
+    assert not {(e, h, 2 * i), (e, i, h)} & shapes, sorted(shapes)
+    assert loss == pytest.approx(want_loss, rel=5e-3)
+    assert len(grads) == len(want_grads) and all(rel_err(g, w) < 1e-1 for g, w in zip(grads, want_grads))

@@ -15,6 +15,9 @@ block that builds it ("embed", "heads", "mlp", ...). `jaxft.sharding.RULES` maps
 """
 
 from __future__ import annotations
+
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,7 +71,32 @@ class QuantizedWeight(nnx.Variable):
 
 class ExpertParam(nnx.Param):
     """A stack of MoE expert weights [*stack, E, in, out] (frozen, like any `nnx.Param`): what `load_in_4bit`
-    stores in 4 bits as a `jaxft.models.quant_experts.Quant4bitExperts` (selected by this type)."""
+    stores in 4 bits as a `jaxft.models.quant_experts.Quant4bitExperts` (selected by this type). Inside a layer
+    scan its value is a `StackRow` (`jaxft.models.stack`), which `expert_matmul` reads in place."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackRow:
+    """Row `row` (int32 scalar, traced) of a layer stack `stack` [L, ...], not sliced out. A layer scan gives one
+    to the `ExpertParam`s of each layer: a slice handed to a custom call (the Mosaic grouped matmul) is first copied
+    out whole, 1.48 GiB a layer for GPT-OSS-20B, so the grouped matmul reads the row in place instead
+    (`kernels_pallas.grouped_matmul`'s `row=`)."""
+
+    stack: jax.Array
+    row: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    def sliced(self) -> jax.Array:
+        """The row as an array of its own (a copy, where a custom call reads it)."""
+        return jax.lax.dynamic_index_in_dim(self.stack, self.row, 0, keepdims=False)
 
 
 class QuantizedExpertWeight(QuantizedWeight):

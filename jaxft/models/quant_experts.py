@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxft.models.layers import ExpertParam, QuantizedExpertWeight, init_4bit_buffers
+from jaxft.models.layers import ExpertParam, QuantizedExpertWeight, StackRow, init_4bit_buffers
 from jaxft.quant.blockwise import dequantize_absmax
 from kernels_pallas import nf4_matmul as nf4_ops
 from kernels_pallas.grouped_matmul import grouped_matmul
@@ -93,11 +93,16 @@ class Quant4bitExperts(nnx.Module):
 
 
 def expert_matmul(xs: jax.Array, weight, group_sizes: jax.Array, gmm_implementation: str = "auto") -> jax.Array:
-    """out[m] = xs[m] @ W_g(m) for one layer's expert weight: an `ExpertParam` [E, in, out] (cast to xs's dtype)
-    or a `Quant4bitExperts`, by the grouped matmul `gmm_implementation` names (`kernels_pallas.grouped_matmul`)."""
+    """out[m] = xs[m] @ W_g(m) for one layer's expert weight: an `ExpertParam` [E, in, out] (cast to xs's dtype),
+    or holding a `StackRow` of its stack (a layer scan), or a `Quant4bitExperts`, by the grouped matmul `gmm_implementation` names (`kernels_pallas.grouped_matmul`)."""
     if isinstance(weight, Quant4bitExperts):
         return weight.matmul(xs, group_sizes, gmm_implementation)
-    return grouped_matmul(xs, weight[...].astype(xs.dtype), group_sizes, implementation=gmm_implementation)
+    value = weight.get_value()
+    if isinstance(value, StackRow):  # inside a layer scan: the layer's row of the stack, read in place
+        if value.dtype != xs.dtype:  # a cast would copy the whole stack: cast the row alone
+            return grouped_matmul(xs, value.sliced().astype(xs.dtype), group_sizes, implementation=gmm_implementation)
+        return grouped_matmul(xs, value.stack, group_sizes, implementation=gmm_implementation, row=value.row)
+    return grouped_matmul(xs, value.astype(xs.dtype), group_sizes, implementation=gmm_implementation)
 
 
 def expert_weight(weight, dtype=None) -> jax.Array:

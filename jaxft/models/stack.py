@@ -39,11 +39,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
 from jaxft.models.families import family_for
+from jaxft.models.layers import ExpertParam, StackRow
 from jaxft.sharding import constrain_rows
 from jaxft.offload import PrefetchChain, host_offloaded, layer_index
 from jaxft.remat import LAYER_INPUT, RematPolicy
@@ -163,12 +165,20 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     # The explicitly offloaded layers of an unrolled loop pass each other the signal that starts a copy back one
     # layer early (jaxft.offload.PrefetchChain); this trace's own, in layer order.
     chain = PrefetchChain() if unrolled else None
+    # In a scan the expert stacks stay whole, outside the scanned state: each layer reads its row in place
+    # (`StackRow`). Unrolled layers have buffers of their own already.
+    expert_stacks: dict[str, nnx.State | None] = {name: None for name in states}
+    if not unrolled:
+        for name in states:
+            states[name], expert_stacks[name] = _split_expert_stacks(states[name])
+    rows_of = _stack_rows(groups, num_layers)
 
     def fn_for(group, policy=policy, row=None):
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
         fn = _layer_fn(split[group.stack][0], ctx, dropout_rng, policy=policy,
                        prevent_cse=unrolled and not (policy.offloads and _places_memory()),
-                       transfer=resolve_transfer(policy, unrolled), row=row, chain=chain)
+                       transfer=resolve_transfer(policy, unrolled), row=row, chain=chain,
+                       stacks=expert_stacks[group.stack], stack_rows=rows_of[group.stack])
         if router_stats is None:
             return fn
         return _summing_stats(fn) if "router_token_weights" in ctx else _passing_stats(fn)
@@ -257,6 +267,31 @@ def _passing_stats(layer_fn):
     return fn
 
 
+def _split_expert_stacks(state: nnx.State) -> tuple[nnx.State, nnx.State | None]:
+    """(the state without its `ExpertParam`s, those alone or None): selected by variable type."""
+    flat = nnx.to_flat_state(state)
+    experts = [(p, v) for p, v in flat if isinstance(v, ExpertParam)]
+    if not experts:
+        return state, None
+    return nnx.from_flat_state([(p, v) for p, v in flat if not isinstance(v, ExpertParam)]), \
+        nnx.from_flat_state(experts)
+
+
+def _stack_rows(groups: list[LayerGroup], num_layers: int) -> dict[str, np.ndarray]:
+    """{stack name: int32 [num_layers], the row of layer i in that stack (-1 for the other stacks' layers)}."""
+    rows: dict[str, np.ndarray] = {}
+    for g in groups:
+        table = rows.setdefault(g.stack, np.full(num_layers, -1, np.int32))
+        table[g.start:g.end] = np.arange(g.first_row, g.first_row + g.end - g.start, dtype=np.int32)
+    return rows
+
+
+def _with_rows(layer_state: nnx.State, stacks: nnx.State, row) -> nnx.State:
+    """`layer_state` with the whole `stacks` added back, each as its `StackRow` `row`."""
+    rows = [(p, v.replace(StackRow(v.get_value(), row))) for p, v in nnx.to_flat_state(stacks)]
+    return nnx.from_flat_state([*nnx.to_flat_state(layer_state), *rows])
+
+
 def resolve_transfer(policy: RematPolicy, unrolled: bool) -> str:
     """How the layer input reaches the host under `policy`: "explicit" (`jaxft.offload.host_offloaded`) or
     "policy" (jax.checkpoint's offload policy). `policy.transfer` "auto" is explicit in the unrolled loop, whose
@@ -281,7 +316,8 @@ def _places_memory() -> bool:
 
 
 def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_cse: bool,
-              transfer: str = "policy", row: int | None = None, chain: PrefetchChain | None = None):
+              transfer: str = "policy", row: int | None = None, chain: PrefetchChain | None = None,
+              stacks: nnx.State | None = None, stack_rows: np.ndarray | None = None):
     """`(x, layer_state, index) -> x` for one layer, rematerialised per `policy`; `transfer` "explicit" (only
     for a policy that `explicit_capable` accepts) moves the layer input to the host through `jaxft.offload`, with
     its copy back started one layer early when the layers share a `chain` (unrolled loops).
@@ -292,11 +328,19 @@ def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_
     backward keeps as a stacked residual, i.e. a second copy of every layer's frozen weights (compiled for an
     H200, Gemma-2-9B: 0.49 GiB a layer at 1 x 16384 with full remat, of which 0.38 GiB were weight copies). The
     block itself is a scan input, which the backward reads in place. (Without remat nothing is gained: see
-    below.)"""
+    below.)
+
+    `stacks` (a scan's whole expert stacks, `_split_expert_stacks`): the layer's `ExpertParam`s hold their row
+    `stack_rows[index]` as a `StackRow`; the stacks are arguments of the (checkpointed) layer function, never
+    sliced, never residuals."""
     def layer_fn(carry, layer_state, index):
+        if stacks is not None:
+            layer_state, whole = layer_state
         if row is not None:
             block, r = layer_state if row == DYNAMIC_ROW else (layer_state, row)
             layer_state = jax.tree.map(lambda leaf: leaf[r], block)
+        if stacks is not None:
+            layer_state = _with_rows(layer_state, whole, jnp.asarray(stack_rows)[index])
         layer = nnx.merge(graphdef, layer_state)
         carry = constrain_rows(carry)  # rows stay split: the partitioner gathers this layer's weights instead
         carry = checkpoint_name(carry, LAYER_INPUT)  # a no-op unless the policy keeps or offloads it
@@ -307,8 +351,12 @@ def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_
         # Without remat the backward keeps the weights the matmuls read, whichever way they are sliced (a
         # save-anything-but-the-slice checkpoint measured 1 GiB more on 4 Gemma-2-9B layers), so no remat is
         # unrolled by default (`ExecutionConfig.resolved_layer_loop`).
-        return layer_fn
-    if transfer == "explicit":  # host copies in a custom VJP whose barriers order them (jaxft.offload)
+        fn = layer_fn
+    elif transfer == "explicit":  # host copies in a custom VJP whose barriers order them (jaxft.offload)
         offloaded = host_offloaded(layer_fn, None if policy.explicit_capable else policy.jax_policy(), chain)
-        return lambda carry, layer_state, index: offloaded(carry, layer_state, layer_index(index))
-    return jax.checkpoint(layer_fn, policy=policy.jax_policy(), prevent_cse=prevent_cse)
+        fn = lambda carry, layer_state, index: offloaded(carry, layer_state, layer_index(index))  # noqa: E731
+    else:
+        fn = jax.checkpoint(layer_fn, policy=policy.jax_policy(), prevent_cse=prevent_cse)
+    if stacks is None:
+        return fn
+    return lambda carry, layer_state, index: fn(carry, (layer_state, stacks), index)
