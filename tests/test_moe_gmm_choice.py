@@ -167,9 +167,10 @@ def test_a_layer_scan_reads_the_expert_stacks_in_place(tmp_path):
     scanned over (a scanned slice handed to the Mosaic kernels' custom call is copied out whole first) but passed
     whole, each layer's kernels reading its row from a base index (`StackRow`, grouped_matmul(row=)): no slice of a
     stack anywhere in the step, forward or backward, and the kernels' operand is the flattened stack. Under "xla"
-    the same stacks are sliced inside the layer (where XLA fuses the slice into its own ops). Without remat: the
-    Mosaic GPU interpreter's callbacks are effects, which jax.checkpoint's AD rejects (the remat policies on the
-    kernels: tests/test_moe_gpu.py)."""
+    the same stacks are sliced inside the layer (where XLA fuses the slice into its own ops). Traced without remat,
+    for two reasons: that is where a slice would be saved for the backward (a second copy of every layer's experts;
+    here the whole stack is the residual, read in place), and the Mosaic GPU interpreter's callbacks are effects,
+    which jax.checkpoint's AD rejects (the remat policies on the kernels: tests/test_moe_gpu.py)."""
     from jaxft.train.step import token_loss_sum
 
     remat = "none"
@@ -210,4 +211,15 @@ def test_a_layer_scan_reads_the_expert_stacks_in_place(tmp_path):
     assert not sliced(eqns)
     flat = {(s[0] * s[1], *s[2:]) for s in stacks}
     assert any(e.primitive.name == "reshape" and tuple(e.outvars[0].aval.shape) in flat for e in eqns)
-    assert sliced(eqns_for("xla"))
+
+    def saved_weights(eqns):
+        """Stacked residuals of the layer scans (outputs [steps, ...]) that are one layer's expert matrices: without
+        remat, what a scanned slice leaves for the backward is a second copy of every layer's experts (GPT-OSS-20B:
+        24 x 1.48 GiB, most of the 67 GiB temp `fast.yaml` was refused for in section 19)."""
+        layer = {s[1:] for s in stacks}
+        return [v.aval.shape for e in eqns if e.primitive.name == "scan" and e.params["length"] == 2
+                for v in e.outvars if tuple(v.aval.shape[1:]) in layer]
+
+    assert not saved_weights(eqns)
+    xla = eqns_for("xla")
+    assert sliced(xla) and saved_weights(xla)
