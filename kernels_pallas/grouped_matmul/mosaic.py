@@ -30,6 +30,12 @@ No host sync: group_sizes stays on the device; one compiled program serves every
 fit the tiles (K or N not a multiple of the block, M not a multiple of block_m) are zero-padded here and
 sliced back: padded rows fall into the pseudo-group (0), padded contraction columns add 0.
 
+A layer's experts read in place (``grouped_matmul_mosaic(row=)``): rhs is then a stack [L, G, K, N], flattened
+to [L * G, K, N] (a reshape, no copy), and the row-tile kernels read matrix ``row * G + group`` through a
+per-tile index array made beside the schedule (``_rhs_window``). In a layer scan a slice of the stack handed to
+the custom call would be copied out whole first. d rhs is then the layer's [G, K, N] gradient at its row of a
+zero stack, which is dead code for frozen experts and compiled away.
+
 Two row-tile kernels: ``gmm_rows`` (one warpgroup issues the TMA loads and the wgmmas) and ``gmm_rows_ws``
 (warp-specialised: a memory warpgroup feeds two compute warpgroups that split the tile along N or M and
 store their rows while the next tile loads); ``CONFIGS`` picks one per shape. Measured on an H200 (each
