@@ -38,8 +38,9 @@ def batch_of(seq: int = SEQ, vocab: int = CONFIG["vocab_size"], seed: int = 0) -
                 loss_mask=jnp.ones((1, seq), jnp.float32), segment_ids=jnp.ones((1, seq), jnp.int32), positions=None)
 
 
-def loss_and_grads(path, implementation: str, batch: dict, compile_fn=compile_no_autotune):
-    """(loss, LoRA gradients as fp32 numpy, compiled HLO text) of one bf16 value-and-grad step."""
+def loss_and_grads(path, implementation: str, batch: dict, compile_fn=compile_no_autotune, remat: str = "none"):
+    """(loss, LoRA gradients as fp32 numpy, compiled HLO text) of one bf16 value-and-grad step over the layer scan,
+    each layer rematerialised per `remat`."""
     from flax import nnx
 
     import jaxft
@@ -52,7 +53,7 @@ def loss_and_grads(path, implementation: str, batch: dict, compile_fn=compile_no
     perturb_lora_b(model)
     graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
     # The layer scan: one body, so each distinct kernel is compiled once.
-    execution = ExecutionConfig(attention_implementation="reference", remat="none", layer_loop="scan",
+    execution = ExecutionConfig(attention_implementation="reference", remat=remat, layer_loop="scan",
                                 grouped_matmul_implementation=implementation)
 
     def loss_fn(p, b):
@@ -105,35 +106,14 @@ def test_scanned_gpt_oss_layers_read_the_expert_stacks_in_place_under_offload(tm
     frozen expert stacks in place, flattened to [L * E, in, out] (`StackRow`, grouped_matmul(row=)); no kernel
     operand is one layer's [E, in, out] copy of them (XLA copies a scanned slice out whole before a custom call:
     1.48 GiB a layer at GPT-OSS-20B). Loss and LoRA gradients match the same step on ragged_dot."""
-    from flax import nnx
-
-    import jaxft
-    from jaxft import lora
-    from jaxft.execution import ExecutionConfig
-    from jaxft.train.step import token_loss_sum
-    from lora_helpers import perturb_lora_b, rel_err
+    from lora_helpers import rel_err
     from test_gpt_oss import gpt_oss_model
 
     path = tmp_path / "gpt_oss"
     gpt_oss_model(seed=3, **GPT_OSS_LAYERS).save_pretrained(path)
     batch = batch_of(vocab=GPT_OSS_LAYERS["vocab_size"])
-    out = {}
-    for implementation in ("pallas_mosaic", "xla"):
-        model = lora.apply_lora(jaxft.from_pretrained(path, dtype="bfloat16", verbose=False), lora.LoraConfig(**LORA))
-        perturb_lora_b(model)
-        graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
-        execution = ExecutionConfig(attention_implementation="reference", remat="offload", layer_loop="scan",
-                                    grouped_matmul_implementation=implementation)
-
-        def loss_fn(p, b, execution=execution, graphdef=graphdef, rest=rest):
-            return token_loss_sum(nnx.merge(graphdef, p, rest), b, execution=execution) / b["loss_mask"].sum()
-
-        step = compile_no_autotune(jax.value_and_grad(loss_fn), params, batch)
-        loss, grads = step(params, batch)
-        out[implementation] = (float(loss), [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)],
-                               step.as_text())
-    loss, grads, hlo = out["pallas_mosaic"]
-    want_loss, want_grads, _ = out["xla"]
+    loss, grads, hlo = loss_and_grads(path, "pallas_mosaic", batch, remat="offload")
+    want_loss, want_grads, _ = loss_and_grads(path, "xla", batch, remat="offload")
     h, i, e, layers = (GPT_OSS_LAYERS[k] for k in ("hidden_size", "intermediate_size", "num_local_experts",
                                                    "num_hidden_layers"))
     shapes = set(_mosaic_operand_shapes(hlo))

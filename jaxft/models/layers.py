@@ -87,10 +87,6 @@ class StackRow:
     row: jax.Array
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return self.stack.shape[1:]
-
-    @property
     def dtype(self):
         return self.stack.dtype
 

@@ -93,8 +93,9 @@ class Quant4bitExperts(nnx.Module):
 
 
 def expert_matmul(xs: jax.Array, weight, group_sizes: jax.Array, gmm_implementation: str = "auto") -> jax.Array:
-    """out[m] = xs[m] @ W_g(m) for one layer's expert weight: an `ExpertParam` [E, in, out] (cast to xs's dtype),
-    or holding a `StackRow` of its stack (a layer scan), or a `Quant4bitExperts`, by the grouped matmul `gmm_implementation` names (`kernels_pallas.grouped_matmul`)."""
+    """out[m] = xs[m] @ W_g(m) for one layer's expert weight: an `ExpertParam` [E, in, out] (cast to xs's dtype)
+    or holding a `StackRow` of its stack (in a layer scan), or a `Quant4bitExperts`, by the grouped matmul
+    `gmm_implementation` names (`kernels_pallas.grouped_matmul`)."""
     if isinstance(weight, Quant4bitExperts):
         return weight.matmul(xs, group_sizes, gmm_implementation)
     value = weight.get_value()
