@@ -91,13 +91,27 @@ GPT_OSS_LAYERS = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=
 
 
 def _mosaic_operand_shapes(hlo: str) -> list[tuple[int, ...]]:
-    """The bf16 operand shapes of every Mosaic GPU custom call of a compiled HLO text."""
+    """The bf16 operand shapes of every Mosaic GPU custom call of a compiled HLO text. The compiled text names an
+    instruction's operands without their shapes (`custom-call(%bitcast.3, %fusion.2)`), so each name is looked up
+    where it is defined (`%bitcast.3 = bf16[32,256,512]{2,1,0} bitcast(...)`; names are unique in a module)."""
+    defined = dict(re.findall(r"^\s*(?:ROOT )?%(\S+) = bf16\[([\d,]+)\]", hlo, re.M))
     shapes = []
     for line in hlo.splitlines():
         if "mosaic_gpu_v2" in line and "custom-call(" in line:
             operands = line.split("custom-call(", 1)[1].split("), custom_call_target", 1)[0]
-            shapes += [tuple(map(int, s.split(","))) for s in re.findall(r"bf16\[([\d,]+)\]", operands)]
+            shapes += [tuple(map(int, defined[name].split(","))) for name in re.findall(r"%([\w.\-]+)", operands)
+                       if name in defined]
     return shapes
+
+
+def test_mosaic_operand_shapes_reads_the_shapes_where_the_operands_are_defined():
+    hlo = """  %param_0 = bf16[64,256]{1,0} parameter(0)
+  %bitcast.3 = bf16[32,256,512]{2,1,0} bitcast(%param_1)
+  %iota.1 = s32[8]{0} iota(), iota_dimension=0
+  ROOT %custom-call.2 = bf16[64,512]{1,0} custom-call(%param_0, %bitcast.3, %iota.1), custom_call_target="mosaic_gpu_v2"
+  %other = bf16[4,4]{1,0} custom-call(%param_0), custom_call_target="cublas"
+"""
+    assert _mosaic_operand_shapes(hlo) == [(64, 256), (32, 256, 512)]
 
 
 @needs_gpu
