@@ -18,6 +18,8 @@ Systems:
                        happens without a KV cache, so use_cache=False is passed explicitly: with
                        the config default (True, and gradient checkpointing off) a DynamicCache is
                        created and the packing is silently ignored (attention crosses documents).
+                       GPT-OSS's decoder builds its masks without the position_ids, so for it the worker
+                       passes the masks transformers builds from them (`packed_forward_kwargs`; Unsloth too).
   hf_qlora             hf_ckpt on a bitsandbytes 4-bit base (BitsAndBytesConfig: nf4, double quantisation,
                        bf16 compute; quantised by transformers while loading the bf16 directory):
                        HF + PEFT + bitsandbytes QLoRA as its users run it.
@@ -139,6 +141,41 @@ def hf_lora_targets(workload: Workload) -> dict[str, Any]:
     return out
 
 
+# Model types whose decoder builds its attention masks without the position_ids (transformers 5.24 read: GPT-OSS's
+# `create_causal_mask(**mask_kwargs)` gets no position_ids), so its padding-free packed rows would attend across
+# documents. For these the worker builds the masks itself, with transformers' own mask functions and the
+# position_ids, and passes them as the layer-type mapping the decoder accepts in place of attention_mask.
+# tests/test_bench_train.py checks packed logits against each document alone for every MoE/dense tiny shape.
+MASKS_WITHOUT_POSITION_IDS = ("gpt_oss",)
+
+
+def packed_forward_kwargs(model, pos) -> dict[str, Any]:
+    """The forward kwargs of one packed row ([1, T] position_ids restarting per document): position_ids, and for
+    MASKS_WITHOUT_POSITION_IDS the per-layer-type masks transformers builds from them (its block-diagonal causal
+    mask, windowed for sliding layers; a BlockMask under flex attention)."""
+    import inspect
+
+    import torch
+    from transformers import masking_utils
+
+    kwargs: dict[str, Any] = {"position_ids": pos}
+    config = model.config
+    if config.model_type not in MASKS_WITHOUT_POSITION_IDS:
+        return kwargs
+    embeds = torch.empty((*pos.shape, 1), dtype=model.dtype, device=pos.device)  # shape, dtype and device only
+    masks = {}
+    for kind, fn in (("full_attention", masking_utils.create_causal_mask),
+                     ("sliding_attention", masking_utils.create_sliding_window_causal_mask)):
+        accepted = inspect.signature(fn).parameters
+        args = {"config": config, "inputs_embeds": embeds, "attention_mask": None, "position_ids": pos}
+        args.update({k: None for k in ("cache", "past_key_values") if k in accepted})
+        if "cache_position" in accepted:  # transformers 4.x / early 5.x
+            args["cache_position"] = torch.arange(pos.shape[-1], device=pos.device)
+        masks[kind] = fn(**{k: v for k, v in args.items() if k in accepted})
+    kwargs["attention_mask"] = masks
+    return kwargs
+
+
 def train_loop(model, workload: Workload, data: TokenData, steps: int, device: str) -> dict[str, Any]:
     """Run ``steps`` AdamW steps on the staged batches; time each one device-synchronised."""
     import torch
@@ -171,7 +208,7 @@ def train_loop(model, workload: Workload, data: TokenData, steps: int, device: s
     for i in range(steps):
         sync()
         t0 = time.perf_counter()
-        kwargs = {"position_ids": pos[i]} if pos is not None else {}
+        kwargs = packed_forward_kwargs(model, pos[i]) if pos is not None else {}
         kwargs.update(images[i] if images else {})
         out = model(input_ids=ids[i], labels=labels[i], use_cache=False, **kwargs)
         out.loss.backward()

@@ -428,6 +428,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("tiny_qwen3_moe_packed", "tiny-qwen3-moe", 1, 256, packed=True, mean_doc_len=40, tiny=True),
     Workload("tiny_qwen2_5_vl", "tiny-qwen2.5-vl", 1, 128, image_size=140, tiny=True),
     Workload("tiny_gpt_oss", "tiny-gpt-oss", 1, 256, tiny=True),
+    Workload("tiny_gpt_oss_packed", "tiny-gpt-oss", 1, 256, packed=True, mean_doc_len=40, tiny=True),
     Workload("tiny_gemma2", "tiny-gemma2", 1, 128, tiny=True),
     Workload("tiny_gemma3", "tiny-gemma3", 1, 128, tiny=True),
     Workload("tiny_qwen3", "tiny-qwen3", 1, 128, tiny=True),
