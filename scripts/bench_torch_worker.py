@@ -19,7 +19,11 @@ Systems:
                        the config default (True, and gradient checkpointing off) a DynamicCache is
                        created and the packing is silently ignored (attention crosses documents).
                        GPT-OSS's decoder builds its masks without the position_ids, so for it the worker
-                       passes the masks transformers builds from them (`packed_forward_kwargs`; Unsloth too).
+                       passes the masks transformers builds from them (`packed_forward_kwargs`; Unsloth too,
+                       though Unsloth 2026.10.9's GPT-OSS training attention, unsloth_zoo's
+                       flex_attention_with_sink, builds its own causal / sliding BlockMask and ignores
+                       attention_mask while training: its packed GPT-OSS rows attend across documents, which
+                       the first-loss spread shows).
   hf_qlora             hf_ckpt on a bitsandbytes 4-bit base (BitsAndBytesConfig: nf4, double quantisation,
                        bf16 compute; quantised by transformers while loading the bf16 directory):
                        HF + PEFT + bitsandbytes QLoRA as its users run it.
