@@ -413,6 +413,10 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("8b_16384", "llama-3.1-8b", 1, 16384),
     Workload("qwen3_8b_4096", "qwen3-8b", 1, 4096),
     Workload("8b_packed_16384", "llama-3.1-8b", 1, 16384, packed=True, mean_doc_len=300),
+    # Issue #10's long rows: one row per step (its table's 32k / 64k, and packed 64k).
+    Workload("8b_32768", "llama-3.1-8b", 1, 32768),
+    Workload("8b_65536", "llama-3.1-8b", 1, 65536),
+    Workload("8b_packed_65536", "llama-3.1-8b", 1, 65536, packed=True, mean_doc_len=300),
     Workload("gemma2_9b_4096", "gemma-2-9b", 1, 4096),
     Workload("gemma2_9b_packed_16384", "gemma-2-9b", 1, 16384, packed=True, mean_doc_len=300),
     Workload("gemma3_12b_4096", "gemma-3-12b", 1, 4096),
