@@ -10,6 +10,12 @@ allocator's peak); this script is for deciding what the defaults should be, quic
     python scripts/ablate_step.py --model-dir DIR --workload 8b_4096 \\
         --variants 'none;none+dsf;offload+dsf' --profile none+dsf --out $OUT/ablate.json
 
+A --model-dir without a config.json gets the workload shape's random-weight model first (bench.models, as
+scripts/bench_train.py saves it), e.g. a GPT-OSS-20B profile in one device call:
+
+    PYTHONPATH=.:scripts python3 scripts/ablate_step.py --model-dir /dev/shm/gpt_oss --workload gpt_oss_20b_4096 \\
+        --variants 'offload;none' --profile offload --out $OUT/ablate.json
+
 Every variant is the benchmark's fast recipe (examples/bench/fast.yaml, through jaxft.run.Run) with other
 execution settings over the same loaded weights. A variant is `remat[+option...][@ce_chunk]`, options:
 unroll (per-layer weight buffers, layers unrolled), dsf (xla_gpu_enable_dynamic_slice_fusion), nocb (command
@@ -67,6 +73,10 @@ def main(argv=None) -> int:
     from jaxft.run import Run
 
     workload = get_workload(args.workload)
+    if not os.path.exists(os.path.join(args.model_dir, "config.json")):
+        from bench.models import save_random_model
+        saved = save_random_model(workload.shape, args.model_dir, "cuda" if jax.default_backend() == "gpu" else "cpu")
+        print(f"[ablate] saved the {workload.shape.name} model in {saved['save_s']:.0f} s", flush=True)
     data = make_token_data(workload, args.steps)
     host_batches = [data.step(i) for i in range(args.steps)]
     batches = [jax.device_put(b) for b in host_batches]

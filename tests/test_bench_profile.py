@@ -56,6 +56,10 @@ def test_hlo_op_names_are_parsed():
     ("loop_fusion", "fusion.8", "jit(step)/layers/lora/dot_general", "lora"),
     ("MemcpyD2H", "copy-start.1", "", "memcpy"),
     ("loop_fusion", "fusion.9", "jit(step)/layers/glu/logistic", "norm_rope_glu"),
+    ("mosaic_gpu_kernel", "custom-call.4", "jit(step)/layers/mlp/moe_experts/pallas_call", "moe_experts"),
+    ("mosaic_gpu_kernel", "custom-call.5", "jit(step)/layers/mlp/moe_experts/expert_lora/pallas_call",
+     "expert_lora"),
+    ("input_reduce_fusion", "fusion.12", "jit(step)/layers/mlp/moe_router/top_k", "moe_router"),
 ])
 def test_classify(kernel, hlo_op, op_name, want):
     assert classify(kernel, hlo_op, op_name, "fusion") == want

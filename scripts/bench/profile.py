@@ -4,6 +4,9 @@ The trace's device events name the HLO instruction they ran (`args.hlo_op`); the
 instruction's `op_name` (the JAX name stack, which carries jaxft's named scopes: attention, rope,
 rmsnorm, glu, lora, cross_entropy, optimizer). Each device event is put in one category:
 
+    expert_lora    scope "expert_lora" (MoE expert LoRA: its grouped matmuls and their backward)
+    moe_router     scope "moe_router" (router logits, top-k, softmax)
+    moe_experts    scope "moe_experts" (sort, gather, the experts' grouped matmuls, scatter; backward too)
     attention      scope "attention", cuDNN fused attention custom calls, jaxft's Pallas kernels
     cross_entropy  scope "cross_entropy" (the chunked linear cross-entropy, its matmuls included)
     optimizer      scope "optimizer"
@@ -26,7 +29,8 @@ import re
 from collections import defaultdict
 from typing import Any
 
-SCOPES = ("attention", "cross_entropy", "optimizer", "lora")
+# First match wins: the MoE scopes come first (expert_lora sits inside moe_experts; neither is a "/lora" scope).
+SCOPES = ("expert_lora", "moe_router", "moe_experts", "attention", "cross_entropy", "optimizer", "lora")
 ELEMENTWISE_SCOPES = ("rmsnorm", "rope", "glu")
 GEMM_KERNEL = re.compile(r"gemm|nvjet|cutlass|cublas|xmma|matmul", re.I)
 ATTENTION_KERNEL = re.compile(r"cudnn|fmha|sdpa|jaxft_flash", re.I)
