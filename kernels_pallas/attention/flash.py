@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas._dispatch import target_platform
+from kernels_pallas._triton import dot_f32 as _dot
 from kernels_pallas.attention.config import (
     BlockConfig,
     FlashConfig,
@@ -89,13 +90,6 @@ class _Static:
     meta_block_k: int
     config: FlashConfig
     interpret: bool
-
-
-def _dot(a, b, contract_a: int, contract_b: int):
-    """2-D matmul with fp32 accumulation contracting the given dims."""
-    return lax.dot_general(
-        a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32
-    )
 
 
 def _scores(q, k, st: _Static):

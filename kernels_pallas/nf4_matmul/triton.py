@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas._dispatch import GPU_PLATFORMS, target_platform
+from kernels_pallas._triton import dot_f32 as _dot
 
 from .codes import code_4bit
 
@@ -99,11 +100,6 @@ def _weight_halves(p_ref, s, rows, col, half, table, dtype):
     hi = (_lookup(q >> 4, table) * s[:, None]).astype(dtype)
     lo = (_lookup(q & 15, table) * s[:, None]).astype(dtype)
     return hi, lo
-
-
-def _dot(a, b, contract_a: int, contract_b: int):
-    """2-D matmul with float32 accumulation over the given dimensions."""
-    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _fwd_kernel(x_ref, p_ref, s_ref, y_ref, *, blocksize, table, cfg):
@@ -167,37 +163,35 @@ def _pad_rows(a, bm):
     return jnp.pad(a, ((0, -m % bm), (0, 0))), m
 
 
-def _forward(x2, packed, absmax, shape, blocksize, quant_type, cfg):
-    out_features, in_features = shape
-    p, s = _operands(packed, absmax, shape, blocksize)
-    xp, m = _pad_rows(split_pairs(x2, blocksize), cfg.block_m)
-    whole = pl.no_block_spec
-    y = pl.pallas_call(
-        functools.partial(_fwd_kernel, blocksize=blocksize, table=tuple(map(float, code_4bit(quant_type))), cfg=cfg),
-        grid=(xp.shape[0] // cfg.block_m, out_features // cfg.block_n),
-        in_specs=[whole, whole, whole],
-        out_specs=pl.BlockSpec((cfg.block_m, cfg.block_n), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((xp.shape[0], out_features), x2.dtype),
+def _call(kernel, operands, *, grid, out_specs, out_shape, name, blocksize, quant_type, cfg):
+    """One of the two kernels over (rows or cotangent, P, S), each operand whole (the kernels slice them)."""
+    return pl.pallas_call(
+        functools.partial(kernel, blocksize=blocksize, table=tuple(map(float, code_4bit(quant_type))), cfg=cfg),
+        grid=grid, in_specs=[pl.no_block_spec] * len(operands), out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=_interpret(), name=FWD_NAME,
-    )(xp, p, s)
+        interpret=_interpret(), name=name,
+    )(*operands)
+
+
+def _forward(x2, packed, absmax, shape, blocksize, quant_type, cfg):
+    out_features, _ = shape
+    xp, m = _pad_rows(split_pairs(x2, blocksize), cfg.block_m)
+    y = _call(_fwd_kernel, (xp, *_operands(packed, absmax, shape, blocksize)),
+              grid=(xp.shape[0] // cfg.block_m, out_features // cfg.block_n),
+              out_specs=pl.BlockSpec((cfg.block_m, cfg.block_n), lambda i, j: (i, j)),
+              out_shape=jax.ShapeDtypeStruct((xp.shape[0], out_features), x2.dtype), name=FWD_NAME,
+              blocksize=blocksize, quant_type=quant_type, cfg=cfg)
     return y[:m]
 
 
 def _input_grad(dy2, packed, absmax, shape, blocksize, quant_type, cfg):
-    out_features, in_features = shape
-    p, s = _operands(packed, absmax, shape, blocksize)
+    _, in_features = shape
     dyp, m = _pad_rows(dy2, cfg.block_m)
-    whole = pl.no_block_spec
-    dxp = pl.pallas_call(
-        functools.partial(_bwd_kernel, blocksize=blocksize, table=tuple(map(float, code_4bit(quant_type))), cfg=cfg),
-        grid=(dyp.shape[0] // cfg.block_m, in_features // blocksize),
-        in_specs=[whole, whole, whole],
-        out_specs=pl.BlockSpec((cfg.block_m, blocksize), lambda i, c: (i, c)),
-        out_shape=jax.ShapeDtypeStruct((dyp.shape[0], in_features), dy2.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        interpret=_interpret(), name=DX_NAME,
-    )(dyp, p, s)
+    dxp = _call(_bwd_kernel, (dyp, *_operands(packed, absmax, shape, blocksize)),
+                grid=(dyp.shape[0] // cfg.block_m, in_features // blocksize),
+                out_specs=pl.BlockSpec((cfg.block_m, blocksize), lambda i, c: (i, c)),
+                out_shape=jax.ShapeDtypeStruct((dyp.shape[0], in_features), dy2.dtype), name=DX_NAME,
+                blocksize=blocksize, quant_type=quant_type, cfg=cfg)
     return unsplit_pairs(dxp[:m], blocksize)
 
 
