@@ -6,32 +6,18 @@ optimizer state and frozen weights replicated) is exercised without a GPU."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
-import yaml
 
-from jaxft.train import read_metrics
-from test_train_fixtures import make_jsonl, make_tiny_model
-
-REPO = Path(__file__).resolve().parents[1]
+from test_train_fixtures import make_jsonl, make_tiny_model, run_cli_on_host_devices
 
 
-def _run(tmp: Path, name: str, devices: int, per_device_batch: int) -> list[float]:
+def _run(tmp, name: str, devices: int, per_device_batch: int) -> list[float]:
     cfg = dict(model_name_or_path=str(tmp / "model"), dataset=str(tmp / "train.jsonl"), output_dir=str(tmp / name),
                max_seq_length=64, per_device_train_batch_size=per_device_batch, max_steps=6, logging_steps=1,
                save_steps=6, learning_rate=5e-3, lr_scheduler_type="constant", lora_r=4, seed=0,
                bf16=False, disable_tqdm=True, report_to="none")  # fp32: only the summation order differs
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, "-m", "jaxft.cli", str(path)], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return [r["loss"] for r in read_metrics(tmp / name / "metrics.jsonl") if "loss" in r]
+    rows, _ = run_cli_on_host_devices(cfg, tmp / f"{name}.yaml", devices)
+    return [r["loss"] for r in rows]
 
 
 def test_two_devices_match_one_device(tmp_path):

@@ -6,7 +6,6 @@ the two `mesh: auto` trains on fsdp, saying so."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jaxft.sharding import MeshConfig, MeshConfigError
-from test_train_fixtures import make_jsonl, make_tiny_model
+from test_train_fixtures import host_devices_env, make_jsonl, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,7 +30,7 @@ def test_mesh_auto_candidates_go_from_data_to_fsdp():
 def test_estimate_and_mesh_auto_on_two_devices(tmp_path):
     make_tiny_model(tmp_path / "model", hidden=64, vocab=512)  # weights large enough to dominate the peak
     make_jsonl(tmp_path / "train.jsonl", 20)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = host_devices_env(2)
     res = subprocess.run([sys.executable, str(REPO / "tests" / "memory_worker.py"), str(tmp_path / "model"),
                           str(tmp_path / "train.jsonl"), str(tmp_path / "out"), str(tmp_path / "r.json")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

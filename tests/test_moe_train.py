@@ -35,13 +35,17 @@ def _model_dir(tmp_path, **config) -> Path:
     return out
 
 
-def _config(tmp_path, base, **overrides) -> TrainConfig:
+def _values(tmp_path, base, **overrides) -> dict:
     values = dict(model_name_or_path=str(base), dataset=str(ROOT / "examples" / "data" / "train.jsonl"),
                   output_dir=str(tmp_path / "run"), bf16=False, max_seq_length=128, per_device_train_batch_size=2,
                   max_steps=12, logging_steps=4, save_steps=12, learning_rate=1e-2, lr_scheduler_type="constant",
                   report_to="none", disable_tqdm=True, lora_r=4, lora_alpha=8, lora_target_modules=["q_proj"],
                   lora_target_parameters=EXPERTS, seed=0)
-    return TrainConfig(**{**values, **overrides})
+    return {**values, **overrides}
+
+
+def _config(tmp_path, base, **overrides) -> TrainConfig:
+    return TrainConfig(**_values(tmp_path, base, **overrides))
 
 
 def test_lora_target_parameters_key_is_validated(tmp_path):
@@ -130,28 +134,17 @@ def test_auto_layer_loop_scans_experts_on_the_mosaic_kernels(tmp_path):
 def test_expert_lora_on_an_fsdp_mesh_trains_like_one_device(tmp_path):
     """The tiny Qwen3-MoE with expert LoRA, layer scan, 8 rows a step: on one device, and on 8 host devices as
     data 2 x fsdp 4 (the expert stacks split on their hidden axis, tokens on data x fsdp). Same losses."""
-    import os
-    import subprocess
-    import sys
-
-    from jaxft.train import read_metrics
+    from test_train_fixtures import run_cli_on_host_devices
 
     base = _model_dir(tmp_path)
 
     def cli(name, devices, per_device, **mesh):
-        values = dict(model_name_or_path=str(base), dataset=str(ROOT / "examples" / "data" / "train.jsonl"),
-                      output_dir=str(tmp_path / name), max_seq_length=128, per_device_train_batch_size=per_device,
-                      max_steps=4, logging_steps=1, save_steps=100, learning_rate=1e-2,
-                      lr_scheduler_type="constant", report_to="none", disable_tqdm=True, lora_r=4, lora_alpha=8,
-                      lora_target_modules=["q_proj"], lora_target_parameters=EXPERTS, seed=0, bf16=False,
-                      layer_loop="scan", **({"mesh": mesh} if mesh else {}))
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(values))
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-        res = subprocess.run([sys.executable, "-m", "jaxft.cli", str(tmp_path / f"{name}.yaml")], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=600)
-        assert res.returncode == 0, res.stderr[-3000:]
-        assert f"x {devices} batch-parallel devices" in res.stdout + res.stderr  # the mesh really spans them
-        return [r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in r]
+        values = _values(tmp_path, base, output_dir=str(tmp_path / name), per_device_train_batch_size=per_device,
+                         max_steps=4, logging_steps=1, save_steps=100, layer_loop="scan",
+                         **({"mesh": mesh} if mesh else {}))
+        rows, output = run_cli_on_host_devices(values, tmp_path / f"{name}.yaml", devices, timeout=600)
+        assert f"x {devices} batch-parallel devices" in output  # the mesh really spans them
+        return [r["loss"] for r in rows]
 
     one = cli("one", 1, 8)
     sharded = cli("fsdp", 8, 1, data=2, fsdp=4)

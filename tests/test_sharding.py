@@ -8,7 +8,6 @@ Multi-device runs happen in subprocesses with 8 host CPU devices (XLA's
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,15 +25,11 @@ from jaxft.models.decoder import abstract_model
 from jaxft.models.families import family_for
 from jaxft.models.layers import logical_axes
 from jaxft.sharding import RULES, MeshConfig, MeshConfigError, partition_spec
-from jaxft.train import TrainConfigError, load_config, read_metrics
-from test_train_fixtures import make_jsonl, make_tiny_model
+from jaxft.train import TrainConfigError, load_config
+from test_train_fixtures import host_devices_env, make_jsonl, make_tiny_model, run_cli_on_host_devices
 
 REPO = Path(__file__).resolve().parents[1]
 P = jax.sharding.PartitionSpec
-
-
-def _env(devices: int) -> dict:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
 
 
 # ------------------------------------------------------------------------------------------------ mesh config
@@ -135,7 +130,7 @@ def worker_result(tmp_path_factory):
     d = tmp_path_factory.mktemp("sharding")
     make_tiny_model(d / "model")
     res = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), str(d / "model"),
-                          str(d / "out.json")], cwd=REPO, env=_env(8), capture_output=True, text=True, timeout=600)
+                          str(d / "out.json")], cwd=REPO, env=host_devices_env(8), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads((d / "out.json").read_text())
 
@@ -199,11 +194,8 @@ def test_checkpoint_written_on_one_mesh_resumes_on_another(tmp_path):
                    max_steps=5, logging_steps=1, save_steps=3, learning_rate=5e-3, lr_scheduler_type="cosine",
                    warmup_steps=1, lora_r=4, seed=0, bf16=False, disable_tqdm=True, report_to="none", mesh=mesh,
                    layer_loop="scan", **extra)
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-        res = subprocess.run([sys.executable, "-m", "jaxft.cli", str(tmp_path / f"{name}.yaml")], cwd=REPO,
-                             env=_env(devices), capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stderr[-3000:]
-        return {r["step"]: r["loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in r}
+        rows, _ = run_cli_on_host_devices(cfg, tmp_path / f"{name}.yaml", devices)
+        return {r["step"]: r["loss"] for r in rows}
 
     # 8 rows per step on both: 1 per device on 8 devices (data 2 x fsdp 4), 4 per device on 2 (data 2)
     full = cli("fsdp", 8, {"data": 2, "fsdp": 4}, 1)

@@ -1,11 +1,15 @@
-"""Shared builders for the training tests: a tiny Llama + char-level tokenizer saved as an HF directory, and
-tiny JSONL data. (No tests here; `test_train*.py`, `test_cli*.py` and `test_resume*.py` import these.)"""
+"""Shared builders for the training tests: a tiny Llama + char-level tokenizer saved as an HF directory, tiny
+JSONL data, and `jaxft-train` runs on N host CPU devices. (No tests here; `test_train*.py`, `test_cli*.py`,
+`test_resume*.py` and the multi-device tests import these.)"""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import string
+import subprocess
+import sys
 from pathlib import Path
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -56,3 +60,26 @@ def make_jsonl(path: Path, n: int, *, seed: int = 0, kind: str = "prompt_complet
             lines.append({"prompt": "reverse: " + " ".join(ws) + "\n", "completion": " ".join(reversed(ws))})
     path.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
     return path
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def host_devices_env(devices: int) -> dict:
+    """The environment of a subprocess whose JAX sees `devices` CPU devices (XLA fixes the count at start-up)."""
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+
+
+def run_cli_on_host_devices(values: dict, yaml_path: Path, devices: int, timeout: int = 300) -> tuple[list[dict], str]:
+    """Write `values` as a run config to `yaml_path`, run `jaxft-train` on it in a subprocess on `devices` host
+    devices (it must succeed); returns the metrics rows that carry a loss and the run's stdout + stderr."""
+    import yaml
+
+    from jaxft.train import read_metrics
+
+    yaml_path.write_text(yaml.safe_dump(values))
+    res = subprocess.run([sys.executable, "-m", "jaxft.cli", str(yaml_path)], cwd=REPO, env=host_devices_env(devices),
+                         capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in read_metrics(Path(values["output_dir"]) / "metrics.jsonl") if "loss" in r]
+    return rows, res.stdout + res.stderr
