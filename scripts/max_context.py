@@ -169,13 +169,14 @@ class Settings:
     max_probes: int = 8
     dtype: str = "bfloat16"
     attention: str = "auto"
+    recipe: str = str(RECIPE)         # the YAML whose LoRA, optimiser and 4-bit base (load_in_4bit) the step takes
 
 
 def recipe(settings: Settings):
-    """The benchmark recipe's TrainConfig (LoRA and optimiser) for this model directory."""
+    """The recipe's TrainConfig (LoRA, optimiser, 4-bit base) for this model directory."""
     from jaxft.train import load_config
 
-    return load_config(RECIPE, [f"model_name_or_path={settings.model_dir}",
+    return load_config(settings.recipe, [f"model_name_or_path={settings.model_dir}",
                                 f"dataset={ROOT / 'examples' / 'data' / 'train.jsonl'}"])
 
 
@@ -198,7 +199,7 @@ def make_run(settings: Settings, policy: str, seq: int, *, probe: bool):
 
     config = recipe(settings)
     return Run(settings.model_dir, lora_config=config.lora, execution=execution_for(settings, policy, seq, probe=probe),
-               optim=config.optim, total_steps=1, dtype=settings.dtype, seed=0)
+               optim=config.optim, total_steps=1, dtype=settings.dtype, seed=0, quant_config=config.model.quant)
 
 
 def make_batch(seq: int, vocab: int, *, seed: int = 0) -> dict:
@@ -445,7 +446,21 @@ def auto_row(results: dict[str, dict]) -> dict[str, Any]:
                 host_bytes=found[choice]["host_bytes"] if choice in found else None)
 
 
-def markdown(results: dict[str, dict], step: dict | None, budget: int | None, host_budget: int) -> str:
+def parse_points(text: str | None) -> tuple[tuple[int, float], ...]:
+    """'TOKENS:GIB,...' (at least two lengths) -> ((tokens, GiB), ...); None: `UNSLOTH_POINTS`."""
+    if not text:
+        return UNSLOTH_POINTS
+    try:
+        points = tuple((int(t), float(g)) for t, g in (item.split(":") for item in text.split(",") if item.strip()))
+    except ValueError:
+        raise SystemExit(f"--unsloth-points {text!r}: write TOKENS:GIB pairs, e.g. 4096:6.92,16384:9.8") from None
+    if len({t for t, _ in points}) < 2:
+        raise SystemExit(f"--unsloth-points {text!r}: a line needs peaks at two lengths at least")
+    return points
+
+
+def markdown(results: dict[str, dict], step: dict | None, budget: int | None, host_budget: int,
+             unsloth_points=UNSLOTH_POINTS) -> str:
     gib = lambda b: "-" if b is None else f"{b / GIB:.2f}"  # noqa: E731
     lines = [f"Device budget {gib(budget)} GiB, host budget {gib(host_budget)} GiB "
              "(compiled memory analysis; `scripts/max_context.py`).", "",
@@ -462,9 +477,10 @@ def markdown(results: dict[str, dict], step: dict | None, budget: int | None, ho
     lines.append(f"| auto (derived) | {auto.get('max_seq') or '-'} | {auto.get('note')} | | "
                  f"{gib(auto.get('device_bytes'))} | {gib(auto.get('host_bytes'))} | | |")
     if budget:
-        u = unsloth_derived(budget)
+        u = unsloth_derived(budget, unsloth_points)
+        at = "/".join(f"{t // 1024}k" for t, _ in unsloth_points)
         lines.append(f"| Unsloth (DERIVED, not measured: {u['gib_per_1k_tokens']:.3f} GiB per 1k tokens + "
-                     f"{u['intercept_gib']:.2f} GiB, fit to its measured 16k/32k/64k peaks) | {u['max_seq']} | "
+                     f"{u['intercept_gib']:.2f} GiB, fit to its measured {at} peaks) | {u['max_seq']} | "
                      "derived | device (extrapolated) | | | | |")
     if step:
         lines += ["", f"Real step: {step.get('policy')} at {step.get('seq')} tokens: "
@@ -507,6 +523,13 @@ def model_dir(model: str, layers: int | None, workdir: str) -> str:
     return workdir
 
 
+def _four_bit(recipe_path: str) -> bool:
+    from jaxft.train import load_config
+
+    return load_config(recipe_path, [f"model_name_or_path={ROOT / 'examples' / 'tiny-llama'}",
+                                     f"dataset={ROOT / 'examples' / 'data' / 'train.jsonl'}"]).model.quant is not None
+
+
 def host_memory_bytes() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -533,6 +556,11 @@ def parse_args(argv=None):
     ap.add_argument("--probe-autotune-level", type=int, default=None,
                     help="xla_gpu_autotune_level of the probes (default: 0 on a GPU, not set elsewhere)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--recipe", default=str(RECIPE), help="the YAML the step takes its LoRA, optimiser and base "
+                    "from (default examples/bench/auto.yaml; examples/bench/qlora.yaml: the 4-bit base of QLoRA, "
+                    "quantised from shapes, so no real step: --step-seq 0)")
+    ap.add_argument("--unsloth-points", default=None, help="Unsloth's measured peaks for its derived row, "
+                    "'TOKENS:GIB,...' (default: its bf16 LoRA peaks at 16k/32k/64k, issue #10)")
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--deadline-s", type=float, default=300.0, help="the whole run ends within this many seconds")
     ap.add_argument("--jobs", type=int, default=None,
@@ -629,6 +657,10 @@ def main(argv=None) -> int:
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise SystemExit(f"--policies: {bad[0]!r} is not one of {', '.join(POLICIES)} (auto is derived from them)")
+    points = parse_points(args.unsloth_points)
+    if args.step_seq != "0" and _four_bit(args.recipe):
+        raise SystemExit(f"--recipe {args.recipe}: a 4-bit base has no random-weight step (Run.init_random makes "
+                         "no 4-bit codes); pass --step-seq 0 (the search compiles from shapes and needs none)")
     host_total = (args.host_memory_gb * GIB) if args.host_memory_gb else host_memory_bytes()
     host_budget = int(host_total - max(8 * GIB, 0.1 * host_total))
     if host_budget <= 0:
@@ -639,7 +671,7 @@ def main(argv=None) -> int:
                         device_budget=None if args.device_memory_gb is None else int(args.device_memory_gb * GIB),
                         host_budget=host_budget, mlp_chunk_size=args.mlp_chunk_size,
                         probe_autotune_level=args.probe_autotune_level, max_probes=args.max_probes,
-                        dtype=args.dtype, attention=args.attention)
+                        dtype=args.dtype, attention=args.attention, recipe=args.recipe)
     collect = Collector(args.out)
     collect(dict(event="start", model=args.model, layers=args.layers, policies=policies, settings=dataclasses.asdict(settings),
                  deadline_s=args.deadline_s, step_policy=args.step_policy, step_seq=args.step_seq))
@@ -693,10 +725,11 @@ def main(argv=None) -> int:
     budget = next((r.get("device_budget") for r in results.values() if r.get("device_budget")), None)
     auto = auto_row(results)
     summary = dict(event="summary", results=results, auto=auto, step=step, device_budget=budget,
-                   host_budget=host_budget, unsloth_derived=unsloth_derived(budget) if budget else None,
+                   host_budget=host_budget, unsloth_points=points,
+                   unsloth_derived=unsloth_derived(budget, points) if budget else None,
                    wall_s=round(time.time() - began, 1))
     collect(summary)
-    text = markdown(results, step, budget, host_budget)
+    text = markdown(results, step, budget, host_budget, points)
     print(text)
     if args.md:
         Path(args.md).write_text(text)

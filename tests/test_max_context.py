@@ -122,3 +122,30 @@ def test_unsloth_row_solves_the_fitted_line_for_the_budget():
     assert u["max_seq"] == 400 * 1024
     assert mc.unsloth_derived(10 * mc.GIB, points)["max_seq"] == 0
     assert "DERIVED" in mc.markdown({}, None, 116 * mc.GIB, 100 * mc.GIB)
+
+
+def test_a_four_bit_recipe_compiles_its_4bit_base_from_shapes(tmp_path):
+    """--recipe examples/bench/qlora.yaml: the probe compiles the step with NF4 frozen linears from the config
+    alone, so its arguments are smaller than the bf16 recipe's at the same length (the frozen linears hold 4 bits
+    plus block scales instead of 16)."""
+    bf16 = _tiny_settings(tmp_path)
+    qlora = dataclasses.replace(bf16, recipe=str(mc.ROOT / "examples" / "bench" / "qlora.yaml"))
+    run = mc.make_run(qlora, "full", 256, probe=True)
+    assert run.quant_config is not None and run.quant_config.quant_type == "nf4"
+    dense, four_bit = mc.argument_bytes(mc.make_run(bf16, "full", 256, probe=True)), mc.argument_bytes(run)
+    assert four_bit < dense, (four_bit, dense)
+    assert mc.probe(qlora, "full", 256)["device_bytes"] > 0
+    assert mc._four_bit(qlora.recipe) and not mc._four_bit(bf16.recipe)
+    with pytest.raises(SystemExit, match="--step-seq 0"):
+        mc.main(["--model", "tiny-llama", "--recipe", qlora.recipe, "--policies", "full", "--step-seq", "256"])
+
+
+def test_unsloth_points_parse_and_feed_the_derived_row():
+    points = mc.parse_points("4096:7.0,16384:10.0")
+    assert points == ((4096, 7.0), (16384, 10.0))
+    assert mc.unsloth_derived(13 * mc.GIB, points)["max_seq"] == 28 * 1024  # 0.25 GiB per 1k + 6 GiB
+    assert "4k/16k peaks" in mc.markdown({}, None, 13 * mc.GIB, 100 * mc.GIB, points)
+    assert mc.parse_points(None) == mc.UNSLOTH_POINTS
+    for bad in ("4096:7.0", "4096-7,8192-8"):
+        with pytest.raises(SystemExit, match="--unsloth-points"):
+            mc.parse_points(bad)
