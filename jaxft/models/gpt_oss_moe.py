@@ -11,7 +11,8 @@ GptOssTopKRouter / GptOssExperts):
     y[n] = sum_k w[n, k] * f_{e[n, k]}(x[n])
 
 Dispatch is `jaxft.models.moe.dispatch` (stable argsort by expert, static bincount; no host sync, no loop
-over experts), then ONE grouped matmul for the fused gate/up projection and one for down; the expert biases
+over experts; rows move by gathers both ways: `gather_tokens`, `combine`), then ONE grouped matmul for the
+fused gate/up projection and one for down; the expert biases
 are gathered per sorted row (bias[expert of the row]). The weights stay in transformers' layout ([E, in, out],
 gate/up interleaved), so the bridge maps them without a transform and PEFT's `target_parameters` delta on
 `experts.gate_up_proj` adds to the fused output column for column (no permutation anywhere).
@@ -32,7 +33,7 @@ from flax import nnx
 
 from jaxft.config import ModelConfig
 from jaxft.models.layers import ExpertParam, _init, logical, stack_axes
-from jaxft.models.moe import ExpertLora, combine, dispatch, router_stats
+from jaxft.models.moe import ExpertLora, combine, dispatch, gather_tokens, router_stats
 from jaxft.models.quant_experts import expert_matmul
 
 
@@ -89,11 +90,12 @@ class GptOssMoeMLP(nnx.Module):
         xf = x.reshape(-1, shape[-1])
         with jax.named_scope("moe_router"):
             logits, weights, experts = route_top_k_softmax(xf, self.router[...], self.router_bias[...], self.top_k)
-            order, token, sizes = dispatch(experts, self.num_experts)
-            expert_of_row = experts.reshape(-1)[order]  # the expert of each sorted row (for its biases)
+            routing = dispatch(experts, self.num_experts)
+            sizes = routing.group_sizes
+            expert_of_row = experts.reshape(-1)[routing.order]  # the expert of each sorted row (for its biases)
             stats = None if token_weights is None else router_stats(logits, experts, token_weights.reshape(-1))
         with jax.named_scope("moe_experts"):
-            xs = xf[token]
+            xs = gather_tokens(xf, routing.token, routing.inverse, self.top_k)
             gmm = gmm_implementation
             gate_up = expert_matmul(xs, self.gate_up_proj, sizes, gmm)
             gate_up = gate_up + self.gate_up_bias[...].astype(x.dtype)[expert_of_row]
@@ -104,7 +106,7 @@ class GptOssMoeMLP(nnx.Module):
             ys = ys + self.down_bias[...].astype(x.dtype)[expert_of_row]
             if self.down_lora is not None:
                 ys = ys + self.down_lora.delta(h, sizes, gmm)
-            out = combine(ys, weights, order, token, xf).reshape(shape)
+            out = combine(ys, weights, routing, xf).reshape(shape)
         return out if stats is None else (out, stats)
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None, *,

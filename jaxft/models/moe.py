@@ -11,9 +11,13 @@ sync per layer to find them.)
 Dispatch here has neither a host sync nor a loop over experts, and every shape is static:
     flatten the N*k assignments, argsort them (stable) by expert id -> `order`; token of slot s = order[s] // k
     group sizes = bincount(expert ids, length=E)     (static length: empty experts are size-0 groups)
+    inverse = the inverse permutation of order       (sorted position of each flat slot)
     xs = x[token]                                    [N*k, H], rows grouped by expert
-    h  = act(gmm(xs, Wg)) * gmm(xs, Wu); ys = gmm(h, Wd) * w[order]  (one grouped matmul per projection)
-    y  = zeros[N, H].at[token].add(ys)               (the weighted scatter back; duplicates are summed)
+    h  = act(gmm(xs, Wg)) * gmm(xs, Wu); ys = gmm(h, Wd)   (one grouped matmul per projection)
+    y[n] = sum_j w[n, j] ys[inverse[n k + j]]        (the weighted combine: a gather and a sum over k)
+Both row movements are gathers in the forward AND the backward (`gather_tokens`, `unsort_rows`: custom VJPs
+whose transposes are gathers by the inverse index): autodiff of a gather is a scatter-add, which XLA runs with
+atomics on [N*k, H] rows, although every index here is a permutation (or a k-fold repeat) known to the step.
 `gmm` is `kernels_pallas.grouped_matmul`, every call of a layer (experts, expert LoRA, 4-bit experts) with the
 implementation the step's `ExecutionConfig.grouped_matmul_implementation` names: the decoder puts it in the
 sparse layers' context and the block receives it per call (`branch(..., gmm_implementation=)`); the module
@@ -34,6 +38,9 @@ W is only read (d xs = dy W_e^T), never differentiated.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,24 +81,77 @@ def load_balancing_loss(stats: jax.Array, rows: jax.Array) -> jax.Array:
     return stats.shape[-1] * jnp.sum((stats[0] / rows) * (stats[1] / rows))
 
 
-def dispatch(experts: jax.Array, num_experts: int):
-    """Sort the N*k assignments by expert: (order [N*k], token [N*k], group_sizes [E] int32).
+class Routing(NamedTuple):
+    """The sort of `dispatch`, for N tokens with k assignments each (flat slot s = n * k + j):
+    order [N*k]: the flat slots grouped by expert (token order within an expert: the sort is stable);
+    token [N*k]: the token each sorted row reads (order // k); inverse [N*k]: the sorted row of each flat slot
+    (order[inverse[s]] = s); group_sizes [E] int32: rows per expert (static length E, empty experts 0)."""
 
-    `order` lists flat assignment slots (n * k + j) grouped by expert, in token order within an expert (the
-    sort is stable); `token` is the token each sorted slot reads and writes back to."""
+    order: jax.Array
+    token: jax.Array
+    inverse: jax.Array
+    group_sizes: jax.Array
+
+
+def dispatch(experts: jax.Array, num_experts: int) -> Routing:
+    """Sort the N*k assignments [N, k] by expert (stable argsort, bincount of static length): a `Routing`."""
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    token = order // experts.shape[-1]
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    # The inverse of a permutation: a scatter of N*k int32 (no duplicates), cheaper than a second sort.
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype), unique_indices=True)
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    return order, token, group_sizes
+    return Routing(order, order // experts.shape[-1], inverse, group_sizes)
 
 
-def combine(ys: jax.Array, weights: jax.Array, order: jax.Array, token: jax.Array, xf: jax.Array) -> jax.Array:
-    """The weighted scatter back of `dispatch`: each expert-sorted row's output [N*k, H] times its routing weight,
-    summed into its token's row of a zeros_like(xf) [N, H] output. The product is taken at the weights' precision
-    (fp32) and rounded once to the activations' dtype (a bf16 scatter of fp32 values is deprecated in JAX)."""
-    ys = (ys * weights.reshape(-1)[order][:, None]).astype(xf.dtype)
-    return jnp.zeros_like(xf).at[token].add(ys)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gather_tokens(xf: jax.Array, token: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
+    """xs = xf[token]: the [N*k, H] expert-sorted copy of the tokens xf [N, H], each token k times.
+
+    Gradient: xs[s] = xf[order[s] // k], so d xf[n] = sum_j d xs[inverse[n k + j]] - a gather of d xs by
+    `inverse` and a sum over k (autodiff would scatter-add d xs into xf's rows)."""
+    return xf[token]
+
+
+def _gather_tokens_fwd(xf, token, inverse, k):
+    return xf[token], (inverse, xf.shape[0])
+
+
+def _gather_tokens_bwd(k, res, g):
+    inverse, n = res
+    dxf = jnp.sum(g[inverse].reshape(n, k, g.shape[-1]).astype(jnp.float32), axis=1).astype(g.dtype)
+    return dxf, None, None
+
+
+gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
+
+
+@jax.custom_vjp
+def unsort_rows(ys: jax.Array, inverse: jax.Array, order: jax.Array) -> jax.Array:
+    """ys[inverse]: expert-sorted rows [N*k, ...] back in flat slot order (row n * k + j = token n's j-th pick).
+
+    Gradient: the transpose of a permutation is its inverse, so d ys = g[order] (a gather, not a scatter)."""
+    return ys[inverse]
+
+
+def _unsort_rows_fwd(ys, inverse, order):
+    return ys[inverse], order
+
+
+def _unsort_rows_bwd(order, g):
+    return g[order], None, None
+
+
+unsort_rows.defvjp(_unsort_rows_fwd, _unsort_rows_bwd)
+
+
+def combine(ys: jax.Array, weights: jax.Array, routing: Routing, xf: jax.Array) -> jax.Array:
+    """The weighted combine of `dispatch`: y[n] = sum_j weights[n, j] ys[inverse[n k + j]] for the expert-sorted
+    outputs ys [N*k, H], into xf's shape [N, H] and dtype. Products and the sum over k are taken in fp32 and
+    rounded once to the activations' dtype."""
+    n, k = weights.shape
+    rows = unsort_rows(ys, routing.inverse, routing.order).reshape(n, k, ys.shape[-1])
+    out = jnp.einsum("nkh,nk->nh", rows.astype(jnp.float32), weights.astype(jnp.float32))
+    return out.astype(xf.dtype)
 
 
 class ExpertLora(nnx.Module):
@@ -158,10 +218,11 @@ class MoeMLP(nnx.Module):
         xf = x.reshape(-1, shape[-1])
         with jax.named_scope("moe_router"):
             logits, weights, experts = route(xf, self.router[...], self.top_k, self.norm_topk_prob)
-            order, token, sizes = dispatch(experts, self.num_experts)
+            routing = dispatch(experts, self.num_experts)
+            sizes = routing.group_sizes
             stats = None if token_weights is None else router_stats(logits, experts, token_weights.reshape(-1))
         with jax.named_scope("moe_experts"):
-            xs = xf[token]
+            xs = gather_tokens(xf, routing.token, routing.inverse, self.top_k)
             gmm = gmm_implementation
             gate = expert_matmul(xs, self.gate_proj, sizes, gmm)
             up = expert_matmul(xs, self.up_proj, sizes, gmm)
@@ -172,7 +233,7 @@ class MoeMLP(nnx.Module):
             ys = expert_matmul(h, self.down_proj, sizes, gmm)
             if self.down_lora is not None:
                 ys = ys + self.down_lora.delta(h, sizes, gmm)
-            out = combine(ys, weights, order, token, xf).reshape(shape)
+            out = combine(ys, weights, routing, xf).reshape(shape)
         return out if stats is None else (out, stats)
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None, *,
