@@ -396,8 +396,9 @@ def test_auto_policy_follows_the_measurements():
     assert pick() == "cudnn"  # dense causal: cuDNN measured fastest
     assert pick(t=30000, sliding_window=4096) == "cudnn"
     assert pick(segments=True) == "pallas"  # packed: Pallas measured fastest
-    assert pick(sinks=jnp.zeros(32)) == "pallas"  # cuDNN lacks sinks
+    assert pick(sinks=jnp.zeros(32)) == "cudnn"  # dense rows: cuDNN with the sink correction (sinks.py)
+    assert pick(sinks=jnp.zeros(32), segments=True) == "pallas"  # ... packed rows keep the Pallas kernel
     assert pick(logit_softcap=30.0) == "pallas"  # ... and soft-capping
     assert pick(dtype=jnp.float32) == "pallas"  # cuDNN flash needs 16-bit inputs
     assert pick(d=96) == "cudnn"  # no Pallas tiling for head_dim 96
-    assert pick(d=96, sinks=jnp.zeros(32)) == "reference"
+    assert pick(d=96, sinks=jnp.zeros(32), segments=True) == "reference"

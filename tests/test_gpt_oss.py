@@ -203,9 +203,10 @@ def test_packed_row_with_lora_equals_each_document_alone(base):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b + c), rtol=1e-4, atol=1e-5 * float(jnp.abs(a).max()))
 
 
-def test_sinks_never_go_to_cudnn():
-    """cuDNN has no sinks: `auto` never picks it for a GPT-OSS layer (dense, windowed or packed rows, at every
-    measured length), and asking for it by name is refused in one line instead of silently dropping them."""
+def test_sinks_go_to_cudnn_only_on_dense_rows():
+    """`auto` sends a GPT-OSS layer's dense rows (full or windowed) to cuDNN with the sink correction
+    (kernels_pallas/attention/sinks.py) and its packed rows to the Pallas kernel, at every measured length;
+    asking cuDNN by name for sinks on packed rows is refused in one line instead of silently dropping them."""
     from kernels_pallas.attention.config import choose_implementation
     from kernels_pallas.attention.cudnn import cudnn_attention
 
@@ -213,14 +214,12 @@ def test_sinks_never_go_to_cudnn():
         for window in (None, 128):
             for packed in (False, True):
                 kw = dict(causal=True, sliding_window=window, logit_softcap=None, scale=0.125, backend="gpu")
-                assert choose_implementation((1, t, 64, 64), (1, t, 8, 64), jnp.bfloat16, packed, sinks=None,
-                                             **kw) in ("cudnn", "pallas")
                 assert choose_implementation((1, t, 64, 64), (1, t, 8, 64), jnp.bfloat16, packed,
-                                             sinks=jnp.zeros(64), **kw) == "pallas"
+                                             sinks=jnp.zeros(64), **kw) == ("pallas" if packed else "cudnn")
     q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"cuDNN attention supports neither logit_softcap nor sinks; use "
-                                         r"implementation='pallas' or 'reference'"):
-        cudnn_attention(q, q, q, sinks=jnp.zeros((2,)))
+    with pytest.raises(ValueError, match=r"cuDNN attention supports neither logit_softcap nor sinks on packed "
+                                         r"rows; use implementation='pallas' or 'reference'"):
+        cudnn_attention(q, q, q, sinks=jnp.zeros((2,)), segment_ids=jnp.ones((1, 8), jnp.int32))
 
 
 def test_greedy_generation_matches_transformers(base):

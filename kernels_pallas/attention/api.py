@@ -39,6 +39,8 @@ def _run_cudnn(q, k, v, segment_ids, metadata, kwargs):
     del metadata
     from kernels_pallas.attention.cudnn import cudnn_attention
 
+    if kwargs["sinks"] is not None:  # sinks.sink_attention's VJP names its residuals and differentiates sinks
+        return cudnn_attention(q, k, v, segment_ids=segment_ids, **kwargs)
     # JAX's cuDNN VJP keeps its residuals unnamed; named_vjp names them so remat policies can keep them.
     if segment_ids is None:
         return named_vjp(lambda q, k, v: cudnn_attention(q, k, v, **kwargs))(q, k, v)

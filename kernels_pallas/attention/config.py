@@ -127,13 +127,16 @@ def supported_implementations(
     logit_softcap, sinks, scale, backend: str | None = None,
 ) -> tuple[str, ...]:
     """Implementations able to compute this call natively on the current backend."""
-    del k_shape, scale, has_segments
+    del k_shape, scale
     impls = ["reference"]
     on_gpu = (backend or jax.default_backend()) == "gpu"
     d = q_shape[-1]
     if on_gpu and d in (64, 128, 256):
         impls.append("pallas")
-    if (on_gpu and logit_softcap is None and sinks is None and (causal or sliding_window is None)
+    # Sinks on cuDNN only on dense rows (sinks.py: a correction from cuDNN's statistics); packed rows with
+    # sinks stay on the Pallas kernel.
+    if (on_gpu and logit_softcap is None and (sinks is None or not has_segments)
+            and (causal or sliding_window is None)
             and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 256):
         impls.append("cudnn")
     return tuple(impls)
