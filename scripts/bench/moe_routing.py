@@ -1,6 +1,6 @@
 """The MoE blocks' row movement, timed alone: dispatch + gather to expert order + weighted combine, forward and
 backward, as jaxft runs it (`jaxft.models.moe`: gathers both ways) against the plain definition (a gather whose
-autodiff is a scatter-add, and a scatter-add combine: what the blocks ran before). The experts are left out
+autodiff is a scatter-add, and `scatter_combine`: what Qwen3-MoE's block runs). The experts are left out
 (an elementwise stand-in), so the difference is the routing alone.
 
     PYTHONPATH=.:scripts python3 scripts/bench/moe_routing.py [--out moe_routing.json]
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxft.models.moe import combine, dispatch, gather_tokens
+from jaxft.models.moe import combine, dispatch, gather_tokens, scatter_combine
 from kernels_pallas._bench import median_ms
 
 SHAPES = {"qwen3_30b_a3b": (4096, 8, 2048, 128), "gpt_oss_20b": (4096, 4, 2880, 32)}
@@ -31,10 +31,8 @@ def ours(xf, weights, experts, num_experts):
 
 
 def plain(xf, weights, experts, num_experts):
-    k = experts.shape[-1]
-    order = jnp.argsort(experts.reshape(-1), stable=True)
-    ys = (jax.nn.silu(xf[order // k]) * weights.reshape(-1)[order][:, None]).astype(xf.dtype)
-    return jnp.zeros_like(xf).at[order // k].add(ys)
+    r = dispatch(experts, num_experts)
+    return scatter_combine(jax.nn.silu(xf[r.token]), weights, r, xf)
 
 
 def time_both(n, k, h, e, iters=20) -> dict:
