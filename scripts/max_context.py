@@ -523,13 +523,6 @@ def model_dir(model: str, layers: int | None, workdir: str) -> str:
     return workdir
 
 
-def _four_bit(recipe_path: str) -> bool:
-    from jaxft.train import load_config
-
-    return load_config(recipe_path, [f"model_name_or_path={ROOT / 'examples' / 'tiny-llama'}",
-                                     f"dataset={ROOT / 'examples' / 'data' / 'train.jsonl'}"]).model.quant is not None
-
-
 def host_memory_bytes() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -658,9 +651,6 @@ def main(argv=None) -> int:
     if bad:
         raise SystemExit(f"--policies: {bad[0]!r} is not one of {', '.join(POLICIES)} (auto is derived from them)")
     points = parse_points(args.unsloth_points)
-    if args.step_seq != "0" and _four_bit(args.recipe):
-        raise SystemExit(f"--recipe {args.recipe}: a 4-bit base has no random-weight step (Run.init_random makes "
-                         "no 4-bit codes); pass --step-seq 0 (the search compiles from shapes and needs none)")
     host_total = (args.host_memory_gb * GIB) if args.host_memory_gb else host_memory_bytes()
     host_budget = int(host_total - max(8 * GIB, 0.1 * host_total))
     if host_budget <= 0:
@@ -672,6 +662,9 @@ def main(argv=None) -> int:
                         host_budget=host_budget, mlp_chunk_size=args.mlp_chunk_size,
                         probe_autotune_level=args.probe_autotune_level, max_probes=args.max_probes,
                         dtype=args.dtype, attention=args.attention, recipe=args.recipe)
+    if args.step_seq != "0" and recipe(settings).model.quant is not None:
+        raise SystemExit(f"--recipe {args.recipe}: a 4-bit base has no random-weight step (Run.init_random makes "
+                         "no 4-bit codes); pass --step-seq 0 (the search compiles from shapes and needs none)")
     collect = Collector(args.out)
     collect(dict(event="start", model=args.model, layers=args.layers, policies=policies, settings=dataclasses.asdict(settings),
                  deadline_s=args.deadline_s, step_policy=args.step_policy, step_seq=args.step_seq))

@@ -53,23 +53,10 @@ def attention_mask(
     return keep
 
 
-def attention_reference(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    segment_ids: jax.Array | None = None,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    logit_softcap: float | None = None,
-    sinks: jax.Array | None = None,
-    scale: float | None = None,
-) -> jax.Array:
-    """Reference attention. q [B,T,H,D], k/v [B,S,KV,D] -> [B,T,H,D] in q.dtype.
-
-    Scores, softmax and the P@V product are all computed in fp32.
-    Differentiable with plain autodiff (used as the gradient oracle in tests).
-    """
+def masked_scores(q, k, *, segment_ids=None, causal=True, sliding_window=None, logit_softcap=None,
+                  scale=None):
+    """(scores [B, KV, G, T, S] fp32, q split for GQA [B, T, KV, G, D]): scaled, soft-capped and masked
+    (MASK_VALUE where keep(t, u) is false) as the module docstring defines them."""
     b, t, h, d = q.shape
     s_len, kvh = k.shape[1], k.shape[2]
     g = h // kvh
@@ -88,7 +75,30 @@ def attention_reference(
     else:
         q_seg = k_seg = segment_ids.astype(jnp.int32)
     keep = attention_mask(q_seg, k_seg, causal=causal, sliding_window=sliding_window)
-    scores = jnp.where(keep[:, None, None], scores, MASK_VALUE)
+    return jnp.where(keep[:, None, None], scores, MASK_VALUE), qg
+
+
+def attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: jax.Array | None = None,
+    scale: float | None = None,
+) -> jax.Array:
+    """Reference attention. q [B,T,H,D], k/v [B,S,KV,D] -> [B,T,H,D] in q.dtype.
+
+    Scores, softmax and the P@V product are all computed in fp32.
+    Differentiable with plain autodiff (used as the gradient oracle in tests).
+    """
+    b, t, h, d = q.shape
+    kvh, g = k.shape[2], h // k.shape[2]
+    scores, _ = masked_scores(q, k, segment_ids=segment_ids, causal=causal, sliding_window=sliding_window,
+                              logit_softcap=logit_softcap, scale=scale)
     if sinks is not None:
         sink_col = jnp.broadcast_to(
             sinks.astype(jnp.float32).reshape(1, kvh, g, 1, 1), (b, kvh, g, t, 1)

@@ -35,7 +35,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.attention.reference import MASK_VALUE, attention_mask
+from kernels_pallas.attention.reference import masked_scores
 from kernels_pallas.attention.residuals import name_output, name_stats
 
 
@@ -75,17 +75,6 @@ def sink_attention(fwd_lse: Callable, bwd: Callable) -> Callable:
 
 
 # ------------------------------------------------------------------------------- the pure-JAX pair (oracle)
-def _scores(q, k, *, causal, sliding_window, scale):
-    """Masked fp32 scores [B, KV, G, T, S] and the GQA split of q."""
-    b, t, h, d = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, t, kvh, h // kvh, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * jnp.float32(scale)
-    keep = attention_mask(jnp.ones((b, t), jnp.int32), jnp.ones((b, k.shape[1]), jnp.int32), causal=causal,
-                          sliding_window=sliding_window)
-    return jnp.where(keep[:, None, None], s, MASK_VALUE), qg
-
-
 def reference_pair(*, causal: bool, sliding_window: int | None, scale: float):
     """(fwd_lse, bwd) in plain JAX on single-segment rows: the forward returns the natural-log log-sum-exp
     [B, H, T] as cuDNN's statistics; the backward is the flash backward formula from (O, dO, lse), not
@@ -93,7 +82,7 @@ def reference_pair(*, causal: bool, sliding_window: int | None, scale: float):
 
     def fwd_lse(q, k, v):
         b, t, h, d = q.shape
-        s, _ = _scores(q, k, causal=causal, sliding_window=sliding_window, scale=scale)
+        s, _ = masked_scores(q, k, causal=causal, sliding_window=sliding_window, scale=scale)
         lse = jax.nn.logsumexp(s, axis=-1)  # [B, KV, G, T]
         p = jnp.exp(s - lse[..., None])
         o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32)).reshape(b, t, h, d)
@@ -102,7 +91,7 @@ def reference_pair(*, causal: bool, sliding_window: int | None, scale: float):
     def bwd(q, k, v, o, lse, do):
         b, t, h, d = q.shape
         kvh = k.shape[2]
-        s, qg = _scores(q, k, causal=causal, sliding_window=sliding_window, scale=scale)
+        s, qg = masked_scores(q, k, causal=causal, sliding_window=sliding_window, scale=scale)
         p = jnp.exp(s - lse.reshape(b, kvh, h // kvh, t)[..., None])
         dog = do.astype(jnp.float32).reshape(b, t, kvh, h // kvh, d)
         dp = jnp.einsum("btkgd,bskd->bkgts", dog, v.astype(jnp.float32))
