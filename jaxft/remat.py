@@ -216,6 +216,11 @@ def residual_bytes(cfg, batch: int, seq: int, itemsize: int, mlp_chunk_size: int
 
     sandwich = stream if family_for(cfg.model_type).parts.sandwich_norms else 0  # kept where an output norm reads them
     tiled = tiled_mlp_names(seq, mlp_chunk_size)
+    # A mixture of experts keeps gate/up for each of its k sorted rows per token at the experts' width; a mixed
+    # model's dense layers (Qwen3-MoE's mlp_only_layers) at theirs: every layer is counted at the wider of the two.
+    width = cfg.intermediate_size
+    if cfg.num_experts:
+        width = max(width, cfg.num_experts_per_tok * cfg.moe_intermediate_size)
     return {
         LAYER_INPUT: stream,
         MLP_INPUT: stream,
@@ -224,7 +229,7 @@ def residual_bytes(cfg, batch: int, seq: int, itemsize: int, mlp_chunk_size: int
         ATTN_OUT: tokens * heads * d * itemsize,
         ATTN_LSE: tokens * heads * 4,
         ATTN_QKV: tokens * (heads + 2 * kv) * d * itemsize,
-        MLP_GATE_UP: 0 if MLP_GATE_UP in tiled else 2 * tokens * cfg.intermediate_size * itemsize,
+        MLP_GATE_UP: 0 if MLP_GATE_UP in tiled else 2 * tokens * width * itemsize,
     }
 
 

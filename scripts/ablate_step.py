@@ -3,6 +3,7 @@
 and timed on the same batches (median of the steps after the warm-up, device-synchronised), and its
 compiled memory (XLA's temp/argument/output sizes) is recorded. Variants differ in remat policy and in
 per-program XLA options; one variant can also be profiled (category split as scripts/bench/profile.py).
+The remat part is any policy of jaxft.remat without a ";" (e.g. "offload+attn", "offload=layer_input,mlp_gate_up").
 
 The numbers that go into the scoreboard come from scripts/bench_train.py (fresh process per system, the
 allocator's peak); this script is for deciding what the defaults should be, quickly, on the device.
@@ -42,6 +43,8 @@ OPTIONS = {
 def parse_variant(text: str) -> tuple[str, dict, int | None, bool]:
     text, _, chunk = text.partition("@")
     remat, *opts = text.split("+")
+    if opts[:1] == ["attn"]:  # the policy "offload+attn", not an option
+        remat, opts = "offload+attn", opts[1:]
     unroll = "unroll" in opts
     opts = [o for o in opts if o != "unroll"]
     unknown = [o for o in opts if o not in OPTIONS]

@@ -124,6 +124,29 @@ def test_mosaic_kernels_with_several_row_blocks_and_contraction_steps():
     _close(gmm_drhs(lhs, dout, sizes, cfg, interpret=True), want_drhs, "float32", "d rhs")
 
 
+@pytest.mark.parametrize("k,n", [(192, 16), (16, 192)])
+def test_default_tiles_fit_the_widths_so_nothing_is_padded(k, n):
+    """A rank-16 expert LoRA's shapes (K or N = 16 beside a width that is a multiple of 64 but not of 128, like
+    GPT-OSS's 2880): the default tiles divide the wide side (no zero-padded copy of the operand), and the
+    kernels on those tiles match the per-group loop, forward and both gradients."""
+    from kernels_pallas.grouped_matmul.mosaic import _dlhs_config, config_for
+
+    cfg = config_for(k, n, 4)
+    wide = max(k, n)  # the narrow side (16) is padded to one 64-wide tile: a copy of a rank-16 operand only
+    assert wide % (cfg.dw_block_k if k == wide else cfg.block_n) == 0
+    assert wide % (cfg.dw_block_k if k == wide else cfg.dw_block_n) == 0
+    assert k == 16 or k % _dlhs_config(cfg, k, n, 4).block_n == 0
+    assert config_for(2880, 16, 32).dw_block_k in (64, 192) and config_for(16, 2880, 32).block_n in (64, 192)
+    sizes = jnp.asarray((50, 0, 61, 17), jnp.int32)
+    k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
+    lhs = jax.random.normal(k1, (140, k), jnp.float32)
+    rhs = jax.random.normal(k2, (4, k, n), jnp.float32)
+    dout = jax.random.normal(k3, (140, n), jnp.float32)
+    out, vjp = jax.vjp(lambda l, r: grouped_matmul(l, r, sizes, implementation="pallas_mosaic"), lhs, rhs)
+    for got, want, what in zip((out, *vjp(dout)), _loop(lhs, rhs, sizes, dout), ("out", "d lhs", "d rhs")):
+        _close(got, want, "float32", what)
+
+
 def test_auto_takes_the_kernels_only_on_hopper():
     import types
 

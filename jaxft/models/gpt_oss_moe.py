@@ -30,11 +30,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
 from jaxft.models.layers import ExpertParam, _init, logical, stack_axes
 from jaxft.models.moe import ExpertLora, combine, dispatch, gather_tokens, router_stats
 from jaxft.models.quant_experts import expert_matmul
+from jaxft.remat import MLP_GATE_UP
 
 
 def route_top_k_softmax(x: jax.Array, router: jax.Array, bias: jax.Array, top_k: int):
@@ -100,13 +102,15 @@ class GptOssMoeMLP(nnx.Module):
             gate_up = expert_matmul(xs, self.gate_up_proj, sizes, gmm)
             gate_up = gate_up + self.gate_up_bias[...].astype(x.dtype)[expert_of_row]
             if self.gate_up_lora is not None:
-                gate_up = gate_up + self.gate_up_lora.delta(xs, sizes, gmm)
+                gate_up = gate_up + self.gate_up_lora.sorted_delta(xf, experts, routing, gmm)
+            # Named as the dense MLP's gate/up: a remat policy that keeps or offloads it skips the largest
+            # recompute of the layer (this grouped matmul) in the backward.
+            gate_up = checkpoint_name(gate_up, MLP_GATE_UP)
             h = clamped_swiglu(gate_up, self.limit, self.alpha)
             ys = expert_matmul(h, self.down_proj, sizes, gmm)
             ys = ys + self.down_bias[...].astype(x.dtype)[expert_of_row]
-            if self.down_lora is not None:
-                ys = ys + self.down_lora.delta(h, sizes, gmm)
-            out = combine(ys, weights, routing, xf).reshape(shape)
+            extra = None if self.down_lora is None else self.down_lora.combined_delta(h, weights, experts, routing, gmm)
+            out = combine(ys, weights, routing, xf, extra).reshape(shape)
         return out if stats is None else (out, stats)
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None, *,

@@ -33,6 +33,9 @@ the layer, `expert_matmul`).
 Expert LoRA (`ExpertLora`, PEFT's `target_parameters` on the fused `experts.gate_up_proj` / `down_proj`):
 per expert e a rank-r update of W_e, applied without forming any per-expert delta weight:
     y = gmm(xs, W) + gmm(gmm(xs, A), s * B)        A [E, in, r], B [E, r, out] (fp32 `LoraParam`), s = alpha/r
+The blocks run the rank-r side that touches the tokens as one dense matmul over the N tokens (not the N*k sorted
+rows): the gate/up adapter's A (`ExpertLora.sorted_delta`), the down adapter's B inside the combine
+(`ExpertLora.combined_delta`); `ExpertLora.delta` is the grouped definition both equal.
 The gate/up adapter is one adapter of width 2I (PEFT adapts the fused [E, 2I, H] parameter): its output's
 first I columns add to gate, the last I to up, so A is shared by both. Gradients: dB_e = s (xs_e A_e)^T dy_e
 and dA_e = xs_e^T (dy_e (s B_e)^T) come out of the grouped matmuls' own transposes (ragged dots); the frozen
@@ -47,10 +50,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
 from jaxft.models.layers import ExpertParam, LoraParam, LoraRank, LoraScale, _init, logical, stack_axes
 from jaxft.models.quant_experts import expert_matmul
+from jaxft.remat import MLP_GATE_UP
 from kernels_pallas.grouped_matmul import grouped_matmul
 
 
@@ -146,27 +151,30 @@ def _unsort_rows_bwd(order, g):
 unsort_rows.defvjp(_unsort_rows_fwd, _unsort_rows_bwd)
 
 
-def scatter_combine(ys: jax.Array, weights: jax.Array, routing: Routing, xf: jax.Array) -> jax.Array:
+def scatter_combine(ys: jax.Array, weights: jax.Array, routing: Routing, xf: jax.Array,
+                    extra: jax.Array | None = None) -> jax.Array:
     """`combine` as a scatter-add: each expert-sorted row times its routing weight (fp32, rounded once to xf's
     dtype) added into its token's row of zeros_like(xf); with tokens gathered as xf[routing.token] (autodiff:
     a scatter-add back). What `MoeMLP` (Qwen3-MoE) runs: at its shape (k = 8, H = 2048, E = 128, 4096 tokens)
     the gathers of `gather_tokens` / `combine` measured 2x slower than this on the H200 (3.16 vs 1.52 ms forward
     + backward, scripts/bench/moe_routing.py), at GPT-OSS-20B's (k = 4, H = 2880) 3x faster (0.36 vs 1.07 ms).
-    Why the gathers lose at k = 8 is not known yet (not profiled)."""
+    Why the gathers lose at k = 8 is not known yet (not profiled). `extra`: as for `combine`."""
     ys = (ys * weights.reshape(-1)[routing.order][:, None]).astype(xf.dtype)
-    return jnp.zeros_like(xf).at[routing.token].add(ys)
+    out = jnp.zeros_like(xf).at[routing.token].add(ys)
+    return out if extra is None else (out.astype(jnp.float32) + extra).astype(xf.dtype)
 
 
-def combine(ys: jax.Array, weights: jax.Array, routing: Routing, xf: jax.Array) -> jax.Array:
+def combine(ys: jax.Array, weights: jax.Array, routing: Routing, xf: jax.Array,
+            extra: jax.Array | None = None) -> jax.Array:
     """The weighted combine of `dispatch`: y[n] = sum_j weights[n, j] ys[inverse[n k + j]] for the expert-sorted
     outputs ys [N*k, H], into xf's shape [N, H] and dtype. Products and the sum over k are taken in fp32 and
-    rounded once to the activations' dtype."""
+    rounded once to the activations' dtype, after adding `extra` ([N, H] fp32, e.g. `ExpertLora.combined_delta`)."""
     n, k = weights.shape
     rows = unsort_rows(ys, routing.inverse, routing.order).reshape(n, k, ys.shape[-1])
     # A product and a reduction over k (fused with the gather), not an einsum "nkh,nk->nh": that one kept an
     # fp32 [N, k, H] copy (+90 MiB temp for GPT-OSS-20B's 4096 tokens, deviceless H200 compile).
     out = jnp.sum(rows.astype(jnp.float32) * weights.astype(jnp.float32)[..., None], axis=1)
-    return out.astype(xf.dtype)
+    return (out if extra is None else out + extra).astype(xf.dtype)
 
 
 class ExpertLora(nnx.Module):
@@ -181,12 +189,57 @@ class ExpertLora(nnx.Module):
         self.lora_scale = LoraScale(scale)
         self.lora_rank = LoraRank(rank)
 
+    def _scaled_b(self, dtype) -> jax.Array:
+        # The scale is folded into the small [E, r, out] factor, never multiplied into a [tokens, out] tensor.
+        return (self.lora_b[...] * self.lora_scale[...]).astype(dtype)
+
     def delta(self, xs: jax.Array, group_sizes: jax.Array, gmm_implementation: str = "auto") -> jax.Array:
+        """gmm(gmm(xs, A), s B) on expert-sorted rows xs [R, in]: the definition the two forms below compute."""
         with jax.named_scope("expert_lora"):
             xa = grouped_matmul(xs, self.lora_a[...].astype(xs.dtype), group_sizes, implementation=gmm_implementation)
-            # The scale is folded into the small [E, r, out] factor, never multiplied into a [tokens, out] tensor.
-            sb = (self.lora_b[...] * self.lora_scale[...]).astype(xs.dtype)
-            return grouped_matmul(xa, sb, group_sizes, implementation=gmm_implementation)
+            return grouped_matmul(xa, self._scaled_b(xs.dtype), group_sizes, implementation=gmm_implementation)
+
+    def sorted_delta(self, xf: jax.Array, experts: jax.Array, routing: Routing,
+                     gmm_implementation: str = "auto") -> jax.Array:
+        """delta(xf[routing.token], sizes), [N*k, out] in expert-sorted row order, for the tokens xf [N, in] with
+        their experts [N, k]; the A side runs on the N tokens instead of the N*k sorted rows:
+
+            Z = xf @ [A_0 | ... | A_{E-1}]   [N, E, r], one dense matmul (N x in x E r)
+            xa[s] = Z[token(s), expert(s)]   a gather of r-wide rows (n, e[n, j]), put in sorted order
+
+        Gradient: autodiff; d Z is the scatter of d xa's r-wide rows back to (n, e[n, j]) ([N, E, r], small), then
+        d xf = d Z A^T and d A = xf^T d Z are dense matmuls. Why: the grouped form reads the [N*k, in] sorted rows
+        three times (forward, d lhs, d rhs) for a rank-r product whose tiles are padded to 64 columns; the dense
+        one reads the N tokens, k times fewer rows, at E r columns (GPT-OSS-20B: 512)."""
+        with jax.named_scope("expert_lora"):
+            n, k = experts.shape
+            z = jnp.einsum("nh,ehr->ner", xf, self.lora_a[...].astype(xf.dtype))
+            picked = jnp.take_along_axis(z, experts[..., None], axis=1).reshape(n * k, z.shape[-1])
+            xa = unsort_rows(picked, routing.order, routing.inverse)  # flat slots -> sorted rows: picked[order]
+            return grouped_matmul(xa, self._scaled_b(xf.dtype), routing.group_sizes, implementation=gmm_implementation)
+
+    def combined_delta(self, h: jax.Array, weights: jax.Array, experts: jax.Array, routing: Routing,
+                       gmm_implementation: str = "auto") -> jax.Array:
+        """[N, out] fp32: sum_j weights[n, j] delta(h, sizes)[inverse[n k + j]], the adapter's share of the
+        weighted combine, for expert-sorted rows h [N*k, in]; the B side runs on the N tokens:
+
+            xa = gmm(h, A)                                    [N*k, r], grouped (sorted rows)
+            P[n, e[n, j]] = weights[n, j] xa[inverse[n k + j]]  [N, E, r] (top-k experts are distinct: no sums)
+            out = P @ [s B_0; ...; s B_{E-1}]                 one dense matmul (N x E r x out)
+
+        Gradient: autodiff (dense matmuls, a gather of P's cotangent, the grouped matmul's own rules). Why: the
+        grouped B side writes an [N*k, out] product that is then added to the experts' rows; this writes [N, out]
+        once, k times fewer rows, and the combine adds it before its rounding."""
+        with jax.named_scope("expert_lora"):
+            n, k = experts.shape
+            xa = grouped_matmul(h, self.lora_a[...].astype(h.dtype), routing.group_sizes,
+                                implementation=gmm_implementation)
+            xa = unsort_rows(xa, routing.inverse, routing.order).reshape(n, k, xa.shape[-1])
+            weighted = xa.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]
+            p = jnp.zeros((n, self.lora_a.shape[-3], xa.shape[-1]), jnp.float32)
+            p = p.at[jnp.arange(n)[:, None], experts].add(weighted, unique_indices=True)
+            return jnp.einsum("ner,ero->no", p.astype(h.dtype), self._scaled_b(h.dtype),
+                              preferred_element_type=jnp.float32)
 
 
 def expert_adapters(module: nnx.Module):
@@ -242,13 +295,13 @@ class MoeMLP(nnx.Module):
             gate = expert_matmul(xs, self.gate_proj, sizes, gmm)
             up = expert_matmul(xs, self.up_proj, sizes, gmm)
             if self.gate_up_lora is not None:
-                d = self.gate_up_lora.delta(xs, sizes, gmm)
+                d = self.gate_up_lora.sorted_delta(xf, experts, routing, gmm)
                 gate, up = gate + d[:, :gate.shape[-1]], up + d[:, gate.shape[-1]:]
+            gate, up = checkpoint_name(gate, MLP_GATE_UP), checkpoint_name(up, MLP_GATE_UP)  # as GptOssMoeMLP
             h = ACTIVATIONS[self.hidden_act](gate, up)
             ys = expert_matmul(h, self.down_proj, sizes, gmm)
-            if self.down_lora is not None:
-                ys = ys + self.down_lora.delta(h, sizes, gmm)
-            out = scatter_combine(ys, weights, routing, xf).reshape(shape)
+            extra = None if self.down_lora is None else self.down_lora.combined_delta(h, weights, experts, routing, gmm)
+            out = scatter_combine(ys, weights, routing, xf, extra).reshape(shape)
         return out if stats is None else (out, stats)
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None, *,

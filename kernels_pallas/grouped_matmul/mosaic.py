@@ -116,13 +116,26 @@ CONFIGS: dict[tuple[int, int, int], TileConfig] = {
 }
 
 
+def _block_for(size: int, preferred: int) -> int:
+    """A tile width for a dimension of `size`: 64 for a narrow one, else `preferred` or the first of 128, 192, 64
+    that divides it. Why: a dimension that is not a multiple of its tile is zero-padded by a copy of the whole
+    operand (and the output sliced back): a d rhs of GPT-OSS's rank-16 expert LoRA on its [16384, 2880] rows with
+    128-row tiles copied all of them to [16384, 2944] (the "pad" time of section 22's profile)."""
+    if size <= 64:
+        return 64
+    for block in (preferred, 128, 192, 64):
+        if size % block == 0:
+            return block
+    return preferred
+
+
 def config_for(k: int, n: int, g: int) -> TileConfig:
-    """The table's entry for a (K, N, G) problem, else the default with block_n shrunk for a narrow N."""
+    """The table's entry for a (K, N, G) problem, else the default with its widths fitted to K and N."""
     if (k, n, g) in CONFIGS:
         return CONFIGS[(k, n, g)]
-    return dataclasses.replace(DEFAULT_CONFIG, block_n=64 if n <= 64 else DEFAULT_CONFIG.block_n,
-                               dw_block_n=64 if n <= 64 else DEFAULT_CONFIG.dw_block_n,
-                               dw_block_k=64 if k <= 64 else DEFAULT_CONFIG.dw_block_k)
+    return dataclasses.replace(DEFAULT_CONFIG, block_n=_block_for(n, DEFAULT_CONFIG.block_n),
+                               dw_block_n=_block_for(n, DEFAULT_CONFIG.dw_block_n),
+                               dw_block_k=_block_for(k, DEFAULT_CONFIG.dw_block_k))
 
 
 def _num_sms(interpret: bool) -> int:
@@ -432,7 +445,7 @@ def gmm_drhs(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, cfg: TileC
 
 def _dlhs_config(cfg_fwd: TileConfig, k: int, n: int, g: int) -> TileConfig:
     """d lhs is a row-tile product with output width K and contraction N: the table's (N, K, G) entry."""
-    return CONFIGS.get((n, k, g), dataclasses.replace(cfg_fwd, block_n=64 if k <= 64 else cfg_fwd.block_n))
+    return CONFIGS.get((n, k, g), dataclasses.replace(cfg_fwd, block_n=_block_for(k, cfg_fwd.block_n)))
 
 
 def _rows(cfg: TileConfig):
