@@ -20,7 +20,7 @@ scripts/bench_train.py saves it), e.g. a GPT-OSS-20B profile in one device call:
 Every variant is the benchmark's fast recipe (examples/bench/fast.yaml, through jaxft.run.Run) with other
 execution settings over the same loaded weights. A variant is `remat[+option...][@ce_chunk]`, options:
 unroll (per-layer weight buffers, layers unrolled), dsf (xla_gpu_enable_dynamic_slice_fusion), nocb (command
-buffers off: per-op profile attribution), pho (xla_gpu_enable_pipelined_host_offloading).
+buffers off: per-op profile attribution), nopho (xla_gpu_enable_pipelined_host_offloading off).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 OPTIONS = {
     "dsf": {"xla_gpu_enable_dynamic_slice_fusion": True},
     "nocb": {"xla_gpu_enable_command_buffer": ""},
-    # XLA pipelines a layer scan's host offload: the forward's copy of iteration i's residual to pinned host runs
-    # beside iteration i + 1's compute (deviceless H200 compile; else each copy ends before the layer's matmuls).
-    "pho": {"xla_gpu_enable_pipelined_host_offloading": True},
+    # Without XLA's pipelined host offloading, which ExecutionConfig.program_options turns on for an offloading
+    # policy in the layer scan (the A/B of that default).
+    "nopho": {"xla_gpu_enable_pipelined_host_offloading": False},
 }
 
 

@@ -333,3 +333,25 @@ def test_offload_transfer_is_validated_and_carried_by_the_layer_policy():
     ex = ExecutionConfig(remat="offload", offload_transfer="explicit")
     assert ex.layer_policy(LLAMA, 1, 64, 4).transfer == "explicit" and hash(ex) != hash(ex.replace(offload_transfer="auto"))
     assert parse("offload").explicit_capable and not parse("offload+attn").explicit_capable
+
+
+def test_an_offloading_policy_in_the_scan_compiles_with_pipelined_host_offload():
+    """`ExecutionConfig.program_options`: XLA's pipelined host offloading for a policy that offloads in the layer
+    scan (its forward copies to the host then run beside the next layer), nothing added elsewhere, and the user's
+    own `compiler_options` win. The step compiles with it (CPU: the placements are identities there)."""
+    flag = "xla_gpu_enable_pipelined_host_offloading"
+    scan = dict(layer_loop="scan")
+    for remat in ("offload", "offload+attn", "offload_all", "save=attn_out;offload=layer_input"):
+        assert ExecutionConfig(remat=remat, **scan).program_options == {flag: True}, remat
+    for remat, loop in (("full", "scan"), ("none", "auto"), ("offload", "unroll"), ("save=attn_out", "scan")):
+        assert flag not in ExecutionConfig(remat=remat, layer_loop=loop).program_options, (remat, loop)
+    assert ExecutionConfig(remat="offload", layer_loop="auto").program_options == {flag: True}  # auto: the scan
+    mine = ExecutionConfig(remat="offload", compiler_options={flag: False, "xla_gpu_enable_command_buffer": ""}, **scan)
+    assert mine.program_options == {flag: False, "xla_gpu_enable_command_buffer": ""}
+    cfg = llama(2)
+    graphdef, lora, frozen = lora_split(cfg)
+    batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
+    ex = ExecutionConfig(attention_implementation="reference", remat="offload", **scan)
+    step = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[0],
+                   compiler_options=ex.program_options)
+    assert np.isfinite(float(step(lora, frozen, batch)))

@@ -211,7 +211,7 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
 
     shardings = {} if in_shardings is None else dict(in_shardings=in_shardings, out_shardings=out_shardings)
     return jax.jit(step, donate_argnums=(0, 1) if donate else (),
-                   compiler_options=dict(execution.compiler_options) or None, **shardings)
+                   compiler_options=execution.program_options or None, **shardings)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, *, execution: ExecutionConfig = TRAIN_EXECUTION) -> Callable:
