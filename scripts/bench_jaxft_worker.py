@@ -213,6 +213,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     peak, source, memory = _task_peak(before, after, analysis)
     extra = {"memory": memory, "memory_analysis": analysis, "compile_s": compile_s, "model_load_s": load_s,
              "memory_bytes": _memory_breakdown(run.frozen, run.lora, run.opt_state, batches, peak),
+             "resident_outside_state": resident_outside((run.frozen, run.lora, run.opt_state, batches)),
              "recipe": os.path.relpath(mode_yaml(mode), REPO),
              # compile_s is a cache read, not a compile, when an earlier process compiled the same step
              "compilation_cache_dir": jax.config.jax_compilation_cache_dir}
@@ -308,6 +309,18 @@ def _memory_breakdown(frozen, lora, opt_state, batches, peak: int) -> dict[str, 
     parts["peak"] = peak
     parts["frozen_4bit_weights"] = quantized_bytes(frozen)  # the part of frozen_weights stored in 4 bits
     return parts
+
+
+def resident_outside(state, top: int = 8) -> dict[str, Any]:
+    """The device arrays alive beside the run's `state` (weights, LoRA, optimizer, batches): their total bytes and
+    the `top` largest (shape, dtype, bytes). Why: Qwen3-30B-A3B's row held 2.74 GB before its first step beyond its
+    step's arguments (docs/benchmarks.md section 23), which the peak then counts."""
+    import jax
+
+    ids = {id(x) for x in jax.tree.leaves(state)}
+    others = sorted((x for x in jax.live_arrays() if id(x) not in ids), key=lambda x: -x.nbytes)
+    return {"bytes": int(sum(x.nbytes for x in others)),
+            "largest": [[list(x.shape), str(x.dtype), int(x.nbytes)] for x in others[:top]]}
 
 
 def quantized_bytes(frozen) -> int:

@@ -420,6 +420,9 @@ def test_jaxft_session_matches_a_fresh_run_and_reports_its_memory(tiny_model_dir
         assert r["peak_memory_source"] == "static_estimate"
         assert r["peak_memory_bytes"] == mem["static_estimate"] == mem["bytes_in_use_before_steps"] + \
             analysis["temp_size_in_bytes"] + analysis["output_size_in_bytes"] - analysis["alias_size_in_bytes"]
+        # Beside the run's state only the last step's metrics (scalars) and the step key are alive.
+        outside = r["extra"]["resident_outside_state"]
+        assert 0 < outside["bytes"] < 1024 and all(n <= 8 for _, _, n in outside["largest"]), outside
 
 
 def test_jaxft_row_reports_the_settings_it_ran_with_after_remat_auto(tiny_model_dir):
