@@ -22,7 +22,8 @@ The model holds parameters and math; everything that changes speed or memory but
   on all layers (unrolled loop only; "auto" picks N when "none" does not fit, `jaxft.run.Run.choose_remat`).
 - `offload_transfer`: how remat "offload" moves each layer input to pinned host memory: "policy" (jax.checkpoint's
   offload policy), "explicit" (`jaxft.offload`: the two copies written in a custom VJP, each copy back started
-  when the layer above starts its backward; unrolled loop only) or "auto" (explicit in the unrolled loop, whose
+  when the layer above starts its backward; in a layer scan, for remat "offload" only, `jaxft.offload_scan`: one
+  custom VJP around the scan that copies each layer input back one layer early) or "auto" (explicit in the unrolled loop, whose
   policy copies XLA folds away, the policy in the scan, whose copies XLA keeps). Other offloading policies
   unrolled go through the explicit transfer with their policy's own copies inside it.
 - `layer_loop`: "scan" runs one layer body over stacked weights; "unroll" one program region per layer over
@@ -107,12 +108,15 @@ class ExecutionConfig:
                                            "layer_loop: unroll (or auto), or drop remat_layers")
         _choice("ce_implementation", self.ce_implementation, CE_IMPLEMENTATIONS)
         _choice("offload_transfer", self.offload_transfer, OFFLOAD_TRANSFERS)
-        if self.offload_transfer == "explicit" and self.layer_loop == "scan":
-            # Its host copies would be residuals stacked by the scan's AD in a host buffer, which XLA's layout
-            # assignment rejects (JAX 0.11.2, compiled for an H200: "Expected instruction to have shape equal to").
-            raise ExecutionConfigError("offload_transfer", "'explicit' needs the unrolled layer loop (XLA cannot place "
-                                       "the scan's stacked host copies); set layer_loop: unroll (or auto), or "
-                                       "offload_transfer: auto")
+        if self.offload_transfer == "explicit" and self.layer_loop == "scan" and self.remat != "auto" and \
+                remat_policies.parse(self.remat).offloads and not remat_policies.parse(self.remat).explicit_capable:
+            # In a scan the explicit transfer is `jaxft.offload_scan` (the layer input alone, a full recompute); a
+            # policy's other host copies would be residuals stacked by the scan's AD in a host buffer, which XLA's
+            # layout assignment rejects (JAX 0.11.2, compiled for an H200: "Expected instruction to have shape
+            # equal to").
+            raise ExecutionConfigError("offload_transfer", f"'explicit' in the layer scan takes remat: offload only "
+                                       f"(got {self.remat!r}; XLA cannot place the scan's stacked host copies of "
+                                       "other residuals); set layer_loop: unroll (or auto), or offload_transfer: auto")
         chunk = self.ce_chunk_size
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ExecutionConfigError("ce_chunk_size", f"value {chunk!r} must be an integer >= 1 (or null for the "

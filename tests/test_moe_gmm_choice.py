@@ -56,7 +56,7 @@ def _batch(vocab, t, seed=0):
                 loss_mask=jnp.ones((1, t), jnp.float32), segment_ids=jnp.asarray(seg), positions=None)
 
 
-def _step(path, batch, implementation, *, run=True, remat="none", **load):
+def _step(path, batch, implementation, *, run=True, remat="none", transfer="auto", **load):
     """(loss, LoRA gradients, primitive counts of the traced step) of one value-and-grad with that grouped matmul
     (loss and gradients None unless `run`); `remat = (policy, list)` also appends the step's HLO lowered for CUDA
     to the list."""
@@ -68,7 +68,8 @@ def _step(path, batch, implementation, *, run=True, remat="none", **load):
     graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
     remat, hlo = (remat, None) if isinstance(remat, str) else remat
     execution = ExecutionConfig(attention_implementation="reference", grouped_matmul_implementation=implementation,
-                                remat=remat)
+                                remat=remat, offload_transfer=transfer,
+                                layer_loop="auto" if transfer == "auto" else "scan")
 
     def loss_fn(p, b):
         return token_loss_sum(nnx.merge(graphdef, p, rest), b, execution=execution) / b["loss_mask"].sum()
@@ -244,3 +245,14 @@ def test_a_policy_can_keep_the_experts_gate_up_off_the_device(steps):
     gate_up_arrays = 2 if steps["family"] == "qwen3_moe" else 1
     assert placed["offload"] >= 1
     assert placed["offload=layer_input,mlp_gate_up"] == placed["offload"] + gate_up_arrays
+
+
+@pytest.mark.parametrize("family,layers", [("qwen3_moe", 2), ("gpt_oss", 4)])
+def test_explicit_offload_in_the_scan_keeps_the_moe_gradients(family, layers, tmp_path):
+    """remat "offload" through `jaxft.offload_scan` (`offload_transfer: explicit` in the layer scan): the expert
+    stacks read in place (closed over), the router statistics in the carry, GPT-OSS's period of two layers; loss
+    and LoRA gradients equal to no remat."""
+    path = _saved(family, tmp_path / family, layers)
+    batch = _batch(128, 32)
+    want = _step(path, batch, "xla")
+    _assert_same(_step(path, batch, "xla", remat="offload", transfer="explicit"), want, 1e-5)

@@ -144,6 +144,29 @@ def test_every_policy_gives_the_gradients_of_no_remat(model_case, remat, loop):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * scale)
 
 
+def test_explicit_offload_in_the_scan_gives_the_gradients_of_no_remat(model_case):
+    """remat "offload" with `offload_transfer: explicit` in the layer scan (`jaxft.offload_scan`: Llama's one
+    group, Gemma 2's period of two layers); lowered for a GPU, each layer input of the scan body goes to pinned
+    host once (Llama: 1, Gemma 2: one per position of the period)."""
+    cfg, split, want = model_case
+    want_loss, want_grads = want["scan"]
+    loss, got = grads(cfg, split, "offload", "scan", offload_transfer="explicit")
+    assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
+    for g, w in zip(got, want_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * float(np.max(np.abs(w))))
+    graphdef, lora, frozen = split
+    batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
+    ex = ExecutionConfig(attention_implementation="reference", remat="offload", layer_loop="scan",
+                         offload_transfer="explicit")
+    fn = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])
+    hlo = fn.trace(lora, frozen, batch).lower(lowering_platforms=("cuda",)).as_text()
+    per_body = 2 if cfg.model_type == "gemma2" else 1
+    assert hlo.count('_xla_buffer_placement = "pinned_host"') == per_body
+    # Copied back twice per position: the last layer's input before the backward scan, and the prefetch in its
+    # body (the policy's scan copies back once, where it is used).
+    assert hlo.count('_xla_buffer_placement = "device"') == 2 * per_body
+
+
 # ---------------------------------------------------------------------------------------------- named residuals
 def _flash_forward_loops(remat: str) -> int:
     """While loops of the Pallas flash forward kernel (interpret mode on CPU: a loop over its grid) in the
@@ -326,9 +349,12 @@ def test_the_copy_back_of_an_explicit_offload_waits_behind_a_barrier(transfer, l
 def test_offload_transfer_is_validated_and_carried_by_the_layer_policy():
     with pytest.raises(ExecutionConfigError, match="key 'offload_transfer': value 'manual' is not one of"):
         ExecutionConfig(offload_transfer="manual")
-    # Explicit copies stacked by a scan fail XLA's layout assignment on the GPU: unrolled only, which auto picks.
-    with pytest.raises(ExecutionConfigError, match=r"^key 'offload_transfer': 'explicit' needs the unrolled layer loop"):
-        ExecutionConfig(remat="offload", offload_transfer="explicit", layer_loop="scan")
+    # A policy's explicit copies stacked by a scan fail XLA's layout assignment on the GPU; remat "offload" alone
+    # runs in the scan through jaxft.offload_scan.
+    with pytest.raises(ExecutionConfigError, match=r"^key 'offload_transfer': 'explicit' in the layer scan takes "
+                                                   r"remat: offload only \(got 'offload\+attn'"):
+        ExecutionConfig(remat="offload+attn", offload_transfer="explicit", layer_loop="scan")
+    ExecutionConfig(remat="offload", offload_transfer="explicit", layer_loop="scan")
     assert ExecutionConfig(remat="offload", offload_transfer="explicit").resolved_layer_loop == "unroll"
     ex = ExecutionConfig(remat="offload", offload_transfer="explicit")
     assert ex.layer_policy(LLAMA, 1, 64, 4).transfer == "explicit" and hash(ex) != hash(ex.replace(offload_transfer="auto"))

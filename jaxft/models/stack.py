@@ -48,6 +48,7 @@ from jaxft.models.families import family_for
 from jaxft.models.layers import ExpertParam, StackRow
 from jaxft.sharding import constrain_rows
 from jaxft.offload import PrefetchChain, host_offloaded, layer_index
+from jaxft.offload_scan import offloaded_scan
 from jaxft.remat import LAYER_INPUT, RematPolicy
 from kernels_pallas._dispatch import target_platform
 
@@ -172,6 +173,12 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         for name in states:
             states[name], expert_stacks[name] = _split_expert_stacks(states[name])
     rows_of = _stack_rows(groups, num_layers)
+    # Remat "offload" with the explicit transfer in a scan: one custom VJP around the whole scan
+    # (`jaxft.offload_scan`), whose backward copies each layer input back one layer early; the layers inside it
+    # run without a checkpoint of their own (its backward recomputes them).
+    scan_offload = not unrolled and resolve_transfer(policy, False) == "explicit"
+    if scan_offload:
+        policy = without
 
     def fn_for(group, policy=policy, row=None):
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
@@ -224,7 +231,11 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         head = {name: jax.tree.map(lambda leaf, c=c: leaf[:reps * c].reshape(reps, c, *leaf.shape[1:]),
                                    states[name]) for name, c in counts.items()}
         bases = jnp.arange(0, reps * period, period, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(body, carry, (head, bases))
+        if scan_offload:  # one function per position of the period, each one's input kept on the host
+            carry = offloaded_scan([lambda c, xs, a=a, fn=fn: fn(c, xs[0][kinds[a].stack], xs[1] + a)
+                                    for (a, _), fn in zip(runs, fns)], carry, (head, bases))
+        else:
+            carry, _ = jax.lax.scan(body, carry, (head, bases))
         # A last, incomplete period (e.g. 62 = 10 x 6 + 2 layers) runs by group below.
         cut = reps * period
         groups = [dataclasses.replace(g, start=max(g.start, cut), row=g.first_row + max(0, cut - g.start))
@@ -246,7 +257,10 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         whole = first == 0 and all(leaf.shape[0] == n for leaf in jax.tree.leaves(state))
         run_state = state if whole else jax.tree.map(lambda leaf: leaf[first:first + n], state)
         indices = jnp.arange(group.start, group.end, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(lambda c, xs: (layer_fn(c, *xs), None), carry, (run_state, indices))
+        if scan_offload:
+            carry = offloaded_scan(lambda c, xs: layer_fn(c, *xs), carry, (run_state, indices))
+        else:
+            carry, _ = jax.lax.scan(lambda c, xs: (layer_fn(c, *xs), None), carry, (run_state, indices))
     return carry  # x, or (x, router stats)
 
 
@@ -306,6 +320,8 @@ def resolve_transfer(policy: RematPolicy, unrolled: bool) -> str:
         # assignment rejects (JAX 0.11.2, compiled for an H200: "Expected instruction to have shape equal to"),
         # and there the policy's own offload is kept anyway.
         return "explicit" if unrolled else "policy"
+    # In a scan "explicit" is `jaxft.offload_scan` around the whole scan (run_groups), which prefetches the copies
+    # back; "auto" keeps the policy there until that is measured on the GPU.
     return "explicit" if policy.transfer == "explicit" or unrolled else "policy"
 
 
