@@ -108,8 +108,9 @@ class ExecutionConfig:
                                            "layer_loop: unroll (or auto), or drop remat_layers")
         _choice("ce_implementation", self.ce_implementation, CE_IMPLEMENTATIONS)
         _choice("offload_transfer", self.offload_transfer, OFFLOAD_TRANSFERS)
-        if self.offload_transfer == "explicit" and self.layer_loop == "scan" and self.remat != "auto" and \
-                remat_policies.parse(self.remat).offloads and not remat_policies.parse(self.remat).explicit_capable:
+        parsed = None if self.remat == "auto" else remat_policies.parse(self.remat)
+        if self.offload_transfer == "explicit" and self.layer_loop == "scan" and parsed is not None and \
+                parsed.offloads and not parsed.explicit_capable:
             # In a scan the explicit transfer is `jaxft.offload_scan` (the layer input alone, a full recompute); a
             # policy's other host copies would be residuals stacked by the scan's AD in a host buffer, which XLA's
             # layout assignment rejects (JAX 0.11.2, compiled for an H200: "Expected instruction to have shape

@@ -144,6 +144,20 @@ def test_every_policy_gives_the_gradients_of_no_remat(model_case, remat, loop):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * scale)
 
 
+def test_explicit_offload_in_the_scan_takes_a_period_with_runs_of_layers():
+    """A period whose positions form a run of two layers of one kind (as Gemma 3's five sliding layers): the
+    offloaded scan calls each position on its own (an inner scan over the run would take a block and a row)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(llama(6), layer_windows=(24, 24, None) * 2)
+    split = lora_split(cfg)
+    want_loss, want_grads = grads(cfg, split, "none", "scan")
+    loss, got = grads(cfg, split, "offload", "scan", offload_transfer="explicit")
+    assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
+    for g, w in zip(got, want_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * float(np.max(np.abs(w))))
+
+
 def test_explicit_offload_in_the_scan_gives_the_gradients_of_no_remat(model_case):
     """remat "offload" with `offload_transfer: explicit` in the layer scan (`jaxft.offload_scan`: Llama's one
     group, Gemma 2's period of two layers); lowered for a GPU, each layer input of the scan body goes to pinned

@@ -212,7 +212,8 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         # 0.11.2 (offload+attn keeps the six calls; not solved here). Each fn
         # takes its stack's block for the period and slices its row itself, inside its checkpoint (`_layer_fn`
         # row=): see there for why.
-        runs = ([(a, b) for a, b, _ in _layer_runs(tuple(map(id, kinds)))] if not policy.offloads
+        # (`scan_offload` keeps one call per position too: each one's input is a carry the offloaded scan keeps.)
+        runs = ([(a, b) for a, b, _ in _layer_runs(tuple(map(id, kinds)))] if not (policy.offloads or scan_offload)
                 else [(j, j + 1) for j in range(period)])
         fns = [fn_for(kinds[a], row=slot[a] if b - a == 1 else DYNAMIC_ROW) for a, b in runs]
 
