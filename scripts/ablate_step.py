@@ -19,7 +19,8 @@ scripts/bench_train.py saves it), e.g. a GPT-OSS-20B profile in one device call:
 
 Every variant is the benchmark's fast recipe (examples/bench/fast.yaml, through jaxft.run.Run) with other
 execution settings over the same loaded weights. A variant is `remat[+option...][@ce_chunk]`, options:
-unroll (per-layer weight buffers, layers unrolled), dsf (xla_gpu_enable_dynamic_slice_fusion), nocb (command
+unroll (per-layer weight buffers, layers unrolled), xscan (offload_transfer explicit: jaxft/offload_scan.py's
+hand-written scan VJP instead of the policy's copies), dsf (xla_gpu_enable_dynamic_slice_fusion), nocb (command
 buffers off: per-op profile attribution), nopho (xla_gpu_enable_pipelined_host_offloading off).
 """
 
@@ -43,20 +44,21 @@ OPTIONS = {
 }
 
 
-def parse_variant(text: str) -> tuple[str, dict, int | None, bool]:
+def parse_variant(text: str) -> tuple[str, dict, int | None, bool, str]:
     text, _, chunk = text.partition("@")
     remat, *opts = text.split("+")
     if opts[:1] == ["attn"]:  # the policy "offload+attn", not an option
         remat, opts = "offload+attn", opts[1:]
     unroll = "unroll" in opts
-    opts = [o for o in opts if o != "unroll"]
+    transfer = "explicit" if "xscan" in opts else "auto"
+    opts = [o for o in opts if o not in ("unroll", "xscan")]
     unknown = [o for o in opts if o not in OPTIONS]
     if unknown:
         raise SystemExit(f"variant {text!r}: unknown options {unknown}; known {sorted(OPTIONS)}")
     merged: dict = {}
     for o in opts:
         merged.update(OPTIONS[o])
-    return remat, merged, int(chunk) if chunk else None, unroll
+    return remat, merged, int(chunk) if chunk else None, unroll, transfer
 
 
 def main(argv=None) -> int:
@@ -96,8 +98,8 @@ def main(argv=None) -> int:
     lora0 = jax.device_get(base.lora)
 
     def build(variant: str):
-        remat, options, chunk, unroll = parse_variant(variant)
-        execution = config.execution.replace(remat=remat, compiler_options=options,
+        remat, options, chunk, unroll, transfer = parse_variant(variant)
+        execution = config.execution.replace(remat=remat, compiler_options=options, offload_transfer=transfer,
                                              ce_chunk_size=chunk or args.ce_chunk,
                                              layer_loop="unroll" if unroll else "scan")
         return base.variant(execution, lora=lora0)

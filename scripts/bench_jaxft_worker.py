@@ -193,6 +193,9 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     run.fit_allocator(host_batches[0])  # as jaxft-train does: the temp must fit beside the load's pool
     analysis = run.memory_analysis()
     before = device.memory_stats() or {}  # None on CPU
+    # What the device holds beside the step's arguments, read before the steps (after them, the donated buffers
+    # have been replaced and the comparison would mix two states).
+    outside = resident_outside((run.frozen, run.lora, run.opt_state, batches), device)
     if before:
         # XLA allocates the step's temp as one buffer: where the allocator's pool (its regions, which can exceed the
         # bytes in use) leaves less than that below its limit, the first step runs out of memory. One line before
@@ -213,7 +216,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     peak, source, memory = _task_peak(before, after, analysis)
     extra = {"memory": memory, "memory_analysis": analysis, "compile_s": compile_s, "model_load_s": load_s,
              "memory_bytes": _memory_breakdown(run.frozen, run.lora, run.opt_state, batches, peak),
-             "resident_outside_state": resident_outside((run.frozen, run.lora, run.opt_state, batches)),
+             "resident_outside_state": outside,
              "recipe": os.path.relpath(mode_yaml(mode), REPO),
              # compile_s is a cache read, not a compile, when an earlier process compiled the same step
              "compilation_cache_dir": jax.config.jax_compilation_cache_dir}
@@ -311,16 +314,29 @@ def _memory_breakdown(frozen, lora, opt_state, batches, peak: int) -> dict[str, 
     return parts
 
 
-def resident_outside(state, top: int = 8) -> dict[str, Any]:
+def resident_outside(state, device=None, top: int = 8) -> dict[str, Any]:
     """The device arrays alive beside the run's `state` (weights, LoRA, optimizer, batches): their total bytes and
-    the `top` largest (shape, dtype, bytes). Why: Qwen3-30B-A3B's row held 2.74 GB before its first step beyond its
-    step's arguments (docs/benchmarks.md section 23), which the peak then counts."""
+    the `top` largest (shape, dtype, bytes); with a `device`, its bytes in use against the state's bytes, before
+    and after a garbage collection (unreachable cycles that still hold buffers). Why: Qwen3-30B-A3B's row held
+    2.74 GB before its first step beyond its step's arguments (docs/benchmarks.md section 23), which the peak then
+    counts."""
+    import gc
+
     import jax
 
-    ids = {id(x) for x in jax.tree.leaves(state)}
+    leaves = jax.tree.leaves(state)
+    ids = {id(x) for x in leaves}
     others = sorted((x for x in jax.live_arrays() if id(x) not in ids), key=lambda x: -x.nbytes)
-    return {"bytes": int(sum(x.nbytes for x in others)),
-            "largest": [[list(x.shape), str(x.dtype), int(x.nbytes)] for x in others[:top]]}
+    found = {"bytes": int(sum(x.nbytes for x in others)),
+             "largest": [[list(x.shape), str(x.dtype), int(x.nbytes)] for x in others[:top]]}
+    stats = device.memory_stats() if device is not None else None
+    if stats:  # None on CPU
+        state_bytes = int(sum(x.nbytes for x in leaves if hasattr(x, "nbytes")))
+        found["state_bytes"] = state_bytes
+        found["in_use_beyond_state"] = int(stats.get("bytes_in_use", 0)) - state_bytes
+        gc.collect()
+        found["in_use_beyond_state_after_gc"] = int((device.memory_stats() or {}).get("bytes_in_use", 0)) - state_bytes
+    return found
 
 
 def quantized_bytes(frozen) -> int:

@@ -19,7 +19,8 @@ def test_variants_train_the_same_model_and_record_memory(tmp_path):
     from bench.workloads import get_workload
 
     assert parse_variant("offload+unroll+dsf@128") == (
-        "offload", {"xla_gpu_enable_dynamic_slice_fusion": True}, 128, True)
+        "offload", {"xla_gpu_enable_dynamic_slice_fusion": True}, 128, True, "auto")
+    assert parse_variant("offload+xscan") == ("offload", {}, None, False, "explicit")
     with pytest.raises(SystemExit, match="unknown options"):
         parse_variant("none+bogus")
 
@@ -29,10 +30,10 @@ def test_variants_train_the_same_model_and_record_memory(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "scripts")]))
     subprocess.run([sys.executable, os.path.join(REPO, "scripts", "ablate_step.py"), "--model-dir", str(model_dir),
                     "--workload", "tiny_llama", "--steps", "3", "--warmup", "1",
-                    "--variants", "none;none+unroll;full@64", "--out", str(out)],
+                    "--variants", "none;none+unroll;full@64;offload+xscan", "--out", str(out)],
                    check=True, env=env, capture_output=True, timeout=300)
     res = json.loads(out.read_text())["variants"]
-    assert set(res) == {"none", "none+unroll", "full@64"}
+    assert set(res) == {"none", "none+unroll", "full@64", "offload+xscan"}
     for rec in res.values():
         assert rec["status"] == "ok", rec
         assert len(rec["losses"]) == 3 and rec["median_step_s"] > 0
