@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -229,10 +230,19 @@ class Run:
         self.opt_state = self.placement.place_like(self.optimizer.init(self.lora), self.lora)
         return self
 
-    def set_state(self, lora, opt_state) -> None:
-        """Replaces the trainable state (a restored checkpoint, or a fresh LoRA init for another task)."""
+    def set_state(self, lora, opt_state=None) -> None:
+        """Replaces the trainable state (a restored checkpoint, or a fresh LoRA init for another task); without
+        `opt_state`, a fresh optimizer state for `lora`.
+
+        The old state is released BEFORE the new one is placed: the new buffers (the same shapes) then take the
+        old ones' room in order. Made while the old state was alive, they went elsewhere and the allocator's
+        reuse of the freed room left memory in use that no array owned (scripts/memory_stages.py). The collection:
+        flax's Variables sit in reference cycles, so dropped state keeps its device buffers until one runs."""
+        self.lora = self.opt_state = None
+        gc.collect()
         self.lora = self.placement.place(lora)
-        self.opt_state = self.placement.place_like(opt_state, self.lora)
+        self.opt_state = self.placement.place_like(
+            self.optimizer.init(self.lora) if opt_state is None else opt_state, self.lora)
 
     @property
     def loaded(self) -> bool:
@@ -252,7 +262,7 @@ class Run:
             frozen = restack_layers(frozen)
         lora = jax.tree.map(jnp.copy, self.lora) if lora is None else lora
         other.frozen = other.placement.place(frozen)
-        other.set_state(lora, other.optimizer.init(lora))
+        other.set_state(lora)
         return other
 
     # ------------------------------------------------------------------ compiling and stepping

@@ -184,7 +184,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
 
     (run, lora_init), reused = cache.get(key, load)
     load_s = time.perf_counter() - t0
-    run.set_state(lora_init, run.optimizer.init(lora_init))
+    run.set_state(lora_init)  # a fresh optimizer state, made after the old state is released
     batches = [jax.device_put(b) for b in host_batches]  # on the device before the clock starts
     jax.block_until_ready((run.lora, run.opt_state, batches))
     if compile_s is None:  # a reused model: the weights are resident anyway
