@@ -84,12 +84,13 @@ def test_bad_shapes_are_one_line_naming_the_file():
 # --------------------------------------------------------------------------- the Mosaic GPU kernels' schedule
 
 
-@pytest.mark.parametrize("sizes,m,block_m", [((0, 5, 0, 1, 9, 0), 15, 8), ((70, 0, 61, 3, 0, 50), 200, 64),
-                                             ((64, 64), 128, 64), ((0, 0, 0), 40, 16)])
-def test_row_tiles_cover_every_row_once_inside_its_block_and_group(sizes, m, block_m):
+@pytest.mark.parametrize("sizes,m,block_m", [((0, 5, 0, 1, 9, 0), 16, 8), ((70, 0, 61, 3, 0, 50), 192, 64),
+                                             ((64, 64), 128, 64), ((0, 0, 0), 48, 16), ((1, 63, 64, 1), 192, 64),
+                                             ((3,) * 20, 64, 64)])
+def test_row_tiles_cover_every_row_once_from_its_groups_first_row(sizes, m, block_m):
     from kernels_pallas.grouped_matmul.mosaic import row_tiles
 
-    group, block, lo, hi = (np.asarray(a) for a in row_tiles(jnp.asarray(sizes, jnp.int32), m, block_m))
+    group, row0, lo, hi = (np.asarray(a) for a in row_tiles(jnp.asarray(sizes, jnp.int32), m, block_m))
     g = len(sizes)
     assert group.shape == (-(-m // block_m) + g,)
     ends = np.concatenate([np.cumsum(sizes), [m]])
@@ -98,12 +99,16 @@ def test_row_tiles_cover_every_row_once_inside_its_block_and_group(sizes, m, blo
     for t in range(len(group)):
         if hi[t] == lo[t]:
             continue
-        assert group[t] <= g and block[t] * block_m <= lo[t] < hi[t] <= (block[t] + 1) * block_m
+        # the loaded block lies inside the array and holds the stored rows
+        assert group[t] <= g and 0 <= row0[t] <= m - block_m and row0[t] <= lo[t] < hi[t] <= row0[t] + block_m
         assert starts[group[t]] <= lo[t] and hi[t] <= ends[group[t]]
+        assert (lo[t] - starts[group[t]]) % block_m == 0, "tiles start at their group's first row"
         assert np.all(owner[lo[t]:hi[t]] == -1), f"tile {t} overlaps an earlier tile"
         owner[lo[t]:hi[t]] = group[t]
     want = np.repeat(np.arange(g + 1), np.diff(np.concatenate([[0], ends])))  # row -> group (g: past the end)
     np.testing.assert_array_equal(owner, want)
+    # the work: one tile per started block_m rows of each group, the fewest that cover it
+    assert np.sum(hi > lo) == sum(-(-(e - s) // block_m) for s, e in zip(starts, ends))
 
 
 def test_mosaic_kernels_with_several_row_blocks_and_contraction_steps():
