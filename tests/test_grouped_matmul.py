@@ -86,29 +86,33 @@ def test_bad_shapes_are_one_line_naming_the_file():
 
 @pytest.mark.parametrize("sizes,m,block_m", [((0, 5, 0, 1, 9, 0), 16, 8), ((70, 0, 61, 3, 0, 50), 192, 64),
                                              ((64, 64), 128, 64), ((0, 0, 0), 48, 16), ((1, 63, 64, 1), 192, 64),
-                                             ((3,) * 20, 64, 64)])
+                                             ((3,) * 20, 64, 64), ((5, 130, 3, 300, 75), 640, 128),
+                                             ((13,) * 30, 512, 16)])
 def test_row_tiles_cover_every_row_once_from_its_groups_first_row(sizes, m, block_m):
-    from kernels_pallas.grouped_matmul.mosaic import row_tiles
+    from kernels_pallas.grouped_matmul.mosaic import num_row_tiles, row_tiles
 
     group, row0, lo, hi = (np.asarray(a) for a in row_tiles(jnp.asarray(sizes, jnp.int32), m, block_m))
     g = len(sizes)
-    assert group.shape == (-(-m // block_m) + g,)
+    assert group.shape == (num_row_tiles(m, g, block_m),)
     ends = np.concatenate([np.cumsum(sizes), [m]])
     starts = np.concatenate([[0], ends[:-1]])
     owner = np.full(m, -1)
     for t in range(len(group)):
         if hi[t] == lo[t]:
             continue
-        # the loaded block lies inside the array and holds the stored rows
-        assert group[t] <= g and 0 <= row0[t] <= m - block_m and row0[t] <= lo[t] < hi[t] <= row0[t] + block_m
+        # the loaded block lies inside the array, starts at a multiple of 8 (Mosaic GPU) and holds the stored rows
+        assert group[t] <= g and 0 <= row0[t] <= m - block_m and row0[t] % 8 == 0
+        assert row0[t] <= lo[t] < hi[t] <= row0[t] + block_m
         assert starts[group[t]] <= lo[t] and hi[t] <= ends[group[t]]
-        assert (lo[t] - starts[group[t]]) % block_m == 0, "tiles start at their group's first row"
         assert np.all(owner[lo[t]:hi[t]] == -1), f"tile {t} overlaps an earlier tile"
         owner[lo[t]:hi[t]] = group[t]
     want = np.repeat(np.arange(g + 1), np.diff(np.concatenate([[0], ends])))  # row -> group (g: past the end)
     np.testing.assert_array_equal(owner, want)
-    # the work: one tile per started block_m rows of each group, the fewest that cover it
-    assert np.sum(hi > lo) == sum(-(-(e - s) // block_m) for s, e in zip(starts, ends))
+    # the work: one tile per started block_m rows of each group from its first row rounded down to 8, never more
+    # than the global grid's tiles (one per block each group touches)
+    aligned = sum(-(-(e - s + s % 8) // block_m) for s, e in zip(starts, ends) if e > s)
+    grid = sum((e - 1) // block_m - s // block_m + 1 for s, e in zip(starts, ends) if e > s)
+    assert np.sum(hi > lo) == aligned <= grid
 
 
 def test_mosaic_kernels_with_several_row_blocks_and_contraction_steps():
@@ -226,3 +230,22 @@ def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
         got = kernel(dout, stack, sizes, cfg, transpose_rhs=True, interpret=True, rhs_base=jnp.int32(6))
         _close(got, _loop(dout, jnp.swapaxes(stack[6:12], 1, 2), sizes, np.zeros((200, 128)))[0], "float32",
                f"d lhs from base 6 (N {n})")
+
+
+@pytest.mark.parametrize("key", [(2048, 1536, 128), (768, 2048, 128), (2880, 5760, 32), (2880, 2880, 32)])
+def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
+    """The GPU kernels (not the interpreter) through Mosaic GPU's lowering for a CUDA target, forward and both
+    gradients, on every table shape. Why: the interpreter accepts what the GPU lowering rejects (a load from a
+    row not proven a multiple of 8 failed layout inference on the H200 and passed every interpret-mode test)."""
+    from kernels_pallas.grouped_matmul.mosaic import backward, forward
+
+    k, n, g = key
+    m = 4096
+    lhs, dout = jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    rhs, sizes = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32)
+    fwd = jax.jit(lambda a, b, c: forward(a, b, c, key)).trace(lhs, rhs, sizes).lower(lowering_platforms=("cuda",))
+    bwd = jax.jit(lambda a, b, c, d: backward(a, b, c, d, key)).trace(lhs, rhs, sizes, dout).lower(
+        lowering_platforms=("cuda",))
+    calls = lambda lowered: lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")  # noqa: E731
+    assert calls(fwd) == 1
+    assert calls(bwd) == 2  # d lhs (row tiles) and d rhs (group tiles)

@@ -18,9 +18,9 @@ Forward / d-lhs kernel ("row tiles"). Each group's rows are cut into tiles of ``
 first row, so only a group's last tile is partial; a tile multiplies block_m rows by that group's matrix and stores
 only the group's rows (a ladder of power-of-two TMA stores, since a TMA store has a static size). The schedule
 (group, first row loaded, first and end row stored, per tile) is computed on the device from group_sizes in plain
-jnp (``row_tiles``): at most cdiv(M, block_m) + G tiles, with the rows past the last group as one extra
+jnp (``row_tiles``): at most ``num_row_tiles`` tiles, with the rows past the last group as one extra
 pseudo-group whose tiles store zeros; tiles past the real count store nothing. Every SM loops over (tile, N-block)
-pairs.
+pairs. (A tile's first loaded row is rounded down to a multiple of 8, which Mosaic GPU needs proven.)
 
 d-rhs kernel ("group tiles"). Every SM loops over (group, K-block, N-block); the pipeline walks the blocks
 of ``block_t`` rows that the group's rows touch, and zeroes (in shared memory, before the wgmma) the rows of
@@ -138,8 +138,13 @@ def config_for(k: int, n: int, g: int) -> TileConfig:
                                dw_block_k=_block_for(k, DEFAULT_CONFIG.dw_block_k))
 
 
+_HOPPER_SMS = 132  # H100 / H200 SXM: the grid when lowering for a GPU from a machine without one
+
+
 def _num_sms(interpret: bool) -> int:
-    return _INTERPRET_SMS if interpret else jax.devices()[0].core_count
+    if interpret:
+        return _INTERPRET_SMS
+    return getattr(jax.devices()[0], "core_count", None) or _HOPPER_SMS
 
 
 def _kernel(body, out_type, interpret: bool, name: str, **threads):
@@ -163,36 +168,46 @@ def _pad(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def row_tiles(group_sizes: jax.Array, m: int, block_m: int):
-    """The row-tile schedule, on the device: (group, row0, lo, hi) int32 arrays of cdiv(m, block_m) + G tiles.
+_ROW_ALIGN = 8  # a loaded block's first row: Mosaic GPU needs it a proven multiple of the smem tiling's 8 rows
 
-    Tiles start at their group's first row, not at multiples of block_m: tile i of group g keeps rows
-    [lo, hi) = [start_g + i block_m, min(start_g + (i + 1) block_m, end_g)) and multiplies the block_m rows from
-    row0 = min(lo, m - block_m) (a tile at the bottom of the array is moved up to stay inside it; the rows before lo
-    are multiplied and not stored). Why: tiles on the global block_m grid visit every block a group boundary
-    crosses once per group, about G whole tiles of extra work (12.5% at GPT-OSS-20B's 32 groups of ~1024 rows in
-    128-row tiles); aligned to the groups, only each group's last tile is partial (about G / 2 tiles).
-    sum_g cdiv(n_g, block_m) < m / block_m + G + 1 over the G + 1 groups (with the pseudo-group below), so
-    cdiv(m, block_m) + G tiles always suffice (m a multiple of block_m, as the kernels pad it).
+
+def num_row_tiles(m: int, g: int, block_m: int) -> int:
+    """A static bound on `row_tiles`' tile count: sum over the G + 1 groups (with the pseudo-group) of
+    cdiv(n_g + 7, block_m) <= (m + (G + 1) (block_m + 6)) / block_m."""
+    return (m + (g + 1) * (block_m + _ROW_ALIGN - 2)) // block_m
+
+
+def row_tiles(group_sizes: jax.Array, m: int, block_m: int):
+    """The row-tile schedule, on the device: (group, row0, lo, hi) int32 arrays of `num_row_tiles` tiles.
+
+    Tiles follow their group, not the global block_m grid: tile i of a group with rows [s, e) multiplies the block_m
+    rows from row0 = base + i block_m, base = s rounded down to a multiple of 8 (the alignment Mosaic GPU needs for
+    the load), and stores the group's rows among them, [lo, hi) = [max(s, row0), min(e, row0 + block_m)). A tile
+    past m - block_m loads from m - block_m instead (inside the array, still a multiple of 8; the rows before lo
+    are multiplied and not stored). Why: on the global grid every block that a group boundary crosses is visited
+    once per group, about G whole tiles of extra work (12.5% at GPT-OSS-20B's 32 groups of ~1024 rows in 128-row
+    tiles); following the groups, a group's last tile is its only partial one (about G / 2 tiles).
     group == G is the pseudo-group of the rows past sum(group_sizes) (stored as 0); tiles past the real count
-    have group G + 1 and lo == hi (nothing stored)."""
+    have group G + 1 and lo == hi (nothing stored). m is a multiple of block_m (the kernels pad it)."""
     g = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
     starts = jnp.concatenate([starts, ends[-1:]])
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
-    count = (jnp.maximum(ends - starts, 0) + block_m - 1) // block_m
+    base = starts - starts % _ROW_ALIGN
+    count = jnp.where(ends > starts, (ends - base + block_m - 1) // block_m, 0)
     cum = jnp.cumsum(count)
-    t = jnp.arange(pl.cdiv(m, block_m) + g, dtype=jnp.int32)
+    t = jnp.arange(num_row_tiles(m, g, block_m), dtype=jnp.int32)
     group = jnp.searchsorted(cum, t, side="right").astype(jnp.int32)
     gc = jnp.minimum(group, g)
-    lo = starts[gc] + (t - (cum[gc] - count[gc])) * block_m
-    hi = jnp.minimum(ends[gc], lo + block_m)
+    row0 = base[gc] + (t - (cum[gc] - count[gc])) * block_m
+    lo = jnp.maximum(starts[gc], row0)
+    hi = jnp.minimum(ends[gc], row0 + block_m)
     valid = group <= g
     lo = jnp.where(valid, lo, 0)
     hi = jnp.where(valid, hi, 0)
-    row0 = jnp.clip(lo, 0, max(m - block_m, 0))
+    row0 = jnp.where(valid, jnp.minimum(row0, m - block_m), 0)
     return group, row0, lo, hi
 
 
@@ -259,7 +274,7 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
                                             (lambda kk: (ni, kk)) if transpose_rhs else (lambda kk: (kk, ni)),
                                             delay_release=1, transforms=_swizzled(bk if transpose_rhs else bn, dtype)),
                         ],
-                    )(lhs_ref.at[pl.ds(row0, bm), :], rhs_ref.at[index_ref[ti]])
+                    )(lhs_ref.at[pl.ds(pl.multiple_of(row0, _ROW_ALIGN), bm), :], rhs_ref.at[index_ref[ti]])
 
                 return acc_ref[...]
 
@@ -368,7 +383,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
 
                 @pl.when(hi > lo)  # tiles past the real count: nothing to load, nothing to store
                 def _():
-                    pipeline(step, context)(lhs_ref.at[pl.ds(row0, bm), :],
+                    pipeline(step, context)(lhs_ref.at[pl.ds(pl.multiple_of(row0, _ROW_ALIGN), bm), :],
                                             rhs_tile(rhs_ref, index_ref[ti], ni), allocations=allocs)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
