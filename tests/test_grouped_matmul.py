@@ -249,3 +249,10 @@ def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
     calls = lambda lowered: lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")  # noqa: E731
     assert calls(fwd) == 1
     assert calls(bwd) == 2  # d lhs (row tiles) and d rhs (group tiles)
+    # a layer's experts read in place from a stack of 2 layers (the index array per tile), value and d lhs
+    from kernels_pallas.grouped_matmul.mosaic import grouped_matmul_mosaic
+
+    stack = jax.ShapeDtypeStruct((2, g, k, n), jnp.bfloat16)
+    in_place = jax.jit(jax.value_and_grad(
+        lambda a, b, c: grouped_matmul_mosaic(a, b, c, row=1, interpret=False).astype(jnp.float32).sum()))
+    assert calls(in_place.trace(lhs, stack, sizes).lower(lowering_platforms=("cuda",))) == 2
