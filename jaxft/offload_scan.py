@@ -9,8 +9,10 @@ of 2048 width at 1 x 4096 compiled the same way, XLA overlapped it with 43 GEMMs
 the backward is a reverse scan whose iteration i starts copying iteration i - 1's carry back before it recomputes
 and differentiates iteration i, and hands the copy to the next iteration through its own carry (3 of 3 GEMMs in
 the toy). The forward's copies to the host are pipelined by XLA (`ExecutionConfig.program_options`). Opt-in
-(`offload_transfer: explicit` with `layer_loop: scan`) until it is measured on the GPU: in the Llama compile it
-costs 16 MiB more temp than the policy (the prefetched input).
+(`offload_transfer: explicit` with `layer_loop: scan`): measured on an H200 (GPT-OSS-20B lean, 1 x 4096,
+docs/benchmarks.md section 24) it is 6.7 ms a step slower than the policy (294.7 vs 288.0 ms), whose copies cost
+nothing there (the step without any host copy: 287.4 ms); in the Llama compile it costs 16 MiB more temp (the
+prefetched input).
 
 Math: for carry_{i+1} = f(carry_i, x_i, consts), the forward keeps carry_i (on the host when it is an array of
 rank >= 2, else on the device: the router statistics' small accumulator) and returns carry_L. The backward, from
