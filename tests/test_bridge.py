@@ -22,7 +22,7 @@ from bridge import (
     table_for,
     unflatten_tree,
 )
-from test_bridge_common import ARCHS, ORACLE_NAMES, bits, expected_for, make_model, oracle_tensor, to_numpy
+from test_bridge_common import ARCHS, ORACLE_NAMES, bits, expected_for, make_model, oracle_tensor
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
