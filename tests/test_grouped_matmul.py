@@ -8,6 +8,9 @@ middle and last, and rows left over.
 
 from __future__ import annotations
 
+import json
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -256,3 +259,22 @@ def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
     in_place = jax.jit(jax.value_and_grad(
         lambda a, b, c: grouped_matmul_mosaic(a, b, c, row=1, interpret=False).astype(jnp.float32).sum()))
     assert calls(in_place.trace(lhs, stack, sizes).lower(lowering_platforms=("cuda",))) == 2
+
+
+def test_bench_against_another_tree_alternates_and_reports_both(tmp_path):
+    """The A/B mode of the bench (`--against`): another tree's kernels load beside this tree's, both run in every
+    round, and each version reports its per-round times (here the same tree twice, in the interpreter)."""
+    from kernels_pallas.grouped_matmul import bench, mosaic
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    other = bench.load_kernels(root)
+    assert other is not mosaic and other.grouped_matmul_mosaic is not mosaic.grouped_matmul_mosaic
+    out = tmp_path / "ab.json"
+    rows = bench.main(["--smoke", "--against", root, "--rounds", "2", "--iters", "1", "--json", str(out)])
+    assert [r["version"] for r in rows] == ["this", "against"]
+    for r in rows:
+        assert len(r["fwd_ms_rounds"]) == len(r["fwd_bwd_ms_rounds"]) == 2
+        assert r["fwd_ms"] in r["fwd_ms_rounds"] and r["fwd_tflops"] > 0
+    assert json.loads(out.read_text())["rows"] == rows
+    with pytest.raises(SystemExit, match="no .*mosaic.py; export a tree there first"):
+        bench.load_kernels(str(tmp_path))

@@ -5,6 +5,13 @@ with rows = sum(group_sizes), and its two gradients).
     python -m kernels_pallas.grouped_matmul.bench                       # every BENCH_SHAPE, xla / pallas_mosaic / dense
     python -m kernels_pallas.grouped_matmul.bench --impls pallas_mosaic --shapes gpt_oss_20b_down --json out.json
     python -m kernels_pallas.grouped_matmul.bench --smoke               # shapes.TEST_SHAPES[-1], CPU ok
+    python -m kernels_pallas.grouped_matmul.bench --against ab_base --rounds 4   # this tree's kernels vs another's
+
+``--against DIR``: an A/B of this tree's Mosaic GPU kernels against those of another tree (DIR holds its
+``kernels_pallas``, e.g. ``git archive <rev> kernels_pallas | tar -x -C DIR``) in one process, alternating which runs
+first in each round. Why: in two benches run one after the other on the H200, whichever ran first was up to 10%
+faster on the same kernels (docs/benchmarks.md section 24), more than the changes being measured. Each version's
+number is the median over the rounds of its per-round medians.
 
 TFLOP/s counts useful work only: forward 2 * rows * K * N, forward+backward three times that. Each
 (implementation, shape) is compiled once, warmed up, then timed as the median of ``--iters`` calls with the
@@ -14,7 +21,10 @@ device synchronised before the clock is read; a failure prints its error and the
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
+import sys
 import traceback
 from collections.abc import Sequence
 
@@ -68,6 +78,62 @@ def run(shapes: Sequence[GmmShape] = BENCH_SHAPES, impls: Sequence[str] = IMPLS,
     return rows
 
 
+def load_kernels(root: str):
+    """The Mosaic GPU kernel module of another tree (``root/kernels_pallas/grouped_matmul/mosaic.py``), imported
+    under a name of its own beside this tree's (its imports of shared helpers resolve to this tree's)."""
+    path = os.path.join(root, "kernels_pallas", "grouped_matmul", "mosaic.py")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--against {root}: no {path}; export a tree there first (git archive <rev> kernels_pallas "
+                         f"| tar -x -C {root})")
+    spec = importlib.util.spec_from_file_location("grouped_matmul_mosaic_against", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # registered first, as an import does (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _kernel_programs(gmm, shape: GmmShape):
+    lhs, rhs, sizes, dout = make_inputs(shape)
+    args = (lhs, rhs, dout, sizes)
+    fwd = lambda a, b, d, s: gmm(a, b, s)  # noqa: E731
+
+    def fwd_bwd(a, b, d, s):
+        out, pullback = jax.vjp(lambda x, w: fwd(x, w, d, s), a, b)
+        return out, pullback(d)
+
+    return [jax.jit(f).lower(*args).compile() for f in (fwd, fwd_bwd)], args
+
+
+def run_against(shapes: Sequence[GmmShape], other, rounds: int = 4, iters: int = 10) -> list[dict]:
+    """Rows {"version": "this" | "against", ...} per shape: this tree's `grouped_matmul_mosaic` and `other`'s, timed
+    in alternating order (round r runs "this" first when r is even)."""
+    from . import mosaic
+
+    versions = {"this": mosaic.grouped_matmul_mosaic, "against": other.grouped_matmul_mosaic}
+    rows = []
+    for shape in shapes:
+        flops = 2.0 * sum(shape.group_sizes) * shape.k * shape.n
+        programs = {name: _kernel_programs(gmm, shape) for name, gmm in versions.items()}
+        times: dict[str, dict[str, list[float]]] = {name: {"fwd": [], "fwd_bwd": []} for name in versions}
+        for r in range(rounds):
+            for name in (("this", "against") if r % 2 == 0 else ("against", "this")):
+                (fwd, fwd_bwd), args = programs[name]
+                times[name]["fwd"].append(median_ms(fwd, args, iters))
+                times[name]["fwd_bwd"].append(median_ms(fwd_bwd, args, iters))
+        for name in versions:
+            row = {"shape": shape.name, "impl": f"mosaic:{name}", "version": name, "rounds": rounds,
+                   "m": shape.m, "k": shape.k, "n": shape.n, "groups": len(shape.group_sizes),
+                   "rows": sum(shape.group_sizes)}
+            for mode, work in (("fwd", flops), ("fwd_bwd", 3 * flops)):
+                per_round = times[name][mode]
+                ms = sorted(per_round)[len(per_round) // 2]
+                row.update({f"{mode}_ms": ms, f"{mode}_tflops": work / (ms * 1e-3) / 1e12,
+                            f"{mode}_ms_rounds": per_round})
+            rows.append(row)
+            print(_line(row), flush=True)
+    return rows
+
+
 def _line(r: dict) -> str:
     if "error" in r and "fwd_ms" not in r:
         return f"{r['shape']:<24} {r['impl']:<14} ERROR {r['error'].splitlines()[0][:300]}"
@@ -87,7 +153,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None, help="write the rows here as JSON")
+    ap.add_argument("--against", default=None, help="another tree's root: A/B of the Mosaic GPU kernels")
+    ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of the --against A/B")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     known = {s.name: s for s in BENCH_SHAPES}
     names = [s for s in args.shapes.split(",") if s]
     if unknown := [s for s in names if s not in known]:
@@ -102,7 +172,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     else:
         shapes = [known[s] for s in names]
     print(f"devices: {jax.devices()}", flush=True)
-    rows = run(shapes, impls, args.iters)
+    if args.against:
+        shapes = [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]  # the kernels' dtypes on the GPU
+        rows = run_against(shapes, load_kernels(args.against), args.rounds, args.iters)
+    else:
+        rows = run(shapes, impls, args.iters)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"devices": [str(d) for d in jax.devices()], "rows": rows}, f, indent=1)
