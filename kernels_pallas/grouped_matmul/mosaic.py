@@ -186,7 +186,9 @@ def row_tiles(group_sizes: jax.Array, m: int, block_m: int):
     past m - block_m loads from m - block_m instead (inside the array, still a multiple of 8; the rows before lo
     are multiplied and not stored). Why: on the global grid every block that a group boundary crosses is visited
     once per group, about G whole tiles of extra work (12.5% at GPT-OSS-20B's 32 groups of ~1024 rows in 128-row
-    tiles); following the groups, a group's last tile is its only partial one (about G / 2 tiles).
+    tiles); following the groups, a group's last tile is its only partial one (about G / 2 tiles). Measured on the
+    H200 against the grid's tiles, the kernels' speed did not change beyond the bench's +-5% order effect
+    (docs/benchmarks.md section 24).
     group == G is the pseudo-group of the rows past sum(group_sizes) (stored as 0); tiles past the real count
     have group G + 1 and lo == hi (nothing stored). m is a multiple of block_m (the kernels pad it)."""
     g = group_sizes.shape[0]
