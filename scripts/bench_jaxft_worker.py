@@ -314,8 +314,23 @@ def _memory_breakdown(frozen, lora, opt_state, batches, peak: int) -> dict[str, 
     return parts
 
 
+def distinct_buffers(arrays) -> dict[int, Any]:
+    """{device buffer address: one array on it} of `arrays`. Why by buffer, not by Python object: two Array objects
+    can share one buffer (a `device_put` of an uncommitted array onto its own device wraps the same buffer), and
+    flax's Variables keep replaced objects alive in reference cycles until a garbage collection (Qwen3-30B-A3B's
+    optimizer moments were counted twice by object, docs/benchmarks.md section 24). Deleted (donated) and
+    multi-device arrays are left out."""
+    seen: dict[int, Any] = {}
+    for x in arrays:
+        try:
+            seen[x.unsafe_buffer_pointer()] = x
+        except Exception:  # noqa: BLE001 - deleted, or not on one device: no single buffer to name
+            continue
+    return seen
+
+
 def resident_outside(state, device=None, top: int = 8) -> dict[str, Any]:
-    """The device arrays alive beside the run's `state` (weights, LoRA, optimizer, batches): their total bytes and
+    """The device buffers alive beside the run's `state` (weights, LoRA, optimizer, batches): their total bytes and
     the `top` largest (shape, dtype, bytes); with a `device`, its bytes in use against the state's bytes, before
     and after a garbage collection (unreachable cycles that still hold buffers). Why: Qwen3-30B-A3B's row held
     2.74 GB before its first step beyond its step's arguments (docs/benchmarks.md section 23), which the peak then
@@ -324,14 +339,14 @@ def resident_outside(state, device=None, top: int = 8) -> dict[str, Any]:
 
     import jax
 
-    leaves = jax.tree.leaves(state)
-    ids = {id(x) for x in leaves}
-    others = sorted((x for x in jax.live_arrays() if id(x) not in ids), key=lambda x: -x.nbytes)
+    held = distinct_buffers(jax.tree.leaves(state))
+    others = sorted((x for p, x in distinct_buffers(jax.live_arrays()).items() if p not in held),
+                    key=lambda x: -x.nbytes)
     found = {"bytes": int(sum(x.nbytes for x in others)),
              "largest": [[list(x.shape), str(x.dtype), int(x.nbytes)] for x in others[:top]]}
     stats = device.memory_stats() if device is not None else None
     if stats:  # None on CPU
-        state_bytes = int(sum(x.nbytes for x in leaves if hasattr(x, "nbytes")))
+        state_bytes = int(sum(x.nbytes for x in held.values()))
         found["state_bytes"] = state_bytes
         found["in_use_beyond_state"] = int(stats.get("bytes_in_use", 0)) - state_bytes
         gc.collect()

@@ -5,7 +5,8 @@ Why: before its first step the Qwen3-30B-A3B lean row held 2.74 GB more than its
 batches), and no live array accounted for it (docs/benchmarks.md sections 23-24). XLA's BFC allocator counts a
 whole chunk as in use when it hands out a free chunk less than twice the request and less than 128 MiB larger,
 so the order in which buffers are made and freed can leave memory in use that no array owns. This prints, per
-stage, `bytes_in_use`, the live arrays' bytes and their difference, so the stage that adds it is named.
+stage, `bytes_in_use`, the bytes of the distinct live buffers (`bench_jaxft_worker.distinct_buffers`) and their
+difference, so the stage that adds it is named.
 
     PYTHONPATH=.:scripts python3 scripts/memory_stages.py --model-dir DIR --workload qwen3_30b_a3b_4096 \\
         --mode lean --out $OUT/memory_stages.json
@@ -27,24 +28,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def live_bytes(arrays) -> int:
-    """Bytes of the distinct device buffers behind `arrays`: two Array objects can share one buffer (a
-    `device_put` of an uncommitted array onto its own device wraps the same buffer), and flax's Variables keep
-    replaced objects alive in reference cycles until a garbage collection."""
-    seen: dict[int, int] = {}
-    for x in arrays:
-        try:
-            seen[x.unsafe_buffer_pointer()] = x.nbytes
-        except Exception:  # noqa: BLE001 - deleted (donated) or multi-device: not this one-device count
-            continue
-    return int(sum(seen.values()))
-
-
 def snapshot(label: str, device) -> dict:
     import jax
 
+    from bench_jaxft_worker import distinct_buffers
+
     stats = device.memory_stats() or {}
-    live = live_bytes(jax.live_arrays())
+    live = int(sum(x.nbytes for x in distinct_buffers(jax.live_arrays()).values()))
     rec = {"stage": label, "bytes_in_use": int(stats.get("bytes_in_use", 0)), "live_array_bytes": live,
            "largest_free_block_bytes": int(stats.get("largest_free_block_bytes", 0)),
            "num_allocs": int(stats.get("num_allocs", 0)), "peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0))}

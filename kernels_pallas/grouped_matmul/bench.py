@@ -21,6 +21,7 @@ device synchronised before the clock is read; a failure prints its error and the
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -39,8 +40,9 @@ from .shapes import BENCH_SHAPES, TEST_SHAPES, GmmShape, make_inputs
 IMPLS = ("xla", "pallas_mosaic", "dense")
 
 
-def _programs(impl: str, shape: GmmShape):
-    """(forward fn, forward+backward fn, args) for one implementation on one shape."""
+def _programs(impl, shape: GmmShape):
+    """(forward fn, forward+backward fn, args) for one implementation on one shape. `impl`: a name of IMPLS, or a
+    grouped-matmul function gmm(lhs, rhs, group_sizes) (another tree's kernels, `run_against`)."""
     lhs, rhs, sizes, dout = make_inputs(shape)
     if impl == "dense":
         rows = sum(shape.group_sizes)
@@ -48,7 +50,8 @@ def _programs(impl: str, shape: GmmShape):
         fwd = lambda a, b, d: a @ b
     else:
         args = (lhs, rhs, dout, sizes)
-        fwd = lambda a, b, d, s: grouped_matmul(a, b, s, implementation=impl)
+        gmm = impl if callable(impl) else functools.partial(grouped_matmul, implementation=impl)
+        fwd = lambda a, b, d, s: gmm(a, b, s)
 
     def fwd_bwd(*a):
         out, pullback = jax.vjp(lambda x, w: fwd(x, w, *a[2:]), a[0], a[1])
@@ -57,19 +60,32 @@ def _programs(impl: str, shape: GmmShape):
     return jax.jit(fwd), jax.jit(fwd_bwd), args
 
 
+def _row(shape: GmmShape, impl: str) -> dict:
+    return {"shape": shape.name, "impl": impl, "m": shape.m, "k": shape.k, "n": shape.n,
+            "groups": len(shape.group_sizes), "rows": sum(shape.group_sizes)}
+
+
+def _work(shape: GmmShape) -> dict[str, float]:
+    """Useful FLOPs per mode: forward 2 * rows * K * N, forward+backward three times that."""
+    flops = 2.0 * sum(shape.group_sizes) * shape.k * shape.n
+    return {"fwd": flops, "fwd_bwd": 3 * flops}
+
+
+def _timed(row: dict, mode: str, work: float, ms: float) -> None:
+    row[f"{mode}_ms"] = ms
+    row[f"{mode}_tflops"] = work / (ms * 1e-3) / 1e12
+
+
 def run(shapes: Sequence[GmmShape] = BENCH_SHAPES, impls: Sequence[str] = IMPLS, iters: int = 10) -> list[dict]:
     rows = []
     for shape in shapes:
-        flops = 2.0 * sum(shape.group_sizes) * shape.k * shape.n
+        work = _work(shape)
         for impl in impls:
-            row = {"shape": shape.name, "impl": impl, "m": shape.m, "k": shape.k, "n": shape.n,
-                   "groups": len(shape.group_sizes), "rows": sum(shape.group_sizes)}
+            row = _row(shape, impl)
             try:
                 fwd, fwd_bwd, args = _programs(impl, shape)
-                for mode, fn, work in (("fwd", fwd, flops), ("fwd_bwd", fwd_bwd, 3 * flops)):
-                    ms = median_ms(fn.lower(*args).compile(), args, iters)
-                    row[f"{mode}_ms"] = ms
-                    row[f"{mode}_tflops"] = work / (ms * 1e-3) / 1e12
+                for mode, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+                    _timed(row, mode, work[mode], median_ms(fn.lower(*args).compile(), args, iters))
             except Exception as e:  # noqa: BLE001 - one failure must not lose the other rows
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
                 traceback.print_exc()
@@ -92,18 +108,6 @@ def load_kernels(root: str):
     return module
 
 
-def _kernel_programs(gmm, shape: GmmShape):
-    lhs, rhs, sizes, dout = make_inputs(shape)
-    args = (lhs, rhs, dout, sizes)
-    fwd = lambda a, b, d, s: gmm(a, b, s)  # noqa: E731
-
-    def fwd_bwd(a, b, d, s):
-        out, pullback = jax.vjp(lambda x, w: fwd(x, w, d, s), a, b)
-        return out, pullback(d)
-
-    return [jax.jit(f).lower(*args).compile() for f in (fwd, fwd_bwd)], args
-
-
 def run_against(shapes: Sequence[GmmShape], other, rounds: int = 4, iters: int = 10) -> list[dict]:
     """Rows {"version": "this" | "against", ...} per shape: this tree's `grouped_matmul_mosaic` and `other`'s, timed
     in alternating order (round r runs "this" first when r is even)."""
@@ -112,23 +116,22 @@ def run_against(shapes: Sequence[GmmShape], other, rounds: int = 4, iters: int =
     versions = {"this": mosaic.grouped_matmul_mosaic, "against": other.grouped_matmul_mosaic}
     rows = []
     for shape in shapes:
-        flops = 2.0 * sum(shape.group_sizes) * shape.k * shape.n
-        programs = {name: _kernel_programs(gmm, shape) for name, gmm in versions.items()}
+        work = _work(shape)
+        programs = {}
+        for name, gmm in versions.items():
+            fwd, fwd_bwd, args = _programs(gmm, shape)
+            programs[name] = {"fwd": fwd.lower(*args).compile(), "fwd_bwd": fwd_bwd.lower(*args).compile()}, args
         times: dict[str, dict[str, list[float]]] = {name: {"fwd": [], "fwd_bwd": []} for name in versions}
         for r in range(rounds):
             for name in (("this", "against") if r % 2 == 0 else ("against", "this")):
-                (fwd, fwd_bwd), args = programs[name]
-                times[name]["fwd"].append(median_ms(fwd, args, iters))
-                times[name]["fwd_bwd"].append(median_ms(fwd_bwd, args, iters))
+                compiled, args = programs[name]
+                for mode, fn in compiled.items():
+                    times[name][mode].append(median_ms(fn, args, iters))
         for name in versions:
-            row = {"shape": shape.name, "impl": f"mosaic:{name}", "version": name, "rounds": rounds,
-                   "m": shape.m, "k": shape.k, "n": shape.n, "groups": len(shape.group_sizes),
-                   "rows": sum(shape.group_sizes)}
-            for mode, work in (("fwd", flops), ("fwd_bwd", 3 * flops)):
-                per_round = times[name][mode]
-                ms = sorted(per_round)[len(per_round) // 2]
-                row.update({f"{mode}_ms": ms, f"{mode}_tflops": work / (ms * 1e-3) / 1e12,
-                            f"{mode}_ms_rounds": per_round})
+            row = {**_row(shape, f"mosaic:{name}"), "version": name, "rounds": rounds}
+            for mode, per_round in times[name].items():
+                _timed(row, mode, work[mode], sorted(per_round)[len(per_round) // 2])
+                row[f"{mode}_ms_rounds"] = per_round
             rows.append(row)
             print(_line(row), flush=True)
     return rows
