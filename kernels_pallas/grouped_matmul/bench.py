@@ -6,6 +6,10 @@ with rows = sum(group_sizes), and its two gradients).
     python -m kernels_pallas.grouped_matmul.bench --impls pallas_mosaic --shapes gpt_oss_20b_down --json out.json
     python -m kernels_pallas.grouped_matmul.bench --smoke               # shapes.TEST_SHAPES[-1], CPU ok
     python -m kernels_pallas.grouped_matmul.bench --against ab_base --rounds 4   # this tree's kernels vs another's
+    python -m kernels_pallas.grouped_matmul.bench --sweep --json sweep.json      # row-kernel tiles per shape
+
+``--sweep``: the row-tile kernel (forward and d lhs) of every bench shape on each of ``sweep_candidates``' tile
+configs, next to the table's own (``mosaic.CONFIGS``): the data the table is chosen from, in one call.
 
 ``--against DIR``: an A/B of this tree's Mosaic GPU kernels against those of another tree (DIR holds its
 ``kernels_pallas``, e.g. ``git archive <rev> kernels_pallas | tar -x -C DIR``) in one process, alternating which runs
@@ -137,6 +141,109 @@ def run_against(shapes: Sequence[GmmShape], other, rounds: int = 4, iters: int =
     return rows
 
 
+_SMEM_BYTES = 220 * 1024  # of the H200's 227 KiB per block, a margin for barriers and the pipeline's own
+
+
+def sweep_candidates(kc: int, n: int) -> list:
+    """Warp-specialised row-kernel tiles for a product of contraction `kc` and output width `n` (bf16): the
+    block_n widths that divide n, the stage counts that divide the contraction steps (so the units chain) and fit in
+    shared memory, both splits of the tile, and the two walks (down the tiles at one N-block, or along a tile's
+    N-blocks). Why these: a width that does not divide n pads the whole expert stack, and an unchained pipeline
+    fills from empty on every unit."""
+    from .mosaic import TileConfig
+
+    out = []
+    for split in ("m", "n"):
+        for bn in (128, 192, 256):
+            cta_n = 2 * bn if split == "n" else bn
+            if n % cta_n or (split == "n" and bn > 128):  # two 128 x 256 fp32 accumulators do not fit the registers
+                continue
+            wg_rows = 128 if split == "n" else 64
+            for bk in (64, 128):
+                steps = kc // bk
+                if kc % bk:
+                    continue
+                fits = [st for st in (6, 5, 4, 3, 2) if steps % st == 0
+                        and st * (128 * bk + bk * cta_n) * 2 + 2 * wg_rows * bn * 2 <= _SMEM_BYTES]
+                for stages in fits[:1]:  # the deepest ring that fits
+                    for walk in sorted({1, n // cta_n}):
+                        out.append(TileConfig(block_m=128, block_n=bn, block_k=bk, stages=stages, grid_block_n=walk,
+                                              warp_specialized=True, wg_split=split))
+    return out
+
+
+def _describe(cfg) -> str:
+    kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
+    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} walk{cfg.grid_block_n}"
+
+
+def _table_variants(table, width: int) -> list:
+    """The table's config as it is, unchained (when it chains), and walking along a tile's N-blocks."""
+    import dataclasses
+
+    cta_n = 2 * table.block_n if table.warp_specialized and table.wg_split == "n" else table.block_n
+    out = [table]
+    if table.warp_specialized and table.chained:
+        out.append(dataclasses.replace(table, chained=False))
+    if width % cta_n == 0 and width // cta_n != table.grid_block_n:
+        out.append(dataclasses.replace(table, grid_block_n=width // cta_n))
+    return out
+
+
+def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int = 8,
+              candidates=None) -> list[dict]:
+    """Rows {"shape", "direction": "fwd" | "dlhs", "label", "config", "table": bool, "ms", "tflops"} for the
+    row-tile kernel on the table's config (`_table_variants`: also unchained, and walking along the tiles) and on every
+    `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d lhs. The programs compile on `compile_threads`
+    threads first (Mosaic GPU's compiles are most of the sweep's time), then run one at a time."""
+    import concurrent.futures
+    import dataclasses
+
+    from . import mosaic
+
+    candidates = candidates or sweep_candidates
+    interpret = jax.default_backend() != "gpu"  # the tests: Mosaic GPU's interpreter
+    jobs = []  # (row, jitted fn, args)
+    for shape in shapes:
+        lhs, rhs, sizes, dout = make_inputs(shape)
+        key = (shape.k, shape.n, len(shape.group_sizes))
+        for direction in ("fwd", "dlhs"):
+            table = mosaic.config_for(*key) if direction == "fwd" else mosaic._dlhs_config(mosaic.config_for(*key), *key)
+            kc, width = (shape.k, shape.n) if direction == "fwd" else (shape.n, shape.k)
+            configs = _table_variants(table, width) + candidates(kc, width)
+            args = (lhs if direction == "fwd" else dout, rhs, sizes)
+            for cfg in configs:
+                row = {"shape": shape.name, "direction": direction, "label": _describe(cfg),
+                       "config": dataclasses.asdict(cfg), "table": cfg is table, "work": _work(shape)["fwd"]}
+                fn = jax.jit(lambda a, b, s, cfg=cfg, t=direction == "dlhs": mosaic._rows(cfg)(
+                    a, b, s, cfg, transpose_rhs=t, interpret=interpret))
+                jobs.append((row, fn, args))
+
+    def build(job):
+        row, fn, args = job
+        try:
+            return fn.lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 - a config that does not compile must not lose the others
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+            return None
+
+    with concurrent.futures.ThreadPoolExecutor(compile_threads) as pool:
+        compiled = list(pool.map(build, jobs))
+    rows = []
+    for (row, _, args), program in zip(jobs, compiled):
+        if program is not None:
+            try:
+                ms = median_ms(program, args, iters)
+                row.update(ms=ms, tflops=row["work"] / (ms * 1e-3) / 1e12)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+        mark = "*" if row["table"] else " "
+        result = f"{row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s" if "ms" in row else f"ERROR {row['error'][:200]}"
+        print(f"{row['shape']:<24} {row['direction']:<4} {row['label']:<34} {mark} {result}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def _line(r: dict) -> str:
     if "error" in r and "fwd_ms" not in r:
         return f"{r['shape']:<24} {r['impl']:<14} ERROR {r['error'].splitlines()[0][:300]}"
@@ -158,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     ap.add_argument("--json", default=None, help="write the rows here as JSON")
     ap.add_argument("--against", default=None, help="another tree's root: A/B of the Mosaic GPU kernels")
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of the --against A/B")
+    ap.add_argument("--sweep", action="store_true", help="the row kernels on every candidate tile config")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
@@ -175,7 +283,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     else:
         shapes = [known[s] for s in names]
     print(f"devices: {jax.devices()}", flush=True)
-    if args.against:
+    if args.sweep:
+        rows = run_sweep([s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16], args.iters)
+    elif args.against:
         shapes = [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]  # the kernels' dtypes on the GPU
         rows = run_against(shapes, load_kernels(args.against), args.rounds, args.iters)
     else:

@@ -68,10 +68,16 @@ class TileConfig:
 
     block_m x block_n: one output tile (block_m rows of one group); block_k: contraction step.
     dw_block_k x dw_block_n: one tile of d rhs[g]; dw_block_t: rows per contraction step.
-    stages: TMA buffers in flight. grid_block_n: width of the snake over (tile, N-block), for L2 reuse.
+    stages: TMA buffers in flight. grid_block_n: how many N-blocks the SMs' walk over the (tile, N-block) units
+    takes side by side (``plgpu.planar_snake``): 1 walks down every tile at one N-block (the expert matrices' column
+    block is shared by the SMs, each lhs tile is read once per N-block); the number of N-blocks walks tile by tile
+    (the lhs tile is shared, each group's whole matrix is in flight).
     warp_specialized: the row-tile kernel with one memory warpgroup feeding two compute warpgroups, which split
     the output tile along N (wg_split "n": a block_m x 2 block_n tile, block_n each) or along M ("m": a
-    block_m x block_n tile, block_m / 2 rows each); else one warpgroup does both (block_m x block_n)."""
+    block_m x block_n tile, block_m / 2 rows each); else one warpgroup does both (block_m x block_n).
+    chained (warp-specialised kernel, when the contraction steps are a multiple of ``stages``): an SM's units run as
+    one chain of pipelines, so the memory warpgroup loads the next unit while the compute warpgroups finish and
+    store this one; else every unit fills its pipeline from empty and drains it."""
 
     block_m: int = 128
     block_n: int = 128
@@ -84,6 +90,7 @@ class TileConfig:
     dw_stages: int = 4
     warp_specialized: bool = False
     wg_split: str = "n"
+    chained: bool = True
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
@@ -213,6 +220,11 @@ def row_tiles(group_sizes: jax.Array, m: int, block_m: int):
     return group, row0, lo, hi
 
 
+def _real_tiles(group: jax.Array, g: int) -> jax.Array:
+    """[1] int32: how many of `row_tiles`' tiles are real (a group's or the pseudo-group's); they come first."""
+    return jnp.sum(group <= g, dtype=jnp.int32)[None]
+
+
 def _rhs_window(rhs: jax.Array, g: int, rhs_base, pads: dict[int, int]):
     """(rhs, tile -> rhs index function) for a row-tile kernel over G = `g` groups whose matrices are
     rhs[base + group]: rhs is [G, ...] with base 0, or a longer stack ([R, ...], R a multiple of G: a layer stack
@@ -252,13 +264,15 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
     mp, kp = lhs_p.shape
     np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
     tiles = row_tiles(group_sizes, mp, bm)
-    n_tiles, grid_n, k_steps = tiles[0].shape[0], np_ // bn, kp // bk
+    grid_n, k_steps = np_ // bn, kp // bk
     dtype = lhs.dtype
 
-    def body(group_ref, index_ref, row0_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref):
-        @plgpu.nd_loop((n_tiles * grid_n,), collective_axes="sm")
+    def body(group_ref, index_ref, row0_ref, lo_ref, hi_ref, count_ref, lhs_ref, rhs_ref, out_ref):
+        count = count_ref[0]
+
+        @plgpu.nd_loop((count * grid_n,), collective_axes="sm")
         def _(info: plgpu.NDLoopInfo):
-            ti, ni = plgpu.planar_snake(info.index[0], (n_tiles, grid_n), 1, cfg.grid_block_n)
+            ti, ni = plgpu.planar_snake(info.index[0], (count, grid_n), 1, cfg.grid_block_n)
             group, row0, lo, hi = group_ref[ti], row0_ref[ti], lo_ref[ti], hi_ref[ti]
 
             def acc_scope(acc_ref):
@@ -283,9 +297,9 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
             acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
             _store_rows(acc, out_ref, row0, lo - row0, hi - lo, ni * bn, bm, bn)
 
-    group, row0, lo, hi = tiles
+    group = tiles[0]
     out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows")(
-        group, rhs_index(group), row0, lo, hi, lhs_p, rhs_p)
+        group, rhs_index(group), *tiles[1:], _real_tiles(group, g), lhs_p, rhs_p)
     return out[:m, :n]
 
 
@@ -322,7 +336,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
     mp, kp = lhs_p.shape
     np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
     tiles = row_tiles(group_sizes, mp, bm)
-    n_tiles, grid_n, k_steps = tiles[0].shape[0], np_ // cta_n, kp // bk
+    grid_n, k_steps = np_ // cta_n, kp // bk
     dtype = lhs.dtype
     b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
 
@@ -330,10 +344,10 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
         cols = pl.ds(ni * cta_n, cta_n)
         return rhs_ref.at[group, cols, :] if transpose_rhs else rhs_ref.at[group, :, cols]
 
-    def pipeline(step, context):
+    def pipeline(step, context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             step, grid=(k_steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-            max_concurrent_steps=cfg.stages, compute_context=context,
+            max_concurrent_steps=cfg.stages, compute_context=context, pipeline_state=state,
             in_specs=[
                 plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=_swizzled(bk, dtype),
                                 memory_space=plgpu.SMEM),
@@ -341,7 +355,11 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                                 transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM),
             ])
 
-    def body(group_ref, index_ref, row0_ref, lo_ref, hi_ref, lhs_ref, rhs_ref, out_ref):
+    # Chained pipelines (see the docstring): the memory warpgroup loads the SM's next unit while the compute
+    # warpgroups finish this one; JAX allows it when the contraction steps fill the stage ring evenly.
+    chained = cfg.chained and k_steps % cfg.stages == 0
+
+    def body(group_ref, index_ref, row0_ref, lo_ref, hi_ref, count_ref, lhs_ref, rhs_ref, out_ref):
         ignore = lambda *_, **__: None
         allocations = pipeline(ignore, ignore).get_allocations(lhs_ref.at[pl.ds(0, bm), :],
                                                                 rhs_tile(rhs_ref, 0, 0))
@@ -351,9 +369,13 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
         def _(allocs, o_smem):
             wg = jax.lax.axis_index("wg")
 
-            @plgpu.nd_loop((n_tiles * grid_n,), collective_axes="sm")
+            # The SM's units: (tile, N-block) pairs of the real tiles only (row_tiles puts them first), so that every
+            # unit a chain visits loads and stores (an idle unit between chained pipelines would break the chain).
+            count = count_ref[0]
+
+            @plgpu.nd_loop((count * grid_n,), collective_axes="sm")
             def _(info: plgpu.NDLoopInfo):
-                ti, ni = plgpu.planar_snake(info.index[0], (n_tiles, grid_n), 1, cfg.grid_block_n)
+                ti, ni = plgpu.planar_snake(info.index[0], (count, grid_n), 1, cfg.grid_block_n)
                 group, row0, lo, hi = group_ref[ti], row0_ref[ti], lo_ref[ti], hi_ref[ti]
                 row_off = 0 if split_n else wg * wg_m  # this warpgroup's rows / columns within the tile
                 col0 = ni * cta_n + (wg * bn if split_n else 0)
@@ -383,15 +405,27 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                         _store_rows_from(o_smem.at[wg], out_ref, row0 + row_off, first, last - first, col0,
                                          wg_m, bn)
 
-                @pl.when(hi > lo)  # tiles past the real count: nothing to load, nothing to store
-                def _():
-                    pipeline(step, context)(lhs_ref.at[pl.ds(pl.multiple_of(row0, _ROW_ALIGN), bm), :],
-                                            rhs_tile(rhs_ref, index_ref[ti], ni), allocations=allocs)
+                def run(state):
+                    pipeline(step, context, state)(lhs_ref.at[pl.ds(pl.multiple_of(row0, _ROW_ALIGN), bm), :],
+                                                   rhs_tile(rhs_ref, index_ref[ti], ni), allocations=allocs)
+
+                if not chained:
+                    run(None)
+                    return
+                mine, j = info.num_local_steps, info.local_index
+                # A chain: the SM's first unit fills the ring (START), the last waits for it to drain (STOP). One
+                # unit alone needs both: the unchained pipeline.
+                pl.when(mine == 1)(lambda: run(None))
+                state = jnp.where(j == 0, int(plgpu.PipelinePipeline.START),
+                                  jnp.where(j == mine - 1, int(plgpu.PipelinePipeline.STOP),
+                                            int(plgpu.PipelinePipeline.STEADY)))
+                pl.when(mine > 1)(lambda: run(state))
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    group = tiles[0]
     out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", num_threads=3,
-                  thread_name="wg")(tiles[0], rhs_index(tiles[0]), *tiles[1:], lhs_p, rhs_p)
+                  thread_name="wg")(group, rhs_index(group), *tiles[1:], _real_tiles(group, g), lhs_p, rhs_p)
     return out[:m, :n]
 
 
