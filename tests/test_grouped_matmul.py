@@ -193,16 +193,17 @@ def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose):
 
 
 @pytest.mark.parametrize("sizes,m,k,n,walk", [
-    ((70, 0, 61, 3, 0, 50), 200, 128, 256, 1),  # 2 contraction steps = the 2 stages: chains of 7 units per "SM"
+    ((70, 0, 61, 3, 0, 50), 200, 128, 256, 0),  # 2 contraction steps = the 2 stages: chains of 7 units per "SM"
     ((64,), 64, 128, 64, 1),  # one unit: the first "SM" runs it unchained, the other has none
     ((60, 60), 128, 128, 64, 1),  # 3 tiles (with the 8 rows past the groups): a chain of START and STOP, and one
     ((70, 0, 61, 3, 0, 50), 200, 192, 256, 1),  # 3 steps on 2 stages: no chain, every unit fills and drains
     ((70, 0, 61, 3, 0, 50), 200, 128, 512, 2),  # 8 N-blocks walked two side by side
+    ((70, 0, 61, 3, 0, 50), 200, 128, 512, 1),  # down the tiles at one N-block
 ])
 def test_warp_specialised_chains_of_pipelines_match_a_per_group_loop(sizes, m, k, n, walk):
     """The chained pipelines of the warp-specialised row kernel (TileConfig.chained) in interpret mode, on the
     interpreter's 2 "SMs": chains of several units, one SM with a single unit, START followed by STOP, the
-    unchained fallback, and the walk over N-blocks side by side (grid_block_n)."""
+    unchained fallback, and the walks over the N-blocks (grid_block_n: 0 a tile's whole row, 1 down the tiles)."""
     from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows_ws
 
     cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split="m",
@@ -317,17 +318,16 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
             cta_n = 2 * c.block_n if c.wg_split == "n" else c.block_n
             assert n % cta_n == 0 and (kc // c.block_k) % c.stages == 0
             assert c.stages * (c.block_m * c.block_k + c.block_k * cta_n) * 2 <= bench._SMEM_BYTES
-        assert {c.grid_block_n for c in cands} >= {1, n // 192 if n % 128 else n // 128}
+        assert {c.grid_block_n for c in cands} == {0, 1}
     shape = GmmShape("s", ragged_sizes(120, 3), 128, 128, 128, "bfloat16")
     small = lambda kc, n: [mosaic.TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True,
                                              wg_split="m", grid_block_n=2)]
     rows = bench.run_sweep([shape], iters=1, compile_threads=2, candidates=small)
-    # per direction: the table's config, it walking along the tiles (its N-blocks: 128 / 128 = 1, so none), the
-    # candidate
-    assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True), ("fwd", False), ("dlhs", True),
-                                                            ("dlhs", False)]
+    # per direction: the table's config, it with the other walk, the candidate
+    assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True), ("fwd", False), ("fwd", False),
+                                                            ("dlhs", True), ("dlhs", False), ("dlhs", False)]
     assert all(r["tflops"] > 0 and "error" not in r for r in rows)
-    assert rows[1]["label"] == "ws-m 64x64x64 st2 walk2" and rows[1]["config"]["grid_block_n"] == 2
+    assert rows[2]["label"] == "ws-m 64x64x64 st2 walk2" and rows[2]["config"]["grid_block_n"] == 2
     table = mosaic.TileConfig(warp_specialized=True, wg_split="n", stages=3)
-    assert [bench._describe(c) for c in bench._table_variants(table, 1024)] == [
-        "ws-n 128x128x64 st3 walk1", "ws-n-unchained 128x128x64 st3 walk1", "ws-n 128x128x64 st3 walk4"]
+    assert [bench._describe(c) for c in bench._table_variants(table)] == [
+        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]

@@ -147,8 +147,8 @@ _SMEM_BYTES = 220 * 1024  # of the H200's 227 KiB per block, a margin for barrie
 def sweep_candidates(kc: int, n: int) -> list:
     """Warp-specialised row-kernel tiles for a product of contraction `kc` and output width `n` (bf16): the
     block_n widths that divide n, the stage counts that divide the contraction steps (so the units chain) and fit in
-    shared memory, both splits of the tile, and the two walks (down the tiles at one N-block, or along a tile's
-    N-blocks). Why these: a width that does not divide n pads the whole expert stack, and an unchained pipeline
+    shared memory, both splits of the tile, and the two walks (along a tile's N-blocks, or down the tiles at one
+    N-block). Why these: a width that does not divide n pads the whole expert stack, and an unchained pipeline
     fills from empty on every unit."""
     from .mosaic import TileConfig
 
@@ -166,7 +166,7 @@ def sweep_candidates(kc: int, n: int) -> list:
                 fits = [st for st in (6, 5, 4, 3, 2) if steps % st == 0
                         and st * (128 * bk + bk * cta_n) * 2 + 2 * wg_rows * bn * 2 <= _SMEM_BYTES]
                 for stages in fits[:1]:  # the deepest ring that fits
-                    for walk in sorted({1, n // cta_n}):
+                    for walk in (0, 1):
                         out.append(TileConfig(block_m=128, block_n=bn, block_k=bk, stages=stages, grid_block_n=walk,
                                               warp_specialized=True, wg_split=split))
     return out
@@ -174,19 +174,19 @@ def sweep_candidates(kc: int, n: int) -> list:
 
 def _describe(cfg) -> str:
     kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
-    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} walk{cfg.grid_block_n}"
+    walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
+    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}"
 
 
-def _table_variants(table, width: int) -> list:
-    """The table's config as it is, unchained (when it chains), and walking along a tile's N-blocks."""
+def _table_variants(table) -> list:
+    """The table's config as it is, unchained (when it chains), and with the other walk (TileConfig.grid_block_n:
+    along a tile's N-blocks, 0, or down the tiles, 1)."""
     import dataclasses
 
-    cta_n = 2 * table.block_n if table.warp_specialized and table.wg_split == "n" else table.block_n
     out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
-    if width % cta_n == 0 and width // cta_n != table.grid_block_n:
-        out.append(dataclasses.replace(table, grid_block_n=width // cta_n))
+    out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
     return out
 
 
@@ -210,7 +210,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         for direction in ("fwd", "dlhs"):
             table = mosaic.config_for(*key) if direction == "fwd" else mosaic._dlhs_config(mosaic.config_for(*key), *key)
             kc, width = (shape.k, shape.n) if direction == "fwd" else (shape.n, shape.k)
-            configs = _table_variants(table, width) + candidates(kc, width)
+            configs = _table_variants(table) + candidates(kc, width)
             args = (lhs if direction == "fwd" else dout, rhs, sizes)
             for cfg in configs:
                 row = {"shape": shape.name, "direction": direction, "label": _describe(cfg),

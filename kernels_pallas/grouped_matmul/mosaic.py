@@ -38,9 +38,11 @@ zero stack, which is dead code for frozen experts and compiled away.
 
 Two row-tile kernels: ``gmm_rows`` (one warpgroup issues the TMA loads and the wgmmas) and ``gmm_rows_ws``
 (warp-specialised: a memory warpgroup feeds two compute warpgroups that split the tile along N or M and
-store their rows while the next tile loads); ``CONFIGS`` picks one per shape. Measured on an H200 (each
-kernel alone, ragged bench sizes): forward 210-460 TFLOP/s, d lhs 280-470, d rhs 280-500 - below the
-600 / 500 target on these shapes (dense XLA matmuls of the same FLOPs: 280-640).
+store their rows while the next tile loads); ``CONFIGS`` picks one per shape. The warp-specialised kernel chains the
+pipelines of an SM's units (``TileConfig.chained``, JAX's ``pipeline_state``): the memory warpgroup goes on loading
+the next unit while the compute warpgroups finish and store this one, instead of draining the ring after every unit.
+Measured on an H200 (each kernel alone, ragged bench sizes, `bench --sweep`): forward 253-474 TFLOP/s, d lhs
+267-509, d rhs 280-500 - below the 600 / 500 target on these shapes (dense XLA matmuls of the same FLOPs: 280-640).
 
 bf16/f16 operands, fp32 accumulation, output in the input dtype. On CPU the same kernels run in Mosaic
 GPU's interpreter (``interpret=True``: the tests; float32 operands are accepted there).
@@ -68,10 +70,11 @@ class TileConfig:
 
     block_m x block_n: one output tile (block_m rows of one group); block_k: contraction step.
     dw_block_k x dw_block_n: one tile of d rhs[g]; dw_block_t: rows per contraction step.
-    stages: TMA buffers in flight. grid_block_n: how many N-blocks the SMs' walk over the (tile, N-block) units
-    takes side by side (``plgpu.planar_snake``): 1 walks down every tile at one N-block (the expert matrices' column
-    block is shared by the SMs, each lhs tile is read once per N-block); the number of N-blocks walks tile by tile
-    (the lhs tile is shared, each group's whole matrix is in flight).
+    stages: TMA buffers in flight. grid_block_n (row-tile kernels): how many N-blocks the SMs' walk over the (tile,
+    N-block) units takes side by side (``plgpu.planar_snake``); 0 (the default): all of a tile's N-blocks before the
+    next tile, so the SMs working at once share a few lhs tiles and the expert matrices of a group or two; 1: down
+    every tile at one N-block, reading each lhs tile once per N-block. Measured on the H200 (section 25 of
+    docs/benchmarks.md), the whole row was faster on 15 of the 16 (shape, direction, tile) pairs, by up to 25%.
     warp_specialized: the row-tile kernel with one memory warpgroup feeding two compute warpgroups, which split
     the output tile along N (wg_split "n": a block_m x 2 block_n tile, block_n each) or along M ("m": a
     block_m x block_n tile, block_m / 2 rows each); else one warpgroup does both (block_m x block_n).
@@ -83,7 +86,7 @@ class TileConfig:
     block_n: int = 128
     block_k: int = 64
     stages: int = 4
-    grid_block_n: int = 1
+    grid_block_n: int = 0
     dw_block_k: int = 128
     dw_block_n: int = 128
     dw_block_t: int = 64
@@ -96,29 +99,32 @@ class TileConfig:
         if self.wg_split not in ("n", "m"):
             raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
         for f in dataclasses.fields(self):
-            if f.type == "int" and getattr(self, f.name) < 1:
-                raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= 1, got {getattr(self, f.name)}")
+            least = 0 if f.name == "grid_block_n" else 1
+            if f.type == "int" and getattr(self, f.name) < least:
+                raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= {least}, got {getattr(self, f.name)}")
         if self.block_m % self.dw_block_t:
             raise ValueError(f"{_WHERE}: TileConfig.block_m ({self.block_m}) must be a multiple of dw_block_t "
                              f"({self.dw_block_t}): M is padded to block_m for both kernels")
 
 
 DEFAULT_CONFIG = TileConfig()
-_WS_N = dict(warp_specialized=True, wg_split="n", block_n=128, stages=3)  # a 128 x 256 tile over two warpgroups
+_WS = dict(warp_specialized=True)
 # Per row-kernel problem (contraction K, output width N, groups G): the forward of a (K, N, G) projection looks
-# up (K, N, G), its d lhs (N, K, G); d rhs takes the dw_* fields of the forward's entry. Measured on an H200
-# (JAX 0.11.2, the ragged sizes of shapes.BENCH_SHAPES, TFLOP/s of each kernel alone in the comments).
+# up (K, N, G), its d lhs (N, K, G); d rhs takes the dw_* fields of the forward's entry. The row-kernel tiles are the
+# best of `bench --sweep` on an H200 (JAX 0.11.2, the ragged sizes of shapes.BENCH_SHAPES; each kernel alone,
+# TFLOP/s in the comments, the previous table's in brackets; docs/results/gmm_sweep_h200_c957edd.json).
 CONFIGS: dict[tuple[int, int, int], TileConfig] = {
-    # Qwen3-30B-A3B gate_up [2048 -> 1536]: fwd 348, d rhs 336; its d lhs (1536 -> 2048): 316
-    (2048, 1536, 128): TileConfig(**_WS_N, dw_block_k=64, dw_block_n=256),
-    (1536, 2048, 128): TileConfig(**_WS_N),
-    # Qwen3-30B-A3B down [768 -> 2048]: fwd 210, d rhs 282; its d lhs (2048 -> 768): 283
-    (768, 2048, 128): TileConfig(warp_specialized=True, wg_split="m", dw_block_k=192, dw_block_n=128),
-    (2048, 768, 128): TileConfig(**_WS_N),
-    # GPT-OSS-20B gate_up [2880 -> 5760]: fwd 459, d rhs 501; its d lhs (5760 -> 2880): 471
+    # Qwen3-30B-A3B gate_up [2048 -> 1536]: fwd 381 [304], d rhs 336; its d lhs (1536 -> 2048): 369 [301]
+    (2048, 1536, 128): TileConfig(**_WS, wg_split="m", block_n=192, block_k=128, stages=2, dw_block_k=64,
+                                  dw_block_n=256),
+    (1536, 2048, 128): TileConfig(**_WS, wg_split="n", stages=3),
+    # Qwen3-30B-A3B down [768 -> 2048]: fwd 253 [203], d rhs 282; its d lhs (2048 -> 768): 267 [242]
+    (768, 2048, 128): TileConfig(**_WS, wg_split="m", block_k=128, stages=2, dw_block_k=192, dw_block_n=128),
+    (2048, 768, 128): TileConfig(**_WS, wg_split="m", block_n=192, stages=4),
+    # GPT-OSS-20B gate_up [2880 -> 5760]: fwd 474 [455], d rhs 501; its d lhs (5760 -> 2880): 509 [462]
     (2880, 5760, 32): TileConfig(block_n=192, dw_block_k=192, dw_block_n=128),
     (5760, 2880, 32): TileConfig(block_n=192),
-    # GPT-OSS-20B down [2880 -> 2880]: fwd 392, d lhs 364, d rhs 428
+    # GPT-OSS-20B down [2880 -> 2880]: fwd 406 [371], d lhs 399 [359], d rhs 428
     (2880, 2880, 32): TileConfig(block_n=192, dw_block_k=64, dw_block_n=192, dw_stages=6),
 }
 
@@ -272,7 +278,7 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
 
         @plgpu.nd_loop((count * grid_n,), collective_axes="sm")
         def _(info: plgpu.NDLoopInfo):
-            ti, ni = plgpu.planar_snake(info.index[0], (count, grid_n), 1, cfg.grid_block_n)
+            ti, ni = plgpu.planar_snake(info.index[0], (count, grid_n), 1, cfg.grid_block_n or grid_n)
             group, row0, lo, hi = group_ref[ti], row0_ref[ti], lo_ref[ti], hi_ref[ti]
 
             def acc_scope(acc_ref):
@@ -375,7 +381,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
 
             @plgpu.nd_loop((count * grid_n,), collective_axes="sm")
             def _(info: plgpu.NDLoopInfo):
-                ti, ni = plgpu.planar_snake(info.index[0], (count, grid_n), 1, cfg.grid_block_n)
+                ti, ni = plgpu.planar_snake(info.index[0], (count, grid_n), 1, cfg.grid_block_n or grid_n)
                 group, row0, lo, hi = group_ref[ti], row0_ref[ti], lo_ref[ti], hi_ref[ti]
                 row_off = 0 if split_n else wg * wg_m  # this warpgroup's rows / columns within the tile
                 col0 = ni * cta_n + (wg * bn if split_n else 0)
@@ -452,7 +458,7 @@ def gmm_drhs(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, cfg: TileC
         @plgpu.nd_loop((g, grid_k * grid_n), collective_axes="sm")
         def _(info: plgpu.NDLoopInfo):
             gi = info.index[0]
-            ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, cfg.grid_block_n)
+            ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, 1)  # d rhs: not swept
             start, end, first_block, nb = starts_ref[gi], ends_ref[gi], first_ref[gi], nb_ref[gi]
 
             def acc_scope(acc_ref):
