@@ -331,3 +331,83 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     table = mosaic.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
         "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
+
+
+def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    return (jax.random.normal(ks[0], (m, k), jnp.float32), jax.random.normal(ks[1], (g, k, n), jnp.float32),
+            jax.random.normal(ks[2], (m, r), jnp.float32), jax.random.normal(ks[3], (g, r, n), jnp.float32),
+            jax.random.normal(ks[4], (m, n), jnp.float32))
+
+
+def _lora_loop(lhs, rhs, xa, b, sizes, dout):
+    """out = gmm(lhs, rhs) + gmm(xa, b) and its four gradients, from the per-group loop."""
+    out, dlhs, drhs = _loop(lhs, rhs, sizes, dout)
+    out_a, dxa, db = _loop(xa, b, sizes, dout)
+    return out + out_a, dlhs, drhs, dxa, db
+
+
+@pytest.mark.parametrize("impl", OP.names)
+@pytest.mark.parametrize("stacked", [False, True])
+def test_a_fused_adapter_adds_its_product_and_gets_its_gradients(impl, stacked):
+    """grouped_matmul(..., lora=(xa, b)) = gmm(lhs, rhs) + gmm(xa, b) with the gradients of both products, on every
+    implementation (pallas_mosaic: the adapter's step in the kernel's accumulator, in the interpreter), with a rank
+    (16) that the kernels pad to 64, ragged and empty groups and rows past the last group; with `row` on a stack."""
+    sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
+    lhs, rhs, xa, b, dout = _lora_operands(200, 128, 192, 6, 16, 7)
+    stack = jnp.stack([rhs * 0.5, rhs])  # row 1 is rhs
+    fn = (lambda l, w, x, bb: grouped_matmul(l, jnp.stack([w * 0.5, w]), sizes, implementation=impl, row=1,
+                                             lora=(x, bb))) if stacked else \
+        (lambda l, w, x, bb: grouped_matmul(l, w, sizes, implementation=impl, lora=(x, bb)))
+    out, vjp = jax.vjp(fn, lhs, rhs, xa, b)
+    got = (out, *vjp(dout))
+    for g, w, what in zip(got, _lora_loop(lhs, stack[1], xa, b, sizes, dout), ("out", "d lhs", "d rhs", "d xa", "d b")):
+        _close(g, w, "float32", what)
+    assert not np.any(np.asarray(out)[184:])  # rows past the groups: 0, adapter included
+
+
+@pytest.mark.parametrize("ws,split", [(False, "n"), (True, "m"), (True, "n")])
+def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split):
+    """The fused adapter's step in each row kernel (single warpgroup; warp-specialised with the tile split along M
+    or N, each compute warpgroup loading its own part of xa and b), chained over several units per "SM"."""
+    from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows, gmm_rows_ws
+
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws, wg_split=split)
+    sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
+    lhs, rhs, xa, b, _ = _lora_operands(200, 128, 256, 6, 8, 8)
+    got = (gmm_rows_ws if ws else gmm_rows)(lhs, rhs, sizes, cfg, interpret=True, lora=(xa, b))
+    _close(got, _lora_loop(lhs, rhs, xa, b, sizes, np.zeros((200, 256)))[0], "float32", f"out ({ws}, {split})")
+
+
+def test_fused_adapter_tiles_fit_shared_memory_or_fall_back():
+    """`fused_config`: the table's tiles when the adapter's fit beside them, else a shallower ring whose stages
+    still divide the contraction steps, else None (a second kernel); `smem_bytes` is what Mosaic GPU reported for
+    the Qwen3-MoE gate_up tiles with the adapter (278,576 B with 48 B of barriers) before the fallback existed."""
+    from kernels_pallas.grouped_matmul.mosaic import _SMEM_BYTES, config_for, fused_config, smem_bytes
+
+    assert smem_bytes(config_for(2048, 1536, 128), lora=True) + 48 == 278576
+    assert fused_config(config_for(2048, 1536, 128), 2048) is None  # 2 stages already: nothing shallower
+    qwen = fused_config(config_for(2048, 768, 128), 2048)
+    assert qwen.stages == 2 and (2048 // qwen.block_k) % 2 == 0 and smem_bytes(qwen, lora=True) <= _SMEM_BYTES
+    gpt = config_for(2880, 5760, 32)
+    assert fused_config(gpt, 2880) == gpt  # fits as it is
+
+
+@pytest.mark.parametrize("key", [(2048, 1536, 128), (2048, 768, 128), (2880, 5760, 32)])
+def test_fused_adapter_kernels_lower_for_a_gpu_from_the_cpu(key):
+    """The fused forward through Mosaic GPU's CUDA lowering (layouts, shared memory) on the table's shapes, with an
+    in-place layer stack and a rank-16 adapter: one kernel where `fused_config` fits (two where it falls back), and
+    the backward's three (d lhs, d xa, d b; the frozen stack's d rhs is dead code)."""
+    from kernels_pallas.grouped_matmul.mosaic import config_for, fused_config, grouped_matmul_mosaic
+
+    k, n, g = key
+    S = jax.ShapeDtypeStruct
+    args = (S((4096, k), jnp.bfloat16), S((2, g, k, n), jnp.bfloat16), S((g,), jnp.int32),
+            S((4096, 16), jnp.bfloat16), S((g, 16, n), jnp.bfloat16))
+    call = lambda a, w, s, x, b: grouped_matmul_mosaic(a, w, s, row=1, lora=(x, b), interpret=False)  # noqa: E731
+    calls = lambda lowered: lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")  # noqa: E731
+    fused = fused_config(config_for(*key), k) is not None
+    assert calls(jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))) == (1 if fused else 2)
+    loss = lambda a, w, s, x, b: call(a, w, s, x, b).astype(jnp.float32).sum()  # noqa: E731
+    grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
+    assert calls(grads) == (1 if fused else 2) + 3

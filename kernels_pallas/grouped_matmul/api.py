@@ -29,8 +29,10 @@ from .reference import grouped_matmul_reference
 _WHERE = "kernels_pallas/grouped_matmul/api.py"
 
 
-def grouped_matmul_xla(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32))
+def grouped_matmul_xla(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype=None) -> jax.Array:
+    if out_dtype is None:
+        return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32))
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=out_dtype)
 
 
 def is_hopper(device) -> bool:
@@ -68,7 +70,7 @@ def implementation_for(implementation: str | None, dtype, device=None) -> str:
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                   implementation: str | None = AUTO, row=None) -> jax.Array:
+                   implementation: str | None = AUTO, row=None, lora=None) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for lhs [M, K] sorted by group, rhs [G, K, N], group_sizes [G] (int);
     rows past sum(group_sizes) are 0. "xla": lax.ragged_dot; "reference": masked dense; "pallas_mosaic": the
     Mosaic GPU kernels (bf16/f16; Mosaic GPU's interpreter off the GPU); "auto"/None: "pallas_mosaic" on Hopper
@@ -76,7 +78,12 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 
     With `row` (an int scalar, traced or not) rhs is a stack [L, G, K, N] and the product is with rhs[row]: the
     Mosaic kernels read that row of the stack in place (a layer scan's slice of a stack would be copied out
-    whole before a custom call), the others slice it (XLA fuses the slice into its own ops)."""
+    whole before a custom call), the others slice it (XLA fuses the slice into its own ops).
+
+    With `lora` = (xa [M, r], b [G, r, N]) (an expert adapter's factors: xa the rows' product with A, b the scaled
+    B) the result is gmm(lhs, rhs) + gmm(xa, b), summed in float32 and rounded once. The Mosaic kernels add the
+    adapter's product in their accumulator (one more contraction step of r per output tile), so the [M, N] product
+    of the adapter is never written and read back; the others compute both products in float32 and add them."""
     impl = OP.get(implementation_for(implementation, lhs.dtype))
     stacked = row is not None
     if lhs.ndim != 2 or rhs.ndim != 3 + stacked or lhs.shape[1] != rhs.shape[-2]:
@@ -88,8 +95,24 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                          f"got {group_sizes.dtype} {group_sizes.shape}")
     if lhs.dtype != rhs.dtype:
         raise ValueError(f"{_WHERE}: lhs {lhs.dtype} and rhs {rhs.dtype} must have the same dtype; cast one")
-    if not stacked:
-        return impl.fn(lhs, rhs, group_sizes)
+    if lora is not None:
+        _check_lora(lora, lhs, rhs)
     if impl.name == "pallas_mosaic":
-        return impl.fn(lhs, rhs, group_sizes, row=row)
-    return impl.fn(lhs, jax.lax.dynamic_index_in_dim(rhs, row, 0, keepdims=False), group_sizes)
+        return impl.fn(lhs, rhs, group_sizes, row=row, lora=lora)
+    if stacked:
+        rhs = jax.lax.dynamic_index_in_dim(rhs, row, 0, keepdims=False)
+    if lora is None:
+        return impl.fn(lhs, rhs, group_sizes)
+    xa, b = lora
+    return (impl.fn(lhs, rhs, group_sizes, jnp.float32) + impl.fn(xa, b, group_sizes, jnp.float32)).astype(lhs.dtype)
+
+
+def _check_lora(lora, lhs: jax.Array, rhs: jax.Array) -> None:
+    xa, b = lora
+    if xa.ndim != 2 or b.ndim != 3 or xa.shape[0] != lhs.shape[0] or b.shape != (rhs.shape[-3], xa.shape[1],
+                                                                                   rhs.shape[-1]):
+        raise ValueError(f"{_WHERE}: lora=(xa, b) needs xa [M, r] and b [G, r, N] beside lhs {lhs.shape} and rhs "
+                         f"{rhs.shape}, got xa {xa.shape} and b {b.shape}")
+    if xa.dtype != lhs.dtype or b.dtype != lhs.dtype:
+        raise ValueError(f"{_WHERE}: lora=(xa, b) must have lhs's dtype {lhs.dtype}, got {xa.dtype} and {b.dtype}; "
+                         f"cast them")

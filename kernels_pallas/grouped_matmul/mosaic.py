@@ -226,6 +226,26 @@ def row_tiles(group_sizes: jax.Array, m: int, block_m: int):
     return group, row0, lo, hi
 
 
+# The adapter's rank is zero-padded to 64 columns: a 128-byte swizzled tile. With 16 or 32 (the narrower swizzles)
+# Mosaic GPU's layout inference rejects the xa load (JAX 0.11.2, lowered for CUDA from the CPU). The padding
+# costs one 64-deep contraction step per output tile (2-3% of the expert shapes' own steps).
+_LORA_ALIGN = 64
+
+
+def _lora_operands(lora, lhs_rows: int, block_m: int, width: int, g: int):
+    """The fused adapter's operands for a row kernel whose lhs has `lhs_rows` rows and whose output `width` columns
+    (padded): xa [lhs_rows, r] -> [rows padded to block_m, rp], b [G, r, N] -> [G, rp, width], zero-padded (rp = r
+    rounded up to _LORA_ALIGN; zero rank columns add 0). None when there is no adapter."""
+    if lora is None:
+        return None
+    xa, b = lora
+    if xa.shape[0] != lhs_rows or b.shape[0] != g or xa.shape[1] != b.shape[1]:
+        raise ValueError(f"{_WHERE}: the fused adapter needs xa [M, r] and b [G, r, N] beside lhs [M, K] and G "
+                         f"groups, got xa {xa.shape}, b {b.shape}, M {lhs_rows}, G {g}")
+    b = jnp.pad(b, [(0, 0), (0, -b.shape[1] % _LORA_ALIGN), (0, width - b.shape[2])])
+    return _pad(_pad(xa, 0, block_m), 1, _LORA_ALIGN), b
+
+
 def _real_tiles(group: jax.Array, g: int) -> jax.Array:
     """[1] int32: how many of `row_tiles`' tiles are real (a group's or the pseudo-group's); they come first."""
     return jnp.sum(group <= g, dtype=jnp.int32)[None]
@@ -256,10 +276,12 @@ def _store_rows(acc, out_ref, row0, start, size, col0, block_m: int, block_n: in
 
 
 def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
-             transpose_rhs: bool = False, interpret: bool = False, rhs_base=None) -> jax.Array:
+             transpose_rhs: bool = False, interpret: bool = False, rhs_base=None, lora=None) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] (rhs [G, K, N]), or with ``transpose_rhs`` lhs[m] @ rhs[g(m)]^T (rhs
     [G, N, K]); rows past sum(group_sizes) are 0. Pads to the tiles and slices back. With ``rhs_base`` (int32
-    scalar) rhs may be a longer stack whose matrices rhs_base .. rhs_base + G - 1 are used (`_rhs_window`)."""
+    scalar) rhs may be a longer stack whose matrices rhs_base .. rhs_base + G - 1 are used (`_rhs_window`).
+    With ``lora`` = (xa [M, r], b [G, r, N]) (not with transpose_rhs): out[m] = lhs[m] @ rhs[g(m)] + xa[m] @ b[g(m)],
+    the adapter's product added in the accumulator (`_lora_step`), rounded once."""
     m, k = lhs.shape
     g = group_sizes.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -272,8 +294,10 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
     tiles = row_tiles(group_sizes, mp, bm)
     grid_n, k_steps = np_ // bn, kp // bk
     dtype = lhs.dtype
+    lora = _lora_operands(lora, m, bm, np_, g)
 
-    def body(group_ref, index_ref, row0_ref, lo_ref, hi_ref, count_ref, lhs_ref, rhs_ref, out_ref):
+    def body(group_ref, index_ref, row0_ref, lo_ref, hi_ref, count_ref, lhs_ref, rhs_ref, *refs):
+        *lora_refs, out_ref = refs
         count = count_ref[0]
 
         @plgpu.nd_loop((count * grid_n,), collective_axes="sm")
@@ -281,9 +305,15 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
             ti, ni = plgpu.planar_snake(info.index[0], (count, grid_n), 1, cfg.grid_block_n or grid_n)
             group, row0, lo, hi = group_ref[ti], row0_ref[ti], lo_ref[ti], hi_ref[ti]
 
-            def acc_scope(acc_ref):
+            def unit(*lora_smem):
+                return pl.run_scoped(functools.partial(acc_scope, lora_smem=lora_smem), plgpu.ACC((bm, bn)))
+
+            def acc_scope(acc_ref, lora_smem):
                 def step(_, a_smem, b_smem):
                     plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)) if transpose_rhs else b_smem)
+
+                if lora_smem:  # the adapter's tiles load while the main product runs
+                    _lora_load(*lora_refs, *lora_smem, row0, jnp.minimum(group, g - 1), ni * bn, bm, bn)
 
                 @pl.when(group < g)  # the pseudo-group and the unused tiles multiply nothing: acc stays 0
                 def _():
@@ -298,15 +328,43 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
                         ],
                     )(lhs_ref.at[pl.ds(pl.multiple_of(row0, _ROW_ALIGN), bm), :], rhs_ref.at[index_ref[ti]])
 
+                if lora_smem:
+                    _lora_step(acc_ref, *lora_smem, group < g)
                 return acc_ref[...]
 
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((bm, bn)))
+            # (the accumulator's registers and shared memory cannot share one scope)
+            acc = unit() if lora is None else pl.run_scoped(unit, *_lora_scratch(bm, lora[0].shape[1], bn, dtype))
             _store_rows(acc, out_ref, row0, lo - row0, hi - lo, ni * bn, bm, bn)
 
     group = tiles[0]
     out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows")(
-        group, rhs_index(group), *tiles[1:], _real_tiles(group, g), lhs_p, rhs_p)
+        group, rhs_index(group), *tiles[1:], _real_tiles(group, g), lhs_p, rhs_p, *(lora or ()))
     return out[:m, :n]
+
+
+def _lora_scratch(rows: int, rank: int, cols: int, dtype) -> tuple:
+    """Shared memory for one fused-adapter step: xa's tile [rows, rank], b's [rank, cols], and their barrier."""
+    return (plgpu.SMEM((rows, rank), dtype, transforms=_swizzled(rank, dtype)),
+            plgpu.SMEM((rank, cols), dtype, transforms=_swizzled(cols, dtype)),
+            plgpu.Barrier(num_arrivals=2))
+
+
+def _lora_load(xa_ref, b_ref, xa_smem, b_smem, barrier, row0, group, col0, rows: int, cols: int):
+    """Start the TMA loads of the adapter's tiles for a unit: xa[row0:row0 + rows], b[group][:, col0:col0 + cols].
+    Issued before the main pipeline, so they land while it runs; `_lora_step` waits for them."""
+    plgpu.copy_gmem_to_smem(xa_ref.at[pl.ds(pl.multiple_of(row0, _ROW_ALIGN), rows), :], xa_smem, barrier)
+    plgpu.copy_gmem_to_smem(b_ref.at[group, :, pl.ds(col0, cols)], b_smem, barrier)
+
+
+def _lora_step(acc_ref, xa_smem, b_smem, barrier, multiply):
+    """acc += xa_tile @ b_tile (one more contraction step, of the adapter's rank) when `multiply`; always waits
+    for the loads (the barrier's phase must advance once per unit)."""
+    plgpu.barrier_wait(barrier)
+
+    @pl.when(multiply)
+    def _():
+        plgpu.wgmma(acc_ref, xa_smem, b_smem)
+        plgpu.wgmma_wait(0)
 
 
 def _store_rows_from(o_smem, out_ref, row0, start, size, col0, rows_max: int, block_n: int):
@@ -326,10 +384,11 @@ def _store_rows_from(o_smem, out_ref, row0, start, size, col0, rows_max: int, bl
 
 
 def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
-                transpose_rhs: bool = False, interpret: bool = False, rhs_base=None) -> jax.Array:
+                transpose_rhs: bool = False, interpret: bool = False, rhs_base=None, lora=None) -> jax.Array:
     """``gmm_rows`` with warp specialisation: a memory warpgroup runs the TMA pipeline, two compute
     warpgroups each own half of the output tile (``cfg.wg_split``) and store their rows while the next tile's
-    loads are in flight. Same schedule (``row_tiles``), same results, same ``rhs_base``."""
+    loads are in flight. Same schedule (``row_tiles``), same results, same ``rhs_base`` and ``lora`` (each compute
+    warpgroup loads and multiplies its own half of the adapter's tiles)."""
     m, k = lhs.shape
     g = group_sizes.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -345,6 +404,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
     grid_n, k_steps = np_ // cta_n, kp // bk
     dtype = lhs.dtype
     b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+    lora = _lora_operands(lora, m, bm, np_, g)
 
     def rhs_tile(rhs_ref, group, ni):
         cols = pl.ds(ni * cta_n, cta_n)
@@ -365,14 +425,22 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
     # warpgroups finish this one; JAX allows it when the contraction steps fill the stage ring evenly.
     chained = cfg.chained and k_steps % cfg.stages == 0
 
-    def body(group_ref, index_ref, row0_ref, lo_ref, hi_ref, count_ref, lhs_ref, rhs_ref, out_ref):
+    def body(group_ref, index_ref, row0_ref, lo_ref, hi_ref, count_ref, lhs_ref, rhs_ref, *refs):
+        *lora_refs, out_ref = refs
         ignore = lambda *_, **__: None
         allocations = pipeline(ignore, ignore).get_allocations(lhs_ref.at[pl.ds(0, bm), :],
                                                                 rhs_tile(rhs_ref, 0, 0))
+        # Each compute warpgroup's adapter tiles: its wg_m rows of xa, its bn columns of b.
+        lora_scratch = {} if lora is None else dict(zip(
+            ("xa_smem", "b_smem", "lora_barrier"),
+            (plgpu.SMEM((2, wg_m, lora[0].shape[1]), dtype,
+                        transforms=_swizzled(lora[0].shape[1], dtype)),
+             plgpu.SMEM((2, lora[0].shape[1], bn), dtype, transforms=_swizzled(bn, dtype)),
+             plgpu.Barrier(num_arrivals=2, num_barriers=2))))
 
         @functools.partial(pl.run_scoped, allocs=allocations, o_smem=plgpu.SMEM((2, wg_m, bn), dtype),
-                           collective_axes="wg")
-        def _(allocs, o_smem):
+                           **lora_scratch, collective_axes="wg")
+        def _(allocs, o_smem, **lora_smem):
             wg = jax.lax.axis_index("wg")
 
             # The SM's units: (tile, N-block) pairs of the real tiles only (row_tiles puts them first), so that every
@@ -401,7 +469,12 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                 def context(run_pipeline):
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, bn), jnp.float32))
                     def _(acc_ref):
+                        if lora_smem:
+                            mine = [lora_smem[k].at[wg] for k in ("xa_smem", "b_smem", "lora_barrier")]
+                            _lora_load(*lora_refs, *mine, row0 + row_off, jnp.minimum(group, g - 1), col0, wg_m, bn)
                         run_pipeline(acc_ref)
+                        if lora_smem:
+                            _lora_step(acc_ref, *mine, group < g)
                         acc = acc_ref[...].astype(dtype)
                         first = jnp.clip(lo - row0 - row_off, 0, wg_m)
                         last = jnp.clip(hi - row0 - row_off, 0, wg_m)
@@ -431,7 +504,8 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
 
     group = tiles[0]
     out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", num_threads=3,
-                  thread_name="wg")(group, rhs_index(group), *tiles[1:], _real_tiles(group, g), lhs_p, rhs_p)
+                  thread_name="wg")(group, rhs_index(group), *tiles[1:], _real_tiles(group, g), lhs_p, rhs_p,
+                                    *(lora or ()))
     return out[:m, :n]
 
 
@@ -514,13 +588,53 @@ def _rows(cfg: TileConfig):
     return gmm_rows_ws if cfg.warp_specialized else gmm_rows
 
 
+_SMEM_BYTES = 232448 - 256  # an H100/H200 block's shared memory, less what the barriers take
+
+
+def smem_bytes(cfg: TileConfig, lora: bool = False, itemsize: int = 2) -> int:
+    """Shared memory of a row-kernel launch on `cfg`'s tiles (with a fused adapter's tiles when `lora`): the TMA
+    ring, the output staging tile(s) and the adapter's xa / b tiles. The single-warpgroup kernel stages its output
+    after the ring's scope has closed, so the two share memory."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    if cfg.warp_specialized:
+        split_n = cfg.wg_split == "n"
+        cta_n, wg_m = (2 * bn, bm) if split_n else (bn, bm // 2)
+        ring = cfg.stages * (bm * bk + bk * cta_n)
+        extra = 2 * (wg_m * _LORA_ALIGN + _LORA_ALIGN * bn) if lora else 0
+        return itemsize * (ring + 2 * wg_m * bn + extra)
+    ring = cfg.stages * (bm * bk + bk * bn) + ((bm * _LORA_ALIGN + _LORA_ALIGN * bn) if lora else 0)
+    return itemsize * max(ring, bm * bn)
+
+
+def fused_config(cfg: TileConfig, k: int) -> TileConfig | None:
+    """`cfg` for a forward of contraction `k` with a fused adapter: as it is when the adapter's tiles fit beside its
+    ring, else with the deepest shallower ring that fits (one whose stage count divides the contraction steps, so a
+    warp-specialised kernel still chains), else None (the adapter's product then runs as its own kernel)."""
+    steps = -(-k // cfg.block_k)
+    for stages in range(cfg.stages, 1, -1):
+        if stages != cfg.stages and cfg.warp_specialized and cfg.chained and steps % stages:
+            continue
+        fitted = dataclasses.replace(cfg, stages=stages)
+        if smem_bytes(fitted, lora=True) <= _SMEM_BYTES:
+            return fitted
+    return None
+
+
 def forward(lhs, rhs, group_sizes, key: tuple[int, int, int], *, interpret: bool = False,
-            rhs_base=None) -> jax.Array:
+            rhs_base=None, lora=None) -> jax.Array:
     """The custom VJP's forward kernel on the tiles the table gives `key` = (K, N, groups): the operands' own
     shape in training; the GPU tests pass a full bench shape's key for operands of fewer groups and rows.
-    `rhs_base`: see `gmm_rows`."""
+    `rhs_base`, `lora`: see `gmm_rows`. With `lora`, the tiles are `fused_config`'s; where none fits, the
+    adapter's product is a second kernel whose output is added (two roundings instead of one)."""
     cfg = config_for(*key)
-    return _rows(cfg)(lhs, rhs, group_sizes, cfg, interpret=interpret, rhs_base=rhs_base)
+    if lora is not None:
+        fused = fused_config(cfg, key[0])
+        if fused is None:
+            xa, b = lora
+            out = _rows(cfg)(lhs, rhs, group_sizes, cfg, interpret=interpret, rhs_base=rhs_base)
+            return out + forward(xa, b, group_sizes, _key(xa, b), interpret=interpret)
+        cfg = fused
+    return _rows(cfg)(lhs, rhs, group_sizes, cfg, interpret=interpret, rhs_base=rhs_base, lora=lora)
 
 
 def backward_lhs(rhs, group_sizes, dout, key: tuple[int, int, int], *, interpret: bool = False, rhs_base=None):
@@ -542,18 +656,30 @@ def _key(lhs, rhs) -> tuple[int, int, int]:
     return lhs.shape[1], rhs.shape[-1], rhs.shape[-3]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gmm(lhs, rhs, group_sizes, interpret: bool):
-    return forward(lhs, rhs, group_sizes, _key(lhs, rhs), interpret=interpret)
+def _lora_grads(lora: tuple, group_sizes, dout, interpret: bool) -> tuple:
+    """(d xa, d b) of a fused adapter's product xa[m] @ b[g(m)]: the grouped rules of any product (d xa by the
+    row kernel against b^T, d b by the group-tile kernel); () without an adapter."""
+    if not lora:
+        return ()
+    xa, b = lora
+    return backward(xa, b, group_sizes, dout, _key(xa, b), interpret=interpret)
 
 
-def _gmm_fwd(lhs, rhs, group_sizes, interpret):
-    return _gmm(lhs, rhs, group_sizes, interpret), (lhs, rhs, group_sizes)
+# `lora` is () or (xa, b): out = gmm(lhs, rhs) + gmm(xa, b), the second product fused into the first kernel's
+# accumulator (one rounding, no [M, N] tensor of the adapter's product written and read back).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _gmm(lhs, rhs, group_sizes, lora: tuple, interpret: bool):
+    return forward(lhs, rhs, group_sizes, _key(lhs, rhs), interpret=interpret, lora=lora or None)
+
+
+def _gmm_fwd(lhs, rhs, group_sizes, lora, interpret):
+    return _gmm(lhs, rhs, group_sizes, lora, interpret), (lhs, rhs, group_sizes, lora)
 
 
 def _gmm_bwd(interpret, residuals, dout):
-    lhs, rhs, group_sizes = residuals
-    return (*backward(lhs, rhs, group_sizes, dout, _key(lhs, rhs), interpret=interpret), None)
+    lhs, rhs, group_sizes, lora = residuals
+    return (*backward(lhs, rhs, group_sizes, dout, _key(lhs, rhs), interpret=interpret), None,
+            _lora_grads(lora, group_sizes, dout, interpret))
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -563,46 +689,48 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 # expert matrices are a slice of the stack, and a slice handed to a custom call is first copied out whole (XLA
 # fuses a dynamic slice only into its own GEMMs): 1.48 GiB a layer for GPT-OSS-20B, in the forward and again in the
 # backward. Here the kernels index the flattened stack [L * G, K, N] (a free reshape) from row * G instead.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _gmm_row(lhs, rhs, row, group_sizes, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _gmm_row(lhs, rhs, row, group_sizes, lora: tuple, interpret: bool):
     return forward(lhs, _flat_groups(rhs), group_sizes, _key(lhs, rhs), interpret=interpret,
-                   rhs_base=row * rhs.shape[1])
+                   rhs_base=row * rhs.shape[1], lora=lora or None)
 
 
 def _flat_groups(rhs):
     return rhs.reshape(-1, *rhs.shape[2:])
 
 
-def _gmm_row_fwd(lhs, rhs, row, group_sizes, interpret):
-    return _gmm_row(lhs, rhs, row, group_sizes, interpret), (lhs, rhs, row, group_sizes)
+def _gmm_row_fwd(lhs, rhs, row, group_sizes, lora, interpret):
+    return _gmm_row(lhs, rhs, row, group_sizes, lora, interpret), (lhs, rhs, row, group_sizes, lora)
 
 
 def _gmm_row_bwd(interpret, residuals, dout):
     """d lhs from the stack in place; d rhs is the layer's [G, K, N] gradient placed at its row of a zero stack
     (what a frozen stack's caller never asks for: it is then dead code and compiled away)."""
-    lhs, rhs, row, group_sizes = residuals
+    lhs, rhs, row, group_sizes, lora = residuals
     key = _key(lhs, rhs)
     dout = dout.astype(lhs.dtype)
     dlhs = backward_lhs(_flat_groups(rhs), group_sizes, dout, key, interpret=interpret,
                         rhs_base=row * rhs.shape[1])
     drhs_row = gmm_drhs(lhs, dout, group_sizes, config_for(*key), interpret=interpret)
     drhs = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(rhs), drhs_row.astype(rhs.dtype), row, 0)
-    return dlhs, drhs, None, None
+    return dlhs, drhs, None, None, _lora_grads(lora, group_sizes, dout, interpret)
 
 
 _gmm_row.defvjp(_gmm_row_fwd, _gmm_row_bwd)
 
 
-def grouped_matmul_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, row=None,
+def grouped_matmul_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, row=None, lora=None,
                           interpret: bool | None = None) -> jax.Array:
     """out = gmm(lhs, rhs, group_sizes) by the Mosaic GPU kernels, differentiable in lhs and rhs; with `row` (int
-    scalar) rhs is a stack [L, G, K, N] and out = gmm(lhs, rhs[row], group_sizes), the stack read in place.
-    ``interpret`` defaults to True off-GPU (Mosaic GPU's CPU interpreter)."""
+    scalar) rhs is a stack [L, G, K, N] and out = gmm(lhs, rhs[row], group_sizes), the stack read in place; with
+    `lora` = (xa [M, r], b [G, r, N]) the adapter's gmm(xa, b) is added in the kernel's accumulator (differentiable
+    in xa and b too). ``interpret`` defaults to True off-GPU (Mosaic GPU's CPU interpreter)."""
     if interpret is None:
         interpret = target_platform() != "gpu"
     if not interpret and jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"{_WHERE}: the Mosaic GPU grouped matmul takes bfloat16/float16 operands, got "
                          f"{lhs.dtype}; cast them, or use implementation='xla'")
+    lora = () if lora is None else tuple(lora)
     if row is None:
-        return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), bool(interpret))
-    return _gmm_row(lhs, rhs, jnp.asarray(row, jnp.int32), group_sizes.astype(jnp.int32), bool(interpret))
+        return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), lora, bool(interpret))
+    return _gmm_row(lhs, rhs, jnp.asarray(row, jnp.int32), group_sizes.astype(jnp.int32), lora, bool(interpret))

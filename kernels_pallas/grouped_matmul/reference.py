@@ -12,6 +12,9 @@ group g:
     d lhs   = gmm(dout, rhs^T)              (rhs^T [G, N, K]: each row goes back through its own group)
     d rhs[g] = lhs_g^T dout_g                (a per-group [K, N] sum over that group's rows; 0 if empty)
 
+With an adapter fused in (``grouped_matmul(..., lora=(xa, b))``): out = gmm(lhs, rhs) + gmm(xa, b), summed in
+float32 and rounded once; each product's gradients are the rules above.
+
 This reference multiplies every row by every group and masks: G times the work of the real thing, so a test
 oracle and nothing more. It never reads ``group_sizes`` on the host, so it traces under jit.
 """
@@ -28,8 +31,9 @@ def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     return jnp.searchsorted(ends, jnp.arange(num_rows, dtype=jnp.int32), side="right").astype(jnp.int32)
 
 
-def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype=None) -> jax.Array:
+    """The definition, accumulated in float32 and returned in `out_dtype` (default: lhs's dtype)."""
     num_groups = rhs.shape[0]
     onehot = group_ids(group_sizes, lhs.shape[0])[:, None] == jnp.arange(num_groups, dtype=jnp.int32)[None, :]
     every = jnp.einsum("mk,gkn->mgn", lhs, rhs, preferred_element_type=jnp.float32)
-    return jnp.sum(jnp.where(onehot[:, :, None], every, 0.0), axis=1).astype(lhs.dtype)
+    return jnp.sum(jnp.where(onehot[:, :, None], every, 0.0), axis=1).astype(out_dtype or lhs.dtype)
