@@ -151,8 +151,12 @@ def test_reference_and_xla_steps_agree_and_run_what_they_name(steps):
 def test_pallas_mosaic_step_in_the_interpreter_agrees_with_the_reference(steps):
     mosaic = _step(steps["path"], steps["batch"], "pallas_mosaic")
     _assert_same(mosaic, steps["reference"], 1e-5)
-    gmms = 5 if steps["family"] == "qwen3_moe" else 4
-    assert mosaic[2][RAGGED] == 0 and mosaic[2][MOSAIC] == 3 * gmms  # forward, d lhs and d rhs kernels of each
+    # Each grouped product has an MMA in its forward, d lhs and d rhs kernels; an adapter fused into the experts'
+    # forward (the gate/up adapter's B side: twice at Qwen3-MoE, whose gate and up are two projections) adds one to
+    # that kernel and has its own d lhs and d rhs. Products: the expert projections (3 / 2) and the adapters' (the
+    # fused B sides and the down adapter's grouped A: 3 / 2).
+    products = 6 if steps["family"] == "qwen3_moe" else 4
+    assert mosaic[2][RAGGED] == 0 and mosaic[2][MOSAIC] == 3 * products
 
 
 def test_the_4bit_experts_forward_and_backward_take_the_setting(tmp_path):

@@ -99,10 +99,9 @@ class GptOssMoeMLP(nnx.Module):
         with jax.named_scope("moe_experts"):
             xs = gather_tokens(xf, routing.token, routing.inverse, self.top_k)
             gmm = gmm_implementation
-            gate_up = expert_matmul(xs, self.gate_up_proj, sizes, gmm)
+            lora = None if self.gate_up_lora is None else self.gate_up_lora.sorted_factors(xf, experts, routing)
+            gate_up = expert_matmul(xs, self.gate_up_proj, sizes, gmm, lora=lora)
             gate_up = gate_up + self.gate_up_bias[...].astype(x.dtype)[expert_of_row]
-            if self.gate_up_lora is not None:
-                gate_up = gate_up + self.gate_up_lora.sorted_delta(xf, experts, routing, gmm)
             # Named as the dense MLP's gate/up: a remat policy that keeps or offloads it skips the largest
             # recompute of the layer (this grouped matmul) in the backward.
             gate_up = checkpoint_name(gate_up, MLP_GATE_UP)

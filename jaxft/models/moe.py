@@ -34,8 +34,9 @@ Expert LoRA (`ExpertLora`, PEFT's `target_parameters` on the fused `experts.gate
 per expert e a rank-r update of W_e, applied without forming any per-expert delta weight:
     y = gmm(xs, W) + gmm(gmm(xs, A), s * B)        A [E, in, r], B [E, r, out] (fp32 `LoraParam`), s = alpha/r
 The blocks run the rank-r side that touches the tokens as one dense matmul over the N tokens (not the N*k sorted
-rows): the gate/up adapter's A (`ExpertLora.sorted_delta`), the down adapter's B inside the combine
-(`ExpertLora.combined_delta`); `ExpertLora.delta` is the grouped definition both equal.
+rows): the gate/up adapter's A (`ExpertLora.sorted_factors`, whose B side the experts' own grouped matmul adds in
+its accumulator), the down adapter's B inside the combine (`ExpertLora.combined_delta`); `ExpertLora.delta` is the
+grouped definition both equal.
 The gate/up adapter is one adapter of width 2I (PEFT adapts the fused [E, 2I, H] parameter): its output's
 first I columns add to gate, the last I to up, so A is shared by both. Gradients: dB_e = s (xs_e A_e)^T dy_e
 and dA_e = xs_e^T (dy_e (s B_e)^T) come out of the grouped matmuls' own transposes (ragged dots); the frozen
@@ -201,8 +202,16 @@ class ExpertLora(nnx.Module):
 
     def sorted_delta(self, xf: jax.Array, experts: jax.Array, routing: Routing,
                      gmm_implementation: str = "auto") -> jax.Array:
-        """delta(xf[routing.token], sizes), [N*k, out] in expert-sorted row order, for the tokens xf [N, in] with
-        their experts [N, k]; the A side runs on the N tokens instead of the N*k sorted rows:
+        """delta(xf[routing.token], sizes), [N*k, out] in expert-sorted row order: gmm(*sorted_factors(...))."""
+        return grouped_matmul(*self.sorted_factors(xf, experts, routing), routing.group_sizes,
+                              implementation=gmm_implementation)
+
+    def sorted_factors(self, xf: jax.Array, experts: jax.Array, routing: Routing) -> tuple[jax.Array, jax.Array]:
+        """(xa [N*k, r] in expert-sorted row order, s B [E, r, out]) in xf's dtype: the factors whose grouped
+        product gmm(xa, s B) is delta(xf[routing.token], sizes), for the tokens xf [N, in] with their experts
+        [N, k]. The experts' own grouped matmul takes them as its `lora` (`expert_matmul`), so the Mosaic kernels
+        add gmm(xa, s B) in their accumulator instead of writing an [N*k, out] product and adding it after. The A
+        side runs on the N tokens instead of the N*k sorted rows:
 
             Z = xf @ [A_0 | ... | A_{E-1}]   [N, E, r], one dense matmul (N x in x E r)
             xa[s] = Z[token(s), expert(s)]   a gather of r-wide rows (n, e[n, j]), put in sorted order
@@ -216,7 +225,7 @@ class ExpertLora(nnx.Module):
             z = jnp.einsum("nh,ehr->ner", xf, self.lora_a[...].astype(xf.dtype))
             picked = jnp.take_along_axis(z, experts[..., None], axis=1).reshape(n * k, z.shape[-1])
             xa = unsort_rows(picked, routing.order, routing.inverse)  # flat slots -> sorted rows: picked[order]
-            return grouped_matmul(xa, self._scaled_b(xf.dtype), routing.group_sizes, implementation=gmm_implementation)
+            return xa, self._scaled_b(xf.dtype)
 
     def combined_delta(self, h: jax.Array, weights: jax.Array, experts: jax.Array, routing: Routing,
                        gmm_implementation: str = "auto") -> jax.Array:
@@ -292,11 +301,13 @@ class MoeMLP(nnx.Module):
         with jax.named_scope("moe_experts"):
             xs = xf[routing.token]  # scatter_combine's docstring: measured faster than the gathers at this shape
             gmm = gmm_implementation
-            gate = expert_matmul(xs, self.gate_proj, sizes, gmm)
-            up = expert_matmul(xs, self.up_proj, sizes, gmm)
-            if self.gate_up_lora is not None:
-                d = self.gate_up_lora.sorted_delta(xf, experts, routing, gmm)
-                gate, up = gate + d[:, :gate.shape[-1]], up + d[:, gate.shape[-1]:]
+            gate_lora = up_lora = None
+            if self.gate_up_lora is not None:  # one adapter of width 2I: its first I columns are gate's
+                xa, b = self.gate_up_lora.sorted_factors(xf, experts, routing)
+                inter = b.shape[-1] // 2
+                gate_lora, up_lora = (xa, b[..., :inter]), (xa, b[..., inter:])
+            gate = expert_matmul(xs, self.gate_proj, sizes, gmm, lora=gate_lora)
+            up = expert_matmul(xs, self.up_proj, sizes, gmm, lora=up_lora)
             gate, up = checkpoint_name(gate, MLP_GATE_UP), checkpoint_name(up, MLP_GATE_UP)  # as GptOssMoeMLP
             h = ACTIVATIONS[self.hidden_act](gate, up)
             ys = expert_matmul(h, self.down_proj, sizes, gmm)

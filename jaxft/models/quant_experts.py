@@ -17,6 +17,8 @@ an `ExpertParam` the plain grouped matmul; either way the grouped matmul is the 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -92,18 +94,23 @@ class Quant4bitExperts(nnx.Module):
                                           quant_type=self.quant_type, gmm_implementation=gmm_implementation)
 
 
-def expert_matmul(xs: jax.Array, weight, group_sizes: jax.Array, gmm_implementation: str = "auto") -> jax.Array:
+def expert_matmul(xs: jax.Array, weight, group_sizes: jax.Array, gmm_implementation: str = "auto", *,
+                  lora=None) -> jax.Array:
     """out[m] = xs[m] @ W_g(m) for one layer's expert weight: an `ExpertParam` [E, in, out] (cast to xs's dtype)
     or holding a `StackRow` of its stack (in a layer scan), or a `Quant4bitExperts`, by the grouped matmul
-    `gmm_implementation` names (`kernels_pallas.grouped_matmul`)."""
+    `gmm_implementation` names (`kernels_pallas.grouped_matmul`). With `lora` = (xa [M, r], b [E, r, out])
+    (`ExpertLora.sorted_factors`) plus gmm(xa, b): in the same grouped matmul (`grouped_matmul(..., lora=)`), or
+    for 4-bit experts as a second one."""
+    gmm = functools.partial(grouped_matmul, implementation=gmm_implementation, lora=lora)
     if isinstance(weight, Quant4bitExperts):
-        return weight.matmul(xs, group_sizes, gmm_implementation)
+        out = weight.matmul(xs, group_sizes, gmm_implementation)
+        return out if lora is None else out + grouped_matmul(*lora, group_sizes, implementation=gmm_implementation)
     value = weight.get_value()
     if isinstance(value, StackRow):  # inside a layer scan: the layer's row of the stack, read in place
         if value.dtype != xs.dtype:  # a cast would copy the whole stack: cast the row alone
-            return grouped_matmul(xs, value.sliced().astype(xs.dtype), group_sizes, implementation=gmm_implementation)
-        return grouped_matmul(xs, value.stack, group_sizes, implementation=gmm_implementation, row=value.row)
-    return grouped_matmul(xs, value.astype(xs.dtype), group_sizes, implementation=gmm_implementation)
+            return gmm(xs, value.sliced().astype(xs.dtype), group_sizes)
+        return gmm(xs, value.stack, group_sizes, row=value.row)
+    return gmm(xs, value.astype(xs.dtype), group_sizes)
 
 
 def expert_weight(weight, dtype=None) -> jax.Array:
