@@ -8,6 +8,7 @@ middle and last, and rows left over.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -380,13 +381,16 @@ def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split):
 
 
 def test_fused_adapter_tiles_fit_shared_memory_or_fall_back():
-    """`fused_config`: the table's tiles when the adapter's fit beside them, else a shallower ring whose stages
-    still divide the contraction steps, else None (a second kernel); `smem_bytes` is what Mosaic GPU reported for
+    """`fused_config`: the table's tiles when the adapter's fit beside them, else a shallower ring (or 64-deep steps)
+    whose stages still divide the contraction steps, else None (a second kernel); `smem_bytes` is what Mosaic GPU reported for
     the Qwen3-MoE gate_up tiles with the adapter (278,576 B with 48 B of barriers) before the fallback existed."""
     from kernels_pallas.grouped_matmul.mosaic import _SMEM_BYTES, config_for, fused_config, smem_bytes
 
-    assert smem_bytes(config_for(2048, 1536, 128), lora=True) + 48 == 278576
-    assert fused_config(config_for(2048, 1536, 128), 2048) is None  # 2 stages already: nothing shallower
+    qwen_gate_up = config_for(2048, 1536, 128)
+    assert smem_bytes(qwen_gate_up, lora=True) + 48 == 278576
+    fitted = fused_config(qwen_gate_up, 2048)  # 2 stages already: 64-deep steps instead of 128
+    assert (fitted.block_k, fitted.stages) == (64, 2) and smem_bytes(fitted, lora=True) <= _SMEM_BYTES
+    assert fused_config(dataclasses.replace(qwen_gate_up, block_k=64, block_n=256), 2048) is None
     qwen = fused_config(config_for(2048, 768, 128), 2048)
     assert qwen.stages == 2 and (2048 // qwen.block_k) % 2 == 0 and smem_bytes(qwen, lora=True) <= _SMEM_BYTES
     gpt = config_for(2880, 5760, 32)
@@ -395,19 +399,23 @@ def test_fused_adapter_tiles_fit_shared_memory_or_fall_back():
 
 @pytest.mark.parametrize("key", [(2048, 1536, 128), (2048, 768, 128), (2880, 5760, 32)])
 def test_fused_adapter_kernels_lower_for_a_gpu_from_the_cpu(key):
-    """The fused forward through Mosaic GPU's CUDA lowering (layouts, shared memory) on the table's shapes, with an
-    in-place layer stack and a rank-16 adapter: one kernel where `fused_config` fits (two where it falls back), and
-    the backward's three (d lhs, d xa, d b; the frozen stack's d rhs is dead code)."""
-    from kernels_pallas.grouped_matmul.mosaic import config_for, fused_config, grouped_matmul_mosaic
+    """The fused forward kernel through Mosaic GPU's CUDA lowering (layouts, shared memory) on the table's shapes
+    with a rank-16 adapter, on `fused_config`'s tiles: one kernel. Through the custom VJP with an in-place layer
+    stack: the forward (one kernel, or two while FUSED_LORA_ON_GPU is off) and the backward's three (d lhs, d xa,
+    d b; the frozen stack's d rhs is dead code)."""
+    from kernels_pallas.grouped_matmul import mosaic
 
     k, n, g = key
     S = jax.ShapeDtypeStruct
     args = (S((4096, k), jnp.bfloat16), S((2, g, k, n), jnp.bfloat16), S((g,), jnp.int32),
             S((4096, 16), jnp.bfloat16), S((g, 16, n), jnp.bfloat16))
-    call = lambda a, w, s, x, b: grouped_matmul_mosaic(a, w, s, row=1, lora=(x, b), interpret=False)  # noqa: E731
     calls = lambda lowered: lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")  # noqa: E731
-    fused = fused_config(config_for(*key), k) is not None
-    assert calls(jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))) == (1 if fused else 2)
+    cfg = mosaic.fused_config(mosaic.config_for(*key), k)
+    kernel = lambda a, w, s, x, b: mosaic._rows(cfg)(a, w[1], s, cfg, lora=(x, b))  # noqa: E731
+    assert calls(jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",))) == 1
+    call = lambda a, w, s, x, b: mosaic.grouped_matmul_mosaic(a, w, s, row=1, lora=(x, b), interpret=False)  # noqa: E731
+    forward = 1 if mosaic.FUSED_LORA_ON_GPU else 2
+    assert calls(jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))) == forward
     loss = lambda a, w, s, x, b: call(a, w, s, x, b).astype(jnp.float32).sum()  # noqa: E731
     grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
-    assert calls(grads) == (1 if fused else 2) + 3
+    assert calls(grads) == forward + 3
