@@ -318,15 +318,20 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
         for c in cands:
             cta_n = 2 * c.block_n if c.wg_split == "n" else c.block_n
             assert n % cta_n == 0 and (kc // c.block_k) % c.stages == 0
-            assert c.stages * (c.block_m * c.block_k + c.block_k * cta_n) * 2 <= bench._SMEM_BYTES
+            assert mosaic.smem_bytes(c) <= mosaic._SMEM_BYTES
         assert {c.grid_block_n for c in cands} == {0, 1}
     shape = GmmShape("s", ragged_sizes(120, 3), 128, 128, 128, "bfloat16")
     small = lambda kc, n: [mosaic.TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True,
                                              wg_split="m", grid_block_n=2)]
-    rows = bench.run_sweep([shape], iters=1, compile_threads=2, candidates=small)
-    # per direction: the table's config, it with the other walk, the candidate
+    small_dw = lambda k, n: [mosaic.TileConfig(dw_block_k=64, dw_block_n=64, dw_block_t=64, dw_stages=2)]
+    rows = bench.run_sweep([shape], iters=1, compile_threads=2, candidates=small, dw_candidates=small_dw)
+    # per row-kernel direction: the table's config, it with the other walk, the candidate; d rhs: table, candidate
     assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True), ("fwd", False), ("fwd", False),
-                                                            ("dlhs", True), ("dlhs", False), ("dlhs", False)]
+                                                            ("dlhs", True), ("dlhs", False), ("dlhs", False),
+                                                            ("drhs", True), ("drhs", False)]
+    assert rows[-1]["label"] == "drhs 64x64 t64 st2"
+    assert all(bench.sweep_dw_candidates(2880, 5760)) and all(
+        2880 % c.dw_block_k == 0 and 5760 % c.dw_block_n == 0 for c in bench.sweep_dw_candidates(2880, 5760))
     assert all(r["tflops"] > 0 and "error" not in r for r in rows)
     assert rows[2]["label"] == "ws-m 64x64x64 st2 walk2" and rows[2]["config"]["grid_block_n"] == 2
     table = mosaic.TileConfig(warp_specialized=True, wg_split="n", stages=3)

@@ -9,7 +9,8 @@ with rows = sum(group_sizes), and its two gradients).
     python -m kernels_pallas.grouped_matmul.bench --sweep --json sweep.json      # row-kernel tiles per shape
 
 ``--sweep``: the row-tile kernel (forward and d lhs) of every bench shape on each of ``sweep_candidates``' tile
-configs, next to the table's own (``mosaic.CONFIGS``): the data the table is chosen from, in one call.
+configs and the d rhs kernel on ``sweep_dw_candidates``', next to the table's own (``mosaic.CONFIGS``): the data the
+table is chosen from, in one call.
 
 ``--against DIR``: an A/B of this tree's Mosaic GPU kernels against those of another tree (DIR holds its
 ``kernels_pallas``, e.g. ``git archive <rev> kernels_pallas | tar -x -C DIR``) in one process, alternating which runs
@@ -141,16 +142,13 @@ def run_against(shapes: Sequence[GmmShape], other, rounds: int = 4, iters: int =
     return rows
 
 
-_SMEM_BYTES = 220 * 1024  # of the H200's 227 KiB per block, a margin for barriers and the pipeline's own
-
-
 def sweep_candidates(kc: int, n: int) -> list:
     """Warp-specialised row-kernel tiles for a product of contraction `kc` and output width `n` (bf16): the
     block_n widths that divide n, the stage counts that divide the contraction steps (so the units chain) and fit in
-    shared memory, both splits of the tile, and the two walks (along a tile's N-blocks, or down the tiles at one
-    N-block). Why these: a width that does not divide n pads the whole expert stack, and an unchained pipeline
-    fills from empty on every unit."""
-    from .mosaic import TileConfig
+    shared memory (`mosaic.smem_bytes`), both splits of the tile, and the two walks (along a tile's N-blocks, or
+    down the tiles at one N-block). Why these: a width that does not divide n pads the whole expert stack, and an
+    unchained pipeline fills from empty on every unit."""
+    from .mosaic import _SMEM_BYTES, TileConfig, smem_bytes
 
     out = []
     for split in ("m", "n"):
@@ -158,18 +156,36 @@ def sweep_candidates(kc: int, n: int) -> list:
             cta_n = 2 * bn if split == "n" else bn
             if n % cta_n or (split == "n" and bn > 128):  # two 128 x 256 fp32 accumulators do not fit the registers
                 continue
-            wg_rows = 128 if split == "n" else 64
             for bk in (64, 128):
-                steps = kc // bk
                 if kc % bk:
                     continue
-                fits = [st for st in (6, 5, 4, 3, 2) if steps % st == 0
-                        and st * (128 * bk + bk * cta_n) * 2 + 2 * wg_rows * bn * 2 <= _SMEM_BYTES]
+                tiles = dict(block_m=128, block_n=bn, block_k=bk, warp_specialized=True, wg_split=split)
+                fits = [st for st in (6, 5, 4, 3, 2) if (kc // bk) % st == 0
+                        and smem_bytes(TileConfig(**tiles, stages=st)) <= _SMEM_BYTES]
                 for stages in fits[:1]:  # the deepest ring that fits
                     for walk in (0, 1):
-                        out.append(TileConfig(block_m=128, block_n=bn, block_k=bk, stages=stages, grid_block_n=walk,
-                                              warp_specialized=True, wg_split=split))
+                        out.append(TileConfig(**tiles, stages=stages, grid_block_n=walk))
     return out
+
+
+def sweep_dw_candidates(k: int, n: int) -> list:
+    """d rhs (group-tile kernel) tiles for lhs width `k` and dout width `n` (bf16): dw_block_k x dw_block_n output
+    tiles that divide k and n, 64-row contraction steps, the deepest ring (of 6 or 4) that fits in shared memory."""
+    from .mosaic import _SMEM_BYTES, TileConfig
+
+    out = []
+    for bk in (64, 128, 192):
+        for bn in (128, 192, 256):
+            if k % bk or n % bn or bk * bn > 192 * 128:  # fp32 [bk, bn] in one warpgroup: <= 192 registers a thread
+                continue
+            fits = [st for st in (6, 4) if st * 64 * (bk + bn) * 2 <= _SMEM_BYTES]
+            if fits:
+                out.append(TileConfig(dw_block_k=bk, dw_block_n=bn, dw_block_t=64, dw_stages=fits[0]))
+    return out
+
+
+def _describe_dw(cfg) -> str:
+    return f"drhs {cfg.dw_block_k}x{cfg.dw_block_n} t{cfg.dw_block_t} st{cfg.dw_stages}"
 
 
 def _describe(cfg) -> str:
@@ -191,10 +207,11 @@ def _table_variants(table) -> list:
 
 
 def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int = 8,
-              candidates=None) -> list[dict]:
+              candidates=None, dw_candidates=sweep_dw_candidates) -> list[dict]:
     """Rows {"shape", "direction": "fwd" | "dlhs", "label", "config", "table": bool, "ms", "tflops"} for the
     row-tile kernel on the table's config (`_table_variants`: also unchained, and walking along the tiles) and on every
-    `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d lhs. The programs compile on `compile_threads`
+    `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d lhs; and the d rhs
+    (group-tile) kernel on the table's dw_* tiles and each of `dw_candidates(k, n)` (None: no d rhs). The programs compile on `compile_threads`
     threads first (Mosaic GPU's compiles are most of the sweep's time), then run one at a time."""
     import concurrent.futures
     import dataclasses
@@ -218,6 +235,14 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
                 fn = jax.jit(lambda a, b, s, cfg=cfg, t=direction == "dlhs": mosaic._rows(cfg)(
                     a, b, s, cfg, transpose_rhs=t, interpret=interpret))
                 jobs.append((row, fn, args))
+        if dw_candidates is None:
+            continue
+        table = mosaic.config_for(*key)
+        for cfg in [table, *dw_candidates(shape.k, shape.n)]:
+            row = {"shape": shape.name, "direction": "drhs", "label": _describe_dw(cfg),
+                   "config": dataclasses.asdict(cfg), "table": cfg is table, "work": _work(shape)["fwd"]}
+            fn = jax.jit(lambda a, d, s, cfg=cfg: mosaic.gmm_drhs(a, d, s, cfg, interpret=interpret))
+            jobs.append((row, fn, (lhs, dout, sizes)))
 
     def build(job):
         row, fn, args = job
