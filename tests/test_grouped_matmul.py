@@ -372,15 +372,16 @@ def test_a_fused_adapter_adds_its_product_and_gets_its_gradients(impl, stacked):
     assert not np.any(np.asarray(out)[184:])  # rows past the groups: 0, adapter included
 
 
-@pytest.mark.parametrize("ws,split", [(False, "n"), (True, "m"), (True, "n")])
-def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split):
+@pytest.mark.parametrize("ws,split,rank", [(False, "n", 8), (True, "m", 8), (True, "n", 8), (True, "m", 80)])
+def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split, rank):
     """The fused adapter's step in each row kernel (single warpgroup; warp-specialised with the tile split along M
-    or N, each compute warpgroup loading its own part of xa and b), chained over several units per "SM"."""
+    or N, each compute warpgroup loading its own part of xa and b), chained over several units per "SM"; a rank
+    past one 64-column tile (80, padded to 128)."""
     from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows, gmm_rows_ws
 
     cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws, wg_split=split)
     sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
-    lhs, rhs, xa, b, _ = _lora_operands(200, 128, 256, 6, 8, 8)
+    lhs, rhs, xa, b, _ = _lora_operands(200, 128, 256, 6, rank, 8)
     got = (gmm_rows_ws if ws else gmm_rows)(lhs, rhs, sizes, cfg, interpret=True, lora=(xa, b))
     _close(got, _lora_loop(lhs, rhs, xa, b, sizes, np.zeros((200, 256)))[0], "float32", f"out ({ws}, {split})")
 
@@ -392,14 +393,17 @@ def test_fused_adapter_tiles_fit_shared_memory_or_fall_back():
     from kernels_pallas.grouped_matmul.mosaic import _SMEM_BYTES, config_for, fused_config, smem_bytes
 
     qwen_gate_up = config_for(2048, 1536, 128)
-    assert smem_bytes(qwen_gate_up, lora=True) + 48 == 278576
-    fitted = fused_config(qwen_gate_up, 2048)  # 2 stages already: 64-deep steps instead of 128
-    assert (fitted.block_k, fitted.stages) == (64, 2) and smem_bytes(fitted, lora=True) <= _SMEM_BYTES
-    assert fused_config(dataclasses.replace(qwen_gate_up, block_k=64, block_n=256), 2048) is None
-    qwen = fused_config(config_for(2048, 768, 128), 2048)
-    assert qwen.stages == 2 and (2048 // qwen.block_k) % 2 == 0 and smem_bytes(qwen, lora=True) <= _SMEM_BYTES
+    assert smem_bytes(qwen_gate_up, 16) + 48 == 278576
+    fitted = fused_config(qwen_gate_up, 2048, 16)  # 2 stages already: 64-deep steps instead of 128
+    assert (fitted.block_k, fitted.stages) == (64, 2) and smem_bytes(fitted, 16) <= _SMEM_BYTES
+    assert fused_config(dataclasses.replace(qwen_gate_up, block_k=64, block_n=256), 2048, 16) is None
+    qwen = fused_config(config_for(2048, 768, 128), 2048, 16)
+    assert qwen.stages == 2 and (2048 // qwen.block_k) % 2 == 0 and smem_bytes(qwen, 16) <= _SMEM_BYTES
     gpt = config_for(2880, 5760, 32)
-    assert fused_config(gpt, 2880) == gpt  # fits as it is
+    assert fused_config(gpt, 2880, 16) == gpt  # fits as it is
+    # a rank of 128 (two 64-column tiles) needs more: the GPT-OSS tiles then take a shallower ring
+    assert smem_bytes(gpt, 128) > smem_bytes(gpt, 64) == smem_bytes(gpt, 16)
+    assert fused_config(gpt, 2880, 128).stages < gpt.stages
 
 
 @pytest.mark.parametrize("key", [(2048, 1536, 128), (2048, 768, 128), (2880, 5760, 32)])
@@ -415,7 +419,7 @@ def test_fused_adapter_kernels_lower_for_a_gpu_from_the_cpu(key):
     args = (S((4096, k), jnp.bfloat16), S((2, g, k, n), jnp.bfloat16), S((g,), jnp.int32),
             S((4096, 16), jnp.bfloat16), S((g, 16, n), jnp.bfloat16))
     calls = lambda lowered: lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")  # noqa: E731
-    cfg = mosaic.fused_config(mosaic.config_for(*key), k)
+    cfg = mosaic.fused_config(mosaic.config_for(*key), k, 16)
     kernel = lambda a, w, s, x, b: mosaic._rows(cfg)(a, w[1], s, cfg, lora=(x, b))  # noqa: E731
     assert calls(jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",))) == 1
     call = lambda a, w, s, x, b: mosaic.grouped_matmul_mosaic(a, w, s, row=1, lora=(x, b), interpret=False)  # noqa: E731

@@ -92,7 +92,7 @@ def test_a_fused_adapter_matches_on_the_tiles_of_each_projection(shape):
     takes this path on a GPU once FUSED_LORA_ON_GPU is set.)"""
     full = GPU_TEST_TILES_OF[shape.name]
     key = (full.k, full.n, len(full.group_sizes))
-    cfg = mosaic.fused_config(mosaic.config_for(*key), key[0])
+    cfg = mosaic.fused_config(mosaic.config_for(*key), key[0], 16)
     lhs, rhs, sizes, _ = make_inputs(shape)
     k1, k2 = jax.random.split(jax.random.key(9))
     xa = jax.random.normal(k1, (shape.m, 16), jnp.float32).astype(jnp.bfloat16)

@@ -591,23 +591,27 @@ def _rows(cfg: TileConfig):
 _SMEM_BYTES = 232448 - 256  # an H100/H200 block's shared memory, less what the barriers take
 
 
-def smem_bytes(cfg: TileConfig, lora: bool = False, itemsize: int = 2) -> int:
-    """Shared memory of a row-kernel launch on `cfg`'s tiles (with a fused adapter's tiles when `lora`): the TMA
-    ring, the output staging tile(s) and the adapter's xa / b tiles. The single-warpgroup kernel stages its output
-    after the ring's scope has closed, so the two share memory."""
+def _padded_rank(rank: int) -> int:
+    return -(-rank // _LORA_ALIGN) * _LORA_ALIGN
+
+
+def smem_bytes(cfg: TileConfig, lora_rank: int = 0, itemsize: int = 2) -> int:
+    """Shared memory of a row-kernel launch on `cfg`'s tiles (with a fused adapter of rank `lora_rank`, padded as
+    the kernels pad it): the TMA ring, the output staging tile(s) and the adapter's xa / b tiles. The
+    single-warpgroup kernel stages its output after the ring's scope has closed, so the two share memory."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    r = _padded_rank(lora_rank) if lora_rank else 0
     if cfg.warp_specialized:
         split_n = cfg.wg_split == "n"
         cta_n, wg_m = (2 * bn, bm) if split_n else (bn, bm // 2)
         ring = cfg.stages * (bm * bk + bk * cta_n)
-        extra = 2 * (wg_m * _LORA_ALIGN + _LORA_ALIGN * bn) if lora else 0
-        return itemsize * (ring + 2 * wg_m * bn + extra)
-    ring = cfg.stages * (bm * bk + bk * bn) + ((bm * _LORA_ALIGN + _LORA_ALIGN * bn) if lora else 0)
+        return itemsize * (ring + 2 * wg_m * bn + 2 * (wg_m * r + r * bn))
+    ring = cfg.stages * (bm * bk + bk * bn) + bm * r + r * bn
     return itemsize * max(ring, bm * bn)
 
 
-def fused_config(cfg: TileConfig, k: int) -> TileConfig | None:
-    """`cfg` for a forward of contraction `k` with a fused adapter: as it is when the adapter's tiles fit beside its
+def fused_config(cfg: TileConfig, k: int, rank: int) -> TileConfig | None:
+    """`cfg` for a forward of contraction `k` with a fused adapter of rank `rank`: as it is when the adapter's tiles fit beside its
     ring, else with the deepest shallower ring that fits (one whose stage count divides the contraction steps, so a
     warp-specialised kernel still chains), trying 64-deep steps after its own; else None (the adapter's product
     then runs as its own kernel)."""
@@ -618,7 +622,7 @@ def fused_config(cfg: TileConfig, k: int) -> TileConfig | None:
                     steps % stages:
                 continue
             fitted = dataclasses.replace(cfg, stages=stages, block_k=block_k)
-            if smem_bytes(fitted, lora=True) <= _SMEM_BYTES:
+            if smem_bytes(fitted, rank) <= _SMEM_BYTES:
                 return fitted
     return None
 
@@ -637,7 +641,7 @@ def forward(lhs, rhs, group_sizes, key: tuple[int, int, int], *, interpret: bool
     adapter's product is a second kernel whose output is added (two roundings instead of one)."""
     cfg = config_for(*key)
     if lora is not None:
-        fused = fused_config(cfg, key[0]) if interpret or FUSED_LORA_ON_GPU else None
+        fused = fused_config(cfg, key[0], lora[0].shape[1]) if interpret or FUSED_LORA_ON_GPU else None
         if fused is None:
             xa, b = lora
             out = _rows(cfg)(lhs, rhs, group_sizes, cfg, interpret=interpret, rhs_base=rhs_base)
