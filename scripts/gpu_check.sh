@@ -5,6 +5,7 @@
 # one script serves a quick check and the full scoreboard:
 #   PHASES="env tests forward attention ce train"   (default: all; "nf4" adds the 4-bit matmul benchmark, "gmm" the
 #   MoE grouped-matmul benchmark: xla ragged_dot / pallas_mosaic / dense, written to gmm.json, GMM_TIMEOUT_S=150;
+#   "gmmsweep" its tile sweep (bench --sweep: every candidate tile config per shape and kernel) to gmm_sweep.json;
 #   "offload" the host-offload probe: $OUT/offload_probe.jsonl; OFFLOAD_DUMP=variant,... adds $OUT/offload_dump.tgz;
 #   "maxctx" the longest 8B row per remat policy + one real step at 256k: $OUT/max_context.{jsonl,md}, MAXCTX_TIMEOUT_S=360;
 #   "overlap" copy/compute overlap of the host offload from a profile: $OUT/offload_overlap.json and
@@ -159,6 +160,12 @@ if has gmm; then
   stamp "grouped matmul benchmark (MoE expert shapes: lax.ragged_dot vs the Mosaic GPU kernels vs dense)"
   timeout "${GMM_TIMEOUT_S:-150}" python3 -m kernels_pallas.grouped_matmul.bench --json "$OUT/gmm.json" \
     2>&1 | grep -v '^  File\|^    ' | tail -40 | tee -a "$OUT/check.log"
+fi
+
+if has gmmsweep; then
+  stamp "grouped matmul tile sweep (row kernels forward / d lhs, d rhs kernel: candidate tiles per MoE shape)"
+  timeout "${GMM_TIMEOUT_S:-300}" python3 -m kernels_pallas.grouped_matmul.bench --sweep --json "$OUT/gmm_sweep.json" \
+    2>&1 | grep -v '^  File\|^    ' | tail -120 | tee -a "$OUT/check.log"
 fi
 
 if has train; then

@@ -44,6 +44,16 @@ the next unit while the compute warpgroups finish and store this one, instead of
 Measured on an H200 (each kernel alone, ragged bench sizes, `bench --sweep`): forward 253-474 TFLOP/s, d lhs
 267-509, d rhs 280-500 - below the 600 / 500 target on these shapes (dense XLA matmuls of the same FLOPs: 280-640).
 
+An expert adapter fused into the forward (``grouped_matmul_mosaic(lora=(xa, b))``): out[m] = lhs[m] @ rhs[g(m)] +
+xa[m] @ b[g(m)], with xa [M, r] the rows' product with the adapter's A and b [G, r, N] its scaled B. The row kernels
+start the TMA loads of the unit's xa rows and b columns (rank zero-padded to 64) before the main pipeline and, after
+it, add their product to the accumulator as one more contraction step (``_lora_step``): the adapter's [M, N]
+product is never written to memory and added back, and the sum is rounded once. Gradients: those of the two grouped
+products (d xa = dout @ b^T per group, d b[g] = xa_g^T dout_g), by the same kernels. ``fused_config`` fits the
+adapter's tiles into shared memory beside the ring (a shallower ring or 64-deep steps) or returns None, and the
+adapter's product is then a second kernel. On the GPU, ``forward`` takes the fused kernel only once it has run
+there (``FUSED_LORA_ON_GPU``).
+
 bf16/f16 operands, fp32 accumulation, output in the input dtype. On CPU the same kernels run in Mosaic
 GPU's interpreter (``interpret=True``: the tests; float32 operands are accepted there).
 """
