@@ -325,10 +325,13 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
                                              wg_split="m", grid_block_n=2)]
     small_dw = lambda k, n: [mosaic.TileConfig(dw_block_k=64, dw_block_n=64, dw_block_t=64, dw_stages=2)]
     rows = bench.run_sweep([shape], iters=1, compile_threads=2, candidates=small, dw_candidates=small_dw)
-    # per row-kernel direction: the table's config, it with the other walk, the candidate; d rhs: table, candidate
+    # per row-kernel direction: the table's config, it with the other walk, the candidate; the forward with an
+    # adapter, fused and as two kernels; d rhs: table, candidate
     assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True), ("fwd", False), ("fwd", False),
                                                             ("dlhs", True), ("dlhs", False), ("dlhs", False),
+                                                            ("fwd+lora", False), ("fwd+lora", True),
                                                             ("drhs", True), ("drhs", False)]
+    assert rows[6]["label"].startswith("fused ") and rows[7]["label"].startswith("two kernels ")
     assert rows[-1]["label"] == "drhs 64x64 t64 st2"
     assert all(bench.sweep_dw_candidates(2880, 5760)) and all(
         2880 % c.dw_block_k == 0 and 5760 % c.dw_block_n == 0 for c in bench.sweep_dw_candidates(2880, 5760))

@@ -206,13 +206,18 @@ def _table_variants(table) -> list:
     return out
 
 
+_SWEEP_RANK = 16  # the expert adapters' rank in the training benchmark (bench_train's LoRA r)
+
+
 def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int = 8,
               candidates=None, dw_candidates=sweep_dw_candidates) -> list[dict]:
-    """Rows {"shape", "direction": "fwd" | "dlhs", "label", "config", "table": bool, "ms", "tflops"} for the
+    """Rows {"shape", "direction": "fwd" | "dlhs" | "fwd+lora" | "drhs", "label", "config", "table": bool, "ms", "tflops"} for the
     row-tile kernel on the table's config (`_table_variants`: also unchained, and walking along the tiles) and on every
-    `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d lhs; and the d rhs
-    (group-tile) kernel on the table's dw_* tiles and each of `dw_candidates(k, n)` (None: no d rhs). The programs compile on `compile_threads`
-    threads first (Mosaic GPU's compiles are most of the sweep's time), then run one at a time."""
+    `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d lhs; the forward with a
+    rank-16 adapter fused ("fwd+lora", `mosaic.fused_config`'s tiles) and as a second kernel added after; and the
+    d rhs (group-tile) kernel on the table's dw_* tiles and each of `dw_candidates(k, n)` (None: no d rhs). The
+    programs compile on `compile_threads` threads first (Mosaic GPU's compiles are most of the sweep's time), then
+    run one at a time."""
     import concurrent.futures
     import dataclasses
 
@@ -235,9 +240,24 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
                 fn = jax.jit(lambda a, b, s, cfg=cfg, t=direction == "dlhs": mosaic._rows(cfg)(
                     a, b, s, cfg, transpose_rhs=t, interpret=interpret))
                 jobs.append((row, fn, args))
+        # The forward with a rank-16 expert adapter: fused into the kernel (`fused_config`'s tiles) against the
+        # adapter's product as a second kernel added after (what the GPU runs while mosaic.FUSED_LORA_ON_GPU is off).
+        table = mosaic.config_for(*key)
+        fused = mosaic.fused_config(table, shape.k, _SWEEP_RANK)
+        xa = jax.random.normal(jax.random.key(1), (shape.m, _SWEEP_RANK), jnp.float32).astype(lhs.dtype)
+        b = jax.random.normal(jax.random.key(2), (len(shape.group_sizes), _SWEEP_RANK, shape.n),
+                              jnp.float32).astype(lhs.dtype)
+        lora_key = (_SWEEP_RANK, shape.n, len(shape.group_sizes))
+        variants = [("fused", fused, lambda a, w, s, x, bb, cfg=fused: mosaic._rows(cfg)(
+                        a, w, s, cfg, lora=(x, bb), interpret=interpret))] if fused is not None else []
+        variants.append(("two kernels", table, lambda a, w, s, x, bb, cfg=table: mosaic._rows(cfg)(
+            a, w, s, cfg, interpret=interpret) + mosaic.forward(x, bb, s, lora_key, interpret=interpret)))
+        for name, cfg, body in variants:
+            row = {"shape": shape.name, "direction": "fwd+lora", "label": f"{name} {_describe(cfg)}",
+                   "config": dataclasses.asdict(cfg), "table": name == "two kernels", "work": _work(shape)["fwd"]}
+            jobs.append((row, jax.jit(body), (lhs, rhs, sizes, xa, b)))
         if dw_candidates is None:
             continue
-        table = mosaic.config_for(*key)
         for cfg in [table, *dw_candidates(shape.k, shape.n)]:
             row = {"shape": shape.name, "direction": "drhs", "label": _describe_dw(cfg),
                    "config": dataclasses.asdict(cfg), "table": cfg is table, "work": _work(shape)["fwd"]}
@@ -264,7 +284,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
                 row["error"] = f"{type(e).__name__}: {e}"[:500]
         mark = "*" if row["table"] else " "
         result = f"{row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s" if "ms" in row else f"ERROR {row['error'][:200]}"
-        print(f"{row['shape']:<24} {row['direction']:<4} {row['label']:<34} {mark} {result}", flush=True)
+        print(f"{row['shape']:<24} {row['direction']:<8} {row['label']:<46} {mark} {result}", flush=True)
         rows.append(row)
     return rows
 
