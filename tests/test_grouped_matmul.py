@@ -391,8 +391,9 @@ def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split, rank):
 
 def test_fused_adapter_tiles_fit_shared_memory_or_fall_back():
     """`fused_config`: the table's tiles when the adapter's fit beside them, else a shallower ring (or 64-deep steps)
-    whose stages still divide the contraction steps, else None (a second kernel); `smem_bytes` is what Mosaic GPU reported for
-    the Qwen3-MoE gate_up tiles with the adapter (278,576 B with 48 B of barriers) before the fallback existed."""
+    whose stages still divide the contraction steps, else None (a second kernel); `smem_bytes` is what Mosaic GPU
+    reported for the Qwen3-MoE gate_up tiles with the adapter (278,576 B with 48 B of barriers) before the fallback
+    existed."""
     from kernels_pallas.grouped_matmul.mosaic import _SMEM_BYTES, config_for, fused_config, smem_bytes
 
     qwen_gate_up = config_for(2048, 1536, 128)
@@ -425,7 +426,8 @@ def test_fused_adapter_kernels_lower_for_a_gpu_from_the_cpu(key):
     cfg = mosaic.fused_config(mosaic.config_for(*key), k, 16)
     kernel = lambda a, w, s, x, b: mosaic._rows(cfg)(a, w[1], s, cfg, lora=(x, b))  # noqa: E731
     assert calls(jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",))) == 1
-    call = lambda a, w, s, x, b: mosaic.grouped_matmul_mosaic(a, w, s, row=1, lora=(x, b), interpret=False)  # noqa: E731
+    call = lambda a, w, s, x, b: mosaic.grouped_matmul_mosaic(  # noqa: E731
+        a, w, s, row=1, lora=(x, b), interpret=False)
     forward = 1 if mosaic.FUSED_LORA_ON_GPU else 2
     assert calls(jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))) == forward
     loss = lambda a, w, s, x, b: call(a, w, s, x, b).astype(jnp.float32).sum()  # noqa: E731

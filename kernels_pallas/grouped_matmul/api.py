@@ -30,8 +30,6 @@ _WHERE = "kernels_pallas/grouped_matmul/api.py"
 
 
 def grouped_matmul_xla(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, out_dtype=None) -> jax.Array:
-    if out_dtype is None:
-        return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32))
     return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=out_dtype)
 
 

@@ -211,13 +211,13 @@ _SWEEP_RANK = 16  # the expert adapters' rank in the training benchmark (bench_t
 
 def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int = 8,
               candidates=None, dw_candidates=sweep_dw_candidates) -> list[dict]:
-    """Rows {"shape", "direction": "fwd" | "dlhs" | "fwd+lora" | "drhs", "label", "config", "table": bool, "ms", "tflops"} for the
-    row-tile kernel on the table's config (`_table_variants`: also unchained, and walking along the tiles) and on every
-    `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d lhs; the forward with a
-    rank-16 adapter fused ("fwd+lora", `mosaic.fused_config`'s tiles) and as a second kernel added after; and the
-    d rhs (group-tile) kernel on the table's dw_* tiles and each of `dw_candidates(k, n)` (None: no d rhs). The
-    programs compile on `compile_threads` threads first (Mosaic GPU's compiles are most of the sweep's time), then
-    run one at a time."""
+    """Rows {"shape", "direction": "fwd" | "dlhs" | "fwd+lora" | "drhs", "label", "config", "table": bool, "ms",
+    "tflops"} for the row-tile kernel on the table's config (`_table_variants`: also unchained, and with the other
+    walk) and on every `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d lhs;
+    the forward with a rank-16 adapter fused ("fwd+lora", `mosaic.fused_config`'s tiles) and as a second kernel
+    added after; and the d rhs (group-tile) kernel on the table's dw_* tiles and each of `dw_candidates(k, n)`
+    (None: no d rhs). The programs compile on `compile_threads` threads first (Mosaic GPU's compiles are most of the
+    sweep's time), then run one at a time."""
     import concurrent.futures
     import dataclasses
 
@@ -229,8 +229,9 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
     for shape in shapes:
         lhs, rhs, sizes, dout = make_inputs(shape)
         key = (shape.k, shape.n, len(shape.group_sizes))
+        fwd_table = mosaic.config_for(*key)  # the forward's entry; d rhs reads its dw_* fields
         for direction in ("fwd", "dlhs"):
-            table = mosaic.config_for(*key) if direction == "fwd" else mosaic._dlhs_config(mosaic.config_for(*key), *key)
+            table = fwd_table if direction == "fwd" else mosaic._dlhs_config(fwd_table, *key)
             kc, width = (shape.k, shape.n) if direction == "fwd" else (shape.n, shape.k)
             configs = _table_variants(table) + candidates(kc, width)
             args = (lhs if direction == "fwd" else dout, rhs, sizes)
@@ -242,16 +243,15 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
                 jobs.append((row, fn, args))
         # The forward with a rank-16 expert adapter: fused into the kernel (`fused_config`'s tiles) against the
         # adapter's product as a second kernel added after (what the GPU runs while mosaic.FUSED_LORA_ON_GPU is off).
-        table = mosaic.config_for(*key)
+        table = fwd_table
         fused = mosaic.fused_config(table, shape.k, _SWEEP_RANK)
         xa = jax.random.normal(jax.random.key(1), (shape.m, _SWEEP_RANK), jnp.float32).astype(lhs.dtype)
         b = jax.random.normal(jax.random.key(2), (len(shape.group_sizes), _SWEEP_RANK, shape.n),
                               jnp.float32).astype(lhs.dtype)
-        lora_key = (_SWEEP_RANK, shape.n, len(shape.group_sizes))
         variants = [("fused", fused, lambda a, w, s, x, bb, cfg=fused: mosaic._rows(cfg)(
                         a, w, s, cfg, lora=(x, bb), interpret=interpret))] if fused is not None else []
-        variants.append(("two kernels", table, lambda a, w, s, x, bb, cfg=table: mosaic._rows(cfg)(
-            a, w, s, cfg, interpret=interpret) + mosaic.forward(x, bb, s, lora_key, interpret=interpret)))
+        variants.append(("two kernels", table, lambda a, w, s, x, bb, cfg=table: mosaic.unfused_forward(
+            a, w, s, cfg, (x, bb), interpret=interpret)))
         for name, cfg, body in variants:
             row = {"shape": shape.name, "direction": "fwd+lora", "label": f"{name} {_describe(cfg)}",
                    "config": dataclasses.asdict(cfg), "table": name == "two kernels", "work": _work(shape)["fwd"]}

@@ -352,11 +352,13 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
     return out[:m, :n]
 
 
-def _lora_scratch(rows: int, rank: int, cols: int, dtype) -> tuple:
-    """Shared memory for one fused-adapter step: xa's tile [rows, rank], b's [rank, cols], and their barrier."""
-    return (plgpu.SMEM((rows, rank), dtype, transforms=_swizzled(rank, dtype)),
-            plgpu.SMEM((rank, cols), dtype, transforms=_swizzled(cols, dtype)),
-            plgpu.Barrier(num_arrivals=2))
+def _lora_scratch(rows: int, rank: int, cols: int, dtype, copies: int = 1) -> tuple:
+    """Shared memory for a fused-adapter step: xa's tile [rows, rank], b's [rank, cols], and their barrier; with
+    `copies` > 1 one of each per warpgroup (a leading axis of that size, `copies` barriers)."""
+    lead = () if copies == 1 else (copies,)
+    return (plgpu.SMEM((*lead, rows, rank), dtype, transforms=_swizzled(rank, dtype)),
+            plgpu.SMEM((*lead, rank, cols), dtype, transforms=_swizzled(cols, dtype)),
+            plgpu.Barrier(num_arrivals=2, num_barriers=copies))
 
 
 def _lora_load(xa_ref, b_ref, xa_smem, b_smem, barrier, row0, group, col0, rows: int, cols: int):
@@ -442,11 +444,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                                                                 rhs_tile(rhs_ref, 0, 0))
         # Each compute warpgroup's adapter tiles: its wg_m rows of xa, its bn columns of b.
         lora_scratch = {} if lora is None else dict(zip(
-            ("xa_smem", "b_smem", "lora_barrier"),
-            (plgpu.SMEM((2, wg_m, lora[0].shape[1]), dtype,
-                        transforms=_swizzled(lora[0].shape[1], dtype)),
-             plgpu.SMEM((2, lora[0].shape[1], bn), dtype, transforms=_swizzled(bn, dtype)),
-             plgpu.Barrier(num_arrivals=2, num_barriers=2))))
+            ("xa_smem", "b_smem", "lora_barrier"), _lora_scratch(wg_m, lora[0].shape[1], bn, dtype, copies=2)))
 
         @functools.partial(pl.run_scoped, allocs=allocations, o_smem=plgpu.SMEM((2, wg_m, bn), dtype),
                            **lora_scratch, collective_axes="wg")
@@ -621,10 +619,10 @@ def smem_bytes(cfg: TileConfig, lora_rank: int = 0, itemsize: int = 2) -> int:
 
 
 def fused_config(cfg: TileConfig, k: int, rank: int) -> TileConfig | None:
-    """`cfg` for a forward of contraction `k` with a fused adapter of rank `rank`: as it is when the adapter's tiles fit beside its
-    ring, else with the deepest shallower ring that fits (one whose stage count divides the contraction steps, so a
-    warp-specialised kernel still chains), trying 64-deep steps after its own; else None (the adapter's product
-    then runs as its own kernel)."""
+    """`cfg` for a forward of contraction `k` with a fused adapter of rank `rank`: as it is when the adapter's tiles
+    fit beside its ring, else with the deepest shallower ring that fits (one whose stage count divides the
+    contraction steps, so a warp-specialised kernel still chains), trying 64-deep steps after its own; else None
+    (the adapter's product then runs as its own kernel)."""
     for block_k in sorted({cfg.block_k, min(cfg.block_k, 64)}, reverse=True):
         steps = -(-k // block_k)
         for stages in range(cfg.stages, 1, -1):
@@ -653,11 +651,17 @@ def forward(lhs, rhs, group_sizes, key: tuple[int, int, int], *, interpret: bool
     if lora is not None:
         fused = fused_config(cfg, key[0], lora[0].shape[1]) if interpret or FUSED_LORA_ON_GPU else None
         if fused is None:
-            xa, b = lora
-            out = _rows(cfg)(lhs, rhs, group_sizes, cfg, interpret=interpret, rhs_base=rhs_base)
-            return out + forward(xa, b, group_sizes, _key(xa, b), interpret=interpret)
+            return unfused_forward(lhs, rhs, group_sizes, cfg, lora, interpret=interpret, rhs_base=rhs_base)
         cfg = fused
     return _rows(cfg)(lhs, rhs, group_sizes, cfg, interpret=interpret, rhs_base=rhs_base, lora=lora)
+
+
+def unfused_forward(lhs, rhs, group_sizes, cfg: TileConfig, lora, *, interpret: bool = False, rhs_base=None):
+    """gmm(lhs, rhs) on `cfg`'s tiles plus the adapter's gmm(xa, b) as a second kernel (its table entry), added
+    after: what `forward` runs where the adapter's tiles do not fit, or on the GPU before FUSED_LORA_ON_GPU."""
+    xa, b = lora
+    out = _rows(cfg)(lhs, rhs, group_sizes, cfg, interpret=interpret, rhs_base=rhs_base)
+    return out + forward(xa, b, group_sizes, _key(xa, b), interpret=interpret)
 
 
 def backward_lhs(rhs, group_sizes, dout, key: tuple[int, int, int], *, interpret: bool = False, rhs_base=None):
