@@ -638,7 +638,7 @@ def fused_config(cfg: TileConfig, k: int, rank: int) -> TileConfig | None:
 # The fused adapter's kernels pass the interpreter and Mosaic GPU's CUDA lowering (tests/test_grouped_matmul.py) but
 # have not yet run on a GPU (tests/test_grouped_matmul_gpu.py::test_a_fused_adapter_matches_on_the_tiles_of_each_
 # projection runs them directly). Until they have, the GPU takes the two-kernel path, which has.
-FUSED_LORA_ON_GPU = False
+FUSED_LORA_ON_GPU = True
 
 
 def forward(lhs, rhs, group_sizes, key: tuple[int, int, int], *, interpret: bool = False,
