@@ -32,7 +32,7 @@ import numpy as np
 
 from bridge.errors import CheckpointError, hub_id_hint, python_command
 from bridge.mappings import transforms
-from bridge.mappings.schema import LayerMap, Row, Table, stack_layers, validate_table
+from bridge.mappings.schema import LayerMap, Row, Table, rows_by_path, stack_layers, validate_table
 from bridge.safetensors_io import PendingTensor, TensorInfo, read_header, read_into, write_file
 from bridge.tree import flatten_tree, unflatten_tree  # re-exported: bridge.hf is the one-stop I/O module
 
@@ -131,6 +131,9 @@ def _hf_shape(row: Row, ours: tuple[int, ...], path_str: str) -> tuple[int, ...]
     """HF shape of one tensor of ``row`` given our shape (with its leading layer / expert axes)."""
     per = ours[len(row.axes):]
     try:
+        if row.part is not None:  # one block of the last axis
+            width = row.part_slice(per[-1] if per else 0)
+            per = (*per[:-1], width.stop - width.start)
         return transforms.hf_shape(row.transform, per)
     except ValueError as e:
         raise ValueError(f"{path_str}: {e} (per layer/expert; our shape {ours})") from None
@@ -207,7 +210,7 @@ def _locate(root: Path, table: Table, expected: Mapping[tuple, Any], num_layers:
     validate_table(table)
     num_layers = int(num_layers)
     override = None if dtype is None else _as_float_dtype(dtype, "load_weights(dtype=...)")
-    by_path = {row.path: row for row in table}
+    by_path = rows_by_path(table)
 
     sizes = _sizes(num_layers, num_experts, num_vision_blocks)
     # What the model wants, by concrete HF name: name -> (path, index, row, hf_shape).
@@ -219,17 +222,17 @@ def _locate(root: Path, table: Table, expected: Mapping[tuple, Any], num_layers:
             raise ValueError(f"expected path {ps} has no HF name in the mapping table; add a Row for it")
         shape, dt = _spec(value, f"expected[{ps}]")
         specs[p] = (shape, dt if override is None else override)
-        row = by_path[p]
-        layers = stack_layers(row, layer_map, num_layers)
-        row_sizes = sizes if layers is None else {**sizes, "i": len(layers)}
-        _check_lead(row, shape, row_sizes, f"expected[{ps}]")
-        hf_shape = _hf_shape(row, shape, ps)
-        for index in row.indices(row_sizes):
-            name = row.name_at(index, layers)
-            if name in wants:
-                raise ValueError(f"{name} maps to both {_path_str(wants[name][0])} and {ps}: the layer_map puts one "
-                                 "layer in two stacks")
-            wants[name] = (p, index, row, hf_shape)
+        for row in by_path[p]:  # one row, or one per part of the path
+            layers = stack_layers(row, layer_map, num_layers)
+            row_sizes = sizes if layers is None else {**sizes, "i": len(layers)}
+            _check_lead(row, shape, row_sizes, f"expected[{ps}]")
+            hf_shape = _hf_shape(row, shape, ps)
+            for index in row.indices(row_sizes):
+                name = row.name_at(index, layers)
+                if name in wants:
+                    raise ValueError(f"{name} maps to both {_path_str(wants[name][0])} and {ps}: the layer_map puts "
+                                     "one layer in two stacks")
+                wants[name] = (p, index, row, hf_shape)
 
     # Pass 1: headers only. Find every problem before reading any data.
     files = checkpoint_files(root)
@@ -237,7 +240,7 @@ def _locate(root: Path, table: Table, expected: Mapping[tuple, Any], num_layers:
     unexpected: list[str] = []
     misshaped: list[str] = []
     bad_dtype: list[str] = []
-    embed_want = wants.get(by_path[_EMBED].name()) if _EMBED in by_path else None
+    embed_want = wants.get(by_path[_EMBED][0].name()) if _EMBED in by_path else None
     embed_shape = None if embed_want is None else embed_want[3]
     for file in files:
         infos, _ = read_header(file)
@@ -321,6 +324,8 @@ def load_weights(
             p, index, row, _ = wants[name]
             file, info = located[name]
             dst = out[p][index]
+            if row.part is not None:  # its block of the last axis (a strided view: read_into fills it in place)
+                dst = dst[..., row.part_slice(dst.shape[-1])]
             if row.transform in (None, "transpose"):  # streamed (cast / blocked transpose) into place
                 read_into(fds[file], file, info, dst, row.transform, scratch)
             else:  # another named transform: the HF tensor whole, then its registered load
@@ -345,7 +350,7 @@ def _is_tied_head(name, info, by_path, expected, embed_shape) -> bool:
     head = by_path.get(_LM_HEAD)
     return (
         head is not None
-        and name == head.hf
+        and name == head[0].hf
         and _LM_HEAD not in expected
         and embed_shape is not None
         and info.shape == embed_shape
@@ -499,7 +504,7 @@ def save_weights(
 
 def _pending_tensors(table: Table, params: Mapping[tuple, Any], sizes: Mapping[str, int],
                      dtype: Any, layer_map: LayerMap | None = None) -> list[PendingTensor]:
-    by_path = {row.path: row for row in table}
+    by_path = rows_by_path(table)
     unknown = [_path_str(p) for p in params if p not in by_path]
     if unknown:
         raise ValueError(
@@ -524,7 +529,7 @@ def _pending_tensors(table: Table, params: Mapping[tuple, Any], sizes: Mapping[s
             per_layer.append((row, arr, dt, hf_shape, {layer: r for r, layer in enumerate(layers)}))
         else:
             for index in row.indices(sizes):
-                flat.append(PendingTensor(row.name_at(index), hf_shape, dt, _producer(arr, index, row.transform, dt)))
+                flat.append(PendingTensor(row.name_at(index), hf_shape, dt, _producer(arr, index, row, dt)))
     for layer in range(num_layers):  # layer-major file order, as transformers writes
         for row, arr, dt, hf_shape, rows in per_layer:
             if layer not in rows:  # the layer is in another stack
@@ -532,19 +537,21 @@ def _pending_tensors(table: Table, params: Mapping[tuple, Any], sizes: Mapping[s
             for index in row.indices({**sizes, "i": 1}):
                 index = (rows[layer], *index[1:])
                 flat.append(PendingTensor(row.name(**{**dict(zip(row.axes, index)), "i": layer}), hf_shape, dt,
-                                          _producer(arr, index, row.transform, dt)))
+                                          _producer(arr, index, row, dt)))
     return flat
 
 
-def _producer(arr: Any, index: tuple[int, ...], transform: str | None, dt: np.dtype):
+def _producer(arr: Any, index: tuple[int, ...], row: Row, dt: np.dtype):
     def produce() -> np.ndarray:
         # Index before converting: a jax array then moves one layer to host, not all L.
         x = arr
         for k in index:  # one axis at a time: works for any array-like that indexes by int
             x = x[k]
+        if row.part is not None:  # the row's block of the last axis, sliced before it moves to host
+            x = x[..., row.part_slice(x.shape[-1])]
         x = np.asarray(x)
         x = x.astype(dt, copy=False)
-        return np.ascontiguousarray(transforms.to_hf(transform, x))
+        return np.ascontiguousarray(transforms.to_hf(row.transform, x))
 
     return produce
 
@@ -584,8 +591,8 @@ class WeightSlices:
         self.root = Path(path)
         wants, self.specs, files, located = _locate(self.root, table, expected, num_layers, dtype, num_experts,
                                                     layer_map=layer_map, num_vision_blocks=num_vision_blocks)
-        self._names = {(p, index): name for name, (p, index, _, _) in wants.items()}
-        self._rows = {p: row for p, _, row, _ in wants.values()}
+        self._names = {(p, index, row.part): name for name, (p, index, row, _) in wants.items()}
+        self._rows = {p: rows for p, rows in rows_by_path(table).items() if p in self.specs}
         self._file_of = {name: file for name, (file, _) in located.items()}
         self._handles = {file: safe_open(str(file), framework="numpy") for file in files}
 
@@ -602,7 +609,8 @@ class WeightSlices:
 
     def read(self, path: tuple, index: tuple = ()) -> np.ndarray:
         shape, dt = self.specs[path]
-        row = self._rows[path]
+        rows = self._rows[path]
+        row = rows[0]
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         lead, rest = index[:len(row.axes)], index[len(row.axes):]
         lead_ranges = [range(*sl.indices(n)) for sl, n in zip(lead, shape[:len(row.axes)])]
@@ -611,11 +619,29 @@ class WeightSlices:
                                                            for sl in rest_slices], dt)
         for k, at in zip(itertools.product(*[range(len(r)) for r in lead_ranges]),
                          itertools.product(*lead_ranges)):
-            out[k] = self._one(path, tuple(at), row, rest_slices).astype(dt, copy=False)
+            out[k] = self._parts(path, tuple(at), rows, rest_slices).astype(dt, copy=False)
         return out
 
+    def _parts(self, path: tuple, at: tuple, rows: tuple[Row, ...], rest: list[slice]) -> np.ndarray:
+        """Our array's element `at`, sliced by `rest`: from one tensor, or from each part's tensor whose block of
+        the last axis the slice touches (joined along it)."""
+        if rows[0].part is None:
+            return self._one(path, at, rows[0], rest)
+        width, last = self.specs[path][0][-1], rest[-1]
+        if last.step != 1:
+            raise ValueError(f"WeightSlices.read({_path_str(path)}): a path stored in parts reads contiguous "
+                             f"column slices only, got step {last.step}")
+        pieces = []
+        for row in rows:
+            block = row.part_slice(width)
+            lo, hi = max(last.start, block.start), min(last.stop, block.stop)
+            if lo < hi:
+                sub = slice(lo - block.start, hi - block.start, 1)
+                pieces.append(self._one(path, at, row, [*rest[:-1], sub]))
+        return np.concatenate(pieces, axis=-1)
+
     def _one(self, path: tuple, at: tuple, row: Row, rest: list[slice]) -> np.ndarray:
-        name = self._names[(path, at)]
+        name = self._names[(path, at, row.part)]
         tensor = self._handles[self._file_of[name]].get_slice(name)
         if row.transform is None:
             return tensor[tuple(rest)] if rest else np.asarray(tensor[:])

@@ -576,7 +576,7 @@ class _MergedKernels(Mapping):
 
 def merged_kernels(model) -> Mapping[tuple[str, ...], jax.Array]:
     """{("layers", "attn", "q_proj", "kernel"): W + s*A@B (per layer, kernel dtype)} for every Linear with LoRA,
-    and {("layers", "mlp", "gate_proj"): W_e + s*A_e@B_e (per layer and expert)} for every adapted expert kernel.
+    and {("layers", "mlp", "gate_up_proj"): W_e + s*A_e@B_e (per layer and expert)} for every adapted expert kernel.
 
     The model is not modified (what `save_pretrained` exports). Values are computed on access.
     """

@@ -293,3 +293,52 @@ def test_layer_and_expert_placeholders_round_trip(tmp_path):
         np.testing.assert_array_equal(back[p], params[p])
     with pytest.raises(ValueError, match=r"must start with num_layers=2, num_experts=4"):
         load_weights(dst, table, expected, 2, num_experts=4)
+
+
+def _parted_table():
+    gate = Row("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", ("layers", "mlp", "gate_up"), "T", True, (0, 2))
+    up = Row("model.layers.{i}.mlp.experts.{e}.up_proj.weight", ("layers", "mlp", "gate_up"), "T", True, (1, 2))
+    return (up, gate, Row("model.norm.weight", ("final_norm", "scale"), None, False))
+
+
+def test_a_path_in_parts_takes_each_tensor_into_its_block_of_the_last_axis(tmp_path):
+    """Rows with `part` (Qwen3-MoE's gate and up as halves of one [E, H, 2I] weight): gate's [I, H] tensors are
+    columns :I, up's I:, both ways; WeightSlices reads a column slice within one part and across both."""
+    from bridge import WeightSlices
+    from safetensors.numpy import load_file
+
+    table = _parted_table()
+    rng = np.random.default_rng(0)
+    params = {("layers", "mlp", "gate_up"): rng.normal(size=(2, 3, 4, 10)).astype(np.float32),
+              ("final_norm", "scale"): np.ones(4, np.float32)}
+    dst = save_weights(tmp_path / "parts", table, params, 2, {"model_type": "x"}, num_experts=3)
+    on_disk = load_file(dst / "model.safetensors")
+    w = params[("layers", "mlp", "gate_up")]
+    assert on_disk["model.layers.1.mlp.experts.2.gate_proj.weight"].shape == (5, 4)
+    np.testing.assert_array_equal(on_disk["model.layers.1.mlp.experts.2.gate_proj.weight"], w[1, 2, :, :5].T)
+    np.testing.assert_array_equal(on_disk["model.layers.0.mlp.experts.1.up_proj.weight"], w[0, 1, :, 5:].T)
+    expected = {p: (a.shape, a.dtype) for p, a in params.items()}
+    back = load_weights(dst, table, expected, 2, num_experts=3)
+    np.testing.assert_array_equal(back[("layers", "mlp", "gate_up")], w)
+    with WeightSlices(dst, table, expected, 2, num_experts=3) as source:
+        for index in [(slice(0, 2), slice(1, 3), slice(None), slice(3, 8)), (slice(1, 2), slice(None), slice(1, 3),
+                      slice(5, 10)), (slice(None), slice(None), slice(None), slice(0, 4))]:
+            np.testing.assert_array_equal(source.read(("layers", "mlp", "gate_up"), index), w[index])
+    with pytest.raises(ValueError, match=r"does not split into 2 equal parts"):
+        load_weights(dst, table, {**expected, ("layers", "mlp", "gate_up"): ((2, 3, 4, 11), np.float32)}, 2,
+                     num_experts=3)
+
+
+def test_a_path_in_parts_needs_every_part_once():
+    from bridge.mappings import validate_table
+
+    gate, up, norm = _parted_table()[1], _parted_table()[0], _parted_table()[2]
+    with pytest.raises(ValueError, match=r"path \('layers', 'mlp', 'gate_up'\) mapped twice: .*one row per part"):
+        validate_table((gate, norm))  # up's half has no row
+    with pytest.raises(ValueError, match=r"mapped twice"):
+        validate_table((gate, Row(up.hf, up.path, None, True, (1, 2)), norm))  # two transforms
+    with pytest.raises(ValueError, match=r"mapped twice"):
+        validate_table((gate, Row(up.hf, up.path, "T", True), norm))  # one row whole, one in part
+    with pytest.raises(ValueError, match=r"Row.part must be None or \(k, n\)"):
+        Row(up.hf, up.path, "T", True, (2, 2))
+    assert validate_table((up, gate, norm))

@@ -141,8 +141,9 @@ def test_reference_and_xla_steps_agree_and_run_what_they_name(steps):
     _assert_same(xla, ref, 1e-5)
     assert ref[2][RAGGED] == 0 and ref[2][MOSAIC] == 0
     # Every grouped matmul of the xla step is a ragged dot: forward and backward of the experts and expert LoRA.
-    # expert projections + 1 per expert adapter (its other rank-r side is dense over the tokens: ExpertLora)
-    gmms = 5 if steps["family"] == "qwen3_moe" else 4
+    # expert projections (gate+up, down in both families) + 1 per expert adapter (its other rank-r side is dense
+    # over the tokens: ExpertLora)
+    gmms = 4
     assert xla[2][RAGGED] >= 2 * gmms and xla[2][MOSAIC] == 0
     assert _step(steps["path"], steps["batch"], "auto", run=False)[2] == xla[2]  # off the GPU "auto" is ragged_dot
 
@@ -152,10 +153,10 @@ def test_pallas_mosaic_step_in_the_interpreter_agrees_with_the_reference(steps):
     mosaic = _step(steps["path"], steps["batch"], "pallas_mosaic")
     _assert_same(mosaic, steps["reference"], 1e-5)
     # Each grouped product has an MMA in its forward, d lhs and d rhs kernels; an adapter fused into the experts'
-    # forward (the gate/up adapter's B side: twice at Qwen3-MoE, whose gate and up are two projections) adds one to
-    # that kernel and has its own d lhs and d rhs. Products: the expert projections (3 / 2) and the adapters' (the
-    # fused B sides and the down adapter's grouped A: 3 / 2).
-    products = 6 if steps["family"] == "qwen3_moe" else 4
+    # forward (the gate/up adapter's B side) adds one to that kernel and has its own d lhs and d rhs. Products, in
+    # both families: the expert projections (gate+up, down) and the adapters' (the fused B side and the down
+    # adapter's grouped A).
+    products = 4
     assert mosaic[2][RAGGED] == 0 and mosaic[2][MOSAIC] == 3 * products
 
 
@@ -238,7 +239,7 @@ def test_a_layer_scan_reads_the_expert_stacks_in_place(tmp_path):
 
 def test_a_policy_can_keep_the_experts_gate_up_off_the_device(steps):
     """The sparse blocks name their gate/up rows (`mlp_gate_up`, as the dense MLP): a selective policy that offloads
-    them sends them to pinned host (GPT-OSS: the fused [N*k, 2I] rows; Qwen3-MoE: gate and up), so the backward
+    them sends them to pinned host (the fused [N*k, 2I] rows, in both families), so the backward
     does not rerun those grouped matmuls; the loss and gradients stay those of no remat."""
     placed = {}
     for remat in ("offload", "offload=layer_input,mlp_gate_up"):
@@ -246,9 +247,8 @@ def test_a_policy_can_keep_the_experts_gate_up_off_the_device(steps):
         got = _step(steps["path"], steps["batch"], "xla", remat=(remat, hlo))
         _assert_same(got, steps["xla"], 1e-5)
         placed[remat] = hlo[0].count('_xla_buffer_placement = "pinned_host"')
-    gate_up_arrays = 2 if steps["family"] == "qwen3_moe" else 1
     assert placed["offload"] >= 1
-    assert placed["offload=layer_input,mlp_gate_up"] == placed["offload"] + gate_up_arrays
+    assert placed["offload=layer_input,mlp_gate_up"] == placed["offload"] + 1
 
 
 @pytest.mark.parametrize("family,layers", [("qwen3_moe", 2), ("gpt_oss", 4)])

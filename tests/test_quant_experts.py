@@ -34,7 +34,7 @@ QWEN = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermedia
             max_position_embeddings=1024, tie_word_embeddings=False, norm_topk_prob=True)
 EXPERT_LORA = dict(r=4, alpha=8, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj",
                                                                                "experts.down_proj"])
-KERNELS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "gpt_oss": ("gate_up_proj", "down_proj")}
+KERNELS = ("gate_up_proj", "down_proj")  # both families: Qwen3-MoE's gate and up are one weight too
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
@@ -57,7 +57,7 @@ def _dequantised_twin(model4, path):
     """The fp32 model with the same 4-bit linears and, as dense `ExpertParam`s, the dequantised experts."""
     twin = jaxft.from_pretrained(path, dtype="float32", verbose=False,
                                  quant_config=QuantConfig(skip_modules=DEFAULT_SKIP + ("mlp.experts",)))
-    for name in KERNELS[model4.config.model_type]:
+    for name in KERNELS:
         assert isinstance(getattr(_mlp(twin), name), ExpertParam)
         getattr(_mlp(twin), name)[...] = getattr(_mlp(model4), name).dequantize(jnp.float32)
     return twin
@@ -69,7 +69,7 @@ def test_expert_bytes_are_bitsandbytes_quantize_4bit_per_expert(base):
     plain = jaxft.from_pretrained(path, dtype="float32", verbose=False, quant_config=QuantConfig(double_quant=False))
     nested = jaxft.from_pretrained(path, dtype="float32", verbose=False, quant_config=QuantConfig(nested_rounding="cpu"))
     same_offset = 0
-    for name in KERNELS[family]:
+    for name in KERNELS:
         q, qd = getattr(_mlp(plain), name), getattr(_mlp(nested), name)
         assert isinstance(q, Quant4bitExperts) and isinstance(q.packed, QuantizedExpertWeight)
         w = np.asarray(getattr(_mlp(dense), name)[...])  # [L, E, in, out]
@@ -139,7 +139,7 @@ def test_merged_export_is_dense_and_loads_in_transformers_with_our_logits(base, 
     # A bf16 model's export is bf16 and holds exactly the dequantised experts (no adapter here).
     bf16 = jaxft.from_pretrained(path, dtype="bfloat16", quantize="nf4", verbose=False)
     back = jaxft.from_pretrained(jaxft.save_pretrained(bf16, tmp_path / "bf16"), dtype="bfloat16", verbose=False)
-    for name in KERNELS[family]:
+    for name in KERNELS:
         stored = getattr(_mlp(back), name)
         assert isinstance(stored, ExpertParam) and stored.dtype == jnp.bfloat16
         assert np.array_equal(np.asarray(stored[...], np.float32),
@@ -197,7 +197,7 @@ def test_skip_modules_keeps_experts_dense_and_merge_lora_refuses_4bit_experts(ba
                                  quant_config=QuantConfig(skip_modules=DEFAULT_SKIP + ("experts.down_proj",)))
     assert "kept in float32 (skip_modules): model.layers.{i}.mlp.experts.down_proj" in capsys.readouterr().out
     assert isinstance(_mlp(kept).down_proj, ExpertParam)
-    assert all(isinstance(getattr(_mlp(kept), n), Quant4bitExperts) for n in KERNELS[family] if n != "down_proj")
+    assert all(isinstance(getattr(_mlp(kept), n), Quant4bitExperts) for n in KERNELS if n != "down_proj")
     assert [s.path[-1] for s in expert_sites(kept)] == ["down_proj"]  # the sites are the ExpertParams left
     lora.apply_lora(kept, lora.LoraConfig(**EXPERT_LORA))
     with pytest.raises(ValueError, match=r"^merge_lora: layers\.mlp\.\w+ holds 4-bit experts; merging would need "

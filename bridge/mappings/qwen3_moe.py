@@ -6,11 +6,13 @@ transformers 5 writes them on disk (its module fuses them into 3-D `experts.gate
 parameters, but `save_pretrained` converts back to these names):
 
     model.layers.{i}.mlp.gate.weight                    [E, H]  -> ours router     [L, H, E]
-    model.layers.{i}.mlp.experts.{e}.gate_proj.weight   [I, H]  -> ours gate_proj  [L, E, H, I]
-    model.layers.{i}.mlp.experts.{e}.up_proj.weight     [I, H]  -> ours up_proj    [L, E, H, I]
-    model.layers.{i}.mlp.experts.{e}.down_proj.weight   [H, I]  -> ours down_proj  [L, E, I, H]
+    model.layers.{i}.mlp.experts.{e}.gate_proj.weight   [I, H]  -> ours gate_up_proj [L, E, H, 2I], columns :I
+    model.layers.{i}.mlp.experts.{e}.up_proj.weight     [I, H]  -> ours gate_up_proj [L, E, H, 2I], columns I:
+    model.layers.{i}.mlp.experts.{e}.down_proj.weight   [H, I]  -> ours down_proj    [L, E, I, H]
 
-Every row is transposed ([out, in] -> [in, out]); the fused on-disk layout is not read (see the family).
+Every row is transposed ([out, in] -> [in, out]); the fused on-disk layout is not read (see the family). Gate and
+up are the two halves of one weight (`Row.part`), as in transformers' fused `gate_up_proj` (gate rows first): the
+block runs one grouped matmul of width 2I for both instead of two of width I.
 
 Dense layers among the sparse ones (`mlp_only_layers`, `decoder_sparse_step`) are the `dense_layers` stack:
 the dense table's per-layer rows again (attention, norms and `mlp.{gate,up,down}_proj`), under that stack; the
@@ -32,8 +34,8 @@ _EXPERT = _L + "mlp.experts.{e}."
 TABLE: Table = validate_table(
     tuple(row for row in dense.TABLE if ".mlp." not in row.hf) + (
         Row(_L + "mlp.gate.weight", ("layers", "mlp", "router"), "T", True),
-        Row(_EXPERT + "gate_proj.weight", ("layers", "mlp", "gate_proj"), "T", True),
-        Row(_EXPERT + "up_proj.weight", ("layers", "mlp", "up_proj"), "T", True),
+        Row(_EXPERT + "gate_proj.weight", ("layers", "mlp", "gate_up_proj"), "T", True, part=(0, 2)),
+        Row(_EXPERT + "up_proj.weight", ("layers", "mlp", "gate_up_proj"), "T", True, part=(1, 2)),
         Row(_EXPERT + "down_proj.weight", ("layers", "mlp", "down_proj"), "T", True),
     ) + tuple(Row(row.hf, ("dense_layers", *row.path[1:]), row.transform, True) for row in dense.TABLE
               # Qwen3MoeMLP (the dense layers' MLP) has no biases, whatever mlp_bias says.

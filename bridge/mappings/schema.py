@@ -10,6 +10,10 @@ flat parameter tree, plus the named layout change between the two (``bridge.mapp
 * ``stacked``: the row has ``{i}`` (one HF tensor per layer, stacked on axis 0 in our tree); kept as an
   explicit field so a table reads as what it means and a mismatch with the template is caught.
 * ``transform``: a registered transform name (``"transpose"``, alias ``"T"``) or ``None`` (identity).
+* ``part``: ``(k, n)`` when the HF tensor is the k-th of n equal blocks of our array's last axis (after the
+  transform): ``ours[i, e][..., k w:(k + 1) w] == transform(hf[name(i, e)])``, w = width / n. Qwen3-MoE keeps
+  each expert's gate and up projections as the two halves of one [H, 2I] weight (one grouped matmul for both),
+  while its checkpoints hold them as two tensors. The n rows of one path agree on everything but ``hf`` and k.
 
 Tables are pure data, read in both directions (load and save).
 
@@ -45,12 +49,14 @@ class Row:
       path: path tuple in our flat tree, e.g. ``("layers", "attn", "q_proj", "kernel")``.
       transform: a name registered in ``bridge.mappings.transforms`` (``"T"`` reads as ``"transpose"``) or None.
       stacked: the tensor exists once per layer (the template has ``{i}``).
+      part: ``(k, n)``: the tensor is block k of n along our array's last axis (module docstring), or None.
     """
 
     hf: str
     path: tuple[str, ...]
     transform: str | None
     stacked: bool
+    part: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.hf, str) or not self.hf:
@@ -78,6 +84,13 @@ class Row:
                 f"row {self.hf!r}: stacked={self.stacked} but the template has "
                 f"{self.hf.count(LAYER)} '{LAYER}' placeholders (need exactly 1 iff stacked)"
             )
+
+        if self.part is not None:
+            ok = (isinstance(self.part, tuple) and len(self.part) == 2 and all(isinstance(v, int) for v in self.part)
+                  and 0 <= self.part[0] < self.part[1] and self.part[1] >= 2)
+            if not ok:
+                raise ValueError(f"row {self.hf!r}: Row.part must be None or (k, n) with 0 <= k < n and n >= 2, "
+                                 f"got {self.part!r}")
 
     def __iter__(self) -> Iterator:
         # Rows read like the 4-tuples they describe: `for hf, path, t, stacked in TABLE`.
@@ -117,6 +130,15 @@ class Row:
         if layers is not None and "i" in named:
             named["i"] = layers[named["i"]]
         return self.name(**named)
+
+    def part_slice(self, width: int) -> slice:
+        """The columns of our array's last axis (of ``width``) this row's tensor fills: all of them without a part."""
+        if self.part is None:
+            return slice(None)
+        k, n = self.part
+        if width % n:
+            raise ValueError(f"row {self.hf!r}: our last axis ({width}) does not split into {n} equal parts")
+        return slice(k * (width // n), (k + 1) * (width // n))
 
     @property
     def stack(self) -> str | None:
@@ -173,18 +195,35 @@ class LoraParamRow:
 
 
 def validate_table(table: Table) -> Table:
-    """Check a table is a tuple of Rows with unique HF templates and unique paths."""
+    """Check a table is a tuple of Rows with unique HF templates and unique paths (a path in n parts: one row per
+    part, all n present, alike but for the name)."""
     if not isinstance(table, tuple) or not table:
         raise ValueError(f"a mapping table must be a non-empty tuple of Row, got {type(table).__name__}")
     seen_hf: dict[tuple[str, str | None], Row] = {}
-    seen_path: dict[tuple[str, ...], Row] = {}
+    seen_path: dict[tuple[str, ...], list[Row]] = {}
     for row in table:
         if not isinstance(row, Row):
             raise ValueError(f"table entries must be bridge.mappings.Row, got {row!r}")
         if (row.hf, row.stack) in seen_hf:  # one row per HF template and layer stack
             raise ValueError(f"duplicate HF name {row.hf!r} in mapping table")
-        if row.path in seen_path:
-            raise ValueError(f"path {row.path} mapped twice: {seen_path[row.path].hf!r} and {row.hf!r}")
         seen_hf[(row.hf, row.stack)] = row
-        seen_path[row.path] = row
+        seen_path.setdefault(row.path, []).append(row)
+    for path, rows in seen_path.items():
+        first = rows[0]
+        if len(rows) == 1 and first.part is None:
+            continue
+        parts = sorted(r.part or (-1, -1) for r in rows)
+        n = first.part[1] if first.part else len(rows)
+        alike = all((r.transform, r.stacked, r.axes) == (first.transform, first.stacked, first.axes) for r in rows)
+        if parts != [(k, n) for k in range(n)] or not alike:
+            raise ValueError(f"path {path} mapped twice: {', '.join(repr(r.hf) for r in rows)} (a path in parts "
+                             "needs one row per part (k, n), k = 0..n-1, with one transform and the same placeholders)")
     return table
+
+
+def rows_by_path(table: Table) -> dict[tuple[str, ...], tuple[Row, ...]]:
+    """{path: its rows} (one, or one per part in part order), in table order."""
+    out: dict[tuple[str, ...], list[Row]] = {}
+    for row in table:
+        out.setdefault(row.path, []).append(row)
+    return {p: tuple(sorted(rows, key=lambda r: r.part or (0, 1))) for p, rows in out.items()}

@@ -13,7 +13,7 @@ Dispatch here has neither a host sync nor a loop over experts, and every shape i
     group sizes = bincount(expert ids, length=E)     (static length: empty experts are size-0 groups)
     inverse = the inverse permutation of order       (sorted position of each flat slot)
     xs = x[token]                                    [N*k, H], rows grouped by expert
-    h  = act(gmm(xs, Wg)) * gmm(xs, Wu); ys = gmm(h, Wd)   (one grouped matmul per projection)
+    g|u = gmm(xs, [Wg | Wu]); h = act(g) * u; ys = gmm(h, Wd)   (one grouped matmul for gate and up, one for down)
     y[n] = sum_j w[n, j] ys[inverse[n k + j]]        (the weighted combine: a gather and a sum over k)
 GPT-OSS's block moves both ways by gathers in the forward AND the backward (`gather_tokens`, `unsort_rows`:
 custom VJPs whose transposes are gathers by the inverse index; autodiff of a gather is a scatter-add, which XLA
@@ -37,8 +37,9 @@ The blocks run the rank-r side that touches the tokens as one dense matmul over 
 rows): the gate/up adapter's A (`ExpertLora.sorted_factors`, whose B side the experts' own grouped matmul adds in
 its accumulator), the down adapter's B inside the combine (`ExpertLora.combined_delta`); `ExpertLora.delta` is the
 grouped definition both equal.
-The gate/up adapter is one adapter of width 2I (PEFT adapts the fused [E, 2I, H] parameter): its output's
-first I columns add to gate, the last I to up, so A is shared by both. Gradients: dB_e = s (xs_e A_e)^T dy_e
+The gate/up adapter is one adapter of width 2I (PEFT adapts the fused [E, 2I, H] parameter), like the weight it
+adapts (`gate_up_proj` [E, H, 2I], gate's columns first): its output's first I columns add to gate, the last I to
+up, so A is shared by both. Gradients: dB_e = s (xs_e A_e)^T dy_e
 and dA_e = xs_e^T (dy_e (s B_e)^T) come out of the grouped matmuls' own transposes (ragged dots); the frozen
 W is only read (d xs = dy W_e^T), never differentiated.
 """
@@ -263,17 +264,17 @@ class MoeMLP(nnx.Module):
 
     NUM_LINEARS = 0  # no LoRA'd linears inside, so no dropout keys
     # Expert adapter slots -> the kernels their output columns add to, in order (name, width from the kernel).
-    LORA_KERNELS = {"gate_up_lora": ("gate_proj", "up_proj"), "down_lora": ("down_proj",)}
+    LORA_KERNELS = {"gate_up_lora": ("gate_up_proj",), "down_lora": ("down_proj",)}
 
     def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        # Our layouts are [in, out] like `Linear.kernel`: router [H, E], experts [E, H, I] and [E, I, H].
+        # Our layouts are [in, out] like `Linear.kernel`: router [H, E], experts [E, H, 2I] (gate's I columns, then
+        # up's: one grouped matmul of width 2I reads the sorted rows once, on the wider tiles the kernels run
+        # faster) and [E, I, H].
         lead = stack_axes(stack)
         self.router = nnx.Param(_init(rngs, (*stack, h, e), dtype, 0.02), **logical(*lead, "embed", "experts"))
-        self.gate_proj = ExpertParam(_init(rngs, (*stack, e, h, i), dtype, 0.02),
-                                   **logical(*lead, "experts", "embed", "mlp"))
-        self.up_proj = ExpertParam(_init(rngs, (*stack, e, h, i), dtype, 0.02),
-                                 **logical(*lead, "experts", "embed", "mlp"))
+        self.gate_up_proj = ExpertParam(_init(rngs, (*stack, e, h, 2 * i), dtype, 0.02),
+                                      **logical(*lead, "experts", "embed", "mlp"))
         self.down_proj = ExpertParam(_init(rngs, (*stack, e, i, h), dtype, 0.02),
                                    **logical(*lead, "experts", "mlp", "embed"))
         self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
@@ -301,14 +302,9 @@ class MoeMLP(nnx.Module):
         with jax.named_scope("moe_experts"):
             xs = xf[routing.token]  # scatter_combine's docstring: measured faster than the gathers at this shape
             gmm = gmm_implementation
-            gate_lora = up_lora = None
-            if self.gate_up_lora is not None:  # one adapter of width 2I: its first I columns are gate's
-                xa, b = self.gate_up_lora.sorted_factors(xf, experts, routing)
-                inter = b.shape[-1] // 2
-                gate_lora, up_lora = (xa, b[..., :inter]), (xa, b[..., inter:])
-            gate = expert_matmul(xs, self.gate_proj, sizes, gmm, lora=gate_lora)
-            up = expert_matmul(xs, self.up_proj, sizes, gmm, lora=up_lora)
-            gate, up = checkpoint_name(gate, MLP_GATE_UP), checkpoint_name(up, MLP_GATE_UP)  # as GptOssMoeMLP
+            lora = None if self.gate_up_lora is None else self.gate_up_lora.sorted_factors(xf, experts, routing)
+            gate_up = checkpoint_name(expert_matmul(xs, self.gate_up_proj, sizes, gmm, lora=lora), MLP_GATE_UP)
+            gate, up = jnp.split(gate_up, 2, axis=-1)  # gate's columns first (the bridge's `Row.part`)
             h = ACTIVATIONS[self.hidden_act](gate, up)
             ys = expert_matmul(h, self.down_proj, sizes, gmm)
             extra = None if self.down_lora is None else self.down_lora.combined_delta(h, weights, experts, routing, gmm)
