@@ -23,7 +23,6 @@ rows name; PEFT's packed [r*E, in] / [out, r*E] layout is converted in `save_ada
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import re
@@ -448,8 +447,7 @@ def _ranks_scales(per_layer) -> tuple[np.ndarray, np.ndarray]:
 
 def _expert_shape(holder, slot: str) -> tuple[int, int, int]:
     """(E, in, out) of the expert weight an adapter slot of a MoE MLP adapts."""
-    n_in, n_out = holder.lora_features(slot)
-    return getattr(holder, holder.LORA_KERNELS[slot][0]).shape[-3], n_in, n_out
+    return tuple(getattr(holder, holder.LORA_KERNELS[slot]).shape[-3:])
 
 
 def _install(model, cfg: LoraConfig, plan, fill) -> None:
@@ -463,7 +461,7 @@ def _install(model, cfg: LoraConfig, plan, fill) -> None:
         holder, slot = _linear(model, site.path[:-1]), site.path[-1]
         ranks, scales = _ranks_scales(plan[site])
         a, b = fill(index, site, _expert_shape(holder, slot), ranks)
-        kernel = getattr(holder, holder.LORA_KERNELS[slot][0])
+        kernel = getattr(holder, holder.LORA_KERNELS[slot])
         kernel = kernel[...] if isinstance(kernel, ExpertParam) else None  # 4-bit experts: placed as is
         adapter = ExpertLora(_like_kernel(a, kernel, (0, 1, 2, None)), _like_kernel(b, kernel, (0, 1, None, None)),
                              _like_kernel(jnp.asarray(scales), kernel, (0,)),
@@ -521,26 +519,21 @@ def _merged(kernel, a, b, scale):
     return (kernel.astype(jnp.float32) + scale[:, None, None] * delta).astype(kernel.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5))
-def _merged_experts(kernel, a, b, scale, start: int, stop: int):
-    """W_e + s_l * (A_e B_e)[:, start:stop] per layer and expert (the columns of the fused adapter output that
-    belong to this kernel), accumulated in fp32, returned in the kernel's dtype."""
-    delta = jnp.einsum("leir,lero->leio", a, b[..., start:stop], precision=jax.lax.Precision.HIGHEST)
+@jax.jit
+def _merged_experts(kernel, a, b, scale):
+    """W_e + s_l * A_e B_e per layer and expert, accumulated in fp32, returned in the kernel's dtype."""
+    delta = jnp.einsum("leir,lero->leio", a, b, precision=jax.lax.Precision.HIGHEST)
     return (kernel.astype(jnp.float32) + scale[:, None, None, None] * delta).astype(kernel.dtype)
 
 
 def _expert_merges(model) -> dict[tuple[str, ...], tuple]:
-    """{expert kernel path: (MoE MLP, kernel attribute, first column, end column, ExpertLora)} for every adapted
-    expert kernel: the adapter output columns [first, end) add to that kernel."""
+    """{expert kernel path: (MoE MLP, kernel attribute, ExpertLora)} for every adapted expert kernel."""
     out = {}
     for path, adapter in expert_adapters(model):
         *owner, slot = path.split(".")
         holder = _linear(model, tuple(owner))
-        start = 0
-        for name in holder.LORA_KERNELS[slot]:
-            width = getattr(holder, name).shape[-1]
-            out[(*owner, name)] = (holder, name, start, start + width, adapter)
-            start += width
+        name = holder.LORA_KERNELS[slot]
+        out[(*owner, name)] = (holder, name, adapter)
     return out
 
 
@@ -556,10 +549,10 @@ class _MergedKernels(Mapping):
     def __getitem__(self, key):
         key = tuple(key)
         if key in self._experts:
-            holder, name, start, stop, ad = self._experts[key]
+            holder, name, ad = self._experts[key]
             # 4-bit experts merge into their dequantised weights (in the model's dtype, as for a 4-bit linear).
             return _merged_experts(expert_weight(getattr(holder, name), self._dtype), ad.lora_a[...], ad.lora_b[...],
-                                   ad.lora_scale[...], start, stop)
+                                   ad.lora_scale[...])
         lin = self._lins[key]
         # A 4-bit linear merges into its dequantised weight (in the model's dtype, as bitsandbytes computes it).
         kernel, a, b, scale = lin.frozen_kernel(self._dtype), lin.lora_a[...], lin.lora_b[...], lin.lora_scale[...]

@@ -1,5 +1,5 @@
-"""`ExpertLora`'s token-side forms against its grouped definition `delta`: `sorted_delta` (the gate/up adapter's A on
-the N tokens) and `combined_delta` (the down adapter's B inside the weighted combine) give the same values and the
+"""`ExpertLora`'s token-side forms against its grouped definition `delta`: `sorted_factors` (the gate/up adapter's A
+on the N tokens, its product taken by the grouped matmul) and `combined_delta` (the down adapter's B inside the weighted combine) give the same values and the
 same gradients in x, the routing weights, A and B, for fp32 (ragged_dot) and bf16 (the Mosaic kernels' interpreter),
 with empty experts; and the compiled down adapter writes no [N*k, out] product."""
 
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxft.models.moe import ExpertLora, combine, dispatch, gather_tokens
+from kernels_pallas.grouped_matmul import grouped_matmul
 
 N, K, H, O, E, R = 80, 4, 32, 48, 8, 8
 
@@ -42,7 +43,7 @@ def _err(got, want):
 
 
 @pytest.mark.parametrize("dtype,impl,tol", CASES)
-def test_sorted_delta_equals_the_grouped_definition(dtype, impl, tol):
+def test_sorted_factors_product_equals_the_grouped_definition(dtype, impl, tol):
     experts, _, xf, a, b, _ = _setup(0, dtype)
     dy = jnp.asarray(np.random.default_rng(1).standard_normal((N * K, O)), jnp.float32)
 
@@ -50,7 +51,7 @@ def test_sorted_delta_equals_the_grouped_definition(dtype, impl, tol):
         r = dispatch(experts, E)
         lora = _adapter(a, b)
         if form == "tokens":
-            out = lora.sorted_delta(xf, experts, r, impl)
+            out = grouped_matmul(*lora.sorted_factors(xf, experts, r), r.group_sizes, implementation=impl)
         else:
             out = lora.delta(gather_tokens(xf, r.token, r.inverse, K), r.group_sizes, impl)
         return jnp.sum(out.astype(jnp.float32) * dy), out

@@ -62,7 +62,7 @@ class GptOssMoeMLP(nnx.Module):
     (`ExpertLora`) sit in `gate_up_lora` / `down_lora`, as for `jaxft.models.moe.MoeMLP`."""
 
     NUM_LINEARS = 0  # no LoRA'd Linear inside, so no dropout keys
-    LORA_KERNELS = {"gate_up_lora": ("gate_up_proj",), "down_lora": ("down_proj",)}
+    LORA_KERNELS = {"gate_up_lora": "gate_up_proj", "down_lora": "down_proj"}
 
     def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -79,11 +79,6 @@ class GptOssMoeMLP(nnx.Module):
         self.limit, self.alpha = float(cfg.swiglu_limit), float(cfg.swiglu_alpha)
         self.gate_up_lora: ExpertLora | None = None  # set by jaxft.lora
         self.down_lora: ExpertLora | None = None
-
-    def lora_features(self, slot: str) -> tuple[int, int]:
-        """(in, out) of an adapter slot's expert weight."""
-        kernel = getattr(self, self.LORA_KERNELS[slot][0])
-        return kernel.shape[-2], kernel.shape[-1]
 
     def __call__(self, x: jax.Array, token_weights: jax.Array | None = None, *, gmm_implementation: str = "auto"):
         """The block's output; with `token_weights` ([B, T] fp32, 0 on padding) also its `router_stats`. Every

@@ -201,12 +201,6 @@ class ExpertLora(nnx.Module):
             xa = grouped_matmul(xs, self.lora_a[...].astype(xs.dtype), group_sizes, implementation=gmm_implementation)
             return grouped_matmul(xa, self._scaled_b(xs.dtype), group_sizes, implementation=gmm_implementation)
 
-    def sorted_delta(self, xf: jax.Array, experts: jax.Array, routing: Routing,
-                     gmm_implementation: str = "auto") -> jax.Array:
-        """delta(xf[routing.token], sizes), [N*k, out] in expert-sorted row order: gmm(*sorted_factors(...))."""
-        return grouped_matmul(*self.sorted_factors(xf, experts, routing), routing.group_sizes,
-                              implementation=gmm_implementation)
-
     def sorted_factors(self, xf: jax.Array, experts: jax.Array, routing: Routing) -> tuple[jax.Array, jax.Array]:
         """(xa [N*k, r] in expert-sorted row order, s B [E, r, out]) in xf's dtype: the factors whose grouped
         product gmm(xa, s B) is delta(xf[routing.token], sizes), for the tokens xf [N, in] with their experts
@@ -263,8 +257,8 @@ class MoeMLP(nnx.Module):
     """Router + E gated experts (see the module docstring); the MLP slot's `branch` / `infer` interface."""
 
     NUM_LINEARS = 0  # no LoRA'd linears inside, so no dropout keys
-    # Expert adapter slots -> the kernels their output columns add to, in order (name, width from the kernel).
-    LORA_KERNELS = {"gate_up_lora": ("gate_up_proj",), "down_lora": ("down_proj",)}
+    # Expert adapter slot -> the expert weight it adapts (as PEFT's target_parameters: one 3-D parameter each).
+    LORA_KERNELS = {"gate_up_lora": "gate_up_proj", "down_lora": "down_proj"}
 
     def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -281,11 +275,6 @@ class MoeMLP(nnx.Module):
         self.hidden_act = cfg.hidden_act  # a name (static), looked up in parts.ACTIVATIONS
         self.gate_up_lora: ExpertLora | None = None  # set by jaxft.lora
         self.down_lora: ExpertLora | None = None
-
-    def lora_features(self, slot: str) -> tuple[int, int]:
-        """(in, out) of an adapter slot's expert weight: the out width is that of its kernels together."""
-        kernels = [getattr(self, k) for k in self.LORA_KERNELS[slot]]
-        return kernels[0].shape[-2], sum(k.shape[-1] for k in kernels)
 
     def __call__(self, x: jax.Array, token_weights: jax.Array | None = None, *, gmm_implementation: str = "auto"):
         """The block's output; with `token_weights` ([B, T] fp32, 0 on padding) also its `router_stats`. Every
