@@ -56,10 +56,10 @@ def _batch(vocab, t, seed=0):
                 loss_mask=jnp.ones((1, t), jnp.float32), segment_ids=jnp.asarray(seg), positions=None)
 
 
-def _step(path, batch, implementation, *, run=True, remat="none", transfer="auto", **load):
+def _step(path, batch, implementation, *, run=True, remat="none", transfer="auto", scatters=None, **load):
     """(loss, LoRA gradients, primitive counts of the traced step) of one value-and-grad with that grouped matmul
     (loss and gradients None unless `run`); `remat = (policy, list)` also appends the step's HLO lowered for CUDA
-    to the list."""
+    to the list; `scatters` (a list) gets the operand shape of every scatter of the traced step."""
     from jaxft.train.step import token_loss_sum
 
     model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32", verbose=False, **load),
@@ -75,7 +75,10 @@ def _step(path, batch, implementation, *, run=True, remat="none", transfer="auto
         return token_loss_sum(nnx.merge(graphdef, p, rest), b, execution=execution) / b["loss_mask"].sum()
 
     traced = jax.jit(jax.value_and_grad(loss_fn)).trace(params, batch)
-    counts = collections.Counter(e.primitive.name for e in jaxpr_eqns(traced.jaxpr.jaxpr))
+    eqns = list(jaxpr_eqns(traced.jaxpr.jaxpr))
+    counts = collections.Counter(e.primitive.name for e in eqns)
+    if scatters is not None:
+        scatters.extend(e.invars[0].aval.shape for e in eqns if e.primitive.name.startswith("scatter"))
     if hlo is not None:
         hlo.append(traced.lower(lowering_platforms=("cuda",)).as_text())
     if not run:
@@ -146,6 +149,16 @@ def test_reference_and_xla_steps_agree_and_run_what_they_name(steps):
     gmms = 4
     assert xla[2][RAGGED] >= 2 * gmms and xla[2][MOSAIC] == 0
     assert _step(steps["path"], steps["batch"], "auto", run=False)[2] == xla[2]  # off the GPU "auto" is ragged_dot
+
+
+def test_the_step_moves_no_activation_rows_by_scatter(steps):
+    """Both families route by gathers both ways (jaxft.models.moe.gather_tokens, combine): no scatter of the step
+    writes rows of the hidden width (autodiff of x[token] would scatter-add d xs into the tokens, with atomics).
+    The scatters left are the inverse permutation, the router's counts and the expert adapters' [N, E, r]."""
+    shapes = []
+    _step(steps["path"], steps["batch"], "xla", run=False, scatters=shapes)
+    hidden = jaxft.from_pretrained(steps["path"], dtype="float32", verbose=False).config.hidden_size
+    assert shapes and not [s for s in shapes if len(s) > 1 and s[-1] == hidden], shapes
 
 
 @pytest.mark.slow  # ~25 s per family on 2 cores: the Mosaic kernels compiled in Mosaic GPU's interpreter

@@ -86,15 +86,3 @@ def test_the_backward_scatters_no_activation_rows():
     assert all("x24x" not in line and f"{N * K}x{H}" not in line for line in scatters), scatters
     shapes = [line.split("->")[-1] for line in scatters]
     assert all("f32" not in s and "bf16" not in s for s in shapes), scatters
-
-
-def test_scatter_combine_equals_combine():
-    """The two formulations of the combine (each MoE family runs the one measured faster at its shape) agree."""
-    from jaxft.models.moe import scatter_combine
-
-    experts, weights = _routing(4)
-    xf = jnp.asarray(np.random.default_rng(5).standard_normal((N, H)), jnp.float32)
-    r = dispatch(experts, E)
-    ys = jnp.tanh(xf[r.token] * 1.3)
-    np.testing.assert_allclose(np.asarray(scatter_combine(ys, weights, r, xf)), np.asarray(combine(ys, weights, r, xf)),
-                               atol=1e-6, rtol=1e-6)

@@ -14,12 +14,11 @@ Dispatch here has neither a host sync nor a loop over experts, and every shape i
     inverse = the inverse permutation of order       (sorted position of each flat slot)
     xs = x[token]                                    [N*k, H], rows grouped by expert
     g|u = gmm(xs, [Wg | Wu]); h = act(g) * u; ys = gmm(h, Wd)   (one grouped matmul for gate and up, one for down)
-    y[n] = sum_j w[n, j] ys[inverse[n k + j]]        (the weighted combine: a gather and a sum over k)
-GPT-OSS's block moves both ways by gathers in the forward AND the backward (`gather_tokens`, `unsort_rows`:
-custom VJPs whose transposes are gathers by the inverse index; autodiff of a gather is a scatter-add, which XLA
-runs with atomics on [N*k, H] rows, although every index here is a permutation or a k-fold repeat). This
-block (Qwen3-MoE) keeps x[token] and the scatter-add combine (`scatter_combine`): the two were measured at each
-family's shape and each keeps the faster (`scatter_combine`'s docstring).
+    y[n] = sum_j w[n, j] ys[inverse[n k + j]]        (the weighted combine: k gathers, summed)
+Both MoE blocks move rows by gathers in the forward AND the backward (`gather_tokens`, `combine`: custom VJPs whose
+transposes are gathers by the inverse index; autodiff of a gather is a scatter-add, which XLA runs with atomics on
+[N*k, H] rows, although every index here is a permutation or a k-fold repeat), and sum over a token's k picks as
+k gathers added elementwise (`_picks`: measured faster than either a scatter-add or a reduction over k).
 `gmm` is `kernels_pallas.grouped_matmul`, every call of a layer (experts, expert LoRA, 4-bit experts) with the
 implementation the step's `ExecutionConfig.grouped_matmul_implementation` names: the decoder puts it in the
 sparse layers' context and the block receives it per call (`branch(..., gmm_implementation=)`); the module
@@ -112,23 +111,31 @@ def dispatch(experts: jax.Array, num_experts: int) -> Routing:
     return Routing(order, order // experts.shape[-1], inverse, group_sizes)
 
 
+def _picks(x: jax.Array, inverse: jax.Array, k: int) -> list[jax.Array]:
+    """[x[inverse[n k + j]] for n < N], j < k: the rows of x [N*k, ...] of each token's j-th pick, one gather per
+    j. The sums over k below add these k gathers elementwise: gathering [N, k, H] and reducing its middle axis
+    computed the same sum 4.9x slower on the H200 at Qwen3-30B-A3B's shape (k = 8: the combine and gather_tokens'
+    backward, forward + backward 2.95 vs 0.60 ms) and 2.0x at GPT-OSS-20B's (k = 4: 0.48 vs 0.24 ms;
+    scripts/bench/moe_routing.py, docs/benchmarks.md section 27)."""
+    inv = inverse.reshape(-1, k)
+    return [x[inv[:, j]] for j in range(k)]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def gather_tokens(xf: jax.Array, token: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
     """xs = xf[token]: the [N*k, H] expert-sorted copy of the tokens xf [N, H], each token k times.
 
-    Gradient: xs[s] = xf[order[s] // k], so d xf[n] = sum_j d xs[inverse[n k + j]] - a gather of d xs by
-    `inverse` and a sum over k (autodiff would scatter-add d xs into xf's rows)."""
+    Gradient: xs[s] = xf[order[s] // k], so d xf[n] = sum_j d xs[inverse[n k + j]] - k gathers of d xs (`_picks`)
+    summed in fp32 (autodiff would scatter-add d xs into xf's rows, with atomics)."""
     return xf[token]
 
 
 def _gather_tokens_fwd(xf, token, inverse, k):
-    return xf[token], (inverse, xf.shape[0])
+    return xf[token], inverse
 
 
-def _gather_tokens_bwd(k, res, g):
-    inverse, n = res
-    dxf = jnp.sum(g[inverse].reshape(n, k, g.shape[-1]).astype(jnp.float32), axis=1).astype(g.dtype)
-    return dxf, None, None
+def _gather_tokens_bwd(k, inverse, g):
+    return functools.reduce(jnp.add, (p.astype(jnp.float32) for p in _picks(g, inverse, k))).astype(g.dtype), None, None
 
 
 gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
@@ -153,29 +160,43 @@ def _unsort_rows_bwd(order, g):
 unsort_rows.defvjp(_unsort_rows_fwd, _unsort_rows_bwd)
 
 
-def scatter_combine(ys: jax.Array, weights: jax.Array, routing: Routing, xf: jax.Array,
-                    extra: jax.Array | None = None) -> jax.Array:
-    """`combine` as a scatter-add: each expert-sorted row times its routing weight (fp32, rounded once to xf's
-    dtype) added into its token's row of zeros_like(xf); with tokens gathered as xf[routing.token] (autodiff:
-    a scatter-add back). What `MoeMLP` (Qwen3-MoE) runs: at its shape (k = 8, H = 2048, E = 128, 4096 tokens)
-    the gathers of `gather_tokens` / `combine` measured 2x slower than this on the H200 (3.16 vs 1.52 ms forward
-    + backward, scripts/bench/moe_routing.py), at GPT-OSS-20B's (k = 4, H = 2880) 3x faster (0.36 vs 1.07 ms).
-    Why the gathers lose at k = 8 is not known yet (not profiled). `extra`: as for `combine`."""
-    ys = (ys * weights.reshape(-1)[routing.order][:, None]).astype(xf.dtype)
-    out = jnp.zeros_like(xf).at[routing.token].add(ys)
-    return out if extra is None else (out.astype(jnp.float32) + extra).astype(xf.dtype)
+@jax.custom_vjp
+def _weighted_sum(ys: jax.Array, weights: jax.Array, inverse: jax.Array, order: jax.Array) -> jax.Array:
+    """[N, H] fp32: sum_j weights[n, j] ys[inverse[n k + j]] for expert-sorted rows ys [N*k, H] (`_picks`).
+
+    Gradient, for g = d out [N, H] (fp32):
+        d weights[n, j] = sum_h g[n, h] ys[inverse[n k + j], h]          (the same k gathers, each reduced over H)
+        d ys[s] = weights[n, j] g[n]  for s = inverse[n k + j]:  (weights * g)[order]   (a gather, not a scatter)"""
+    return _weighted_sum_fwd(ys, weights, inverse, order)[0]
+
+
+def _weighted_sum_fwd(ys, weights, inverse, order):
+    w = weights.astype(jnp.float32)
+    picks = _picks(ys, inverse, weights.shape[-1])
+    out = functools.reduce(jnp.add, (p.astype(jnp.float32) * w[:, j, None] for j, p in enumerate(picks)))
+    return out, (ys, weights, inverse, order)
+
+
+def _weighted_sum_bwd(res, g):
+    ys, weights, inverse, order = res
+    n, k = weights.shape
+    dw = jnp.stack([jnp.sum(g * p.astype(jnp.float32), axis=-1) for p in _picks(ys, inverse, k)], axis=-1)
+    dys = (g[:, None, :] * weights.astype(jnp.float32)[..., None]).astype(ys.dtype).reshape(n * k, -1)[order]
+    return dys, dw.astype(weights.dtype), None, None
+
+
+_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
 
 
 def combine(ys: jax.Array, weights: jax.Array, routing: Routing, xf: jax.Array,
             extra: jax.Array | None = None) -> jax.Array:
     """The weighted combine of `dispatch`: y[n] = sum_j weights[n, j] ys[inverse[n k + j]] for the expert-sorted
     outputs ys [N*k, H], into xf's shape [N, H] and dtype. Products and the sum over k are taken in fp32 and
-    rounded once to the activations' dtype, after adding `extra` ([N, H] fp32, e.g. `ExpertLora.combined_delta`)."""
-    n, k = weights.shape
-    rows = unsort_rows(ys, routing.inverse, routing.order).reshape(n, k, ys.shape[-1])
-    # A product and a reduction over k (fused with the gather), not an einsum "nkh,nk->nh": that one kept an
-    # fp32 [N, k, H] copy (+90 MiB temp for GPT-OSS-20B's 4096 tokens, deviceless H200 compile).
-    out = jnp.sum(rows.astype(jnp.float32) * weights.astype(jnp.float32)[..., None], axis=1)
+    rounded once to the activations' dtype, after adding `extra` ([N, H] fp32, e.g. `ExpertLora.combined_delta`).
+    Rows move by gathers both ways (`_weighted_sum`): a scatter-add of the weighted rows into the tokens (the
+    definition) measured 2.5x slower at Qwen3-30B-A3B's shape with `gather_tokens`' own scatter-add backward
+    (1.52 vs 0.60 ms forward + backward, section 27)."""
+    out = _weighted_sum(ys, weights, routing.inverse, routing.order)
     return (out if extra is None else out + extra).astype(xf.dtype)
 
 
@@ -289,7 +310,7 @@ class MoeMLP(nnx.Module):
             sizes = routing.group_sizes
             stats = None if token_weights is None else router_stats(logits, experts, token_weights.reshape(-1))
         with jax.named_scope("moe_experts"):
-            xs = xf[routing.token]  # scatter_combine's docstring: measured faster than the gathers at this shape
+            xs = gather_tokens(xf, routing.token, routing.inverse, self.top_k)
             gmm = gmm_implementation
             lora = None if self.gate_up_lora is None else self.gate_up_lora.sorted_factors(xf, experts, routing)
             gate_up = checkpoint_name(expert_matmul(xs, self.gate_up_proj, sizes, gmm, lora=lora), MLP_GATE_UP)
@@ -297,7 +318,7 @@ class MoeMLP(nnx.Module):
             h = ACTIVATIONS[self.hidden_act](gate, up)
             ys = expert_matmul(h, self.down_proj, sizes, gmm)
             extra = None if self.down_lora is None else self.down_lora.combined_delta(h, weights, experts, routing, gmm)
-            out = scatter_combine(ys, weights, routing, xf, extra).reshape(shape)
+            out = combine(ys, weights, routing, xf, extra).reshape(shape)
         return out if stats is None else (out, stats)
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None, *,
