@@ -374,13 +374,19 @@ class Bench:
         return flops, data.sha256
 
     def models_root(self, shapes: list[str]) -> str:
-        """/dev/shm when it holds every needed model with 20% to spare, else the workdir."""
-        need = 1.2 * sum(model_bytes(SHAPES[sh]) for sh in shapes)
-        if os.path.isdir(SHM) and shutil.disk_usage(SHM).free > need:
+        """Where the models go (`models_place`): /dev/shm, or the workdir; a SystemExit naming the sizes if neither
+        holds them."""
+        sizes = [model_bytes(SHAPES[sh]) for sh in shapes]
+        shm = shutil.disk_usage(SHM).free if os.path.isdir(SHM) else 0
+        os.makedirs(self.workdir, exist_ok=True)
+        place = models_place(sizes, shm, ram_available_bytes(), shutil.disk_usage(self.workdir).free)
+        if place == "shm":
             # Named after the workdir, so a kept --workdir finds its kept models again.
             tag = hashlib.sha1(os.path.abspath(self.workdir).encode()).hexdigest()[:12]
             return os.path.join(SHM, f"bench_train_models_{tag}")
-        return os.path.join(self.workdir, "models")
+        if place == "disk":
+            return os.path.join(self.workdir, "models")
+        raise SystemExit(f"bench_train.py: {place}; the shapes: {', '.join(shapes)}")
 
     def save_models(self, workloads: list[str]) -> dict[str, str | None]:
         """Save the model of each workload's shape in one session; {shape: None or why it failed}."""
@@ -487,6 +493,35 @@ class Bench:
     def remove_models(self) -> None:
         if self.models_dir and not self.args.keep_models:
             shutil.rmtree(self.models_dir, ignore_errors=True)
+
+
+def models_place(sizes: list[int], shm_free: int, ram_available: int, disk_free: int) -> str:
+    """"shm" when /dev/shm holds every model with 20% to spare AND the host RAM holds them plus the largest again
+    (/dev/shm is RAM, and the worker saving a model holds it in RAM too: two MoE shapes, 57 + 39 GiB, passed the
+    /dev/shm check alone on the 128 GiB H200 host and the save was killed for memory); else "disk" when the
+    workdir's disk holds them with 20% to spare; else why neither does (one line)."""
+    need, largest = sum(sizes), max(sizes, default=0)
+    if shm_free > 1.2 * need and ram_available > need + largest:
+        return "shm"
+    if disk_free > 1.2 * need:
+        return "disk"
+    gib = 2 ** 30
+    return (f"the models need {need / gib:.1f} GiB (+20%), and /dev/shm has {shm_free / gib:.1f} GiB free with "
+            f"{ram_available / gib:.1f} GiB of RAM available (it needs the models plus the largest, "
+            f"{(need + largest) / gib:.1f} GiB), the workdir's disk {disk_free / gib:.1f} GiB: run fewer model "
+            f"shapes per call (scripts/gpu_check.sh: one TRAIN_PLAN pass per shape, 'a|w1|s;b|w2|s')")
+
+
+def ram_available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (0 where there is none: then /dev/shm is not chosen)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def model_bytes(shape: ModelShape) -> int:

@@ -980,3 +980,20 @@ def test_resident_outside_names_the_arrays_beside_the_state_and_the_allocator_di
     assert [128, 128] in [shape for shape, _, _ in found["largest"]] and found["bytes"] >= stray.nbytes
     assert found["state_bytes"] == 64 * 64 * 4
     assert found["in_use_beyond_state"] == found["in_use_beyond_state_after_gc"] == stray.nbytes + 1000
+
+
+def test_models_go_to_shm_only_when_the_host_ram_holds_them_and_the_saving_worker():
+    """The two MoE shapes of the benchmark together passed /dev/shm's free-space check on the 128 GiB H200 host,
+    and the save was killed for memory: /dev/shm is RAM, and the saving worker holds the model it writes."""
+    from bench_train import model_bytes, models_place
+
+    gib = 2 ** 30
+    qwen, gpt_oss = model_bytes(SHAPES["qwen3-30b-a3b"]), model_bytes(SHAPES["gpt-oss-20b"])
+    assert 55 * gib < qwen < 60 * gib and 37 * gib < gpt_oss < 41 * gib  # bf16, every expert stored
+    host = dict(shm_free=128 * gib, ram_available=125 * gib)  # the H200 host's /dev/shm and RAM, about
+    assert models_place([qwen], disk_free=60 * gib, **host) == "shm"  # it ran so
+    assert models_place([gpt_oss], disk_free=60 * gib, **host) == "shm"
+    assert models_place([qwen, gpt_oss], disk_free=200 * gib, **host) == "disk"
+    why = models_place([qwen, gpt_oss], disk_free=60 * gib, **host)
+    assert why.startswith("the models need 9") and "one TRAIN_PLAN pass per shape" in why and "\n" not in why
+    assert models_place([qwen], shm_free=50 * gib, ram_available=125 * gib, disk_free=100 * gib) == "disk"
