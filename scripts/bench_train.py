@@ -378,7 +378,6 @@ class Bench:
         holds them."""
         sizes = [model_bytes(SHAPES[sh]) for sh in shapes]
         shm = shutil.disk_usage(SHM).free if os.path.isdir(SHM) else 0
-        os.makedirs(self.workdir, exist_ok=True)
         place = models_place(sizes, shm, ram_available_bytes(), shutil.disk_usage(self.workdir).free)
         if place == "shm":
             # Named after the workdir, so a kept --workdir finds its kept models again.

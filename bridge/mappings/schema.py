@@ -200,15 +200,13 @@ def validate_table(table: Table) -> Table:
     if not isinstance(table, tuple) or not table:
         raise ValueError(f"a mapping table must be a non-empty tuple of Row, got {type(table).__name__}")
     seen_hf: dict[tuple[str, str | None], Row] = {}
-    seen_path: dict[tuple[str, ...], list[Row]] = {}
     for row in table:
         if not isinstance(row, Row):
             raise ValueError(f"table entries must be bridge.mappings.Row, got {row!r}")
         if (row.hf, row.stack) in seen_hf:  # one row per HF template and layer stack
             raise ValueError(f"duplicate HF name {row.hf!r} in mapping table")
         seen_hf[(row.hf, row.stack)] = row
-        seen_path.setdefault(row.path, []).append(row)
-    for path, rows in seen_path.items():
+    for path, rows in rows_by_path(table).items():
         first = rows[0]
         if len(rows) == 1 and first.part is None:
             continue

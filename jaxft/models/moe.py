@@ -121,6 +121,15 @@ def _picks(x: jax.Array, inverse: jax.Array, k: int) -> list[jax.Array]:
     return [x[inv[:, j]] for j in range(k)]
 
 
+def _summed_picks(x: jax.Array, inverse: jax.Array, k: int, weights: jax.Array | None = None) -> jax.Array:
+    """[N, ...] fp32: sum_j (weights[n, j]) x[inverse[n k + j]], the k `_picks` added elementwise."""
+    picks = [p.astype(jnp.float32) for p in _picks(x, inverse, k)]
+    if weights is not None:
+        w = weights.astype(jnp.float32)
+        picks = [p * w[:, j, None] for j, p in enumerate(picks)]
+    return functools.reduce(jnp.add, picks)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def gather_tokens(xf: jax.Array, token: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
     """xs = xf[token]: the [N*k, H] expert-sorted copy of the tokens xf [N, H], each token k times.
@@ -135,7 +144,7 @@ def _gather_tokens_fwd(xf, token, inverse, k):
 
 
 def _gather_tokens_bwd(k, inverse, g):
-    return functools.reduce(jnp.add, (p.astype(jnp.float32) for p in _picks(g, inverse, k))).astype(g.dtype), None, None
+    return _summed_picks(g, inverse, k).astype(g.dtype), None, None
 
 
 gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
@@ -171,10 +180,7 @@ def _weighted_sum(ys: jax.Array, weights: jax.Array, inverse: jax.Array, order: 
 
 
 def _weighted_sum_fwd(ys, weights, inverse, order):
-    w = weights.astype(jnp.float32)
-    picks = _picks(ys, inverse, weights.shape[-1])
-    out = functools.reduce(jnp.add, (p.astype(jnp.float32) * w[:, j, None] for j, p in enumerate(picks)))
-    return out, (ys, weights, inverse, order)
+    return _summed_picks(ys, inverse, weights.shape[-1], weights), (ys, weights, inverse, order)
 
 
 def _weighted_sum_bwd(res, g):
@@ -193,9 +199,9 @@ def combine(ys: jax.Array, weights: jax.Array, routing: Routing, xf: jax.Array,
     """The weighted combine of `dispatch`: y[n] = sum_j weights[n, j] ys[inverse[n k + j]] for the expert-sorted
     outputs ys [N*k, H], into xf's shape [N, H] and dtype. Products and the sum over k are taken in fp32 and
     rounded once to the activations' dtype, after adding `extra` ([N, H] fp32, e.g. `ExpertLora.combined_delta`).
-    Rows move by gathers both ways (`_weighted_sum`): a scatter-add of the weighted rows into the tokens (the
-    definition) measured 2.5x slower at Qwen3-30B-A3B's shape with `gather_tokens`' own scatter-add backward
-    (1.52 vs 0.60 ms forward + backward, section 27)."""
+    Rows move by gathers both ways (`_weighted_sum`): the definition, a scatter-add of the weighted rows into the
+    tokens with x[token] (whose autodiff is another scatter-add), measured 2.5x slower at Qwen3-30B-A3B's shape
+    (1.52 vs 0.60 ms forward + backward, docs/benchmarks.md section 27)."""
     out = _weighted_sum(ys, weights, routing.inverse, routing.order)
     return (out if extra is None else out + extra).astype(xf.dtype)
 

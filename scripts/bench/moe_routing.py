@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxft.models.moe import combine, dispatch, gather_tokens
+from jaxft.models.moe import combine, dispatch, gather_tokens, unsort_rows
 from kernels_pallas._bench import median_ms
 
 SHAPES = {"qwen3_30b_a3b": (4096, 8, 2048, 128), "gpt_oss_20b": (4096, 4, 2880, 32)}
@@ -53,19 +53,11 @@ def _gather_reduce_bwd(k, inverse, g):
 _gather_reduce.defvjp(_gather_reduce_fwd, _gather_reduce_bwd)
 
 
-@jax.custom_vjp
-def _unsort(ys, inverse, order):
-    return ys[inverse]
-
-
-_unsort.defvjp(lambda ys, inverse, order: (ys[inverse], order), lambda order, g: (g[order], None, None))
-
-
 def reduce_over_k(xf, weights, experts, num_experts):
     """Gathers both ways, the sums over k as a reduction over the middle axis of [N, k, H]."""
     r = dispatch(experts, num_experts)
     n, k = weights.shape
-    rows = _unsort(jax.nn.silu(_gather_reduce(xf, r.token, r.inverse, k)), r.inverse, r.order).reshape(n, k, -1)
+    rows = unsort_rows(jax.nn.silu(_gather_reduce(xf, r.token, r.inverse, k)), r.inverse, r.order).reshape(n, k, -1)
     return jnp.sum(rows.astype(jnp.float32) * weights.astype(jnp.float32)[..., None], axis=1).astype(xf.dtype)
 
 
