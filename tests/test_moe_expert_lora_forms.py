@@ -1,7 +1,7 @@
-"""`ExpertLora`'s token-side forms against its grouped definition `delta`: `sorted_factors` (the gate/up adapter's A
-on the N tokens, its product taken by the grouped matmul) and `combined_delta` (the down adapter's B inside the weighted combine) give the same values and the
-same gradients in x, the routing weights, A and B, for fp32 (ragged_dot) and bf16 (the Mosaic kernels' interpreter),
-with empty experts; and the compiled down adapter writes no [N*k, out] product."""
+"""`ExpertLora`'s factor forms against its grouped definition `delta`: `sorted_factors` (the gate/up adapter's A on
+the N tokens, its product taken by the grouped matmul) and `grouped_factors` (the down adapter's, fused into the
+experts' grouped matmul) give the same values and the same gradients in x, A and B, for fp32 (ragged_dot) and bf16
+(the Mosaic kernels' interpreter), with empty experts."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxft.models.moe import ExpertLora, combine, dispatch, gather_tokens
+from jaxft.models.moe import ExpertLora, dispatch, gather_tokens
 from kernels_pallas.grouped_matmul import grouped_matmul
 
 N, K, H, O, E, R = 80, 4, 32, 48, 8, 8
@@ -64,40 +64,31 @@ def test_sorted_factors_product_equals_the_grouped_definition(dtype, impl, tol):
 
 
 @pytest.mark.parametrize("dtype,impl,tol", CASES)
-def test_combined_delta_equals_the_grouped_definition_inside_the_combine(dtype, impl, tol):
-    experts, weights, xf, a, b, dy = _setup(2, dtype)
-    w_in = jnp.asarray(np.random.default_rng(3).standard_normal((H, H)) / H ** 0.5, dtype)
+def test_grouped_factors_fused_into_the_experts_matmul_equal_the_weight_plus_the_definition(dtype, impl, tol):
+    """The down adapter as the blocks run it: the experts' grouped matmul of h with its `lora` =
+    `grouped_factors(h)` (one kernel on the GPU) against gmm(h, W) + delta(h), in value and in the gradients of h
+    (through W and A both), A and B."""
+    experts, _, xf, a, b, _ = _setup(2, dtype)
+    rng = np.random.default_rng(3)
+    w_in = jnp.asarray(rng.standard_normal((H, H)) / H ** 0.5, dtype)
+    w_down = jnp.asarray(rng.standard_normal((E, H, O)) / H ** 0.5, dtype)
+    dy = jnp.asarray(rng.standard_normal((N * K, O)), jnp.float32)
 
-    def loss(form, xf, weights, a, b):
+    def loss(form, xf, a, b):
         r = dispatch(experts, E)
         h = jnp.tanh(gather_tokens(xf, r.token, r.inverse, K) @ w_in).astype(dtype)  # stand-in expert rows
-        base = jnp.zeros((N * K, O), dtype)
         lora = _adapter(a, b)
-        if form == "tokens":
-            out = combine(base, weights, r, jnp.zeros((N, O), dtype),
-                          lora.combined_delta(h, weights, experts, r, impl))
+        if form == "fused":
+            out = grouped_matmul(h, w_down, r.group_sizes, implementation=impl,
+                                 lora=lora.grouped_factors(h, r.group_sizes, impl))
         else:
-            out = combine(base + lora.delta(h, r.group_sizes, impl), weights, r, jnp.zeros((N, O), dtype))
+            base = grouped_matmul(h, w_down, r.group_sizes, implementation=impl)
+            out = (base.astype(jnp.float32) + lora.delta(h, r.group_sizes, impl).astype(jnp.float32)).astype(dtype)
         return jnp.sum(out.astype(jnp.float32) * dy), out
 
-    args = (xf, weights, a, b)
-    (_, got), g_got = jax.value_and_grad(lambda *p: loss("tokens", *p), argnums=(0, 1, 2, 3), has_aux=True)(*args)
-    (_, want), g_want = jax.value_and_grad(lambda *p: loss("grouped", *p), argnums=(0, 1, 2, 3), has_aux=True)(*args)
+    (_, got), g_got = jax.value_and_grad(lambda *p: loss("fused", *p), argnums=(0, 1, 2), has_aux=True)(xf, a, b)
+    (_, want), g_want = jax.value_and_grad(lambda *p: loss("two", *p), argnums=(0, 1, 2), has_aux=True)(xf, a, b)
     assert _err(got, want) < tol
-    for name, gg, gw in zip(("x", "weights", "A", "B"), g_got, g_want):
+    for name, gg, gw in zip(("x", "A", "B"), g_got, g_want):
         assert _err(gg, gw) < tol, name
-
-
-def test_the_compiled_down_adapter_writes_no_sorted_row_product():
-    """The B side of `combined_delta` is a [N, E r] x [E r, out] product: the compiled gradient holds no
-    [N*k, out] value (the grouped form's B output, which the combine then read back)."""
-    experts, weights, xf, a, b, dy = _setup(4, jnp.float32)
-
-    def loss(h, a, b):
-        r = dispatch(experts, E)
-        return jnp.sum(_adapter(a, b).combined_delta(h, weights, experts, r, "xla") * dy)
-
-    h = jnp.asarray(np.random.default_rng(5).standard_normal((N * K, H)), jnp.float32)
-    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(h, a, b).compile().as_text()
-    assert f"f32[{N},{O}]" in hlo  # the token-side product is there
-    assert f"f32[{N * K},{O}]" not in hlo
+        assert float(jnp.max(jnp.abs(gw))) > 0  # a real gradient

@@ -27,11 +27,12 @@ CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=384, moe_interm
 LORA = dict(r=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             target_parameters=["experts.gate_up_proj", "experts.down_proj"])
 MOSAIC_CALL = r'custom_call_target="mosaic_gpu_v2"'
-# Per scanned layer body: 3 forward grouped matmuls (gate+up with the gate/up adapter's B side in its kernel, down,
-# the down adapter's grouped A; the other rank-r sides are dense over the tokens: `ExpertLora`), 4 d lhs (gate+up,
-# the fused adapter's xa, down, the down adapter's A), and at least the 2 grouped adapter factors' d rhs (the frozen
-# experts' d rhs may be dropped as dead code). Where the adapter's tiles do not fit, its B side is a kernel more.
-MIN_KERNELS = 3 + 4 + 2
+# Per scanned layer body: 3 forward grouped matmuls (gate+up and down, each with its adapter's B side in its kernel,
+# and the down adapter's grouped A; the gate/up adapter's A is dense over the tokens: `ExpertLora`), 5 d lhs (gate+up,
+# down, the two fused adapters' xa, the down adapter's A), and at least the 3 grouped adapter factors' d rhs (both B,
+# the down adapter's A; the frozen experts' d rhs may be dropped as dead code). Where an adapter's tiles do not fit,
+# its B side is a kernel more.
+MIN_KERNELS = 3 + 5 + 3
 
 
 def batch_of(seq: int = SEQ, vocab: int = CONFIG["vocab_size"], seed: int = 0) -> dict:

@@ -101,10 +101,10 @@ class GptOssMoeMLP(nnx.Module):
             # recompute of the layer (this grouped matmul) in the backward.
             gate_up = checkpoint_name(gate_up, MLP_GATE_UP)
             h = clamped_swiglu(gate_up, self.limit, self.alpha)
-            ys = expert_matmul(h, self.down_proj, sizes, gmm)
+            lora = None if self.down_lora is None else self.down_lora.grouped_factors(h, sizes, gmm)
+            ys = expert_matmul(h, self.down_proj, sizes, gmm, lora=lora)
             ys = ys + self.down_bias[...].astype(x.dtype)[expert_of_row]
-            extra = None if self.down_lora is None else self.down_lora.combined_delta(h, weights, experts, routing, gmm)
-            out = combine(ys, weights, routing, xf, extra).reshape(shape)
+            out = combine(ys, weights, routing, xf).reshape(shape)
         return out if stats is None else (out, stats)
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None, *,

@@ -32,10 +32,10 @@ the layer, `expert_matmul`).
 Expert LoRA (`ExpertLora`, PEFT's `target_parameters` on the fused `experts.gate_up_proj` / `down_proj`):
 per expert e a rank-r update of W_e, applied without forming any per-expert delta weight:
     y = gmm(xs, W) + gmm(gmm(xs, A), s * B)        A [E, in, r], B [E, r, out] (fp32 `LoraParam`), s = alpha/r
-The blocks run the rank-r side that touches the tokens as one dense matmul over the N tokens (not the N*k sorted
-rows): the gate/up adapter's A (`ExpertLora.sorted_factors`, whose B side the experts' own grouped matmul adds in
-its accumulator), the down adapter's B inside the combine (`ExpertLora.combined_delta`); `ExpertLora.delta` is the
-grouped definition both equal.
+The experts' own grouped matmuls add both adapters' B side in their accumulator (`expert_matmul(..., lora=)`).
+The gate/up adapter's A side runs as one dense matmul over the N tokens, not the N*k sorted rows
+(`ExpertLora.sorted_factors`); the down adapter's is grouped over the sorted rows h, which exist only in that order
+(`ExpertLora.grouped_factors`). `ExpertLora.delta` is the grouped definition both equal.
 The gate/up adapter is one adapter of width 2I (PEFT adapts the fused [E, 2I, H] parameter), like the weight it
 adapts (`gate_up_proj` [E, H, 2I], gate's columns first): its output's first I columns add to gate, the last I to
 up, so A is shared by both. Gradients: dB_e = s (xs_e A_e)^T dy_e
@@ -194,16 +194,14 @@ def _weighted_sum_bwd(res, g):
 _weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
 
 
-def combine(ys: jax.Array, weights: jax.Array, routing: Routing, xf: jax.Array,
-            extra: jax.Array | None = None) -> jax.Array:
+def combine(ys: jax.Array, weights: jax.Array, routing: Routing, xf: jax.Array) -> jax.Array:
     """The weighted combine of `dispatch`: y[n] = sum_j weights[n, j] ys[inverse[n k + j]] for the expert-sorted
     outputs ys [N*k, H], into xf's shape [N, H] and dtype. Products and the sum over k are taken in fp32 and
-    rounded once to the activations' dtype, after adding `extra` ([N, H] fp32, e.g. `ExpertLora.combined_delta`).
+    rounded once to the activations' dtype.
     Rows move by gathers both ways (`_weighted_sum`): the definition, a scatter-add of the weighted rows into the
     tokens with x[token] (whose autodiff is another scatter-add), measured 2.5x slower at Qwen3-30B-A3B's shape
     (1.52 vs 0.60 ms forward + backward, docs/benchmarks.md section 27)."""
-    out = _weighted_sum(ys, weights, routing.inverse, routing.order)
-    return (out if extra is None else out + extra).astype(xf.dtype)
+    return _weighted_sum(ys, weights, routing.inverse, routing.order).astype(xf.dtype)
 
 
 class ExpertLora(nnx.Module):
@@ -249,28 +247,17 @@ class ExpertLora(nnx.Module):
             xa = unsort_rows(picked, routing.order, routing.inverse)  # flat slots -> sorted rows: picked[order]
             return xa, self._scaled_b(xf.dtype)
 
-    def combined_delta(self, h: jax.Array, weights: jax.Array, experts: jax.Array, routing: Routing,
-                       gmm_implementation: str = "auto") -> jax.Array:
-        """[N, out] fp32: sum_j weights[n, j] delta(h, sizes)[inverse[n k + j]], the adapter's share of the
-        weighted combine, for expert-sorted rows h [N*k, in]; the B side runs on the N tokens:
-
-            xa = gmm(h, A)                                    [N*k, r], grouped (sorted rows)
-            P[n, e[n, j]] = weights[n, j] xa[inverse[n k + j]]  [N, E, r] (top-k experts are distinct: no sums)
-            out = P @ [s B_0; ...; s B_{E-1}]                 one dense matmul (N x E r x out)
-
-        Gradient: autodiff (dense matmuls, a gather of P's cotangent, the grouped matmul's own rules). Why: the
-        grouped B side writes an [N*k, out] product that is then added to the experts' rows; this writes [N, out]
-        once, k times fewer rows, and the combine adds it before its rounding."""
+    def grouped_factors(self, h: jax.Array, group_sizes: jax.Array,
+                        gmm_implementation: str = "auto") -> tuple[jax.Array, jax.Array]:
+        """(xa = gmm(h, A) [N*k, r], s B [E, r, out]) in h's dtype for expert-sorted rows h [N*k, in]: the down
+        adapter's factors, whose grouped product the experts' down matmul adds in its accumulator
+        (`expert_matmul(..., lora=)`), as it does the gate/up adapter's `sorted_factors`. The A side stays grouped:
+        the rows h exist only in sorted order (the experts' hidden activations), so there is no token-side form.
+        Gradient: the grouped matmuls' own rules (d h = d xa A^T, d A = h^T d xa per group; d xa and d B from the
+        fused kernel's backward)."""
         with jax.named_scope("expert_lora"):
-            n, k = experts.shape
-            xa = grouped_matmul(h, self.lora_a[...].astype(h.dtype), routing.group_sizes,
-                                implementation=gmm_implementation)
-            xa = unsort_rows(xa, routing.inverse, routing.order).reshape(n, k, xa.shape[-1])
-            weighted = xa.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]
-            p = jnp.zeros((n, self.lora_a.shape[-3], xa.shape[-1]), jnp.float32)
-            p = p.at[jnp.arange(n)[:, None], experts].add(weighted, unique_indices=True)
-            return jnp.einsum("ner,ero->no", p.astype(h.dtype), self._scaled_b(h.dtype),
-                              preferred_element_type=jnp.float32)
+            xa = grouped_matmul(h, self.lora_a[...].astype(h.dtype), group_sizes, implementation=gmm_implementation)
+            return xa, self._scaled_b(h.dtype)
 
 
 def expert_adapters(module: nnx.Module):
@@ -322,9 +309,9 @@ class MoeMLP(nnx.Module):
             gate_up = checkpoint_name(expert_matmul(xs, self.gate_up_proj, sizes, gmm, lora=lora), MLP_GATE_UP)
             gate, up = jnp.split(gate_up, 2, axis=-1)  # gate's columns first (the bridge's `Row.part`)
             h = ACTIVATIONS[self.hidden_act](gate, up)
-            ys = expert_matmul(h, self.down_proj, sizes, gmm)
-            extra = None if self.down_lora is None else self.down_lora.combined_delta(h, weights, experts, routing, gmm)
-            out = combine(ys, weights, routing, xf, extra).reshape(shape)
+            lora = None if self.down_lora is None else self.down_lora.grouped_factors(h, sizes, gmm)
+            ys = expert_matmul(h, self.down_proj, sizes, gmm, lora=lora)
+            out = combine(ys, weights, routing, xf).reshape(shape)
         return out if stats is None else (out, stats)
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None, *,
