@@ -56,6 +56,10 @@ REMAT_POLICIES = remat_policies.FIXED  # plus selective 'save=..;offload=..' str
 LAYER_LOOPS = ("auto", "scan", "unroll")
 OFFLOAD_TRANSFERS = ("auto", "policy", "explicit")
 CE_IMPLEMENTATIONS = ("xla", "reference")
+# The smallest cross-entropy chunk under remat. Below 256 tokens the [chunk, H] x [H, V] matmuls ran slower for
+# no memory: at 128 the lean GPT-OSS-20B 1 x 4096 step took 252.0 ms against 247.4 at 256, Qwen3-30B-A3B 329.7
+# against 323.6, with the same compiled peak and allocator peak (docs/benchmarks.md section 28).
+CE_CHUNK_FLOOR = 256
 
 
 class ExecutionConfigError(ConfigError):
@@ -156,18 +160,20 @@ class ExecutionConfig:
             policy = policy.without(dropped)
         return dataclasses.replace(policy, transfer=self.offload_transfer)
 
-    def resolved_ce_chunk(self, num_tokens: int, vocab_size: int, hidden_size: int, itemsize: int) -> int | None:
+    def resolved_ce_chunk(self, num_tokens: int, vocab_size: int, hidden_size: int, itemsize: int,
+                          device_kind: str | None = None) -> int | None:
         """`ce_chunk_size`, or when None the rule by length: without remat, the kernel's default (a fixed
         byte budget per [chunk, vocab] fp32 block, `kernels_pallas.linear_cross_entropy.config`); with any remat
         policy the block is also capped at 4 x one layer input of the step (num_tokens x hidden x itemsize x 4),
-        so the loss never needs more transient memory than a few residual-stream tensors, floored at 128 tokens
-        (8B, 1 x 4096: 256 tokens, the lean mode's measured choice; 1 x 65536: the kernel's 512)."""
+        so the loss never needs more transient memory than a few residual-stream tensors, floored at
+        `CE_CHUNK_FLOOR` tokens (8B, 1 x 4096: 256 tokens, the lean mode's measured choice; 1 x 65536: the
+        kernel's 512). `device_kind` defaults to the first device's."""
         if self.ce_chunk_size is not None or self.remat == "none":
             return self.ce_chunk_size
         from kernels_pallas.linear_cross_entropy import tiles_for
 
-        default = tiles_for(jax.devices()[0].device_kind, num_tokens, vocab_size)
-        cap = max(128, (4 * num_tokens * hidden_size * itemsize) // (vocab_size * 4) // 128 * 128)
+        default = tiles_for(device_kind or jax.devices()[0].device_kind, num_tokens, vocab_size)
+        cap = max(CE_CHUNK_FLOOR, (4 * num_tokens * hidden_size * itemsize) // (vocab_size * 4) // 128 * 128)
         return min(default, cap, num_tokens)
 
     @property

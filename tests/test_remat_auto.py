@@ -196,9 +196,15 @@ def test_ce_chunk_follows_length_under_remat():
     # 256 tokens, below the kernel's byte-budget default (16384 tokens here) and the 1024 tokens.
     assert full.resolved_ce_chunk(1024, 1024, 64, 4) == 256
     assert full.resolved_ce_chunk(4096, 1024, 64, 4) == 1024  # 4x the tokens, 4x the chunk
-    assert full.resolved_ce_chunk(64, 1000, 32, 4) == 64  # short rows: the floor of 128, then at most the tokens
+    assert full.resolved_ce_chunk(64, 1000, 32, 4) == 64  # short rows: the floor of 256, then at most the tokens
     # 8B widths, bf16, 1 x 4096: the cap is 256 tokens of a 128k vocabulary (the lean mode's measured choice);
     # off the H200 the kernel's smaller default (64 MiB = 128 tokens) wins.
     assert full.resolved_ce_chunk(4096, 128256, 4096, 2) == 128
     assert ExecutionConfig(remat="none").resolved_ce_chunk(4096, 128256, 4096, 2) is None  # the kernel decides
+    assert full.resolved_ce_chunk(4096, 128256, 4096, 2, "NVIDIA H200") == 256
+    # MoE widths (GPT-OSS-20B, Qwen3-30B-A3B; Gemma's 256k vocabulary too): the cap of 4 layer inputs is below
+    # 128 tokens, so the floor decides; 256 measured faster than 128 at the same peak (section 28).
+    assert full.resolved_ce_chunk(4096, 201088, 2880, 2, "NVIDIA H200") == 256
+    assert full.resolved_ce_chunk(4096, 151936, 2048, 2, "NVIDIA H200") == 256
+    assert full.resolved_ce_chunk(65536, 128256, 4096, 2, "NVIDIA H200") == 512  # long rows: the byte budget
     assert ExecutionConfig(remat="full", ce_chunk_size=77).resolved_ce_chunk(4096, 128256, 4096, 2) == 77
