@@ -61,6 +61,31 @@ def parse_variant(text: str) -> tuple[str, dict, int | None, bool, str]:
     return remat, merged, int(chunk) if chunk else None, unroll, transfer
 
 
+def _save_model(workload: str, model_dir: str) -> None:
+    import torch
+
+    from bench.models import save_random_model
+    from bench.workloads import get_workload
+
+    shape = get_workload(workload).shape
+    saved = save_random_model(shape, model_dir, "cuda" if torch.cuda.is_available() else "cpu")
+    print(f"[ablate] saved the {shape.name} model in {saved['save_s']:.0f} s", flush=True)
+
+
+def save_model_apart(workload: str, model_dir: str) -> None:
+    """Save the workload's random model in a child process, before this one imports JAX. Why: the saving
+    process keeps torch's host copy of the weights; loading them again beside it was killed for host memory on
+    Qwen3-30B-A3B (61 GB in /dev/shm + 61 GB in the process, on a 125 GiB host)."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=_save_model, args=(workload, model_dir))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise SystemExit(f"ablate_step.py: saving the {workload} model to {model_dir} failed "
+                         f"(exit code {child.exitcode}); see the lines above")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True)
@@ -73,18 +98,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
-    import jax
-
-    from bench.profile import load_trace, summarize_trace
     from bench.workloads import get_workload, make_token_data
-    from bench_jaxft_worker import mode_config
-    from jaxft.run import Run
 
     workload = get_workload(args.workload)
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
-        from bench.models import save_random_model
-        saved = save_random_model(workload.shape, args.model_dir, "cuda" if jax.default_backend() == "gpu" else "cpu")
-        print(f"[ablate] saved the {workload.shape.name} model in {saved['save_s']:.0f} s", flush=True)
+        save_model_apart(args.workload, args.model_dir)
+
+    import jax
+
+    from bench.profile import load_trace, summarize_trace
+    from bench_jaxft_worker import mode_config
+    from jaxft.run import Run
+
     data = make_token_data(workload, args.steps)
     host_batches = [data.step(i) for i in range(args.steps)]
     batches = [jax.device_put(b) for b in host_batches]
