@@ -325,13 +325,15 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
                                              wg_split="m", grid_block_n=2)]
     small_dw = lambda k, n: [mosaic.TileConfig(dw_block_k=64, dw_block_n=64, dw_block_t=64, dw_stages=2)]
     rows = bench.run_sweep([shape], iters=1, compile_threads=2, candidates=small, dw_candidates=small_dw)
-    # per row-kernel direction: the table's config, it with the other walk, the candidate; the forward with an
-    # adapter, fused and as two kernels; d rhs: table, candidate
+    # per row-kernel direction: the table's config, it with the other walk, the candidate; the forward and the d lhs
+    # with an adapter, fused and as two kernels; d rhs: table, candidate
     assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True), ("fwd", False), ("fwd", False),
                                                             ("dlhs", True), ("dlhs", False), ("dlhs", False),
                                                             ("fwd+lora", False), ("fwd+lora", True),
+                                                            ("dlhs+lora", False), ("dlhs+lora", True),
                                                             ("drhs", True), ("drhs", False)]
     assert rows[6]["label"].startswith("fused ") and rows[7]["label"].startswith("two kernels ")
+    assert rows[8]["label"].startswith("fused ") and rows[9]["label"].startswith("two kernels ")
     assert rows[-1]["label"] == "drhs 64x64 t64 st2"
     assert all(bench.sweep_dw_candidates(2880, 5760)) and all(
         2880 % c.dw_block_k == 0 and 5760 % c.dw_block_n == 0 for c in bench.sweep_dw_candidates(2880, 5760))
@@ -389,6 +391,60 @@ def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split, rank):
     _close(got, _lora_loop(lhs, rhs, xa, b, sizes, np.zeros((200, 256)))[0], "float32", f"out ({ws}, {split})")
 
 
+@pytest.mark.parametrize("ws,split", [(False, "n"), (True, "m"), (True, "n")])
+def test_row_kernels_fuse_the_adapter_into_a_transposed_product(ws, split):
+    """The d lhs form with an adapter (`backward_lhs(lora=)`): out = lhs @ rhs[g]^T + xa @ b[g] (rhs [G, N, K]), on
+    each row kernel variant; the output width (K = 128) and the adapter's b [G, r, K] come from the transposed side."""
+    from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows, gmm_rows_ws
+
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws, wg_split=split)
+    sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
+    dout, rhs, dxa, at, _ = _lora_operands(200, 256, 128, 6, 16, 9)  # rhs [G, 256, 128]: read as [G, 128, 256]^T
+    rhs_t = jnp.swapaxes(rhs, 1, 2)
+    got = (gmm_rows_ws if ws else gmm_rows)(dout, rhs_t, sizes, cfg, interpret=True, transpose_rhs=True,
+                                           lora=(dxa, at))
+    _close(got, _lora_loop(dout, rhs, dxa, at, sizes, np.zeros((200, 128)))[0], "float32", f"d lhs ({ws}, {split})")
+
+
+def _adapted_reference(lhs, rhs, a, b, sizes):
+    """gmm(lhs, rhs) + gmm(gmm(lhs, a), b) by the masked dense definition, differentiated by autodiff."""
+    ref = lambda x, w: grouped_matmul(x, w, sizes, implementation="reference")  # noqa: E731
+    return ref(lhs, rhs) + ref(ref(lhs, a), b)
+
+
+@pytest.mark.parametrize("impl", OP.names)
+@pytest.mark.parametrize("stacked", [False, True])
+def test_an_adapter_on_the_products_own_rows_adds_its_product_and_gets_its_gradients(impl, stacked):
+    """grouped_matmul(..., adapter=(a, b)) = gmm(lhs, rhs) + gmm(gmm(lhs, a), b) (the experts' down projection with
+    its adapter) with the gradients of lhs (through both paths), rhs, a and b, against the definition's autodiff; on
+    pallas_mosaic one custom VJP whose d lhs kernel adds d xa @ a^T in its accumulator (the interpreter). Ragged
+    and empty groups, rows past the last group, a rank (16) the kernels pad to 64; with `row` on a stack."""
+    sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
+    lhs, rhs, _, b, dout = _lora_operands(200, 128, 192, 6, 16, 7)
+    a = jax.random.normal(jax.random.key(11), (6, 128, 16), jnp.float32) / 8
+    if stacked:
+        fn = lambda l, w, aa, bb: grouped_matmul(l, jnp.stack([w * 0.5, w]), sizes,  # noqa: E731
+                                                 implementation=impl, row=1, adapter=(aa, bb))
+    else:
+        fn = lambda l, w, aa, bb: grouped_matmul(l, w, sizes, implementation=impl, adapter=(aa, bb))  # noqa: E731
+    out, vjp = jax.vjp(fn, lhs, rhs, a, b)
+    want, vjp_want = jax.vjp(lambda *p: _adapted_reference(*p, sizes), lhs, rhs, a, b)
+    for g, w, what in zip((out, *vjp(dout)), (want, *vjp_want(dout)), ("out", "d lhs", "d rhs", "d a", "d b")):
+        _close(g, np.asarray(w, np.float64), "float32", what)
+        assert float(jnp.max(jnp.abs(w))) > 0, what  # every gradient is a real one
+    assert not np.any(np.asarray(out)[184:])  # rows past the groups: 0, adapter included
+
+
+def test_an_adapter_with_both_or_bad_factors_is_one_line():
+    sizes = jnp.asarray((2, 2), jnp.int32)
+    lhs, rhs = jnp.zeros((4, 8)), jnp.zeros((2, 8, 6))
+    with pytest.raises(ValueError, match=r"^kernels_pallas/grouped_matmul/api.py: grouped_matmul takes lora"):
+        grouped_matmul(lhs, rhs, sizes, lora=(jnp.zeros((4, 2)), jnp.zeros((2, 2, 6))),
+                       adapter=(jnp.zeros((2, 8, 2)), jnp.zeros((2, 2, 6))))
+    with pytest.raises(ValueError, match=r"adapter=\(a, b\) needs a \[G, K, r\] and b \[G, r, N\]"):
+        grouped_matmul(lhs, rhs, sizes, adapter=(jnp.zeros((2, 6, 2)), jnp.zeros((2, 2, 6))))
+
+
 def test_fused_adapter_tiles_fit_shared_memory_or_fall_back():
     """`fused_config`: the table's tiles when the adapter's fit beside them, else a shallower ring (or 64-deep steps)
     whose stages still divide the contraction steps, else None (a second kernel); `smem_bytes` is what Mosaic GPU
@@ -433,3 +489,29 @@ def test_fused_adapter_kernels_lower_for_a_gpu_from_the_cpu(key):
     loss = lambda a, w, s, x, b: call(a, w, s, x, b).astype(jnp.float32).sum()  # noqa: E731
     grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
     assert calls(grads) == forward + 3
+
+
+@pytest.mark.parametrize("key", [(768, 2048, 128), (2880, 2880, 32)])
+def test_an_adapter_on_the_products_own_rows_lowers_for_a_gpu_from_the_cpu(key):
+    """`grouped_matmul_mosaic(adapter=)` on the down projections' shapes through Mosaic GPU's CUDA lowering, with a
+    rank-16 adapter on an in-place layer stack: the d lhs kernel with the adapter fused (transposed rhs) alone, and
+    the whole step: forward 2 kernels (xa = gmm(h, a); the experts' with (xa, b) fused), backward d xa, d lhs (with
+    d xa @ a^T fused: one kernel, or two while FUSED_DLHS_LORA_ON_GPU is off), d b and d a."""
+    from kernels_pallas.grouped_matmul import mosaic
+
+    k, n, g = key
+    S = jax.ShapeDtypeStruct
+    args = (S((4096, k), jnp.bfloat16), S((2, g, k, n), jnp.bfloat16), S((g,), jnp.int32),
+            S((g, k, 16), jnp.bfloat16), S((g, 16, n), jnp.bfloat16))
+    calls = lambda lowered: lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")  # noqa: E731
+    cfg = mosaic.fused_config(mosaic._dlhs_config(mosaic.config_for(*key), *key), n, 16)
+    dlhs = lambda d, w, s, x, at: mosaic._rows(cfg)(d, w[1], s, cfg, transpose_rhs=True,  # noqa: E731
+                                                    lora=(x, at))
+    dargs = (S((4096, n), jnp.bfloat16), args[1], args[2], S((4096, 16), jnp.bfloat16), S((g, 16, k), jnp.bfloat16))
+    assert calls(jax.jit(dlhs).trace(*dargs).lower(lowering_platforms=("cuda",))) == 1
+    call = lambda h, w, s, a, b: mosaic.grouped_matmul_mosaic(h, w, s, row=1, adapter=(a, b),  # noqa: E731
+                                                               interpret=False)
+    assert calls(jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))) == 2
+    loss = lambda h, w, s, a, b: call(h, w, s, a, b).astype(jnp.float32).sum()  # noqa: E731
+    grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
+    assert calls(grads) == 2 + 4 + (0 if mosaic.FUSED_DLHS_LORA_ON_GPU else 1)

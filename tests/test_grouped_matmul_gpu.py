@@ -107,6 +107,35 @@ def test_a_fused_adapter_matches_on_the_tiles_of_each_projection(shape):
     assert len(re.findall(MOSAIC_CALL, kernel.as_text())) == 1
 
 
+DOWN_SHAPES = [s for s in GPU_TEST_SHAPES if s.name.endswith("_down")]
+
+
+@pytest.mark.parametrize("shape", DOWN_SHAPES, ids=[s.name for s in DOWN_SHAPES])
+def test_an_adapter_fused_into_the_d_lhs_kernel_matches_on_the_down_tiles(shape):
+    """`backward_lhs(adapter=)` with the fusion forced on (interpret=False, FUSED_DLHS_LORA_ON_GPU or not): d lhs =
+    dout @ rhs^T + d xa @ a^T per group in ONE Mosaic GPU kernel on the down projections' d lhs tiles as
+    `fused_config` fits them, against numpy. (mosaic._gmm_adapted's backward takes this path on a GPU once
+    FUSED_DLHS_LORA_ON_GPU is set.)"""
+    full = GPU_TEST_TILES_OF[shape.name]
+    key = (full.k, full.n, len(full.group_sizes))
+    cfg = mosaic.fused_config(mosaic._dlhs_config(mosaic.config_for(*key), *key), key[1], 16)
+    assert cfg is not None
+    _, rhs, sizes, dout = make_inputs(shape)
+    g = len(shape.group_sizes)
+    k1, k2 = jax.random.split(jax.random.key(10))
+    dxa = jax.random.normal(k1, (shape.m, 16), jnp.float32).astype(jnp.bfloat16)
+    a = (jax.random.normal(k2, (g, shape.k, 16), jnp.float32) * 0.25).astype(jnp.bfloat16)
+    rows = gmm_rows_ws if cfg.warp_specialized else gmm_rows
+    kernel = jax.jit(lambda d, w, s, x, at: rows(d, w, s, cfg, transpose_rhs=True, lora=(x, at))).lower(
+        dout, rhs, sizes, dxa, jnp.swapaxes(a, 1, 2)).compile()
+    got = kernel(dout, rhs, sizes, dxa, jnp.swapaxes(a, 1, 2))
+    want = _numpy_fwd_bwd(np.zeros((shape.m, shape.k), np.float32), rhs, dout, shape.group_sizes)[1] + \
+        _numpy_fwd_bwd(np.zeros((shape.m, shape.k), np.float32), a, dxa, shape.group_sizes)[1]
+    _assert_close(got, want, f"{shape.name} d lhs with the adapter")
+    assert not np.any(np.asarray(got[sum(shape.group_sizes):], np.float32))
+    assert len(re.findall(MOSAIC_CALL, kernel.as_text())) == 1
+
+
 VARIANTS = {
     "one_wg": TileConfig(),
     "ws_split_n": TileConfig(warp_specialized=True, wg_split="n", stages=3),

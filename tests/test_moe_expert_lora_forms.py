@@ -1,5 +1,5 @@
 """`ExpertLora`'s factor forms against its grouped definition `delta`: `sorted_factors` (the gate/up adapter's A on
-the N tokens, its product taken by the grouped matmul) and `grouped_factors` (the down adapter's, fused into the
+the N tokens, its product taken by the grouped matmul) and `grouped_adapter` (the down adapter's, one op with the
 experts' grouped matmul) give the same values and the same gradients in x, A and B, for fp32 (ragged_dot) and bf16
 (the Mosaic kernels' interpreter), with empty experts."""
 
@@ -64,9 +64,9 @@ def test_sorted_factors_product_equals_the_grouped_definition(dtype, impl, tol):
 
 
 @pytest.mark.parametrize("dtype,impl,tol", CASES)
-def test_grouped_factors_fused_into_the_experts_matmul_equal_the_weight_plus_the_definition(dtype, impl, tol):
+def test_grouped_adapter_fused_into_the_experts_matmul_equals_the_weight_plus_the_definition(dtype, impl, tol):
     """The down adapter as the blocks run it: the experts' grouped matmul of h with its `lora` =
-    `grouped_factors(h)` (one kernel on the GPU) against gmm(h, W) + delta(h), in value and in the gradients of h
+    `grouped_adapter` (one custom VJP on the Mosaic kernels) against gmm(h, W) + delta(h), in value and in the gradients of h
     (through W and A both), A and B."""
     experts, _, xf, a, b, _ = _setup(2, dtype)
     rng = np.random.default_rng(3)
@@ -80,7 +80,7 @@ def test_grouped_factors_fused_into_the_experts_matmul_equal_the_weight_plus_the
         lora = _adapter(a, b)
         if form == "fused":
             out = grouped_matmul(h, w_down, r.group_sizes, implementation=impl,
-                                 lora=lora.grouped_factors(h, r.group_sizes, impl))
+                                 adapter=lora.grouped_adapter(dtype))
         else:
             base = grouped_matmul(h, w_down, r.group_sizes, implementation=impl)
             out = (base.astype(jnp.float32) + lora.delta(h, r.group_sizes, impl).astype(jnp.float32)).astype(dtype)

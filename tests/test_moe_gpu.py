@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels_pallas.grouped_matmul import mosaic
 from gpu_helpers import compile_no_autotune
 
 pytestmark = pytest.mark.gpu
@@ -29,10 +30,10 @@ LORA = dict(r=8, alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj
 MOSAIC_CALL = r'custom_call_target="mosaic_gpu_v2"'
 # Per scanned layer body: 3 forward grouped matmuls (gate+up and down, each with its adapter's B side in its kernel,
 # and the down adapter's grouped A; the gate/up adapter's A is dense over the tokens: `ExpertLora`), 5 d lhs (gate+up,
-# down, the two fused adapters' xa, the down adapter's A), and at least the 3 grouped adapter factors' d rhs (both B,
-# the down adapter's A; the frozen experts' d rhs may be dropped as dead code). Where an adapter's tiles do not fit,
-# its B side is a kernel more.
-MIN_KERNELS = 3 + 5 + 3
+# down, the two fused adapters' xa, the down adapter's A; 4 once FUSED_DLHS_LORA_ON_GPU fuses the last into down's),
+# and at least the 3 grouped adapter factors' d rhs (both B, the down adapter's A; the frozen experts' d rhs may be
+# dropped as dead code). Where an adapter's tiles do not fit, its B side is a kernel more.
+MIN_KERNELS = 3 + (4 if mosaic.FUSED_DLHS_LORA_ON_GPU else 5) + 3
 
 
 def batch_of(seq: int = SEQ, vocab: int = CONFIG["vocab_size"], seed: int = 0) -> dict:

@@ -101,8 +101,8 @@ class GptOssMoeMLP(nnx.Module):
             # recompute of the layer (this grouped matmul) in the backward.
             gate_up = checkpoint_name(gate_up, MLP_GATE_UP)
             h = clamped_swiglu(gate_up, self.limit, self.alpha)
-            lora = None if self.down_lora is None else self.down_lora.grouped_factors(h, sizes, gmm)
-            ys = expert_matmul(h, self.down_proj, sizes, gmm, lora=lora)
+            adapter = None if self.down_lora is None else self.down_lora.grouped_adapter(h.dtype)
+            ys = expert_matmul(h, self.down_proj, sizes, gmm, adapter=adapter)
             ys = ys + self.down_bias[...].astype(x.dtype)[expert_of_row]
             out = combine(ys, weights, routing, xf).reshape(shape)
         return out if stats is None else (out, stats)

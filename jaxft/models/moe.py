@@ -32,10 +32,11 @@ the layer, `expert_matmul`).
 Expert LoRA (`ExpertLora`, PEFT's `target_parameters` on the fused `experts.gate_up_proj` / `down_proj`):
 per expert e a rank-r update of W_e, applied without forming any per-expert delta weight:
     y = gmm(xs, W) + gmm(gmm(xs, A), s * B)        A [E, in, r], B [E, r, out] (fp32 `LoraParam`), s = alpha/r
-The experts' own grouped matmuls add both adapters' B side in their accumulator (`expert_matmul(..., lora=)`).
-The gate/up adapter's A side runs as one dense matmul over the N tokens, not the N*k sorted rows
+The experts' own grouped matmuls add both adapters' B side in their accumulator (`expert_matmul(..., lora= /
+adapter=)`). The gate/up adapter's A side runs as one dense matmul over the N tokens, not the N*k sorted rows
 (`ExpertLora.sorted_factors`); the down adapter's is grouped over the sorted rows h, which exist only in that order
-(`ExpertLora.grouped_factors`). `ExpertLora.delta` is the grouped definition both equal.
+(`ExpertLora.grouped_adapter`: one op with the experts' down matmul, whose d lhs kernel also adds d xa A^T).
+`ExpertLora.delta` is the grouped definition both equal.
 The gate/up adapter is one adapter of width 2I (PEFT adapts the fused [E, 2I, H] parameter), like the weight it
 adapts (`gate_up_proj` [E, H, 2I], gate's columns first): its output's first I columns add to gate, the last I to
 up, so A is shared by both. Gradients: dB_e = s (xs_e A_e)^T dy_e
@@ -247,17 +248,14 @@ class ExpertLora(nnx.Module):
             xa = unsort_rows(picked, routing.order, routing.inverse)  # flat slots -> sorted rows: picked[order]
             return xa, self._scaled_b(xf.dtype)
 
-    def grouped_factors(self, h: jax.Array, group_sizes: jax.Array,
-                        gmm_implementation: str = "auto") -> tuple[jax.Array, jax.Array]:
-        """(xa = gmm(h, A) [N*k, r], s B [E, r, out]) in h's dtype for expert-sorted rows h [N*k, in]: the down
-        adapter's factors, whose grouped product the experts' down matmul adds in its accumulator
-        (`expert_matmul(..., lora=)`), as it does the gate/up adapter's `sorted_factors`. The A side stays grouped:
+    def grouped_adapter(self, dtype) -> tuple[jax.Array, jax.Array]:
+        """(A [E, in, r], s B [E, r, out]) in `dtype`: the down adapter, whose grouped product gmm(gmm(h, A), s B)
+        on the expert-sorted rows h the experts' down matmul adds (`expert_matmul(..., adapter=)`; on the Mosaic
+        kernels the B side in its forward's accumulator and d xa A^T in its d lhs kernel's). The A side is grouped:
         the rows h exist only in sorted order (the experts' hidden activations), so there is no token-side form.
-        Gradient: the grouped matmuls' own rules (d h = d xa A^T, d A = h^T d xa per group; d xa and d B from the
-        fused kernel's backward)."""
-        with jax.named_scope("expert_lora"):
-            xa = grouped_matmul(h, self.lora_a[...].astype(h.dtype), group_sizes, implementation=gmm_implementation)
-            return xa, self._scaled_b(h.dtype)
+        Gradient: the grouped products' rules (d xa = d y (s B)^T, d h = d y W^T + d xa A^T, d A = h^T d xa,
+        d B = s xa^T d y, per group)."""
+        return self.lora_a[...].astype(dtype), self._scaled_b(dtype)
 
 
 def expert_adapters(module: nnx.Module):
@@ -309,8 +307,8 @@ class MoeMLP(nnx.Module):
             gate_up = checkpoint_name(expert_matmul(xs, self.gate_up_proj, sizes, gmm, lora=lora), MLP_GATE_UP)
             gate, up = jnp.split(gate_up, 2, axis=-1)  # gate's columns first (the bridge's `Row.part`)
             h = ACTIVATIONS[self.hidden_act](gate, up)
-            lora = None if self.down_lora is None else self.down_lora.grouped_factors(h, sizes, gmm)
-            ys = expert_matmul(h, self.down_proj, sizes, gmm, lora=lora)
+            adapter = None if self.down_lora is None else self.down_lora.grouped_adapter(h.dtype)
+            ys = expert_matmul(h, self.down_proj, sizes, gmm, adapter=adapter)
             out = combine(ys, weights, routing, xf).reshape(shape)
         return out if stats is None else (out, stats)
 

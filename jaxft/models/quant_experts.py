@@ -95,15 +95,18 @@ class Quant4bitExperts(nnx.Module):
 
 
 def expert_matmul(xs: jax.Array, weight, group_sizes: jax.Array, gmm_implementation: str = "auto", *,
-                  lora=None) -> jax.Array:
+                  lora=None, adapter=None) -> jax.Array:
     """out[m] = xs[m] @ W_g(m) for one layer's expert weight: an `ExpertParam` [E, in, out] (cast to xs's dtype)
     or holding a `StackRow` of its stack (in a layer scan), or a `Quant4bitExperts`, by the grouped matmul
     `gmm_implementation` names (`kernels_pallas.grouped_matmul`). With `lora` = (xa [M, r], b [E, r, out])
-    (`ExpertLora.sorted_factors`) plus gmm(xa, b): in the same grouped matmul (`grouped_matmul(..., lora=)`), or
-    for 4-bit experts as a second one."""
-    gmm = functools.partial(grouped_matmul, implementation=gmm_implementation, lora=lora)
+    (`ExpertLora.sorted_factors`) plus gmm(xa, b); with `adapter` = (a [E, in, r], b [E, r, out])
+    (`ExpertLora.grouped_adapter`) plus gmm(gmm(xs, a), b): in the same grouped matmul (`grouped_matmul(...,
+    lora= / adapter=)`), or for 4-bit experts as products of their own."""
+    gmm = functools.partial(grouped_matmul, implementation=gmm_implementation, lora=lora, adapter=adapter)
     if isinstance(weight, Quant4bitExperts):
         out = weight.matmul(xs, group_sizes, gmm_implementation)
+        if adapter is not None:
+            lora = (grouped_matmul(xs, adapter[0], group_sizes, implementation=gmm_implementation), adapter[1])
         return out if lora is None else out + grouped_matmul(*lora, group_sizes, implementation=gmm_implementation)
     value = weight.get_value()
     if isinstance(value, StackRow):  # inside a layer scan: the layer's row of the stack, read in place

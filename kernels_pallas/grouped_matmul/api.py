@@ -68,7 +68,7 @@ def implementation_for(implementation: str | None, dtype, device=None) -> str:
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                   implementation: str | None = AUTO, row=None, lora=None) -> jax.Array:
+                   implementation: str | None = AUTO, row=None, lora=None, adapter=None) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for lhs [M, K] sorted by group, rhs [G, K, N], group_sizes [G] (int);
     rows past sum(group_sizes) are 0. "xla": lax.ragged_dot; "reference": masked dense; "pallas_mosaic": the
     Mosaic GPU kernels (bf16/f16; Mosaic GPU's interpreter off the GPU); "auto"/None: "pallas_mosaic" on Hopper
@@ -81,7 +81,11 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     With `lora` = (xa [M, r], b [G, r, N]) (an expert adapter's factors: xa the rows' product with A, b the scaled
     B) the result is gmm(lhs, rhs) + gmm(xa, b), summed in float32 and rounded once. The Mosaic kernels add the
     adapter's product in their accumulator (one more contraction step of r per output tile), so the [M, N] product
-    of the adapter is never written and read back; the others compute both products in float32 and add them."""
+    of the adapter is never written and read back; the others compute both products in float32 and add them.
+
+    With `adapter` = (a [G, K, r], b [G, r, N]) (an adapter whose A side reads these rows: the experts' down
+    projection) the result is gmm(lhs, rhs) + gmm(gmm(lhs, a), b): `lora` with xa = gmm(lhs, a). The Mosaic kernels
+    also fuse the backward's d xa @ a^T into the d lhs kernel (`mosaic._gmm_adapted`)."""
     impl = OP.get(implementation_for(implementation, lhs.dtype))
     stacked = row is not None
     if lhs.ndim != 2 or rhs.ndim != 3 + stacked or lhs.shape[1] != rhs.shape[-2]:
@@ -93,12 +97,19 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                          f"got {group_sizes.dtype} {group_sizes.shape}")
     if lhs.dtype != rhs.dtype:
         raise ValueError(f"{_WHERE}: lhs {lhs.dtype} and rhs {rhs.dtype} must have the same dtype; cast one")
+    if lora is not None and adapter is not None:
+        raise ValueError(f"{_WHERE}: grouped_matmul takes lora=(xa, b) or adapter=(a, b), not both")
+    if adapter is not None:
+        _check_adapter(adapter, lhs, rhs)
     if lora is not None:
         _check_lora(lora, lhs, rhs)
     if impl.name == "pallas_mosaic":
-        return impl.fn(lhs, rhs, group_sizes, row=row, lora=lora)
+        return impl.fn(lhs, rhs, group_sizes, row=row, lora=lora, adapter=adapter)
     if stacked:
         rhs = jax.lax.dynamic_index_in_dim(rhs, row, 0, keepdims=False)
+    if adapter is not None:
+        a, b = adapter
+        lora = (impl.fn(lhs, a, group_sizes), b)
     if lora is None:
         return impl.fn(lhs, rhs, group_sizes)
     xa, b = lora
@@ -113,4 +124,15 @@ def _check_lora(lora, lhs: jax.Array, rhs: jax.Array) -> None:
                          f"{rhs.shape}, got xa {xa.shape} and b {b.shape}")
     if xa.dtype != lhs.dtype or b.dtype != lhs.dtype:
         raise ValueError(f"{_WHERE}: lora=(xa, b) must have lhs's dtype {lhs.dtype}, got {xa.dtype} and {b.dtype}; "
+                         f"cast them")
+
+
+def _check_adapter(adapter, lhs: jax.Array, rhs: jax.Array) -> None:
+    a, b = adapter
+    g, k, n = rhs.shape[-3:]
+    if a.ndim != 3 or b.ndim != 3 or a.shape[:2] != (g, k) or b.shape != (g, a.shape[2], n):
+        raise ValueError(f"{_WHERE}: adapter=(a, b) needs a [G, K, r] and b [G, r, N] beside lhs {lhs.shape} and rhs "
+                         f"{rhs.shape}, got a {a.shape} and b {b.shape}")
+    if a.dtype != lhs.dtype or b.dtype != lhs.dtype:
+        raise ValueError(f"{_WHERE}: adapter=(a, b) must have lhs's dtype {lhs.dtype}, got {a.dtype} and {b.dtype}; "
                          f"cast them")

@@ -211,11 +211,12 @@ _SWEEP_RANK = 16  # the expert adapters' rank in the training benchmark (bench_t
 
 def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int = 8,
               candidates=None, dw_candidates=sweep_dw_candidates) -> list[dict]:
-    """Rows {"shape", "direction": "fwd" | "dlhs" | "fwd+lora" | "drhs", "label", "config", "table": bool, "ms",
+    """Rows {"shape", "direction": "fwd" | "dlhs" | "fwd+lora" | "dlhs+lora" | "drhs", "label", "config", "table": bool,
+    "ms",
     "tflops"} for the row-tile kernel on the table's config (`_table_variants`: also unchained, and with the other
     walk) and on every `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d lhs;
     the forward with a rank-16 adapter fused ("fwd+lora", `mosaic.fused_config`'s tiles) and as a second kernel
-    added after; and the d rhs (group-tile) kernel on the table's dw_* tiles and each of `dw_candidates(k, n)`
+    added after; the same for the d lhs with the down adapter's d xa @ a^T ("dlhs+lora"); and the d rhs (group-tile) kernel on the table's dw_* tiles and each of `dw_candidates(k, n)`
     (None: no d rhs). The programs compile on `compile_threads` threads first (Mosaic GPU's compiles are most of the
     sweep's time), then run one at a time."""
     import concurrent.futures
@@ -256,6 +257,23 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
             row = {"shape": shape.name, "direction": "fwd+lora", "label": f"{name} {_describe(cfg)}",
                    "config": dataclasses.asdict(cfg), "table": name == "two kernels", "work": _work(shape)["fwd"]}
             jobs.append((row, jax.jit(body), (lhs, rhs, sizes, xa, b)))
+        # The d lhs with the down adapter's d xa @ a^T (`backward_lhs(adapter=)`): fused into the transposed row
+        # kernel against a's own d lhs kernel added after (the GPU's path while mosaic.FUSED_DLHS_LORA_ON_GPU is off).
+        table = mosaic._dlhs_config(fwd_table, *key)
+        fused = mosaic.fused_config(table, shape.n, _SWEEP_RANK)
+        a = jax.random.normal(jax.random.key(3), (len(shape.group_sizes), shape.k, _SWEEP_RANK),
+                              jnp.float32).astype(lhs.dtype)
+        a_key = (shape.k, _SWEEP_RANK, len(shape.group_sizes))
+        variants = [("fused", fused, lambda d, w, s, x, aa, cfg=fused: mosaic._rows(cfg)(
+                        d, w, s, cfg, transpose_rhs=True, lora=(x, jnp.swapaxes(aa, 1, 2)), interpret=interpret))
+                    ] if fused is not None else []
+        variants.append(("two kernels", table, lambda d, w, s, x, aa, cfg=table: mosaic._rows(cfg)(
+            d, w, s, cfg, transpose_rhs=True, interpret=interpret) + mosaic.backward_lhs(
+            aa, s, x, a_key, interpret=interpret)))
+        for name, cfg, body in variants:
+            row = {"shape": shape.name, "direction": "dlhs+lora", "label": f"{name} {_describe(cfg)}",
+                   "config": dataclasses.asdict(cfg), "table": name == "two kernels", "work": _work(shape)["fwd"]}
+            jobs.append((row, jax.jit(body), (dout, rhs, sizes, xa, a)))
         if dw_candidates is None:
             continue
         for cfg in [table, *dw_candidates(shape.k, shape.n)]:

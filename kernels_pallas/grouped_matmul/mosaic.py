@@ -52,7 +52,10 @@ product is never written to memory and added back, and the sum is rounded once. 
 products (d xa = dout @ b^T per group, d b[g] = xa_g^T dout_g), by the same kernels. ``fused_config`` fits the
 adapter's tiles into shared memory beside the ring (a shallower ring or 64-deep steps) or returns None, and the
 adapter's product is then a second kernel. On the GPU, ``forward`` takes the fused kernel only once it has run
-there (``FUSED_LORA_ON_GPU``).
+there (``FUSED_LORA_ON_GPU``). An adapter whose A side reads the product's own rows (``grouped_matmul_mosaic(adapter=
+(a, b))``, the experts' down projection): out = gmm(lhs, rhs) + gmm(gmm(lhs, a), b) as one custom VJP
+(``_gmm_adapted``), whose d lhs kernel adds d xa @ a^T the same way (the transposed row kernel with a^T as its
+adapter factor; ``FUSED_DLHS_LORA_ON_GPU``).
 
 bf16/f16 operands, fp32 accumulation, output in the input dtype. On CPU the same kernels run in Mosaic
 GPU's interpreter (``interpret=True``: the tests; float32 operands are accepted there).
@@ -636,10 +639,18 @@ def fused_config(cfg: TileConfig, k: int, rank: int) -> TileConfig | None:
     return None
 
 
-# The fused adapter's kernels pass the interpreter and Mosaic GPU's CUDA lowering (tests/test_grouped_matmul.py) but
-# have not yet run on a GPU (tests/test_grouped_matmul_gpu.py::test_a_fused_adapter_matches_on_the_tiles_of_each_
-# projection runs them directly). Until they have, the GPU takes the two-kernel path, which has.
+# The fused adapter's forward kernels ran on the H200 (tests/test_grouped_matmul_gpu.py, tests/test_moe_gpu.py). The d
+# lhs kernel with an adapter (`backward_lhs(lora=)`, the transposed rhs) passes the interpreter and Mosaic GPU's CUDA
+# lowering but has not run on a GPU: until it has, the GPU computes that adapter product as a second kernel added
+# after (what it ran before the fusion).
 FUSED_LORA_ON_GPU = True
+FUSED_DLHS_LORA_ON_GPU = False
+
+
+def _fitted(cfg: TileConfig, contraction: int, lora, allowed: bool) -> TileConfig | None:
+    """`cfg` fitted for the adapter `lora` (`fused_config`), or None when the adapter's product must be its own
+    kernel (its tiles do not fit, or the fused kernel is not `allowed` here)."""
+    return fused_config(cfg, contraction, lora[0].shape[1]) if allowed else None
 
 
 def forward(lhs, rhs, group_sizes, key: tuple[int, int, int], *, interpret: bool = False,
@@ -650,7 +661,7 @@ def forward(lhs, rhs, group_sizes, key: tuple[int, int, int], *, interpret: bool
     adapter's product is a second kernel whose output is added (two roundings instead of one)."""
     cfg = config_for(*key)
     if lora is not None:
-        fused = fused_config(cfg, key[0], lora[0].shape[1]) if interpret or FUSED_LORA_ON_GPU else None
+        fused = _fitted(cfg, key[0], lora, interpret or FUSED_LORA_ON_GPU)
         if fused is None:
             return unfused_forward(lhs, rhs, group_sizes, cfg, lora, interpret=interpret, rhs_base=rhs_base)
         cfg = fused
@@ -665,12 +676,23 @@ def unfused_forward(lhs, rhs, group_sizes, cfg: TileConfig, lora, *, interpret: 
     return out + forward(xa, b, group_sizes, _key(xa, b), interpret=interpret)
 
 
-def backward_lhs(rhs, group_sizes, dout, key: tuple[int, int, int], *, interpret: bool = False, rhs_base=None):
+def backward_lhs(rhs, group_sizes, dout, key: tuple[int, int, int], *, interpret: bool = False, rhs_base=None,
+                 adapter=None):
     """d lhs of `forward` for `key`'s tiles: dout @ rhs^T per group, a row-tile product with the table's
-    (N, K, groups) entry."""
+    (N, K, groups) entry. With `adapter` = (d xa [M, r], a [G, K, r]) plus d xa @ a^T per group: the d lhs of
+    gmm(lhs, rhs) + gmm(gmm(lhs, a), b) given d xa. Fused, a^T is the kernel's adapter factor (`forward`'s `lora`,
+    added in the accumulator); otherwise (tiles that do not fit, or the GPU before FUSED_DLHS_LORA_ON_GPU) d xa @ a^T
+    is a's own d lhs kernel, added after."""
     cfg_dlhs = _dlhs_config(config_for(*key), *key)
+    fused = None if adapter is None else _fitted(cfg_dlhs, key[1], adapter, interpret or FUSED_DLHS_LORA_ON_GPU)
+    if adapter is not None and fused is None:
+        dxa, a = adapter
+        return (backward_lhs(rhs, group_sizes, dout, key, interpret=interpret, rhs_base=rhs_base) +
+                backward_lhs(a, group_sizes, dxa, (a.shape[1], a.shape[2], a.shape[0]), interpret=interpret))
+    lora = None if adapter is None else (adapter[0], jnp.swapaxes(adapter[1], 1, 2))
+    cfg_dlhs = cfg_dlhs if fused is None else fused
     return _rows(cfg_dlhs)(dout, rhs, group_sizes, cfg_dlhs, transpose_rhs=True, interpret=interpret,
-                           rhs_base=rhs_base)
+                           rhs_base=rhs_base, lora=lora)
 
 
 def backward(lhs, rhs, group_sizes, dout, key: tuple[int, int, int], *, interpret: bool = False):
@@ -747,17 +769,58 @@ def _gmm_row_bwd(interpret, residuals, dout):
 _gmm_row.defvjp(_gmm_row_fwd, _gmm_row_bwd)
 
 
+# gmm(lhs, rhs[row]) + gmm(gmm(lhs, a), b): an expert adapter whose A side reads the product's own rows (the down
+# projection's: its rows h exist only in expert order). Forward: xa = gmm(lhs, a) by the row kernel, then the
+# experts' kernel with (xa, b) fused. Backward, the product rule over both paths into lhs:
+#     d xa = dout @ b^T,  d lhs = dout @ rhs^T + d xa @ a^T  (one kernel: d xa @ a^T fused as its adapter),
+#     d b = xa^T dout,    d a = lhs^T d xa,                   d rhs = lhs^T dout (dead code for frozen experts),
+# all per group. Why one op: as two (the A product, then the fused experts' matmul) the d lhs of each is its own
+# [M, K] kernel output, added after: 3 more [M, K] reads and writes a layer.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _gmm_adapted(lhs, rhs, row, group_sizes, a, b, interpret: bool):
+    return _gmm_adapted_fwd(lhs, rhs, row, group_sizes, a, b, interpret)[0]
+
+
+def _gmm_adapted_fwd(lhs, rhs, row, group_sizes, a, b, interpret):
+    xa = forward(lhs, a, group_sizes, _key(lhs, a), interpret=interpret)
+    out = forward(lhs, _flat_groups(rhs), group_sizes, _key(lhs, rhs), interpret=interpret,
+                  rhs_base=row * rhs.shape[1], lora=(xa, b))
+    return out, (lhs, rhs, row, group_sizes, a, b, xa)
+
+
+def _gmm_adapted_bwd(interpret, residuals, dout):
+    lhs, rhs, row, group_sizes, a, b, xa = residuals
+    key = _key(lhs, rhs)
+    dout = dout.astype(lhs.dtype)
+    dxa = backward_lhs(b, group_sizes, dout, _key(xa, b), interpret=interpret)
+    dlhs = backward_lhs(_flat_groups(rhs), group_sizes, dout, key, interpret=interpret, rhs_base=row * rhs.shape[1],
+                        adapter=(dxa, a))
+    db = gmm_drhs(xa, dout, group_sizes, config_for(*_key(xa, b)), interpret=interpret)
+    da = gmm_drhs(lhs, dxa, group_sizes, config_for(*_key(lhs, a)), interpret=interpret)
+    drhs_row = gmm_drhs(lhs, dout, group_sizes, config_for(*key), interpret=interpret)
+    drhs = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(rhs), drhs_row.astype(rhs.dtype), row, 0)
+    return dlhs, drhs, None, None, da.astype(a.dtype), db.astype(b.dtype)
+
+
+_gmm_adapted.defvjp(_gmm_adapted_fwd, _gmm_adapted_bwd)
+
+
 def grouped_matmul_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, row=None, lora=None,
-                          interpret: bool | None = None) -> jax.Array:
+                          adapter=None, interpret: bool | None = None) -> jax.Array:
     """out = gmm(lhs, rhs, group_sizes) by the Mosaic GPU kernels, differentiable in lhs and rhs; with `row` (int
     scalar) rhs is a stack [L, G, K, N] and out = gmm(lhs, rhs[row], group_sizes), the stack read in place; with
     `lora` = (xa [M, r], b [G, r, N]) the adapter's gmm(xa, b) is added in the kernel's accumulator (differentiable
-    in xa and b too). ``interpret`` defaults to True off-GPU (Mosaic GPU's CPU interpreter)."""
+    in xa and b too); with `adapter` = (a [G, K, r], b [G, r, N]) plus gmm(gmm(lhs, a), b) (`_gmm_adapted`).
+    ``interpret`` defaults to True off-GPU (Mosaic GPU's CPU interpreter)."""
     if interpret is None:
         interpret = target_platform() != "gpu"
     if not interpret and jnp.dtype(lhs.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         raise ValueError(f"{_WHERE}: the Mosaic GPU grouped matmul takes bfloat16/float16 operands, got "
                          f"{lhs.dtype}; cast them, or use implementation='xla'")
+    if adapter is not None:  # a lone [G, K, N] is a stack of one, read at row 0
+        stack, at = (rhs[None], 0) if row is None else (rhs, row)
+        return _gmm_adapted(lhs, stack, jnp.asarray(at, jnp.int32), group_sizes.astype(jnp.int32), *adapter,
+                            bool(interpret))
     lora = () if lora is None else tuple(lora)
     if row is None:
         return _gmm(lhs, rhs, group_sizes.astype(jnp.int32), lora, bool(interpret))
