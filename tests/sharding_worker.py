@@ -1,5 +1,6 @@
 """Run by tests/test_sharding.py in a subprocess with 8 host CPU devices (JAX fixes its device count at start):
-`python tests/sharding_worker.py MODEL_DIR OUT.json`. Writes what the test asserts on:
+`python tests/sharding_worker.py MODEL_DIR OUT.json` (`--moe MODEL_DIR OUT.json`: `main_moe`, an MoE model's
+losses and expert placement on three meshes). Writes what the test asserts on:
 
 - losses: 5 fp32 LoRA steps on one device and on several meshes of the 8 devices (same global batches);
 - all_gathers: every all-gather of the compiled FSDP step (layer scan) with its result shape and whether it
@@ -41,8 +42,13 @@ def _batches():
     return out
 
 
-def _run(model_dir, mesh: dict | None, layer_loop: str, devices=None) -> Run:
-    return Run(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32", total_steps=STEPS, seed=0,
+# MoE: the attention LoRA plus both expert adapters (PEFT's target_parameters).
+MOE_LORA = LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj"),
+                      target_parameters=("experts.gate_up_proj", "experts.down_proj"))
+
+
+def _run(model_dir, mesh: dict | None, layer_loop: str, devices=None, lora: LoraConfig | None = None) -> Run:
+    return Run(model_dir, lora_config=lora or LoraConfig(r=4, alpha=8), dtype="float32", total_steps=STEPS, seed=0,
                execution=ExecutionConfig(attention_implementation="reference", layer_loop=layer_loop),
                optim=OptimConfig(learning_rate=1e-2, lr_scheduler_type="constant"),
                mesh=MeshConfig.from_mapping(mesh), devices=devices, accumulation=2)
@@ -127,5 +133,29 @@ def main(model_dir: str, out_path: str) -> None:
         json.dump(result, f, indent=1)
 
 
+def main_moe(model_dir: str, out_path: str) -> None:
+    """An MoE model's losses on one device and on three meshes (expert adapters included; the grouped matmuls are
+    lax.ragged_dot here, which the SPMD partitioner splits), and where its frozen expert stacks and its expert
+    adapters were placed."""
+    assert len(jax.devices()) == 8, jax.devices()
+    batches = _batches()
+    one = _run(model_dir, None, "scan", devices=jax.devices()[:1], lora=MOE_LORA).load()
+    result = {"losses": {"one_device": _losses(one, batches)}, "expert_spec": {}, "expert_lora_replicated": {}}
+    for key, mesh in (("data2_fsdp4", dict(data=2, fsdp=4)), ("data8", dict(data=8)),
+                      ("fsdp4_tensor2", dict(fsdp=4, tensor=2))):
+        run = _run(model_dir, mesh, "scan", lora=MOE_LORA).load()
+        result["losses"][key] = _losses(run, batches)
+        mlp = run.frozen["layers"]["mlp"]
+        stack = mlp["gate_up_proj"].get_value()
+        result["expert_spec"][key] = [None if s is None else str(s) for s in stack.sharding.spec]
+        lora_a = run.lora["layers"]["mlp"]["down_lora"]["lora_a"].get_value()
+        result["expert_lora_replicated"][key] = bool(lora_a.sharding.is_fully_replicated)
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "--moe":
+        main_moe(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:])

@@ -202,3 +202,40 @@ def test_checkpoint_written_on_one_mesh_resumes_on_another(tmp_path):
     resumed = cli("data", 2, {"data": 2}, 4, resume_from_checkpoint=str(tmp_path / "fsdp" / "checkpoints" / "3"))
     assert sorted(full) == [1, 2, 3, 4, 5] and sorted(resumed) == [4, 5]
     np.testing.assert_allclose([resumed[4], resumed[5]], [full[4], full[5]], rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ MoE on 8 devices
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_training_on_a_mesh_equals_one_device(family, tmp_path):
+    """Qwen3-MoE and GPT-OSS with both expert adapters: 5 LoRA steps on data 2 x fsdp 4, data 8 and fsdp 4 x
+    tensor 2 give one device's losses (the routing's sort, gathers and grouped matmuls partitioned by XLA); the
+    frozen expert stacks are split (on fsdp along the hidden width; also on tensor along the experts' width), the
+    expert adapters are whole on every device."""
+    from lora_helpers import tiny_qwen3_moe
+
+    if family == "qwen3_moe":
+        from test_moe_gmm_choice import QWEN
+
+        tiny_qwen3_moe({**QWEN, "vocab_size": 64}).save_pretrained(tmp_path / "model")
+    else:
+        from test_gpt_oss import gpt_oss_model
+
+        gpt_oss_model(seed=2, num_hidden_layers=2).save_pretrained(tmp_path / "model")
+    res = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), "--moe", str(tmp_path / "model"),
+                          str(tmp_path / "out.json")], cwd=REPO, env=host_devices_env(8), capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    losses = out["losses"]
+    one = losses.pop("one_device")
+    assert len(one) == 5 and len(set(one)) > 1
+    assert set(losses) == {"data2_fsdp4", "data8", "fsdp4_tensor2"}
+    for mesh, got in losses.items():
+        np.testing.assert_allclose(got, one, rtol=1e-5, err_msg=mesh)
+    # gate_up_proj [L, E, H, 2I]: layers and experts whole, H on fsdp, 2I on tensor
+    assert out["expert_spec"] == {"data2_fsdp4": [None, None, "fsdp", None], "data8": [None, None, None, None],
+                                  "fsdp4_tensor2": [None, None, "fsdp", "tensor"]}, out["expert_spec"]
+    assert all(out["expert_lora_replicated"].values())

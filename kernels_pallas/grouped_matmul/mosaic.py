@@ -640,7 +640,7 @@ def fused_config(cfg: TileConfig, k: int, rank: int) -> TileConfig | None:
 
 
 # The fused adapter's forward kernels ran on the H200 (tests/test_grouped_matmul_gpu.py, tests/test_moe_gpu.py). The d
-# lhs kernel with an adapter (`backward_lhs(lora=)`, the transposed rhs) passes the interpreter and Mosaic GPU's CUDA
+# lhs kernel with an adapter (`backward_lhs(adapter=)`, the transposed rhs) passes the interpreter and Mosaic GPU's CUDA
 # lowering but has not run on a GPU: until it has, the GPU computes that adapter product as a second kernel added
 # after (what it ran before the fusion).
 FUSED_LORA_ON_GPU = True
