@@ -127,6 +127,25 @@ def test_the_flat_key_reaches_the_execution_config(tmp_path):
                                "'reference', 'xla', 'pallas_mosaic'; did you mean 'pallas_mosaic'?")
 
 
+def test_the_log_says_when_the_mosaic_kernels_are_not_split_over_a_mesh(caplog):
+    """`jaxft-train`'s notes on the Mosaic expert kernels: on a mesh of several devices one warning naming the key
+    and the fix (XLA cannot partition their custom call); nothing on one device or without them."""
+    from types import SimpleNamespace
+
+    from jaxft.train.loop import _note_mosaic_experts
+
+    def notes(mosaic: bool, devices: int) -> str:
+        caplog.clear()
+        run = SimpleNamespace(mosaic_experts=mosaic, unrolled=False, placement=SimpleNamespace(devices=[0] * devices))
+        with caplog.at_level("INFO", logger="jaxft.train"):
+            _note_mosaic_experts(run, ExecutionConfig(layer_loop="scan"))
+        return caplog.text
+
+    assert "on a mesh of 2 devices" in notes(True, 2) and "set grouped_matmul_implementation: xla" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert notes(True, 1) == "" and notes(False, 8) == ""
+
+
 # ------------------------------------------------------------------------------------------------ the step
 # 1 layer and 32 tokens in two documents: what Mosaic GPU's interpreter compiles in tens of seconds (it compiles
 # every kernel call: 6-7 forward, twice as many backward); the reference and xla steps of the same config are

@@ -162,6 +162,26 @@ def train(config: TrainConfig) -> TrainResult:
             lock.release()
 
 
+def _note_mosaic_experts(run, execution) -> None:
+    """What the log says when the MoE experts run on the Mosaic GPU kernels: how the layer loop compiles them, and
+    that a mesh of several devices does not split them."""
+    if not run.mosaic_experts:
+        return
+    if execution.resolved_layer_loop == "unroll":
+        if run.unrolled:
+            logger.warning("layer_loop=unroll with the Mosaic GPU grouped matmul: each layer's expert kernels compile "
+                           "on their own (24 GPT-OSS-20B layers: over 4 minutes); layer_loop: auto scans them")
+        else:
+            logger.info("layer_loop auto: the layers are scanned, so the Mosaic GPU expert kernels compile once")
+    if len(run.placement.devices) > 1:
+        # XLA's SPMD partitioner cannot split a custom call: it gathers the kernels' operands, so every device
+        # would run every token's experts. Not measured on GPUs (no multi-GPU run yet).
+        logger.warning("grouped_matmul_implementation resolves to the Mosaic GPU kernels on a mesh of %d devices: "
+                       "XLA does not partition their custom call (each device would run all tokens' experts); set "
+                       "grouped_matmul_implementation: xla (lax.ragged_dot, partitioned) for multi-device MoE runs",
+                       len(run.placement.devices))
+
+
 def _prepare(config: TrainConfig, out: Path) -> _Setup:
     resume_path = _resume_path(config, out)
     _check_output_dir(config, out, resume_path is not None)
@@ -197,12 +217,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
     run = Run.from_config(config, plan.total_steps)
-    if run.mosaic_experts and config.execution.resolved_layer_loop == "unroll":
-        if run.unrolled:
-            logger.warning("layer_loop=unroll with the Mosaic GPU grouped matmul: each layer's expert kernels compile "
-                           "on their own (24 GPT-OSS-20B layers: over 4 minutes); layer_loop: auto scans them")
-        else:
-            logger.info("layer_loop auto: the layers are scanned, so the Mosaic GPU expert kernels compile once")
+    _note_mosaic_experts(run, config.execution)
     if config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is on the device
         try:
             if run.mesh.auto:  # (with remat auto, each mesh gets its own remat choice)
