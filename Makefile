@@ -1,5 +1,5 @@
 # `make demo` and `make test` each set up .venv first (scripts/setup.sh finds a Python >= 3.12).
-.PHONY: setup demo demo-vlm test test-fast gpu-check
+.PHONY: setup demo demo-vlm demo-moe test test-fast gpu-check
 
 setup:
 	scripts/setup.sh
@@ -12,6 +12,11 @@ demo:
 demo-vlm:
 	scripts/setup.sh --demo
 	.venv/bin/jaxft-train examples/vlm.yaml overwrite_output_dir=true
+
+# The MoE example: attention and expert adapters on the tiny random Qwen3-MoE (examples/moe.yaml).
+demo-moe:
+	scripts/setup.sh --demo
+	.venv/bin/jaxft-train examples/moe.yaml overwrite_output_dir=true
 
 test: setup
 	.venv/bin/python -m pytest -q tests
