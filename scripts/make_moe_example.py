@@ -7,8 +7,8 @@ the router's load-balancing loss on) whose vocabulary is the quickstart tokenize
 Its weights are random (float32 safetensors, 1.4 MB): the example shows the MoE path (expert LoRA through
 PEFT's ``target_parameters``, the router loss, the PEFT adapter out), not a model worth adapting.
 
-Deterministic for a given ``--seed``: the same weights on a re-run, whatever the torch version (numpy draws them). Usage, from the repo root:
-``python scripts/make_moe_example.py``.
+Deterministic for a given ``--seed``: the same weights on a re-run, whatever the torch version (numpy draws them).
+Usage, from the repo root: ``python scripts/make_moe_example.py``.
 """
 
 from __future__ import annotations
@@ -27,13 +27,11 @@ CONFIG = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, moe_interm
 
 
 def make_model_dir(out: Path, seed: int = 0) -> Path:
+    import numpy as np
     import torch
     import transformers
 
-    import numpy as np
-
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
     model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**CONFIG)).to(torch.float32)
     # The weights come from numpy's seeded generator, not torch's initialisers, so the bytes do not depend on the
     # torch version: norms 1, every other tensor normal with transformers' std (initializer_range 0.02).

@@ -209,16 +209,26 @@ def _table_variants(table) -> list:
 _SWEEP_RANK = 16  # the expert adapters' rank in the training benchmark (bench_train's LoRA r)
 
 
+def _adapter_jobs(shape: GmmShape, direction: str, variants, args) -> list:
+    """(row, jitted fn, args) of each (name, config, body) of an adapter's variants: fused, or "two kernels" (the
+    table's row)."""
+    import dataclasses
+
+    return [({"shape": shape.name, "direction": direction, "label": f"{name} {_describe(cfg)}",
+              "config": dataclasses.asdict(cfg), "table": name == "two kernels", "work": _work(shape)["fwd"]},
+             jax.jit(body), args) for name, cfg, body in variants]
+
+
 def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int = 8,
               candidates=None, dw_candidates=sweep_dw_candidates) -> list[dict]:
     """Rows {"shape", "direction": "fwd" | "dlhs" | "fwd+lora" | "dlhs+lora" | "drhs", "label", "config", "table": bool,
-    "ms",
-    "tflops"} for the row-tile kernel on the table's config (`_table_variants`: also unchained, and with the other
-    walk) and on every `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d lhs;
-    the forward with a rank-16 adapter fused ("fwd+lora", `mosaic.fused_config`'s tiles) and as a second kernel
-    added after; the same for the d lhs with the down adapter's d xa @ a^T ("dlhs+lora"); and the d rhs (group-tile) kernel on the table's dw_* tiles and each of `dw_candidates(k, n)`
-    (None: no d rhs). The programs compile on `compile_threads` threads first (Mosaic GPU's compiles are most of the
-    sweep's time), then run one at a time."""
+    "ms", "tflops"} for the row-tile kernel on the table's config (`_table_variants`: also unchained, and with the
+    other walk) and on every `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d
+    lhs; the forward with a rank-16 adapter fused ("fwd+lora", `mosaic.fused_config`'s tiles) and as a second kernel
+    added after; the same for the d lhs with the down adapter's d xa @ a^T ("dlhs+lora",
+    `mosaic.unfused_backward_lhs` for the two kernels); and the d rhs (group-tile) kernel on the table's dw_* tiles
+    and each of `dw_candidates(k, n)` (None: no d rhs). The programs compile on `compile_threads` threads first
+    (Mosaic GPU's compiles are most of the sweep's time), then run one at a time."""
     import concurrent.futures
     import dataclasses
 
@@ -253,27 +263,19 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
                         a, w, s, cfg, lora=(x, bb), interpret=interpret))] if fused is not None else []
         variants.append(("two kernels", table, lambda a, w, s, x, bb, cfg=table: mosaic.unfused_forward(
             a, w, s, cfg, (x, bb), interpret=interpret)))
-        for name, cfg, body in variants:
-            row = {"shape": shape.name, "direction": "fwd+lora", "label": f"{name} {_describe(cfg)}",
-                   "config": dataclasses.asdict(cfg), "table": name == "two kernels", "work": _work(shape)["fwd"]}
-            jobs.append((row, jax.jit(body), (lhs, rhs, sizes, xa, b)))
+        jobs += _adapter_jobs(shape, "fwd+lora", variants, (lhs, rhs, sizes, xa, b))
         # The d lhs with the down adapter's d xa @ a^T (`backward_lhs(adapter=)`): fused into the transposed row
         # kernel against a's own d lhs kernel added after (the GPU's path while mosaic.FUSED_DLHS_LORA_ON_GPU is off).
         table = mosaic._dlhs_config(fwd_table, *key)
         fused = mosaic.fused_config(table, shape.n, _SWEEP_RANK)
         a = jax.random.normal(jax.random.key(3), (len(shape.group_sizes), shape.k, _SWEEP_RANK),
                               jnp.float32).astype(lhs.dtype)
-        a_key = (shape.k, _SWEEP_RANK, len(shape.group_sizes))
         variants = [("fused", fused, lambda d, w, s, x, aa, cfg=fused: mosaic._rows(cfg)(
                         d, w, s, cfg, transpose_rhs=True, lora=(x, jnp.swapaxes(aa, 1, 2)), interpret=interpret))
                     ] if fused is not None else []
-        variants.append(("two kernels", table, lambda d, w, s, x, aa, cfg=table: mosaic._rows(cfg)(
-            d, w, s, cfg, transpose_rhs=True, interpret=interpret) + mosaic.backward_lhs(
-            aa, s, x, a_key, interpret=interpret)))
-        for name, cfg, body in variants:
-            row = {"shape": shape.name, "direction": "dlhs+lora", "label": f"{name} {_describe(cfg)}",
-                   "config": dataclasses.asdict(cfg), "table": name == "two kernels", "work": _work(shape)["fwd"]}
-            jobs.append((row, jax.jit(body), (dout, rhs, sizes, xa, a)))
+        variants.append(("two kernels", table, lambda d, w, s, x, aa, key=key: mosaic.unfused_backward_lhs(
+            w, s, d, key, (x, aa), interpret=interpret)))
+        jobs += _adapter_jobs(shape, "dlhs+lora", variants, (dout, rhs, sizes, xa, a))
         if dw_candidates is None:
             continue
         for cfg in [table, *dw_candidates(shape.k, shape.n)]:

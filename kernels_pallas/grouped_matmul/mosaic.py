@@ -686,13 +686,27 @@ def backward_lhs(rhs, group_sizes, dout, key: tuple[int, int, int], *, interpret
     cfg_dlhs = _dlhs_config(config_for(*key), *key)
     fused = None if adapter is None else _fitted(cfg_dlhs, key[1], adapter, interpret or FUSED_DLHS_LORA_ON_GPU)
     if adapter is not None and fused is None:
-        dxa, a = adapter
-        return (backward_lhs(rhs, group_sizes, dout, key, interpret=interpret, rhs_base=rhs_base) +
-                backward_lhs(a, group_sizes, dxa, (a.shape[1], a.shape[2], a.shape[0]), interpret=interpret))
+        return unfused_backward_lhs(rhs, group_sizes, dout, key, adapter, interpret=interpret, rhs_base=rhs_base)
     lora = None if adapter is None else (adapter[0], jnp.swapaxes(adapter[1], 1, 2))
     cfg_dlhs = cfg_dlhs if fused is None else fused
     return _rows(cfg_dlhs)(dout, rhs, group_sizes, cfg_dlhs, transpose_rhs=True, interpret=interpret,
                            rhs_base=rhs_base, lora=lora)
+
+
+def unfused_backward_lhs(rhs, group_sizes, dout, key: tuple[int, int, int], adapter, *, interpret: bool = False,
+                         rhs_base=None):
+    """`backward_lhs` with `adapter` = (d xa, a) as two kernels: dout @ rhs^T, plus a's own d lhs d xa @ a^T added
+    after (what it runs where the fused tiles do not fit, or on the GPU before FUSED_DLHS_LORA_ON_GPU)."""
+    dxa, a = adapter
+    return (backward_lhs(rhs, group_sizes, dout, key, interpret=interpret, rhs_base=rhs_base) +
+            backward_lhs(a, group_sizes, dxa, (a.shape[1], a.shape[2], a.shape[0]), interpret=interpret))
+
+
+def _drhs_at_row(lhs, dout, group_sizes, rhs, row, key: tuple[int, int, int], interpret: bool):
+    """d rhs of a product with row `row` of the stack rhs [L, G, K, N]: the layer's [G, K, N] gradient placed at its
+    row of a zero stack (what a frozen stack's caller never asks for: it is then dead code and compiled away)."""
+    drhs_row = gmm_drhs(lhs, dout, group_sizes, config_for(*key), interpret=interpret)
+    return jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(rhs), drhs_row.astype(rhs.dtype), row, 0)
 
 
 def backward(lhs, rhs, group_sizes, dout, key: tuple[int, int, int], *, interpret: bool = False):
@@ -754,15 +768,13 @@ def _gmm_row_fwd(lhs, rhs, row, group_sizes, lora, interpret):
 
 
 def _gmm_row_bwd(interpret, residuals, dout):
-    """d lhs from the stack in place; d rhs is the layer's [G, K, N] gradient placed at its row of a zero stack
-    (what a frozen stack's caller never asks for: it is then dead code and compiled away)."""
+    """d lhs from the stack in place; d rhs at the layer's row of a zero stack (`_drhs_at_row`)."""
     lhs, rhs, row, group_sizes, lora = residuals
     key = _key(lhs, rhs)
     dout = dout.astype(lhs.dtype)
     dlhs = backward_lhs(_flat_groups(rhs), group_sizes, dout, key, interpret=interpret,
                         rhs_base=row * rhs.shape[1])
-    drhs_row = gmm_drhs(lhs, dout, group_sizes, config_for(*key), interpret=interpret)
-    drhs = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(rhs), drhs_row.astype(rhs.dtype), row, 0)
+    drhs = _drhs_at_row(lhs, dout, group_sizes, rhs, row, key, interpret)
     return dlhs, drhs, None, None, _lora_grads(lora, group_sizes, dout, interpret)
 
 
@@ -797,8 +809,7 @@ def _gmm_adapted_bwd(interpret, residuals, dout):
                         adapter=(dxa, a))
     db = gmm_drhs(xa, dout, group_sizes, config_for(*_key(xa, b)), interpret=interpret)
     da = gmm_drhs(lhs, dxa, group_sizes, config_for(*_key(lhs, a)), interpret=interpret)
-    drhs_row = gmm_drhs(lhs, dout, group_sizes, config_for(*key), interpret=interpret)
-    drhs = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(rhs), drhs_row.astype(rhs.dtype), row, 0)
+    drhs = _drhs_at_row(lhs, dout, group_sizes, rhs, row, key, interpret)
     return dlhs, drhs, None, None, da.astype(a.dtype), db.astype(b.dtype)
 
 
