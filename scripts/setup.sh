@@ -41,11 +41,19 @@ stamp=.venv/.jaxft-installed-$extras
 fresh() { [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ]; }
 # A dev install holds everything the demo needs.
 if ! fresh "$stamp" && ! { [ "$extras" != "dev" ] && fresh .venv/.jaxft-installed-dev; }; then
-  if [ "$extras" = "plain" ]; then
-    .venv/bin/python -m pip install -q -c scripts/constraints.txt -e .
-  else
-    .venv/bin/python -m pip install -q -c scripts/constraints.txt -e ".[$extras]"
+  # PyPI's torch brings its CUDA libraries (about 7 GB installed with the rest); the others need about 1.5 GB.
+  need_gb=2; [ "$extras" = "dev" ] && need_gb=8
+  free_gb=$(df -Pk .venv | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "${free_gb:-0}" -lt "$need_gb" ]; then
+    echo "setup: $(pwd)/.venv has ${free_gb} GB free; this install ($extras) needs about $need_gb GB. Free disk space there, or clone jaxft onto a larger disk" >&2
+    exit 1
   fi
+  # pip's downloads and build trees go on the venv's disk, not a small /tmp, and no wheel cache doubles them
+  # (a CI install once died of ENOSPC while writing jaxft's editable wheel).
+  mkdir -p .venv/pip-tmp
+  extra=""; [ "$extras" != "plain" ] && extra="[$extras]"
+  TMPDIR="$(pwd)/.venv/pip-tmp" .venv/bin/python -m pip install -q --no-cache-dir -c scripts/constraints.txt -e ".$extra"
+  rm -rf .venv/pip-tmp
   touch "$stamp"
 fi
 .venv/bin/python -c "import jax, flax, jaxft; print('setup: ok — jax', jax.__version__, 'flax', flax.__version__, 'on', jax.devices()[0].platform)"
