@@ -20,6 +20,10 @@ The model holds parameters and math; everything that changes speed or memory but
   to the first N layers only and runs the rest without remat (None: every layer): memory falls by about one
   layer's residuals per layer at the recompute cost of that layer alone, the steps between "none" and a policy
   on all layers (unrolled loop only; "auto" picks N when "none" does not fit, `jaxft.run.Run.choose_remat`).
+  `remat_block` = k (remat "full" or "offload", layer scan): nested checkpointing, blocks of k layers of which only
+  the block input is kept (on the device / in pinned host memory) for one more forward of compute (`jaxft.remat`);
+  "auto" takes the smallest k whose block inputs fit `host_memory_gb` (None: the machine's memory less a margin)
+  for "offload", ceil(sqrt(L)) for "full"; None or 1: every layer its own checkpoint.
 - `offload_transfer`: how remat "offload" moves each layer input to pinned host memory: "policy" (jax.checkpoint's
   offload policy), "explicit" (`jaxft.offload`: the two copies written in a custom VJP, each copy back started
   when the layer above starts its backward; in a layer scan, for remat "offload" only, `jaxft.offload_scan`: one
@@ -80,6 +84,7 @@ class ExecutionConfig:
     attention_implementation: str = "auto"
     remat: str = "none"
     remat_layers: int | None = None
+    remat_block: int | str | None = None
     layer_loop: str = "auto"
     ce_chunk_size: int | None = None
     mlp_chunk_size: int | None = None
@@ -110,6 +115,7 @@ class ExecutionConfig:
             if self.layer_loop == "scan":
                 raise ExecutionConfigError("remat_layers", "needs the unrolled layer loop (one region per layer); set "
                                            "layer_loop: unroll (or auto), or drop remat_layers")
+        self._check_block()
         _choice("ce_implementation", self.ce_implementation, CE_IMPLEMENTATIONS)
         _choice("offload_transfer", self.offload_transfer, OFFLOAD_TRANSFERS)
         parsed = None if self.remat == "auto" else remat_policies.parse(self.remat)
@@ -141,6 +147,37 @@ class ExecutionConfig:
         # Frozen all the way down: the config is hashed into compiled-step caches.
         object.__setattr__(self, "compiler_options", dict(self.compiler_options))
 
+    def _check_block(self) -> None:
+        k = self.remat_block
+        if k is None or k == 1 and not isinstance(k, bool):
+            return
+        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ExecutionConfigError("remat_block", f"value {k!r} must be an integer >= 1, 'auto' or null (every "
+                                                      "layer its own checkpoint)")
+        if self.remat not in ("full", "offload"):
+            raise ExecutionConfigError("remat_block", f"is set ({k!r}) but remat is {self.remat!r}: nested blocks "
+                                       "keep the layer input alone, so set remat: full or offload, or drop remat_block")
+        if self.offload_transfer == "explicit":
+            raise ExecutionConfigError("remat_block", "takes the policy's host copies (offload_transfer: auto or "
+                                       "policy), not 'explicit'; drop one of the two")
+        if self.resolved_layer_loop != "scan":
+            raise ExecutionConfigError("remat_block", "needs the layer scan (blocks are an outer scan over inner "
+                                       "scans): set layer_loop: scan (or auto)")
+
+    def block_for(self, cfg, batch: int, seq: int, itemsize: int) -> int:
+        """Layers per nested block for a [batch, seq] micro-batch (`remat_block`, "auto" resolved; 1: none)."""
+        k = self.remat_block
+        if k is None:
+            return 1
+        if k != "auto":
+            return min(k, cfg.num_layers)
+        host = None
+        if self.remat == "offload":
+            host = (int(self.host_memory_gb * 2**30) if self.host_memory_gb is not None
+                    else remat_policies.default_host_budget())
+        stream = remat_policies.residual_bytes(cfg, batch, seq, itemsize)[remat_policies.LAYER_INPUT]
+        return remat_policies.block_layers(cfg.num_layers, stream, host)
+
     @property
     def attention(self) -> str:
         """The attention implementation as `kernels_pallas.attention` names it ("xla" is the reference)."""
@@ -158,7 +195,8 @@ class ExecutionConfig:
         dropped = remat_policies.tiled_mlp_names(seq, self.mlp_chunk_size)
         if dropped and policy.kind == "names":
             policy = policy.without(dropped)
-        return dataclasses.replace(policy, transfer=self.offload_transfer)
+        return dataclasses.replace(policy, transfer=self.offload_transfer,
+                                   block=self.block_for(cfg, batch, seq, itemsize))
 
     def resolved_ce_chunk(self, num_tokens: int, vocab_size: int, hidden_size: int, itemsize: int,
                           device_kind: str | None = None) -> int | None:
@@ -210,7 +248,7 @@ class ExecutionConfig:
         return dataclasses.replace(self, **changes)
 
     def __hash__(self) -> int:
-        return hash((self.attention_implementation, self.remat, self.remat_layers, self.layer_loop,
+        return hash((self.attention_implementation, self.remat, self.remat_layers, self.remat_block, self.layer_loop,
                      self.ce_chunk_size, self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb, self.ce_implementation,
                      tuple(sorted(self.compiler_options.items())), self.offload_transfer,
                      self.grouped_matmul_implementation))

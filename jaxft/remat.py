@@ -19,6 +19,15 @@ back for the backward) or nothing (recomputed). Policies (`ExecutionConfig.remat
                   left out); the YAML key also takes a mapping {save: [...], offload: [...]}
     auto          chosen per run from the compiled step's memory analysis (`jaxft.run.Run.choose_remat`)
 
+Nested (two-level) checkpointing, `remat_block` = k > 1 with "full" or "offload" (`RematPolicy.block`): the
+layers run in blocks of k, each block one checkpoint that keeps only its input (`BLOCK_INPUT`: on the device
+for "full", in pinned host memory for "offload"), each layer inside it a "full" checkpoint. The forward keeps
+ceil(L / k) block inputs instead of L layer inputs; the backward re-runs one block's forward, which keeps that
+block's k layer inputs on the device, then differentiates its layers one at a time, each recomputed from its
+input. Cost: one more forward of every layer (a step is about 3 forwards' work with "full", 4 here). What it
+buys: the host holds L / k layer inputs where "offload" holds L, so a row whose L layer inputs exceed the host's
+memory still trains (`block_layers` picks the smallest k that fits a host budget).
+
 Why names rather than "save dots": the attention kernels are custom VJPs (Pallas flash, cuDNN) whose
 residuals (output, logsumexp) are named inside their forward rules (`kernels_pallas.attention.residuals`),
 so a policy can keep exactly those and the backward runs only the attention backward kernels.
@@ -27,6 +36,7 @@ so a policy can keep exactly those and the backward runs only the attention back
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 import jax
@@ -42,6 +52,9 @@ ATTN_QKV, MLP_INPUT, MLP_GATE_UP = "attn_qkv", "mlp_input", "mlp_gate_up"
 # The branch outputs before their output norms (sandwich norms, Gemma 2/3: the norms' backward reads them;
 # without those norms the residual add needs neither, so naming them keeps nothing).
 ATTN_PROJ, MLP_OUT = "attn_proj", "mlp_out"
+# The input of a block of layers under nested checkpointing (`RematPolicy.block`); internal, not a policy name:
+# a block's own checkpoint offloads it, while the layers inside name their inputs LAYER_INPUT as always.
+BLOCK_INPUT = "block_input"
 NAMES = (ATTN_OUT, ATTN_LSE, LAYER_INPUT, MLP_INPUT, ATTN_PROJ, MLP_OUT, ATTN_QKV, MLP_GATE_UP)
 STREAM = (LAYER_INPUT, MLP_INPUT, ATTN_PROJ, MLP_OUT)  # the [B,T,H] residuals, what `offload_stream` moves
 NAME_HELP = {
@@ -92,6 +105,9 @@ class RematPolicy:
     # How an offloaded layer input travels (ExecutionConfig.offload_transfer): "policy" (jax.checkpoint's offload
     # policy), "explicit" (jaxft.offload: copies written in a custom VJP) or "auto" (explicit in unrolled loops).
     transfer: str = "auto"
+    # Layers per nested-checkpoint block (module docstring); 1: each layer is its own checkpoint. Only "full"
+    # and "offload" (the layer input alone kept) nest.
+    block: int = 1
 
     @property
     def checkpointed(self) -> bool:
@@ -120,6 +136,20 @@ class RematPolicy:
                 names_which_can_be_saved=list(self.save), names_which_can_be_offloaded=list(self.offload),
                 offload_src="device", offload_dst="pinned_host")
         raise ValueError(f"remat policy {self.kind!r} has no checkpoint policy")
+
+    @property
+    def nestable(self) -> bool:
+        """Whether layers of this policy can run in nested blocks: it keeps the layer input alone (full, offload)."""
+        return self.kind == "full" or self.explicit_capable
+
+    def nested(self) -> tuple["RematPolicy", "RematPolicy"]:
+        """(the policy of a block's checkpoint, that of each layer inside it) for `block` > 1: the block keeps
+        its input where this policy keeps the layer input (device for full, pinned host for offload); its layers
+        are full checkpoints (each keeps its input on the device while its block is differentiated)."""
+        if not self.nestable:
+            raise ValueError(f"remat {self.spelled()!r} does not nest (only 'full' and 'offload' do)")
+        outer = RematPolicy("full") if self.kind == "full" else RematPolicy("names", offload=(BLOCK_INPUT,))
+        return outer, RematPolicy("full")
 
     def without(self, names: tuple[str, ...]) -> "RematPolicy":
         """This policy keeping none of `names` (recomputed instead)."""
@@ -259,3 +289,42 @@ def budget_offload_all(cfg, batch: int, seq: int, itemsize: int, host_memory_gb:
             chosen.append(name)
             total += cost
     return tuple(chosen), total
+
+
+def block_layers(num_layers: int, layer_input_bytes: int, host_budget_bytes: int | None) -> int:
+    """`remat_block: auto`: layers per nested block. With a host budget (remat offload), the smallest k whose
+    ceil(L / k) block inputs fit it (L when none does: one block input is all that can go); without one (remat
+    full, where block inputs stay on the device), ceil(sqrt(L)), which minimises L / k + k layer inputs held."""
+    if host_budget_bytes is None:
+        return max(1, math.ceil(math.sqrt(num_layers)))
+    for k in range(1, num_layers + 1):
+        if math.ceil(num_layers / k) * layer_input_bytes <= host_budget_bytes:
+            return k
+    return num_layers
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory (MemTotal)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo; set host_memory_gb")
+
+
+def default_host_budget(total_bytes: int | None = None) -> int:
+    """Host bytes offloaded residuals may take when `host_memory_gb` is not given: the machine's memory (or
+    `total_bytes`) less max(8 GiB, 10%) for the process itself (its copy of the weights while loading, the data
+    pipeline, the runtime)."""
+    total = host_memory_bytes() if total_bytes is None else total_bytes
+    return int(total - max(8 * 2**30, 0.1 * total))
+
+
+def offloaded_bytes(policy: RematPolicy, cfg, batch: int, seq: int, itemsize: int,
+                    mlp_chunk_size: int | None = None) -> int:
+    """Host bytes a step of `policy` keeps for its backward: each offloaded name's `residual_bytes` x layers, or
+    with nested blocks (`policy.block` > 1) one layer input per block, ceil(L / k) of them."""
+    sizes = residual_bytes(cfg, batch, seq, itemsize, mlp_chunk_size)
+    if policy.block > 1:
+        return math.ceil(cfg.num_layers / policy.block) * sizes[LAYER_INPUT] if policy.offloads else 0
+    return sum(sizes[n] for n in policy.offload) * cfg.num_layers

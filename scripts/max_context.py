@@ -61,7 +61,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 GIB = 2**30
-POLICIES = ("none", "full", "offload", "offload+attn", "offload_all")
+POLICIES = ("none", "full", "offload", "offload+attn", "offload_all", "offload_nested")
+# Policies of this script that are a remat policy plus execution settings: "offload_nested" is remat offload with
+# nested blocks sized to the host budget (`remat_block: auto`, jaxft.remat).
+REMAT_OF = {"offload_nested": ("offload", {"remat_block": "auto"})}
 RECIPE = ROOT / "examples" / "bench" / "auto.yaml"
 # Unsloth's measured peaks (tokens, GiB), 8B shape, batch 1, LoRA r16 all linear, H200 (issue #10's table).
 UNSLOTH_POINTS = ((16384, 19.72), (32768, 23.9), (65536, 32.3))
@@ -125,22 +128,26 @@ def search_max(load: Callable[[int], float], start: int, granularity: int, *, t_
 
 
 def _next_guess(points, lo, hi, g, t_min, t_max, slope, *, bisect: bool) -> tuple[int, bool]:
-    """(next length, whether it was pulled to a bracket end): the secant's root, floored to the granule and kept
-    strictly inside the bracket; the bracket's middle after a pulled probe that did not close the bracket (a load
+    """(next length, whether it was pulled to a bracket end): the secant's root (where the load rises through the
+    two points), floored to the granule and kept strictly inside the bracket; the bracket's middle after a pulled probe that did not close the bracket (a load
     with jumps stalls the secant at one end)."""
     if bisect and lo is not None and hi is not None:
         return max(_floor((lo + hi) / 2, g), lo + g), False
     finite = {t: v for t, v in points.items() if math.isfinite(v)}
     if lo is not None and hi is not None and math.isfinite(points[hi]):
         (ta, va), (tb, vb) = (lo, points[lo]), (hi, points[hi])
-    elif len(finite) >= 2:  # the two probes nearest the boundary (load 1) on the same side
-        (ta, va), (tb, vb) = sorted(finite.items(), key=lambda kv: abs(kv[1] - 1.0))[:2]
+    elif len(finite) >= 2:  # all on one side: the two probes nearest the other side (a load with jumps, as
+        # nested blocks', is only locally affine: the nearest by load may lie before a jump)
+        ends = sorted(finite.items())
+        (ta, va), (tb, vb) = ends[-2:] if hi is None else ends[:2]
     elif finite and slope:
         ta, va = next(iter(finite.items()))
         tb, vb = ta + 1.0, va + slope
     else:
         ta = vb = va = tb = None
-    if ta is not None and vb != va:
+    # A load falling with T (nested blocks: a longer row takes larger blocks, so fewer host copies) has no secant
+    # root ahead: double or halve the bracket instead.
+    if ta is not None and (vb - va) * (tb - ta) > 0:
         guess = ta + (1.0 - va) * (tb - ta) / (vb - va)
     elif lo is not None and hi is not None:
         guess = (lo + hi) / 2
@@ -170,6 +177,7 @@ class Settings:
     dtype: str = "bfloat16"
     attention: str = "auto"
     recipe: str = str(RECIPE)         # the YAML whose LoRA, optimiser and 4-bit base (load_in_4bit) the step takes
+    deviceless: bool = False          # compile for the H200 target description on this (CPU) machine
 
 
 def recipe(settings: Settings):
@@ -185,21 +193,28 @@ def execution_for(settings: Settings, policy: str, seq: int, *, probe: bool):
     from jaxft.execution import ExecutionConfig
 
     chunk = settings.mlp_chunk_size
+    name, (policy, extra) = policy, REMAT_OF.get(policy, (policy, {}))
     options = {}
     if probe and settings.probe_autotune_level is not None:
         options["xla_gpu_autotune_level"] = settings.probe_autotune_level
     return ExecutionConfig(attention_implementation=settings.attention, remat=policy, layer_loop="auto",
                            mlp_chunk_size=chunk if chunk and seq > chunk else None, ce_chunk_size=None,
-                           host_memory_gb=settings.host_budget / GIB if policy == "offload_all" else None,
-                           compiler_options=options)
+                           host_memory_gb=settings.host_budget / GIB if name in ("offload_all", *REMAT_OF) else None,
+                           compiler_options=options, **extra)
 
 
 def make_run(settings: Settings, policy: str, seq: int, *, probe: bool):
     from jaxft.run import Run
 
     config = recipe(settings)
+    devices = None
+    if settings.deviceless:
+        from gpu_compile import h200_topology
+
+        devices = h200_topology().devices
     return Run(settings.model_dir, lora_config=config.lora, execution=execution_for(settings, policy, seq, probe=probe),
-               optim=config.optim, total_steps=1, dtype=settings.dtype, seed=0, quant_config=config.model.quant)
+               optim=config.optim, total_steps=1, dtype=settings.dtype, seed=0, quant_config=config.model.quant,
+               devices=devices)
 
 
 def make_batch(seq: int, vocab: int, *, seed: int = 0) -> dict:
@@ -217,17 +232,15 @@ def make_batch(seq: int, vocab: int, *, seed: int = 0) -> dict:
 
 
 def host_bytes_analytic(run, seq: int) -> int:
-    """Host bytes of the policy's offloaded residuals: `residual_bytes` of each offloaded name x layers (the
-    policy never names what a tiled MLP recomputes per chunk: `ExecutionConfig.layer_policy`)."""
+    """Host bytes of the policy's offloaded residuals (`jaxft.remat.offloaded_bytes`: each offloaded name x layers,
+    or one layer input per nested block; the policy never names what a tiled MLP recomputes per chunk)."""
     import jax.numpy as jnp
 
-    from jaxft.remat import residual_bytes
+    from jaxft.remat import offloaded_bytes
 
     cfg, ex = run.model_config, run.execution
     itemsize = jnp.dtype(run.dtype).itemsize
-    policy = ex.layer_policy(cfg, 1, seq, itemsize)
-    sizes = residual_bytes(cfg, 1, seq, itemsize, ex.mlp_chunk_size)
-    return sum(sizes[n] for n in policy.offload) * cfg.num_layers
+    return offloaded_bytes(ex.layer_policy(cfg, 1, seq, itemsize), cfg, 1, seq, itemsize, ex.mlp_chunk_size)
 
 
 def argument_bytes(run) -> int:
@@ -260,6 +273,7 @@ def analytic_device_per_token(run, seq: int) -> float:
         kept = sum(sizes[n] for n in policy.save)
         if policy.kind == "full" or LAYER_INPUT not in policy.offload:
             kept += sizes[LAYER_INPUT]
+        kept += (policy.block - 1) * sizes[LAYER_INPUT] / cfg.num_layers  # one block's layer inputs, spread
     return (kept * cfg.num_layers + 2 * one_layer + 4 * sizes[LAYER_INPUT]) / seq
 
 
@@ -523,14 +537,6 @@ def model_dir(model: str, layers: int | None, workdir: str) -> str:
     return workdir
 
 
-def host_memory_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemTotal in /proc/meminfo; pass --host-memory-gb")
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b", help="a shape of scripts/bench/workloads.py, or a directory "
@@ -562,6 +568,9 @@ def parse_args(argv=None):
     ap.add_argument("--step-policy", default="offload")
     ap.add_argument("--step-seq", default="262144", help="tokens of the real step; 'max': the step policy's longest "
                     "row (after the searches); 0: no step")
+    ap.add_argument("--deviceless", action="store_true", help="compile for an H200 on this machine instead of "
+                    "using its device (scripts/deviceless/gpu_compile.py; needs JAX_CUDA_PLUGIN_DIR, "
+                    "--device-memory-gb and --step-seq 0; attention 'auto' becomes 'pallas', no autotuning)")
     ap.add_argument("--out", default=None, help="JSON lines (every probe, result and the step)")
     ap.add_argument("--md", default=None, help="the markdown table")
     ap.add_argument("--worker", choices=("search", "step"), help=argparse.SUPPRESS)
@@ -576,17 +585,29 @@ def _print(rec: dict) -> None:
     print(json.dumps(rec), flush=True)
 
 
+def _deviceless() -> None:
+    """Sets up the compile for the H200 target (before JAX is first imported: the CUDA plugin's start-up check)."""
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "scripts" / "deviceless"))
+    importlib.import_module("gpu_compile")
+
+
 def _resolve(settings: Settings) -> Settings:
-    """Settings as the worker's backend needs them: probes compile without autotuning on a GPU by default."""
+    """Settings as the worker's backend needs them: probes compile without autotuning on a GPU (and for one) by
+    default."""
     import jax
 
-    if settings.probe_autotune_level is None and jax.default_backend() == "gpu":
+    if settings.probe_autotune_level is None and (settings.deviceless or jax.default_backend() == "gpu"):
         return dataclasses.replace(settings, probe_autotune_level=0)
     return settings
 
 
 def worker(args) -> int:
-    settings = _resolve(Settings(**json.loads(args.settings)))
+    settings = Settings(**json.loads(args.settings))
+    if settings.deviceless:
+        _deviceless()
+    settings = _resolve(settings)
     if args.worker == "search":
         search_policy(settings, args.policy, deadline=args.deadline_at, emit=_print)
     else:
@@ -651,17 +672,25 @@ def main(argv=None) -> int:
     if bad:
         raise SystemExit(f"--policies: {bad[0]!r} is not one of {', '.join(POLICIES)} (auto is derived from them)")
     points = parse_points(args.unsloth_points)
-    host_total = (args.host_memory_gb * GIB) if args.host_memory_gb else host_memory_bytes()
-    host_budget = int(host_total - max(8 * GIB, 0.1 * host_total))
+    if args.deviceless:
+        if args.device_memory_gb is None or args.step_seq != "0":
+            raise SystemExit("--deviceless: pass --device-memory-gb (there is no device to ask) and --step-seq 0 "
+                             "(nothing can run)")
+        _deviceless()
+        if args.attention == "auto":  # cuDNN does not lower without cuDNN installed; the flash kernel does
+            args.attention = "pallas"
+    from jaxft.remat import default_host_budget
+
+    host_budget = default_host_budget(int(args.host_memory_gb * GIB) if args.host_memory_gb else None)
     if host_budget <= 0:
-        raise SystemExit(f"--host-memory-gb {host_total / GIB:.1f}: nothing left after the 8 GiB margin; pass more")
+        raise SystemExit(f"--host-memory-gb {args.host_memory_gb}: nothing left after the 8 GiB margin; pass more")
     workdir = tempfile.mkdtemp(prefix="max_context_")
     settings = Settings(model_dir=model_dir(args.model, args.layers, workdir), granularity=args.granularity,
                         t_min=args.t_min or args.granularity, t_max=args.t_max,
                         device_budget=None if args.device_memory_gb is None else int(args.device_memory_gb * GIB),
                         host_budget=host_budget, mlp_chunk_size=args.mlp_chunk_size,
                         probe_autotune_level=args.probe_autotune_level, max_probes=args.max_probes,
-                        dtype=args.dtype, attention=args.attention, recipe=args.recipe)
+                        dtype=args.dtype, attention=args.attention, recipe=args.recipe, deviceless=args.deviceless)
     if args.step_seq != "0" and recipe(settings).model.quant is not None:
         raise SystemExit(f"--recipe {args.recipe}: a 4-bit base has no random-weight step (Run.init_random makes "
                          "no 4-bit codes); pass --step-seq 0 (the search compiles from shapes and needs none)")

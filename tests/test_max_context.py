@@ -24,7 +24,16 @@ def _truth(load, g, t_min, t_max):
     return max(fitting) if fitting else None
 
 
+def _nested_load(t: int) -> float:
+    """remat offload with nested blocks sized to the host (32 layers, 8 KiB a token per layer input, 113 GiB of
+    host, 126 GiB of device): the host load drops where the block grows, the device load jumps up there."""
+    stream, host, device = 8192 * t, 113 * 2**30, 126 * 2**30
+    k = next((k for k in range(1, 33) if math.ceil(32 / k) * stream <= host), 32)
+    return max(math.ceil(32 / k) * stream / host, (15e9 + t * 120e3 + k * stream) / device)
+
+
 @pytest.mark.parametrize("name,load", [
+    ("nested", _nested_load),  # falls between probes on both sides of a jump: no secant root ahead there
     ("affine", lambda t: (3e9 + 2.6e5 * t) / 100e9),
     ("quadratic", lambda t: (1e9 + 4e4 * t + 0.9 * t * t) / 60e9),
     ("steps", lambda t: (2e9 + 1e9 * (t // 5000)) / 40e9),  # piecewise constant: the secant alone stalls
@@ -41,6 +50,8 @@ def test_search_finds_the_exact_boundary(name, load, start):
     assert result.exact
     assert len(calls) == len(set(calls)) <= 40  # never the same length twice
     assert all(t % g == 0 and t_min <= t <= t_max for t in calls)
+    if name == "nested":
+        assert len(calls) <= 14
     if name == "affine":
         assert len(calls) <= 4  # secant steps on an affine load: the guess, the line, the two sides
 

@@ -22,6 +22,10 @@ forward and backward loops are separate and the barriers would only constrain fu
 policy offloads goes without the outer barrier: its backward starts from the copy moved back from the host, so
 nothing can be CSE'd into the forward.
 
+Nested checkpointing (`RematPolicy.block` > 1, `ExecutionConfig.remat_block`, layer scan only): each scan over
+layers or periods becomes an outer scan over blocks of them (`_scan_layers`), each block one checkpoint keeping
+its input alone, the layers inside full checkpoints; the outer policy offloads the block input for remat "offload".
+
 Host offload of the layer input (`resolve_transfer`): in the scan, jax.checkpoint's offload policy, whose copies
 XLA keeps (they go through the loop's stacked host buffer); in the unrolled loop XLA folded the policy's copy to
 the host and copy back into nothing (docs/benchmarks.md section 10: no S(5) value in the compiled program), so
@@ -49,7 +53,7 @@ from jaxft.models.layers import ExpertParam, StackRow
 from jaxft.sharding import constrain_rows
 from jaxft.offload import PrefetchChain, host_offloaded, layer_index
 from jaxft.offload_scan import offloaded_scan
-from jaxft.remat import LAYER_INPUT, RematPolicy
+from jaxft.remat import BLOCK_INPUT, LAYER_INPUT, RematPolicy
 from kernels_pallas._dispatch import target_platform
 
 
@@ -163,6 +167,13 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         raise ValueError("run_groups: policy_layers (ExecutionConfig.remat_layers) needs per-layer weight buffers "
                          "(layer_loop: unroll)")
     without = RematPolicy("none")
+    # Nested checkpointing (`RematPolicy.block`, jaxft.remat): an outer scan over blocks of layers, each block one
+    # checkpoint of policy `outer` keeping its input alone, each layer inside a full checkpoint.
+    outer, block = None, policy.block if policy.checkpointed else 1
+    if block > 1:
+        if unrolled:
+            raise ValueError("run_groups: nested remat blocks (ExecutionConfig.remat_block) need the layer scan")
+        outer, policy = policy.nested()
     # The explicitly offloaded layers of an unrolled loop pass each other the signal that starts a copy back one
     # layer early (jaxft.offload.PrefetchChain); this trace's own, in layer order.
     chain = PrefetchChain() if unrolled else None
@@ -235,8 +246,8 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         if scan_offload:  # one function per position of the period, each one's input kept on the host
             carry = offloaded_scan([lambda c, xs, a=a, fn=fn: fn(c, xs[0][kinds[a].stack], xs[1] + a)
                                     for (a, _), fn in zip(runs, fns)], carry, (head, bases))
-        else:
-            carry, _ = jax.lax.scan(body, carry, (head, bases))
+        else:  # nested blocks hold whole periods: as many as make up `block` layers, at least one
+            carry = _scan_layers(lambda c, xs: body(c, xs)[0], carry, (head, bases), max(1, block // period), outer)
         # A last, incomplete period (e.g. 62 = 10 x 6 + 2 layers) runs by group below.
         cut = reps * period
         groups = [dataclasses.replace(g, start=max(g.start, cut), row=g.first_row + max(0, cut - g.start))
@@ -261,8 +272,34 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         if scan_offload:
             carry = offloaded_scan(lambda c, xs: layer_fn(c, *xs), carry, (run_state, indices))
         else:
-            carry, _ = jax.lax.scan(lambda c, xs: (layer_fn(c, *xs), None), carry, (run_state, indices))
+            carry = _scan_layers(lambda c, xs: layer_fn(c, *xs), carry, (run_state, indices), block, outer)
     return carry  # x, or (x, router stats)
+
+
+def _scan_layers(step, carry, xs, block: int, outer: RematPolicy | None):
+    """`step(carry, x)` over the leading axis of `xs` as one scan; with `outer` (nested checkpointing), as an
+    outer scan over blocks of `block` steps, each block a checkpoint of policy `outer` around an inner scan, its
+    input named `BLOCK_INPUT` (what `outer` keeps or offloads); a last partial block (n % block steps) is one more
+    call of the same checkpoint. The backward of a block re-runs its inner scan forward, whose steps are full
+    checkpoints: it keeps the block's layer inputs on the device, then differentiates the steps one at a time."""
+    if outer is None or block <= 1:
+        carry, _ = jax.lax.scan(lambda c, x: (step(c, x), None), carry, xs)
+        return carry
+
+    def run_block(c, block_xs):
+        c = checkpoint_name(c, BLOCK_INPUT)
+        c, _ = jax.lax.scan(lambda c, x: (step(c, x), None), c, block_xs)
+        return c
+
+    blocked = jax.checkpoint(run_block, policy=outer.jax_policy(), prevent_cse=False)
+    n = jax.tree.leaves(xs)[0].shape[0]
+    whole = n // block * block
+    if whole:
+        head = jax.tree.map(lambda a: a[:whole].reshape(whole // block, block, *a.shape[1:]), xs)
+        carry, _ = jax.lax.scan(lambda c, x: (blocked(c, x), None), carry, head)
+    if whole < n:
+        carry = blocked(carry, jax.tree.map(lambda a: a[whole:], xs))
+    return carry
 
 
 def _summing_stats(layer_fn):

@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 
 # Part field -> flat key. ExecutionConfig's and OptimConfig's fields are the flat keys themselves.
-EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "remat_layers", "layer_loop", "ce_chunk_size",
-                                  "mlp_chunk_size", "max_memory_gb", "host_memory_gb", "offload_transfer",
+EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "remat_layers", "remat_block", "layer_loop",
+                                  "ce_chunk_size", "mlp_chunk_size", "max_memory_gb", "host_memory_gb", "offload_transfer",
                                   "compiler_options", "grouped_matmul_implementation")}
 OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
                               "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")}
@@ -147,10 +147,16 @@ class TrainConfig:
     # The remat policy on the first N layers only, the rest without remat (null: every layer); needs the unrolled
     # layer loop. `remat: auto` sets it itself when no remat does not fit but remat on a few layers does.
     remat_layers: int | None = None
+    # Nested checkpointing for remat full / offload in the layer scan: blocks of this many layers keep only their
+    # input (offload: in host memory), one more forward of compute; "auto": the smallest block whose inputs fit
+    # host_memory_gb (offload) or sqrt(layers) (full); null: every layer its own checkpoint. For rows whose layer
+    # inputs exceed the host's memory.
+    remat_block: int | str | None = None
     # How remat "offload" moves the layer inputs to host memory: "policy" (jax.checkpoint's offload policy),
     # "explicit" (jaxft.offload: its own copies, which the unrolled loop needs), "auto" (explicit when unrolled).
     offload_transfer: Literal["auto", "policy", "explicit"] = "auto"
-    # auto's device budget in GiB (null: the device's free memory less a margin); offload_all's host budget.
+    # auto's device budget in GiB (null: the device's free memory less a margin); offload_all's and remat_block
+    # auto's host budget (null: none for offload_all, the machine's memory less a margin for remat_block).
     max_memory_gb: float | None = None
     host_memory_gb: float | None = None
     # The MLP in sequence chunks of this many tokens (null: one chunk), each recomputed on its own in the backward.

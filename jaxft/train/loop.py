@@ -182,6 +182,24 @@ def _note_mosaic_experts(run, execution) -> None:
                        len(run.placement.devices))
 
 
+def _note_nested_blocks(run, config: TrainConfig) -> None:
+    """What the log says about nested checkpointing (`remat_block`): the block size chosen and what each side
+    holds, so a user sees why a step costs one more forward."""
+    ex = config.execution
+    if ex.remat_block is None or ex.remat == "auto":
+        return
+    cfg, rows, seq = run.model_config, config.per_device_train_batch_size, config.max_seq_length
+    itemsize = jax.numpy.dtype(run.dtype).itemsize
+    policy = ex.layer_policy(cfg, rows, seq, itemsize)
+    stream = remat_policies.residual_bytes(cfg, rows, seq, itemsize)[remat_policies.LAYER_INPUT]
+    where = "pinned host memory" if policy.offloads else "device memory"
+    blocks = -(-cfg.num_layers // policy.block)
+    logger.info("remat %s in nested blocks of %d layers (remat_block %s): %d block inputs (%.2f GiB) in %s, one "
+                "block's %d layer inputs (%.2f GiB) on the device while it is differentiated; each step runs one "
+                "more forward of every layer", ex.remat, policy.block, ex.remat_block, blocks, blocks * stream / 2**30,
+                where, policy.block, policy.block * stream / 2**30)
+
+
 def _prepare(config: TrainConfig, out: Path) -> _Setup:
     resume_path = _resume_path(config, out)
     _check_output_dir(config, out, resume_path is not None)
@@ -218,6 +236,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
                        "for %d warmup steps", plan.warmup_steps)
     run = Run.from_config(config, plan.total_steps)
     _note_mosaic_experts(run, config.execution)
+    _note_nested_blocks(run, config)
     if config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is on the device
         try:
             if run.mesh.auto:  # (with remat auto, each mesh gets its own remat choice)
