@@ -271,16 +271,8 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         indices = jnp.arange(group.start, group.end, dtype=jnp.int32)
         if scan_offload:
             carry = offloaded_scan(lambda c, xs: layer_fn(c, *xs), carry, (run_state, indices))
-        elif outer is not None:
-            # Nested blocks read each layer's row of the whole stack inside the layer's checkpoint (`row=`), as
-            # the periodic scan does: scanning the stack itself sliced a [k, ...] block of weights per block and a
-            # layer of that, copies the backward kept (compiled for an H200, 8B at 1 x 65536: temp 8.43 -> 7.90
-            # GiB with blocks of 2, 11.27 -> 9.90 with blocks of 4).
-            row_fn = fn_for(group, row=DYNAMIC_ROW)
-            rows = jnp.arange(first, first + n, dtype=jnp.int32)
-            carry = _scan_layers(lambda c, xs: row_fn(c, (state, xs[0]), xs[1]), carry, (rows, indices), block, outer)
         else:
-            carry, _ = jax.lax.scan(lambda c, xs: (layer_fn(c, *xs), None), carry, (run_state, indices))
+            carry = _scan_layers(lambda c, xs: layer_fn(c, *xs), carry, (run_state, indices), block, outer)
     return carry  # x, or (x, router stats)
 
 
@@ -291,11 +283,16 @@ def _scan_layers(step, carry, xs, block: int, outer: RematPolicy | None):
     call of the same checkpoint. The backward of a block re-runs its inner scan forward, whose steps are full
     checkpoints: it keeps the block's layer inputs on the device, then differentiates the steps one at a time.
 
-    Measured (compiled for an H200 on a CPU, 8B at 1 x 65536): each layer of a block past the first costs about
-    two layer inputs of device memory, where the method needs one; the buffer assignment holds two [k, T, H]
-    buffers of the inner scan's stacked inputs in the block's backward. Unrolling the block's layers instead
-    (each a full checkpoint with CSE barriers) kept more: 9.32 vs 7.90 GiB of temp with blocks of 2, 15.44 vs
-    9.90 with blocks of 4 (without the barriers 10.84 / 19.19: the recompute merged into the block's)."""
+    Measured, compiled for an H200 on a CPU (8B; docs/benchmarks.md section 29):
+    - Each layer of a block past the first costs about two layer inputs of device memory, where the method needs
+      one. In the block's backward the buffer assignment holds two [k, T, H] buffers of the inner scan's stacked
+      inputs.
+    - Unrolling the block's layers instead kept more (both forms reading rows as below). With CSE barriers: 9.32
+      vs 7.90 GiB of temp with blocks of 2, 15.44 vs 9.90 with blocks of 4, at 1 x 65536. Without them: 10.84 /
+      19.19 (the recompute merged into the block's).
+    - Reading each layer's row of the whole stack inside its checkpoint, as the periodic scan does, avoids slicing a
+      [k, ...] weight block per block: 8.43 -> 7.90 GiB at 1 x 65536 with blocks of 2. It costs a layer input,
+      though: 103.79 -> 109.74 GiB at 1 x 901,120. The block of weights is therefore scanned."""
     if outer is None or block <= 1:
         carry, _ = jax.lax.scan(lambda c, x: (step(c, x), None), carry, xs)
         return carry
