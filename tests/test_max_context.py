@@ -110,6 +110,28 @@ def test_offloaded_bytes_are_counted_on_the_host(tmp_path):
     assert mc.host_bytes_analytic(mc.make_run(settings, "offload+attn", 1024, probe=True), 1024) == stream
 
 
+def test_nested_offload_sizes_its_blocks_to_the_host_budget(tmp_path):
+    """offload_nested (remat offload, remat_block auto): with room for every layer input it is plain offload; with
+    room for two of four it runs blocks of two, and the host holds one layer input per block; it trains."""
+    settings = _tiny_settings(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=4)))
+    stream = 512 * config["hidden_size"] * 4  # one fp32 layer input of 512 tokens
+    for room, block in ((4, 1), (3, 2), (2, 2), (1, 4)):
+        roomy = dataclasses.replace(settings, host_budget=room * stream)
+        run = mc.make_run(roomy, "offload_nested", 512, probe=True)
+        assert run.execution.layer_policy(run.model_config, 1, 512, 4).block == block
+        assert mc.host_bytes_analytic(run, 512) == -(-4 // block) * stream <= room * stream
+    step = mc.real_step(dataclasses.replace(settings, host_budget=2 * stream), "offload_nested", 512)
+    assert step["ok"] and math.isfinite(step["loss"]), step
+
+
+def test_deviceless_needs_a_device_budget_and_no_step():
+    for argv in (["--deviceless", "--step-seq", "0"], ["--deviceless", "--device-memory-gb", "100"]):
+        with pytest.raises(SystemExit, match="--deviceless: pass --device-memory-gb"):
+            mc.main(["--model", "tiny-llama", "--policies", "full", *argv])
+
+
 def test_auto_row_is_the_longest_candidate_and_warns_about_host_limits():
     results = {
         "none": dict(max_seq=36_864, limited_by="device", device_bytes=1, host_bytes=0),
