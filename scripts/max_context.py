@@ -26,6 +26,15 @@ Each probe is one compile (no weights, no run), with XLA's autotuning off on the
 a long-row compile otherwise times every GEMM at full size); the real step compiles with autotuning.
 Policies run in parallel worker processes (--jobs), one compile each at a time.
 
+`offload_nested` is remat offload in nested blocks sized to the host budget (`remat_block: auto`, jaxft.remat):
+the host holds one layer input per block, so its row is limited by the device (k layer inputs and one block's
+recompute). Its load falls where a longer row takes a larger block, hence the search's frontier secant.
+
+`--deviceless` compiles every probe for the H200 target description on a machine without a GPU
+(scripts/deviceless/gpu_compile.py): no real step, no autotuning, Pallas attention (cuDNN does not lower there).
+Measured against the GPU's own search (docs/benchmarks.md section 29) it gives 9-17% longer rows for the
+device-limited policies: a planning number, not a measurement.
+
 `auto` is not searched: it takes the first of `jaxft.remat.AUTO_ORDER` that fits the DEVICE, so its longest row
 is the longest of its candidates', and the row says which candidate it would choose there. (auto does not
 check host memory: where an earlier candidate fits the device but not the host, auto would choose it and the
