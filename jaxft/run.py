@@ -37,6 +37,7 @@ from flax import nnx
 import bridge
 from jaxft.config import SPARSE_MLPS, ConfigError, ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft import remat as remat_policies
 from jaxft.remat import AUTO_ORDER, AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
 from jaxft.lora import LoraConfig, apply_lora, target_names
 from jaxft.models.decoder import abstract_model, model_class
@@ -407,8 +408,11 @@ class Run:
             """Compiles `policy` (on the first `layers` layers) at the model's depth and says whether it fits; a
             fitting probe is measured, not chosen, so it neither logs "chosen" nor ends the compile count."""
             name = policy if layers is None else f"{policy} on {layers} layers"
+            on = self._host_fit(base.replace(remat=policy), host_batch, log)
+            if on is None:
+                return False
             estimate = self.remat_estimates[name] = self._compile_candidate(
-                self, base, host_batch, policy, layers, name,
+                self, on, host_batch, policy, layers, name,
                 lambda e: ("fits (probe)" if probe else "fits: chosen") if e <= budget else "does not fit", log)
             if estimate <= budget and not probe:
                 self.compile_seconds = self._auto_seconds
@@ -432,6 +436,32 @@ class Run:
             f"{smallest} at {self.remat_estimates[smallest] / GIB:.3f} GiB; raise max_memory_gb, or lower "
             "per_device_train_batch_size / max_seq_length")
 
+    def _host_fit(self, ex: ExecutionConfig, host_batch: dict[str, np.ndarray], log) -> ExecutionConfig | None:
+        """`ex` if what its policy offloads fits the host budget (`host_memory_gb`, else the machine's memory less
+        a margin: `jaxft.remat.default_host_budget`); for "offload" that does not fit, `ex` in nested blocks sized to
+        the budget (`remat_block: auto`); None (logged) for another policy that does not fit. The bytes are those of
+        the micro-batch this process holds (several local devices' shards together)."""
+        policy = remat_policies.parse(ex.remat) if ex.remat != "auto" else None
+        if policy is None or not policy.offloads:
+            return ex
+        rows, seq = host_batch["input_ids"].shape[0] // self.accumulation, host_batch["input_ids"].shape[-1]
+        itemsize = jnp.dtype(self.dtype).itemsize
+        need = remat_policies.offloaded_bytes(ex.layer_policy(self.model_config, rows, seq, itemsize),
+                                              self.model_config, rows, seq, itemsize, ex.mlp_chunk_size)
+        host = (int(ex.host_memory_gb * GIB) if ex.host_memory_gb is not None
+                else remat_policies.default_host_budget())
+        if need <= host:
+            return ex
+        if ex.remat == "offload" and ex.remat_block is None:
+            nested = ex.replace(remat_block="auto")
+            k = nested.block_for(self.model_config, rows, seq, itemsize)
+            log(f"remat auto: offload's layer inputs need {need / GIB:.2f} GiB of host memory, over the host budget "
+                f"{host / GIB:.2f} GiB: offload in nested blocks of {k} layers (remat_block auto)")
+            return nested
+        log(f"remat auto: {ex.remat:<12} offloads {need / GIB:.2f} GiB, over the host budget {host / GIB:.2f} GiB "
+            "-> does not fit (host)")
+        return None
+
     @property
     def remat_choice(self) -> tuple[str, int] | None:
         """What `remat: auto` chose, named as in `remat_estimates` ("full on 2 layers" for full remat on the first
@@ -447,7 +477,7 @@ class Run:
         """`remat: auto`'s one compile: `policy` (on the first `layers` layers) over `base` on `run` (this run or a
         shallow copy), recorded in `remat_compiles` and `_auto_seconds`, logged as one line ending in
         `verdict(estimate)`; returns the estimate (`peak_estimate`)."""
-        run.execution = base.replace(remat=policy, remat_layers=layers)
+        run.execution = base.replace(remat=policy, remat_layers=layers)  # (base may carry remat_block: _host_fit)
         run.compile(host_batch)
         self._auto_seconds += run.compile_seconds
         self.remat_compiles.append((policy, layers, run.model_config.num_layers))

@@ -208,3 +208,27 @@ def test_ce_chunk_follows_length_under_remat():
     assert full.resolved_ce_chunk(4096, 151936, 2048, 2, "NVIDIA H200") == 256
     assert full.resolved_ce_chunk(65536, 128256, 4096, 2, "NVIDIA H200") == 512  # long rows: the byte budget
     assert ExecutionConfig(remat="full", ce_chunk_size=77).resolved_ce_chunk(4096, 128256, 4096, 2) == 77
+
+
+def test_auto_checks_what_the_host_holds(model_dir, estimates):
+    """A host budget below the layer inputs: offload+attn does not fit (host) and is not compiled, so the same
+    device budget that chose it now gets the next candidate; offload itself becomes nested blocks sized to the
+    host (remat_block auto) instead of a step that would run out of host memory."""
+    full = _run(model_dir, "full")
+    full.compile(_batch())
+    below = max(estimates["offload+attn"], peak_estimate(full.memory_analysis()))
+    assert estimates["none"] > below
+    between = (estimates["none"] + below) / 2 / GIB  # offload+attn and full fit, none does not
+    assert _run(model_dir, "auto", max_memory_gb=between).choose_remat(_batch(), log=lambda line: None) == \
+        "offload+attn"
+    stream = 2 * 128 * 64 * 4  # one fp32 layer input of the [2, 128] batch at hidden 64
+    lines = []
+    run = _run(model_dir, "auto", max_memory_gb=between, host_memory_gb=stream / GIB)
+    assert run.choose_remat(_batch(), log=lines.append) == "full" and "offload+attn" not in run.remat_estimates
+    assert any(line.startswith("remat auto: offload+attn offloads ") and line.endswith("-> does not fit (host)")
+               for line in lines)
+    nested = run._host_fit(ExecutionConfig(remat="offload", host_memory_gb=stream / GIB), _batch(), lines.append)
+    assert nested.remat_block == "auto" and nested.layer_policy(run.model_config, 2, 128, 4).block == 2
+    assert lines[-1].endswith("offload in nested blocks of 2 layers (remat_block auto)")
+    roomy = ExecutionConfig(remat="offload", host_memory_gb=2 * stream / GIB)
+    assert run._host_fit(roomy, _batch(), lines.append) is roomy
