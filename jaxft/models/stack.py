@@ -292,7 +292,11 @@ def _scan_layers(step, carry, xs, block: int, outer: RematPolicy | None):
       19.19 (the recompute merged into the block's).
     - Reading each layer's row of the whole stack inside its checkpoint, as the periodic scan does, avoids slicing a
       [k, ...] weight block per block: 8.43 -> 7.90 GiB at 1 x 65536 with blocks of 2. It costs a layer input,
-      though: 103.79 -> 109.74 GiB at 1 x 901,120. The block of weights is therefore scanned."""
+      though: 103.79 -> 109.74 GiB at 1 x 901,120. The block of weights is therefore scanned.
+    - Only the outer scan's block inputs reach the host: the last partial block's input, and a single block's
+      (an outer scan of one step), stay on the device. XLA folds a host copy pair outside a loop, as in the
+      unrolled loop (1 x 1,026,048 in blocks of 3: 10 inputs in the compiled host memory, not 11). The host count
+      of `jaxft.remat.offloaded_bytes` is one input high there; the device estimate is the compiled one."""
     if outer is None or block <= 1:
         carry, _ = jax.lax.scan(lambda c, x: (step(c, x), None), carry, xs)
         return carry
