@@ -238,9 +238,13 @@ class ExecutionConfig:
         host then runs beside the next layer's forward (the scan's dynamic-update-slice into the host stack is
         started in one iteration and waited for in the next), where it otherwise ended before the layer's first
         matmul (deviceless H200 compile; GPT-OSS-20B lean step 283.6 -> 279.0 ms on the H200,
-        docs/benchmarks.md section 23). The backward's copies back are not pipelined by it."""
+        docs/benchmarks.md section 23). The backward's copies back are not pipelined by it. Not with nested blocks
+        (`remat_block`), which are there for memory: its loop peeling held a second copy of a block's stacked layer
+        inputs (compiled for an H200, 8B at 1 x 65536 in blocks of 2 / 4: temp 8.43 / 11.27 GiB with it, 6.92 /
+        8.75 without; 122.43 -> 120.36 GiB at 1 x 1,026,048 in blocks of 3)."""
         wanted: dict[str, Any] = {}
-        if self.remat != "auto" and self.resolved_layer_loop == "scan" and remat_policies.parse(self.remat).offloads:
+        if self.remat != "auto" and self.resolved_layer_loop == "scan" and remat_policies.parse(self.remat).offloads \
+                and self.remat_block in (None, 1):
             wanted["xla_gpu_enable_pipelined_host_offloading"] = True
         return {**wanted, **self.compiler_options}
 

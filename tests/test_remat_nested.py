@@ -158,3 +158,14 @@ def test_a_run_with_nested_blocks_trains_as_one_checkpoint_per_layer(tmp_path, c
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert "remat offload in nested blocks of 2 layers (remat_block 2): 2 block inputs" in caplog.text
     assert "in pinned host memory" in caplog.text
+
+
+def test_nested_blocks_compile_without_pipelined_host_offload():
+    """`ExecutionConfig.program_options`: XLA's pipelined host offloading peels the loop and held a second copy of
+    a block's stacked layer inputs (compiled for an H200), so nested blocks go without it; one checkpoint per
+    layer (remat_block 1 or none) keeps it; the user's compiler_options still win."""
+    flag = "xla_gpu_enable_pipelined_host_offloading"
+    assert flag not in ExecutionConfig(remat="offload", remat_block=2).program_options
+    assert flag not in ExecutionConfig(remat="offload", remat_block="auto").program_options
+    assert ExecutionConfig(remat="offload", remat_block=1).program_options == {flag: True}
+    assert ExecutionConfig(remat="offload", remat_block=2, compiler_options={flag: True}).program_options == {flag: True}
