@@ -471,6 +471,39 @@ def test_markdown_marks_static_memory_estimates():
     assert "| 2.00 |" in markdown(report) and "static estimate" not in markdown(report)
 
 
+def test_the_report_checks_auto_against_the_fastest_policy_that_fits():
+    """issue #10's bar: auto within 5% of the fastest jaxft policy that fits its budget (the recipe's
+    max_memory_gb, or every policy that ran); a 4-bit base is another model, not a candidate."""
+    from bench.report import auto_check
+
+    w = get_workload("tiny_llama")
+
+    def run(system, step_s, peak_gib, **settings):
+        raw = {"status": "ok", "step_times_s": [step_s] * 3, "losses": [6.0, 5.9, 5.8],
+               "peak_memory_bytes": int(peak_gib * 1024 ** 3), "data_sha256": "x", "settings": settings}
+        return {"system": system, "workload": w.name, "summary": summarise_run(raw, w, 1, [1.0] * 3, "x", 1, None),
+                "raw": raw}
+
+    runs = [run("jaxft", 1.0, 30), run("jaxft_lean", 1.5, 10), run("jaxft_offload_attn", 1.2, 20),
+            run("jaxft_qlora", 0.5, 5), run("jaxft_auto", 1.02, 30, remat="none", remat_layers=None),
+            run("jaxft_auto_40gb", 1.3, 19, remat="offload+attn", max_memory_gb=25.0, remat_layers=None),
+            run("unsloth", 0.1, 1)]
+    by = {c["system"]: c for c in auto_check(runs)}
+    assert by["jaxft_auto"]["best_system"] == "jaxft" and by["jaxft_auto"]["within"]  # 1.0 / 1.02 = 0.98
+    assert by["jaxft_auto"]["ratio"] == pytest.approx(1 / 1.02)
+    tight = by["jaxft_auto_40gb"]  # jaxft (30 GiB) does not fit 25 GiB: offload+attn (20 GiB) is the bar
+    assert tight["best_system"] == "jaxft_offload_attn" and tight["within"] is False
+    assert tight["ratio"] == pytest.approx(1.2 / 1.3)
+    report = {"meta": {"date": "d", "commit": "c", "device_name": "cpu", "command": "x", "steps": 3, "warmup": 1,
+                       "lora": {"r": 1, "alpha": 1, "dropout": 0, "targets": ["q_proj"]},
+                       "adamw": {"lr": 1, "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0}},
+              "ceiling": {}, "workloads": {}, "runs": runs}
+    text = markdown(report)
+    assert "## remat auto against the fastest policy that fits its budget (bar: within 5%)" in text
+    assert "| tiny_llama | jaxft_auto_40gb | 25.0 | offload+attn | " in text and "| 0.923 | NO |" in text
+    assert auto_check([run("jaxft_auto", 1.0, 30, remat="full", remat_layers=None)])[0]["within"] is None
+
+
 FAKE_WORKER = """
 import os, sys, time
 sys.path.insert(0, {scripts!r})

@@ -65,6 +65,57 @@ def first_loss_spread(runs: list[dict[str, Any]], workload: str) -> float | None
     return (max(vals) - min(vals)) / max(abs(statistics.fmean(vals)), 1e-12)
 
 
+# Systems whose remat is `auto` (examples/bench/auto*.yaml), and the jaxft systems that are not a policy of the
+# same step (a 4-bit base trains another model).
+AUTO_SYSTEMS = ("jaxft_auto", "jaxft_auto_40gb")
+NOT_A_POLICY = ("jaxft_qlora", "jaxft_qlora_lean", "jaxft_qlora_offload")
+AUTO_TOLERANCE = 0.05  # issue #10: auto within 5% of the best policy that fits
+
+
+def auto_check(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per workload and auto system that ran ok: the fastest other jaxft policy of the same run that fits auto's
+    budget (its peak within the recipe's `max_memory_gb`; with none set, every policy that ran on the device fits)
+    and whether auto's tokens/s is within AUTO_TOLERANCE of it. Runs of auto's own choice count as candidates too:
+    what auto picked, run under its own name, is the bar it must meet."""
+    out = []
+    for auto in runs:
+        s = auto["summary"]
+        if auto["system"] not in AUTO_SYSTEMS or s.get("status") != "ok":
+            continue
+        settings = auto["raw"].get("settings", {})
+        budget = settings.get("max_memory_gb")
+        fitting = [r for r in runs if r["workload"] == auto["workload"] and r["system"].startswith("jaxft")
+                   and r["system"] not in AUTO_SYSTEMS + NOT_A_POLICY and r["summary"].get("status") == "ok"
+                   and (budget is None or r["summary"]["peak_memory_gib"] <= budget)]
+        best = max(fitting, key=lambda r: r["summary"]["tokens_per_s"], default=None)
+        row = {"workload": auto["workload"], "system": auto["system"], "budget_gib": budget,
+               "choice": settings.get("remat"), "remat_layers": settings.get("remat_layers"),
+               "remat_block": settings.get("remat_block"), "tokens_per_s": s["tokens_per_s"],
+               "best_system": best and best["system"], "best_tokens_per_s": best and best["summary"]["tokens_per_s"]}
+        row["ratio"] = best and s["tokens_per_s"] / best["summary"]["tokens_per_s"]
+        row["within"] = None if best is None else row["ratio"] >= 1 - AUTO_TOLERANCE
+        out.append(row)
+    return out
+
+
+def _auto_lines(checks: list[dict[str, Any]]) -> list[str]:
+    if not checks:
+        return []
+    lines = ["", f"## remat auto against the fastest policy that fits its budget (bar: within "
+             f"{100 * AUTO_TOLERANCE:.0f}%)", "",
+             "| workload | auto system | budget (GiB) | chose | tokens/s | fastest that fits | its tokens/s | ratio | "
+             "within |", "|---|---|---:|---|---:|---|---:|---:|---|"]
+    for c in checks:
+        chose = c["choice"] + (f" on {c['remat_layers']} layers" if c["remat_layers"] is not None else "") + \
+            (f", blocks {c['remat_block']}" if c["remat_block"] is not None else "")
+        best = "-" if c["best_system"] is None else c["best_system"]
+        lines.append(f"| {c['workload']} | {c['system']} | {'device' if c['budget_gib'] is None else c['budget_gib']}"
+                     f" | {chose} | {c['tokens_per_s']:,.0f} | {best} | "
+                     + ("- | - | no other policy ran |" if c["best_system"] is None else
+                        f"{c['best_tokens_per_s']:,.0f} | {c['ratio']:.3f} | {'yes' if c['within'] else 'NO'} |"))
+    return lines
+
+
 def _si(x: float) -> str:
     """3 significant digits with an SI prefix: 7.5e9 -> '7.50 G'."""
     for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -146,6 +197,7 @@ def markdown(report: dict[str, Any]) -> str:
                   "peak counter and an earlier task of the same process had set a higher peak, so this is "
                   "bytes in use before the first step + the compiled step's temp + output - aliased "
                   "(donated) bytes (XLA memory_analysis)."]
+    lines += _auto_lines(auto_check(report["runs"]))
     lines += ["", "## Workloads", ""]
     for name, w in report["workloads"].items():
         d = w["data"]
