@@ -170,6 +170,7 @@ def _nested_program(remat: str, block: int | None):
     return jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1]), (lora, frozen, batch)
 
 
+@serial
 def test_nested_offload_keeps_one_input_per_block_in_host_memory():
     """Blocks of 2 of 4 layers: the host holds 2 layer inputs where plain offload holds 4 (compiled host temp, each
     [1, T, H] bf16), and the device holds more than plain offload's (a block's second layer input while the block
