@@ -10,8 +10,12 @@ The model holds parameters and math; everything that changes speed or memory but
   every grouped matmul of a step (expert projections, expert LoRA products, the 4-bit experts' dequantise-then-gmm
   forward and backward) takes it. "auto" runs the Mosaic GPU kernels on Hopper for bf16/f16 and `lax.ragged_dot`
   elsewhere; "xla" (ragged_dot), "reference" (masked dense) or "pallas_mosaic" (the Mosaic kernels; in Mosaic
-  GPU's interpreter off the GPU) by name. Under a mesh that shards the experts XLA cannot partition the Mosaic
-  custom call: choose "xla" there; also the A/B switch of the MoE benchmarks.
+  GPU's interpreter off the GPU) by name; also the A/B switch of the MoE benchmarks. (XLA cannot partition the
+  Mosaic custom call: on a mesh it runs per device, `moe_dispatch`.)
+- `moe_dispatch`: where an MoE layer sorts and multiplies its tokens under a mesh of several devices:
+  "per_device" (the block in `jax.shard_map` over the batch axes, each device its own rows:
+  `jaxft.models.moe.per_device`) or "global" (the block as one program over the whole batch: XLA gathers the
+  routing, and every device multiplies every token); "auto" is per_device.
 - `remat`: what the backward pass keeps, offloads to pinned host memory or recomputes (`jaxft.remat`: "none",
   "full", "dots", "offload", "offload+attn", "offload_stream", "offload_all", "save=..;offload=..", "auto"); a mapping
   {save: [...], offload: [...]} is accepted and stored as its canonical string. `host_memory_gb` bounds what
@@ -60,6 +64,7 @@ REMAT_POLICIES = remat_policies.FIXED  # plus selective 'save=..;offload=..' str
 LAYER_LOOPS = ("auto", "scan", "unroll")
 OFFLOAD_TRANSFERS = ("auto", "policy", "explicit")
 CE_IMPLEMENTATIONS = ("xla", "reference")
+MOE_DISPATCHES = ("auto", "per_device", "global")
 # The smallest cross-entropy chunk under remat. Below 256 tokens the [chunk, H] x [H, V] matmuls ran slower for
 # no memory: at 128 the lean GPT-OSS-20B 1 x 4096 step took 252.0 ms against 247.4 at 256, Qwen3-30B-A3B 329.7
 # against 323.6, with the same compiled peak and allocator peak (docs/benchmarks.md section 28).
@@ -94,10 +99,12 @@ class ExecutionConfig:
     compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     offload_transfer: str = "auto"
     grouped_matmul_implementation: str = "auto"
+    moe_dispatch: str = "auto"
 
     def __post_init__(self):
         _choice("attention_implementation", self.attention_implementation, ATTENTION_IMPLEMENTATIONS)
         _choice("grouped_matmul_implementation", self.grouped_matmul_implementation, GROUPED_MATMUL_IMPLEMENTATIONS)
+        _choice("moe_dispatch", self.moe_dispatch, MOE_DISPATCHES)
         try:
             object.__setattr__(self, "remat", remat_policies.canonical(self.remat))
         except remat_policies.RematError as e:
@@ -255,4 +262,4 @@ class ExecutionConfig:
         return hash((self.attention_implementation, self.remat, self.remat_layers, self.remat_block, self.layer_loop,
                      self.ce_chunk_size, self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb, self.ce_implementation,
                      tuple(sorted(self.compiler_options.items())), self.offload_transfer,
-                     self.grouped_matmul_implementation))
+                     self.grouped_matmul_implementation, self.moe_dispatch))

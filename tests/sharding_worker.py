@@ -47,9 +47,11 @@ MOE_LORA = LoraConfig(r=4, alpha=8, target_modules=("q_proj", "v_proj"),
                       target_parameters=("experts.gate_up_proj", "experts.down_proj"))
 
 
-def _run(model_dir, mesh: dict | None, layer_loop: str, devices=None, lora: LoraConfig | None = None) -> Run:
+def _run(model_dir, mesh: dict | None, layer_loop: str, devices=None, lora: LoraConfig | None = None,
+         moe_dispatch: str = "auto") -> Run:
     return Run(model_dir, lora_config=lora or LoraConfig(r=4, alpha=8), dtype="float32", total_steps=STEPS, seed=0,
-               execution=ExecutionConfig(attention_implementation="reference", layer_loop=layer_loop),
+               execution=ExecutionConfig(attention_implementation="reference", layer_loop=layer_loop,
+                                         moe_dispatch=moe_dispatch),
                optim=OptimConfig(learning_rate=1e-2, lr_scheduler_type="constant"),
                mesh=MeshConfig.from_mapping(mesh), devices=devices, accumulation=2)
 
@@ -135,16 +137,24 @@ def main(model_dir: str, out_path: str) -> None:
 
 def main_moe(model_dir: str, out_path: str) -> None:
     """An MoE model's losses on one device and on three meshes (expert adapters included; the grouped matmuls are
-    lax.ragged_dot here, which the SPMD partitioner splits), and where its frozen expert stacks and its expert
-    adapters were placed."""
+    lax.ragged_dot here), each device routing its own rows (moe_dispatch auto = per_device), and on one mesh with
+    the routing global; the slots each device's compiled step sorts, both ways; where its frozen expert stacks and
+    its expert adapters were placed."""
     assert len(jax.devices()) == 8, jax.devices()
     batches = _batches()
     one = _run(model_dir, None, "scan", devices=jax.devices()[:1], lora=MOE_LORA).load()
-    result = {"losses": {"one_device": _losses(one, batches)}, "expert_spec": {}, "expert_lora_replicated": {}}
-    for key, mesh in (("data2_fsdp4", dict(data=2, fsdp=4)), ("data8", dict(data=8)),
-                      ("fsdp4_tensor2", dict(fsdp=4, tensor=2))):
-        run = _run(model_dir, mesh, "scan", lora=MOE_LORA).load()
+    result = {"losses": {"one_device": _losses(one, batches)}, "expert_spec": {}, "expert_lora_replicated": {},
+              "sorted_slots": {}}
+    for key, mesh, dispatch in (("data2_fsdp4", dict(data=2, fsdp=4), "auto"), ("data8", dict(data=8), "auto"),
+                                ("fsdp4_tensor2", dict(fsdp=4, tensor=2), "auto"),
+                                ("data2_fsdp4_global", dict(data=2, fsdp=4), "global")):
+        run = _run(model_dir, mesh, "scan", lora=MOE_LORA, moe_dispatch=dispatch).load()
         result["losses"][key] = _losses(run, batches)
+        if key.startswith("data2_fsdp4"):  # the routing's stable sort: [slots] int32 keys
+            result["sorted_slots"][dispatch] = sorted({int(n) for n in re.findall(
+                r"= \(s32\[(\d+)\]\{0\}, s32\[\d+\]\{0\}\) sort\(", run._compiled.as_text())})
+        if dispatch == "global":
+            continue
         mlp = run.frozen["layers"]["mlp"]
         stack = mlp["gate_up_proj"].get_value()
         result["expert_spec"][key] = [None if s is None else str(s) for s in stack.sharding.spec]

@@ -127,23 +127,26 @@ def test_the_flat_key_reaches_the_execution_config(tmp_path):
                                "'reference', 'xla', 'pallas_mosaic'; did you mean 'pallas_mosaic'?")
 
 
-def test_the_log_says_when_the_mosaic_kernels_are_not_split_over_a_mesh(caplog):
-    """`jaxft-train`'s notes on the Mosaic expert kernels: on a mesh of several devices one warning naming the key
-    and the fix (XLA cannot partition their custom call); nothing on one device or without them."""
+def test_the_log_says_how_the_mosaic_kernels_run_on_a_mesh(caplog):
+    """`jaxft-train`'s notes on the Mosaic expert kernels on a mesh of several devices: per device (moe_dispatch
+    auto / per_device) one info line; with moe_dispatch global one warning naming the key and the fix (XLA cannot
+    partition their custom call); nothing on one device or without them."""
     from types import SimpleNamespace
 
     from jaxft.train.loop import _note_mosaic_experts
 
-    def notes(mosaic: bool, devices: int) -> str:
+    def notes(mosaic: bool, devices: int, dispatch: str = "auto") -> str:
         caplog.clear()
         run = SimpleNamespace(mosaic_experts=mosaic, unrolled=False, placement=SimpleNamespace(devices=[0] * devices))
         with caplog.at_level("INFO", logger="jaxft.train"):
-            _note_mosaic_experts(run, ExecutionConfig(layer_loop="scan"))
+            _note_mosaic_experts(run, ExecutionConfig(layer_loop="scan", moe_dispatch=dispatch))
         return caplog.text
 
-    assert "on a mesh of 2 devices" in notes(True, 2) and "set grouped_matmul_implementation: xla" in caplog.text
+    assert "moe_dispatch: global" in notes(True, 2, "global") and "set moe_dispatch: per_device" in caplog.text
     assert [r.levelname for r in caplog.records] == ["WARNING"]
-    assert notes(True, 1) == "" and notes(False, 8) == ""
+    assert "run per device on the mesh of 2 devices (moe_dispatch auto" in notes(True, 2)
+    assert [r.levelname for r in caplog.records] == ["INFO"]
+    assert notes(True, 1) == "" and notes(False, 8) == "" and notes(False, 8, "global") == ""
 
 
 # ------------------------------------------------------------------------------------------------ the step

@@ -211,7 +211,8 @@ def test_checkpoint_written_on_one_mesh_resumes_on_another(tmp_path):
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_moe_training_on_a_mesh_equals_one_device(family, tmp_path):
     """Qwen3-MoE and GPT-OSS with both expert adapters: 5 LoRA steps on data 2 x fsdp 4, data 8 and fsdp 4 x
-    tensor 2 give one device's losses (the routing's sort, gathers and grouped matmuls partitioned by XLA); the
+    tensor 2 give one device's losses, each device routing its own rows (moe_dispatch per_device), and so does
+    the global routing on data 2 x fsdp 4, which sorts every row on every device; the
     frozen expert stacks are split (on fsdp along the hidden width; also on tensor along the experts' width), the
     expert adapters are whole on every device."""
     from lora_helpers import tiny_qwen3_moe
@@ -232,9 +233,13 @@ def test_moe_training_on_a_mesh_equals_one_device(family, tmp_path):
     losses = out["losses"]
     one = losses.pop("one_device")
     assert len(one) == 5 and len(set(one)) > 1
-    assert set(losses) == {"data2_fsdp4", "data8", "fsdp4_tensor2"}
+    assert set(losses) == {"data2_fsdp4", "data8", "fsdp4_tensor2", "data2_fsdp4_global"}
     for mesh, got in losses.items():
         np.testing.assert_allclose(got, one, rtol=1e-5, err_msg=mesh)
+    # Each device sorts its own rows' slots (1 of the 8 micro-batch rows x 64 tokens x k); the global routing
+    # sorts the whole micro-batch's on every device (jaxft.models.moe.per_device).
+    k = 2  # both tiny models route each token to 2 experts
+    assert out["sorted_slots"] == {"auto": [64 * k], "global": [8 * 64 * k]}, out["sorted_slots"]
     # gate_up_proj [L, E, H, 2I]: layers and experts whole, H on fsdp, 2I on tensor
     assert out["expert_spec"] == {"data2_fsdp4": [None, None, "fsdp", None], "data8": [None, None, None, None],
                                   "fsdp4_tensor2": [None, None, "fsdp", "tensor"]}, out["expert_spec"]

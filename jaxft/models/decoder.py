@@ -160,7 +160,8 @@ class Decoder(nnx.Module):
         def group_ctx(group):
             cos, sin = ctx["rope"][group.rope]
             # Sparse layers also get the grouped matmul of their experts (every gmm of the layer, LoRA included).
-            sparse = dict(extra, grouped_matmul_implementation=execution.grouped_matmul_implementation)
+            sparse = dict(extra, grouped_matmul_implementation=execution.grouped_matmul_implementation,
+                          moe_dispatch=execution.moe_dispatch)
             return dict(cos=cos, sin=sin, attend=self._attend_fn(ctx, group.window),
                         mlp_chunk_size=execution.mlp_chunk_size, **(sparse if group.mlp in SPARSE_MLPS else {}))
 

@@ -34,7 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
 from jaxft.models.layers import ExpertParam, _init, logical, stack_axes
-from jaxft.models.moe import ExpertLora, combine, dispatch, gather_tokens, router_stats
+from jaxft.models.moe import ExpertLora, combine, dispatch, gather_tokens, per_device, router_stats
 from jaxft.models.quant_experts import expert_matmul
 from jaxft.remat import MLP_GATE_UP
 
@@ -108,8 +108,8 @@ class GptOssMoeMLP(nnx.Module):
         return out if stats is None else (out, stats)
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None, *,
-               gmm_implementation: str = "auto"):
-        return self(norm(h), token_weights, gmm_implementation=gmm_implementation)
+               gmm_implementation: str = "auto", dispatch: str = "auto"):
+        return per_device(self, norm(h), token_weights, gmm_implementation, dispatch)
 
     def infer(self, x) -> jax.Array:
         return self(x)

@@ -55,7 +55,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
-from jaxft.models.layers import ExpertParam, LoraParam, LoraRank, LoraScale, _init, logical, stack_axes
+from jaxft.models.layers import (ExpertParam, LoraParam, LoraRank, LoraScale, StackRow, _init, logical,
+                                 stack_axes)
 from jaxft.models.quant_experts import expert_matmul
 from jaxft.remat import MLP_GATE_UP
 from kernels_pallas.grouped_matmul import grouped_matmul
@@ -265,6 +266,45 @@ def expert_adapters(module: nnx.Module):
     return sorted(out, key=lambda item: item[0])
 
 
+def per_device(block: nnx.Module, x: jax.Array, token_weights: jax.Array | None, gmm_implementation: str,
+               dispatch: str = "auto"):
+    """`block(x, token_weights, gmm_implementation=)`, on each device's own rows under a mesh of several devices
+    unless `dispatch` (`ExecutionConfig.moe_dispatch`) is "global"; any single-device trace calls the block as it is.
+
+    Why: as one program over the batch, the block's routing is global. XLA all-gathers the expert ids to sort
+    them, and every device then runs the experts' grouped matmuls on every token of the batch. On 8 host devices
+    (data 2 x fsdp 4, tiny Qwen3-MoE, lax.ragged_dot) the compiled step sorted 1024 slots and multiplied
+    [1024, ...] rows on each device, against 128 here. The Mosaic GPU kernels' custom call is not partitioned at
+    all. Here the block runs in `jax.shard_map` over the batch axes (`jaxft.sharding.BATCH_AXES`, the rows
+    `constrain_rows` already splits): each device sorts, multiplies and combines its own rows.
+
+    The weights enter whole (P()): XLA gathers fsdp/tensor-split expert stacks, one layer's at a time, as it does
+    for a matmul, and a layer scan's `StackRow` enters as the layer's row. The router statistics are summed over
+    the batch axes. Gradients of the replicated weights (the expert adapters) are summed over the devices by
+    shard_map's transpose. (Expert parallelism, experts split over devices with an all-to-all, is not built.)"""
+    from jaxft.sharding import BATCH_AXES
+
+    mesh = jax.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or dispatch == "global":
+        return block(x, token_weights, gmm_implementation=gmm_implementation)
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    rows = jax.P(axes) if axes else jax.P()
+    graphdef, state = nnx.split(block)
+    state = nnx.from_flat_state([(p, v.replace(v.get_value().sliced()) if isinstance(v.get_value(), StackRow) else v)
+                                 for p, v in nnx.to_flat_state(state)])
+
+    def local(state, x, token_weights):
+        out = nnx.merge(graphdef, state)(x, token_weights, gmm_implementation=gmm_implementation)
+        if token_weights is None:
+            return out
+        y, stats = out
+        return y, (jax.lax.psum(stats, axes) if axes else stats)
+
+    specs = rows if token_weights is None else (rows, jax.P())
+    return jax.shard_map(local, mesh=mesh, in_specs=(jax.P(), rows, None if token_weights is None else rows),
+                         out_specs=specs, check_vma=False)(state, x, token_weights)
+
+
 class MoeMLP(nnx.Module):
     """Router + E gated experts (see the module docstring); the MLP slot's `branch` / `infer` interface."""
 
@@ -313,9 +353,9 @@ class MoeMLP(nnx.Module):
         return out if stats is None else (out, stats)
 
     def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None, *,
-               gmm_implementation: str = "auto"):
+               gmm_implementation: str = "auto", dispatch: str = "auto"):
         # Nothing LoRA'd inside: autodiff keeps what the grouped matmuls' backward needs.
-        return self(norm(h), token_weights, gmm_implementation=gmm_implementation)
+        return per_device(self, norm(h), token_weights, gmm_implementation, dispatch)
 
     def infer(self, x) -> jax.Array:
         return self(x)

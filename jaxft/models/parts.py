@@ -243,7 +243,7 @@ class DecoderLayer(nnx.Module):
         token_weights = ctx.get("router_token_weights")
         # A sparse layer's context names the grouped-matmul implementation of its experts (the decoder's group_ctx).
         gmm = ({} if "grouped_matmul_implementation" not in ctx
-               else {"gmm_implementation": ctx["grouped_matmul_implementation"]})
+               else {"gmm_implementation": ctx["grouped_matmul_implementation"], "dispatch": ctx["moe_dispatch"]})
         if token_weights is None:
             mlp = tiled_mlp(lambda h, r: self.mlp.branch(self.post_attn_norm, h, r, pc, **gmm), h, rm,
                             ctx.get("mlp_chunk_size"), pc)

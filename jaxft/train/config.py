@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 # Part field -> flat key. ExecutionConfig's and OptimConfig's fields are the flat keys themselves.
 EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "remat_layers", "remat_block", "layer_loop",
                                   "ce_chunk_size", "mlp_chunk_size", "max_memory_gb", "host_memory_gb", "offload_transfer",
-                                  "compiler_options", "grouped_matmul_implementation")}
+                                  "compiler_options", "grouped_matmul_implementation", "moe_dispatch")}
 OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
                               "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")}
 QUANT_KEYS = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant",
@@ -134,9 +134,13 @@ class TrainConfig:
     bf16: bool = True
     attention_implementation: Literal["auto", "reference", "xla", "pallas", "cudnn"] = "auto"
     # The MoE experts' grouped matmul (kernels_pallas.grouped_matmul): "auto" (the Mosaic GPU kernels on Hopper in
-    # bf16, else lax.ragged_dot), "xla" (ragged_dot: the choice under a mesh that shards the experts, whose Mosaic
-    # custom call XLA cannot partition), "reference" or "pallas_mosaic".
+    # bf16, else lax.ragged_dot), "xla" (ragged_dot), "reference" or "pallas_mosaic" (on a mesh each device runs
+    # its own rows: moe_dispatch).
     grouped_matmul_implementation: Literal["auto", "reference", "xla", "pallas_mosaic"] = "auto"
+    # Where an MoE layer sorts and multiplies its tokens under a mesh of several devices: "per_device" (each device
+    # its own rows, in shard_map), "global" (one program over the batch: every device multiplies every token);
+    # "auto" is per_device.
+    moe_dispatch: Literal["auto", "per_device", "global"] = "auto"
     # HF/TRL's switch. Not given, `remat` becomes "offload" when this is true (HF keeps each layer's input on
     # the device and recomputes the rest; offload keeps it in host memory: the lean mode of docs/benchmarks.md),
     # else "auto". After construction `remat` is always a canonical policy string (jaxft.remat).

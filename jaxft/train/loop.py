@@ -173,13 +173,16 @@ def _note_mosaic_experts(run, execution) -> None:
                            "on their own (24 GPT-OSS-20B layers: over 4 minutes); layer_loop: auto scans them")
         else:
             logger.info("layer_loop auto: the layers are scanned, so the Mosaic GPU expert kernels compile once")
-    if len(run.placement.devices) > 1:
+    if len(run.placement.devices) > 1 and execution.moe_dispatch == "global":
         # XLA's SPMD partitioner cannot split a custom call: it gathers the kernels' operands, so every device
-        # would run every token's experts. Not measured on GPUs (no multi-GPU run yet).
-        logger.warning("grouped_matmul_implementation resolves to the Mosaic GPU kernels on a mesh of %d devices: "
-                       "XLA does not partition their custom call (each device would run all tokens' experts); set "
-                       "grouped_matmul_implementation: xla (lax.ragged_dot, partitioned) for multi-device MoE runs",
-                       len(run.placement.devices))
+        # runs every token's experts.
+        logger.warning("grouped_matmul_implementation resolves to the Mosaic GPU kernels on a mesh of %d devices "
+                       "with moe_dispatch: global: XLA does not partition their custom call (each device runs all "
+                       "tokens' experts); set moe_dispatch: per_device (or auto)", len(run.placement.devices))
+    elif len(run.placement.devices) > 1:
+        logger.info("the Mosaic GPU expert kernels run per device on the mesh of %d devices (moe_dispatch %s: each "
+                    "device its own rows, jaxft.models.moe.per_device); not yet run on several GPUs",
+                    len(run.placement.devices), execution.moe_dispatch)
 
 
 def _note_nested_blocks(run, config: TrainConfig) -> None:
