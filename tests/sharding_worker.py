@@ -150,8 +150,8 @@ def main_moe(model_dir: str, out_path: str) -> None:
                                 ("data2_fsdp4_global", dict(data=2, fsdp=4), "global")):
         run = _run(model_dir, mesh, "scan", lora=MOE_LORA, moe_dispatch=dispatch).load()
         result["losses"][key] = _losses(run, batches)
-        if key.startswith("data2_fsdp4"):  # the routing's stable sort: [slots] int32 keys
-            result["sorted_slots"][dispatch] = sorted({int(n) for n in re.findall(
+        if key != "data8":  # the routing's stable sort: [slots] int32 keys
+            result["sorted_slots"][key] = sorted({int(n) for n in re.findall(
                 r"= \(s32\[(\d+)\]\{0\}, s32\[\d+\]\{0\}\) sort\(", run._compiled.as_text())})
         if dispatch == "global":
             continue

@@ -236,10 +236,12 @@ def test_moe_training_on_a_mesh_equals_one_device(family, tmp_path):
     assert set(losses) == {"data2_fsdp4", "data8", "fsdp4_tensor2", "data2_fsdp4_global"}
     for mesh, got in losses.items():
         np.testing.assert_allclose(got, one, rtol=1e-5, err_msg=mesh)
-    # Each device sorts its own rows' slots (1 of the 8 micro-batch rows x 64 tokens x k); the global routing
+    # Each device sorts its own tokens' slots: 1 of the 8 micro-batch rows x 64 tokens x k on data 2 x fsdp 4;
+    # 2 rows x half their tokens on fsdp 4 x tensor 2 (the tensor pair splits a row's tokens); the global routing
     # sorts the whole micro-batch's on every device (jaxft.models.moe.per_device).
     k = 2  # both tiny models route each token to 2 experts
-    assert out["sorted_slots"] == {"auto": [64 * k], "global": [8 * 64 * k]}, out["sorted_slots"]
+    assert out["sorted_slots"] == {"data2_fsdp4": [64 * k], "fsdp4_tensor2": [2 * 32 * k],
+                                   "data2_fsdp4_global": [8 * 64 * k]}, out["sorted_slots"]
     # gate_up_proj [L, E, H, 2I]: layers and experts whole, H on fsdp, 2I on tensor
     assert out["expert_spec"] == {"data2_fsdp4": [None, None, "fsdp", None], "data8": [None, None, None, None],
                                   "fsdp4_tensor2": [None, None, "fsdp", "tensor"]}, out["expert_spec"]

@@ -276,7 +276,8 @@ def per_device(block: nnx.Module, x: jax.Array, token_weights: jax.Array | None,
     (data 2 x fsdp 4, tiny Qwen3-MoE, lax.ragged_dot) the compiled step sorted 1024 slots and multiplied
     [1024, ...] rows on each device, against 128 here. The Mosaic GPU kernels' custom call is not partitioned at
     all. Here the block runs in `jax.shard_map` over the batch axes (`jaxft.sharding.BATCH_AXES`, the rows
-    `constrain_rows` already splits): each device sorts, multiplies and combines its own rows.
+    `constrain_rows` already splits), and over any other mesh axis (tensor) along the tokens of a row: each device
+    sorts, multiplies and combines its own tokens.
 
     The weights enter whole (P()): XLA gathers fsdp/tensor-split expert stacks, one layer's at a time, as it does
     for a matmul, and a layer scan's `StackRow` enters as the layer's row. The router statistics are summed over
@@ -288,7 +289,12 @@ def per_device(block: nnx.Module, x: jax.Array, token_weights: jax.Array | None,
     if mesh.empty or mesh.size == 1 or dispatch == "global":
         return block(x, token_weights, gmm_implementation=gmm_implementation)
     axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
-    rows = jax.P(axes) if axes else jax.P()
+    # The tensor axis holds copies of the rows (activations are whole across it): its devices split the tokens
+    # of a row instead, when they divide evenly, so no two devices run the same token's experts.
+    tensor = [a for a in mesh.axis_names if a not in BATCH_AXES and mesh.shape[a] > 1
+              and x.ndim == 3 and x.shape[1] % mesh.shape[a] == 0]
+    rows = jax.P(axes or None, tuple(tensor) or None)
+    summed = (*axes, *tensor)
     graphdef, state = nnx.split(block)
     state = nnx.from_flat_state([(p, v.replace(v.get_value().sliced()) if isinstance(v.get_value(), StackRow) else v)
                                  for p, v in nnx.to_flat_state(state)])
@@ -298,7 +304,7 @@ def per_device(block: nnx.Module, x: jax.Array, token_weights: jax.Array | None,
         if token_weights is None:
             return out
         y, stats = out
-        return y, (jax.lax.psum(stats, axes) if axes else stats)
+        return y, (jax.lax.psum(stats, summed) if summed else stats)
 
     specs = rows if token_weights is None else (rows, jax.P())
     return jax.shard_map(local, mesh=mesh, in_specs=(jax.P(), rows, None if token_weights is None else rows),
