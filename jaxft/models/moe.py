@@ -281,7 +281,7 @@ def per_device(block: nnx.Module, x: jax.Array, token_weights: jax.Array | None,
 
     The weights enter whole (P()): XLA gathers fsdp/tensor-split expert stacks, one layer's at a time, as it does
     for a matmul, and a layer scan's `StackRow` enters as the layer's row. The router statistics are summed over
-    the batch axes. Gradients of the replicated weights (the expert adapters) are summed over the devices by
+    the devices that split the tokens. Gradients of the replicated weights (the expert adapters) are summed over the devices by
     shard_map's transpose. (Expert parallelism, experts split over devices with an all-to-all, is not built.)"""
     from jaxft.sharding import BATCH_AXES
 

@@ -284,9 +284,9 @@ def _scan_layers(step, carry, xs, block: int, outer: RematPolicy | None):
     checkpoints: it keeps the block's layer inputs on the device, then differentiates the steps one at a time.
 
     Measured, compiled for an H200 on a CPU (8B; docs/benchmarks.md section 29):
-    - Each layer of a block past the first costs about two layer inputs of device memory, where the method needs
-      one. In the block's backward the buffer assignment holds two [k, T, H] buffers of the inner scan's stacked
-      inputs.
+    - With XLA's pipelined host offloading each layer of a block past the first cost two layer inputs of device
+      memory (its loop peeling held two [k, T, H] buffers of the inner scan's stacked inputs); nested blocks go
+      without it (`ExecutionConfig.program_options`), and cost one layer input and one layer's weight slice.
     - Unrolling the block's layers instead kept more (both forms reading rows as below). With CSE barriers: 9.32
       vs 7.90 GiB of temp with blocks of 2, 15.44 vs 9.90 with blocks of 4, at 1 x 65536. Without them: 10.84 /
       19.19 (the recompute merged into the block's).

@@ -185,13 +185,14 @@ def _note_mosaic_experts(run, execution) -> None:
                     len(run.placement.devices), execution.moe_dispatch)
 
 
-def _note_nested_blocks(run, config: TrainConfig) -> None:
-    """What the log says about nested checkpointing (`remat_block`): the block size chosen and what each side
-    holds, so a user sees why a step costs one more forward."""
+def _note_nested_blocks(run, config: TrainConfig, rows: int) -> None:
+    """What the log says about nested checkpointing (`remat_block`): the block size chosen for micro-batches of
+    `rows` rows (all batch-parallel devices', as the step's trace sees them) and what each side holds, so a user
+    sees why a step costs one more forward."""
     ex = config.execution
     if ex.remat_block is None or ex.remat == "auto":
         return
-    cfg, rows, seq = run.model_config, config.per_device_train_batch_size, config.max_seq_length
+    cfg, seq = run.model_config, config.max_seq_length
     itemsize = jax.numpy.dtype(run.dtype).itemsize
     policy = ex.layer_policy(cfg, rows, seq, itemsize)
     stream = remat_policies.residual_bytes(cfg, rows, seq, itemsize)[remat_policies.LAYER_INPUT]
@@ -239,7 +240,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
                        "for %d warmup steps", plan.warmup_steps)
     run = Run.from_config(config, plan.total_steps)
     _note_mosaic_experts(run, config.execution)
-    _note_nested_blocks(run, config)
+    _note_nested_blocks(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
     if config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is on the device
         try:
             if run.mesh.auto:  # (with remat auto, each mesh gets its own remat choice)
