@@ -178,12 +178,16 @@ class ExecutionConfig:
             return 1
         if k != "auto":
             return min(k, cfg.num_layers)
-        host = None
-        if self.remat == "offload":
-            host = (int(self.host_memory_gb * 2**30) if self.host_memory_gb is not None
-                    else remat_policies.default_host_budget())
+        host = self.host_budget_bytes() if self.remat == "offload" else None
         stream = remat_policies.residual_bytes(cfg, batch, seq, itemsize)[remat_policies.LAYER_INPUT]
         return remat_policies.block_layers(cfg.num_layers, stream, host)
+
+    def host_budget_bytes(self) -> int:
+        """The host bytes offloaded residuals may take: `host_memory_gb`, else the machine's memory less a margin
+        (`jaxft.remat.default_host_budget`)."""
+        if self.host_memory_gb is not None:
+            return int(self.host_memory_gb * 2**30)
+        return remat_policies.default_host_budget()
 
     @property
     def attention(self) -> str:

@@ -441,15 +441,13 @@ class Run:
         a margin: `jaxft.remat.default_host_budget`); for "offload" that does not fit, `ex` in nested blocks sized to
         the budget (`remat_block: auto`); None (logged) for another policy that does not fit. The bytes are those of
         the micro-batch this process holds (several local devices' shards together)."""
-        policy = remat_policies.parse(ex.remat) if ex.remat != "auto" else None
-        if policy is None or not policy.offloads:
+        if not remat_policies.parse(ex.remat).offloads:
             return ex
         rows, seq = host_batch["input_ids"].shape[0] // self.accumulation, host_batch["input_ids"].shape[-1]
         itemsize = jnp.dtype(self.dtype).itemsize
         need = remat_policies.offloaded_bytes(ex.layer_policy(self.model_config, rows, seq, itemsize),
                                               self.model_config, rows, seq, itemsize, ex.mlp_chunk_size)
-        host = (int(ex.host_memory_gb * GIB) if ex.host_memory_gb is not None
-                else remat_policies.default_host_budget())
+        host = ex.host_budget_bytes()
         if need <= host:
             return ex
         if ex.remat == "offload" and ex.remat_block is None:

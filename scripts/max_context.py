@@ -36,9 +36,9 @@ Measured against the GPU's own search (docs/benchmarks.md section 29) it gives 9
 device-limited policies: a planning number, not a measurement.
 
 `auto` is not searched: it takes the first of `jaxft.remat.AUTO_ORDER` that fits the DEVICE, so its longest row
-is the longest of its candidates', and the row says which candidate it would choose there. (auto does not
-check host memory: where an earlier candidate fits the device but not the host, auto would choose it and the
-step would run out of host memory; the row says when that can happen.)
+is the longest of its candidates', and the row says which candidate it would choose there. (The row predates
+auto's host check, `jaxft.run.Run._host_fit`, which skips a candidate the host cannot hold and runs offload in
+nested blocks there: the row does not model that yet, and its note still warns of host-limited candidates.)
 
 The real step (`--step-policy`, default offload, at `--step-seq`, default 262144, in its own process, started
 beside the searches so the call ends in time): random weights made on the device (`Run.init_random`), one
@@ -138,8 +138,8 @@ def search_max(load: Callable[[int], float], start: int, granularity: int, *, t_
 
 def _next_guess(points, lo, hi, g, t_min, t_max, slope, *, bisect: bool) -> tuple[int, bool]:
     """(next length, whether it was pulled to a bracket end): the secant's root (where the load rises through the
-    two points), floored to the granule and kept strictly inside the bracket; the bracket's middle after a pulled probe that did not close the bracket (a load
-    with jumps stalls the secant at one end)."""
+    two points), floored to the granule and kept strictly inside the bracket; the bracket's middle after a pulled
+    probe that did not close the bracket (a load with jumps stalls the secant at one end)."""
     if bisect and lo is not None and hi is not None:
         return max(_floor((lo + hi) / 2, g), lo + g), False
     finite = {t: v for t, v in points.items() if math.isfinite(v)}

@@ -168,4 +168,5 @@ def test_nested_blocks_compile_without_pipelined_host_offload():
     assert flag not in ExecutionConfig(remat="offload", remat_block=2).program_options
     assert flag not in ExecutionConfig(remat="offload", remat_block="auto").program_options
     assert ExecutionConfig(remat="offload", remat_block=1).program_options == {flag: True}
-    assert ExecutionConfig(remat="offload", remat_block=2, compiler_options={flag: True}).program_options == {flag: True}
+    mine = ExecutionConfig(remat="offload", remat_block=2, compiler_options={flag: True})
+    assert mine.program_options == {flag: True}

@@ -59,6 +59,7 @@ from jaxft.models.layers import (ExpertParam, LoraParam, LoraRank, LoraScale, St
                                  stack_axes)
 from jaxft.models.quant_experts import expert_matmul
 from jaxft.remat import MLP_GATE_UP
+from jaxft.sharding import BATCH_AXES
 from kernels_pallas.grouped_matmul import grouped_matmul
 
 
@@ -281,10 +282,9 @@ def per_device(block: nnx.Module, x: jax.Array, token_weights: jax.Array | None,
 
     The weights enter whole (P()): XLA gathers fsdp/tensor-split expert stacks, one layer's at a time, as it does
     for a matmul, and a layer scan's `StackRow` enters as the layer's row. The router statistics are summed over
-    the devices that split the tokens. Gradients of the replicated weights (the expert adapters) are summed over the devices by
-    shard_map's transpose. (Expert parallelism, experts split over devices with an all-to-all, is not built.)"""
-    from jaxft.sharding import BATCH_AXES
-
+    the devices that split the tokens. Gradients of the replicated weights (the expert adapters) are summed over
+    the devices by shard_map's transpose. (Expert parallelism, experts split over devices with an all-to-all, is
+    not built.)"""
     mesh = jax.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or dispatch == "global":
         return block(x, token_weights, gmm_implementation=gmm_implementation)

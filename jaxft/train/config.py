@@ -39,8 +39,9 @@ logger = logging.getLogger(__name__)
 
 # Part field -> flat key. ExecutionConfig's and OptimConfig's fields are the flat keys themselves.
 EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "remat_layers", "remat_block", "layer_loop",
-                                  "ce_chunk_size", "mlp_chunk_size", "max_memory_gb", "host_memory_gb", "offload_transfer",
-                                  "compiler_options", "grouped_matmul_implementation", "moe_dispatch")}
+                                  "ce_chunk_size", "mlp_chunk_size", "max_memory_gb", "host_memory_gb",
+                                  "offload_transfer", "compiler_options", "grouped_matmul_implementation",
+                                  "moe_dispatch")}
 OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
                               "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")}
 QUANT_KEYS = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant",
