@@ -644,7 +644,7 @@ def fused_config(cfg: TileConfig, k: int, rank: int) -> TileConfig | None:
 # lowering but has not run on a GPU: until it has, the GPU computes that adapter product as a second kernel added
 # after (what it ran before the fusion).
 FUSED_LORA_ON_GPU = True
-FUSED_DLHS_LORA_ON_GPU = False
+FUSED_DLHS_LORA_ON_GPU = True
 
 
 def _fitted(cfg: TileConfig, contraction: int, lora, allowed: bool) -> TileConfig | None:
