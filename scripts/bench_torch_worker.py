@@ -153,12 +153,41 @@ def hf_lora_targets(workload: Workload) -> dict[str, Any]:
 MASKS_WITHOUT_POSITION_IDS = ("gpt_oss",)
 
 
+def mask_factory_params(fn) -> set[str]:
+    """The parameter names of a transformers mask factory, through wrappers: Unsloth 2026.10.9 replaces
+    `masking_utils.create_causal_mask` (and the sliding one) by a `(*args, **kwargs)` closure around the original,
+    without functools.wraps, so the wrapper's own signature names nothing and a filter on it would drop every
+    argument ("create_causal_mask() missing 4 required positional arguments", its packed GPT-OSS row on the H200).
+    Looks at the function, its `__wrapped__` chain, then the callables its closure holds, breadth first, for the
+    first signature that names `config`."""
+    import inspect
+
+    seen, todo = set(), [fn]
+    while todo:
+        cand = todo.pop(0)
+        if id(cand) in seen:
+            continue
+        seen.add(id(cand))
+        try:
+            params = inspect.signature(cand, follow_wrapped=False).parameters.values()
+        except (TypeError, ValueError):
+            params = ()
+        named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        if "config" in named:  # a factory, not a helper the wrapper also closes over (Unsloth's _find_config)
+            return named
+        todo += [w for w in [getattr(cand, "__wrapped__", None)] if w is not None]
+        for cell in getattr(cand, "__closure__", None) or ():
+            try:
+                todo += [cell.cell_contents] if callable(cell.cell_contents) else []
+            except ValueError:  # a cell not bound yet
+                pass
+    raise TypeError(f"cannot find the parameters of the mask factory {fn!r} (wrapped without a reachable original)")
+
+
 def packed_forward_kwargs(model, pos) -> dict[str, Any]:
     """The forward kwargs of one packed row ([1, T] position_ids restarting per document): position_ids, and for
     MASKS_WITHOUT_POSITION_IDS the per-layer-type masks transformers builds from them (its block-diagonal causal
     mask, windowed for sliding layers; a BlockMask under flex attention)."""
-    import inspect
-
     import torch
     from transformers import masking_utils
 
@@ -170,7 +199,7 @@ def packed_forward_kwargs(model, pos) -> dict[str, Any]:
     masks = {}
     for kind, fn in (("full_attention", masking_utils.create_causal_mask),
                      ("sliding_attention", masking_utils.create_sliding_window_causal_mask)):
-        accepted = inspect.signature(fn).parameters
+        accepted = mask_factory_params(fn)
         args = {"config": config, "inputs_embeds": embeds, "attention_mask": None, "position_ids": pos}
         args.update({k: None for k in ("cache", "past_key_values") if k in accepted})
         if "cache_position" in accepted:  # transformers 4.x / early 5.x

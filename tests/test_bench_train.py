@@ -178,6 +178,46 @@ def test_hf_padding_free_packed_forward_and_loss_match_per_document(workload):
     torch.testing.assert_close(out.loss, (nll * mask).sum() / mask.sum(), rtol=1e-5, atol=1e-5)
 
 
+def test_mask_factory_params_see_through_an_unsloth_style_wrapper():
+    """Unsloth replaces transformers' mask factories by `(*args, **kwargs)` closures around the originals (no
+    functools.wraps) next to helpers of its own; the worker's filter must still find the factory's names, or its
+    packed GPT-OSS call passes no arguments (the H200 run of 2026-12-04). The wrapped call then builds the same mask
+    as the factory itself."""
+    import inspect
+
+    from transformers import AutoModelForCausalLM, masking_utils
+
+    from bench.models import build_config
+    from bench_torch_worker import hf_attention, mask_factory_params
+
+    def wrap(f):
+        def _find_config(args, kwargs):  # a closed-over helper with named parameters, as Unsloth's
+            return kwargs.get("config")
+
+        def return_attention_mask(*args, **kwargs):
+            _find_config(args, kwargs)
+            return f(*args, **kwargs)
+        return return_attention_mask
+
+    for factory in (masking_utils.create_causal_mask, masking_utils.create_sliding_window_causal_mask):
+        assert mask_factory_params(wrap(factory)) == set(inspect.signature(factory).parameters) - {"args", "kwargs"}
+    shape = get_workload("tiny_gpt_oss_packed").shape
+    config = AutoModelForCausalLM.from_config(build_config(shape), attn_implementation=hf_attention(
+        shape.config_dict(), "cpu")).config
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    embeds = torch.empty((1, 8, 1))
+    wrapped = wrap(masking_utils.create_causal_mask)
+    args = {"config": config, "inputs_embeds": embeds, "attention_mask": None, "position_ids": pos, "cache": None,
+            "cache_position": torch.arange(8)}
+    accepted = mask_factory_params(wrapped)
+    mask = wrapped(**{k: v for k, v in args.items() if k in accepted})
+    allowed = mask if mask.dtype == torch.bool else mask == 0  # eager builds an additive float mask
+    assert allowed.shape[-2:] == (8, 8) and bool(allowed[..., 4, 3]) and not bool(allowed[..., 3, 2])  # per document
+    assert torch.equal(mask, masking_utils.create_causal_mask(**{k: v for k, v in args.items() if k in accepted}))
+    with pytest.raises(TypeError, match="cannot find the parameters"):
+        mask_factory_params(lambda *a, **k: None)
+
+
 # ------------------------------------------------------------------------------------------------
 # Worker contract and statistics.
 # ------------------------------------------------------------------------------------------------
