@@ -35,10 +35,10 @@ recompute). Its load falls where a longer row takes a larger block, hence the se
 Measured against the GPU's own search (docs/benchmarks.md section 29) it gives 9-17% longer rows for the
 device-limited policies: a planning number, not a measurement.
 
-`auto` is not searched: it takes the first of `jaxft.remat.AUTO_ORDER` that fits the DEVICE, so its longest row
-is the longest of its candidates', and the row says which candidate it would choose there. (The row predates
-auto's host check, `jaxft.run.Run._host_fit`, which skips a candidate the host cannot hold and runs offload in
-nested blocks there: the row does not model that yet, and its note still warns of host-limited candidates.)
+`auto` is not searched: it takes the first of `jaxft.remat.AUTO_ORDER` that fits the device and the host
+(`jaxft.run.Run._host_fit`), and runs offload in nested blocks where offload's layer inputs exceed the host, so its
+longest row is the longest of its candidates' (offload's: the longer of `offload` and `offload_nested`), and the
+row says which candidate it would choose there (`auto_row`).
 
 The real step (`--step-policy`, default offload, at `--step-seq`, default 262144, in its own process, started
 beside the searches so the call ends in time): random weights made on the device (`Run.init_random`), one
@@ -442,31 +442,27 @@ def unsloth_derived(budget: int, points=UNSLOTH_POINTS) -> dict[str, float]:
 
 
 def auto_row(results: dict[str, dict]) -> dict[str, Any]:
-    """auto's longest row: the longest of its candidates' (`AUTO_ORDER`), with the candidate it would choose there
-    (the first whose device side is known to fit at that length) and a warning when an earlier candidate fits
-    the device there but not the host (auto checks only the device)."""
+    """auto's longest row, derived from the searched rows: auto takes the first of `AUTO_ORDER` whose compiled step
+    fits the device and whose offloaded residuals fit the host (`jaxft.run.Run._host_fit`), and where offload's
+    layer inputs exceed the host it runs offload in nested blocks (`remat_block: auto`, the `offload_nested` row).
+    So offload reaches the longer of its two rows, every other candidate its own, auto's longest row is the longest
+    of these, and the row names the first candidate that reaches it (the one auto would choose there)."""
     from jaxft.remat import AUTO_ORDER
 
-    found = {p: results[p] for p in AUTO_ORDER if p in results and results[p].get("max_seq")}
-    if not found:
-        return dict(policy="auto", max_seq=None, note="no candidate searched or none fits")
-    seq = max(r["max_seq"] for r in found.values())
-    choice, warn = None, []
+    reach: dict[str, tuple[str, dict]] = {}  # candidate -> (the form auto runs it in, its searched row)
     for p in AUTO_ORDER:
-        r = results.get(p)
-        if r is None:
-            continue
-        if r.get("max_seq") and r["max_seq"] >= seq:
-            choice = p
-            break
-        if r.get("limited_by") == "host" and (r.get("max_seq") or 0) < seq:
-            warn.append(p)  # its device side may fit beyond its host limit: auto would pick it and fail on host
-    note = f"derived: the longest of {', '.join(found)}; auto would choose {choice}"
-    if warn:
-        note += f" unless {', '.join(warn)} (host-limited) fits the device there: auto checks only the device"
+        forms = [(p, results[p])] if results.get(p, {}).get("max_seq") else []
+        if p == "offload" and results.get("offload_nested", {}).get("max_seq"):
+            forms.append(("offload in nested blocks", results["offload_nested"]))
+        if forms:
+            reach[p] = max(forms, key=lambda f: f[1]["max_seq"])
+    if not reach:
+        return dict(policy="auto", max_seq=None, note="no candidate searched or none fits")
+    seq = max(r["max_seq"] for _, r in reach.values())
+    choice, row = next(reach[p] for p in AUTO_ORDER if p in reach and reach[p][1]["max_seq"] >= seq)
+    note = f"derived: the longest of {', '.join(f for f, _ in reach.values())}; auto would choose {choice}"
     return dict(policy="auto", max_seq=seq, choice=choice, note=note,
-                device_bytes=found[choice]["device_bytes"] if choice in found else None,
-                host_bytes=found[choice]["host_bytes"] if choice in found else None)
+                device_bytes=row.get("device_bytes"), host_bytes=row.get("host_bytes"))
 
 
 def parse_points(text: str | None) -> tuple[tuple[int, float], ...]:

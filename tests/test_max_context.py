@@ -132,20 +132,28 @@ def test_deviceless_needs_a_device_budget_and_no_step():
             mc.main(["--model", "tiny-llama", "--policies", "full", *argv])
 
 
-def test_auto_row_is_the_longest_candidate_and_warns_about_host_limits():
+def test_auto_row_is_the_longest_candidate_offload_nesting_past_the_host():
+    """auto skips what the host cannot hold and nests offload there (Run._host_fit): its row is the longest of
+    its candidates', offload reaching its nested row, and names the first candidate that reaches it."""
     results = {
         "none": dict(max_seq=36_864, limited_by="device", device_bytes=1, host_bytes=0),
         "offload+attn": dict(max_seq=300_032, limited_by="host", device_bytes=2, host_bytes=3),
         "full": dict(max_seq=331_776, limited_by="device", device_bytes=4, host_bytes=0),
         "offload": dict(max_seq=470_016, limited_by="host", device_bytes=5, host_bytes=6),
-        "offload_all": dict(max_seq=900_096, limited_by="device", device_bytes=7, host_bytes=8),
+        "offload_all": dict(max_seq=2_000_000, limited_by="device", device_bytes=7, host_bytes=8),
     }
     row = mc.auto_row(results)
     assert row["max_seq"] == 470_016 and row["choice"] == "offload"  # offload_all is not an auto candidate
     assert (row["device_bytes"], row["host_bytes"]) == (5, 6)
-    assert "unless offload+attn" in row["note"]
-    del results["offload"]
+    results["offload_nested"] = dict(max_seq=923_648, limited_by="device", device_bytes=9, host_bytes=10)
+    row = mc.auto_row(results)
+    assert (row["max_seq"], row["choice"], row["device_bytes"]) == (923_648, "offload in nested blocks", 9)
+    del results["offload"]  # auto runs offload nested where its inputs exceed the host, searched or not
+    assert mc.auto_row(results)["choice"] == "offload in nested blocks"
+    del results["offload_nested"]
     assert mc.auto_row(results)["choice"] == "full"
+    results["full"]["max_seq"] = 300_032  # a tie goes to the earlier candidate, as auto's order does
+    assert mc.auto_row(results)["choice"] == "offload+attn"
 
 
 def test_unsloth_row_solves_the_fitted_line_for_the_budget():
