@@ -286,6 +286,32 @@ def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
     assert calls(in_place.trace(lhs, stack, sizes).lower(lowering_platforms=("cuda",))) == 2
 
 
+def test_queued_timing_queues_the_calls_and_synchronises_once_per_round():
+    """`kernels_pallas._bench.queued_ms`: warm-up calls, then `rounds` x `reps` calls; per round the device is
+    synchronised once, on the last call's output, and the reported time is the median round's time per call."""
+    from kernels_pallas import _bench
+
+    calls, synced = [], []
+
+    class Out:  # stands for a device array: records when the timer waits on it
+        def __init__(self, i):
+            self.i = i
+
+        def block_until_ready(self):
+            synced.append(self.i)
+            return self
+
+    def program(x):
+        calls.append(x)
+        return Out(len(calls))
+
+    ms = _bench.queued_ms(program, (1,), reps=4, rounds=3, warmup=2)
+    assert len(calls) == 2 + 3 * 4 and ms > 0
+    assert synced == [1, 2, 6, 10, 14]  # each warm-up call, then only the last call of each round
+    with pytest.raises(ValueError, match="need reps, rounds >= 1"):
+        _bench.queued_ms(program, (1,), reps=0)
+
+
 def test_bench_against_another_tree_alternates_and_reports_both(tmp_path):
     """The A/B mode of the bench (`--against`): another tree's kernels load beside this tree's, both run in every
     round, and each version reports its per-round times (here the same tree twice, in the interpreter)."""
@@ -324,7 +350,8 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     small = lambda kc, n: [mosaic.TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True,
                                              wg_split="m", grid_block_n=2)]
     small_dw = lambda k, n: [mosaic.TileConfig(dw_block_k=64, dw_block_n=64, dw_block_t=64, dw_stages=2)]
-    rows = bench.run_sweep([shape], iters=1, compile_threads=2, candidates=small, dw_candidates=small_dw)
+    rows = bench.run_sweep([shape], iters=1, compile_threads=2, candidates=small, dw_candidates=small_dw,
+                          timing_rounds=1)
     # per row-kernel direction: the table's config, it with the other walk, the candidate; the forward and the d lhs
     # with an adapter, fused and as two kernels; d rhs: table, candidate
     assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True), ("fwd", False), ("fwd", False),

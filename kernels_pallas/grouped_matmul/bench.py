@@ -19,8 +19,11 @@ faster on the same kernels (docs/benchmarks.md section 24), more than the change
 number is the median over the rounds of its per-round medians.
 
 TFLOP/s counts useful work only: forward 2 * rows * K * N, forward+backward three times that. Each
-(implementation, shape) is compiled once, warmed up, then timed as the median of ``--iters`` calls with the
-device synchronised before the clock is read; a failure prints its error and the run goes on.
+(implementation, shape) is compiled once, warmed up, then timed as the kernels' own throughput: ``--iters`` calls
+queued back to back and the device synchronised once after the last, the median over 5 such rounds of the time per
+call (`kernels_pallas._bench.queued_ms`). Until 2026-12-04 (docs/benchmarks.md sections 13-31) each call was
+synchronised on its own, which also counted the host's dispatch and the wake-up after every sync (not yet
+measured how much). A failure prints its error and the run goes on.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas._bench import median_ms
+from kernels_pallas._bench import queued_ms
 
 from .api import grouped_matmul
 from .shapes import BENCH_SHAPES, TEST_SHAPES, GmmShape, make_inputs
@@ -81,7 +84,8 @@ def _timed(row: dict, mode: str, work: float, ms: float) -> None:
     row[f"{mode}_tflops"] = work / (ms * 1e-3) / 1e12
 
 
-def run(shapes: Sequence[GmmShape] = BENCH_SHAPES, impls: Sequence[str] = IMPLS, iters: int = 10) -> list[dict]:
+def run(shapes: Sequence[GmmShape] = BENCH_SHAPES, impls: Sequence[str] = IMPLS, iters: int = 10,
+        timing_rounds: int = 5) -> list[dict]:
     rows = []
     for shape in shapes:
         work = _work(shape)
@@ -90,7 +94,7 @@ def run(shapes: Sequence[GmmShape] = BENCH_SHAPES, impls: Sequence[str] = IMPLS,
             try:
                 fwd, fwd_bwd, args = _programs(impl, shape)
                 for mode, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-                    _timed(row, mode, work[mode], median_ms(fn.lower(*args).compile(), args, iters))
+                    _timed(row, mode, work[mode], queued_ms(fn.lower(*args).compile(), args, iters, timing_rounds))
             except Exception as e:  # noqa: BLE001 - one failure must not lose the other rows
                 row["error"] = f"{type(e).__name__}: {e}"[:2000]
                 traceback.print_exc()
@@ -131,7 +135,7 @@ def run_against(shapes: Sequence[GmmShape], other, rounds: int = 4, iters: int =
             for name in (("this", "against") if r % 2 == 0 else ("against", "this")):
                 compiled, args = programs[name]
                 for mode, fn in compiled.items():
-                    times[name][mode].append(median_ms(fn, args, iters))
+                    times[name][mode].append(queued_ms(fn, args, iters, rounds=1))  # the A/B's own rounds
         for name in versions:
             row = {**_row(shape, f"mosaic:{name}"), "version": name, "rounds": rounds}
             for mode, per_round in times[name].items():
@@ -220,7 +224,7 @@ def _adapter_jobs(shape: GmmShape, direction: str, variants, args) -> list:
 
 
 def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int = 8,
-              candidates=None, dw_candidates=sweep_dw_candidates) -> list[dict]:
+              candidates=None, dw_candidates=sweep_dw_candidates, timing_rounds: int = 5) -> list[dict]:
     """Rows {"shape", "direction": "fwd" | "dlhs" | "fwd+lora" | "dlhs+lora" | "drhs", "label", "config", "table": bool,
     "ms", "tflops"} for the row-tile kernel on the table's config (`_table_variants`: also unchained, and with the
     other walk) and on every `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d
@@ -298,7 +302,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
     for (row, _, args), program in zip(jobs, compiled):
         if program is not None:
             try:
-                ms = median_ms(program, args, iters)
+                ms = queued_ms(program, args, iters, timing_rounds)
                 row.update(ms=ms, tflops=row["work"] / (ms * 1e-3) / 1e12)
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -326,14 +330,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     ap.add_argument("--smoke", action="store_true", help="one small test shape (CPU ok)")
     ap.add_argument("--shapes", default=",".join(s.name for s in BENCH_SHAPES))
     ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=10, help="calls queued back to back per timing")
+    ap.add_argument("--timing-rounds", type=int, default=5, help="timings per program; the median is reported")
     ap.add_argument("--json", default=None, help="write the rows here as JSON")
     ap.add_argument("--against", default=None, help="another tree's root: A/B of the Mosaic GPU kernels")
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of the --against A/B")
     ap.add_argument("--sweep", action="store_true", help="the row kernels on every candidate tile config")
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    for flag in ("rounds", "iters", "timing_rounds"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     known = {s.name: s for s in BENCH_SHAPES}
     names = [s for s in args.shapes.split(",") if s]
     if unknown := [s for s in names if s not in known]:
@@ -349,12 +355,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         shapes = [known[s] for s in names]
     print(f"devices: {jax.devices()}", flush=True)
     if args.sweep:
-        rows = run_sweep([s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16], args.iters)
+        rows = run_sweep([s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16], args.iters,
+                         timing_rounds=args.timing_rounds)
     elif args.against:
         shapes = [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]  # the kernels' dtypes on the GPU
         rows = run_against(shapes, load_kernels(args.against), args.rounds, args.iters)
     else:
-        rows = run(shapes, impls, args.iters)
+        rows = run(shapes, impls, args.iters, args.timing_rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"devices": [str(d) for d in jax.devices()], "rows": rows}, f, indent=1)
