@@ -293,7 +293,6 @@ def _load_hf(model_dir: str, device: str, four_bit: bool = False):
 
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
-    softcap = config.get("attn_logit_softcapping")
     auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
     quant = {}
     if four_bit:
