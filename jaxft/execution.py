@@ -24,6 +24,9 @@ The model holds parameters and math; everything that changes speed or memory but
   to the first N layers only and runs the rest without remat (None: every layer): memory falls by about one
   layer's residuals per layer at the recompute cost of that layer alone, the steps between "none" and a policy
   on all layers (unrolled loop only; "auto" picks N when "none" does not fit, `jaxft.run.Run.choose_remat`).
+  `remat_plan` generalises it: runs of layers each under a policy of its own, in layer order, then `remat` on the
+  layers after them, e.g. ((full, 8), (offload_all, 12)) with remat none (YAML: a list of [policy, N] pairs;
+  command line: 'full:8|offload_all:12'; unrolled loop only; `jaxft.remat.canonical_plan`).
   `remat_block` = k (remat "full" or "offload", layer scan): nested checkpointing, blocks of k layers of which only
   the block input is kept (on the device / in pinned host memory) for one more forward of compute (`jaxft.remat`);
   "auto" takes the smallest k whose block inputs fit `host_memory_gb` (None: the machine's memory less a margin)
@@ -89,6 +92,7 @@ class ExecutionConfig:
     attention_implementation: str = "auto"
     remat: str = "none"
     remat_layers: int | None = None
+    remat_plan: tuple[tuple[str, int], ...] | None = None
     remat_block: int | str | None = None
     layer_loop: str = "auto"
     ce_chunk_size: int | None = None
@@ -122,6 +126,7 @@ class ExecutionConfig:
             if self.layer_loop == "scan":
                 raise ExecutionConfigError("remat_layers", "needs the unrolled layer loop (one region per layer); set "
                                            "layer_loop: unroll (or auto), or drop remat_layers")
+        self._check_plan()
         self._check_block()
         _choice("ce_implementation", self.ce_implementation, CE_IMPLEMENTATIONS)
         _choice("offload_transfer", self.offload_transfer, OFFLOAD_TRANSFERS)
@@ -154,6 +159,24 @@ class ExecutionConfig:
         # Frozen all the way down: the config is hashed into compiled-step caches.
         object.__setattr__(self, "compiler_options", dict(self.compiler_options))
 
+    def _check_plan(self) -> None:
+        if self.remat_plan is None:
+            return
+        try:
+            object.__setattr__(self, "remat_plan", remat_policies.canonical_plan(self.remat_plan))
+        except remat_policies.RematError as e:
+            raise ExecutionConfigError("remat_plan", str(e).removeprefix("remat_plan ").removeprefix("remat_plan: "))\
+                from None
+        if self.remat == "auto":
+            raise ExecutionConfigError("remat_plan", "is set but remat is 'auto': the plan's layers have their "
+                                       "policies, and remat is the policy of the layers after them (e.g. none)")
+        if self.remat_layers is not None:
+            raise ExecutionConfigError("remat_plan", "and remat_layers both say which layers take which policy; "
+                                       "keep one (remat_layers: N with remat P is remat_plan P:N with remat none)")
+        if self.layer_loop == "scan":
+            raise ExecutionConfigError("remat_plan", "needs the unrolled layer loop (one region per layer); set "
+                                       "layer_loop: unroll (or auto), or drop remat_plan")
+
     def _check_block(self) -> None:
         k = self.remat_block
         if k is None or k == 1 and not isinstance(k, bool):
@@ -167,6 +190,9 @@ class ExecutionConfig:
         if self.offload_transfer == "explicit":
             raise ExecutionConfigError("remat_block", "takes the policy's host copies (offload_transfer: auto or "
                                        "policy), not 'explicit'; drop one of the two")
+        if self.remat_plan is not None:
+            raise ExecutionConfigError("remat_block", "nests one policy's layers in the scan; a remat_plan runs "
+                                       "unrolled layers: drop one of the two")
         if self.resolved_layer_loop != "scan":
             raise ExecutionConfigError("remat_block", "needs the layer scan (blocks are an outer scan over inner "
                                        "scans): set layer_loop: scan (or auto)")
@@ -194,20 +220,43 @@ class ExecutionConfig:
         """The attention implementation as `kernels_pallas.attention` names it ("xla" is the reference)."""
         return "reference" if self.attention_implementation == "xla" else self.attention_implementation
 
-    def layer_policy(self, cfg, batch: int, seq: int, itemsize: int) -> remat_policies.RematPolicy:
-        """The per-layer policy for a [batch, seq] micro-batch of model `cfg`: "offload_all" spends
-        `host_memory_gb` on the names in `jaxft.remat.NAMES` order (`budget_offload_all`); with a tiled MLP no
-        policy keeps the names inside it (`jaxft.remat.tiled_mlp_names`); the policy carries `offload_transfer`."""
+    def layer_policy(self, cfg, batch: int, seq: int, itemsize: int, remat: str | None = None,
+                     offload_all_layers: int | None = None) -> remat_policies.RematPolicy:
+        """The per-layer policy of `remat` (default the `remat` key) for a [batch, seq] micro-batch of model `cfg`:
+        "offload_all" spends `host_memory_gb` on the names in `jaxft.remat.NAMES` order over
+        `offload_all_layers` layers (default all; `budget_offload_all`); with a tiled MLP no policy keeps the names
+        inside it (`jaxft.remat.tiled_mlp_names`); the policy carries `offload_transfer`."""
+        remat = self.remat if remat is None else remat
         names = remat_policies.NAMES
-        if self.remat == "offload_all":
+        if remat == "offload_all":
             names, _ = remat_policies.budget_offload_all(cfg, batch, seq, itemsize, self.host_memory_gb,
-                                                         self.mlp_chunk_size)
-        policy = remat_policies.parse(self.remat, offload_all=names)
+                                                         self.mlp_chunk_size, offload_all_layers)
+        policy = remat_policies.parse(remat, offload_all=names)
         dropped = remat_policies.tiled_mlp_names(seq, self.mlp_chunk_size)
         if dropped and policy.kind == "names":
             policy = policy.without(dropped)
         return dataclasses.replace(policy, transfer=self.offload_transfer,
                                    block=self.block_for(cfg, batch, seq, itemsize))
+
+    def layer_policies(self, cfg, batch: int, seq: int,
+                       itemsize: int) -> tuple[remat_policies.RematPolicy, ...] | None:
+        """One policy per layer where layers differ (None: every layer takes `layer_policy`): `remat_layers` = N,
+        the policy on layers 0..N-1 and none after; `remat_plan`, its runs of layers in order, then `remat` on the
+        rest. offload_all's host budget is spread over the layers that take it."""
+        if self.remat_plan is None and self.remat_layers is None:
+            return None
+        plan = self.remat_plan or ((self.remat, self.remat_layers),)
+        rest = self.remat if self.remat_plan is not None else "none"
+        planned = sum(n for _, n in plan)
+        if planned > cfg.num_layers and self.remat_plan is not None:
+            raise ExecutionConfigError("remat_plan", f"names {planned} layers but the model has {cfg.num_layers}")
+        policies = [p for p, n in plan for _ in range(n)][:cfg.num_layers]  # remat_layers >= L: every layer
+        policies += [rest] * (cfg.num_layers - len(policies))
+        everywhere = policies.count("offload_all")
+        made: dict[str, remat_policies.RematPolicy] = {}
+        for p in set(policies):
+            made[p] = self.layer_policy(cfg, batch, seq, itemsize, p, everywhere)
+        return tuple(made[p] for p in policies)
 
     def resolved_ce_chunk(self, num_tokens: int, vocab_size: int, hidden_size: int, itemsize: int,
                           device_kind: str | None = None) -> int | None:
@@ -217,7 +266,7 @@ class ExecutionConfig:
         so the loss never needs more transient memory than a few residual-stream tensors, floored at
         `CE_CHUNK_FLOOR` tokens (8B, 1 x 4096: 256 tokens, the lean mode's measured choice; 1 x 65536: the
         kernel's 512). `device_kind` defaults to the first device's."""
-        if self.ce_chunk_size is not None or self.remat == "none":
+        if self.ce_chunk_size is not None or self.remat == "none" and self.remat_plan is None:
             return self.ce_chunk_size
         from kernels_pallas.linear_cross_entropy import tiles_for
 
@@ -239,7 +288,7 @@ class ExecutionConfig:
     def needs_unrolled_layers(self) -> bool:
         """Whether these settings only run on unrolled layers (remat on some layers; offload_stream's and the
         explicit transfer's host copies), as opposed to preferring them (no remat: faster unrolled)."""
-        return (self.remat == "offload_stream" or self.remat_layers is not None
+        return (self.remat == "offload_stream" or self.remat_layers is not None or self.remat_plan is not None
                 or self.offload_transfer == "explicit")
 
     @property
@@ -263,7 +312,8 @@ class ExecutionConfig:
         return dataclasses.replace(self, **changes)
 
     def __hash__(self) -> int:
-        return hash((self.attention_implementation, self.remat, self.remat_layers, self.remat_block, self.layer_loop,
+        return hash((self.attention_implementation, self.remat, self.remat_layers, self.remat_plan, self.remat_block,
+                     self.layer_loop,
                      self.ce_chunk_size, self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb, self.ce_implementation,
                      tuple(sorted(self.compiler_options.items())), self.offload_transfer,
                      self.grouped_matmul_implementation, self.moe_dispatch))

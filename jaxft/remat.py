@@ -28,6 +28,11 @@ input. Cost: one more forward of every layer (a step is about 3 forwards' work w
 buys: the host holds L / k layer inputs where "offload" holds L, so a row whose L layer inputs exceed the host's
 memory still trains (`block_layers` picks the smallest k that fits a host budget).
 
+A plan (`ExecutionConfig.remat_plan`, unrolled layers): leading runs of layers each under a policy of its own, the
+layers after them under `remat`, e.g. "full:8|offload_all:12" with remat "none" (`canonical_plan`): layers 0-7 full,
+8-19 offload_all, the rest none. Why: a single policy on every layer either keeps too much on the device, moves
+more to the host than the host link carries under one forward, or recomputes too much; a plan mixes the three.
+
 Why names rather than "save dots": the attention kernels are custom VJPs (Pallas flash, cuDNN) whose
 residuals (output, logsumexp) are named inside their forward rules (`kernels_pallas.attention.residuals`),
 so a policy can keep exactly those and the backward runs only the attention backward kernels.
@@ -202,6 +207,50 @@ def canonical(value: Any) -> str:
     return _selective(parts, value)
 
 
+PLAN_HELP = ("a list of [policy, layers] pairs (or a mapping policy: layers, or the string 'full:8|offload_all:12'),"
+             " each policy not 'auto', each count an integer >= 1")
+
+
+def canonical_plan(value: Any) -> tuple[tuple[str, int], ...]:
+    """The canonical form of a remat plan: ((canonical policy, layers), ...), in layer order. Accepts the
+    string 'POLICY:N|POLICY:N' (the command line's), a list of [policy, N] pairs (YAML) or a mapping
+    {policy: N} (YAML, in order); raises RematError (one line) on anything else."""
+    if isinstance(value, str):
+        items = []
+        for part in value.split("|"):
+            policy, sep, count = part.strip().rpartition(":")
+            if not sep:
+                raise RematError(f"remat_plan {value!r}: part {part.strip()!r} is not POLICY:LAYERS; {PLAN_HELP}")
+            items.append((policy.strip(), count.strip()))
+    elif isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, (list, tuple)) and len(v) == 2 for v in value):
+        items = [tuple(v) for v in value]
+    else:
+        raise RematError(f"remat_plan {value!r} is not a plan; {PLAN_HELP}")
+    if not items:
+        raise RematError(f"remat_plan {value!r} is empty; {PLAN_HELP} (or null for no plan)")
+    plan = []
+    for policy, count in items:
+        if isinstance(count, str) and count.isdigit():
+            count = int(count)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise RematError(f"remat_plan: the layer count {count!r} of {policy!r} must be an integer >= 1")
+        try:
+            policy = canonical(policy)
+        except RematError as e:
+            raise RematError(f"remat_plan: {str(e).removeprefix('remat ')}") from None
+        if policy == "auto":
+            raise RematError(f"remat_plan: 'auto' cannot be a segment's policy; {PLAN_HELP}")
+        plan.append((policy, count))
+    return tuple(plan)
+
+
+def spelled_plan(plan: tuple[tuple[str, int], ...]) -> str:
+    """The command line's spelling of a canonical plan ('full:8|offload_all:12')."""
+    return "|".join(f"{policy}:{count}" for policy, count in plan)
+
+
 def _selective(parts: Mapping[str, tuple[str, ...]], spelled: str) -> str:
     save, offload = tuple(parts.get("save", ())), tuple(parts.get("offload", ()))
     both = set(save) & set(offload)
@@ -273,16 +322,16 @@ def tiled_mlp_names(seq: int, mlp_chunk_size: int | None) -> tuple[str, ...]:
 
 
 def budget_offload_all(cfg, batch: int, seq: int, itemsize: int, host_memory_gb: float | None,
-                       mlp_chunk_size: int | None = None) -> tuple[tuple[str, ...], int]:
-    """(names `offload_all` moves to the host, their host bytes over all layers): `NAMES` in order while the
-    running total over `cfg.num_layers` layers stays within `host_memory_gb` (None: no limit). A name that does
+                       mlp_chunk_size: int | None = None, layers: int | None = None) -> tuple[tuple[str, ...], int]:
+    """(names `offload_all` moves to the host, their host bytes over `layers` layers, default all of the model's):
+    `NAMES` in order while the running total stays within `host_memory_gb` (None: no limit). A name that does
     not fit is skipped (recomputed) and smaller later ones may still fit; names the model keeps nothing under
     are left out."""
     sizes = residual_bytes(cfg, batch, seq, itemsize, mlp_chunk_size)
     limit = None if host_memory_gb is None else host_memory_gb * 2**30
     chosen, total = [], 0
     for name in NAMES:
-        cost = sizes[name] * cfg.num_layers
+        cost = sizes[name] * (cfg.num_layers if layers is None else layers)
         if cost == 0:  # the model keeps no such residual (attn_proj / mlp_out without output norms)
             continue
         if limit is None or total + cost <= limit:

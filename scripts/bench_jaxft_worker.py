@@ -154,6 +154,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
 
     import jaxft
     from bench.workloads import make_token_data
+    from jaxft.remat import spelled_plan
     from jaxft.run import Run
 
     cache = cache if cache is not None else ModelCache()
@@ -238,6 +239,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
         "versions": {"jax": jax.__version__, "jaxft": getattr(jaxft, "__version__", "dev")},
         "settings": {"mode": mode, "recipe": extra["recipe"], "remat": execution.remat,
                      "remat_layers": execution.remat_layers, "remat_block": execution.remat_block,
+                     "remat_plan": None if execution.remat_plan is None else spelled_plan(execution.remat_plan),
                      "max_memory_gb": execution.max_memory_gb, "remat_estimates": run.remat_estimates,
                      "attention": execution.attention_implementation, "layers": run.layer_loop,
                      "ce_chunk_size": execution.ce_chunk_size, "dtype": dtype, "lora_dtype": "float32",

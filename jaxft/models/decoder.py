@@ -166,8 +166,9 @@ class Decoder(nnx.Module):
                         mlp_chunk_size=execution.mlp_chunk_size, **(sparse if group.mlp in SPARSE_MLPS else {}))
 
         policy = execution.layer_policy(cfg, x.shape[0], x.shape[1], x.dtype.itemsize)
+        per_layer = execution.layer_policies(cfg, x.shape[0], x.shape[1], x.dtype.itemsize)
         out = run_groups(self.layer_stacks(), x, layer_groups(cfg), group_ctx, dropout_rng=dropout_rng,
-                         policy=policy, policy_layers=execution.remat_layers, router_stats=stats)
+                         policy=policy, per_layer=per_layer, router_stats=stats)
         x, stats = out if with_stats else (out, None)
         return self.final_norm(x), stats, rows
 

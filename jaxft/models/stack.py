@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import jax
@@ -148,11 +149,11 @@ def layer_period(groups: list[LayerGroup]) -> int | None:
 
 def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
                group_ctx: Callable[[LayerGroup], dict[str, Any]], *, dropout_rng, policy: RematPolicy,
-               policy_layers: int | None = None, router_stats: jax.Array | None = None):
+               per_layer: Sequence[RematPolicy] | None = None, router_stats: jax.Array | None = None):
     """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled, each
-    layer rematerialised per `policy` (see the module docstring for the CSE barriers); with `policy_layers` = N
-    only layers 0..N-1 are, the rest run without remat (unrolled layers only: a scan body is one policy).
-    Stacked weights of a periodic stack scan over whole periods (`layer_period`), the rest by group.
+    layer rematerialised per `policy` (see the module docstring for the CSE barriers), or layer i per
+    `per_layer[i]` (`ExecutionConfig.layer_policies`: remat_layers, remat_plan; unrolled layers only: a scan body
+    is one policy). Stacked weights of a periodic stack scan over whole periods (`layer_period`), the rest by group.
 
     `layers`: the stacked layer module, or {stack name: module} (`layer_stacks`) when groups name several.
     With `router_stats` (a zero [2, E] accumulator, and "router_token_weights" in the contexts of the sparse
@@ -163,9 +164,9 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     states = {name: state for name, (_, state) in split.items()}
     unrolled = any(is_unstacked(state) for state in states.values())
     num_layers = groups[-1].end
-    if policy_layers is not None and not unrolled:
-        raise ValueError("run_groups: policy_layers (ExecutionConfig.remat_layers) needs per-layer weight buffers "
-                         "(layer_loop: unroll)")
+    if per_layer is not None and not unrolled:
+        raise ValueError("run_groups: per-layer policies (ExecutionConfig.remat_layers / remat_plan) need "
+                         "per-layer weight buffers (layer_loop: unroll)")
     without = RematPolicy("none")
     # Nested checkpointing (`RematPolicy.block`, jaxft.remat): an outer scan over blocks of layers, each block one
     # checkpoint of policy `outer` keeping its input alone, each layer inside a full checkpoint.
@@ -257,14 +258,12 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         state = states[group.stack]
         first, n = group.first_row, group.end - group.start
         if unrolled:
-            rest_fn = None
+            fns = {}  # one layer function per policy the group's layers take
             for k in range(n):
                 index = group.start + k
-                if policy_layers is not None and index >= policy_layers:
-                    rest_fn = rest_fn or fn_for(group, without)
-                    carry = rest_fn(carry, layer_slice(state, first + k), index)
-                else:
-                    carry = layer_fn(carry, layer_slice(state, first + k), index)
+                own = policy if per_layer is None else per_layer[index]
+                fn = fns.get(own) or fns.setdefault(own, fn_for(group, own))
+                carry = fn(carry, layer_slice(state, first + k), index)
             continue
         whole = first == 0 and all(leaf.shape[0] == n for leaf in jax.tree.leaves(state))
         run_state = state if whole else jax.tree.map(lambda leaf: leaf[first:first + n], state)

@@ -38,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 
 # Part field -> flat key. ExecutionConfig's and OptimConfig's fields are the flat keys themselves.
-EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "remat_layers", "remat_block", "layer_loop",
-                                  "ce_chunk_size", "mlp_chunk_size", "max_memory_gb", "host_memory_gb",
+EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "remat_layers", "remat_plan", "remat_block",
+                                  "layer_loop", "ce_chunk_size", "mlp_chunk_size", "max_memory_gb", "host_memory_gb",
                                   "offload_transfer", "compiler_options", "grouped_matmul_implementation",
                                   "moe_dispatch")}
 OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
@@ -152,6 +152,11 @@ class TrainConfig:
     # The remat policy on the first N layers only, the rest without remat (null: every layer); needs the unrolled
     # layer loop. `remat: auto` sets it itself when no remat does not fit but remat on a few layers does.
     remat_layers: int | None = None
+    # Runs of layers each under a policy of its own, in layer order, then `remat` on the layers after them:
+    # [[full, 8], [offload_all, 12]] (or {full: 8, offload_all: 12}; on the command line 'full:8|offload_all:12');
+    # needs the unrolled layer loop. For rows where one policy on every layer keeps too much on the device, moves
+    # more to the host than its link carries, or recomputes too much (jaxft.remat).
+    remat_plan: str | list | dict | None = None
     # Nested checkpointing for remat full / offload in the layer scan: blocks of this many layers keep only their
     # input (offload: in host memory), one more forward of compute; "auto": the smallest block whose inputs fit
     # host_memory_gb (offload) or sqrt(layers) (full); null: every layer its own checkpoint. For rows whose layer
