@@ -241,16 +241,15 @@ class ExecutionConfig:
     def layer_policies(self, cfg, batch: int, seq: int,
                        itemsize: int) -> tuple[remat_policies.RematPolicy, ...] | None:
         """One policy per layer where layers differ (None: every layer takes `layer_policy`): `remat_layers` = N,
-        the policy on layers 0..N-1 and none after; `remat_plan`, its runs of layers in order, then `remat` on the
-        rest. offload_all's host budget is spread over the layers that take it."""
+        the policy on layers 0..N-1 and none after; `remat_plan`, its runs of layers in order (cut at the model's
+        last layer), then `remat` on the rest. offload_all's host budget is spread over the layers that take it."""
         if self.remat_plan is None and self.remat_layers is None:
             return None
         plan = self.remat_plan or ((self.remat, self.remat_layers),)
         rest = self.remat if self.remat_plan is not None else "none"
-        planned = sum(n for _, n in plan)
-        if planned > cfg.num_layers and self.remat_plan is not None:
-            raise ExecutionConfigError("remat_plan", f"names {planned} layers but the model has {cfg.num_layers}")
-        policies = [p for p, n in plan for _ in range(n)][:cfg.num_layers]  # remat_layers >= L: every layer
+        # Runs past the model's last layer are cut there, as remat_layers >= L means every layer (a recipe sized for
+        # one model still runs on a shallower one; jaxft-train logs the cut, `jaxft.train.loop._note_plan`).
+        policies = [p for p, n in plan for _ in range(n)][:cfg.num_layers]
         policies += [rest] * (cfg.num_layers - len(policies))
         everywhere = policies.count("offload_all")
         made: dict[str, remat_policies.RematPolicy] = {}

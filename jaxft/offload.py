@@ -49,7 +49,8 @@ from jax.custom_derivatives import SymbolicZero
 Space = jax.memory.Space  # Host: pinned host memory; Device: the accelerator's own (an attribute, not a module)
 
 
-def host_offloaded(fn: Callable, policy: Callable | None = None, chain: "PrefetchChain | None" = None) -> Callable:
+def host_offloaded(fn: Callable, policy: Callable | None = None, chain: "PrefetchChain | None" = None,
+                   host: bool = True) -> Callable:
     """`fn(x, *args) -> y` whose backward pass keeps nothing on the device: the forward keeps `x` in pinned host
     memory (and `args`, the layer's parameters and index, as they are); the backward copies `x` back (as soon as
     the layer above starts its backward with a `chain`) and, once this layer's output cotangent exists,
@@ -61,12 +62,19 @@ def host_offloaded(fn: Callable, policy: Callable | None = None, chain: "Prefetc
     policy keeps instead: the forward is the vjp of `jax.checkpoint(fn, policy)`, its residuals (device-saved and
     host-offloaded values) are this custom VJP's residuals, held with the layer output (so the copies to the host
     complete inside the layer); the backward copies the host ones back as it does `x` (`_copied_back`; the
-    policy's own placements then find them on the device) and recomputes only what the policy did not keep."""
+    policy's own placements then find them on the device) and recomputes only what the policy did not keep.
+
+    With `host=False` (and no policy) `x` stays on the device: remat "full" with this VJP's order, the recompute
+    waiting for the layer's output cotangent and the weight gradients done before the input cotangent leaves.
+    Why: in an unrolled loop that also moves other layers' residuals to the host (`remat_plan`), XLA's scheduler
+    ran the recomputes of `jax.checkpoint`'s full layers early, beside the copies back, and held them all at once
+    (compiled for an H200: 8B, 1 x 16384 packed, full on layers 0-15 and offload_all on 16-31: temp 33.74 GiB
+    against 6.92 with full on every layer)."""
 
     def call(x, *args):
         converted, consts = _hoist_constants(fn, x, *args)
         signal = jnp.zeros((), jnp.float32) if chain is None else chain.signal
-        y, signal = _offloaded(converted, len(consts), policy, x, signal, *args, *consts)
+        y, signal = _offloaded(converted, len(consts), policy, host, x, signal, *args, *consts)
         if chain is not None:
             chain.signal = signal
         return y
@@ -112,12 +120,12 @@ def _hoist_constants(fn: Callable, *args):
     return converted, list(closed.consts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _offloaded(fn, n_consts, policy, x, signal, *args):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _offloaded(fn, n_consts, policy, host, x, signal, *args):
     return fn(x, *args), signal
 
 
-def _offloaded_fwd(fn, n_consts, policy, x, signal, *args):
+def _offloaded_fwd(fn, n_consts, policy, host, x, signal, *args):
     """Primal output (and the prefetch signal, passed through) and residuals (x on the host, the arguments, which
     of them are differentiated). With `symbolic_zeros` every leaf arrives as a `CustomVJPPrimal` (value,
     perturbed); the perturbed bits travel to the backward as the structure of `flags` (an empty tuple for a
@@ -134,11 +142,11 @@ def _offloaded_fwd(fn, n_consts, policy, x, signal, *args):
     # The copy to the host completes before y leaves the layer: the next layer cannot start until it is done, so
     # the device x dies here (without this the copy's completion is scheduled next to its only use, in the
     # backward pass, and every layer input stays on the device through the forward).
-    x_host, y = jax.lax.optimization_barrier((jax.device_put(x, Space.Host), y))
+    x_host, y = jax.lax.optimization_barrier((jax.device_put(x, Space.Host) if host else x, y))
     return (y, signal.value), ((x_host, args, flags), marks)
 
 
-def _offloaded_bwd(fn, n_consts, policy, res, cts):
+def _offloaded_bwd(fn, n_consts, policy, host, res, cts):
     """Cotangents for x and the differentiated explicit arguments; None for the rest and for the hoisted
     constants (the layer's RoPE tables, positions, masks, dropout key: nothing trainable reaches a layer other
     than through its arguments). Not differentiating them matters: a constant can be an input of a custom VJP

@@ -121,9 +121,11 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert (qlora_offload.quant, qlora_offload.execution) == (qlora.quant, policies["offload_unroll"].replace(
         ce_chunk_size=256))
     assert (policies["offload_all"].host_memory_gb, policies["offload_unroll"].resolved_layer_loop) == (100, "unroll")
+    plan = policies["remat_plan"]
+    assert (plan.remat, plan.remat_plan, plan.resolved_layer_loop) == ("offload_all", (("full", 18),), "unroll")
 
 
-@pytest.mark.parametrize("mode", ["fast", "lean", "offload_attn", "qlora", "qlora_lean", "qlora_offload"])
+@pytest.mark.parametrize("mode", ["fast", "lean", "offload_attn", "qlora", "qlora_lean", "qlora_offload", "remat_plan"])
 def test_bench_recipes_run_in_jaxft_train(mode, model_dir, tmp_path):
     make_jsonl(tmp_path / "train.jsonl", 40)
     cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml", [

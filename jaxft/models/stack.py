@@ -192,11 +192,16 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     if scan_offload:
         policy = without
 
+    # Full layers of a plan that also offloads go through the explicit VJP with their input kept on the device
+    # (`host_offloaded(host=False)`): its barriers hold each recompute until the layer's own backward.
+    ordered = per_layer is not None and any(p.offloads for p in per_layer)
+
     def fn_for(group, policy=policy, row=None):
         ctx = dict(group_ctx(group), prevent_cse=unrolled)
+        transfer = "ordered" if ordered and policy.kind == "full" else resolve_transfer(policy, unrolled)
         fn = _layer_fn(split[group.stack][0], ctx, dropout_rng, policy=policy,
                        prevent_cse=unrolled and not (policy.offloads and _places_memory()),
-                       transfer=resolve_transfer(policy, unrolled), row=row, chain=chain,
+                       transfer=transfer, row=row, chain=chain,
                        stacks=expert_stacks[group.stack], stack_rows=rows_of[group.stack])
         if router_stats is None:
             return fn
@@ -388,7 +393,8 @@ def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_
               stacks: nnx.State | None = None, stack_rows: np.ndarray | None = None):
     """`(x, layer_state, index) -> x` for one layer, rematerialised per `policy`; `transfer` "explicit" (only
     for a policy that `explicit_capable` accepts) moves the layer input to the host through `jaxft.offload`, with
-    its copy back started one layer early when the layers share a `chain` (unrolled loops).
+    its copy back started one layer early when the layers share a `chain` (unrolled loops); "ordered" (policy
+    full) is the same custom VJP with the input kept on the device (`host_offloaded(host=False)`).
 
     `row` (a periodic scan's body): `layer_state` is the period's block of the stack ([c, ...] leaves) and the
     layer's weights are its row `row`. The slice is taken inside the layer's checkpoint and never saved: had the
@@ -420,8 +426,9 @@ def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_
         # save-anything-but-the-slice checkpoint measured 1 GiB more on 4 Gemma-2-9B layers), so no remat is
         # unrolled by default (`ExecutionConfig.resolved_layer_loop`).
         fn = layer_fn
-    elif transfer == "explicit":  # host copies in a custom VJP whose barriers order them (jaxft.offload)
-        offloaded = host_offloaded(layer_fn, None if policy.explicit_capable else policy.jax_policy(), chain)
+    elif transfer in ("explicit", "ordered"):  # a custom VJP whose barriers order copies and recompute
+        offloaded = (host_offloaded(layer_fn, None, chain, host=False) if transfer == "ordered" else
+                     host_offloaded(layer_fn, None if policy.explicit_capable else policy.jax_policy(), chain))
         fn = lambda carry, layer_state, index: offloaded(carry, layer_state, layer_index(index))  # noqa: E731
     else:
         fn = jax.checkpoint(layer_fn, policy=policy.jax_policy(), prevent_cse=prevent_cse)

@@ -213,8 +213,8 @@ def _note_plan(run, config: TrainConfig, rows: int) -> None:
     cfg, seq = run.model_config, config.max_seq_length
     itemsize = jax.numpy.dtype(run.dtype).itemsize
     policies = ex.layer_policies(cfg, rows, seq, itemsize)
-    names = [p for p, n in ex.remat_plan for _ in range(n)] + [ex.remat] * (cfg.num_layers - sum(
-        n for _, n in ex.remat_plan))
+    planned = sum(n for _, n in ex.remat_plan)
+    names = ([p for p, n in ex.remat_plan for _ in range(n)] + [ex.remat] * cfg.num_layers)[:cfg.num_layers]
     runs, start = [], 0
     for i in range(1, cfg.num_layers + 1):
         if i == cfg.num_layers or names[i] != names[start]:
@@ -223,7 +223,8 @@ def _note_plan(run, config: TrainConfig, rows: int) -> None:
             runs.append(f"layers {start}-{i - 1} {names[start]}" + (f" ({host / 2**30:.2f} GiB to host)" if host
                                                                      else ""))
             start = i
-    logger.info("remat plan %s: %s", remat_policies.spelled_plan(ex.remat_plan), "; ".join(runs))
+    cut = f" (it names {planned} layers, the model has {cfg.num_layers}: cut there)" if planned > cfg.num_layers else ""
+    logger.info("remat plan %s%s: %s", remat_policies.spelled_plan(ex.remat_plan), cut, "; ".join(runs))
 
 
 def _prepare(config: TrainConfig, out: Path) -> _Setup:
