@@ -137,19 +137,11 @@ def test_remat_block_is_a_flat_key_of_the_recipe(tmp_path):
 def test_a_run_with_nested_blocks_trains_as_one_checkpoint_per_layer(tmp_path, caplog):
     """jaxft-train's path (jaxft.train.train) on a tiny 3-layer Llama: remat offload in blocks of 2 (a whole block
     and a partial one) trains to the losses of remat full, and the log states the blocks and what each side holds."""
-    from jaxft.train import TrainConfig, read_metrics, train
-    from test_train_fixtures import make_jsonl, make_tiny_model
-
-    model = make_tiny_model(tmp_path / "m", layers=3)
-    data = make_jsonl(tmp_path / "d.jsonl", 16)
+    from test_train_fixtures import tiny_run_losses
 
     def losses(name, **remat):
-        values = dict(model_name_or_path=str(model), dataset=str(data), output_dir=str(tmp_path / name), bf16=False,
-                      max_seq_length=64, per_device_train_batch_size=2, max_steps=3, logging_steps=1,
-                      report_to="none", disable_tqdm=True, lora_r=4, lora_alpha=8, seed=0, **remat)
         with caplog.at_level("INFO", logger="jaxft.train"):
-            result = train(TrainConfig(**values))
-        return [r["loss"] for r in read_metrics(result.metrics_path) if "loss" in r]
+            return tiny_run_losses(tmp_path, name, **remat)
 
     want = losses("full", remat="full")
     caplog.clear()

@@ -13,7 +13,7 @@ import pytest
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.remat import budget_offload_all, canonical_plan, parse, spelled_plan
 from jaxft.train.step import loss_and_grad_sums, stack_micro_batches, unstack_layers
-from test_remat import grads, llama, lora_split, packed_batch
+from test_remat import assert_grads_match, grads, llama, lora_split, packed_batch
 from test_train_fixtures import make_tiny_model
 
 DATA = str(Path(__file__).resolve().parents[1] / "examples" / "data" / "train.jsonl")
@@ -28,13 +28,7 @@ def test_a_plan_gives_the_gradients_of_no_remat(plan, rest):
     cfg = llama(layers=4)
     split = lora_split(cfg)
     loss0, g0 = grads(cfg, split, "none", "unroll")
-    loss, g = grads(cfg, split, rest, "unroll", remat_plan=plan)
-    assert abs(loss - loss0) <= 1e-6 * abs(loss0)
-    assert len(g) == len(g0) > 0
-    for a, b in zip(g, g0):
-        scale = float(np.max(np.abs(b)))
-        assert scale > 0
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-6 * scale)
+    assert_grads_match(*grads(cfg, split, rest, "unroll", remat_plan=plan), loss0, g0)
 
 
 def _host_placements(cfg, **execution) -> int:
@@ -155,19 +149,11 @@ def test_the_yaml_list_and_the_command_line_string_reach_the_execution_config(tm
 def test_a_run_with_a_plan_trains_as_no_remat_and_logs_the_plan(tmp_path, caplog):
     """jaxft-train's path (jaxft.train.train) on a tiny 3-layer Llama: a plan of full, offload_all and none trains
     to no remat's losses, and the log names each run of layers and what it sends to the host."""
-    from jaxft.train import TrainConfig, read_metrics, train
-    from test_train_fixtures import make_jsonl
-
-    model = make_tiny_model(tmp_path / "m", layers=3)
-    data = make_jsonl(tmp_path / "d.jsonl", 16)
+    from test_train_fixtures import tiny_run_losses
 
     def losses(name, **remat):
-        values = dict(model_name_or_path=str(model), dataset=str(data), output_dir=str(tmp_path / name), bf16=False,
-                      max_seq_length=64, per_device_train_batch_size=2, max_steps=3, logging_steps=1,
-                      report_to="none", disable_tqdm=True, lora_r=4, lora_alpha=8, seed=0, **remat)
         with caplog.at_level("INFO", logger="jaxft.train"):
-            result = train(TrainConfig(**values))
-        return [r["loss"] for r in read_metrics(result.metrics_path) if "loss" in r]
+            return tiny_run_losses(tmp_path, name, **remat)
 
     want = losses("none", remat="none")
     caplog.clear()
