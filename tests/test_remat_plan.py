@@ -19,9 +19,12 @@ from test_train_fixtures import make_tiny_model
 DATA = str(Path(__file__).resolve().parents[1] / "examples" / "data" / "train.jsonl")
 
 
+SELECTIVE = "save=attn_out;offload=layer_input"
+
+
 @pytest.mark.parametrize("plan, rest", [("full:1|offload_all:1|offload+attn:1", "none"),
                                         ([["offload", 2]], "full"),
-                                        ({"save=attn_out;offload=layer_input": 1, "none": 1, "full": 1}, "offload_all")])
+                                        ({SELECTIVE: 1, "none": 1, "full": 1}, "offload_all")])
 def test_a_plan_gives_the_gradients_of_no_remat(plan, rest):
     """fp32, 4 layers, packed rows of three documents: to 2e-6 of each gradient's largest entry (the bound of
     tests/test_remat.py: checkpointed layers fuse differently, so a few fp32 sums round in another order)."""
