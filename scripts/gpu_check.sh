@@ -4,7 +4,8 @@
 # attention.{json,md}, bench_train.{json,md}, bench_logs.tgz). Phases and sizes are chosen by environment variables so
 # one script serves a quick check and the full scoreboard:
 #   PHASES="env tests forward attention ce train"   (default: all; "nf4" adds the 4-bit matmul benchmark, "gmm" the
-#   MoE grouped-matmul benchmark: xla ragged_dot / pallas_mosaic / dense, written to gmm.json, GMM_TIMEOUT_S=200 (kernels timed queued, 5 rounds: the bench docstring);
+#   MoE grouped-matmul benchmark: xla ragged_dot / pallas_mosaic / dense, written to gmm.json, GMM_TIMEOUT_S=200
+#   (kernels timed queued back to back, 5 rounds: the bench's docstring);
 #   "gmmsweep" its tile sweep (bench --sweep: every candidate tile config per shape and kernel) to gmm_sweep.json;
 #   "offload" the host-offload probe: $OUT/offload_probe.jsonl; OFFLOAD_DUMP=variant,... adds $OUT/offload_dump.tgz;
 #   "maxctx" the longest 8B row per remat policy + one real step at 256k: $OUT/max_context.{jsonl,md}, MAXCTX_TIMEOUT_S=360;
