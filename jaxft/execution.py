@@ -238,24 +238,28 @@ class ExecutionConfig:
         return dataclasses.replace(policy, transfer=self.offload_transfer,
                                    block=self.block_for(cfg, batch, seq, itemsize))
 
-    def layer_policies(self, cfg, batch: int, seq: int,
-                       itemsize: int) -> tuple[remat_policies.RematPolicy, ...] | None:
-        """One policy per layer where layers differ (None: every layer takes `layer_policy`): `remat_layers` = N,
-        the policy on layers 0..N-1 and none after; `remat_plan`, its runs of layers in order (cut at the model's
-        last layer), then `remat` on the rest. offload_all's host budget is spread over the layers that take it."""
+    def layer_remats(self, num_layers: int) -> tuple[str, ...] | None:
+        """The remat policy string of each of `num_layers` layers where layers differ (None: every layer takes
+        `remat`): `remat_layers` = N, the policy on layers 0..N-1 and none after; `remat_plan`, its runs of layers
+        in order, then `remat` on the rest. Runs past the model's last layer are cut there, as remat_layers >= L
+        means every layer (a recipe sized for one model still runs on a shallower one; jaxft-train logs the cut,
+        `jaxft.train.loop._note_plan`)."""
         if self.remat_plan is None and self.remat_layers is None:
             return None
         plan = self.remat_plan or ((self.remat, self.remat_layers),)
         rest = self.remat if self.remat_plan is not None else "none"
-        # Runs past the model's last layer are cut there, as remat_layers >= L means every layer (a recipe sized for
-        # one model still runs on a shallower one; jaxft-train logs the cut, `jaxft.train.loop._note_plan`).
-        policies = [p for p, n in plan for _ in range(n)][:cfg.num_layers]
-        policies += [rest] * (cfg.num_layers - len(policies))
-        everywhere = policies.count("offload_all")
-        made: dict[str, remat_policies.RematPolicy] = {}
-        for p in set(policies):
-            made[p] = self.layer_policy(cfg, batch, seq, itemsize, p, everywhere)
-        return tuple(made[p] for p in policies)
+        return tuple(([p for p, n in plan for _ in range(n)] + [rest] * num_layers)[:num_layers])
+
+    def layer_policies(self, cfg, batch: int, seq: int,
+                       itemsize: int) -> tuple[remat_policies.RematPolicy, ...] | None:
+        """`layer_remats` as policies for a [batch, seq] micro-batch (`layer_policy`; None: every layer takes
+        `layer_policy`). offload_all's host budget is spread over the layers that take it."""
+        remats = self.layer_remats(cfg.num_layers)
+        if remats is None:
+            return None
+        everywhere = remats.count("offload_all")
+        made = {p: self.layer_policy(cfg, batch, seq, itemsize, p, everywhere) for p in set(remats)}
+        return tuple(made[p] for p in remats)
 
     def resolved_ce_chunk(self, num_tokens: int, vocab_size: int, hidden_size: int, itemsize: int,
                           device_kind: str | None = None) -> int | None:

@@ -259,7 +259,6 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         groups = [dataclasses.replace(g, start=max(g.start, cut), row=g.first_row + max(0, cut - g.start))
                   for g in groups if g.end > cut]
     for group in groups:
-        layer_fn = fn_for(group)
         state = states[group.stack]
         first, n = group.first_row, group.end - group.start
         if unrolled:
@@ -270,6 +269,7 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
                 fn = fns.get(own) or fns.setdefault(own, fn_for(group, own))
                 carry = fn(carry, layer_slice(state, first + k), index)
             continue
+        layer_fn = fn_for(group)
         whole = first == 0 and all(leaf.shape[0] == n for leaf in jax.tree.leaves(state))
         run_state = state if whole else jax.tree.map(lambda leaf: leaf[first:first + n], state)
         indices = jnp.arange(group.start, group.end, dtype=jnp.int32)

@@ -214,7 +214,7 @@ def _note_plan(run, config: TrainConfig, rows: int) -> None:
     itemsize = jax.numpy.dtype(run.dtype).itemsize
     policies = ex.layer_policies(cfg, rows, seq, itemsize)
     planned = sum(n for _, n in ex.remat_plan)
-    names = ([p for p, n in ex.remat_plan for _ in range(n)] + [ex.remat] * cfg.num_layers)[:cfg.num_layers]
+    names = ex.layer_remats(cfg.num_layers)
     runs, start = [], 0
     for i in range(1, cfg.num_layers + 1):
         if i == cfg.num_layers or names[i] != names[start]:
