@@ -56,3 +56,87 @@ def test_gpu_auto_dense_or_packed_matches_reference(shape):
         assert np.max(np.abs(g - w)) <= 2e-2 * max(1.0, np.max(np.abs(w))), name
     text = auto.as_text()
     assert FWD_NAME in text and "cudnn" in text.lower()  # both branches compiled, chosen at run time
+
+
+# ------------------------------------------------------------------------- the device-side choice, on the CPU
+# `api._dense_or_packed` is `sink_attention(dense_or_packed_pair(cudnn_pair, flash_pair))`; here the dense pair
+# is the pure-JAX one (`sinks.reference_pair`: cuDNN's statistics, the flash backward formula) and the flash
+# kernels run in interpret mode, so the composition and its residual layout are checked off the GPU.
+# 600 tokens: the metadata pads rows to 640, so the flash pair's padded rows (lse = +inf) are exercised.
+
+def _choice(meta, t, d, window, scale):
+    from kernels_pallas.attention.api import dense_or_packed_pair
+    from kernels_pallas.attention.flash import flash_pair, metadata_arrays
+    from kernels_pallas.attention.sinks import reference_pair, sink_attention
+
+    static = dict(causal=True, sliding_window=window, scale=scale)
+    pair = dense_or_packed_pair(reference_pair(**static), flash_pair(meta, t, d, interpret=True, **static))
+    attend = sink_attention(*pair)
+    return lambda q, k, v, sinks: attend(q, k, v, sinks, meta.single_segment, metadata_arrays(meta))
+
+
+def _segments(t, packed):
+    if not packed:
+        return jnp.ones((1, t), jnp.int32)
+    return jnp.asarray(np.repeat([1, 2, 3], [250, 190, t - 440])[None], jnp.int32)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+def test_dense_or_packed_pair_matches_the_reference(packed, with_sinks):
+    b, t, h, kvh, d, window = 1, 600, 4, 2, 64, (None if packed else 128)
+    scale = d ** -0.5
+    ks = jax.random.split(jax.random.key(3), 5)
+    q, k, v, do = (jax.random.normal(key, s, jnp.float32) for key, s in
+                   zip(ks, [(b, t, h, d), (b, t, kvh, d), (b, t, kvh, d), (b, t, h, d)]))
+    sinks = (jnp.log(jnp.float32(t)) / 2 + 2 * jax.random.normal(ks[4], (h,))) if with_sinks else None
+    seg = _segments(t, packed)
+    meta = make_metadata(seg, sliding_window=window)
+    assert bool(meta.single_segment) is (not packed) and meta.padded_len > t
+    ours = _choice(meta, t, d, window, scale)
+    ref = lambda q, k, v, s: attention_reference(q, k, v, segment_ids=seg, sliding_window=window,  # noqa: E731
+                                                 sinks=s, scale=scale)
+    argnums = (0, 1, 2, 3) if with_sinks else (0, 1, 2)
+    got_out, got_pull = jax.vjp(lambda *a: ours(*a[:3], a[3] if with_sinks else None), q, k, v,
+                                *([sinks] if with_sinks else []))
+    want_out, want_pull = jax.vjp(lambda *a: ref(*a[:3], a[3] if with_sinks else None), q, k, v,
+                                  *([sinks] if with_sinks else []))
+    got, want = [got_out, *got_pull(do)], [want_out, *want_pull(do)]
+    assert len(got) == 1 + len(argnums)
+    for name, a, w in zip(["out", "dq", "dk", "dv", "dsinks"], got, want):
+        w = np.asarray(w)
+        assert np.abs(w).max() > 1e-3, name  # a real gradient
+        np.testing.assert_allclose(np.asarray(a), w, atol=5e-5 * max(1.0, np.abs(w).max()), rtol=1e-4,
+                                   err_msg=name)
+
+
+def _name_sites(jaxpr, in_cond=False):
+    """(residual name, whether it is inside a `cond` branch) for every checkpoint_name in a jaxpr, nested ones
+    included."""
+    sites = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            sites.append((eqn.params["name"], in_cond))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    sites += _name_sites(inner, in_cond or eqn.primitive.name == "cond")
+    return sites
+
+
+def test_dense_or_packed_names_its_residuals_outside_the_branches():
+    """The H200 bug this layout fixes: a remat policy that offloads the attention residuals, over a `cond`
+    whose branches named their own, made XLA's GPU layout assignment reject the conditional (api.py's
+    `dense_or_packed_pair`). The names must sit on the cond's results, never inside a branch."""
+    from kernels_pallas.attention.residuals import OUT_NAME, STATS_NAME
+
+    t, d = 256, 64
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, t, 2, d)) for i in range(3))
+    seg = _segments(t, packed=False)
+    ours = _choice(make_metadata(seg), t, d, None, d ** -0.5)
+    policy = jax.checkpoint_policies.save_only_these_names(OUT_NAME, STATS_NAME)
+    loss = jax.checkpoint(lambda q, k, v: jnp.sum(ours(q, k, v, None) ** 2), policy=policy)
+    sites = _name_sites(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr)
+    assert {name for name, _ in sites} == {OUT_NAME, STATS_NAME}
+    assert not [name for name, in_cond in sites if in_cond], sites

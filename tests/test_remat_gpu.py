@@ -152,6 +152,19 @@ def test_offload_all_compiles_with_a_tiled_mlp():
     assert _host_copies(compiled.as_text()) > 0
 
 
+def test_offload_all_compiles_with_the_device_side_attention_choice():
+    """attention "auto" on rows with segment ids picks cuDNN (one document per row) or the flash kernel (packed)
+    on the device, per batch. Under offload_all, unrolled (the bench's remat_plan mode), XLA 0.11.2 rejected the
+    conditional when each branch named its own residuals: one branch's went to host memory, the other's did not
+    ("Expected instruction to have shape equal to ... S(5)", 8B packed 16k on the H200). The two kernels now
+    share one residual slot named outside the cond (`api.dense_or_packed_pair`): it compiles, both kernels are
+    in the program, and the residuals still go to the host."""
+    compiled = _compiled("offload_all", "unroll", "auto", small=True)
+    text = compiled.as_text()
+    assert _host_copies(text) > 0
+    assert "jaxft_flash_fwd" in text and "__cudnn$fmha" in text
+
+
 # Nested checkpointing (jaxft.remat, `remat_block`): 4 layers of SMALL_CFG at 1 x 4096 (cuDNN dense: one document).
 NESTED_CFG = ModelConfig(model_type="llama", vocab_size=2048, hidden_size=512, intermediate_size=2048, num_layers=4,
                          num_heads=8, num_kv_heads=2, head_dim=64)

@@ -15,6 +15,7 @@ from kernels_pallas._dispatch import ALL_PLATFORMS, GPU_PLATFORMS, Implementatio
 from kernels_pallas.attention.metadata import AttentionMetadata, check_compatible, make_metadata
 from kernels_pallas.attention.reference import attention_reference
 from kernels_pallas.attention.residuals import name_output, named_vjp
+from kernels_pallas.attention.sinks import sink_attention
 
 _WHERE = "kernels_pallas/attention/api.py"
 
@@ -146,10 +147,37 @@ def dot_product_attention(
 
 
 def _dense_or_packed(q, k, v, metadata, segment_ids, kwargs):
-    def dense(q, k, v):
-        return _run_cudnn(q, k, v, None, None, kwargs)
+    from kernels_pallas.attention.cudnn import cudnn_pair
+    from kernels_pallas.attention.flash import flash_pair, metadata_arrays
 
-    def packed(q, k, v):
-        return _run_pallas(q, k, v, segment_ids, metadata, kwargs)
+    del segment_ids  # the flash kernels read the metadata's (padded) segment ids
+    static = dict(causal=kwargs["causal"], sliding_window=kwargs["sliding_window"], scale=kwargs["scale"])
+    dense = cudnn_pair(**static)
+    packed = flash_pair(metadata, q.shape[1], q.shape[3], logit_softcap=kwargs["logit_softcap"], **static)
+    fwd_lse, bwd = dense_or_packed_pair(dense, packed)
+    return sink_attention(fwd_lse, bwd)(q, k, v, kwargs["sinks"], metadata.single_segment,
+                                        metadata_arrays(metadata))
 
-    return jax.lax.cond(metadata.single_segment, dense, packed, q, k, v)
+
+def dense_or_packed_pair(dense, packed):
+    """One (fwd_lse, bwd) pair (sinks.sink_attention) that runs `dense` when its predicate is true and `packed`
+    otherwise, chosen on the device: fwd_lse(q, k, v, pred, meta), bwd(q, k, v, o, lse, do, pred, meta).
+    `dense` takes no metadata, `packed` takes `meta` last. Both must return the output and a [B, H, T] fp32
+    natural-log lse, so the two branches fill the same two residual slots.
+
+    Why a pair and not `lax.cond` over two attention functions: differentiating such a cond gives each branch
+    its own residuals (the other branch's filled with zeros), named inside the branch. A remat policy that
+    offloads the named residuals then puts one branch's outputs in host memory and not the other's, and XLA's
+    GPU layout assignment rejects the conditional (seen on the H200: "Expected instruction to have shape
+    equal to ... S(5)" at 8B packed 16k with offload_all). Here the cond returns (o, lse) from either kernel,
+    the names are put on the cond's results outside it, and the backward is one more cond on the same
+    predicate, so the kept residuals are half as many and every branch agrees on where they live."""
+    (dense_fwd, dense_bwd), (packed_fwd, packed_bwd) = dense, packed
+
+    def fwd_lse(q, k, v, pred, meta):
+        return jax.lax.cond(pred, lambda q, k, v, meta: dense_fwd(q, k, v), packed_fwd, q, k, v, meta)
+
+    def bwd(q, k, v, o, lse, do, pred, meta):
+        return jax.lax.cond(pred, lambda *a: dense_bwd(*a[:-1]), packed_bwd, q, k, v, o, lse, do, meta)
+
+    return fwd_lse, bwd

@@ -424,29 +424,71 @@ def flash_attention(
     ``interpret`` defaults to True off-GPU.
     """
     del segment_ids
-    b, t, h, d = q.shape
+    t, d = q.shape[1], q.shape[3]
+    st = _static(metadata, t, d, causal, sliding_window, logit_softcap, scale, sinks is not None, config, interpret)
+    sinks_arr = jnp.zeros((q.shape[2],), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
+    out = _flash(st, *_pad_time((q, k, v), metadata.padded_len), sinks_arr, metadata_arrays(metadata))
+    return out[:, :t]
+
+
+def _static(metadata, t, d, causal, sliding_window, logit_softcap, scale, has_sinks, config, interpret) -> _Static:
     check_compatible(metadata, t, causal, sliding_window, _WHERE)
     if config is None:
         config = default_flash_config(d)
     config = fit_to_metadata(config, metadata.block_q, metadata.block_k)
     if interpret is None:
         interpret = target_platform() != "gpu"
-    st = _Static(
+    return _Static(
         causal=bool(causal),
         sliding_window=sliding_window,
         logit_softcap=None if logit_softcap is None else float(logit_softcap),
         scale=float(d ** -0.5 if scale is None else scale),
-        has_sinks=sinks is not None,
+        has_sinks=bool(has_sinks),
         meta_block_q=metadata.block_q,
         meta_block_k=metadata.block_k,
         config=config,
         interpret=bool(interpret),
     )
-    tp = metadata.padded_len
-    pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
-    qp, kp, vp = (jnp.pad(x, pad) for x in (q, k, v))
-    sinks_arr = jnp.zeros((h,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
-    meta = (metadata.segment_ids, metadata.block_kind, metadata.kv_lo, metadata.kv_hi,
+
+
+def metadata_arrays(metadata: AttentionMetadata) -> tuple:
+    """The metadata arrays the kernels read, in their argument order (a custom VJP's argument: arrays only)."""
+    return (metadata.segment_ids, metadata.block_kind, metadata.kv_lo, metadata.kv_hi,
             metadata.q_lo, metadata.q_hi)
-    out = _flash(st, qp, kp, vp, sinks_arr, meta)
-    return out[:, :t]
+
+
+def _pad_time(xs, tp, value=0.0):
+    """Pads axis 1 (time, [B, T, ...]) of each array to the metadata's padded length tp."""
+    return tuple(jnp.pad(x, [(0, 0), (0, tp - x.shape[1])] + [(0, 0)] * (x.ndim - 2), constant_values=value)
+                 for x in xs)
+
+
+def flash_pair(metadata: AttentionMetadata, t: int, d: int, *, causal: bool = True,
+               sliding_window: int | None = None, logit_softcap: float | None = None,
+               scale: float | None = None, config: FlashConfig | None = None, interpret: bool | None = None):
+    """(fwd_lse, bwd): the kernels without sinks and without the custom VJP, for `sinks.sink_attention`, on
+    rows of length t and head dim d masked by ``metadata``; its arrays are an explicit last argument
+    (`metadata_arrays`), so a custom VJP built on the pair closes over no traced value:
+
+        fwd_lse(q, k, v, meta) -> (o [B, T, H, D], lse [B, H, T] fp32, natural log)
+        bwd(q, k, v, o, lse, do, meta) -> (dq, dk, dv)
+
+    The same statistics as cuDNN's (`cudnn.cudnn_pair`), so one residual slot serves either kernel (the
+    device-side choice in `api.py`). The kernels keep a base-2 lse: lse2 = lse * log2 e. Padded query rows
+    (t..Tp) get lse2 = +inf in the backward, so their probabilities exp2(z - lse2) are exactly 0 (with dO = 0
+    there, a finite stand-in could make 0 * inf)."""
+    st = _static(metadata, t, d, causal, sliding_window, logit_softcap, scale, False, config, interpret)
+    tp = metadata.padded_len
+
+    def fwd_lse(q, k, v, meta):
+        o, lse2 = _flash_fwd(st, *_pad_time((q, k, v), tp), jnp.zeros((q.shape[2],), jnp.float32), meta)
+        return o[:, :t], lse2[:, :, :t] * (1.0 / LOG2E)
+
+    def bwd(q, k, v, o, lse, do, meta):
+        lse2 = jnp.pad(lse * LOG2E, ((0, 0), (0, 0), (0, tp - t)), constant_values=jnp.inf)
+        sinks = jnp.zeros((q.shape[2],), jnp.float32)
+        dq, dk, dv, _ = _flash_bwd(st, *_pad_time((q, k, v), tp), sinks, meta, *_pad_time((o,), tp), lse2,
+                                   *_pad_time((do,), tp))
+        return dq[:, :t], dk[:, :t], dv[:, :t]
+
+    return fwd_lse, bwd

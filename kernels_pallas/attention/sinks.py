@@ -46,29 +46,37 @@ def _gate(lse: jax.Array, sinks: jax.Array) -> jax.Array:
 
 
 def sink_attention(fwd_lse: Callable, bwd: Callable) -> Callable:
-    """attend(q, k, v, sinks) -> o_sink [B, T, H, D] in q's dtype, from a sink-free (forward with lse, backward)
-    pair (module docstring). sinks [H] are differentiated; q, k, v as the pair's backward gives."""
+    """attend(q, k, v, sinks, *extras) -> o_sink [B, T, H, D] in q's dtype, from a sink-free (forward with lse,
+    backward) pair (module docstring). sinks [H] are differentiated; q, k, v as the pair's backward gives.
+    sinks may be None: the pair's own attention, with its residuals named. `extras` (integer arrays the pair
+    reads and is not differentiated in: a branch predicate, block metadata) go to both as last arguments,
+    fwd_lse(q, k, v, *extras) and bwd(q, k, v, o, lse, do, *extras); a custom VJP may not close over a traced
+    value of an enclosing transformation, so they cannot be captured."""
 
     @jax.custom_vjp
-    def attend(q, k, v, sinks):
-        return _forward(q, k, v, sinks)[0]
+    def attend(q, k, v, sinks, *extras):
+        return _forward(q, k, v, sinks, extras)[0]
 
-    def _forward(q, k, v, sinks):
-        o, lse = fwd_lse(q, k, v)
-        out = name_output((o.astype(jnp.float32) * _gate(lse, sinks)).astype(q.dtype))
-        return out, name_stats(lse)
+    def _forward(q, k, v, sinks, extras):
+        o, lse = fwd_lse(q, k, v, *extras)
+        if sinks is not None:
+            o = (o.astype(jnp.float32) * _gate(lse, sinks)).astype(q.dtype)
+        return name_output(o), name_stats(lse)
 
-    def fwd(q, k, v, sinks):
-        out, lse = _forward(q, k, v, sinks)
-        return out, (q, k, v, sinks, out, lse)
+    def fwd(q, k, v, sinks, *extras):
+        out, lse = _forward(q, k, v, sinks, extras)
+        return out, (q, k, v, sinks, out, lse, extras)
 
     def backward(res, do):
-        q, k, v, sinks, out, lse = res
+        q, k, v, sinks, out, lse, extras = res
+        none = jax.tree.map(lambda _: None, extras)  # integer inputs: no cotangent
+        if sinks is None:
+            return (*bwd(q, k, v, out, lse, do, *extras), None, *none)
         g = _gate(lse, sinks)
-        dq, dk, dv = bwd(q, k, v, out, lse, (do.astype(jnp.float32) * g).astype(do.dtype))
+        dq, dk, dv = bwd(q, k, v, out, lse, (do.astype(jnp.float32) * g).astype(do.dtype), *extras)
         row = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # dO . o_sink  [B, T, H]
         dsinks = -jnp.sum(row * (1.0 - g[..., 0]), axis=(0, 1))
-        return dq, dk, dv, dsinks.astype(sinks.dtype)
+        return dq, dk, dv, dsinks.astype(sinks.dtype), *none
 
     attend.defvjp(fwd, backward)
     return attend
