@@ -122,7 +122,7 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
         ce_chunk_size=256))
     assert (policies["offload_all"].host_memory_gb, policies["offload_unroll"].resolved_layer_loop) == (100, "unroll")
     plan = policies["remat_plan"]
-    assert (plan.remat, plan.remat_plan, plan.resolved_layer_loop) == ("offload_all", (("full", 18),), "unroll")
+    assert (plan.remat, plan.remat_plan, plan.resolved_layer_loop) == ("full", (("offload_all", 12),), "unroll")
 
 
 @pytest.mark.parametrize("mode", ["fast", "lean", "offload_attn", "qlora", "qlora_lean", "qlora_offload", "remat_plan"])

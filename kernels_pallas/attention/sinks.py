@@ -24,8 +24,10 @@ the kernel's own.
     bwd(q, k, v, o, lse, do) -> (dq, dk, dv)                       (its flash backward, taking O and dO)
 The residuals are named as the other attention ops' (`residuals.py`: the output, and the lse as statistics), so
 remat policies that keep them never re-run the forward. Pairs: `reference_pair` (pure JAX, the CPU tests'
-oracle of this algebra) and `kernels_pallas.attention.cudnn.cudnn_pair` (cuDNN's forward with its softmax
-statistics and its backward kernel).
+oracle of this algebra), `kernels_pallas.attention.cudnn.cudnn_pair` (cuDNN's forward with its softmax
+statistics and its backward kernel), `kernels_pallas.attention.flash.flash_pair` (the Pallas kernels) and
+`kernels_pallas.attention.api.dense_or_packed_pair` (one of the last two, chosen on the device per batch). With
+sinks=None the same custom VJP is the pair's own attention with named residuals.
 """
 
 from __future__ import annotations
