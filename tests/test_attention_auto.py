@@ -96,13 +96,14 @@ def test_dense_or_packed_pair_matches_the_reference(packed, with_sinks):
     ours = _choice(meta, t, d, window, scale)
     ref = lambda q, k, v, s: attention_reference(q, k, v, segment_ids=seg, sliding_window=window,  # noqa: E731
                                                  sinks=s, scale=scale)
-    argnums = (0, 1, 2, 3) if with_sinks else (0, 1, 2)
-    got_out, got_pull = jax.vjp(lambda *a: ours(*a[:3], a[3] if with_sinks else None), q, k, v,
-                                *([sinks] if with_sinks else []))
-    want_out, want_pull = jax.vjp(lambda *a: ref(*a[:3], a[3] if with_sinks else None), q, k, v,
-                                  *([sinks] if with_sinks else []))
-    got, want = [got_out, *got_pull(do)], [want_out, *want_pull(do)]
-    assert len(got) == 1 + len(argnums)
+    args = (q, k, v, sinks) if with_sinks else (q, k, v)
+
+    def output_and_grads(fn):  # sinks differentiated when there are any
+        out, pull = jax.vjp(lambda *a: fn(*a[:3], a[3] if with_sinks else None), *args)
+        return [out, *pull(do)]
+
+    got, want = output_and_grads(ours), output_and_grads(ref)
+    assert len(got) == 1 + len(args)
     for name, a, w in zip(["out", "dq", "dk", "dv", "dsinks"], got, want):
         w = np.asarray(w)
         assert np.abs(w).max() > 1e-3, name  # a real gradient
@@ -113,15 +114,14 @@ def test_dense_or_packed_pair_matches_the_reference(packed, with_sinks):
 def _name_sites(jaxpr, in_cond=False):
     """(residual name, whether it is inside a `cond` branch) for every checkpoint_name in a jaxpr, nested ones
     included."""
+    import jax.extend
+
     sites = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "name":
             sites.append((eqn.params["name"], in_cond))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    sites += _name_sites(inner, in_cond or eqn.primitive.name == "cond")
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            sites += _name_sites(sub, in_cond or eqn.primitive.name == "cond")
     return sites
 
 
