@@ -200,6 +200,9 @@ def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose):
     ((70, 0, 61, 3, 0, 50), 200, 192, 256, 1),  # 3 steps on 2 stages: no chain, every unit fills and drains
     ((70, 0, 61, 3, 0, 50), 200, 128, 512, 2),  # 8 N-blocks walked two side by side
     ((70, 0, 61, 3, 0, 50), 200, 128, 512, 1),  # down the tiles at one N-block
+    # the last group's tile moved back from the end (rows 64-127): its first half stores no row and multiplies
+    # nothing, the second half does (the other sizes have second halves that store nothing)
+    ((100, 20), 120, 128, 64, 0),
 ])
 def test_warp_specialised_chains_of_pipelines_match_a_per_group_loop(sizes, m, k, n, walk):
     """The chained pipelines of the warp-specialised row kernel (TileConfig.chained) in interpret mode, on the

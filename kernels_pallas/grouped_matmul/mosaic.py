@@ -465,9 +465,18 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                 group, row0, lo, hi = group_ref[ti], row0_ref[ti], lo_ref[ti], hi_ref[ti]
                 row_off = 0 if split_n else wg * wg_m  # this warpgroup's rows / columns within the tile
                 col0 = ni * cta_n + (wg * bn if split_n else 0)
+                first = jnp.clip(lo - row0 - row_off, 0, wg_m)  # the rows of its part that it stores
+                last = jnp.clip(hi - row0 - row_off, 0, wg_m)
+                # The pseudo-group's rows multiply nothing (acc stays 0), nor does a warpgroup that stores no row:
+                # split along M, that is the second half of a group's last tile when the group ends in the first
+                # half (half of all last tiles), and the first half of a tile moved back from the end. The other
+                # warpgroup then has the tensor cores to itself. Counted in rows multiplied, a group's partial tile
+                # then wastes 32 rows on average instead of 64: 13.7% -> 6.8% more products than rows at
+                # Qwen3-30B-A3B's 128 groups of ~512 rows in 128-row tiles (its time on the GPU: not yet measured).
+                multiply = (group < g) & (last > first)
 
                 def step(_, a_smem, b_smem, acc_ref):
-                    @pl.when(group < g)  # the pseudo-group's rows multiply nothing: acc stays 0
+                    @pl.when(multiply)
                     def _():
                         a = a_smem if split_n else a_smem.at[pl.ds(wg * wg_m, wg_m)]
                         if transpose_rhs:
@@ -486,10 +495,8 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                             _lora_load(*lora_refs, *mine, row0 + row_off, jnp.minimum(group, g - 1), col0, wg_m, bn)
                         run_pipeline(acc_ref)
                         if lora_smem:
-                            _lora_step(acc_ref, *mine, group < g)
+                            _lora_step(acc_ref, *mine, multiply)
                         acc = acc_ref[...].astype(dtype)
-                        first = jnp.clip(lo - row0 - row_off, 0, wg_m)
-                        last = jnp.clip(hi - row0 - row_off, 0, wg_m)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores left o_smem
                         o_smem[wg] = acc
                         plgpu.commit_smem()
