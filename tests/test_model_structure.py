@@ -11,29 +11,14 @@ from flax import nnx
 from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.models import init_model, positions_from_segments
+from lora_helpers import jaxpr_eqns
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=3,
                   num_heads=2, num_kv_heads=1, head_dim=64, qkv_bias=True, layer_windows=(None, 16, 16))
 
 
-def _subjaxprs(eqn):
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(v, jax.extend.core.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jax.extend.core.Jaxpr):
-                yield v
-
-
-def _all_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in _subjaxprs(eqn):
-            yield from _all_eqns(sub)
-
-
 def _scan_bodies(jaxpr):
-    for eqn in _all_eqns(jaxpr):
+    for eqn in jaxpr_eqns(jaxpr):
         if eqn.primitive.name == "scan":
             yield eqn.params["jaxpr"].jaxpr
 
@@ -50,11 +35,11 @@ def test_batch_metadata_is_built_once_outside_the_layer_scan(impl):
     bodies = list(_scan_bodies(jaxpr))
     # Two runs of layers (full, then sliding) -> two scans over stacked layers.
     assert len(bodies) == 2
-    top = [str(e.source_info.name_stack) for e in _all_eqns(jaxpr)]
+    top = [str(e.source_info.name_stack) for e in jaxpr_eqns(jaxpr)]
     assert any("batch_context" in n for n in top)
     for body in bodies:
-        names = [str(e.source_info.name_stack) for e in _all_eqns(body)]
-        prims = {e.primitive.name for e in _all_eqns(body)}
+        names = [str(e.source_info.name_stack) for e in jaxpr_eqns(body)]
+        prims = {e.primitive.name for e in jaxpr_eqns(body)}
         assert not any("batch_context" in n for n in names)
         # RoPE tables (sin/cos) and positions (cummax) come from outside the loop.
         assert not {"sin", "cos", "cummax"} & prims, prims
@@ -117,7 +102,7 @@ def test_unrolled_training_step_never_touches_stacked_frozen_weights():
 
     def reads_stacked(fz):
         jaxpr = jax.make_jaxpr(step)(lora, opt_state, fz, batch, jax.random.key(0)).jaxpr
-        eqns = list(_all_eqns(jaxpr))
+        eqns = list(jaxpr_eqns(jaxpr))
         touching = [e.primitive.name for e in eqns for v in e.invars
                     if hasattr(v, "aval") and tuple(getattr(v.aval, "shape", ())) in stacked_shapes]
         # CFG's windows (None, 16, 16) make two layer runs: a scan of length 2 is the windowed run's loop.
@@ -147,12 +132,12 @@ def test_gemma3_builds_both_rope_tables_once_outside_the_layer_groups():
     execution = ExecutionConfig(attention_implementation="pallas")
     jaxpr = jax.make_jaxpr(lambda s, i, g: nnx.merge(graphdef, s)(i, segment_ids=g, execution=execution))(
         state, ids, seg).jaxpr
-    top = [e for e in _all_eqns(jaxpr) if "batch_context" in str(e.source_info.name_stack)]
+    top = [e for e in jaxpr_eqns(jaxpr) if "batch_context" in str(e.source_info.name_stack)]
     assert sum(e.primitive.name == "cos" for e in top) == 2  # one table per RoPE kind
     bodies = list(_scan_bodies(jaxpr))
     assert len(bodies) == 3  # one scan per group: (sliding, local) x2, (full, global), (sliding, local)
     for body in _scan_bodies(jaxpr):
-        assert not {"sin", "cos", "cummax"} & {e.primitive.name for e in _all_eqns(body)}
+        assert not {"sin", "cos", "cummax"} & {e.primitive.name for e in jaxpr_eqns(body)}
 
 
 @pytest.mark.parametrize("num_layers", [4, 5])  # whole periods; and an incomplete last one
@@ -242,7 +227,7 @@ def test_a_run_of_one_kind_in_a_period_is_an_inner_scan(remat, inner):
     jaxpr = jax.make_jaxpr(jax.grad(loss))(lora, frozen).jaxpr
     outer = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     assert outer and all(e.params["length"] == 2 for e in outer)  # the period scans (2 periods of 3 layers)
-    nested = [e.params["length"] for s in outer for e in _all_eqns(s.params["jaxpr"].jaxpr)
+    nested = [e.params["length"] for s in outer for e in jaxpr_eqns(s.params["jaxpr"].jaxpr)
               if e.primitive.name == "scan"]
     # the sliding pair's scan (length 2) in the forward that saves the residuals and in the backward
     assert nested == ([2, 2] if inner else []), nested

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import peft
@@ -27,7 +26,7 @@ import jaxft
 from jaxft import lora
 from jaxft.config import ConfigError, ModelConfig
 from jaxft.models.layers import linears
-from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits
+from lora_helpers import hf_model_fp32, jax_logits, jaxpr_eqns, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -156,22 +155,14 @@ def test_packed_rows_equal_each_document_alone(bases):
         start += doc.shape[1]
 
 
-def _eqns(jaxpr):
-    """Every equation of a closed jaxpr, sub-jaxprs (scan/jit/checkpoint bodies) included."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _eqns(sub)
-
-
 def test_forward_program_has_one_grouped_matmul_per_projection_and_no_host_sync(bases, ids):
     model = jaxft.from_pretrained(bases[False], dtype="float32")
     graphdef, state = nnx.split(model)
     jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, jnp.asarray(ids)).jaxpr
-    names = [e.primitive.name for e in _eqns(jaxpr)]
+    names = [e.primitive.name for e in jaxpr_eqns(jaxpr)]
     scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     assert len(scans) == 1 and scans[0].params["length"] == TINY["num_hidden_layers"]
-    body = [e.primitive.name for e in _eqns(scans[0].params["jaxpr"].jaxpr)]
+    body = [e.primitive.name for e in jaxpr_eqns(scans[0].params["jaxpr"].jaxpr)]
     assert body.count("ragged_dot_general") == 2  # gate and up together, down: whatever the number of experts
     assert names.count("ragged_dot_general") == 2  # and none outside the layer body
     assert not [n for n in names if "callback" in n or n in ("while", "cond")], sorted(set(names))

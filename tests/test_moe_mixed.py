@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import peft
@@ -35,7 +34,8 @@ from jaxft.generation import generate_ids
 from jaxft.models.moe import expert_adapters
 from jaxft.models.stack import layer_stacks
 from jaxft.train.step import loss_and_grad_sums, split_model, unstack_layers
-from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits
+from lora_helpers import (hf_model_fp32, jax_logits, jaxpr_eqns, perturb_lora_b, rel_err, tiny_qwen3_moe,
+                          torch_logits)
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
@@ -99,13 +99,6 @@ def test_logits_equal_transformers_at_512_tokens(bases, ids, name):
     assert rel_err(jax_logits(model, ids), torch_logits(hf_model_fp32(bases[name]), ids)) < 1e-5
 
 
-def _eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _eqns(sub)
-
-
 @pytest.mark.parametrize("name, scans", [("only1", [1, 1, 1]), ("step2", [2])])
 def test_program_scans_runs_of_one_kind_or_whole_periods(bases, ids, name, scans):
     """mlp_only_layers=[1]: sparse, dense, sparse = three runs; decoder_sparse_step=2: (dense, sparse) is one
@@ -115,9 +108,11 @@ def test_program_scans_runs_of_one_kind_or_whole_periods(bases, ids, name, scans
     jaxpr = jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, jnp.asarray(ids)).jaxpr
     top = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     assert [e.params["length"] for e in top] == scans
-    per_body = [[e.primitive.name for e in _eqns(s.params["jaxpr"].jaxpr)].count("ragged_dot_general") for s in top]
+    per_body = [[e.primitive.name for e in jaxpr_eqns(s.params["jaxpr"].jaxpr)].count("ragged_dot_general")
+                for s in top]
     assert per_body == ([2, 0, 2] if name == "only1" else [2])  # gate+up, down per sparse layer
-    assert not [e for e in _eqns(jaxpr) if "callback" in e.primitive.name or e.primitive.name in ("while", "cond")]
+    assert not [e for e in jaxpr_eqns(jaxpr)
+                if "callback" in e.primitive.name or e.primitive.name in ("while", "cond")]
 
 
 # --------------------------------------------------------------------------- checkpoints
