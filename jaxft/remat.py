@@ -85,6 +85,15 @@ FIXED = ("none", "full", "dots", "offload", "offload+attn", "offload_stream", "o
 # (6,806 vs 8,038 tok/s at 33.38 vs 38.20 GiB, no remat from section 10's call): the copies of the tensors made last in a layer end it, and full
 # remat on the few layers a budget needs is cheaper.
 AUTO_ORDER = ("none", "offload+attn", "full", "offload")
+# What `auto` weighs when full remat on the first k layers fits and offload+attn might too (Run._partial_remat):
+# full remat on k layers recomputes those layers' whole forward, attention included; offload+attn recomputes the
+# projections and MLP of every layer but no attention (its host copies hide under compute: docs/benchmarks.md
+# section 19). Which recomputes less depends on the row: attention grows with the pairs a row attends, the
+# projections with its tokens. `recompute_work` prices both in matmul time; ATTENTION_RATE is the attention
+# kernels' speed relative to dense matmuls on the H200 in bf16 (cuDNN forward 430-570 TFLOP/s against matmuls
+# of 620-800: the brief's and docs/benchmarks.md's measurements; the Pallas flash kernel on packed rows is not
+# faster). At 8B, 1 x 4096, the largest k that beats offload+attn is 28 of 32 layers; at 1 x 65536, 11.
+ATTENTION_RATE = 0.65
 # How `auto` measures full remat's per-layer saving before trying it on the first k layers (Run._partial_remat):
 # full remat on the first 1 and on the first 3 layers of a 4-layer copy of the model (compiled from shapes). Four
 # layers are two whole periods of period 1 and 2 stacks (Llama, Qwen, Gemma 2, GPT-OSS) and the two counts differ
@@ -377,3 +386,54 @@ def offloaded_bytes(policy: RematPolicy, cfg, batch: int, seq: int, itemsize: in
     if policy.block > 1:
         return math.ceil(cfg.num_layers / policy.block) * sizes[LAYER_INPUT] if policy.offloads else 0
     return sum(sizes[n] for n in policy.offload) * cfg.num_layers
+
+
+def attended_pairs(segment_ids, window: int | None = None) -> int:
+    """(query, key) pairs a causal mask keeps over the rows of `segment_ids` [B, T] (runs of one id are one
+    document; a row's padding is a run too, since the kernels attend it), each query seeing at most `window`
+    keys (itself included) when given: per document of n tokens n (n + 1) / 2, or w (w + 1) / 2 + (n - w) w."""
+    import numpy as np
+
+    total = 0
+    for row in np.asarray(segment_ids).reshape(-1, np.shape(segment_ids)[-1]):
+        bounds = np.concatenate([[0], np.flatnonzero(np.diff(row)) + 1, [row.shape[0]]])
+        n = np.diff(bounds).astype(np.int64)
+        w = n if window is None else np.minimum(n, window)
+        total += int((w * (w + 1) // 2 + (n - w) * w).sum())
+    return total
+
+
+def recompute_work(cfg, segment_ids) -> list[tuple[float, float]]:
+    """Per layer, (projections + MLP, attention): the forward work a layer's remat recomputes on a batch whose
+    rows carry `segment_ids` [B, T], in dense-matmul FLOPs (attention's divided by ATTENTION_RATE). Projections:
+    2 FLOPs per weight per token over q, k, v, o and the MLP a token runs (a dense gated MLP's three matrices, or
+    the router and its top-k experts'); attention: QK^T and PV, 4 D per kept pair and query head (`attended_pairs`
+    under the layer's window). LoRA's factors and the norms are left out (under 1% of either)."""
+    import numpy as np
+
+    tokens = int(np.size(segment_ids))
+    h, d = cfg.hidden_size, cfg.head_dim
+    attention_weights = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
+    pairs = {w: attended_pairs(segment_ids, w) for w in set(cfg.layer_windows)}
+    out = []
+    for window, mlp in zip(cfg.layer_windows, cfg.layer_mlps):
+        if mlp == "glu":
+            mlp_weights = 3 * h * cfg.intermediate_size
+        else:  # a router over the experts, then each token's top-k experts (gate, up, down)
+            mlp_weights = h * cfg.num_experts + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+        out.append((2.0 * tokens * (attention_weights + mlp_weights),
+                    4.0 * pairs[window] * cfg.num_heads * d / ATTENTION_RATE))
+    return out
+
+
+def partial_full_limit(work: list[tuple[float, float]]) -> int:
+    """The most first layers full remat may take before offload+attn recomputes less: the largest k with
+    sum over layers < k of (projections + attention) <= sum over all layers of projections (`recompute_work`)."""
+    budget = sum(p for p, _ in work)
+    spent, k = 0.0, 0
+    for p, a in work:
+        spent += p + a
+        if spent > budget:
+            break
+        k += 1
+    return k

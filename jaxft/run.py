@@ -389,7 +389,8 @@ class Run:
         """Resolves `remat: auto` (a no-op for any other policy): compiles the step from shapes for each policy
         of `jaxft.remat.AUTO_ORDER` (fastest expected first), estimates its device peak (`peak_estimate`) and
         keeps the first within `max_memory_gb` (default `default_memory_budget`); between "none" and the next
-        policy it tries full remat on the first k layers (`_partial_remat`). Every compile logs one line (what,
+        policy it tries full remat on the first k layers (`_partial_remat`) while k layers recompute less than
+        offload+attn on this batch (`jaxft.remat.partial_full_limit`), else after offload+attn if that does not fit. Every compile logs one line (what,
         its estimate, and why it was compiled); slower candidates than the choice are not compiled. The chosen
         step stays compiled; `remat_compiles` lists what was compiled. Raises ExecutionConfigError on key
         max_memory_gb (one line, with the smallest estimate) when nothing fits. Must run before `load`: the
@@ -421,14 +422,21 @@ class Run:
         def shallow(layers: int, depth: int) -> int:
             return self._shallow_probe(base, host_batch, layers, depth, log)
 
+        segments = host_batch.get("segment_ids", np.ones_like(host_batch["input_ids"]))
+        limit = remat_policies.partial_full_limit(remat_policies.recompute_work(self.model_config, segments))
+        deferred = None  # full remat on the first k layers, passed over for offload+attn: (k, per-layer saving)
         for policy in AUTO_ORDER:
+            if policy == "full" and deferred is not None and self._partial_at(fits, *deferred, budget, log)[0]:
+                return self.execution.remat  # offload+attn did not fit; k layers beat full remat on all of them
             if fits(policy):
                 rest = AUTO_ORDER[AUTO_ORDER.index(policy) + 1:]
                 if rest:
                     log(f"remat auto: chose {policy} (not compiled: {', '.join(rest)}, expected slower)")
                 return policy
-            if policy == "none" and self._partial_remat(fits, shallow, budget, log):
-                return self.execution.remat
+            if policy == "none":
+                chosen, deferred = self._partial_remat(fits, shallow, budget, limit, log)
+                if chosen:
+                    return self.execution.remat
         self.execution, self._compiled, self._compiled_spec = base, None, None
         smallest = min(self.remat_estimates, key=self.remat_estimates.get)
         raise ExecutionConfigError(
@@ -519,14 +527,16 @@ class Run:
             return None
         return (self.remat_estimates["none"] - full) / layers, f"full on all {layers} layers"
 
-    def _partial_remat(self, fits, shallow, budget: int, log) -> bool:
+    def _partial_remat(self, fits, shallow, budget: int, limit: int, log) -> tuple[bool, tuple[int, float] | None]:
         """After "none" does not fit: full remat on the first k layers only (`remat_layers`), the smallest k that
         fits by full remat's per-layer saving, then checked by compiling k itself at the model's depth (once more
         with k grown by the remaining excess if the estimate was short). Models of 4 layers or more (below, one
-        layer is within the noise) whose loop can unroll (not an MoE model on the Mosaic GPU expert kernels: `unrolled`); taken only while k <= 3/4 of the layers: full remat of
-        one layer costs about a third of that layer's step, so beyond that recomputing every layer's projections
-        and MLP but not its attention (offload+attn, next in `AUTO_ORDER`) is expected to be cheaper. Returns
-        whether a k fitted (the step is then compiled and `execution` holds it).
+        layer is within the noise) whose loop can unroll (not an MoE model on the Mosaic GPU expert kernels:
+        `unrolled`). Taken only while k <= `limit` (`jaxft.remat.partial_full_limit` on this batch): beyond it
+        offload+attn (next in `AUTO_ORDER`), which recomputes every layer's projections and MLP but no attention,
+        is expected to recompute less. Returns (whether a k fitted: the step is then compiled and `execution` holds
+        it, (k, per-layer saving) when k was passed over for being beyond `limit`, for `_partial_at` should
+        offload+attn not fit).
 
         The per-layer saving is measured on a shallow copy of the model (`_shallow`: its first
         `jaxft.remat.AUTO_PROBE_DEPTH` layers, compiled from shapes), as the difference between full remat on
@@ -540,32 +550,45 @@ class Run:
         layers = self.model_config.num_layers
         none = self.remat_estimates["none"]
         if layers < 4 or self.execution.layer_loop == "scan":  # remat_layers needs the unrolled loop
-            return False
+            return False, None
         if self.execution.layer_loop == "auto" and self.mosaic_experts:  # auto scans these (`unrolled`)
             log("remat auto: no full remat on the first layers only (it needs unrolled layers, whose Mosaic GPU "
                 "expert kernels compile for minutes); offload+attn is next")
-            return False
+            return False, None
         saving = self._full_remat_saving(
             shallow, lambda: self.remat_estimates[f"full on {layers} layers"] if fits("full", layers, probe=True)
             else None, log)
         if saving is None:
-            return False
+            return False, None
         per_layer, how = saving
         self._remat_slope = per_layer
-        limit = (3 * layers) // 4
         k = math.ceil((none - budget) / per_layer) if per_layer > 0 else layers
         log(f"remat auto: full remat saves {per_layer / GIB:.3f} GiB per layer ({how}); none is "
             f"{(none - budget) / GIB:.3f} GiB over the budget -> "
             + (f"full on {k} layers predicted to fit" if per_layer > 0 else "no saving to predict from"))
+        if per_layer <= 0:
+            return False, None
+        fitted, k = self._partial_at(fits, k, per_layer, budget, log, limit=limit)
+        return fitted, (k, per_layer) if not fitted and limit < k < layers else None
+
+    def _partial_at(self, fits, k: int, per_layer: float, budget: int, log, *,
+                    limit: int | None = None) -> tuple[bool, int]:
+        """Compiles full remat on the first k layers; if its estimate is over `budget`, once more with k grown by
+        the excess over `per_layer`. Stops beyond `limit` (offload+attn is then expected to recompute less) and
+        before every layer (that is the "full" candidate). Returns (whether it fitted: that step is then compiled,
+        the last k)."""
+        layers = self.model_config.num_layers
         for _ in range(2):
-            if k > limit:
-                log(f"remat auto: full on {k} layers is beyond 3/4 of the {layers} layers: not compiled (offload+attn "
-                    "is expected faster)")
-                return False
+            if limit is not None and k > limit:
+                log(f"remat auto: full on {k} layers recomputes more than offload+attn on this batch (at most "
+                    f"{limit} of the {layers} layers do not): offload+attn first")
+                return False, k
+            if k >= layers:
+                return False, k
             if fits("full", k):
-                return True
+                return True, k
             k += max(1, math.ceil((self.remat_estimates[f"full on {k} layers"] - budget) / per_layer))
-        return False
+        return False, k
 
     def _shallow(self, depth: int) -> "Run":
         """A copy of this run whose model is its first `depth` layers (same widths, embeddings and head), with no

@@ -120,13 +120,13 @@ def test_auto_layer_loop_scans_experts_on_the_mosaic_kernels(tmp_path):
 
     def never(*args, **kwargs):
         raise AssertionError("compiled a partial remat candidate")
-    assert not auto._partial_remat(never, never, 2**30, lines.append)
+    assert auto._partial_remat(never, never, 2**30, 4, lines.append) == (False, None)
     assert lines == ["remat auto: no full remat on the first layers only (it needs unrolled layers, whose Mosaic GPU "
                      "expert kernels compile for minutes); offload+attn is next"]
     explicit = run(grouped_matmul_implementation="pallas_mosaic", remat="auto", layer_loop="unroll")
     explicit.remat_estimates["none"] = 2**40
     with pytest.raises(AssertionError, match="compiled a partial remat candidate"):  # unrolled as asked: tried
-        explicit._partial_remat(never, never, 2**30, lines.append)
+        explicit._partial_remat(never, never, 2**30, 4, lines.append)
     assert (mosaic.layer_loop, run(grouped_matmul_implementation="xla").layer_loop) == ("scan", "unroll")
 
 

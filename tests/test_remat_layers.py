@@ -231,3 +231,116 @@ def test_fit_allocator_names_the_fix_when_the_step_cannot_be_rechosen(model_dir)
     assert "XLA_PYTHON_CLIENT_PREALLOCATE=true" in text and "below the step's temp" in text
     with pytest.raises(RuntimeError, match="before Run.load"):
         _run(model_dir, "none").fit_allocator(_batch(), stats=_stats(1024))
+
+
+# ------------------------------------------------------------------- full remat on k layers against offload+attn
+def test_attended_pairs_count_what_a_causal_windowed_mask_keeps():
+    """Against the mask itself: packed rows of random document lengths (a run of one id is a document, padding
+    included), with and without a window."""
+    from jaxft.remat import attended_pairs
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for _ in range(3):
+        lengths = rng.integers(1, 30, 6)
+        rows.append(np.repeat(np.arange(len(lengths)) % 2 + np.arange(len(lengths)), lengths)[:60])
+    ids = np.stack([np.pad(r, (0, 60 - len(r)), constant_values=0) for r in rows])
+    for window in (None, 1, 5, 17):
+        i, j = np.arange(60)[:, None], np.arange(60)[None, :]
+        keep = (j <= i) & ((i - j < window) if window else True)
+        want = sum(int(((row[:, None] == row[None, :]) & keep).sum()) for row in ids)
+        assert attended_pairs(ids, window) == want, window
+
+
+def _llama_8b(**kw):
+    from jaxft.config import ModelConfig
+
+    return ModelConfig(**{**dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                                 num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128), **kw})
+
+
+def test_full_remat_pays_on_fewer_layers_as_attention_outweighs_the_projections():
+    """Llama-3.1-8B's shape (a config, no weights): one document per row, the layers full remat may take before
+    offload+attn recomputes less fall with the row's length (attention grows with its square); packed documents
+    of a few hundred tokens attend little, and sliding windows cap what a layer attends. Each limit is the
+    definition's largest k, checked one layer either side."""
+    from jaxft.remat import partial_full_limit, recompute_work
+
+    def limit(cfg, ids):
+        work = recompute_work(cfg, ids)
+        k = partial_full_limit(work)
+        projections = sum(p for p, _ in work)
+        assert sum(p + a for p, a in work[:k]) <= projections
+        assert k == len(work) or sum(p + a for p, a in work[:k + 1]) > projections
+        return k
+
+    cfg = _llama_8b()
+    one_document = [limit(cfg, np.ones((1, t), np.int32)) for t in (4096, 16384, 65536, 262144)]
+    assert one_document == sorted(one_document, reverse=True) and len(set(one_document)) == 4
+    assert 0 < one_document[-1] and one_document[0] < cfg.num_layers
+    packed = np.repeat(np.arange(1, 55), 300)[None, :16384]  # documents of 300 tokens
+    assert limit(cfg, packed) > one_document[0]
+    windows = cfg.replace(layer_windows=(4096, None) * 16)  # Gemma-2-like alternation
+    assert limit(windows, np.ones((1, 65536), np.int32)) > one_document[2]
+
+
+def _one_document_rows(t: int = 512) -> dict[str, np.ndarray]:
+    """[1, t], one document: on the tiny model (hidden 64) attention then outweighs a layer's projections, so
+    full remat recomputes less than offload+attn on 1 of its 4 layers only (`partial_full_limit`)."""
+    batch = _batch()
+    ids = np.resize(batch["input_ids"][0], (1, t))
+    loss_mask = np.ones((1, t), np.float32)
+    loss_mask[:, -1] = 0
+    return dict(input_ids=ids, targets=np.roll(ids, -1, 1), loss_mask=loss_mask,
+                segment_ids=np.ones((1, t), np.int32), positions=np.arange(t, dtype=np.int32)[None])
+
+
+@pytest.fixture(scope="module")
+def long_estimates(model_dir):
+    out = {}
+    for name, remat, k in [("none", "none", None), ("full on 1", "full", 1), ("full on 2", "full", 2),
+                           ("full on 3", "full", 3), ("offload+attn", "offload+attn", None)]:
+        run = _run(model_dir, remat, **({} if k is None else dict(remat_layers=k)))
+        run.compile(_one_document_rows())
+        out[name] = peak_estimate(run.memory_analysis())
+    return out
+
+
+def test_auto_takes_offload_attn_where_full_remat_would_recompute_more(model_dir, long_estimates):
+    """Full remat on 2 of the 4 layers fits the budget, and so does offload+attn: on these rows 2 layers of full
+    remat recompute more than offload+attn (attention included), so auto compiles offload+attn before any k and
+    takes it (it took full on 2 layers when the limit was a fixed 3/4 of the layers)."""
+    from jaxft.remat import partial_full_limit, recompute_work
+
+    rows, e = _one_document_rows(), long_estimates
+    assert e["none"] > e["full on 1"] > e["full on 2"] > e["offload+attn"]
+    lines = []
+    run = _run(model_dir, "auto", max_memory_gb=(e["full on 1"] + e["full on 2"]) / 2 / GIB)
+    assert partial_full_limit(recompute_work(run.model_config, rows["segment_ids"])) == 1
+    assert run.choose_remat(rows, log=lines.append) == "offload+attn"
+    assert [(p, k) for p, k, _ in run.remat_compiles] == [("none", None), ("full", LAYERS), ("offload+attn", None)]
+    assert any(line.startswith("remat auto: full on 2 layers recomputes more than offload+attn on this batch (at "
+                               "most 1 of the 4 layers do not)") for line in lines)
+    assert lines[-2].startswith("remat auto: offload+attn estimated peak ") and lines[-2].endswith("fits: chosen")
+
+
+def test_auto_takes_full_remat_on_k_layers_when_offload_attn_does_not_fit(deep_dir):
+    """The 5-layer model on the same rows (full remat pays on 2 layers at most), with a budget that offload+attn
+    misses and full remat on 4 layers fits: auto comes back to the 4 layers it passed over, not to full remat on
+    every layer (the next policy of AUTO_ORDER)."""
+    e = {}
+    for name, remat, k in [("full on 4", "full", 4), ("offload+attn", "offload+attn", None)]:
+        run = _run(deep_dir, remat, **({} if k is None else dict(remat_layers=k)))
+        run.compile(_one_document_rows())
+        e[name] = peak_estimate(run.memory_analysis())
+    if not e["full on 4"] < e["offload+attn"]:
+        pytest.skip(f"on this JAX the estimates leave no budget between them: {e}")
+    lines = []
+    run = _run(deep_dir, "auto", max_memory_gb=(e["full on 4"] + e["offload+attn"]) / 2 / GIB)
+    assert run.choose_remat(_one_document_rows(), log=lines.append) == "full"
+    assert run.execution.remat_layers == 4 and run.remat_choice == ("full on 4 layers", e["full on 4"])
+    compiled = [(p, k) for p, k, _ in run.remat_compiles]
+    assert compiled[0] == ("none", None) and compiled[-2:] == [("offload+attn", None), ("full", 4)]
+    assert any(line.startswith("remat auto: full on 4 layers recomputes more than offload+attn on this batch")
+               for line in lines)
+    assert lines[-1].startswith("remat auto: full on 4 layers estimated peak ") and lines[-1].endswith("fits: chosen")
