@@ -390,9 +390,9 @@ class Run:
         of `jaxft.remat.AUTO_ORDER` (fastest expected first), estimates its device peak (`peak_estimate`) and
         keeps the first within `max_memory_gb` (default `default_memory_budget`); between "none" and the next
         policy it tries full remat on the first k layers (`_partial_remat`) while k layers recompute less than
-        offload+attn on this batch (`jaxft.remat.partial_full_limit`), else after offload+attn if that does not fit. Every compile logs one line (what,
-        its estimate, and why it was compiled); slower candidates than the choice are not compiled. The chosen
-        step stays compiled; `remat_compiles` lists what was compiled. Raises ExecutionConfigError on key
+        offload+attn on this batch (`jaxft.remat.partial_full_limit`), else after offload+attn if that does not
+        fit. Every compile logs one line (what, its estimate, and why it was compiled); slower candidates than the
+        choice are not compiled. The chosen step stays compiled; `remat_compiles` lists what was compiled. Raises ExecutionConfigError on key
         max_memory_gb (one line, with the smallest estimate) when nothing fits. Must run before `load`: the
         policy decides the layer loop, hence the weight layout."""
         base = self.execution
