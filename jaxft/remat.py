@@ -47,6 +47,7 @@ from typing import Any, Mapping
 import jax
 
 from jaxft.config import ConfigError
+from kernels_pallas.attention import kept_pairs
 from kernels_pallas.attention import residuals as attention_residuals
 
 # Residual names, in the order `offload_all` spends its host budget on them: most recompute saved per byte
@@ -388,33 +389,18 @@ def offloaded_bytes(policy: RematPolicy, cfg, batch: int, seq: int, itemsize: in
     return sum(sizes[n] for n in policy.offload) * cfg.num_layers
 
 
-def attended_pairs(segment_ids, window: int | None = None) -> int:
-    """(query, key) pairs a causal mask keeps over the rows of `segment_ids` [B, T] (runs of one id are one
-    document; a row's padding is a run too, since the kernels attend it), each query seeing at most `window`
-    keys (itself included) when given: per document of n tokens n (n + 1) / 2, or w (w + 1) / 2 + (n - w) w."""
-    import numpy as np
-
-    total = 0
-    for row in np.asarray(segment_ids).reshape(-1, np.shape(segment_ids)[-1]):
-        bounds = np.concatenate([[0], np.flatnonzero(np.diff(row)) + 1, [row.shape[0]]])
-        n = np.diff(bounds).astype(np.int64)
-        w = n if window is None else np.minimum(n, window)
-        total += int((w * (w + 1) // 2 + (n - w) * w).sum())
-    return total
-
-
 def recompute_work(cfg, segment_ids) -> list[tuple[float, float]]:
     """Per layer, (projections + MLP, attention): the forward work a layer's remat recomputes on a batch whose
     rows carry `segment_ids` [B, T], in dense-matmul FLOPs (attention's divided by ATTENTION_RATE). Projections:
     2 FLOPs per weight per token over q, k, v, o and the MLP a token runs (a dense gated MLP's three matrices, or
-    the router and its top-k experts'); attention: QK^T and PV, 4 D per kept pair and query head (`attended_pairs`
+    the router and its top-k experts'); attention: QK^T and PV, 4 D per kept pair and query head (`kept_pairs`
     under the layer's window). LoRA's factors and the norms are left out (under 1% of either)."""
     import numpy as np
 
     tokens = int(np.size(segment_ids))
     h, d = cfg.hidden_size, cfg.head_dim
     attention_weights = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
-    pairs = {w: attended_pairs(segment_ids, w) for w in set(cfg.layer_windows)}
+    pairs = {w: kept_pairs(segment_ids, w) for w in set(cfg.layer_windows)}
     out = []
     for window, mlp in zip(cfg.layer_windows, cfg.layer_mlps):
         if mlp == "glu":

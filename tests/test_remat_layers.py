@@ -234,10 +234,10 @@ def test_fit_allocator_names_the_fix_when_the_step_cannot_be_rechosen(model_dir)
 
 
 # ------------------------------------------------------------------- full remat on k layers against offload+attn
-def test_attended_pairs_count_what_a_causal_windowed_mask_keeps():
+def test_kept_pairs_count_what_a_causal_windowed_mask_keeps():
     """Against the mask itself: packed rows of random document lengths (a run of one id is a document, padding
     included), with and without a window."""
-    from jaxft.remat import attended_pairs
+    from kernels_pallas.attention import kept_pairs
 
     rng = np.random.default_rng(3)
     rows = []
@@ -249,7 +249,7 @@ def test_attended_pairs_count_what_a_causal_windowed_mask_keeps():
         i, j = np.arange(60)[:, None], np.arange(60)[None, :]
         keep = (j <= i) & ((i - j < window) if window else True)
         want = sum(int(((row[:, None] == row[None, :]) & keep).sum()) for row in ids)
-        assert attended_pairs(ids, window) == want, window
+        assert kept_pairs(ids, window) == want, window
 
 
 def _llama_8b(**kw):

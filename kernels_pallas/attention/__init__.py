@@ -8,10 +8,11 @@ Public API:
       "pallas", "cudnn"; "auto"/None picks per call
   make_metadata(segment_ids, *, causal=True, sliding_window=None, block_q=None,
       block_k=None) -> AttentionMetadata
+  kept_pairs(segment_ids, window=None) -> int: (query, key) pairs the causal mask keeps
 """
 
 from kernels_pallas.attention.api import IMPLEMENTATIONS, OP, dot_product_attention
-from kernels_pallas.attention.metadata import AttentionMetadata, make_metadata
+from kernels_pallas.attention.metadata import AttentionMetadata, kept_pairs, make_metadata
 from kernels_pallas.attention.reference import attention_reference
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "OP",
     "attention_reference",
     "dot_product_attention",
+    "kept_pairs",
     "make_metadata",
 ]

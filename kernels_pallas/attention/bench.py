@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels_pallas.attention.metadata import kept_pairs
 from kernels_pallas.attention.shapes import (  # noqa: F401 - re-exported for the benchmark
     BENCH_SHAPES,
     GPU_TEST_SHAPES,
@@ -18,27 +19,12 @@ from kernels_pallas.attention.shapes import (  # noqa: F401 - re-exported for th
 )
 
 
-def kept_pairs(segment_ids: np.ndarray, causal: bool = True, window: int | None = None) -> int:
-    """Number of (query, key) pairs the mask keeps (assumes contiguous segments)."""
-    total = 0
-    for row in np.asarray(segment_ids):
-        change = np.flatnonzero(np.diff(row)) + 1
-        bounds = np.concatenate([[0], change, [len(row)]])
-        for length in np.diff(bounds):
-            i = np.arange(length, dtype=np.int64)
-            vis = i + 1 if causal else np.full_like(i, length)
-            if window is not None:
-                vis = np.minimum(vis, window) if causal else length - np.maximum(0, i - window + 1)
-            total += int(vis.sum())
-    return total
-
-
 def useful_flops(shape: AttnShape, segment_ids: np.ndarray) -> tuple[float, float]:
     """(forward, forward+backward) FLOPs counting only kept score entries.
 
     Forward: 2 matmuls (QK^T, PV) = 4 * D flops per kept pair per head.
     Backward: 5 matmuls (QK^T recompute, dV, dP, dQ, dK) = 10 * D.
     """
-    pairs = kept_pairs(segment_ids, causal=True, window=shape.window)
+    pairs = kept_pairs(segment_ids, window=shape.window)
     fwd = 4.0 * shape.head_dim * shape.heads * pairs
     return fwd, fwd * 3.5

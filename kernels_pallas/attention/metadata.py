@@ -33,6 +33,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 DEFAULT_BLOCK_Q = 128
@@ -228,3 +229,19 @@ def make_metadata(
         block_q=block_q, block_k=block_k, causal=bool(causal),
         sliding_window=None if sliding_window is None else int(sliding_window),
     )
+
+
+def kept_pairs(segment_ids, window: int | None = None) -> int:
+    """(query, key) pairs a causal mask keeps over the rows of ``segment_ids`` [..., T]: a run of one id is one
+    document (a row's padding is a run too, since the kernels attend it), and each query sees at most ``window``
+    keys (itself included) when one is given. Per document of n tokens: n (n + 1) / 2, or with w = min(n, window)
+    w (w + 1) / 2 + (n - w) w. The benchmarks' useful FLOPs and remat's cost model both count pairs this way."""
+    ids = np.asarray(segment_ids)
+    rows = ids.reshape(-1, ids.shape[-1])
+    # Document boundaries of every row at once: a start at each row's first token and at each change of id.
+    starts = np.ones(rows.shape, bool)
+    starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
+    flat = np.flatnonzero(starts.reshape(-1))
+    n = np.diff(np.append(flat, rows.size)).astype(np.int64)
+    w = n if window is None else np.minimum(n, window)
+    return int((w * (w + 1) // 2 + (n - w) * w).sum())
