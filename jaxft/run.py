@@ -83,6 +83,12 @@ def peak_estimate(analysis: dict[str, int]) -> int:
                - analysis.get("alias_size_in_bytes", 0) + ALLOCATOR_SLACK * arguments)
 
 
+def candidate_name(policy: str, layers: int | None) -> str:
+    """A `remat: auto` candidate's name in `Run.remat_estimates` and the log: the policy, or "full on 2 layers"
+    for full remat on the first 2 layers."""
+    return policy if layers is None else f"{policy} on {layers} layers"
+
+
 def contiguous_room(stats: dict[str, int]) -> int | None:
     """Bytes one new buffer can take on a device, from its `memory_stats()`: the larger of the allocator's largest
     free block and what its limit leaves for a new region beside its pool; None when the device does not report a
@@ -408,7 +414,7 @@ class Run:
         def fits(policy: str, layers: int | None = None, *, probe: bool = False) -> bool:
             """Compiles `policy` (on the first `layers` layers) at the model's depth and says whether it fits; a
             fitting probe is measured, not chosen, so it neither logs "chosen" nor ends the compile count."""
-            name = policy if layers is None else f"{policy} on {layers} layers"
+            name = candidate_name(policy, layers)
             on = self._host_fit(base.replace(remat=policy), host_batch, log)
             if on is None:
                 return False
@@ -474,8 +480,7 @@ class Run:
         2 layers), and its estimated peak bytes; None when auto has not run."""
         if not self.remat_estimates:
             return None
-        ex = self.execution
-        name = ex.remat if ex.remat_layers is None else f"{ex.remat} on {ex.remat_layers} layers"
+        name = candidate_name(self.execution.remat, self.execution.remat_layers)
         return name, self.remat_estimates[name]
 
     def _compile_candidate(self, run: "Run", base: ExecutionConfig, host_batch: dict[str, np.ndarray], policy: str,
@@ -605,17 +610,19 @@ class Run:
     def fit_allocator(self, host_batch: dict[str, np.ndarray], *, stats: dict[str, int] | None = None,
                       log=logger.info) -> None:
         """After `load`: checks that the step's temporaries (XLA allocates them as ONE buffer per step) fit where the
-        device's allocator can still place one buffer (`contiguous_room`), and when they do not, takes full remat on
-        more layers until they do. A no-op where the device does not report its pool (CPU) or the step fits.
+        device's allocator can still place one buffer (`contiguous_room`), and when they do not, re-chooses a
+        leaner step of `remat: auto`'s until one does. A no-op where the device does not report its pool (CPU) or
+        the step fits.
 
         Why after the load: with a growing allocator (XLA_PYTHON_CLIENT_PREALLOCATE=false) the regions that hold
         the weights are up to about twice their bytes (regions double in size), so a step whose peak fits the
         budget can still find no room for its temp: Gemma-2-9B packed 16k, no remat, ran out of memory at a
         73.54 GiB temp beside 34 GiB of regions holding 18 GiB of weights (docs/benchmarks.md section 17). The
-        remedy keeps the weights where they are, so only steps of the unrolled loop `remat: auto` chose (none or
-        full on k layers) are re-chosen, from full remat's per-layer saving (`_partial_remat`'s, else measured the
-        same way: `_full_remat_saving`) and checked by compiling; anything else raises ExecutionConfigError on key
-        max_memory_gb with the numbers and the fixes."""
+        remedy keeps the weights where they are (their layout follows the layer loop), so auto's choice is re-made
+        within its loop: over unrolled layers (none, or full on k) full remat on more layers, k predicted from full
+        remat's per-layer saving (`_partial_remat`'s, else measured the same way: `_full_remat_saving`); in the
+        layer scan the policies after it in AUTO_ORDER; each checked by compiling. A policy the user set, or no
+        re-choice that fits, raises ExecutionConfigError on key max_memory_gb with the numbers and the fixes."""
         if not self.loaded:
             raise RuntimeError("Run.fit_allocator before Run.load(): the allocator's pool is known once the weights "
                                "are placed")
@@ -635,36 +642,67 @@ class Run:
                  f"{stats.get('largest_free_block_bytes', 0) / GIB:.3f} GiB)")
         log(f"allocator: after the load {where}; the step's temp is {temp / GIB:.3f} GiB")
         ex, layers = self.execution, self.model_config.num_layers
-        chosen = bool(self.remat_estimates) and self.unrolled and ex.remat in ("none", "full") and \
-            (ex.remat == "none" or (ex.remat_layers or layers) < layers)
-        if chosen:
-            slope = self._remat_slope
-            if slope is None:  # auto chose "none" outright: measure the saving as `_partial_remat` does
-                saving = self._full_remat_saving(
-                    lambda n, depth: self._shallow_probe(ex, host_batch, n, depth, log),
-                    lambda: self._compile_candidate(self, ex, host_batch, "full", layers, f"full on {layers} layers",
-                                                    lambda e: "probe (per-layer saving of full remat)", log), log)
-                slope = saving[0]
-                log(f"remat auto: full remat saves {slope / GIB:.3f} GiB per layer ({saving[1]})")
-            k = (ex.remat_layers or 0) if ex.remat == "full" else 0
-            for _ in range(3):
-                k = min(layers, k + max(1, math.ceil((temp - room) / slope))) if slope > 0 else layers
-                self.execution = ex.replace(remat="full", remat_layers=k)
-                self.compile(host_batch)
-                temp = self.memory_analysis().get("temp_size_in_bytes", 0)
-                name = f"full on {k} layers"
-                self.remat_estimates[name] = peak_estimate(self.memory_analysis())
-                self.remat_compiles.append(("full", k, layers))
-                log(f"remat auto: {name:<12} temp {temp / GIB:.3f} GiB -> "
-                    + ("fits the allocator: chosen" if temp <= room else "does not fit the allocator"))
-                if temp <= room:
-                    return
-                if k == layers:
-                    break
+        if self.remat_estimates and self.unrolled and ex.remat in ("none", "full") and \
+                (ex.remat == "none" or (ex.remat_layers or layers) < layers):
+            temp = self._refit_unrolled(host_batch, temp, room, log)
+        elif self.remat_estimates and not self.unrolled and ex.remat in AUTO_ORDER and ex.remat_layers is None:
+            temp = self._refit_scan(host_batch, temp, room, log)
+        if temp <= room:
+            return
         raise ExecutionConfigError(
             "max_memory_gb", f"after the load {where}, below the step's temp ({temp / GIB:.3f} GiB): set "
             "XLA_PYTHON_CLIENT_PREALLOCATE=true (one region for the whole limit) or raise XLA_PYTHON_CLIENT_MEM_FRACTION,"
             " or lower max_memory_gb")
+
+    def _refit_unrolled(self, host_batch: dict[str, np.ndarray], temp: int, room: int, log) -> int:
+        """`fit_allocator` after auto chose none or full on k layers of the unrolled loop: full remat on more
+        layers, k predicted from full remat's per-layer saving and checked by compiling (three tries); returns the
+        last temp."""
+        ex, layers = self.execution, self.model_config.num_layers
+        slope = self._remat_slope
+        if slope is None:  # auto chose "none" outright: measure the saving as `_partial_remat` does
+            saving = self._full_remat_saving(
+                lambda n, depth: self._shallow_probe(ex, host_batch, n, depth, log),
+                lambda: self._compile_candidate(self, ex, host_batch, "full", layers, f"full on {layers} layers",
+                                                lambda e: "probe (per-layer saving of full remat)", log), log)
+            slope = saving[0]
+            log(f"remat auto: full remat saves {slope / GIB:.3f} GiB per layer ({saving[1]})")
+        k = (ex.remat_layers or 0) if ex.remat == "full" else 0
+        for _ in range(3):
+            k = min(layers, k + max(1, math.ceil((temp - room) / slope))) if slope > 0 else layers
+            temp = self._refit_compile(ex.replace(remat="full", remat_layers=k), host_batch, room, log)
+            if temp <= room or k == layers:
+                break
+        return temp
+
+    def _refit_scan(self, host_batch: dict[str, np.ndarray], temp: int, room: int, log) -> int:
+        """`fit_allocator` after auto chose a policy of the layer scan: the scan policies after it in AUTO_ORDER
+        (slower and leaner; all keep the stacked weights as placed) in turn, skipping one whose host copies miss
+        the host budget, until one's temp fits; returns the last temp."""
+        ex = self.execution
+        for policy in AUTO_ORDER[AUTO_ORDER.index(ex.remat) + 1:]:
+            on = self._host_fit(ex.replace(remat=policy), host_batch, log)
+            if on is None:
+                continue
+            temp = self._refit_compile(on, host_batch, room, log)
+            if temp <= room:
+                break
+        return temp
+
+    def _refit_compile(self, execution: ExecutionConfig, host_batch: dict[str, np.ndarray], room: int, log) -> int:
+        """One compile of `fit_allocator`'s re-choice over the loaded weights, recorded as auto's compiles are and
+        logged as one line; returns its temp."""
+        self.execution = execution
+        self.compile(host_batch)
+        m = self.memory_analysis()
+        temp = m.get("temp_size_in_bytes", 0)
+        layers = execution.remat_layers
+        name = candidate_name(execution.remat, layers)
+        self.remat_estimates[name] = peak_estimate(m)
+        self.remat_compiles.append((execution.remat, layers, self.model_config.num_layers))
+        log(f"remat auto: {name:<12} temp {temp / GIB:.3f} GiB -> "
+            + ("fits the allocator: chosen" if temp <= room else "does not fit the allocator"))
+        return temp
 
     def step(self, host_batch: dict[str, np.ndarray], step_index: int) -> dict[str, jax.Array]:
         """One optimizer update on `host_batch` (compiled on first use); returns the step's metrics, still on

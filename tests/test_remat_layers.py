@@ -217,6 +217,35 @@ def test_fit_allocator_takes_more_remat_when_the_pool_leaves_no_room_for_the_tem
     assert (run.execution.remat, run.execution.remat_layers) == ("full", k)
 
 
+def test_fit_allocator_in_the_layer_scan_takes_the_next_scan_policy_whose_temp_fits(model_dir):
+    """auto over the layer scan chose no remat; after the load the pool leaves less room than its temp but more
+    than offload+attn's: offload+attn is compiled over the stacked weights as placed and kept, and the step runs.
+    With room for none of them, each later scan policy is compiled once, then the one-line error on the key."""
+    temps = {}
+    for policy in AUTO_ORDER:
+        probe = _run(model_dir, policy, layer_loop="scan")
+        probe.compile(_batch())
+        temps[policy] = probe.memory_analysis()["temp_size_in_bytes"]
+    assert temps["none"] > temps["offload+attn"] > 0
+    lines = []
+    run = _run(model_dir, "auto", layer_loop="scan", max_memory_gb=1000.0)
+    assert run.choose_remat(_batch(), log=lines.append) == "none" and not run.unrolled
+    run.load()
+    room = (temps["none"] + temps["offload+attn"]) // 2
+    run.fit_allocator(_batch(), stats=_stats(room), log=lines.append)
+    assert (run.execution.remat, run.execution.remat_layers, run.unrolled) == ("offload+attn", None, False)
+    assert run.memory_analysis()["temp_size_in_bytes"] == temps["offload+attn"] <= room
+    assert lines[-1].startswith("remat auto: offload+attn temp ") and lines[-1].endswith("fits the allocator: chosen")
+    assert run.remat_choice == ("offload+attn", run.remat_estimates["offload+attn"])
+    assert np.isfinite(float(run.step(_batch(), 0)["loss"]))
+    compiled = len(run.remat_compiles)
+    with pytest.raises(ExecutionConfigError) as info:
+        run.fit_allocator(_batch(), stats=_stats(1024), log=lines.append)
+    assert run.remat_compiles[compiled:] == [(p, None, LAYERS) for p in AUTO_ORDER[2:]]
+    assert all(line.endswith("does not fit the allocator") for line in lines[-2:])
+    assert info.value.field == "max_memory_gb" and "\n" not in str(info.value)
+
+
 def test_fit_allocator_names_the_fix_when_the_step_cannot_be_rechosen(model_dir):
     """A policy the user set (not auto): its temp does not fit the pool's room -> one line on key max_memory_gb
     with the numbers and the fixes, instead of the allocator's out-of-memory at the first step."""
