@@ -177,20 +177,26 @@ def test_auto_takes_the_kernels_only_on_hopper():
         grouped_matmul_mosaic(lhs, rhs, sizes, interpret=False)
 
 
-@pytest.mark.parametrize("split,transpose", [("n", False), ("m", True)])
-def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose):
+@pytest.mark.parametrize("split,transpose,block_m,sizes", [
+    ("n", False, 64, (70, 0, 61, 3, 0, 50)), ("m", True, 64, (70, 0, 61, 3, 0, 50)),
+    # 256-row tiles split along M (128 rows a compute warpgroup, a sweep candidate): groups of one, two and three
+    # halves, an empty one, and rows past the last group
+    ("m", False, 256, (300, 0, 140, 3, 0, 50)), ("m", True, 256, (300, 0, 140, 3, 0, 50)),
+])
+def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes):
     """The memory-warpgroup + two-compute-warpgroup variant in interpret mode, each way of splitting the tile
-    (N halves with rhs as stored, M halves with rhs read transposed as d lhs does)."""
+    (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does)."""
     from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows_ws
 
-    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split)
-    sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
+    cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split)
+    m = sum(sizes) + 7
+    sizes = jnp.asarray(sizes, jnp.int32)
     k1, k2 = jax.random.split(jax.random.key(4))
-    lhs = jax.random.normal(k1, (200, 128), jnp.float32)
+    lhs = jax.random.normal(k1, (m, 128), jnp.float32)
     rhs = jax.random.normal(k2, (6, 128, 256), jnp.float32)
     got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
                       interpret=True)
-    _close(got, _loop(lhs, rhs, sizes, np.zeros((200, 256)))[0], "float32", f"out (split {split})")
+    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 256)))[0], "float32", f"out (split {split}, {block_m} rows)")
 
 
 @pytest.mark.parametrize("sizes,m,k,n,walk", [
@@ -287,6 +293,26 @@ def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
     in_place = jax.jit(jax.value_and_grad(
         lambda a, b, c: grouped_matmul_mosaic(a, b, c, row=1, interpret=False).astype(jnp.float32).sum()))
     assert calls(in_place.trace(lhs, stack, sizes).lower(lowering_platforms=("cuda",))) == 2
+
+
+def test_sweep_candidates_lower_for_a_gpu_from_the_cpu():
+    """Every 256-row candidate of the sweep (split along M, 128 rows a compute warpgroup) through Mosaic GPU's CUDA
+    lowering, forward and d lhs, on the shapes that offer one: the sweep times them on the H200, where a config
+    the lowering rejects would only print its error."""
+    from kernels_pallas.grouped_matmul import bench
+    from kernels_pallas.grouped_matmul.mosaic import gmm_rows_ws
+
+    lowered = 0
+    for k, n, g in [(768, 2048, 128), (2048, 1536, 128), (2880, 5760, 32)]:
+        lhs, dout = jax.ShapeDtypeStruct((4096, k), jnp.bfloat16), jax.ShapeDtypeStruct((4096, n), jnp.bfloat16)
+        rhs, sizes = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32)
+        for cfg in [c for c in bench.sweep_candidates(k, n) if c.block_m == 256]:
+            for a, transpose in ((lhs, False), (dout, True)):
+                fn = jax.jit(lambda a, b, c: gmm_rows_ws(a, b, c, cfg, transpose_rhs=transpose))
+                text = fn.trace(a, rhs, sizes).lower(lowering_platforms=("cuda",)).as_text()
+                assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+                lowered += 1
+    assert lowered == 3 * 2 * 2  # two walks a shape, forward and d lhs
 
 
 def test_queued_timing_queues_the_calls_and_synchronises_once_per_round():

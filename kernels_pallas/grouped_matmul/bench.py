@@ -150,20 +150,24 @@ def sweep_candidates(kc: int, n: int) -> list:
     """Warp-specialised row-kernel tiles for a product of contraction `kc` and output width `n` (bf16): the
     block_n widths that divide n, the stage counts that divide the contraction steps (so the units chain) and fit in
     shared memory (`mosaic.smem_bytes`), both splits of the tile, and the two walks (along a tile's N-blocks, or
-    down the tiles at one N-block). Why these: a width that does not divide n pads the whole expert stack, and an
-    unchained pipeline fills from empty on every unit."""
+    down the tiles at one N-block); split along M also 256-row tiles (128 rows a compute warpgroup, as JAX's Hopper
+    matmul example), which read each expert's tile once for twice the rows: for a short contraction (Qwen3-30B-A3B's
+    down, K = 768) a 128 x 128 tile is 64 FLOPs per byte loaded. Why these: a width that does not divide n pads the
+    whole expert stack, and an unchained pipeline fills from empty on every unit."""
     from .mosaic import _SMEM_BYTES, TileConfig, smem_bytes
 
     out = []
-    for split in ("m", "n"):
+    for split, bm in (("m", 128), ("m", 256), ("n", 128)):
         for bn in (128, 192, 256):
             cta_n = 2 * bn if split == "n" else bn
-            if n % cta_n or (split == "n" and bn > 128):  # two 128 x 256 fp32 accumulators do not fit the registers
+            # A compute warpgroup's fp32 accumulator, (bm or bm / 2) x bn, must fit its registers: up to 128 x 128
+            # (128 a thread) beside the rest, or 64 x 256.
+            if n % cta_n or (bm if split == "n" else bm // 2) * bn > 128 * 128:
                 continue
             for bk in (64, 128):
                 if kc % bk:
                     continue
-                tiles = dict(block_m=128, block_n=bn, block_k=bk, warp_specialized=True, wg_split=split)
+                tiles = dict(block_m=bm, block_n=bn, block_k=bk, warp_specialized=True, wg_split=split)
                 fits = [st for st in (6, 5, 4, 3, 2) if (kc // bk) % st == 0
                         and smem_bytes(TileConfig(**tiles, stages=st)) <= _SMEM_BYTES]
                 for stages in fits[:1]:  # the deepest ring that fits
