@@ -291,6 +291,7 @@ def test_packed_row_equals_each_document_alone(saved, kind):
                     loss_mask=jnp.asarray((seg[None, 1:] == seg[None, :-1]).astype(np.float32)),
                     segment_ids=jnp.asarray(seg[None, :-1]), positions=None), t
 
+    @jax.jit  # one compile per row length: op by op, the three gradients took about a minute on 2 cores
     def loss_and_grad(batch):
         return jax.value_and_grad(lambda p: token_loss_sum(nnx.merge(graphdef, p, rest), batch,
                                                            execution=REFERENCE))(params)
