@@ -113,10 +113,11 @@ def _mode(task: Task) -> str:
     return os.environ.get("JAXFT_BENCH_MODE", system_mode(task.system))
 
 
-def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str):
+def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str, extra: tuple[str, ...] = ()):
     """The TrainConfig of `examples/bench/<mode>.yaml` for this workload's model, batch and length (plus
     JAXFT_BENCH_REMAT / _ATTENTION / _LAYERS / _GMM overrides for ablations; _GMM: the MoE grouped matmul, e.g.
-    xla for the ragged_dot side of an A/B): what `jaxft-train` would run."""
+    xla for the ragged_dot side of an A/B; then `extra`, `key=value` overrides such as scripts/bench_scaling.py's
+    mesh): what `jaxft-train` would run."""
     from jaxft.train import load_config
 
     overrides = [f"model_name_or_path={model_dir}", f"dataset={os.path.join(REPO, 'examples/data/train.jsonl')}",
@@ -127,7 +128,7 @@ def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str):
         if os.environ.get(f"JAXFT_BENCH_{env}"):
             overrides.append(f"{key}={os.environ[f'JAXFT_BENCH_{env}']}")
     # attention "auto" is the reference off the GPU (kernels_pallas.attention.config.choose_implementation)
-    return load_config(mode_yaml(mode), overrides)
+    return load_config(mode_yaml(mode), overrides + list(extra))
 
 
 def lora_overrides(workload: Workload) -> list[str]:

@@ -10,7 +10,9 @@
 #   "offload" the host-offload probe: $OUT/offload_probe.jsonl; OFFLOAD_DUMP=variant,... adds $OUT/offload_dump.tgz;
 #   "maxctx" the longest 8B row per remat policy + one real step at 256k: $OUT/max_context.{jsonl,md}, MAXCTX_TIMEOUT_S=360;
 #   "overlap" copy/compute overlap of the host offload from a profile: $OUT/offload_overlap.json and
-#   $OUT/overlap_trace.json.gz, OVERLAP_TIMEOUT_S=150)
+#   $OUT/overlap_trace.json.gz, OVERLAP_TIMEOUT_S=150;
+#   "scaling" 8B LoRA on 1-8 GPUs, data parallel and FSDP: $OUT/scaling.{json,md}, SCALING_TIMEOUT_S=560 (the JSON
+#   is rewritten after each point))
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
 #   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
 #   TESTS_WORKERS=6 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)
@@ -147,6 +149,17 @@ if has overlap; then
   stamp "offload overlap (profiled steps: full vs offload policy/explicit)"
   timeout $(( ${OVERLAP_TIMEOUT_S:-150} + 30 )) python3 scripts/offload_overlap.py --deadline-s "${OVERLAP_TIMEOUT_S:-150}" \
     --out "$OUT/offload_overlap.json" --trace "$OUT/overlap_trace.json.gz" ${OVERLAP_ARGS:-} 2>&1 | tail -12 \
+    | tee -a "$OUT/check.log"
+fi
+
+if has scaling; then
+  # Issue #15's scaling table: 8B LoRA at 1 x 4096 per GPU on 1, 2, 4, 8 GPUs (those this machine has), data
+  # parallel and FSDP, one process per point (scripts/bench_scaling.py). SCALING_ARGS passes more options.
+  gpus=$(nvidia-smi -L | wc -l)
+  counts=$(for n in 1 2 4 8; do [ "$n" -le "$gpus" ] && echo "$n"; done | paste -sd, -)
+  stamp "scaling (8B LoRA, 1 x 4096 per GPU, dp and fsdp on $counts GPUs)"
+  timeout "${SCALING_TIMEOUT_S:-560}" python3 scripts/bench_scaling.py --devices "$counts" \
+    --json "$OUT/scaling.json" --md "$OUT/scaling.md" ${SCALING_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -20 \
     | tee -a "$OUT/check.log"
 fi
 

@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""Data-parallel and FSDP scaling of jaxft's LoRA step on 1-N devices of one host (issue #15's scaling table).
+
+    python scripts/bench_scaling.py --workload 8b_4096 --devices 1,2,4,8 --meshes dp,fsdp --steps 10 \\
+        --json scaling.json --md scaling.md
+
+Each point (mesh, device count N) runs in a process of its own on the first N devices (CUDA_VISIBLE_DEVICES, so
+no process holds memory on a GPU it does not use and each point's allocator peak is its own). It runs the recipe
+`examples/bench/<mode>.yaml` (`--mode`, default fast: what `jaxft-train` runs) through `jaxft.run.Run` with the
+recipe's `mesh` set to `{data: N}` ("dp": weights replicated, rows split) or `{data: 1, fsdp: N}` ("fsdp": frozen
+weights split across the devices too), on random weights of the workload's model shape (`Run.init_random`: no
+checkpoint on disk). Every device trains the workload's rows (`bench.workloads`: 1 x 4096 for 8b_4096), so the
+global batch grows with N (weak scaling).
+
+Timing: one untimed step (warm-up; the step was compiled before the weights were made), then `--steps` steps,
+each synchronised on its loss (the clock is read after the device finished); as in `jaxft-train`, each step's
+input rows are placed from the host inside it (kilobytes per device). tokens/s per device = the step's tokens /
+the median step time / N; efficiency = that over the one-device point's (one device is the same program for
+every mesh, so it runs once). Peak memory per device: the allocator's `peak_bytes_in_use` of each device after
+the steps (not reported on a CPU). Same data at every mesh of one N: the first losses of dp and fsdp agree (a
+check that both train the same thing).
+
+Not here yet (issue #15): HF+PEFT under accelerate (DDP, FSDP) beside it, and the 70B-shaped FSDP run, whose
+weights must be made sharded on the devices (`Run.init_random` makes them whole on one device first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # scripts/bench
+
+GIB = 2**30
+MESHES = {"dp": lambda n: {"data": n, "fsdp": 1}, "fsdp": lambda n: {"data": 1, "fsdp": n}}
+
+
+def run_point(workload_name: str, mesh: str, devices: int, steps: int, mode: str) -> dict:
+    """One point, in this process, on its first `devices` devices: the row of the table (see the docstring)."""
+    import jax
+    import numpy as np
+
+    from bench.workloads import SHAPES, get_workload, make_token_data
+    from bench_jaxft_worker import mode_config
+    from jaxft.run import Run
+
+    if devices > jax.device_count():
+        raise SystemExit(f"bench_scaling: {devices} devices asked for, {jax.device_count()} visible")
+    workload = get_workload(workload_name)
+    dtype = "float32" if workload.tiny and jax.devices()[0].platform == "cpu" else "bfloat16"
+    axes = MESHES[mesh](devices)
+    # Every device trains the workload's rows: the global batch is N times the workload's.
+    data = make_token_data(dataclasses.replace(workload, batch=workload.batch * devices), steps + 1)
+    batches = [data.step(i) for i in range(steps + 1)]
+    with tempfile.TemporaryDirectory() as model_dir:
+        (Path(model_dir) / "config.json").write_text(json.dumps(SHAPES[workload.shape_name].config_dict()))
+        mesh_override = "mesh={" + ", ".join(f"{k}: {v}" for k, v in axes.items()) + "}"
+        config = mode_config(mode, model_dir, workload, dtype, extra=(mesh_override,))
+        run = Run.from_config(config, total_steps=steps + 1, devices=jax.devices()[:devices])
+        run.compile(batches[0])  # before the weights exist, as the harness does (bench_jaxft_worker)
+        compile_s = run.compile_seconds
+        run.init_random()
+    times, losses = [], []
+    for i, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        losses.append(float(jax.block_until_ready(run.step(batch, i)["loss"])))
+        if i:  # step 0 is the warm-up
+            times.append(time.perf_counter() - t0)
+    stats = [d.memory_stats() or {} for d in jax.devices()[:devices]]
+    peaks = [round(s["peak_bytes_in_use"] / GIB, 3) for s in stats if "peak_bytes_in_use" in s]
+    tokens = int(np.size(batches[0]["input_ids"]))
+    step_s = statistics.median(times)
+    return {"mesh": mesh, "devices": devices, "mode": mode, "workload": workload_name,
+            "mesh_shape": {k: int(v) for k, v in run.placement.mesh.shape.items()}, "tokens_per_step": tokens,
+            "step_s": step_s, "step_times_s": times, "tokens_per_s": tokens / step_s,
+            "tokens_per_s_per_device": tokens / step_s / devices, "peak_gib_per_device": peaks or None,
+            "losses": losses, "compile_s": round(compile_s, 1), "device_kind": jax.devices()[0].device_kind}
+
+
+def _point_in_a_process(args, mesh: str, devices: int) -> dict:
+    """`run_point` in a child process on the first `devices` GPUs (CUDA_VISIBLE_DEVICES; on a CPU the child sees
+    the parent's devices, e.g. XLA_FLAGS=--xla_force_host_platform_device_count=8)."""
+    env = dict(os.environ)
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(devices)]
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[:devices])
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "point.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--point", f"{mesh}:{devices}", "--workload",
+               args.workload, "--steps", str(args.steps), "--mode", args.mode, "--json", str(out)]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if res.returncode:
+            tail = (res.stdout + res.stderr).strip().splitlines()[-3:]
+            oom = "RESOURCE_EXHAUSTED" in res.stderr or "out of memory" in res.stderr.lower()
+            return {"mesh": mesh, "devices": devices, "status": "oom" if oom else "error", "error": " | ".join(tail)}
+        return {**json.loads(out.read_text()), "status": "ok"}
+
+
+def add_efficiency(rows: list[dict]) -> list[dict]:
+    """Each ok row's `efficiency`: its tokens/s per device over the one-device row's (None without that row)."""
+    base = next((r for r in rows if r["devices"] == 1 and r.get("status") == "ok"), None)
+    for r in rows:
+        if r.get("status") == "ok":
+            r["efficiency"] = r["tokens_per_s_per_device"] / base["tokens_per_s_per_device"] if base else None
+    return rows
+
+
+def markdown(rows: list[dict], command: str) -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()
+    kind = next((r["device_kind"] for r in rows if r.get("status") == "ok"), "?")
+    lines = [f"{dt.date.today()}, commit `{commit}`, {kind}, `{command}`", "",
+             "| mesh | devices | step | tokens/s | tokens/s per device | efficiency | peak per device | first loss |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['mesh']} | {r['devices']} | {r['status']}: {r.get('error', '')} | | | | | |")
+            continue
+        peak = f"{max(r['peak_gib_per_device']):.2f} GiB" if r["peak_gib_per_device"] else "n/a (CPU)"
+        eff = f"{100 * r['efficiency']:.1f}%" if r.get("efficiency") is not None else "-"
+        lines.append(f"| {r['mesh']} | {r['devices']} | {1000 * r['step_s']:.1f} ms | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tokens_per_s_per_device']:,.0f} | {eff} | {peak} | {r['losses'][0]:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="8b_4096", help="a scripts/bench/workloads.py workload (rows per device)")
+    p.add_argument("--devices", default="1,2,4,8")
+    p.add_argument("--meshes", default="dp,fsdp", help=f"comma list of {', '.join(MESHES)}")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per point, after one untimed")
+    p.add_argument("--mode", default="fast", help="the recipe examples/bench/<mode>.yaml")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per point")
+    p.add_argument("--json", default=None, help="write the rows here (rewritten after every point)")
+    p.add_argument("--md", default=None, help="write the markdown table here")
+    p.add_argument("--point", default=None, help=argparse.SUPPRESS)  # MESH:N, run in this process (the children)
+    args = p.parse_args(argv)
+    if args.point:
+        mesh, n = args.point.split(":")
+        Path(args.json).write_text(json.dumps(run_point(args.workload, mesh, int(n), args.steps, args.mode)))
+        return 0
+    meshes = args.meshes.split(",")
+    for m in meshes:
+        if m not in MESHES:
+            raise SystemExit(f"bench_scaling: --meshes {m!r}: use {', '.join(MESHES)}")
+    if args.steps < 1:
+        raise SystemExit("bench_scaling: --steps must be >= 1")
+    rows = []
+    for n in sorted({int(x) for x in args.devices.split(",")}):
+        for mesh in meshes[:1] if n == 1 else meshes:  # one device: every mesh is the same program
+            rows.append(_point_in_a_process(args, mesh, n))
+            r = rows[-1]
+            print(f"[scaling] {mesh} x {n}: " + (f"{r['tokens_per_s_per_device']:,.0f} tokens/s per device"
+                                                 if r["status"] == "ok" else f"{r['status']}: {r['error']}"),
+                  flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(add_efficiency(rows), indent=1))
+    text = markdown(add_efficiency(rows), " ".join(["python", "scripts/bench_scaling.py", *(argv or sys.argv[1:])]))
+    if args.md:
+        Path(args.md).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
