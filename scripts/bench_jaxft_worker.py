@@ -148,6 +148,14 @@ def lora_overrides(workload: Workload) -> list[str]:
     return out
 
 
+def run_dtype(workload: Workload) -> str:
+    """The weights' dtype a jaxft bench run trains in: bf16, but float32 for a tiny shape on a CPU (the CPU tests'
+    losses then compare with fp32 torch)."""
+    import jax
+
+    return "float32" if workload.tiny and jax.devices()[0].platform == "cpu" else "bfloat16"
+
+
 def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast",
               cache: ModelCache | None = None) -> dict[str, Any]:
     """Train ``workload`` with jaxft for ``steps`` steps and return the raw measurements."""
@@ -161,7 +169,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     cache = cache if cache is not None else ModelCache()
     profile_dir = _profile_dir(workload.name, mode)
     device = jax.devices()[0]
-    dtype = "float32" if workload.tiny and device.platform == "cpu" else "bfloat16"
+    dtype = run_dtype(workload)
     config = mode_config(mode, model_dir, workload, dtype)
     data = make_token_data(workload, steps)
     host_batches = [data.step(i) for i in range(steps)]

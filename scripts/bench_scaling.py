@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import json
 import os
 import statistics
@@ -38,11 +37,13 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # scripts/bench
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench
+
+from bench.report import heading  # noqa: E402
+from bench.worker_common import is_oom_message  # noqa: E402
+from memory_table import MESHES, mesh_of  # noqa: E402 - the same dp / fsdp meshes as the memory table
 
 GIB = 2**30
-MESHES = {"dp": lambda n: {"data": n, "fsdp": 1}, "fsdp": lambda n: {"data": 1, "fsdp": n}}
 
 
 def run_point(workload_name: str, mesh: str, devices: int, steps: int, mode: str) -> dict:
@@ -51,21 +52,20 @@ def run_point(workload_name: str, mesh: str, devices: int, steps: int, mode: str
     import numpy as np
 
     from bench.workloads import SHAPES, get_workload, make_token_data
-    from bench_jaxft_worker import mode_config
+    from bench_jaxft_worker import mode_config, run_dtype
     from jaxft.run import Run
 
     if devices > jax.device_count():
         raise SystemExit(f"bench_scaling: {devices} devices asked for, {jax.device_count()} visible")
     workload = get_workload(workload_name)
-    dtype = "float32" if workload.tiny and jax.devices()[0].platform == "cpu" else "bfloat16"
-    axes = MESHES[mesh](devices)
+    axes = mesh_of(mesh, devices)
     # Every device trains the workload's rows: the global batch is N times the workload's.
     data = make_token_data(dataclasses.replace(workload, batch=workload.batch * devices), steps + 1)
     batches = [data.step(i) for i in range(steps + 1)]
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(SHAPES[workload.shape_name].config_dict()))
         mesh_override = "mesh={" + ", ".join(f"{k}: {v}" for k, v in axes.items()) + "}"
-        config = mode_config(mode, model_dir, workload, dtype, extra=(mesh_override,))
+        config = mode_config(mode, model_dir, workload, run_dtype(workload), extra=(mesh_override,))
         run = Run.from_config(config, total_steps=steps + 1, devices=jax.devices()[:devices])
         run.compile(batches[0])  # before the weights exist, as the harness does (bench_jaxft_worker)
         compile_s = run.compile_seconds
@@ -101,8 +101,8 @@ def _point_in_a_process(args, mesh: str, devices: int) -> dict:
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if res.returncode:
             tail = (res.stdout + res.stderr).strip().splitlines()[-3:]
-            oom = "RESOURCE_EXHAUSTED" in res.stderr or "out of memory" in res.stderr.lower()
-            return {"mesh": mesh, "devices": devices, "status": "oom" if oom else "error", "error": " | ".join(tail)}
+            status = "oom" if is_oom_message(res.stderr) else "error"
+            return {"mesh": mesh, "devices": devices, "status": status, "error": " | ".join(tail)}
         return {**json.loads(out.read_text()), "status": "ok"}
 
 
@@ -115,11 +115,9 @@ def add_efficiency(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], command: str) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip()
+def markdown(rows: list[dict], argv: list[str]) -> str:
     kind = next((r["device_kind"] for r in rows if r.get("status") == "ok"), "?")
-    lines = [f"{dt.date.today()}, commit `{commit}`, {kind}, `{command}`", "",
+    lines = [heading("scripts/bench_scaling.py", argv, kind), "",
              "| mesh | devices | step | tokens/s | tokens/s per device | efficiency | peak per device | first loss |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -165,7 +163,7 @@ def main(argv=None) -> int:
                   flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(add_efficiency(rows), indent=1))
-    text = markdown(add_efficiency(rows), " ".join(["python", "scripts/bench_scaling.py", *(argv or sys.argv[1:])]))
+    text = markdown(add_efficiency(rows), argv or sys.argv[1:])
     if args.md:
         Path(args.md).write_text(text)
     print(text)

@@ -21,9 +21,7 @@ like the GPU kernel; "reference" would materialise [T, T] scores) and the layers
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -126,10 +124,9 @@ def main(argv=None) -> int:
             ratio = float(gib) / (match[0]["peak"] / GIB)
             notes.append(f"Calibration: measured {gib} GiB on one H200 for {model}, {n} device(s), {kind}, remat "
                          f"{remat}; this table says {match[0]['peak'] / GIB:.2f} GiB (GPU / CPU = {ratio:.2f}).")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    text = "\n".join([f"{dt.date.today()}, commit `{commit}`, `{' '.join(['python', 'scripts/memory_table.py', *(argv or sys.argv[1:])])}`",
-                      "", header, *rows, "", *notes]) + "\n"
+    from bench.report import heading
+
+    text = "\n".join([heading("scripts/memory_table.py", argv or sys.argv[1:]), "", header, *rows, "", *notes]) + "\n"
     if args.md:
         Path(args.md).write_text(text)
     print(text)

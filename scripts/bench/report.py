@@ -12,14 +12,25 @@ last column, the GPU index each run ran on.
 
 from __future__ import annotations
 
+import datetime as dt
 import math
+import os
 import statistics
+import subprocess
 from typing import Any
 
 from bench.workloads import FLOP_FORMULA, Workload
 
 GIB = 1024 ** 3
 STATIC_MARK = "*"
+
+
+def heading(script: str, argv: list[str], *details: str) -> str:
+    """The first line of a committed table: today's date, the short commit of this checkout, any `details` (the
+    device, say) and the exact command, `python <script> <argv>`."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    return ", ".join([str(dt.date.today()), f"commit `{commit}`", *details, f"`{' '.join(['python', script, *argv])}`"])
 
 
 def summarise_run(raw: dict[str, Any], workload: Workload, warmup: int,
