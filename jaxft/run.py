@@ -207,30 +207,52 @@ class Run:
         mesh = self.placement if len(self.placement.devices) > 1 and self.quant_config is None else None
         model = apply_lora(from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config, mesh=mesh),
                            self.lora_config, seed=self.seed)
-        return self._adopt(model)
+        graphdef, lora, frozen = split_model(model)
+        del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
+        return self._adopt(graphdef, lora, frozen)
 
     def init_random(self) -> "Run":
         """Like `load`, with random weights instead of the checkpoint's (`jaxft.models.decoder.init_model`:
-        normal(0, 0.02) linears and embeddings, unit norms; seeded by `seed`), made on the default device: a
-        run of a model shape that has no weights on disk, e.g. memory and speed at real sizes
-        (scripts/max_context.py, scripts/offload_overlap.py). Not for a 4-bit base (its codes come from the
-        checkpoint's weights)."""
-        from jaxft.models.decoder import init_model
+        normal(0, 0.02) linears and embeddings, unit norms; seeded by `seed`): a run of a model shape that has no
+        weights on disk, e.g. memory and speed at real sizes (scripts/max_context.py, scripts/bench_scaling.py).
+        Not for a 4-bit base (its codes come from the checkpoint's weights).
 
+        The weights are made where they live: one compiled program draws every array straight into its place on
+        the mesh (`out_shardings`), so a device holds only its shards of the frozen weights, never the whole
+        model (a 70B model's 131 GiB of bf16 weights, split over 8 GPUs by FSDP, fit where made whole on one they
+        would not). JAX's threefry is partitionable (`jax_threefry_partitionable`, on by default since 0.5), so
+        each shard's draws equal the matching slice of the whole array's: the same seed gives the same weights on
+        every mesh (tests/test_sharding.py)."""
         if self.execution.remat == "auto":
             raise RuntimeError("Run.init_random() with remat 'auto': call run.choose_remat(batch) or "
                                "run.compile(batch) first (the chosen policy decides the weight layout)")
         if self.quant_config is not None:
             raise ValueError("Run.init_random() with a 4-bit base (quant_config): random 4-bit codes are not "
                              "supported; use load()")
-        model = init_model(self.model_config, dtype=jnp.dtype(self.dtype), seed=self.seed)
-        return self._adopt(apply_lora(model, self.lora_config, seed=self.seed))
+        graphdef, make = self.random_state_program()
+        return self._adopt(graphdef, *make())
 
-    def _adopt(self, model) -> "Run":
-        """Splits a model with LoRA applied by variable type and places its state (the end of `load`)."""
-        graphdef, lora, frozen = split_model(model)
-        del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
-        if self.unrolled:
+    def random_state_program(self):
+        """(graphdef, program): the jitted program `init_random` runs, returning the (lora, frozen) states with every
+        array made in its place on the mesh (`out_shardings`). Compiled for an H200 (scripts/deviceless), it keeps no
+        temporaries: XLA fuses each array's threefry draws, normal transform and cast into the kernel that writes it
+        (Llama-3.1-8B on one device: 15.1 GiB of outputs, 0 of temporaries; 70B over 8: 17.2 GiB per device). XLA's
+        CPU backend runs threefry as a loop over [shard]-sized uint32 buffers instead: a 70B init over 8 CPU
+        devices would keep 75 GiB of them per device; the CPU makes tiny models only. Lower and compile it to see
+        its memory per device."""
+        from jaxft.models.decoder import init_model
+
+        graphdef, lora, frozen = self._abstract_split()
+
+        def make():
+            model = init_model(self.model_config, dtype=jnp.dtype(self.dtype), seed=self.seed)
+            return split_model(apply_lora(model, self.lora_config, seed=self.seed))[1:]
+        return graphdef, jax.jit(make, out_shardings=(self.placement.shardings(lora), self.placement.shardings(frozen)))
+
+    def _adopt(self, graphdef, lora, frozen) -> "Run":
+        """Takes a model's split state (`split_model`): per-layer buffers where the layers run unrolled, each
+        array placed on the mesh, a fresh optimizer state (the end of `load` and `init_random`)."""
+        if self.unrolled:  # a stacked array at a time is sliced, then freed
             frozen = unstack_layers(frozen, delete_source=True)
         self.graphdef = graphdef
         self.lora, self.frozen = self.placement.place(lora), self.placement.place(frozen)

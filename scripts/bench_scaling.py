@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Data-parallel and FSDP scaling of jaxft's LoRA step on 1-N devices of one host (issue #15's scaling table).
+"""Data-parallel and FSDP scaling of jaxft's LoRA step on 1-N devices of one host, beside HF+PEFT under accelerate
+(issue #15's scaling table).
 
-    python scripts/bench_scaling.py --workload 8b_4096 --devices 1,2,4,8 --meshes dp,fsdp --steps 10 \\
-        --json scaling.json --md scaling.md
+    python scripts/bench_scaling.py --workload 8b_4096 --devices 1,2,4,8 --meshes dp,fsdp --systems jaxft,hf_ckpt \\
+        --steps 10 --json scaling.json --md scaling.md
 
-Each point (mesh, device count N) runs in a process of its own on the first N devices (CUDA_VISIBLE_DEVICES, so
+Each jaxft point (mesh, device count N) runs in a process of its own on the first N devices (CUDA_VISIBLE_DEVICES, so
 no process holds memory on a GPU it does not use and each point's allocator peak is its own). It runs the recipe
 `examples/bench/<mode>.yaml` (`--mode`, default fast: what `jaxft-train` runs) through `jaxft.run.Run` with the
 recipe's `mesh` set to `{data: N}` ("dp": weights replicated, rows split) or `{data: 1, fsdp: N}` ("fsdp": frozen
@@ -20,8 +21,13 @@ every mesh, so it runs once). Peak memory per device: the allocator's `peak_byte
 the steps (not reported on a CPU). Same data at every mesh of one N: the first losses of dp and fsdp agree (a
 check that both train the same thing).
 
-Not here yet (issue #15): HF+PEFT under accelerate (DDP, FSDP) beside it, and the 70B-shaped FSDP run, whose
-weights must be made sharded on the devices (`Run.init_random` makes them whole on one device first).
+HF+PEFT points (`--systems hf_ckpt,hf_nockpt`: gradient checkpointing on / off) run scripts/bench_scaling_hf.py on
+the same first N devices, one process per device under torchrun (one device: a plain process), with accelerate's
+DDP ("dp") or FSDP2 ("fsdp"): the same workload rows per device, the same LoRA targets, rank and optimizer as
+bench_torch_worker's; see that script for how it is timed. Efficiency is each system's own: over its one-device row.
+
+The 70B-shaped FSDP point is `--workload 70b_4096 --devices 8 --meshes fsdp --systems jaxft`: `Run.init_random`
+makes the weights in place, each device drawing only its shards.
 """
 
 from __future__ import annotations
@@ -41,9 +47,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench
 
 from bench.report import heading  # noqa: E402
 from bench.worker_common import is_oom_message  # noqa: E402
+from bench_scaling_hf import SYSTEMS as HF_SYSTEMS  # noqa: E402
 from memory_table import MESHES, mesh_of  # noqa: E402 - the same dp / fsdp meshes as the memory table
 
 GIB = 2**30
+SYSTEMS = ("jaxft",) + HF_SYSTEMS
+HF_WORKER = Path(__file__).resolve().parent / "bench_scaling_hf.py"
+# Kept off in every child, as the multi-GPU machines require: NVLink multicast can take a host's GPUs out of service.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def run_point(workload_name: str, mesh: str, devices: int, steps: int, mode: str) -> dict:
@@ -80,53 +91,70 @@ def run_point(workload_name: str, mesh: str, devices: int, steps: int, mode: str
     peaks = [round(s["peak_bytes_in_use"] / GIB, 3) for s in stats if "peak_bytes_in_use" in s]
     tokens = int(np.size(batches[0]["input_ids"]))
     step_s = statistics.median(times)
-    return {"mesh": mesh, "devices": devices, "mode": mode, "workload": workload_name,
+    return {"system": "jaxft", "mesh": mesh, "devices": devices, "mode": mode, "workload": workload_name,
             "mesh_shape": {k: int(v) for k, v in run.placement.mesh.shape.items()}, "tokens_per_step": tokens,
             "step_s": step_s, "step_times_s": times, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / devices, "peak_gib_per_device": peaks or None,
             "losses": losses, "compile_s": round(compile_s, 1), "device_kind": jax.devices()[0].device_kind}
 
 
-def _point_in_a_process(args, mesh: str, devices: int) -> dict:
-    """`run_point` in a child process on the first `devices` GPUs (CUDA_VISIBLE_DEVICES; on a CPU the child sees
-    the parent's devices, e.g. XLA_FLAGS=--xla_force_host_platform_device_count=8)."""
-    env = dict(os.environ)
+def point_command(args, system: str, mesh: str, devices: int, out: Path) -> list[str]:
+    """The child process of a point: jaxft's `run_point` (this script with --point), or the HF+PEFT worker, under
+    torchrun with a process per device when there are several."""
+    common = ["--workload", args.workload, "--steps", str(args.steps), "--json", str(out)]
+    if system == "jaxft":
+        return [sys.executable, str(Path(__file__).resolve()), "--point", f"{mesh}:{devices}", "--mode", args.mode,
+                *common]
+    launch = [sys.executable] if devices == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(devices)]
+    return [*launch, str(HF_WORKER), "--system", system, "--mesh", mesh, *common]
+
+
+def _point_in_a_process(args, system: str, mesh: str, devices: int) -> dict:
+    """A point in a child process on the first `devices` GPUs (CUDA_VISIBLE_DEVICES; on a CPU a jaxft child sees the
+    parent's devices, e.g. XLA_FLAGS=--xla_force_host_platform_device_count=8, and torchrun starts CPU processes)."""
+    env = {**os.environ, **NO_MULTICAST}
     visible = env.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(devices)]
     env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[:devices])
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "point.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--point", f"{mesh}:{devices}", "--workload",
-               args.workload, "--steps", str(args.steps), "--mode", args.mode, "--json", str(out)]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-        if res.returncode:
-            tail = (res.stdout + res.stderr).strip().splitlines()[-3:]
+        res = subprocess.run(point_command(args, system, mesh, devices, out), env=env, capture_output=True,
+                             text=True, timeout=args.timeout)
+        if res.returncode or not out.exists():
+            lines = (res.stdout + res.stderr).strip().splitlines()
+            # A worker's own one-line refusal (every torchrun rank prints it) says more than torchrun's summary.
+            own = [line for line in lines if line.startswith(("bench_scaling:", "bench_scaling_hf:"))]
             status = "oom" if is_oom_message(res.stderr) else "error"
-            return {"mesh": mesh, "devices": devices, "status": status, "error": " | ".join(tail)}
+            return {"system": system, "mesh": mesh, "devices": devices, "status": status,
+                    "error": own[0] if own else " | ".join(lines[-3:])}
         return {**json.loads(out.read_text()), "status": "ok"}
 
 
 def add_efficiency(rows: list[dict]) -> list[dict]:
-    """Each ok row's `efficiency`: its tokens/s per device over the one-device row's (None without that row)."""
-    base = next((r for r in rows if r["devices"] == 1 and r.get("status") == "ok"), None)
+    """Each ok row's `efficiency`: its tokens/s per device over its system's one-device row's (None without it)."""
+    base = {r["system"]: r for r in rows if r["devices"] == 1 and r.get("status") == "ok"}
     for r in rows:
         if r.get("status") == "ok":
-            r["efficiency"] = r["tokens_per_s_per_device"] / base["tokens_per_s_per_device"] if base else None
+            one = base.get(r["system"])
+            r["efficiency"] = r["tokens_per_s_per_device"] / one["tokens_per_s_per_device"] if one else None
     return rows
 
 
 def markdown(rows: list[dict], argv: list[str]) -> str:
     kind = next((r["device_kind"] for r in rows if r.get("status") == "ok"), "?")
     lines = [heading("scripts/bench_scaling.py", argv, kind), "",
-             "| mesh | devices | step | tokens/s | tokens/s per device | efficiency | peak per device | first loss |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| system | mesh | devices | step | tokens/s | tokens/s per device | efficiency | peak per device | "
+             "first loss |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| {r['mesh']} | {r['devices']} | {r['status']}: {r.get('error', '')} | | | | | |")
+            lines.append(f"| {r['system']} | {r['mesh']} | {r['devices']} | {r['status']}: {r.get('error', '')} "
+                         "| | | | | |")
             continue
         peak = f"{max(r['peak_gib_per_device']):.2f} GiB" if r["peak_gib_per_device"] else "n/a (CPU)"
         eff = f"{100 * r['efficiency']:.1f}%" if r.get("efficiency") is not None else "-"
-        lines.append(f"| {r['mesh']} | {r['devices']} | {1000 * r['step_s']:.1f} ms | {r['tokens_per_s']:,.0f} | "
+        lines.append(f"| {r['system']} | {r['mesh']} | {r['devices']} | {1000 * r['step_s']:.1f} ms | {r['tokens_per_s']:,.0f} | "
                      f"{r['tokens_per_s_per_device']:,.0f} | {eff} | {peak} | {r['losses'][0]:.4f} |")
     return "\n".join(lines) + "\n"
 
@@ -136,6 +164,7 @@ def main(argv=None) -> int:
     p.add_argument("--workload", default="8b_4096", help="a scripts/bench/workloads.py workload (rows per device)")
     p.add_argument("--devices", default="1,2,4,8")
     p.add_argument("--meshes", default="dp,fsdp", help=f"comma list of {', '.join(MESHES)}")
+    p.add_argument("--systems", default="jaxft,hf_ckpt", help=f"comma list of {', '.join(SYSTEMS)}")
     p.add_argument("--steps", type=int, default=10, help="timed steps per point, after one untimed")
     p.add_argument("--mode", default="fast", help="the recipe examples/bench/<mode>.yaml")
     p.add_argument("--timeout", type=float, default=900, help="seconds per point")
@@ -151,18 +180,23 @@ def main(argv=None) -> int:
     for m in meshes:
         if m not in MESHES:
             raise SystemExit(f"bench_scaling: --meshes {m!r}: use {', '.join(MESHES)}")
+    systems = args.systems.split(",")
+    for s in systems:
+        if s not in SYSTEMS:
+            raise SystemExit(f"bench_scaling: --systems {s!r}: use {', '.join(SYSTEMS)}")
     if args.steps < 1:
         raise SystemExit("bench_scaling: --steps must be >= 1")
     rows = []
-    for n in sorted({int(x) for x in args.devices.split(",")}):
-        for mesh in meshes[:1] if n == 1 else meshes:  # one device: every mesh is the same program
-            rows.append(_point_in_a_process(args, mesh, n))
-            r = rows[-1]
-            print(f"[scaling] {mesh} x {n}: " + (f"{r['tokens_per_s_per_device']:,.0f} tokens/s per device"
-                                                 if r["status"] == "ok" else f"{r['status']}: {r['error']}"),
-                  flush=True)
-            if args.json:
-                Path(args.json).write_text(json.dumps(add_efficiency(rows), indent=1))
+    points = [(n, system, mesh) for n in sorted({int(x) for x in args.devices.split(",")}) for system in systems
+              for mesh in (meshes[:1] if n == 1 else meshes)]  # one device: every mesh is the same program
+    for n, system, mesh in points:
+        rows.append(_point_in_a_process(args, system, mesh, n))
+        r = rows[-1]
+        print(f"[scaling] {system} {mesh} x {n}: " + (f"{r['tokens_per_s_per_device']:,.0f} tokens/s per device"
+                                                      if r["status"] == "ok" else f"{r['status']}: {r['error']}"),
+              flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(add_efficiency(rows), indent=1))
     text = markdown(add_efficiency(rows), argv or sys.argv[1:])
     if args.md:
         Path(args.md).write_text(text)

@@ -210,7 +210,8 @@ def packed_forward_kwargs(model, pos) -> dict[str, Any]:
 
 
 def train_loop(model, workload: Workload, data: TokenData, steps: int, device: str) -> dict[str, Any]:
-    """Run ``steps`` AdamW steps on the staged batches; time each one device-synchronised."""
+    """Run ``steps`` AdamW steps on the staged batches; time each one device-synchronised. ``model`` may be wrapped
+    for data parallelism (accelerate's DDP or FSDP2: bench_scaling_hf.py), ``data`` that rank's rows."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -241,7 +242,8 @@ def train_loop(model, workload: Workload, data: TokenData, steps: int, device: s
     for i in range(steps):
         sync()
         t0 = time.perf_counter()
-        kwargs = packed_forward_kwargs(model, pos[i]) if pos is not None else {}
+        # A DistributedDataParallel wrapper (bench_scaling_hf.py) holds the model as .module, config and all.
+        kwargs = packed_forward_kwargs(getattr(model, "module", model), pos[i]) if pos is not None else {}
         kwargs.update(images[i] if images else {})
         out = model(input_ids=ids[i], labels=labels[i], use_cache=False, **kwargs)
         out.loss.backward()

@@ -11,8 +11,10 @@
 #   "maxctx" the longest 8B row per remat policy + one real step at 256k: $OUT/max_context.{jsonl,md}, MAXCTX_TIMEOUT_S=360;
 #   "overlap" copy/compute overlap of the host offload from a profile: $OUT/offload_overlap.json and
 #   $OUT/overlap_trace.json.gz, OVERLAP_TIMEOUT_S=150;
-#   "scaling" 8B LoRA on 1-8 GPUs, data parallel and FSDP: $OUT/scaling.{json,md}, SCALING_TIMEOUT_S=560 (the JSON
-#   is rewritten after each point))
+#   "scaling" 8B LoRA on 1-8 GPUs, data parallel and FSDP, jaxft beside HF+PEFT under accelerate (SCALING_SYSTEMS,
+#   default jaxft,hf_ckpt): $OUT/scaling.{json,md}, SCALING_TIMEOUT_S=560 (the JSON is rewritten after each point);
+#   "70b" Llama-3.1-70B-shaped LoRA, FSDP over 8 GPUs (random weights made sharded): $OUT/scaling_70b.{json,md},
+#   SCALING_70B_TIMEOUT_S=560)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
 #   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
 #   TESTS_WORKERS=6 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)
@@ -157,10 +159,19 @@ if has scaling; then
   # parallel and FSDP, one process per point (scripts/bench_scaling.py). SCALING_ARGS passes more options.
   gpus=$(nvidia-smi -L | wc -l)
   counts=$(for n in 1 2 4 8; do [ "$n" -le "$gpus" ] && echo "$n"; done | paste -sd, -)
-  stamp "scaling (8B LoRA, 1 x 4096 per GPU, dp and fsdp on $counts GPUs)"
+  stamp "scaling (8B LoRA, 1 x 4096 per GPU, dp and fsdp on $counts GPUs, ${SCALING_SYSTEMS:-jaxft,hf_ckpt})"
   timeout "${SCALING_TIMEOUT_S:-560}" python3 scripts/bench_scaling.py --devices "$counts" \
-    --json "$OUT/scaling.json" --md "$OUT/scaling.md" ${SCALING_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -20 \
-    | tee -a "$OUT/check.log"
+    --systems "${SCALING_SYSTEMS:-jaxft,hf_ckpt}" --json "$OUT/scaling.json" --md "$OUT/scaling.md" \
+    ${SCALING_ARGS:-} 2>&1 | grep -v "Warning\|warn" | tail -20 | tee -a "$OUT/check.log"
+fi
+
+if has 70b; then
+  # Issue #15's 70B run: Llama-3.1-70B shape, LoRA r16 on all linears, 1 x 4096 per GPU, FSDP over every GPU.
+  gpus=$(nvidia-smi -L | wc -l)
+  stamp "70b (FSDP over $gpus GPUs, 1 x 4096 per GPU)"
+  timeout "${SCALING_70B_TIMEOUT_S:-560}" python3 scripts/bench_scaling.py --workload 70b_4096 --devices "$gpus" \
+    --meshes fsdp --systems jaxft --steps 5 --timeout "${SCALING_70B_TIMEOUT_S:-560}" --json "$OUT/scaling_70b.json" \
+    --md "$OUT/scaling_70b.md" 2>&1 | grep -v "Warning\|warn" | tail -8 | tee -a "$OUT/check.log"
 fi
 
 if has nf4; then

@@ -35,13 +35,10 @@ MESHES = ("dp", "fsdp")
 
 
 def model_configs() -> dict[str, dict]:
-    """HF config.json dicts of the shapes in the table (the 8B one is the benchmark's Llama-3.1-8B shape)."""
+    """HF config.json dicts of the shapes in the table (the benchmark's Llama-3.1-8B and -70B shapes)."""
     from bench.workloads import SHAPES
 
-    eight = SHAPES["llama-3.1-8b"].config_dict()
-    seventy = dict(eight, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                   num_key_value_heads=8, head_dim=128)  # Llama-3.1-70B
-    return {"8b": eight, "70b": seventy}
+    return {"8b": SHAPES["llama-3.1-8b"].config_dict(), "70b": SHAPES["llama-3.1-70b"].config_dict()}
 
 
 def mesh_of(kind: str, devices: int) -> dict[str, int]:

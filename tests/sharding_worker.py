@@ -8,6 +8,9 @@ losses and expert placement on three meshes). Writes what the test asserts on:
 - loaded: for a model loaded sharded on {data: 2, fsdp: 2, tensor: 2}, per weight: its spec, the shapes of
   the device shards, whether every shard equals the matching slice of the unsharded weight; and the logits'
   largest difference from the unsharded model's.
+- random: `Run.init_random` on {fsdp: 4, tensor: 2} against the same seed on one device: per array, its number
+  of shards and whether every shard equals the matching slice of the one-device array; the init program's
+  compiled bytes per device (outputs, temporaries) and the whole model's bytes.
 """
 
 from __future__ import annotations
@@ -110,6 +113,26 @@ def _loaded(model_dir) -> dict:
     return dict(logits_max_abs_diff=diff, weights=weights)
 
 
+def _random(model_dir) -> dict:
+    from flax import nnx
+
+    one = _run(model_dir, None, "scan", devices=jax.devices()[:1]).init_random()
+    mesh = _run(model_dir, dict(fsdp=4, tensor=2, data=1), "scan")
+    memory = mesh.random_state_program()[1].lower().compile().memory_analysis()
+    mesh.init_random()
+    arrays, whole_bytes = {}, 0
+    for part in ("lora", "frozen"):
+        want = dict(nnx.to_flat_state(getattr(one, part)))
+        for path, var in nnx.to_flat_state(getattr(mesh, part)):
+            value, ref = var.get_value(), np.asarray(want[path].get_value())
+            whole_bytes += ref.nbytes
+            arrays[".".join(map(str, (part,) + path))] = dict(
+                num_shards=len({str(s.index) for s in value.addressable_shards}),
+                shards_match=all(np.array_equal(np.asarray(s.data), ref[s.index]) for s in value.addressable_shards))
+    return dict(arrays=arrays, whole_bytes=whole_bytes, output_bytes=memory.output_size_in_bytes,
+                temp_bytes=memory.temp_size_in_bytes)
+
+
 def main(model_dir: str, out_path: str) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     batches = _batches()
@@ -131,6 +154,7 @@ def main(model_dir: str, out_path: str) -> None:
         lora_a = run.lora["layers"]["attn"]["q_proj"]["lora_a"].get_value()
         result.setdefault("lora_replicated", {})[key] = bool(lora_a.sharding.is_fully_replicated)
     result["loaded"] = _loaded(model_dir)
+    result["random"] = _random(model_dir)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -1,10 +1,12 @@
 """scripts/bench_scaling.py (issue #15's scaling table) on 2 host CPU devices: a process per point, the mesh
 each point asked for, the global batch growing with the devices, the same first loss for dp and fsdp on the same
-rows, efficiency against the one-device row, and the table."""
+rows, efficiency against the one-device row, and the table; HF+PEFT points under accelerate (DDP over 2 CPU
+processes with gloo; FSDP, which accelerate runs on GPUs only, refused in one line)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,18 +15,21 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench.workloads import SHAPES  # noqa: E402
 
 
 @pytest.mark.slow  # three child processes, each compiling a tiny step
 def test_points_run_on_their_meshes_and_agree_on_the_first_loss(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     cmd = [sys.executable, str(REPO / "scripts" / "bench_scaling.py"), "--workload", "tiny_llama", "--devices", "1,2",
-           "--steps", "2", "--json", str(tmp_path / "s.json"), "--md", str(tmp_path / "s.md")]
+           "--systems", "jaxft", "--steps", "2", "--json", str(tmp_path / "s.json"), "--md", str(tmp_path / "s.md")]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / "s.json").read_text())
-    assert [(r["mesh"], r["devices"], r["status"]) for r in rows] == [("dp", 1, "ok"), ("dp", 2, "ok"),
-                                                                       ("fsdp", 2, "ok")]
+    assert [(r["system"], r["mesh"], r["devices"], r["status"]) for r in rows] == [
+        ("jaxft", "dp", 1, "ok"), ("jaxft", "dp", 2, "ok"), ("jaxft", "fsdp", 2, "ok")]
     assert [r["mesh_shape"] for r in rows] == [{"data": 1, "fsdp": 1, "tensor": 1}, {"data": 2, "fsdp": 1, "tensor": 1},
                                                {"data": 1, "fsdp": 2, "tensor": 1}]
     for r in rows:  # tiny_llama: 2 rows of 128 tokens per device; 2 timed steps after the warm-up
@@ -36,13 +41,46 @@ def test_points_run_on_their_meshes_and_agree_on_the_first_loss(tmp_path):
     dp, fsdp = rows[1]["losses"], rows[2]["losses"]
     assert dp[0] == pytest.approx(fsdp[0], rel=1e-5) and dp[-1] == pytest.approx(fsdp[-1], rel=1e-4)
     table = (tmp_path / "s.md").read_text().splitlines()
-    assert table[0].endswith("`python scripts/bench_scaling.py --workload tiny_llama --devices 1,2 --steps 2 --json "
-                             f"{tmp_path / 's.json'} --md {tmp_path / 's.md'}`")
-    assert [line.split(" | ")[:2] for line in table[4:7]] == [["| dp", "1"], ["| dp", "2"], ["| fsdp", "2"]]
+    assert table[0].endswith("`python scripts/bench_scaling.py --workload tiny_llama --devices 1,2 --systems jaxft "
+                             f"--steps 2 --json {tmp_path / 's.json'} --md {tmp_path / 's.md'}`")
+    assert [line.split(" | ")[:3] for line in table[4:7]] == [["| jaxft", "dp", "1"], ["| jaxft", "dp", "2"],
+                                                              ["| jaxft", "fsdp", "2"]]
     assert "n/a (CPU)" in table[5] and "100.0%" in table[4]
+
+
+@pytest.mark.slow  # three torch child processes (two of them under torchrun)
+def test_hf_points_run_under_accelerate_and_fsdp_on_a_cpu_is_refused_in_one_line(tmp_path):
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_scaling.py"), "--workload", "tiny_llama", "--devices", "1,2",
+           "--systems", "hf_ckpt", "--steps", "2", "--json", str(tmp_path / "s.json"), "--md", str(tmp_path / "s.md")]
+    res = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900,
+                         cwd=REPO)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    one, dp, fsdp = json.loads((tmp_path / "s.json").read_text())
+    assert [(r["system"], r["mesh"], r["devices"], r["status"]) for r in (one, dp, fsdp)] == [
+        ("hf_ckpt", "dp", 1, "ok"), ("hf_ckpt", "dp", 2, "ok"), ("hf_ckpt", "fsdp", 2, "error")]
+    assert (one["distributed_type"], dp["distributed_type"]) == ("NO", "MULTI_CPU")  # accelerate's DDP over gloo
+    for r in (one, dp):  # tiny_llama: 2 rows of 128 tokens per process; 2 timed steps after the warm-up
+        assert r["tokens_per_step"] == 2 * 128 * r["devices"] and len(r["step_times_s"]) == 2 and len(r["losses"]) == 3
+        assert r["settings"]["gradient_checkpointing"] and r["peak_gib_per_device"] is None
+        assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_step"] / r["step_s"] / r["devices"])
+    assert one["efficiency"] == 1.0
+    assert dp["efficiency"] == pytest.approx(dp["tokens_per_s_per_device"] / one["tokens_per_s_per_device"])
+    # transformers' random init (std 0.02) predicts nearly uniformly: every step's loss is about ln(vocab).
+    vocab = SHAPES["tiny-llama"].get("vocab_size")
+    assert all(abs(x - math.log(vocab)) < 0.1 for r in (one, dp) for x in r["losses"]), (one["losses"], dp["losses"])
+    assert fsdp["error"] == ("bench_scaling_hf: fsdp on 2 CPU processes needs accelerate's FSDP, it chose MULTI_CPU "
+                             "(accelerate shards with FSDP on GPUs only)")
+    assert "| hf_ckpt | fsdp | 2 | error: bench_scaling_hf: fsdp" in (tmp_path / "s.md").read_text()
 
 
 def test_a_bad_mesh_is_one_line():
     res = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_scaling.py"), "--meshes", "dp,tp"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 1 and res.stderr.strip() == "bench_scaling: --meshes 'tp': use dp, fsdp"
+
+
+def test_a_bad_system_is_one_line():
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_scaling.py"), "--systems", "jaxft,unsloth"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 1 and res.stderr.strip() == ("bench_scaling: --systems 'unsloth': use jaxft, hf_ckpt, "
+                                                          "hf_nockpt")

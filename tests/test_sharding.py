@@ -184,6 +184,23 @@ def test_sharded_load_reads_each_shard_and_matches_the_unsharded_model(worker_re
 
 
 @pytest.mark.slow
+def test_random_weights_are_made_in_place_and_equal_one_devices(worker_result):
+    """`Run.init_random` on {fsdp: 4, tensor: 2}: every kernel and the embeddings come out in 8 distinct shards, each
+    equal to the matching slice of the same seed's arrays made on one device; LoRA factors and norms replicated;
+    the init program's outputs per device are the shards, not the model (tiny Llama: 107 KB whole, of which the
+    replicated LoRA factors, norms and scales are about 20 KB)."""
+    random = worker_result["random"]
+    arrays = random["arrays"]
+    assert all(a["shards_match"] for a in arrays.values()), arrays
+    split = {k for k, a in arrays.items() if a["num_shards"] == 8}
+    kernels = {f"frozen.layers.{m}.{p}.kernel" for m, ps in (("attn", "qkvo"), ("mlp", ("gate", "up", "down")))
+               for p in (f"{x}_proj" for x in ps)}
+    assert split == kernels | {"frozen.embed.embedding", "frozen.lm_head.kernel"}, split
+    assert all(a["num_shards"] == 1 for k, a in arrays.items() if k not in split)
+    assert random["output_bytes"] < random["whole_bytes"] / 3, random
+
+
+@pytest.mark.slow
 def test_checkpoint_written_on_one_mesh_resumes_on_another(tmp_path):
     make_tiny_model(tmp_path / "model")
     make_jsonl(tmp_path / "train.jsonl", 60, seed=0)

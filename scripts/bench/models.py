@@ -67,10 +67,21 @@ def build_config(shape: ModelShape):
     return AutoConfig.for_model(model_type, **cfg)
 
 
+def random_model(shape: ModelShape, device: str, seed: int = 0, **kwargs):
+    """The HF model of ``shape`` with random bf16 weights (transformers' own init, seeded), made on ``device``;
+    ``kwargs`` go to ``from_config`` (e.g. attn_implementation)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        auto = AutoModelForImageTextToText if shape.is_vlm else AutoModelForCausalLM
+        return auto.from_config(build_config(shape), dtype=torch.bfloat16, **kwargs)
+
+
 def save_random_model(shape: ModelShape, save_dir: str, device: str, seed: int = 0) -> dict[str, Any]:
     """Create the model of ``shape`` with random bf16 weights on ``device`` and save it."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     marker = os.path.join(save_dir, "bench_saved.json")
     if os.path.exists(marker):  # a kept --workdir: the same shape and seed were saved by an earlier call
@@ -79,12 +90,8 @@ def save_random_model(shape: ModelShape, save_dir: str, device: str, seed: int =
         if saved.get("shape") == shape.name and saved.get("seed") == seed:
             return {**saved, "reused": True}
     os.makedirs(save_dir, exist_ok=True)
-    torch.manual_seed(seed)
     t0 = time.perf_counter()
-    config = build_config(shape)
-    with torch.device(device):
-        auto = AutoModelForImageTextToText if shape.is_vlm else AutoModelForCausalLM
-        model = auto.from_config(config, dtype=torch.bfloat16)
+    model = random_model(shape, device, seed)
     n_params = sum(p.numel() for p in model.parameters())
     t1 = time.perf_counter()
     model.save_pretrained(save_dir)

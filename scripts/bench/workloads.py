@@ -276,6 +276,11 @@ SHAPES: dict[str, ModelShape] = {
         **_LLAMA_COMMON, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
         "vocab_size": 128256, "tie_word_embeddings": False, "rope_parameters": _llama3_rope(8.0)}),
+    # Llama-3.1-70B: issue #15's FSDP run over 8 GPUs (scripts/bench_scaling.py) and the memory table's 70B.
+    "llama-3.1-70b": ModelShape("llama-3.1-70b", {
+        **_LLAMA_COMMON, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 128256, "tie_word_embeddings": False, "rope_parameters": _llama3_rope(8.0)}),
     "qwen3-8b": ModelShape("qwen3-8b", {
         **_QWEN3_COMMON, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -411,6 +416,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("1b_2x4096", "llama-3.2-1b", 2, 4096),
     Workload("8b_4096", "llama-3.1-8b", 1, 4096),
     Workload("8b_16384", "llama-3.1-8b", 1, 16384),
+    Workload("70b_4096", "llama-3.1-70b", 1, 4096),
     Workload("qwen3_8b_4096", "qwen3-8b", 1, 4096),
     Workload("8b_packed_16384", "llama-3.1-8b", 1, 16384, packed=True, mean_doc_len=300),
     # Issue #10's long rows: one row per step (its table's 32k / 64k, and packed 64k).
@@ -490,6 +496,15 @@ class TokenData:
         if self.pixel_values is not None:
             out.update(pixel_values=self.pixel_values[i], image_grid_thw=self.image_grid_thw[i])
         return out
+
+    def rows(self, start: int, stop: int) -> "TokenData":
+        """Rows start..stop-1 of every step (one data-parallel rank's share of a global batch); attention_pairs
+        counted again for those rows."""
+        cut = {f.name: getattr(self, f.name)[:, start:stop] for f in dataclasses.fields(self)
+               if f.name not in ("attention_pairs", "image_token_id") and getattr(self, f.name) is not None}
+        pairs = np.array([sum(int((n * (n + 1) // 2).sum()) for n in map(np.bincount, step))
+                          for step in cut["segment_ids"]], np.int64)
+        return dataclasses.replace(self, **cut, attention_pairs=pairs)
 
     def hf_images(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(pixel_values [patches of every row, patch_dim] float32, image_grid_thw [rows, 3] int64) of step
