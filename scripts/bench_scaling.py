@@ -18,8 +18,10 @@ each synchronised on its loss (the clock is read after the device finished); as 
 input rows are placed from the host inside it (kilobytes per device). tokens/s per device = the step's tokens /
 the median step time / N; efficiency = that over the one-device point's (one device is the same program for
 every mesh, so it runs once). Peak memory per device: the allocator's `peak_bytes_in_use` of each device after
-the steps (not reported on a CPU). Same data at every mesh of one N: the first losses of dp and fsdp agree (a
-check that both train the same thing).
+the steps (not reported on a CPU; the random init before them keeps no temporaries on a GPU, so the peak is the
+steps': `Run.random_state_program`), beside the compiled step's estimate (`jaxft.run.peak_estimate`, what
+scripts/memory_table.py tabulates and `mesh: auto` plans with). Same data at every mesh of one N: the first losses
+of dp and fsdp agree (a check that both train the same thing).
 
 HF+PEFT points (`--systems hf_ckpt,hf_nockpt`: gradient checkpointing on / off) run scripts/bench_scaling_hf.py on
 the same first N devices, one process per device under torchrun (one device: a plain process), with accelerate's
@@ -64,7 +66,7 @@ def run_point(workload_name: str, mesh: str, devices: int, steps: int, mode: str
 
     from bench.workloads import SHAPES, get_workload, make_token_data
     from bench_jaxft_worker import mode_config, run_dtype
-    from jaxft.run import Run
+    from jaxft.run import Run, peak_estimate
 
     if devices > jax.device_count():
         raise SystemExit(f"bench_scaling: {devices} devices asked for, {jax.device_count()} visible")
@@ -80,6 +82,7 @@ def run_point(workload_name: str, mesh: str, devices: int, steps: int, mode: str
         run = Run.from_config(config, total_steps=steps + 1, devices=jax.devices()[:devices])
         run.compile(batches[0])  # before the weights exist, as the harness does (bench_jaxft_worker)
         compile_s = run.compile_seconds
+        estimate = peak_estimate(run.memory_analysis())  # what memory_table.py and `mesh: auto` plan with
         run.init_random()
     times, losses = [], []
     for i, batch in enumerate(batches):
@@ -95,6 +98,7 @@ def run_point(workload_name: str, mesh: str, devices: int, steps: int, mode: str
             "mesh_shape": {k: int(v) for k, v in run.placement.mesh.shape.items()}, "tokens_per_step": tokens,
             "step_s": step_s, "step_times_s": times, "tokens_per_s": tokens / step_s,
             "tokens_per_s_per_device": tokens / step_s / devices, "peak_gib_per_device": peaks or None,
+            "estimate_gib_per_device": round(estimate / GIB, 3),
             "losses": losses, "compile_s": round(compile_s, 1), "device_kind": jax.devices()[0].device_kind}
 
 
@@ -145,17 +149,19 @@ def markdown(rows: list[dict], argv: list[str]) -> str:
     kind = next((r["device_kind"] for r in rows if r.get("status") == "ok"), "?")
     lines = [heading("scripts/bench_scaling.py", argv, kind), "",
              "| system | mesh | devices | step | tokens/s | tokens/s per device | efficiency | peak per device | "
-             "first loss |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "estimate | first loss |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.get("status") != "ok":
             lines.append(f"| {r['system']} | {r['mesh']} | {r['devices']} | {r['status']}: {r.get('error', '')} "
-                         "| | | | | |")
+                         "| | | | | | |")
             continue
         peak = f"{max(r['peak_gib_per_device']):.2f} GiB" if r["peak_gib_per_device"] else "n/a (CPU)"
         eff = f"{100 * r['efficiency']:.1f}%" if r.get("efficiency") is not None else "-"
-        lines.append(f"| {r['system']} | {r['mesh']} | {r['devices']} | {1000 * r['step_s']:.1f} ms | {r['tokens_per_s']:,.0f} | "
-                     f"{r['tokens_per_s_per_device']:,.0f} | {eff} | {peak} | {r['losses'][0]:.4f} |")
+        estimate = f"{r['estimate_gib_per_device']:.2f} GiB" if r.get("estimate_gib_per_device") else "-"
+        lines.append(f"| {r['system']} | {r['mesh']} | {r['devices']} | {1000 * r['step_s']:.1f} ms | "
+                     f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | {eff} | {peak} | {estimate} | "
+                     f"{r['losses'][0]:.4f} |")
     return "\n".join(lines) + "\n"
 
 

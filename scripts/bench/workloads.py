@@ -502,9 +502,7 @@ class TokenData:
         counted again for those rows."""
         cut = {f.name: getattr(self, f.name)[:, start:stop] for f in dataclasses.fields(self)
                if f.name not in ("attention_pairs", "image_token_id") and getattr(self, f.name) is not None}
-        pairs = np.array([sum(int((n * (n + 1) // 2).sum()) for n in map(np.bincount, step))
-                          for step in cut["segment_ids"]], np.int64)
-        return dataclasses.replace(self, **cut, attention_pairs=pairs)
+        return dataclasses.replace(self, **cut, attention_pairs=causal_pairs(cut["segment_ids"]))
 
     def hf_images(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(pixel_values [patches of every row, patch_dim] float32, image_grid_thw [rows, 3] int64) of step
@@ -627,6 +625,18 @@ def _image_rows(workload: Workload, steps: int, input_ids: np.ndarray, loss_mask
     return (np.stack(pixels).reshape(steps, b, -1), np.stack(grids).reshape(steps, b, 3))
 
 
+def causal_pairs(segment_ids: np.ndarray) -> np.ndarray:
+    """[S] causal within-document (query, key) pairs, diagonal included, summed over the rows of each step of
+    segment_ids [S, B, T]: n (n + 1) / 2 per document of n tokens. (kernels_pallas.attention.kept_pairs counts the
+    same on device; this module stays free of JAX for the torch workers.)"""
+    out = np.zeros(segment_ids.shape[0], np.int64)
+    for i, step in enumerate(segment_ids):
+        for row in step:
+            n = np.bincount(row).astype(np.int64)
+            out[i] += int((n * (n + 1) // 2).sum())
+    return out
+
+
 def make_token_data(workload: Workload, steps: int) -> TokenData:
     """Deterministic token data for ``steps`` optimizer steps (seeded by the workload name).
 
@@ -641,7 +651,6 @@ def make_token_data(workload: Workload, steps: int) -> TokenData:
     input_ids = rng.integers(0, vocab, size=(s, b, t), dtype=np.int64).astype(np.int32)
     positions = np.empty((s, b, t), np.int32)
     segment_ids = np.empty((s, b, t), np.int32)
-    pairs = np.zeros((s,), np.int64)
     for i in range(s):
         for j in range(b):
             if workload.packed:
@@ -650,7 +659,6 @@ def make_token_data(workload: Workload, steps: int) -> TokenData:
                 lengths = np.asarray([t], np.int64)
             positions[i, j] = np.concatenate([np.arange(n) for n in lengths])
             segment_ids[i, j] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
-            pairs[i] += int((lengths * (lengths + 1) // 2).sum())
     loss_mask = np.zeros((s, b, t), np.float32)
     loss_mask[..., :-1] = positions[..., 1:] != 0  # no target across a document boundary
     images: dict[str, Any] = {}
@@ -661,7 +669,7 @@ def make_token_data(workload: Workload, steps: int) -> TokenData:
     targets = np.zeros_like(input_ids)
     targets[..., :-1] = input_ids[..., 1:]
     targets[loss_mask == 0] = 0
-    return TokenData(input_ids, targets, loss_mask, segment_ids, positions, pairs, **images)
+    return TokenData(input_ids, targets, loss_mask, segment_ids, positions, causal_pairs(segment_ids), **images)
 
 
 # --------------------------------------------------------------------------------------------
