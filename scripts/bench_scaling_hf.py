@@ -94,6 +94,14 @@ def run_point(system: str, mesh: str, workload_name: str, steps: int) -> dict | 
                                             bias="none", task_type="CAUSAL_LM", **targets))
     attn = base.config._attn_implementation
     model = acc.prepare(model)  # the optimizer is made after (FSDP2: over the sharded parameters)
+    units = {}
+    if got == "FSDP":  # how accelerate cut the model: each decoder layer, the embeddings, the head, the root
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                name = type(m).__name__.removeprefix("FSDP")
+                units[name] = units.get(name, 0) + 1
     result = train_loop(model, workload, data, steps + 1, device)
     gathered = [None] * world
     mine = (result["step_times_s"], result["losses"],
@@ -115,7 +123,8 @@ def run_point(system: str, mesh: str, workload_name: str, steps: int) -> dict | 
             "device_kind": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "distributed_type": got, "versions": _versions(),
             "settings": {"gradient_checkpointing": system == "hf_ckpt", "lora_targets": targets,
-                         "attn_implementation": attn, "mixed_precision": "no (bf16 weights, fp32 LoRA)"}}
+                         "attn_implementation": attn, "mixed_precision": "no (bf16 weights, fp32 LoRA)",
+                         "fsdp_units": units or None}}
 
 
 def main(argv=None) -> int:

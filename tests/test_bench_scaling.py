@@ -63,6 +63,7 @@ def test_hf_points_run_under_accelerate_and_fsdp_on_a_cpu_is_refused_in_one_line
     for r in (one, dp):  # tiny_llama: 2 rows of 128 tokens per process; 2 timed steps after the warm-up
         assert r["tokens_per_step"] == 2 * 128 * r["devices"] and len(r["step_times_s"]) == 2 and len(r["losses"]) == 3
         assert r["settings"]["gradient_checkpointing"] and r["peak_gib_per_device"] is None
+        assert r["settings"]["fsdp_units"] is None  # DDP / one process: the model is not cut into FSDP units
         assert r["tokens_per_s_per_device"] == pytest.approx(r["tokens_per_step"] / r["step_s"] / r["devices"])
     assert one["efficiency"] == 1.0
     assert dp["efficiency"] == pytest.approx(dp["tokens_per_s_per_device"] / one["tokens_per_s_per_device"])
