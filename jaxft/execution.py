@@ -20,7 +20,7 @@ The model holds parameters and math; everything that changes speed or memory but
   "full", "dots", "offload", "offload+attn", "offload_stream", "offload_all", "save=..;offload=..", "auto"); a mapping
   {save: [...], offload: [...]} is accepted and stored as its canonical string. `host_memory_gb` bounds what
   "offload_all" puts in host memory (None: no bound); `max_memory_gb` is "auto"'s device budget (None: the
-  device's free memory less a margin, `jaxft.run.default_memory_budget`). `remat_layers` = N applies the policy
+  device's free memory less a margin, `jaxft.auto.default_memory_budget`). `remat_layers` = N applies the policy
   to the first N layers only and runs the rest without remat (None: every layer): memory falls by about one
   layer's residuals per layer at the recompute cost of that layer alone, the steps between "none" and a policy
   on all layers (unrolled loop only; "auto" picks N when "none" does not fit, `jaxft.run.Run.choose_remat`).

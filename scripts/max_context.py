@@ -11,7 +11,7 @@ The step is the benchmark's (`examples/bench/auto.yaml`: LoRA r16 alpha 32 on q.
 and, for rows longer than `--mlp-chunk-size` (8192), the MLP in chunks of that many tokens (`mlp_chunk_size`: one
 layer never holds [T, intermediate] activations). A length T fits when
 
-    device: arguments + outputs + temporaries - aliased + allocator slack (`jaxft.run.peak_estimate` of
+    device: arguments + outputs + temporaries - aliased + allocator slack (`jaxft.auto.peak_estimate` of
             `Run.compile` from shapes,
             before any weight exists) <= the device budget (free memory less max(1 GiB, 5%), or --device-memory-gb)
     host:   the offloaded residuals (`jaxft.remat.residual_bytes` of the policy's offloaded names x layers, or what
@@ -289,7 +289,7 @@ def analytic_device_per_token(run, seq: int) -> float:
 def device_budget(settings: Settings) -> tuple[int, str]:
     if settings.device_budget is not None:
         return settings.device_budget, "--device-memory-gb"
-    from jaxft.run import default_memory_budget
+    from jaxft.auto import default_memory_budget
 
     return default_memory_budget()
 
@@ -298,7 +298,7 @@ def probe(settings: Settings, policy: str, seq: int) -> dict[str, Any]:
     """Compiles the step of `policy` at `seq` tokens from shapes; its device and host bytes."""
     import jax
 
-    from jaxft.run import peak_estimate
+    from jaxft.auto import peak_estimate
 
     run = make_run(settings, policy, seq, probe=True)
     rec: dict[str, Any] = dict(policy=policy, seq=seq)
@@ -401,7 +401,7 @@ def real_step(settings: Settings, policy: str, seq: int, emit: Callable[[dict], 
     """One real training step of `policy` at `seq` tokens on random weights (`Run.init_random`)."""
     import jax
 
-    from jaxft.run import peak_estimate
+    from jaxft.auto import peak_estimate
 
     rec: dict[str, Any] = dict(event="step", policy=policy, seq=seq)
     try:

@@ -7,8 +7,8 @@ scales to 32 layers. It is an analysis of the program, not a device measurement 
     PYTHONPATH=. python scripts/residual_memory.py
 """
 
-import collections
-import jax, jax.numpy as jnp, numpy as np
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 from jaxft.config import ModelConfig

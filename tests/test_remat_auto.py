@@ -13,7 +13,8 @@ from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.lora import LoraConfig
 from jaxft.remat import AUTO_ORDER, budget_offload_all, residual_bytes
-from jaxft.run import GIB, Run, peak_estimate
+from jaxft.auto import GIB, peak_estimate
+from jaxft.run import Run
 from jaxft.train.step import loss_and_grad_sums, stack_micro_batches
 from test_remat import grads, lora_split, packed_batch
 from test_train_fixtures import make_jsonl, make_tiny_model

@@ -11,7 +11,7 @@ import pytest
 
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.remat import AUTO_ORDER
-from jaxft.run import GIB, peak_estimate
+from jaxft.auto import GIB, peak_estimate
 from test_remat import assert_grads_match, grads, llama, lora_split
 from test_remat_auto import _batch, _run
 from test_train_fixtures import make_tiny_model
@@ -174,7 +174,7 @@ def test_auto_over_the_layer_scan_skips_partial_remat(deep_dir):
 # ---------------------------------------------------------------------------------------- the allocator after load
 
 def test_contiguous_room_is_the_larger_of_the_free_block_and_the_limit_left_beside_the_pool():
-    from jaxft.run import contiguous_room
+    from jaxft.auto import contiguous_room
 
     assert contiguous_room({}) is None  # the CPU reports no pool
     assert contiguous_room({"bytes_limit": 100, "pool_bytes": 70, "largest_free_block_bytes": 10}) == 30
