@@ -124,16 +124,18 @@ def _point_in_a_process(args, system: str, mesh: str, devices: int) -> dict:
     env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[:devices])
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "point.json"
+        began = time.perf_counter()
         res = subprocess.run(point_command(args, system, mesh, devices, out), env=env, capture_output=True,
                              text=True, timeout=args.timeout)
+        wall = {"wall_s": round(time.perf_counter() - began, 1)}  # the whole child: start-up, compile, init, steps
         if res.returncode or not out.exists():
             lines = (res.stdout + res.stderr).strip().splitlines()
             # A worker's own one-line refusal (every torchrun rank prints it) says more than torchrun's summary.
             own = [line for line in lines if line.startswith(("bench_scaling:", "bench_scaling_hf:"))]
             status = "oom" if is_oom_message(res.stderr) else "error"
             return {"system": system, "mesh": mesh, "devices": devices, "status": status,
-                    "error": own[0] if own else " | ".join(lines[-3:])}
-        return {**json.loads(out.read_text()), "status": "ok"}
+                    "error": own[0] if own else " | ".join(lines[-3:]), **wall}
+        return {**json.loads(out.read_text()), "status": "ok", **wall}
 
 
 def add_efficiency(rows: list[dict]) -> list[dict]:

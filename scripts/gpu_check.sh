@@ -12,7 +12,9 @@
 #   "overlap" copy/compute overlap of the host offload from a profile: $OUT/offload_overlap.json and
 #   $OUT/overlap_trace.json.gz, OVERLAP_TIMEOUT_S=150;
 #   "scaling" 8B LoRA on 1-8 GPUs, data parallel and FSDP, jaxft beside HF+PEFT under accelerate (SCALING_SYSTEMS,
-#   default jaxft,hf_ckpt): $OUT/scaling.{json,md}, SCALING_TIMEOUT_S=560 (the JSON is rewritten after each point);
+#   default jaxft,hf_ckpt): $OUT/scaling.{json,md}, SCALING_TIMEOUT_S=560 (the JSON is rewritten after each point;
+#   each row's wall_s is its whole child process: 7 points per system on 8 GPUs may need two calls, e.g.
+#   SCALING_ARGS="--devices 1,2" then "--devices 4,8", both systems in each);
 #   "70b" Llama-3.1-70B-shaped LoRA, FSDP over 8 GPUs (random weights made sharded): $OUT/scaling_70b.{json,md},
 #   SCALING_70B_TIMEOUT_S=560)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
