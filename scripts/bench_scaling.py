@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -103,6 +104,20 @@ def run_point(workload_name: str, mesh: str, devices: int, steps: int, mode: str
             "losses": losses, "compile_s": round(compile_s, 1), "device_kind": jax.devices()[0].device_kind}
 
 
+_CHILDREN: set[subprocess.Popen] = set()
+
+
+def _stop_children(signum, frame):
+    """SIGTERM / SIGINT (e.g. `timeout` around this script): the running point's process group goes too, since a
+    child in a session of its own would outlive this process and hold its GPUs."""
+    for child in list(_CHILDREN):
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    raise SystemExit(128 + signum)
+
+
 def point_command(args, system: str, mesh: str, devices: int, out: Path) -> list[str]:
     """The child process of a point: jaxft's `run_point` (this script with --point), or the HF+PEFT worker, under
     torchrun with a process per device when there are several."""
@@ -125,14 +140,29 @@ def _point_in_a_process(args, system: str, mesh: str, devices: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "point.json"
         began = time.perf_counter()
-        res = subprocess.run(point_command(args, system, mesh, devices, out), env=env, capture_output=True,
-                             text=True, timeout=args.timeout)
+        # Its own process group: a point past --timeout is killed whole (torchrun's workers hold GPUs too), and so
+        # is the running point when this process is told to stop (`_stop_children`).
+        child = subprocess.Popen(point_command(args, system, mesh, devices, out), env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+        _CHILDREN.add(child)
+        timed_out = False
+        try:
+            stdout, stderr = child.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            stdout, stderr = child.communicate()
+            timed_out = True
+        finally:
+            _CHILDREN.discard(child)
+        if timed_out:
+            return {"system": system, "mesh": mesh, "devices": devices, "status": "timeout",
+                    "error": f"over --timeout {args.timeout:g} s", "wall_s": round(time.perf_counter() - began, 1)}
         wall = {"wall_s": round(time.perf_counter() - began, 1)}  # the whole child: start-up, compile, init, steps
-        if res.returncode or not out.exists():
-            lines = (res.stdout + res.stderr).strip().splitlines()
+        if child.returncode or not out.exists():
+            lines = (stdout + stderr).strip().splitlines()
             # A worker's own one-line refusal (every torchrun rank prints it) says more than torchrun's summary.
             own = [line for line in lines if line.startswith(("bench_scaling:", "bench_scaling_hf:"))]
-            status = "oom" if is_oom_message(res.stderr) else "error"
+            status = "oom" if is_oom_message(stderr) else "error"
             return {"system": system, "mesh": mesh, "devices": devices, "status": status,
                     "error": own[0] if own else " | ".join(lines[-3:]), **wall}
         return {**json.loads(out.read_text()), "status": "ok", **wall}
@@ -195,6 +225,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"bench_scaling: --systems {s!r}: use {', '.join(SYSTEMS)}")
     if args.steps < 1:
         raise SystemExit("bench_scaling: --steps must be >= 1")
+    signal.signal(signal.SIGTERM, _stop_children)
+    signal.signal(signal.SIGINT, _stop_children)
     rows = []
     points = [(n, system, mesh) for n in sorted({int(x) for x in args.devices.split(",")}) for system in systems
               for mesh in (meshes[:1] if n == 1 else meshes)]  # one device: every mesh is the same program

@@ -171,8 +171,9 @@ if has 70b; then
   # Issue #15's 70B run: Llama-3.1-70B shape, LoRA r16 on all linears, 1 x 4096 per GPU, FSDP over every GPU.
   gpus=$(nvidia-smi -L | wc -l)
   stamp "70b (FSDP over $gpus GPUs, 1 x 4096 per GPU)"
-  timeout "${SCALING_70B_TIMEOUT_S:-560}" python3 scripts/bench_scaling.py --workload 70b_4096 --devices "$gpus" \
-    --meshes fsdp --systems jaxft --steps 5 --timeout "${SCALING_70B_TIMEOUT_S:-560}" --json "$OUT/scaling_70b.json" \
+  timeout "$(( ${SCALING_70B_TIMEOUT_S:-560} + 20 ))" python3 scripts/bench_scaling.py --workload 70b_4096 \
+    --devices "$gpus" --meshes fsdp --systems jaxft --steps 5 --timeout "${SCALING_70B_TIMEOUT_S:-560}" \
+    --json "$OUT/scaling_70b.json" \
     --md "$OUT/scaling_70b.md" 2>&1 | grep -v "Warning\|warn" | tail -8 | tee -a "$OUT/check.log"
 fi
 

@@ -86,3 +86,23 @@ def test_a_bad_system_is_one_line():
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 1 and res.stderr.strip() == ("bench_scaling: --systems 'unsloth': use jaxft, hf_ckpt, "
                                                           "hf_nockpt")
+
+
+def test_a_point_past_its_timeout_is_killed_whole_and_recorded(tmp_path):
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_scaling.py"), "--workload", "tiny_llama", "--devices", "1",
+           "--systems", "jaxft", "--steps", "1", "--timeout", "2", "--json", str(tmp_path / "s.json")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "s.json").read_text())
+    assert {k: row[k] for k in ("system", "mesh", "devices", "status", "error")} == {
+        "system": "jaxft", "mesh": "dp", "devices": 1, "status": "timeout", "error": "over --timeout 2 s"}
+    assert 2 <= row["wall_s"] < 30
+    left = []  # no process of the point outlives it (it ran in a session of its own)
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"bench_scaling.py") for a in args) and b"--point" in args:
+            left.append(args)
+    assert not left, left
