@@ -24,6 +24,9 @@
 #   sessions at once, each worker pinned to its own GPU by CUDA_VISIBLE_DEVICES; ceilings + model saves first, on GPU 0).
 #   On a multi-GPU kind (e.g. 8 x H200) TRAIN_GPUS=all runs the whole table (5 systems x 5 workloads) in one call:
 #     OUT=$OUT PHASES=train TRAIN_GPUS=all TRAIN_PLAN="jaxft,jaxft_lean,unsloth,hf_ckpt,hf_nockpt|1b_2x4096,8b_4096,8b_16384,qwen3_8b_4096,8b_packed_16384|560" bash scripts/gpu_check.sh
+#   and issue #10's table (every remat policy, auto and the peers on its six rows; a system per GPU; continue a cut
+#   call with TRAIN_RESUME=<its bench_train.json>):
+#     OUT=$OUT PHASES=train TRAIN_GPUS=all TRAIN_PLAN="jaxft,jaxft_full_remat,jaxft_lean,jaxft_offload_attn,jaxft_offload_all,jaxft_auto,unsloth,hf_ckpt|8b_4096,8b_16384,8b_32768,8b_65536,8b_packed_16384,8b_packed_65536|560" bash scripts/gpu_check.sh
 #   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache (opt-in, JAX's own setting): every process of the call shares a disk
 #   cache of compiled programs, so a later pass (or a resumed session) reads a step an earlier one compiled.
 # Usage (device tool, repo root):  OUT=$OUT bash scripts/gpu_check.sh
