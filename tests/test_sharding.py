@@ -201,6 +201,21 @@ def test_random_weights_are_made_in_place_and_equal_one_devices(worker_result):
 
 
 @pytest.mark.slow
+def test_pallas_attention_on_a_mesh_runs_on_each_devices_rows(tmp_path):
+    """Pallas flash attention (interpreted on the CPU) under data=2 x fsdp=2: no all-gather of activations (before
+    `per_device_attention`, q, k and v were gathered to the whole batch, f32[16, 128, heads, 64] here, and every
+    device computed every row), and the losses of one device. A model with head_dim 64 (the kernels' smallest)."""
+    make_tiny_model(tmp_path / "model", hidden=256)
+    res = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), "--pallas", str(tmp_path / "model"),
+                          str(tmp_path / "out.json")], cwd=REPO, env=host_devices_env(8), capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["activation_gathers"] == []
+    np.testing.assert_allclose(out["losses"]["data2_fsdp2"], out["losses"]["one_device"], rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_checkpoint_written_on_one_mesh_resumes_on_another(tmp_path):
     make_tiny_model(tmp_path / "model")
     make_jsonl(tmp_path / "train.jsonl", 60, seed=0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -28,6 +29,7 @@ from jaxft.models.layers import Linear, _init, logical
 from jaxft.models.parts import DecoderLayer, RMSNorm
 from jaxft.models.rope import mrope_tables, rope_tables
 from jaxft.models.stack import _layer_runs, is_unstacked, layer_groups, layer_slice, layer_stacks, run_groups, STACK_NAMES
+from jaxft.sharding import BATCH_AXES
 from kernels_pallas import attention as attention_ops
 
 __all__ = ["DEFAULT_EXECUTION", "Decoder", "_layer_runs", "abstract_model", "init_model", "is_unstacked",
@@ -119,7 +121,7 @@ class Decoder(nnx.Module):
     def _attend_fn(self, ctx, window):
         cfg = self.config
         return functools.partial(
-            attention_ops.dot_product_attention, segment_ids=ctx["segment_ids"], metadata=ctx["metadata"][window],
+            per_device_attention, segment_ids=ctx["segment_ids"], metadata=ctx["metadata"][window],
             causal=True, sliding_window=window, logit_softcap=cfg.attn_logit_softcap, scale=cfg.attn_scale,
             implementation=ctx["attention"])
 
@@ -215,6 +217,41 @@ def model_class(cfg: ModelConfig) -> type[Decoder]:
     from jaxft.models.vision.model import VisionLanguageModel  # it imports this module
 
     return VisionLanguageModel
+
+
+def per_device_attention(q, k, v, *, segment_ids, metadata, implementation, sinks=None, **static) -> jax.Array:
+    """`kernels_pallas.attention.dot_product_attention`, on each device's own rows when traced under a mesh of
+    several devices and the implementation may run the Pallas flash kernels ("pallas", or "auto" with block tables:
+    on a GPU, where it takes them for packed rows); otherwise the op as it is.
+
+    Why: attention is independent per row, but XLA cannot partition the flash kernels' custom call, so under a
+    mesh it all-gathers q, k and v to the whole batch and every device computes every row's attention (a step
+    compiled for 8 H200s under FSDP: [8, 4096, 8, 512] bf16 gathered before every layer's kernel; on 4 CPU
+    devices the interpreted kernel's operands gathered the same way: tests/test_sharding.py). Here the op runs in
+    `jax.shard_map` with the rows split over the batch axes (`jaxft.sharding.BATCH_AXES`, as `constrain_rows`
+    splits the layer inputs) and the heads over "tensor" where both head counts divide by it; the batch's block
+    tables (`make_metadata`, per row) are split with the rows, their batch-wide flag `single_segment` whole. The
+    sinks [H] enter with the heads; shard_map's transpose sums their gradient over the devices. cuDNN's attention
+    partitions itself and the reference is plain XLA, so those run as they are."""
+    mesh = jax.get_abstract_mesh()
+    axes = tuple(a for a in BATCH_AXES if not mesh.empty and a in mesh.axis_names)
+    rows = math.prod(mesh.shape[a] for a in axes) if axes else 1
+    call = functools.partial(attention_ops.dot_product_attention, implementation=implementation, **static)
+    # "auto" may take the flash kernels where the decoder built their block tables (GPUs), never elsewhere.
+    flash = implementation == "pallas" or (implementation == "auto" and metadata is not None)
+    if mesh.empty or mesh.size == 1 or not flash or q.shape[0] % rows:
+        return call(q, k, v, segment_ids=segment_ids, metadata=metadata, sinks=sinks)
+    tensor = mesh.shape.get("tensor", 1)
+    heads = "tensor" if tensor > 1 and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
+    qkv, by_row = jax.P(axes, None, heads, None), jax.P(axes)
+    meta_specs = None if metadata is None else jax.tree.map(lambda a: by_row if a.ndim else jax.P(), metadata)
+
+    def local(q, k, v, segment_ids, metadata, sinks):
+        return call(q, k, v, segment_ids=segment_ids, metadata=metadata, sinks=sinks)
+
+    return jax.shard_map(local, mesh=mesh, out_specs=qkv, check_vma=False, in_specs=(
+        qkv, qkv, qkv, None if segment_ids is None else by_row, meta_specs, None if sinks is None else jax.P(heads),
+    ))(q, k, v, segment_ids, metadata, sinks)
 
 
 def init_model(cfg: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0, **kw) -> Decoder:
