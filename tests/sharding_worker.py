@@ -199,11 +199,12 @@ def main_pallas(model_dir: str, out_path: str) -> None:
     for key, mesh in (("one_device", None), ("data2_fsdp2", dict(data=2, fsdp=2))):
         run = Run(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32", total_steps=STEPS, seed=0,
                   execution=ExecutionConfig(attention_implementation="pallas", layer_loop="scan"),
-                  optim=OptimConfig(learning_rate=1e-2, lr_scheduler_type="constant"), mesh=MeshConfig.from_mapping(mesh),
-                  devices=jax.devices()[:1] if mesh is None else jax.devices()[:4])
+                  optim=OptimConfig(learning_rate=1e-2, lr_scheduler_type="constant"),
+                  mesh=MeshConfig.from_mapping(mesh), devices=jax.devices()[:1] if mesh is None else jax.devices()[:4])
         hlo = run.compile(batches[0]).as_text()
         if mesh is not None:
-            result["activation_gathers"] = sorted(set(re.findall(r"= (\w+\[\d+,\d+,\d+,\d+[\d,]*\])\S* all-gather", hlo)))
+            gathers = re.findall(r"= (\w+\[\d+,\d+,\d+,\d+[\d,]*\])\S* all-gather", hlo)
+            result["activation_gathers"] = sorted(set(gathers))
         result["losses"][key] = _losses(run.load(), batches)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

@@ -206,9 +206,9 @@ def test_pallas_attention_on_a_mesh_runs_on_each_devices_rows(tmp_path):
     `per_device_attention`, q, k and v were gathered to the whole batch, f32[16, 128, heads, 64] here, and every
     device computed every row), and the losses of one device. A model with head_dim 64 (the kernels' smallest)."""
     make_tiny_model(tmp_path / "model", hidden=256)
-    res = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), "--pallas", str(tmp_path / "model"),
-                          str(tmp_path / "out.json")], cwd=REPO, env=host_devices_env(8), capture_output=True, text=True,
-                         timeout=900)
+    cmd = [sys.executable, str(REPO / "tests" / "sharding_worker.py"), "--pallas", str(tmp_path / "model"),
+           str(tmp_path / "out.json")]
+    res = subprocess.run(cmd, cwd=REPO, env=host_devices_env(8), capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["activation_gathers"] == []
