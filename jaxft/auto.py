@@ -235,8 +235,8 @@ class AutoChoices:
         name = candidate_name(self.execution.remat, self.execution.remat_layers)
         return name, self.remat_estimates[name]
 
-    def _compile_candidate(self, run: "AutoChoices", base: ExecutionConfig, host_batch: dict[str, np.ndarray], policy: str,
-                           layers: int | None, name: str, verdict, log) -> int:
+    def _compile_candidate(self, run: "AutoChoices", base: ExecutionConfig, host_batch: dict[str, np.ndarray],
+                           policy: str, layers: int | None, name: str, verdict, log) -> int:
         """`remat: auto`'s one compile: `policy` (on the first `layers` layers) over `base` on `run` (this run or a
         shallow copy), recorded in `remat_compiles` and `_auto_seconds`, logged as one line ending in
         `verdict(estimate)`; returns the estimate (`peak_estimate`)."""

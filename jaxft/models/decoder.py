@@ -234,12 +234,11 @@ def per_device_attention(q, k, v, *, segment_ids, metadata, implementation, sink
     sinks [H] enter with the heads; shard_map's transpose sums their gradient over the devices. cuDNN's attention
     partitions itself and the reference is plain XLA, so those run as they are."""
     mesh = jax.get_abstract_mesh()
-    axes = tuple(a for a in BATCH_AXES if not mesh.empty and a in mesh.axis_names)
-    rows = math.prod(mesh.shape[a] for a in axes) if axes else 1
     call = functools.partial(attention_ops.dot_product_attention, implementation=implementation, **static)
     # "auto" may take the flash kernels where the decoder built their block tables (GPUs), never elsewhere.
     flash = implementation == "pallas" or (implementation == "auto" and metadata is not None)
-    if mesh.empty or mesh.size == 1 or not flash or q.shape[0] % rows:
+    axes = () if mesh.empty else tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    if mesh.empty or mesh.size == 1 or not flash or q.shape[0] % math.prod(mesh.shape[a] for a in axes):
         return call(q, k, v, segment_ids=segment_ids, metadata=metadata, sinks=sinks)
     tensor = mesh.shape.get("tensor", 1)
     heads = "tensor" if tensor > 1 and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None
