@@ -359,17 +359,24 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         shapes = [known[s] for s in names]
     print(f"devices: {jax.devices()}", flush=True)
     if args.sweep:
-        rows = run_sweep([s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16], args.iters,
-                         timing_rounds=args.timing_rounds)
+        # A shape at a time, the JSON rewritten after each: a sweep cut by its call's time limit keeps what it timed.
+        rows = []
+        for shape in [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]:
+            rows += run_sweep([shape], args.iters, timing_rounds=args.timing_rounds)
+            _write(args.json, rows)
     elif args.against:
         shapes = [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]  # the kernels' dtypes on the GPU
         rows = run_against(shapes, load_kernels(args.against), args.rounds, args.iters)
     else:
         rows = run(shapes, impls, args.iters, args.timing_rounds)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"devices": [str(d) for d in jax.devices()], "rows": rows}, f, indent=1)
+    _write(args.json, rows)
     return rows
+
+
+def _write(path: str | None, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"devices": [str(d) for d in jax.devices()], "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
