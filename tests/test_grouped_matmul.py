@@ -67,10 +67,16 @@ def test_group_sizes_are_traced_one_program_serves_every_split(impl):
     shape = TEST_SHAPES[0]
     lhs, rhs, _, dout = make_inputs(shape)
     fn = jax.jit(lambda l, r, s: grouped_matmul(l, r, s, implementation=impl))
-    for sizes in ((15, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 15), (2, 3, 0, 4, 1, 5)):
+    splits = ((15, 0, 0, 0, 0, 0), (15, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 15), (2, 3, 0, 4, 1, 5))
+    for i, sizes in enumerate(splits):
         s = jnp.asarray(sizes, jnp.int32)
         _close(fn(lhs, rhs, s), _loop(lhs, rhs, s, dout)[0], shape.dtype, f"out for sizes {sizes}")
-    assert fn._cache_size() == 1
+        if i == 1:
+            # The first split twice: in a fresh process the Mosaic GPU interpreter's first run adds a value to JAX's
+            # tracing context (explain_cache_misses: 50 -> 51), which retraces the same split once; that is not the
+            # group sizes, which must not add programs after it.
+            programs = fn._cache_size()
+    assert programs <= 2 and fn._cache_size() == programs
 
 
 def test_bad_shapes_are_one_line_naming_the_file():

@@ -286,9 +286,10 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         jobs += _adapter_jobs(shape, "dlhs+lora", variants, (dout, rhs, sizes, xa, a))
         if dw_candidates is None:
             continue
-        for cfg in [table, *dw_candidates(shape.k, shape.n)]:
+        # d rhs runs on the forward entry's dw_* tiles (not the d lhs entry's, which `table` now names).
+        for cfg in [fwd_table, *dw_candidates(shape.k, shape.n)]:
             row = {"shape": shape.name, "direction": "drhs", "label": _describe_dw(cfg),
-                   "config": dataclasses.asdict(cfg), "table": cfg is table, "work": _work(shape)["fwd"]}
+                   "config": dataclasses.asdict(cfg), "table": cfg is fwd_table, "work": _work(shape)["fwd"]}
             fn = jax.jit(lambda a, d, s, cfg=cfg: mosaic.gmm_drhs(a, d, s, cfg, interpret=interpret))
             jobs.append((row, fn, (lhs, dout, sizes)))
 
