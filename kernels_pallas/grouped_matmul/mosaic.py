@@ -41,10 +41,11 @@ Two row-tile kernels: ``gmm_rows`` (one warpgroup issues the TMA loads and the w
 store their rows while the next tile loads); ``CONFIGS`` picks one per shape. The warp-specialised kernel chains the
 pipelines of an SM's units (``TileConfig.chained``, JAX's ``pipeline_state``): the memory warpgroup goes on loading
 the next unit while the compute warpgroups finish and store this one, instead of draining the ring after every unit.
-Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 33): forward
-405-589 TFLOP/s, forward+backward 450-557, below the 600 / 500 target on the Qwen3-30B-A3B down shape (K = 768;
-dense XLA matmuls of the same FLOPs: 682-759 forward). The per-entry numbers in ``CONFIGS`` are older sweeps timed
-one synced call at a time (lower by 6-78%).
+Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 35): forward
+461-606 TFLOP/s, forward+backward 467-560; the 600 / 500 target is met by GPT-OSS-20B's gate_up forward only and
+missed by both Qwen3-30B-A3B shapes (forward 534 and 461; the down shape's K = 768 gives a tile 12 contraction
+steps) and GPT-OSS-20B's down forward (593); dense XLA matmuls of the same FLOPs: 704-770 forward. Most
+per-entry numbers in ``CONFIGS`` are older sweeps timed one synced call at a time (lower by 6-78%).
 
 An expert adapter fused into the forward (``grouped_matmul_mosaic(lora=(xa, b))``): out[m] = lhs[m] @ rhs[g(m)] +
 xa[m] @ b[g(m)], with xa [M, r] the rows' product with the adapter's A and b [G, r, N] its scaled B. The row kernels
