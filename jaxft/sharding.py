@@ -178,6 +178,12 @@ def partition_spec(shape: tuple[int, ...], names: tuple[str | None, ...] | None,
     return jax.sharding.PartitionSpec(*spec)
 
 
+def row_axes(mesh) -> tuple[str, ...]:
+    """The axes of `mesh` that split a batch's rows (`BATCH_AXES` it has, in that order); () for an empty mesh.
+    What a per-device block (`jax.shard_map` over the rows: flash attention, MoE routing) splits its rows over."""
+    return () if mesh.empty else tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
 def constrain_rows(x: jax.Array) -> jax.Array:
     """`x` [B, ...] with its rows split over (data, fsdp) when traced under a mesh that has those axes
     (`Placement.tracing()`), else `x` unchanged.

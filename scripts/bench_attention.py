@@ -124,7 +124,7 @@ def tune_pallas(shape, iters):
 
 
 def bench_shape(shape, impls, iters, config=None):
-    b, t, h, kvh, d = shape.batch, shape.seq_len, shape.heads, shape.kv_heads, shape.head_dim
+    b, t, h = shape.batch, shape.seq_len, shape.heads
     seg_np = make_segment_ids(shape, seed=0)
     n_runs = int(max((np.diff(r) != 0).sum() + 1 for r in seg_np))
     flops_f, flops_fb = useful_flops(shape, seg_np)

@@ -59,7 +59,7 @@ from jaxft.models.layers import (ExpertParam, LoraParam, LoraRank, LoraScale, St
                                  stack_axes)
 from jaxft.models.quant_experts import expert_matmul
 from jaxft.remat import MLP_GATE_UP
-from jaxft.sharding import BATCH_AXES
+from jaxft.sharding import BATCH_AXES, row_axes
 from kernels_pallas.grouped_matmul import grouped_matmul
 
 
@@ -288,7 +288,7 @@ def per_device(block: nnx.Module, x: jax.Array, token_weights: jax.Array | None,
     mesh = jax.get_abstract_mesh()
     if mesh.empty or mesh.size == 1 or dispatch == "global":
         return block(x, token_weights, gmm_implementation=gmm_implementation)
-    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    axes = row_axes(mesh)
     # The tensor axis holds copies of the rows (activations are whole across it): its devices split the tokens
     # of a row instead, when they divide evenly, so no two devices run the same token's experts.
     tensor = [a for a in mesh.axis_names if a not in BATCH_AXES and mesh.shape[a] > 1
