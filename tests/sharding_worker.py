@@ -8,7 +8,8 @@ losses and expert placement on three meshes). Writes what the test asserts on:
 - loaded: for a model loaded sharded on {data: 2, fsdp: 2, tensor: 2}, per weight: its spec, the shapes of
   the device shards, whether every shard equals the matching slice of the unsharded weight; and the logits'
   largest difference from the unsharded model's.
-- (`--pallas MODEL_DIR OUT.json`: `main_pallas`, Pallas attention on one device and on a mesh)
+- (`--pallas` / `--quant MODEL_DIR OUT.json`: `main_per_device`, Pallas attention or a 4-bit base on one
+  device and on a mesh)
 - random: `Run.init_random` on {fsdp: 4, tensor: 2} against the same seed on one device: per array, its number
   of shards and whether every shard equals the matching slice of the one-device array; the init program's
   compiled bytes per device (outputs, temporaries) and the whole model's bytes.
@@ -189,23 +190,37 @@ def main_moe(model_dir: str, out_path: str) -> None:
         json.dump(result, f, indent=1)
 
 
-def main_pallas(model_dir: str, out_path: str) -> None:
-    """Pallas flash attention (interpreted here) on one device and on data=2 x fsdp=2: 3 steps' losses, and the
-    shapes of every all-gather of rank >= 4 in the mesh's compiled step (activations; the weights are rank 3 at
-    most), which `jaxft.models.decoder.per_device_attention` must leave at none."""
+def main_per_device(kind: str, model_dir: str, out_path: str) -> None:
+    """One device against data=2 x fsdp=2, 3 steps' losses, and the shapes of every all-gather in the mesh's
+    compiled step whose result leads with the whole batch's rows (activations gathered to every device: each
+    device would then compute every row). `kind` "pallas": Pallas flash attention (interpreted here), which
+    `jaxft.models.decoder.per_device_attention` must keep from gathering; "quant": QLoRA (nf4, double-quantised,
+    the default "xla" 4-bit matmul) with reference attention, plus whether every 4-bit array is whole on every
+    device (its variable type has no logical axes: data parallel for the 4-bit weights, FSDP for the rest)."""
+    from flax import nnx
+
+    from jaxft.models.layers import QuantizedWeight
+    from jaxft.quant import QuantConfig
+
     assert len(jax.devices()) == 8, jax.devices()
     batches = _batches()[:3]
     result = {"losses": {}}
     for key, mesh in (("one_device", None), ("data2_fsdp2", dict(data=2, fsdp=2))):
         run = Run(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32", total_steps=STEPS, seed=0,
-                  execution=ExecutionConfig(attention_implementation="pallas", layer_loop="scan"),
+                  execution=ExecutionConfig(attention_implementation="pallas" if kind == "pallas" else "reference",
+                                            layer_loop="scan"),
                   optim=OptimConfig(learning_rate=1e-2, lr_scheduler_type="constant"),
+                  quant_config=QuantConfig() if kind == "quant" else None,
                   mesh=MeshConfig.from_mapping(mesh), devices=jax.devices()[:1] if mesh is None else jax.devices()[:4])
         hlo = run.compile(batches[0]).as_text()
+        run.load()
         if mesh is not None:
-            gathers = re.findall(r"= (\w+\[\d+,\d+,\d+,\d+[\d,]*\])\S* all-gather", hlo)
-            result["activation_gathers"] = sorted(set(gathers))
-        result["losses"][key] = _losses(run.load(), batches)
+            gathers = re.findall(rf"= (\w+\[{ROWS}(?:,\d+)+\])\S* all-gather", hlo)
+            result["row_gathers"] = sorted(set(gathers))
+            quant = [v.get_value() for _, v in nnx.to_flat_state(run.frozen) if isinstance(v, QuantizedWeight)]
+            result["quant_arrays"] = len(quant)
+            result["quant_replicated"] = all(a.sharding.is_fully_replicated for a in quant)
+        result["losses"][key] = _losses(run, batches)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
 
@@ -213,7 +228,7 @@ def main_pallas(model_dir: str, out_path: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--moe":
         main_moe(*sys.argv[2:])
-    elif sys.argv[1] == "--pallas":
-        main_pallas(*sys.argv[2:])
+    elif sys.argv[1] in ("--pallas", "--quant"):
+        main_per_device(sys.argv[1].removeprefix("--"), *sys.argv[2:])
     else:
         main(*sys.argv[1:])

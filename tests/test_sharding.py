@@ -200,18 +200,33 @@ def test_random_weights_are_made_in_place_and_equal_one_devices(worker_result):
     assert random["output_bytes"] < random["whole_bytes"] / 3, random
 
 
+def _per_device(kind: str, model_dir) -> dict:
+    out = model_dir.parent / f"{kind}.json"
+    cmd = [sys.executable, str(REPO / "tests" / "sharding_worker.py"), f"--{kind}", str(model_dir), str(out)]
+    res = subprocess.run(cmd, cwd=REPO, env=host_devices_env(8), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
 def test_pallas_attention_on_a_mesh_runs_on_each_devices_rows(tmp_path):
     """Pallas flash attention (interpreted on the CPU) under data=2 x fsdp=2: no all-gather of activations (before
     `per_device_attention`, q, k and v were gathered to the whole batch, f32[16, 128, heads, 64] here, and every
     device computed every row), and the losses of one device. A model with head_dim 64 (the kernels' smallest)."""
-    make_tiny_model(tmp_path / "model", hidden=256)
-    cmd = [sys.executable, str(REPO / "tests" / "sharding_worker.py"), "--pallas", str(tmp_path / "model"),
-           str(tmp_path / "out.json")]
-    res = subprocess.run(cmd, cwd=REPO, env=host_devices_env(8), capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    out = json.loads((tmp_path / "out.json").read_text())
-    assert out["activation_gathers"] == []
+    out = _per_device("pallas", make_tiny_model(tmp_path / "model", hidden=256))
+    assert out["row_gathers"] == []
+    np.testing.assert_allclose(out["losses"]["data2_fsdp2"], out["losses"]["one_device"], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_qlora_on_a_mesh_equals_one_device_with_the_4bit_weights_whole_on_each(tmp_path):
+    """QLoRA (nf4 base, double-quantised) under data=2 x fsdp=2: one device's losses, each device on its own rows
+    (no all-gather of activations), and every 4-bit array (packed codes, absmax, nested absmax, offset: 4 per
+    linear, 7 linears) whole on every device; the other frozen weights are split by fsdp as without 4 bits."""
+    out = _per_device("quant", make_tiny_model(tmp_path / "model", hidden=64))
+    assert out["row_gathers"] == []
+    assert out["quant_arrays"] == 4 * 7 and out["quant_replicated"]
+    assert out["losses"]["one_device"][-1] < out["losses"]["one_device"][0]
     np.testing.assert_allclose(out["losses"]["data2_fsdp2"], out["losses"]["one_device"], rtol=1e-5)
 
 
