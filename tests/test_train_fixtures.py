@@ -70,15 +70,20 @@ def host_devices_env(devices: int) -> dict:
     return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
 
 
-def run_cli_on_host_devices(values: dict, yaml_path: Path, devices: int, timeout: int = 300) -> tuple[list[dict], str]:
+def run_cli_on_host_devices(values: dict, yaml_path: Path, devices: int, timeout: int = 300,
+                            dump_hlo: Path | None = None) -> tuple[list[dict], str]:
     """Write `values` as a run config to `yaml_path`, run `jaxft-train` on it in a subprocess on `devices` host
-    devices (it must succeed); returns the metrics rows that carry a loss and the run's stdout + stderr."""
+    devices (it must succeed); returns the metrics rows that carry a loss and the run's stdout + stderr.
+    `dump_hlo`: XLA writes every compiled program's HLO text there (`--xla_dump_to`)."""
     import yaml
 
     from jaxft.train import read_metrics
 
     yaml_path.write_text(yaml.safe_dump(values))
-    res = subprocess.run([sys.executable, "-m", "jaxft.cli", str(yaml_path)], cwd=REPO, env=host_devices_env(devices),
+    env = host_devices_env(devices)
+    if dump_hlo is not None:
+        env["XLA_FLAGS"] += f" --xla_dump_to={dump_hlo} --xla_dump_hlo_as_text"
+    res = subprocess.run([sys.executable, "-m", "jaxft.cli", str(yaml_path)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [r for r in read_metrics(Path(values["output_dir"]) / "metrics.jsonl") if "loss" in r]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -115,3 +116,32 @@ def test_finetune_keys_on_a_text_only_model_is_an_error(tmp_path, data):
     with pytest.raises(TrainConfigError, match=r"key 'finetune_vision_layers': .* is a text-only model \(model_type "
                                                r"'llama'\)"):
         _config(data, tmp_path, model_name_or_path=str(model), finetune_vision_layers=False)
+
+
+def _patch_rows(dump: Path, patch_dim: int) -> int:
+    """The most patches any [N, patch_dim] array of the compiled training step holds (the tower's input)."""
+    step = max(dump.glob("*jit_step*after_optimizations.txt"), key=lambda f: f.stat().st_size)
+    return max(int(n) for n in re.findall(rf"f32\[(\d+),{patch_dim}\]", step.read_text()))
+
+
+@pytest.mark.slow  # two runs of jaxft-train, ~1 min each on 2 cores
+def test_on_a_mesh_each_device_embeds_its_own_rows_images(data, tmp_path):
+    """4 rows on data=2 x fsdp=2 (a row per device) against the same 4 rows on one device: equal losses, and the
+    mesh's compiled step gives the tower a quarter of the patches (before `per_device_images` every device ran
+    the tower on the whole batch's images: 736 patches here, against 184 of its own row)."""
+    from test_train_fixtures import run_cli_on_host_devices
+
+    config = json.loads((MODEL / "config.json").read_text())["vision_config"]
+    patch_dim = config["in_channels"] * config["temporal_patch_size"] * config["patch_size"] ** 2
+    values = dict(model_name_or_path=str(MODEL), dataset=str(data / "train.jsonl"), max_steps=2,
+                  max_seq_length=128, learning_rate=1e-2, warmup_steps=0, logging_steps=1, save_steps=100,
+                  report_to="none", bf16=False, disable_tqdm=True, lora_r=4, lora_alpha=8, remat="none", seed=0,
+                  finetune_vision_layers=True)  # the tower's adapters: their gradients summed over the devices
+    one, _ = run_cli_on_host_devices({**values, "output_dir": str(tmp_path / "one"), "per_device_train_batch_size": 4},
+                                     tmp_path / "one.yaml", 1, timeout=600, dump_hlo=tmp_path / "hlo_one")
+    mesh, _ = run_cli_on_host_devices({**values, "output_dir": str(tmp_path / "mesh"), "per_device_train_batch_size": 1,
+                                       "mesh": {"data": 2, "fsdp": 2}}, tmp_path / "mesh.yaml", 4, timeout=600,
+                                      dump_hlo=tmp_path / "hlo_mesh")
+    np.testing.assert_allclose([r["loss"] for r in mesh], [r["loss"] for r in one], rtol=1e-5)
+    whole = _patch_rows(tmp_path / "hlo_one", patch_dim)
+    assert whole > 0 and _patch_rows(tmp_path / "hlo_mesh", patch_dim) * 4 == whole

@@ -130,16 +130,13 @@ def token_loss_sum(model, batch: Batch, *, dropout_rng: jax.Array | None = None,
 def model_inputs(model, batch: Batch) -> tuple[tuple, dict[str, jax.Array]]:
     """(input_ids, positions, segment_ids) and the image inputs of a packed batch for `model`. A vision-language
     model gets no positions (it computes its M-RoPE positions from the ids, the segments and the image grids)
-    and its images in the processor's flat form (`jaxft.models.vision.model.flat_images`)."""
-    vision = getattr(model.config, "vision", None)
-    if vision is None:
+    and its images per row (`pixel_rows`, `grid_rows`: on a mesh each device embeds its own rows' images,
+    `jaxft.models.vision.model.per_device_images`)."""
+    if getattr(model.config, "vision", None) is None:
         return (batch["input_ids"], batch["positions"], batch["segment_ids"]), {}
     images = {}
     if "pixel_values" in batch:
-        from jaxft.models.vision.model import flat_images
-
-        pixels, grids = flat_images(batch["pixel_values"], batch["image_grid_thw"], vision)
-        images = dict(pixel_values=pixels, image_grid_thw=grids)
+        images = dict(pixel_rows=batch["pixel_values"], grid_rows=batch["image_grid_thw"])
     return (batch["input_ids"], None, batch["segment_ids"]), images
 
 

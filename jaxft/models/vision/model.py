@@ -8,9 +8,16 @@ merged patch embeddings, with M-RoPE positions (Qwen2-VL, Qwen2.5-VL).
       -> Decoder.hidden_states(inputs_embeds=embeds, positions=positions)
 Everything is array ops on the device, once per batch: the number of image tokens is N / m^2 (static), the
 grids may be traced.
+
+A packed training batch carries its images per row (`pixel_rows` [B, P * patch_dim], `grid_rows` [B, G * 3]:
+`jaxft.data.packing`). Under a mesh of several devices each device runs the tower on its own rows' images only
+(`per_device_images`); as one program over the batch the tower's input is every image of the batch in one packed
+sequence, which XLA does not split, so every device ran the whole batch's tower.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +29,7 @@ from jaxft.execution import ExecutionConfig
 from jaxft.models.decoder import DEFAULT_EXECUTION, Decoder
 from jaxft.models.vision.mrope import mrope_positions
 from jaxft.models.vision.tower import VisionTower
+from jaxft.sharding import row_axes
 
 
 class VisionLanguageModel(Decoder):
@@ -33,31 +41,36 @@ class VisionLanguageModel(Decoder):
         self.vision = VisionTower(cfg.vision, dtype=dtype, rngs=rngs)
 
     def multimodal_inputs(self, input_ids, pixel_values=None, image_grid_thw=None, segment_ids=None,
-                          execution: ExecutionConfig = DEFAULT_EXECUTION) -> tuple[jax.Array, jax.Array]:
-        """(inputs_embeds [B, T, H], M-RoPE positions [3, B, T]) of a batch."""
+                          execution: ExecutionConfig = DEFAULT_EXECUTION, pixel_rows=None,
+                          grid_rows=None) -> tuple[jax.Array, jax.Array]:
+        """(inputs_embeds [B, T, H], M-RoPE positions [3, B, T]) of a batch whose images come flat
+        (`pixel_values`, `image_grid_thw`: the processor's form) or per row (`pixel_rows`, `grid_rows`: a packed
+        batch's, see `flat_images`)."""
         v = self.config.vision
         ids = jnp.asarray(input_ids, jnp.int32)
         x = self.embed_tokens(ids)
+        if pixel_rows is not None:
+            _, grids = flat_images(pixel_rows, grid_rows, v)  # the batch's grid list; the pixels are sorted per device
+            with jax.named_scope("image_embeds"):
+                x = per_device_images(self.vision, x, ids, pixel_rows, grid_rows, _vision_attention(execution))
+            return x, mrope_positions(ids, grids, v, segment_ids)
         positions = mrope_positions(ids, image_grid_thw, v, segment_ids)
         if pixel_values is None:
             return x, positions
+        _check_counts(input_ids, pixel_values.shape[0] // v.spatial_merge_size ** 2, v.image_token_id)
         with jax.named_scope("image_embeds"):
-            feats = self.vision(pixel_values, image_grid_thw, implementation=_vision_attention(execution))
-            mask = (ids == v.image_token_id).reshape(-1)
-            _check_counts(input_ids, feats.shape[0], v.image_token_id)
-            where = jnp.nonzero(mask, size=feats.shape[0], fill_value=mask.shape[0])[0]
-            flat = x.reshape(-1, x.shape[-1]).at[where].set(feats.astype(x.dtype), mode="drop")
-        return flat.reshape(x.shape), positions
+            x = put_images(self.vision, x, ids, pixel_values, image_grid_thw, _vision_attention(execution))
+        return x, positions
 
     def hidden_states(self, input_ids=None, positions=None, segment_ids=None, *, dropout_rng=None,
                       execution: ExecutionConfig = DEFAULT_EXECUTION, inputs_embeds=None, pixel_values=None,
-                      image_grid_thw=None) -> jax.Array:
+                      image_grid_thw=None, pixel_rows=None, grid_rows=None) -> jax.Array:
         if input_ids is not None and inputs_embeds is None:
             inputs_embeds, mrope = self.multimodal_inputs(input_ids, pixel_values, image_grid_thw, segment_ids,
-                                                          execution)
+                                                          execution, pixel_rows=pixel_rows, grid_rows=grid_rows)
             positions = mrope if positions is None else positions
             input_ids = None
-        elif pixel_values is not None:
+        elif pixel_values is not None or pixel_rows is not None:
             raise ValueError("VisionLanguageModel: pixel_values need input_ids (their image tokens say where the "
                              "image embeddings go)")
         return super().hidden_states(input_ids, positions, segment_ids, dropout_rng=dropout_rng, execution=execution,
@@ -69,6 +82,39 @@ class VisionLanguageModel(Decoder):
         return self.logits(self.hidden_states(input_ids, positions, segment_ids, dropout_rng=dropout_rng,
                                               execution=execution, inputs_embeds=inputs_embeds,
                                               pixel_values=pixel_values, image_grid_thw=image_grid_thw))
+
+
+def put_images(tower: VisionTower, x, ids, pixel_values, image_grid_thw, implementation: str) -> jax.Array:
+    """`x` [B, T, H] with the tower's merged embeddings of the flat images (`pixel_values` [N, patch_dim],
+    `image_grid_thw` [I, 3]) at the image tokens of `ids` [B, T], in order."""
+    feats = tower(pixel_values, image_grid_thw, implementation=implementation)
+    mask = (ids == tower.config.image_token_id).reshape(-1)
+    where = jnp.nonzero(mask, size=feats.shape[0], fill_value=mask.shape[0])[0]
+    return x.reshape(-1, x.shape[-1]).at[where].set(feats.astype(x.dtype), mode="drop").reshape(x.shape)
+
+
+def per_device_images(tower: VisionTower, x, ids, pixel_rows, grid_rows, implementation: str) -> jax.Array:
+    """`put_images` of a packed batch's per-row images, each device on its own rows when traced under a mesh of
+    several devices whose batch axes divide the rows (`jax.shard_map` over `jaxft.sharding.row_axes`, as
+    `constrain_rows` splits the layer inputs); otherwise on the whole batch. A row's image tokens hold exactly
+    its own images' embeddings, so the rows' images can be embedded apart.
+
+    The tower's weights enter whole (P(): XLA gathers any that are split, as for a matmul); the gradients of its
+    adapters (`finetune_vision_layers`) are summed over the devices by shard_map's transpose. A tensor axis holds
+    copies of the rows: its devices embed the same images."""
+    mesh = jax.get_abstract_mesh()
+    axes = row_axes(mesh)
+
+    def local(state, x, ids, pixel_rows, grid_rows):
+        pixels, grids = flat_images(pixel_rows, grid_rows, tower.config)
+        return put_images(nnx.merge(graphdef, state), x, ids, pixels, grids, implementation)
+
+    graphdef, state = nnx.split(tower)
+    if mesh.empty or mesh.size == 1 or not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return local(state, x, ids, pixel_rows, grid_rows)
+    rows = jax.P(axes)
+    return jax.shard_map(local, mesh=mesh, in_specs=(jax.P(), rows, rows, rows, rows), out_specs=rows,
+                         check_vma=False)(state, x, ids, pixel_rows, grid_rows)
 
 
 def flat_images(row_pixels: jax.Array, row_grids: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
