@@ -6,11 +6,11 @@ from jaxft.train.guard import TrainingInterrupted
 from jaxft.train.loop import TrainResult, train
 from jaxft.train.meter import RunSummary
 from jaxft.train.metrics import read_metrics
+from jaxft.train.optim import make_optimizer
 from jaxft.train.schedules import make_schedule, warmup_steps_for
 from jaxft.train.step import (
     loss_and_grad_sums,
     make_eval_step,
-    make_optimizer,
     make_train_step,
     restack_layers,
     split_model,

@@ -38,7 +38,6 @@ from flax import nnx
 from jaxft.execution import ExecutionConfig
 from jaxft.models.layers import LoraParam
 from jaxft.models.stack import STACK_NAMES
-from jaxft.train.optim import make_optimizer  # noqa: F401  (re-exported: jaxft.train.step.make_optimizer)
 from jaxft.models.moe import load_balancing_loss
 from kernels_pallas.linear_cross_entropy import linear_cross_entropy
 
