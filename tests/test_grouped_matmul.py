@@ -388,11 +388,13 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     rows = bench.run_sweep([shape], iters=1, compile_threads=2, candidates=small, dw_candidates=small_dw,
                           timing_rounds=1)
     # per row-kernel direction: the table's config, it with the other walk, the candidate; the forward and the d lhs
-    # with an adapter, fused and as two kernels; d rhs: table, candidate
+    # with an adapter, fused and as two kernels (the table's: the one the GPU runs, per mosaic's FUSED_* flags);
+    # d rhs: table, candidate
+    fwd, dlhs = mosaic.FUSED_LORA_ON_GPU, mosaic.FUSED_DLHS_LORA_ON_GPU
     assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True), ("fwd", False), ("fwd", False),
                                                             ("dlhs", True), ("dlhs", False), ("dlhs", False),
-                                                            ("fwd+lora", False), ("fwd+lora", True),
-                                                            ("dlhs+lora", False), ("dlhs+lora", True),
+                                                            ("fwd+lora", fwd), ("fwd+lora", not fwd),
+                                                            ("dlhs+lora", dlhs), ("dlhs+lora", not dlhs),
                                                             ("drhs", True), ("drhs", False)]
     assert rows[6]["label"].startswith("fused ") and rows[7]["label"].startswith("two kernels ")
     assert rows[8]["label"].startswith("fused ") and rows[9]["label"].startswith("two kernels ")

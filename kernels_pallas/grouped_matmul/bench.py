@@ -217,13 +217,16 @@ def _table_variants(table) -> list:
 _SWEEP_RANK = 16  # the expert adapters' rank in the training benchmark (bench_train's LoRA r)
 
 
-def _adapter_jobs(shape: GmmShape, direction: str, variants, args) -> list:
-    """(row, jitted fn, args) of each (name, config, body) of an adapter's variants: fused, or "two kernels" (the
-    table's row)."""
+def _adapter_jobs(shape: GmmShape, direction: str, variants, args, fused_on_gpu: bool) -> list:
+    """(row, jitted fn, args) of each (name, config, body) of an adapter's variants: "fused", or "two kernels";
+    the table's row is the one a GPU step runs: fused while `fused_on_gpu` (mosaic's FUSED_* flag) and its tiles
+    fit, else the two kernels."""
     import dataclasses
 
+    names = [name for name, _, _ in variants]
+    mark = "fused" if fused_on_gpu and "fused" in names else "two kernels"
     return [({"shape": shape.name, "direction": direction, "label": f"{name} {_describe(cfg)}",
-              "config": dataclasses.asdict(cfg), "table": name == "two kernels", "work": _work(shape)["fwd"]},
+              "config": dataclasses.asdict(cfg), "table": name == mark, "work": _work(shape)["fwd"]},
              jax.jit(body), args) for name, cfg, body in variants]
 
 
@@ -261,7 +264,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
                     a, b, s, cfg, transpose_rhs=t, interpret=interpret))
                 jobs.append((row, fn, args))
         # The forward with a rank-16 expert adapter: fused into the kernel (`fused_config`'s tiles) against the
-        # adapter's product as a second kernel added after (what the GPU runs while mosaic.FUSED_LORA_ON_GPU is off).
+        # adapter's product as a second kernel added after (what the GPU runs if mosaic.FUSED_LORA_ON_GPU is off).
         table = fwd_table
         fused = mosaic.fused_config(table, shape.k, _SWEEP_RANK)
         xa = jax.random.normal(jax.random.key(1), (shape.m, _SWEEP_RANK), jnp.float32).astype(lhs.dtype)
@@ -271,9 +274,9 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
                         a, w, s, cfg, lora=(x, bb), interpret=interpret))] if fused is not None else []
         variants.append(("two kernels", table, lambda a, w, s, x, bb, cfg=table: mosaic.unfused_forward(
             a, w, s, cfg, (x, bb), interpret=interpret)))
-        jobs += _adapter_jobs(shape, "fwd+lora", variants, (lhs, rhs, sizes, xa, b))
+        jobs += _adapter_jobs(shape, "fwd+lora", variants, (lhs, rhs, sizes, xa, b), mosaic.FUSED_LORA_ON_GPU)
         # The d lhs with the down adapter's d xa @ a^T (`backward_lhs(adapter=)`): fused into the transposed row
-        # kernel against a's own d lhs kernel added after (the GPU's path while mosaic.FUSED_DLHS_LORA_ON_GPU is off).
+        # kernel against a's own d lhs kernel added after (the GPU's path if mosaic.FUSED_DLHS_LORA_ON_GPU is off).
         table = mosaic._dlhs_config(fwd_table, *key)
         fused = mosaic.fused_config(table, shape.n, _SWEEP_RANK)
         a = jax.random.normal(jax.random.key(3), (len(shape.group_sizes), shape.k, _SWEEP_RANK),
@@ -283,7 +286,8 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
                     ] if fused is not None else []
         variants.append(("two kernels", table, lambda d, w, s, x, aa, key=key: mosaic.unfused_backward_lhs(
             w, s, d, key, (x, aa), interpret=interpret)))
-        jobs += _adapter_jobs(shape, "dlhs+lora", variants, (dout, rhs, sizes, xa, a))
+        jobs += _adapter_jobs(shape, "dlhs+lora", variants, (dout, rhs, sizes, xa, a),
+                              mosaic.FUSED_DLHS_LORA_ON_GPU)
         if dw_candidates is None:
             continue
         # d rhs runs on the forward entry's dw_* tiles (not the d lhs entry's, which `table` now names).
