@@ -152,10 +152,11 @@ class ShardingRules:
 
 
 # THE rules table. Frozen weights: the hidden ("embed") dimension on fsdp, the other large dimension of the big
-# matmuls (MLP width, heads, vocab) on tensor; stack, norm and expert axes whole.
+# matmuls (MLP width, heads, vocab) on tensor; stack, norm and expert axes whole; a 4-bit weight's flat codes and
+# block scales on fsdp (`Quant4bit`: gathered, one layer at a time, before they are decoded).
 RULES = ShardingRules(axes={
     "layers": None, "embed": "fsdp", "mlp": "tensor", "heads": "tensor", "kv_heads": "tensor", "vocab": "tensor",
-    "experts": None, "norm": None, "lora_rank": None,
+    "experts": None, "norm": None, "lora_rank": None, "quant_bytes": "fsdp",
 })
 
 

@@ -66,7 +66,7 @@ def _losses(run: Run, batches) -> list[float]:
 
 
 def _all_gathers(hlo: str) -> list[dict]:
-    """(shape, inside a while loop) of every all-gather in the compiled HLO text."""
+    """(shape, element type, inside a while loop) of every all-gather in the compiled HLO text."""
     comps, name = {}, None
     for line in hlo.splitlines():
         m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) \(", line)
@@ -88,10 +88,10 @@ def _all_gathers(hlo: str) -> list[dict]:
     out = []
     for n, body in comps.items():
         for line in body:
-            m = re.search(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", line)
+            m = re.search(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(", line)
             if m:
-                shape = [int(d) for d in m.group(1).split(",") if d]
-                out.append(dict(shape=shape, in_loop=n in in_loop))
+                shape = [int(d) for d in m.group(2).split(",") if d]
+                out.append(dict(shape=shape, type=m.group(1), in_loop=n in in_loop))
     return out
 
 
@@ -195,8 +195,8 @@ def main_per_device(kind: str, model_dir: str, out_path: str) -> None:
     compiled step whose result leads with the whole batch's rows (activations gathered to every device: each
     device would then compute every row). `kind` "pallas": Pallas flash attention (interpreted here), which
     `jaxft.models.decoder.per_device_attention` must keep from gathering; "quant": QLoRA (nf4, double-quantised,
-    the default "xla" 4-bit matmul) with reference attention, plus whether every 4-bit array is whole on every
-    device (its variable type has no logical axes: data parallel for the 4-bit weights, FSDP for the rest)."""
+    the default "xla" 4-bit matmul) with reference attention, plus each 4-bit array's partition spec (by its
+    name: packed, absmax, ...) and the element types of the all-gathers inside the layer scan."""
     from flax import nnx
 
     from jaxft.models.layers import QuantizedWeight
@@ -217,9 +217,13 @@ def main_per_device(kind: str, model_dir: str, out_path: str) -> None:
         if mesh is not None:
             gathers = re.findall(rf"= (\w+\[{ROWS}(?:,\d+)+\])\S* all-gather", hlo)
             result["row_gathers"] = sorted(set(gathers))
-            quant = [v.get_value() for _, v in nnx.to_flat_state(run.frozen) if isinstance(v, QuantizedWeight)]
-            result["quant_arrays"] = len(quant)
-            result["quant_replicated"] = all(a.sharding.is_fully_replicated for a in quant)
+            specs = {}
+            for path, v in nnx.to_flat_state(run.frozen):
+                if isinstance(v, QuantizedWeight):
+                    spec = [None if a is None else str(a) for a in v.get_value().sharding.spec]
+                    specs.setdefault(str(path[-1]), []).append(spec)
+            result["quant_specs"] = specs
+            result["loop_gather_types"] = sorted({g["type"] for g in _all_gathers(hlo) if g["in_loop"]})
         result["losses"][key] = _losses(run, batches)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)

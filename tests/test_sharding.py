@@ -219,13 +219,19 @@ def test_pallas_attention_on_a_mesh_runs_on_each_devices_rows(tmp_path):
 
 
 @pytest.mark.slow
-def test_qlora_on_a_mesh_equals_one_device_with_the_4bit_weights_whole_on_each(tmp_path):
-    """QLoRA (nf4 base, double-quantised) under data=2 x fsdp=2: one device's losses, each device on its own rows
-    (no all-gather of activations), and every 4-bit array (packed codes, absmax, nested absmax, offset: 4 per
-    linear, 7 linears) whole on every device; the other frozen weights are split by fsdp as without 4 bits."""
+def test_qlora_on_a_mesh_splits_the_4bit_bytes_and_equals_one_device(tmp_path):
+    """QLoRA (nf4 base, double-quantised) under data=2 x fsdp=2, layer scan: one device's losses, each device on its
+    own rows (no all-gather of activations); each linear's packed codes and block scales split over fsdp along their
+    flat axis (the nested scales and offsets, a few bytes, whole), and all the layer loop gathers is those bytes
+    (u8: codes, and the scales' 8-bit codes), never a weight decoded from its shards (f32 here)."""
     out = _per_device("quant", make_tiny_model(tmp_path / "model", hidden=64))
     assert out["row_gathers"] == []
-    assert out["quant_arrays"] == 4 * 7 and out["quant_replicated"]
+    specs = out["quant_specs"]
+    assert set(specs) == {"packed", "absmax", "nested_absmax", "offset"}
+    assert all(len(v) == 7 for v in specs.values())  # q, k, v, o, gate, up, down
+    assert all(spec == [None, "fsdp"] for name in ("packed", "absmax") for spec in specs[name]), specs
+    assert all(not any(spec) for name in ("nested_absmax", "offset") for spec in specs[name]), specs
+    assert out["loop_gather_types"] == ["u8"], out
     assert out["losses"]["one_device"][-1] < out["losses"]["one_device"][0]
     np.testing.assert_allclose(out["losses"]["data2_fsdp2"], out["losses"]["one_device"], rtol=1e-5)
 

@@ -28,7 +28,8 @@ from kernels_pallas import nf4_matmul as nf4_ops
 
 
 # The names a parameter dimension can have (see `jaxft.sharding` for what each is split over).
-LOGICAL_AXES = ("layers", "embed", "mlp", "heads", "kv_heads", "vocab", "experts", "norm", "lora_rank")
+LOGICAL_AXES = ("layers", "embed", "mlp", "heads", "kv_heads", "vocab", "experts", "norm", "lora_rank",
+                "quant_bytes")  # quant_bytes: a 4-bit record's flat codes or block scales (`Quant4bit`)
 _METADATA_KEY = "logical_axes"
 
 
@@ -102,12 +103,13 @@ class QuantizedExpertWeight(QuantizedWeight):
 
 def init_4bit_buffers(module: nnx.Module, lead: tuple[int, ...], out_features: int, in_features: int, *,
                       blocksize: int, double_quant: bool, nested_blocksize: int, arrays: dict | None,
-                      var_type: type, what: str) -> None:
+                      var_type: type, what: str, split: bool = False) -> None:
     """Sets `module`'s 4-bit variables, each a `var_type` with the leading axes `lead`, one bitsandbytes record
     of an [out, in] matrix per leading index: packed [ceil(out*in/2)] uint8, absmax [blocks] (float32, or uint8
     codes with double quantisation, then nested_absmax [ceil(blocks/nested_blocksize)] float32 and offset []
     float32; both None without). Zeros, or `arrays` checked against those shapes (`what` names the matrix in the
-    error)."""
+    error). `split`: packed and absmax name their flat axis "quant_bytes" (split over fsdp on a mesh); otherwise
+    no variable declares axes (whole on every device)."""
     n = out_features * in_features
     blocks = -(-n // blocksize)
     shapes = dict(packed=((*lead, -(-n // 2)), jnp.uint8),
@@ -120,7 +122,8 @@ def init_4bit_buffers(module: nnx.Module, lead: tuple[int, ...], out_features: i
         if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
             raise ValueError(f"{type(module).__name__}.{name}: got {value.dtype} {tuple(value.shape)}, expected "
                              f"{jnp.dtype(dtype)} {tuple(shape)} for {what} in blocks of {blocksize}")
-        setattr(module, name, var_type(value))
+        flat = split and name in ("packed", "absmax")
+        setattr(module, name, var_type(value, **(logical(*(None,) * len(lead), "quant_bytes") if flat else {})))
     if not double_quant:
         module.nested_absmax = module.offset = None
 
@@ -142,7 +145,7 @@ class Quant4bit(nnx.Module):
         self.source_dtype = source_dtype
         init_4bit_buffers(self, stack, out_features, in_features, blocksize=blocksize, double_quant=double_quant,
                           nested_blocksize=nested_blocksize, arrays=arrays, var_type=QuantizedWeight,
-                          what=f"a [{out_features}, {in_features}] weight")
+                          what=f"a [{out_features}, {in_features}] weight", split=True)
 
     @property
     def double_quant(self) -> bool:
@@ -153,7 +156,7 @@ class Quant4bit(nnx.Module):
         return (self.out_features, self.in_features)
 
     def _get(self, var, layer):
-        value = var[...]
+        value = _whole(var[...])
         return value if layer is None else value[layer]
 
     def absmax_f32(self, layer: int | None = None) -> jax.Array:
@@ -174,8 +177,19 @@ class Quant4bit(nnx.Module):
     def matmul(self, x: jax.Array) -> jax.Array:
         """x [..., in] @ W -> [..., out], dequantising in x's dtype inside the op's custom VJP (the dequantised
         weight lives only inside this layer's forward and backward)."""
-        return nf4_ops.nf4_matmul(x, self.packed[...], self.absmax_f32(), shape=self.shape, blocksize=self.blocksize,
-                                  quant_type=self.quant_type)
+        return nf4_ops.nf4_matmul(x, self._get(self.packed, None), self.absmax_f32(), shape=self.shape,
+                                  blocksize=self.blocksize, quant_type=self.quant_type)
+
+
+def _whole(x: jax.Array) -> jax.Array:
+    """`x` whole on every device when traced under a mesh (`Placement.tracing()`; not inside a shard_map, whose
+    operands are local already), else as it is. Why: under FSDP the 4-bit codes and scales are split
+    ("quant_bytes"); gathering them before they are decoded moves 4 bits a weight, where letting XLA decode the
+    shards and gather the result could move the decoded 16."""
+    mesh = jax.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec())
 
 
 def _init(rngs: nnx.Rngs | None, shape, dtype, std: float | None):
