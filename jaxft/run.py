@@ -148,8 +148,8 @@ class Run(AutoChoices):
         if self.execution.remat == "auto":
             raise RuntimeError("Run.load() with remat 'auto': call run.choose_remat(batch) or run.compile(batch) "
                                "first (the chosen policy decides the weight layout)")
-        # One device: whole arrays. A mesh: each weight is read shard by shard into its place (jaxft.io); 4-bit
-        # weights are quantised on one device and then placed (their variable type has no logical axes yet).
+        # One device: whole arrays. A mesh: each weight is read shard by shard into its place (jaxft.io); a 4-bit
+        # base is quantised on one device and then placed (its codes and scales split over fsdp by `_adopt`).
         mesh = self.placement if len(self.placement.devices) > 1 and self.quant_config is None else None
         model = apply_lora(from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config, mesh=mesh),
                            self.lora_config, seed=self.seed)
