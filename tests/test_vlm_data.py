@@ -108,8 +108,10 @@ def test_packed_rows_hold_several_images_in_layout_order(tmp_path, images):
 
 
 def test_flat_images_put_real_patches_first_and_keep_logits(tmp_path, images):
-    """The device-side conversion of per-row pixel batches: the model's logits on a two-row padded batch equal
-    its logits on each row alone with the processor's unpadded pixels."""
+    """The device-side conversion of per-row pixel batches (`flat_images`: real patches first, a padding image
+    last), and the model's logits on a two-row padded batch given per row as the training step gives it
+    (`model_inputs`: `pixel_rows`, `grid_rows`) equal its logits on each row alone with the processor's unpadded
+    pixels."""
     import jax
     import jax.numpy as jnp
 
@@ -137,8 +139,8 @@ def test_flat_images_put_real_patches_first_and_keep_logits(tmp_path, images):
     np.testing.assert_array_equal(np.asarray(grids[: len(real)]), np.asarray(real))
     assert np.asarray(grids[-1]).prod() == pixels.shape[0] - n  # the padding image covers the rest
     args, kw = model_inputs(model, {k: jnp.asarray(v) for k, v in batch.items()})
-    got = np.asarray(jax.jit(lambda i, s, p, g: model(i, segment_ids=s, pixel_values=p, image_grid_thw=g))(
-        args[0], args[2], kw["pixel_values"], kw["image_grid_thw"]))
+    assert set(kw) == {"pixel_rows", "grid_rows"}
+    got = np.asarray(jax.jit(lambda i, s, kw: model(i, segment_ids=s, **kw))(args[0], args[2], kw))
     for r in range(rows):
         refs = [im for d in train.row_documents(train.rows_of(0)[r]) for im in train._images[d]]
         p, g = images.process(refs) if refs else (None, None)

@@ -34,7 +34,8 @@ from jaxft.sharding import row_axes
 
 class VisionLanguageModel(Decoder):
     """`model(input_ids, positions=None, segment_ids=None, *, pixel_values=None, image_grid_thw=None)`:
-    logits [B, T, V]. Without images it is the text decoder (positions (p, p, p))."""
+    logits [B, T, V]; a packed batch's per-row images go in as `pixel_rows` / `grid_rows` instead. Without images
+    it is the text decoder (positions (p, p, p))."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
         super().__init__(cfg, dtype=dtype, rngs=rngs)
@@ -78,10 +79,11 @@ class VisionLanguageModel(Decoder):
 
     def __call__(self, input_ids=None, positions=None, segment_ids=None, *, dropout_rng=None,
                  execution: ExecutionConfig = DEFAULT_EXECUTION, inputs_embeds=None, pixel_values=None,
-                 image_grid_thw=None) -> jax.Array:
+                 image_grid_thw=None, pixel_rows=None, grid_rows=None) -> jax.Array:
         return self.logits(self.hidden_states(input_ids, positions, segment_ids, dropout_rng=dropout_rng,
                                               execution=execution, inputs_embeds=inputs_embeds,
-                                              pixel_values=pixel_values, image_grid_thw=image_grid_thw))
+                                              pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                                              pixel_rows=pixel_rows, grid_rows=grid_rows))
 
 
 def put_images(tower: VisionTower, x, ids, pixel_values, image_grid_thw, implementation: str) -> jax.Array:
