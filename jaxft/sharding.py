@@ -185,6 +185,15 @@ def row_axes(mesh) -> tuple[str, ...]:
     return () if mesh.empty else tuple(a for a in BATCH_AXES if a in mesh.axis_names)
 
 
+def row_split(mesh, num_rows: int) -> tuple[str, ...] | None:
+    """The axes a per-device block splits `num_rows` rows over (`row_axes`), or None when it runs as one program
+    as it is: no mesh, one device, or rows those axes do not divide."""
+    axes = row_axes(mesh)
+    if mesh.empty or mesh.size == 1 or num_rows % math.prod(mesh.shape[a] for a in axes):
+        return None
+    return axes
+
+
 def constrain_rows(x: jax.Array) -> jax.Array:
     """`x` [B, ...] with its rows split over (data, fsdp) when traced under a mesh that has those axes
     (`Placement.tracing()`), else `x` unchanged.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -29,7 +28,7 @@ from jaxft.models.layers import Linear, _init, logical
 from jaxft.models.parts import DecoderLayer, RMSNorm
 from jaxft.models.rope import mrope_tables, rope_tables
 from jaxft.models.stack import _layer_runs, is_unstacked, layer_groups, layer_slice, layer_stacks, run_groups, STACK_NAMES
-from jaxft.sharding import row_axes
+from jaxft.sharding import row_split
 from kernels_pallas import attention as attention_ops
 
 __all__ = ["DEFAULT_EXECUTION", "Decoder", "_layer_runs", "abstract_model", "init_model", "is_unstacked",
@@ -237,8 +236,8 @@ def per_device_attention(q, k, v, *, segment_ids, metadata, implementation, sink
     call = functools.partial(attention_ops.dot_product_attention, implementation=implementation, **static)
     # "auto" may take the flash kernels where the decoder built their block tables (GPUs), never elsewhere.
     flash = implementation == "pallas" or (implementation == "auto" and metadata is not None)
-    axes = row_axes(mesh)
-    if mesh.empty or mesh.size == 1 or not flash or q.shape[0] % math.prod(mesh.shape[a] for a in axes):
+    axes = row_split(mesh, q.shape[0])
+    if axes is None or not flash:
         return call(q, k, v, segment_ids=segment_ids, metadata=metadata, sinks=sinks)
     tensor = mesh.shape.get("tensor", 1)
     heads = "tensor" if tensor > 1 and q.shape[2] % tensor == 0 and k.shape[2] % tensor == 0 else None

@@ -17,8 +17,6 @@ sequence, which XLA does not split, so every device ran the whole batch's tower.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +27,7 @@ from jaxft.execution import ExecutionConfig
 from jaxft.models.decoder import DEFAULT_EXECUTION, Decoder
 from jaxft.models.vision.mrope import mrope_positions
 from jaxft.models.vision.tower import VisionTower
-from jaxft.sharding import row_axes
+from jaxft.sharding import row_split
 
 
 class VisionLanguageModel(Decoder):
@@ -97,7 +95,7 @@ def put_images(tower: VisionTower, x, ids, pixel_values, image_grid_thw, impleme
 
 def per_device_images(tower: VisionTower, x, ids, pixel_rows, grid_rows, implementation: str) -> jax.Array:
     """`put_images` of a packed batch's per-row images, each device on its own rows when traced under a mesh of
-    several devices whose batch axes divide the rows (`jax.shard_map` over `jaxft.sharding.row_axes`, as
+    several devices whose batch axes divide the rows (`jax.shard_map` over `jaxft.sharding.row_split`, as
     `constrain_rows` splits the layer inputs); otherwise on the whole batch. A row's image tokens hold exactly
     its own images' embeddings, so the rows' images can be embedded apart.
 
@@ -105,14 +103,14 @@ def per_device_images(tower: VisionTower, x, ids, pixel_rows, grid_rows, impleme
     adapters (`finetune_vision_layers`) are summed over the devices by shard_map's transpose. A tensor axis holds
     copies of the rows: its devices embed the same images."""
     mesh = jax.get_abstract_mesh()
-    axes = row_axes(mesh)
+    axes = row_split(mesh, x.shape[0])
 
     def local(state, x, ids, pixel_rows, grid_rows):
         pixels, grids = flat_images(pixel_rows, grid_rows, tower.config)
         return put_images(nnx.merge(graphdef, state), x, ids, pixels, grids, implementation)
 
     graphdef, state = nnx.split(tower)
-    if mesh.empty or mesh.size == 1 or not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+    if not axes:
         return local(state, x, ids, pixel_rows, grid_rows)
     rows = jax.P(axes)
     return jax.shard_map(local, mesh=mesh, in_specs=(jax.P(), rows, rows, rows, rows), out_specs=rows,
