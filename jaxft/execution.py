@@ -45,6 +45,12 @@ The model holds parameters and math; everything that changes speed or memory but
   remat policy keeps `mlp_gate_up` (it is recomputed per chunk).
 - `ce_chunk_size` / `ce_implementation`: the linear cross-entropy's token chunk and kernel. None picks by
   length (`resolved_ce_chunk`).
+- `frozen_weights`: where the frozen weights of the layer stack live: "device", or "host" (pinned host memory,
+  each layer's copied in one layer ahead of its use, in the forward and again in the backward: `jaxft.offload_scan`
+  `HostRows`). What it buys: the device holds two layers' weights instead of all of them (8B bf16: about 0.9 of
+  15 GiB). What it costs: every layer's weights cross the host link twice a step (8B: about 30 GB, about 0.57 s at
+  the H200's measured 53 GB/s), hidden only where a step's compute is longer. Layer scan with remat "full" or
+  "offload"; the embeddings, head and MoE expert stacks stay on the device.
 - `compiler_options`: XLA options for the step's program only (never process-wide flags), over the ones the
   settings want (`program_options`: the scan's pipelined host offload).
 
@@ -66,6 +72,8 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "cudnn")
 REMAT_POLICIES = remat_policies.FIXED  # plus selective 'save=..;offload=..' strings
 LAYER_LOOPS = ("auto", "scan", "unroll")
 OFFLOAD_TRANSFERS = ("auto", "policy", "explicit")
+FROZEN_WEIGHTS = ("device", "host")
+STREAMING_REMATS = ("full", "offload")  # what `frozen_weights: host` runs under (jaxft.offload_scan's recompute)
 CE_IMPLEMENTATIONS = ("xla", "reference")
 MOE_DISPATCHES = ("auto", "per_device", "global")
 # The smallest cross-entropy chunk under remat. Below 256 tokens the [chunk, H] x [H, V] matmuls ran slower for
@@ -104,6 +112,7 @@ class ExecutionConfig:
     offload_transfer: str = "auto"
     grouped_matmul_implementation: str = "auto"
     moe_dispatch: str = "auto"
+    frozen_weights: str = "device"
 
     def __post_init__(self):
         _choice("attention_implementation", self.attention_implementation, ATTENTION_IMPLEMENTATIONS)
@@ -128,6 +137,7 @@ class ExecutionConfig:
                                            "layer_loop: unroll (or auto), or drop remat_layers")
         self._check_plan()
         self._check_block()
+        self._check_frozen_weights()
         _choice("ce_implementation", self.ce_implementation, CE_IMPLEMENTATIONS)
         _choice("offload_transfer", self.offload_transfer, OFFLOAD_TRANSFERS)
         parsed = None if self.remat == "auto" else remat_policies.parse(self.remat)
@@ -196,6 +206,22 @@ class ExecutionConfig:
         if self.resolved_layer_loop != "scan":
             raise ExecutionConfigError("remat_block", "needs the layer scan (blocks are an outer scan over inner "
                                        "scans): set layer_loop: scan (or auto)")
+
+    def _check_frozen_weights(self) -> None:
+        _choice("frozen_weights", self.frozen_weights, FROZEN_WEIGHTS)
+        if self.frozen_weights == "device":
+            return
+        # The streamed scan (`jaxft.offload_scan`) recomputes each layer from its input in the backward: the policies
+        # that keep nothing else. Keeping residuals with streamed weights is not built yet.
+        if self.remat not in STREAMING_REMATS:
+            raise ExecutionConfigError("frozen_weights", f"'host' runs under remat {' or '.join(STREAMING_REMATS)} "
+                                       f"(got {self.remat!r}): set remat: full (or offload), or frozen_weights: device")
+        if self.layer_loop == "unroll":
+            raise ExecutionConfigError("frozen_weights", "'host' streams each layer's rows of the stacked weights "
+                                       "through the layer scan: set layer_loop: scan (or auto)")
+        if self.remat_block not in (None, 1):
+            raise ExecutionConfigError("frozen_weights", "'host' and remat_block (nested blocks) do not combine yet; "
+                                       "drop remat_block or set frozen_weights: device")
 
     def block_for(self, cfg, batch: int, seq: int, itemsize: int) -> int:
         """Layers per nested block for a [batch, seq] micro-batch (`remat_block`, "auto" resolved; 1: none)."""
@@ -285,6 +311,8 @@ class ExecutionConfig:
         the other host offload and recompute policies on every layer are tuned for the scan."""
         if self.layer_loop != "auto":
             return self.layer_loop
+        if self.frozen_weights == "host":
+            return "scan"
         return "unroll" if self.remat == "none" or self.needs_unrolled_layers else "scan"
 
     @property
@@ -309,6 +337,12 @@ class ExecutionConfig:
         if self.remat != "auto" and self.resolved_layer_loop == "scan" and remat_policies.parse(self.remat).offloads \
                 and self.remat_block in (None, 1):
             wanted["xla_gpu_enable_pipelined_host_offloading"] = True
+        if self.frozen_weights == "host":
+            # Each streamed leaf's fetch is an asynchronous dynamic-slice fusion; at the default limit XLA ran them
+            # one at a time, most waited for before any matmul (compiled for an H200: 0 of a layer's GEMMs under 5
+            # of 7 fetches in the forward and 3 of 7 in the backward; with this limit the backward's fetches run
+            # under 2-19 GEMMs, the forward's still under 1-9: scripts/deviceless/stream_schedule.py).
+            wanted["xla_gpu_experimental_parallel_async_compute_limit"] = 8
         return {**wanted, **self.compiler_options}
 
     def replace(self, **changes) -> "ExecutionConfig":
@@ -319,4 +353,4 @@ class ExecutionConfig:
                      self.layer_loop,
                      self.ce_chunk_size, self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb, self.ce_implementation,
                      tuple(sorted(self.compiler_options.items())), self.offload_transfer,
-                     self.grouped_matmul_implementation, self.moe_dispatch))
+                     self.grouped_matmul_implementation, self.moe_dispatch, self.frozen_weights))

@@ -21,10 +21,19 @@ returns g_0, the stacked d x_i and sum_i d consts_i - exactly the gradients of f
 bitwise copy of its input). Only the leaves the caller differentiates are differentiated (`symbolic_zeros`): the
 frozen weights among the scanned inputs and the hoisted constants (RoPE tables, masks, expert stacks) get no
 cotangent computed.
+
+Streamed weights (`HostRows`, `ExecutionConfig.frozen_weights: host`): a scanned input may be a stack that lives in
+pinned host memory (the frozen weights of the layer stack). It is never sliced by the scan: iteration i copies its
+rows to the device one iteration early - the forward fetches layer i + 1's weights while layer i runs, the backward
+layer i - 1's while layer i recomputes and differentiates - so at most two layers' weights are on the device at a
+time and the copies run under compute. The forward's last fetch (the top layer) is the backward's first weights.
+These inputs are frozen: nothing differentiates them. `host=False` keeps the carries on the device (remat "full"
+over streamed weights).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -36,20 +45,75 @@ from jaxft.offload import _hoist_constants
 Space = jax.memory.Space
 
 
-def offloaded_scan(fs, carry, xs):
+@dataclasses.dataclass(frozen=True)
+class HostRows:
+    """A scanned input read from a stack in pinned host memory, one iteration at a time: iteration i reads rows
+    [start + i*size, start + (i+1)*size) of `stack` (`size` None: row start + i, without its axis), copied to the
+    device one iteration ahead (module docstring). The stack itself is never sliced on the host."""
+
+    stack: jax.Array
+    start: int = 0
+    size: int | None = None
+
+    def rows(self, i):
+        if self.size is None:
+            return jax.lax.dynamic_index_in_dim(self.stack, self.start + i, keepdims=False)
+        return jax.lax.dynamic_slice_in_dim(self.stack, self.start + i * self.size, self.size)
+
+
+def in_host_memory(leaf) -> bool:
+    """Whether an array (or a traced value) lives in pinned host memory: how the frozen weights placed there
+    (`jaxft.run.Run`, `frozen_weights: host`) show inside the step."""
+    return getattr(jax.typeof(leaf), "memory_space", None) == Space.Host
+
+
+def offloaded_scan(fs, carry, xs, *, host: bool = True):
     """`jax.lax.scan` of one iteration = `fs` applied in order (a callable or a sequence of them: the layers of one
     period of a periodic stack, each `f(c, x) -> c` on the same scanned slice x), returning the last carry, with
-    the backward of full remat whose layer inputs (the carry before each f) wait in pinned host memory and come
-    back one layer early (module docstring). Each f may close over traced values (hoisted as constants, never
-    differentiated)."""
+    the backward of full remat whose layer inputs (the carry before each f) wait in pinned host memory (`host`;
+    else on the device) and come back one layer early (module docstring). Each f may close over traced values
+    (hoisted as constants, never differentiated). Leaves of `xs` may be `HostRows`: streamed, never
+    differentiated."""
     fs = (fs,) if callable(fs) else tuple(fs)
-    x0 = jax.tree.map(lambda leaf: leaf[0], xs)
+    leaves, tree = jax.tree.flatten(xs, is_leaf=lambda t: isinstance(t, HostRows))
+    views = tuple((k, leaf.start, leaf.size) for k, leaf in enumerate(leaves) if isinstance(leaf, HostRows))
+    stacks = [leaf.stack for leaf in leaves if isinstance(leaf, HostRows)]
+    scanned = [leaf for leaf in leaves if not isinstance(leaf, HostRows)]
+    if not scanned:
+        raise ValueError("offloaded_scan: no scanned input besides streamed ones (pass the iteration indices)")
+    layout = _Layout(tree, len(leaves), views, scanned[0].shape[0])
+    x0 = layout.merge([leaf[0] for leaf in scanned], layout.fetch(stacks, 0))  # traced for shapes only
     converted, consts = [], []
     for f in fs:
         g, c = _hoist_constants(f, carry, x0)
         converted.append((g, len(consts), len(c)))
         consts += c  # every f maps the carry to a carry of the same structure (a scan's)
-    return _scan(tuple(converted), carry, xs, *consts)
+    return _scan(tuple(converted), host, layout, carry, scanned, stacks, *consts)
+
+
+def _view(stack, view) -> HostRows:
+    _, start, size = view
+    return HostRows(stack, start, size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where the streamed inputs sit among the flattened scanned inputs (static, hashable)."""
+
+    tree: jax.tree_util.PyTreeDef
+    count: int
+    views: tuple[tuple[int, int, int | None], ...]
+    length: int
+
+    def merge(self, scanned_slices, fetched):
+        """The iteration's inputs: scanned slices and fetched (device) rows back in their places."""
+        at = {k: w for (k, _, _), w in zip(self.views, fetched)}
+        rest = iter(scanned_slices)
+        return jax.tree.unflatten(self.tree, [at[k] if k in at else next(rest) for k in range(self.count)])
+
+    def fetch(self, stacks, i):
+        """Iteration i's streamed rows, copied to the device (started here; used where the caller uses them)."""
+        return [_to(_view(s, v).rows(i), Space.Device) for s, v in zip(stacks, self.views)]
 
 
 def _apply(f, c, x, consts):
@@ -67,82 +131,95 @@ def _to(leaf, space):
     return jax.device_put(leaf, space)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scan(fs, carry, xs, *consts):
-    def body(c, x):
-        for f in fs:
-            c = _apply(f, c, x, consts)
-        return c, None
+def _forward(fs, host, layout, carry, scanned, stacks, consts, keep: bool):
+    """The scan, each iteration fetching the next one's streamed rows; with `keep`, also the carries before each
+    f (on the host when `host`, rank >= 2 leaves). Returns (last carry, kept, the last fetched rows)."""
+    n = layout.length
 
-    return jax.lax.scan(body, carry, xs)[0]
-
-
-def _scan_fwd(fs, carry, xs, *consts):
-    flags = jax.tree.map(lambda p: () if p.perturbed else None, (carry, xs, consts))
-    carry, xs, consts = jax.tree.map(lambda p: p.value, (carry, xs, consts))
-
-    def body(c, x):
+    def body(state, inputs):
+        c, w = state
+        sliced, i = inputs
+        w_next = layout.fetch(stacks, jnp.minimum(i + 1, n - 1))  # the last iteration's is the backward's first
+        x = layout.merge(sliced, w)
         kept = []
         for f in fs:
-            kept.append(jax.tree.map(lambda leaf: _to(leaf, Space.Host) if _host(leaf) else leaf, c))
+            if keep:
+                kept.append(jax.tree.map(lambda leaf: _to(leaf, Space.Host) if host and _host(leaf) else leaf, c))
             c = _apply(f, c, x, consts)
-        return c, kept
+        return (c, w_next), kept
 
-    out, kept = jax.lax.scan(body, carry, xs)
-    return out, (kept, xs, consts, flags)
+    (out, w_last), kept = jax.lax.scan(body, (carry, layout.fetch(stacks, 0)),
+                                       (scanned, jnp.arange(n, dtype=jnp.int32)))
+    return out, kept, w_last
 
 
-def _scan_bwd(fs, res, g_out):
-    kept, xs, consts, (carry_flags, xs_flags, const_flags) = res
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _scan(fs, host, layout, carry, scanned, stacks, *consts):
+    return _forward(fs, host, layout, carry, scanned, stacks, consts, keep=False)[0]
+
+
+def _scan_fwd(fs, host, layout, carry, scanned, stacks, *consts):
+    flags = jax.tree.map(lambda p: p.perturbed, (carry, scanned, consts))
+    if any(p.perturbed for p in jax.tree.leaves(stacks)):
+        raise ValueError("offloaded_scan: a streamed input (HostRows, weights in host memory) is differentiated; "
+                         "only frozen weights are streamed")
+    carry, scanned, stacks, consts = jax.tree.map(lambda p: p.value, (carry, scanned, stacks, consts))
+    out, kept, w_last = _forward(fs, host, layout, carry, scanned, stacks, consts, keep=True)
+    return out, (kept, scanned, stacks, consts, w_last, flags)
+
+
+def _scan_bwd(fs, host, layout, res, g_out):
+    kept, scanned, stacks, consts, w_last, (carry_flags, scanned_flags, const_flags) = res
     g_out = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype) if isinstance(t, SymbolicZero) else t, g_out,
                          is_leaf=lambda t: isinstance(t, SymbolicZero))
-    n, p = jax.tree.leaves(xs)[0].shape[0], len(fs)
-    x_leaves, x_tree = jax.tree.flatten(xs)
-    is_flag = lambda t: t is None or t == ()  # noqa: E731
-    x_want = [i for i, m in enumerate(jax.tree.leaves(xs_flags, is_leaf=is_flag)) if m == ()]
-    c_want = [i for i, m in enumerate(jax.tree.leaves(const_flags, is_leaf=is_flag)) if m == ()]
-    carry_wanted = any(m == () for m in jax.tree.leaves(carry_flags, is_leaf=is_flag))
+    n, p = layout.length, len(fs)
+    x_want = [i for i, m in enumerate(jax.tree.leaves(scanned_flags)) if m]
+    c_want = [i for i, m in enumerate(jax.tree.leaves(const_flags)) if m]
+    carry_wanted = any(jax.tree.leaves(carry_flags))
 
-    def call(f, c, x_all, x_diff, c_diff):
+    def call(f, c, sliced, w, x_diff, c_diff):
         """f on the full inputs with the differentiated leaves replaced by `x_diff` / `c_diff`."""
-        xl, cl = list(x_all), list(consts)
+        sl, cl = list(sliced), list(consts)
         for i, v in zip(x_want, x_diff):
-            xl[i] = v
+            sl[i] = v
         for i, v in zip(c_want, c_diff):
             cl[i] = v
-        return _apply(f, c, jax.tree.unflatten(x_tree, xl), cl)
+        return _apply(f, c, layout.merge(sl, w), cl)
 
     def input_of(i, j):
         """The carry before f_j of iteration i, copied back to the device (started here, used later)."""
         return jax.tree.map(lambda leaf: _to(jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False), Space.Device)
-                            if _host(leaf) else jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False), kept[j])
+                            if host and _host(leaf) else jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False),
+                            kept[j])
 
     def body(state, inputs):
-        g, cur, acc = state
-        x_all, i = inputs
-        x_diff = [x_all[j] for j in x_want]
+        g, cur, w, acc = state
+        sliced, i = inputs
+        # The prefetches of the layer below: its input and its streamed weights come back under this layer's
+        # recompute and backward.
+        w_below = layout.fetch(stacks, jnp.maximum(i - 1, 0))
+        x_diff = [sliced[j] for j in x_want]
         c_diff = [consts[j] for j in c_want]
         gx = [jnp.zeros_like(v) for v in x_diff]
         for j in reversed(range(p)):
-            # The prefetch of the layer below: its copy back runs under this layer's recompute and backward.
             below = input_of(jnp.maximum(i - 1, 0), p - 1) if j == 0 else input_of(i, j - 1)
-            _, vjp = jax.vjp(lambda c, xd, cd, f=fs[j]: call(f, c, x_all, xd, cd), cur, x_diff, c_diff)
+            _, vjp = jax.vjp(lambda c, xd, cd, f=fs[j]: call(f, c, sliced, w, xd, cd), cur, x_diff, c_diff)
             g, gxj, gcj = vjp(g)
             gx = [a + b for a, b in zip(gx, gxj)]
             acc = [a + b for a, b in zip(acc, gcj)]
             cur = below
-        return (g, cur, acc), gx
+        return (g, cur, w_below, acc), gx
 
     zeros_c = [jnp.zeros_like(consts[i]) for i in c_want]
-    (g0, _, g_consts), g_xs = jax.lax.scan(body, (g_out, input_of(n - 1, p - 1), zeros_c),
-                                           (x_leaves, jnp.arange(n, dtype=jnp.int32)), reverse=True)
-    dx = [None] * len(x_leaves)
+    (g0, _, _, g_consts), g_xs = jax.lax.scan(body, (g_out, input_of(n - 1, p - 1), w_last, zeros_c),
+                                              (scanned, jnp.arange(n, dtype=jnp.int32)), reverse=True)
+    dx = [None] * len(scanned)
     for i, g in zip(x_want, g_xs):
         dx[i] = g
     dc = [None] * len(consts)
     for i, g in zip(c_want, g_consts):
         dc[i] = g
-    return (g0 if carry_wanted else None, jax.tree.unflatten(x_tree, dx), *dc)
+    return (g0 if carry_wanted else None, dx, [None] * len(stacks), *dc)
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd, symbolic_zeros=True)

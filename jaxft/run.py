@@ -38,6 +38,7 @@ from jaxft.execution import ExecutionConfig
 from jaxft.auto import AutoChoices
 from jaxft.lora import LoraConfig, apply_lora, target_names
 from jaxft.models.decoder import abstract_model, model_class
+from jaxft.models.stack import streamed_weight
 from jaxft.sharding import MeshConfig, Placement
 from jaxft.train.optim import OptimConfig
 from jaxft.train.step import (make_eval_step, make_train_step, restack_layers, split_model, stack_micro_batches,
@@ -193,7 +194,16 @@ class Run(AutoChoices):
         def make():
             model = init_model(self.model_config, dtype=jnp.dtype(self.dtype), seed=self.seed)
             return split_model(apply_lora(model, self.lora_config, seed=self.seed))[1:]
-        return graphdef, jax.jit(make, out_shardings=(self.placement.shardings(lora), self.placement.shardings(frozen)))
+        return graphdef, jax.jit(make, out_shardings=(self.placement.shardings(lora), self.frozen_shardings(frozen)))
+
+    def frozen_shardings(self, frozen):
+        """Where each frozen array lives: the placement's sharding, in pinned host memory for the layer stacks'
+        weights (not the MoE expert stacks) when `frozen_weights` is "host" (`jaxft.offload_scan.HostRows`)."""
+        shardings = self.placement.shardings(frozen)
+        if self.execution.frozen_weights != "host":
+            return shardings
+        return nnx.from_flat_state([(p, v.replace(v.get_value().with_memory_kind("pinned_host")) if streamed_weight(p, v)
+                                     else v) for p, v in nnx.to_flat_state(shardings)])
 
     def _adopt(self, graphdef, lora, frozen) -> "Run":
         """Takes a model's split state (`split_model`): per-layer buffers where the layers run unrolled, each
@@ -201,7 +211,7 @@ class Run(AutoChoices):
         if self.unrolled:  # a stacked array at a time is sliced, then freed
             frozen = unstack_layers(frozen, delete_source=True)
         self.graphdef = graphdef
-        self.lora, self.frozen = self.placement.place(lora), self.placement.place(frozen)
+        self.lora, self.frozen = self.placement.place(lora), jax.device_put(frozen, self.frozen_shardings(frozen))
         self.opt_state = self.placement.place_like(self.optimizer.init(self.lora), self.lora)
         return self
 
@@ -236,7 +246,7 @@ class Run(AutoChoices):
         elif self.unrolled and not other.unrolled:
             frozen = restack_layers(frozen)
         lora = jax.tree.map(jnp.copy, self.lora) if lora is None else lora
-        other.frozen = other.placement.place(frozen)
+        other.frozen = jax.device_put(frozen, other.frozen_shardings(frozen))
         other.set_state(lora)
         return other
 
@@ -263,7 +273,7 @@ class Run(AutoChoices):
         batch_sh = {k: p.batch_sharding(len(v.shape)) for k, v in batch.items()}
         return make_train_step(graphdef, self.optimizer, self.schedule, execution=self.execution,
                                dropout=self.lora_config.dropout > 0,
-                               in_shardings=(lora_sh, opt_sh, p.shardings(frozen), batch_sh, p.replicated),
+                               in_shardings=(lora_sh, opt_sh, self.frozen_shardings(frozen), batch_sh, p.replicated),
                                out_shardings=(lora_sh, opt_sh, p.replicated))
 
     def compile(self, host_batch: dict[str, np.ndarray]):
@@ -332,6 +342,8 @@ class Run(AutoChoices):
         frozen = restack_layers(self.frozen, delete_source=True) if restack else self.frozen
         if restack:
             self.frozen = frozen
+        if self.execution.frozen_weights == "host":  # generation computes on them: a device copy
+            frozen = self.placement.place(frozen)
         return nnx.merge(self.graphdef, self.lora, frozen)
 
     def _host_model(self, *, weights: bool):

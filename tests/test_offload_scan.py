@@ -7,8 +7,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxft.offload_scan import offloaded_scan
+from jaxft.offload_scan import HostRows, in_host_memory, offloaded_scan
 
 L, T, H = 5, 16, 8
 
@@ -95,3 +96,82 @@ def test_a_period_of_several_layers_equals_the_plain_scan():
     text = jax.jit(jax.grad(lambda *a: loss(offloaded_scan, *a), argnums=1)).trace(x, lora).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count('_xla_buffer_placement = "pinned_host"') == 2
+
+
+def _on_host(x):
+    """`x` in pinned host memory (what `frozen_weights: host` does to the layers' frozen weights)."""
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+
+
+def _streamed_loss(scan, frozen_xs, **kw):
+    def loss(x, lora, table):
+        carry = (x, jnp.zeros((2,), jnp.float32))
+        y, acc = scan(_layer(table), carry, (lora, frozen_xs, jnp.arange(L, dtype=jnp.int32)), **kw)
+        return jnp.sum(jnp.sin(y)) + 0.01 * jnp.sum(acc)
+    return loss
+
+
+def test_streamed_weights_give_the_gradients_of_the_plain_scan():
+    """Frozen weights in pinned host memory, read through `HostRows` (here from row 2 of a taller stack, as a
+    group of layers after others reads its rows), with the carries on the host or on the device: the gradients
+    of the plain scan over the weights on the device."""
+    x, lora, frozen, table = _inputs(4)
+    taller = jnp.concatenate([frozen[:2] * 3.0, frozen], axis=0)
+    host = _on_host(taller)
+    assert in_host_memory(host) and not in_host_memory(frozen)
+    want = jax.jit(jax.value_and_grad(_streamed_loss(_plain, frozen), argnums=(0, 1)))(x, lora, table)
+    for keep_on_host in (True, False):
+        got = jax.jit(jax.value_and_grad(_streamed_loss(offloaded_scan, HostRows(host, 2), host=keep_on_host),
+                                         argnums=(0, 1)))(x, lora, table)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+        for g, w in zip(got[1], want[1]):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    value = jax.jit(_streamed_loss(offloaded_scan, HostRows(host, 2)))(x, lora, table)  # the primal alone
+    np.testing.assert_allclose(value, want[0], rtol=1e-6)
+
+
+def test_streamed_blocks_of_rows_feed_a_period():
+    """`HostRows(size=2)`: iteration i reads rows 2i, 2i + 1 (a period of two layers), as the plain scan over the
+    [L/2, 2, ...] reshaped stack does."""
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    frozen = jnp.asarray(rng.standard_normal((2 * L, H, H)) / H ** 0.5, jnp.float32)
+    lora = jnp.asarray(rng.standard_normal((L, H)), jnp.float32)
+
+    def f(c, xs):
+        scale, w, _ = xs
+        return jnp.tanh(jnp.tanh(c @ w[0]) @ w[1]) * scale + c
+
+    def loss(scan, w, x, lora):
+        return jnp.sum(jnp.sin(scan(f, x, (lora, w, jnp.arange(L, dtype=jnp.int32)))))
+
+    want = jax.grad(lambda *a: loss(_plain, frozen.reshape(L, 2, H, H), *a), argnums=(0, 1))(x, lora)
+    got = jax.jit(jax.grad(lambda *a: loss(offloaded_scan, HostRows(_on_host(frozen), 0, 2), *a),
+                           argnums=(0, 1)))(x, lora)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_lowered_for_a_gpu_each_layers_weights_come_to_the_device_once_each_way():
+    """The streamed stack's rows reach the device by placements only: in the forward the first layer's before
+    the scan and one prefetch in its body; in the backward one prefetch in its body (its first layer's weights
+    are the forward's last fetch). With the carries on the device, those are all the device placements, and
+    nothing goes to the host."""
+    x, lora, frozen, table = _inputs(6)
+    host = _on_host(frozen)
+    for keep_on_host, to_host, to_device in ((False, 0, 3), (True, 1, 5)):
+        grad = jax.jit(jax.grad(lambda lora, w: _streamed_loss(offloaded_scan, HostRows(w), host=keep_on_host)(
+            x, lora, table)))  # the weights an argument: its placement in host memory is the program's
+        text = grad.trace(lora, host).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count('_xla_buffer_placement = "pinned_host"') == to_host
+        assert text.count('_xla_buffer_placement = "device"') == to_device
+
+
+def test_differentiating_a_streamed_input_is_refused():
+    x, lora, frozen, table = _inputs(7)
+
+    def loss(w):
+        return _streamed_loss(offloaded_scan, HostRows(w))(x, lora, table)
+
+    with pytest.raises(ValueError, match="streamed input"):
+        jax.grad(loss)(_on_host(frozen))

@@ -53,7 +53,7 @@ from jaxft.models.families import family_for
 from jaxft.models.layers import ExpertParam, StackRow
 from jaxft.sharding import constrain_rows
 from jaxft.offload import PrefetchChain, host_offloaded, layer_index
-from jaxft.offload_scan import offloaded_scan
+from jaxft.offload_scan import HostRows, in_host_memory, offloaded_scan
 from jaxft.remat import BLOCK_INPUT, LAYER_INPUT, RematPolicy
 from kernels_pallas._dispatch import target_platform
 
@@ -66,6 +66,13 @@ STACK_NAMES = ("layers", *OTHER_STACKS.values())
 def stack_name(cfg: ModelConfig, mlp: str) -> str:
     """The decoder attribute that stacks the layers of MLP kind `mlp`."""
     return "layers" if mlp == family_for(cfg.model_type).parts.mlp else OTHER_STACKS[mlp]
+
+
+def streamed_weight(path: tuple, var: nnx.Variable) -> bool:
+    """Whether a frozen state entry goes to pinned host memory under `frozen_weights: host`: the rows of a layer
+    stack (its weights, norms, LoRA scales), not the MoE expert stacks, which the layers read in place (`StackRow`),
+    nor the embeddings and head."""
+    return bool(path) and path[0] in STACK_NAMES and not isinstance(var, ExpertParam)
 
 
 def layer_stacks(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -189,6 +196,17 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     # (`jaxft.offload_scan`), whose backward copies each layer input back one layer early; the layers inside it
     # run without a checkpoint of their own (its backward recomputes them).
     scan_offload = not unrolled and resolve_transfer(policy, False) == "explicit"
+    # Frozen weights in pinned host memory (`ExecutionConfig.frozen_weights: host`): the same scan, streaming each
+    # layer's rows in one layer ahead (`HostRows`), the layer inputs on the host for "offload", on the device for
+    # "full".
+    streamed = any(in_host_memory(leaf) for state in states.values() for leaf in jax.tree.leaves(state))
+    keep_on_host = True
+    if streamed:
+        if unrolled or per_layer is not None or outer is not None or not (policy.kind == "full"
+                                                                          or policy.explicit_capable):
+            raise ValueError("run_groups: frozen weights in host memory stream through the layer scan under remat "
+                             f"full or offload (got {policy.spelled()!r}, unrolled={unrolled}, block={block})")
+        scan_offload, keep_on_host = True, policy.offloads
     if scan_offload:
         policy = without
 
@@ -246,12 +264,13 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
                                         carry, (rows, base + jnp.arange(a, b, dtype=jnp.int32)))
             return carry, None
 
-        head = {name: jax.tree.map(lambda leaf, c=c: leaf[:reps * c].reshape(reps, c, *leaf.shape[1:]),
-                                   states[name]) for name, c in counts.items()}
+        head = {name: jax.tree.map(lambda leaf, c=c: HostRows(leaf, 0, c) if in_host_memory(leaf) else
+                                   leaf[:reps * c].reshape(reps, c, *leaf.shape[1:]), states[name])
+                for name, c in counts.items()}
         bases = jnp.arange(0, reps * period, period, dtype=jnp.int32)
         if scan_offload:  # one function per position of the period, each one's input kept on the host
             carry = offloaded_scan([lambda c, xs, a=a, fn=fn: fn(c, xs[0][kinds[a].stack], xs[1] + a)
-                                    for (a, _), fn in zip(runs, fns)], carry, (head, bases))
+                                    for (a, _), fn in zip(runs, fns)], carry, (head, bases), host=keep_on_host)
         else:  # nested blocks hold whole periods: as many as make up `block` layers, at least one
             carry = _scan_layers(lambda c, xs: body(c, xs)[0], carry, (head, bases), max(1, block // period), outer)
         # A last, incomplete period (e.g. 62 = 10 x 6 + 2 layers) runs by group below.
@@ -271,10 +290,11 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
             continue
         layer_fn = fn_for(group)
         whole = first == 0 and all(leaf.shape[0] == n for leaf in jax.tree.leaves(state))
-        run_state = state if whole else jax.tree.map(lambda leaf: leaf[first:first + n], state)
+        run_state = jax.tree.map(lambda leaf: HostRows(leaf, first) if in_host_memory(leaf) else
+                                 leaf if whole else leaf[first:first + n], state)
         indices = jnp.arange(group.start, group.end, dtype=jnp.int32)
         if scan_offload:
-            carry = offloaded_scan(lambda c, xs: layer_fn(c, *xs), carry, (run_state, indices))
+            carry = offloaded_scan(lambda c, xs: layer_fn(c, *xs), carry, (run_state, indices), host=keep_on_host)
         else:
             carry = _scan_layers(lambda c, xs: layer_fn(c, *xs), carry, (run_state, indices), block, outer)
     return carry  # x, or (x, router stats)

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "remat_layers", "remat_plan", "remat_block",
                                   "layer_loop", "ce_chunk_size", "mlp_chunk_size", "max_memory_gb", "host_memory_gb",
                                   "offload_transfer", "compiler_options", "grouped_matmul_implementation",
-                                  "moe_dispatch")}
+                                  "moe_dispatch", "frozen_weights")}
 OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
                               "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")}
 QUANT_KEYS = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant",
@@ -165,6 +165,9 @@ class TrainConfig:
     # How remat "offload" moves the layer inputs to host memory: "policy" (jax.checkpoint's offload policy),
     # "explicit" (jaxft.offload: its own copies, which the unrolled loop needs), "auto" (explicit when unrolled).
     offload_transfer: Literal["auto", "policy", "explicit"] = "auto"
+    # Where the layers' frozen weights live: "device", or "host" (pinned host memory, each layer's copied in one
+    # layer ahead, forward and backward: the device holds two layers' weights); layer scan, remat full or offload.
+    frozen_weights: Literal["device", "host"] = "device"
     # auto's device budget in GiB (null: the device's free memory less a margin); offload_all's and remat_block
     # auto's host budget (null: none for offload_all, the machine's memory less a margin for remat_block).
     max_memory_gb: float | None = None
