@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +61,43 @@ class HostRows:
         if self.size is None:
             return jax.lax.dynamic_index_in_dim(self.stack, self.start + i, keepdims=False)
         return jax.lax.dynamic_slice_in_dim(self.stack, self.start + i * self.size, self.size)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class PackedSlot:
+    """A streamed stack entry: elements [offset, offset + prod(shape)) of each row of `rows` (the [L, total] buffer
+    `key` = (stack name, dtype name)), shaped `shape` per layer."""
+
+    rows: Any
+    key: tuple[str, str]
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def tree_flatten(self):
+        return (self.rows,), (self.key, self.offset, self.shape)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+
+def is_slot(value) -> bool:
+    return isinstance(value, PackedSlot)
+
+
+def unpack_rows(state, rows: dict[tuple, jax.Array]):
+    """A layer state whose slots hold (key, offset, shape) only, with each slot replaced by its weight sliced out of
+    the fetched row(s) `rows[key]` ([total] for one layer, [c, total] for a period's c layers)."""
+    def take(slot):
+        row = rows[slot.key]
+        part = jax.lax.slice_in_dim(row, slot.offset, slot.offset + slot.size, axis=row.ndim - 1)
+        return part.reshape(*row.shape[:-1], *slot.shape)
+    return jax.tree.map(lambda v: take(v) if is_slot(v) else v, state, is_leaf=is_slot)
 
 
 def in_host_memory(leaf) -> bool:

@@ -34,11 +34,13 @@ from flax import nnx
 
 import bridge
 from jaxft.config import SPARSE_MLPS, ModelConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.auto import AutoChoices
 from jaxft.lora import LoraConfig, apply_lora, target_names
 from jaxft.models.decoder import abstract_model, model_class
+from jaxft import streamed
 from jaxft.models.stack import streamed_weight
+from jaxft.offload_scan import is_slot
 from jaxft.sharding import MeshConfig, Placement
 from jaxft.train.optim import OptimConfig
 from jaxft.train.step import (make_eval_step, make_train_step, restack_layers, split_model, stack_micro_batches,
@@ -71,6 +73,10 @@ class Run(AutoChoices):
         self.model_config = ModelConfig.from_hf(bridge.read_config(self.model_path),
                                                 source=str(self.model_path / "config.json"))
         self.optimizer, self.schedule = self.optim.build(self.total_steps)
+        devices = jax.devices() if self.devices is None else list(self.devices)
+        if self.streams_weights and len(devices) > 1:
+            raise ExecutionConfigError("frozen_weights", f"'host' streams one device's weights; this run has "
+                                       f"{len(devices)} devices: set frozen_weights: device")
         self.placement = Placement(self.mesh, self.devices)
         self.rng = jax.random.key(self.seed)
         self.graphdef = self.lora = self.frozen = self.opt_state = None
@@ -140,6 +146,8 @@ class Run(AutoChoices):
     def abstract_state(self):
         """(graphdef, lora, frozen) as shapes: what `load` would build, with nothing allocated."""
         graphdef, lora, frozen = self._abstract_split()
+        if self.streams_weights:
+            return graphdef, lora, streamed.pack(frozen, self._host_sharding)
         return graphdef, lora, unstack_layers(frozen) if self.unrolled else frozen
 
     def load(self) -> "Run":
@@ -196,14 +204,36 @@ class Run(AutoChoices):
             return split_model(apply_lora(model, self.lora_config, seed=self.seed))[1:]
         return graphdef, jax.jit(make, out_shardings=(self.placement.shardings(lora), self.frozen_shardings(frozen)))
 
+    @property
+    def streams_weights(self) -> bool:
+        """Whether the layer stacks' frozen weights live in pinned host memory, packed (`jaxft.streamed`)."""
+        return self.execution.frozen_weights == "host"
+
+    @property
+    def _host_sharding(self) -> jax.sharding.Sharding:
+        return self.placement.replicated.with_memory_kind("pinned_host")
+
     def frozen_shardings(self, frozen):
-        """Where each frozen array lives: the placement's sharding, in pinned host memory for the layer stacks'
-        weights (not the MoE expert stacks) when `frozen_weights` is "host" (`jaxft.offload_scan.HostRows`)."""
-        shardings = self.placement.shardings(frozen)
-        if self.execution.frozen_weights != "host":
-            return shardings
-        return nnx.from_flat_state([(p, v.replace(v.get_value().with_memory_kind("pinned_host")) if streamed_weight(p, v)
-                                     else v) for p, v in nnx.to_flat_state(shardings)])
+        """Where each frozen array lives: the placement's sharding; with `frozen_weights: host`, a packed buffer
+        (`jaxft.streamed.PackedSlot`) in pinned host memory, and before packing (`init_random`'s program) the
+        entries that will be packed there too."""
+        flat = []
+        for p, v in nnx.to_flat_state(frozen):
+            value = v.get_value()
+            if is_slot(value):
+                flat.append((p, v.replace(dataclasses.replace(value, rows=self._host_sharding))))
+            elif self.streams_weights and streamed_weight(p, v):
+                flat.append((p, v.replace(self.placement.sharding_of(v).with_memory_kind("pinned_host"))))
+            else:
+                flat.append((p, v.replace(self.placement.sharding_of(v))))
+        return nnx.from_flat_state(flat)
+
+    def _place_frozen(self, frozen):
+        """`frozen` in its places (`frozen_shardings`), packed first with `frozen_weights: host` (the packing reads
+        each array to the host and frees it)."""
+        if self.streams_weights and not streamed.is_packed(frozen):
+            frozen = streamed.pack(frozen, self._host_sharding, delete_source=True)
+        return jax.device_put(frozen, self.frozen_shardings(frozen))
 
     def _adopt(self, graphdef, lora, frozen) -> "Run":
         """Takes a model's split state (`split_model`): per-layer buffers where the layers run unrolled, each
@@ -211,7 +241,7 @@ class Run(AutoChoices):
         if self.unrolled:  # a stacked array at a time is sliced, then freed
             frozen = unstack_layers(frozen, delete_source=True)
         self.graphdef = graphdef
-        self.lora, self.frozen = self.placement.place(lora), jax.device_put(frozen, self.frozen_shardings(frozen))
+        self.lora, self.frozen = self.placement.place(lora), self._place_frozen(frozen)
         self.opt_state = self.placement.place_like(self.optimizer.init(self.lora), self.lora)
         return self
 
@@ -241,12 +271,14 @@ class Run(AutoChoices):
         other = dataclasses.replace(self, execution=execution)
         other.graphdef, other.rng = self.graphdef, self.rng
         frozen = self.frozen
+        if streamed.is_packed(frozen) and not other.streams_weights:
+            frozen = streamed.unpack(frozen)
         if other.unrolled and not self.unrolled:
             frozen = unstack_layers(frozen)
         elif self.unrolled and not other.unrolled:
             frozen = restack_layers(frozen)
         lora = jax.tree.map(jnp.copy, self.lora) if lora is None else lora
-        other.frozen = jax.device_put(frozen, other.frozen_shardings(frozen))
+        other.frozen = other._place_frozen(frozen)
         other.set_state(lora)
         return other
 
@@ -336,14 +368,18 @@ class Run(AutoChoices):
         return {k: int(getattr(stats, k)) for k in keys if stats is not None and hasattr(stats, k)}
 
     # ------------------------------------------------------------------ the trained model
-    def model(self, *, restack: bool = False):
+    def model(self, *, restack: bool = False, on_device: bool = False):
         """The model with its current LoRA state (per-layer weight buffers stacked back when `restack`, as
-        exports need; that frees the per-layer buffers, so the run cannot step afterwards)."""
+        exports need; that frees the per-layer buffers, so the run cannot step afterwards). Weights packed for
+        streaming (`frozen_weights: host`) come back as host arrays for exports, or as a device copy with
+        `on_device` (generation computes on them)."""
         frozen = restack_layers(self.frozen, delete_source=True) if restack else self.frozen
         if restack:
             self.frozen = frozen
-        if self.execution.frozen_weights == "host":  # generation computes on them: a device copy
-            frozen = self.placement.place(frozen)
+        if streamed.is_packed(frozen):
+            frozen = streamed.unpack(frozen)
+            if on_device:
+                frozen = self.placement.place(frozen)
         return nnx.merge(self.graphdef, self.lora, frozen)
 
     def _host_model(self, *, weights: bool):

@@ -15,33 +15,41 @@ import pytest
 from flax import nnx
 
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.models.layers import ExpertParam
 from jaxft.models.stack import streamed_weight
 from jaxft.offload_scan import in_host_memory
+from jaxft.streamed import pack
 from test_remat import assert_grads_match, grads, lora_split
 from test_remat_nested import GEMMA4, LLAMA5, MOE
 
 
+HOST = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+
+
 def on_host(frozen: nnx.State) -> nnx.State:
-    """`frozen` with the entries `frozen_weights: host` streams in pinned host memory (as `Run.frozen_shardings`)."""
-    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    return nnx.from_flat_state([(p, v.replace(jax.device_put(v.get_value(), host)) if streamed_weight(p, v) else v)
+    """`frozen` with the entries `frozen_weights: host` streams in pinned host memory, one array each (the packed
+    form is `jaxft.streamed.pack`'s, what `Run` places)."""
+    return nnx.from_flat_state([(p, v.replace(jax.device_put(v.get_value(), HOST)) if streamed_weight(p, v) else v)
                                 for p, v in nnx.to_flat_state(frozen)])
 
 
 @pytest.mark.parametrize("remat", ["full", "offload"])
 @pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3_moe"])
-def test_streamed_weights_give_the_gradients_of_weights_on_the_device(name, remat):
+@pytest.mark.parametrize("form", ["packed", "per_leaf"])
+def test_streamed_weights_give_the_gradients_of_weights_on_the_device(name, remat, form):
+    """Llama: one group of 5 layers; Gemma 2: a periodic scan, each iteration a block of two rows; Qwen3-MoE: a
+    dense group then a sparse one, rows from two stacks, experts on the device."""
     cfg = {"llama": LLAMA5, "gemma2": GEMMA4, "qwen3_moe": MOE}[name]
     graphdef, lora, frozen = lora_split(cfg)
-    streamed = on_host(frozen)
+    streamed = pack(frozen, HOST) if form == "packed" else on_host(frozen)
     flat = nnx.to_flat_state(streamed)
-    assert sum(in_host_memory(v.get_value()) for _, v in flat) > 0
+    assert sum(in_host_memory(leaf) for leaf in jax.tree.leaves(streamed)) > 0
     # embeddings, head, final norm and the expert stacks stay on the device
-    assert all(not in_host_memory(v.get_value()) for p, v in flat if p[0] not in ("layers", "dense_layers",
-                                                                                   "moe_layers"))
+    assert all(not in_host_memory(leaf) for p, v in flat if p[0] not in ("layers", "dense_layers", "moe_layers")
+               for leaf in jax.tree.leaves(v.get_value()))
     if name == "qwen3_moe":
-        experts = [v for p, v in flat if not streamed_weight(p, v) and p[0] in ("layers", "moe_layers")]
-        assert experts and not any(in_host_memory(v.get_value()) for v in experts)
+        experts = [v.get_value() for _, v in flat if isinstance(v, ExpertParam)]
+        assert experts and not any(in_host_memory(e) for e in experts)
     want = grads(cfg, (graphdef, lora, frozen), remat, "scan")
     got = grads(cfg, (graphdef, lora, streamed), remat, "scan", frozen_weights="host")
     assert_grads_match(*got, *want)
@@ -91,22 +99,65 @@ def test_a_run_with_weights_in_host_memory_trains_as_on_the_device(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def test_the_run_places_the_layer_weights_in_host_memory(tmp_path):
-    """`Run.frozen_shardings`: the stacks' entries in pinned host memory, the rest on the device; the step compiled
-    with those shardings runs; `Run.model()` (generation) gets the weights on the device."""
+def test_the_run_packs_the_layer_weights_into_one_host_buffer(tmp_path):
+    """`Run` with frozen_weights host: every streamed entry (the stacked matrices) is a `PackedSlot` into ONE
+    pinned-host buffer per stack and dtype ([L, total], so each layer's weights reach the device in one copy), the rest stays on the device;
+    unpacked, the weights are the loaded ones. A step compiled from shapes before loading serves the loaded run; its
+    losses equal the device run's, and a variant over the same weights back on the device agrees. `Run.model()`
+    gives host arrays (exports), `on_device=True` a device copy (generation)."""
     from jaxft.lora import LoraConfig
+    from jaxft.offload_scan import PackedSlot
     from jaxft.run import Run
+    from jaxft.streamed import unpack
     from test_run import _batches
     from test_train_fixtures import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m", hidden=32, layers=2)
-    run = Run(model, LoraConfig(r=4, alpha=8), dtype="float32",
-              execution=ExecutionConfig(attention_implementation="reference", remat="full",
-                                        frozen_weights="host")).load()
-    flat = nnx.to_flat_state(run.frozen)
-    kinds = {p: v.get_value().sharding.memory_kind for p, v in flat}
-    assert {kinds[p] for p, v in flat if streamed_weight(p, v)} == {"pinned_host"}
-    assert kinds[("embed", "embedding")] == "device" and kinds[("lm_head", "kernel")] == "device"
-    assert np.isfinite(float(run.step(_batches(1)[0], 0)["loss"]))
-    _, state = nnx.split(run.model())
-    assert all(not in_host_memory(leaf) for leaf in jax.tree.leaves(state))
+
+    def run_of(weights):
+        return Run(model, LoraConfig(r=4, alpha=8), dtype="float32", total_steps=3,
+                   execution=ExecutionConfig(attention_implementation="reference", remat="full",
+                                             frozen_weights=weights))
+
+    batches = _batches(3, vocab=64)
+    host = run_of("host")
+    host.compile(batches[0])  # from shapes: the abstract state is packed as the loaded one will be
+    host.load()
+    device = run_of("device").load()
+    flat = nnx.to_flat_state(host.frozen)
+    slots = {p: v.get_value() for p, v in flat if isinstance(v.get_value(), PackedSlot)}
+    assert slots and set(slots) == {p for p, v in nnx.to_flat_state(device.frozen) if streamed_weight(p, v)}
+    assert all(len(v.shape) == 2 for v in slots.values())  # the stacked matrices
+    buffers = {id(v.rows): v.rows for v in slots.values()}
+    assert len(buffers) == 1
+    (rows,) = buffers.values()
+    assert rows.sharding.memory_kind == "pinned_host"
+    assert rows.shape == (2, sum(v.size for v in slots.values()))
+    assert {p: v.get_value().sharding.memory_kind for p, v in flat if p not in slots} == \
+        {p: "device" for p, v in flat if p not in slots}
+    want = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(device.frozen)}
+    got = {p: v.get_value() for p, v in nnx.to_flat_state(unpack(host.frozen))}
+    assert got.keys() == want.keys()
+    for p in want:
+        np.testing.assert_array_equal(np.asarray(got[p]), want[p])
+    losses = [float(host.step(b, i)["loss"]) for i, b in enumerate(batches)]
+    np.testing.assert_allclose(losses, [float(device.step(b, i)["loss"]) for i, b in enumerate(batches)], rtol=1e-6)
+    back = host.variant(host.execution.replace(frozen_weights="device"))
+    assert not any(isinstance(v.get_value(), PackedSlot) for _, v in nnx.to_flat_state(back.frozen))
+    for p, v in nnx.to_flat_state(back.frozen):
+        np.testing.assert_array_equal(np.asarray(v.get_value()), want[p])
+    _, exported = nnx.split(host.model())
+    _, generating = nnx.split(host.model(on_device=True))
+    kernel = ("layers", "attn", "q_proj", "kernel")
+    assert isinstance(dict(nnx.to_flat_state(exported))[kernel].get_value(), np.ndarray)
+    assert dict(nnx.to_flat_state(generating))[kernel].get_value().sharding.memory_kind == "device"
+
+
+def test_a_run_over_several_devices_is_refused_in_one_line():
+    from jaxft.lora import LoraConfig
+    from jaxft.run import Run
+
+    two = [jax.devices()[0]] * 2  # refused before any mesh is made of them
+    with pytest.raises(ExecutionConfigError, match="streams one device's weights; this run has 2 devices"):
+        Run("examples/tiny-llama", LoraConfig(r=4), execution=ExecutionConfig(remat="full", frozen_weights="host"),
+            devices=two)

@@ -53,7 +53,7 @@ from jaxft.models.families import family_for
 from jaxft.models.layers import ExpertParam, StackRow
 from jaxft.sharding import constrain_rows
 from jaxft.offload import PrefetchChain, host_offloaded, layer_index
-from jaxft.offload_scan import HostRows, in_host_memory, offloaded_scan
+from jaxft.offload_scan import HostRows, in_host_memory, is_slot, offloaded_scan, unpack_rows
 from jaxft.remat import BLOCK_INPUT, LAYER_INPUT, RematPolicy
 from kernels_pallas._dispatch import target_platform
 
@@ -69,10 +69,13 @@ def stack_name(cfg: ModelConfig, mlp: str) -> str:
 
 
 def streamed_weight(path: tuple, var: nnx.Variable) -> bool:
-    """Whether a frozen state entry goes to pinned host memory under `frozen_weights: host`: the rows of a layer
-    stack (its weights, norms, LoRA scales), not the MoE expert stacks, which the layers read in place (`StackRow`),
-    nor the embeddings and head."""
-    return bool(path) and path[0] in STACK_NAMES and not isinstance(var, ExpertParam)
+    """Whether a frozen state entry goes to pinned host memory under `frozen_weights: host`: the stacked weight
+    matrices of a layer stack ([L, in, out] and up), not its small rows (norms, biases, LoRA scales and ranks, which
+    stay on the device), not the MoE expert stacks (the layers read them in place, `StackRow`), nor the embeddings
+    and head."""
+    value = var.get_value()
+    return (bool(path) and path[0] in STACK_NAMES and not isinstance(var, ExpertParam)
+            and not isinstance(value, tuple) and len(getattr(value, "shape", ())) >= 3)
 
 
 def layer_stacks(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -264,13 +267,16 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
                                         carry, (rows, base + jnp.arange(a, b, dtype=jnp.int32)))
             return carry, None
 
-        head = {name: jax.tree.map(lambda leaf, c=c: HostRows(leaf, 0, c) if in_host_memory(leaf) else
-                                   leaf[:reps * c].reshape(reps, c, *leaf.shape[1:]), states[name])
-                for name, c in counts.items()}
+        parts = {name: _scanned(states[name], lambda leaf, c=c: HostRows(leaf, 0, c),
+                                lambda leaf, c=c: leaf[:reps * c].reshape(reps, c, *leaf.shape[1:]))
+                 for name, c in counts.items()}
+        head = {name: part for name, (part, _) in parts.items()}
+        packed = {key: rows for _, buffers in parts.values() for key, rows in buffers.items()}
         bases = jnp.arange(0, reps * period, period, dtype=jnp.int32)
         if scan_offload:  # one function per position of the period, each one's input kept on the host
-            carry = offloaded_scan([lambda c, xs, a=a, fn=fn: fn(c, xs[0][kinds[a].stack], xs[1] + a)
-                                    for (a, _), fn in zip(runs, fns)], carry, (head, bases), host=keep_on_host)
+            carry = offloaded_scan([lambda c, xs, a=a, fn=fn: fn(c, unpack_rows(xs[0], xs[1])[kinds[a].stack],
+                                                                 xs[2] + a)
+                                    for (a, _), fn in zip(runs, fns)], carry, (head, packed, bases), host=keep_on_host)
         else:  # nested blocks hold whole periods: as many as make up `block` layers, at least one
             carry = _scan_layers(lambda c, xs: body(c, xs)[0], carry, (head, bases), max(1, block // period), outer)
         # A last, incomplete period (e.g. 62 = 10 x 6 + 2 layers) runs by group below.
@@ -290,11 +296,12 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
             continue
         layer_fn = fn_for(group)
         whole = first == 0 and all(leaf.shape[0] == n for leaf in jax.tree.leaves(state))
-        run_state = jax.tree.map(lambda leaf: HostRows(leaf, first) if in_host_memory(leaf) else
-                                 leaf if whole else leaf[first:first + n], state)
+        run_state, packed = _scanned(state, lambda leaf: HostRows(leaf, first),
+                                     lambda leaf: leaf if whole else leaf[first:first + n])
         indices = jnp.arange(group.start, group.end, dtype=jnp.int32)
         if scan_offload:
-            carry = offloaded_scan(lambda c, xs: layer_fn(c, *xs), carry, (run_state, indices), host=keep_on_host)
+            carry = offloaded_scan(lambda c, xs: layer_fn(c, unpack_rows(*xs[0]), xs[1]), carry,
+                                   ((run_state, packed), indices), host=keep_on_host)
         else:
             carry = _scan_layers(lambda c, xs: layer_fn(c, *xs), carry, (run_state, indices), block, outer)
     return carry  # x, or (x, router stats)
@@ -339,6 +346,22 @@ def _scan_layers(step, carry, xs, block: int, outer: RematPolicy | None):
     if whole < n:
         carry = blocked(carry, jax.tree.map(lambda a: a[whole:], xs))
     return carry
+
+
+def _scanned(state: nnx.State, host_rows, device_rows) -> tuple[nnx.State, dict[tuple, HostRows]]:
+    """(the scanned form of a stack's state, {packed buffer key: its streamed rows}): a device leaf as
+    `device_rows(leaf)` (the group's rows), a leaf in host memory as `host_rows(leaf)` (a `HostRows`), a packed
+    entry (`jaxft.streamed`) as its slot without the buffer, whose rows `host_rows(buffer)` are streamed once for
+    all its slots (`unpack_rows` slices them out of the fetched row)."""
+    buffers: dict[tuple, HostRows] = {}
+
+    def one(value):
+        if is_slot(value):
+            buffers.setdefault(value.key, host_rows(value.rows))
+            return dataclasses.replace(value, rows=None)
+        return host_rows(value) if in_host_memory(value) else device_rows(value)
+
+    return jax.tree.map(one, state, is_leaf=is_slot), buffers
 
 
 def _summing_stats(layer_fn):

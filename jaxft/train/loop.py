@@ -324,7 +324,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         value = loss_sum / max(count, 1.0)
         writer.write({"step": step, "eval_loss": value, "eval_tokens": int(count)})
         if log.eval_generate_prompts:
-            samples = _sample_completions(run.model(), tokenizer, log)
+            samples = _sample_completions(run.model(on_device=True), tokenizer, log)
             writer.write({"step": step, "samples": samples})
             for s in samples:
                 logger.info("step %d sample: %r -> %r", step, s["prompt"], s["completion"])

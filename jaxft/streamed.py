@@ -1,0 +1,85 @@
+"""The layer stacks' frozen weights packed for streaming (`ExecutionConfig.frozen_weights: host`): one pinned-host
+buffer per stack and dtype, [L, total], whose row l is every streamed weight of layer l laid end to end.
+
+Why packed: each layer's weights then reach the device in ONE copy per layer and direction. Streamed leaf by leaf
+(one copy per weight), XLA ran the copies one after another and waited for most of them before the layer's first
+matmul; one copy per layer ran under all of the layer's matmuls (compiled for an H200 on a CPU,
+scripts/deviceless/stream_schedule.py: forward 9 of 9 GEMMs, backward 19 of 19, against 0-9 per weight).
+
+In the frozen state each streamed entry's value is a `PackedSlot`: the buffer (a pytree child, so the step receives
+it as an argument: every slot of one buffer passes the same array) and where the entry sits in each row (static).
+`jaxft.models.stack.run_groups` fetches one row per buffer and iteration (`jaxft.offload_scan.HostRows`) and slices
+the layer's weights out of the row on the device (`jaxft.offload_scan.unpack_rows`). `pack` / `unpack` convert a frozen state both
+ways on the host (numpy): generation and exports get ordinary arrays back (`jaxft.run.Run.model`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxft.models.stack import streamed_weight
+from jaxft.offload_scan import PackedSlot, is_slot
+
+
+def _layout(frozen: nnx.State) -> tuple[dict[tuple, list[tuple[tuple, Any]]], dict[tuple, int]]:
+    """({buffer key: [(path, value), ...] in state order}, {buffer key: row length}) of the streamed entries."""
+    groups: dict[tuple, list] = {}
+    for path, var in nnx.to_flat_state(frozen):
+        if streamed_weight(path, var):
+            value = var.get_value()
+            groups.setdefault((path[0], np.dtype(value.dtype).name), []).append((path, value))
+    return groups, {key: sum(math.prod(v.shape[1:]) for _, v in entries) for key, entries in groups.items()}
+
+
+def pack(frozen: nnx.State, sharding: jax.sharding.Sharding | None = None, *, delete_source: bool = False) -> nnx.State:
+    """`frozen` with its streamed entries (`streamed_weight`) packed into one [L, total] buffer per stack and dtype,
+    each entry's value a `PackedSlot` into it. Arrays are packed on the host (numpy) and placed with `sharding`
+    (pinned host memory: the caller's); ShapeDtypeStructs (an abstract state) give ShapeDtypeStruct buffers.
+    `delete_source` frees each device array once copied to the host."""
+    groups, totals = _layout(frozen)
+    slots: dict[tuple, PackedSlot] = {}
+    for key, entries in groups.items():
+        layers = entries[0][1].shape[0]
+        abstract = isinstance(entries[0][1], jax.ShapeDtypeStruct)
+        if abstract:
+            rows = jax.ShapeDtypeStruct((layers, totals[key]), entries[0][1].dtype, sharding=sharding)
+        else:
+            host = np.empty((layers, totals[key]), dtype=np.dtype(entries[0][1].dtype))
+        offset = 0
+        for path, value in entries:
+            size = math.prod(value.shape[1:])
+            if not abstract:
+                host[:, offset:offset + size] = np.asarray(value).reshape(layers, size)
+                if delete_source and isinstance(value, jax.Array):
+                    value.delete()
+            slots[path] = (offset, tuple(value.shape[1:]))
+            offset += size
+        if not abstract:
+            rows = jax.device_put(host, sharding) if sharding is not None else host
+            del host
+        for path, _ in entries:
+            slots[path] = PackedSlot(rows, key, *slots[path])
+    return nnx.from_flat_state([(p, v.replace(slots[p])) if p in slots else (p, v)
+                                for p, v in nnx.to_flat_state(frozen)])
+
+
+def unpack(frozen: nnx.State) -> nnx.State:
+    """The inverse of `pack`: every `PackedSlot` replaced by its [L, *shape] host (numpy) array."""
+    host: dict[int, np.ndarray] = {}
+    out = []
+    for path, var in nnx.to_flat_state(frozen):
+        slot = var.get_value()
+        if is_slot(slot):
+            rows = host.setdefault(id(slot.rows), np.asarray(slot.rows))
+            var = var.replace(rows[:, slot.offset:slot.offset + slot.size].reshape(rows.shape[0], *slot.shape))
+        out.append((path, var))
+    return nnx.from_flat_state(out)
+
+
+def is_packed(frozen: nnx.State) -> bool:
+    return any(is_slot(v.get_value()) for _, v in nnx.to_flat_state(frozen))
