@@ -49,8 +49,9 @@ The model holds parameters and math; everything that changes speed or memory but
   each layer's copied in one layer ahead of its use, in the forward and again in the backward: `jaxft.offload_scan`
   `HostRows`). What it buys: the device holds two layers' weights instead of all of them (8B bf16: about 0.9 of
   15 GiB). What it costs: every layer's weights cross the host link twice a step (8B: about 30 GB, about 0.57 s at
-  the H200's measured 53 GB/s), hidden only where a step's compute is longer. Layer scan with remat "full" or
-  "offload"; the embeddings, head and MoE expert stacks stay on the device.
+  the H200's measured 53 GB/s), hidden only where a step's compute is longer. Layer scan, one device, a remat
+  policy that offloads at most the layer input (none, full, offload, offload+attn, dots, save=..): what it keeps
+  is kept as without streaming. The embeddings, head, small rows and MoE expert stacks stay on the device.
 - `compiler_options`: XLA options for the step's program only (never process-wide flags), over the ones the
   settings want (`program_options`: the scan's pipelined host offload).
 
@@ -73,7 +74,6 @@ REMAT_POLICIES = remat_policies.FIXED  # plus selective 'save=..;offload=..' str
 LAYER_LOOPS = ("auto", "scan", "unroll")
 OFFLOAD_TRANSFERS = ("auto", "policy", "explicit")
 FROZEN_WEIGHTS = ("device", "host")
-STREAMING_REMATS = ("full", "offload")  # what `frozen_weights: host` runs under (jaxft.offload_scan's recompute)
 CE_IMPLEMENTATIONS = ("xla", "reference")
 MOE_DISPATCHES = ("auto", "per_device", "global")
 # The smallest cross-entropy chunk under remat. Below 256 tokens the [chunk, H] x [H, V] matmuls ran slower for
@@ -211,11 +211,12 @@ class ExecutionConfig:
         _choice("frozen_weights", self.frozen_weights, FROZEN_WEIGHTS)
         if self.frozen_weights == "device":
             return
-        # The streamed scan (`jaxft.offload_scan`) recomputes each layer from its input in the backward: the policies
-        # that keep nothing else. Keeping residuals with streamed weights is not built yet.
-        if self.remat not in STREAMING_REMATS:
-            raise ExecutionConfigError("frozen_weights", f"'host' runs under remat {' or '.join(STREAMING_REMATS)} "
-                                       f"(got {self.remat!r}): set remat: full (or offload), or frozen_weights: device")
+        if self.remat == "auto" or not remat_policies.parse(self.remat).streams:
+            # The streamed scan (`jaxft.offload_scan`) keeps the layer input itself; a policy's other host copies would
+            # be host buffers stacked by the scan (RematPolicy.streams). auto does not weigh streaming yet.
+            raise ExecutionConfigError("frozen_weights", f"'host' runs under a remat policy that offloads at most the "
+                                       f"layer input (got {self.remat!r}): e.g. remat: offload, offload+attn, full or "
+                                       "none, or set frozen_weights: device")
         if self.layer_loop == "unroll":
             raise ExecutionConfigError("frozen_weights", "'host' streams each layer's rows of the stacked weights "
                                        "through the layer scan: set layer_loop: scan (or auto)")

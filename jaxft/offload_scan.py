@@ -106,13 +106,15 @@ def in_host_memory(leaf) -> bool:
     return getattr(jax.typeof(leaf), "memory_space", None) == Space.Host
 
 
-def offloaded_scan(fs, carry, xs, *, host: bool = True):
+def offloaded_scan(fs, carry, xs, *, host: bool = True, policy=None):
     """`jax.lax.scan` of one iteration = `fs` applied in order (a callable or a sequence of them: the layers of one
     period of a periodic stack, each `f(c, x) -> c` on the same scanned slice x), returning the last carry, with
     the backward of full remat whose layer inputs (the carry before each f) wait in pinned host memory (`host`;
     else on the device) and come back one layer early (module docstring). Each f may close over traced values
     (hoisted as constants, never differentiated). Leaves of `xs` may be `HostRows`: streamed, never
-    differentiated."""
+    differentiated. With `policy` (a `jax.checkpoint` policy that keeps residuals on the device) the forward also
+    keeps what the policy saves of each f, stacked by the scan, and the backward recomputes only the rest
+    (`_Residuals`); the carries and streamed weights are never among them."""
     fs = (fs,) if callable(fs) else tuple(fs)
     leaves, tree = jax.tree.flatten(xs, is_leaf=lambda t: isinstance(t, HostRows))
     views = tuple((k, leaf.start, leaf.size) for k, leaf in enumerate(leaves) if isinstance(leaf, HostRows))
@@ -127,7 +129,7 @@ def offloaded_scan(fs, carry, xs, *, host: bool = True):
         g, c = _hoist_constants(f, carry, x0)
         converted.append((g, len(consts), len(c)))
         consts += c  # every f maps the carry to a carry of the same structure (a scan's)
-    return _scan(tuple(converted), host, layout, carry, scanned, stacks, *consts)
+    return _scan(tuple(converted), (host, policy, _Residuals(len(fs))), layout, carry, scanned, stacks, *consts)
 
 
 def _view(stack, view) -> HostRows:
@@ -155,6 +157,46 @@ class _Layout:
         return [_to(_view(s, v).rows(i), Space.Device) for s, v in zip(stacks, self.views)]
 
 
+class _Residuals:
+    """What a policy's vjp of each f keeps, as the forward traced it: the vjp's pytree structure and, per leaf, where
+    the backward finds it - the carry before f ("c"), a streamed weight ("w"), a constant ("k"), a scanned slice
+    ("x"), each by identity with the value the forward passed in, else the j-th value the forward stacked
+    ("saved"). So the weights a matmul's vjp holds are refetched, not stacked, and the carry comes from the scan's
+    own copy (on the host for remat offload)."""
+
+    def __init__(self, count: int):
+        self.specs: list = [None] * count
+
+    def record(self, j: int, vjp, known: dict[str, list]) -> list:
+        leaves, tree = jax.tree.flatten(vjp)
+        where = {id(v): (kind, k) for kind, values in known.items() for k, v in enumerate(values)}
+        spec, saved = [], []
+        for leaf in leaves:
+            if id(leaf) in where:
+                spec.append(where[id(leaf)])
+            else:
+                spec.append(("saved", len(saved)))
+                saved.append(leaf)
+        self.specs[j] = (tree, spec)
+        return saved
+
+    def rebuild(self, j: int, known: dict[str, list], saved: list):
+        tree, spec = self.specs[j]
+        return jax.tree.unflatten(tree, [saved[k] if kind == "saved" else known[kind][k] for kind, k in spec])
+
+
+def _call(f, layout, c, sliced, w, consts, want, x_diff, c_diff):
+    """f on the full inputs with the differentiated leaves (`want`: scanned, constant positions) replaced by
+    `x_diff` / `c_diff`."""
+    x_want, c_want = want
+    sl, cl = list(sliced), list(consts)
+    for i, v in zip(x_want, x_diff):
+        sl[i] = v
+    for i, v in zip(c_want, c_diff):
+        cl[i] = v
+    return _apply(f, c, layout.merge(sl, w), cl)
+
+
 def _apply(f, c, x, consts):
     g, start, count = f
     return g(c, x, *consts[start:start + count])
@@ -170,9 +212,10 @@ def _to(leaf, space):
     return jax.device_put(leaf, space)
 
 
-def _forward(fs, host, layout, carry, scanned, stacks, consts, keep: bool):
+def _forward(fs, host, layout, carry, scanned, stacks, consts, keep: bool, policy=None, want=None, cell=None):
     """The scan, each iteration fetching the next one's streamed rows; with `keep`, also the carries before each
-    f (on the host when `host`, rank >= 2 leaves). Returns (last carry, kept, the last fetched rows)."""
+    f (on the host when `host`, rank >= 2 leaves) and, with `policy`, what it saves of each f (`_Residuals`).
+    Returns (last carry, kept, saved, the last fetched rows)."""
     n = layout.length
 
     def body(state, inputs):
@@ -180,50 +223,55 @@ def _forward(fs, host, layout, carry, scanned, stacks, consts, keep: bool):
         sliced, i = inputs
         w_next = layout.fetch(stacks, jnp.minimum(i + 1, n - 1))  # the last iteration's is the backward's first
         x = layout.merge(sliced, w)
-        kept = []
-        for f in fs:
+        kept, saved = [], []
+        for j, f in enumerate(fs):
             if keep:
                 kept.append(jax.tree.map(lambda leaf: _to(leaf, Space.Host) if host and _host(leaf) else leaf, c))
-            c = _apply(f, c, x, consts)
-        return (c, w_next), kept
+            if keep and policy is not None:
+                x_diff, c_diff = [sliced[k] for k in want[0]], [consts[k] for k in want[1]]
+                fn = jax.checkpoint(lambda c, xd, cd, f=f: _call(f, layout, c, sliced, w, consts, want, xd, cd),
+                                    policy=policy)
+                out, vjp = jax.vjp(fn, c, x_diff, c_diff)
+                saved.append(cell.record(j, vjp, {"c": jax.tree.leaves(c), "w": list(w), "k": list(consts),
+                                                  "x": list(sliced)}))
+                c = out
+            else:
+                c = _apply(f, c, x, consts)
+        return (c, w_next), (kept, saved)
 
-    (out, w_last), kept = jax.lax.scan(body, (carry, layout.fetch(stacks, 0)),
-                                       (scanned, jnp.arange(n, dtype=jnp.int32)))
-    return out, kept, w_last
+    (out, w_last), (kept, saved) = jax.lax.scan(body, (carry, layout.fetch(stacks, 0)),
+                                                (scanned, jnp.arange(n, dtype=jnp.int32)))
+    return out, kept, saved, w_last
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _scan(fs, host, layout, carry, scanned, stacks, *consts):
-    return _forward(fs, host, layout, carry, scanned, stacks, consts, keep=False)[0]
+def _scan(fs, how, layout, carry, scanned, stacks, *consts):
+    return _forward(fs, how[0], layout, carry, scanned, stacks, consts, keep=False)[0]
 
 
-def _scan_fwd(fs, host, layout, carry, scanned, stacks, *consts):
+def _scan_fwd(fs, how, layout, carry, scanned, stacks, *consts):
+    host, policy, cell = how
     flags = jax.tree.map(lambda p: p.perturbed, (carry, scanned, consts))
     if any(p.perturbed for p in jax.tree.leaves(stacks)):
         raise ValueError("offloaded_scan: a streamed input (HostRows, weights in host memory) is differentiated; "
                          "only frozen weights are streamed")
     carry, scanned, stacks, consts = jax.tree.map(lambda p: p.value, (carry, scanned, stacks, consts))
-    out, kept, w_last = _forward(fs, host, layout, carry, scanned, stacks, consts, keep=True)
-    return out, (kept, scanned, stacks, consts, w_last, flags)
+    want = ([i for i, m in enumerate(jax.tree.leaves(flags[1])) if m],
+            [i for i, m in enumerate(jax.tree.leaves(flags[2])) if m])
+    out, kept, saved, w_last = _forward(fs, host, layout, carry, scanned, stacks, consts, keep=True, policy=policy,
+                                        want=want, cell=cell)
+    return out, (kept, saved, scanned, stacks, consts, w_last, flags)
 
 
-def _scan_bwd(fs, host, layout, res, g_out):
-    kept, scanned, stacks, consts, w_last, (carry_flags, scanned_flags, const_flags) = res
+def _scan_bwd(fs, how, layout, res, g_out):
+    host, policy, cell = how
+    kept, saved, scanned, stacks, consts, w_last, (carry_flags, scanned_flags, const_flags) = res
     g_out = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype) if isinstance(t, SymbolicZero) else t, g_out,
                          is_leaf=lambda t: isinstance(t, SymbolicZero))
     n, p = layout.length, len(fs)
     x_want = [i for i, m in enumerate(jax.tree.leaves(scanned_flags)) if m]
     c_want = [i for i, m in enumerate(jax.tree.leaves(const_flags)) if m]
     carry_wanted = any(jax.tree.leaves(carry_flags))
-
-    def call(f, c, sliced, w, x_diff, c_diff):
-        """f on the full inputs with the differentiated leaves replaced by `x_diff` / `c_diff`."""
-        sl, cl = list(sliced), list(consts)
-        for i, v in zip(x_want, x_diff):
-            sl[i] = v
-        for i, v in zip(c_want, c_diff):
-            cl[i] = v
-        return _apply(f, c, layout.merge(sl, w), cl)
 
     def input_of(i, j):
         """The carry before f_j of iteration i, copied back to the device (started here, used later)."""
@@ -233,7 +281,7 @@ def _scan_bwd(fs, host, layout, res, g_out):
 
     def body(state, inputs):
         g, cur, w, acc = state
-        sliced, i = inputs
+        sliced, stacked, i = inputs
         # The prefetches of the layer below: its input and its streamed weights come back under this layer's
         # recompute and backward.
         w_below = layout.fetch(stacks, jnp.maximum(i - 1, 0))
@@ -242,7 +290,12 @@ def _scan_bwd(fs, host, layout, res, g_out):
         gx = [jnp.zeros_like(v) for v in x_diff]
         for j in reversed(range(p)):
             below = input_of(jnp.maximum(i - 1, 0), p - 1) if j == 0 else input_of(i, j - 1)
-            _, vjp = jax.vjp(lambda c, xd, cd, f=fs[j]: call(f, c, sliced, w, xd, cd), cur, x_diff, c_diff)
+            if policy is None:  # recompute f from its input
+                _, vjp = jax.vjp(lambda c, xd, cd, f=fs[j]: _call(f, layout, c, sliced, w, consts, (x_want, c_want),
+                                                                  xd, cd), cur, x_diff, c_diff)
+            else:  # the forward's vjp, its kept residuals from the stacks, the rest where the forward found them
+                vjp = cell.rebuild(j, {"c": jax.tree.leaves(cur), "w": list(w), "k": list(consts),
+                                       "x": list(sliced)}, stacked[j])
             g, gxj, gcj = vjp(g)
             gx = [a + b for a, b in zip(gx, gxj)]
             acc = [a + b for a, b in zip(acc, gcj)]
@@ -251,7 +304,7 @@ def _scan_bwd(fs, host, layout, res, g_out):
 
     zeros_c = [jnp.zeros_like(consts[i]) for i in c_want]
     (g0, _, _, g_consts), g_xs = jax.lax.scan(body, (g_out, input_of(n - 1, p - 1), w_last, zeros_c),
-                                              (scanned, jnp.arange(n, dtype=jnp.int32)), reverse=True)
+                                              (scanned, saved, jnp.arange(n, dtype=jnp.int32)), reverse=True)
     dx = [None] * len(scanned)
     for i, g in zip(x_want, g_xs):
         dx[i] = g

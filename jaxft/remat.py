@@ -166,6 +166,26 @@ class RematPolicy:
         outer = RematPolicy("full") if self.kind == "full" else RematPolicy("names", offload=(BLOCK_INPUT,))
         return outer, RematPolicy("full")
 
+    @property
+    def streams(self) -> bool:
+        """Whether layers of this policy run over streamed weights (`frozen_weights: host`, `jaxft.offload_scan`):
+        it offloads nothing but the layer input (the scan keeps that itself; other host residuals would be host
+        buffers stacked by the scan, which XLA's layout assignment rejects on JAX 0.11.2)."""
+        return set(self.offload) <= {LAYER_INPUT}
+
+    def streaming(self):
+        """(the `jax.checkpoint` policy of each layer inside the streamed scan, or None to recompute the whole layer
+        from its input; whether the layer input waits in pinned host memory) for `frozen_weights: host`."""
+        if not self.streams:
+            raise ValueError(f"remat {self.spelled()!r} offloads {', '.join(self.offload)}: over streamed weights "
+                             "only the layer input goes to the host")
+        on_host = LAYER_INPUT in self.offload
+        if self.kind == "full" or self.explicit_capable:
+            return None, on_host
+        if self.kind == "none":
+            return jax.checkpoint_policies.everything_saveable, False
+        return self.without((LAYER_INPUT,)).jax_policy(), on_host
+
     def without(self, names: tuple[str, ...]) -> "RematPolicy":
         """This policy keeping none of `names` (recomputed instead)."""
         return dataclasses.replace(self, save=tuple(n for n in self.save if n not in names),

@@ -33,12 +33,15 @@ def on_host(frozen: nnx.State) -> nnx.State:
                                 for p, v in nnx.to_flat_state(frozen)])
 
 
-@pytest.mark.parametrize("remat", ["full", "offload"])
-@pytest.mark.parametrize("name", ["llama", "gemma2", "qwen3_moe"])
-@pytest.mark.parametrize("form", ["packed", "per_leaf"])
+CASES = [("packed", name, remat) for name in ("llama", "gemma2", "qwen3_moe")
+         for remat in ("full", "offload", "offload+attn", "none")] + [("per_leaf", "llama", "offload+attn")]
+
+
+@pytest.mark.parametrize("form, name, remat", CASES)
 def test_streamed_weights_give_the_gradients_of_weights_on_the_device(name, remat, form):
     """Llama: one group of 5 layers; Gemma 2: a periodic scan, each iteration a block of two rows; Qwen3-MoE: a
-    dense group then a sparse one, rows from two stacks, experts on the device."""
+    dense group then a sparse one, rows from two stacks, experts on the device. Policies that keep residuals
+    (offload+attn: attention output and statistics; none: everything) keep them over streamed weights too."""
     cfg = {"llama": LLAMA5, "gemma2": GEMMA4, "qwen3_moe": MOE}[name]
     graphdef, lora, frozen = lora_split(cfg)
     streamed = pack(frozen, HOST) if form == "packed" else on_host(frozen)
@@ -56,16 +59,17 @@ def test_streamed_weights_give_the_gradients_of_weights_on_the_device(name, rema
 
 
 def test_streamed_weights_outside_the_streaming_policies_are_refused_in_the_step():
-    """The step itself refuses a host-memory stack it cannot stream (a policy that keeps residuals), as the config
-    check does for jaxft-train's keys."""
+    """The step itself refuses a host-memory stack under a policy that offloads other residuals (their host copies
+    would be stacked by the scan), as the config check does for jaxft-train's keys."""
     graphdef, lora, frozen = lora_split(LLAMA5)
-    with pytest.raises(ValueError, match="stream through the layer scan under remat full or offload"):
-        grads(LLAMA5, (graphdef, lora, on_host(frozen)), "offload+attn", "scan")
+    with pytest.raises(ValueError, match="offloads at most the layer input"):
+        grads(LLAMA5, (graphdef, lora, on_host(frozen)), "offload_all", "scan")
 
 
 @pytest.mark.parametrize("settings, needle", [
-    (dict(remat="none"), "'host' runs under remat full or offload (got 'none')"),
-    (dict(remat="offload+attn"), "(got 'offload+attn')"),
+    (dict(remat="offload_all"), "'host' runs under a remat policy that offloads at most the layer input (got "
+                                "'offload_all')"),
+    (dict(remat="save=attn_out;offload=layer_input,mlp_input"), "(got 'save=attn_out;offload=layer_input,mlp_input')"),
     (dict(remat="auto"), "(got 'auto')"),
     (dict(remat="full", layer_loop="unroll"), "set layer_loop: scan (or auto)"),
     (dict(remat="offload", remat_block=2), "remat_block (nested blocks) do not combine yet"),

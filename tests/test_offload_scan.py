@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.offload_scan import HostRows, in_host_memory, offloaded_scan
 
@@ -175,3 +176,52 @@ def test_differentiating_a_streamed_input_is_refused():
 
     with pytest.raises(ValueError, match="streamed input"):
         jax.grad(loss)(_on_host(frozen))
+
+
+def _named_layer(table):
+    """`_layer` with its matmul output named "h", what a policy may keep."""
+    def f(carry, xs):
+        x, acc = carry
+        lora, frozen, index = xs
+        h = checkpoint_name(x @ frozen + (x * table) @ lora, "h")
+        y = jnp.tanh(h) + x * (1.0 + 0.1 * index)
+        return y, acc + jnp.stack([jnp.sum(y), jnp.sum(y * y)])
+    return f
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_policy_keeps_its_residuals_and_refetches_the_weights(streamed):
+    """With `policy` the forward keeps what it saves ("h", a [T, H] per layer, stacked) and the backward does not
+    recompute it; the gradients are the plain scan's. The weights and the carry are never among the stacked
+    residuals (the weights are refetched or read from the scanned input, the carry is the scan's own copy): the
+    residuals hold one [L, T, H] stack more than without the policy and no more [L, H, H] ones."""
+    x, lora, frozen, table = _inputs(8)
+    policy = jax.checkpoint_policies.save_only_these_names("h")
+    weights = HostRows(_on_host(frozen)) if streamed else frozen
+
+    def loss(scan, **kw):
+        def f(x, lora):
+            carry = (x, jnp.zeros((2,), jnp.float32))
+            y, acc = scan(_named_layer(table), carry, (lora, weights, jnp.arange(L, dtype=jnp.int32)), **kw)
+            return jnp.sum(jnp.sin(y)) + 0.01 * jnp.sum(acc)
+        return f
+
+    def plain_loss(x, lora):
+        carry = (x, jnp.zeros((2,), jnp.float32))
+        y, acc = _plain(_named_layer(table), carry, (lora, frozen, jnp.arange(L, dtype=jnp.int32)))
+        return jnp.sum(jnp.sin(y)) + 0.01 * jnp.sum(acc)
+
+    want = jax.value_and_grad(plain_loss, argnums=(0, 1))(x, lora)
+    for host in (True, False):
+        got = jax.jit(jax.value_and_grad(loss(offloaded_scan, host=host, policy=policy), argnums=(0, 1)))(x, lora)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+        for g, w in zip(got[1], want[1]):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+    def shapes(**kw):
+        _, vjp = jax.vjp(loss(offloaded_scan, **kw), x, lora)
+        leaves = [leaf.shape for leaf in jax.tree.leaves(vjp)]
+        return leaves.count((L, T, H)), leaves.count((L, H, H))
+
+    (stacks_none, weights_none), (stacks_kept, weights_kept) = shapes(), shapes(policy=policy)
+    assert stacks_kept == stacks_none + 1 and weights_kept == weights_none

@@ -104,6 +104,9 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
         assert o.lr_scheduler_type == "constant" and o.max_grad_norm == 0.0
     lean = load_config(REPO / "examples/bench/lean.yaml").execution
     assert (lean.remat, lean.resolved_layer_loop, lean.ce_chunk_size) == ("offload", "scan", 256)
+    assert load_config(REPO / "examples/bench/lean_host.yaml").execution == lean.replace(frozen_weights="host")
+    assert load_config(REPO / "examples/bench/offload_attn_host.yaml").execution == load_config(
+        REPO / "examples/bench/offload_attn.yaml").execution.replace(frozen_weights="host")
     fast = load_config(REPO / "examples/bench/fast.yaml").execution
     assert (fast.remat, fast.resolved_layer_loop) == ("none", "unroll")
     policies = {mode: load_config(REPO / "examples/bench" / f"{mode}.yaml").execution for mode in MODES}
@@ -125,7 +128,8 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert (plan.remat, plan.remat_plan, plan.resolved_layer_loop) == ("full", (("offload_all", 12),), "unroll")
 
 
-@pytest.mark.parametrize("mode", ["fast", "lean", "offload_attn", "qlora", "qlora_lean", "qlora_offload", "remat_plan"])
+@pytest.mark.parametrize("mode", ["fast", "lean", "lean_host", "offload_attn", "qlora", "qlora_lean", "qlora_offload",
+                                  "remat_plan"])
 def test_bench_recipes_run_in_jaxft_train(mode, model_dir, tmp_path):
     make_jsonl(tmp_path / "train.jsonl", 40)
     cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml", [
