@@ -204,6 +204,23 @@ def _note_nested_blocks(run, config: TrainConfig, rows: int) -> None:
                 where, policy.block, policy.block * stream / 2**30)
 
 
+def _note_streamed_weights(run) -> None:
+    """What the log says about `frozen_weights: host`: how many bytes of weights stream, and what crosses the host
+    link per step (read from the abstract state: nothing is loaded yet)."""
+    if not run.streams_weights:
+        return
+    from jaxft.offload_scan import is_slot
+
+    _, _, frozen = run.abstract_state()
+    buffers = {v.key: v.rows for v in jax.tree.leaves(frozen, is_leaf=is_slot) if is_slot(v)}
+    total = sum(r.size * r.dtype.itemsize for r in buffers.values())
+    layers = max(r.shape[0] for r in buffers.values())
+    size = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"  # noqa: E731
+    logger.info("frozen_weights host: %s of layer weights in pinned host memory (%d packed buffers), each layer's %s "
+                "copied to the device one layer ahead in the forward and again in the backward (%s over the host "
+                "link per step)", size(total), len(buffers), size(total / layers), size(2 * total))
+
+
 def _note_plan(run, config: TrainConfig, rows: int) -> None:
     """What the log says about a `remat_plan`: each run of layers with its policy and the host bytes it offloads
     for micro-batches of `rows` rows, so a user sees where the plan puts what."""
@@ -240,6 +257,8 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
         raise part_error(e, LORA_KEYS) from None
     except MeshConfigError as e:  # the mesh does not fit this process's devices
         raise TrainConfigError(str(e), key="mesh") from None
+    except ExecutionConfigError as e:  # settings that do not fit these devices (frozen_weights: host on several)
+        raise part_error(e, EXECUTION_KEYS) from None
     num_devices = probe.placement.batch_parallel  # the devices batch rows are split over (all processes')
     if jax.process_count() > 1 and config.logging.eval_generate_prompts:
         raise TrainConfigError("key 'eval_generate_prompts': sample generation runs in one process only; drop it "
@@ -265,6 +284,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     _note_mosaic_experts(run, config.execution)
     _note_nested_blocks(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
     _note_plan(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
+    _note_streamed_weights(run)
     if config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is on the device
         try:
             if run.mesh.auto:  # (with remat auto, each mesh gets its own remat choice)
