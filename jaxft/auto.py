@@ -61,10 +61,13 @@ def peak_estimate(analysis: dict[str, int]) -> int:
                - analysis.get("alias_size_in_bytes", 0) + ALLOCATOR_SLACK * arguments)
 
 
-def candidate_name(policy: str, layers: int | None) -> str:
+STREAMED = " (weights on host)"  # the suffix of a candidate's name whose frozen weights stream (`frozen_weights`)
+
+
+def candidate_name(policy: str, layers: int | None, streamed: bool = False) -> str:
     """A `remat: auto` candidate's name in `Run.remat_estimates` and the log: the policy, or "full on 2 layers"
-    for full remat on the first 2 layers."""
-    return policy if layers is None else f"{policy} on {layers} layers"
+    for full remat on the first 2 layers; "offload (weights on host)" with the frozen weights streamed."""
+    return (policy if layers is None else f"{policy} on {layers} layers") + (STREAMED if streamed else "")
 
 
 def contiguous_room(stats: dict[str, int]) -> int | None:
@@ -153,7 +156,7 @@ class AutoChoices:
         choice are not compiled. The chosen step stays compiled; `remat_compiles` lists what was compiled.
         Raises ExecutionConfigError on key max_memory_gb (one line, with the smallest estimate) when nothing fits.
         Must run before `load`: the policy decides the layer loop, hence the weight layout."""
-        base = self.execution
+        base = original = self.execution
         if base.remat != "auto":
             return base.remat
         if self.loaded:
@@ -166,7 +169,7 @@ class AutoChoices:
         def fits(policy: str, layers: int | None = None, *, probe: bool = False) -> bool:
             """Compiles `policy` (on the first `layers` layers) at the model's depth and says whether it fits; a
             fitting probe is measured, not chosen, so it neither logs "chosen" nor ends the compile count."""
-            name = candidate_name(policy, layers)
+            name = candidate_name(policy, layers, base.frozen_weights == "host")
             on = self._host_fit(base.replace(remat=policy), host_batch, log)
             if on is None:
                 return False
@@ -182,20 +185,31 @@ class AutoChoices:
 
         segments = host_batch.get("segment_ids", np.ones_like(host_batch["input_ids"]))
         limit = remat_policies.partial_full_limit(remat_policies.recompute_work(self.model_config, segments))
-        deferred = None  # full remat on the first k layers, passed over for offload+attn: (k, per-layer saving)
-        for policy in AUTO_ORDER:
-            if policy == "full" and deferred is not None and self._partial_at(fits, *deferred, budget, log)[0]:
-                return self.execution.remat  # offload+attn did not fit; k layers beat full remat on all of them
-            if fits(policy):
-                rest = AUTO_ORDER[AUTO_ORDER.index(policy) + 1:]
-                if rest:
-                    log(f"remat auto: chose {policy} (not compiled: {', '.join(rest)}, expected slower)")
-                return policy
-            if policy == "none":
-                chosen, deferred = self._partial_remat(fits, shallow, budget, limit, log)
-                if chosen:
-                    return self.execution.remat
-        self.execution, self._compiled, self._compiled_spec = base, None, None
+        # The weights on the device first; streamed from host memory (one device) when nothing fits there or
+        # `frozen_weights: host` asks for it. Streamed candidates run in the layer scan: no full remat on the first k
+        # layers (unrolled).
+        placements = {"device": ["device"], "host": ["host"]}.get(
+            base.frozen_weights, ["device", "host"] if len(self.placement.devices) == 1 else ["device"])
+        for weights in placements:
+            if weights == "host" and original.frozen_weights == "auto":
+                log("remat auto: no policy fits with the frozen weights on the device; the same candidates with "
+                    "them streamed from pinned host memory (frozen_weights host)")
+            base = base.replace(frozen_weights=weights)
+            deferred = None  # full remat on the first k layers, passed over for offload+attn: (k, per-layer saving)
+            for policy in AUTO_ORDER:
+                if policy == "full" and deferred is not None and self._partial_at(fits, *deferred, budget, log)[0]:
+                    return self.execution.remat  # offload+attn did not fit; k layers beat full remat on all of them
+                if fits(policy):
+                    rest = AUTO_ORDER[AUTO_ORDER.index(policy) + 1:]
+                    if rest:
+                        log(f"remat auto: chose {policy}{STREAMED if weights == 'host' else ''} (not compiled: "
+                            f"{', '.join(rest)}, expected slower)")
+                    return policy
+                if policy == "none" and weights == "device":
+                    chosen, deferred = self._partial_remat(fits, shallow, budget, limit, log)
+                    if chosen:
+                        return self.execution.remat
+        self.execution, self._compiled, self._compiled_spec = original, None, None
         smallest = min(self.remat_estimates, key=self.remat_estimates.get)
         raise ExecutionConfigError(
             "max_memory_gb", f"no remat policy fits in {budget / GIB:.3f} GiB ({source}): the smallest estimate is "
@@ -203,26 +217,31 @@ class AutoChoices:
             "per_device_train_batch_size / max_seq_length")
 
     def _host_fit(self, ex: ExecutionConfig, host_batch: dict[str, np.ndarray], log) -> ExecutionConfig | None:
-        """`ex` if what its policy offloads fits the host budget (`host_memory_gb`, else the machine's memory less
-        a margin: `jaxft.remat.default_host_budget`); for "offload" that does not fit, `ex` in nested blocks sized to
+        """`ex` if what its policy offloads, with the streamed weights under `frozen_weights: host`, fits the host
+        budget (`host_memory_gb`, else the machine's memory less a margin: `jaxft.remat.default_host_budget`); for
+        "offload" (weights on the device) that does not fit, `ex` in nested blocks sized to
         the budget (`remat_block: auto`); None (logged) for another policy that does not fit. The bytes are those of
         the micro-batch this process holds (several local devices' shards together)."""
-        if not remat_policies.parse(ex.remat).offloads:
+        streamed = self.streamed_weight_bytes() if ex.frozen_weights == "host" else 0
+        offloads = remat_policies.parse(ex.remat).offloads
+        if not offloads and not streamed:
             return ex
         rows, seq = host_batch["input_ids"].shape[0] // self.accumulation, host_batch["input_ids"].shape[-1]
         itemsize = jnp.dtype(self.dtype).itemsize
-        need = remat_policies.offloaded_bytes(ex.layer_policy(self.model_config, rows, seq, itemsize),
-                                              self.model_config, rows, seq, itemsize, ex.mlp_chunk_size)
+        need = streamed + (remat_policies.offloaded_bytes(ex.layer_policy(self.model_config, rows, seq, itemsize),
+                                                          self.model_config, rows, seq, itemsize, ex.mlp_chunk_size)
+                           if offloads else 0)
         host = ex.host_budget_bytes()
         if need <= host:
             return ex
-        if ex.remat == "offload" and ex.remat_block is None:
+        if ex.remat == "offload" and ex.remat_block is None and not streamed:
             nested = ex.replace(remat_block="auto")
             k = nested.block_for(self.model_config, rows, seq, itemsize)
             log(f"remat auto: offload's layer inputs need {need / GIB:.2f} GiB of host memory, over the host budget "
                 f"{host / GIB:.2f} GiB: offload in nested blocks of {k} layers (remat_block auto)")
             return nested
-        log(f"remat auto: {ex.remat:<12} offloads {need / GIB:.2f} GiB, over the host budget {host / GIB:.2f} GiB "
+        what = "offloads" + (f" (with {streamed / GIB:.2f} GiB of streamed weights)" if streamed else "")
+        log(f"remat auto: {ex.remat:<12} {what} {need / GIB:.2f} GiB, over the host budget {host / GIB:.2f} GiB "
             "-> does not fit (host)")
         return None
 
@@ -232,7 +251,7 @@ class AutoChoices:
         2 layers), and its estimated peak bytes; None when auto has not run."""
         if not self.remat_estimates:
             return None
-        name = candidate_name(self.execution.remat, self.execution.remat_layers)
+        name = candidate_name(self.execution.remat, self.execution.remat_layers, self.execution.frozen_weights == "host")
         return name, self.remat_estimates[name]
 
     def _compile_candidate(self, run: "AutoChoices", base: ExecutionConfig, host_batch: dict[str, np.ndarray],

@@ -45,13 +45,15 @@ The model holds parameters and math; everything that changes speed or memory but
   remat policy keeps `mlp_gate_up` (it is recomputed per chunk).
 - `ce_chunk_size` / `ce_implementation`: the linear cross-entropy's token chunk and kernel. None picks by
   length (`resolved_ce_chunk`).
-- `frozen_weights`: where the frozen weights of the layer stack live: "device", or "host" (pinned host memory,
+- `frozen_weights`: where the frozen weights of the layer stack live: "device", "host" (pinned host memory,
   each layer's copied in one layer ahead of its use, in the forward and again in the backward: `jaxft.offload_scan`
   `HostRows`). What it buys: the device holds two layers' weights instead of all of them (8B bf16: about 0.9 of
   15 GiB). What it costs: every layer's weights cross the host link twice a step (8B: about 30 GB, about 0.57 s at
   the H200's measured 53 GB/s), hidden only where a step's compute is longer. Layer scan, one device, a remat
   policy that offloads at most the layer input (none, full, offload, offload+attn, dots, save=..): what it keeps
-  is kept as without streaming. The embeddings, head, small rows and MoE expert stacks stay on the device.
+  is kept as without streaming. The embeddings, head, small rows and MoE expert stacks stay on the device. "auto"
+  (the default): on the device, unless `remat: auto` finds no policy that fits with them there on one device; it
+  then tries its candidates again with the weights streamed (`jaxft.auto`).
 - `compiler_options`: XLA options for the step's program only (never process-wide flags), over the ones the
   settings want (`program_options`: the scan's pipelined host offload).
 
@@ -73,7 +75,7 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "cudnn")
 REMAT_POLICIES = remat_policies.FIXED  # plus selective 'save=..;offload=..' strings
 LAYER_LOOPS = ("auto", "scan", "unroll")
 OFFLOAD_TRANSFERS = ("auto", "policy", "explicit")
-FROZEN_WEIGHTS = ("device", "host")
+FROZEN_WEIGHTS = ("auto", "device", "host")
 CE_IMPLEMENTATIONS = ("xla", "reference")
 MOE_DISPATCHES = ("auto", "per_device", "global")
 # The smallest cross-entropy chunk under remat. Below 256 tokens the [chunk, H] x [H, V] matmuls ran slower for
@@ -112,7 +114,7 @@ class ExecutionConfig:
     offload_transfer: str = "auto"
     grouped_matmul_implementation: str = "auto"
     moe_dispatch: str = "auto"
-    frozen_weights: str = "device"
+    frozen_weights: str = "auto"
 
     def __post_init__(self):
         _choice("attention_implementation", self.attention_implementation, ATTENTION_IMPLEMENTATIONS)
@@ -209,14 +211,14 @@ class ExecutionConfig:
 
     def _check_frozen_weights(self) -> None:
         _choice("frozen_weights", self.frozen_weights, FROZEN_WEIGHTS)
-        if self.frozen_weights == "device":
+        if self.frozen_weights != "host":
             return
-        if self.remat == "auto" or not remat_policies.parse(self.remat).streams:
+        if self.remat != "auto" and not remat_policies.parse(self.remat).streams:
             # The streamed scan (`jaxft.offload_scan`) keeps the layer input itself; a policy's other host copies would
-            # be host buffers stacked by the scan (RematPolicy.streams). auto does not weigh streaming yet.
+            # be host buffers stacked by the scan (RematPolicy.streams). remat auto's candidates all stream.
             raise ExecutionConfigError("frozen_weights", f"'host' runs under a remat policy that offloads at most the "
-                                       f"layer input (got {self.remat!r}): e.g. remat: offload, offload+attn, full or "
-                                       "none, or set frozen_weights: device")
+                                       f"layer input (got {self.remat!r}): e.g. remat: offload, offload+attn, full, "
+                                       "none or auto, or set frozen_weights: device")
         if self.layer_loop == "unroll":
             raise ExecutionConfigError("frozen_weights", "'host' streams each layer's rows of the stacked weights "
                                        "through the layer scan: set layer_loop: scan (or auto)")

@@ -70,10 +70,9 @@ def test_streamed_weights_outside_the_streaming_policies_are_refused_in_the_step
     (dict(remat="offload_all"), "'host' runs under a remat policy that offloads at most the layer input (got "
                                 "'offload_all')"),
     (dict(remat="save=attn_out;offload=layer_input,mlp_input"), "(got 'save=attn_out;offload=layer_input,mlp_input')"),
-    (dict(remat="auto"), "(got 'auto')"),
     (dict(remat="full", layer_loop="unroll"), "set layer_loop: scan (or auto)"),
     (dict(remat="offload", remat_block=2), "remat_block (nested blocks) do not combine yet"),
-    (dict(remat="full", frozen_weights="cpu"), "value 'cpu' is not one of 'device', 'host'"),
+    (dict(remat="full", frozen_weights="cpu"), "value 'cpu' is not one of 'auto', 'device', 'host'"),
 ])
 def test_settings_it_does_not_run_under_get_one_line(settings, needle):
     with pytest.raises(ExecutionConfigError) as info:

@@ -13,7 +13,8 @@ from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.lora import LoraConfig
 from jaxft.remat import AUTO_ORDER, budget_offload_all, residual_bytes
-from jaxft.auto import GIB, peak_estimate
+from jaxft.auto import GIB, STREAMED, peak_estimate
+from jaxft.streamed import is_packed as streamed_is_packed
 from jaxft.run import Run
 from jaxft.train.step import loss_and_grad_sums, stack_micro_batches
 from test_remat import grads, lora_split, packed_batch
@@ -69,17 +70,65 @@ def test_the_choice_follows_the_budget(model_dir, estimates):
 
 
 def test_nothing_fits_is_one_line_naming_the_key_and_the_smallest_estimate(model_dir):
+    """Nothing fits with the weights on the device, nor (one device, frozen_weights auto) streamed from host memory:
+    every candidate was compiled both ways; one line names the smallest; the run's settings are as given."""
     run = _run(model_dir, "auto", max_memory_gb=1e-4)
     with pytest.raises(ExecutionConfigError) as info:
         run.choose_remat(_batch(), log=lambda line: None)
     text = str(info.value)
     smallest = min(run.remat_estimates, key=run.remat_estimates.get)
-    assert set(run.remat_estimates) == set(AUTO_ORDER) and "\n" not in text
+    assert set(run.remat_estimates) == set(AUTO_ORDER) | {p + STREAMED for p in AUTO_ORDER} and "\n" not in text
     assert text.startswith("key 'max_memory_gb': no remat policy fits in 0.000 GiB (max_memory_gb): the smallest "
                            f"estimate is {smallest} at {run.remat_estimates[smallest] / GIB:.3f} GiB")
-    assert run.execution.remat == "auto" and run._compiled is None
+    assert run.execution.remat == "auto" and run.execution.frozen_weights == "auto" and run._compiled is None
     with pytest.raises(RuntimeError, match="choose_remat"):
         run.load()
+    pinned = _run(model_dir, "auto", max_memory_gb=1e-4, frozen_weights="device")
+    with pytest.raises(ExecutionConfigError):
+        pinned.choose_remat(_batch(), log=lambda line: None)
+    assert set(pinned.remat_estimates) == set(AUTO_ORDER)
+
+
+class GpuAccounting(Run):
+    """A run whose memory analysis leaves the streamed weights out of the device arguments, as XLA's GPU analysis
+    does (pinned-host arguments are `host_argument_size_in_bytes` there); the CPU backend counts them as arguments,
+    its device memory being the host's."""
+
+    def memory_analysis(self):
+        m = super().memory_analysis()
+        if self.streams_weights and m:
+            m = dict(m, argument_size_in_bytes=m["argument_size_in_bytes"] - self.streamed_weight_bytes())
+        return m
+
+
+def test_when_nothing_fits_on_the_device_auto_streams_the_weights(model_dir):
+    """frozen_weights auto (the default), one device: no candidate fits with the weights on the device, the
+    streamed offload+attn does: auto chooses it, says so, and the chosen step (weights packed in host memory) is
+    the one that loads and steps."""
+    def estimate(policy, weights):
+        run = GpuAccounting(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+                            execution=ExecutionConfig(attention_implementation="reference", remat=policy,
+                                                      layer_loop="scan", frozen_weights=weights))
+        run.compile(_batch())
+        return peak_estimate(run.memory_analysis())
+
+    on_device = min(estimate(p, "device") for p in AUTO_ORDER)
+    streamed = estimate("offload+attn", "host")
+    assert streamed < on_device  # the premise: streaming is what fits between the two
+    lines = []
+    run = GpuAccounting(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+                        execution=ExecutionConfig(attention_implementation="reference", remat="auto",
+                                                  max_memory_gb=(streamed + on_device) / 2 / GIB))
+    assert run.choose_remat(_batch(), log=lines.append) == "offload+attn"
+    assert run.execution.frozen_weights == "host" and run.streams_weights
+    assert run.remat_choice == ("offload+attn" + STREAMED, streamed)
+    assert any("no policy fits with the frozen weights on the device" in line for line in lines)
+    assert lines[-2].startswith("remat auto: offload+attn (weights on host) estimated peak")
+    assert lines[-2].endswith("fits: chosen")
+    compiled = run._compiled
+    run.load()
+    assert streamed_is_packed(run.frozen)
+    assert np.isfinite(float(run.step(_batch(), 0)["loss"])) and run._compiled is compiled
 
 
 def test_auto_is_the_cli_default_and_reports_estimate_and_peak(model_dir, tmp_path, caplog):

@@ -165,9 +165,10 @@ class TrainConfig:
     # How remat "offload" moves the layer inputs to host memory: "policy" (jax.checkpoint's offload policy),
     # "explicit" (jaxft.offload: its own copies, which the unrolled loop needs), "auto" (explicit when unrolled).
     offload_transfer: Literal["auto", "policy", "explicit"] = "auto"
-    # Where the layers' frozen weights live: "device", or "host" (pinned host memory, each layer's copied in one
-    # layer ahead, forward and backward: the device holds two layers' weights); layer scan, remat full or offload.
-    frozen_weights: Literal["device", "host"] = "device"
+    # Where the layers' frozen weight matrices live: "device", "host" (pinned host memory, each layer's copied in
+    # one layer ahead, forward and backward: the device holds two layers' weights; layer scan, one device, a remat
+    # policy that offloads at most the layer input), or "auto": the device unless remat auto fits nothing there.
+    frozen_weights: Literal["auto", "device", "host"] = "auto"
     # auto's device budget in GiB (null: the device's free memory less a margin); offload_all's and remat_block
     # auto's host budget (null: none for offload_all, the machine's memory less a margin for remat_block).
     max_memory_gb: float | None = None

@@ -205,20 +205,16 @@ def _note_nested_blocks(run, config: TrainConfig, rows: int) -> None:
 
 
 def _note_streamed_weights(run) -> None:
-    """What the log says about `frozen_weights: host`: how many bytes of weights stream, and what crosses the host
-    link per step (read from the abstract state: nothing is loaded yet)."""
+    """What the log says about `frozen_weights: host` (set, or chosen by remat auto): how many bytes of weights
+    stream, and what crosses the host link per step (read from the abstract state: nothing is loaded yet)."""
     if not run.streams_weights:
         return
-    from jaxft.offload_scan import is_slot
-
-    _, _, frozen = run.abstract_state()
-    buffers = {v.key: v.rows for v in jax.tree.leaves(frozen, is_leaf=is_slot) if is_slot(v)}
-    total = sum(r.size * r.dtype.itemsize for r in buffers.values())
-    layers = max(r.shape[0] for r in buffers.values())
+    streamed = run.streamed_buffers()
+    total, buffers, layers = sum(streamed.values()), len(streamed), run.model_config.num_layers
     size = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"  # noqa: E731
     logger.info("frozen_weights host: %s of layer weights in pinned host memory (%d packed buffers), each layer's %s "
                 "copied to the device one layer ahead in the forward and again in the backward (%s over the host "
-                "link per step)", size(total), len(buffers), size(total / layers), size(2 * total))
+                "link per step)", size(total), buffers, size(total / layers), size(2 * total))
 
 
 def _note_plan(run, config: TrainConfig, rows: int) -> None:
@@ -284,7 +280,6 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     _note_mosaic_experts(run, config.execution)
     _note_nested_blocks(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
     _note_plan(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
-    _note_streamed_weights(run)
     if config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is on the device
         try:
             if run.mesh.auto:  # (with remat auto, each mesh gets its own remat choice)
@@ -293,6 +288,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
                 run.choose_remat(_local_batch(run, train_ds, 0))
         except ExecutionConfigError as e:
             raise part_error(e, EXECUTION_KEYS) from None
+    _note_streamed_weights(run)
     run.load()
     try:  # the step's temp must fit beside the pool the load left (a growing allocator's regions)
         run.fit_allocator(_local_batch(run, train_ds, 0))
