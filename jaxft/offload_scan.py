@@ -28,7 +28,17 @@ rows to the device one iteration early - the forward fetches layer i + 1's weigh
 layer i - 1's while layer i recomputes and differentiates - so at most two layers' weights are on the device at a
 time and the copies run under compute. The forward's last fetch (the top layer) is the backward's first weights.
 These inputs are frozen: nothing differentiates them. `host=False` keeps the carries on the device (remat "full"
-over streamed weights).
+over streamed weights). Weights packed for streaming (`PackedSlot`, `jaxft.streamed`: one [L, total] host buffer
+per stack and dtype) are fetched as one row per layer and sliced apart on the device (`unpack_rows`): one copy per
+layer, which XLA runs under the layer's compute, where one copy per weight ran mostly exposed
+(scripts/deviceless/stream_schedule.py).
+
+Kept residuals (`policy`, any `jax.checkpoint` policy that keeps values on the device): the forward runs each f as
+the vjp of `jax.checkpoint(f, policy)` and stacks what that vjp holds, except the values the scan has anyway - the
+carry (kept as above), the streamed weights (fetched again), the hoisted constants and the scanned slices, found
+by identity (`_Residuals`); the backward rebuilds each vjp from those and the stacked residuals, so it recomputes
+only what the policy did not keep (offload+attn over streamed weights: not the attention). Without a policy the
+backward recomputes f whole (the module's first form).
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def test_the_run_packs_the_layer_weights_into_one_host_buffer(tmp_path):
     """`Run` with frozen_weights host: every streamed entry (the stacked matrices) is a `PackedSlot` into ONE
     pinned-host buffer per stack and dtype ([L, total], so each layer's weights reach the device in one copy), the rest stays on the device;
     unpacked, the weights are the loaded ones. A step compiled from shapes before loading serves the loaded run; its
-    losses equal the device run's, and a variant over the same weights back on the device agrees. `Run.model()`
+    losses and eval loss equal the device run's, and a variant over the same weights back on the device agrees. `Run.model()`
     gives host arrays (exports), `on_device=True` a device copy (generation)."""
     from jaxft.lora import LoraConfig
     from jaxft.offload_scan import PackedSlot
@@ -150,6 +150,7 @@ def test_the_run_packs_the_layer_weights_into_one_host_buffer(tmp_path):
         np.testing.assert_array_equal(np.asarray(got[p]), want[p])
     losses = [float(host.step(b, i)["loss"]) for i, b in enumerate(batches)]
     np.testing.assert_allclose(losses, [float(device.step(b, i)["loss"]) for i, b in enumerate(batches)], rtol=1e-6)
+    np.testing.assert_allclose(host.evaluate(batches[:1]), device.evaluate(batches[:1]), rtol=1e-6)  # the eval step
     back = host.variant(host.execution.replace(frozen_weights="device"))
     assert not any(isinstance(v.get_value(), PackedSlot) for _, v in nnx.to_flat_state(back.frozen))
     for p, v in nnx.to_flat_state(back.frozen):
