@@ -170,3 +170,35 @@ def test_a_run_over_several_devices_is_refused_in_one_line():
     with pytest.raises(ExecutionConfigError, match="streams one device's weights; this run has 2 devices"):
         Run("examples/tiny-llama", LoraConfig(r=4), execution=ExecutionConfig(remat="full", frozen_weights="host"),
             devices=two)
+
+
+def test_a_4bit_base_streams_its_codes_and_trains_as_on_the_device(tmp_path):
+    """QLoRA over streamed weights: the 4-bit base's codes and scales (`QuantizedWeight`) are what streams, packed
+    per dtype (uint8 codes and absmax codes, float32 nested scales and offsets); three steps give the losses and
+    adapters of the same run with the base on the device."""
+    from jaxft.lora import LoraConfig
+    from jaxft.models.layers import QuantizedWeight
+    from jaxft.offload_scan import PackedSlot
+    from jaxft.quant import QuantConfig
+    from jaxft.run import Run
+    from test_remat_auto import _batch
+    from test_train_fixtures import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", hidden=64, layers=3)
+
+    def train(weights):
+        run = Run(model, lora_config=LoraConfig(r=4, alpha=8), dtype="float32", quant_config=QuantConfig(),
+                  total_steps=10, execution=ExecutionConfig(attention_implementation="reference", remat="offload",
+                                                            frozen_weights=weights)).load()
+        return run, [float(run.step(_batch(), i)["loss"]) for i in range(3)], jax.tree.leaves(run.lora)
+
+    host, losses, lora = train("host")
+    _, want_losses, want_lora = train("device")
+    flat = nnx.to_flat_state(host.frozen)
+    quant = [v.get_value() for p, v in flat if isinstance(v, QuantizedWeight) and p[0] == "layers"]
+    assert quant and all(isinstance(v, PackedSlot) for v in quant)
+    assert {v.key[1] for v in quant} == {"uint8", "float32"}
+    assert len(set(want_losses)) == 3
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+    for got, want in zip(lora, want_lora):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)

@@ -50,7 +50,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
 from jaxft.models.families import family_for
-from jaxft.models.layers import ExpertParam, StackRow
+from jaxft.models.layers import ExpertParam, QuantizedExpertWeight, QuantizedWeight, StackRow
 from jaxft.sharding import constrain_rows
 from jaxft.offload import PrefetchChain, host_offloaded, layer_index
 from jaxft.offload_scan import HostRows, in_host_memory, is_slot, offloaded_scan, unpack_rows
@@ -70,12 +70,15 @@ def stack_name(cfg: ModelConfig, mlp: str) -> str:
 
 def streamed_weight(path: tuple, var: nnx.Variable) -> bool:
     """Whether a frozen state entry goes to pinned host memory under `frozen_weights: host`: the stacked weight
-    matrices of a layer stack ([L, in, out] and up), not its small rows (norms, biases, LoRA scales and ranks, which
-    stay on the device), not the MoE expert stacks (the layers read them in place, `StackRow`), nor the embeddings
-    and head."""
+    matrices of a layer stack ([L, in, out] and up) and a 4-bit base's storage (`QuantizedWeight`: codes and
+    scales, selected by type), not the stack's small rows (norms, biases, LoRA scales and ranks, which stay on the
+    device), not the MoE expert stacks (the layers read them in place, `StackRow`), nor the embeddings and head."""
+    if not path or path[0] not in STACK_NAMES or isinstance(var, (ExpertParam, QuantizedExpertWeight)):
+        return False
     value = var.get_value()
-    return (bool(path) and path[0] in STACK_NAMES and not isinstance(var, ExpertParam)
-            and not isinstance(value, tuple) and len(getattr(value, "shape", ())) >= 3)
+    if isinstance(value, tuple) or not hasattr(value, "shape"):
+        return False
+    return isinstance(var, QuantizedWeight) or len(value.shape) >= 3
 
 
 def layer_stacks(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
