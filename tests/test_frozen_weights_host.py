@@ -2,7 +2,7 @@
 streamed to the device one layer ahead through `jaxft.offload_scan` (forward and backward). On the CPU the copies
 are identities, so the gradients must equal those of the same remat policy over weights on the device: a Llama
 (one group), Gemma 2 (a periodic scan: blocks of rows per iteration) and a mixed dense/sparse Qwen3-MoE stack whose
-expert stacks stay on the device; jaxft-train's path places them and trains to the same losses; settings it does
+expert stacks stream too; a 4-bit base; jaxft-train's path places them and trains to the same losses; settings it does
 not run under get one line naming the key. Where the copies run on the GPU (one layer ahead, under compute) is
 compiled for an H200 in scripts/deviceless/stream_schedule.py; the CUDA-lowered placements are
 tests/test_offload_scan.py's."""
@@ -17,7 +17,7 @@ from flax import nnx
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.models.layers import ExpertParam
 from jaxft.models.stack import streamed_weight
-from jaxft.offload_scan import in_host_memory
+from jaxft.offload_scan import in_host_memory, is_slot
 from jaxft.streamed import pack
 from test_remat import assert_grads_match, grads, lora_split
 from test_remat_nested import GEMMA4, LLAMA5, MOE
@@ -40,19 +40,19 @@ CASES = [("packed", name, remat) for name in ("llama", "gemma2", "qwen3_moe")
 @pytest.mark.parametrize("form, name, remat", CASES)
 def test_streamed_weights_give_the_gradients_of_weights_on_the_device(name, remat, form):
     """Llama: one group of 5 layers; Gemma 2: a periodic scan, each iteration a block of two rows; Qwen3-MoE: a
-    dense group then a sparse one, rows from two stacks, experts on the device. Policies that keep residuals
+    dense group then a sparse one, rows from two stacks, the expert stacks streamed as plain per-layer rows. Policies that keep residuals
     (offload+attn: attention output and statistics; none: everything) keep them over streamed weights too."""
     cfg = {"llama": LLAMA5, "gemma2": GEMMA4, "qwen3_moe": MOE}[name]
     graphdef, lora, frozen = lora_split(cfg)
     streamed = pack(frozen, HOST) if form == "packed" else on_host(frozen)
     flat = nnx.to_flat_state(streamed)
     assert sum(in_host_memory(leaf) for leaf in jax.tree.leaves(streamed)) > 0
-    # embeddings, head, final norm and the expert stacks stay on the device
+    # embeddings, head and final norm stay on the device
     assert all(not in_host_memory(leaf) for p, v in flat if p[0] not in ("layers", "dense_layers", "moe_layers")
                for leaf in jax.tree.leaves(v.get_value()))
     if name == "qwen3_moe":
-        experts = [v.get_value() for _, v in flat if isinstance(v, ExpertParam)]
-        assert experts and not any(in_host_memory(e) for e in experts)
+        experts = [v.get_value() for _, v in flat if isinstance(v, ExpertParam)]  # streamed with the rest
+        assert experts and all(is_slot(e) if form == "packed" else in_host_memory(e) for e in experts)
     want = grads(cfg, (graphdef, lora, frozen), remat, "scan")
     got = grads(cfg, (graphdef, lora, streamed), remat, "scan", frozen_weights="host")
     assert_grads_match(*got, *want)
@@ -202,3 +202,32 @@ def test_a_4bit_base_streams_its_codes_and_trains_as_on_the_device(tmp_path):
     np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
     for got, want in zip(lora, want_lora):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+
+
+def test_gpt_oss_with_expert_adapters_trains_over_streamed_experts(tmp_path):
+    """GPT-OSS (sinks, alternating windows, expert biases, interleaved gate/up) with LoRA on attention and on the
+    experts (PEFT target_parameters): its expert stacks stream with the rest; three steps give the device run's
+    losses."""
+    from jaxft.lora import LoraConfig
+    from jaxft.models.layers import ExpertParam
+    from jaxft.offload_scan import PackedSlot
+    from jaxft.run import Run
+    from test_moe_gmm_choice import _saved
+    from test_remat_auto import _batch
+
+    model = _saved("gpt_oss", tmp_path / "m", 4)
+    lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+    def losses(weights):
+        run = Run(model, lora_config=lora, dtype="float32", total_steps=10,
+                  execution=ExecutionConfig(attention_implementation="reference", remat="offload+attn",
+                                            frozen_weights=weights)).load()
+        return run, [float(run.step(_batch(), i)["loss"]) for i in range(3)]
+
+    host, got = losses("host")
+    _, want = losses("device")
+    experts = [v.get_value() for _, v in nnx.to_flat_state(host.frozen) if isinstance(v, ExpertParam)]
+    assert experts and all(isinstance(e, PackedSlot) for e in experts)
+    assert len(set(want)) == 3
+    np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -50,7 +50,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
 from jaxft.models.families import family_for
-from jaxft.models.layers import ExpertParam, QuantizedExpertWeight, QuantizedWeight, StackRow
+from jaxft.models.layers import ExpertParam, QuantizedWeight, StackRow
 from jaxft.sharding import constrain_rows
 from jaxft.offload import PrefetchChain, host_offloaded, layer_index
 from jaxft.offload_scan import HostRows, in_host_memory, is_slot, offloaded_scan, unpack_rows
@@ -70,10 +70,10 @@ def stack_name(cfg: ModelConfig, mlp: str) -> str:
 
 def streamed_weight(path: tuple, var: nnx.Variable) -> bool:
     """Whether a frozen state entry goes to pinned host memory under `frozen_weights: host`: the stacked weight
-    matrices of a layer stack ([L, in, out] and up) and a 4-bit base's storage (`QuantizedWeight`: codes and
-    scales, selected by type), not the stack's small rows (norms, biases, LoRA scales and ranks, which stay on the
-    device), not the MoE expert stacks (the layers read them in place, `StackRow`), nor the embeddings and head."""
-    if not path or path[0] not in STACK_NAMES or isinstance(var, (ExpertParam, QuantizedExpertWeight)):
+    matrices of a layer stack ([L, in, out] and up, MoE expert stacks included) and a 4-bit base's storage
+    (`QuantizedWeight`, experts' too: codes and scales, selected by type); not the stack's small rows (norms,
+    biases, LoRA scales and ranks, which stay on the device), nor the embeddings and head."""
+    if not path or path[0] not in STACK_NAMES:
         return False
     value = var.get_value()
     if isinstance(value, tuple) or not hasattr(value, "shape"):
@@ -387,13 +387,19 @@ def _passing_stats(layer_fn):
 
 
 def _split_expert_stacks(state: nnx.State) -> tuple[nnx.State, nnx.State | None]:
-    """(the state without its `ExpertParam`s, those alone or None): selected by variable type."""
+    """(the state without its `ExpertParam`s, those alone or None): selected by variable type. Streamed expert
+    stacks (in host memory, or packed: `frozen_weights: host`) stay in the scanned state: each layer's rows reach
+    the device with its other weights, as plain per-layer arrays."""
     flat = nnx.to_flat_state(state)
-    experts = [(p, v) for p, v in flat if isinstance(v, ExpertParam)]
+    experts = [(p, v) for p, v in flat if isinstance(v, ExpertParam) and not _streamed_value(v.get_value())]
     if not experts:
         return state, None
-    return nnx.from_flat_state([(p, v) for p, v in flat if not isinstance(v, ExpertParam)]), \
-        nnx.from_flat_state(experts)
+    kept = {p for p, _ in experts}
+    return nnx.from_flat_state([(p, v) for p, v in flat if p not in kept]), nnx.from_flat_state(experts)
+
+
+def _streamed_value(value) -> bool:
+    return is_slot(value) or (hasattr(value, "shape") and in_host_memory(value))
 
 
 def _stack_rows(groups: list[LayerGroup], num_layers: int) -> dict[str, np.ndarray]:
