@@ -243,11 +243,11 @@ class Run(AutoChoices):
         """Bytes of the frozen weights `frozen_weights: host` keeps in pinned host memory (`streamed_buffers`)."""
         return sum(self.streamed_buffers().values())
 
-    def _place_frozen(self, frozen):
+    def _place_frozen(self, frozen, *, delete_source: bool = True):
         """`frozen` in its places (`frozen_shardings`), packed first with `frozen_weights: host` (the packing reads
-        each array to the host and frees it)."""
+        each array to the host and, with `delete_source`, frees it)."""
         if self.streams_weights and not streamed.is_packed(frozen):
-            frozen = streamed.pack(frozen, self._host_sharding, delete_source=True)
+            frozen = streamed.pack(frozen, self._host_sharding, delete_source=delete_source)
         return jax.device_put(frozen, self.frozen_shardings(frozen))
 
     def _adopt(self, graphdef, lora, frozen) -> "Run":
@@ -293,7 +293,7 @@ class Run(AutoChoices):
         elif self.unrolled and not other.unrolled:
             frozen = restack_layers(frozen)
         lora = jax.tree.map(jnp.copy, self.lora) if lora is None else lora
-        other.frozen = other._place_frozen(frozen)
+        other.frozen = other._place_frozen(frozen, delete_source=False)  # this run keeps its weights
         other.set_state(lora)
         return other
 

@@ -18,6 +18,7 @@ from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.models.layers import ExpertParam
 from jaxft.models.stack import streamed_weight
 from jaxft.offload_scan import in_host_memory, is_slot
+from jaxft.streamed import is_packed as streamed_is_packed
 from jaxft.streamed import pack
 from test_remat import assert_grads_match, grads, lora_split
 from test_remat_nested import GEMMA4, LLAMA5, MOE
@@ -151,6 +152,9 @@ def test_the_run_packs_the_layer_weights_into_one_host_buffer(tmp_path):
     losses = [float(host.step(b, i)["loss"]) for i, b in enumerate(batches)]
     np.testing.assert_allclose(losses, [float(device.step(b, i)["loss"]) for i, b in enumerate(batches)], rtol=1e-6)
     np.testing.assert_allclose(host.evaluate(batches[:1]), device.evaluate(batches[:1]), rtol=1e-6)  # the eval step
+    there = device.variant(device.execution.replace(frozen_weights="host"))  # packs a copy: device keeps its own
+    assert streamed_is_packed(there.frozen) and not streamed_is_packed(device.frozen)
+    assert all(not v.get_value().is_deleted() for _, v in nnx.to_flat_state(device.frozen))
     back = host.variant(host.execution.replace(frozen_weights="device"))
     assert not any(isinstance(v.get_value(), PackedSlot) for _, v in nnx.to_flat_state(back.frozen))
     for p, v in nnx.to_flat_state(back.frozen):
