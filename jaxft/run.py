@@ -21,6 +21,7 @@ weights resident that transient can exceed the training peak, which the allocato
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
@@ -160,11 +161,24 @@ class Run(AutoChoices):
         # One device: whole arrays. A mesh: each weight is read shard by shard into its place (jaxft.io); a 4-bit
         # base is quantised on one device and then placed (its codes and scales split over fsdp by `_adopt`).
         mesh = self.placement if len(self.placement.devices) > 1 and self.quant_config is None else None
-        model = apply_lora(from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config, mesh=mesh),
-                           self.lora_config, seed=self.seed)
+        with self._reading_place():
+            model = apply_lora(from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config,
+                                               mesh=mesh), self.lora_config, seed=self.seed)
         graphdef, lora, frozen = split_model(model)
         del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
         return self._adopt(graphdef, lora, frozen)
+
+    def _reading_place(self):
+        """Where `load` reads the checkpoint into: with `frozen_weights: host` (bf16/f32 base), the host's CPU
+        device, so the whole model never lands on the accelerator (`_adopt` then packs the streamed weights into
+        pinned host memory and places the rest); else the default device. A 4-bit base is quantised where it is
+        read, on the accelerator, one layer at a time."""
+        if not self.streams_weights or self.quant_config is not None:
+            return contextlib.nullcontext()
+        try:
+            return jax.default_device(jax.devices("cpu")[0])
+        except RuntimeError:  # no CPU backend in this process (JAX_PLATFORMS without cpu)
+            return contextlib.nullcontext()
 
     def init_random(self) -> "Run":
         """Like `load`, with random weights instead of the checkpoint's (`jaxft.models.decoder.init_model`:
