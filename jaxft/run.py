@@ -168,17 +168,24 @@ class Run(AutoChoices):
         del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
         return self._adopt(graphdef, lora, frozen)
 
-    def _reading_place(self):
-        """Where `load` reads the checkpoint into: with `frozen_weights: host` (bf16/f32 base), the host's CPU
-        device, so the whole model never lands on the accelerator (`_adopt` then packs the streamed weights into
-        pinned host memory and places the rest); else the default device. A 4-bit base is quantised where it is
-        read, on the accelerator, one layer at a time."""
+    def _host_device(self):
+        """The host's CPU device where `load` reads a streamed model's weights before packing (`frozen_weights:
+        host`, a bf16/f32 base), so the whole model never lands on the accelerator; None otherwise (or when this
+        process has no CPU backend), and for a 4-bit base, quantised on the accelerator one layer at a time.
+        (`init_random` still makes them on the accelerator: XLA's CPU threefry would hold uint32 buffers of about
+        the model's size on the host, see `random_state_program`.)"""
         if not self.streams_weights or self.quant_config is not None:
-            return contextlib.nullcontext()
+            return None
         try:
-            return jax.default_device(jax.devices("cpu")[0])
-        except RuntimeError:  # no CPU backend in this process (JAX_PLATFORMS without cpu)
-            return contextlib.nullcontext()
+            return jax.devices("cpu")[0]
+        except RuntimeError:  # JAX_PLATFORMS without cpu
+            return None
+
+    def _reading_place(self):
+        """Where `load` reads the checkpoint into (`_host_device`, else the default device); `_adopt` then packs
+        the streamed weights into pinned host memory and places the rest."""
+        host = self._host_device()
+        return contextlib.nullcontext() if host is None else jax.default_device(host)
 
     def init_random(self) -> "Run":
         """Like `load`, with random weights instead of the checkpoint's (`jaxft.models.decoder.init_model`:
