@@ -235,3 +235,21 @@ def test_gpt_oss_with_expert_adapters_trains_over_streamed_experts(tmp_path):
     assert experts and all(isinstance(e, PackedSlot) for e in experts)
     assert len(set(want)) == 3
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_sample_generation_with_streamed_weights_is_warned_about(tmp_path, caplog):
+    """Generation does not stream: with eval_generate_prompts the log warns that each sample generation copies the
+    streamed weights to the device."""
+    from jaxft.run import Run
+    from jaxft.train import TrainConfig
+    from jaxft.train.loop import _note_streamed_weights
+    from test_train_fixtures import make_jsonl, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", layers=2)
+    make_jsonl(tmp_path / "d.jsonl", 4)
+    config = TrainConfig(model_name_or_path=str(model), dataset=str(tmp_path / "d.jsonl"),
+                         output_dir=str(tmp_path / "o"), remat="offload", frozen_weights="host",
+                         eval_generate_prompts=["reverse: cat dog\n"])
+    with caplog.at_level("INFO", logger="jaxft.train"):
+        _note_streamed_weights(Run.from_config(config, total_steps=1), config)
+    assert "each sample generation copies the 0.04 MiB of streamed weights to the device" in caplog.text  # bf16

@@ -204,7 +204,7 @@ def _note_nested_blocks(run, config: TrainConfig, rows: int) -> None:
                 where, policy.block, policy.block * stream / 2**30)
 
 
-def _note_streamed_weights(run) -> None:
+def _note_streamed_weights(run, config: TrainConfig) -> None:
     """What the log says about `frozen_weights: host` (set, or chosen by remat auto): how many bytes of weights
     stream, and what crosses the host link per step (read from the abstract state: nothing is loaded yet)."""
     if not run.streams_weights:
@@ -215,6 +215,10 @@ def _note_streamed_weights(run) -> None:
     logger.info("frozen_weights host: %s of layer weights in pinned host memory (%d packed buffers), each layer's %s "
                 "copied to the device one layer ahead in the forward and again in the backward (%s over the host "
                 "link per step)", size(total), buffers, size(total / layers), size(2 * total))
+    if config.logging.eval_generate_prompts:
+        logger.warning("eval_generate_prompts with frozen_weights host: each sample generation copies the %s of "
+                       "streamed weights to the device for its duration (generation does not stream them)",
+                       size(total))
 
 
 def _note_plan(run, config: TrainConfig, rows: int) -> None:
@@ -288,7 +292,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
                 run.choose_remat(_local_batch(run, train_ds, 0))
         except ExecutionConfigError as e:
             raise part_error(e, EXECUTION_KEYS) from None
-    _note_streamed_weights(run)
+    _note_streamed_weights(run, config)
     run.load()
     try:  # the step's temp must fit beside the pool the load left (a growing allocator's regions)
         run.fit_allocator(_local_batch(run, train_ds, 0))
