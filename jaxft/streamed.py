@@ -9,8 +9,9 @@ scripts/deviceless/stream_schedule.py: forward 9 of 9 GEMMs, backward 19 of 19, 
 In the frozen state each streamed entry's value is a `PackedSlot`: the buffer (a pytree child, so the step receives
 it as an argument: every slot of one buffer passes the same array) and where the entry sits in each row (static).
 `jaxft.models.stack.run_groups` fetches one row per buffer and iteration (`jaxft.offload_scan.HostRows`) and slices
-the layer's weights out of the row on the device (`jaxft.offload_scan.unpack_rows`). `pack` / `unpack` convert a frozen state both
-ways on the host (numpy): generation and exports get ordinary arrays back (`jaxft.run.Run.model`).
+the layer's weights out of the row on the device (`jaxft.offload_scan.unpack_rows`). `pack` / `unpack` convert a
+frozen state both ways on the host (numpy): generation and exports get ordinary arrays back (`jaxft.run.Run.model`).
+Packing holds the weights twice in host memory for a moment (the numpy buffer and its pinned copy).
 """
 
 from __future__ import annotations
