@@ -52,8 +52,9 @@ The model holds parameters and math; everything that changes speed or memory but
   the H200's measured 53 GB/s), hidden only where a step's compute is longer. Layer scan, one device, a remat
   policy that offloads at most the layer input (none, full, offload, offload+attn, dots, save=..): what it keeps
   is kept as without streaming. MoE expert stacks and a 4-bit base's codes and scales stream too; the embeddings,
-  head and small rows (norms, biases, LoRA scales) stay on the device. "auto" (the default): on the device, unless `remat: auto` finds no policy that
-  fits with them there on one device; it then tries its candidates again with the weights streamed (`jaxft.auto`).
+  head and small rows (norms, biases, LoRA scales) stay on the device. "auto" (the default): on the device,
+  unless `remat: auto` finds no policy that fits with them there on one device; it then tries its candidates
+  again with the weights streamed (`jaxft.auto`).
 - `compiler_options`: XLA options for the step's program only (never process-wide flags), over the ones the
   settings want (`program_options`: the scan's pipelined host offload).
 
@@ -341,10 +342,12 @@ class ExecutionConfig:
                 and self.remat_block in (None, 1):
             wanted["xla_gpu_enable_pipelined_host_offloading"] = True
         if self.frozen_weights == "host":
-            # Each streamed leaf's fetch is an asynchronous dynamic-slice fusion; at the default limit XLA ran them
-            # one at a time, most waited for before any matmul (compiled for an H200: 0 of a layer's GEMMs under 5
-            # of 7 fetches in the forward and 3 of 7 in the backward; with this limit the backward's fetches run
-            # under 2-19 GEMMs, the forward's still under 1-9: scripts/deviceless/stream_schedule.py).
+            # Each fetch from host memory is an asynchronous dynamic-slice fusion. A layer makes one per packed buffer
+            # (`jaxft.streamed`: one per dtype, e.g. a 4-bit base's codes and scales) and per unpacked host array.
+            # At the default limit XLA ran several one at a time, most waited for before any matmul (compiled for an
+            # H200, one fetch per weight: 0 of a layer's GEMMs under 5 of 7 fetches in the forward, 3 of 7 in the
+            # backward; with this limit the backward's run under 2-19 GEMMs, the forward's under 1-9:
+            # scripts/deviceless/stream_schedule.py).
             wanted["xla_gpu_experimental_parallel_async_compute_limit"] = 8
         return {**wanted, **self.compiler_options}
 

@@ -251,14 +251,8 @@ class Run(AutoChoices):
 
     def streamed_buffers(self) -> dict[tuple[str, str], int]:
         """{packed buffer key (stack, dtype): bytes} of the frozen weights `frozen_weights: host` keeps in pinned host
-        memory (`streamed_weight`, `jaxft.streamed.pack`), from the abstract state: nothing is read."""
-        out: dict[tuple[str, str], int] = {}
-        for p, v in nnx.to_flat_state(self._abstract_split()[2]):
-            if streamed_weight(p, v):
-                value = v.get_value()
-                key = (p[0], jnp.dtype(value.dtype).name)
-                out[key] = out.get(key, 0) + value.size * jnp.dtype(value.dtype).itemsize
-        return out
+        memory (`jaxft.streamed.buffer_bytes`), from the abstract state: nothing is read."""
+        return streamed.buffer_bytes(self._abstract_split()[2])
 
     def streamed_weight_bytes(self) -> int:
         """Bytes of the frozen weights `frozen_weights: host` keeps in pinned host memory (`streamed_buffers`)."""

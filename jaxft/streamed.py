@@ -37,6 +37,13 @@ def _layout(frozen: nnx.State) -> tuple[dict[tuple, list[tuple[tuple, Any]]], di
     return groups, {key: sum(math.prod(v.shape[1:]) for _, v in entries) for key, entries in groups.items()}
 
 
+def buffer_bytes(frozen: nnx.State) -> dict[tuple[str, str], int]:
+    """{buffer key (stack, dtype): bytes} of the buffers `pack` would make of `frozen` (arrays or shapes)."""
+    groups, totals = _layout(frozen)
+    return {key: entries[0][1].shape[0] * totals[key] * np.dtype(entries[0][1].dtype).itemsize
+            for key, entries in groups.items()}
+
+
 def pack(frozen: nnx.State, sharding: jax.sharding.Sharding | None = None, *, delete_source: bool = False) -> nnx.State:
     """`frozen` with its streamed entries (`streamed_weight`) packed into one [L, total] buffer per stack and dtype,
     each entry's value a `PackedSlot` into it. Arrays are packed on the host (numpy) and placed with `sharding`

@@ -7,7 +7,8 @@ placement there (tests/test_frozen_weights_host.py checks the gradients on the C
 
 from __future__ import annotations
 
-import re
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,9 @@ from jaxft.streamed import pack
 from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batches
 from gpu_helpers import NO_AUTOTUNE
 from lora_helpers import perturb_lora_b
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "deviceless"))
+from hlo_schedule import gemms_under_fetches  # noqa: E402  (plain text parsing: no plugin set-up)
 
 pytestmark = pytest.mark.gpu
 
@@ -48,26 +52,9 @@ def _compiled(graphdef, lora, frozen, batch, weights: str):
                          frozen_weights=weights)
     step = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[:2])
     # XLA's own GEMM emitters (NO_AUTOTUNE, not FAST_COMPILE): with cuBLAS for every GEMM the matmuls sit in called
-    # computations (command buffers) that `_gemms_under_fetches` does not see into (compiled for an H200 on a CPU:
+    # computations (command buffers) that `gemms_under_fetches` does not see into (compiled for an H200 on a CPU:
     # 0 GEMMs under both fetches with cuBLAS, 9 and 19 with the default emitters, scripts/deviceless/stream_schedule.py).
     return step.lower(lora, frozen, batch).compile(compiler_options={**NO_AUTOTUNE, **ex.program_options})
-
-
-def _gemms_under_fetches(text: str) -> list[int]:
-    """GEMMs between each asynchronous fetch from host memory (a fusion-start reading an S(5) buffer) and its done,
-    over every computation of the compiled program."""
-    out = []
-    for body in re.finditer(r"\n%[\w.]+ \(.*?\n}", text, re.S):
-        ops = []
-        for line in body.group(0).splitlines():
-            m = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = .*? ([\w-]+)\((.*)", line)
-            if m:
-                ops.append((m.group(1), m.group(2), m.group(3), line))
-        for i, (name, op, _, line) in enumerate(ops):
-            if op == "fusion-start" and "S(5)" in line:
-                done = next(j for j, o in enumerate(ops) if o[1] == "fusion-done" and name + ")" in o[2])
-                out.append(sum(1 for o in ops[i:done] if "gemm" in o[0]))
-    return out
 
 
 def test_streamed_weights_are_host_arguments_fetched_under_compute_with_equal_gradients():
@@ -86,7 +73,7 @@ def test_streamed_weights_are_host_arguments_fetched_under_compute_with_equal_gr
     assert dev_mem.argument_size_in_bytes - host_mem.argument_size_in_bytes >= 0.95 * packed_bytes
     assert host_mem.host_argument_size_in_bytes >= packed_bytes
     # Each layer's row is fetched under compute: the forward's and the backward's fetch in their loop bodies.
-    fetches = _gemms_under_fetches(on_host.as_text())
+    fetches = gemms_under_fetches(on_host.as_text())
     assert len(fetches) >= 2 and sum(1 for n in fetches if n > 0) >= 2, fetches
 
     want_loss, want_grads = on_device(lora, frozen, batch)

@@ -26,7 +26,6 @@ overstates the problem at real sizes.
 from __future__ import annotations
 
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +34,8 @@ from gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.ad_checkpoint import checkpoint_name  # noqa: E402
+
+from hlo_schedule import schedules  # noqa: E402
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 L, T, H = 4, 2048, 1024
@@ -80,28 +81,6 @@ def _prefetch_bwd(res, dy):
 
 
 prefetch_stack.defvjp(_prefetch_fwd, _prefetch_bwd)
-
-
-def schedules(text: str) -> list[tuple[str, list[tuple[str, int]]]]:
-    """(while body, [(async copy touching host memory, GEMMs between its start and done)]) per body with one."""
-    out = []
-    for m in re.finditer(r"\n(%[\w.]+) \(.*?\n}", text, re.S):
-        lines = [ln.strip() for ln in m.group(0).splitlines()]
-        if not any("S(5)" in ln for ln in lines):
-            continue
-        ops = []
-        for ln in lines:
-            mm = re.match(r"(?:ROOT )?(%[\w.-]+) = .*? ([\w-]+)\((.*)", ln)
-            if mm:
-                ops.append((mm.group(1), mm.group(2), mm.group(3), ln))
-        copies = []
-        for i, (name, op, _, ln) in enumerate(ops):
-            if op == "fusion-start" and "S(5)" in ln:
-                done = next(j for j, o in enumerate(ops) if o[1] == "fusion-done" and name + ")" in o[2])
-                copies.append((name, sum(1 for o in ops[i:done] if "gemm" in o[0])))
-        if copies:
-            out.append((m.group(1), copies))
-    return out
 
 
 def main() -> int:

@@ -8,7 +8,7 @@ The compile target lists no host memory space (scripts/deviceless/stream_schedul
 buffers enter on the device and the program's first op copies them to pinned host: the "device arguments" column
 leaves them out (on the GPU they are host arguments), and "host" is what the program holds in host memory (the
 weights and the offloaded layer inputs). The last column: GEMMs between the start and the done of each fetch from
-host memory in the loop bodies of the compiled schedule (`scan_offload_schedule.schedules`; the weight rows, and for
+host memory in the loop bodies of the compiled schedule (`hlo_schedule.gemms_under_fetches`; the weight rows, and for
 an offloading policy the layer inputs coming back; 0 would be a fetch waited for before any compute).
 
     JAX_CUDA_PLUGIN_DIR=/tmp/jax_cuda python scripts/deviceless/stream_memory.py [--seqs 4096,16384,65536]
@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE.parent))
 from gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin before jax is imported)
-from scan_offload_schedule import schedules  # noqa: E402
+from hlo_schedule import gemms_under_fetches  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -42,11 +42,6 @@ from jaxft.train.step import loss_and_grad_sums, stack_micro_batches  # noqa: E4
 
 GIB = 2**30
 HOST = jax.memory.Space.Host
-
-
-def _gemms_under_fetches(text: str) -> list[int]:
-    """GEMMs between each fetch from host memory (a dynamic slice of a host buffer) and its done (`schedules`)."""
-    return [n for _, copies in schedules(text) for name, n in copies if "dynamic-slice" in name]
 
 
 def analysis(model_dir: str, seq: int, weights: str, remat: str = "offload") -> dict:
@@ -71,7 +66,7 @@ def analysis(model_dir: str, seq: int, weights: str, remat: str = "offload") -> 
     compiled = compile_for_h200(fn, lora, frozen, batch, compiler_options=execution.program_options)
     m = compiled.memory_analysis()
     device_args = m.argument_size_in_bytes - packed
-    fetches = _gemms_under_fetches(compiled.as_text()) if weights == "host" else []
+    fetches = gemms_under_fetches(compiled.as_text()) if weights == "host" else []
     return {"seq": seq, "remat": remat, "weights": weights, "fetch_gemms": fetches, "device_arguments_gib": device_args / GIB,
             "temp_gib": m.temp_size_in_bytes / GIB, "device_gib": (device_args + m.temp_size_in_bytes) / GIB,
             "host_gib": (m.host_temp_size_in_bytes + m.host_argument_size_in_bytes) / GIB}

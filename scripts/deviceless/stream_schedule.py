@@ -31,7 +31,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin before jax is imported)
-from scan_offload_schedule import schedules  # noqa: E402
+from hlo_schedule import schedules  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,0 +1,36 @@
+"""The async copies of a compiled XLA GPU program that touch pinned host memory, and the GEMMs scheduled under each:
+read from `compiled.as_text()` (a scheduled HLO module). No JAX or CUDA plugin needed, so the deviceless scripts
+(scan_offload_schedule.py, stream_schedule.py, stream_memory.py) and the GPU tests (tests/test_frozen_weights_gpu.py)
+share it."""
+
+from __future__ import annotations
+
+import re
+
+
+def schedules(text: str) -> list[tuple[str, list[tuple[str, int]]]]:
+    """(while body, [(async copy touching host memory, GEMMs between its start and done)]) per body with one."""
+    out = []
+    for m in re.finditer(r"\n(%[\w.]+) \(.*?\n}", text, re.S):
+        lines = [ln.strip() for ln in m.group(0).splitlines()]
+        if not any("S(5)" in ln for ln in lines):
+            continue
+        ops = []
+        for ln in lines:
+            mm = re.match(r"(?:ROOT )?(%[\w.-]+) = .*? ([\w-]+)\((.*)", ln)
+            if mm:
+                ops.append((mm.group(1), mm.group(2), mm.group(3), ln))
+        copies = []
+        for i, (name, op, _, ln) in enumerate(ops):
+            if op == "fusion-start" and "S(5)" in ln:
+                done = next(j for j, o in enumerate(ops) if o[1] == "fusion-done" and name + ")" in o[2])
+                copies.append((name, sum(1 for o in ops[i:done] if "gemm" in o[0])))
+        if copies:
+            out.append((m.group(1), copies))
+    return out
+
+
+def gemms_under_fetches(text: str) -> list[int]:
+    """GEMMs between each fetch from host memory (an asynchronous dynamic slice of a host buffer) and its done, in
+    every computation of `text` that has one (`schedules`): 0 is a fetch waited for before any compute."""
+    return [n for _, copies in schedules(text) for name, n in copies if "dynamic-slice" in name]
