@@ -206,12 +206,15 @@ def trim_trace(trace: dict[str, Any], marker: str = STEP_MARKER, *, label: str =
 
 # ------------------------------------------------------------------------------------------- the profiled run
 def parse_variant(text: str) -> dict[str, str]:
-    """"policy:transfer:loop" (e.g. offload:explicit:unroll; full's transfer is ignored)."""
+    """"policy:transfer:loop[:weights]" (e.g. offload:explicit:unroll; full's transfer is ignored). WEIGHTS is
+    ExecutionConfig.frozen_weights, device (the default) or host: the layers' frozen weights streamed from pinned
+    host memory, whose h2d copies then count as copies like the offload's."""
     parts = text.split(":")
-    if len(parts) != 3 or parts[1] not in ("policy", "explicit", "auto") or parts[2] not in ("scan", "unroll"):
-        raise SystemExit(f"--variants: {text!r} is not POLICY:TRANSFER:LOOP with TRANSFER policy|explicit|auto and "
-                         "LOOP scan|unroll (e.g. offload:explicit:unroll)")
-    return dict(policy=parts[0], transfer=parts[1], loop=parts[2])
+    if (len(parts) not in (3, 4) or parts[1] not in ("policy", "explicit", "auto") or parts[2] not in ("scan", "unroll")
+            or parts[3:] not in ([], ["device"], ["host"])):
+        raise SystemExit(f"--variants: {text!r} is not POLICY:TRANSFER:LOOP[:WEIGHTS] with TRANSFER "
+                         "policy|explicit|auto, LOOP scan|unroll and WEIGHTS device|host (e.g. offload:policy:scan:host)")
+    return dict(policy=parts[0], transfer=parts[1], loop=parts[2], weights=(parts[3:] or ["device"])[0])
 
 
 def run_variant(variant: dict[str, str], model_dir: str, seq: int, steps: int, warmup: int, profile_dir: str,
@@ -226,7 +229,7 @@ def run_variant(variant: dict[str, str], model_dir: str, seq: int, steps: int, w
 
     config = recipe(Settings(model_dir=model_dir))
     execution = ExecutionConfig(remat=variant["policy"], layer_loop=variant["loop"],
-                                offload_transfer=variant["transfer"])
+                                offload_transfer=variant["transfer"], frozen_weights=variant["weights"])
     run = Run(model_dir, lora_config=config.lora, execution=execution, optim=config.optim, total_steps=1,
               dtype=dtype, seed=0)
     batch = make_batch(seq, run.model_config.vocab_size)
@@ -235,17 +238,27 @@ def run_variant(variant: dict[str, str], model_dir: str, seq: int, steps: int, w
     compiled = run.compile(batch)
     rec["compile_s"] = round(run.compile_seconds, 1)
     hlo = compiled.as_text()
+    if os.environ.get("OFFLOAD_OVERLAP_HLO_DIR"):  # the optimized HLO per variant, to read what each copy became
+        name = re.sub(r"[^\w.+-]", "_", ":".join(variant.values()))
+        Path(os.environ["OFFLOAD_OVERLAP_HLO_DIR"], f"{name}.hlo.txt").write_text(hlo)
     rec["host_values_in_hlo"] = hlo.count(":S(5)")
     run.init_random()
     on_device = jax.block_until_ready(jax.device_put(batch))
     for i in range(warmup):
         jax.block_until_ready(run.step(on_device, i)["loss"])
+    # Unprofiled steps first: the profiler (and the command buffers turned off for it) may change the step time.
+    plain = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run.step(on_device, warmup + i)["loss"])
+        plain.append(time.perf_counter() - t0)
+    rec["step_ms_unprofiled"] = round(1e3 * sorted(plain)[len(plain) // 2], 2)
     times = []
     with jax.profiler.trace(profile_dir):
         for i in range(steps):
             t0 = time.perf_counter()
             with jax.profiler.TraceAnnotation(f"{STEP_MARKER}{i}"):
-                loss = float(jax.block_until_ready(run.step(on_device, warmup + i)["loss"]))
+                loss = float(jax.block_until_ready(run.step(on_device, warmup + steps + i)["loss"]))
             times.append(time.perf_counter() - t0)
     rec["step_ms_wall"] = round(1e3 * sum(times) / len(times), 2)
     rec["loss"] = loss
@@ -269,10 +282,11 @@ def _worker(args) -> int:
 
 def compare(recs: list[dict]) -> list[str]:
     """One line per offload variant against full: per-layer backward, copy time and how much of it was hidden."""
-    full = next((r for r in recs if r.get("variant", "").startswith("full") and "backward_per_layer_ms" in r), None)
+    full = next((r for r in recs if r.get("variant", "").startswith("full") and r["variant"].endswith(":device")
+                 and "backward_per_layer_ms" in r), None)
     lines = []
     for r in recs:
-        if r.get("variant", "").startswith("full") or "copy_ms" not in r:
+        if r is full or "copy_ms" not in r:
             if "error" in r or "note" in r:
                 lines.append(f"{r.get('variant')}: {r.get('error') or r.get('note')}")
             continue
@@ -299,6 +313,9 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=150.0, help="variants not started by then are skipped")
     ap.add_argument("--out", help="the JSON summary (required)")
     ap.add_argument("--trace", default=None, help="the last step of every variant, GPU streams only (.json.gz)")
+    ap.add_argument("--keep-command-buffers", action="store_true",
+                    help="leave XLA's CUDA-graph command buffers on (as in training): step times as users get them, "
+                         "but kernels inside a graph may not name their HLO op, so the backward split is lost")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--trace-part", help=argparse.SUPPRESS)
@@ -320,7 +337,8 @@ def main(argv=None) -> int:
                                                        os.environ.get("PYTHONPATH", "")]))
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if "xla_gpu_enable_command_buffer" not in env.get("XLA_FLAGS", ""):  # kernels name their HLO op (docstring)
+    if not args.keep_command_buffers and "xla_gpu_enable_command_buffer" not in env.get("XLA_FLAGS", ""):
+        # kernels name their HLO op (docstring)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     recs, parts = [], []
     for i, v in enumerate(variants):
@@ -342,7 +360,8 @@ def main(argv=None) -> int:
         if os.path.exists(part):
             parts.append(part)
         print(json.dumps(recs[-1]), flush=True)
-    summary = dict(model=args.model, layers=args.layers, seq=args.seq, steps=args.steps, variants=recs,
+    summary = dict(model=args.model, layers=args.layers, seq=args.seq, steps=args.steps,
+                   command_buffers=args.keep_command_buffers, variants=recs,
                    verdicts=compare(recs), wall_s=round(time.time() - began, 1))
     Path(args.out).write_text(json.dumps(summary, indent=1))
     if args.trace:

@@ -90,6 +90,8 @@ def test_the_trimmed_trace_keeps_the_last_step_of_the_streams():
 
 
 def test_variants_are_validated_in_one_line():
-    assert ov.parse_variant("offload:explicit:unroll") == dict(policy="offload", transfer="explicit", loop="unroll")
+    assert ov.parse_variant("offload:explicit:unroll") == dict(policy="offload", transfer="explicit", loop="unroll",
+                                                               weights="device")
+    assert ov.parse_variant("full:policy:scan:host")["weights"] == "host"
     with pytest.raises(SystemExit, match="POLICY:TRANSFER:LOOP"):
         ov.parse_variant("offload:unroll")
