@@ -215,11 +215,13 @@ class ExecutionConfig:
         if self.frozen_weights != "host":
             return
         if self.remat != "auto" and not remat_policies.parse(self.remat).streams:
-            # The streamed scan (`jaxft.offload_scan`) keeps the layer input itself; a policy's other host copies would
-            # be host buffers stacked by the scan (RematPolicy.streams). remat auto's candidates all stream.
+            # The streamed scan (`jaxft.offload_scan`) moves the layer input, or every kept residual, to the host
+            # itself; a policy that keeps some names on the device and offloads others would leave jax.checkpoint's
+            # host copies for the scan to stack (RematPolicy.streams). remat auto's candidates all stream.
             raise ExecutionConfigError("frozen_weights", f"'host' runs under a remat policy that offloads at most the "
-                                       f"layer input (got {self.remat!r}): e.g. remat: offload, offload+attn, full, "
-                                       "none or auto, or set frozen_weights: device")
+                                       f"layer input or keeps nothing on the device (got {self.remat!r}): e.g. remat: "
+                                       "offload, offload+attn, full, none, offload_all, "
+                                       "'offload=layer_input,attn_out,attn_lse' or auto, or set frozen_weights: device")
         if self.layer_loop == "unroll":
             raise ExecutionConfigError("frozen_weights", "'host' streams each layer's rows of the stacked weights "
                                        "through the layer scan: set layer_loop: scan (or auto)")

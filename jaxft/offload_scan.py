@@ -116,7 +116,7 @@ def in_host_memory(leaf) -> bool:
     return getattr(jax.typeof(leaf), "memory_space", None) == Space.Host
 
 
-def offloaded_scan(fs, carry, xs, *, host: bool = True, policy=None):
+def offloaded_scan(fs, carry, xs, *, host: bool = True, policy=None, residuals_host: bool = False):
     """`jax.lax.scan` of one iteration = `fs` applied in order (a callable or a sequence of them: the layers of one
     period of a periodic stack, each `f(c, x) -> c` on the same scanned slice x), returning the last carry, with
     the backward of full remat whose layer inputs (the carry before each f) wait in pinned host memory (`host`;
@@ -124,7 +124,8 @@ def offloaded_scan(fs, carry, xs, *, host: bool = True, policy=None):
     (hoisted as constants, never differentiated). Leaves of `xs` may be `HostRows`: streamed, never
     differentiated. With `policy` (a `jax.checkpoint` policy that keeps residuals on the device) the forward also
     keeps what the policy saves of each f, stacked by the scan, and the backward recomputes only the rest
-    (`_Residuals`); the carries and streamed weights are never among them."""
+    (`_Residuals`); the carries and streamed weights are never among them. `residuals_host`: those kept residuals
+    (arrays of rank >= 2) wait in pinned host memory like the carries, each layer's come back one layer early."""
     fs = (fs,) if callable(fs) else tuple(fs)
     leaves, tree = jax.tree.flatten(xs, is_leaf=lambda t: isinstance(t, HostRows))
     views = tuple((k, leaf.start, leaf.size) for k, leaf in enumerate(leaves) if isinstance(leaf, HostRows))
@@ -139,7 +140,8 @@ def offloaded_scan(fs, carry, xs, *, host: bool = True, policy=None):
         g, c = _hoist_constants(f, carry, x0)
         converted.append((g, len(consts), len(c)))
         consts += c  # every f maps the carry to a carry of the same structure (a scan's)
-    return _scan(tuple(converted), (host, policy, _Residuals(len(fs))), layout, carry, scanned, stacks, *consts)
+    how = (host, policy, _Residuals(len(fs)), residuals_host and policy is not None)
+    return _scan(tuple(converted), how, layout, carry, scanned, stacks, *consts)
 
 
 def _view(stack, view) -> HostRows:
@@ -222,10 +224,11 @@ def _to(leaf, space):
     return jax.device_put(leaf, space)
 
 
-def _forward(fs, host, layout, carry, scanned, stacks, consts, keep: bool, policy=None, want=None, cell=None):
+def _forward(fs, host, layout, carry, scanned, stacks, consts, keep: bool, policy=None, want=None, cell=None,
+             saved_host: bool = False):
     """The scan, each iteration fetching the next one's streamed rows; with `keep`, also the carries before each
-    f (on the host when `host`, rank >= 2 leaves) and, with `policy`, what it saves of each f (`_Residuals`).
-    Returns (last carry, kept, saved, the last fetched rows)."""
+    f (on the host when `host`, rank >= 2 leaves) and, with `policy`, what it saves of each f (`_Residuals`; on
+    the host when `saved_host`, rank >= 2 leaves). Returns (last carry, kept, saved, the last fetched rows)."""
     n = layout.length
 
     def body(state, inputs):
@@ -242,8 +245,9 @@ def _forward(fs, host, layout, carry, scanned, stacks, consts, keep: bool, polic
                 fn = jax.checkpoint(lambda c, xd, cd, f=f: _call(f, layout, c, sliced, w, consts, want, xd, cd),
                                     policy=policy)
                 out, vjp = jax.vjp(fn, c, x_diff, c_diff)
-                saved.append(cell.record(j, vjp, {"c": jax.tree.leaves(c), "w": list(w), "k": list(consts),
-                                                  "x": list(sliced)}))
+                rec = cell.record(j, vjp, {"c": jax.tree.leaves(c), "w": list(w), "k": list(consts),
+                                           "x": list(sliced)})
+                saved.append([_to(v, Space.Host) if saved_host and _host(v) else v for v in rec])
                 c = out
             else:
                 c = _apply(f, c, x, consts)
@@ -260,7 +264,7 @@ def _scan(fs, how, layout, carry, scanned, stacks, *consts):
 
 
 def _scan_fwd(fs, how, layout, carry, scanned, stacks, *consts):
-    host, policy, cell = how
+    host, policy, cell, saved_host = how
     flags = jax.tree.map(lambda p: p.perturbed, (carry, scanned, consts))
     if any(p.perturbed for p in jax.tree.leaves(stacks)):
         raise ValueError("offloaded_scan: a streamed input (HostRows, weights in host memory) is differentiated; "
@@ -269,12 +273,12 @@ def _scan_fwd(fs, how, layout, carry, scanned, stacks, *consts):
     want = ([i for i, m in enumerate(jax.tree.leaves(flags[1])) if m],
             [i for i, m in enumerate(jax.tree.leaves(flags[2])) if m])
     out, kept, saved, w_last = _forward(fs, host, layout, carry, scanned, stacks, consts, keep=True, policy=policy,
-                                        want=want, cell=cell)
+                                        want=want, cell=cell, saved_host=saved_host)
     return out, (kept, saved, scanned, stacks, consts, w_last, flags)
 
 
 def _scan_bwd(fs, how, layout, res, g_out):
-    host, policy, cell = how
+    host, policy, cell, saved_host = how
     kept, saved, scanned, stacks, consts, w_last, (carry_flags, scanned_flags, const_flags) = res
     g_out = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype) if isinstance(t, SymbolicZero) else t, g_out,
                          is_leaf=lambda t: isinstance(t, SymbolicZero))
@@ -289,9 +293,21 @@ def _scan_bwd(fs, how, layout, res, g_out):
                             if host and _host(leaf) else jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False),
                             kept[j])
 
+    def saved_of(i):
+        """Iteration i's kept residuals (`saved_host`), those in host memory copied back to the device (started
+        here, used in the next iteration)."""
+        return [[_to(take, Space.Device) if in_host_memory(leaf) else take
+                 for leaf in stack for take in [jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False)]]
+                for stack in saved]
+
     def body(state, inputs):
-        g, cur, w, acc = state
-        sliced, stacked, i = inputs
+        if saved_host:  # this layer's residuals came back in the previous iteration; the next layer's start now
+            g, cur, w, acc, stacked = state
+            sliced, i = inputs
+            stacked_below = saved_of(jnp.maximum(i - 1, 0))
+        else:  # sliced by the scan, on the device
+            g, cur, w, acc = state
+            sliced, stacked, i = inputs
         # The prefetches of the layer below: its input and its streamed weights come back under this layer's
         # recompute and backward.
         w_below = layout.fetch(stacks, jnp.maximum(i - 1, 0))
@@ -310,11 +326,16 @@ def _scan_bwd(fs, how, layout, res, g_out):
             gx = [a + b for a, b in zip(gx, gxj)]
             acc = [a + b for a, b in zip(acc, gcj)]
             cur = below
-        return (g, cur, w_below, acc), gx
+        return ((g, cur, w_below, acc) + ((stacked_below,) if saved_host else ())), gx
 
     zeros_c = [jnp.zeros_like(consts[i]) for i in c_want]
-    (g0, _, _, g_consts), g_xs = jax.lax.scan(body, (g_out, input_of(n - 1, p - 1), w_last, zeros_c),
-                                              (scanned, saved, jnp.arange(n, dtype=jnp.int32)), reverse=True)
+    steps = jnp.arange(n, dtype=jnp.int32)
+    if saved_host:
+        init, xs = (g_out, input_of(n - 1, p - 1), w_last, zeros_c, saved_of(n - 1)), (scanned, steps)
+    else:
+        init, xs = (g_out, input_of(n - 1, p - 1), w_last, zeros_c), (scanned, saved, steps)
+    final, g_xs = jax.lax.scan(body, init, xs, reverse=True)
+    g0, g_consts = final[0], final[3]
     dx = [None] * len(scanned)
     for i, g in zip(x_want, g_xs):
         dx[i] = g

@@ -169,22 +169,31 @@ class RematPolicy:
     @property
     def streams(self) -> bool:
         """Whether layers of this policy run over streamed weights (`frozen_weights: host`, `jaxft.offload_scan`):
-        it offloads nothing but the layer input (the scan keeps that itself; other host residuals would be host
-        buffers stacked by the scan, which XLA's layout assignment rejects on JAX 0.11.2)."""
-        return set(self.offload) <= {LAYER_INPUT}
+        it offloads nothing but the layer input, or it keeps nothing on the device (`save` empty: every residual
+        it keeps goes to the host). The scan moves those itself (`streaming`); a jax.checkpoint offload inside it
+        would leave host buffers for the scan to stack, which XLA's layout assignment rejects on JAX 0.11.2. A
+        policy that both keeps names on the device and offloads others (offload_stream) does not stream."""
+        return set(self.offload) <= {LAYER_INPUT} or (self.kind == "names" and not self.save)
 
     def streaming(self):
-        """(the `jax.checkpoint` policy of each layer inside the streamed scan, or None to recompute the whole layer
-        from its input; whether the layer input waits in pinned host memory) for `frozen_weights: host`."""
+        """For `frozen_weights: host`: (the `jax.checkpoint` policy of each layer inside the streamed scan, or None
+        to recompute the whole layer from its input; whether the layer input waits in pinned host memory; whether
+        what that policy keeps waits there too). An offloaded name other than the layer input is kept by the
+        layer's checkpoint on the device, and the scan moves it to the host after the layer's forward and back
+        one layer ahead of its backward (`offloaded_scan(residuals_host=True)`)."""
         if not self.streams:
-            raise ValueError(f"remat {self.spelled()!r} offloads {', '.join(self.offload)}: over streamed weights "
-                             "only the layer input goes to the host")
+            raise ValueError(f"remat {self.spelled()!r} keeps {', '.join(self.save)} on the device and offloads "
+                             f"{', '.join(self.offload)}: over streamed weights a policy offloads only the layer "
+                             "input, or keeps nothing on the device")
         on_host = LAYER_INPUT in self.offload
         if self.kind == "full" or self.explicit_capable:
-            return None, on_host
+            return None, on_host, False
         if self.kind == "none":
-            return jax.checkpoint_policies.everything_saveable, False
-        return self.without((LAYER_INPUT,)).jax_policy(), on_host
+            return jax.checkpoint_policies.everything_saveable, False, False
+        others = tuple(n for n in self.offload if n != LAYER_INPUT)
+        if others:
+            return RematPolicy("names", save=others).jax_policy(), on_host, True
+        return self.without((LAYER_INPUT,)).jax_policy(), on_host, False
 
     def without(self, names: tuple[str, ...]) -> "RematPolicy":
         """This policy keeping none of `names` (recomputed instead)."""

@@ -34,15 +34,19 @@ def on_host(frozen: nnx.State) -> nnx.State:
                                 for p, v in nnx.to_flat_state(frozen)])
 
 
+ATTN_ON_HOST = "offload=layer_input,attn_out,attn_lse"  # offload+attn with the attention's residuals on the host
 CASES = [("packed", name, remat) for name in ("llama", "gemma2", "qwen3_moe")
-         for remat in ("full", "offload", "offload+attn", "none")] + [("per_leaf", "llama", "offload+attn")]
+         for remat in ("full", "offload", "offload+attn", "none", ATTN_ON_HOST)] + [
+    ("per_leaf", "llama", "offload+attn"), ("packed", "llama", "offload_all")]
 
 
 @pytest.mark.parametrize("form, name, remat", CASES)
 def test_streamed_weights_give_the_gradients_of_weights_on_the_device(name, remat, form):
     """Llama: one group of 5 layers; Gemma 2: a periodic scan, each iteration a block of two rows; Qwen3-MoE: a
     dense group then a sparse one, rows from two stacks, the expert stacks streamed as plain per-layer rows. Policies that keep residuals
-    (offload+attn: attention output and statistics; none: everything) keep them over streamed weights too."""
+    (offload+attn: attention output and statistics; none: everything) keep them over streamed weights too, and
+    policies that offload them (the attention's residuals, offload_all: every named one) move them through the
+    scan to the host and back."""
     cfg = {"llama": LLAMA5, "gemma2": GEMMA4, "qwen3_moe": MOE}[name]
     graphdef, lora, frozen = lora_split(cfg)
     streamed = pack(frozen, HOST) if form == "packed" else on_host(frozen)
@@ -60,16 +64,17 @@ def test_streamed_weights_give_the_gradients_of_weights_on_the_device(name, rema
 
 
 def test_streamed_weights_outside_the_streaming_policies_are_refused_in_the_step():
-    """The step itself refuses a host-memory stack under a policy that offloads other residuals (their host copies
-    would be stacked by the scan), as the config check does for jaxft-train's keys."""
+    """The step itself refuses a host-memory stack under a policy that keeps some residuals on the device and
+    offloads others (jax.checkpoint's host copies would be stacked by the scan), as the config check does for
+    jaxft-train's keys."""
     graphdef, lora, frozen = lora_split(LLAMA5)
     with pytest.raises(ValueError, match="offloads at most the layer input"):
-        grads(LLAMA5, (graphdef, lora, on_host(frozen)), "offload_all", "scan")
+        grads(LLAMA5, (graphdef, lora, on_host(frozen)), "offload_stream", "scan")
 
 
 @pytest.mark.parametrize("settings, needle", [
-    (dict(remat="offload_all"), "'host' runs under a remat policy that offloads at most the layer input (got "
-                                "'offload_all')"),
+    (dict(remat="offload_stream"), "'host' runs under a remat policy that offloads at most the layer input or keeps "
+                                   "nothing on the device (got 'offload_stream')"),
     (dict(remat="save=attn_out;offload=layer_input,mlp_input"), "(got 'save=attn_out;offload=layer_input,mlp_input')"),
     (dict(remat="full", layer_loop="unroll"), "set layer_loop: scan (or auto)"),
     (dict(remat="offload", remat_block=2), "remat_block (nested blocks) do not combine yet"),

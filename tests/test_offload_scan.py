@@ -225,3 +225,40 @@ def test_a_policy_keeps_its_residuals_and_refetches_the_weights(streamed):
 
     (stacks_none, weights_none), (stacks_kept, weights_kept) = shapes(), shapes(policy=policy)
     assert stacks_kept == stacks_none + 1 and weights_kept == weights_none
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_kept_residuals_on_the_host_give_the_same_gradients_and_go_there_once(streamed):
+    """`residuals_host`: what the policy keeps ("h") waits in pinned host memory like the carries. Gradients are the
+    plain scan's; lowered for a GPU, the forward body moves "h" to the host once and the backward brings each
+    layer's back once (the top layer's before the reverse scan, the rest one layer ahead in its body), on top of
+    the carries' placements."""
+    x, lora, frozen, table = _inputs(9)
+    policy = jax.checkpoint_policies.save_only_these_names("h")
+    weights = HostRows(_on_host(frozen)) if streamed else frozen
+
+    def loss(**kw):
+        def f(x, lora):
+            carry = (x, jnp.zeros((2,), jnp.float32))
+            y, acc = offloaded_scan(_named_layer(table), carry, (lora, weights, jnp.arange(L, dtype=jnp.int32)), **kw)
+            return jnp.sum(jnp.sin(y)) + 0.01 * jnp.sum(acc)
+        return f
+
+    def plain_loss(x, lora):
+        carry = (x, jnp.zeros((2,), jnp.float32))
+        y, acc = _plain(_named_layer(table), carry, (lora, frozen, jnp.arange(L, dtype=jnp.int32)))
+        return jnp.sum(jnp.sin(y)) + 0.01 * jnp.sum(acc)
+
+    want = jax.value_and_grad(plain_loss, argnums=(0, 1))(x, lora)
+    got = jax.jit(jax.value_and_grad(loss(policy=policy, residuals_host=True), argnums=(0, 1)))(x, lora)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+    def placements(**kw):
+        text = jax.jit(jax.grad(loss(policy=policy, **kw), argnums=1)).trace(x, lora).lower(
+            lowering_platforms=("cuda",)).as_text()
+        return text.count('_xla_buffer_placement = "pinned_host"'), text.count('_xla_buffer_placement = "device"')
+
+    (host_off, dev_off), (host_on, dev_on) = placements(), placements(residuals_host=True)
+    assert (host_on - host_off, dev_on - dev_off) == (1, 2)

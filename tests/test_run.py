@@ -105,8 +105,13 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     lean = load_config(REPO / "examples/bench/lean.yaml").execution
     assert (lean.remat, lean.resolved_layer_loop, lean.ce_chunk_size) == ("offload", "scan", 256)
     assert load_config(REPO / "examples/bench/lean_host.yaml").execution == lean.replace(frozen_weights="host")
-    assert load_config(REPO / "examples/bench/offload_attn_host.yaml").execution == load_config(
-        REPO / "examples/bench/offload_attn.yaml").execution.replace(frozen_weights="host")
+    offload_attn = load_config(REPO / "examples/bench/offload_attn.yaml").execution
+    assert load_config(REPO / "examples/bench/offload_attn_host.yaml").execution == offload_attn.replace(
+        frozen_weights="host")
+    lean_attn = offload_attn.replace(remat="offload=layer_input,attn_out,attn_lse")
+    assert load_config(REPO / "examples/bench/lean_attn.yaml").execution == lean_attn
+    assert load_config(REPO / "examples/bench/lean_attn_host.yaml").execution == lean_attn.replace(
+        frozen_weights="host")
     fast = load_config(REPO / "examples/bench/fast.yaml").execution
     assert (fast.remat, fast.resolved_layer_loop) == ("none", "unroll")
     policies = {mode: load_config(REPO / "examples/bench" / f"{mode}.yaml").execution for mode in MODES}
@@ -128,8 +133,8 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert (plan.remat, plan.remat_plan, plan.resolved_layer_loop) == ("full", (("offload_all", 12),), "unroll")
 
 
-@pytest.mark.parametrize("mode", ["fast", "lean", "lean_host", "offload_attn", "qlora", "qlora_lean", "qlora_offload",
-                                  "remat_plan"])
+@pytest.mark.parametrize("mode", ["fast", "lean", "lean_host", "offload_attn", "lean_attn_host", "qlora", "qlora_lean",
+                                  "qlora_offload", "remat_plan"])
 def test_bench_recipes_run_in_jaxft_train(mode, model_dir, tmp_path):
     make_jsonl(tmp_path / "train.jsonl", 40)
     cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml", [

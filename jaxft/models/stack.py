@@ -206,14 +206,14 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     # layer's rows in one layer ahead (`HostRows`), the layer inputs on the host where the policy offloads them,
     # what else it keeps stacked on the device by the scan (`RematPolicy.streaming`).
     streamed = any(in_host_memory(leaf) for state in states.values() for leaf in jax.tree.leaves(state))
-    keep_on_host, kept = True, None
+    keep_on_host, kept, kept_on_host = True, None, False
     if streamed:
         if unrolled or per_layer is not None or outer is not None or not policy.streams:
             raise ValueError("run_groups: frozen weights in host memory stream through the layer scan under one "
-                             "policy that offloads at most the layer input (got "
+                             "policy that offloads at most the layer input or keeps nothing on the device (got "
                              f"{policy.spelled()!r}, unrolled={unrolled}, block={block})")
         scan_offload = True
-        kept, keep_on_host = policy.streaming()
+        kept, keep_on_host, kept_on_host = policy.streaming()
     if scan_offload:
         policy = without
 
@@ -281,7 +281,7 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
             carry = offloaded_scan([lambda c, xs, a=a, fn=fn: fn(c, unpack_rows(xs[0], xs[1])[kinds[a].stack],
                                                                  xs[2] + a)
                                     for (a, _), fn in zip(runs, fns)], carry, (head, packed, bases), host=keep_on_host,
-                                   policy=kept)
+                                   policy=kept, residuals_host=kept_on_host)
         else:  # nested blocks hold whole periods: as many as make up `block` layers, at least one
             carry = _scan_layers(lambda c, xs: body(c, xs)[0], carry, (head, bases), max(1, block // period), outer)
         # A last, incomplete period (e.g. 62 = 10 x 6 + 2 layers) runs by group below.
@@ -306,7 +306,8 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         indices = jnp.arange(group.start, group.end, dtype=jnp.int32)
         if scan_offload:
             carry = offloaded_scan(lambda c, xs: layer_fn(c, unpack_rows(*xs[0]), xs[1]), carry,
-                                   ((run_state, packed), indices), host=keep_on_host, policy=kept)
+                                   ((run_state, packed), indices), host=keep_on_host, policy=kept,
+                                   residuals_host=kept_on_host)
         else:
             carry = _scan_layers(lambda c, xs: layer_fn(c, *xs), carry, (run_state, indices), block, outer)
     return carry  # x, or (x, router stats)
