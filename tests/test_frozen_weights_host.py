@@ -258,3 +258,20 @@ def test_sample_generation_with_streamed_weights_is_warned_about(tmp_path, caplo
     with caplog.at_level("INFO", logger="jaxft.train"):
         _note_streamed_weights(Run.from_config(config, total_steps=1), config)
     assert "each sample generation copies the 0.04 MiB of streamed weights to the device" in caplog.text  # bf16
+
+
+def test_what_each_policy_keeps_where_over_streamed_weights():
+    """`RematPolicy.streaming`: (the layer's checkpoint policy, layer input on the host, kept residuals on the
+    host). A policy that keeps nothing on the device streams with what it keeps moved by the scan; one that keeps
+    names on the device and offloads others does not stream, in one line."""
+    from jaxft.remat import parse
+    assert parse("full").streaming() == (None, False, False)
+    assert parse("offload").streaming() == (None, True, False)
+    assert parse("offload+attn").streaming()[1:] == (True, False)
+    assert parse("none").streaming()[1:] == (False, False)
+    assert parse("offload=layer_input,attn_out,attn_lse").streaming()[1:] == (True, True)
+    assert parse("offload_all").streaming()[1:] == (True, True)
+    assert parse("offload=attn_out,attn_lse").streaming()[1:] == (False, True)
+    assert not parse("offload_stream").streams
+    with pytest.raises(ValueError, match="keeps .* on the device and offloads .*: over streamed weights"):
+        parse("offload_stream").streaming()
