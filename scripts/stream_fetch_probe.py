@@ -15,6 +15,13 @@ while layer i runs (as `offloaded_scan` does). Forms:
     host_const    the index from a scanned numpy constant (XLA sinks it into the loop: a function of the counter)
     host_counter  the index from a counter in the scan's carry
     host_unrolled one pinned host array per layer, a Python loop: each fetch a whole-array copy (copy-start/done)
+    host_xs       the scan slices the pinned host stack itself (row i at iteration i, no prefetch)
+    host_xs_shift the scan slices stack[1:] (row i + 1 at iteration i, carried to the next): the prefetch through
+                  the scan's own slicing, the last layer after the loop
+
+Compiled for an H200 (scripts/deviceless/hlo_schedule.py `host_slice_forms`): the fetch of host_iota, host_const and
+host_counter is a loop fusion (a kernel reading host memory); host_xs and host_xs_shift's is a memcpy (XLA's dynamic
+slice config, offsets from the loop counter).
 
 Per form: the median step time of `--reps` runs after a warm-up (each waited for), and how XLA compiled the fetch
 (async dynamic-slice fusions and copy-starts reading host memory, counted in the optimized HLO). A form whose
@@ -27,10 +34,14 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "deviceless"))
+from hlo_schedule import host_slice_forms  # noqa: E402  (plain text parsing)
 
 H, KV, I = 4096, 1024, 14336  # --small divides each by 16 (a CPU smoke run)
 
@@ -41,7 +52,7 @@ def shapes():
 
 def total() -> int:
     return sum(a * b for _, a, b in shapes())
-FORMS = ("device", "copy_only", "host_iota", "host_const", "host_counter", "host_unrolled")
+FORMS = ("device", "copy_only", "host_iota", "host_const", "host_counter", "host_unrolled", "host_xs", "host_xs_shift")
 
 
 def unpack(row):
@@ -96,6 +107,16 @@ def build(form: str, n: int):
                 w_next = fetch(stack, jnp.minimum(i + 1, n - 1))
                 return (layer(c, w), w_next, i + 1), None
             return jax.lax.scan(body, (x, fetch(stack, 0), jnp.int32(0)), None, length=n)[0][0]
+    elif form == "host_xs":
+        def run(x, stack):
+            return jax.lax.scan(lambda c, row: (layer(c, to_device(row)), None), x, stack)[0]
+    elif form == "host_xs_shift":
+        def run(x, stack):
+            def body(state, row):
+                c, w = state
+                return (layer(c, w), to_device(row)), None
+            (c, w), _ = jax.lax.scan(body, (x, fetch(stack, 0)), stack[1:])
+            return layer(c, w)
     elif form == "host_unrolled":
         def run(x, rows):
             w = to_device(rows[0])
@@ -137,6 +158,8 @@ def probe(form: str, n: int, tokens: int, reps: int) -> dict:
     return dict(form=form, layers=n, tokens=tokens, step_ms=round(1e3 * step, 2), compile_s=round(compile_s, 1),
                 fetched_gb=round(n * row_bytes / 1e9, 3), link_gb_per_s=round(n * row_bytes / 1e9 / step, 1),
                 async_dynamic_slices=hlo.count("dynamic-slice-start"), copy_starts=hlo.count("copy-start("),
+                host_slices_memcpy=sum(m for _, _, m in host_slice_forms(hlo)),
+                host_slices_kernel=sum(not m for _, _, m in host_slice_forms(hlo)),
                 host_values=hlo.count(":S(5)"))
 
 

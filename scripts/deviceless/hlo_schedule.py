@@ -34,3 +34,22 @@ def gemms_under_fetches(text: str) -> list[int]:
     """GEMMs between each fetch from host memory (an asynchronous dynamic slice of a host buffer) and its done, in
     every computation of `text` that has one (`schedules`): 0 is a fetch waited for before any compute."""
     return [n for _, copies in schedules(text) for name, n in copies if "dynamic-slice" in name]
+
+
+def host_slice_forms(text: str) -> list[tuple[str, str, bool]]:
+    """Every dynamic slice (or dynamic update slice) in `text` that reads (writes) a pinned host buffer: (its
+    name, "slice" / "update", whether XLA made it a memcpy). XLA's GPU backend gives a dynamic (update) slice whose
+    offsets follow the loop counter a `dynamic_slice_config` backend config and runs it as a copy (a DMA, no
+    kernel); one without is a loop fusion, a kernel whose threads read or write the host memory over PCIe on the
+    SMs the layer's matmuls want."""
+    out = []
+    for ln in text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?(%[\w.-]+) = \S+ (dynamic-slice|dynamic-update-slice)\((%[\w.-]+)", ln)
+        if not m:
+            continue
+        operand = re.search(re.escape(m.group(3)) + r" = (\S+)", text)
+        host = "S(5)" in ln.split(" = ", 1)[1].split(" ", 1)[0] or bool(operand and "S(5)" in operand.group(1))
+        if host:
+            out.append((m.group(1), "slice" if m.group(2) == "dynamic-slice" else "update",
+                        "dynamic_slice_config" in ln))
+    return out
