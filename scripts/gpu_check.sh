@@ -9,6 +9,8 @@
 #   "gmmsweep" its tile sweep (bench --sweep: every candidate tile config per shape and kernel) to gmm_sweep.json;
 #   "offload" the host-offload probe: $OUT/offload_probe.jsonl; OFFLOAD_DUMP=variant,... adds $OUT/offload_dump.tgz;
 #   "maxctx" the longest 8B row per remat policy + one real step at 256k: $OUT/max_context.{jsonl,md}, MAXCTX_TIMEOUT_S=360;
+#   "probe" the fetch forms a layer loop could read its weights from pinned host memory with, timed (scripts/
+#   stream_fetch_probe.py, PROBE_ARGS, PROBE_TIMEOUT_S=150): $OUT/probe.json;
 #   "overlap" copy/compute overlap of the host offload from a profile: $OUT/offload_overlap.json and
 #   $OUT/overlap_trace.json.gz, OVERLAP_TIMEOUT_S=150;
 #   "scaling" 8B LoRA on 1-8 GPUs, data parallel and FSDP, jaxft beside HF+PEFT under accelerate (SCALING_SYSTEMS,
@@ -150,6 +152,12 @@ if has maxctx; then
   XLA_PYTHON_CLIENT_MEM_FRACTION=${MAXCTX_MEM_FRACTION:-0.95} timeout $(( ${MAXCTX_TIMEOUT_S:-360} + 60 )) \
     python3 scripts/max_context.py --deadline-s "${MAXCTX_TIMEOUT_S:-360}" --out "$OUT/max_context.jsonl" \
     --md "$OUT/max_context.md" ${MAXCTX_ARGS:-} 2>&1 | grep -v '^{"event": "probe"' | tail -40 | tee -a "$OUT/check.log"
+fi
+
+if has probe; then
+  stamp "stream fetch probe"
+  timeout "${PROBE_TIMEOUT_S:-150}" python3 scripts/stream_fetch_probe.py --out "$OUT/probe.json" \
+    ${PROBE_ARGS:---layers 16 --tokens 16384} 2>&1 | tee -a "$OUT/check.log" | tail -10
 fi
 
 if has overlap; then
