@@ -189,6 +189,21 @@ def _named_layer(table):
     return f
 
 
+def _named_loss(scan, table, weights, **kw):
+    """The loss of `_named_layer`'s scan under `scan` (offloaded_scan with its options, or `_plain`)."""
+    def f(x, lora):
+        carry = (x, jnp.zeros((2,), jnp.float32))
+        y, acc = scan(_named_layer(table), carry, (lora, weights, jnp.arange(L, dtype=jnp.int32)), **kw)
+        return jnp.sum(jnp.sin(y)) + 0.01 * jnp.sum(acc)
+    return f
+
+
+def _assert_value_and_grads_match(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for g, w in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_policy_keeps_its_residuals_and_refetches_the_weights(streamed):
     """With `policy` the forward keeps what it saves ("h", a [T, H] per layer, stacked) and the backward does not
@@ -199,27 +214,13 @@ def test_a_policy_keeps_its_residuals_and_refetches_the_weights(streamed):
     policy = jax.checkpoint_policies.save_only_these_names("h")
     weights = HostRows(_on_host(frozen)) if streamed else frozen
 
-    def loss(scan, **kw):
-        def f(x, lora):
-            carry = (x, jnp.zeros((2,), jnp.float32))
-            y, acc = scan(_named_layer(table), carry, (lora, weights, jnp.arange(L, dtype=jnp.int32)), **kw)
-            return jnp.sum(jnp.sin(y)) + 0.01 * jnp.sum(acc)
-        return f
-
-    def plain_loss(x, lora):
-        carry = (x, jnp.zeros((2,), jnp.float32))
-        y, acc = _plain(_named_layer(table), carry, (lora, frozen, jnp.arange(L, dtype=jnp.int32)))
-        return jnp.sum(jnp.sin(y)) + 0.01 * jnp.sum(acc)
-
-    want = jax.value_and_grad(plain_loss, argnums=(0, 1))(x, lora)
+    want = jax.value_and_grad(_named_loss(_plain, table, frozen), argnums=(0, 1))(x, lora)
     for host in (True, False):
-        got = jax.jit(jax.value_and_grad(loss(offloaded_scan, host=host, policy=policy), argnums=(0, 1)))(x, lora)
-        np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
-        for g, w in zip(got[1], want[1]):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        loss = _named_loss(offloaded_scan, table, weights, host=host, policy=policy)
+        _assert_value_and_grads_match(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, lora), want)
 
     def shapes(**kw):
-        _, vjp = jax.vjp(loss(offloaded_scan, **kw), x, lora)
+        _, vjp = jax.vjp(_named_loss(offloaded_scan, table, weights, **kw), x, lora)
         leaves = [leaf.shape for leaf in jax.tree.leaves(vjp)]
         return leaves.count((L, T, H)), leaves.count((L, H, H))
 
@@ -237,26 +238,13 @@ def test_kept_residuals_on_the_host_give_the_same_gradients_and_go_there_once(st
     policy = jax.checkpoint_policies.save_only_these_names("h")
     weights = HostRows(_on_host(frozen)) if streamed else frozen
 
-    def loss(**kw):
-        def f(x, lora):
-            carry = (x, jnp.zeros((2,), jnp.float32))
-            y, acc = offloaded_scan(_named_layer(table), carry, (lora, weights, jnp.arange(L, dtype=jnp.int32)), **kw)
-            return jnp.sum(jnp.sin(y)) + 0.01 * jnp.sum(acc)
-        return f
-
-    def plain_loss(x, lora):
-        carry = (x, jnp.zeros((2,), jnp.float32))
-        y, acc = _plain(_named_layer(table), carry, (lora, frozen, jnp.arange(L, dtype=jnp.int32)))
-        return jnp.sum(jnp.sin(y)) + 0.01 * jnp.sum(acc)
-
-    want = jax.value_and_grad(plain_loss, argnums=(0, 1))(x, lora)
-    got = jax.jit(jax.value_and_grad(loss(policy=policy, residuals_host=True), argnums=(0, 1)))(x, lora)
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
-    for g, w in zip(got[1], want[1]):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    want = jax.value_and_grad(_named_loss(_plain, table, frozen), argnums=(0, 1))(x, lora)
+    loss = _named_loss(offloaded_scan, table, weights, policy=policy, residuals_host=True)
+    _assert_value_and_grads_match(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, lora), want)
 
     def placements(**kw):
-        text = jax.jit(jax.grad(loss(policy=policy, **kw), argnums=1)).trace(x, lora).lower(
+        loss = _named_loss(offloaded_scan, table, weights, policy=policy, **kw)
+        text = jax.jit(jax.grad(loss, argnums=1)).trace(x, lora).lower(
             lowering_platforms=("cuda",)).as_text()
         return text.count('_xla_buffer_placement = "pinned_host"'), text.count('_xla_buffer_placement = "device"')
 
