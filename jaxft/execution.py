@@ -51,7 +51,8 @@ The model holds parameters and math; everything that changes speed or memory but
   15 GiB). What it costs: every layer's weights cross the host link twice a step (8B: about 30 GB, about 0.57 s at
   the H200's measured 53 GB/s), hidden only where a step's compute is longer. Layer scan, one device, a remat
   policy that offloads at most the layer input (none, full, offload, offload+attn, dots, save=..): what it keeps
-  is kept as without streaming. MoE expert stacks and a 4-bit base's codes and scales stream too; the embeddings,
+  is kept as without streaming; or one that keeps nothing on the device (offload_all, offload=..): what it keeps
+  goes to the host through the scan. MoE expert stacks and a 4-bit base's codes and scales stream too; the embeddings,
   head and small rows (norms, biases, LoRA scales) stay on the device. "auto" (the default): on the device,
   unless `remat: auto` finds no policy that fits with them there on one device; it then tries its candidates
   again with the weights streamed (`jaxft.auto`).

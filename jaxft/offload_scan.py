@@ -37,8 +37,9 @@ Kept residuals (`policy`, any `jax.checkpoint` policy that keeps values on the d
 the vjp of `jax.checkpoint(f, policy)` and stacks what that vjp holds, except the values the scan has anyway - the
 carry (kept as above), the streamed weights (fetched again), the hoisted constants and the scanned slices, found
 by identity (`_Residuals`); the backward rebuilds each vjp from those and the stacked residuals, so it recomputes
-only what the policy did not keep (offload+attn over streamed weights: not the attention). Without a policy the
-backward recomputes f whole (the module's first form).
+only what the policy did not keep (offload+attn over streamed weights: not the attention). With `residuals_host`
+the stacked residuals (rank >= 2) wait in pinned host memory like the carries and come back one layer ahead of
+their backward. Without a policy the backward recomputes f whole (the module's first form).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.models.layers import ExpertParam
 from jaxft.models.stack import streamed_weight
 from jaxft.offload_scan import in_host_memory, is_slot
+from jaxft.remat import parse
 from jaxft.streamed import is_packed as streamed_is_packed
 from jaxft.streamed import pack
 from test_remat import assert_grads_match, grads, lora_split
@@ -264,7 +265,6 @@ def test_what_each_policy_keeps_where_over_streamed_weights():
     """`RematPolicy.streaming`: (the layer's checkpoint policy, layer input on the host, kept residuals on the
     host). A policy that keeps nothing on the device streams with what it keeps moved by the scan; one that keeps
     names on the device and offloads others does not stream, in one line."""
-    from jaxft.remat import parse
     assert parse("full").streaming() == (None, False, False)
     assert parse("offload").streaming() == (None, True, False)
     assert parse("offload+attn").streaming()[1:] == (True, False)

@@ -204,7 +204,8 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     scan_offload = not unrolled and resolve_transfer(policy, False) == "explicit"
     # Frozen weights in pinned host memory (`ExecutionConfig.frozen_weights: host`): the same scan, streaming each
     # layer's rows in one layer ahead (`HostRows`), the layer inputs on the host where the policy offloads them,
-    # what else it keeps stacked on the device by the scan (`RematPolicy.streaming`).
+    # what else it keeps stacked by the scan, on the device, or on the host when it keeps nothing on the device
+    # (`RematPolicy.streaming`).
     streamed = any(in_host_memory(leaf) for state in states.values() for leaf in jax.tree.leaves(state))
     keep_on_host, kept, kept_on_host = True, None, False
     if streamed:
