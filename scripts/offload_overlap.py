@@ -4,12 +4,14 @@
     PYTHONPATH=.:scripts python scripts/offload_overlap.py [--variants full:scan,offload:policy:scan,...]
         [--layers 4] [--seq 8192] [--steps 3] --out overlap.json [--trace overlap_trace.json.gz]
 
-Each variant (remat policy : offload transfer : layer loop) runs in its own process: the benchmark's 8B shape
-(scripts/bench/workloads.py) cut to `--layers` layers, one row of `--seq` tokens, the benchmark recipe's LoRA and
-AdamW through `jaxft.run.Run` on random weights (`Run.init_random`); two warm-up steps, then `--steps` steps under
+Each variant (remat policy : offload transfer : layer loop [: frozen weights device|host]) runs in its own process:
+the benchmark's 8B shape (scripts/bench/workloads.py) cut to `--layers` layers, one row of `--seq` tokens, the
+benchmark recipe's LoRA and AdamW through `jaxft.run.Run` on random weights (`Run.init_random`); two warm-up steps,
+`--steps` steps timed without the profiler (`step_ms_unprofiled`, the median), then `--steps` steps under
 `jax.profiler.trace`, each step inside a `TraceAnnotation` named `overlap_step_<i>` and waited for, so the device
 events of step i are those inside that annotation's time span. CUDA-graph command buffers are turned off
-(`--xla_gpu_enable_command_buffer=`) so every kernel names the HLO instruction it ran.
+(`--xla_gpu_enable_command_buffer=`) so every kernel names the HLO instruction it ran, unless
+`--keep-command-buffers`. `OFFLOAD_OVERLAP_HLO_DIR` keeps each variant's optimized HLO there.
 
 What JAX 0.11 writes: `DIR/plugins/profile/<run>/<host>.xplane.pb` and `<host>.trace.json.gz` (Chrome trace
 format). In the JSON a GPU is a process named `/device:GPU:<n>`; its threads are the CUDA streams (`Stream #<id>
