@@ -160,7 +160,7 @@ def _point_in_a_process(args, system: str, mesh: str, devices: int) -> dict:
         wall = {"wall_s": round(time.perf_counter() - began, 1)}  # the whole child: start-up, compile, init, steps
         if child.returncode or not out.exists():
             lines = (stdout + stderr).strip().splitlines()
-            # A worker's own one-line refusal (every torchrun rank prints it) says more than torchrun's summary.
+            # A worker's own one-line refusal (its rank 0 prints it) says more than torchrun's summary.
             own = [line for line in lines if line.startswith(("bench_scaling:", "bench_scaling_hf:"))]
             status = "oom" if is_oom_message(stderr) else "error"
             return {"system": system, "mesh": mesh, "devices": devices, "status": status,

@@ -70,6 +70,8 @@ def run_point(system: str, mesh: str, workload_name: str, steps: int) -> dict | 
     acc, want = accelerator(mesh, world, cpu)
     got = acc.distributed_type.name if hasattr(acc.distributed_type, "name") else str(acc.distributed_type)
     if got != want:
+        if acc.process_index:  # rank 0 says why; the ranks' lines written at once interleave into one line
+            raise SystemExit(1)
         why = {"FSDP": " (accelerate shards with FSDP on GPUs only)",
                "NO": " (one device runs without torchrun, which would make accelerate wrap it in DDP)"}.get(want, "")
         raise SystemExit(f"bench_scaling_hf: {mesh} on {world} {'CPU process' if cpu else 'GPU'}"
