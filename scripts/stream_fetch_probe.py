@@ -17,11 +17,15 @@ while layer i runs (as `offloaded_scan` does). Forms:
     host_unrolled one pinned host array per layer, a Python loop: each fetch a whole-array copy (copy-start/done)
     host_xs       the scan slices the pinned host stack itself (row i at iteration i, no prefetch)
     host_xs_shift the scan slices stack[1:] (row i + 1 at iteration i, carried to the next): the prefetch through
-                  the scan's own slicing, the last layer after the loop
+                  the scan's own slicing, the last layer after the loop (stack[1:] itself is a copy XLA makes on the host)
+    host_peel     L - 1 iterations, each fetching row i + 1 at an index affine in a counter the scan carries (never
+                  out of range: no clamp), the last layer after the loop
 
 Compiled for an H200 (scripts/deviceless/hlo_schedule.py `host_slice_forms`): the fetch of host_iota, host_const and
-host_counter is a loop fusion (a kernel reading host memory); host_xs and host_xs_shift's is a memcpy (XLA's dynamic
-slice config, offsets from the loop counter).
+host_counter is a loop fusion (a kernel reading host memory); host_xs, host_xs_shift and host_peel's is a memcpy
+(XLA's dynamic slice config: XLA makes one where the offset is an affine function of the loop's induction variable,
+or of a counter it merges with it, over every iteration; the clamp min(i + 1, L - 1) and a scanned index array are
+neither).
 
 Per form: the median step time of `--reps` runs after a warm-up (each waited for), and how XLA compiled the fetch
 (async dynamic-slice fusions and copy-starts reading host memory, counted in the optimized HLO). A form whose
@@ -52,7 +56,8 @@ def shapes():
 
 def total() -> int:
     return sum(a * b for _, a, b in shapes())
-FORMS = ("device", "copy_only", "host_iota", "host_const", "host_counter", "host_unrolled", "host_xs", "host_xs_shift")
+FORMS = ("device", "copy_only", "host_iota", "host_const", "host_counter", "host_unrolled", "host_xs", "host_xs_shift",
+         "host_peel")
 
 
 def unpack(row):
@@ -116,6 +121,13 @@ def build(form: str, n: int):
                 c, w = state
                 return (layer(c, w), to_device(row)), None
             (c, w), _ = jax.lax.scan(body, (x, fetch(stack, 0)), stack[1:])
+            return layer(c, w)
+    elif form == "host_peel":
+        def run(x, stack):
+            def body(state, _):
+                c, w, i = state
+                return (layer(c, w), fetch(stack, i + 1), i + 1), None
+            (c, w, _), _ = jax.lax.scan(body, (x, fetch(stack, 0), jnp.int32(0)), None, length=n - 1)
             return layer(c, w)
     elif form == "host_unrolled":
         def run(x, rows):

@@ -28,7 +28,7 @@ def test_every_weight_reading_form_computes_the_same_loop(small):
     x = jnp.asarray(rng.standard_normal((t, probe.H)), jnp.float32)
     want = probe.build("device", n)(x, stack)
     assert float(jnp.max(jnp.abs(want - x))) > 1e-3  # the layers change the input
-    for form in ("host_iota", "host_const", "host_counter", "host_xs", "host_xs_shift"):
+    for form in ("host_iota", "host_const", "host_counter", "host_xs", "host_xs_shift", "host_peel"):
         np.testing.assert_allclose(np.asarray(probe.build(form, n)(x, stack)), np.asarray(want), rtol=1e-5, atol=1e-5)
     rows = [stack[i] for i in range(n)]
     np.testing.assert_allclose(np.asarray(probe.build("host_unrolled", n)(x, rows)), np.asarray(want), rtol=1e-5,
