@@ -339,10 +339,18 @@ class ExecutionConfig:
         docs/benchmarks.md section 23). The backward's copies back are not pipelined by it. Not with nested blocks
         (`remat_block`), which are there for memory: its loop peeling held a second copy of a block's stacked layer
         inputs (compiled for an H200, 8B at 1 x 65536 in blocks of 2 / 4: temp 8.43 / 11.27 GiB with it, 6.92 /
-        8.75 without; 122.43 -> 120.36 GiB at 1 x 1,026,048 in blocks of 3)."""
+        8.75 without; 122.43 -> 120.36 GiB at 1 x 1,026,048 in blocks of 3). Nor where the layer scan is
+        `jaxft.offload_scan.offloaded_scan` (streamed frozen weights, the explicit transfer): the loop it pipelines is
+        then ours, and pipelined, XLA made every fetch from host memory inside the loops (the weight rows, the layer
+        inputs and kept residuals coming back) a kernel reading host memory over PCIe instead of a copy (compiled
+        for an H200, 4 Llama-3.1-8B layers, 1 x 4096, offload=layer_input,attn_out,attn_lse over streamed weights:
+        14 of 17 host slices kernels pipelined, 1 of 9 without - the first layer's row, before the loop - and temp
+        2.47 -> 1.99 GiB; the price: the forward's copies of the attention residuals to the host run under 0 GEMMs
+        instead of 5-16)."""
         wanted: dict[str, Any] = {}
+        ours = self.frozen_weights == "host" or self.offload_transfer == "explicit"
         if self.remat != "auto" and self.resolved_layer_loop == "scan" and remat_policies.parse(self.remat).offloads \
-                and self.remat_block in (None, 1):
+                and self.remat_block in (None, 1) and not ours:
             wanted["xla_gpu_enable_pipelined_host_offloading"] = True
         if self.frozen_weights == "host":
             # Each fetch from host memory is an asynchronous dynamic-slice fusion. A layer makes one per packed buffer

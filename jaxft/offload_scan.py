@@ -33,6 +33,18 @@ per stack and dtype) are fetched as one row per layer and sliced apart on the de
 layer, which XLA runs under the layer's compute, where one copy per weight ran mostly exposed
 (scripts/deviceless/stream_schedule.py).
 
+Fetches: every read of a stack in pinned host memory inside the loops (a streamed row, a kept carry or residual
+coming back) is a dynamic slice whose index is affine in the loop's counter and never leaves the stack. XLA then
+runs it as a copy (a dynamic-slice config, no kernel); an index read from a scanned array, or clamped
+(min(i + 1, L - 1)), makes it a loop fusion instead: a kernel whose threads read host memory over PCIe on the SMs
+the matmuls need (compiled for an H200: scripts/deviceless/hlo_schedule.py `host_slice_forms`,
+scripts/stream_fetch_probe.py). So the forward loop runs iterations 0 .. L-2, fetching iteration i + 1's rows, and
+the last iteration runs after it (its kept values apart from the loop's stacks); the backward loop's step k
+differentiates iteration L-1-k from what the step before fetched while it fetches iteration L-2-k's, and
+iteration 0 runs after it. Each f is traced twice in each direction (compile time). XLA's pipelined host
+offloading would rewrite these loops and turn the fetches back into kernels: `ExecutionConfig.program_options`
+leaves it off here.
+
 Kept residuals (`policy`, any `jax.checkpoint` policy that keeps values on the device): the forward runs each f as
 the vjp of `jax.checkpoint(f, policy)` and stacks what that vjp holds, except the values the scan has anyway - the
 carry (kept as above), the streamed weights (fetched again), the hoisted constants and the scanned slices, found
@@ -190,6 +202,10 @@ class _Residuals:
             else:
                 spec.append(("saved", len(saved)))
                 saved.append(leaf)
+        # f is traced twice (in the forward loop and for the last iteration); one backward loop rebuilds the vjps of
+        # both, so both must keep the same values (the trees hold each trace's own jaxpr of the same computation).
+        if self.specs[j] is not None and (self.specs[j][1] != spec or self.specs[j][0].num_leaves != tree.num_leaves):
+            raise AssertionError(f"offloaded_scan: f{j} keeps different residuals in the loop and the last iteration")
         self.specs[j] = (tree, spec)
         return saved
 
@@ -225,17 +241,27 @@ def _to(leaf, space):
     return jax.device_put(leaf, space)
 
 
+def _row(leaf, i):
+    """Row i of a stacked leaf: inside the loops i is affine in the loop counter and within range, so XLA copies a row
+    of a pinned host stack as a memcpy (module docstring, "Fetches")."""
+    return jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False)
+
+
+def _back(stack, value):
+    """`value` (a row or the whole of `stack`) on the device: copied back where `stack` lives in host memory."""
+    return _to(value, Space.Device) if in_host_memory(stack) else value
+
+
 def _forward(fs, host, layout, carry, scanned, stacks, consts, keep: bool, policy=None, want=None, cell=None,
              saved_host: bool = False):
     """The scan, each iteration fetching the next one's streamed rows; with `keep`, also the carries before each
     f (on the host when `host`, rank >= 2 leaves) and, with `policy`, what it saves of each f (`_Residuals`; on
-    the host when `saved_host`, rank >= 2 leaves). Returns (last carry, kept, saved, the last fetched rows)."""
+    the host when `saved_host`, rank >= 2 leaves). Iterations 0 .. n-2 run in the loop, whose stacks have n - 1
+    rows; the last runs after it (its kept values unstacked), so no fetch in the loop reaches past the stack.
+    Returns (last carry, (kept stacks, last kept), (saved stacks, last saved), the last iteration's rows)."""
     n = layout.length
 
-    def body(state, inputs):
-        c, w = state
-        sliced, i = inputs
-        w_next = layout.fetch(stacks, jnp.minimum(i + 1, n - 1))  # the last iteration's is the backward's first
+    def iteration(c, w, sliced):
         x = layout.merge(sliced, w)
         kept, saved = [], []
         for j, f in enumerate(fs):
@@ -252,11 +278,23 @@ def _forward(fs, host, layout, carry, scanned, stacks, consts, keep: bool, polic
                 c = out
             else:
                 c = _apply(f, c, x, consts)
-        return (c, w_next), (kept, saved)
+        return c, kept, saved
 
-    (out, w_last), (kept, saved) = jax.lax.scan(body, (carry, layout.fetch(stacks, 0)),
-                                                (scanned, jnp.arange(n, dtype=jnp.int32)))
-    return out, kept, saved, w_last
+    if not (keep or stacks):  # nothing fetched ahead, nothing kept: the plain scan
+        return jax.lax.scan(lambda c, i: (iteration(c, [], [_row(leaf, i) for leaf in scanned])[0], None), carry,
+                            jnp.arange(n, dtype=jnp.int32))[0], None, None, []
+
+    def body(state, _):
+        c, w, i = state
+        w_next = layout.fetch(stacks, i + 1)  # started here, used in the next iteration
+        c, kept, saved = iteration(c, w, [_row(leaf, i) for leaf in scanned])
+        return (c, w_next, i + 1), (kept, saved)
+
+    w, kept, saved = layout.fetch(stacks, 0), None, None
+    if n > 1:
+        (carry, w, _), (kept, saved) = jax.lax.scan(body, (carry, w, jnp.int32(0)), None, length=n - 1)
+    out, kept_last, saved_last = iteration(carry, w, [_row(leaf, n - 1) for leaf in scanned])
+    return out, (kept, kept_last), (saved, saved_last), w
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -279,71 +317,63 @@ def _scan_fwd(fs, how, layout, carry, scanned, stacks, *consts):
 
 
 def _scan_bwd(fs, how, layout, res, g_out):
-    host, policy, cell, saved_host = how
-    kept, saved, scanned, stacks, consts, w_last, (carry_flags, scanned_flags, const_flags) = res
+    _, policy, cell, _ = how
+    (kept, kept_last), (saved, saved_last), scanned, stacks, consts, w_last, flags = res
+    carry_flags, scanned_flags, const_flags = flags
     g_out = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype) if isinstance(t, SymbolicZero) else t, g_out,
                          is_leaf=lambda t: isinstance(t, SymbolicZero))
     n, p = layout.length, len(fs)
     x_want = [i for i, m in enumerate(jax.tree.leaves(scanned_flags)) if m]
     c_want = [i for i, m in enumerate(jax.tree.leaves(const_flags)) if m]
-    carry_wanted = any(jax.tree.leaves(carry_flags))
 
-    def input_of(i, j):
-        """The carry before f_j of iteration i, copied back to the device (started here, used later)."""
-        return jax.tree.map(lambda leaf: _to(jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False), Space.Device)
-                            if host and _host(leaf) else jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False),
-                            kept[j])
+    def rows_of(i):
+        """Iteration i's kept inputs (one per f) and kept residuals, those in host memory copied back to the device
+        (started here, used in the next step)."""
+        return ([jax.tree.map(lambda s: _back(s, _row(s, i)), kept[j]) for j in range(p)],
+                [[_back(s, _row(s, i)) for s in saved[j]] for j in range(p)] if policy is not None else None)
 
-    def saved_of(i):
-        """Iteration i's kept residuals (`saved_host`), those in host memory copied back to the device (started
-        here, used in the next iteration)."""
-        return [[_to(take, Space.Device) if in_host_memory(leaf) else take
-                 for leaf in stack for take in [jax.lax.dynamic_index_in_dim(leaf, i, keepdims=False)]]
-                for stack in saved]
-
-    def body(state, inputs):
-        if saved_host:  # this layer's residuals came back in the previous iteration; the next layer's start now
-            g, cur, w, acc, stacked = state
-            sliced, i = inputs
-            stacked_below = saved_of(jnp.maximum(i - 1, 0))
-        else:  # sliced by the scan, on the device
-            g, cur, w, acc = state
-            sliced, stacked, i = inputs
-        # The prefetches of the layer below: its input and its streamed weights come back under this layer's
-        # recompute and backward.
-        w_below = layout.fetch(stacks, jnp.maximum(i - 1, 0))
+    def differentiate(g, acc, inputs, w, stacked, sliced):
+        """Iteration's backward from its inputs, rows and kept residuals: (g before it, acc + its constants'
+        cotangents, its scanned inputs' cotangents)."""
         x_diff = [sliced[j] for j in x_want]
         c_diff = [consts[j] for j in c_want]
         gx = [jnp.zeros_like(v) for v in x_diff]
         for j in reversed(range(p)):
-            below = input_of(jnp.maximum(i - 1, 0), p - 1) if j == 0 else input_of(i, j - 1)
             if policy is None:  # recompute f from its input
                 _, vjp = jax.vjp(lambda c, xd, cd, f=fs[j]: _call(f, layout, c, sliced, w, consts, (x_want, c_want),
-                                                                  xd, cd), cur, x_diff, c_diff)
+                                                                  xd, cd), inputs[j], x_diff, c_diff)
             else:  # the forward's vjp, its kept residuals from the stacks, the rest where the forward found them
-                vjp = cell.rebuild(j, {"c": jax.tree.leaves(cur), "w": list(w), "k": list(consts),
+                vjp = cell.rebuild(j, {"c": jax.tree.leaves(inputs[j]), "w": list(w), "k": list(consts),
                                        "x": list(sliced)}, stacked[j])
             g, gxj, gcj = vjp(g)
             gx = [a + b for a, b in zip(gx, gxj)]
             acc = [a + b for a, b in zip(acc, gcj)]
-            cur = below
-        return ((g, cur, w_below, acc) + ((stacked_below,) if saved_host else ())), gx
+        return g, acc, gx
 
-    zeros_c = [jnp.zeros_like(consts[i]) for i in c_want]
-    steps = jnp.arange(n, dtype=jnp.int32)
-    if saved_host:
-        init, xs = (g_out, input_of(n - 1, p - 1), w_last, zeros_c, saved_of(n - 1)), (scanned, steps)
-    else:
-        init, xs = (g_out, input_of(n - 1, p - 1), w_last, zeros_c), (scanned, saved, steps)
-    final, g_xs = jax.lax.scan(body, init, xs, reverse=True)
-    g0, g_consts = final[0], final[3]
+    def body(state, _):
+        # Step k differentiates iteration i + 1 = n - 1 - k from what the previous step fetched, and fetches
+        # iteration i's inputs, residuals and streamed rows under it.
+        g, acc, inputs, w, stacked, k = state
+        i = n - 2 - k
+        w_below = layout.fetch(stacks, i)
+        inputs_below, stacked_below = rows_of(i)
+        g, acc, gx = differentiate(g, acc, inputs, w, stacked, [_row(leaf, i + 1) for leaf in scanned])
+        return (g, acc, inputs_below, w_below, stacked_below, k + 1), gx
+
+    last = ([jax.tree.map(lambda s: _back(s, s), kept_last[j]) for j in range(p)],
+            [[_back(s, s) for s in saved_last[j]] for j in range(p)] if policy is not None else None)
+    state = (g_out, [jnp.zeros_like(consts[i]) for i in c_want], last[0], w_last, last[1], jnp.int32(0))
+    if n > 1:  # reverse: row r of the stacked cotangents is iteration r + 1's
+        state, g_xs = jax.lax.scan(body, state, None, length=n - 1, reverse=True)
+    g0, acc, inputs, w, stacked, _ = state
+    g0, acc, gx0 = differentiate(g0, acc, inputs, w, stacked, [_row(leaf, 0) for leaf in scanned])
     dx = [None] * len(scanned)
-    for i, g in zip(x_want, g_xs):
-        dx[i] = g
+    for k, (i, g) in enumerate(zip(x_want, gx0)):
+        dx[i] = g[None] if n == 1 else jnp.concatenate([g[None], g_xs[k]])
     dc = [None] * len(consts)
-    for i, g in zip(c_want, g_consts):
+    for i, g in zip(c_want, acc):
         dc[i] = g
-    return (g0 if carry_wanted else None, dx, [None] * len(stacks), *dc)
+    return (g0 if any(jax.tree.leaves(carry_flags)) else None, dx, [None] * len(stacks), *dc)
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd, symbolic_zeros=True)

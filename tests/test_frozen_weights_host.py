@@ -61,7 +61,10 @@ def test_streamed_weights_give_the_gradients_of_weights_on_the_device(name, rema
         assert experts and all(is_slot(e) if form == "packed" else in_host_memory(e) for e in experts)
     want = grads(cfg, (graphdef, lora, frozen), remat, "scan")
     got = grads(cfg, (graphdef, lora, streamed), remat, "scan", frozen_weights="host")
-    assert_grads_match(*got, *want)
+    # 5e-6 of each leaf's largest entry: the streamed scan runs one iteration in each direction outside its loops
+    # (`jaxft.offload_scan`, "Fetches"), so those layers fuse on their own and round apart (Gemma 2's periodic
+    # scan: 4.1e-6 at most)
+    assert_grads_match(*got, *want, scale_tol=5e-6)
 
 
 def test_streamed_weights_outside_the_streaming_policies_are_refused_in_the_step():

@@ -67,12 +67,13 @@ def test_only_what_the_caller_differentiates_is_differentiated():
 
 
 def test_lowered_for_a_gpu_each_carry_goes_to_the_host_and_back():
-    """One placement to pinned host (the forward body: the layer input, not the [2] accumulator) and two back to
-    the device: the last iteration's carry before the backward scan, and the prefetch inside its body."""
+    """Two placements to pinned host (the layer input, not the [2] accumulator: in the forward loop's body and in
+    the last iteration after it) and two back to the device: the last iteration's carry before the backward loop,
+    and the prefetch inside its body."""
     args = _inputs(2)
     grad = jax.jit(jax.grad(_loss(offloaded_scan), argnums=1))
     text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count('_xla_buffer_placement = "pinned_host"') == 1
+    assert text.count('_xla_buffer_placement = "pinned_host"') == 2
     assert text.count('_xla_buffer_placement = "device"') == 2
 
 
@@ -92,11 +93,11 @@ def test_a_period_of_several_layers_equals_the_plain_scan():
 
     want = jax.grad(lambda *a: loss(plain, *a), argnums=(0, 1))(x, lora)
     got = jax.grad(lambda *a: loss(offloaded_scan, *a), argnums=(0, 1))(x, lora)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    for a, b in zip(got, want):  # float32 rounding of gradients up to ~40 (the loop and the last layer fuse apart)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
     text = jax.jit(jax.grad(lambda *a: loss(offloaded_scan, *a), argnums=1)).trace(x, lora).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert text.count('_xla_buffer_placement = "pinned_host"') == 2
+    assert text.count('_xla_buffer_placement = "pinned_host"') == 4  # each f's input: in the loop, and the last
 
 
 def _on_host(x):
@@ -155,12 +156,13 @@ def test_streamed_blocks_of_rows_feed_a_period():
 
 def test_lowered_for_a_gpu_each_layers_weights_come_to_the_device_once_each_way():
     """The streamed stack's rows reach the device by placements only: in the forward the first layer's before
-    the scan and one prefetch in its body; in the backward one prefetch in its body (its first layer's weights
+    the loop and one prefetch in its body; in the backward one prefetch in its body (its first layer's weights
     are the forward's last fetch). With the carries on the device, those are all the device placements, and
-    nothing goes to the host."""
+    nothing goes to the host; with them on the host, each goes there from the forward loop and from its last
+    iteration, and comes back before the backward loop and in its body."""
     x, lora, frozen, table = _inputs(6)
     host = _on_host(frozen)
-    for keep_on_host, to_host, to_device in ((False, 0, 3), (True, 1, 5)):
+    for keep_on_host, to_host, to_device in ((False, 0, 3), (True, 2, 5)):
         grad = jax.jit(jax.grad(lambda lora, w: _streamed_loss(offloaded_scan, HostRows(w), host=keep_on_host)(
             x, lora, table)))  # the weights an argument: its placement in host memory is the program's
         text = grad.trace(lora, host).lower(lowering_platforms=("cuda",)).as_text()
@@ -209,7 +211,8 @@ def test_a_policy_keeps_its_residuals_and_refetches_the_weights(streamed):
     """With `policy` the forward keeps what it saves ("h", a [T, H] per layer, stacked) and the backward does not
     recompute it; the gradients are the plain scan's. The weights and the carry are never among the stacked
     residuals (the weights are refetched or read from the scanned input, the carry is the scan's own copy): the
-    residuals hold one [L, T, H] stack more than without the policy and no more [L, H, H] ones."""
+    residuals hold one [L - 1, T, H] stack (the loop's layers; the last layer's is kept apart) more than without
+    the policy and no more [L - 1, H, H] or [L, H, H] ones."""
     x, lora, frozen, table = _inputs(8)
     policy = jax.checkpoint_policies.save_only_these_names("h")
     weights = HostRows(_on_host(frozen)) if streamed else frozen
@@ -222,7 +225,7 @@ def test_a_policy_keeps_its_residuals_and_refetches_the_weights(streamed):
     def shapes(**kw):
         _, vjp = jax.vjp(_named_loss(offloaded_scan, table, weights, **kw), x, lora)
         leaves = [leaf.shape for leaf in jax.tree.leaves(vjp)]
-        return leaves.count((L, T, H)), leaves.count((L, H, H))
+        return leaves.count((L - 1, T, H)), leaves.count((L - 1, H, H)) + leaves.count((L, H, H))
 
     (stacks_none, weights_none), (stacks_kept, weights_kept) = shapes(), shapes(policy=policy)
     assert stacks_kept == stacks_none + 1 and weights_kept == weights_none
@@ -231,9 +234,9 @@ def test_a_policy_keeps_its_residuals_and_refetches_the_weights(streamed):
 @pytest.mark.parametrize("streamed", [False, True])
 def test_kept_residuals_on_the_host_give_the_same_gradients_and_go_there_once(streamed):
     """`residuals_host`: what the policy keeps ("h") waits in pinned host memory like the carries. Gradients are the
-    plain scan's; lowered for a GPU, the forward body moves "h" to the host once and the backward brings each
-    layer's back once (the top layer's before the reverse scan, the rest one layer ahead in its body), on top of
-    the carries' placements."""
+    plain scan's; lowered for a GPU, the forward moves "h" to the host once per layer (in the loop's body, and
+    after it for the last layer) and the backward brings each layer's back once (the last layer's before the
+    backward loop, the rest one layer ahead in its body), on top of the carries' placements."""
     x, lora, frozen, table = _inputs(9)
     policy = jax.checkpoint_policies.save_only_these_names("h")
     weights = HostRows(_on_host(frozen)) if streamed else frozen
@@ -249,4 +252,4 @@ def test_kept_residuals_on_the_host_give_the_same_gradients_and_go_there_once(st
         return text.count('_xla_buffer_placement = "pinned_host"'), text.count('_xla_buffer_placement = "device"')
 
     (host_off, dev_off), (host_on, dev_on) = placements(), placements(residuals_host=True)
-    assert (host_on - host_off, dev_on - dev_off) == (1, 2)
+    assert (host_on - host_off, dev_on - dev_off) == (2, 2)

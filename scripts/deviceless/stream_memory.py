@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE.parent))
 from gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin before jax is imported)
-from hlo_schedule import gemms_under_fetches  # noqa: E402
+from hlo_schedule import gemms_under_fetches, host_slice_forms  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -66,8 +66,11 @@ def analysis(model_dir: str, seq: int, weights: str, remat: str = "offload") -> 
     compiled = compile_for_h200(fn, lora, frozen, batch, compiler_options=execution.program_options)
     m = compiled.memory_analysis()
     device_args = m.argument_size_in_bytes - packed
-    fetches = gemms_under_fetches(compiled.as_text()) if weights == "host" else []
-    return {"seq": seq, "remat": remat, "weights": weights, "fetch_gemms": fetches, "device_arguments_gib": device_args / GIB,
+    text = compiled.as_text()
+    forms = host_slice_forms(text)
+    return {"seq": seq, "remat": remat, "weights": weights, "fetch_gemms": gemms_under_fetches(text),
+            "host_slices_memcpy": sum(m for *_, m in forms), "host_slices_kernel": sum(not m for *_, m in forms),
+            "device_arguments_gib": device_args / GIB,
             "temp_gib": m.temp_size_in_bytes / GIB, "device_gib": (device_args + m.temp_size_in_bytes) / GIB,
             "host_gib": (m.host_temp_size_in_bytes + m.host_argument_size_in_bytes) / GIB}
 
