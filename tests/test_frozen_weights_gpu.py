@@ -1,5 +1,6 @@
 """`frozen_weights: host` on a GPU: the packed weights are host arguments of the compiled step (not device memory),
-each loop body fetches one packed row per layer from host memory under the layer's matmuls, and the step's loss and
+each loop body fetches one packed row per layer from host memory under the layer's matmuls, as a copy (not a
+kernel reading host memory), and the step's loss and
 LoRA gradients equal those over the weights on the device. A 4-layer model of 1024 width, fp32, 1 x 1024 tokens,
 remat offload+attn (the policy that keeps residuals over streamed weights: `jaxft.offload_scan._Residuals`). On the
 CPU these checks cannot be made: its memory analysis counts host arguments as arguments, and JAX lowers no
@@ -26,7 +27,7 @@ from gpu_helpers import NO_AUTOTUNE
 from lora_helpers import perturb_lora_b
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "deviceless"))
-from hlo_schedule import gemms_under_fetches  # noqa: E402  (plain text parsing: no plugin set-up)
+from hlo_schedule import gemms_under_fetches, host_slice_forms  # noqa: E402  (plain text parsing: no plugin set-up)
 
 pytestmark = pytest.mark.gpu
 
@@ -73,8 +74,14 @@ def test_streamed_weights_are_host_arguments_fetched_under_compute_with_equal_gr
     assert dev_mem.argument_size_in_bytes - host_mem.argument_size_in_bytes >= 0.95 * packed_bytes
     assert host_mem.host_argument_size_in_bytes >= packed_bytes
     # Each layer's row is fetched under compute: the forward's and the backward's fetch in their loop bodies.
-    fetches = gemms_under_fetches(on_host.as_text())
+    text = on_host.as_text()
+    fetches = gemms_under_fetches(text)
     assert len(fetches) >= 2 and sum(1 for n in fetches if n > 0) >= 2, fetches
+    # ... as copies: every slice of a host buffer is a memcpy but the first layer's row, read before the forward loop
+    # (one per packed buffer); a kernel would read host memory over PCIe on the matmuls' SMs (offload_scan, "Fetches")
+    forms = host_slice_forms(text)
+    kernels = [name for name, _, memcpy in forms if not memcpy]
+    assert sum(m for *_, m in forms) >= 2 and len(kernels) <= len(rows), forms
 
     want_loss, want_grads = on_device(lora, frozen, batch)
     got_loss, got_grads = on_host(lora, streamed, batch)
