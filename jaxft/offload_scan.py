@@ -41,7 +41,10 @@ the matmuls need (compiled for an H200: scripts/deviceless/hlo_schedule.py `host
 scripts/stream_fetch_probe.py). So the forward loop runs iterations 0 .. L-2, fetching iteration i + 1's rows, and
 the last iteration runs after it (its kept values apart from the loop's stacks); the backward loop's step k
 differentiates iteration L-1-k from what the step before fetched while it fetches iteration L-2-k's, and
-iteration 0 runs after it. Each f is traced twice in each direction (compile time). XLA's pipelined host
+iteration 0 runs after it. Each f is traced twice in each direction (compile time), and an iteration's kept
+inputs come back together, one step early: with a period of p layers per iteration (`fs`) its p layer inputs are on
+the device through its backward, where each came back one layer early before (the loop's index into the stacks
+cannot reach iteration L-1's own, which the last forward iteration keeps apart). XLA's pipelined host
 offloading would rewrite these loops and turn the fetches back into kernels: `ExecutionConfig.program_options`
 leaves it off here.
 
