@@ -114,6 +114,8 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
         frozen_weights="host")
     fast = load_config(REPO / "examples/bench/fast.yaml").execution
     assert (fast.remat, fast.resolved_layer_loop) == ("none", "unroll")
+    assert load_config(REPO / "examples/bench/fast_host.yaml").execution == fast.replace(layer_loop="scan",
+                                                                                          frozen_weights="host")
     policies = {mode: load_config(REPO / "examples/bench" / f"{mode}.yaml").execution for mode in MODES}
     assert (policies["offload_attn"].remat, policies["offload_all"].remat, policies["auto"].remat) == (
         "offload+attn", "offload_all", "auto")
@@ -133,8 +135,8 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert (plan.remat, plan.remat_plan, plan.resolved_layer_loop) == ("full", (("offload_all", 12),), "unroll")
 
 
-@pytest.mark.parametrize("mode", ["fast", "lean", "lean_host", "offload_attn", "lean_attn_host", "qlora", "qlora_lean",
-                                  "qlora_offload", "remat_plan"])
+@pytest.mark.parametrize("mode", ["fast", "fast_host", "lean", "lean_host", "offload_attn", "lean_attn_host", "qlora",
+                                  "qlora_lean", "qlora_offload", "remat_plan"])
 def test_bench_recipes_run_in_jaxft_train(mode, model_dir, tmp_path):
     make_jsonl(tmp_path / "train.jsonl", 40)
     cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml", [
