@@ -360,6 +360,13 @@ class ExecutionConfig:
             # backward; with this limit the backward's run under 2-19 GEMMs, the forward's under 1-9:
             # scripts/deviceless/stream_schedule.py).
             wanted["xla_gpu_experimental_parallel_async_compute_limit"] = 8
+        if ours:
+            # No CUDA-graph command buffers: inside one, the loop's copies from host memory ran serialised with the
+            # matmuls. Measured on the H200 (scripts/stream_fetch_probe.py, 16 layers of 8B's matmuls at 1 x 16384,
+            # each layer's weights fetched as a copy under the previous layer): 265 ms a step with command buffers,
+            # 157 without, against 147 for the compute alone and 140 for the copies alone (docs/benchmarks.md
+            # section 38).
+            wanted["xla_gpu_enable_command_buffer"] = ""
         return {**wanted, **self.compiler_options}
 
     def replace(self, **changes) -> "ExecutionConfig":
