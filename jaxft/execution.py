@@ -349,8 +349,9 @@ class ExecutionConfig:
         instead of 5-16)."""
         wanted: dict[str, Any] = {}
         ours = self.frozen_weights == "host" or self.offload_transfer == "explicit"
-        if self.remat != "auto" and self.resolved_layer_loop == "scan" and remat_policies.parse(self.remat).offloads \
-                and self.remat_block in (None, 1) and not ours:
+        offloading_scan = self.remat != "auto" and self.resolved_layer_loop == "scan" \
+            and remat_policies.parse(self.remat).offloads and self.remat_block in (None, 1)
+        if offloading_scan and not ours:
             wanted["xla_gpu_enable_pipelined_host_offloading"] = True
         if self.frozen_weights == "host":
             # Each fetch from host memory is an asynchronous dynamic-slice fusion. A layer makes one per packed buffer
@@ -360,12 +361,12 @@ class ExecutionConfig:
             # backward; with this limit the backward's run under 2-19 GEMMs, the forward's under 1-9:
             # scripts/deviceless/stream_schedule.py).
             wanted["xla_gpu_experimental_parallel_async_compute_limit"] = 8
-        if ours:
+        if ours or offloading_scan:
             # No CUDA-graph command buffers: inside one, the loop's copies from host memory ran serialised with the
-            # matmuls. Measured on the H200 (scripts/stream_fetch_probe.py, 16 layers of 8B's matmuls at 1 x 16384,
-            # each layer's weights fetched as a copy under the previous layer): 265 ms a step with command buffers,
-            # 157 without, against 147 for the compute alone and 140 for the copies alone (docs/benchmarks.md
-            # section 38).
+            # matmuls. Measured on the H200 (docs/benchmarks.md section 38): scripts/stream_fetch_probe.py's loop
+            # (16 layers of 8B's matmuls at 1 x 16384, each layer's weights copied in under the layer before) took
+            # 265 ms a step with command buffers and 157 without, against 147 for the compute alone and 140 for the
+            # copies alone; the 8B lean step at 1 x 16384 (XLA's offload policy) 1880 -> 1833 ms.
             wanted["xla_gpu_enable_command_buffer"] = ""
         return {**wanted, **self.compiler_options}
 

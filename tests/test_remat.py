@@ -395,13 +395,14 @@ def test_an_offloading_policy_in_the_scan_compiles_with_pipelined_host_offload()
     own `compiler_options` win. The step compiles with it (CPU: the placements are identities there)."""
     flag = "xla_gpu_enable_pipelined_host_offloading"
     scan = dict(layer_loop="scan")
+    off = {flag: True, "xla_gpu_enable_command_buffer": ""}  # no command buffers either: they serialised the copies
     for remat in ("offload", "offload+attn", "offload_all", "save=attn_out;offload=layer_input"):
-        assert ExecutionConfig(remat=remat, **scan).program_options == {flag: True}, remat
+        assert ExecutionConfig(remat=remat, **scan).program_options == off, remat
     for remat, loop in (("full", "scan"), ("none", "auto"), ("offload", "unroll"), ("save=attn_out", "scan")):
         assert flag not in ExecutionConfig(remat=remat, layer_loop=loop).program_options, (remat, loop)
-    assert ExecutionConfig(remat="offload", layer_loop="auto").program_options == {flag: True}  # auto: the scan
+    assert ExecutionConfig(remat="offload", layer_loop="auto").program_options == off  # auto: the scan
     # jaxft.offload_scan's own loop (streamed weights, the explicit transfer): its fetches stay copies unpipelined
-    # ... and without command buffers, which serialised those copies with the matmuls
+    # ... and, again, without command buffers
     for ours in (ExecutionConfig(remat="offload", frozen_weights="host", **scan),
                  ExecutionConfig(remat="offload", offload_transfer="explicit", **scan)):
         assert flag not in ours.program_options and ours.program_options["xla_gpu_enable_command_buffer"] == ""

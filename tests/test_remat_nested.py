@@ -159,6 +159,7 @@ def test_nested_blocks_compile_without_pipelined_host_offload():
     flag = "xla_gpu_enable_pipelined_host_offloading"
     assert flag not in ExecutionConfig(remat="offload", remat_block=2).program_options
     assert flag not in ExecutionConfig(remat="offload", remat_block="auto").program_options
-    assert ExecutionConfig(remat="offload", remat_block=1).program_options == {flag: True}
+    assert ExecutionConfig(remat="offload", remat_block=1).program_options == {flag: True,
+                                                                                "xla_gpu_enable_command_buffer": ""}
     mine = ExecutionConfig(remat="offload", remat_block=2, compiler_options={flag: True})
     assert mine.program_options == {flag: True}
