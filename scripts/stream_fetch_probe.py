@@ -27,6 +27,10 @@ host_counter is a loop fusion (a kernel reading host memory); host_xs, host_xs_s
 or of a counter it merges with it, over every iteration; the clamp min(i + 1, L - 1) and a scanned index array are
 neither).
 
+Measured on the H200 (docs/benchmarks.md section 38): host_peel 265 ms a step with XLA's command buffers, 157 without
+them (XLA_FLAGS=--xla_gpu_enable_command_buffer=), against 147 for device and 140 for copy_only; host_iota 284 either
+way. So a fetch hides under the layer's matmuls when it is a copy and the program has no command buffers.
+
 Per form: the median step time of `--reps` runs after a warm-up (each waited for), and how XLA compiled the fetch
 (async dynamic-slice fusions and copy-starts reading host memory, counted in the optimized HLO). A form whose
 fetches run under compute takes about max(compute, link); serialised, about their sum.
