@@ -11,7 +11,8 @@ benchmark recipe's LoRA and AdamW through `jaxft.run.Run` on random weights (`Ru
 `jax.profiler.trace`, each step inside a `TraceAnnotation` named `overlap_step_<i>` and waited for, so the device
 events of step i are those inside that annotation's time span. CUDA-graph command buffers are turned off
 (`--xla_gpu_enable_command_buffer=`) so every kernel names the HLO instruction it ran, unless
-`--keep-command-buffers`. `OFFLOAD_OVERLAP_HLO_DIR` keeps each variant's optimized HLO there.
+`--keep-command-buffers` (the step's own program options still turn them off for a policy that offloads in the layer
+scan and for streamed weights, as in training). `OFFLOAD_OVERLAP_HLO_DIR` keeps each variant's optimized HLO there.
 
 What JAX 0.11 writes: `DIR/plugins/profile/<run>/<host>.xplane.pb` and `<host>.trace.json.gz` (Chrome trace
 format). In the JSON a GPU is a process named `/device:GPU:<n>`; its threads are the CUDA streams (`Stream #<id>
@@ -316,8 +317,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="the JSON summary (required)")
     ap.add_argument("--trace", default=None, help="the last step of every variant, GPU streams only (.json.gz)")
     ap.add_argument("--keep-command-buffers", action="store_true",
-                    help="leave XLA's CUDA-graph command buffers on (as in training): step times as users get them, "
-                         "but kernels inside a graph may not name their HLO op, so the backward split is lost")
+                    help="leave XLA's CUDA-graph command buffers on where training has them: step times as users get "
+                         "them, but kernels inside a graph may not name their HLO op, so the backward split is lost "
+                         "(ExecutionConfig.program_options turns them off for policies that offload in the layer scan "
+                         "and for streamed weights either way)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--trace-part", help=argparse.SUPPRESS)
