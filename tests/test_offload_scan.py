@@ -5,6 +5,7 @@ differentiate, and, lowered for a GPU, each carry goes to pinned host and comes 
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -253,3 +254,65 @@ def test_kept_residuals_on_the_host_give_the_same_gradients_and_go_there_once(st
 
     (host_off, dev_off), (host_on, dev_on) = placements(), placements(residuals_host=True)
     assert (host_on - host_off, dev_on - dev_off) == (2, 2)
+
+
+def _scans(jaxpr):
+    """Every scan equation in a jaxpr, nested ones included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            out.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out += _scans(sub)
+    return out
+
+
+def _affine_in_counter(var, counter, defs) -> bool:
+    """Whether `var` is the counter plus or minus literals, or literals minus it (through converts): an index XLA
+    copies with."""
+    while var is not counter:
+        eqn = defs.get(var)
+        if eqn is None or eqn.primitive.name not in ("add", "sub", "convert_element_type"):
+            return False
+        dynamic = [v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)]
+        if len(dynamic) != 1:  # (c - i is affine too: the backward walks its stacks down)
+            return False
+        var = dynamic[0]
+    return True
+
+
+def test_the_loops_read_their_stacks_at_indices_affine_in_the_counter():
+    """What makes XLA copy a row of a host stack instead of running a kernel that reads host memory (module
+    docstring, "Fetches"; checked on the compiled program by tests/test_frozen_weights_gpu.py): both loops of the
+    streamed scan take no scanned inputs (no index array), and every dynamic slice in their bodies is indexed by
+    the loop's carried counter plus or minus constants, never clamped."""
+    x, lora, frozen, table = _inputs(10)
+    loss = _streamed_loss(offloaded_scan, HostRows(_on_host(frozen)))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(x, lora, table).jaxpr
+    scans = _scans(jaxpr)
+    assert len(scans) == 2  # the forward loop, the backward loop
+    for eqn in scans:
+        consts, carry, xs = (len(list(part)) for part in eqn.params["ft_in"].unpack())  # JAX 0.11's scan params
+        assert xs == 0 and len(eqn.invars) == consts + carry and eqn.params["length"] == L - 1
+        body = eqn.params["jaxpr"].jaxpr
+        counter = body.invars[consts + carry - 1]  # the counter is the carry's last leaf
+        defs = {v: e for e in body.eqns for v in e.outvars}
+        slices = list(_slice_indices(body))
+        # non-vacuous: the loop reads rows of a stack in host memory
+        assert any(getattr(stack.aval, "memory_space", None) == jax.memory.Space.Host for stack, _ in slices)
+        for stack, indices in slices:
+            for index in indices:
+                assert isinstance(index, jax.extend.core.Literal) or _affine_in_counter(index, counter, defs), \
+                    (stack, defs.get(index))
+        assert not any(e.primitive.name in ("min", "max", "clamp") for e in body.eqns)
+
+
+def _slice_indices(body):
+    """(sliced operand, its index operands) of every dynamic slice in a loop body: direct ones, and the calls of
+    `jax.lax.dynamic_index_in_dim` (a jit whose own body normalises a negative index, then slices)."""
+    for eqn in body.eqns:
+        if eqn.primitive.name == "dynamic_slice":
+            yield eqn.invars[0], eqn.invars[1:]
+        elif eqn.primitive.name == "jit" and any(e.primitive.name == "dynamic_slice"
+                                                 for e in eqn.params["jaxpr"].jaxpr.eqns):
+            yield eqn.invars[0], [v for v in eqn.invars[1:] if v.aval.shape == ()]
