@@ -1,6 +1,7 @@
 """`jaxft.offload_scan.offloaded_scan`: the gradients of the plain scan (carry, the differentiated scanned inputs,
 through a closed-over constant and a tuple carry with a small accumulator), nothing for what the caller does not
-differentiate, and, lowered for a GPU, each carry goes to pinned host and comes back once."""
+differentiate, and, lowered for a GPU, each carry goes to pinned host and comes back once; the loops read their
+stacks at indices affine in their counter (what XLA copies with)."""
 
 from __future__ import annotations
 
