@@ -284,8 +284,7 @@ def _forward(fs, host, layout, carry, scanned, stacks, consts, keep: bool, polic
         return c, kept, saved
 
     if not (keep or stacks):  # nothing fetched ahead, nothing kept: the plain scan
-        return jax.lax.scan(lambda c, i: (iteration(c, [], [_row(leaf, i) for leaf in scanned])[0], None), carry,
-                            jnp.arange(n, dtype=jnp.int32))[0], None, None, []
+        return jax.lax.scan(lambda c, sliced: (iteration(c, [], sliced)[0], None), carry, scanned)[0], None, None, []
 
     def body(state, _):
         c, w, i = state
@@ -329,11 +328,11 @@ def _scan_bwd(fs, how, layout, res, g_out):
     x_want = [i for i, m in enumerate(jax.tree.leaves(scanned_flags)) if m]
     c_want = [i for i, m in enumerate(jax.tree.leaves(const_flags)) if m]
 
-    def rows_of(i):
-        """Iteration i's kept inputs (one per f) and kept residuals, those in host memory copied back to the device
-        (started here, used in the next step)."""
-        return ([jax.tree.map(lambda s: _back(s, _row(s, i)), kept[j]) for j in range(p)],
-                [[_back(s, _row(s, i)) for s in saved[j]] for j in range(p)] if policy is not None else None)
+    def on_device(kept, saved, take):
+        """An iteration's kept inputs (one per f) and kept residuals, `take(stack)` of each (its row, or the whole
+        of the last iteration's), those in host memory copied back to the device (started here, used later)."""
+        return ([jax.tree.map(lambda s: _back(s, take(s)), kept[j]) for j in range(p)],
+                [[_back(s, take(s)) for s in saved[j]] for j in range(p)] if policy is not None else None)
 
     def differentiate(g, acc, inputs, w, stacked, sliced):
         """Iteration's backward from its inputs, rows and kept residuals: (g before it, acc + its constants'
@@ -359,13 +358,12 @@ def _scan_bwd(fs, how, layout, res, g_out):
         g, acc, inputs, w, stacked, k = state
         i = n - 2 - k
         w_below = layout.fetch(stacks, i)
-        inputs_below, stacked_below = rows_of(i)
+        inputs_below, stacked_below = on_device(kept, saved, lambda s: _row(s, i))
         g, acc, gx = differentiate(g, acc, inputs, w, stacked, [_row(leaf, i + 1) for leaf in scanned])
         return (g, acc, inputs_below, w_below, stacked_below, k + 1), gx
 
-    last = ([jax.tree.map(lambda s: _back(s, s), kept_last[j]) for j in range(p)],
-            [[_back(s, s) for s in saved_last[j]] for j in range(p)] if policy is not None else None)
-    state = (g_out, [jnp.zeros_like(consts[i]) for i in c_want], last[0], w_last, last[1], jnp.int32(0))
+    inputs, stacked = on_device(kept_last, saved_last, lambda s: s)
+    state = (g_out, [jnp.zeros_like(consts[i]) for i in c_want], inputs, w_last, stacked, jnp.int32(0))
     if n > 1:  # reverse: row r of the stacked cotangents is iteration r + 1's
         state, g_xs = jax.lax.scan(body, state, None, length=n - 1, reverse=True)
     g0, acc, inputs, w, stacked, _ = state

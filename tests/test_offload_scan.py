@@ -13,6 +13,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.offload_scan import HostRows, in_host_memory, offloaded_scan
+from lora_helpers import jaxpr_eqns
 
 L, T, H = 5, 16, 8
 
@@ -257,17 +258,6 @@ def test_kept_residuals_on_the_host_give_the_same_gradients_and_go_there_once(st
     assert (host_on - host_off, dev_on - dev_off) == (2, 2)
 
 
-def _scans(jaxpr):
-    """Every scan equation in a jaxpr, nested ones included."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            out.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            out += _scans(sub)
-    return out
-
-
 def _affine_in_counter(var, counter, defs) -> bool:
     """Whether `var` is the counter plus or minus literals, or literals minus it (through converts): an index XLA
     copies with."""
@@ -290,7 +280,7 @@ def test_the_loops_read_their_stacks_at_indices_affine_in_the_counter():
     x, lora, frozen, table = _inputs(10)
     loss = _streamed_loss(offloaded_scan, HostRows(_on_host(frozen)))
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(x, lora, table).jaxpr
-    scans = _scans(jaxpr)
+    scans = [eqn for eqn in jaxpr_eqns(jaxpr) if eqn.primitive.name == "scan"]
     assert len(scans) == 2  # the forward loop, the backward loop
     for eqn in scans:
         consts, carry, xs = (len(list(part)) for part in eqn.params["ft_in"].unpack())  # JAX 0.11's scan params
