@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "deviceless"))
-from hlo_schedule import host_slice_forms  # noqa: E402  (plain text parsing)
+from hlo_schedule import host_slice_counts  # noqa: E402  (plain text parsing)
 
 H, KV, I = 4096, 1024, 14336  # --small divides each by 16 (a CPU smoke run)
 
@@ -163,6 +163,7 @@ def probe(form: str, n: int, tokens: int, reps: int) -> dict:
     compiled = fn.lower(x, weights).compile()
     compile_s = time.perf_counter() - t0
     hlo = compiled.as_text()
+    copies, kernels = host_slice_counts(hlo)
     jax.block_until_ready(compiled(x, weights))
     times = []
     for _ in range(reps):
@@ -174,8 +175,7 @@ def probe(form: str, n: int, tokens: int, reps: int) -> dict:
     return dict(form=form, layers=n, tokens=tokens, step_ms=round(1e3 * step, 2), compile_s=round(compile_s, 1),
                 fetched_gb=round(n * row_bytes / 1e9, 3), link_gb_per_s=round(n * row_bytes / 1e9 / step, 1),
                 async_dynamic_slices=hlo.count("dynamic-slice-start"), copy_starts=hlo.count("copy-start("),
-                host_slices_memcpy=sum(m for _, _, m in host_slice_forms(hlo)),
-                host_slices_kernel=sum(not m for _, _, m in host_slice_forms(hlo)),
+                host_slices_memcpy=copies, host_slices_kernel=kernels,
                 host_values=hlo.count(":S(5)"))
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "deviceless"))
-from hlo_schedule import host_slice_forms  # noqa: E402
+from hlo_schedule import host_slice_counts, host_slice_forms  # noqa: E402
 
 HLO = """
 %fetch_kernel (param_0.1: bf16[4,64]) -> bf16[1,64] {
@@ -37,3 +37,4 @@ HLO = """
 def test_host_slices_are_told_apart_as_memcpys_and_kernels():
     assert host_slice_forms(HLO) == [("%dynamic_slice.7.1", "slice", False), ("%dynamic_slice.8.1", "slice", True),
                                      ("%dynamic-update-slice.2.1", "update", False)]
+    assert host_slice_counts(HLO) == (1, 2)

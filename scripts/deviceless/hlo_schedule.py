@@ -53,3 +53,10 @@ def host_slice_forms(text: str) -> list[tuple[str, str, bool]]:
             out.append((m.group(1), "slice" if m.group(2) == "dynamic-slice" else "update",
                         "dynamic_slice_config" in ln))
     return out
+
+
+def host_slice_counts(text: str) -> tuple[int, int]:
+    """(copies, kernels) among the dynamic (update) slices of pinned host buffers in `text` (`host_slice_forms`)."""
+    forms = host_slice_forms(text)
+    copies = sum(memcpy for *_, memcpy in forms)
+    return copies, len(forms) - copies

@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE.parent))
 from gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin before jax is imported)
-from hlo_schedule import gemms_under_fetches, host_slice_forms  # noqa: E402
+from hlo_schedule import gemms_under_fetches, host_slice_counts  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -67,9 +67,9 @@ def analysis(model_dir: str, seq: int, weights: str, remat: str = "offload") -> 
     m = compiled.memory_analysis()
     device_args = m.argument_size_in_bytes - packed
     text = compiled.as_text()
-    forms = host_slice_forms(text)
+    copies, kernels = host_slice_counts(text)
     return {"seq": seq, "remat": remat, "weights": weights, "fetch_gemms": gemms_under_fetches(text),
-            "host_slices_memcpy": sum(m for *_, m in forms), "host_slices_kernel": sum(not m for *_, m in forms),
+            "host_slices_memcpy": copies, "host_slices_kernel": kernels,
             "device_arguments_gib": device_args / GIB,
             "temp_gib": m.temp_size_in_bytes / GIB, "device_gib": (device_args + m.temp_size_in_bytes) / GIB,
             "host_gib": (m.host_temp_size_in_bytes + m.host_argument_size_in_bytes) / GIB}
