@@ -74,18 +74,27 @@ NAME_HELP = {
     MLP_GATE_UP: "the MLP's gate and up projections [B,T,intermediate] each",
 }
 FIXED = ("none", "full", "dots", "offload", "offload+attn", "offload_stream", "offload_all", "auto")
+# Layer inputs and the attention's residuals (output, softmax statistics) in pinned host memory
+# (`examples/bench/lean_attn.yaml`): offload+attn's recompute at about offload's device memory.
+LEAN_ATTN = f"offload={LAYER_INPUT},{ATTN_OUT},{ATTN_LSE}"
 # `auto`'s candidates, in the order of expected speed (it takes the first that fits; see Run.choose_remat):
 #   none          recomputes nothing;
 #   offload+attn  recomputes projections/norms/MLP but not attention, copies one [B,T,H] per layer each way;
+#   LEAN_ATTN     the same recompute, the attention's residuals copied too (two [B,T,H] and the statistics per
+#                 layer each way); measured on the H200 at 8B 1 x 16384 with the same program options, 3% faster
+#                 than offload (1,780 vs 1,833 ms, docs/benchmarks.md section 38): its copies hide there;
 #   full          recomputes the whole layer, attention included, no host copies;
 #   offload       the same recompute as full plus the host copies (at best hidden under compute), so never
 #                 faster than full, but it keeps L fewer layer inputs on the device.
-# Device memory falls along the same order, so "the first that fits" is also "the fastest that fits".
+# Device memory falls along the same order up to LEAN_ATTN, which keeps about offload's (compiled for the H200, 8B
+# 1 x 65536: 27.71 against offload's 27.97 GiB, section 37); full keeps the layer inputs on the device, more than
+# either. So "the first that fits" is still "the fastest that fits", and full and offload are there for a host too
+# small for LEAN_ATTN's copies (`Run._host_fit` skips it; offload then nests).
 # offload_stream is not a candidate: through the explicit transfer of the unrolled loop it now saves memory, but
 # measured on the H200 (docs/benchmarks.md section 15, Gemma-2-9B 1 x 4096) it was 15% slower than no remat
 # (6,806 vs 8,038 tok/s at 33.38 vs 38.20 GiB, no remat from section 10's call): the copies of the tensors made last in a layer end it, and full
 # remat on the few layers a budget needs is cheaper.
-AUTO_ORDER = ("none", "offload+attn", "full", "offload")
+AUTO_ORDER = ("none", "offload+attn", LEAN_ATTN, "full", "offload")
 # What `auto` weighs when full remat on the first k layers fits and offload+attn might too (Run._partial_remat):
 # full remat on k layers recomputes those layers' whole forward, attention included; offload+attn recomputes the
 # projections and MLP of every layer but no attention (its host copies hide under compute: docs/benchmarks.md

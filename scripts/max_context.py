@@ -70,10 +70,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 GIB = 2**30
-POLICIES = ("none", "full", "offload", "offload+attn", "offload_all", "offload_nested")
+POLICIES = ("none", "full", "offload", "offload+attn", "lean_attn", "offload_all", "offload_nested")
 # Policies of this script that are a remat policy plus execution settings: "offload_nested" is remat offload with
-# nested blocks sized to the host budget (`remat_block: auto`, jaxft.remat).
-REMAT_OF = {"offload_nested": ("offload", {"remat_block": "auto"})}
+# nested blocks sized to the host budget (`remat_block: auto`, jaxft.remat); "lean_attn" names the selective policy
+# `jaxft.remat.LEAN_ATTN` (`--policies` is split on commas; this module imports no JAX before the device is set up).
+REMAT_OF = {"offload_nested": ("offload", {"remat_block": "auto"}),
+            "lean_attn": ("offload=layer_input,attn_out,attn_lse", {})}
 RECIPE = ROOT / "examples" / "bench" / "auto.yaml"
 # Unsloth's measured peaks (tokens, GiB), 8B shape, batch 1, LoRA r16 all linear, H200 (issue #10's table).
 UNSLOTH_POINTS = ((16384, 19.72), (32768, 23.9), (65536, 32.3))
@@ -449,9 +451,11 @@ def auto_row(results: dict[str, dict]) -> dict[str, Any]:
     of these, and the row names the first candidate that reaches it (the one auto would choose there)."""
     from jaxft.remat import AUTO_ORDER
 
+    row_of = {remat: name for name, (remat, extra) in REMAT_OF.items() if not extra}  # LEAN_ATTN: "lean_attn"
     reach: dict[str, tuple[str, dict]] = {}  # candidate -> (the form auto runs it in, its searched row)
     for p in AUTO_ORDER:
-        forms = [(p, results[p])] if results.get(p, {}).get("max_seq") else []
+        row = results.get(row_of.get(p, p), {})
+        forms = [(row_of.get(p, p), row)] if row.get("max_seq") else []
         if p == "offload" and results.get("offload_nested", {}).get("max_seq"):
             forms.append(("offload in nested blocks", results["offload_nested"]))
         if forms:

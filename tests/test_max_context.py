@@ -154,6 +154,18 @@ def test_auto_row_is_the_longest_candidate_offload_nesting_past_the_host():
     assert mc.auto_row(results)["choice"] == "full"
     results["full"]["max_seq"] = 300_032  # a tie goes to the earlier candidate, as auto's order does
     assert mc.auto_row(results)["choice"] == "offload+attn"
+    # lean_attn, searched under its script name, is auto's LEAN_ATTN (between offload+attn and full)
+    results["lean_attn"] = dict(max_seq=331_776, limited_by="host", device_bytes=11, host_bytes=12)
+    row = mc.auto_row(results)
+    assert (row["max_seq"], row["choice"], row["device_bytes"]) == (331_776, "lean_attn", 11)
+
+
+def test_lean_attn_is_the_remat_policy_auto_tries():
+    from jaxft.remat import AUTO_ORDER, LEAN_ATTN
+
+    assert mc.REMAT_OF["lean_attn"] == (LEAN_ATTN, {}) and LEAN_ATTN in AUTO_ORDER and "lean_attn" in mc.POLICIES
+    ex = mc.execution_for(mc.Settings(model_dir=None, host_budget=64 * mc.GIB), "lean_attn", 4096, probe=False)
+    assert (ex.remat, ex.host_memory_gb) == (LEAN_ATTN, 64.0)
 
 
 def test_unsloth_row_solves_the_fitted_line_for_the_budget():

@@ -12,7 +12,7 @@ import pytest
 from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.lora import LoraConfig
-from jaxft.remat import AUTO_ORDER, budget_offload_all, residual_bytes
+from jaxft.remat import AUTO_ORDER, LEAN_ATTN, budget_offload_all, offloaded_bytes, parse, residual_bytes
 from jaxft.auto import GIB, STREAMED, peak_estimate
 from jaxft.streamed import is_packed as streamed_is_packed
 from jaxft.run import Run
@@ -54,7 +54,8 @@ def test_the_choice_follows_the_budget(model_dir, estimates):
     assert lines[0].startswith("remat auto: device budget ") and "(max_memory_gb)" in lines[0]
     assert lines[1].startswith(f"remat auto: none         estimated peak {estimates['none'] / GIB:.3f} GiB")
     assert lines[1].endswith("-> fits: chosen")
-    assert lines[2] == "remat auto: chose none (not compiled: offload+attn, full, offload, expected slower)"
+    assert lines[2] == ("remat auto: chose none (not compiled: offload+attn, offload=layer_input,attn_out,attn_lse, "
+                        "full, offload, expected slower)")
 
     lines.clear()
     between = (estimates["none"] + estimates["offload+attn"]) / 2 / GIB
@@ -128,6 +129,45 @@ def test_when_nothing_fits_on_the_device_auto_streams_the_weights(model_dir):
     compiled = run._compiled
     run.load()
     assert streamed_is_packed(run.frozen)
+    assert np.isfinite(float(run.step(_batch(), 0)["loss"])) and run._compiled is compiled
+
+
+class HostResiduals(Run):
+    """A run whose memory analysis leaves what its policy offloads out of the device temp, as XLA's GPU analysis
+    does (pinned-host temps are `host_temp_size_in_bytes` there); the CPU backend keeps them with the rest."""
+
+    def memory_analysis(self):
+        m = super().memory_analysis()
+        if m and self.execution.remat != "auto" and parse(self.execution.remat).offloads:
+            rows, seq = _batch()["input_ids"].shape
+            policy = self.execution.layer_policy(self.model_config, rows, seq, 4)
+            m = dict(m, temp_size_in_bytes=m["temp_size_in_bytes"] - offloaded_bytes(
+                policy, self.model_config, rows, seq, 4))
+        return m
+
+
+def test_auto_takes_the_attention_residuals_to_the_host_when_offload_attn_does_not_fit(model_dir):
+    """offload+attn (the attention's residuals kept on the device) does not fit, the same recompute with them in
+    pinned host memory does (LEAN_ATTN): auto chooses it without compiling full or offload, which recompute the
+    attention forward too, and the chosen step is the one that loads and steps."""
+    def estimate(policy):
+        run = HostResiduals(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+                            execution=ExecutionConfig(attention_implementation="reference", remat=policy))
+        run.compile(_batch())
+        return peak_estimate(run.memory_analysis())
+
+    with_attn, lean = estimate("offload+attn"), estimate(LEAN_ATTN)
+    assert lean < with_attn < estimate("none")  # the premise: LEAN_ATTN alone fits between the two
+    lines = []
+    run = HostResiduals(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+                        execution=ExecutionConfig(attention_implementation="reference", remat="auto",
+                                                  max_memory_gb=(lean + with_attn) / 2 / GIB))
+    assert run.choose_remat(_batch(), log=lines.append) == LEAN_ATTN == run.execution.remat
+    assert list(run.remat_estimates) == ["none", "offload+attn", LEAN_ATTN]
+    assert run.remat_choice == (LEAN_ATTN, lean) and not run.streams_weights
+    assert lines[-1] == f"remat auto: chose {LEAN_ATTN} (not compiled: full, offload, expected slower)"
+    compiled = run._compiled
+    run.load()
     assert np.isfinite(float(run.step(_batch(), 0)["loss"])) and run._compiled is compiled
 
 
@@ -274,9 +314,11 @@ def test_auto_checks_what_the_host_holds(model_dir, estimates):
     stream = 2 * 128 * 64 * 4  # one fp32 layer input of the [2, 128] batch at hidden 64
     lines = []
     run = _run(model_dir, "auto", max_memory_gb=between, host_memory_gb=stream / GIB)
-    assert run.choose_remat(_batch(), log=lines.append) == "full" and "offload+attn" not in run.remat_estimates
-    assert any(line.startswith("remat auto: offload+attn offloads ") and line.endswith("-> does not fit (host)")
-               for line in lines)
+    assert run.choose_remat(_batch(), log=lines.append) == "full"
+    assert "offload+attn" not in run.remat_estimates and LEAN_ATTN not in run.remat_estimates
+    for policy in ("offload+attn", LEAN_ATTN):  # each skipped with its line, neither compiled
+        assert any(line.startswith(f"remat auto: {policy} offloads ") and line.endswith("-> does not fit (host)")
+                   for line in lines)
     nested = run._host_fit(ExecutionConfig(remat="offload", host_memory_gb=stream / GIB), _batch(), lines.append)
     assert nested.remat_block == "auto" and nested.layer_policy(run.model_config, 2, 128, 4).block == 2
     assert lines[-1].endswith("offload in nested blocks of 2 layers (remat_block auto)")
