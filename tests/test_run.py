@@ -112,6 +112,8 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert load_config(REPO / "examples/bench/lean_attn.yaml").execution == lean_attn
     assert load_config(REPO / "examples/bench/lean_attn_host.yaml").execution == lean_attn.replace(
         frozen_weights="host")
+    assert load_config(REPO / "examples/bench/lean_gateup.yaml").execution == lean_attn.replace(
+        remat="offload=layer_input,attn_out,attn_lse,attn_qkv,mlp_input")
     fast = load_config(REPO / "examples/bench/fast.yaml").execution
     assert (fast.remat, fast.resolved_layer_loop) == ("none", "unroll")
     assert load_config(REPO / "examples/bench/fast_host.yaml").execution == fast.replace(layer_loop="scan",

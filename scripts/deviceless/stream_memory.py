@@ -12,7 +12,7 @@ host memory in the loop bodies of the compiled schedule (`hlo_schedule.gemms_und
 an offloading policy the layer inputs coming back; 0 would be a fetch waited for before any compute).
 
     JAX_CUDA_PLUGIN_DIR=/tmp/jax_cuda python scripts/deviceless/stream_memory.py [--seqs 4096,16384,65536]
-        [--remats offload,offload+attn]
+        [--remats offload,offload+attn] [--remat 'offload=layer_input,attn_out' ...] [--weights device,host]
 """
 
 from __future__ import annotations
@@ -78,19 +78,24 @@ def analysis(model_dir: str, seq: int, weights: str, remat: str = "offload") -> 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", default="4096,16384,65536")
-    ap.add_argument("--remats", default="offload", help="comma-separated remat policies (layer scan)")
+    ap.add_argument("--remats", default=None, help="comma-separated remat policies (layer scan; default offload)")
+    ap.add_argument("--remat", action="append", default=[],
+                    help="one more remat policy, commas allowed (a selective 'save=...;offload=...'); repeatable")
+    ap.add_argument("--weights", default="device,host", help="where the frozen weights are: device, host or both")
     args = ap.parse_args()
+    remats = [r for r in (args.remats or ("" if args.remat else "offload")).split(",") if r] + args.remat
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(SHAPES["llama-3.1-8b"].config_dict()))
-        print("| row | remat | weights | device arguments | temp | device (GiB) | host (GiB) | GEMMs under each fetch |\n"
-              "|---|---|---|---:|---:|---:|---:|---|")
+        print("| row | remat | weights | device arguments | temp | device (GiB) | host (GiB) | GEMMs under each fetch "
+              "| host slices: copies / kernels |\n|---|---|---|---:|---:|---:|---:|---|---|")
         for seq in map(int, args.seqs.split(",")):
-            for remat in args.remats.split(","):
-                for weights in ("device", "host"):
+            for remat in remats:
+                for weights in args.weights.split(","):
                     r = analysis(d, seq, weights, remat)
                     print(f"| 1 x {seq} | {remat} | {weights} | {r['device_arguments_gib']:.2f} | "
                           f"{r['temp_gib']:.2f} | **{r['device_gib']:.2f}** | {r['host_gib']:.2f} | "
-                          f"{', '.join(map(str, r['fetch_gemms'])) or '-'} |", flush=True)
+                          f"{', '.join(map(str, r['fetch_gemms'])) or '-'} | "
+                          f"{r['host_slices_memcpy']} / {r['host_slices_kernel']} |", flush=True)
     return 0
 
 
