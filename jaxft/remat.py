@@ -81,8 +81,8 @@ LEAN_ATTN = f"offload={LAYER_INPUT},{ATTN_OUT},{ATTN_LSE}"
 #   none          recomputes nothing;
 #   offload+attn  recomputes projections/norms/MLP but not attention, copies one [B,T,H] per layer each way;
 #   LEAN_ATTN     the same recompute, the attention's residuals copied too (two [B,T,H] and the statistics per
-#                 layer each way); measured on the H200 at 8B 1 x 16384 with the same program options, 3% faster
-#                 than offload (1,780 vs 1,833 ms, docs/benchmarks.md section 38): its copies hide there;
+#                 layer each way); measured on the H200 at 8B 1 x 16384 with the same program options in
+#                 consecutive calls, 3% faster than offload (1,780 vs 1,833 ms, docs/benchmarks.md section 38);
 #   full          recomputes the whole layer, attention included, no host copies;
 #   offload       the same recompute as full plus the host copies (at best hidden under compute), so never
 #                 faster than full, but it keeps L fewer layer inputs on the device.

@@ -454,8 +454,8 @@ def auto_row(results: dict[str, dict]) -> dict[str, Any]:
     row_of = {remat: name for name, (remat, extra) in REMAT_OF.items() if not extra}  # LEAN_ATTN: "lean_attn"
     reach: dict[str, tuple[str, dict]] = {}  # candidate -> (the form auto runs it in, its searched row)
     for p in AUTO_ORDER:
-        row = results.get(row_of.get(p, p), {})
-        forms = [(row_of.get(p, p), row)] if row.get("max_seq") else []
+        name = row_of.get(p, p)
+        forms = [(name, results[name])] if results.get(name, {}).get("max_seq") else []
         if p == "offload" and results.get("offload_nested", {}).get("max_seq"):
             forms.append(("offload in nested blocks", results["offload_nested"]))
         if forms:

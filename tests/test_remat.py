@@ -220,13 +220,13 @@ def test_keeping_the_attention_residuals_never_reruns_the_flash_forward():
     assert _flash_forward_loops("save=attn_out") == 2 * once  # without the statistics the kernel runs again
 
 
-def _dots(remat: str) -> int:
+def _dots(split, remat: str) -> int:
     """Matmuls in the jaxpr of the LoRA loss and gradients (Llama, the layer scan: one layer body), after JAX's
     partial evaluation left out of the backward's recompute what it does not need (XLA's own passes may merge
     dots that share an operand, so the optimized program's count is not structural)."""
     from lora_helpers import jaxpr_eqns
 
-    graphdef, lora, frozen = lora_split(LLAMA)
+    graphdef, lora, frozen = split
     batch = stack_micro_batches(packed_batch(LLAMA.vocab_size), 1)
     ex = ExecutionConfig(attention_implementation="reference", remat=remat, layer_loop="scan")
     jaxpr = jax.make_jaxpr(lambda lo: loss_and_grad_sums(graphdef, lo, frozen, batch, None, ex)[1])(lora)
@@ -237,11 +237,10 @@ def test_keeping_everything_but_gate_up_recomputes_only_gate_up():
     """`examples/bench/lean_gateup.yaml`'s policy: with q/k/v, the attention's residuals and the MLP input kept (here
     offloaded), the backward re-runs six matmuls of a layer: gate and up, each with its LoRA A and B; no attention,
     q/k/v/o or down projection. Full remat re-runs more. Gradients equal no remat's."""
-    policy = "offload=layer_input,attn_out,attn_lse,attn_qkv,mlp_input"
-    none = _dots("none")
-    assert _dots(policy) == none + 6 < _dots("full")
-    want_loss, want = grads(LLAMA, lora_split(LLAMA), "none", "scan")
-    assert_grads_match(*grads(LLAMA, lora_split(LLAMA), policy, "scan"), want_loss, want)
+    policy, split = "offload=layer_input,attn_out,attn_lse,attn_qkv,mlp_input", lora_split(LLAMA)
+    assert _dots(split, policy) == _dots(split, "none") + 6 < _dots(split, "full")
+    want_loss, want = grads(LLAMA, split, "none", "scan")
+    assert_grads_match(*grads(LLAMA, split, policy, "scan"), want_loss, want)
 
 
 def test_named_vjp_keeps_values_gradients_and_spares_the_forward():

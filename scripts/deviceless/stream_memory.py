@@ -83,7 +83,7 @@ def main() -> int:
                     help="one more remat policy, commas allowed (a selective 'save=...;offload=...'); repeatable")
     ap.add_argument("--weights", default="device,host", help="where the frozen weights are: device, host or both")
     args = ap.parse_args()
-    remats = [r for r in (args.remats or ("" if args.remat else "offload")).split(",") if r] + args.remat
+    remats = ([r for r in (args.remats or "").split(",") if r] + args.remat) or ["offload"]
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(SHAPES["llama-3.1-8b"].config_dict()))
         print("| row | remat | weights | device arguments | temp | device (GiB) | host (GiB) | GEMMs under each fetch "
