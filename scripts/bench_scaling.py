@@ -130,9 +130,29 @@ def point_command(args, system: str, mesh: str, devices: int, out: Path) -> list
     return [*launch, str(HF_WORKER), "--system", system, "--mesh", mesh, *common]
 
 
-def _point_in_a_process(args, system: str, mesh: str, devices: int) -> dict:
+# torch.distributed's launcher and store errors: a point that failed with one of these before any worker said why,
+# or after the workers wrote the row, failed in torchrun's rendezvous (its port, its shutdown), not in the training.
+LAUNCHER_ERRORS = ("RendezvousConnectionError", "RendezvousClosedError", "DistNetworkError", "DistStoreError",
+                   "Address already in use")
+
+
+def _point_in_a_process(args, system: str, mesh: str, devices: int, once=None) -> dict:
     """A point in a child process on the first `devices` GPUs (CUDA_VISIBLE_DEVICES; on a CPU a jaxft child sees the
-    parent's devices, e.g. XLA_FLAGS=--xla_force_host_platform_device_count=8, and torchrun starts CPU processes)."""
+    parent's devices, e.g. XLA_FLAGS=--xla_force_host_platform_device_count=8, and torchrun starts CPU processes).
+
+    A launcher failure before the workers began (`LAUNCHER_ERRORS`, no worker's own line) runs the point once more;
+    the row keeps the first try's error as `retried_after`. A row the workers wrote (every rank had finished its
+    steps: the HF worker gathers them before rank 0 writes) stays a measurement when the launcher then exits non-zero
+    in its shutdown; its last line goes in `launcher_exit`."""
+    once = once or _point_once  # tests pass their own child
+    row = once(args, system, mesh, devices)
+    if row.pop("launcher_failed", False):
+        row = {**once(args, system, mesh, devices), "retried_after": row["error"]}
+        row.pop("launcher_failed", None)
+    return row
+
+
+def _point_once(args, system: str, mesh: str, devices: int) -> dict:
     env = {**os.environ, **NO_MULTICAST}
     visible = env.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(devices)]
@@ -158,14 +178,27 @@ def _point_in_a_process(args, system: str, mesh: str, devices: int) -> dict:
             return {"system": system, "mesh": mesh, "devices": devices, "status": "timeout",
                     "error": f"over --timeout {args.timeout:g} s", "wall_s": round(time.perf_counter() - began, 1)}
         wall = {"wall_s": round(time.perf_counter() - began, 1)}  # the whole child: start-up, compile, init, steps
-        if child.returncode or not out.exists():
-            lines = (stdout + stderr).strip().splitlines()
-            # A worker's own one-line refusal (its rank 0 prints it) says more than torchrun's summary.
-            own = [line for line in lines if line.startswith(("bench_scaling:", "bench_scaling_hf:"))]
-            status = "oom" if is_oom_message(stderr) else "error"
-            return {"system": system, "mesh": mesh, "devices": devices, "status": status,
-                    "error": own[0] if own else " | ".join(lines[-3:]), **wall}
-        return {**json.loads(out.read_text()), "status": "ok", **wall}
+        written = json.loads(out.read_text()) if out.exists() else None
+        return point_row(system, mesh, devices, child.returncode, stdout, stderr, written, wall)
+
+
+def point_row(system: str, mesh: str, devices: int, returncode: int, stdout: str, stderr: str,
+              written: dict | None, wall: dict) -> dict:
+    """A finished child's row: what it wrote (ok, with `launcher_exit` when the launcher then exited non-zero), else
+    an error naming the worker's own refusal line or the output's last lines; `launcher_failed` marks a failure of
+    torchrun's rendezvous before any worker spoke (`LAUNCHER_ERRORS`), which `_point_in_a_process` tries again."""
+    lines = (stdout + stderr).strip().splitlines()
+    if written is not None:
+        row = {**written, "status": "ok", **wall}
+        if returncode:
+            row["launcher_exit"] = f"exit {returncode}: " + (lines[-1] if lines else "no output")
+        return row
+    # A worker's own one-line refusal (its rank 0 prints it) says more than torchrun's summary.
+    own = [line for line in lines if line.startswith(("bench_scaling:", "bench_scaling_hf:"))]
+    status = "oom" if is_oom_message(stderr) else "error"
+    launcher = not own and status == "error" and any(e in stderr for e in LAUNCHER_ERRORS)
+    return {"system": system, "mesh": mesh, "devices": devices, "status": status,
+            "error": own[0] if own else " | ".join(lines[-3:]), **wall, "launcher_failed": launcher}
 
 
 def add_efficiency(rows: list[dict]) -> list[dict]:

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench.workloads import SHAPES  # noqa: E402
+from bench_scaling import _point_in_a_process, point_row  # noqa: E402
 
 
 @pytest.mark.slow  # three child processes, each compiling a tiny step
@@ -58,7 +59,8 @@ def test_hf_points_run_under_accelerate_and_fsdp_on_a_cpu_is_refused_in_one_line
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     one, dp, fsdp = json.loads((tmp_path / "s.json").read_text())
     assert [(r["system"], r["mesh"], r["devices"], r["status"]) for r in (one, dp, fsdp)] == [
-        ("hf_ckpt", "dp", 1, "ok"), ("hf_ckpt", "dp", 2, "ok"), ("hf_ckpt", "fsdp", 2, "error")]
+        ("hf_ckpt", "dp", 1, "ok"), ("hf_ckpt", "dp", 2, "ok"), ("hf_ckpt", "fsdp", 2, "error")], [
+        r.get("error") for r in (one, dp, fsdp)]
     assert (one["distributed_type"], dp["distributed_type"]) == ("NO", "MULTI_CPU")  # accelerate's DDP over gloo
     for r in (one, dp):  # tiny_llama: 2 rows of 128 tokens per process; 2 timed steps after the warm-up
         assert r["tokens_per_step"] == 2 * 128 * r["devices"] and len(r["step_times_s"]) == 2 and len(r["losses"]) == 3
@@ -106,3 +108,53 @@ def test_a_point_past_its_timeout_is_killed_whole_and_recorded(tmp_path):
         if any(a.endswith(b"bench_scaling.py") for a in args) and b"--point" in args:
             left.append(args)
     assert not left, left
+
+
+RENDEZVOUS = ("torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d store "
+              "has failed.")
+
+
+def test_a_row_the_workers_wrote_is_kept_when_torchrun_then_fails_in_its_shutdown():
+    written = {"system": "hf_ckpt", "mesh": "dp", "devices": 2, "step_s": 0.02}
+    row = point_row("hf_ckpt", "dp", 2, 1, "", "Traceback ...\n" + RENDEZVOUS + "\n", written, {"wall_s": 9.0})
+    assert row == {**written, "status": "ok", "wall_s": 9.0, "launcher_exit": "exit 1: " + RENDEZVOUS}
+    assert point_row("hf_ckpt", "dp", 2, 0, "", "", written, {"wall_s": 9.0}) == {**written, "status": "ok",
+                                                                                  "wall_s": 9.0}
+
+
+def test_only_a_launcher_failure_before_the_workers_spoke_is_marked_for_a_second_try():
+    def row(stderr):
+        return point_row("hf_ckpt", "dp", 2, 1, "", stderr, None, {"wall_s": 3.0})
+
+    assert row("a\nb\n" + RENDEZVOUS)["launcher_failed"]
+    assert row("torch.distributed.DistNetworkError: ... EADDRINUSE")["launcher_failed"]
+    # The worker said why (its own line), a plain crash, or an OOM: a second try would only repeat it.
+    own = row("bench_scaling_hf: dp on 2 CPU processes needs MULTI_CPU\n" + RENDEZVOUS)
+    assert not own["launcher_failed"] and own["error"] == "bench_scaling_hf: dp on 2 CPU processes needs MULTI_CPU"
+    crash = row("Traceback\n  File x\nValueError: bad shape")
+    assert not crash["launcher_failed"] and crash["error"] == "Traceback |   File x | ValueError: bad shape"
+    oom = row("torch.OutOfMemoryError: CUDA out of memory.\n" + RENDEZVOUS)
+    assert oom["status"] == "oom" and not oom["launcher_failed"]
+
+
+def test_a_launcher_failure_runs_the_point_once_more_and_the_row_says_so():
+    tries = []
+
+    def once(args, system, mesh, devices):
+        tries.append((system, mesh, devices))
+        if len(tries) == 1:
+            return point_row(system, mesh, devices, 1, "", RENDEZVOUS, None, {"wall_s": 1.0})
+        return point_row(system, mesh, devices, 0, "", "", {"step_s": 0.02}, {"wall_s": 2.0})
+
+    row = _point_in_a_process(None, "hf_ckpt", "dp", 2, once=once)
+    assert tries == [("hf_ckpt", "dp", 2)] * 2
+    assert row == {"step_s": 0.02, "status": "ok", "wall_s": 2.0, "retried_after": RENDEZVOUS}
+
+    def always(args, system, mesh, devices):  # a second launcher failure is the row: no third try
+        tries.append(system)
+        return point_row(system, mesh, devices, 1, "", RENDEZVOUS, None, {"wall_s": 1.0})
+
+    tries.clear()
+    row = _point_in_a_process(None, "hf_ckpt", "dp", 2, once=always)
+    assert len(tries) == 2 and row["status"] == "error" and row["retried_after"] == RENDEZVOUS
+    assert "launcher_failed" not in row
