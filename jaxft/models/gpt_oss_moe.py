@@ -30,13 +30,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
-from jaxft.models.layers import ExpertParam, _init, logical, stack_axes
-from jaxft.models.moe import ExpertLora, combine, dispatch, gather_tokens, per_device, router_stats
-from jaxft.models.quant_experts import expert_matmul
-from jaxft.remat import MLP_GATE_UP
+from jaxft.models.layers import logical
+from jaxft.models.moe import GroupedExperts
 
 
 def route_top_k_softmax(x: jax.Array, router: jax.Array, bias: jax.Array, top_k: int):
@@ -54,62 +51,25 @@ def clamped_swiglu(gate_up: jax.Array, limit: float, alpha: float) -> jax.Array:
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
-class GptOssMoeMLP(nnx.Module):
+class GptOssMoeMLP(GroupedExperts):
     """Biased router + E experts with fused interleaved gate/up and biases (see the module docstring).
 
     Parameters ([in, out] like `Linear.kernel`, with the layer stack in front): router [H, E], router_bias [E],
     gate_up_proj [E, H, 2I], gate_up_bias [E, 2I], down_proj [E, I, H], down_bias [E, H]. Expert adapters
     (`ExpertLora`) sit in `gate_up_lora` / `down_lora`, as for `jaxft.models.moe.MoeMLP`."""
 
-    NUM_LINEARS = 0  # no LoRA'd Linear inside, so no dropout keys
-    LORA_KERNELS = {"gate_up_lora": "gate_up_proj", "down_lora": "down_proj"}
+    EXPERT_BIASES = True
 
     def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        lead = stack_axes(stack)
-        self.router = nnx.Param(_init(rngs, (*stack, h, e), dtype, 0.02), **logical(*lead, "embed", "experts"))
+        lead = self._experts(cfg, stack, dtype, rngs)
         self.router_bias = nnx.Param(jnp.zeros((*stack, e), dtype), **logical(*lead, "experts"))
-        self.gate_up_proj = ExpertParam(_init(rngs, (*stack, e, h, 2 * i), dtype, 0.02),
-                                      **logical(*lead, "experts", "embed", "mlp"))
         self.gate_up_bias = nnx.Param(jnp.zeros((*stack, e, 2 * i), dtype), **logical(*lead, "experts", "mlp"))
-        self.down_proj = ExpertParam(_init(rngs, (*stack, e, i, h), dtype, 0.02),
-                                   **logical(*lead, "experts", "mlp", "embed"))
         self.down_bias = nnx.Param(jnp.zeros((*stack, e, h), dtype), **logical(*lead, "experts", "embed"))
-        self.num_experts, self.top_k = e, cfg.num_experts_per_tok
         self.limit, self.alpha = float(cfg.swiglu_limit), float(cfg.swiglu_alpha)
-        self.gate_up_lora: ExpertLora | None = None  # set by jaxft.lora
-        self.down_lora: ExpertLora | None = None
 
-    def __call__(self, x: jax.Array, token_weights: jax.Array | None = None, *, gmm_implementation: str = "auto"):
-        """The block's output; with `token_weights` ([B, T] fp32, 0 on padding) also its `router_stats`. Every
-        grouped matmul runs by `gmm_implementation` (`ExecutionConfig.grouped_matmul_implementation`)."""
-        shape = x.shape
-        xf = x.reshape(-1, shape[-1])
-        with jax.named_scope("moe_router"):
-            logits, weights, experts = route_top_k_softmax(xf, self.router[...], self.router_bias[...], self.top_k)
-            routing = dispatch(experts, self.num_experts)
-            sizes = routing.group_sizes
-            expert_of_row = experts.reshape(-1)[routing.order]  # the expert of each sorted row (for its biases)
-            stats = None if token_weights is None else router_stats(logits, experts, token_weights.reshape(-1))
-        with jax.named_scope("moe_experts"):
-            xs = gather_tokens(xf, routing.token, routing.inverse, self.top_k)
-            gmm = gmm_implementation
-            lora = None if self.gate_up_lora is None else self.gate_up_lora.sorted_factors(xf, experts, routing)
-            gate_up = expert_matmul(xs, self.gate_up_proj, sizes, gmm, lora=lora)
-            gate_up = gate_up + self.gate_up_bias[...].astype(x.dtype)[expert_of_row]
-            # Named as the dense MLP's gate/up: a remat policy that keeps or offloads it skips the largest
-            # recompute of the layer (this grouped matmul) in the backward.
-            gate_up = checkpoint_name(gate_up, MLP_GATE_UP)
-            h = clamped_swiglu(gate_up, self.limit, self.alpha)
-            adapter = None if self.down_lora is None else self.down_lora.grouped_adapter(h.dtype)
-            ys = expert_matmul(h, self.down_proj, sizes, gmm, adapter=adapter)
-            ys = ys + self.down_bias[...].astype(x.dtype)[expert_of_row]
-            out = combine(ys, weights, routing, xf).reshape(shape)
-        return out if stats is None else (out, stats)
+    def route_rows(self, xf):
+        return route_top_k_softmax(xf, self.router[...], self.router_bias[...], self.top_k)
 
-    def branch(self, norm, h, rngs: tuple, prevent_cse: bool, token_weights: jax.Array | None = None, *,
-               gmm_implementation: str = "auto", dispatch: str = "auto"):
-        return per_device(self, norm(h), token_weights, gmm_implementation, dispatch)
-
-    def infer(self, x) -> jax.Array:
-        return self(x)
+    def activate(self, gate_up):
+        return clamped_swiglu(gate_up, self.limit, self.alpha)

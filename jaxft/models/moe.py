@@ -311,50 +311,67 @@ def per_device(block: nnx.Module, x: jax.Array, token_weights: jax.Array | None,
                          out_specs=specs, check_vma=False)(state, x, token_weights)
 
 
-class MoeMLP(nnx.Module):
-    """Router + E gated experts (see the module docstring); the MLP slot's `branch` / `infer` interface."""
+class GroupedExperts(nnx.Module):
+    """What both MoE MLPs run: a router, E experts held as two stacked weights (gate/up fused [E, H, 2I], down
+    [E, I, H], [in, out] like `Linear.kernel`) with an expert adapter slot each, and the sort-based step: route,
+    `dispatch`, `gather_tokens`, ONE grouped matmul per projection, `combine`. A subclass says how it routes
+    (`route_rows`), what the fused gate/up becomes (`activate`) and whether its experts add biases
+    (`EXPERT_BIASES`: gate_up_bias [E, 2I] and down_bias [E, H], gathered per sorted row); the MLP slot's `branch` /
+    `infer` interface."""
 
     NUM_LINEARS = 0  # no LoRA'd linears inside, so no dropout keys
     # Expert adapter slot -> the expert weight it adapts (as PEFT's target_parameters: one 3-D parameter each).
     LORA_KERNELS = {"gate_up_lora": "gate_up_proj", "down_lora": "down_proj"}
+    EXPERT_BIASES = False
 
-    def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
+    def _experts(self, cfg: ModelConfig, stack, dtype, rngs) -> tuple:
+        """The router [H, E] and the two expert weights; the stack's logical axes (for a subclass's own params)."""
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        # Our layouts are [in, out] like `Linear.kernel`: router [H, E], experts [E, H, 2I] (gate's I columns, then
-        # up's: one grouped matmul of width 2I reads the sorted rows once, on the wider tiles the kernels run
-        # faster) and [E, I, H].
         lead = stack_axes(stack)
         self.router = nnx.Param(_init(rngs, (*stack, h, e), dtype, 0.02), **logical(*lead, "embed", "experts"))
         self.gate_up_proj = ExpertParam(_init(rngs, (*stack, e, h, 2 * i), dtype, 0.02),
                                       **logical(*lead, "experts", "embed", "mlp"))
         self.down_proj = ExpertParam(_init(rngs, (*stack, e, i, h), dtype, 0.02),
                                    **logical(*lead, "experts", "mlp", "embed"))
-        self.num_experts, self.top_k, self.norm_topk_prob = e, cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.hidden_act = cfg.hidden_act  # a name (static), looked up in parts.ACTIVATIONS
+        self.num_experts, self.top_k = e, cfg.num_experts_per_tok
         self.gate_up_lora: ExpertLora | None = None  # set by jaxft.lora
         self.down_lora: ExpertLora | None = None
+        return lead
+
+    def route_rows(self, xf: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(logits [N, E], weights [N, k], experts [N, k] int32) of the tokens xf [N, H]."""
+        raise NotImplementedError
+
+    def activate(self, gate_up: jax.Array) -> jax.Array:
+        """The fused gate/up output of the sorted rows [rows, 2I] -> the down projection's input [rows, I]."""
+        raise NotImplementedError
 
     def __call__(self, x: jax.Array, token_weights: jax.Array | None = None, *, gmm_implementation: str = "auto"):
         """The block's output; with `token_weights` ([B, T] fp32, 0 on padding) also its `router_stats`. Every
-        grouped matmul runs by `gmm_implementation` (`kernels_pallas.grouped_matmul`)."""
-        from jaxft.models.parts import ACTIVATIONS  # parts registers this class in its MLP slot
-
+        grouped matmul runs by `gmm_implementation` (`ExecutionConfig.grouped_matmul_implementation`)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         with jax.named_scope("moe_router"):
-            logits, weights, experts = route(xf, self.router[...], self.top_k, self.norm_topk_prob)
+            logits, weights, experts = self.route_rows(xf)
             routing = dispatch(experts, self.num_experts)
             sizes = routing.group_sizes
+            # The expert of each sorted row, for its biases.
+            expert_of_row = experts.reshape(-1)[routing.order] if self.EXPERT_BIASES else None
             stats = None if token_weights is None else router_stats(logits, experts, token_weights.reshape(-1))
+
+        def bias(y, name):
+            return y if expert_of_row is None else y + getattr(self, name)[...].astype(x.dtype)[expert_of_row]
+
         with jax.named_scope("moe_experts"):
             xs = gather_tokens(xf, routing.token, routing.inverse, self.top_k)
             gmm = gmm_implementation
             lora = None if self.gate_up_lora is None else self.gate_up_lora.sorted_factors(xf, experts, routing)
-            gate_up = checkpoint_name(expert_matmul(xs, self.gate_up_proj, sizes, gmm, lora=lora), MLP_GATE_UP)
-            gate, up = jnp.split(gate_up, 2, axis=-1)  # gate's columns first (the bridge's `Row.part`)
-            h = ACTIVATIONS[self.hidden_act](gate, up)
+            gate_up = bias(expert_matmul(xs, self.gate_up_proj, sizes, gmm, lora=lora), "gate_up_bias")
+            # Named as the dense MLP's gate/up: a remat policy that keeps or offloads it skips the largest
+            # recompute of the layer (this grouped matmul) in the backward.
+            h = self.activate(checkpoint_name(gate_up, MLP_GATE_UP))
             adapter = None if self.down_lora is None else self.down_lora.grouped_adapter(h.dtype)
-            ys = expert_matmul(h, self.down_proj, sizes, gmm, adapter=adapter)
+            ys = bias(expert_matmul(h, self.down_proj, sizes, gmm, adapter=adapter), "down_bias")
             out = combine(ys, weights, routing, xf).reshape(shape)
         return out if stats is None else (out, stats)
 
@@ -365,3 +382,23 @@ class MoeMLP(nnx.Module):
 
     def infer(self, x) -> jax.Array:
         return self(x)
+
+
+class MoeMLP(GroupedExperts):
+    """Qwen3-MoE's router (softmax over all E, top-k, optionally renormalised) + E gated experts (see the module
+    docstring). The fused gate/up holds gate's I columns, then up's: one grouped matmul of width 2I reads the sorted
+    rows once, on the wider tiles the kernels run faster."""
+
+    def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
+        self._experts(cfg, stack, dtype, rngs)
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.hidden_act = cfg.hidden_act  # a name (static), looked up in parts.ACTIVATIONS
+
+    def route_rows(self, xf):
+        return route(xf, self.router[...], self.top_k, self.norm_topk_prob)
+
+    def activate(self, gate_up):
+        from jaxft.models.parts import ACTIVATIONS  # parts registers this class in its MLP slot
+
+        gate, up = jnp.split(gate_up, 2, axis=-1)  # gate's columns first (the bridge's `Row.part`)
+        return ACTIVATIONS[self.hidden_act](gate, up)
