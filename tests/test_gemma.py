@@ -21,6 +21,7 @@ from flax import nnx
 
 import jaxft
 from jaxft import lora
+from jaxft.lora.targets import _modules
 from jaxft.config import ConfigError, ModelConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.models import init_model, linears
@@ -228,7 +229,7 @@ def test_lora_gradients_equal_peft(saved, ids, tmp_path, kind):
     ref_loss.backward()
     assert float(loss) == pytest.approx(ref_loss.item(), rel=1e-5)
     flat = {tuple(str(p) for p in path): np.asarray(v[...]) for path, v in nnx.to_flat_state(grads)}
-    sites = {site.path: site for site in lora._modules(model).sites}
+    sites = {site.path: site for site in _modules(model).sites}
     modules = dict(reference.base_model.model.named_modules())
     compared = 0
     for p, lin in linears(model):

@@ -25,6 +25,7 @@ from flax import nnx
 
 import jaxft
 from jaxft import lora
+from jaxft.lora.targets import _modules
 from jaxft.config import ConfigError
 from jaxft.models import linears
 from lora_helpers import perturb_lora_b, rel_err
@@ -124,7 +125,7 @@ def _peft_modules(peft_model) -> dict[str, tuple[int, float]]:
 
 def _our_modules(model) -> dict[str, tuple[int, float]]:
     out = {}
-    sites = {site.path: site for site in lora._modules(model).sites}
+    sites = {site.path: site for site in _modules(model).sites}
     for path, lin in linears(model):
         if not lin.has_lora:
             continue
@@ -367,7 +368,7 @@ def test_lora_gradients_equal_peft(bases, ids, tmp_path, model_type, variant):
     ref_loss.backward()
     assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
 
-    sites = {site.path: site for site in lora._modules(model).sites}
+    sites = {site.path: site for site in _modules(model).sites}
     flat = {tuple(str(p) for p in path): np.asarray(v[...]) for path, v in nnx.to_flat_state(grads)}
     torch_modules = dict(reference.base_model.model.named_modules())
     compared = 0
