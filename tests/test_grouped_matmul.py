@@ -99,7 +99,7 @@ def test_bad_shapes_are_one_line_naming_the_file():
                                              ((3,) * 20, 64, 64), ((5, 130, 3, 300, 75), 640, 128),
                                              ((13,) * 30, 512, 16)])
 def test_row_tiles_cover_every_row_once_from_its_groups_first_row(sizes, m, block_m):
-    from kernels_pallas.grouped_matmul.mosaic import num_row_tiles, row_tiles
+    from kernels_pallas.grouped_matmul.mosaic_kernels import num_row_tiles, row_tiles
 
     group, row0, lo, hi = (np.asarray(a) for a in row_tiles(jnp.asarray(sizes, jnp.int32), m, block_m))
     g = len(sizes)
@@ -128,7 +128,8 @@ def test_row_tiles_cover_every_row_once_from_its_groups_first_row(sizes, m, bloc
 def test_mosaic_kernels_with_several_row_blocks_and_contraction_steps():
     """Interpret mode with 64-row tiles: groups straddle blocks, two blocks share a boundary, K and N take
     several steps / tiles, an empty group sits between two others, and 16 rows are left over."""
-    from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_drhs, gmm_rows
+    from kernels_pallas.grouped_matmul.tiles import TileConfig
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_drhs, gmm_rows
 
     cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, dw_block_k=64, dw_block_n=64, dw_block_t=64,
                      dw_stages=2)
@@ -148,7 +149,7 @@ def test_default_tiles_fit_the_widths_so_nothing_is_padded(k, n):
     """A rank-16 expert LoRA's shapes (K or N = 16 beside a width that is a multiple of 64 but not of 128, like
     GPT-OSS's 2880): the default tiles divide the wide side (no zero-padded copy of the operand), and the
     kernels on those tiles match the per-group loop, forward and both gradients."""
-    from kernels_pallas.grouped_matmul.mosaic import _dlhs_config, config_for
+    from kernels_pallas.grouped_matmul.tiles import config_for, _dlhs_config
 
     cfg = config_for(k, n, 4)
     wide = max(k, n)  # the narrow side (16) is padded to one 64-wide tile: a copy of a rank-16 operand only
@@ -192,7 +193,8 @@ def test_auto_takes_the_kernels_only_on_hopper():
 def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes):
     """The memory-warpgroup + two-compute-warpgroup variant in interpret mode, each way of splitting the tile
     (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does)."""
-    from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows_ws
+    from kernels_pallas.grouped_matmul.tiles import TileConfig
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
     cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split)
     m = sum(sizes) + 7
@@ -220,7 +222,8 @@ def test_warp_specialised_chains_of_pipelines_match_a_per_group_loop(sizes, m, k
     """The chained pipelines of the warp-specialised row kernel (TileConfig.chained) in interpret mode, on the
     interpreter's 2 "SMs": chains of several units, one SM with a single unit, START followed by STOP, the
     unchained fallback, and the walks over the N-blocks (grid_block_n: 0 a tile's whole row, 1 down the tiles)."""
-    from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows_ws
+    from kernels_pallas.grouped_matmul.tiles import TileConfig
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
     cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split="m",
                      grid_block_n=walk)
@@ -257,7 +260,8 @@ def test_a_row_of_a_layer_stack_equals_the_sliced_product(impl):
 def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
     """The row-tile kernels with `rhs_base` on a flattened stack [L * G, K, N] whose tiles need no padding read
     matrices base .. base + G - 1 of it (d lhs too), and with N needing padding fall back to the slice."""
-    from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows, gmm_rows_ws
+    from kernels_pallas.grouped_matmul.tiles import TileConfig
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws
 
     cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws)
     kernel = gmm_rows_ws if ws else gmm_rows
@@ -306,7 +310,7 @@ def test_sweep_candidates_lower_for_a_gpu_from_the_cpu():
     lowering, forward and d lhs, on the shapes that offer one: the sweep times them on the H200, where a config
     the lowering rejects would only print its error."""
     from kernels_pallas.grouped_matmul import bench
-    from kernels_pallas.grouped_matmul.mosaic import gmm_rows_ws
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
     lowered = 0
     for k, n, g in [(768, 2048, 128), (2048, 1536, 128), (2880, 5760, 32)]:
@@ -355,6 +359,9 @@ def test_bench_against_another_tree_alternates_and_reports_both(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     other = bench.load_kernels(root)
     assert other is not mosaic and other.grouped_matmul_mosaic is not mosaic.grouped_matmul_mosaic
+    # Its kernels and tiles are the other tree's too, not this tree's under another name.
+    assert other.gmm_rows.__module__ == "grouped_matmul_against.mosaic_kernels"
+    assert other.config_for.__module__ == "grouped_matmul_against.tiles"
     out = tmp_path / "ab.json"
     rows = bench.main(["--smoke", "--against", root, "--rounds", "2", "--iters", "1", "--json", str(out)])
     assert [r["version"] for r in rows] == ["this", "against"]
@@ -370,7 +377,7 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     """The tile sweep (`bench --sweep`): every candidate divides the width (no padded copy of the experts), chains
     (its stages divide the contraction steps) and fits in shared memory, both walks are offered; and the sweep,
     here in the interpreter on a small shape, times the table's config and each candidate given, per direction."""
-    from kernels_pallas.grouped_matmul import bench, mosaic
+    from kernels_pallas.grouped_matmul import bench, mosaic, tiles
     from kernels_pallas.grouped_matmul.shapes import GmmShape, ragged_sizes
 
     for kc, n in [(2048, 1536), (768, 2048), (2880, 5760), (5760, 2880)]:
@@ -379,12 +386,12 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
         for c in cands:
             cta_n = 2 * c.block_n if c.wg_split == "n" else c.block_n
             assert n % cta_n == 0 and (kc // c.block_k) % c.stages == 0
-            assert mosaic.smem_bytes(c) <= mosaic._SMEM_BYTES
+            assert tiles.smem_bytes(c) <= tiles._SMEM_BYTES
         assert {c.grid_block_n for c in cands} == {0, 1}
     shape = GmmShape("s", ragged_sizes(120, 3), 128, 128, 128, "bfloat16")
-    small = lambda kc, n: [mosaic.TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True,
+    small = lambda kc, n: [tiles.TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True,
                                              wg_split="m", grid_block_n=2)]
-    small_dw = lambda k, n: [mosaic.TileConfig(dw_block_k=64, dw_block_n=64, dw_block_t=64, dw_stages=2)]
+    small_dw = lambda k, n: [tiles.TileConfig(dw_block_k=64, dw_block_n=64, dw_block_t=64, dw_stages=2)]
     rows = bench.run_sweep([shape], iters=1, compile_threads=2, candidates=small, dw_candidates=small_dw,
                           timing_rounds=1)
     # per row-kernel direction: the table's config, it with the other walk, the candidate; the forward and the d lhs
@@ -403,7 +410,7 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
         2880 % c.dw_block_k == 0 and 5760 % c.dw_block_n == 0 for c in bench.sweep_dw_candidates(2880, 5760))
     assert all(r["tflops"] > 0 and "error" not in r for r in rows)
     assert rows[2]["label"] == "ws-m 64x64x64 st2 walk2" and rows[2]["config"]["grid_block_n"] == 2
-    table = mosaic.TileConfig(warp_specialized=True, wg_split="n", stages=3)
+    table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
         "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
 
@@ -446,7 +453,8 @@ def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split, rank):
     """The fused adapter's step in each row kernel (single warpgroup; warp-specialised with the tile split along M
     or N, each compute warpgroup loading its own part of xa and b), chained over several units per "SM"; a rank
     past one 64-column tile (80, padded to 128)."""
-    from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows, gmm_rows_ws
+    from kernels_pallas.grouped_matmul.tiles import TileConfig
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws
 
     cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws, wg_split=split)
     sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
@@ -459,7 +467,8 @@ def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split, rank):
 def test_row_kernels_fuse_the_adapter_into_a_transposed_product(ws, split):
     """The d lhs form with an adapter (`backward_lhs(lora=)`): out = lhs @ rhs[g]^T + xa @ b[g] (rhs [G, N, K]), on
     each row kernel variant; the output width (K = 128) and the adapter's b [G, r, K] come from the transposed side."""
-    from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows, gmm_rows_ws
+    from kernels_pallas.grouped_matmul.tiles import TileConfig
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws
 
     cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws, wg_split=split)
     sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
@@ -514,7 +523,7 @@ def test_fused_adapter_tiles_fit_shared_memory_or_fall_back():
     whose stages still divide the contraction steps, else None (a second kernel); `smem_bytes` is what Mosaic GPU
     reported for the Qwen3-MoE gate_up tiles with the adapter (278,576 B with 48 B of barriers) before the fallback
     existed."""
-    from kernels_pallas.grouped_matmul.mosaic import _SMEM_BYTES, config_for, fused_config, smem_bytes
+    from kernels_pallas.grouped_matmul.tiles import config_for, fused_config, _SMEM_BYTES, smem_bytes
 
     qwen_gate_up = config_for(2048, 1536, 128)
     assert smem_bytes(qwen_gate_up, 16) + 48 == 278576
@@ -536,14 +545,14 @@ def test_fused_adapter_kernels_lower_for_a_gpu_from_the_cpu(key):
     with a rank-16 adapter, on `fused_config`'s tiles: one kernel. Through the custom VJP with an in-place layer
     stack: the forward (one kernel, or two while FUSED_LORA_ON_GPU is off) and the backward's three (d lhs, d xa,
     d b; the frozen stack's d rhs is dead code)."""
-    from kernels_pallas.grouped_matmul import mosaic
+    from kernels_pallas.grouped_matmul import mosaic, tiles
 
     k, n, g = key
     S = jax.ShapeDtypeStruct
     args = (S((4096, k), jnp.bfloat16), S((2, g, k, n), jnp.bfloat16), S((g,), jnp.int32),
             S((4096, 16), jnp.bfloat16), S((g, 16, n), jnp.bfloat16))
     calls = lambda lowered: lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")  # noqa: E731
-    cfg = mosaic.fused_config(mosaic.config_for(*key), k, 16)
+    cfg = tiles.fused_config(tiles.config_for(*key), k, 16)
     kernel = lambda a, w, s, x, b: mosaic._rows(cfg)(a, w[1], s, cfg, lora=(x, b))  # noqa: E731
     assert calls(jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",))) == 1
     call = lambda a, w, s, x, b: mosaic.grouped_matmul_mosaic(  # noqa: E731
@@ -561,14 +570,14 @@ def test_an_adapter_on_the_products_own_rows_lowers_for_a_gpu_from_the_cpu(key):
     rank-16 adapter on an in-place layer stack: the d lhs kernel with the adapter fused (transposed rhs) alone, and
     the whole step: forward 2 kernels (xa = gmm(h, a); the experts' with (xa, b) fused), backward d xa, d lhs (with
     d xa @ a^T fused: one kernel, or two while FUSED_DLHS_LORA_ON_GPU is off), d b and d a."""
-    from kernels_pallas.grouped_matmul import mosaic
+    from kernels_pallas.grouped_matmul import mosaic, tiles
 
     k, n, g = key
     S = jax.ShapeDtypeStruct
     args = (S((4096, k), jnp.bfloat16), S((2, g, k, n), jnp.bfloat16), S((g,), jnp.int32),
             S((g, k, 16), jnp.bfloat16), S((g, 16, n), jnp.bfloat16))
     calls = lambda lowered: lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")  # noqa: E731
-    cfg = mosaic.fused_config(mosaic._dlhs_config(mosaic.config_for(*key), *key), n, 16)
+    cfg = tiles.fused_config(tiles._dlhs_config(tiles.config_for(*key), *key), n, 16)
     dlhs = lambda d, w, s, x, at: mosaic._rows(cfg)(d, w[1], s, cfg, transpose_rhs=True,  # noqa: E731
                                                     lora=(x, at))
     dargs = (S((4096, n), jnp.bfloat16), args[1], args[2], S((4096, 16), jnp.bfloat16), S((g, 16, k), jnp.bfloat16))

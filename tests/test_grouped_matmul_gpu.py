@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from kernels_pallas.grouped_matmul import grouped_matmul
-from kernels_pallas.grouped_matmul import mosaic
-from kernels_pallas.grouped_matmul.mosaic import TileConfig, gmm_rows, gmm_rows_ws
+from kernels_pallas.grouped_matmul import mosaic, tiles
+from kernels_pallas.grouped_matmul.tiles import TileConfig
+from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws
 from kernels_pallas.grouped_matmul.shapes import BENCH_SHAPES, GPU_TEST_SHAPES, GPU_TEST_TILES_OF, GmmShape, make_inputs
 from gpu_helpers import NO_AUTOTUNE
 
@@ -62,7 +63,7 @@ def _fwd_bwd_on_tiles_of(full: GmmShape, sizes):
     tile configs the table gives the full shape `full` (keyed by its K, N and expert count), for operands of
     fewer experts and rows."""
     key = (full.k, full.n, len(full.group_sizes))
-    assert key in mosaic.CONFIGS  # a tuned entry, not the default
+    assert key in tiles.CONFIGS  # a tuned entry, not the default
 
     def run(lhs, rhs, dout):
         return mosaic.forward(lhs, rhs, sizes, key), *mosaic.backward(lhs, rhs, sizes, dout, key)
@@ -92,7 +93,7 @@ def test_a_fused_adapter_matches_on_the_tiles_of_each_projection(shape):
     takes this path on a GPU once FUSED_LORA_ON_GPU is set.)"""
     full = GPU_TEST_TILES_OF[shape.name]
     key = (full.k, full.n, len(full.group_sizes))
-    cfg = mosaic.fused_config(mosaic.config_for(*key), key[0], 16)
+    cfg = tiles.fused_config(tiles.config_for(*key), key[0], 16)
     lhs, rhs, sizes, _ = make_inputs(shape)
     k1, k2 = jax.random.split(jax.random.key(9))
     xa = jax.random.normal(k1, (shape.m, 16), jnp.float32).astype(jnp.bfloat16)
@@ -118,7 +119,7 @@ def test_an_adapter_fused_into_the_d_lhs_kernel_matches_on_the_down_tiles(shape)
     FUSED_DLHS_LORA_ON_GPU is set.)"""
     full = GPU_TEST_TILES_OF[shape.name]
     key = (full.k, full.n, len(full.group_sizes))
-    cfg = mosaic.fused_config(mosaic._dlhs_config(mosaic.config_for(*key), *key), key[1], 16)
+    cfg = tiles.fused_config(tiles._dlhs_config(tiles.config_for(*key), *key), key[1], 16)
     assert cfg is not None
     _, rhs, sizes, dout = make_inputs(shape)
     g = len(shape.group_sizes)

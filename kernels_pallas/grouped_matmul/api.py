@@ -3,8 +3,9 @@ in kernels_pallas/_dispatch.py: "xla" = ``jax.lax.ragged_dot``, "reference" = th
 
 "xla" is XLA's native ragged dot: its transpose rules are the gradients of reference.py (d lhs is a ragged
 dot against rhs^T, d rhs a ragged-contracting dot giving one [K, N] block per group), so it needs no custom
-VJP of its own. "pallas_mosaic" is mosaic.py's Hopper kernels (forward, d lhs, d rhs under one custom VJP);
-natively only on CUDA devices of compute capability 9.x, in Mosaic GPU's interpreter on CPU (tests).
+VJP of its own. "pallas_mosaic" is the Hopper kernels of mosaic_kernels.py (forward, d lhs, d rhs; tiles in
+tiles.py) under mosaic.py's custom VJP; natively only on CUDA devices of compute capability 9.x, in Mosaic GPU's
+interpreter on CPU (tests).
 
 "auto" (the default, what the MoE blocks use) takes "pallas_mosaic" on a Hopper GPU (compute capability 9.x)
 for bf16/f16 operands and "xla" everywhere else (float32 keeps ragged_dot's numerics; CPU numerics unchanged).

@@ -9,7 +9,7 @@ with rows = sum(group_sizes), and its two gradients).
     python -m kernels_pallas.grouped_matmul.bench --sweep --json sweep.json      # row-kernel tiles per shape
 
 ``--sweep``: the row-tile kernel (forward and d lhs) of every bench shape on each of ``sweep_candidates``' tile
-configs and the d rhs kernel on ``sweep_dw_candidates``', next to the table's own (``mosaic.CONFIGS``): the data the
+configs and the d rhs kernel on ``sweep_dw_candidates``', next to the table's own (``tiles.CONFIGS``): the data the
 table is chosen from, in one call.
 
 ``--against DIR``: an A/B of this tree's Mosaic GPU kernels against those of another tree (DIR holds its
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -103,18 +104,25 @@ def run(shapes: Sequence[GmmShape] = BENCH_SHAPES, impls: Sequence[str] = IMPLS,
     return rows
 
 
+_AGAINST = "grouped_matmul_against"  # the package name another tree's kernels load under
+
+
 def load_kernels(root: str):
     """The Mosaic GPU kernel module of another tree (``root/kernels_pallas/grouped_matmul/mosaic.py``), imported
-    under a name of its own beside this tree's (its imports of shared helpers resolve to this tree's)."""
-    path = os.path.join(root, "kernels_pallas", "grouped_matmul", "mosaic.py")
+    beside this tree's with its sibling modules (its kernels and tiles, which it imports relatively) from that tree,
+    as the package ``grouped_matmul_against`` (whose ``__init__`` is not run); its imports of shared helpers
+    (``kernels_pallas._dispatch``) resolve to this tree's."""
+    folder = os.path.join(root, "kernels_pallas", "grouped_matmul")
+    path = os.path.join(folder, "mosaic.py")
     if not os.path.isfile(path):
         raise SystemExit(f"--against {root}: no {path}; export a tree there first (git archive <rev> kernels_pallas "
                          f"| tar -x -C {root})")
-    spec = importlib.util.spec_from_file_location("grouped_matmul_mosaic_against", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # registered first, as an import does (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
+    for name in [n for n in sys.modules if n == _AGAINST or n.startswith(_AGAINST + ".")]:
+        del sys.modules[name]  # a second load (another root) must not reuse the first one's modules
+    package = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(_AGAINST, None, is_package=True))
+    package.__path__ = [folder]
+    sys.modules[_AGAINST] = package  # registered first, as an import does (its dataclasses look their module up)
+    return importlib.import_module(f"{_AGAINST}.mosaic")
 
 
 def run_against(shapes: Sequence[GmmShape], other, rounds: int = 4, iters: int = 10) -> list[dict]:
@@ -149,12 +157,12 @@ def run_against(shapes: Sequence[GmmShape], other, rounds: int = 4, iters: int =
 def sweep_candidates(kc: int, n: int) -> list:
     """Warp-specialised row-kernel tiles for a product of contraction `kc` and output width `n` (bf16): the
     block_n widths that divide n, the stage counts that divide the contraction steps (so the units chain) and fit in
-    shared memory (`mosaic.smem_bytes`), both splits of the tile, and the two walks (along a tile's N-blocks, or
+    shared memory (`tiles.smem_bytes`), both splits of the tile, and the two walks (along a tile's N-blocks, or
     down the tiles at one N-block); split along M also 256-row tiles (128 rows a compute warpgroup, as JAX's Hopper
     matmul example), which read each expert's tile once for twice the rows: for a short contraction (Qwen3-30B-A3B's
     down, K = 768) a 128 x 128 tile is 64 FLOPs per byte loaded. Why these: a width that does not divide n pads the
     whole expert stack, and an unchained pipeline fills from empty on every unit."""
-    from .mosaic import _SMEM_BYTES, TileConfig, smem_bytes
+    from .tiles import _SMEM_BYTES, TileConfig, smem_bytes
 
     out = []
     for split, bm in (("m", 128), ("m", 256), ("n", 128)):
@@ -179,7 +187,7 @@ def sweep_candidates(kc: int, n: int) -> list:
 def sweep_dw_candidates(k: int, n: int) -> list:
     """d rhs (group-tile kernel) tiles for lhs width `k` and dout width `n` (bf16): dw_block_k x dw_block_n output
     tiles that divide k and n, 64-row contraction steps, the deepest ring (of 6 or 4) that fits in shared memory."""
-    from .mosaic import _SMEM_BYTES, TileConfig
+    from .tiles import _SMEM_BYTES, TileConfig
 
     out = []
     for bk in (64, 128, 192):
@@ -235,7 +243,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
     """Rows {"shape", "direction": "fwd" | "dlhs" | "fwd+lora" | "dlhs+lora" | "drhs", "label", "config", "table": bool,
     "ms", "tflops"} for the row-tile kernel on the table's config (`_table_variants`: also unchained, and with the
     other walk) and on every `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d
-    lhs; the forward with a rank-16 adapter fused ("fwd+lora", `mosaic.fused_config`'s tiles) and as a second kernel
+    lhs; the forward with a rank-16 adapter fused ("fwd+lora", `tiles.fused_config`'s tiles) and as a second kernel
     added after; the same for the d lhs with the down adapter's d xa @ a^T ("dlhs+lora",
     `mosaic.unfused_backward_lhs` for the two kernels); and the d rhs (group-tile) kernel on the table's dw_* tiles
     and each of `dw_candidates(k, n)` (None: no d rhs). The programs compile on `compile_threads` threads first
@@ -243,7 +251,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
     import concurrent.futures
     import dataclasses
 
-    from . import mosaic
+    from . import mosaic, mosaic_kernels, tiles
 
     candidates = candidates or sweep_candidates
     interpret = jax.default_backend() != "gpu"  # the tests: Mosaic GPU's interpreter
@@ -251,9 +259,9 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
     for shape in shapes:
         lhs, rhs, sizes, dout = make_inputs(shape)
         key = (shape.k, shape.n, len(shape.group_sizes))
-        fwd_table = mosaic.config_for(*key)  # the forward's entry; d rhs reads its dw_* fields
+        fwd_table = tiles.config_for(*key)  # the forward's entry; d rhs reads its dw_* fields
         for direction in ("fwd", "dlhs"):
-            table = fwd_table if direction == "fwd" else mosaic._dlhs_config(fwd_table, *key)
+            table = fwd_table if direction == "fwd" else tiles._dlhs_config(fwd_table, *key)
             kc, width = (shape.k, shape.n) if direction == "fwd" else (shape.n, shape.k)
             configs = _table_variants(table) + candidates(kc, width)
             args = (lhs if direction == "fwd" else dout, rhs, sizes)
@@ -266,7 +274,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         # The forward with a rank-16 expert adapter: fused into the kernel (`fused_config`'s tiles) against the
         # adapter's product as a second kernel added after (what the GPU runs if mosaic.FUSED_LORA_ON_GPU is off).
         table = fwd_table
-        fused = mosaic.fused_config(table, shape.k, _SWEEP_RANK)
+        fused = tiles.fused_config(table, shape.k, _SWEEP_RANK)
         xa = jax.random.normal(jax.random.key(1), (shape.m, _SWEEP_RANK), jnp.float32).astype(lhs.dtype)
         b = jax.random.normal(jax.random.key(2), (len(shape.group_sizes), _SWEEP_RANK, shape.n),
                               jnp.float32).astype(lhs.dtype)
@@ -277,8 +285,8 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         jobs += _adapter_jobs(shape, "fwd+lora", variants, (lhs, rhs, sizes, xa, b), mosaic.FUSED_LORA_ON_GPU)
         # The d lhs with the down adapter's d xa @ a^T (`backward_lhs(adapter=)`): fused into the transposed row
         # kernel against a's own d lhs kernel added after (the GPU's path if mosaic.FUSED_DLHS_LORA_ON_GPU is off).
-        table = mosaic._dlhs_config(fwd_table, *key)
-        fused = mosaic.fused_config(table, shape.n, _SWEEP_RANK)
+        table = tiles._dlhs_config(fwd_table, *key)
+        fused = tiles.fused_config(table, shape.n, _SWEEP_RANK)
         a = jax.random.normal(jax.random.key(3), (len(shape.group_sizes), shape.k, _SWEEP_RANK),
                               jnp.float32).astype(lhs.dtype)
         variants = [("fused", fused, lambda d, w, s, x, aa, cfg=fused: mosaic._rows(cfg)(
@@ -294,7 +302,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         for cfg in [fwd_table, *dw_candidates(shape.k, shape.n)]:
             row = {"shape": shape.name, "direction": "drhs", "label": _describe_dw(cfg),
                    "config": dataclasses.asdict(cfg), "table": cfg is fwd_table, "work": _work(shape)["fwd"]}
-            fn = jax.jit(lambda a, d, s, cfg=cfg: mosaic.gmm_drhs(a, d, s, cfg, interpret=interpret))
+            fn = jax.jit(lambda a, d, s, cfg=cfg: mosaic_kernels.gmm_drhs(a, d, s, cfg, interpret=interpret))
             jobs.append((row, fn, (lhs, dout, sizes)))
 
     def build(job):

@@ -70,7 +70,7 @@ GPU_TEST_SHAPES: tuple[GmmShape, ...] = (
     GmmShape("g_gpt_oss_gate_up", _with_gaps(ragged_sizes(600, 8, 3), (1, 7), 5), 640, 2880, 5760, "bfloat16"),
     GmmShape("g_gpt_oss_down", _with_gaps(ragged_sizes(600, 8, 4), (0,), 7), 640, 2880, 2880, "bfloat16"),
 )
-# The bench shape whose tile configs (mosaic.CONFIGS, keyed by K, N and the expert count) each GPU test shape runs:
+# The bench shape whose tile configs (tiles.CONFIGS, keyed by K, N and the expert count) each GPU test shape runs:
 # the same K and N at fewer experts and rows, so the host oracle and the expert weights (up to 1 GiB at 32 experts)
 # stay small while every kernel variant of the full shapes is compiled and checked.
 GPU_TEST_TILES_OF: dict[str, GmmShape] = dict(zip((t.name for t in GPU_TEST_SHAPES), BENCH_SHAPES))  # in order
