@@ -28,8 +28,9 @@ there (``FUSED_LORA_ON_GPU``). An adapter whose A side reads the product's own r
 adapter factor; ``FUSED_DLHS_LORA_ON_GPU``).
 
 The kernels (row tiles for the forward and d lhs, group tiles for d rhs, the warp-specialised variant) are in
-`mosaic_kernels`, their tiles in `tiles`. bf16/f16 operands, fp32 accumulation, output in the input dtype. On CPU the same kernels run in Mosaic
-GPU's interpreter (``interpret=True``: the tests; float32 operands are accepted there).
+`mosaic_kernels`, their tiles in `tiles`. bf16/f16 operands, fp32 accumulation, output in the input dtype. On
+CPU the same kernels run in Mosaic GPU's interpreter (``interpret=True``: the tests; float32 operands are
+accepted there).
 """
 
 from __future__ import annotations

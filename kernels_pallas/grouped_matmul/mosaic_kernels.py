@@ -25,15 +25,15 @@ the custom call would be copied out whole first. d rhs is then the layer's [G, K
 zero stack, which is dead code for frozen experts and compiled away.
 
 Two row-tile kernels: ``gmm_rows`` (one warpgroup issues the TMA loads and the wgmmas) and ``gmm_rows_ws``
-(warp-specialised: a memory warpgroup feeds two compute warpgroups that split the tile along N or M and
-store their rows while the next tile loads); ``tiles.CONFIGS`` picks one per shape. The warp-specialised kernel chains the
+(warp-specialised: a memory warpgroup feeds two compute warpgroups that split the tile along N or M and store their
+rows while the next tile loads); ``tiles.CONFIGS`` picks one per shape. The warp-specialised kernel chains the
 pipelines of an SM's units (``TileConfig.chained``, JAX's ``pipeline_state``): the memory warpgroup goes on loading
 the next unit while the compute warpgroups finish and store this one, instead of draining the ring after every unit.
 Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 35): forward
 461-606 TFLOP/s, forward+backward 467-560; the 600 / 500 target is met by GPT-OSS-20B's gate_up forward only and
 missed by both Qwen3-30B-A3B shapes (forward 534 and 461; the down shape's K = 768 gives a tile 12 contraction
-steps) and GPT-OSS-20B's down forward (593); dense XLA matmuls of the same FLOPs: 704-770 forward. Most
-per-entry numbers in ``CONFIGS`` are older sweeps timed one synced call at a time (lower by 6-78%).
+steps) and GPT-OSS-20B's down forward (593); dense XLA matmuls of the same FLOPs: 704-770 forward. Most per-entry
+numbers in ``tiles.CONFIGS`` are older sweeps timed one synced call at a time (lower by 6-78%).
 
 bf16/f16 operands, fp32 accumulation, output in the input dtype. On CPU the same kernels run in Mosaic
 GPU's interpreter (``interpret=True``: the tests; float32 operands are accepted there).
