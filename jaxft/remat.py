@@ -55,13 +55,18 @@ from kernels_pallas.attention import residuals as attention_residuals
 # and cheapest to recompute: two matmuls).
 LAYER_INPUT, ATTN_OUT, ATTN_LSE = "layer_input", attention_residuals.OUT_NAME, attention_residuals.STATS_NAME
 ATTN_QKV, MLP_INPUT, MLP_GATE_UP = "attn_qkv", "mlp_input", "mlp_gate_up"
+# A mixture of experts' down projection output, per sorted (token, expert) row before the router weights combine
+# them: the combine's backward reads it for the router weights' gradient, so without it the backward re-runs the
+# down grouped matmul even where the gate/up output is kept (`mlp_gate_up`). Kept together, the experts' backward
+# recomputes no grouped matmul.
+MOE_EXPERT_OUT = "moe_expert_out"
 # The branch outputs before their output norms (sandwich norms, Gemma 2/3: the norms' backward reads them;
 # without those norms the residual add needs neither, so naming them keeps nothing).
 ATTN_PROJ, MLP_OUT = "attn_proj", "mlp_out"
 # The input of a block of layers under nested checkpointing (`RematPolicy.block`); internal, not a policy name:
 # a block's own checkpoint offloads it, while the layers inside name their inputs LAYER_INPUT as always.
 BLOCK_INPUT = "block_input"
-NAMES = (ATTN_OUT, ATTN_LSE, LAYER_INPUT, MLP_INPUT, ATTN_PROJ, MLP_OUT, ATTN_QKV, MLP_GATE_UP)
+NAMES = (ATTN_OUT, ATTN_LSE, LAYER_INPUT, MLP_INPUT, ATTN_PROJ, MLP_OUT, ATTN_QKV, MLP_GATE_UP, MOE_EXPERT_OUT)
 STREAM = (LAYER_INPUT, MLP_INPUT, ATTN_PROJ, MLP_OUT)  # the [B,T,H] residuals, what `offload_stream` moves
 NAME_HELP = {
     LAYER_INPUT: "the layer's input (residual stream) [B,T,H]",
@@ -72,6 +77,7 @@ NAME_HELP = {
     ATTN_PROJ: "the attention branch output (o_proj) before its output norm [B,T,H] (sandwich norms only)",
     MLP_OUT: "the MLP output (down_proj) before its output norm [B,T,H] (sandwich norms only)",
     MLP_GATE_UP: "the MLP's gate and up projections [B,T,intermediate] each",
+    MOE_EXPERT_OUT: "a mixture of experts' down projection output per (token, chosen expert) row [B*T*k,H]",
 }
 FIXED = ("none", "full", "dots", "offload", "offload+attn", "offload_stream", "offload_all", "auto")
 # Layer inputs and the attention's residuals (output, softmax statistics) in pinned host memory
@@ -357,6 +363,7 @@ def residual_bytes(cfg, batch: int, seq: int, itemsize: int, mlp_chunk_size: int
         ATTN_LSE: tokens * heads * 4,
         ATTN_QKV: tokens * (heads + 2 * kv) * d * itemsize,
         MLP_GATE_UP: 0 if MLP_GATE_UP in tiled else 2 * tokens * width * itemsize,
+        MOE_EXPERT_OUT: tokens * cfg.num_experts_per_tok * cfg.hidden_size * itemsize if cfg.num_experts else 0,
     }
 
 

@@ -58,7 +58,7 @@ from jaxft.config import ModelConfig
 from jaxft.models.layers import (ExpertParam, LoraParam, LoraRank, LoraScale, StackRow, _init, logical,
                                  stack_axes)
 from jaxft.models.quant_experts import expert_matmul
-from jaxft.remat import MLP_GATE_UP
+from jaxft.remat import MLP_GATE_UP, MOE_EXPERT_OUT
 from jaxft.sharding import BATCH_AXES, row_axes
 from kernels_pallas.grouped_matmul import grouped_matmul
 
@@ -372,6 +372,7 @@ class GroupedExperts(nnx.Module):
             h = self.activate(checkpoint_name(gate_up, MLP_GATE_UP))
             adapter = None if self.down_lora is None else self.down_lora.grouped_adapter(h.dtype)
             ys = bias(expert_matmul(h, self.down_proj, sizes, gmm, adapter=adapter), "down_bias")
+            ys = checkpoint_name(ys, MOE_EXPERT_OUT)  # what the combine's backward reads (jaxft.remat)
             out = combine(ys, weights, routing, xf).reshape(shape)
         return out if stats is None else (out, stats)
 

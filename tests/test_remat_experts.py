@@ -1,0 +1,100 @@
+"""`moe_expert_out` (jaxft.remat): a mixture of experts' down-projection output per sorted row, which the combine's
+backward reads for the router weights' gradient. Kept with `mlp_gate_up`, the experts' backward recomputes no
+grouped matmul; the gradients are those of no remat. Both MoE families, expert LoRA on both expert weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+import transformers
+
+from jaxft.config import ModelConfig
+from jaxft.execution import ExecutionConfig
+from jaxft.lora import LoraConfig, apply_lora
+from jaxft.models import init_model
+from jaxft.remat import MOE_EXPERT_OUT, budget_offload_all, residual_bytes
+from jaxft.train import load_config
+from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batches
+from lora_helpers import jaxpr_eqns, perturb_lora_b
+from test_remat import LLAMA, assert_grads_match, packed_batch
+
+QWEN3_MOE = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
+                        num_heads=2, num_kv_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=16, layer_mlps=("glu", "moe", "moe"))
+GPT_OSS = ModelConfig.from_hf(transformers.GptOssConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
+    max_position_embeddings=256).to_dict())
+# The experts' residuals kept on the device, the layer input and the MLP input too; what is left to recompute is
+# the attention side (norms, projections, the attention forward), the router and the elementwise expert ops.
+KEEP_EXPERTS = f"save=layer_input,mlp_input,mlp_gate_up,{MOE_EXPERT_OUT}"
+RANK = 4  # below every width of the models above
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "gpt_oss"])
+def case(request):
+    cfg = {"qwen3_moe": QWEN3_MOE, "gpt_oss": GPT_OSS}[request.param]
+    model = init_model(cfg, dtype=jnp.float32, seed=0)
+    model = apply_lora(model, LoraConfig(r=RANK, alpha=8, target_parameters=("experts.gate_up_proj",
+                                                                           "experts.down_proj")), seed=1)
+    perturb_lora_b(model)  # B = 0 would make every A gradient zero
+    return cfg, split_model(model)
+
+
+def _program(cfg, split, remat: str):
+    graphdef, lora, frozen = split
+    batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
+    ex = ExecutionConfig(attention_implementation="reference", remat=remat, layer_loop="scan",
+                         grouped_matmul_implementation="xla")
+    return (lambda lo: loss_and_grad_sums(graphdef, lo, frozen, batch, None, ex)), lora
+
+
+def _wide_grouped_matmuls(cfg, split, remat: str) -> int:
+    """Ragged dots of the experts' width in the gradient's jaxpr (forward, backward, and what the backward
+    recomputes: partial evaluation leaves out of the recompute what the backward does not read). The adapters'
+    rank-r products (an operand or the output RANK wide) are left out: cheap, and recomputed under any policy that
+    does not name them."""
+    fn, lora = _program(cfg, split, remat)
+    jaxpr = jax.make_jaxpr(lambda lo: fn(lo)[1])(lora)
+    return sum(1 for eqn in jaxpr_eqns(jaxpr.jaxpr) if eqn.primitive.name.startswith("ragged_dot")
+               and RANK not in (eqn.invars[0].aval.shape[-1], eqn.invars[1].aval.shape[-1]))
+
+
+def test_keeping_the_experts_residuals_recomputes_no_grouped_matmul(case):
+    cfg, split = case
+    none = _wide_grouped_matmuls(cfg, split, "none")
+    assert none > 0
+    assert _wide_grouped_matmuls(cfg, split, KEEP_EXPERTS) == none
+    # Without the experts' output the combine's backward needs the down product again; without either name,
+    # gate/up's too.
+    without_out = _wide_grouped_matmuls(cfg, split, "save=layer_input,mlp_input,mlp_gate_up")
+    assert none < without_out < _wide_grouped_matmuls(cfg, split, "save=layer_input,mlp_input")
+
+
+@pytest.mark.parametrize("remat", [KEEP_EXPERTS, f"offload=layer_input,mlp_gate_up,{MOE_EXPERT_OUT}"])
+def test_keeping_the_experts_residuals_gives_the_gradients_of_no_remat(case, remat):
+    cfg, split = case
+    runs = {}
+    for policy in ("none", remat):
+        fn, lora = _program(cfg, split, policy)
+        loss, g, _ = jax.jit(fn)(lora)
+        runs[policy] = float(loss), jax.tree.leaves(g)
+    assert_grads_match(*runs[remat], *runs["none"])
+
+
+def test_expert_outputs_are_counted_per_chosen_expert_and_offload_all_takes_them():
+    sizes = residual_bytes(GPT_OSS, 2, 64, 2)
+    assert sizes[MOE_EXPERT_OUT] == 2 * 64 * GPT_OSS.num_experts_per_tok * GPT_OSS.hidden_size * 2
+    assert residual_bytes(LLAMA, 2, 64, 2)[MOE_EXPERT_OUT] == 0  # a dense model keeps none
+    names, _ = budget_offload_all(GPT_OSS, 2, 64, 2, None)
+    assert names[-2:] == ("mlp_gate_up", MOE_EXPERT_OUT)
+
+
+
+def test_the_keep_experts_recipe_runs_the_policy_tested_here():
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "bench" / "keep_experts.yaml"
+    ex = load_config(recipe).execution
+    assert (ex.remat, ex.layer_loop) == (KEEP_EXPERTS, "scan")
