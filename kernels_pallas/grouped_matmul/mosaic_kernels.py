@@ -160,6 +160,20 @@ def _rhs_window(rhs: jax.Array, g: int, rhs_base, pads: dict[int, int]):
     return rhs, lambda group: base + jnp.minimum(group, g - 1)
 
 
+def _row_operands(lhs, rhs, group_sizes, bm: int, bk: int, width: int, transpose_rhs: bool, rhs_base, lora):
+    """What both row-tile kernels launch on: lhs and rhs zero-padded to their tiles (`width`: the output columns one
+    unit computes), the matrix index of each tile (`_rhs_window`), the schedule (`row_tiles`), the fused adapter's
+    operands (`_lora_operands`), the padded M and N, and the grid: N-blocks and contraction steps."""
+    m, g = lhs.shape[0], group_sizes.shape[0]
+    rhs, rhs_index = _rhs_window(rhs, g, rhs_base, {2: bk, 1: width} if transpose_rhs else {1: bk, 2: width})
+    lhs_p = _pad(_pad(lhs, 0, bm), 1, bk)
+    rhs_p = _pad(_pad(rhs, 2, bk), 1, width) if transpose_rhs else _pad(_pad(rhs, 1, bk), 2, width)
+    mp, kp = lhs_p.shape
+    np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
+    return (lhs_p, rhs_p, rhs_index, row_tiles(group_sizes, mp, bm), _lora_operands(lora, m, bm, np_, g), mp, np_,
+            np_ // width, kp // bk)
+
+
 def _store_rows(acc, out_ref, row0, start, size, col0, block_m: int, block_n: int):
     """Store rows [start, start + size) of the [block_m, block_n] tile ``acc`` to out[row0 + start + i, col0:]
     through a scratch tile in shared memory, and wait for the stores."""
@@ -183,15 +197,9 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
     g = group_sizes.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    rhs, rhs_index = _rhs_window(rhs, g, rhs_base, {2: bk, 1: bn} if transpose_rhs else {1: bk, 2: bn})
-    lhs_p = _pad(_pad(lhs, 0, bm), 1, bk)
-    rhs_p = _pad(_pad(rhs, 2, bk), 1, bn) if transpose_rhs else _pad(_pad(rhs, 1, bk), 2, bn)
-    mp, kp = lhs_p.shape
-    np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
-    tiles = row_tiles(group_sizes, mp, bm)
-    grid_n, k_steps = np_ // bn, kp // bk
+    lhs_p, rhs_p, rhs_index, tiles, lora, mp, np_, grid_n, k_steps = _row_operands(
+        lhs, rhs, group_sizes, bm, bk, bn, transpose_rhs, rhs_base, lora)
     dtype = lhs.dtype
-    lora = _lora_operands(lora, m, bm, np_, g)
 
     def body(group_ref, index_ref, row0_ref, lo_ref, hi_ref, count_ref, lhs_ref, rhs_ref, *refs):
         *lora_refs, out_ref = refs
@@ -294,16 +302,10 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     split_n = cfg.wg_split == "n"
     cta_n, wg_m = (2 * bn, bm) if split_n else (bn, bm // 2)
-    rhs, rhs_index = _rhs_window(rhs, g, rhs_base, {2: bk, 1: cta_n} if transpose_rhs else {1: bk, 2: cta_n})
-    lhs_p = _pad(_pad(lhs, 0, bm), 1, bk)
-    rhs_p = _pad(_pad(rhs, 2, bk), 1, cta_n) if transpose_rhs else _pad(_pad(rhs, 1, bk), 2, cta_n)
-    mp, kp = lhs_p.shape
-    np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
-    tiles = row_tiles(group_sizes, mp, bm)
-    grid_n, k_steps = np_ // cta_n, kp // bk
+    lhs_p, rhs_p, rhs_index, tiles, lora, mp, np_, grid_n, k_steps = _row_operands(
+        lhs, rhs, group_sizes, bm, bk, cta_n, transpose_rhs, rhs_base, lora)
     dtype = lhs.dtype
     b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
-    lora = _lora_operands(lora, m, bm, np_, g)
 
     def rhs_tile(rhs_ref, group, ni):
         cols = pl.ds(ni * cta_n, cta_n)
