@@ -15,7 +15,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from jaxft.train import TrainConfig, train
-from jaxft.train.config import TrainConfigError, load_config
+from jaxft.train import TrainConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = ROOT / "examples" / "tiny-llama"

@@ -1,7 +1,8 @@
 """LoRA training: config, the jitted step, checkpoints, metrics, and `train(config) -> TrainResult`."""
 
 from jaxft.train.checkpoint import CheckpointError, Checkpointer
-from jaxft.train.config import TrainConfig, TrainConfigError, load_config
+from jaxft.train.config import TrainConfig, TrainConfigError
+from jaxft.train.config_file import load_config
 from jaxft.train.guard import TrainingInterrupted
 from jaxft.train.loop import TrainResult, train
 from jaxft.train.meter import RunSummary

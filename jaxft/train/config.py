@@ -6,7 +6,8 @@ recipe ports by copying keys. `TrainConfig.from_dict` is the door for untrusted 
 where it was given (`Where`: the YAML line, or the command line). `__post_init__` checks types (naming key,
 value and expected type), ranges, choices and that input paths exist; every failure is a
 `TrainConfigError` whose message is one line the CLI can print as is. Errors about one key carry that key
-(`TrainConfigError.key`), so `from_dict` can prefix the place the key came from without rewriting text.
+(`TrainConfigError.key`), so `from_dict` can prefix the place the key came from without rewriting text. YAML
+files and overrides are read by `jaxft.train.config_file.load_config`.
 
 `remat` not given: `gradient_checkpointing: true` (the HF/TRL switch) selects `remat: offload`, otherwise the
 policy is `auto` (chosen per run from the compiled step's memory, within `max_memory_gb`: `jaxft.run.Run`).
@@ -23,13 +24,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
-import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-import yaml
 
 ALIASES = {"max_length": "max_seq_length"}
 COMMAND_LINE = "command line"
@@ -513,70 +512,6 @@ class TrainConfig:
             raise TrainConfigError(f"{place}: {e}", key=e.key) from None
 
 
-def parse_value(text: str) -> Any:
-    """A `key=value` override's value, read as YAML 1.2 scalars (so `1e-4` is a float, not a string)."""
-    return yaml.load(text, Loader=_Loader)
-
-
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Reads a YAML config and applies `key=value` overrides (later wins). Relative paths inside the
-    file are kept as written (relative to the working directory), like TRL. An error about one key names
-    where it was given: `FILE:LINE` for the file's keys, "command line" for overrides."""
-    p = Path(path)
-    if not p.is_file():
-        raise TrainConfigError(f"config file {str(p)!r} does not exist; pass the path of a YAML file")
-    values, lines = _read_mapping(p)
-    where: dict[Any, Where] = {key: Where(str(p), lines.get(str(key))) for key in values}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise TrainConfigError(f"override {item!r}: expected key=value (e.g. learning_rate=1e-4)")
-        key = ALIASES.get(key, key)
-        try:
-            value = parse_value(text)
-        except yaml.YAMLError as e:
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise TrainConfigError(f"{COMMAND_LINE}: override {item!r}: the value is not valid YAML ({problem}); "
-                                   f"quote it or fix the brackets", key=key) from None
-        # An override replaces the file's value, whether the file spelled the key or its alias.
-        values = {k: v for k, v in values.items() if ALIASES.get(k, k) != key}
-        values[key] = value
-        where[key] = Where(COMMAND_LINE)
-    return TrainConfig.from_dict(values, source=str(p), where=where)
-
-
-def _read_mapping(p: Path) -> tuple[dict[Any, Any], dict[str, int]]:
-    """The YAML file's top-level mapping and the 1-based line of each key. The file is composed into nodes
-    first (they carry the marks that plain `yaml.load` drops), then constructed. A key written twice is an
-    error: PyYAML would silently keep the last value."""
-    loader = _Loader(p.read_text(encoding="utf-8"))
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return {}, {}
-        if not isinstance(node, yaml.MappingNode):
-            got = type(loader.construct_document(node)).__name__
-            raise TrainConfigError(f"{p}: expected a mapping of key: value at the top level, got {got}")
-        lines: dict[str, int] = {}
-        for key_node, _ in node.value:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            line = key_node.start_mark.line + 1
-            if key_node.value in lines:
-                raise TrainConfigError(f"{p}:{line}: key {key_node.value!r} is given twice (also on line "
-                                       f"{lines[key_node.value]}); keep one", key=key_node.value)
-            lines[key_node.value] = line
-        return loader.construct_document(node), lines
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{p}:{mark.line + 1}" if mark is not None else str(p)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise TrainConfigError(f"{where}: invalid YAML ({problem}); fix the file") from None
-    finally:
-        loader.dispose()
-
-
 def _unknown_keys_message(unknown: list[Any], names: list[str], source: str, where: Mapping[Any, Where]) -> str:
     """One line naming every unknown key, each with where it was given (its line, when the line's prefix is
     its file; "command line" for an override in a file's message) and the closest known key."""
@@ -602,21 +537,6 @@ def _unknown_keys_message(unknown: list[Any], names: list[str], source: str, whe
         items.append(repr(key) + (f" ({'; '.join(notes)})" if notes else ""))
     head = f"unknown key {items[0]}" if len(items) == 1 else f"unknown keys: {', '.join(items)}"
     return f"{prefix}: {head}" + (f"; known keys: {', '.join(names)}" if unhinted else "")
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 floats: PyYAML (YAML 1.1) reads `1e-4` as a string."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                    |[-+]?\.(?:inf|Inf|INF)
-                    |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."),
-)
 
 
 # ---------------------------------------------------------------------- type checking
