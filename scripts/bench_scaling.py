@@ -228,7 +228,11 @@ def markdown(rows: list[dict], argv: list[str]) -> str:
         lines.append(f"| {r['system']} | {r['mesh']} | {r['devices']} | {1000 * r['step_s']:.1f} ms | "
                      f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_device']:,.0f} | {eff} | {peak} | {estimate} | "
                      f"{r['losses'][0]:.4f} |")
-    return "\n".join(lines) + "\n"
+    # What the launcher did around a point's row (`_point_in_a_process`), so a table never hides a second try.
+    notes = [f"- {r['system']} {r['mesh']} {r['devices']}: {what} {r[key]}" for r in rows
+             for key, what in (("retried_after", "ran twice; the first try failed in torchrun's rendezvous:"),
+                               ("launcher_exit", "the launcher failed after the row was written:")) if r.get(key)]
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
 def main(argv=None) -> int:

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench.workloads import SHAPES  # noqa: E402
-from bench_scaling import _point_in_a_process, point_row  # noqa: E402
+from bench_scaling import _point_in_a_process, markdown, point_row  # noqa: E402
 
 
 @pytest.mark.slow  # three child processes, each compiling a tiny step
@@ -158,3 +158,15 @@ def test_a_launcher_failure_runs_the_point_once_more_and_the_row_says_so():
     row = _point_in_a_process(None, "hf_ckpt", "dp", 2, once=always)
     assert len(tries) == 2 and row["status"] == "error" and row["retried_after"] == RENDEZVOUS
     assert "launcher_failed" not in row
+
+
+def test_the_table_notes_a_retried_point_and_a_launcher_exit():
+    ok = {"system": "hf_ckpt", "mesh": "dp", "devices": 2, "status": "ok", "step_s": 0.02, "tokens_per_s": 100.0,
+          "tokens_per_s_per_device": 50.0, "efficiency": 0.9, "peak_gib_per_device": None, "losses": [6.25],
+          "device_kind": "cpu"}
+    table = markdown([{**ok, "retried_after": RENDEZVOUS}, {**ok, "devices": 4, "launcher_exit": "exit 1: Broken pipe"},
+                      {**ok, "devices": 8}], ["--devices", "2,4,8"])
+    notes = table.splitlines()[-2:]
+    assert notes == ["- hf_ckpt dp 2: ran twice; the first try failed in torchrun's rendezvous: " + RENDEZVOUS,
+                     "- hf_ckpt dp 4: the launcher failed after the row was written: exit 1: Broken pipe"]
+    assert "ran twice" not in markdown([{**ok, "devices": 8}], [])
