@@ -11,8 +11,9 @@ Public API:
 """
 
 from bridge.errors import CheckpointError
-from bridge.hf import WeightSlices, checkpoint_files, load_weights, read_config, save_weights
+from bridge.hf import checkpoint_files, load_weights, read_config, save_weights
 from bridge.mappings import TABLES, Row, Table, table_for
+from bridge.slices import WeightSlices
 from bridge.tree import flatten_tree, unflatten_tree
 
 __all__ = [
