@@ -9,7 +9,8 @@ import pytest
 # `print_saved_residuals` is the public face of this; the list itself is only in jax._src (pinned JAX)
 from jax._src.ad_checkpoint import saved_residuals
 
-from kernels_pallas.glu import geglu_tanh, geglu_tanh_reference, swiglu, swiglu_reference
+from kernels_pallas.glu import (clamped_swiglu, clamped_swiglu_reference, geglu_tanh, geglu_tanh_reference, swiglu,
+                                swiglu_reference)
 from kernels_pallas.rmsnorm import rmsnorm, rmsnorm_offset_reference, rmsnorm_reference
 
 NORMS = {False: rmsnorm_reference, True: rmsnorm_offset_reference}  # offset -> reference
@@ -85,5 +86,57 @@ def test_bad_inputs_are_named():
         swiglu(jnp.ones((2, 8)), jnp.ones((2, 4)))
     with pytest.raises(ValueError, match="glu/api.py"):
         geglu_tanh(jnp.ones((2, 8)), jnp.ones((2, 8), jnp.bfloat16))
+    with pytest.raises(ValueError, match="glu/api.py: clamped_swiglu takes interleaved gate/up columns"):
+        clamped_swiglu(jnp.ones((2, 7)), LIMIT, ALPHA)
     with pytest.raises(ValueError, match="implementation"):
         rmsnorm(jnp.ones((2, 8)), jnp.ones((8,)), 1e-6, implementation="triton")
+
+
+LIMIT, ALPHA = 7.0, 1.702  # GPT-OSS's
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_clamped_swiglu_matches_its_definition_off_the_bounds(dtype):
+    """Values of a few limits' size, so both clamps cut some; compared where no input sits on a bound, since there
+    autodiff of the definition halves the gradient (next test)."""
+    x, dh = _rand((4, 33, 192), dtype, 6, 6.0), _rand((4, 33, 96), dtype, 7)
+    got, got_vjp = jax.vjp(lambda x: clamped_swiglu(x, LIMIT, ALPHA), x)
+    want, want_vjp = jax.vjp(lambda x: clamped_swiglu_reference(x, LIMIT, ALPHA), x)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))  # the same forward
+    xf = np.asarray(x, np.float32)
+    cut = (xf[..., 0::2] > LIMIT).mean(), (np.abs(xf[..., 1::2]) > LIMIT).mean()
+    assert all(0.05 < c < 0.5 for c in cut), cut
+    off = np.abs(np.abs(xf) - LIMIT) > 0
+    (g,), (r,) = got_vjp(dh), want_vjp(dh)
+    assert g.dtype == x.dtype
+    _close(np.where(off, np.asarray(g, np.float32), 0), np.where(off, np.asarray(r, np.float32), 0), dtype, "dx")
+
+
+def test_clamped_swiglu_gradient_is_torchs_on_and_off_the_bounds():
+    """transformers' GptOssExperts' activation under torch autograd (the oracle), fp32, with inputs set exactly on
+    the bounds: torch's clamp passes no gradient there, and neither does ours (autodiff of the definition: half)."""
+    import torch
+
+    x = np.array(_rand((3, 17, 64), jnp.float32, 8, 6.0))
+    x[0, :4, 0::2] = LIMIT  # gates on the bound
+    x[1, :4, 1::2] = -LIMIT  # ups on both bounds
+    x[2, :4, 1::2] = LIMIT
+    dh = np.asarray(_rand((3, 17, 32), jnp.float32, 9))
+    t = torch.tensor(x, requires_grad=True)
+    gate = t[..., ::2].clamp(min=None, max=LIMIT)
+    up = t[..., 1::2].clamp(min=-LIMIT, max=LIMIT)
+    h = (up + 1) * (gate * torch.sigmoid(gate * ALPHA))
+    h.backward(torch.tensor(dh))
+    got, vjp = jax.vjp(lambda x: clamped_swiglu(x, LIMIT, ALPHA), jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(got), h.detach().numpy(), rtol=1e-6, atol=1e-6)
+    (g,) = vjp(jnp.asarray(dh))
+    np.testing.assert_allclose(np.asarray(g), t.grad.numpy(), rtol=1e-5, atol=1e-5)
+    assert not np.any(t.grad.numpy()[0, :4, 0::2]) and not np.any(t.grad.numpy()[1:, :4, 1::2])  # none on a bound
+    assert np.count_nonzero(np.asarray(g)) > g.size // 2
+
+
+def test_clamped_swiglu_saves_the_product_only():
+    x = _rand((8, 128, 1024), jnp.bfloat16, 10, 6.0)
+    ours = _residual_bytes(lambda x: clamped_swiglu(x, LIMIT, ALPHA).astype(jnp.float32).sum(), x)
+    ref = _residual_bytes(lambda x: clamped_swiglu_reference(x, LIMIT, ALPHA).astype(jnp.float32).sum(), x)
+    assert ours == x.size * 2 and 3 * ours < ref  # autodiff keeps several times as much

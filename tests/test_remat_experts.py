@@ -8,8 +8,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import transformers
+from flax import nnx
+from jax._src.ad_checkpoint import saved_residuals
 
 from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig
@@ -17,7 +20,7 @@ from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models import init_model
 from jaxft.remat import MOE_EXPERT_OUT, budget_offload_all, residual_bytes
 from jaxft.train import load_config
-from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batches
+from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batches, token_loss_sum
 from lora_helpers import jaxpr_eqns, perturb_lora_b
 from test_remat import LLAMA, assert_grads_match, packed_batch
 
@@ -98,3 +101,31 @@ def test_the_keep_experts_recipe_runs_the_policy_tested_here():
     recipe = Path(__file__).resolve().parents[1] / "examples" / "bench" / "keep_experts.yaml"
     ex = load_config(recipe).execution
     assert (ex.remat, ex.layer_loop) == (KEEP_EXPERTS, "scan")
+
+
+def test_no_remat_keeps_one_activation_of_the_expert_width_per_gpt_oss_layer():
+    """Without remat the layer scan keeps what each layer's backward reads. Of GPT-OSS's clamped SwiGLU, through its
+    custom VJP, that is the gate/up product (the expert rows [N k, 2I]) and the activation [N k, I] the down
+    projection reads; autodiff of the activation kept its strided halves, the clamps' comparisons, the sigmoid and
+    two products besides: nine [N k, I] tensors a layer here (the activation's "reference" implementation). A
+    hidden size other than I tells the [N k, H] rows apart."""
+    cfg = ModelConfig.from_hf(transformers.GptOssConfig(
+        vocab_size=64, hidden_size=48, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
+        max_position_embeddings=256).to_dict())
+    model = apply_lora(init_model(cfg, dtype=jnp.float32, seed=0), LoraConfig(
+        r=RANK, alpha=8, target_parameters=("experts.gate_up_proj", "experts.down_proj")), seed=1)
+    graphdef, lora, frozen = split_model(model)
+    batch = {k: jnp.asarray(v) for k, v in packed_batch(cfg.vocab_size).items()}
+    ex = ExecutionConfig(attention_implementation="reference", remat="none", layer_loop="scan",
+                         grouped_matmul_implementation="xla")
+    kept = saved_residuals(lambda lo: token_loss_sum(nnx.merge(graphdef, lo, frozen), batch, execution=ex), lora)
+    rows = int(np.prod(batch["input_ids"].shape)) * cfg.num_experts_per_tok
+    width = cfg.moe_intermediate_size
+
+    def count(last: int) -> int:  # stacked by the layer scan: [reps, rows, last] (ragged_dot's loop-invariant
+        # zero buffers of the same size are kept once, unstacked)
+        return sum(1 for aval, _ in kept if aval.shape[1:] == (rows, last))
+
+    assert count(width) == cfg.num_layers  # the activation, once a layer
+    assert count(2 * width) == cfg.num_layers  # the gate/up product

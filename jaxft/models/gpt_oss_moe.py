@@ -17,9 +17,10 @@ are gathered per sorted row (bias[expert of the row]). The weights stay in trans
 gate/up interleaved), so the bridge maps them without a transform and PEFT's `target_parameters` delta on
 `experts.gate_up_proj` adds to the fused output column for column (no permutation anywhere).
 
-Gradients are plain autodiff: the clamps pass the gradient where the input is inside the limits (as torch's
-clamp) and zero outside; the grouped matmuls differentiate by their implementation's rules
-(`kernels_pallas.grouped_matmul`: ragged dots for "xla", the Mosaic kernels' custom VJP), chosen per step by
+Gradients: the activation is `kernels_pallas.glu.clamped_swiglu`, whose custom VJP keeps only the gate/up product
+(autodiff kept several [rows, I] intermediates a layer) and whose clamps pass the gradient strictly inside their
+bounds, as torch's clamp, and none on or outside them; the grouped matmuls differentiate by their implementation's
+rules (`kernels_pallas.grouped_matmul`: ragged dots for "xla", the Mosaic kernels' custom VJP), chosen per step by
 `ExecutionConfig.grouped_matmul_implementation` (`jaxft.models.moe`).
 The two expert weights are `ExpertParam`s, 4-bit `Quant4bitExperts` with `load_in_4bit` (biases stay in the
 model dtype), both through `jaxft.models.quant_experts.expert_matmul`.
@@ -34,6 +35,7 @@ from flax import nnx
 from jaxft.config import ModelConfig
 from jaxft.models.layers import logical
 from jaxft.models.moe import GroupedExperts
+from kernels_pallas.glu import clamped_swiglu
 
 
 def route_top_k_softmax(x: jax.Array, router: jax.Array, bias: jax.Array, top_k: int):
@@ -42,13 +44,6 @@ def route_top_k_softmax(x: jax.Array, router: jax.Array, bias: jax.Array, top_k:
     logits = jnp.einsum("nh,he->ne", x, router.astype(x.dtype)) + bias.astype(x.dtype)
     values, experts = jax.lax.top_k(logits, top_k)
     return logits, jax.nn.softmax(values, axis=-1), experts.astype(jnp.int32)
-
-
-def clamped_swiglu(gate_up: jax.Array, limit: float, alpha: float) -> jax.Array:
-    """GPT-OSS's activation of the interleaved gate/up output [rows, 2I] -> [rows, I]."""
-    gate = jnp.minimum(gate_up[..., 0::2], limit)
-    up = jnp.clip(gate_up[..., 1::2], -limit, limit)
-    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
 class GptOssMoeMLP(GroupedExperts):
