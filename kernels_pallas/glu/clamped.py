@@ -14,8 +14,8 @@ activations of its layer scan). The backward here recomputes them from x, in fp3
     dx[..., 0::2] = dh dh/dg,   dx[..., 1::2] = dh dh/du
 
 The clamps pass the gradient strictly inside their bounds and none on them, as torch's clamp does (the oracle:
-transformers' GptOssExperts; torch 2.14 and the device's 2.11). Autodiff of `jnp.minimum` / `jnp.clip` gives half
-at an input equal to a bound, which in bf16 happens (7.0 is a bf16 value).
+transformers' GptOssExperts; checked against the torch installed here, tests/test_norm_glu_ops.py). Autodiff of
+`jnp.minimum` / `jnp.clip` gives half at an input equal to a bound, which in bf16 happens (7.0 is a bf16 value).
 """
 
 from __future__ import annotations
