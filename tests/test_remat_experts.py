@@ -4,6 +4,7 @@ grouped matmul; the gradients are those of no remat. Both MoE families, expert L
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import jax
@@ -22,7 +23,7 @@ from jaxft.remat import MOE_EXPERT_OUT, budget_offload_all, residual_bytes
 from jaxft.train import load_config
 from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batches, token_loss_sum
 from lora_helpers import jaxpr_eqns, perturb_lora_b
-from test_remat import LLAMA, assert_grads_match, packed_batch
+from test_remat import LLAMA, assert_grads_match, grads, packed_batch
 
 QWEN3_MOE = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
                         num_heads=2, num_kv_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
@@ -80,12 +81,8 @@ def test_keeping_the_experts_residuals_recomputes_no_grouped_matmul(case):
 @pytest.mark.parametrize("remat", [KEEP_EXPERTS, f"offload=layer_input,mlp_gate_up,{MOE_EXPERT_OUT}"])
 def test_keeping_the_experts_residuals_gives_the_gradients_of_no_remat(case, remat):
     cfg, split = case
-    runs = {}
-    for policy in ("none", remat):
-        fn, lora = _program(cfg, split, policy)
-        loss, g, _ = jax.jit(fn)(lora)
-        runs[policy] = float(loss), jax.tree.leaves(g)
-    assert_grads_match(*runs[remat], *runs["none"])
+    run = functools.partial(grads, cfg, split, loop="scan", grouped_matmul_implementation="xla")
+    assert_grads_match(*run(remat), *run("none"))
 
 
 def test_expert_outputs_are_counted_per_chosen_expert_and_offload_all_takes_them():
