@@ -45,8 +45,9 @@ def cut_config(shape: str, layers: int) -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
-def layer_residuals(shape: str, seq: int, remat: str, layers: int) -> tuple[int, list[tuple]]:
-    """(bytes the scan keeps per layer, [(count per layer, dtype, shape, MiB per layer, what)] largest first)."""
+def layer_residuals(shape: str, seq: int, remat: str, layers: int) -> tuple[float, list[tuple]]:
+    """(bytes the scan keeps per layer, ragged_dot's expert weights left out; [(bytes per layer, dtype, shape of one
+    layer's residual, what)] by kind, largest first)."""
     cfg = cut_config(shape, layers)
     moe = moe_layout(SHAPES[shape]) is not None
     lora = LoraConfig(r=LORA.r, alpha=LORA.alpha, target_modules=lora_module_targets(SHAPES[shape]),
