@@ -21,7 +21,7 @@
 #   SCALING_70B_TIMEOUT_S=560)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
 #   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
-#   TESTS_WORKERS=6 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)
+#   TESTS_WORKERS=6 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)  TESTS_SERIAL_MEM_GIB=24 (the serial call's GPU share, at most half)
 #   TRAIN_GPUS=1 (default: sessions one after another on one GPU) | N | all (bench_train.py --gpus: up to N
 #   sessions at once, each worker pinned to its own GPU by CUDA_VISIBLE_DEVICES; ceilings + model saves first, on GPU 0).
 #   On a multi-GPU kind (e.g. 8 x H200) TRAIN_GPUS=all runs the whole table (5 systems x 5 workloads) in one call:
@@ -57,8 +57,8 @@ fi
 if has tests; then
   stamp "gpu tests"
   # Two pytest calls at once. The `serial` tests (they read compiled memory sizes, which may depend on the memory
-  # XLA compiles for) in one process with their own share of the GPU (TESTS_SERIAL_MEM_FRACTION; they compile
-  # programs of < 1 GiB temp and one 8k x 128k cross-entropy of ~13 GB, far below either share); the others on
+  # XLA compiles for) in one process with their own share of the GPU (TESTS_SERIAL_MEM_GIB, or TESTS_SERIAL_MEM_FRACTION; they compile
+  # programs of < 1 GiB temp and one 8k x 128k cross-entropy of ~13 GB, within 24 GiB); the others on
   # TESTS_WORKERS pytest-xdist workers (1: one process) sharing what is left, tests that share a module-scoped
   # compile kept on one worker (xdist_group, --dist loadgroup). The suite is compile-bound (CPU): 16 cores feed
   # 1 + TESTS_WORKERS processes. pytest-xdist comes from the image, else from the wheels in .peers/pytest when
@@ -79,7 +79,12 @@ if has tests; then
     stamp "no pytest-xdist: the gpu tests run in one process"; workers=1
   fi
   parallel=(); [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadgroup)
-  serial_fraction=${TESTS_SERIAL_MEM_FRACTION:-0.5}
+  # The serial call's share is a size, not a fraction: its tests need ~13 GB at most, and what it does not use the
+  # parallel workers get. As a fixed fraction (0.5) the workers had 6 GiB each on an H100 (80 GB) and two tests ran
+  # out of memory there (docs/benchmarks.md section 41); the H200's 139 GB hid it.
+  gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  serial_fraction=${TESTS_SERIAL_MEM_FRACTION:-$(awk -v m="${gpu_mib:-0}" -v want="${TESTS_SERIAL_MEM_GIB:-24}" \
+    'BEGIN { f = (m > 0) ? want * 1024 / m : 0.5; if (f > 0.5) f = 0.5; printf "%.3f", f }')}
   fraction=$(awk -v n="$workers" -v s="$serial_fraction" 'BEGIN { printf "%.3f", (0.95 - s) / n }')
   slow_first="tests/test_train_gpu.py tests/test_gemma_gpu.py tests/test_moe_gpu.py tests/test_remat_gpu.py
     tests/test_grouped_matmul_gpu.py tests/test_qwen2_vl_gpu.py tests/test_gpt_oss.py tests/test_attention_auto.py"
