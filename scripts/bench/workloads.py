@@ -1,11 +1,12 @@
 """Workload definitions shared by every system of the training benchmark.
 
-Everything a worker needs to train "the same thing" lives here and nowhere else:
+Everything a worker needs to train "the same thing" lives here, or in the two modules this one re-exports (all of
+it importable from here), and nowhere else:
 
-* the model shapes (Hugging Face config dicts of the real models; weights are random),
+* the model shapes (Hugging Face config dicts of the real models; weights are random): bench/shapes.py,
 * the workloads (shape x batch x sequence length x packing),
 * the LoRA and optimizer settings,
-* the token data (seeded numpy, identical for every system; checked by a SHA-256),
+* the token data (seeded numpy, identical for every system; checked by a SHA-256): bench/token_data.py,
 * the useful-FLOP formula used for MFU.
 
 Useful FLOPs of one optimizer step (the formula printed in every report):
@@ -36,13 +37,28 @@ Useful FLOPs of one optimizer step (the formula printed in every report):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import hashlib
 import zlib
-from typing import Any, Mapping
+from typing import Any
 
-import numpy as np
+from bench.shapes import SHAPES, ModelShape
+from bench.token_data import (IMAGE_TEXT_PREFIX, PACKED_DOC_SIGMA, PACKED_MIN_DOC, TokenData, causal_pairs,
+                              image_processor, make_token_data, synthetic_image, text_vocab_below)
+
+__all__ = [
+    # the training settings
+    "LORA_TARGETS", "EXPERT_TARGETS", "LoraSettings", "AdamWSettings", "LORA", "ADAMW",
+    # bench.shapes
+    "ModelShape", "SHAPES",
+    # the workloads
+    "Workload", "WORKLOADS", "DEFAULT_WORKLOADS", "TINY_WORKLOADS", "get_workload",
+    # bench.token_data
+    "PACKED_DOC_SIGMA", "PACKED_MIN_DOC", "IMAGE_TEXT_PREFIX", "TokenData", "image_processor", "synthetic_image",
+    "text_vocab_below", "causal_pairs", "make_token_data",
+    # FLOPs
+    "FLOP_FORMULA", "MoeLayout", "moe_layout", "linear_shapes", "ATTENTION_TARGETS", "lora_module_targets",
+    "expert_shapes", "param_counts", "vision_params", "vision_attention_pairs", "useful_flops",
+]
 
 # --------------------------------------------------------------------------------------------
 # Training settings shared by every system.
@@ -99,263 +115,8 @@ LORA = LoraSettings()
 ADAMW = AdamWSettings()
 
 # --------------------------------------------------------------------------------------------
-# Model shapes (HF config dicts; random weights are created from them on the device).
-# --------------------------------------------------------------------------------------------
-
-_LLAMA_COMMON = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-    "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 131072,
-    "initializer_range": 0.02,
-    "use_cache": False,
-    # Our generated tokenizer's special ids (real Llama uses 128000/128001; irrelevant here).
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 3,
-}
-
-
-def _llama3_rope(factor: float) -> dict[str, Any]:
-    return {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": factor,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-    }
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """A named HF config dict (transformers 5 keys: ``rope_parameters``, not ``rope_scaling``).
-
-    A vision-language shape nests its language model's keys in ``text_config`` beside ``vision_config``
-    (as transformers 5 saves Qwen2.5-VL) and carries the image processor's ``preprocessor_config.json``
-    (``processor_config``), written into the model directory beside the weights.
-    """
-
-    name: str
-    hf_config: Mapping[str, Any]
-    processor_config: Mapping[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        need = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "vocab_size", "tie_word_embeddings")
-        missing = [k for k in need if not self.has(k)]
-        if missing:
-            raise ValueError(f"ModelShape {self.name!r}: hf_config lacks keys {missing}")
-        if self.get("num_attention_heads") % self.get("num_key_value_heads"):
-            raise ValueError(f"ModelShape {self.name!r}: num_attention_heads must be a multiple "
-                             "of num_key_value_heads")
-        if self.is_vlm != (self.processor_config is not None):
-            raise ValueError(f"ModelShape {self.name!r}: a vision_config needs a processor_config and "
-                             "only a vision-language shape takes one")
-
-    @property
-    def is_vlm(self) -> bool:
-        return "vision_config" in self.hf_config
-
-    def has(self, key: str) -> bool:
-        return key in self.hf_config or key in self.hf_config.get("text_config", {})
-
-    def get(self, key: str) -> Any:
-        """A config value: top level first, then the language model's ``text_config``; ``head_dim``
-        defaults to hidden_size / num_attention_heads as in transformers (Qwen2.5-VL omits it)."""
-        if key in self.hf_config:
-            return self.hf_config[key]
-        text = self.hf_config.get("text_config", {})
-        if key in text:
-            return text[key]
-        if key == "head_dim":
-            return self.get("hidden_size") // self.get("num_attention_heads")
-        raise KeyError(f"ModelShape {self.name!r}: no config key {key!r}")
-
-    def config_dict(self) -> dict[str, Any]:
-        """A fresh, JSON-serialisable deep copy (transformers' config classes edit nested dicts)."""
-        return copy.deepcopy(dict(self.hf_config))
-
-
-_QWEN3_COMMON = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
-    "tie_word_embeddings": False, "attention_bias": False, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    "use_sliding_window": False, "sliding_window": None, "initializer_range": 0.02, "use_cache": False,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3,
-}
-
-_GEMMA2_COMMON = {
-    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
-    "tie_word_embeddings": True, "attention_bias": False, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "max_position_embeddings": 8192,
-    "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "initializer_range": 0.02,
-    "use_cache": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3,
-}
-
-_GEMMA3_COMMON = {
-    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
-    "tie_word_embeddings": True, "attention_bias": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
-    "final_logit_softcapping": None, "attn_logit_softcapping": None, "initializer_range": 0.02,
-    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}},
-    "use_cache": False, "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
-}
-
-
-_GPT_OSS_COMMON = {
-    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_act": "silu",
-    "tie_word_embeddings": False, "attention_bias": True, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
-    "sliding_window": 128, "swiglu_limit": 7.0, "initializer_range": 0.02, "use_cache": False,
-    "output_router_logits": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3,
-}
-
-
-# Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B; transformers' Qwen3MoeConfig defaults differ: 24 layers,
-# rope_theta 1e4, norm_topk_prob false, no head_dim): 48 layers, all sparse (decoder_sparse_step 1, no
-# mlp_only_layers), 128 experts of width 768, top-8 renormalised, 32 query / 4 KV heads of 128 (not hidden / heads).
-_QWEN3_MOE_COMMON = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
-    "tie_word_embeddings": False, "attention_bias": False, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
-    "use_sliding_window": False, "sliding_window": None, "initializer_range": 0.02, "use_cache": False,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "output_router_logits": False,
-    "router_aux_loss_coef": 0.001, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3,
-}
-
-# Qwen2.5-VL-7B-Instruct's special ids (config.json); the synthetic text never draws them (TEXT_VOCAB_BELOW).
-_QWEN2_5_VL_IDS = {"vision_start_token_id": 151652, "vision_end_token_id": 151653, "image_token_id": 151655,
-                   "video_token_id": 151656}
-# Its preprocessor_config.json (Qwen2VLImageProcessor: 14-px patches, 2x2 merge, 2 frames per temporal patch).
-_QWEN2_5_VL_PROCESSOR = {
-    "min_pixels": 3136, "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
-}
-
-
-def _qwen2_5_vl(text: dict[str, Any], vision: dict[str, Any], ids: dict[str, int]) -> dict[str, Any]:
-    """A Qwen2.5-VL config as transformers 5 saves it: the language model's keys in text_config (M-RoPE
-    sections in rope_parameters), the tower's in vision_config (SwiGLU blocks, windows of window_size pixels,
-    full attention in fullatt_block_indexes, 2x2 merger to out_hidden_size = the text hidden size)."""
-    return {
-        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
-        "tie_word_embeddings": False, "use_cache": False, **ids,
-        "text_config": {"model_type": "qwen2_5_vl_text", "hidden_act": "silu", "rms_norm_eps": 1e-6,
-                        "use_sliding_window": False, "sliding_window": None, "initializer_range": 0.02,
-                        "attention_dropout": 0.0, "use_cache": False, "bos_token_id": 1, "eos_token_id": 2,
-                        "pad_token_id": 3, **text},
-        "vision_config": {"model_type": "qwen2_5_vl_vision", "hidden_act": "silu", "in_channels": 3,
-                          "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-                          "tokens_per_second": 2, "window_size": 112, "initializer_range": 0.02,
-                          "out_hidden_size": text["hidden_size"], **vision},
-    }
-
-
-def _alternating_layer_types(n: int) -> list[str]:
-    """GPT-OSS: sliding-window (128) and full attention alternate, layer 0 sliding."""
-    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-
-
-def _gemma3_layer_types(n: int) -> list[str]:
-    """Gemma 3's 5:1 pattern: five sliding-window layers, then one global layer."""
-    return ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
-
-
-SHAPES: dict[str, ModelShape] = {
-    "llama-3.2-1b": ModelShape("llama-3.2-1b", {
-        **_LLAMA_COMMON, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-        "vocab_size": 128256, "tie_word_embeddings": True, "rope_parameters": _llama3_rope(32.0)}),
-    "llama-3.1-8b": ModelShape("llama-3.1-8b", {
-        **_LLAMA_COMMON, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 128256, "tie_word_embeddings": False, "rope_parameters": _llama3_rope(8.0)}),
-    # Llama-3.1-70B: issue #15's FSDP run over 8 GPUs (scripts/bench_scaling.py) and the memory table's 70B.
-    "llama-3.1-70b": ModelShape("llama-3.1-70b", {
-        **_LLAMA_COMMON, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 128256, "tie_word_embeddings": False, "rope_parameters": _llama3_rope(8.0)}),
-    "qwen3-8b": ModelShape("qwen3-8b", {
-        **_QWEN3_COMMON, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "vocab_size": 151936, "max_position_embeddings": 40960, "max_window_layers": 36}),
-    # Gemma-2-9B: sliding window 4096 on every other layer, logit softcaps 50 (attention) / 30 (final).
-    "gemma-2-9b": ModelShape("gemma-2-9b", {
-        **_GEMMA2_COMMON, "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
-        "sliding_window": 4096, "vocab_size": 256000}),
-    # Gemma-3-12B (text): 5 sliding (window 1024, RoPE base 10k) : 1 global (base 1M, linear x8), qk-norm, no softcaps.
-    "gemma-3-12b": ModelShape("gemma-3-12b", {
-        **_GEMMA3_COMMON, "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256,
-        "sliding_window": 1024, "layer_types": _gemma3_layer_types(48), "vocab_size": 262208}),
-    # GPT-OSS-20B: 24 layers of 32 experts (top-4, width 2880), 64 query heads x 64, 8 KV heads, sinks, yarn RoPE.
-    "gpt-oss-20b": ModelShape("gpt-oss-20b", {
-        **_GPT_OSS_COMMON, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
-        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
-        "num_experts_per_tok": 4, "layer_types": _alternating_layer_types(24), "vocab_size": 201088}),
-    "qwen3-30b-a3b": ModelShape("qwen3-30b-a3b", {
-        **_QWEN3_MOE_COMMON, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-        "num_experts": 128, "num_experts_per_tok": 8, "max_position_embeddings": 40960,
-        "max_window_layers": 48, "vocab_size": 151936}),
-    # Qwen2.5-VL-7B-Instruct: Qwen2-7B's decoder (28 layers, 28 / 4 heads of 128, M-RoPE 16/24/24) and a 32-block
-    # 1280-wide tower (16 heads, SwiGLU 3420, windows of 112 px, full attention in blocks 7, 15, 23, 31).
-    "qwen2.5-vl-7b": ModelShape("qwen2.5-vl-7b", _qwen2_5_vl(
-        {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-         "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000,
-         "max_window_layers": 28,
-         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}},
-        {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-         "fullatt_block_indexes": [7, 15, 23, 31]}, _QWEN2_5_VL_IDS), _QWEN2_5_VL_PROCESSOR),
-    # Tiny shapes for the CPU smoke test (--tiny): same families, same code paths.
-    "tiny-qwen3-moe": ModelShape("tiny-qwen3-moe", {
-        **_QWEN3_MOE_COMMON, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-        "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 4096, "vocab_size": 512}),
-    # Window 56 px = 2 x 2 merged tokens: a 140 px image (5 x 5 merged) has partial windows at its edges.
-    "tiny-qwen2.5-vl": ModelShape("tiny-qwen2.5-vl", _qwen2_5_vl(
-        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 4096, "max_window_layers": 2,
-         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]}},
-        {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "window_size": 56,
-         "fullatt_block_indexes": [1]},
-        {"vision_start_token_id": 508, "vision_end_token_id": 509, "image_token_id": 510, "video_token_id": 511}),
-        _QWEN2_5_VL_PROCESSOR),
-    "tiny-gpt-oss": ModelShape("tiny-gpt-oss", {
-        **_GPT_OSS_COMMON, "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_local_experts": 4,
-        "num_experts_per_tok": 2, "layer_types": _alternating_layer_types(2), "vocab_size": 512}),
-    "tiny-gemma3": ModelShape("tiny-gemma3", {
-        **_GEMMA3_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
-        "sliding_window": 32, "layer_types": _gemma3_layer_types(6), "vocab_size": 512}),
-    "tiny-gemma2": ModelShape("tiny-gemma2", {
-        **_GEMMA2_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "query_pre_attn_scalar": 16,
-        "sliding_window": 32, "vocab_size": 512}),
-    "tiny-llama": ModelShape("tiny-llama", {
-        **_LLAMA_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "vocab_size": 512, "tie_word_embeddings": True, "rope_parameters": _llama3_rope(32.0)}),
-    "tiny-qwen3": ModelShape("tiny-qwen3", {
-        **_QWEN3_COMMON, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "vocab_size": 512, "max_position_embeddings": 4096, "max_window_layers": 2}),
-}
-
-# --------------------------------------------------------------------------------------------
 # Workloads.
 # --------------------------------------------------------------------------------------------
-
-PACKED_DOC_SIGMA = 1.0  # lognormal sigma of packed document lengths (mean is set per workload)
-PACKED_MIN_DOC = 2      # shortest document: one with a single token has no target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -453,223 +214,6 @@ def get_workload(name: str) -> Workload:
         return WORKLOADS[name]
     except KeyError:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}") from None
-
-
-# --------------------------------------------------------------------------------------------
-# Token data.
-# --------------------------------------------------------------------------------------------
-
-
-IMAGE_TEXT_PREFIX = 16  # text tokens before an image row's <|vision_start|> (a user turn's opening words)
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenData:
-    """Host numpy arrays with a leading step axis S (one batch per optimizer step).
-
-    jaxft contract (see CONVENTIONS.md): input_ids, targets (next token, 0 where masked),
-    loss_mask (1.0 where the target counts), segment_ids (documents 1..n per row), positions
-    (restart at 0 per document); all [S, B, T].
-    HF contract: ``labels`` [S, B, T] int64 is input_ids with -100 at every document start (and at
-    every image token); HF shifts it inside the loss, so the target of position t is labels[t + 1] =
-    targets[t] and the masked ones agree with loss_mask == 0. ``position_ids`` = positions (int64).
-    Image rows (vision-language workloads) add, in jaxft's packed-batch form (jaxft.data.packing),
-    pixel_values [S, B, P * patch_dim] float32 (the image processor's patches of the row's image) and
-    image_grid_thw [S, B, 3] int32; ``hf_images(i)`` gives transformers' flat form of step i.
-    """
-
-    input_ids: np.ndarray
-    targets: np.ndarray
-    loss_mask: np.ndarray
-    segment_ids: np.ndarray
-    positions: np.ndarray
-    attention_pairs: np.ndarray  # [S] causal within-document (query, key) pairs, summed over rows
-    pixel_values: np.ndarray | None = None
-    image_grid_thw: np.ndarray | None = None
-    image_token_id: int | None = None
-
-    def step(self, i: int) -> dict[str, np.ndarray]:
-        """The jaxft packed-batch dict of step i."""
-        out = {"input_ids": self.input_ids[i], "targets": self.targets[i],
-               "loss_mask": self.loss_mask[i], "segment_ids": self.segment_ids[i],
-               "positions": self.positions[i]}
-        if self.pixel_values is not None:
-            out.update(pixel_values=self.pixel_values[i], image_grid_thw=self.image_grid_thw[i])
-        return out
-
-    def rows(self, start: int, stop: int) -> "TokenData":
-        """Rows start..stop-1 of every step (one data-parallel rank's share of a global batch); attention_pairs
-        counted again for those rows."""
-        cut = {f.name: getattr(self, f.name)[:, start:stop] for f in dataclasses.fields(self)
-               if f.name not in ("attention_pairs", "image_token_id") and getattr(self, f.name) is not None}
-        return dataclasses.replace(self, **cut, attention_pairs=causal_pairs(cut["segment_ids"]))
-
-    def hf_images(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """(pixel_values [patches of every row, patch_dim] float32, image_grid_thw [rows, 3] int64) of step
-        i: what transformers' Qwen2.5-VL processor returns for the batch's images, rows in order."""
-        grids = self.image_grid_thw[i].reshape(-1, 3).astype(np.int64)
-        dim = self.pixel_values.shape[-1] // int(grids[0].prod())
-        return self.pixel_values[i].reshape(-1, dim), grids
-
-    def hf_vision_inputs(self, i: int) -> dict[str, np.ndarray]:
-        """The vision keyword arguments of step i for transformers' Qwen2.5-VL forward: `hf_images` and
-        mm_token_type_ids [B, T] (1 on image tokens, 0 on text, as its processor returns them). Without
-        mm_token_type_ids transformers 5 computes no M-RoPE positions: its text model silently takes 1-D
-        positions arange(T), which shift every text token after an image (found on the H200: HF+PEFT and
-        Unsloth trained the 7B rows that way; docs/benchmarks.md section 20)."""
-        pixels, grids = self.hf_images(i)
-        return {"pixel_values": pixels, "image_grid_thw": grids,
-                "mm_token_type_ids": (self.input_ids[i] == self.image_token_id).astype(np.int64)}
-
-    def image_grids(self, i: int) -> list[tuple[int, int, int]]:
-        """The (t, h, w) patch grid of every image of step i ([] for text-only data)."""
-        if self.image_grid_thw is None:
-            return []
-        return [tuple(int(v) for v in g) for g in self.image_grid_thw[i].reshape(-1, 3)]
-
-    def hf_labels(self) -> np.ndarray:
-        labels = self.input_ids.astype(np.int64)
-        labels[self.positions == 0] = -100
-        if self.image_token_id is not None:
-            labels[self.input_ids == self.image_token_id] = -100
-        return labels
-
-    @property
-    def sha256(self) -> str:
-        h = hashlib.sha256()
-        arrays = [self.input_ids, self.positions, self.loss_mask]
-        if self.pixel_values is not None:  # every system must see the same pixels too
-            arrays += [self.pixel_values, self.image_grid_thw]
-        for a in arrays:
-            h.update(np.ascontiguousarray(a).tobytes())
-        return h.hexdigest()
-
-    def stats(self) -> dict[str, Any]:
-        starts = int((self.positions == 0).sum())
-        out = {"steps": int(self.input_ids.shape[0]), "documents": starts,
-               "mean_doc_len": float(self.input_ids.size / starts),
-               "loss_tokens_per_step": float(self.loss_mask.sum() / self.input_ids.shape[0]),
-               "sha256": self.sha256}
-        if self.image_token_id is not None:
-            out["image_tokens_per_step"] = float((self.input_ids == self.image_token_id).sum()
-                                                 / self.input_ids.shape[0])
-            out["patches_per_step"] = float(sum(t * h * w for t, h, w in self.image_grids(0)))
-        return out
-
-
-def _doc_lengths(rng: np.random.Generator, seq_len: int, mean: int) -> np.ndarray:
-    """Lognormal lengths with the given mean (mu = ln(mean) - sigma^2 / 2), last one cut to fit."""
-    mu = np.log(mean) - PACKED_DOC_SIGMA ** 2 / 2
-    out: list[int] = []
-    total = 0
-    while total < seq_len:
-        n = int(np.clip(np.rint(rng.lognormal(mu, PACKED_DOC_SIGMA)), PACKED_MIN_DOC, seq_len))
-        n = min(n, seq_len - total)
-        out.append(n)
-        total += n
-    return np.asarray(out, dtype=np.int64)
-
-
-def image_processor(shape: ModelShape):
-    """transformers' Qwen2-VL image processor of a vision-language shape, the PIL backend named explicitly:
-    every worker then computes the same pixels (the torchvision backend resizes slightly differently), and
-    the same class is what jaxft's AutoImageProcessor picks on a host without torchvision."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    cfg = {k: v for k, v in shape.processor_config.items() if k not in ("image_processor_type", "processor_class")}
-    return Qwen2VLImageProcessorPil(**cfg)
-
-
-def synthetic_image(rng: np.random.Generator, size: int) -> np.ndarray:
-    """A size x size RGB uint8 image of uniform noise (no resize can make two processors agree on noise
-    they did not both see: the pixels, not the file, are what every system is given)."""
-    return rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)
-
-
-def text_vocab_below(shape: ModelShape) -> int:
-    """Synthetic text ids are drawn below this: the vocabulary, or a VLM's lowest vision special id (an
-    image pad id drawn into the text would be read as an image token)."""
-    ids = [shape.get(k) for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id",
-                                  "video_token_id") if shape.has(k)]
-    return min([int(shape.get("vocab_size"))] + [int(i) for i in ids])
-
-
-def _image_rows(workload: Workload, steps: int, input_ids: np.ndarray, loss_mask: np.ndarray):
-    """Put one image per row into ``input_ids`` (in place): prefix text, <|vision_start|>, one image pad per
-    merged patch, <|vision_end|>, text; mask the targets that are image pads. Returns (pixel_values,
-    image_grid_thw) in the jaxft batch form."""
-    from PIL import Image
-
-    shape = workload.shape
-    proc = image_processor(shape)
-    rng = np.random.Generator(np.random.PCG64(workload.seed + 1))
-    b = workload.batch
-    pixels, grids = [], []
-    for i in range(steps):
-        for j in range(b):
-            out = proc(images=[Image.fromarray(synthetic_image(rng, workload.image_size))], return_tensors="np")
-            grid = np.asarray(out["image_grid_thw"][0], np.int64)
-            n = int(grid.prod()) // int(proc.merge_size) ** 2
-            end = IMAGE_TEXT_PREFIX + n + 2
-            if end >= workload.seq_len:
-                raise ValueError(f"Workload {workload.name!r}: a {workload.image_size}px image takes {n} tokens; "
-                                 f"seq_len={workload.seq_len} must exceed {end}")
-            row = input_ids[i, j]
-            row[IMAGE_TEXT_PREFIX] = shape.get("vision_start_token_id")
-            row[IMAGE_TEXT_PREFIX + 1:end - 1] = shape.get("image_token_id")
-            row[end - 1] = shape.get("vision_end_token_id")
-            pixels.append(np.asarray(out["pixel_values"], np.float32).reshape(-1))
-            grids.append(grid.astype(np.int32))
-    image = input_ids == shape.get("image_token_id")
-    loss_mask[..., :-1][image[..., 1:]] = 0  # an image pad is an input, never a target
-    return (np.stack(pixels).reshape(steps, b, -1), np.stack(grids).reshape(steps, b, 3))
-
-
-def causal_pairs(segment_ids: np.ndarray) -> np.ndarray:
-    """[S] causal within-document (query, key) pairs, diagonal included, summed over the rows of each step of
-    segment_ids [S, B, T]: n (n + 1) / 2 per document of n tokens. (kernels_pallas.attention.kept_pairs counts the
-    same on device; this module stays free of JAX for the torch workers.)"""
-    out = np.zeros(segment_ids.shape[0], np.int64)
-    for i, step in enumerate(segment_ids):
-        for row in step:
-            n = np.bincount(row).astype(np.int64)
-            out[i] += int((n * (n + 1) // 2).sum())
-    return out
-
-
-def make_token_data(workload: Workload, steps: int) -> TokenData:
-    """Deterministic token data for ``steps`` optimizer steps (seeded by the workload name).
-
-    Token ids are uniform over the vocabulary (below a VLM's special ids); the same call gives the same
-    bytes in every process, which each worker proves by reporting ``TokenData.sha256`` (pixels included).
-    """
-    if steps < 1:
-        raise ValueError(f"make_token_data: steps={steps} must be >= 1")
-    rng = np.random.Generator(np.random.PCG64(workload.seed))
-    s, b, t = steps, workload.batch, workload.seq_len
-    vocab = text_vocab_below(workload.shape)
-    input_ids = rng.integers(0, vocab, size=(s, b, t), dtype=np.int64).astype(np.int32)
-    positions = np.empty((s, b, t), np.int32)
-    segment_ids = np.empty((s, b, t), np.int32)
-    for i in range(s):
-        for j in range(b):
-            if workload.packed:
-                lengths = _doc_lengths(rng, t, workload.mean_doc_len)
-            else:
-                lengths = np.asarray([t], np.int64)
-            positions[i, j] = np.concatenate([np.arange(n) for n in lengths])
-            segment_ids[i, j] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
-    loss_mask = np.zeros((s, b, t), np.float32)
-    loss_mask[..., :-1] = positions[..., 1:] != 0  # no target across a document boundary
-    images: dict[str, Any] = {}
-    if workload.image_size:
-        pixel_values, grid = _image_rows(workload, s, input_ids, loss_mask)
-        images = {"pixel_values": pixel_values, "image_grid_thw": grid,
-                  "image_token_id": int(workload.shape.get("image_token_id"))}
-    targets = np.zeros_like(input_ids)
-    targets[..., :-1] = input_ids[..., 1:]
-    targets[loss_mask == 0] = 0
-    return TokenData(input_ids, targets, loss_mask, segment_ids, positions, causal_pairs(segment_ids), **images)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,310 @@
+"""Tests of the training benchmark's worker sessions (scripts/bench/sessions.py, the workers' session loops and
+scripts/bench_train.py's scheduling): several tasks per worker process, the reused base model, a session continued
+after the task it died in, sessions side by side on several (fake) GPUs; and the report's memory marks and its
+remat auto check.
+
+Oracles: a fresh one-task run of the same task, a fake worker whose model directory's name picks what it does,
+and the CLI run end to end on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(REPO, "scripts")
+if SCRIPTS not in sys.path:  # the bench package lives beside the scripts, not in jaxft
+    sys.path.insert(0, SCRIPTS)
+
+from bench.report import markdown, summarise_run  # noqa: E402
+from bench.workloads import SHAPES, get_workload  # noqa: E402
+from bench.worker_common import Task, dump_session, worker_main  # noqa: E402
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+# ------------------------------------------------------------------------------------------------
+# Sessions: several tasks per worker process.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from bench.models import save_random_model
+
+    path = str(tmp_path_factory.mktemp("models") / "tiny-llama")
+    save_random_model(SHAPES["tiny-llama"], path, "cpu")
+    return path
+
+
+def _run_session(script: str, tasks: list[Task], tmp_path) -> list[dict]:
+    """Run a worker script on a session task file in its own process (CPU only); its result list."""
+    task_path, out = str(tmp_path / f"{script}.tasks.json"), str(tmp_path / f"{script}.results.json")
+    dump_session(tasks, task_path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SCRIPTS, REPO]), JAX_PLATFORMS="cpu",
+               CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, script), "--task", task_path, "--out", out],
+                         capture_output=True, text=True, timeout=240, cwd=str(tmp_path), env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    with open(out) as f:
+        results = json.load(f)
+    assert [r["session_index"] for r in results] == list(range(len(tasks)))
+    assert [(r["system"], r["workload"]) for r in results] == [(t.system, t.workload) for t in tasks]
+    return results
+
+
+def test_hf_session_reuses_the_model_and_survives_a_failed_task(tiny_model_dir, tmp_path):
+    import bench_torch_worker
+
+    missing = str(tmp_path / "no_such_model")
+    tasks = [Task("train", "hf_nockpt", wl, d, 3, "cpu") for wl, d in
+             [("tiny_llama", tiny_model_dir), ("tiny_llama", missing), ("tiny_packed", tiny_model_dir),
+              ("tiny_llama", tiny_model_dir)]]
+    res = _run_session("bench_torch_worker.py", tasks, tmp_path)
+    assert [r["status"] for r in res] == ["ok", "error", "ok", "ok"]
+    assert "no_such_model" in res[1]["error"]
+    # The failed task dropped the cached model (task 3 reloads it); task 4 reuses task 3's load.
+    assert [r.get("base_model_reused") for r in res] == [False, None, False, True]
+    # A reused model, unloaded after another workload's LoRA training, trains exactly like a fresh one.
+    np.testing.assert_allclose(res[3]["losses"], res[0]["losses"], rtol=1e-6)
+    # A one-task run (single-task file, its own model load) == the session's 3rd task.
+    task_path, out = str(tmp_path / "single.json"), str(tmp_path / "single_result.json")
+    tasks[2].dump(task_path)
+    assert worker_main(bench_torch_worker.run_task, ["--task", task_path, "--out", out]) == 0
+    single = json.load(open(out))
+    assert single["status"] == "ok" and single["data_sha256"] == res[2]["data_sha256"]
+    np.testing.assert_allclose(single["losses"], res[2]["losses"], rtol=1e-6)
+
+
+def test_jaxft_session_matches_a_fresh_run_and_reports_its_memory(tiny_model_dir, tmp_path):
+    import bench_jaxft_worker
+
+    tasks = [Task("train", "jaxft", wl, tiny_model_dir, 3, "cpu") for wl in ("tiny_packed", "tiny_llama")]
+    res = _run_session("bench_jaxft_worker.py", tasks, tmp_path)
+    assert [r["status"] for r in res] == ["ok", "ok"], [r.get("error") for r in res]
+    assert [r["base_model_reused"] for r in res] == [False, True]
+    # The 2nd task's reused frozen weights + re-copied LoRA init == a fresh load (fresh cache).
+    fresh = bench_jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 3)
+    np.testing.assert_allclose(res[1]["losses"], fresh["losses"], rtol=1e-6)
+    for r in res:
+        analysis, mem = r["extra"]["memory_analysis"], r["extra"]["memory"]
+        assert analysis["temp_size_in_bytes"] > 0 and analysis["output_size_in_bytes"] > 0
+        assert isinstance(r["peak_memory_bytes"], int)
+        # The CPU backend has no allocator statistics: the peak is the compiled step's estimate.
+        assert r["peak_memory_source"] == "static_estimate"
+        assert r["peak_memory_bytes"] == mem["static_estimate"] == mem["bytes_in_use_before_steps"] + \
+            analysis["temp_size_in_bytes"] + analysis["output_size_in_bytes"] - analysis["alias_size_in_bytes"]
+        # Read before the steps: beside the run's state at most a few scalars (a key) are alive, and the CPU has no
+        # allocator statistics to compare with.
+        outside = r["extra"]["resident_outside_state"]
+        assert "in_use_beyond_state" not in outside
+        assert 0 <= outside["bytes"] < 1024 and all(n <= 8 for _, _, n in outside["largest"]), outside
+
+
+def test_jaxft_row_reports_the_settings_it_ran_with_after_remat_auto(tiny_model_dir):
+    import bench_jaxft_worker
+
+    # remat auto resolves on CPU to "none" (the tiny model fits), and "none" unrolls the layers: the row must say
+    # so, not the unresolved config's "scan" (the Gemma auto_40gb row of 3fa6ed3 said "scan" for an unrolled run).
+    raw = bench_jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 2, mode="auto")
+    settings = raw["settings"]
+    assert (settings["remat"], settings["remat_layers"], settings["layers"]) == ("none", None, "unroll"), settings
+    # What auto compiled ([policy, remat_layers, depth]) and whether a compilation cache served compile_s.
+    with open(os.path.join(tiny_model_dir, "config.json")) as f:
+        layers = json.load(f)["num_hidden_layers"]
+    assert raw["extra"]["remat_compiles"] == [["none", None, layers]]
+    assert raw["extra"]["compilation_cache_dir"] == os.environ.get("JAX_COMPILATION_CACHE_DIR")
+
+
+def test_jax_task_peak_uses_the_allocator_only_when_the_steps_raised_it():
+    from bench_jaxft_worker import _task_peak
+
+    analysis = {"temp_size_in_bytes": 50, "output_size_in_bytes": 30, "alias_size_in_bytes": 20}
+    before = {"bytes_in_use": 100, "peak_bytes_in_use": 500}
+    assert _task_peak(before, {"peak_bytes_in_use": 700}, analysis)[:2] == (700, "allocator")
+    # An earlier task (or the load) set the process peak: fall back to in-use + temp + output - alias.
+    assert _task_peak(before, {"peak_bytes_in_use": 500}, analysis)[:2] == (100 + 50 + 30 - 20, "static_estimate")
+    # The allocator's regions and limit are recorded beside (the step's temp is one buffer that must fit there).
+    numbers = _task_peak({**before, "pool_bytes": 400, "bytes_limit": 900}, {"peak_bytes_in_use": 700}, analysis)[2]
+    assert (numbers["pool_bytes_before_steps"], numbers["bytes_limit"]) == (400, 900)
+
+
+def test_markdown_marks_static_memory_estimates():
+    w = get_workload("tiny_llama")
+    raw = {"status": "ok", "step_times_s": [1.0, 1.0], "losses": [6.0, 5.9], "peak_memory_bytes": 2 * 1024 ** 3,
+           "peak_memory_source": "static_estimate", "data_sha256": "x"}
+    run = {"system": "jaxft", "workload": w.name, "session": "jaxft__tiny-llama",
+           "summary": summarise_run(raw, w, 1, [1.0, 1.0], "x", 1, None), "raw": raw}
+    report = {"meta": {"date": "d", "commit": "c", "device_name": "cpu", "command": "x", "steps": 2, "warmup": 1,
+                       "lora": {"r": 1, "alpha": 1, "dropout": 0, "targets": ["q_proj"]},
+                       "adamw": {"lr": 1, "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0}},
+              "ceiling": {}, "workloads": {}, "runs": [run]}
+    text = markdown(report)
+    assert "| 2.00* |" in text and "* static estimate" in text
+    run["summary"]["peak_memory_source"] = "allocator"
+    assert "| 2.00 |" in markdown(report) and "static estimate" not in markdown(report)
+
+
+def test_the_report_checks_auto_against_the_fastest_policy_that_fits():
+    """issue #10's bar: auto within 5% of the fastest jaxft policy that fits its budget (the recipe's
+    max_memory_gb, or every policy that ran); a 4-bit base is another model, not a candidate."""
+    from bench.report import auto_check
+
+    w = get_workload("tiny_llama")
+
+    def run(system, step_s, peak_gib, **settings):
+        raw = {"status": "ok", "step_times_s": [step_s] * 3, "losses": [6.0, 5.9, 5.8],
+               "peak_memory_bytes": int(peak_gib * 1024 ** 3), "data_sha256": "x", "settings": settings}
+        return {"system": system, "workload": w.name, "summary": summarise_run(raw, w, 1, [1.0] * 3, "x", 1, None),
+                "raw": raw}
+
+    runs = [run("jaxft", 1.0, 30), run("jaxft_lean", 1.5, 10), run("jaxft_offload_attn", 1.2, 20),
+            run("jaxft_qlora", 0.5, 5), run("jaxft_auto", 1.02, 30, remat="none", remat_layers=None),
+            run("jaxft_auto_40gb", 1.3, 19, remat="offload+attn", max_memory_gb=25.0, remat_layers=None),
+            run("unsloth", 0.1, 1)]
+    by = {c["system"]: c for c in auto_check(runs)}
+    assert by["jaxft_auto"]["best_system"] == "jaxft" and by["jaxft_auto"]["within"]  # 1.0 / 1.02 = 0.98
+    assert by["jaxft_auto"]["ratio"] == pytest.approx(1 / 1.02)
+    tight = by["jaxft_auto_40gb"]  # jaxft (30 GiB) does not fit 25 GiB: offload+attn (20 GiB) is the bar
+    assert tight["best_system"] == "jaxft_offload_attn" and tight["within"] is False
+    assert tight["ratio"] == pytest.approx(1.2 / 1.3)
+    report = {"meta": {"date": "d", "commit": "c", "device_name": "cpu", "command": "x", "steps": 3, "warmup": 1,
+                       "lora": {"r": 1, "alpha": 1, "dropout": 0, "targets": ["q_proj"]},
+                       "adamw": {"lr": 1, "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0}},
+              "ceiling": {}, "workloads": {}, "runs": runs}
+    text = markdown(report)
+    assert "## remat auto against the fastest policy that fits its budget (bar: within 5%)" in text
+    assert "| tiny_llama | jaxft_auto_40gb | 25.0 | offload+attn | " in text and "| 0.923 | NO |" in text
+    assert auto_check([run("jaxft_auto", 1.0, 30, remat="full", remat_layers=None)])[0]["within"] is None
+
+
+FAKE_WORKER = """
+import os, sys, time
+sys.path.insert(0, {scripts!r})
+from bench.worker_common import worker_main
+
+def run(task, out_json, cache):  # a real worker contract; the model_dir's name picks the behaviour
+    name = os.path.basename(task.model_dir)
+    t0 = time.time()
+    if name == "hang":
+        time.sleep(120)
+    if name == "crash":
+        os._exit(3)
+    if name.startswith("sleep"):
+        time.sleep(3.0)
+    return {{"model_dir": task.model_dir, "t0": t0, "t1": time.time(),
+             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}}
+
+sys.exit(worker_main(run))
+"""
+
+
+def test_session_runner_restarts_after_the_task_a_session_died_in(tmp_path):
+    from bench.sessions import SessionRunner
+
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER.format(scripts=SCRIPTS))
+    names = ["a", "hang", "c", "crash", "e"]
+    tasks = [Task("save_model", "", "tiny_llama", str(tmp_path / n), 1, "cpu") for n in names]
+    got = []
+
+    def on_result(task, raw):
+        got.append((os.path.basename(task.model_dir), raw["status"], raw["session"]))
+
+    runner = SessionRunner(str(tmp_path / "work"), task_timeout_s=6.0, time_left=lambda: 600.0, min_start_s=1.0,
+                           logs_dir=str(tmp_path / "logs"))
+    runner.run("s", str(script), tasks, lambda run_dir: dict(os.environ), on_result)
+    # The hung task is killed after the tiny timeout and the crash costs only its own task.
+    assert got == [("a", "ok", "s"), ("hang", "timeout", "s"), ("c", "ok", "s.1"), ("crash", "crashed", "s.1"),
+                   ("e", "ok", "s.2")]
+    assert sorted(os.listdir(tmp_path / "logs")) == ["s", "s.1", "s.2"]
+    # No time left: nothing starts, every task is recorded as skipped.
+    got.clear()
+    SessionRunner(str(tmp_path / "work2"), 6.0, lambda: 0.0, 1.0).run("t", str(script), tasks[:2],
+                                                                       lambda d: dict(os.environ), on_result)
+    assert got == [("a", "skipped", None), ("hang", "skipped", None)]
+
+
+def test_run_order_puts_each_shapes_workloads_in_ascending_memory():
+    from bench_train import run_order
+
+    assert run_order(["8b_16384", "1b_2x4096", "8b_packed_16384", "qwen3_8b_4096", "8b_4096"]) == \
+        ["8b_4096", "8b_packed_16384", "8b_16384", "1b_2x4096", "qwen3_8b_4096"]
+
+
+def test_run_jobs_runs_sessions_concurrently_one_per_gpu(tmp_path):
+    """(a) each session's worker sees only its GPU, (b) sessions overlap in time, (c) a dead session
+    is continued on its GPU, and a queued one starts only when a GPU is free."""
+    from bench.sessions import Job, SessionRunner, run_jobs
+
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER.format(scripts=SCRIPTS))
+    got: dict[tuple[str, str], dict] = {}
+
+    def job(name, *dirs):
+        tasks = [Task("save_model", "", "tiny_llama", str(tmp_path / d), 1, "cpu") for d in dirs]
+        return Job(name, str(script), tasks, lambda run_dir: dict(os.environ),
+                   lambda task, raw: got.setdefault((name, os.path.basename(task.model_dir)), raw))
+
+    jobs = [job("j0", "sleep_a", "crash", "fast_c"), job("j1", "sleep_b"), job("j2", "sleep_c"),
+            job("j3", "fast_d")]
+    runner = SessionRunner(str(tmp_path / "work"), task_timeout_s=60.0, time_left=lambda: 600.0, min_start_s=1.0)
+    run_jobs(runner, jobs, gpus=[4, 1, 7])  # nvidia-smi indices, not positions
+    assert {k: (r["status"], r["session"], r["gpu"]) for k, r in got.items()} == {
+        ("j0", "sleep_a"): ("ok", "j0", 4), ("j0", "crash"): ("crashed", "j0", 4),
+        ("j0", "fast_c"): ("ok", "j0.1", 4),  # the continuation stays on its GPU
+        ("j1", "sleep_b"): ("ok", "j1", 1), ("j2", "sleep_c"): ("ok", "j2", 7),
+        ("j3", "fast_d"): ("ok", "j3", got["j3", "fast_d"]["gpu"])}
+    for raw in got.values():
+        if raw["status"] == "ok":
+            assert raw["cuda_visible_devices"] == str(raw["gpu"])
+    sleeps = [got[k] for k in (("j0", "sleep_a"), ("j1", "sleep_b"), ("j2", "sleep_c"))]
+    assert max(r["t0"] for r in sleeps) < min(r["t1"] for r in sleeps)  # all three ran at once
+    # j3 waited for a free GPU: it started after one of the first sessions finished its task.
+    assert got["j3", "fast_d"]["t0"] > min(r["t1"] for r in sleeps)
+    # No budget left: nothing starts, every task is skipped and ran on no GPU.
+    got.clear()
+    run_jobs(SessionRunner(str(tmp_path / "work2"), 60.0, lambda: 0.0, 1.0), jobs[1:3], gpus=[0, 1])
+    assert {k: (r["status"], r["gpu"]) for k, r in got.items()} == {
+        ("j1", "sleep_b"): ("skipped", None), ("j2", "sleep_c"): ("skipped", None)}
+
+
+def test_cli_gpus_flag_checks_the_gpu_count(tmp_path):
+    env = dict(os.environ, BENCH_FAKE_GPUS="2")
+    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny", "--gpus", "3",
+                          "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode != 0 and "--gpus 3: nvidia-smi lists 2 GPU(s)" in res.stderr
+    assert "0: fake GPU 0" in res.stderr
+
+
+def test_tiny_pipeline_on_two_fake_gpus_records_each_runs_gpu(tmp_path):
+    """The CLI with --gpus all on a host that lists 2 (fake) GPUs: both systems' sessions run at
+    once, one per GPU, and the report says so."""
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    cmd = [sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny", "--no-ceiling", "--gpus", "all",
+           "--systems", "hf_nockpt,unsloth", "--workloads", "tiny_packed", "--out", str(out), "--md", str(md)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env=dict(os.environ, BENCH_FAKE_GPUS="2"))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["meta"]["concurrent_gpus"] == 2
+    assert report["meta"]["gpus"] == ["0: fake GPU 0 (BENCH_FAKE_GPUS)", "1: fake GPU 1 (BENCH_FAKE_GPUS)"]
+    assert any("concurrently, each on its own GPU of one host" in n and "fake GPU 1" in n
+               for n in report["notes"])
+    # Queue order: hf_nockpt's session on GPU 0, unsloth's on GPU 1 (both free at the start).
+    runs = {r["system"]: r for r in report["runs"]}
+    assert (runs["hf_nockpt"]["summary"]["status"], runs["hf_nockpt"]["gpu"]) == ("ok", 0)
+    assert (runs["unsloth"]["summary"]["status"], runs["unsloth"]["gpu"]) == ("not_run", 1)
+    assert report["models"]["tiny-llama"]["gpu"] == 0  # the model save ran before, on the first GPU
+    text = md.read_text()
+    assert "| loss first -> last | gpu |" in text and "| tiny_packed | unsloth | not_run" in text
+    row = next(line for line in text.splitlines() if line.startswith("| tiny_packed | hf_nockpt | ok |"))
+    assert row.endswith("| 0 |")
+    assert markdown(report) == text
