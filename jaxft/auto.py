@@ -29,6 +29,31 @@ logger = logging.getLogger("jaxft.run")  # the run's channel: these lines are th
 GIB = 2**30
 
 
+# The share of each GPU's memory JAX's allocator may take (XLA_PYTHON_CLIENT_MEM_FRACTION), where the environment
+# does not say. JAX's own default, 0.75, left a run 59.4 of an H100's 79.2 GiB, where a PyTorch peer may use nearly
+# all of it: GPT-OSS-20B's packed 1 x 16384 step could not place its temporaries beside the weights there
+# (docs/benchmarks.md section 41). What stays outside the pool (the CUDA context, NCCL's buffers, CUDA graphs) fits
+# in the rest, about 4 GiB of an H100.
+GPU_MEMORY_FRACTION = 0.95
+_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def claim_gpu_memory(environ=None) -> str | None:
+    """Sets XLA_PYTHON_CLIENT_MEM_FRACTION to GPU_MEMORY_FRACTION unless the environment already sets it; JAX reads
+    it once, when its backends start, so this runs before anything touches a device (`jaxft.train.train`, the
+    benchmark's worker). Returns the value in force, or None when JAX's backends had already started and it was
+    not set (JAX's default then holds)."""
+    environ = os.environ if environ is None else environ
+    if _FRACTION_VAR in environ:
+        return environ[_FRACTION_VAR]
+    from jax._src import xla_bridge  # no public way to ask whether the backends have started
+
+    if xla_bridge.backends_are_initialized():
+        return None
+    environ[_FRACTION_VAR] = f"{GPU_MEMORY_FRACTION:.2f}"
+    return environ[_FRACTION_VAR]
+
+
 def default_memory_budget(device=None) -> tuple[int, str]:
     """(bytes, where from) that `remat: auto` may plan a step to use when `max_memory_gb` is not given: the
     device's free memory (allocator limit minus bytes in use) less a margin of max(1 GiB, 5%) for the
@@ -152,8 +177,9 @@ class AutoChoices:
         keeps the first within `max_memory_gb` (default `default_memory_budget`); between "none" and the next
         policy it tries full remat on the first k layers (`_partial_remat`) while k layers recompute less than
         offload+attn on this batch (`jaxft.remat.partial_full_limit`), else after offload+attn if that does not
-        fit. Every compile logs one line (what, its estimate, and why it was compiled); slower candidates than the
-        choice are not compiled. The chosen step stays compiled; `remat_compiles` lists what was compiled.
+        fit. LEAN_ATTN moves after offload (one line) where its host copies cost more than the attention forward
+        they spare (`_auto_order`). Every compile logs one line (what, its estimate, and why it was compiled); slower
+        candidates than the choice are not compiled. The chosen step stays compiled; `remat_compiles` lists what was compiled.
         Raises ExecutionConfigError on key max_memory_gb (one line, with the smallest estimate) when nothing fits.
         Must run before `load`: the policy decides the layer loop, hence the weight layout."""
         base = original = self.execution
@@ -162,8 +188,11 @@ class AutoChoices:
         if self.loaded:
             raise RuntimeError("Run.choose_remat after Run.load(): choose the policy before the weights are placed")
         budget, source = self._budget()
+        order, why = self._auto_order(host_batch)
         log(f"remat auto: device budget {budget / GIB:.2f} GiB ({source}); candidates in order of expected speed: "
-            f"{', '.join(AUTO_ORDER)}")
+            f"{', '.join(order)}")
+        if why:
+            log(why)
         self._auto_seconds, self.remat_estimates, self.remat_probes, self.remat_compiles = 0.0, {}, {}, []
 
         def fits(policy: str, layers: int | None = None, *, probe: bool = False) -> bool:
@@ -196,11 +225,11 @@ class AutoChoices:
                     "them streamed from pinned host memory (frozen_weights host)")
             base = base.replace(frozen_weights=weights)
             deferred = None  # full remat on the first k layers, passed over for offload+attn: (k, per-layer saving)
-            for policy in AUTO_ORDER:
+            for policy in order:
                 if policy == "full" and deferred is not None and self._partial_at(fits, *deferred, budget, log)[0]:
                     return self.execution.remat  # offload+attn did not fit; k layers beat full remat on all of them
                 if fits(policy):
-                    rest = AUTO_ORDER[AUTO_ORDER.index(policy) + 1:]
+                    rest = order[order.index(policy) + 1:]
                     if rest:
                         log(f"remat auto: chose {policy}{STREAMED if weights == 'host' else ''} (not compiled: "
                             f"{', '.join(rest)}, expected slower)")
@@ -215,6 +244,26 @@ class AutoChoices:
             "max_memory_gb", f"no remat policy fits in {budget / GIB:.3f} GiB ({source}): the smallest estimate is "
             f"{smallest} at {self.remat_estimates[smallest] / GIB:.3f} GiB; raise max_memory_gb, or lower "
             "per_device_train_batch_size / max_seq_length")
+
+    def _copies_pay(self, host_batch: dict[str, np.ndarray]) -> tuple[bool, float, float]:
+        """`jaxft.remat.attention_copies_pay` on one micro-batch of `host_batch` at the run's activation dtype."""
+        segments = host_batch.get("segment_ids", np.ones_like(host_batch["input_ids"]))
+        rows = segments.shape[0] // self.accumulation
+        return remat_policies.attention_copies_pay(self.model_config, segments[:rows], jnp.dtype(self.dtype).itemsize)
+
+    def _auto_order(self, host_batch: dict[str, np.ndarray]) -> tuple[tuple[str, ...], str | None]:
+        """(`jaxft.remat.AUTO_ORDER` for this batch, a line saying why it differs or None). Where LEAN_ATTN's host
+        copies (the attention's output and statistics) are expected to cost more than the attention forward they
+        spare the backward (`_copies_pay`: short documents, narrow windows, short rows), it moves after offload:
+        full and offload, which recompute the attention, are then expected faster, and it stays for a device
+        neither fits (it keeps about offload's device memory, a little less)."""
+        pays, saved, copies = self._copies_pay(host_batch)
+        if pays:
+            return AUTO_ORDER, None
+        lean = remat_policies.LEAN_ATTN
+        return tuple(p for p in AUTO_ORDER if p != lean) + (lean,), (
+            f"remat auto: {lean} tried after offload: its attention copies to host cost about {copies / 1e12:.1f} "
+            f"TFLOP of matmul time a step, more than the attention forward they spare ({saved / 1e12:.1f} TFLOP)")
 
     def _host_fit(self, ex: ExecutionConfig, host_batch: dict[str, np.ndarray], log) -> ExecutionConfig | None:
         """`ex` if what its policy offloads, with the streamed weights under `frozen_weights: host`, fits the host
@@ -447,11 +496,12 @@ class AutoChoices:
         return temp
 
     def _refit_scan(self, host_batch: dict[str, np.ndarray], temp: int, room: int, log) -> int:
-        """`fit_allocator` after auto chose a policy of the layer scan: the scan policies after it in AUTO_ORDER
+        """`fit_allocator` after auto chose a policy of the layer scan: the scan policies after it in auto's order
         (slower and leaner; all keep the stacked weights as placed) in turn, skipping one whose host copies miss
         the host budget, until one's temp fits; returns the last temp."""
         ex = self.execution
-        for policy in AUTO_ORDER[AUTO_ORDER.index(ex.remat) + 1:]:
+        order, _ = self._auto_order(host_batch)
+        for policy in order[order.index(ex.remat) + 1:]:
             on = self._host_fit(ex.replace(remat=policy), host_batch, log)
             if on is None:
                 continue

@@ -89,6 +89,9 @@ LEAN_ATTN = f"offload={LAYER_INPUT},{ATTN_OUT},{ATTN_LSE}"
 #   LEAN_ATTN     the same recompute, the attention's residuals copied too (two [B,T,H] and the statistics per
 #                 layer each way); measured on the H200 at 8B 1 x 16384 with the same program options in
 #                 consecutive calls, 3% faster than offload (1,780 vs 1,833 ms, docs/benchmarks.md section 38);
+#                 tried after offload where its copies cost more than the attention forward they spare
+#                 (`attention_copies_pay`, Run._auto_order: at GPT-OSS-20B packed 1 x 16384 it was 16% slower than
+#                 offload, section 41);
 #   full          recomputes the whole layer, attention included, no host copies;
 #   offload       the same recompute as full plus the host copies (at best hidden under compute), so never
 #                 faster than full, but it keeps L fewer layer inputs on the device.
@@ -455,6 +458,34 @@ def recompute_work(cfg, segment_ids) -> list[tuple[float, float]]:
         out.append((2.0 * tokens * (attention_weights + mlp_weights),
                     4.0 * pairs[window] * cfg.num_heads * d / ATTENTION_RATE))
     return out
+
+
+# A host copy priced in matmul time: the dense-matmul FLOPs the H200 runs while its host link moves one byte (bf16
+# matmuls at about 700 TFLOP/s over pinned host <-> device at about 53 GB/s, both measured there: the brief).
+HOST_COPY_FLOPS_PER_BYTE = 700e12 / 53e9
+
+
+def attention_copies_pay(cfg, segment_ids, itemsize: int) -> tuple[bool, float, float]:
+    """Whether LEAN_ATTN (the attention's output and statistics copied to pinned host memory beside the layer
+    input) is expected to beat offload (the same copies of the layer input, the attention recomputed) on a batch
+    whose rows carry `segment_ids` [B, T]: (it pays, the attention forward its backward skips, the time of its extra
+    copies), both summed over the layers in dense-matmul FLOPs: the attention term of `recompute_work`, and the
+    extra residuals' bytes (`residual_bytes`) one way times HOST_COPY_FLOPS_PER_BYTE (the copies back use the
+    link's other direction, during the backward).
+
+    Why a price and not an order: a copy hides under compute only when the layer's compute lasts longer, and what
+    it saves is the attention forward, which shrinks with the pairs a row attends. Measured: at 8B 1 x 16384 (one
+    document) LEAN_ATTN was 3% faster than offload on the H200 (docs/benchmarks.md section 38; by these prices the
+    attention is 108 TFLOP-equivalents a step against copies worth 58); at GPT-OSS-20B packed 1 x 16384 (documents
+    of ~306 tokens, 128-token windows on half the layers) it was 16% slower than offload on an H100 (section 41; 2
+    against 44)."""
+    import numpy as np
+
+    b, t = np.shape(segment_ids)
+    sizes = residual_bytes(cfg, b, t, itemsize)
+    saved = sum(a for _, a in recompute_work(cfg, segment_ids))
+    copies = cfg.num_layers * (sizes[ATTN_OUT] + sizes[ATTN_LSE]) * HOST_COPY_FLOPS_PER_BYTE
+    return saved > copies, saved, copies
 
 
 def partial_full_limit(work: list[tuple[float, float]]) -> int:

@@ -390,4 +390,7 @@ if __name__ == "__main__":
     logging.getLogger("jaxft.run").setLevel(logging.INFO)
     if "--task" in sys.argv:  # before worker_main imports JAX's backend (XLA_FLAGS is read once)
         setup_profiling(load_tasks(sys.argv[sys.argv.index("--task") + 1])[0])
+    from jaxft.auto import claim_gpu_memory  # (imports JAX: after the flags above)
+
+    claim_gpu_memory()  # the GPU share jaxft-train takes (jaxft.train.train does the same), read once too
     sys.exit(worker_main(_run_task))

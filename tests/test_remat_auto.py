@@ -30,9 +30,18 @@ def _batch():
     return packed_batch(64, b=2, t=128)
 
 
+class LongRows(Run):
+    """A run whose rows count as attending long enough for LEAN_ATTN's host copies to pay (`Run._copies_pay`), so
+    that the tests of the budgets reach every candidate: the tiny model's 128-token rows never do, which
+    `test_auto_tries_lean_attn_last_where_its_copies_cost_more_than_the_attention` tests on its own."""
+
+    def _copies_pay(self, host_batch):
+        return True, 1.0, 0.0
+
+
 def _run(model_dir, remat, **execution):
-    return Run(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
-               execution=ExecutionConfig(attention_implementation="reference", remat=remat, **execution))
+    return LongRows(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+                    execution=ExecutionConfig(attention_implementation="reference", remat=remat, **execution))
 
 
 @pytest.fixture(scope="module")
@@ -146,22 +155,27 @@ class HostResiduals(Run):
         return m
 
 
+class LongHostResiduals(LongRows, HostResiduals):
+    """HostResiduals whose rows count as long (`LongRows`)."""
+
+
+def _host_estimate(model_dir, policy):
+    run = HostResiduals(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+                        execution=ExecutionConfig(attention_implementation="reference", remat=policy))
+    run.compile(_batch())
+    return peak_estimate(run.memory_analysis())
+
+
 def test_auto_takes_the_attention_residuals_to_the_host_when_offload_attn_does_not_fit(model_dir):
     """offload+attn (the attention's residuals kept on the device) does not fit, the same recompute with them in
     pinned host memory does (LEAN_ATTN): auto chooses it without compiling full or offload, which recompute the
     attention forward too, and the chosen step is the one that loads and steps."""
-    def estimate(policy):
-        run = HostResiduals(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
-                            execution=ExecutionConfig(attention_implementation="reference", remat=policy))
-        run.compile(_batch())
-        return peak_estimate(run.memory_analysis())
-
-    with_attn, lean = estimate("offload+attn"), estimate(LEAN_ATTN)
-    assert lean < with_attn < estimate("none")  # the premise: LEAN_ATTN alone fits between the two
+    with_attn, lean = _host_estimate(model_dir, "offload+attn"), _host_estimate(model_dir, LEAN_ATTN)
+    assert lean < with_attn < _host_estimate(model_dir, "none")  # the premise: LEAN_ATTN alone fits between the two
     lines = []
-    run = HostResiduals(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
-                        execution=ExecutionConfig(attention_implementation="reference", remat="auto",
-                                                  max_memory_gb=(lean + with_attn) / 2 / GIB))
+    run = LongHostResiduals(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+                            execution=ExecutionConfig(attention_implementation="reference", remat="auto",
+                                                      max_memory_gb=(lean + with_attn) / 2 / GIB))
     assert run.choose_remat(_batch(), log=lines.append) == LEAN_ATTN == run.execution.remat
     assert list(run.remat_estimates) == ["none", "offload+attn", LEAN_ATTN]
     assert run.remat_choice == (LEAN_ATTN, lean) and not run.streams_weights
@@ -169,6 +183,51 @@ def test_auto_takes_the_attention_residuals_to_the_host_when_offload_attn_does_n
     compiled = run._compiled
     run.load()
     assert np.isfinite(float(run.step(_batch(), 0)["loss"])) and run._compiled is compiled
+
+
+def test_auto_tries_lean_attn_last_where_its_copies_cost_more_than_the_attention(model_dir):
+    """The tiny model's packed 128-token rows attend a few dozen keys a query: LEAN_ATTN's copies of the attention
+    output would cost more than the attention forward they spare (`jaxft.remat.attention_copies_pay`), so auto
+    tries full and offload, which recompute the attention, before it, and says why in one line. With the budget
+    that chose LEAN_ATTN above (only it fits), it is still chosen, last."""
+    with_attn, lean = _host_estimate(model_dir, "offload+attn"), _host_estimate(model_dir, LEAN_ATTN)
+    lines = []
+    run = HostResiduals(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+                        execution=ExecutionConfig(attention_implementation="reference", remat="auto",
+                                                  frozen_weights="device", max_memory_gb=(lean + with_attn) / 2 / GIB))
+    order = ("none", "offload+attn", "full", "offload", LEAN_ATTN)
+    assert run.choose_remat(_batch(), log=lines.append) == LEAN_ATTN == run.execution.remat
+    assert tuple(run.remat_estimates) == order and run.remat_choice == (LEAN_ATTN, lean)
+    assert lines[0].endswith("candidates in order of expected speed: " + ", ".join(order))
+    assert lines[1].startswith(f"remat auto: {LEAN_ATTN} tried after offload: its attention copies to host cost ")
+    assert lines[1].endswith(" TFLOP)") and "more than the attention forward they spare" in lines[1]
+
+
+def test_attention_copies_pay_on_long_documents_only():
+    """LEAN_ATTN's price on Llama-3.1-8B's shape (a config, no weights), bf16: one document of 16k or 64k tokens
+    attends enough for its copies to pay (at 16k it was 3% faster than offload on the H200, docs/benchmarks.md
+    section 38); one of 4k, or documents of ~300 tokens packed into 16k (a few hundred keys a query), do not;
+    GPT-OSS-20B's packed row (16% slower than offload on an H100, section 41) does not either. The price is the
+    definition: the attention term of `recompute_work` against the extra residuals' bytes at the host link."""
+    import transformers
+    from test_remat_layers import _llama_8b
+
+    from jaxft.remat import ATTN_LSE, ATTN_OUT, HOST_COPY_FLOPS_PER_BYTE, attention_copies_pay, recompute_work
+
+    cfg = _llama_8b()
+    packed = np.repeat(np.arange(1, 56), 300)[None, :16384]
+    verdicts = {}
+    for name, ids in [("4k", np.ones((1, 4096), np.int32)), ("16k", np.ones((1, 16384), np.int32)),
+                      ("64k", np.ones((1, 65536), np.int32)), ("packed 16k", packed)]:
+        pays, saved, copies = attention_copies_pay(cfg, ids, 2)
+        sizes = residual_bytes(cfg, *ids.shape, 2)
+        assert saved == sum(a for _, a in recompute_work(cfg, ids))
+        assert copies == cfg.num_layers * (sizes[ATTN_OUT] + sizes[ATTN_LSE]) * HOST_COPY_FLOPS_PER_BYTE
+        assert pays == (saved > copies)
+        verdicts[name] = pays
+    assert verdicts == {"4k": False, "16k": True, "64k": True, "packed 16k": False}
+    gpt_oss = ModelConfig.from_hf(transformers.GptOssConfig(num_hidden_layers=24, num_local_experts=32).to_dict())
+    assert not attention_copies_pay(gpt_oss, packed, 2)[0]
 
 
 def test_auto_is_the_cli_default_and_reports_estimate_and_peak(model_dir, tmp_path, caplog):
@@ -324,3 +383,30 @@ def test_auto_checks_what_the_host_holds(model_dir, estimates):
     assert lines[-1].endswith("offload in nested blocks of 2 layers (remat_block auto)")
     roomy = ExecutionConfig(remat="offload", host_memory_gb=2 * stream / GIB)
     assert run._host_fit(roomy, _batch(), lines.append) is roomy
+
+
+def test_jaxft_claims_most_of_each_gpu_unless_told_otherwise():
+    """`claim_gpu_memory` (called by jaxft.train.train and the benchmark's worker before anything touches a device)
+    sets XLA_PYTHON_CLIENT_MEM_FRACTION to GPU_MEMORY_FRACTION, where JAX's own default would leave a quarter of
+    each GPU unused; a value the environment sets stands; once JAX's backends have started it sets nothing (JAX
+    reads the variable once). In fresh processes, since this one's backends have started."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxft.auto import GPU_MEMORY_FRACTION
+
+    # Claim before the backends start, start them, drop the variable, claim again.
+    probe = ("import os, jax; from jaxft.auto import claim_gpu_memory as claim; before = claim(); "
+             "set_before = os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION']; jax.devices(); "
+             "os.environ.pop('XLA_PYTHON_CLIENT_MEM_FRACTION'); print(before, set_before, claim())")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+
+    def run(**extra):
+        out = subprocess.run([sys.executable, "-c", probe], env={**env, **extra}, capture_output=True, text=True,
+                             check=True)
+        return out.stdout.split()
+
+    want = f"{GPU_MEMORY_FRACTION:.2f}"
+    assert run() == [want, want, "None"] and float(want) > 0.75
+    assert run(XLA_PYTHON_CLIENT_MEM_FRACTION="0.5") == ["0.5", "0.5", "None"]

@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxft import distributed
 from jaxft import remat as remat_policies
+from jaxft.auto import claim_gpu_memory
 from jaxft.execution import ExecutionConfigError
 from jaxft.lora import LoraConfigError
 from jaxft.train import checkpoint as ckpt
@@ -145,7 +146,8 @@ def train(config: TrainConfig) -> TrainResult:
     if not isinstance(config, TrainConfig):
         raise TypeError(f"train() takes a TrainConfig, got {type(config).__name__}")
     wall_start = time.perf_counter()
-    distributed.initialize(config.distributed_config)  # before anything touches a device
+    claim_gpu_memory()  # both before anything touches a device
+    distributed.initialize(config.distributed_config)
     main = distributed.is_main_process()
     out = Path(config.logging.output_dir).expanduser().absolute()
     lock = OutputDirLock(out)

@@ -27,7 +27,9 @@ def auto_row(results: dict[str, dict]) -> dict[str, Any]:
     fits the device and whose offloaded residuals fit the host (`jaxft.run.Run._host_fit`), and where offload's
     layer inputs exceed the host it runs offload in nested blocks (`remat_block: auto`, the `offload_nested` row).
     So offload reaches the longer of its two rows, every other candidate its own, auto's longest row is the longest
-    of these, and the row names the first candidate that reaches it (the one auto would choose there)."""
+    of these, and the row names the first candidate that reaches it (the one auto would choose there). The order is
+    `AUTO_ORDER` itself: one document of tens of thousands of tokens attends enough for LEAN_ATTN's copies to pay
+    (`jaxft.remat.attention_copies_pay`; auto moves it after offload on rows that attend little)."""
     from jaxft.remat import AUTO_ORDER
 
     row_of = {remat: name for name, (remat, extra) in REMAT_OF.items() if not extra}  # LEAN_ATTN: "lean_attn"
