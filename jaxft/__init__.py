@@ -9,6 +9,8 @@ Public API:
     generate(model, tokenizer, prompts, ...)               (KV-cached decoding)
     ExecutionConfig(...)                                   how a forward/step runs (kernels, remat, layer loop)
     Run(...) / Run.from_config(train_config, steps)        the training recipe (jaxft.run)
+    claim_gpu_memory()                                     before anything touches a device: JAX's allocator may
+                                                           take 95% of each GPU, as jaxft-train lets it (JAX: 75%)
 """
 
 from jaxft.config import ConfigError, ModelConfig, RopeConfig
@@ -19,6 +21,7 @@ from jaxft.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_ad
 from jaxft.models import Decoder, LoraParam, init_model
 from jaxft.quant import QuantConfig
 from jaxft.run import Run
+from jaxft.auto import claim_gpu_memory  # noqa: E402 (imported before the models, jaxft.auto would meet their import cycle through jaxft.sharding)
 
 __all__ = [
     "ConfigError",
@@ -31,6 +34,7 @@ __all__ = [
     "RopeConfig",
     "Run",
     "apply_lora",
+    "claim_gpu_memory",
     "from_pretrained",
     "generate",
     "init_model",

@@ -397,7 +397,7 @@ def test_jaxft_claims_most_of_each_gpu_unless_told_otherwise():
     from jaxft.auto import GPU_MEMORY_FRACTION
 
     # Claim before the backends start, start them, drop the variable, claim again.
-    probe = ("import os, jax; from jaxft.auto import claim_gpu_memory as claim; before = claim(); "
+    probe = ("import os, jax; from jaxft import claim_gpu_memory as claim; before = claim(); "
              "set_before = os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION']; jax.devices(); "
              "os.environ.pop('XLA_PYTHON_CLIENT_MEM_FRACTION'); print(before, set_before, claim())")
     env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
