@@ -21,7 +21,8 @@ from jaxft.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_ad
 from jaxft.models import Decoder, LoraParam, init_model
 from jaxft.quant import QuantConfig
 from jaxft.run import Run
-from jaxft.auto import claim_gpu_memory  # noqa: E402 (imported before the models, jaxft.auto would meet their import cycle through jaxft.sharding)
+# (last: imported before the models, jaxft.auto would meet their import cycle through jaxft.sharding)
+from jaxft.auto import claim_gpu_memory  # noqa: E402
 
 __all__ = [
     "ConfigError",

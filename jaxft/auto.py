@@ -178,8 +178,9 @@ class AutoChoices:
         policy it tries full remat on the first k layers (`_partial_remat`) while k layers recompute less than
         offload+attn on this batch (`jaxft.remat.partial_full_limit`), else after offload+attn if that does not
         fit. LEAN_ATTN moves after offload (one line) where its host copies cost more than the attention forward
-        they spare (`_auto_order`). Every compile logs one line (what, its estimate, and why it was compiled); slower
-        candidates than the choice are not compiled. The chosen step stays compiled; `remat_compiles` lists what was compiled.
+        they spare (`_auto_order`). Every compile logs one line (what, its estimate, and why it was compiled);
+        slower candidates than the choice are not compiled. The chosen step stays compiled; `remat_compiles` lists
+        what was compiled.
         Raises ExecutionConfigError on key max_memory_gb (one line, with the smallest estimate) when nothing fits.
         Must run before `load`: the policy decides the layer loop, hence the weight layout."""
         base = original = self.execution

@@ -21,7 +21,8 @@
 #   SCALING_70B_TIMEOUT_S=560)
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
 #   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  ATTN_BUDGET_S=120  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
-#   TESTS_WORKERS=6 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)  TESTS_SERIAL_MEM_GIB=24 (the serial call's GPU share, at most half)
+#   TESTS_WORKERS=6 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)
+#   TESTS_SERIAL_MEM_GIB=24 (the serial call's GPU share, at most half)
 #   TRAIN_GPUS=1 (default: sessions one after another on one GPU) | N | all (bench_train.py --gpus: up to N
 #   sessions at once, each worker pinned to its own GPU by CUDA_VISIBLE_DEVICES; ceilings + model saves first, on GPU 0).
 #   On a multi-GPU kind (e.g. 8 x H200) TRAIN_GPUS=all runs the whole table (5 systems x 5 workloads) in one call:
@@ -57,8 +58,9 @@ fi
 if has tests; then
   stamp "gpu tests"
   # Two pytest calls at once. The `serial` tests (they read compiled memory sizes, which may depend on the memory
-  # XLA compiles for) in one process with their own share of the GPU (TESTS_SERIAL_MEM_GIB, or TESTS_SERIAL_MEM_FRACTION; they compile
-  # programs of < 1 GiB temp and one 8k x 128k cross-entropy of ~13 GB, within 24 GiB); the others on
+  # XLA compiles for) in one process with their own share of the GPU (TESTS_SERIAL_MEM_GIB, or
+  # TESTS_SERIAL_MEM_FRACTION; they compile programs of < 1 GiB temp and one 8k x 128k cross-entropy of ~13 GB,
+  # within 24 GiB); the others on
   # TESTS_WORKERS pytest-xdist workers (1: one process) sharing what is left, tests that share a module-scoped
   # compile kept on one worker (xdist_group, --dist loadgroup). The suite is compile-bound (CPU): 16 cores feed
   # 1 + TESTS_WORKERS processes. pytest-xdist comes from the image, else from the wheels in .peers/pytest when
