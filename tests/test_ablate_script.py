@@ -10,7 +10,6 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 
 def test_variants_train_the_same_model_and_record_memory(tmp_path):

@@ -2,16 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-if SCRIPTS not in sys.path:
-    sys.path.insert(0, SCRIPTS)
-
-from bench.profile import classify, op_names_from_hlo, summarize_trace  # noqa: E402
+from bench.profile import classify, op_names_from_hlo, summarize_trace
 
 HLO = """
 HloModule jit_step

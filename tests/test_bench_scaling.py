@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 
 from bench.workloads import SHAPES  # noqa: E402
 from bench_scaling import _point_in_a_process, markdown, point_row  # noqa: E402

@@ -19,8 +19,6 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "scripts")
-if SCRIPTS not in sys.path:  # the bench package lives beside the scripts, not in jaxft
-    sys.path.insert(0, SCRIPTS)
 
 from bench.report import markdown, summarise_run  # noqa: E402
 from bench.workloads import SHAPES, get_workload  # noqa: E402

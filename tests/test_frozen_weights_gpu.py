@@ -8,9 +8,6 @@ placement there (tests/test_frozen_weights_host.py checks the gradients on the C
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +23,7 @@ from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batche
 from gpu_helpers import NO_AUTOTUNE
 from lora_helpers import perturb_lora_b
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "deviceless"))
-from hlo_schedule import gemms_under_fetches, host_slice_counts  # noqa: E402  (plain text parsing: no plugin set-up)
+from hlo_schedule import gemms_under_fetches, host_slice_counts  # plain text parsing: no plugin set-up
 
 pytestmark = pytest.mark.gpu
 

@@ -4,11 +4,7 @@ dynamic slice config and as a kernel (a loop fusion) when not."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "deviceless"))
-from hlo_schedule import host_slice_counts, host_slice_forms  # noqa: E402
+from hlo_schedule import host_slice_counts, host_slice_forms
 
 HLO = """
 %fetch_kernel (param_0.1: bf16[4,64]) -> bf16[1,64] {

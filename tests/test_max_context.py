@@ -8,15 +8,11 @@ import dataclasses
 import functools
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import max_context as mc  # noqa: E402
-from bench.workloads import SHAPES  # noqa: E402
+import max_context as mc
+from bench.workloads import SHAPES
 
 
 def _truth(load, g, t_min, t_max):

@@ -4,14 +4,9 @@ direction, backward kernels by the HLO op's name stack, copies on their own stre
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import offload_overlap as ov  # noqa: E402
+import offload_overlap as ov
 
 HLO = """
 ENTRY %main {

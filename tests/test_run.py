@@ -3,7 +3,6 @@ compiling after; variants over the same weights agree; the benchmark modes are j
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import jax
@@ -19,7 +18,6 @@ from jaxft.train.optim import OptimConfig
 from test_train_fixtures import make_jsonl, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 
 
 @pytest.fixture(scope="module")

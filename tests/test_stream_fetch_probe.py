@@ -3,15 +3,11 @@ times forms that must agree), and an unknown form is one line."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import stream_fetch_probe as probe  # noqa: E402
+import stream_fetch_probe as probe
 
 
 @pytest.fixture

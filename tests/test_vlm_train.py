@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +20,6 @@ from jaxft.train import TrainConfig, TrainConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "examples" / "tiny-qwen2-vl"
-if str(REPO / "scripts") not in sys.path:
-    sys.path.insert(0, str(REPO / "scripts"))
 
 
 @pytest.fixture(scope="module")
