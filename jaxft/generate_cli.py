@@ -88,6 +88,7 @@ def _run(args) -> tuple[list, list[str], dict | None]:
     from jaxft.data.images import ImageProcessor, image_parts
     from jaxft.generation import decode_completion, encode_prompt_images, run_generation, stop_ids
 
+    jaxft.claim_gpu_memory()  # the GPU share jaxft-train takes: a model that trains here also generates here
     prompts = read_prompts(args.file) if args.file else list(args.prompt)
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():

@@ -386,9 +386,9 @@ def test_auto_checks_what_the_host_holds(model_dir, estimates):
 
 
 def test_jaxft_claims_most_of_each_gpu_unless_told_otherwise():
-    """`claim_gpu_memory` (called by jaxft.train.train and the benchmark's worker before anything touches a device)
-    sets XLA_PYTHON_CLIENT_MEM_FRACTION to GPU_MEMORY_FRACTION, where JAX's own default would leave a quarter of
-    each GPU unused; a value the environment sets stands; once JAX's backends have started it sets nothing (JAX
+    """`claim_gpu_memory` (called by jaxft.train.train, jaxft-generate and the benchmark's worker before anything
+    touches a device) sets XLA_PYTHON_CLIENT_MEM_FRACTION to GPU_MEMORY_FRACTION, where JAX's own default would
+    leave a quarter of each GPU unused; a value the environment sets stands; once JAX's backends have started it sets nothing (JAX
     reads the variable once). In fresh processes, since this one's backends have started."""
     import os
     import subprocess
@@ -402,11 +402,15 @@ def test_jaxft_claims_most_of_each_gpu_unless_told_otherwise():
              "os.environ.pop('XLA_PYTHON_CLIENT_MEM_FRACTION'); print(before, set_before, claim())")
     env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
 
-    def run(**extra):
-        out = subprocess.run([sys.executable, "-c", probe], env={**env, **extra}, capture_output=True, text=True,
+    def run(code=probe, **extra):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
                              check=True)
         return out.stdout.split()
 
     want = f"{GPU_MEMORY_FRACTION:.2f}"
     assert run() == [want, want, "None"] and float(want) > 0.75
     assert run(XLA_PYTHON_CLIENT_MEM_FRACTION="0.5") == ["0.5", "0.5", "None"]
+    # jaxft-generate claims the same share before it reads the model (a directory without config.json: exit 2).
+    generate = ("import os; from jaxft.generate_cli import main; "
+                "print(main(['/nonexistent-model-dir', '--prompt', 'x']), os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])")
+    assert run(generate) == ["2", want]
