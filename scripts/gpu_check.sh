@@ -7,6 +7,7 @@
 #   MoE grouped-matmul benchmark: xla ragged_dot / pallas_mosaic / dense, written to gmm.json, GMM_TIMEOUT_S=200
 #   (kernels timed queued back to back, 5 rounds: the bench's docstring);
 #   "gmmsweep" its tile sweep (bench --sweep: every candidate tile config per shape and kernel) to gmm_sweep.json;
+#   GMM_SWEEP_ARGS="--table-variants --shapes qwen3_30b_a3b_down" narrows it to the table's tiles and their variants;
 #   "offload" the host-offload probe: $OUT/offload_probe.jsonl; OFFLOAD_DUMP=variant,... adds $OUT/offload_dump.tgz;
 #   "maxctx" the longest 8B row per remat policy + one real step at 256k: $OUT/max_context.{jsonl,md}, MAXCTX_TIMEOUT_S=360;
 #   "probe" the fetch forms a layer loop could read its weights from pinned host memory with, timed (scripts/
@@ -212,7 +213,8 @@ fi
 
 if has gmmsweep; then
   stamp "grouped matmul tile sweep (row kernels forward / d lhs, d rhs kernel: candidate tiles per MoE shape)"
-  timeout "${GMM_TIMEOUT_S:-300}" python3 -m kernels_pallas.grouped_matmul.bench --sweep --json "$OUT/gmm_sweep.json" \
+  timeout "${GMM_TIMEOUT_S:-300}" python3 -m kernels_pallas.grouped_matmul.bench --sweep ${GMM_SWEEP_ARGS:-} \
+    --json "$OUT/gmm_sweep.json" \
     2>&1 | grep -v '^  File\|^    ' | tail -120 | tee -a "$OUT/check.log"
 fi
 

@@ -89,6 +89,10 @@ def test_bad_shapes_are_one_line_naming_the_file():
         grouped_matmul(lhs.astype(jnp.bfloat16), rhs, sizes)
     with pytest.raises(ValueError, match=r"grouped_matmul has no implementation='triton'"):
         grouped_matmul(lhs, rhs, sizes, implementation="triton")
+    from kernels_pallas.grouped_matmul.tiles import TileConfig
+
+    with pytest.raises(ValueError, match=r"tiles.py: TileConfig.mma_in_flight .* chained=False .* chained=True"):
+        TileConfig(warp_specialized=True, mma_in_flight=1)  # a delayed release does not chain
 
 
 # --------------------------------------------------------------------------- the Mosaic GPU kernels' schedule
@@ -184,24 +188,29 @@ def test_auto_takes_the_kernels_only_on_hopper():
         grouped_matmul_mosaic(lhs, rhs, sizes, interpret=False)
 
 
-@pytest.mark.parametrize("split,transpose,block_m,sizes", [
-    ("n", False, 64, (70, 0, 61, 3, 0, 50)), ("m", True, 64, (70, 0, 61, 3, 0, 50)),
+@pytest.mark.parametrize("split,transpose,block_m,sizes,in_flight", [
+    ("n", False, 64, (70, 0, 61, 3, 0, 50), 0), ("m", True, 64, (70, 0, 61, 3, 0, 50), 0),
     # 256-row tiles split along M (128 rows a compute warpgroup, a sweep candidate): groups of one, two and three
     # halves, an empty one, and rows past the last group
-    ("m", False, 256, (300, 0, 140, 3, 0, 50)), ("m", True, 256, (300, 0, 140, 3, 0, 50)),
+    ("m", False, 256, (300, 0, 140, 3, 0, 50), 0), ("m", True, 256, (300, 0, 140, 3, 0, 50), 0),
+    # a product left in flight across contraction steps (unchained, 3 steps on 2 stages), both splits
+    ("n", False, 64, (70, 0, 61, 3, 0, 50), 1), ("m", True, 64, (70, 0, 61, 3, 0, 50), 1),
 ])
-def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes):
+def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes, in_flight):
     """The memory-warpgroup + two-compute-warpgroup variant in interpret mode, each way of splitting the tile
-    (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does)."""
+    (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does), and with one
+    wgmma left in flight across steps (TileConfig.mma_in_flight)."""
     from kernels_pallas.grouped_matmul.tiles import TileConfig
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
-    cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split)
+    cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split,
+                     chained=not in_flight, mma_in_flight=in_flight)
     m = sum(sizes) + 7
     sizes = jnp.asarray(sizes, jnp.int32)
     k1, k2 = jax.random.split(jax.random.key(4))
-    lhs = jax.random.normal(k1, (m, 128), jnp.float32)
-    rhs = jax.random.normal(k2, (6, 128, 256), jnp.float32)
+    kc = 192 if in_flight else 128  # an odd step count: the ring's slots are released out of step with its stages
+    lhs = jax.random.normal(k1, (m, kc), jnp.float32)
+    rhs = jax.random.normal(k2, (6, kc, 256), jnp.float32)
     got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
                       interpret=True)
     _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 256)))[0], "float32", f"out (split {split}, {block_m} rows)")
@@ -307,8 +316,8 @@ def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
 
 def test_sweep_candidates_lower_for_a_gpu_from_the_cpu():
     """Every 256-row candidate of the sweep (split along M, 128 rows a compute warpgroup) through Mosaic GPU's CUDA
-    lowering, forward and d lhs, on the shapes that offer one: the sweep times them on the H200, where a config
-    the lowering rejects would only print its error."""
+    lowering, forward and d lhs, on the shapes that offer one, and the table's variants with a product in flight:
+    the sweep times them on the H200, where a config the lowering rejects would only print its error."""
     from kernels_pallas.grouped_matmul import bench
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
@@ -323,6 +332,17 @@ def test_sweep_candidates_lower_for_a_gpu_from_the_cpu():
                 assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
                 lowered += 1
     assert lowered == 3 * 2 * 2  # two walks a shape, forward and d lhs
+    # the table's warp-specialised entries with a product left in flight (`bench._table_variants`), forward
+    from kernels_pallas.grouped_matmul import tiles
+
+    in_flight = [(key, c) for key, table in tiles.CONFIGS.items() for c in bench._table_variants(table)
+                 if c.mma_in_flight]
+    assert len(in_flight) == sum(c.warp_specialized for c in tiles.CONFIGS.values()) > 0
+    for (k, n, g), cfg in in_flight:
+        lhs, rhs = jax.ShapeDtypeStruct((4096, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
+        fn = jax.jit(lambda a, b, c: gmm_rows_ws(a, b, c, cfg))
+        text = fn.trace(lhs, rhs, jax.ShapeDtypeStruct((g,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
 def test_queued_timing_queues_the_calls_and_synchronises_once_per_round():
@@ -412,7 +432,8 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     assert rows[2]["label"] == "ws-m 64x64x64 st2 walk2" and rows[2]["config"]["grid_block_n"] == 2
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
-        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
+        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow",
+        "ws-n-unchained-mma1 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):

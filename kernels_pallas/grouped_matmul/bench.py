@@ -7,6 +7,7 @@ with rows = sum(group_sizes), and its two gradients).
     python -m kernels_pallas.grouped_matmul.bench --smoke               # shapes.TEST_SHAPES[-1], CPU ok
     python -m kernels_pallas.grouped_matmul.bench --against ab_base --rounds 4   # this tree's kernels vs another's
     python -m kernels_pallas.grouped_matmul.bench --sweep --json sweep.json      # row-kernel tiles per shape
+    python -m kernels_pallas.grouped_matmul.bench --sweep --table-variants      # the table's tiles, variants only
 
 ``--sweep``: the row-tile kernel (forward and d lhs) of every bench shape on each of ``sweep_candidates``' tile
 configs and the d rhs kernel on ``sweep_dw_candidates``', next to the table's own (``tiles.CONFIGS``): the data the
@@ -206,18 +207,22 @@ def _describe_dw(cfg) -> str:
 
 def _describe(cfg) -> str:
     kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
+    kind += f"-mma{cfg.mma_in_flight}" if cfg.mma_in_flight else ""
     walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
     return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}"
 
 
 def _table_variants(table) -> list:
-    """The table's config as it is, unchained (when it chains), and with the other walk (TileConfig.grid_block_n:
+    """The table's config as it is, unchained (when it chains), unchained with a product left in flight across
+    contraction steps (TileConfig.mma_in_flight, warp-specialised), and with the other walk (TileConfig.grid_block_n:
     along a tile's N-blocks, 0, or down the tiles, 1)."""
     import dataclasses
 
     out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
+    if table.warp_specialized and not table.mma_in_flight and table.stages >= 2:
+        out.append(dataclasses.replace(table, chained=False, mma_in_flight=1))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
     return out
 
@@ -353,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     ap.add_argument("--against", default=None, help="another tree's root: A/B of the Mosaic GPU kernels")
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of the --against A/B")
     ap.add_argument("--sweep", action="store_true", help="the row kernels on every candidate tile config")
+    ap.add_argument("--table-variants", action="store_true",
+                    help="with --sweep: only the table's configs and their variants (no candidates, no d rhs)")
     args = ap.parse_args(argv)
     for flag in ("rounds", "iters", "timing_rounds"):
         if getattr(args, flag) < 1:
@@ -375,7 +382,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         # A shape at a time, the JSON rewritten after each: a sweep cut by its call's time limit keeps what it timed.
         rows = []
         for shape in [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]:
-            rows += run_sweep([shape], args.iters, timing_rounds=args.timing_rounds)
+            narrow = dict(candidates=lambda kc, n: [], dw_candidates=None) if args.table_variants else {}
+            rows += run_sweep([shape], args.iters, timing_rounds=args.timing_rounds, **narrow)
             _write(args.json, rows)
     elif args.against:
         shapes = [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]  # the kernels' dtypes on the GPU

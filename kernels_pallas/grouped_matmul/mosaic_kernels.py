@@ -306,6 +306,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
         lhs, rhs, group_sizes, bm, bk, cta_n, transpose_rhs, rhs_base, lora)
     dtype = lhs.dtype
     b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+    in_flight = cfg.mma_in_flight  # TileConfig's docstring; TileConfig refuses it on a chained config
 
     def rhs_tile(rhs_ref, group, ni):
         cols = pl.ds(ni * cta_n, cta_n)
@@ -317,9 +318,10 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
             max_concurrent_steps=cfg.stages, compute_context=context, pipeline_state=state,
             in_specs=[
                 plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=_swizzled(bk, dtype),
-                                memory_space=plgpu.SMEM),
+                                memory_space=plgpu.SMEM, delay_release=in_flight),
                 plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
-                                transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM),
+                                transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM,
+                                delay_release=in_flight),
             ])
 
     # Chained pipelines (see the docstring): the memory warpgroup loads the SM's next unit while the compute
@@ -369,7 +371,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                         else:
                             b = b_smem.at[:, pl.ds(wg * bn, bn)] if split_n else b_smem
                         plgpu.wgmma(acc_ref, a, b)
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(in_flight)  # the slot of the step `in_flight` back is released after this
                     return acc_ref
 
                 def context(run_pipeline):
@@ -379,6 +381,8 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                             mine = [lora_smem[k].at[wg] for k in ("xa_smem", "b_smem", "lora_barrier")]
                             _lora_load(*lora_refs, *mine, row0 + row_off, jnp.minimum(group, g - 1), col0, wg_m, bn)
                         run_pipeline(acc_ref)
+                        if in_flight:
+                            plgpu.wgmma_wait(0)  # the last step's product, before the accumulator is read
                         if lora_smem:
                             _lora_step(acc_ref, *mine, multiply)
                         acc = acc_ref[...].astype(dtype)

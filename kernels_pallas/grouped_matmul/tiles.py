@@ -25,7 +25,12 @@ class TileConfig:
     block_m x block_n tile, block_m / 2 rows each); else one warpgroup does both (block_m x block_n).
     chained (warp-specialised kernel, when the contraction steps are a multiple of ``stages``): an SM's units run as
     one chain of pipelines, so the memory warpgroup loads the next unit while the compute warpgroups finish and
-    store this one; else every unit fills its pipeline from empty and drains it."""
+    store this one; else every unit fills its pipeline from empty and drains it.
+    mma_in_flight (warp-specialised kernel, unchained only): the wgmmas a compute warpgroup leaves running when it
+    starts its next contraction step, the ring slot they read released that many steps later (JAX's
+    ``delay_release``). 0: each step waits for its own product, so the tensor cores drain between steps (the
+    other warpgroup's product runs meanwhile); 1: the next step's product queues behind it, as JAX's ragged-dot and
+    collective matmul examples do. JAX's pipelines do not chain with a delayed release, so it needs chained=False."""
 
     block_m: int = 128
     block_n: int = 128
@@ -39,12 +44,19 @@ class TileConfig:
     warp_specialized: bool = False
     wg_split: str = "n"
     chained: bool = True
+    mma_in_flight: int = 0
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
             raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
+        if self.mma_in_flight not in (0, 1) or (self.mma_in_flight and (self.chained or not self.warp_specialized
+                                                                          or self.stages < 2)):
+            raise ValueError(f"{_WHERE}: TileConfig.mma_in_flight must be 0, or 1 on a warp-specialised config with "
+                             f"chained=False and stages >= 2 (JAX's pipelines do not chain with a delayed release), "
+                             f"got mma_in_flight={self.mma_in_flight}, chained={self.chained}, "
+                             f"warp_specialized={self.warp_specialized}, stages={self.stages}")
         for f in dataclasses.fields(self):
-            least = 0 if f.name == "grid_block_n" else 1
+            least = 0 if f.name in ("grid_block_n", "mma_in_flight") else 1
             if f.type == "int" and getattr(self, f.name) < least:
                 raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= {least}, got {getattr(self, f.name)}")
         if self.block_m % self.dw_block_t:
