@@ -252,7 +252,8 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
     added after; the same for the d lhs with the down adapter's d xa @ a^T ("dlhs+lora",
     `mosaic.unfused_backward_lhs` for the two kernels); and the d rhs (group-tile) kernel on the table's dw_* tiles
     and each of `dw_candidates(k, n)` (None: no d rhs). The programs compile on `compile_threads` threads first
-    (Mosaic GPU's compiles are most of the sweep's time), then run one at a time."""
+    (Mosaic GPU's compiles are most of the sweep's time), then run one at a time. Every row but the table's also
+    gets "max_abs_diff_vs_table": its output against the table row's of the same shape and direction."""
     import concurrent.futures
     import dataclasses
 
@@ -321,17 +322,30 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
     with concurrent.futures.ThreadPoolExecutor(compile_threads) as pool:
         compiled = list(pool.map(build, jobs))
     rows = []
+    # Each variant's output against its table row's (same shape and direction), so a faster variant is also shown
+    # to compute the same product on the GPU: the table's rows come first for fwd / dlhs / drhs; the adapter rows'
+    # table may come second, so those are compared once both ran.
+    outputs: dict[tuple[str, str], list] = {}
     for (row, _, args), program in zip(jobs, compiled):
         if program is not None:
             try:
                 ms = queued_ms(program, args, iters, timing_rounds)
                 row.update(ms=ms, tflops=row["work"] / (ms * 1e-3) / 1e12)
+                outputs.setdefault((row["shape"], row["direction"]), []).append((row, program(*args)))
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {e}"[:500]
         mark = "*" if row["table"] else " "
         result = f"{row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s" if "ms" in row else f"ERROR {row['error'][:200]}"
         print(f"{row['shape']:<24} {row['direction']:<8} {row['label']:<46} {mark} {result}", flush=True)
         rows.append(row)
+    for group in outputs.values():
+        table = next((out for row, out in group if row["table"]), None)
+        for row, out in group:
+            if table is not None and not row["table"]:
+                row["max_abs_diff_vs_table"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) -
+                                                                     table.astype(jnp.float32))))
+                print(f"{row['shape']:<24} {row['direction']:<8} {row['label']:<46}   max |out - table's out| "
+                      f"{row['max_abs_diff_vs_table']:.3g}", flush=True)
     return rows
 
 
