@@ -93,6 +93,14 @@ def test_bad_shapes_are_one_line_naming_the_file():
 
     with pytest.raises(ValueError, match=r"tiles.py: TileConfig.mma_in_flight .* chained=False .* chained=True"):
         TileConfig(warp_specialized=True, mma_in_flight=1)  # a delayed release does not chain
+    with pytest.raises(ValueError, match=r"tiles.py: TileConfig.cluster_n needs warp_specialized=True"):
+        TileConfig(cluster_n=True)
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
+
+    pairs = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True, cluster_n=True)
+    with pytest.raises(ValueError, match=r"mosaic_kernels.py: TileConfig.cluster_n needs an even number of "
+                                         r"128-column blocks, got 3 \(N = 384\)"):
+        gmm_rows_ws(jnp.ones((64, 64)), jnp.ones((1, 64, 384)), jnp.asarray([64], jnp.int32), pairs, interpret=True)
 
 
 # --------------------------------------------------------------------------- the Mosaic GPU kernels' schedule
@@ -195,16 +203,21 @@ def test_auto_takes_the_kernels_only_on_hopper():
     ("m", False, 256, (300, 0, 140, 3, 0, 50), 0), ("m", True, 256, (300, 0, 140, 3, 0, 50), 0),
     # a product left in flight across contraction steps (unchained, 3 steps on 2 stages), both splits
     ("n", False, 64, (70, 0, 61, 3, 0, 50), 1), ("m", True, 64, (70, 0, 61, 3, 0, 50), 1),
+    # clusters of two blocks sharing each lhs tile (N-blocks 2j, 2j + 1; the interpreter's 2 "SMs": one cluster),
+    # chained, and with a product in flight
+    ("n", False, 64, (70, 0, 61, 3, 0, 50), "pair"), ("m", True, 64, (70, 0, 61, 3, 0, 50), "pair+1"),
 ])
 def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes, in_flight):
     """The memory-warpgroup + two-compute-warpgroup variant in interpret mode, each way of splitting the tile
-    (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does), and with one
-    wgmma left in flight across steps (TileConfig.mma_in_flight)."""
+    (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does), with one
+    wgmma left in flight across steps (TileConfig.mma_in_flight), and in clusters of two (TileConfig.cluster_n)."""
     from kernels_pallas.grouped_matmul.tiles import TileConfig
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
+    pair = isinstance(in_flight, str)
+    in_flight = int(in_flight == "pair+1") if pair else in_flight
     cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split,
-                     chained=not in_flight, mma_in_flight=in_flight)
+                     chained=not in_flight, mma_in_flight=in_flight, cluster_n=pair)
     m = sum(sizes) + 7
     sizes = jnp.asarray(sizes, jnp.int32)
     k1, k2 = jax.random.split(jax.random.key(4))
@@ -316,8 +329,9 @@ def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
 
 def test_sweep_candidates_lower_for_a_gpu_from_the_cpu():
     """Every 256-row candidate of the sweep (split along M, 128 rows a compute warpgroup) through Mosaic GPU's CUDA
-    lowering, forward and d lhs, on the shapes that offer one, and the table's variants with a product in flight:
-    the sweep times them on the H200, where a config the lowering rejects would only print its error."""
+    lowering, forward and d lhs, on the shapes that offer one, and the table's variants with a product in flight
+    or in clusters: the sweep times them on the H200, where a config the lowering rejects would only print its
+    error."""
     from kernels_pallas.grouped_matmul import bench
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
@@ -332,13 +346,14 @@ def test_sweep_candidates_lower_for_a_gpu_from_the_cpu():
                 assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
                 lowered += 1
     assert lowered == 3 * 2 * 2  # two walks a shape, forward and d lhs
-    # the table's warp-specialised entries with a product left in flight (`bench._table_variants`), forward
+    # the table's warp-specialised entries with a product left in flight and in clusters of two
+    # (`bench._table_variants`: each alone and both), forward
     from kernels_pallas.grouped_matmul import tiles
 
-    in_flight = [(key, c) for key, table in tiles.CONFIGS.items() for c in bench._table_variants(table)
-                 if c.mma_in_flight]
-    assert len(in_flight) == sum(c.warp_specialized for c in tiles.CONFIGS.values()) > 0
-    for (k, n, g), cfg in in_flight:
+    variants = [(key, c) for key, table in tiles.CONFIGS.items() for c in bench._table_variants(table, key[1])
+                if c.mma_in_flight or c.cluster_n]
+    assert len(variants) == 3 * sum(c.warp_specialized for c in tiles.CONFIGS.values()) > 0
+    for (k, n, g), cfg in variants:
         lhs, rhs = jax.ShapeDtypeStruct((4096, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
         fn = jax.jit(lambda a, b, c: gmm_rows_ws(a, b, c, cfg))
         text = fn.trace(lhs, rhs, jax.ShapeDtypeStruct((g,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()

@@ -63,8 +63,12 @@ def _num_sms(interpret: bool) -> int:
     return getattr(jax.devices()[0], "core_count", None) or _HOPPER_SMS
 
 
-def _kernel(body, out_type, interpret: bool, name: str, **threads):
-    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret),), grid_names=("sm",), **threads,
+def _kernel(body, out_type, interpret: bool, name: str, cluster: int = 1, **threads):
+    """A persistent kernel: one block per SM (grid axis "sm"), or with `cluster` > 1 one cluster of that many blocks
+    per `cluster` SMs (grid axis "sm" over the clusters, cluster axis "cluster")."""
+    if cluster > 1:
+        threads.update(cluster=(cluster,), cluster_names=("cluster",))
+    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret) // cluster,), grid_names=("sm",), **threads,
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
                         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
 
@@ -307,6 +311,10 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
     dtype = lhs.dtype
     b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
     in_flight = cfg.mma_in_flight  # TileConfig's docstring; TileConfig refuses it on a chained config
+    pair = 2 if cfg.cluster_n else 1  # TileConfig.cluster_n: two blocks share each lhs tile, N-blocks 2j and 2j + 1
+    if grid_n % pair:
+        raise ValueError(f"{_WHERE}: TileConfig.cluster_n needs an even number of {cta_n}-column blocks, got {grid_n} "
+                         f"(N = {n}); use a config without cluster_n for this shape")
 
     def rhs_tile(rhs_ref, group, ni):
         cols = pl.ds(ni * cta_n, cta_n)
@@ -318,7 +326,8 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
             max_concurrent_steps=cfg.stages, compute_context=context, pipeline_state=state,
             in_specs=[
                 plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=_swizzled(bk, dtype),
-                                memory_space=plgpu.SMEM, delay_release=in_flight),
+                                memory_space=plgpu.SMEM, delay_release=in_flight,
+                                collective_axes=("cluster",) if pair > 1 else ()),
                 plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
                                 transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM,
                                 delay_release=in_flight),
@@ -341,14 +350,18 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                            **lora_scratch, collective_axes="wg")
         def _(allocs, o_smem, **lora_smem):
             wg = jax.lax.axis_index("wg")
+            cta = jax.lax.axis_index("cluster") if pair > 1 else 0
 
             # The SM's units: (tile, N-block) pairs of the real tiles only (row_tiles puts them first), so that every
             # unit a chain visits loads and stores (an idle unit between chained pipelines would break the chain).
+            # A cluster's units: (tile, pair of N-blocks), the same tile in both blocks (its lhs tile multicast).
             count = count_ref[0]
+            grid_pairs = grid_n // pair
 
-            @plgpu.nd_loop((count * grid_n,), collective_axes="sm")
+            @plgpu.nd_loop((count * grid_pairs,), collective_axes="sm")
             def _(info: plgpu.NDLoopInfo):
-                ti, ni = plgpu.planar_snake(info.index[0], (count, grid_n), 1, cfg.grid_block_n or grid_n)
+                ti, nj = plgpu.planar_snake(info.index[0], (count, grid_pairs), 1, cfg.grid_block_n or grid_pairs)
+                ni = nj * pair + cta
                 group, row0, lo, hi = group_ref[ti], row0_ref[ti], lo_ref[ti], hi_ref[ti]
                 row_off = 0 if split_n else wg * wg_m  # this warpgroup's rows / columns within the tile
                 col0 = ni * cta_n + (wg * bn if split_n else 0)
@@ -411,7 +424,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     group = tiles[0]
-    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", num_threads=3,
+    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", cluster=pair, num_threads=3,
                   thread_name="wg")(group, rhs_index(group), *tiles[1:], _real_tiles(group, g), lhs_p, rhs_p,
                                     *(lora or ()))
     return out[:m, :n]

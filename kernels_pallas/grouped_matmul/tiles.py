@@ -30,7 +30,10 @@ class TileConfig:
     starts its next contraction step, the ring slot they read released that many steps later (JAX's
     ``delay_release``). 0: each step waits for its own product, so the tensor cores drain between steps (the
     other warpgroup's product runs meanwhile); 1: the next step's product queues behind it, as JAX's ragged-dot and
-    collective matmul examples do. JAX's pipelines do not chain with a delayed release, so it needs chained=False."""
+    collective matmul examples do. JAX's pipelines do not chain with a delayed release, so it needs chained=False.
+    cluster_n (warp-specialised kernel): blocks run in clusters of two on neighbouring SMs that take the same row
+    tile at N-blocks 2j and 2j + 1, its lhs tile loaded once for both (TMA multicast), so each block reads half of
+    it from L2: per contraction step a 128 x 256 block then reads 40 KB instead of 48 (the N-blocks must be even)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -45,6 +48,7 @@ class TileConfig:
     wg_split: str = "n"
     chained: bool = True
     mma_in_flight: int = 0
+    cluster_n: bool = False
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
@@ -55,6 +59,9 @@ class TileConfig:
                              f"chained=False and stages >= 2 (JAX's pipelines do not chain with a delayed release), "
                              f"got mma_in_flight={self.mma_in_flight}, chained={self.chained}, "
                              f"warp_specialized={self.warp_specialized}, stages={self.stages}")
+        if self.cluster_n and not self.warp_specialized:
+            raise ValueError(f"{_WHERE}: TileConfig.cluster_n needs warp_specialized=True (the single-warpgroup row "
+                             f"kernel runs no clusters)")
         for f in dataclasses.fields(self):
             least = 0 if f.name in ("grid_block_n", "mma_in_flight") else 1
             if f.type == "int" and getattr(self, f.name) < least:
