@@ -29,6 +29,9 @@ Two row-tile kernels: ``gmm_rows`` (one warpgroup issues the TMA loads and the w
 rows while the next tile loads); ``tiles.CONFIGS`` picks one per shape. The warp-specialised kernel chains the
 pipelines of an SM's units (``TileConfig.chained``, JAX's ``pipeline_state``): the memory warpgroup goes on loading
 the next unit while the compute warpgroups finish and store this one, instead of draining the ring after every unit.
+Two more variants of it, timed by the sweep and not yet in the table: a wgmma left in flight across contraction
+steps (``TileConfig.mma_in_flight``, unchained), and clusters of two blocks that share each lhs tile by TMA
+multicast (``TileConfig.cluster_n``).
 Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 35): forward
 461-606 TFLOP/s, forward+backward 467-560; the 600 / 500 target is met by GPT-OSS-20B's gate_up forward only and
 missed by both Qwen3-30B-A3B shapes (forward 534 and 461; the down shape's K = 768 gives a tile 12 contraction
