@@ -419,8 +419,7 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
         cands = bench.sweep_candidates(kc, n)
         assert cands and all(c.warp_specialized and c.chained for c in cands)
         for c in cands:
-            cta_n = 2 * c.block_n if c.wg_split == "n" else c.block_n
-            assert n % cta_n == 0 and (kc // c.block_k) % c.stages == 0
+            assert n % c.cta_n == 0 and (kc // c.block_k) % c.stages == 0
             assert tiles.smem_bytes(c) <= tiles._SMEM_BYTES
         assert {c.grid_block_n for c in cands} == {0, 1}
     shape = GmmShape("s", ragged_sizes(120, 3), 128, 128, 128, "bfloat16")
@@ -629,3 +628,13 @@ def test_an_adapter_on_the_products_own_rows_lowers_for_a_gpu_from_the_cpu(key):
     loss = lambda h, w, s, a, b: call(h, w, s, a, b).astype(jnp.float32).sum()  # noqa: E731
     grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
     assert calls(grads) == 2 + 4 + (0 if mosaic.FUSED_DLHS_LORA_ON_GPU else 1)
+
+
+def test_table_variants_without_a_sweep_is_one_line(capsys):
+    """`bench --table-variants` only narrows `--sweep`: alone it names the missing flag instead of running the bench."""
+    from kernels_pallas.grouped_matmul import bench
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--table-variants"])
+    assert exit_info.value.code == 2
+    assert "--table-variants narrows --sweep; add --sweep" in capsys.readouterr().err

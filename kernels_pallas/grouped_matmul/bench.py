@@ -226,8 +226,7 @@ def _table_variants(table, width: int | None = None) -> list:
     in_flight = table.warp_specialized and not table.mma_in_flight and table.stages >= 2
     if in_flight:
         out.append(dataclasses.replace(table, chained=False, mma_in_flight=1))
-    cta_n = table.block_n * (2 if table.wg_split == "n" else 1)
-    if table.warp_specialized and not table.cluster_n and width is not None and width % (2 * cta_n) == 0:
+    if table.warp_specialized and not table.cluster_n and width is not None and width % (2 * table.cta_n) == 0:
         out.append(dataclasses.replace(table, cluster_n=True))
         if in_flight:
             out.append(dataclasses.replace(table, cluster_n=True, chained=False, mma_in_flight=1))
@@ -383,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     ap.add_argument("--table-variants", action="store_true",
                     help="with --sweep: only the table's configs and their variants (no candidates, no d rhs)")
     args = ap.parse_args(argv)
+    if args.table_variants and not args.sweep:
+        ap.error("--table-variants narrows --sweep; add --sweep")
     for flag in ("rounds", "iters", "timing_rounds"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -403,8 +404,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     if args.sweep:
         # A shape at a time, the JSON rewritten after each: a sweep cut by its call's time limit keeps what it timed.
         rows = []
+        narrow = dict(candidates=lambda kc, n: [], dw_candidates=None) if args.table_variants else {}
         for shape in [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]:
-            narrow = dict(candidates=lambda kc, n: [], dw_candidates=None) if args.table_variants else {}
             rows += run_sweep([shape], args.iters, timing_rounds=args.timing_rounds, **narrow)
             _write(args.json, rows)
     elif args.against:

@@ -70,6 +70,12 @@ class TileConfig:
             raise ValueError(f"{_WHERE}: TileConfig.block_m ({self.block_m}) must be a multiple of dw_block_t "
                              f"({self.dw_block_t}): M is padded to block_m for both kernels")
 
+    @property
+    def cta_n(self) -> int:
+        """Output columns one block computes per row tile: 2 block_n for the warp-specialised kernel split along N
+        (block_n a compute warpgroup), else block_n."""
+        return 2 * self.block_n if self.warp_specialized and self.wg_split == "n" else self.block_n
+
 
 DEFAULT_CONFIG = TileConfig()
 _WS = dict(warp_specialized=True)
@@ -145,9 +151,8 @@ def smem_bytes(cfg: TileConfig, lora_rank: int = 0, itemsize: int = 2) -> int:
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     r = _padded_rank(lora_rank) if lora_rank else 0
     if cfg.warp_specialized:
-        split_n = cfg.wg_split == "n"
-        cta_n, wg_m = (2 * bn, bm) if split_n else (bn, bm // 2)
-        ring = cfg.stages * (bm * bk + bk * cta_n)
+        wg_m = bm if cfg.wg_split == "n" else bm // 2
+        ring = cfg.stages * (bm * bk + bk * cfg.cta_n)
         return itemsize * (ring + 2 * wg_m * bn + 2 * (wg_m * r + r * bn))
     ring = cfg.stages * (bm * bk + bk * bn) + bm * r + r * bn
     return itemsize * max(ring, bm * bn)
