@@ -91,7 +91,7 @@ LEAN_ATTN = f"offload={LAYER_INPUT},{ATTN_OUT},{ATTN_LSE}"
 #                 consecutive calls, 3% faster than offload (1,780 vs 1,833 ms, docs/benchmarks.md section 38);
 #                 tried after offload where its copies cost more than the attention forward they spare
 #                 (`attention_copies_pay`, Run._auto_order: at GPT-OSS-20B packed 1 x 16384 it was 16% slower than
-#                 offload, section 41);
+#                 offload, section 41, in a run whose cross-entropy chunks were also narrower: section 43);
 #   full          recomputes the whole layer, attention included, no host copies;
 #   offload       the same recompute as full plus the host copies (at best hidden under compute), so never
 #                 faster than full, but it keeps L fewer layer inputs on the device.
@@ -478,7 +478,8 @@ def attention_copies_pay(cfg, segment_ids, itemsize: int) -> tuple[bool, float, 
     document) LEAN_ATTN was 3% faster than offload on the H200 (docs/benchmarks.md section 38; by these prices the
     attention is 108 TFLOP-equivalents a step against copies worth 58); at GPT-OSS-20B packed 1 x 16384 (documents
     of ~306 tokens, 128-token windows on half the layers) it was 16% slower than offload on an H100 (section 41; 2
-    against 44)."""
+    against 44), though that run's cross-entropy chunks were 83 tokens against offload's 256 (section 43), so the
+    copies' share of the 16% is not measured."""
     import numpy as np
 
     b, t = np.shape(segment_ids)

@@ -15,11 +15,14 @@ import jax.numpy as jnp
 from kernels_pallas.linear_cross_entropy import (
     DEFAULT_CONFIG,
     LinearCrossEntropyConfig,
+    config_for,
     default_chunk_size,
     linear_cross_entropy,
     linear_cross_entropy_reference,
+    tiles_for,
     transposed_copies,
 )
+from kernels_pallas.linear_cross_entropy.config import CONSERVATIVE_CONFIG, H200_CONFIG
 from kernels_pallas.linear_cross_entropy.shapes import GPU_TEST_SHAPES, make_test_problem
 
 IGNORE = -100  # HF ignore id: must be harmless wherever the weight is 0.
@@ -243,9 +246,20 @@ def test_default_chunk_size():
         c = default_chunk_size(1 << 20, v)
         assert c * v * 4 <= DEFAULT_CONFIG.logits_chunk_bytes
         assert c % DEFAULT_CONFIG.chunk_multiple == 0
+    # A budget below one multiple's block: one multiple (one matmul tile of rows), not a narrower chunk.
     tiny = LinearCrossEntropyConfig(logits_chunk_bytes=4 * 1000 * 50)
-    assert default_chunk_size(10_000, 1000, tiny) == 50  # below one multiple
-    assert default_chunk_size(10_000, 10**9, tiny) == 1
+    assert default_chunk_size(10_000, 1000, tiny) == 128
+    assert default_chunk_size(10_000, 10**9, tiny) == 128
+    assert default_chunk_size(100, 10**9, tiny) == 100  # still at most N
+    # GPT-OSS-20B's vocabulary under the conservative budget: 128, where the budget alone gives 83 tokens.
+    assert CONSERVATIVE_CONFIG.logits_chunk_bytes // (201088 * 4) == 83
+    assert default_chunk_size(16384, 201088, CONSERVATIVE_CONFIG) == 128
+
+
+def test_the_hopper_parts_take_the_measured_budget():
+    assert config_for("NVIDIA H200") is config_for("NVIDIA H100 80GB HBM3") is H200_CONFIG
+    assert config_for("NVIDIA A100-SXM4-40GB") is config_for("cpu") is CONSERVATIVE_CONFIG
+    assert tiles_for("NVIDIA H100 80GB HBM3", 16384, 201088) == tiles_for("NVIDIA H200", 16384, 201088) == 256
 
 
 @pytest.mark.parametrize(

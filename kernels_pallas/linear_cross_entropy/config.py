@@ -47,15 +47,20 @@ class LinearCrossEntropyConfig:
 # of a 128k vocabulary per matmul.
 H200_CONFIG = LinearCrossEntropyConfig()
 DEFAULT_CONFIG = H200_CONFIG
-# Any other device: nothing measured, so a quarter of the H200 budget (64 MiB per fp32 logits block,
-# ~128 tokens of a 128k vocabulary), which leaves room on GPUs with a fraction of the H200's memory.
+# Any other device: a quarter of the H200 budget (64 MiB per fp32 logits block, ~128 tokens of a 128k
+# vocabulary), which leaves room on GPUs with a fraction of the H200's memory.
 CONSERVATIVE_CONFIG = LinearCrossEntropyConfig(logits_chunk_bytes=64 * _MIB)
+# The Hopper parts the H200's budget was measured or run on: the H200, and the H100 (80 GB: a 256 MiB block is
+# 0.3% of it). On the H100 the conservative budget gave GPT-OSS-20B's 201k vocabulary 83-token chunks (below one
+# 128-row matmul tile; 198 chunk iterations a step) where the bench's lean mode runs 256 (docs/benchmarks.md
+# section 43).
+_MEASURED_KINDS = ("H200", "H100")
 
 
 def config_for(device_kind: str) -> LinearCrossEntropyConfig:
-    """The chunking config of a device (``jax.Device.device_kind``): ``H200_CONFIG`` where the kind
-    contains "H200" (the only device it was measured on), ``CONSERVATIVE_CONFIG`` elsewhere."""
-    return H200_CONFIG if "H200" in str(device_kind) else CONSERVATIVE_CONFIG
+    """The chunking config of a device (``jax.Device.device_kind``): ``H200_CONFIG`` where the kind names an
+    H200 or an H100 (``_MEASURED_KINDS``), ``CONSERVATIVE_CONFIG`` elsewhere."""
+    return H200_CONFIG if any(k in str(device_kind) for k in _MEASURED_KINDS) else CONSERVATIVE_CONFIG
 
 
 def tiles_for(device_kind: str, num_tokens: int, vocab_size: int) -> int:
@@ -68,11 +73,13 @@ def default_chunk_size(
     vocab_size: int,
     config: LinearCrossEntropyConfig = DEFAULT_CONFIG,
 ) -> int:
-    """Tokens per chunk so that ``chunk * vocab_size * 4 <= logits_chunk_bytes``.
+    """Tokens per chunk so that ``chunk * vocab_size * 4 <= logits_chunk_bytes``, rounded down to a
+    multiple of ``config.chunk_multiple``, and never below one multiple: a chunk narrower than one matmul tile
+    leaves the tensor cores idle for a budget that one tile's block exceeds only a little (GPT-OSS-20B's
+    201,088-word vocabulary under a 64 MiB budget: 83 tokens, 198 chunk iterations at 16,384 tokens, against 128
+    tokens' 103 MB block).
 
-    The result is at least 1 and at most ``num_tokens`` (a single chunk when
-    everything fits), and a multiple of ``config.chunk_multiple`` when the
-    budget holds at least one multiple.
+    The result is at most ``num_tokens`` (a single chunk when everything fits).
     """
     if num_tokens <= 0 or vocab_size <= 0:
         raise ValueError(
@@ -80,7 +87,6 @@ def default_chunk_size(
             f"needs positive sizes, got num_tokens={num_tokens}, "
             f"vocab_size={vocab_size}."
         )
-    chunk = max(1, config.logits_chunk_bytes // (vocab_size * 4))
-    if chunk >= config.chunk_multiple:
-        chunk -= chunk % config.chunk_multiple
+    chunk = max(config.chunk_multiple, config.logits_chunk_bytes // (vocab_size * 4))
+    chunk -= chunk % config.chunk_multiple
     return min(chunk, num_tokens)
