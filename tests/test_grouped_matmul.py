@@ -229,6 +229,33 @@ def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, 
     _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 256)))[0], "float32", f"out (split {split}, {block_m} rows)")
 
 
+@pytest.mark.parametrize("ws,split,transpose", [(False, None, False), (False, None, True), (True, "n", False),
+                                                 (True, "m", True), (True, "m", False)])
+def test_the_swizzled_epilogue_stores_whole_and_partial_tiles(ws, split, transpose):
+    """TileConfig.swizzled_store in interpret mode, both row kernels: groups of whole 64-row tiles (128 and 192 rows
+    from 8-aligned starts: one swizzled store a tile), partial ones (61 and 3 rows: the row stores), empty groups,
+    and 7 rows past the last group (the pseudo-group's zeros); rhs as stored and read transposed (d lhs)."""
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws, row_tiles
+    from kernels_pallas.grouped_matmul.tiles import TileConfig
+
+    sizes = (128, 0, 61, 3, 0, 192)
+    m = sum(sizes) + 7
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, swizzled_store=True,
+                     **(dict(warp_specialized=True, wg_split=split) if ws else {}))
+    k1, k2 = jax.random.split(jax.random.key(9))
+    lhs = jax.random.normal(k1, (m, 128), jnp.float32)
+    rhs = jax.random.normal(k2, (6, 128, 256), jnp.float32)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    # both paths run: tiles whose rows are all their group's (5, and the pseudo-group's one), and tiles that store
+    # only some (the 61 rows' and the 3 rows')
+    _, row0, lo, hi = map(np.asarray, row_tiles(sizes, -(-m // 64) * 64, 64))
+    whole = (lo == row0) & (hi - lo == 64)
+    assert whole.sum() == 6 and ((hi > lo) & ~whole).sum() == 2
+    got = (gmm_rows_ws if ws else gmm_rows)(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg,
+                                            transpose_rhs=transpose, interpret=True)
+    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 256)))[0], "float32", f"out (ws {ws}, split {split})")
+
+
 @pytest.mark.parametrize("sizes,m,k,n,walk", [
     ((70, 0, 61, 3, 0, 50), 200, 128, 256, 0),  # 2 contraction steps = the 2 stages: chains of 7 units per "SM"
     ((64,), 64, 128, 64, 1),  # one unit: the first "SM" runs it unchained, the other has none
@@ -329,9 +356,9 @@ def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
 
 def test_sweep_candidates_lower_for_a_gpu_from_the_cpu():
     """Every 256-row candidate of the sweep (split along M, 128 rows a compute warpgroup) through Mosaic GPU's CUDA
-    lowering, forward and d lhs, on the shapes that offer one, and the table's variants with a product in flight
-    or in clusters: the sweep times them on the H200, where a config the lowering rejects would only print its
-    error."""
+    lowering, forward and d lhs, on the shapes that offer one, the table's entries with the other epilogue, and its
+    warp-specialised entries with a product in flight or in clusters: the sweep times them on the GPU, where a
+    config the lowering rejects would only print its error."""
     from kernels_pallas.grouped_matmul import bench
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
@@ -346,16 +373,25 @@ def test_sweep_candidates_lower_for_a_gpu_from_the_cpu():
                 assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
                 lowered += 1
     assert lowered == 3 * 2 * 2  # two walks a shape, forward and d lhs
-    # the table's warp-specialised entries with a product left in flight and in clusters of two
-    # (`bench._table_variants`: each alone and both), forward
-    from kernels_pallas.grouped_matmul import tiles
+    # every table entry with the other epilogue (TileConfig.swizzled_store, `bench._table_variants`), and the
+    # warp-specialised ones with a product left in flight and in clusters of two (each alone and both), forward
+    import dataclasses
 
-    variants = [(key, c) for key, table in tiles.CONFIGS.items() for c in bench._table_variants(table, key[1])
-                if c.mma_in_flight or c.cluster_n]
-    assert len(variants) == 3 * sum(c.warp_specialized for c in tiles.CONFIGS.values()) > 0
+    from kernels_pallas.grouped_matmul import tiles
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows
+
+    variants = [(key, c) for key, table in tiles.CONFIGS.items() for c in bench._table_variants(table)
+                if c.swizzled_store != table.swizzled_store]
+    assert len(variants) == len(tiles.CONFIGS)
+    for key, table in tiles.CONFIGS.items():
+        if table.warp_specialized and key[1] % (2 * table.cta_n) == 0:
+            unchained = dataclasses.replace(table, chained=False, mma_in_flight=1)
+            variants += [(key, unchained), (key, dataclasses.replace(table, cluster_n=True)),
+                         (key, dataclasses.replace(unchained, cluster_n=True))]
+    assert len(variants) == len(tiles.CONFIGS) + 3 * sum(c.warp_specialized for c in tiles.CONFIGS.values())
     for (k, n, g), cfg in variants:
         lhs, rhs = jax.ShapeDtypeStruct((4096, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
-        fn = jax.jit(lambda a, b, c: gmm_rows_ws(a, b, c, cfg))
+        fn = jax.jit(lambda a, b, c: (gmm_rows_ws if cfg.warp_specialized else gmm_rows)(a, b, c, cfg))
         text = fn.trace(lhs, rhs, jax.ShapeDtypeStruct((g,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
@@ -428,22 +464,24 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     small_dw = lambda k, n: [tiles.TileConfig(dw_block_k=64, dw_block_n=64, dw_block_t=64, dw_stages=2)]
     rows = bench.run_sweep([shape], iters=1, compile_threads=2, candidates=small, dw_candidates=small_dw,
                           timing_rounds=1)
-    # per row-kernel direction: the table's config, it with the other walk, the candidate; the forward and the d lhs
-    # with an adapter, fused and as two kernels (the table's: the one the GPU runs, per mosaic's FUSED_* flags);
-    # d rhs: table, candidate
+    # per row-kernel direction: the table's config, it with the other epilogue and with the other walk, the
+    # candidate; the forward and the d lhs with an adapter, fused and as two kernels (the table's: the one the GPU
+    # runs, per mosaic's FUSED_* flags); d rhs: table, candidate
     fwd, dlhs = mosaic.FUSED_LORA_ON_GPU, mosaic.FUSED_DLHS_LORA_ON_GPU
     assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True), ("fwd", False), ("fwd", False),
-                                                            ("dlhs", True), ("dlhs", False), ("dlhs", False),
+                                                            ("fwd", False), ("dlhs", True), ("dlhs", False),
+                                                            ("dlhs", False), ("dlhs", False),
                                                             ("fwd+lora", fwd), ("fwd+lora", not fwd),
                                                             ("dlhs+lora", dlhs), ("dlhs+lora", not dlhs),
                                                             ("drhs", True), ("drhs", False)]
-    assert rows[6]["label"].startswith("fused ") and rows[7]["label"].startswith("two kernels ")
+    assert rows[1]["label"] == "single-swz 128x128x64 st4 walkrow" and rows[1]["config"]["swizzled_store"]
     assert rows[8]["label"].startswith("fused ") and rows[9]["label"].startswith("two kernels ")
+    assert rows[10]["label"].startswith("fused ") and rows[11]["label"].startswith("two kernels ")
     assert rows[-1]["label"] == "drhs 64x64 t64 st2"
     assert all(bench.sweep_dw_candidates(2880, 5760)) and all(
         2880 % c.dw_block_k == 0 and 5760 % c.dw_block_n == 0 for c in bench.sweep_dw_candidates(2880, 5760))
     assert all(r["tflops"] > 0 and "error" not in r for r in rows)
-    assert rows[2]["label"] == "ws-m 64x64x64 st2 walk2" and rows[2]["config"]["grid_block_n"] == 2
+    assert rows[3]["label"] == "ws-m 64x64x64 st2 walk2" and rows[3]["config"]["grid_block_n"] == 2
     # every other config computes the table's product (bf16 outputs of ~N(0, 128) entries: a rounding step or two
     # where the accumulation order differs, as the adapter's two kernels round twice)
     others = [r for r in rows if not r["table"]]
@@ -451,8 +489,8 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     assert all("max_abs_diff_vs_table" not in r for r in rows if r["table"])
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
-        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow",
-        "ws-n-unchained-mma1 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
+        "ws-n 128x128x64 st3 walkrow", "ws-n-swz 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow",
+        "ws-n 128x128x64 st3 walk1"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):

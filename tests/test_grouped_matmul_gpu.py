@@ -147,6 +147,9 @@ VARIANTS = {
     "ws_pairs": TileConfig(warp_specialized=True, wg_split="m", cluster_n=True),
     "ws_pairs_in_flight": TileConfig(warp_specialized=True, wg_split="m", cluster_n=True, chained=False,
                                      mma_in_flight=1),
+    # the swizzled epilogue (TileConfig.swizzled_store, section 43): whole tiles in one store, both kernels
+    "one_wg_swizzled": TileConfig(swizzled_store=True),
+    "ws_split_n_swizzled": TileConfig(warp_specialized=True, wg_split="n", stages=3, swizzled_store=True),
 }
 
 

@@ -209,27 +209,21 @@ def _describe(cfg) -> str:
     kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
     kind += f"-mma{cfg.mma_in_flight}" if cfg.mma_in_flight else ""
     kind += "-pair" if cfg.cluster_n else ""
+    kind += "-swz" if cfg.swizzled_store else ""
     walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
     return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}"
 
 
-def _table_variants(table, width: int | None = None) -> list:
-    """The table's config as it is, unchained (when it chains), unchained with a product left in flight across
-    contraction steps (TileConfig.mma_in_flight, warp-specialised), in clusters of two blocks sharing the lhs tile
-    (TileConfig.cluster_n: as it is and with a product in flight; where the output `width` gives an even number of
-    blocks), and with the other walk (TileConfig.grid_block_n: along a tile's N-blocks, 0, or down the tiles, 1)."""
+def _table_variants(table) -> list:
+    """The table's config as it is, with the other epilogue (TileConfig.swizzled_store), unchained (when it
+    chains), and with the other walk (TileConfig.grid_block_n: along a tile's N-blocks, 0, or down the tiles, 1).
+    A product left in flight (mma_in_flight) and clusters of two (cluster_n) are no longer timed here: both were
+    slower than the chained table entries of both Qwen3-30B-A3B shapes (docs/benchmarks.md section 43)."""
     import dataclasses
 
-    out = [table]
+    out = [table, dataclasses.replace(table, swizzled_store=not table.swizzled_store)]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
-    in_flight = table.warp_specialized and not table.mma_in_flight and table.stages >= 2
-    if in_flight:
-        out.append(dataclasses.replace(table, chained=False, mma_in_flight=1))
-    if table.warp_specialized and not table.cluster_n and width is not None and width % (2 * table.cta_n) == 0:
-        out.append(dataclasses.replace(table, cluster_n=True))
-        if in_flight:
-            out.append(dataclasses.replace(table, cluster_n=True, chained=False, mma_in_flight=1))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
     return out
 
@@ -276,7 +270,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         for direction in ("fwd", "dlhs"):
             table = fwd_table if direction == "fwd" else tiles._dlhs_config(fwd_table, *key)
             kc, width = (shape.k, shape.n) if direction == "fwd" else (shape.n, shape.k)
-            configs = _table_variants(table, width) + candidates(kc, width)
+            configs = _table_variants(table) + candidates(kc, width)
             args = (lhs if direction == "fwd" else dout, rhs, sizes)
             for cfg in configs:
                 row = {"shape": shape.name, "direction": direction, "label": _describe(cfg),

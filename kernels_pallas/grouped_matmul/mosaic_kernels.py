@@ -181,16 +181,37 @@ def _row_operands(lhs, rhs, group_sizes, bm: int, bk: int, width: int, transpose
             np_ // width, kp // bk)
 
 
-def _store_rows(acc, out_ref, row0, start, size, col0, block_m: int, block_n: int):
+def _store_rows(acc, out_ref, row0, start, size, col0, block_m: int, block_n: int, swizzled: bool = False):
     """Store rows [start, start + size) of the [block_m, block_n] tile ``acc`` to out[row0 + start + i, col0:]
-    through a scratch tile in shared memory, and wait for the stores."""
+    through a scratch tile in shared memory, and wait for the stores. With ``swizzled`` (TileConfig.swizzled_store)
+    a whole tile (start 0, size block_m) goes through a swizzled tile instead, in one store."""
+    dtype = out_ref.dtype
 
-    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((block_m, block_n), dtype=out_ref.dtype))
-    def _(o_smem):
-        o_smem[...] = acc.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        _store_rows_from(o_smem, out_ref, row0, start, size, col0, block_m, block_n)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    def plain():
+        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((block_m, block_n), dtype=dtype))
+        def _(o_smem):
+            o_smem[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            _store_rows_from(o_smem, out_ref, row0, start, size, col0, block_m, block_n)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    if not swizzled:
+        return plain()
+    whole = (start == 0) & (size == block_m)
+
+    @pl.when(whole)
+    def _():
+        @functools.partial(pl.run_scoped,
+                           o_smem=plgpu.SMEM((block_m, block_n), dtype=dtype, transforms=_swizzled(block_n, dtype)))
+        def _(o_smem):
+            o_smem[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            # (row0 is a multiple of 8, `row_tiles`; a tiled tile's TMA store needs it proven)
+            rows = pl.ds(pl.multiple_of(row0, _ROW_ALIGN), block_m)
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[rows, pl.ds(col0, block_n)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.when(~whole)(plain)
 
 
 def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
@@ -246,7 +267,7 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
 
             # (the accumulator's registers and shared memory cannot share one scope)
             acc = unit() if lora is None else pl.run_scoped(unit, *_lora_scratch(bm, lora[0].shape[1], bn, dtype))
-            _store_rows(acc, out_ref, row0, lo - row0, hi - lo, ni * bn, bm, bn)
+            _store_rows(acc, out_ref, row0, lo - row0, hi - lo, ni * bn, bm, bn, cfg.swizzled_store)
 
     group = tiles[0]
     out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows")(
@@ -349,9 +370,16 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
         lora_scratch = {} if lora is None else dict(zip(
             ("xa_smem", "b_smem", "lora_barrier"), _lora_scratch(wg_m, lora[0].shape[1], bn, dtype, copies=2)))
 
-        @functools.partial(pl.run_scoped, allocs=allocations, o_smem=plgpu.SMEM((2, wg_m, bn), dtype),
-                           **lora_scratch, collective_axes="wg")
-        def _(allocs, o_smem, **lora_smem):
+        # Each compute warpgroup's output staging tile, o_smem[wg]; with swizzled_store also as a swizzled view of
+        # the same bytes (a RefUnion's groups each start at its first byte, and tiling within [wg_m, bn] keeps every
+        # o_smem[wg] on its own bytes), used for the whole tiles.
+        o_alloc = plgpu.SMEM((2, wg_m, bn), dtype)
+        if cfg.swizzled_store:
+            o_alloc = plgpu.RefUnion(o_alloc, plgpu.SMEM((2, wg_m, bn), dtype, transforms=_swizzled(bn, dtype)))
+
+        @functools.partial(pl.run_scoped, allocs=allocations, o_alloc=o_alloc, **lora_scratch, collective_axes="wg")
+        def _(allocs, o_alloc, **lora_smem):
+            o_smem, o_swizzled = tuple(o_alloc) if cfg.swizzled_store else (o_alloc, None)
             wg = jax.lax.axis_index("wg")
             cta = jax.lax.axis_index("cluster") if pair > 1 else 0
 
@@ -403,10 +431,26 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                             _lora_step(acc_ref, *mine, multiply)
                         acc = acc_ref[...].astype(dtype)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores left o_smem
-                        o_smem[wg] = acc
-                        plgpu.commit_smem()
-                        _store_rows_from(o_smem.at[wg], out_ref, row0 + row_off, first, last - first, col0,
-                                         wg_m, bn)
+
+                        def plain():
+                            o_smem[wg] = acc
+                            plgpu.commit_smem()
+                            _store_rows_from(o_smem.at[wg], out_ref, row0 + row_off, first, last - first, col0,
+                                             wg_m, bn)
+
+                        if o_swizzled is None:
+                            plain()
+                        else:
+                            whole = (first == 0) & (last == wg_m)
+
+                            @pl.when(whole)
+                            def _():
+                                o_swizzled[wg] = acc
+                                plgpu.commit_smem()
+                                rows = pl.ds(pl.multiple_of(row0 + row_off, _ROW_ALIGN), wg_m)
+                                plgpu.copy_smem_to_gmem(o_swizzled.at[wg], out_ref.at[rows, pl.ds(col0, bn)])
+
+                            pl.when(~whole)(plain)
 
                 def run(state):
                     pipeline(step, context, state)(lhs_ref.at[pl.ds(pl.multiple_of(row0, _ROW_ALIGN), bm), :],

@@ -33,7 +33,14 @@ class TileConfig:
     collective matmul examples do. JAX's pipelines do not chain with a delayed release, so it needs chained=False.
     cluster_n (warp-specialised kernel): blocks run in clusters of two on neighbouring SMs that take the same row
     tile at N-blocks 2j and 2j + 1, its lhs tile loaded once for both (TMA multicast), so each block reads half of
-    it from L2: per contraction step a 128 x 256 block then reads 40 KB instead of 48 (the N-blocks must be even)."""
+    it from L2: per contraction step a 128 x 256 block then reads 40 KB instead of 48 (the N-blocks must be even).
+    Measured on an H100 against the chained table entries of both Qwen3-30B-A3B shapes, both variants were slower
+    (forward 514-433 against 538-448 TFLOP/s, docs/benchmarks.md section 43); no table entry uses them.
+    swizzled_store (both row kernels): a tile whose rows all belong to its group goes out through a swizzled
+    shared-memory tile in one TMA store; a partial tile (a group's first or last) through the plain tile and the
+    power-of-two row stores, which need row slices a swizzled (8-row tiled) layout does not have. Why: the
+    accumulator's registers written to a plain row-major tile of 128 columns put the 8 rows a warp writes at once on
+    the same banks (rows 256 bytes apart), an 8-way conflict on every epilogue store; the swizzle spreads them."""
 
     block_m: int = 128
     block_n: int = 128
@@ -49,6 +56,7 @@ class TileConfig:
     chained: bool = True
     mma_in_flight: int = 0
     cluster_n: bool = False
+    swizzled_store: bool = False
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
