@@ -202,7 +202,8 @@ def sweep_dw_candidates(k: int, n: int) -> list:
 
 
 def _describe_dw(cfg) -> str:
-    return f"drhs {cfg.dw_block_k}x{cfg.dw_block_n} t{cfg.dw_block_t} st{cfg.dw_stages}"
+    streamed = f" streamed{cfg.dw_chunks}" if cfg.dw_chunks else ""
+    return f"drhs {cfg.dw_block_k}x{cfg.dw_block_n} t{cfg.dw_block_t} st{cfg.dw_stages}{streamed}"
 
 
 def _describe(cfg) -> str:
@@ -226,6 +227,18 @@ def _table_variants(table) -> list:
         out.append(dataclasses.replace(table, chained=False))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
     return out
+
+
+def _dw_variants(table) -> list:
+    """The table's d rhs tiles streamed (TileConfig.dw_chunks; `tiles.streamed_drhs_config` fits the ring), in 2, 4
+    and 8 chunks of groups, or in the group-tile schedule where the table streams."""
+    import dataclasses
+
+    from .tiles import streamed_drhs_config
+
+    if table.dw_chunks:
+        return [dataclasses.replace(table, dw_chunks=0)]
+    return [streamed_drhs_config(table, chunks) for chunks in (2, 4, 8)]
 
 
 _SWEEP_RANK = 16  # the expert adapters' rank in the training benchmark (bench_train's LoRA r)
@@ -258,7 +271,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
     import concurrent.futures
     import dataclasses
 
-    from . import mosaic, mosaic_kernels, tiles
+    from . import mosaic, mosaic_drhs, mosaic_kernels, tiles
 
     candidates = candidates or sweep_candidates
     interpret = jax.default_backend() != "gpu"  # the tests: Mosaic GPU's interpreter
@@ -306,10 +319,10 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         if dw_candidates is None:
             continue
         # d rhs runs on the forward entry's dw_* tiles (not the d lhs entry's, which `table` now names).
-        for cfg in [fwd_table, *dw_candidates(shape.k, shape.n)]:
+        for cfg in [fwd_table, *_dw_variants(fwd_table), *dw_candidates(shape.k, shape.n)]:
             row = {"shape": shape.name, "direction": "drhs", "label": _describe_dw(cfg),
                    "config": dataclasses.asdict(cfg), "table": cfg is fwd_table, "work": _work(shape)["fwd"]}
-            fn = jax.jit(lambda a, d, s, cfg=cfg: mosaic_kernels.gmm_drhs(a, d, s, cfg, interpret=interpret))
+            fn = jax.jit(lambda a, d, s, cfg=cfg: mosaic_drhs.gmm_drhs(a, d, s, cfg, interpret=interpret))
             jobs.append((row, fn, (lhs, dout, sizes)))
 
     def build(job):
@@ -398,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     if args.sweep:
         # A shape at a time, the JSON rewritten after each: a sweep cut by its call's time limit keeps what it timed.
         rows = []
-        narrow = dict(candidates=lambda kc, n: [], dw_candidates=None) if args.table_variants else {}
+        narrow = dict(candidates=lambda kc, n: [], dw_candidates=lambda k, n: []) if args.table_variants else {}
         for shape in [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]:
             rows += run_sweep([shape], args.iters, timing_rounds=args.timing_rounds, **narrow)
             _write(args.json, rows)

@@ -27,8 +27,8 @@ there (``FUSED_LORA_ON_GPU``). An adapter whose A side reads the product's own r
 (``_gmm_adapted``), whose d lhs kernel adds d xa @ a^T the same way (the transposed row kernel with a^T as its
 adapter factor; ``FUSED_DLHS_LORA_ON_GPU``).
 
-The kernels (row tiles for the forward and d lhs, group tiles for d rhs, the warp-specialised variant) are in
-`mosaic_kernels`, their tiles in `tiles`. bf16/f16 operands, fp32 accumulation, output in the input dtype. On
+The kernels are in `mosaic_kernels` (row tiles for the forward and d lhs, the warp-specialised variant) and
+`mosaic_drhs` (d rhs), their tiles in `tiles`. bf16/f16 operands, fp32 accumulation, output in the input dtype. On
 CPU the same kernels run in Mosaic GPU's interpreter (``interpret=True``: the tests; float32 operands are
 accepted there).
 """
@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas._dispatch import target_platform
-from .mosaic_kernels import gmm_drhs, gmm_rows, gmm_rows_ws
+from .mosaic_drhs import gmm_drhs
+from .mosaic_kernels import gmm_rows, gmm_rows_ws
 from .tiles import TileConfig, _dlhs_config, config_for, fused_config
 
 _WHERE = "kernels_pallas/grouped_matmul/mosaic.py"

@@ -1,4 +1,4 @@
-"""The Mosaic GPU (``plgpu.kernel``) grouped-matmul kernels on Hopper: wgmma from TMA-fed shared memory, a
+"""The Mosaic GPU (``plgpu.kernel``) grouped-matmul row kernels on Hopper: wgmma from TMA-fed shared memory, a
 multi-stage pipeline over the contraction. The math, the gradients and the custom VJP that runs them: `mosaic`;
 their tiles: `tiles`.
 
@@ -10,9 +10,8 @@ jnp (``row_tiles``): at most ``num_row_tiles`` tiles, with the rows past the las
 pseudo-group whose tiles store zeros; tiles past the real count store nothing. Every SM loops over (tile, N-block)
 pairs. (A tile's first loaded row is rounded down to a multiple of 8, which Mosaic GPU needs proven.)
 
-d-rhs kernel ("group tiles"). Every SM loops over (group, K-block, N-block); the pipeline walks the blocks
-of ``block_t`` rows that the group's rows touch, and zeroes (in shared memory, before the wgmma) the rows of
-its first and last block that belong to a neighbouring group. An empty group runs no step and stores 0.
+The d rhs kernels (a grouped contraction over each group's rows) are in `mosaic_drhs`; the helpers here (the
+persistent kernel, swizzles, padding) serve both modules.
 
 No host sync: group_sizes stays on the device; one compiled program serves every split. Shapes that do not
 fit the tiles (K or N not a multiple of the block, M not a multiple of block_m) are zero-padded here and
@@ -475,73 +474,3 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                   thread_name="wg")(group, rhs_index(group), *tiles[1:], _real_tiles(group, g), lhs_p, rhs_p,
                                     *(lora or ()))
     return out[:m, :n]
-
-
-def gmm_drhs(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
-             interpret: bool = False) -> jax.Array:
-    """d rhs[g] = lhs_g^T @ dout_g for lhs [M, K], dout [M, N]: [G, K, N], 0 for empty groups."""
-    m, k = lhs.shape
-    n = dout.shape[1]
-    g = group_sizes.shape[0]
-    bt, bk, bn = cfg.dw_block_t, cfg.dw_block_k, cfg.dw_block_n
-    lhs_p = _pad(_pad(lhs, 0, cfg.block_m), 1, bk)
-    dout_p = _pad(_pad(dout, 0, cfg.block_m), 1, bn)
-    kp, np_ = lhs_p.shape[1], dout_p.shape[1]
-    sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
-    first = starts // bt
-    n_blocks = jnp.where(sizes > 0, (ends - 1) // bt - first + 1, 0)
-    grid_k, grid_n = kp // bk, np_ // bn
-    dtype = lhs.dtype
-    a_transforms, b_transforms = _swizzled(bk, dtype), _swizzled(bn, dtype)
-
-    def body(starts_ref, ends_ref, first_ref, nb_ref, lhs_ref, dout_ref, out_ref):
-        @plgpu.nd_loop((g, grid_k * grid_n), collective_axes="sm")
-        def _(info: plgpu.NDLoopInfo):
-            gi = info.index[0]
-            ki, ni = plgpu.planar_snake(info.index[1], (grid_k, grid_n), 1, 1)  # d rhs: not swept
-            start, end, first_block, nb = starts_ref[gi], ends_ref[gi], first_ref[gi], nb_ref[gi]
-
-            def acc_scope(acc_ref):
-                def step(idx, a_smem, b_smem):
-                    row0 = (first_block + idx[0]) * bt
-
-                    @pl.when((row0 < start) | (row0 + bt > end))
-                    def _():
-                        # An edge block holds rows of the neighbouring groups: zero them in lhs before the wgmma.
-                        rows = plgpu.layout_cast(jax.lax.broadcasted_iota(jnp.int32, (bt, bk), 0),
-                                                 plgpu.Layout.WGMMA) + row0
-                        keep = ((rows >= start) & (rows < end)).astype(a_smem.dtype)
-                        a_smem[...] = a_smem[...] * keep
-                        plgpu.commit_smem()
-
-                    plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_smem)
-
-                @pl.when(nb > 0)
-                def _():
-                    plgpu.emit_pipeline(
-                        step, grid=(nb,), max_concurrent_steps=cfg.dw_stages,
-                        in_specs=[
-                            plgpu.BlockSpec((bt, bk), lambda t: (first_block + t, ki), delay_release=1,
-                                            transforms=a_transforms),
-                            plgpu.BlockSpec((bt, bn), lambda t: (first_block + t, ni), delay_release=1,
-                                            transforms=b_transforms),
-                        ],
-                    )(lhs_ref, dout_ref)
-
-                return acc_ref[...]
-
-            acc = pl.run_scoped(acc_scope, plgpu.ACC((bk, bn)))
-
-            @functools.partial(pl.run_scoped,
-                               o_smem=plgpu.SMEM((bk, bn), dtype=dtype, transforms=_swizzled(bn, dtype)))
-            def _(o_smem):
-                o_smem[...] = acc.astype(dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[gi, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    out = _kernel(body, jax.ShapeDtypeStruct((g, kp, np_), dtype), interpret, "gmm_drhs")(
-        starts, ends, first, n_blocks, lhs_p, dout_p)
-    return out[:, :k, :n]

@@ -40,7 +40,10 @@ class TileConfig:
     shared-memory tile in one TMA store; a partial tile (a group's first or last) through the plain tile and the
     power-of-two row stores, which need row slices a swizzled (8-row tiled) layout does not have. Why: the
     accumulator's registers written to a plain row-major tile of 128 columns put the 8 rows a warp writes at once on
-    the same banks (rows 256 bytes apart), an 8-way conflict on every epilogue store; the swizzle spreads them."""
+    the same banks (rows 256 bytes apart), an 8-way conflict on every epilogue store; the swizzle spreads them.
+    dw_chunks (d rhs): 0, one pipeline per (group, output tile); C > 0, the groups cut into C chunks and one
+    pipeline per (chunk, output tile) that stores each group's tile as it passes its last row block
+    (`mosaic_drhs`)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -57,6 +60,7 @@ class TileConfig:
     mma_in_flight: int = 0
     cluster_n: bool = False
     swizzled_store: bool = False
+    dw_chunks: int = 0
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
@@ -71,7 +75,7 @@ class TileConfig:
             raise ValueError(f"{_WHERE}: TileConfig.cluster_n needs warp_specialized=True (the single-warpgroup row "
                              f"kernel runs no clusters)")
         for f in dataclasses.fields(self):
-            least = 0 if f.name in ("grid_block_n", "mma_in_flight") else 1
+            least = 0 if f.name in ("grid_block_n", "mma_in_flight", "dw_chunks") else 1
             if f.type == "int" and getattr(self, f.name) < least:
                 raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= {least}, got {getattr(self, f.name)}")
         if self.block_m % self.dw_block_t:
@@ -181,3 +185,22 @@ def fused_config(cfg: TileConfig, k: int, rank: int) -> TileConfig | None:
             if smem_bytes(fitted, rank) <= _SMEM_BYTES:
                 return fitted
     return None
+
+
+def drhs_smem_bytes(cfg: TileConfig, itemsize: int = 2) -> int:
+    """Shared memory of a d rhs launch on `cfg`'s dw_* tiles: the TMA ring, and for the streamed kernel
+    (dw_chunks > 0) the output staging tile beside it for the whole launch (the group-tile kernel stages its output
+    after the ring's scope has closed, in the same memory)."""
+    ring = cfg.dw_stages * cfg.dw_block_t * (cfg.dw_block_k + cfg.dw_block_n)
+    return itemsize * (ring + (cfg.dw_block_k * cfg.dw_block_n if cfg.dw_chunks else 0))
+
+
+def streamed_drhs_config(cfg: TileConfig, chunks: int) -> TileConfig:
+    """`cfg` with its d rhs streamed in `chunks` chunks (`mosaic_drhs`), its ring the deepest (of dw_stages or
+    fewer, at least 2) that fits beside the staging tile."""
+    for stages in range(cfg.dw_stages, 1, -1):
+        fitted = dataclasses.replace(cfg, dw_chunks=chunks, dw_stages=stages)
+        if drhs_smem_bytes(fitted) <= _SMEM_BYTES:
+            return fitted
+    raise ValueError(f"{_WHERE}: no d rhs ring of 2 or more stages fits beside a {cfg.dw_block_k} x {cfg.dw_block_n} "
+                     f"staging tile; use smaller dw_block_k / dw_block_n")
