@@ -91,13 +91,11 @@ def test_bad_shapes_are_one_line_naming_the_file():
         grouped_matmul(lhs, rhs, sizes, implementation="triton")
     from kernels_pallas.grouped_matmul.tiles import TileConfig
 
-    with pytest.raises(ValueError, match=r"tiles.py: TileConfig.mma_in_flight .* chained=False .* chained=True"):
-        TileConfig(warp_specialized=True, mma_in_flight=1)  # a delayed release does not chain
-    with pytest.raises(ValueError, match=r"tiles.py: TileConfig.cluster_n needs warp_specialized=True"):
-        TileConfig(cluster_n=True)
     from kernels_pallas.grouped_matmul.mosaic_drhs import gmm_drhs
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
     from kernels_pallas.grouped_matmul.tiles import streamed_drhs_config
+
+    with pytest.raises(ValueError, match=r"tiles.py: TileConfig.dw_chunks must be >= 0, got -1"):
+        TileConfig(dw_chunks=-1)
 
     deep = TileConfig(dw_block_k=192, dw_block_n=256, dw_stages=6, dw_chunks=4)
     with pytest.raises(ValueError, match=r"mosaic_drhs.py: the streamed d rhs on 192 x 256 tiles in 6 stages needs "
@@ -107,10 +105,6 @@ def test_bad_shapes_are_one_line_naming_the_file():
                  jnp.asarray([128], jnp.int32), deep)
     with pytest.raises(ValueError, match=r"tiles.py: no d rhs ring of 2 or more stages fits beside a 512 x 512"):
         streamed_drhs_config(TileConfig(dw_block_k=512, dw_block_n=512), 4)
-    pairs = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True, cluster_n=True)
-    with pytest.raises(ValueError, match=r"mosaic_kernels.py: TileConfig.cluster_n needs an even number of "
-                                         r"128-column blocks, got 3 \(N = 384\)"):
-        gmm_rows_ws(jnp.ones((64, 64)), jnp.ones((1, 64, 384)), jnp.asarray([64], jnp.int32), pairs, interpret=True)
 
 
 # --------------------------------------------------------------------------- the Mosaic GPU kernels' schedule
@@ -253,64 +247,27 @@ def test_auto_takes_the_kernels_only_on_hopper():
         grouped_matmul_mosaic(lhs, rhs, sizes, interpret=False)
 
 
-@pytest.mark.parametrize("split,transpose,block_m,sizes,in_flight", [
-    ("n", False, 64, (70, 0, 61, 3, 0, 50), 0), ("m", True, 64, (70, 0, 61, 3, 0, 50), 0),
+@pytest.mark.parametrize("split,transpose,block_m,sizes", [
+    ("n", False, 64, (70, 0, 61, 3, 0, 50)), ("m", True, 64, (70, 0, 61, 3, 0, 50)),
     # 256-row tiles split along M (128 rows a compute warpgroup, a sweep candidate): groups of one, two and three
     # halves, an empty one, and rows past the last group
-    ("m", False, 256, (300, 0, 140, 3, 0, 50), 0), ("m", True, 256, (300, 0, 140, 3, 0, 50), 0),
-    # a product left in flight across contraction steps (unchained, 3 steps on 2 stages), both splits
-    ("n", False, 64, (70, 0, 61, 3, 0, 50), 1), ("m", True, 64, (70, 0, 61, 3, 0, 50), 1),
-    # clusters of two blocks sharing each lhs tile (N-blocks 2j, 2j + 1; the interpreter's 2 "SMs": one cluster),
-    # chained, and with a product in flight
-    ("n", False, 64, (70, 0, 61, 3, 0, 50), "pair"), ("m", True, 64, (70, 0, 61, 3, 0, 50), "pair+1"),
+    ("m", False, 256, (300, 0, 140, 3, 0, 50)), ("m", True, 256, (300, 0, 140, 3, 0, 50)),
 ])
-def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes, in_flight):
+def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes):
     """The memory-warpgroup + two-compute-warpgroup variant in interpret mode, each way of splitting the tile
-    (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does), with one
-    wgmma left in flight across steps (TileConfig.mma_in_flight), and in clusters of two (TileConfig.cluster_n)."""
+    (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does)."""
     from kernels_pallas.grouped_matmul.tiles import TileConfig
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
-    pair = isinstance(in_flight, str)
-    in_flight = int(in_flight == "pair+1") if pair else in_flight
-    cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split,
-                     chained=not in_flight, mma_in_flight=in_flight, cluster_n=pair)
+    cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split)
     m = sum(sizes) + 7
     sizes = jnp.asarray(sizes, jnp.int32)
     k1, k2 = jax.random.split(jax.random.key(4))
-    kc = 192 if in_flight else 128  # an odd step count: the ring's slots are released out of step with its stages
-    lhs = jax.random.normal(k1, (m, kc), jnp.float32)
-    rhs = jax.random.normal(k2, (6, kc, 256), jnp.float32)
+    lhs = jax.random.normal(k1, (m, 128), jnp.float32)
+    rhs = jax.random.normal(k2, (6, 128, 256), jnp.float32)
     got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
                       interpret=True)
     _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 256)))[0], "float32", f"out (split {split}, {block_m} rows)")
-
-
-@pytest.mark.parametrize("ws,split,transpose", [(False, None, False), (False, None, True), (True, "n", False),
-                                                 (True, "m", True), (True, "m", False)])
-def test_the_swizzled_epilogue_stores_whole_and_partial_tiles(ws, split, transpose):
-    """TileConfig.swizzled_store in interpret mode, both row kernels: groups of whole 64-row tiles (128 and 192 rows
-    from 8-aligned starts: one swizzled store a tile), partial ones (61 and 3 rows: the row stores), empty groups,
-    and 7 rows past the last group (the pseudo-group's zeros); rhs as stored and read transposed (d lhs)."""
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws, row_tiles
-    from kernels_pallas.grouped_matmul.tiles import TileConfig
-
-    sizes = (128, 0, 61, 3, 0, 192)
-    m = sum(sizes) + 7
-    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, swizzled_store=True,
-                     **(dict(warp_specialized=True, wg_split=split) if ws else {}))
-    k1, k2 = jax.random.split(jax.random.key(9))
-    lhs = jax.random.normal(k1, (m, 128), jnp.float32)
-    rhs = jax.random.normal(k2, (6, 128, 256), jnp.float32)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    # both paths run: tiles whose rows are all their group's (5, and the pseudo-group's one), and tiles that store
-    # only some (the 61 rows' and the 3 rows')
-    _, row0, lo, hi = map(np.asarray, row_tiles(sizes, -(-m // 64) * 64, 64))
-    whole = (lo == row0) & (hi - lo == 64)
-    assert whole.sum() == 6 and ((hi > lo) & ~whole).sum() == 2
-    got = (gmm_rows_ws if ws else gmm_rows)(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg,
-                                            transpose_rhs=transpose, interpret=True)
-    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 256)))[0], "float32", f"out (ws {ws}, split {split})")
 
 
 @pytest.mark.parametrize("sizes,m,k,n,walk", [
@@ -422,9 +379,8 @@ def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
 
 def test_sweep_candidates_lower_for_a_gpu_from_the_cpu():
     """Every 256-row candidate of the sweep (split along M, 128 rows a compute warpgroup) through Mosaic GPU's CUDA
-    lowering, forward and d lhs, on the shapes that offer one, the table's entries with the other epilogue, and its
-    warp-specialised entries with a product in flight or in clusters: the sweep times them on the GPU, where a
-    config the lowering rejects would only print its error."""
+    lowering, forward and d lhs, on the shapes that offer one: the sweep times them on the H200, where a config
+    the lowering rejects would only print its error."""
     from kernels_pallas.grouped_matmul import bench
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
@@ -439,27 +395,6 @@ def test_sweep_candidates_lower_for_a_gpu_from_the_cpu():
                 assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
                 lowered += 1
     assert lowered == 3 * 2 * 2  # two walks a shape, forward and d lhs
-    # every table entry with the other epilogue (TileConfig.swizzled_store, `bench._table_variants`), and the
-    # warp-specialised ones with a product left in flight and in clusters of two (each alone and both), forward
-    import dataclasses
-
-    from kernels_pallas.grouped_matmul import tiles
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows
-
-    variants = [(key, c) for key, table in tiles.CONFIGS.items() for c in bench._table_variants(table)
-                if c.swizzled_store != table.swizzled_store]
-    assert len(variants) == len(tiles.CONFIGS)
-    for key, table in tiles.CONFIGS.items():
-        if table.warp_specialized and key[1] % (2 * table.cta_n) == 0:
-            unchained = dataclasses.replace(table, chained=False, mma_in_flight=1)
-            variants += [(key, unchained), (key, dataclasses.replace(table, cluster_n=True)),
-                         (key, dataclasses.replace(unchained, cluster_n=True))]
-    assert len(variants) == len(tiles.CONFIGS) + 3 * sum(c.warp_specialized for c in tiles.CONFIGS.values())
-    for (k, n, g), cfg in variants:
-        lhs, rhs = jax.ShapeDtypeStruct((4096, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16)
-        fn = jax.jit(lambda a, b, c: (gmm_rows_ws if cfg.warp_specialized else gmm_rows)(a, b, c, cfg))
-        text = fn.trace(lhs, rhs, jax.ShapeDtypeStruct((g,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
 def test_queued_timing_queues_the_calls_and_synchronises_once_per_round():
@@ -530,25 +465,23 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     small_dw = lambda k, n: [tiles.TileConfig(dw_block_k=64, dw_block_n=64, dw_block_t=64, dw_stages=2)]
     rows = bench.run_sweep([shape], iters=1, compile_threads=2, candidates=small, dw_candidates=small_dw,
                           timing_rounds=1)
-    # per row-kernel direction: the table's config, it with the other epilogue and with the other walk, the
-    # candidate; the forward and the d lhs with an adapter, fused and as two kernels (the table's: the one the GPU
-    # runs, per mosaic's FUSED_* flags); d rhs: table, it streamed in 2, 4 and 8 chunks, candidate
+    # per row-kernel direction: the table's config, it with the other walk, the candidate; the forward and the d lhs
+    # with an adapter, fused and as two kernels (the table's: the one the GPU runs, per mosaic's FUSED_* flags);
+    # d rhs: table, it streamed in 2, 4 and 8 chunks, candidate
     fwd, dlhs = mosaic.FUSED_LORA_ON_GPU, mosaic.FUSED_DLHS_LORA_ON_GPU
     assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True), ("fwd", False), ("fwd", False),
-                                                            ("fwd", False), ("dlhs", True), ("dlhs", False),
-                                                            ("dlhs", False), ("dlhs", False),
+                                                            ("dlhs", True), ("dlhs", False), ("dlhs", False),
                                                             ("fwd+lora", fwd), ("fwd+lora", not fwd),
                                                             ("dlhs+lora", dlhs), ("dlhs+lora", not dlhs),
                                                             ("drhs", True)] + [("drhs", False)] * 4
-    assert [r["label"] for r in rows[13:16]] == [f"drhs 128x128 t64 st4 streamed{c}" for c in (2, 4, 8)]
-    assert rows[1]["label"] == "single-swz 128x128x64 st4 walkrow" and rows[1]["config"]["swizzled_store"]
+    assert [r["label"] for r in rows[11:14]] == [f"drhs 128x128 t64 st4 streamed{c}" for c in (2, 4, 8)]
+    assert rows[6]["label"].startswith("fused ") and rows[7]["label"].startswith("two kernels ")
     assert rows[8]["label"].startswith("fused ") and rows[9]["label"].startswith("two kernels ")
-    assert rows[10]["label"].startswith("fused ") and rows[11]["label"].startswith("two kernels ")
     assert rows[-1]["label"] == "drhs 64x64 t64 st2"
     assert all(bench.sweep_dw_candidates(2880, 5760)) and all(
         2880 % c.dw_block_k == 0 and 5760 % c.dw_block_n == 0 for c in bench.sweep_dw_candidates(2880, 5760))
     assert all(r["tflops"] > 0 and "error" not in r for r in rows)
-    assert rows[3]["label"] == "ws-m 64x64x64 st2 walk2" and rows[3]["config"]["grid_block_n"] == 2
+    assert rows[2]["label"] == "ws-m 64x64x64 st2 walk2" and rows[2]["config"]["grid_block_n"] == 2
     # every other config computes the table's product (bf16 outputs of ~N(0, 128) entries: a rounding step or two
     # where the accumulation order differs, as the adapter's two kernels round twice)
     others = [r for r in rows if not r["table"]]
@@ -556,8 +489,7 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     assert all("max_abs_diff_vs_table" not in r for r in rows if r["table"])
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
-        "ws-n 128x128x64 st3 walkrow", "ws-n-swz 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow",
-        "ws-n 128x128x64 st3 walk1"]
+        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):

@@ -142,15 +142,6 @@ VARIANTS = {
     "one_wg": TileConfig(),
     "ws_split_n": TileConfig(warp_specialized=True, wg_split="n", stages=3),
     "ws_split_m": TileConfig(warp_specialized=True, wg_split="m", block_n=192),
-    # the sweep's variants (docs/benchmarks.md section 42): a product left in flight; clusters of two sharing the lhs
-    # tile (128-column blocks: an even number of them both ways, N 2048 and K 768), alone and with a product in flight
-    "ws_in_flight": TileConfig(warp_specialized=True, wg_split="n", stages=3, chained=False, mma_in_flight=1),
-    "ws_pairs": TileConfig(warp_specialized=True, wg_split="m", cluster_n=True),
-    "ws_pairs_in_flight": TileConfig(warp_specialized=True, wg_split="m", cluster_n=True, chained=False,
-                                     mma_in_flight=1),
-    # the swizzled epilogue (TileConfig.swizzled_store, section 43): whole tiles in one store, both kernels
-    "one_wg_swizzled": TileConfig(swizzled_store=True),
-    "ws_split_n_swizzled": TileConfig(warp_specialized=True, wg_split="n", stages=3, swizzled_store=True),
 }
 
 

@@ -208,21 +208,16 @@ def _describe_dw(cfg) -> str:
 
 def _describe(cfg) -> str:
     kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
-    kind += f"-mma{cfg.mma_in_flight}" if cfg.mma_in_flight else ""
-    kind += "-pair" if cfg.cluster_n else ""
-    kind += "-swz" if cfg.swizzled_store else ""
     walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
     return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}"
 
 
 def _table_variants(table) -> list:
-    """The table's config as it is, with the other epilogue (TileConfig.swizzled_store), unchained (when it
-    chains), and with the other walk (TileConfig.grid_block_n: along a tile's N-blocks, 0, or down the tiles, 1).
-    A product left in flight (mma_in_flight) and clusters of two (cluster_n) are no longer timed here: both were
-    slower than the chained table entries of both Qwen3-30B-A3B shapes (docs/benchmarks.md section 43)."""
+    """The table's config as it is, unchained (when it chains), and with the other walk (TileConfig.grid_block_n:
+    along a tile's N-blocks, 0, or down the tiles, 1)."""
     import dataclasses
 
-    out = [table, dataclasses.replace(table, swizzled_store=not table.swizzled_store)]
+    out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
@@ -271,7 +266,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
     import concurrent.futures
     import dataclasses
 
-    from . import mosaic, mosaic_drhs, mosaic_kernels, tiles
+    from . import mosaic, mosaic_drhs, tiles
 
     candidates = candidates or sweep_candidates
     interpret = jax.default_backend() != "gpu"  # the tests: Mosaic GPU's interpreter

@@ -15,7 +15,10 @@ Two schedules, chosen by ``TileConfig.dw_chunks``:
   two segments, each loaded and masked to its group's rows); after a group's last segment the accumulator is
   stored to that group's tile and zeroed, while the ring goes on loading the next group's blocks. So a pipeline
   fills once per chunk instead of once per group, and the tile stores overlap the loads. An empty group is one
-  segment with no row kept (its tile stores 0).
+  segment with no row kept (its tile stores 0). Measured on an H100 it was slower than the group tiles on both
+  Qwen3-30B-A3B shapes (down 343 against 393 TFLOP/s in 4 chunks, gate_up 400 against 459; docs/benchmarks.md
+  section 43), so no table entry streams; the sweep times it (`bench._dw_variants`). Its steps read their block and
+  rows from global memory on the path that issues the next load; a schedule in shared memory is the next try.
 
 No host sync: group_sizes stays on the device, the schedules are computed there in plain jnp. lhs and dout are
 zero-padded to the tiles here and the result sliced back. bf16/f16 operands, fp32 accumulation, output in the

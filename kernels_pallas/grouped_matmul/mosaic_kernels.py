@@ -28,9 +28,11 @@ Two row-tile kernels: ``gmm_rows`` (one warpgroup issues the TMA loads and the w
 rows while the next tile loads); ``tiles.CONFIGS`` picks one per shape. The warp-specialised kernel chains the
 pipelines of an SM's units (``TileConfig.chained``, JAX's ``pipeline_state``): the memory warpgroup goes on loading
 the next unit while the compute warpgroups finish and store this one, instead of draining the ring after every unit.
-Two more variants of it, timed by the sweep and not yet in the table: a wgmma left in flight across contraction
-steps (``TileConfig.mma_in_flight``, unchained), and clusters of two blocks that share each lhs tile by TMA
-multicast (``TileConfig.cluster_n``).
+Three variants measured on an H100 against the chained table entries of both Qwen3-30B-A3B shapes and dropped
+(docs/benchmarks.md section 43; in git history): a wgmma left in flight across contraction steps (forward 4-13%
+slower), clusters of two blocks sharing each lhs tile by TMA multicast (3-7% slower), and whole tiles stored
+through a swizzled staging tile (-3% to +0.6%). So neither the tensor cores draining between steps, nor L2 reads,
+nor bank conflicts in the epilogue limit these shapes.
 Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 35): forward
 461-606 TFLOP/s, forward+backward 467-560; the 600 / 500 target is met by GPT-OSS-20B's gate_up forward only and
 missed by both Qwen3-30B-A3B shapes (forward 534 and 461; the down shape's K = 768 gives a tile 12 contraction
@@ -65,12 +67,9 @@ def _num_sms(interpret: bool) -> int:
     return getattr(jax.devices()[0], "core_count", None) or _HOPPER_SMS
 
 
-def _kernel(body, out_type, interpret: bool, name: str, cluster: int = 1, **threads):
-    """A persistent kernel: one block per SM (grid axis "sm"), or with `cluster` > 1 one cluster of that many blocks
-    per `cluster` SMs (grid axis "sm" over the clusters, cluster axis "cluster")."""
-    if cluster > 1:
-        threads.update(cluster=(cluster,), cluster_names=("cluster",))
-    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret) // cluster,), grid_names=("sm",), **threads,
+def _kernel(body, out_type, interpret: bool, name: str, **threads):
+    """A persistent kernel: one block per SM (grid axis "sm")."""
+    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret),), grid_names=("sm",), **threads,
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
                         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
 
@@ -180,37 +179,16 @@ def _row_operands(lhs, rhs, group_sizes, bm: int, bk: int, width: int, transpose
             np_ // width, kp // bk)
 
 
-def _store_rows(acc, out_ref, row0, start, size, col0, block_m: int, block_n: int, swizzled: bool = False):
+def _store_rows(acc, out_ref, row0, start, size, col0, block_m: int, block_n: int):
     """Store rows [start, start + size) of the [block_m, block_n] tile ``acc`` to out[row0 + start + i, col0:]
-    through a scratch tile in shared memory, and wait for the stores. With ``swizzled`` (TileConfig.swizzled_store)
-    a whole tile (start 0, size block_m) goes through a swizzled tile instead, in one store."""
-    dtype = out_ref.dtype
+    through a scratch tile in shared memory, and wait for the stores."""
 
-    def plain():
-        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((block_m, block_n), dtype=dtype))
-        def _(o_smem):
-            o_smem[...] = acc.astype(dtype)
-            plgpu.commit_smem()
-            _store_rows_from(o_smem, out_ref, row0, start, size, col0, block_m, block_n)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    if not swizzled:
-        return plain()
-    whole = (start == 0) & (size == block_m)
-
-    @pl.when(whole)
-    def _():
-        @functools.partial(pl.run_scoped,
-                           o_smem=plgpu.SMEM((block_m, block_n), dtype=dtype, transforms=_swizzled(block_n, dtype)))
-        def _(o_smem):
-            o_smem[...] = acc.astype(dtype)
-            plgpu.commit_smem()
-            # (row0 is a multiple of 8, `row_tiles`; a tiled tile's TMA store needs it proven)
-            rows = pl.ds(pl.multiple_of(row0, _ROW_ALIGN), block_m)
-            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[rows, pl.ds(col0, block_n)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    pl.when(~whole)(plain)
+    @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((block_m, block_n), dtype=out_ref.dtype))
+    def _(o_smem):
+        o_smem[...] = acc.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        _store_rows_from(o_smem, out_ref, row0, start, size, col0, block_m, block_n)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
@@ -266,7 +244,7 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
 
             # (the accumulator's registers and shared memory cannot share one scope)
             acc = unit() if lora is None else pl.run_scoped(unit, *_lora_scratch(bm, lora[0].shape[1], bn, dtype))
-            _store_rows(acc, out_ref, row0, lo - row0, hi - lo, ni * bn, bm, bn, cfg.swizzled_store)
+            _store_rows(acc, out_ref, row0, lo - row0, hi - lo, ni * bn, bm, bn)
 
     group = tiles[0]
     out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows")(
@@ -333,11 +311,6 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
         lhs, rhs, group_sizes, bm, bk, cta_n, transpose_rhs, rhs_base, lora)
     dtype = lhs.dtype
     b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
-    in_flight = cfg.mma_in_flight  # TileConfig's docstring; TileConfig refuses it on a chained config
-    pair = 2 if cfg.cluster_n else 1  # TileConfig.cluster_n: two blocks share each lhs tile, N-blocks 2j and 2j + 1
-    if grid_n % pair:
-        raise ValueError(f"{_WHERE}: TileConfig.cluster_n needs an even number of {cta_n}-column blocks, got {grid_n} "
-                         f"(N = {n}); use a config without cluster_n for this shape")
 
     def rhs_tile(rhs_ref, group, ni):
         cols = pl.ds(ni * cta_n, cta_n)
@@ -349,11 +322,9 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
             max_concurrent_steps=cfg.stages, compute_context=context, pipeline_state=state,
             in_specs=[
                 plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=_swizzled(bk, dtype),
-                                memory_space=plgpu.SMEM, delay_release=in_flight,
-                                collective_axes=("cluster",) if pair > 1 else ()),
+                                memory_space=plgpu.SMEM),
                 plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
-                                transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM,
-                                delay_release=in_flight),
+                                transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM),
             ])
 
     # Chained pipelines (see the docstring): the memory warpgroup loads the SM's next unit while the compute
@@ -369,29 +340,18 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
         lora_scratch = {} if lora is None else dict(zip(
             ("xa_smem", "b_smem", "lora_barrier"), _lora_scratch(wg_m, lora[0].shape[1], bn, dtype, copies=2)))
 
-        # Each compute warpgroup's output staging tile, o_smem[wg]; with swizzled_store also as a swizzled view of
-        # the same bytes (a RefUnion's groups each start at its first byte, and tiling within [wg_m, bn] keeps every
-        # o_smem[wg] on its own bytes), used for the whole tiles.
-        o_alloc = plgpu.SMEM((2, wg_m, bn), dtype)
-        if cfg.swizzled_store:
-            o_alloc = plgpu.RefUnion(o_alloc, plgpu.SMEM((2, wg_m, bn), dtype, transforms=_swizzled(bn, dtype)))
-
-        @functools.partial(pl.run_scoped, allocs=allocations, o_alloc=o_alloc, **lora_scratch, collective_axes="wg")
-        def _(allocs, o_alloc, **lora_smem):
-            o_smem, o_swizzled = tuple(o_alloc) if cfg.swizzled_store else (o_alloc, None)
+        @functools.partial(pl.run_scoped, allocs=allocations, o_smem=plgpu.SMEM((2, wg_m, bn), dtype),
+                           **lora_scratch, collective_axes="wg")
+        def _(allocs, o_smem, **lora_smem):
             wg = jax.lax.axis_index("wg")
-            cta = jax.lax.axis_index("cluster") if pair > 1 else 0
 
             # The SM's units: (tile, N-block) pairs of the real tiles only (row_tiles puts them first), so that every
             # unit a chain visits loads and stores (an idle unit between chained pipelines would break the chain).
-            # A cluster's units: (tile, pair of N-blocks), the same tile in both blocks (its lhs tile multicast).
             count = count_ref[0]
-            grid_pairs = grid_n // pair
 
-            @plgpu.nd_loop((count * grid_pairs,), collective_axes="sm")
+            @plgpu.nd_loop((count * grid_n,), collective_axes="sm")
             def _(info: plgpu.NDLoopInfo):
-                ti, nj = plgpu.planar_snake(info.index[0], (count, grid_pairs), 1, cfg.grid_block_n or grid_pairs)
-                ni = nj * pair + cta
+                ti, ni = plgpu.planar_snake(info.index[0], (count, grid_n), 1, cfg.grid_block_n or grid_n)
                 group, row0, lo, hi = group_ref[ti], row0_ref[ti], lo_ref[ti], hi_ref[ti]
                 row_off = 0 if split_n else wg * wg_m  # this warpgroup's rows / columns within the tile
                 col0 = ni * cta_n + (wg * bn if split_n else 0)
@@ -414,7 +374,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                         else:
                             b = b_smem.at[:, pl.ds(wg * bn, bn)] if split_n else b_smem
                         plgpu.wgmma(acc_ref, a, b)
-                    plgpu.wgmma_wait(in_flight)  # the slot of the step `in_flight` back is released after this
+                    plgpu.wgmma_wait(0)
                     return acc_ref
 
                 def context(run_pipeline):
@@ -424,32 +384,14 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                             mine = [lora_smem[k].at[wg] for k in ("xa_smem", "b_smem", "lora_barrier")]
                             _lora_load(*lora_refs, *mine, row0 + row_off, jnp.minimum(group, g - 1), col0, wg_m, bn)
                         run_pipeline(acc_ref)
-                        if in_flight:
-                            plgpu.wgmma_wait(0)  # the last step's product, before the accumulator is read
                         if lora_smem:
                             _lora_step(acc_ref, *mine, multiply)
                         acc = acc_ref[...].astype(dtype)
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores left o_smem
-
-                        def plain():
-                            o_smem[wg] = acc
-                            plgpu.commit_smem()
-                            _store_rows_from(o_smem.at[wg], out_ref, row0 + row_off, first, last - first, col0,
-                                             wg_m, bn)
-
-                        if o_swizzled is None:
-                            plain()
-                        else:
-                            whole = (first == 0) & (last == wg_m)
-
-                            @pl.when(whole)
-                            def _():
-                                o_swizzled[wg] = acc
-                                plgpu.commit_smem()
-                                rows = pl.ds(pl.multiple_of(row0 + row_off, _ROW_ALIGN), wg_m)
-                                plgpu.copy_smem_to_gmem(o_swizzled.at[wg], out_ref.at[rows, pl.ds(col0, bn)])
-
-                            pl.when(~whole)(plain)
+                        o_smem[wg] = acc
+                        plgpu.commit_smem()
+                        _store_rows_from(o_smem.at[wg], out_ref, row0 + row_off, first, last - first, col0,
+                                         wg_m, bn)
 
                 def run(state):
                     pipeline(step, context, state)(lhs_ref.at[pl.ds(pl.multiple_of(row0, _ROW_ALIGN), bm), :],
@@ -470,7 +412,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     group = tiles[0]
-    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", cluster=pair, num_threads=3,
+    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", num_threads=3,
                   thread_name="wg")(group, rhs_index(group), *tiles[1:], _real_tiles(group, g), lhs_p, rhs_p,
                                     *(lora or ()))
     return out[:m, :n]

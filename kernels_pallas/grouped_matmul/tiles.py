@@ -26,24 +26,10 @@ class TileConfig:
     chained (warp-specialised kernel, when the contraction steps are a multiple of ``stages``): an SM's units run as
     one chain of pipelines, so the memory warpgroup loads the next unit while the compute warpgroups finish and
     store this one; else every unit fills its pipeline from empty and drains it.
-    mma_in_flight (warp-specialised kernel, unchained only): the wgmmas a compute warpgroup leaves running when it
-    starts its next contraction step, the ring slot they read released that many steps later (JAX's
-    ``delay_release``). 0: each step waits for its own product, so the tensor cores drain between steps (the
-    other warpgroup's product runs meanwhile); 1: the next step's product queues behind it, as JAX's ragged-dot and
-    collective matmul examples do. JAX's pipelines do not chain with a delayed release, so it needs chained=False.
-    cluster_n (warp-specialised kernel): blocks run in clusters of two on neighbouring SMs that take the same row
-    tile at N-blocks 2j and 2j + 1, its lhs tile loaded once for both (TMA multicast), so each block reads half of
-    it from L2: per contraction step a 128 x 256 block then reads 40 KB instead of 48 (the N-blocks must be even).
-    Measured on an H100 against the chained table entries of both Qwen3-30B-A3B shapes, both variants were slower
-    (forward 514-433 against 538-448 TFLOP/s, docs/benchmarks.md section 43); no table entry uses them.
-    swizzled_store (both row kernels): a tile whose rows all belong to its group goes out through a swizzled
-    shared-memory tile in one TMA store; a partial tile (a group's first or last) through the plain tile and the
-    power-of-two row stores, which need row slices a swizzled (8-row tiled) layout does not have. Why: the
-    accumulator's registers written to a plain row-major tile of 128 columns put the 8 rows a warp writes at once on
-    the same banks (rows 256 bytes apart), an 8-way conflict on every epilogue store; the swizzle spreads them.
     dw_chunks (d rhs): 0, one pipeline per (group, output tile); C > 0, the groups cut into C chunks and one
     pipeline per (chunk, output tile) that stores each group's tile as it passes its last row block
-    (`mosaic_drhs`)."""
+    (`mosaic_drhs`). Measured on an H100, streamed was slower on both Qwen3-30B-A3B shapes (down 343 against 393
+    TFLOP/s, gate_up 400 against 459, docs/benchmarks.md section 43): no table entry streams."""
 
     block_m: int = 128
     block_n: int = 128
@@ -57,25 +43,13 @@ class TileConfig:
     warp_specialized: bool = False
     wg_split: str = "n"
     chained: bool = True
-    mma_in_flight: int = 0
-    cluster_n: bool = False
-    swizzled_store: bool = False
     dw_chunks: int = 0
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
             raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
-        if self.mma_in_flight not in (0, 1) or (self.mma_in_flight and (self.chained or not self.warp_specialized
-                                                                          or self.stages < 2)):
-            raise ValueError(f"{_WHERE}: TileConfig.mma_in_flight must be 0, or 1 on a warp-specialised config with "
-                             f"chained=False and stages >= 2 (JAX's pipelines do not chain with a delayed release), "
-                             f"got mma_in_flight={self.mma_in_flight}, chained={self.chained}, "
-                             f"warp_specialized={self.warp_specialized}, stages={self.stages}")
-        if self.cluster_n and not self.warp_specialized:
-            raise ValueError(f"{_WHERE}: TileConfig.cluster_n needs warp_specialized=True (the single-warpgroup row "
-                             f"kernel runs no clusters)")
         for f in dataclasses.fields(self):
-            least = 0 if f.name in ("grid_block_n", "mma_in_flight", "dw_chunks") else 1
+            least = 0 if f.name in ("grid_block_n", "dw_chunks") else 1
             if f.type == "int" and getattr(self, f.name) < least:
                 raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= {least}, got {getattr(self, f.name)}")
         if self.block_m % self.dw_block_t:
