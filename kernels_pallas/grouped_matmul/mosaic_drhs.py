@@ -17,8 +17,9 @@ Two schedules, chosen by ``TileConfig.dw_chunks``:
   fills once per chunk instead of once per group, and the tile stores overlap the loads. An empty group is one
   segment with no row kept (its tile stores 0). Measured on an H100 it was slower than the group tiles on both
   Qwen3-30B-A3B shapes (down 343 against 393 TFLOP/s in 4 chunks, gate_up 400 against 459; docs/benchmarks.md
-  section 43), so no table entry streams; the sweep times it (`bench._dw_variants`). Its steps read their block and
-  rows from global memory on the path that issues the next load; a schedule in shared memory is the next try.
+  section 43), so no table entry streams; the sweep times it (`bench._dw_variants`). In that version each step read
+  its rows from global memory before its wgmma; a step now reads the next step's while its own product runs (not
+  yet measured).
 
 No host sync: group_sizes stays on the device, the schedules are computed there in plain jnp. lhs and dout are
 zero-padded to the tiles here and the result sliced back. bf16/f16 operands, fp32 accumulation, output in the
@@ -199,12 +200,13 @@ def _drhs_streamed(lhs_p, dout_p, group_sizes, cfg: TileConfig, interpret: bool)
             for j in range(stages):
                 pl.when(j < count)(functools.partial(fetch, j))
 
-            def group(gi, _):
+            last = words_ref.shape[0] - 1
+
+            def group(gi, word):
                 def acc_scope(acc_ref):
-                    def step(j, _):
+                    def step(j, word):  # `word`: this step's, read during the step before
                         slot = j % stages
                         plgpu.barrier_wait(loaded.at[slot])
-                        word = words_ref[first + j]
                         lo, hi = word & low, word >> _LO_BITS
 
                         @pl.when((lo > 0) | (hi < bt))
@@ -212,23 +214,28 @@ def _drhs_streamed(lhs_p, dout_p, group_sizes, cfg: TileConfig, interpret: bool)
                             _mask_rows(a_ring.at[slot], 0, lo, hi, bt, bk)
 
                         plgpu.wgmma(acc_ref, a_ring.at[slot].transpose((1, 0)), b_ring.at[slot])
+                        # The next step's word, read while this product runs: not on the path to the next wgmma.
+                        following = words_ref[jnp.minimum(first + j + 1, last)]
                         plgpu.wgmma_wait(1)  # step j - 1's product is done: its slot may take step j - 1 + stages
 
                         @pl.when((j >= 1) & (j - 1 + stages < count))
                         def _():
                             fetch(j - 1 + stages)
 
-                    s0 = seg_start_ref[gi] - first
-                    jax.lax.fori_loop(s0, s0 + seg_count_ref[gi], step, None)
-                    return acc_ref[...]  # (waits for the group's last product)
+                        return following
 
-                acc = pl.run_scoped(acc_scope, plgpu.ACC((bk, bn)))
+                    s0 = seg_start_ref[gi] - first
+                    following = jax.lax.fori_loop(s0, s0 + seg_count_ref[gi], step, word)
+                    return acc_ref[...], following  # (waits for the group's last product)
+
+                acc, following = pl.run_scoped(acc_scope, plgpu.ACC((bk, bn)))
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous group's store left o_smem
                 o_smem[...] = acc.astype(dtype)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(o_smem, out_ref.at[gi, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)])
+                return following
 
-            jax.lax.fori_loop(g0, g1, group, None)
+            jax.lax.fori_loop(g0, g1, group, words_ref[first])
 
         # Units chunk-major: the SMs working at once share a chunk's row blocks in L2.
         @plgpu.nd_loop((chunks * grid_k * grid_n,), collective_axes="sm")
