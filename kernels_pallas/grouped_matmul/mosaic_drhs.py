@@ -12,8 +12,8 @@ Two schedules, chosen by ``TileConfig.dw_chunks``:
 - C > 0, streamed (``_drhs_streamed``): the groups are cut into C chunks of consecutive groups (about equal numbers
   of steps, `drhs_schedule`) and every SM loops over (chunk, K-block, N-block) units. One pipeline walks the unit's
   whole chunk as a list of segments, a segment being one row block of one group (a block that two groups share is
-  two segments, each loaded and masked to its group's rows); after a group's last segment the accumulator is
-  stored to that group's tile and zeroed, while the ring goes on loading the next group's blocks. So a pipeline
+  two segments, each loaded and masked to its group's rows); after a group's last segment its accumulator is
+  stored to the group's tile and the next group opens a fresh one, while the ring goes on loading. So a pipeline
   fills once per chunk instead of once per group, and the tile stores overlap the loads. An empty group is one
   segment with no row kept (its tile stores 0). Measured on an H100 it was slower than the group tiles on both
   Qwen3-30B-A3B shapes (down 343 against 393 TFLOP/s in 4 chunks, gate_up 400 against 459; docs/benchmarks.md
