@@ -66,16 +66,22 @@ def _mask_rows(a_smem, row0, start, end, block_t: int, block_k: int):
     plgpu.commit_smem()
 
 
+def _group_blocks(group_sizes: jax.Array, block_t: int):
+    """(starts, ends, first block, blocks) int32 [G] of the groups' rows on the grid of `block_t`-row blocks: a
+    group's rows are [starts, ends) and touch blocks first .. first + blocks - 1 (0 blocks for an empty group)."""
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // block_t
+    return starts, ends, first, jnp.where(sizes > 0, (ends - 1) // block_t - first + 1, 0)
+
+
 def _drhs_group_tiles(lhs_p, dout_p, group_sizes, cfg: TileConfig, interpret: bool) -> jax.Array:
     """The group-tile schedule on operands padded to the tiles: [G, Kp, Np]."""
     g = group_sizes.shape[0]
     bt, bk, bn = cfg.dw_block_t, cfg.dw_block_k, cfg.dw_block_n
     kp, np_ = lhs_p.shape[1], dout_p.shape[1]
-    sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
-    first = starts // bt
-    n_blocks = jnp.where(sizes > 0, (ends - 1) // bt - first + 1, 0)
+    starts, ends, first, n_blocks = _group_blocks(group_sizes, bt)
     grid_k, grid_n = kp // bk, np_ // bn
     dtype = lhs_p.dtype
     a_transforms, b_transforms = _swizzled(bk, dtype), _swizzled(bn, dtype)
@@ -147,11 +153,8 @@ def drhs_schedule(group_sizes: jax.Array, m: int, block_t: int, chunks: int):
     if block_t >= 1 << _LO_BITS:
         raise ValueError(f"{_WHERE}: the streamed d rhs packs rows < {1 << _LO_BITS} a block, got "
                          f"dw_block_t={block_t}")
-    sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
-    first = starts // block_t
-    count = jnp.where(sizes > 0, (ends - 1) // block_t - first + 1, 1).astype(jnp.int32)
+    starts, ends, first, blocks = _group_blocks(group_sizes, block_t)
+    count = jnp.maximum(blocks, 1)  # an empty group: one segment
     seg_end = jnp.cumsum(count)
     seg_start = seg_end - count
     i = jnp.arange(num_segments(m, g, block_t), dtype=jnp.int32)

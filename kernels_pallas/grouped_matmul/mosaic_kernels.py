@@ -29,9 +29,9 @@ rows while the next tile loads); ``tiles.CONFIGS`` picks one per shape. The warp
 pipelines of an SM's units (``TileConfig.chained``, JAX's ``pipeline_state``): the memory warpgroup goes on loading
 the next unit while the compute warpgroups finish and store this one, instead of draining the ring after every unit.
 Three variants measured on an H100 against the chained table entries of both Qwen3-30B-A3B shapes and dropped
-(docs/benchmarks.md section 43; in git history): a wgmma left in flight across contraction steps (forward 4-13%
-slower), clusters of two blocks sharing each lhs tile by TMA multicast (3-7% slower), and whole tiles stored
-through a swizzled staging tile (-3% to +0.6%). So neither the tensor cores draining between steps, nor L2 reads,
+(docs/benchmarks.md section 43; in git history): a wgmma left in flight across contraction steps (2-5% slower than
+the unchained kernel it modifies, 6-17% under the chained entry), clusters of two blocks sharing each lhs tile by
+TMA multicast (3-7% slower), and whole tiles stored through a swizzled staging tile (-3% to +0.6%). So neither the tensor cores draining between steps, nor L2 reads,
 nor bank conflicts in the epilogue limit these shapes.
 Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 35): forward
 461-606 TFLOP/s, forward+backward 467-560; the 600 / 500 target is met by GPT-OSS-20B's gate_up forward only and
