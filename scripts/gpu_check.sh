@@ -8,6 +8,8 @@
 #   (kernels timed queued back to back, 5 rounds: the bench's docstring);
 #   "gmmsweep" its tile sweep (bench --sweep: every candidate tile config per shape and kernel) to gmm_sweep.json;
 #   GMM_SWEEP_ARGS="--table-variants --shapes qwen3_30b_a3b_down" narrows it to the table's tiles and their variants;
+#   "gmmprobe" the forward row kernel on problems derived from each shape (bench --probe, GMM_PROBE_ARGS) to
+#   gmm_probe.json;
 #   "offload" the host-offload probe: $OUT/offload_probe.jsonl; OFFLOAD_DUMP=variant,... adds $OUT/offload_dump.tgz;
 #   "maxctx" the longest 8B row per remat policy + one real step at 256k: $OUT/max_context.{jsonl,md}, MAXCTX_TIMEOUT_S=360;
 #   "probe" the fetch forms a layer loop could read its weights from pinned host memory with, timed (scripts/
@@ -216,6 +218,13 @@ if has gmmsweep; then
   timeout "${GMM_TIMEOUT_S:-300}" python3 -m kernels_pallas.grouped_matmul.bench --sweep ${GMM_SWEEP_ARGS:-} \
     --json "$OUT/gmm_sweep.json" \
     2>&1 | grep -v '^  File\|^    ' | tail -120 | tee -a "$OUT/check.log"
+fi
+
+if has gmmprobe; then
+  stamp "grouped matmul probe (the forward row kernel on derived problems: equal groups, one group, K x2 / x4)"
+  timeout "${GMM_TIMEOUT_S:-200}" python3 -m kernels_pallas.grouped_matmul.bench --probe ${GMM_PROBE_ARGS:-} \
+    --json "$OUT/gmm_probe.json" \
+    2>&1 | grep -v '^  File\|^    ' | tail -60 | tee -a "$OUT/check.log"
 fi
 
 if has train; then

@@ -675,3 +675,27 @@ def test_table_variants_without_a_sweep_is_one_line(capsys):
         bench.main(["--table-variants"])
     assert exit_info.value.code == 2
     assert "--table-variants narrows --sweep; add --sweep" in capsys.readouterr().err
+
+
+def test_probe_runs_the_table_kernel_on_each_derived_problem():
+    """`bench --probe`: the shape as it is, in equal groups, as one group, and with K x2 / x4, each on the original
+    shape's table tiles beside dense XLA; every kernel output equals the reference, and the units it walks are
+    counted (equal groups of a multiple of the tile: no partial tile, so units = rows / block_m x N-blocks)."""
+    from kernels_pallas.grouped_matmul import bench, tiles
+    from kernels_pallas.grouped_matmul.shapes import GmmShape
+
+    shape = GmmShape("p", (70, 0, 186), 256, 64, 128, "bfloat16")
+    rows = bench.run_probe([shape], iters=1, timing_rounds=1)
+    labels = ["as is", "equal groups", "one group", "equal groups, K x2", "equal groups, K x4"]
+    assert [(r["problem"], r["impl"]) for r in rows] == [(p, i) for p in labels for i in ("mosaic", "dense")]
+    assert all("error" not in r and r["tflops"] > 0 for r in rows)
+    mosaic_rows = {r["problem"]: r for r in rows if r["impl"] == "mosaic"}
+    cfg = tiles.config_for(64, 128, 3)
+    assert all(r["config"] == bench._describe(cfg) for r in rows)
+    assert [mosaic_rows[p]["k"] for p in labels] == [64, 64, 64, 128, 256]
+    assert [mosaic_rows[p]["k_steps"] for p in labels] == [1, 1, 1, 2, 4]
+    # (one N-block of 128) as is: 70 rows in one tile, 186 from row 70 loaded from row 64 in two; equal groups: three
+    # of 85 rows, a tile each, and the row left over past them (the pseudo-group's tile); one group: 256 / 128
+    assert [mosaic_rows[p]["units"] for p in labels] == [3, 4, 2, 4, 4]
+    assert all(r["max_abs_diff"] < 0.5 for r in mosaic_rows.values())
+    assert all(r["us_per_unit"] > 0 for r in mosaic_rows.values())

@@ -8,6 +8,7 @@ with rows = sum(group_sizes), and its two gradients).
     python -m kernels_pallas.grouped_matmul.bench --against ab_base --rounds 4   # this tree's kernels vs another's
     python -m kernels_pallas.grouped_matmul.bench --sweep --json sweep.json      # row-kernel tiles per shape
     python -m kernels_pallas.grouped_matmul.bench --sweep --table-variants      # the table's tiles, variants only
+    python -m kernels_pallas.grouped_matmul.bench --probe --shapes qwen3_30b_a3b_down   # where the kernel's time goes
 
 ``--sweep``: the row-tile kernel (forward and d lhs) of every bench shape on each of ``sweep_candidates``' tile
 configs and the d rhs kernel on ``sweep_dw_candidates``', next to the table's own (``tiles.CONFIGS``): the data the
@@ -30,6 +31,7 @@ measured how much). A failure prints its error and the run goes on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.machinery
 import importlib.util
@@ -215,7 +217,6 @@ def _describe(cfg) -> str:
 def _table_variants(table) -> list:
     """The table's config as it is, unchained (when it chains), and with the other walk (TileConfig.grid_block_n:
     along a tile's N-blocks, 0, or down the tiles, 1)."""
-    import dataclasses
 
     out = [table]
     if table.warp_specialized and table.chained:
@@ -227,7 +228,6 @@ def _table_variants(table) -> list:
 def _dw_variants(table) -> list:
     """The table's d rhs tiles streamed (TileConfig.dw_chunks; `tiles.streamed_drhs_config` fits the ring), in 2, 4
     and 8 chunks of groups, or in the group-tile schedule where the table streams."""
-    import dataclasses
 
     from .tiles import streamed_drhs_config
 
@@ -243,7 +243,6 @@ def _adapter_jobs(shape: GmmShape, direction: str, variants, args, fused_on_gpu:
     """(row, jitted fn, args) of each (name, config, body) of an adapter's variants: "fused", or "two kernels";
     the table's row is the one a GPU step runs: fused while `fused_on_gpu` (mosaic's FUSED_* flag) and its tiles
     fit, else the two kernels."""
-    import dataclasses
 
     names = [name for name, _, _ in variants]
     mark = "fused" if fused_on_gpu and "fused" in names else "two kernels"
@@ -264,7 +263,6 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
     (Mosaic GPU's compiles are most of the sweep's time), then run one at a time. Every row but the table's also
     gets "max_abs_diff_vs_table": its output against the table row's of the same shape and direction."""
     import concurrent.futures
-    import dataclasses
 
     from . import mosaic, mosaic_drhs, tiles
 
@@ -358,6 +356,67 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
     return rows
 
 
+def probe_problems(shape: GmmShape) -> list[tuple[str, GmmShape]]:
+    """Problems derived from `shape` that take its row kernel's time apart (`run_probe`): as it is; the same rows in
+    equal groups (no group's last tile partial where m / G is a multiple of the tile); one group of all the rows (a
+    dense product through the grouped kernel); equal groups with the contraction 2x and 4x as long (the same units,
+    more steps each: the time per unit against the steps, whose intercept is what a unit costs besides its
+    products)."""
+    g = len(shape.group_sizes)
+    even = (shape.m // g,) * g
+    derived = lambda label, **kw: (label, dataclasses.replace(shape, name=f"{shape.name} {label}", **kw))
+    return [("as is", shape), derived("equal groups", group_sizes=even), derived("one group", group_sizes=(shape.m,)),
+            derived("equal groups, K x2", group_sizes=even, k=2 * shape.k),
+            derived("equal groups, K x4", group_sizes=even, k=4 * shape.k)]
+
+
+def run_probe(shapes: Sequence[GmmShape], iters: int = 10, timing_rounds: int = 5) -> list[dict]:
+    """Rows {"shape", "problem", "impl": "mosaic" | "dense", "ms", "tflops", ...} for each of `probe_problems`: the
+    forward row kernel on the tiles of the *original* shape's table entry (so every problem runs the same kernel),
+    and a dense XLA matmul of the same rows. Mosaic rows also give "units" (the (row tile, N-block) pairs the SMs
+    walk), "k_steps", "us_per_unit" (ms x SMs / units: one unit's time on one SM) and "max_abs_diff" (its output
+    against `grouped_matmul_reference` in float32)."""
+    from . import mosaic, tiles
+    from .mosaic_kernels import _num_sms, row_tiles
+    from .reference import grouped_matmul_reference
+
+    interpret = jax.default_backend() != "gpu"  # the tests: Mosaic GPU's interpreter
+    rows = []
+    for shape in shapes:
+        cfg = tiles.config_for(shape.k, shape.n, len(shape.group_sizes))
+        for label, problem in probe_problems(shape):
+            lhs, rhs, sizes, _ = make_inputs(problem)
+            used = sum(problem.group_sizes)
+            work = _work(problem)["fwd"]
+            base = {"shape": shape.name, "problem": label, "m": problem.m, "k": problem.k, "n": problem.n,
+                    "groups": len(problem.group_sizes), "config": _describe(cfg)}
+            programs = {"mosaic": (jax.jit(lambda a, b, s: mosaic._rows(cfg)(a, b, s, cfg, interpret=interpret)),
+                                   (lhs, rhs, sizes)),
+                        "dense": (jax.jit(lambda a, b: a @ b[0]), (lhs[:used], rhs))}
+            for impl, (fn, args) in programs.items():
+                row = {**base, "impl": impl}
+                try:
+                    compiled = fn.lower(*args).compile()
+                    ms = queued_ms(compiled, args, iters, timing_rounds)
+                    row.update(ms=ms, tflops=work / (ms * 1e-3) / 1e12)
+                    if impl == "mosaic":
+                        ref = grouped_matmul_reference(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
+                        row["max_abs_diff"] = float(jnp.max(jnp.abs(compiled(*args).astype(jnp.float32) - ref)))
+                        group = row_tiles(sizes, -(-problem.m // cfg.block_m) * cfg.block_m, cfg.block_m)[0]
+                        units = int(jnp.sum(group <= len(problem.group_sizes))) * (problem.n // cfg.cta_n)
+                        row.update(units=units, k_steps=problem.k // cfg.block_k,
+                                   us_per_unit=ms * 1e3 * _num_sms(interpret) / units)
+                except Exception as e:  # noqa: BLE001 - one failure must not lose the other rows
+                    row["error"] = f"{type(e).__name__}: {e}"[:500]
+                extra = f" {row['units']} units x {row['k_steps']} steps, {row['us_per_unit']:.3f} us a unit, " \
+                    f"max |diff| {row['max_abs_diff']:.3g}" if "units" in row else ""
+                result = f"{row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s{extra}" if "ms" in row else \
+                    f"ERROR {row['error'][:200]}"
+                print(f"{shape.name:<24} {label:<20} {impl:<7} {result}", flush=True)
+                rows.append(row)
+    return rows
+
+
 def _line(r: dict) -> str:
     if "error" in r and "fwd_ms" not in r:
         return f"{r['shape']:<24} {r['impl']:<14} ERROR {r['error'].splitlines()[0][:300]}"
@@ -381,6 +440,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     ap.add_argument("--against", default=None, help="another tree's root: A/B of the Mosaic GPU kernels")
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds of the --against A/B")
     ap.add_argument("--sweep", action="store_true", help="the row kernels on every candidate tile config")
+    ap.add_argument("--probe", action="store_true",
+                    help="the forward row kernel on problems derived from each shape (equal groups, one group, "
+                         "K x2 / x4), beside dense XLA: where its time goes")
     ap.add_argument("--table-variants", action="store_true",
                     help="with --sweep: only the table's configs and their variants (no candidates, no d rhs)")
     args = ap.parse_args(argv)
@@ -410,6 +472,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         for shape in [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]:
             rows += run_sweep([shape], args.iters, timing_rounds=args.timing_rounds, **narrow)
             _write(args.json, rows)
+    elif args.probe:
+        rows = run_probe([s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16], args.iters, args.timing_rounds)
     elif args.against:
         shapes = [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]  # the kernels' dtypes on the GPU
         rows = run_against(shapes, load_kernels(args.against), args.rounds, args.iters)
