@@ -48,6 +48,7 @@ from kernels_pallas._bench import queued_ms
 
 from .api import grouped_matmul
 from .shapes import BENCH_SHAPES, TEST_SHAPES, GmmShape, make_inputs
+from .tiles import PREFETCH
 
 IMPLS = ("xla", "pallas_mosaic", "dense")
 
@@ -211,17 +212,21 @@ def _describe_dw(cfg) -> str:
 def _describe(cfg) -> str:
     kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
     walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
-    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}"
+    prefetch = "" if cfg.prefetch == "none" else f" prefetch-{cfg.prefetch}"
+    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{prefetch}"
 
 
 def _table_variants(table) -> list:
-    """The table's config as it is, unchained (when it chains), and with the other walk (TileConfig.grid_block_n:
-    along a tile's N-blocks, 0, or down the tiles, 1)."""
+    """The table's config as it is, unchained (when it chains), with the other walk (TileConfig.grid_block_n:
+    along a tile's N-blocks, 0, or down the tiles, 1), and (warp-specialised) with each other L2 prefetch
+    (TileConfig.prefetch)."""
 
     out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
+    if table.warp_specialized:
+        out += [dataclasses.replace(table, prefetch=p) for p in PREFETCH if p != table.prefetch]
     return out
 
 
