@@ -342,52 +342,6 @@ def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
                f"d lhs from base 6 (N {n})")
 
 
-@pytest.mark.parametrize("prefetch", ["rhs", "rhs+lhs"])
-@pytest.mark.parametrize("split,transpose,walk", [("m", False, 0), ("n", True, 1), ("n", False, 2)])
-def test_l2_prefetch_of_the_next_unit_leaves_the_product_unchanged(prefetch, split, transpose, walk):
-    """TileConfig.prefetch: each unit reads its SM's next unit from the schedule (the last unit of an SM has none)
-    and asks the L2 cache for it; in the interpreter the prefetch itself is a no-op, so this checks the schedule
-    reads and the predicates around it leave the product as it is: chains of units on both "SMs", both splits,
-    rhs read transposed, each walk."""
-    from kernels_pallas.grouped_matmul.tiles import TileConfig
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
-
-    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split,
-                     grid_block_n=walk, prefetch=prefetch)
-    sizes = (70, 0, 61, 3, 0, 50)
-    m, k, n = 200, 128, 512
-    k1, k2 = jax.random.split(jax.random.key(7))
-    lhs = jax.random.normal(k1, (m, k), jnp.float32)
-    rhs = jax.random.normal(k2, (len(sizes), k, n), jnp.float32)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
-                      interpret=True)
-    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, n)))[0], "float32", f"out (prefetch {prefetch}, split {split})")
-    with pytest.raises(ValueError, match=r"tiles.py: TileConfig.prefetch must be one of"):
-        TileConfig(prefetch="lhs")
-
-
-@pytest.mark.parametrize("key", [(2048, 1536, 128), (768, 2048, 128), (1536, 2048, 128), (2048, 768, 128)])
-def test_l2_prefetch_lowers_for_a_gpu_from_the_cpu(key):
-    """The prefetching row kernel through Mosaic GPU's CUDA lowering on the Qwen3-30B-A3B table tiles, forward and
-    d lhs (rhs read transposed): tiles wider than a TMA box (K up to 2048, 384 columns) go as several prefetches."""
-    import dataclasses
-
-    from kernels_pallas.grouped_matmul import tiles
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
-
-    k, n, g = key
-    lhs, dout = jax.ShapeDtypeStruct((4096, k), jnp.bfloat16), jax.ShapeDtypeStruct((4096, n), jnp.bfloat16)
-    rhs, sizes = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32)
-    for prefetch in ("rhs", "rhs+lhs"):
-        cfg = dataclasses.replace(tiles.config_for(k, n, g), prefetch=prefetch)
-        assert cfg.warp_specialized
-        for a, transpose in ((lhs, False), (dout, True)):
-            fn = jax.jit(lambda a, b, c: gmm_rows_ws(a, b, c, cfg, transpose_rhs=transpose))
-            text = fn.trace(a, rhs, sizes).lower(lowering_platforms=("cuda",)).as_text()
-            assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-
-
 @pytest.mark.parametrize("key", [(2048, 1536, 128), (768, 2048, 128), (2880, 5760, 32), (2880, 2880, 32)])
 def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
     """The GPU kernels (not the interpreter) through Mosaic GPU's lowering for a CUDA target, forward and both
@@ -535,8 +489,7 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     assert all("max_abs_diff_vs_table" not in r for r in rows if r["table"])
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
-        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1",
-        "ws-n 128x128x64 st3 walkrow prefetch-rhs", "ws-n 128x128x64 st3 walkrow prefetch-rhs+lhs"]
+        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):

@@ -295,18 +295,6 @@ def _store_rows_from(o_smem, out_ref, row0, start, size, col0, rows_max: int, bl
         rows //= 2
 
 
-_TMA_BOX = 256  # a TMA box's most elements along one dimension
-
-
-def _prefetch_l2(ref, rows, cols):
-    """Ask the L2 cache for ref[rows, cols] (a 2-D GMEM ref, `rows` / `cols` static-size `pl.ds`): TMA prefetches of
-    at most 256 x 256 elements, one thread each, nothing waited for."""
-    for r in range(0, rows.size, _TMA_BOX):
-        for c in range(0, cols.size, _TMA_BOX):
-            plgpu.async_prefetch(ref.at[pl.ds(rows.start + r, min(_TMA_BOX, rows.size - r)),
-                                        pl.ds(cols.start + c, min(_TMA_BOX, cols.size - c))])
-
-
 def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
                 transpose_rhs: bool = False, interpret: bool = False, rhs_base=None, lora=None) -> jax.Array:
     """``gmm_rows`` with warp specialisation: a memory warpgroup runs the TMA pipeline, two compute
@@ -327,16 +315,6 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
     def rhs_tile(rhs_ref, group, ni):
         cols = pl.ds(ni * cta_n, cta_n)
         return rhs_ref.at[group, cols, :] if transpose_rhs else rhs_ref.at[group, :, cols]
-
-    kp = lhs_p.shape[1]
-
-    def prefetch_next(lhs_ref, rhs_ref, matrix, row0, ni):
-        """`cfg.prefetch`: the L2 cache asked for a later unit's expert tile (and lhs rows)."""
-        cols, contraction = pl.ds(ni * cta_n, cta_n), pl.ds(0, kp)
-        rhs2d = rhs_ref.at[matrix]
-        _prefetch_l2(rhs2d, *((cols, contraction) if transpose_rhs else (contraction, cols)))
-        if cfg.prefetch == "rhs+lhs":
-            _prefetch_l2(lhs_ref, pl.ds(row0, bm), contraction)
 
     def pipeline(step, context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
@@ -386,23 +364,8 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                 # then wastes 32 rows on average instead of 64: 13.7% -> 6.8% more products than rows at
                 # Qwen3-30B-A3B's 128 groups of ~512 rows in 128-row tiles (its time on the GPU: not yet measured).
                 multiply = (group < g) & (last > first)
-                if cfg.prefetch != "none":
-                    # This SM's next unit (nd_loop hands an SM every num_SMs-th unit), read here so the loads are
-                    # in flight before the first step uses them.
-                    following = info.index[0] + jax.lax.axis_size("sm")
-                    has_next = following < count * grid_n
-                    tj, nj = plgpu.planar_snake(jnp.minimum(following, count * grid_n - 1), (count, grid_n), 1,
-                                                cfg.grid_block_n or grid_n)
-                    next_matrix, next_row0 = index_ref[tj], row0_ref[tj]
 
-                def step(idx, a_smem, b_smem, acc_ref):
-                    if cfg.prefetch != "none":
-                        # Half way through the unit: at its first step every SM of a wave is waiting for its own
-                        # unit's tiles (section 44: issued there, the prefetches made every shape 20-50% slower).
-                        @pl.when((idx[0] == k_steps // 2) & (wg == 0) & has_next)
-                        def _():
-                            prefetch_next(lhs_ref, rhs_ref, next_matrix, next_row0, nj)
-
+                def step(_, a_smem, b_smem, acc_ref):
                     @pl.when(multiply)
                     def _():
                         a = a_smem if split_n else a_smem.at[pl.ds(wg * wg_m, wg_m)]

@@ -9,9 +9,6 @@ import dataclasses
 _WHERE = "kernels_pallas/grouped_matmul/tiles.py"
 
 
-PREFETCH = ("none", "rhs", "rhs+lhs")
-
-
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
     """Tiles of the row-tile kernel (forward, d lhs) and of the group-tile kernel (d rhs).
@@ -32,11 +29,7 @@ class TileConfig:
     dw_chunks (d rhs): 0, one pipeline per (group, output tile); C > 0, the groups cut into C chunks and one
     pipeline per (chunk, output tile) that stores each group's tile as it passes its last row block
     (`mosaic_drhs`). Measured on an H100, streamed was slower on both Qwen3-30B-A3B shapes (down 343 against 393
-    TFLOP/s, gate_up 400 against 459, docs/benchmarks.md section 43): no table entry streams.
-    prefetch (warp-specialised row kernel): "none"; "rhs", each unit asks the L2 cache for the expert tile of the
-    SM's next unit ([K, cta_n] of its matrix) while its own products run; "rhs+lhs", that unit's lhs rows too. Why:
-    on an H100 the down forward ran 477 TFLOP/s on 128 equal groups and 608 on one group of the same rows, the same
-    units and tiles (docs/benchmarks.md section 44): a unit whose expert tile comes from HBM costs ~3 us more."""
+    TFLOP/s, gate_up 400 against 459, docs/benchmarks.md section 43): no table entry streams."""
 
     block_m: int = 128
     block_n: int = 128
@@ -51,13 +44,10 @@ class TileConfig:
     wg_split: str = "n"
     chained: bool = True
     dw_chunks: int = 0
-    prefetch: str = "none"
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
             raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
-        if self.prefetch not in PREFETCH:
-            raise ValueError(f"{_WHERE}: TileConfig.prefetch must be one of {PREFETCH}, got {self.prefetch!r}")
         for f in dataclasses.fields(self):
             least = 0 if f.name in ("grid_block_n", "dw_chunks") else 1
             if f.type == "int" and getattr(self, f.name) < least:
