@@ -342,6 +342,61 @@ def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
                f"d lhs from base 6 (N {n})")
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_two_blocks_an_sm_split_the_units_and_leave_the_products_unchanged(transpose):
+    """TileConfig.blocks_per_sm / dw_blocks_per_sm = 2: the persistent grid has two blocks per "SM" (4 on the
+    interpreter's 2), which split the units among them: the row kernel (forward, or rhs read transposed as d lhs)
+    and the group-tile d rhs, on ragged groups with empty ones and rows past the last, equal to a per-group loop."""
+    from kernels_pallas.grouped_matmul.mosaic_drhs import gmm_drhs
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows
+    from kernels_pallas.grouped_matmul.tiles import TileConfig
+
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, blocks_per_sm=2, dw_block_k=64, dw_block_n=64,
+                     dw_block_t=64, dw_stages=2, dw_blocks_per_sm=2)
+    sizes = (70, 0, 61, 3, 0, 50)
+    m, k, n = 200, 128, 192
+    k1, k2, k3 = jax.random.split(jax.random.key(8), 3)
+    lhs = jax.random.normal(k1, (m, k), jnp.float32)
+    rhs = jax.random.normal(k2, (len(sizes), k, n), jnp.float32)
+    dout = jax.random.normal(k3, (m, n), jnp.float32)
+    want_out, want_dlhs, want_drhs = _loop(lhs, rhs, sizes, dout)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    if transpose:  # d lhs: dout @ rhs[g]^T
+        got = gmm_rows(dout, rhs, sizes, cfg, transpose_rhs=True, interpret=True)
+        _close(got, want_dlhs, "float32", "d lhs, two blocks an SM")
+    else:
+        _close(gmm_rows(lhs, rhs, sizes, cfg, interpret=True), want_out, "float32", "out, two blocks an SM")
+        _close(gmm_drhs(lhs, dout, sizes, cfg, interpret=True), want_drhs, "float32", "d rhs, two blocks an SM")
+
+
+def test_two_block_candidates_fit_an_sm_and_lower_for_a_gpu_from_the_cpu():
+    """Every two-blocks-an-SM candidate of the sweep fits two blocks in an SM's shared memory, and goes through
+    Mosaic GPU's CUDA lowering on the Qwen3-30B-A3B shapes (forward and d lhs row kernels, d rhs)."""
+    from kernels_pallas.grouped_matmul import bench, tiles
+    from kernels_pallas.grouped_matmul.mosaic_drhs import gmm_drhs
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows
+
+    lowered = 0
+    for k, n in [(768, 2048), (2048, 1536)]:
+        lhs, dout = jax.ShapeDtypeStruct((4096, k), jnp.bfloat16), jax.ShapeDtypeStruct((4096, n), jnp.bfloat16)
+        rhs, sizes = jax.ShapeDtypeStruct((128, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((128,), jnp.int32)
+        jobs = [(cfg, lambda a, b, c, cfg=cfg: gmm_rows(a, b, c, cfg), (lhs, rhs, sizes))
+                for cfg in bench.two_block_candidates(k, n)]
+        jobs += [(cfg, lambda a, b, c, cfg=cfg: gmm_rows(a, b, c, cfg, transpose_rhs=True), (dout, rhs, sizes))
+                 for cfg in bench.two_block_candidates(n, k)]
+        jobs += [(cfg, lambda a, d, c, cfg=cfg: gmm_drhs(a, d, c, cfg), (lhs, dout, sizes))
+                 for cfg in bench.two_block_dw_candidates(k, n)]
+        for cfg, fn, args in jobs:
+            row_kernel = cfg.blocks_per_sm == 2
+            assert row_kernel != (cfg.dw_blocks_per_sm == 2)
+            assert tiles.blocks_fit(tiles.smem_bytes(cfg) if row_kernel else tiles.drhs_smem_bytes(cfg), 2)
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+            lowered += 1
+    assert lowered == 2 + 3 + 2 + 3 + 2 + 3  # down: fwd, d lhs, d rhs; gate_up: the same
+    assert not tiles.blocks_fit(tiles.smem_bytes(tiles.TileConfig(block_n=192, stages=4)), 2)
+
+
 @pytest.mark.parametrize("key", [(2048, 1536, 128), (768, 2048, 128), (2880, 5760, 32), (2880, 2880, 32)])
 def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
     """The GPU kernels (not the interpreter) through Mosaic GPU's lowering for a CUDA target, forward and both
@@ -469,19 +524,20 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     # with an adapter, fused and as two kernels (the table's: the one the GPU runs, per mosaic's FUSED_* flags);
     # d rhs: table, it streamed in 2, 4 and 8 chunks, candidate
     fwd, dlhs = mosaic.FUSED_LORA_ON_GPU, mosaic.FUSED_DLHS_LORA_ON_GPU
-    assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True), ("fwd", False), ("fwd", False),
-                                                            ("dlhs", True), ("dlhs", False), ("dlhs", False),
-                                                            ("fwd+lora", fwd), ("fwd+lora", not fwd),
-                                                            ("dlhs+lora", dlhs), ("dlhs+lora", not dlhs),
-                                                            ("drhs", True)] + [("drhs", False)] * 4
-    assert [r["label"] for r in rows[11:14]] == [f"drhs 128x128 t64 st4 streamed{c}" for c in (2, 4, 8)]
-    assert rows[6]["label"].startswith("fused ") and rows[7]["label"].startswith("two kernels ")
+    # per row-kernel direction also the two-blocks-an-SM tiles (`two_block_candidates`: one at 128 x 128), and for
+    # d rhs `two_block_dw_candidates`' one
+    assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True)] + [("fwd", False)] * 3 + [
+        ("dlhs", True)] + [("dlhs", False)] * 3 + [("fwd+lora", fwd), ("fwd+lora", not fwd), ("dlhs+lora", dlhs),
+                                                   ("dlhs+lora", not dlhs), ("drhs", True)] + [("drhs", False)] * 5
+    assert [r["label"] for r in rows[13:16]] == [f"drhs 128x128 t64 st4 streamed{c}" for c in (2, 4, 8)]
     assert rows[8]["label"].startswith("fused ") and rows[9]["label"].startswith("two kernels ")
-    assert rows[-1]["label"] == "drhs 64x64 t64 st2"
+    assert rows[10]["label"].startswith("fused ") and rows[11]["label"].startswith("two kernels ")
+    assert rows[2]["label"] == rows[6]["label"] == "single 128x128x64 st3 walkrow x2/SM"
+    assert rows[-2]["label"] == "drhs 128x128 t64 st3 x2/SM" and rows[-1]["label"] == "drhs 64x64 t64 st2"
     assert all(bench.sweep_dw_candidates(2880, 5760)) and all(
         2880 % c.dw_block_k == 0 and 5760 % c.dw_block_n == 0 for c in bench.sweep_dw_candidates(2880, 5760))
     assert all(r["tflops"] > 0 and "error" not in r for r in rows)
-    assert rows[2]["label"] == "ws-m 64x64x64 st2 walk2" and rows[2]["config"]["grid_block_n"] == 2
+    assert rows[3]["label"] == "ws-m 64x64x64 st2 walk2" and rows[3]["config"]["grid_block_n"] == 2
     # every other config computes the table's product (bf16 outputs of ~N(0, 128) entries: a rounding step or two
     # where the accumulation order differs, as the adapter's two kernels round twice)
     others = [r for r in rows if not r["table"]]

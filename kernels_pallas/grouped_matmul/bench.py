@@ -187,6 +187,41 @@ def sweep_candidates(kc: int, n: int) -> list:
     return out
 
 
+def two_block_candidates(kc: int, n: int) -> list:
+    """Single-warpgroup row-kernel tiles run two blocks to an SM (TileConfig.blocks_per_sm = 2) for a product of
+    contraction `kc` and output width `n` (bf16): 128 x 128, 128 x 192 and 64 x 256 output tiles whose width divides
+    n, 64-deep steps, the deepest ring of 2 or more stages with which two blocks fit an SM's shared memory. (An
+    accumulator of up to 192 floats a thread leaves two blocks of 128 threads within the SM's registers.)"""
+    from .tiles import TileConfig, blocks_fit, smem_bytes
+
+    out = []
+    for bm, bn in ((128, 128), (128, 192), (64, 256)):
+        if n % bn or kc % 64:
+            continue
+        fits = [st for st in (4, 3, 2) if blocks_fit(smem_bytes(TileConfig(block_m=bm, block_n=bn, stages=st)), 2)]
+        if fits:
+            out.append(TileConfig(block_m=bm, block_n=bn, block_k=64, stages=fits[0], blocks_per_sm=2))
+    return out
+
+
+def two_block_dw_candidates(k: int, n: int) -> list:
+    """d rhs (group-tile kernel) tiles run two blocks to an SM (TileConfig.dw_blocks_per_sm = 2): 128 x 128,
+    128 x 192, 192 x 128 and 64 x 192 output tiles that divide k and n, 64-row steps, the deepest ring of 2 or more
+    stages that fits."""
+    from .tiles import TileConfig, blocks_fit, drhs_smem_bytes
+
+    out = []
+    for bk, bn in ((128, 128), (128, 192), (192, 128), (64, 192)):
+        if k % bk or n % bn:
+            continue
+        fits = [st for st in (4, 3, 2) if blocks_fit(drhs_smem_bytes(
+            TileConfig(dw_block_k=bk, dw_block_n=bn, dw_stages=st)), 2)]
+        if fits:
+            out.append(TileConfig(dw_block_k=bk, dw_block_n=bn, dw_block_t=64, dw_stages=fits[0],
+                                  dw_blocks_per_sm=2))
+    return out
+
+
 def sweep_dw_candidates(k: int, n: int) -> list:
     """d rhs (group-tile kernel) tiles for lhs width `k` and dout width `n` (bf16): dw_block_k x dw_block_n output
     tiles that divide k and n, 64-row contraction steps, the deepest ring (of 6 or 4) that fits in shared memory."""
@@ -205,19 +240,20 @@ def sweep_dw_candidates(k: int, n: int) -> list:
 
 def _describe_dw(cfg) -> str:
     streamed = f" streamed{cfg.dw_chunks}" if cfg.dw_chunks else ""
-    return f"drhs {cfg.dw_block_k}x{cfg.dw_block_n} t{cfg.dw_block_t} st{cfg.dw_stages}{streamed}"
+    blocks = f" x{cfg.dw_blocks_per_sm}/SM" if cfg.dw_blocks_per_sm > 1 else ""
+    return f"drhs {cfg.dw_block_k}x{cfg.dw_block_n} t{cfg.dw_block_t} st{cfg.dw_stages}{streamed}{blocks}"
 
 
 def _describe(cfg) -> str:
     kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
     walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
-    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}"
+    blocks = f" x{cfg.blocks_per_sm}/SM" if cfg.blocks_per_sm > 1 else ""
+    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{blocks}"
 
 
 def _table_variants(table) -> list:
     """The table's config as it is, unchained (when it chains), and with the other walk (TileConfig.grid_block_n:
     along a tile's N-blocks, 0, or down the tiles, 1)."""
-
     out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
@@ -228,7 +264,6 @@ def _table_variants(table) -> list:
 def _dw_variants(table) -> list:
     """The table's d rhs tiles streamed (TileConfig.dw_chunks; `tiles.streamed_drhs_config` fits the ring), in 2, 4
     and 8 chunks of groups, or in the group-tile schedule where the table streams."""
-
     from .tiles import streamed_drhs_config
 
     if table.dw_chunks:
@@ -276,7 +311,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         for direction in ("fwd", "dlhs"):
             table = fwd_table if direction == "fwd" else tiles._dlhs_config(fwd_table, *key)
             kc, width = (shape.k, shape.n) if direction == "fwd" else (shape.n, shape.k)
-            configs = _table_variants(table) + candidates(kc, width)
+            configs = _table_variants(table) + two_block_candidates(kc, width) + candidates(kc, width)
             args = (lhs if direction == "fwd" else dout, rhs, sizes)
             for cfg in configs:
                 row = {"shape": shape.name, "direction": direction, "label": _describe(cfg),
@@ -312,7 +347,8 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         if dw_candidates is None:
             continue
         # d rhs runs on the forward entry's dw_* tiles (not the d lhs entry's, which `table` now names).
-        for cfg in [fwd_table, *_dw_variants(fwd_table), *dw_candidates(shape.k, shape.n)]:
+        for cfg in [fwd_table, *_dw_variants(fwd_table), *two_block_dw_candidates(shape.k, shape.n),
+                    *dw_candidates(shape.k, shape.n)]:
             row = {"shape": shape.name, "direction": "drhs", "label": _describe_dw(cfg),
                    "config": dataclasses.asdict(cfg), "table": cfg is fwd_table, "work": _work(shape)["fwd"]}
             fn = jax.jit(lambda a, d, s, cfg=cfg: mosaic_drhs.gmm_drhs(a, d, s, cfg, interpret=interpret))

@@ -126,7 +126,7 @@ def _drhs_group_tiles(lhs_p, dout_p, group_sizes, cfg: TileConfig, interpret: bo
                 plgpu.copy_smem_to_gmem(o_smem, out_ref.at[gi, pl.ds(ki * bk, bk), pl.ds(ni * bn, bn)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return _kernel(body, jax.ShapeDtypeStruct((g, kp, np_), dtype), interpret, "gmm_drhs")(
+    return _kernel(body, jax.ShapeDtypeStruct((g, kp, np_), dtype), interpret, "gmm_drhs", cfg.dw_blocks_per_sm)(
         starts, ends, first, n_blocks, lhs_p, dout_p)
 
 

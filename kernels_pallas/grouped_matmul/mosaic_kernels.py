@@ -67,9 +67,11 @@ def _num_sms(interpret: bool) -> int:
     return getattr(jax.devices()[0], "core_count", None) or _HOPPER_SMS
 
 
-def _kernel(body, out_type, interpret: bool, name: str, **threads):
-    """A persistent kernel: one block per SM (grid axis "sm")."""
-    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret),), grid_names=("sm",), **threads,
+def _kernel(body, out_type, interpret: bool, name: str, blocks_per_sm: int = 1, **threads):
+    """A persistent kernel: `blocks_per_sm` blocks per SM (grid axis "sm"; the blocks of an SM run at once when
+    their shared memory and registers fit, TileConfig.blocks_per_sm)."""
+    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret) * blocks_per_sm,), grid_names=("sm",),
+                        **threads,
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
                         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
 
@@ -247,7 +249,7 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
             _store_rows(acc, out_ref, row0, lo - row0, hi - lo, ni * bn, bm, bn)
 
     group = tiles[0]
-    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows")(
+    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows", cfg.blocks_per_sm)(
         group, rhs_index(group), *tiles[1:], _real_tiles(group, g), lhs_p, rhs_p, *(lora or ()))
     return out[:m, :n]
 

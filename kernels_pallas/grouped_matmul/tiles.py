@@ -29,7 +29,12 @@ class TileConfig:
     dw_chunks (d rhs): 0, one pipeline per (group, output tile); C > 0, the groups cut into C chunks and one
     pipeline per (chunk, output tile) that stores each group's tile as it passes its last row block
     (`mosaic_drhs`). Measured on an H100, streamed was slower on both Qwen3-30B-A3B shapes (down 343 against 393
-    TFLOP/s, gate_up 400 against 459, docs/benchmarks.md section 43): no table entry streams."""
+    TFLOP/s, gate_up 400 against 459, docs/benchmarks.md section 43): no table entry streams.
+    blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
+    Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
+    stores under the other's products; what the warp-specialised kernel does inside one block, left to the
+    hardware. Why: on an H100 the down forward took ~4 us a unit more than its products on 128 equal groups, ~1 us
+    on one group (docs/benchmarks.md section 44)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -44,6 +49,8 @@ class TileConfig:
     wg_split: str = "n"
     chained: bool = True
     dw_chunks: int = 0
+    blocks_per_sm: int = 1
+    dw_blocks_per_sm: int = 1
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
@@ -159,6 +166,15 @@ def fused_config(cfg: TileConfig, k: int, rank: int) -> TileConfig | None:
             if smem_bytes(fitted, rank) <= _SMEM_BYTES:
                 return fitted
     return None
+
+
+_SM_SMEM_BYTES = 233472  # an H100/H200 SM's shared memory, 228 KiB: what co-resident blocks share
+_BLOCK_RESERVED = 1024 + 256  # per block: the runtime's reserved 1 KiB, barriers
+
+
+def blocks_fit(smem: int, blocks: int) -> bool:
+    """Whether `blocks` blocks of `smem` bytes of shared memory each fit on one SM together."""
+    return blocks * (smem + _BLOCK_RESERVED) <= _SM_SMEM_BYTES
 
 
 def drhs_smem_bytes(cfg: TileConfig, itemsize: int = 2) -> int:
