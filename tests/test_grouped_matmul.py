@@ -370,7 +370,7 @@ def test_two_blocks_an_sm_split_the_units_and_leave_the_products_unchanged(trans
 
 
 def test_two_block_candidates_fit_an_sm_and_lower_for_a_gpu_from_the_cpu():
-    """Every two-blocks-an-SM candidate of the sweep fits two blocks in an SM's shared memory, and goes through
+    """Every several-blocks-an-SM candidate of the sweep fits its blocks in an SM's shared memory, and goes through
     Mosaic GPU's CUDA lowering on the Qwen3-30B-A3B shapes (forward and d lhs row kernels, d rhs)."""
     from kernels_pallas.grouped_matmul import bench, tiles
     from kernels_pallas.grouped_matmul.mosaic_drhs import gmm_drhs
@@ -385,15 +385,16 @@ def test_two_block_candidates_fit_an_sm_and_lower_for_a_gpu_from_the_cpu():
         jobs += [(cfg, lambda a, b, c, cfg=cfg: gmm_rows(a, b, c, cfg, transpose_rhs=True), (dout, rhs, sizes))
                  for cfg in bench.two_block_candidates(n, k)]
         jobs += [(cfg, lambda a, d, c, cfg=cfg: gmm_drhs(a, d, c, cfg), (lhs, dout, sizes))
-                 for cfg in bench.two_block_dw_candidates(k, n)]
+                 for cfg in bench.multi_block_dw_candidates(k, n)]
         for cfg, fn, args in jobs:
-            row_kernel = cfg.blocks_per_sm == 2
-            assert row_kernel != (cfg.dw_blocks_per_sm == 2)
-            assert tiles.blocks_fit(tiles.smem_bytes(cfg) if row_kernel else tiles.drhs_smem_bytes(cfg), 2)
+            row_kernel = cfg.blocks_per_sm > 1
+            assert row_kernel != (cfg.dw_blocks_per_sm > 1)
+            assert tiles.blocks_fit(tiles.smem_bytes(cfg), 2) if row_kernel else \
+                tiles.blocks_fit(tiles.drhs_smem_bytes(cfg), cfg.dw_blocks_per_sm)
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
             lowered += 1
-    assert lowered == 2 + 3 + 2 + 3 + 2 + 3  # down: fwd, d lhs, d rhs; gate_up: the same
+    assert lowered == 2 + 3 + 3 + 3 + 2 + 5  # down: fwd, d lhs, d rhs; gate_up: the same
     assert not tiles.blocks_fit(tiles.smem_bytes(tiles.TileConfig(block_n=192, stages=4)), 2)
 
 
@@ -525,15 +526,16 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     # d rhs: table, it streamed in 2, 4 and 8 chunks, candidate
     fwd, dlhs = mosaic.FUSED_LORA_ON_GPU, mosaic.FUSED_DLHS_LORA_ON_GPU
     # per row-kernel direction also the two-blocks-an-SM tiles (`two_block_candidates`: one at 128 x 128), and for
-    # d rhs `two_block_dw_candidates`' one
+    # d rhs `multi_block_dw_candidates`' two (two and three blocks)
     assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True)] + [("fwd", False)] * 3 + [
         ("dlhs", True)] + [("dlhs", False)] * 3 + [("fwd+lora", fwd), ("fwd+lora", not fwd), ("dlhs+lora", dlhs),
-                                                   ("dlhs+lora", not dlhs), ("drhs", True)] + [("drhs", False)] * 5
+                                                   ("dlhs+lora", not dlhs), ("drhs", True)] + [("drhs", False)] * 6
     assert [r["label"] for r in rows[13:16]] == [f"drhs 128x128 t64 st4 streamed{c}" for c in (2, 4, 8)]
     assert rows[8]["label"].startswith("fused ") and rows[9]["label"].startswith("two kernels ")
     assert rows[10]["label"].startswith("fused ") and rows[11]["label"].startswith("two kernels ")
     assert rows[2]["label"] == rows[6]["label"] == "single 128x128x64 st3 walkrow x2/SM"
-    assert rows[-2]["label"] == "drhs 128x128 t64 st3 x2/SM" and rows[-1]["label"] == "drhs 64x64 t64 st2"
+    assert [r["label"] for r in rows[-3:]] == ["drhs 128x128 t64 st3 x2/SM", "drhs 128x128 t64 st2 x3/SM",
+                                               "drhs 64x64 t64 st2"]
     assert all(bench.sweep_dw_candidates(2880, 5760)) and all(
         2880 % c.dw_block_k == 0 and 5760 % c.dw_block_n == 0 for c in bench.sweep_dw_candidates(2880, 5760))
     assert all(r["tflops"] > 0 and "error" not in r for r in rows)

@@ -204,21 +204,22 @@ def two_block_candidates(kc: int, n: int) -> list:
     return out
 
 
-def two_block_dw_candidates(k: int, n: int) -> list:
-    """d rhs (group-tile kernel) tiles run two blocks to an SM (TileConfig.dw_blocks_per_sm = 2): 128 x 128,
+def multi_block_dw_candidates(k: int, n: int) -> list:
+    """d rhs (group-tile kernel) tiles run two or three blocks to an SM (TileConfig.dw_blocks_per_sm): 128 x 128,
     128 x 192, 192 x 128 and 64 x 192 output tiles that divide k and n, 64-row steps, the deepest ring of 2 or more
-    stages that fits."""
+    stages with which the blocks fit an SM's shared memory."""
     from .tiles import TileConfig, blocks_fit, drhs_smem_bytes
 
     out = []
     for bk, bn in ((128, 128), (128, 192), (192, 128), (64, 192)):
         if k % bk or n % bn:
             continue
-        fits = [st for st in (4, 3, 2) if blocks_fit(drhs_smem_bytes(
-            TileConfig(dw_block_k=bk, dw_block_n=bn, dw_stages=st)), 2)]
-        if fits:
-            out.append(TileConfig(dw_block_k=bk, dw_block_n=bn, dw_block_t=64, dw_stages=fits[0],
-                                  dw_blocks_per_sm=2))
+        for blocks in (2, 3):
+            fits = [st for st in (4, 3, 2) if blocks_fit(drhs_smem_bytes(
+                TileConfig(dw_block_k=bk, dw_block_n=bn, dw_stages=st)), blocks)]
+            if fits:
+                out.append(TileConfig(dw_block_k=bk, dw_block_n=bn, dw_block_t=64, dw_stages=fits[0],
+                                      dw_blocks_per_sm=blocks))
     return out
 
 
@@ -347,7 +348,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         if dw_candidates is None:
             continue
         # d rhs runs on the forward entry's dw_* tiles (not the d lhs entry's, which `table` now names).
-        for cfg in [fwd_table, *_dw_variants(fwd_table), *two_block_dw_candidates(shape.k, shape.n),
+        for cfg in [fwd_table, *_dw_variants(fwd_table), *multi_block_dw_candidates(shape.k, shape.n),
                     *dw_candidates(shape.k, shape.n)]:
             row = {"shape": shape.name, "direction": "drhs", "label": _describe_dw(cfg),
                    "config": dataclasses.asdict(cfg), "table": cfg is fwd_table, "work": _work(shape)["fwd"]}

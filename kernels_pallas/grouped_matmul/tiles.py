@@ -79,15 +79,18 @@ _WS = dict(warp_specialized=True)
 CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     # Qwen3-30B-A3B gate_up [2048 -> 1536]: fwd 408 [382, 335 in a second run], d rhs 366 [341]
     # (gmm_sweep_h200_5369fbf.json); its d lhs (1536 -> 2048): 369 [301]
+    # d rhs two blocks an SM, 128 x 128 in 3 stages: 459.6 against 413.2 for one block of 128 x 192 in 4 (an H100,
+    # one sweep, docs/benchmarks.md section 44)
     (2048, 1536, 128): TileConfig(**_WS, wg_split="m", block_n=192, block_k=64, stages=4, dw_block_k=128,
-                                  dw_block_n=192),
+                                  dw_block_n=128, dw_stages=3, dw_blocks_per_sm=2),
     (1536, 2048, 128): TileConfig(**_WS, wg_split="n", stages=3),
     # Qwen3-30B-A3B down [768 -> 2048]: fwd 253 [203], d rhs 282; its d lhs (2048 -> 768): 267 [242]. The queued
     # sweep of 2026-12-05 (gmm_sweep_h200_34003b2.json): fwd split along N, 128 x 128 x 64, 3 stages 446 against
     # the old entry's split along M, 128 x 128 x 128, 2 stages 399; d rhs 128 x 128 in 6 stages 394 against 192 x
     # 128 in 4, 376. No 256-row tile led on any shape.
+    # d rhs two blocks an SM in 3 stages: 452.5 against 375.5 for one block in 6 (an H100, section 44)
     (768, 2048, 128): TileConfig(**_WS, wg_split="n", block_k=64, stages=3, dw_block_k=128, dw_block_n=128,
-                                 dw_stages=6),
+                                 dw_stages=3, dw_blocks_per_sm=2),
     (2048, 768, 128): TileConfig(**_WS, wg_split="m", block_n=192, stages=4),
     # GPT-OSS-20B gate_up [2880 -> 5760]: fwd 474 [455], d rhs 501; its d lhs (5760 -> 2880): 509 [462]
     (2880, 5760, 32): TileConfig(block_n=192, dw_block_k=192, dw_block_n=128),
