@@ -91,20 +91,8 @@ def test_bad_shapes_are_one_line_naming_the_file():
         grouped_matmul(lhs, rhs, sizes, implementation="triton")
     from kernels_pallas.grouped_matmul.tiles import TileConfig
 
-    from kernels_pallas.grouped_matmul.mosaic_drhs import gmm_drhs
-    from kernels_pallas.grouped_matmul.tiles import streamed_drhs_config
-
-    with pytest.raises(ValueError, match=r"tiles.py: TileConfig.dw_chunks must be >= 0, got -1"):
-        TileConfig(dw_chunks=-1)
-
-    deep = TileConfig(dw_block_k=192, dw_block_n=256, dw_stages=6, dw_chunks=4)
-    with pytest.raises(ValueError, match=r"mosaic_drhs.py: the streamed d rhs on 192 x 256 tiles in 6 stages needs "
-                                         r"\d+ bytes of shared memory, over \d+; take the config from "
-                                         r"tiles.streamed_drhs_config"):
-        gmm_drhs(jnp.zeros((128, 192), jnp.bfloat16), jnp.zeros((128, 256), jnp.bfloat16),
-                 jnp.asarray([128], jnp.int32), deep)
-    with pytest.raises(ValueError, match=r"tiles.py: no d rhs ring of 2 or more stages fits beside a 512 x 512"):
-        streamed_drhs_config(TileConfig(dw_block_k=512, dw_block_n=512), 4)
+    with pytest.raises(ValueError, match=r"tiles.py: TileConfig.dw_blocks_per_sm must be >= 1, got 0"):
+        TileConfig(dw_blocks_per_sm=0)
 
 
 # --------------------------------------------------------------------------- the Mosaic GPU kernels' schedule
@@ -159,52 +147,6 @@ def test_mosaic_kernels_with_several_row_blocks_and_contraction_steps():
     _close(gmm_rows(lhs, rhs, sizes, cfg, interpret=True), want_out, "float32", "out")
     _close(gmm_rows(dout, rhs, sizes, cfg, transpose_rhs=True, interpret=True), want_dlhs, "float32", "d lhs")
     _close(gmm_drhs(lhs, dout, sizes, cfg, interpret=True), want_drhs, "float32", "d rhs")
-
-
-STREAM_SIZES = [
-    (70, 0, 61, 3, 0, 50),  # groups straddling blocks, two sharing one, empty groups between others, rows left over
-    (0, 0, 200),  # empty groups first
-    (64, 64, 0),  # groups on block boundaries, an empty group last that starts at the end of the rows
-    (5, 1, 1, 1, 100, 0),  # four groups in one block
-]
-
-
-@pytest.mark.parametrize("sizes", STREAM_SIZES)
-@pytest.mark.parametrize("chunks", [1, 2, 3, 8])
-def test_streamed_d_rhs_matches_a_per_group_loop(sizes, chunks):
-    """The streamed d rhs (TileConfig.dw_chunks, `mosaic_drhs`) in interpret mode on 2 "SMs": one chunk, two, three
-    (an uneven split), and more chunks than groups (empty chunks), over 2 x 3 output tiles, 2 stages (steps refill
-    the ring across group boundaries). Random inputs against the float64 loop."""
-    from kernels_pallas.grouped_matmul.mosaic_drhs import gmm_drhs
-    from kernels_pallas.grouped_matmul.tiles import TileConfig
-
-    cfg = TileConfig(block_m=64, dw_block_k=64, dw_block_n=64, dw_block_t=64, dw_stages=2, dw_chunks=chunks)
-    k1, k2 = jax.random.split(jax.random.key(11))
-    lhs = jax.random.normal(k1, (200, 128), jnp.float32)
-    dout = jax.random.normal(k2, (200, 192), jnp.float32)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    want = _loop(lhs, np.zeros((len(sizes), 128, 192)), sizes, dout)[2]
-    _close(gmm_drhs(lhs, dout, sizes, cfg, interpret=True), want, "float32", f"d rhs ({chunks} chunks)")
-
-
-@pytest.mark.parametrize("sizes", STREAM_SIZES)
-def test_the_streamed_schedule_walks_every_groups_rows_once(sizes):
-    """`drhs_schedule`: each group's segments cover its rows exactly once, in order, one block each (an empty group
-    one segment keeping nothing); the chunks partition the groups in order; every block is inside the rows."""
-    from kernels_pallas.grouped_matmul.mosaic_drhs import drhs_schedule, num_segments
-
-    m, bt = 256, 64
-    blocks, words, seg_start, seg_count, bounds = map(np.asarray, drhs_schedule(jnp.asarray(sizes, jnp.int32), m,
-                                                                                  bt, 3))
-    assert blocks.shape == words.shape == (num_segments(m, len(sizes), bt),)
-    assert (blocks >= 0).all() and (blocks < m // bt).all()
-    ends = np.cumsum(sizes)
-    for g, (start, end) in enumerate(zip(ends - np.asarray(sizes), ends)):
-        segs = range(seg_start[g], seg_start[g] + seg_count[g])
-        rows = [blocks[i] * bt + r for i in segs for r in range(words[i] & 255, words[i] >> 8)]
-        assert rows == list(range(start, end)), g
-        assert seg_count[g] >= 1 and (g == 0 or seg_start[g] == seg_start[g - 1] + seg_count[g - 1])
-    assert bounds[0] == 0 and bounds[-1] == len(sizes) and (np.diff(bounds) >= 0).all()
 
 
 @pytest.mark.parametrize("k,n", [(192, 16), (16, 192)])
@@ -415,15 +357,6 @@ def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
     calls = lambda lowered: lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")  # noqa: E731
     assert calls(fwd) == 1
     assert calls(bwd) == 2  # d lhs (row tiles) and d rhs (group tiles)
-    # the streamed d rhs on the entry's dw_* tiles (the sweep's variant), its ring fitted beside the staging tile
-    from kernels_pallas.grouped_matmul.mosaic_drhs import gmm_drhs
-    from kernels_pallas.grouped_matmul.tiles import _SMEM_BYTES, config_for, drhs_smem_bytes, streamed_drhs_config
-
-    streamed = streamed_drhs_config(config_for(*key), 4)
-    assert drhs_smem_bytes(streamed) <= _SMEM_BYTES and streamed.dw_stages >= 2
-    drhs = jax.jit(lambda a, d, c: gmm_drhs(a, d, c, streamed)).trace(lhs, dout, sizes).lower(
-        lowering_platforms=("cuda",))
-    assert calls(drhs) == 1 and "gmm_drhs_streamed" in drhs.as_text()
     # a layer's experts read in place from a stack of 2 layers (the index array per tile), value and d lhs
     from kernels_pallas.grouped_matmul.mosaic import grouped_matmul_mosaic
 
@@ -523,14 +456,13 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
                           timing_rounds=1)
     # per row-kernel direction: the table's config, it with the other walk, the candidate; the forward and the d lhs
     # with an adapter, fused and as two kernels (the table's: the one the GPU runs, per mosaic's FUSED_* flags);
-    # d rhs: table, it streamed in 2, 4 and 8 chunks, candidate
+    # d rhs: table, the several-blocks candidates, candidate
     fwd, dlhs = mosaic.FUSED_LORA_ON_GPU, mosaic.FUSED_DLHS_LORA_ON_GPU
     # per row-kernel direction also the two-blocks-an-SM tiles (`two_block_candidates`: one at 128 x 128), and for
     # d rhs `multi_block_dw_candidates`' two (two and three blocks)
     assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True)] + [("fwd", False)] * 3 + [
         ("dlhs", True)] + [("dlhs", False)] * 3 + [("fwd+lora", fwd), ("fwd+lora", not fwd), ("dlhs+lora", dlhs),
-                                                   ("dlhs+lora", not dlhs), ("drhs", True)] + [("drhs", False)] * 6
-    assert [r["label"] for r in rows[13:16]] == [f"drhs 128x128 t64 st4 streamed{c}" for c in (2, 4, 8)]
+                                                   ("dlhs+lora", not dlhs), ("drhs", True)] + [("drhs", False)] * 3
     assert rows[8]["label"].startswith("fused ") and rows[9]["label"].startswith("two kernels ")
     assert rows[10]["label"].startswith("fused ") and rows[11]["label"].startswith("two kernels ")
     assert rows[2]["label"] == rows[6]["label"] == "single 128x128x64 st3 walkrow x2/SM"

@@ -240,9 +240,8 @@ def sweep_dw_candidates(k: int, n: int) -> list:
 
 
 def _describe_dw(cfg) -> str:
-    streamed = f" streamed{cfg.dw_chunks}" if cfg.dw_chunks else ""
     blocks = f" x{cfg.dw_blocks_per_sm}/SM" if cfg.dw_blocks_per_sm > 1 else ""
-    return f"drhs {cfg.dw_block_k}x{cfg.dw_block_n} t{cfg.dw_block_t} st{cfg.dw_stages}{streamed}{blocks}"
+    return f"drhs {cfg.dw_block_k}x{cfg.dw_block_n} t{cfg.dw_block_t} st{cfg.dw_stages}{blocks}"
 
 
 def _describe(cfg) -> str:
@@ -260,16 +259,6 @@ def _table_variants(table) -> list:
         out.append(dataclasses.replace(table, chained=False))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
     return out
-
-
-def _dw_variants(table) -> list:
-    """The table's d rhs tiles streamed (TileConfig.dw_chunks; `tiles.streamed_drhs_config` fits the ring), in 2, 4
-    and 8 chunks of groups, or in the group-tile schedule where the table streams."""
-    from .tiles import streamed_drhs_config
-
-    if table.dw_chunks:
-        return [dataclasses.replace(table, dw_chunks=0)]
-    return [streamed_drhs_config(table, chunks) for chunks in (2, 4, 8)]
 
 
 _SWEEP_RANK = 16  # the expert adapters' rank in the training benchmark (bench_train's LoRA r)
@@ -348,7 +337,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         if dw_candidates is None:
             continue
         # d rhs runs on the forward entry's dw_* tiles (not the d lhs entry's, which `table` now names).
-        for cfg in [fwd_table, *_dw_variants(fwd_table), *multi_block_dw_candidates(shape.k, shape.n),
+        for cfg in [fwd_table, *multi_block_dw_candidates(shape.k, shape.n),
                     *dw_candidates(shape.k, shape.n)]:
             row = {"shape": shape.name, "direction": "drhs", "label": _describe_dw(cfg),
                    "config": dataclasses.asdict(cfg), "table": cfg is fwd_table, "work": _work(shape)["fwd"]}

@@ -26,10 +26,6 @@ class TileConfig:
     chained (warp-specialised kernel, when the contraction steps are a multiple of ``stages``): an SM's units run as
     one chain of pipelines, so the memory warpgroup loads the next unit while the compute warpgroups finish and
     store this one; else every unit fills its pipeline from empty and drains it.
-    dw_chunks (d rhs): 0, one pipeline per (group, output tile); C > 0, the groups cut into C chunks and one
-    pipeline per (chunk, output tile) that stores each group's tile as it passes its last row block
-    (`mosaic_drhs`). Measured on an H100, streamed was slower on both Qwen3-30B-A3B shapes (down 343 against 393
-    TFLOP/s, gate_up 400 against 459, docs/benchmarks.md section 43): no table entry streams.
     blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
     Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
     stores under the other's products; what the warp-specialised kernel does inside one block, left to the
@@ -48,7 +44,6 @@ class TileConfig:
     warp_specialized: bool = False
     wg_split: str = "n"
     chained: bool = True
-    dw_chunks: int = 0
     blocks_per_sm: int = 1
     dw_blocks_per_sm: int = 1
 
@@ -56,7 +51,7 @@ class TileConfig:
         if self.wg_split not in ("n", "m"):
             raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
         for f in dataclasses.fields(self):
-            least = 0 if f.name in ("grid_block_n", "dw_chunks") else 1
+            least = 0 if f.name == "grid_block_n" else 1
             if f.type == "int" and getattr(self, f.name) < least:
                 raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= {least}, got {getattr(self, f.name)}")
         if self.block_m % self.dw_block_t:
@@ -181,19 +176,7 @@ def blocks_fit(smem: int, blocks: int) -> bool:
 
 
 def drhs_smem_bytes(cfg: TileConfig, itemsize: int = 2) -> int:
-    """Shared memory of a d rhs launch on `cfg`'s dw_* tiles: the TMA ring, and for the streamed kernel
-    (dw_chunks > 0) the output staging tile beside it for the whole launch (the group-tile kernel stages its output
-    after the ring's scope has closed, in the same memory)."""
+    """Shared memory of a d rhs launch on `cfg`'s dw_* tiles: the TMA ring, or the output staging tile (staged after
+    the ring's scope has closed, in the same memory) where that is larger."""
     ring = cfg.dw_stages * cfg.dw_block_t * (cfg.dw_block_k + cfg.dw_block_n)
-    return itemsize * (ring + (cfg.dw_block_k * cfg.dw_block_n if cfg.dw_chunks else 0))
-
-
-def streamed_drhs_config(cfg: TileConfig, chunks: int) -> TileConfig:
-    """`cfg` with its d rhs streamed in `chunks` chunks (`mosaic_drhs`), its ring the deepest (of dw_stages or
-    fewer, at least 2) that fits beside the staging tile."""
-    for stages in range(cfg.dw_stages, 1, -1):
-        fitted = dataclasses.replace(cfg, dw_chunks=chunks, dw_stages=stages)
-        if drhs_smem_bytes(fitted) <= _SMEM_BYTES:
-            return fitted
-    raise ValueError(f"{_WHERE}: no d rhs ring of 2 or more stages fits beside a {cfg.dw_block_k} x {cfg.dw_block_n} "
-                     f"staging tile; use smaller dw_block_k / dw_block_n")
+    return itemsize * max(ring, cfg.dw_block_k * cfg.dw_block_n)
