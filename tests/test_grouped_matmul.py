@@ -604,12 +604,12 @@ def test_fused_adapter_tiles_fit_shared_memory_or_fall_back():
     # a rank of 128 (two 64-column tiles) needs more: the GPT-OSS tiles then take a shallower ring
     assert smem_bytes(gpt, 128) > smem_bytes(gpt, 64) == smem_bytes(gpt, 16)
     assert fused_config(gpt, 2880, 128).stages < gpt.stages
-    # two blocks an SM (GPT-OSS-20B down's entry: 2 stages of 128 x 192 each) stay two only if they fit the SM with
-    # the adapter's tiles; else one block, its ring as deep as the two blocks' shared memory allows (4 stages)
+    # two blocks an SM (GPT-OSS-20B down's tiles in 2 stages, a sweep candidate) stay two only if they fit the SM
+    # with the adapter's tiles; else one block, its ring as deep as the two blocks' shared memory allows (4 stages)
     from kernels_pallas.grouped_matmul.tiles import blocks_fit
 
-    down = config_for(2880, 2880, 32)
-    assert down.blocks_per_sm == 2 and not blocks_fit(smem_bytes(down, 16), 2)
+    down = dataclasses.replace(config_for(2880, 2880, 32), stages=2, blocks_per_sm=2)
+    assert blocks_fit(smem_bytes(down), 2) and not blocks_fit(smem_bytes(down, 16), 2)
     alone = fused_config(down, 2880, 16)
     assert (alone.blocks_per_sm, alone.stages) == (1, 4) and smem_bytes(alone, 16) <= _SMEM_BYTES
     small = dataclasses.replace(down, block_n=64, block_m=64)
