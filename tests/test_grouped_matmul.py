@@ -525,8 +525,9 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     assert others and all(r["max_abs_diff_vs_table"] <= 0.5 for r in others)
     assert all("max_abs_diff_vs_table" not in r for r in rows if r["table"])
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
-    assert [bench._describe(c) for c in bench._table_variants(table)] == [
-        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
+    assert [bench._describe(c) for c in bench._table_variants(table, 768)] == [
+        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1",
+        "ws-n epi64 128x128x64 st4 walkrow"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):

@@ -253,9 +253,10 @@ def _describe(cfg) -> str:
     return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{blocks}"
 
 
-def _table_variants(table, kc: int = 0) -> list:
-    """The table's config as it is, unchained (when it chains), and with the other walk (TileConfig.grid_block_n:
-    along a tile's N-blocks, 0, or down the tiles, 1)."""
+def _table_variants(table, kc: int) -> list:
+    """The table's config (for a contraction of `kc`) as it is, unchained (when it chains), with the other walk
+    (TileConfig.grid_block_n: along a tile's N-blocks, 0, or down the tiles, 1), and staging its output in 64-row
+    pieces (`_staged_variants`)."""
     out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
