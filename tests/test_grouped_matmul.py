@@ -284,32 +284,6 @@ def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
                f"d lhs from base 6 (N {n})")
 
 
-@pytest.mark.parametrize("split,transpose", [("n", False), ("n", True), ("m", False)])
-def test_an_epilogue_staged_in_parts_stores_every_row_once(split, transpose):
-    """TileConfig.epilogue_rows = 64: a compute warpgroup of the warp-specialised kernel stages and stores its part of
-    the tile 64 rows at a time (128 rows split along N: two parts; 256-row tiles split along M: two parts of its 128),
-    on ragged groups whose rows start and end inside either part, with empty groups and rows past the last group,
-    forward and rhs read transposed; equal to a per-group loop. Its validation: a multiple of 64 dividing the part."""
-    from kernels_pallas.grouped_matmul.tiles import TileConfig
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
-
-    cfg = TileConfig(block_m=128 if split == "n" else 256, block_n=64, block_k=64, stages=2, warp_specialized=True,
-                     wg_split=split, epilogue_rows=64)
-    assert cfg.staged_rows == 64
-    sizes = (70, 0, 100, 3, 0, 150)
-    m, k, n = 340, 128, 256
-    k1, k2 = jax.random.split(jax.random.key(9))
-    lhs = jax.random.normal(k1, (m, k), jnp.float32)
-    rhs = jax.random.normal(k2, (len(sizes), k, n), jnp.float32)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
-                      interpret=True)
-    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, n)))[0], "float32", f"out (split {split}, staged 64 rows)")
-    for rows in (32, 96):
-        with pytest.raises(ValueError, match=r"tiles.py: TileConfig.epilogue_rows \(\d+\) must be a multiple of 64"):
-            TileConfig(warp_specialized=True, wg_split="n", epilogue_rows=rows)
-
-
 @pytest.mark.parametrize("transpose", [False, True])
 def test_two_blocks_an_sm_split_the_units_and_leave_the_products_unchanged(transpose):
     """TileConfig.blocks_per_sm / dw_blocks_per_sm = 2: the persistent grid has two blocks per "SM" (4 on the
@@ -335,27 +309,6 @@ def test_two_blocks_an_sm_split_the_units_and_leave_the_products_unchanged(trans
     else:
         _close(gmm_rows(lhs, rhs, sizes, cfg, interpret=True), want_out, "float32", "out, two blocks an SM")
         _close(gmm_drhs(lhs, dout, sizes, cfg, interpret=True), want_drhs, "float32", "d rhs, two blocks an SM")
-
-
-def test_staged_epilogue_variants_fit_and_lower_for_a_gpu_from_the_cpu():
-    """`bench._staged_variants`: the Qwen3-30B-A3B entries split along N (down forward, gate_up d lhs) stage 64 rows
-    at a time with a fourth stage, within shared memory and chaining; they lower for CUDA forward and transposed."""
-    from kernels_pallas.grouped_matmul import bench, tiles
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
-
-    for kc, n, transpose in ((768, 2048, False), (1536, 2048, True)):
-        table = tiles.config_for(kc, n, 128) if not transpose else tiles._dlhs_config(tiles.config_for(2048, 1536, 128),
-                                                                                       2048, 1536, 128)
-        [staged] = bench._staged_variants(table, kc)
-        assert (staged.epilogue_rows, staged.stages) == (64, 4) and (kc // staged.block_k) % 4 == 0
-        assert tiles.smem_bytes(staged) <= tiles._SMEM_BYTES < tiles.smem_bytes(dataclasses.replace(staged,
-                                                                                                   epilogue_rows=0))
-        a = jax.ShapeDtypeStruct((4096, kc), jnp.bfloat16)
-        rhs = jax.ShapeDtypeStruct((128, n, kc) if transpose else (128, kc, n), jnp.bfloat16)
-        fn = jax.jit(lambda a, b, c: gmm_rows_ws(a, b, c, staged, transpose_rhs=transpose))
-        text = fn.trace(a, rhs, jax.ShapeDtypeStruct((128,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-    assert bench._staged_variants(tiles.config_for(2048, 1536, 128), 2048) == []  # 64-row parts already
 
 
 def test_two_block_candidates_fit_an_sm_and_lower_for_a_gpu_from_the_cpu():
@@ -525,9 +478,8 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     assert others and all(r["max_abs_diff_vs_table"] <= 0.5 for r in others)
     assert all("max_abs_diff_vs_table" not in r for r in rows if r["table"])
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
-    assert [bench._describe(c) for c in bench._table_variants(table, 768)] == [
-        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1",
-        "ws-n epi64 128x128x64 st4 walkrow"]
+    assert [bench._describe(c) for c in bench._table_variants(table)] == [
+        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):

@@ -246,36 +246,19 @@ def _describe_dw(cfg) -> str:
 
 def _describe(cfg) -> str:
     kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
-    if cfg.epilogue_rows:
-        kind += f" epi{cfg.epilogue_rows}"
     walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
     blocks = f" x{cfg.blocks_per_sm}/SM" if cfg.blocks_per_sm > 1 else ""
     return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{blocks}"
 
 
-def _table_variants(table, kc: int) -> list:
-    """The table's config (for a contraction of `kc`) as it is, unchained (when it chains), with the other walk
-    (TileConfig.grid_block_n: along a tile's N-blocks, 0, or down the tiles, 1), and staging its output in 64-row
-    pieces (`_staged_variants`)."""
+def _table_variants(table) -> list:
+    """The table's config as it is, unchained (when it chains), and with the other walk (TileConfig.grid_block_n:
+    along a tile's N-blocks, 0, or down the tiles, 1)."""
     out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
-    return out + _staged_variants(table, kc)
-
-
-def _staged_variants(table, kc: int) -> list:
-    """The warp-specialised table config staging its output 64 rows at a time (TileConfig.epilogue_rows) with the
-    deepest ring (of up to 8 stages, dividing the contraction steps so it chains) the freed shared memory allows,
-    when that is deeper than the table's."""
-    from .tiles import _SMEM_BYTES, smem_bytes
-
-    if not table.warp_specialized or table.staged_rows <= 64 or table.epilogue_rows:
-        return []
-    steps = kc // table.block_k
-    deeper = [st for st in range(table.stages + 1, 9) if steps % st == 0 and smem_bytes(
-        dataclasses.replace(table, epilogue_rows=64, stages=st)) <= _SMEM_BYTES]
-    return [dataclasses.replace(table, epilogue_rows=64, stages=deeper[-1])] if deeper else []
+    return out
 
 
 _SWEEP_RANK = 16  # the expert adapters' rank in the training benchmark (bench_train's LoRA r)
@@ -318,7 +301,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         for direction in ("fwd", "dlhs"):
             table = fwd_table if direction == "fwd" else tiles._dlhs_config(fwd_table, *key)
             kc, width = (shape.k, shape.n) if direction == "fwd" else (shape.n, shape.k)
-            configs = _table_variants(table, kc) + two_block_candidates(kc, width) + candidates(kc, width)
+            configs = _table_variants(table) + two_block_candidates(kc, width) + candidates(kc, width)
             args = (lhs if direction == "fwd" else dout, rhs, sizes)
             for cfg in configs:
                 row = {"shape": shape.name, "direction": direction, "label": _describe(cfg),

@@ -342,9 +342,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
         lora_scratch = {} if lora is None else dict(zip(
             ("xa_smem", "b_smem", "lora_barrier"), _lora_scratch(wg_m, lora[0].shape[1], bn, dtype, copies=2)))
 
-        staged = cfg.staged_rows
-
-        @functools.partial(pl.run_scoped, allocs=allocations, o_smem=plgpu.SMEM((2, staged, bn), dtype),
+        @functools.partial(pl.run_scoped, allocs=allocations, o_smem=plgpu.SMEM((2, wg_m, bn), dtype),
                            **lora_scratch, collective_axes="wg")
         def _(allocs, o_smem, **lora_smem):
             wg = jax.lax.axis_index("wg")
@@ -391,13 +389,11 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                         if lora_smem:
                             _lora_step(acc_ref, *mine, multiply)
                         acc = acc_ref[...].astype(dtype)
-                        for h in range(0, wg_m, staged):  # `staged` rows at a time (TileConfig.epilogue_rows)
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous stores left o_smem
-                            o_smem[wg] = acc if staged == wg_m else acc[h:h + staged]
-                            plgpu.commit_smem()
-                            lo_h, hi_h = jnp.clip(first - h, 0, staged), jnp.clip(last - h, 0, staged)
-                            _store_rows_from(o_smem.at[wg], out_ref, row0 + row_off + h, lo_h, hi_h - lo_h, col0,
-                                             staged, bn)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores left o_smem
+                        o_smem[wg] = acc
+                        plgpu.commit_smem()
+                        _store_rows_from(o_smem.at[wg], out_ref, row0 + row_off, first, last - first, col0,
+                                         wg_m, bn)
 
                 def run(state):
                     pipeline(step, context, state)(lhs_ref.at[pl.ds(pl.multiple_of(row0, _ROW_ALIGN), bm), :],

@@ -26,10 +26,6 @@ class TileConfig:
     chained (warp-specialised kernel, when the contraction steps are a multiple of ``stages``): an SM's units run as
     one chain of pipelines, so the memory warpgroup loads the next unit while the compute warpgroups finish and
     store this one; else every unit fills its pipeline from empty and drains it.
-    epilogue_rows (warp-specialised row kernel): rows of its part of the tile a compute warpgroup stages in shared
-    memory per store, a multiple of 64 dividing the part; 0, the whole part at once. Fewer rows stage in less
-    memory, which a deeper ring can take (Qwen3-30B-A3B down: 64 of 128 rows free a fourth stage), at the price of
-    waiting for the first store before staging the second.
     blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
     Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
     stores under the other's products; what the warp-specialised kernel does inside one block, left to the
@@ -50,27 +46,17 @@ class TileConfig:
     chained: bool = True
     blocks_per_sm: int = 1
     dw_blocks_per_sm: int = 1
-    epilogue_rows: int = 0
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
             raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
         for f in dataclasses.fields(self):
-            least = 0 if f.name in ("grid_block_n", "epilogue_rows") else 1
+            least = 0 if f.name == "grid_block_n" else 1
             if f.type == "int" and getattr(self, f.name) < least:
                 raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= {least}, got {getattr(self, f.name)}")
-        wg_m = self.block_m if self.wg_split == "n" else self.block_m // 2
-        if self.epilogue_rows and (self.epilogue_rows % 64 or wg_m % self.epilogue_rows):
-            raise ValueError(f"{_WHERE}: TileConfig.epilogue_rows ({self.epilogue_rows}) must be a multiple of 64 "
-                             f"dividing a compute warpgroup's {wg_m} rows, or 0")
         if self.block_m % self.dw_block_t:
             raise ValueError(f"{_WHERE}: TileConfig.block_m ({self.block_m}) must be a multiple of dw_block_t "
                              f"({self.dw_block_t}): M is padded to block_m for both kernels")
-
-    @property
-    def staged_rows(self) -> int:
-        """Rows a compute warpgroup of the warp-specialised kernel stages per store (`epilogue_rows`)."""
-        return self.epilogue_rows or (self.block_m if self.wg_split == "n" else self.block_m // 2)
 
     @property
     def cta_n(self) -> int:
@@ -159,7 +145,7 @@ def smem_bytes(cfg: TileConfig, lora_rank: int = 0, itemsize: int = 2) -> int:
     if cfg.warp_specialized:
         wg_m = bm if cfg.wg_split == "n" else bm // 2
         ring = cfg.stages * (bm * bk + bk * cfg.cta_n)
-        return itemsize * (ring + 2 * cfg.staged_rows * bn + 2 * (wg_m * r + r * bn))
+        return itemsize * (ring + 2 * wg_m * bn + 2 * (wg_m * r + r * bn))
     ring = cfg.stages * (bm * bk + bk * bn) + bm * r + r * bn
     return itemsize * max(ring, bm * bn)
 
