@@ -284,6 +284,48 @@ def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
                f"d lhs from base 6 (N {n})")
 
 
+@pytest.mark.parametrize("split,transpose,sizes", [
+    # 70 rows: one tile, both halves; 30 rows loaded from row 64 (stored 6-35) and 3 from row 96 (stored 4-6): the
+    # top half only; 150 rows: a whole tile and a last one
+    ("n", False, (70, 0, 30, 3, 0, 150)), ("n", True, (70, 0, 30, 3, 0, 150)),
+    ("n", False, (100, 20)),  # two groups in 120 rows: the second's tile is moved back, its rows in the bottom half
+    ("m", False, (300, 0, 40, 3, 0, 50)),  # 256-row tiles split along M: 128 rows a warpgroup
+])
+def test_row_halves_multiply_only_the_half_a_part_stores(split, transpose, sizes):
+    """TileConfig.row_halves: a compute warpgroup's 128-row part whose stored rows lie in one 64-row half multiplies
+    that half only (its accumulator and lhs rows sliced); the other half is never stored, so the product is the
+    per-group loop's, forward and with rhs read transposed, split along N (128-row tiles) and along M (256)."""
+    from kernels_pallas.grouped_matmul.tiles import TileConfig
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
+
+    cfg = TileConfig(block_m=128 if split == "n" else 256, block_n=64, block_k=64, stages=2, warp_specialized=True,
+                     wg_split=split, row_halves=True)
+    m, k, n = sum(sizes) + 5, 128, 128
+    k1, k2 = jax.random.split(jax.random.key(12))
+    lhs = jax.random.normal(k1, (m, k), jnp.float32)
+    rhs = jax.random.normal(k2, (len(sizes), k, n), jnp.float32)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
+                      interpret=True)
+    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, n)))[0], "float32", f"out (split {split}, row halves)")
+
+
+@pytest.mark.parametrize("key", [(768, 2048, 128), (1536, 2048, 128)])
+def test_row_halves_lower_for_a_gpu_from_the_cpu(key):
+    """The row-halves variant of the Qwen3-30B-A3B entries split along N (down forward, gate_up d lhs) through Mosaic
+    GPU's CUDA lowering: the sliced accumulator and lhs rows are accepted by the wgmma lowering."""
+    from kernels_pallas.grouped_matmul import tiles
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
+
+    kc, n, g = key
+    cfg = dataclasses.replace(tiles.CONFIGS[key], row_halves=True)
+    assert cfg.wg_split == "n" and cfg.block_m == 128
+    fn = jax.jit(lambda a, b, c: gmm_rows_ws(a, b, c, cfg))
+    args = (jax.ShapeDtypeStruct((4096, kc), jnp.bfloat16), jax.ShapeDtypeStruct((g, kc, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((g,), jnp.int32))
+    assert fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
 @pytest.mark.parametrize("transpose", [False, True])
 def test_two_blocks_an_sm_split_the_units_and_leave_the_products_unchanged(transpose):
     """TileConfig.blocks_per_sm / dw_blocks_per_sm = 2: the persistent grid has two blocks per "SM" (4 on the
@@ -479,7 +521,8 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     assert all("max_abs_diff_vs_table" not in r for r in rows if r["table"])
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
-        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
+        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1",
+        "ws-n halves 128x128x64 st3 walkrow"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):

@@ -246,18 +246,23 @@ def _describe_dw(cfg) -> str:
 
 def _describe(cfg) -> str:
     kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
+    if cfg.row_halves:
+        kind += " halves"
     walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
     blocks = f" x{cfg.blocks_per_sm}/SM" if cfg.blocks_per_sm > 1 else ""
     return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{blocks}"
 
 
 def _table_variants(table) -> list:
-    """The table's config as it is, unchained (when it chains), and with the other walk (TileConfig.grid_block_n:
-    along a tile's N-blocks, 0, or down the tiles, 1)."""
+    """The table's config as it is, unchained (when it chains), with the other walk (TileConfig.grid_block_n:
+    along a tile's N-blocks, 0, or down the tiles, 1), and (a compute warpgroup's part 128 rows) with
+    TileConfig.row_halves the other way."""
     out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
+    if table.warp_specialized and (table.block_m if table.wg_split == "n" else table.block_m // 2) == 128:
+        out.append(dataclasses.replace(table, row_halves=not table.row_halves))
     return out
 
 

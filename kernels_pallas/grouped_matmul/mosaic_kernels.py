@@ -297,6 +297,9 @@ def _store_rows_from(o_smem, out_ref, row0, start, size, col0, rows_max: int, bl
         rows //= 2
 
 
+_HALF = 64  # rows of one wgmma instruction: a compute warpgroup's part of 128 rows is two of them
+
+
 def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
                 transpose_rhs: bool = False, interpret: bool = False, rhs_base=None, lora=None) -> jax.Array:
     """``gmm_rows`` with warp specialisation: a memory warpgroup runs the TMA pipeline, two compute
@@ -367,15 +370,24 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                 # Qwen3-30B-A3B's 128 groups of ~512 rows in 128-row tiles (its time on the GPU: not yet measured).
                 multiply = (group < g) & (last > first)
 
+                # TileConfig.row_halves: a part of 128 rows whose stored rows all lie in one 64-row half multiplies
+                # that half only (a group's last tile ending in its first half, a tile moved back from the end).
+                halves = cfg.row_halves and wg_m == 2 * _HALF
+                top, bottom = last <= _HALF, first >= _HALF
+
                 def step(_, a_smem, b_smem, acc_ref):
-                    @pl.when(multiply)
-                    def _():
-                        a = a_smem if split_n else a_smem.at[pl.ds(wg * wg_m, wg_m)]
-                        if transpose_rhs:
-                            b = (b_smem.at[pl.ds(wg * bn, bn)] if split_n else b_smem).transpose((1, 0))
-                        else:
-                            b = b_smem.at[:, pl.ds(wg * bn, bn)] if split_n else b_smem
-                        plgpu.wgmma(acc_ref, a, b)
+                    a = a_smem if split_n else a_smem.at[pl.ds(wg * wg_m, wg_m)]
+                    if transpose_rhs:
+                        b = (b_smem.at[pl.ds(wg * bn, bn)] if split_n else b_smem).transpose((1, 0))
+                    else:
+                        b = b_smem.at[:, pl.ds(wg * bn, bn)] if split_n else b_smem
+                    if halves:
+                        for half, only in ((0, top), (1, bottom)):
+                            rows = pl.ds(half * _HALF, _HALF)
+                            pl.when(multiply & only)(lambda rows=rows: plgpu.wgmma(acc_ref.at[rows], a.at[rows], b))
+                        pl.when(multiply & ~top & ~bottom)(lambda: plgpu.wgmma(acc_ref, a, b))
+                    else:
+                        pl.when(multiply)(lambda: plgpu.wgmma(acc_ref, a, b))
                     plgpu.wgmma_wait(0)
                     return acc_ref
 

@@ -26,6 +26,11 @@ class TileConfig:
     chained (warp-specialised kernel, when the contraction steps are a multiple of ``stages``): an SM's units run as
     one chain of pipelines, so the memory warpgroup loads the next unit while the compute warpgroups finish and
     store this one; else every unit fills its pipeline from empty and drains it.
+    row_halves (warp-specialised row kernel, a compute warpgroup's part 128 rows): a part whose stored rows all lie
+    in one 64-row half multiplies only that half. Split along N with 128-row tiles that is half of the groups' last
+    tiles: counted in rows multiplied, 12% more products than rows at Qwen3-30B-A3B's 128 groups of ~512 rows
+    become ~7% (on an H100 its down forward ran 477 TFLOP/s on equal groups of whole tiles and 442 as it is,
+    docs/benchmarks.md section 44). Not yet timed on a GPU.
     blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
     Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
     stores under the other's products; what the warp-specialised kernel does inside one block, left to the
@@ -46,6 +51,7 @@ class TileConfig:
     chained: bool = True
     blocks_per_sm: int = 1
     dw_blocks_per_sm: int = 1
+    row_halves: bool = False
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
