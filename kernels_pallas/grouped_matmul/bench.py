@@ -248,21 +248,22 @@ def _describe(cfg) -> str:
     kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
     if cfg.row_halves:
         kind += " halves"
-    walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
+    walk = f"run{cfg.sm_run}" if cfg.sm_run else f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
     blocks = f" x{cfg.blocks_per_sm}/SM" if cfg.blocks_per_sm > 1 else ""
     return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{blocks}"
 
 
 def _table_variants(table) -> list:
     """The table's config as it is, unchained (when it chains), with the other walk (TileConfig.grid_block_n:
-    along a tile's N-blocks, 0, or down the tiles, 1), and (a compute warpgroup's part 128 rows) with
-    TileConfig.row_halves the other way."""
+    along a tile's N-blocks, 0, or down the tiles, 1), (a compute warpgroup's part 128 rows) with
+    TileConfig.row_halves the other way, and each SM taking runs of 4 and 8 units (TileConfig.sm_run)."""
     out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
     if table.warp_specialized and (table.block_m if table.wg_split == "n" else table.block_m // 2) == 128:
         out.append(dataclasses.replace(table, row_halves=not table.row_halves))
+    out += [dataclasses.replace(table, sm_run=w) for w in (4, 8) if w != table.sm_run]
     return out
 
 

@@ -185,6 +185,30 @@ def _row_operands(lhs, rhs, group_sizes, bm: int, bk: int, width: int, transpose
             np_ // width, kp // bk)
 
 
+def _unit(flat, count, grid_n: int, cfg: TileConfig):
+    """(row tile, N-block) of unit `flat` of the row-tile kernels' loop (nd_loop hands SM s the units s, s + S,
+    s + 2 S, ... of S blocks). TileConfig.sm_run = 0: `plgpu.planar_snake` over (tile, N-block) with
+    ``grid_block_n`` N-blocks side by side. sm_run = w: the units in bands of w tiles, within a band N-block by
+    N-block and down its tiles, and each SM takes w consecutive units of that order, one N-block of a band: it
+    reuses one expert tile for up to w row tiles in a row, while the band's grid_n N-blocks run at once on
+    neighbouring SMs, which share each lhs tile. In the last S w units (fewer than a full round) the order is
+    nd_loop's own."""
+    if not cfg.sm_run:
+        return plgpu.planar_snake(flat, (count, grid_n), 1, cfg.grid_block_n or grid_n)
+    return run_order(flat, count, grid_n, cfg.sm_run, jax.lax.axis_size("sm"))
+
+
+def run_order(flat, count, grid_n: int, w: int, sms):
+    """`_unit`'s order for TileConfig.sm_run = w on `sms` blocks, in plain jnp (any integer arrays)."""
+    total = count * grid_n
+    base, inner = flat - flat % (sms * w), flat % (sms * w)
+    order = jnp.where(base + sms * w <= total, base + inner % sms * w + inner // sms, flat)
+    band = order // (w * grid_n)
+    width = jnp.minimum(w, count - band * w)  # the last band may hold fewer tiles
+    within = order - band * (w * grid_n)
+    return band * w + within % width, within // width
+
+
 def _store_rows(acc, out_ref, row0, start, size, col0, block_m: int, block_n: int):
     """Store rows [start, start + size) of the [block_m, block_n] tile ``acc`` to out[row0 + start + i, col0:]
     through a scratch tile in shared memory, and wait for the stores."""
@@ -218,7 +242,7 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
 
         @plgpu.nd_loop((count * grid_n,), collective_axes="sm")
         def _(info: plgpu.NDLoopInfo):
-            ti, ni = plgpu.planar_snake(info.index[0], (count, grid_n), 1, cfg.grid_block_n or grid_n)
+            ti, ni = _unit(info.index[0], count, grid_n, cfg)
             group, row0, lo, hi = group_ref[ti], row0_ref[ti], lo_ref[ti], hi_ref[ti]
 
             def unit(*lora_smem):
@@ -360,7 +384,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
 
             @plgpu.nd_loop((count * grid_n,), collective_axes="sm")
             def _(info: plgpu.NDLoopInfo):
-                ti, ni = plgpu.planar_snake(info.index[0], (count, grid_n), 1, cfg.grid_block_n or grid_n)
+                ti, ni = _unit(info.index[0], count, grid_n, cfg)
                 group, row0, lo, hi = group_ref[ti], row0_ref[ti], lo_ref[ti], hi_ref[ti]
                 row_off = 0 if split_n else wg * wg_m  # this warpgroup's rows / columns within the tile
                 col0 = ni * cta_n + (wg * bn if split_n else 0)

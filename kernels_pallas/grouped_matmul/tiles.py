@@ -31,6 +31,10 @@ class TileConfig:
     tiles: counted in rows multiplied, 12% more products than rows at Qwen3-30B-A3B's 128 groups of ~512 rows
     become ~7% (on an H100 its down forward ran 477 TFLOP/s on equal groups of whole tiles and 442 as it is,
     docs/benchmarks.md section 44). Not yet timed on a GPU.
+    sm_run (row-tile kernels): 0, the walk of grid_block_n; w > 0, each SM takes w consecutive units, one N-block of
+    a band of w row tiles (`mosaic_kernels._unit`), so it reuses that expert tile w times in a row where the walk
+    along a tile's row hands it to w SMs at once. Why: on an H100 a unit starting on a fresh expert matrix cost ~4
+    us besides its products, ~1 us on one matrix (docs/benchmarks.md section 44). Not yet timed on a GPU.
     blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
     Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
     stores under the other's products; what the warp-specialised kernel does inside one block, left to the
@@ -52,12 +56,13 @@ class TileConfig:
     blocks_per_sm: int = 1
     dw_blocks_per_sm: int = 1
     row_halves: bool = False
+    sm_run: int = 0
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
             raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
         for f in dataclasses.fields(self):
-            least = 0 if f.name == "grid_block_n" else 1
+            least = 0 if f.name in ("grid_block_n", "sm_run") else 1
             if f.type == "int" and getattr(self, f.name) < least:
                 raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= {least}, got {getattr(self, f.name)}")
         if self.block_m % self.dw_block_t:
