@@ -755,6 +755,26 @@ def test_an_adapter_on_the_products_own_rows_lowers_for_a_gpu_from_the_cpu(key):
     assert calls(grads) == 2 + 4 + (0 if mosaic.FUSED_DLHS_LORA_ON_GPU else 1)
 
 
+def test_probe_variants_are_typed_tile_fields_or_one_line(capsys):
+    """`--probe-variant FIELD=VALUE[,...]`: each value typed as its TileConfig field; an unknown field, a value of
+    the wrong type, or the flag without --probe is one line naming the flag."""
+    import argparse
+
+    from kernels_pallas.grouped_matmul import bench
+
+    ap = argparse.ArgumentParser()
+    assert bench._tile_fields(ap, "sm_run=4,row_halves=1,wg_split=m") == {"sm_run": 4, "row_halves": True,
+                                                                         "wg_split": "m"}
+    for bad, said in (("runs=4", "expected FIELD=VALUE with FIELD one of"), ("sm_run=x", "sm_run is a TileConfig int"),
+                      ("sm_run", "expected FIELD=VALUE")):
+        with pytest.raises(SystemExit):
+            bench._tile_fields(ap, bad)
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--probe-variant", "sm_run=4"])
+    assert "--probe-variant adds kernels to --probe; add --probe" in capsys.readouterr().err
+
+
 def test_table_variants_without_a_sweep_is_one_line(capsys):
     """`bench --table-variants` only narrows `--sweep`: alone it names the missing flag instead of running the bench."""
     from kernels_pallas.grouped_matmul import bench
@@ -773,13 +793,16 @@ def test_probe_runs_the_table_kernel_on_each_derived_problem():
     from kernels_pallas.grouped_matmul.shapes import GmmShape
 
     shape = GmmShape("p", (70, 0, 186), 256, 64, 128, "bfloat16")
-    rows = bench.run_probe([shape], iters=1, timing_rounds=1)
+    rows = bench.run_probe([shape], iters=1, timing_rounds=1, variants=[{"sm_run": 2}])
     labels = ["as is", "equal groups", "one group", "equal groups, K x2", "equal groups, K x4"]
-    assert [(r["problem"], r["impl"]) for r in rows] == [(p, i) for p in labels for i in ("mosaic", "dense")]
+    impls = ("mosaic", "mosaic variant 1", "dense")
+    assert [(r["problem"], r["impl"]) for r in rows] == [(p, i) for p in labels for i in impls]
     assert all("error" not in r and r["tflops"] > 0 for r in rows)
     mosaic_rows = {r["problem"]: r for r in rows if r["impl"] == "mosaic"}
     cfg = tiles.config_for(64, 128, 3)
-    assert all(r["config"] == bench._describe(cfg) for r in rows)
+    assert [r["config"] for r in rows[:3]] == [bench._describe(cfg), bench._describe(dataclasses.replace(
+        cfg, sm_run=2)), "xla"]
+    assert all(r["max_abs_diff"] < 0.5 for r in rows if r["impl"] == "mosaic variant 1")
     assert [mosaic_rows[p]["k"] for p in labels] == [64, 64, 64, 128, 256]
     assert [mosaic_rows[p]["k_steps"] for p in labels] == [1, 1, 1, 2, 4]
     # (one N-block of 128) as is: 70 rows in one tile, 186 from row 70 loaded from row 64 in two; equal groups: three

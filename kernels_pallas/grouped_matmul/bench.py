@@ -9,6 +9,7 @@ with rows = sum(group_sizes), and its two gradients).
     python -m kernels_pallas.grouped_matmul.bench --sweep --json sweep.json      # row-kernel tiles per shape
     python -m kernels_pallas.grouped_matmul.bench --sweep --table-variants      # the table's tiles, variants only
     python -m kernels_pallas.grouped_matmul.bench --probe --shapes qwen3_30b_a3b_down   # where the kernel's time goes
+    python -m kernels_pallas.grouped_matmul.bench --probe --probe-variant sm_run=4 --probe-variant row_halves=1
 
 ``--sweep``: the row-tile kernel (forward and d lhs) of every bench shape on each of ``sweep_candidates``' tile
 configs and the d rhs kernel on ``sweep_dw_candidates``', next to the table's own (``tiles.CONFIGS``): the data the
@@ -415,35 +416,40 @@ def _spot_check(out, lhs, rhs, group_sizes) -> float:
     return worst
 
 
-def run_probe(shapes: Sequence[GmmShape], iters: int = 10, timing_rounds: int = 5) -> list[dict]:
-    """Rows {"shape", "problem", "impl": "mosaic" | "dense", "ms", "tflops", ...} for each of `probe_problems`: the
-    forward row kernel on the tiles of the *original* shape's table entry (so every problem runs the same kernel),
-    and a dense XLA matmul of the same rows. Mosaic rows also give "units" (the (row tile, N-block) pairs the SMs
-    walk), "k_steps", "us_per_unit" (ms x SMs / units: one unit's time on one SM) and "max_abs_diff" (its output
-    on the first, middle and last groups' rows against `_spot_check`'s float32 products)."""
+def run_probe(shapes: Sequence[GmmShape], iters: int = 10, timing_rounds: int = 5,
+              variants: Sequence[dict] = ()) -> list[dict]:
+    """Rows {"shape", "problem", "impl": "mosaic" | "mosaic variant N" | "dense", "config", "ms", "tflops", ...} for
+    each of `probe_problems`: the forward row kernel on the tiles of the *original* shape's table entry (so every
+    problem runs the same kernel), the same with each of `variants` ({TileConfig field: value} applied to the entry:
+    `--probe-variant`), and a dense XLA matmul of the same rows. Mosaic rows also give "units" (the (row tile,
+    N-block) pairs the SMs walk), "k_steps", "us_per_unit" (ms x SMs / units: one unit's time on one SM) and
+    "max_abs_diff" (its output on the first, middle and last groups' rows against `_spot_check`'s float32
+    products)."""
     from . import mosaic, tiles
     from .mosaic_kernels import _num_sms, row_tiles
 
     interpret = jax.default_backend() != "gpu"  # the tests: Mosaic GPU's interpreter
     rows = []
     for shape in shapes:
-        cfg = tiles.config_for(shape.k, shape.n, len(shape.group_sizes))
+        table = tiles.config_for(shape.k, shape.n, len(shape.group_sizes))
+        kernels = {"mosaic": table} | {f"mosaic variant {i + 1}": dataclasses.replace(table, **v)
+                                       for i, v in enumerate(variants)}
         for label, problem in probe_problems(shape):
             lhs, rhs, sizes, _ = make_inputs(problem)
             used = sum(problem.group_sizes)
             work = _work(problem)["fwd"]
             base = {"shape": shape.name, "problem": label, "m": problem.m, "k": problem.k, "n": problem.n,
-                    "groups": len(problem.group_sizes), "config": _describe(cfg)}
-            programs = {"mosaic": (jax.jit(lambda a, b, s: mosaic._rows(cfg)(a, b, s, cfg, interpret=interpret)),
-                                   (lhs, rhs, sizes)),
-                        "dense": (jax.jit(lambda a, b: a @ b[0]), (lhs[:used], rhs))}
-            for impl, (fn, args) in programs.items():
-                row = {**base, "impl": impl}
+                    "groups": len(problem.group_sizes)}
+            programs = {name: (cfg, jax.jit(lambda a, b, s, cfg=cfg: mosaic._rows(cfg)(
+                a, b, s, cfg, interpret=interpret)), (lhs, rhs, sizes)) for name, cfg in kernels.items()}
+            programs["dense"] = (None, jax.jit(lambda a, b: a @ b[0]), (lhs[:used], rhs))
+            for impl, (cfg, fn, args) in programs.items():
+                row = {**base, "impl": impl, "config": _describe(cfg) if cfg else "xla"}
                 try:
                     compiled = fn.lower(*args).compile()
                     ms = queued_ms(compiled, args, iters, timing_rounds)
                     row.update(ms=ms, tflops=work / (ms * 1e-3) / 1e12)
-                    if impl == "mosaic":
+                    if cfg is not None:
                         row["max_abs_diff"] = _spot_check(compiled(*args), lhs, rhs, problem.group_sizes)
                         group = row_tiles(sizes, -(-problem.m // cfg.block_m) * cfg.block_m, cfg.block_m)[0]
                         units = int(jnp.sum(group <= len(problem.group_sizes))) * (problem.n // cfg.cta_n)
@@ -455,7 +461,7 @@ def run_probe(shapes: Sequence[GmmShape], iters: int = 10, timing_rounds: int = 
                     f"max |diff| {row['max_abs_diff']:.3g}" if "units" in row else ""
                 result = f"{row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s{extra}" if "ms" in row else \
                     f"ERROR {row['error'][:200]}"
-                print(f"{shape.name:<24} {label:<20} {impl:<7} {result}", flush=True)
+                print(f"{shape.name:<24} {label:<20} {row['config']:<40} {result}", flush=True)
                 rows.append(row)
     return rows
 
@@ -486,11 +492,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     ap.add_argument("--probe", action="store_true",
                     help="the forward row kernel on problems derived from each shape (equal groups, one group, "
                          "K x2 / x4), beside dense XLA: where its time goes")
+    ap.add_argument("--probe-variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                    help="with --probe: also the table's entry with these TileConfig fields, e.g. sm_run=4 "
+                         "(repeatable)")
     ap.add_argument("--table-variants", action="store_true",
                     help="with --sweep: only the table's configs and their variants (no candidates, no d rhs)")
     args = ap.parse_args(argv)
     if args.table_variants and not args.sweep:
         ap.error("--table-variants narrows --sweep; add --sweep")
+    if args.probe_variant and not args.probe:
+        ap.error("--probe-variant adds kernels to --probe; add --probe")
     for flag in ("rounds", "iters", "timing_rounds"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -516,7 +527,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
             rows += run_sweep([shape], args.iters, timing_rounds=args.timing_rounds, **narrow)
             _write(args.json, rows)
     elif args.probe:
-        rows = run_probe([s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16], args.iters, args.timing_rounds)
+        variants = [_tile_fields(ap, text) for text in args.probe_variant]
+        rows = run_probe([s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16], args.iters, args.timing_rounds,
+                         variants)
     elif args.against:
         shapes = [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]  # the kernels' dtypes on the GPU
         rows = run_against(shapes, load_kernels(args.against), args.rounds, args.iters)
@@ -524,6 +537,23 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         rows = run(shapes, impls, args.iters, args.timing_rounds)
     _write(args.json, rows)
     return rows
+
+
+def _tile_fields(ap: argparse.ArgumentParser, text: str) -> dict:
+    """{field: value} of a `--probe-variant` (FIELD=VALUE[,FIELD=VALUE]), each value typed as its TileConfig field."""
+    from .tiles import TileConfig
+
+    types = {f.name: f.type for f in dataclasses.fields(TileConfig)}
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if name not in types or not value:
+            ap.error(f"--probe-variant {item!r}: expected FIELD=VALUE with FIELD one of {sorted(types)}")
+        try:
+            out[name] = {"int": int, "bool": lambda v: bool(int(v)), "str": str}[types[name]](value)
+        except ValueError:
+            ap.error(f"--probe-variant {item!r}: {name} is a TileConfig {types[name]}")
+    return out
 
 
 def _write(path: str | None, rows: list[dict]) -> None:
