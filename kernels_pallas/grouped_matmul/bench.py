@@ -262,7 +262,7 @@ def _table_variants(table) -> list:
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
-    if table.warp_specialized and (table.block_m if table.wg_split == "n" else table.block_m // 2) == 128:
+    if table.warp_specialized and table.wg_m == 128:
         out.append(dataclasses.replace(table, row_halves=not table.row_halves))
     out += [dataclasses.replace(table, sm_run=w) for w in (4, 8) if w != table.sm_run]
     return out
@@ -275,7 +275,6 @@ def _adapter_jobs(shape: GmmShape, direction: str, variants, args, fused_on_gpu:
     """(row, jitted fn, args) of each (name, config, body) of an adapter's variants: "fused", or "two kernels";
     the table's row is the one a GPU step runs: fused while `fused_on_gpu` (mosaic's FUSED_* flag) and its tiles
     fit, else the two kernels."""
-
     names = [name for name, _, _ in variants]
     mark = "fused" if fused_on_gpu and "fused" in names else "two kernels"
     return [({"shape": shape.name, "direction": direction, "label": f"{name} {_describe(cfg)}",

@@ -339,7 +339,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     split_n = cfg.wg_split == "n"
-    cta_n, wg_m = cfg.cta_n, (bm if split_n else bm // 2)
+    cta_n, wg_m = cfg.cta_n, cfg.wg_m
     lhs_p, rhs_p, rhs_index, tiles, lora, mp, np_, grid_n, k_steps = _row_operands(
         lhs, rhs, group_sizes, bm, bk, cta_n, transpose_rhs, rhs_base, lora)
     dtype = lhs.dtype

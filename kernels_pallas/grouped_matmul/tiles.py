@@ -38,8 +38,8 @@ class TileConfig:
     blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
     Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
     stores under the other's products; what the warp-specialised kernel does inside one block, left to the
-    hardware. Why: on an H100 the down forward took ~4 us a unit more than its products on 128 equal groups, ~1 us
-    on one group (docs/benchmarks.md section 44)."""
+    hardware. Measured on an H100 (docs/benchmarks.md section 44): the d rhs of both Qwen3-30B-A3B shapes 11-20%
+    faster with two (the table's), the row kernels slower than the warp-specialised ones, three blocks slower."""
 
     block_m: int = 128
     block_n: int = 128
@@ -68,6 +68,12 @@ class TileConfig:
         if self.block_m % self.dw_block_t:
             raise ValueError(f"{_WHERE}: TileConfig.block_m ({self.block_m}) must be a multiple of dw_block_t "
                              f"({self.dw_block_t}): M is padded to block_m for both kernels")
+
+    @property
+    def wg_m(self) -> int:
+        """Rows of the output tile one compute warpgroup of the warp-specialised kernel owns: block_m split along N,
+        block_m / 2 split along M."""
+        return self.block_m if self.wg_split == "n" else self.block_m // 2
 
     @property
     def cta_n(self) -> int:
@@ -140,7 +146,9 @@ def _dlhs_config(cfg_fwd: TileConfig, k: int, n: int, g: int) -> TileConfig:
 _LORA_ALIGN = 64
 
 
-_SMEM_BYTES = 232448 - 256  # an H100/H200 block's shared memory, less what the barriers take
+_SM_SMEM_BYTES = 233472  # an H100/H200 SM's shared memory, 228 KiB: what co-resident blocks share
+_BLOCK_RESERVED = 1024 + 256  # per block: the runtime's reserved 1 KiB, barriers
+_SMEM_BYTES = _SM_SMEM_BYTES - _BLOCK_RESERVED  # one block's: 232,448 (227 KiB) less what the barriers take
 
 
 def _padded_rank(rank: int) -> int:
@@ -154,7 +162,7 @@ def smem_bytes(cfg: TileConfig, lora_rank: int = 0, itemsize: int = 2) -> int:
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     r = _padded_rank(lora_rank) if lora_rank else 0
     if cfg.warp_specialized:
-        wg_m = bm if cfg.wg_split == "n" else bm // 2
+        wg_m = cfg.wg_m
         ring = cfg.stages * (bm * bk + bk * cfg.cta_n)
         return itemsize * (ring + 2 * wg_m * bn + 2 * (wg_m * r + r * bn))
     ring = cfg.stages * (bm * bk + bk * bn) + bm * r + r * bn
@@ -191,10 +199,6 @@ def _fitted_ring(cfg: TileConfig, k: int, rank: int) -> TileConfig | None:
             if smem_bytes(fitted, rank) <= _SMEM_BYTES:
                 return fitted
     return None
-
-
-_SM_SMEM_BYTES = 233472  # an H100/H200 SM's shared memory, 228 KiB: what co-resident blocks share
-_BLOCK_RESERVED = 1024 + 256  # per block: the runtime's reserved 1 KiB, barriers
 
 
 def blocks_fit(smem: int, blocks: int) -> bool:
