@@ -310,64 +310,73 @@ def test_row_halves_multiply_only_the_half_a_part_stores(split, transpose, sizes
     _close(got, _loop(lhs, rhs, sizes, np.zeros((m, n)))[0], "float32", f"out (split {split}, row halves)")
 
 
-@pytest.mark.parametrize("key", [(768, 2048, 128), (1536, 2048, 128), (2880, 2880, 32)])
+@pytest.mark.parametrize("key", [(768, 2048, 128), (1536, 2048, 128), (2048, 1536, 128)])
 def test_table_variants_lower_for_a_gpu_from_the_cpu(key):
-    """The sweep's new table variants through Mosaic GPU's CUDA lowering: row halves on the Qwen3-30B-A3B entries
-    split along N (down forward, gate_up d lhs: the sliced accumulator and lhs rows are accepted by the wgmma
-    lowering), runs of 4 units an SM on those and on GPT-OSS-20B down's single-warpgroup entry."""
-    from kernels_pallas.grouped_matmul import mosaic, tiles
+    """The sweep's new table variants through Mosaic GPU's CUDA lowering, forward and (rhs read transposed) d lhs on
+    the Qwen3-30B-A3B warp-specialised entries: the L2 prefetch ahead (an expert tile wider than a TMA box, K up to
+    2048, goes as several prefetches) and, on the entries split along N, row halves (the sliced accumulator and lhs
+    rows are accepted by the wgmma lowering)."""
+    from kernels_pallas.grouped_matmul import tiles
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
     kc, n, g = key
     table = tiles.CONFIGS[key]
-    variants = [dataclasses.replace(table, sm_run=4)]
-    if table.warp_specialized:
-        assert table.wg_split == "n" and table.block_m == 128
+    assert table.warp_specialized
+    variants = [dataclasses.replace(table, l2_ahead=16)]
+    if table.wg_m == 128:
         variants.append(dataclasses.replace(table, row_halves=True))
-    args = (jax.ShapeDtypeStruct((4096, kc), jnp.bfloat16), jax.ShapeDtypeStruct((g, kc, n), jnp.bfloat16),
-            jax.ShapeDtypeStruct((g,), jnp.int32))
+    lhs, dout = jax.ShapeDtypeStruct((4096, kc), jnp.bfloat16), jax.ShapeDtypeStruct((4096, n), jnp.bfloat16)
+    rhs, sizes = jax.ShapeDtypeStruct((g, kc, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32)
     for cfg in variants:
-        fn = jax.jit(lambda a, b, c, cfg=cfg: mosaic._rows(cfg)(a, b, c, cfg))
-        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+        for a, transpose in ((lhs, False), (dout, True)):
+            fn = jax.jit(lambda a, b, c, cfg=cfg, t=transpose: gmm_rows_ws(a, b, c, cfg, transpose_rhs=t))
+            text = fn.trace(a, rhs, sizes).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
-def test_runs_of_units_visit_every_unit_once_one_expert_tile_a_run():
-    """`run_order` (TileConfig.sm_run = w): a permutation of the (tile, N-block) units for any count, width and number
-    of blocks; in every full round an SM's w consecutive units are w consecutive tiles at one N-block (one expert
-    tile) and the blocks side by side take a band's N-blocks (sharing its lhs tiles)."""
-    from kernels_pallas.grouped_matmul.mosaic_kernels import run_order
+def test_l2_ahead_asks_for_each_groups_first_tile_once():
+    """`first_tile_ahead` (TileConfig.l2_ahead = D) on `row_tiles`' schedule of ragged groups with empty ones and rows
+    past the last: the units of tile t ask for tile t + D exactly when that is a real group's first tile, so every
+    real group whose first tile lies at D or later is asked for once (tile 0's group, and groups starting before D,
+    never), and the pseudo-group and the unused tiles never."""
+    from kernels_pallas.grouped_matmul.mosaic_kernels import first_tile_ahead, num_row_tiles, row_tiles
 
-    for count in (1, 3, 7, 40, 65):
-        for grid_n in (1, 3, 8):
-            for sms in (1, 2, 5, 132):
-                for w in (1, 2, 4, 8):
-                    flat = jnp.arange(count * grid_n)
-                    tile, nb = map(np.asarray, run_order(flat, count, grid_n, w, sms))
-                    assert sorted(zip(tile.tolist(), nb.tolist())) == [(t, n) for t in range(count)
-                                                                      for n in range(grid_n)], (count, grid_n, sms, w)
-    tile, nb = map(np.asarray, run_order(jnp.arange(64 * 8), 64, 8, 4, 4))
-    for sm in range(4):  # SM sm's local steps j are flats sm + 4 j; a round is 4 SMs x 4 units
-        mine = [(int(tile[sm + 4 * j]), int(nb[sm + 4 * j])) for j in range(4)]
-        assert mine == [(t, sm) for t in range(4)]  # band 0's tiles at N-block sm
+    sizes = (70, 0, 61, 3, 0, 50, 300, 0, 129, 1)
+    m, bm, g = 768, 64, len(sizes)
+    group, *_ = map(np.asarray, row_tiles(jnp.asarray(sizes, jnp.int32), m, bm))
+    count = int(np.sum(group <= g))
+    firsts = [t for t in range(count) if group[t] < g and (t == 0 or group[t - 1] != group[t])]
+    assert len(firsts) == sum(1 for n in sizes if n)  # one first tile per non-empty group
+    for ahead in (1, 2, 3, 8, count + 1):
+        asked = []
+        for ti in range(count):
+            fresh, t = first_tile_ahead(jnp.asarray(group), ti, count, ahead, g)
+            if bool(fresh):
+                assert int(t) == ti + ahead
+                asked.append(int(t))
+        assert asked == [t for t in firsts if t >= ahead], ahead
+    assert num_row_tiles(m, g, bm) >= count
 
 
-@pytest.mark.parametrize("ws,run,sizes", [(True, 2, (70, 0, 61, 3, 0, 50)), (True, 3, (130, 40, 20)),
-                                          (False, 4, (70, 0, 61, 3, 0, 50))])
-def test_runs_of_units_leave_the_product_unchanged(ws, run, sizes):
-    """The row kernels walking units in runs (TileConfig.sm_run) in interpret mode: chained pipelines over the
-    reordered units (warp-specialised) and the single-warpgroup kernel, bands cut short at the last tile, a round
-    left partial (nd_loop's order there), equal to a per-group loop."""
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws
+@pytest.mark.parametrize("split,transpose,ahead", [("m", False, 1), ("n", True, 2), ("n", False, 3)])
+def test_l2_ahead_leaves_the_product_unchanged(split, transpose, ahead):
+    """The warp-specialised row kernel with TileConfig.l2_ahead in interpret mode (the prefetch itself is a no-op
+    there; this checks the schedule reads and predicates around it): chains of units on both "SMs", both splits,
+    rhs read transposed, equal to a per-group loop on ragged groups with empty ones."""
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
     from kernels_pallas.grouped_matmul.tiles import TileConfig
 
-    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws, wg_split="m", sm_run=run)
-    m, k, n = sum(sizes) + 9, 128, 256
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split,
+                     l2_ahead=ahead)
+    sizes = (70, 0, 61, 3, 0, 50)
+    m, k, n = 200, 128, 512
     k1, k2 = jax.random.split(jax.random.key(13))
     lhs = jax.random.normal(k1, (m, k), jnp.float32)
     rhs = jax.random.normal(k2, (len(sizes), k, n), jnp.float32)
     sizes = jnp.asarray(sizes, jnp.int32)
-    got = (gmm_rows_ws if ws else gmm_rows)(lhs, rhs, sizes, cfg, interpret=True)
-    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, n)))[0], "float32", f"out (runs of {run})")
+    got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
+                      interpret=True)
+    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, n)))[0], "float32", f"out (l2 ahead {ahead}, split {split})")
 
 
 @pytest.mark.parametrize("transpose", [False, True])
@@ -544,21 +553,21 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     # with an adapter, fused and as two kernels (the table's: the one the GPU runs, per mosaic's FUSED_* flags);
     # d rhs: table, the several-blocks candidates, candidate
     fwd, dlhs = mosaic.FUSED_LORA_ON_GPU, mosaic.FUSED_DLHS_LORA_ON_GPU
-    # per row-kernel direction also the table in runs of 4 and 8 units an SM, the two-blocks-an-SM tiles
-    # (`two_block_candidates`: one at 128 x 128), and for d rhs `multi_block_dw_candidates`' two (two and three blocks)
-    assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True)] + [("fwd", False)] * 5 + [
-        ("dlhs", True)] + [("dlhs", False)] * 5 + [("fwd+lora", fwd), ("fwd+lora", not fwd), ("dlhs+lora", dlhs),
+    # per row-kernel direction also the two-blocks-an-SM tiles (`two_block_candidates`: one at 128 x 128), and for
+    # d rhs `multi_block_dw_candidates`' two (two and three blocks); the table here is single-warpgroup, so no L2
+    # prefetch variants (TileConfig.l2_ahead is the warp-specialised kernel's)
+    assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True)] + [("fwd", False)] * 3 + [
+        ("dlhs", True)] + [("dlhs", False)] * 3 + [("fwd+lora", fwd), ("fwd+lora", not fwd), ("dlhs+lora", dlhs),
                                                    ("dlhs+lora", not dlhs), ("drhs", True)] + [("drhs", False)] * 3
-    assert rows[12]["label"].startswith("fused ") and rows[13]["label"].startswith("two kernels ")
-    assert rows[14]["label"].startswith("fused ") and rows[15]["label"].startswith("two kernels ")
-    assert [r["label"] for r in rows[2:4]] == ["single 128x128x64 st4 run4", "single 128x128x64 st4 run8"]
-    assert rows[4]["label"] == rows[10]["label"] == "single 128x128x64 st3 walkrow x2/SM"
+    assert rows[8]["label"].startswith("fused ") and rows[9]["label"].startswith("two kernels ")
+    assert rows[10]["label"].startswith("fused ") and rows[11]["label"].startswith("two kernels ")
+    assert rows[2]["label"] == rows[6]["label"] == "single 128x128x64 st3 walkrow x2/SM"
     assert [r["label"] for r in rows[-3:]] == ["drhs 128x128 t64 st3 x2/SM", "drhs 128x128 t64 st2 x3/SM",
                                                "drhs 64x64 t64 st2"]
     assert all(bench.sweep_dw_candidates(2880, 5760)) and all(
         2880 % c.dw_block_k == 0 and 5760 % c.dw_block_n == 0 for c in bench.sweep_dw_candidates(2880, 5760))
     assert all(r["tflops"] > 0 and "error" not in r for r in rows)
-    assert rows[5]["label"] == "ws-m 64x64x64 st2 walk2" and rows[5]["config"]["grid_block_n"] == 2
+    assert rows[3]["label"] == "ws-m 64x64x64 st2 walk2" and rows[3]["config"]["grid_block_n"] == 2
     # every other config computes the table's product (bf16 outputs of ~N(0, 128) entries: a rounding step or two
     # where the accumulation order differs, as the adapter's two kernels round twice)
     others = [r for r in rows if not r["table"]]
@@ -567,7 +576,8 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
         "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1",
-        "ws-n halves 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 run4", "ws-n 128x128x64 st3 run8"]
+        "ws-n halves 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walkrow l2+8", "ws-n 128x128x64 st3 walkrow l2+16",
+        "ws-n 128x128x64 st3 walkrow l2+32"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):
@@ -763,15 +773,15 @@ def test_probe_variants_are_typed_tile_fields_or_one_line(capsys):
     from kernels_pallas.grouped_matmul import bench
 
     ap = argparse.ArgumentParser()
-    assert bench._tile_fields(ap, "sm_run=4,row_halves=1,wg_split=m") == {"sm_run": 4, "row_halves": True,
-                                                                         "wg_split": "m"}
-    for bad, said in (("runs=4", "expected FIELD=VALUE with FIELD one of"), ("sm_run=x", "sm_run is a TileConfig int"),
-                      ("sm_run", "expected FIELD=VALUE")):
+    assert bench._tile_fields(ap, "l2_ahead=4,row_halves=1,wg_split=m") == {"l2_ahead": 4, "row_halves": True,
+                                                                           "wg_split": "m"}
+    for bad, said in (("ahead=4", "expected FIELD=VALUE with FIELD one of"),
+                      ("l2_ahead=x", "l2_ahead is a TileConfig int"), ("l2_ahead", "expected FIELD=VALUE")):
         with pytest.raises(SystemExit):
             bench._tile_fields(ap, bad)
         assert said in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.main(["--probe-variant", "sm_run=4"])
+        bench.main(["--probe-variant", "l2_ahead=4"])
     assert "--probe-variant adds kernels to --probe; add --probe" in capsys.readouterr().err
 
 
@@ -793,7 +803,7 @@ def test_probe_runs_the_table_kernel_on_each_derived_problem():
     from kernels_pallas.grouped_matmul.shapes import GmmShape
 
     shape = GmmShape("p", (70, 0, 186), 256, 64, 128, "bfloat16")
-    rows = bench.run_probe([shape], iters=1, timing_rounds=1, variants=[{"sm_run": 2}])
+    rows = bench.run_probe([shape], iters=1, timing_rounds=1, variants=[{"warp_specialized": True, "l2_ahead": 1}])
     labels = ["as is", "equal groups", "one group", "equal groups, K x2", "equal groups, K x4"]
     impls = ("mosaic", "mosaic variant 1", "dense")
     assert [(r["problem"], r["impl"]) for r in rows] == [(p, i) for p in labels for i in impls]
@@ -801,7 +811,7 @@ def test_probe_runs_the_table_kernel_on_each_derived_problem():
     mosaic_rows = {r["problem"]: r for r in rows if r["impl"] == "mosaic"}
     cfg = tiles.config_for(64, 128, 3)
     assert [r["config"] for r in rows[:3]] == [bench._describe(cfg), bench._describe(dataclasses.replace(
-        cfg, sm_run=2)), "xla"]
+        cfg, warp_specialized=True, l2_ahead=1)), "xla"]
     assert all(r["max_abs_diff"] < 0.5 for r in rows if r["impl"] == "mosaic variant 1")
     assert [mosaic_rows[p]["k"] for p in labels] == [64, 64, 64, 128, 256]
     assert [mosaic_rows[p]["k_steps"] for p in labels] == [1, 1, 1, 2, 4]

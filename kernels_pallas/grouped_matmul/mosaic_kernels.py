@@ -186,27 +186,29 @@ def _row_operands(lhs, rhs, group_sizes, bm: int, bk: int, width: int, transpose
 
 
 def _unit(flat, count, grid_n: int, cfg: TileConfig):
-    """(row tile, N-block) of unit `flat` of the row-tile kernels' loop (nd_loop hands SM s the units s, s + S,
-    s + 2 S, ... of S blocks). TileConfig.sm_run = 0: `plgpu.planar_snake` over (tile, N-block) with
-    ``grid_block_n`` N-blocks side by side. sm_run = w: the units in bands of w tiles, within a band N-block by
-    N-block and down its tiles, and each SM takes w consecutive units of that order, one N-block of a band: it
-    reuses one expert tile for up to w row tiles in a row, while the band's grid_n N-blocks run at once on
-    neighbouring SMs, which share each lhs tile. In the last S w units (fewer than a full round) the order is
-    nd_loop's own."""
-    if not cfg.sm_run:
-        return plgpu.planar_snake(flat, (count, grid_n), 1, cfg.grid_block_n or grid_n)
-    return run_order(flat, count, grid_n, cfg.sm_run, jax.lax.axis_size("sm"))
+    """(row tile, N-block) of unit `flat` of the row-tile kernels' loop: `plgpu.planar_snake` over (tile, N-block)
+    with ``grid_block_n`` N-blocks side by side (nd_loop hands SM s the units s, s + S, s + 2 S, ... of S blocks)."""
+    return plgpu.planar_snake(flat, (count, grid_n), 1, cfg.grid_block_n or grid_n)
 
 
-def run_order(flat, count, grid_n: int, w: int, sms):
-    """`_unit`'s order for TileConfig.sm_run = w on `sms` blocks, in plain jnp (any integer arrays)."""
-    total = count * grid_n
-    base, inner = flat - flat % (sms * w), flat % (sms * w)
-    order = jnp.where(base + sms * w <= total, base + inner % sms * w + inner // sms, flat)
-    band = order // (w * grid_n)
-    width = jnp.minimum(w, count - band * w)  # the last band may hold fewer tiles
-    within = order - band * (w * grid_n)
-    return band * w + within % width, within // width
+_TMA_BOX = 256  # a TMA box's most elements along one dimension
+
+
+def _prefetch_l2(ref, rows, cols):
+    """Ask the L2 cache for ref[rows, cols] (a 2-D GMEM ref, `rows` / `cols` static-size `pl.ds`): TMA prefetches of
+    at most 256 x 256 elements, nothing waited for."""
+    for r in range(0, rows.size, _TMA_BOX):
+        for c in range(0, cols.size, _TMA_BOX):
+            plgpu.async_prefetch(ref.at[pl.ds(rows.start + r, min(_TMA_BOX, rows.size - r)),
+                                        pl.ds(cols.start + c, min(_TMA_BOX, cols.size - c))])
+
+
+def first_tile_ahead(group, ti, count, ahead: int, g: int):
+    """TileConfig.l2_ahead: (whether tile ti + ahead is the first tile of a real group, that tile clamped into
+    [0, count)). `group` is `row_tiles`' group of each tile (a ref or an array); tiles of a group are consecutive,
+    so the first is the one whose predecessor belongs to another group, and each group has exactly one."""
+    t = jnp.minimum(ti + ahead, count - 1)
+    return (ti + ahead < count) & (group[t] < g) & (group[jnp.maximum(t - 1, 0)] != group[t]), t
 
 
 def _store_rows(acc, out_ref, row0, start, size, col0, block_m: int, block_n: int):
@@ -344,6 +346,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
         lhs, rhs, group_sizes, bm, bk, cta_n, transpose_rhs, rhs_base, lora)
     dtype = lhs.dtype
     b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+    kp = lhs_p.shape[1]
 
     def rhs_tile(rhs_ref, group, ni):
         cols = pl.ds(ni * cta_n, cta_n)
@@ -402,8 +405,11 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                 # that half only (a group's last tile ending in its first half, a tile moved back from the end).
                 halves = cfg.row_halves and wg_m == 2 * _HALF
                 top, bottom = last <= _HALF, first >= _HALF
+                if cfg.l2_ahead:
+                    fresh, ahead_tile = first_tile_ahead(group_ref, ti, count, cfg.l2_ahead, g)
+                    fresh = fresh & (wg == 0)  # one warpgroup asks
 
-                def step(_, a_smem, b_smem, acc_ref):
+                def step(idx, a_smem, b_smem, acc_ref):
                     a = a_smem if split_n else a_smem.at[pl.ds(wg * wg_m, wg_m)]
                     if transpose_rhs:
                         b = (b_smem.at[pl.ds(wg * bn, bn)] if split_n else b_smem).transpose((1, 0))
@@ -416,6 +422,12 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                         pl.when(multiply & ~top & ~bottom)(lambda: plgpu.wgmma(acc_ref, a, b))
                     else:
                         pl.when(multiply)(lambda: plgpu.wgmma(acc_ref, a, b))
+                    if cfg.l2_ahead:
+                        # Asked while the first product runs, so the tensor cores have work meanwhile.
+                        pl.when(fresh & (idx[0] == 0))(
+                            lambda: _prefetch_l2(rhs_ref.at[index_ref[ahead_tile]],
+                                                 *((pl.ds(ni * cta_n, cta_n), pl.ds(0, kp)) if transpose_rhs
+                                                   else (pl.ds(0, kp), pl.ds(ni * cta_n, cta_n)))))
                     plgpu.wgmma_wait(0)
                     return acc_ref
 

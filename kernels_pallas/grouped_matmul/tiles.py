@@ -31,10 +31,13 @@ class TileConfig:
     tiles: counted in rows multiplied, 12% more products than rows at Qwen3-30B-A3B's 128 groups of ~512 rows
     become ~7% (on an H100 its down forward ran 477 TFLOP/s on equal groups of whole tiles and 442 as it is,
     docs/benchmarks.md section 44). Not yet timed on a GPU.
-    sm_run (row-tile kernels): 0, the walk of grid_block_n; w > 0, each SM takes w consecutive units, one N-block of
-    a band of w row tiles (`mosaic_kernels._unit`), so it reuses that expert tile w times in a row where the walk
-    along a tile's row hands it to w SMs at once. Why: on an H100 a unit starting on a fresh expert matrix cost ~4
-    us besides its products, ~1 us on one matrix (docs/benchmarks.md section 44). Not yet timed on a GPU.
+    l2_ahead (warp-specialised row kernel): 0, off; D > 0, a unit whose tile D tiles later is the first tile of a
+    group asks the L2 cache for that group's expert tile at the unit's N-block (TMA prefetch, nothing waited for),
+    so each expert tile is asked for once, about D tiles before its first use. Why: on an H100 the down forward ran
+    458 TFLOP/s on 128 equal groups and 590 on one group of the same rows, units and tiles (docs/benchmarks.md
+    section 45), the difference about one read of the 384 MB of experts from HBM not overlapped with the products;
+    each SM's own next unit's tiles asked for by every unit (section 44: 78 MB at once, more than the L2) were
+    13-53% slower, and runs of units at one N-block per SM (each SM reusing an expert tile) 37-50% slower.
     blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
     Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
     stores under the other's products; what the warp-specialised kernel does inside one block, left to the
@@ -56,13 +59,13 @@ class TileConfig:
     blocks_per_sm: int = 1
     dw_blocks_per_sm: int = 1
     row_halves: bool = False
-    sm_run: int = 0
+    l2_ahead: int = 0
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
             raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
         for f in dataclasses.fields(self):
-            least = 0 if f.name in ("grid_block_n", "sm_run") else 1
+            least = 0 if f.name in ("grid_block_n", "l2_ahead") else 1
             if f.type == "int" and getattr(self, f.name) < least:
                 raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= {least}, got {getattr(self, f.name)}")
         if self.block_m % self.dw_block_t:
