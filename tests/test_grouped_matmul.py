@@ -312,19 +312,19 @@ def test_row_halves_multiply_only_the_half_a_part_stores(split, transpose, sizes
 
 @pytest.mark.parametrize("key", [(768, 2048, 128), (1536, 2048, 128), (2048, 1536, 128)])
 def test_table_variants_lower_for_a_gpu_from_the_cpu(key):
-    """The sweep's new table variants through Mosaic GPU's CUDA lowering, forward and (rhs read transposed) d lhs on
-    the Qwen3-30B-A3B warp-specialised entries: the L2 prefetch ahead (an expert tile wider than a TMA box, K up to
-    2048, goes as several prefetches) and, on the entries split along N, row halves (the sliced accumulator and lhs
-    rows are accepted by the wgmma lowering)."""
+    """The Qwen3-30B-A3B warp-specialised entries and their sweep variants through Mosaic GPU's CUDA lowering, forward
+    and (rhs read transposed) d lhs: row halves both ways on the entries split along N (the sliced accumulator and
+    lhs rows are accepted by the wgmma lowering), the other walk on every entry."""
     from kernels_pallas.grouped_matmul import tiles
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
     kc, n, g = key
     table = tiles.CONFIGS[key]
     assert table.warp_specialized
-    variants = [dataclasses.replace(table, l2_ahead=16)]
+    variants = [table, dataclasses.replace(table, grid_block_n=1)]
     if table.wg_m == 128:
-        variants.append(dataclasses.replace(table, row_halves=True))
+        assert table.row_halves  # on in the table (section 45)
+        variants.append(dataclasses.replace(table, row_halves=False))
     lhs, dout = jax.ShapeDtypeStruct((4096, kc), jnp.bfloat16), jax.ShapeDtypeStruct((4096, n), jnp.bfloat16)
     rhs, sizes = jax.ShapeDtypeStruct((g, kc, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32)
     for cfg in variants:
@@ -332,51 +332,6 @@ def test_table_variants_lower_for_a_gpu_from_the_cpu(key):
             fn = jax.jit(lambda a, b, c, cfg=cfg, t=transpose: gmm_rows_ws(a, b, c, cfg, transpose_rhs=t))
             text = fn.trace(a, rhs, sizes).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-
-
-def test_l2_ahead_asks_for_each_groups_first_tile_once():
-    """`first_tile_ahead` (TileConfig.l2_ahead = D) on `row_tiles`' schedule of ragged groups with empty ones and rows
-    past the last: the units of tile t ask for tile t + D exactly when that is a real group's first tile, so every
-    real group whose first tile lies at D or later is asked for once (tile 0's group, and groups starting before D,
-    never), and the pseudo-group and the unused tiles never."""
-    from kernels_pallas.grouped_matmul.mosaic_kernels import first_tile_ahead, num_row_tiles, row_tiles
-
-    sizes = (70, 0, 61, 3, 0, 50, 300, 0, 129, 1)
-    m, bm, g = 768, 64, len(sizes)
-    group, *_ = map(np.asarray, row_tiles(jnp.asarray(sizes, jnp.int32), m, bm))
-    count = int(np.sum(group <= g))
-    firsts = [t for t in range(count) if group[t] < g and (t == 0 or group[t - 1] != group[t])]
-    assert len(firsts) == sum(1 for n in sizes if n)  # one first tile per non-empty group
-    for ahead in (1, 2, 3, 8, count + 1):
-        asked = []
-        for ti in range(count):
-            fresh, t = first_tile_ahead(jnp.asarray(group), ti, count, ahead, g)
-            if bool(fresh):
-                assert int(t) == ti + ahead
-                asked.append(int(t))
-        assert asked == [t for t in firsts if t >= ahead], ahead
-    assert num_row_tiles(m, g, bm) >= count
-
-
-@pytest.mark.parametrize("split,transpose,ahead", [("m", False, 1), ("n", True, 2), ("n", False, 3)])
-def test_l2_ahead_leaves_the_product_unchanged(split, transpose, ahead):
-    """The warp-specialised row kernel with TileConfig.l2_ahead in interpret mode (the prefetch itself is a no-op
-    there; this checks the schedule reads and predicates around it): chains of units on both "SMs", both splits,
-    rhs read transposed, equal to a per-group loop on ragged groups with empty ones."""
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
-    from kernels_pallas.grouped_matmul.tiles import TileConfig
-
-    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split,
-                     l2_ahead=ahead)
-    sizes = (70, 0, 61, 3, 0, 50)
-    m, k, n = 200, 128, 512
-    k1, k2 = jax.random.split(jax.random.key(13))
-    lhs = jax.random.normal(k1, (m, k), jnp.float32)
-    rhs = jax.random.normal(k2, (len(sizes), k, n), jnp.float32)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
-                      interpret=True)
-    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, n)))[0], "float32", f"out (l2 ahead {ahead}, split {split})")
 
 
 @pytest.mark.parametrize("transpose", [False, True])
@@ -554,8 +509,7 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     # d rhs: table, the several-blocks candidates, candidate
     fwd, dlhs = mosaic.FUSED_LORA_ON_GPU, mosaic.FUSED_DLHS_LORA_ON_GPU
     # per row-kernel direction also the two-blocks-an-SM tiles (`two_block_candidates`: one at 128 x 128), and for
-    # d rhs `multi_block_dw_candidates`' two (two and three blocks); the table here is single-warpgroup, so no L2
-    # prefetch variants (TileConfig.l2_ahead is the warp-specialised kernel's)
+    # d rhs `multi_block_dw_candidates`' two (two and three blocks)
     assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True)] + [("fwd", False)] * 3 + [
         ("dlhs", True)] + [("dlhs", False)] * 3 + [("fwd+lora", fwd), ("fwd+lora", not fwd), ("dlhs+lora", dlhs),
                                                    ("dlhs+lora", not dlhs), ("drhs", True)] + [("drhs", False)] * 3
@@ -576,8 +530,7 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
         "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1",
-        "ws-n halves 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walkrow l2+8", "ws-n 128x128x64 st3 walkrow l2+16",
-        "ws-n 128x128x64 st3 walkrow l2+32"]
+        "ws-n halves 128x128x64 st3 walkrow"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):
@@ -613,19 +566,23 @@ def test_a_fused_adapter_adds_its_product_and_gets_its_gradients(impl, stacked):
     assert not np.any(np.asarray(out)[184:])  # rows past the groups: 0, adapter included
 
 
-@pytest.mark.parametrize("ws,split,rank", [(False, "n", 8), (True, "m", 8), (True, "n", 8), (True, "m", 80)])
-def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split, rank):
+@pytest.mark.parametrize("ws,split,rank,halves", [(False, "n", 8, False), (True, "m", 8, False),
+                                                  (True, "n", 8, False), (True, "m", 80, False), (True, "n", 8, True)])
+def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split, rank, halves):
     """The fused adapter's step in each row kernel (single warpgroup; warp-specialised with the tile split along M
     or N, each compute warpgroup loading its own part of xa and b), chained over several units per "SM"; a rank
-    past one 64-column tile (80, padded to 128)."""
+    past one 64-column tile (80, padded to 128); 128-row parts multiplying only the half they store
+    (TileConfig.row_halves, as the Qwen3-30B-A3B down forward's entry fuses it: the adapter's product then lands on
+    a whole accumulator of which one half had no main product)."""
     from kernels_pallas.grouped_matmul.tiles import TileConfig
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws
 
-    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws, wg_split=split)
+    cfg = TileConfig(block_m=128 if halves else 64, block_n=64, block_k=64, stages=2, warp_specialized=ws,
+                     wg_split=split, row_halves=halves)
     sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
     lhs, rhs, xa, b, _ = _lora_operands(200, 128, 256, 6, rank, 8)
     got = (gmm_rows_ws if ws else gmm_rows)(lhs, rhs, sizes, cfg, interpret=True, lora=(xa, b))
-    _close(got, _lora_loop(lhs, rhs, xa, b, sizes, np.zeros((200, 256)))[0], "float32", f"out ({ws}, {split})")
+    _close(got, _lora_loop(lhs, rhs, xa, b, sizes, np.zeros((200, 256)))[0], "float32", f"out ({ws}, {split}, halves {halves})")
 
 
 @pytest.mark.parametrize("ws,split", [(False, "n"), (True, "m"), (True, "n")])
@@ -773,15 +730,15 @@ def test_probe_variants_are_typed_tile_fields_or_one_line(capsys):
     from kernels_pallas.grouped_matmul import bench
 
     ap = argparse.ArgumentParser()
-    assert bench._tile_fields(ap, "l2_ahead=4,row_halves=1,wg_split=m") == {"l2_ahead": 4, "row_halves": True,
-                                                                           "wg_split": "m"}
-    for bad, said in (("ahead=4", "expected FIELD=VALUE with FIELD one of"),
-                      ("l2_ahead=x", "l2_ahead is a TileConfig int"), ("l2_ahead", "expected FIELD=VALUE")):
+    assert bench._tile_fields(ap, "stages=4,row_halves=1,wg_split=m") == {"stages": 4, "row_halves": True,
+                                                                         "wg_split": "m"}
+    for bad, said in (("depth=4", "expected FIELD=VALUE with FIELD one of"),
+                      ("stages=x", "stages is a TileConfig int"), ("stages", "expected FIELD=VALUE")):
         with pytest.raises(SystemExit):
             bench._tile_fields(ap, bad)
         assert said in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.main(["--probe-variant", "l2_ahead=4"])
+        bench.main(["--probe-variant", "stages=2"])
     assert "--probe-variant adds kernels to --probe; add --probe" in capsys.readouterr().err
 
 
@@ -803,7 +760,7 @@ def test_probe_runs_the_table_kernel_on_each_derived_problem():
     from kernels_pallas.grouped_matmul.shapes import GmmShape
 
     shape = GmmShape("p", (70, 0, 186), 256, 64, 128, "bfloat16")
-    rows = bench.run_probe([shape], iters=1, timing_rounds=1, variants=[{"warp_specialized": True, "l2_ahead": 1}])
+    rows = bench.run_probe([shape], iters=1, timing_rounds=1, variants=[{"warp_specialized": True, "row_halves": True}])
     labels = ["as is", "equal groups", "one group", "equal groups, K x2", "equal groups, K x4"]
     impls = ("mosaic", "mosaic variant 1", "dense")
     assert [(r["problem"], r["impl"]) for r in rows] == [(p, i) for p in labels for i in impls]
@@ -811,7 +768,7 @@ def test_probe_runs_the_table_kernel_on_each_derived_problem():
     mosaic_rows = {r["problem"]: r for r in rows if r["impl"] == "mosaic"}
     cfg = tiles.config_for(64, 128, 3)
     assert [r["config"] for r in rows[:3]] == [bench._describe(cfg), bench._describe(dataclasses.replace(
-        cfg, warp_specialized=True, l2_ahead=1)), "xla"]
+        cfg, warp_specialized=True, row_halves=True)), "xla"]
     assert all(r["max_abs_diff"] < 0.5 for r in rows if r["impl"] == "mosaic variant 1")
     assert [mosaic_rows[p]["k"] for p in labels] == [64, 64, 64, 128, 256]
     assert [mosaic_rows[p]["k_steps"] for p in labels] == [1, 1, 1, 2, 4]

@@ -35,8 +35,13 @@ TMA multicast (3-7% slower), and whole tiles stored through a swizzled staging t
 nor bank conflicts in the epilogue limit these shapes. Section 44 (H100) took the Qwen3-30B-A3B forward apart
 (`bench --probe`): its 128 ragged groups run 6-9% under equal groups of whole tiles, and those 23-27% under one group
 of the same rows and units; a unit that starts on a fresh expert matrix costs ~4 us besides its products, ~1 us on
-one matrix. Two remedies measured and dropped (git history): an L2 prefetch of the SM's next unit's tiles
-(`plgpu.async_prefetch`, 14-53% slower) and the output staged in 64-row pieces to free a fourth stage (2-3% slower).
+one matrix. Four remedies measured and dropped (git history): an L2 prefetch of the SM's next unit's tiles
+(`plgpu.async_prefetch`, 14-53% slower), the output staged in 64-row pieces to free a fourth stage (2-3% slower),
+each SM taking runs of 4 or 8 tiles at one N-block to reuse an expert tile (37-50% slower, section 45), and each
+group's expert tiles asked of the L2 once, 8-32 tiles before their first use (3-48% slower, section 45: slower even
+where it asks for nothing but reads the schedule, and by half at K x 4, where each ask is 1.5 MB, so the TMA
+prefetches hold up the SM's own loads). The one gain: a 128-row part multiplies only the 64-row half it stores
+(``TileConfig.row_halves``, +0.4-2%, on the table).
 Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 35): forward
 461-606 TFLOP/s, forward+backward 467-560; the 600 / 500 target is met by GPT-OSS-20B's gate_up forward only and
 missed by both Qwen3-30B-A3B shapes (forward 534 and 461; the down shape's K = 768 gives a tile 12 contraction
@@ -191,26 +196,6 @@ def _unit(flat, count, grid_n: int, cfg: TileConfig):
     return plgpu.planar_snake(flat, (count, grid_n), 1, cfg.grid_block_n or grid_n)
 
 
-_TMA_BOX = 256  # a TMA box's most elements along one dimension
-
-
-def _prefetch_l2(ref, rows, cols):
-    """Ask the L2 cache for ref[rows, cols] (a 2-D GMEM ref, `rows` / `cols` static-size `pl.ds`): TMA prefetches of
-    at most 256 x 256 elements, nothing waited for."""
-    for r in range(0, rows.size, _TMA_BOX):
-        for c in range(0, cols.size, _TMA_BOX):
-            plgpu.async_prefetch(ref.at[pl.ds(rows.start + r, min(_TMA_BOX, rows.size - r)),
-                                        pl.ds(cols.start + c, min(_TMA_BOX, cols.size - c))])
-
-
-def first_tile_ahead(group, ti, count, ahead: int, g: int):
-    """TileConfig.l2_ahead: (whether tile ti + ahead is the first tile of a real group, that tile clamped into
-    [0, count)). `group` is `row_tiles`' group of each tile (a ref or an array); tiles of a group are consecutive,
-    so the first is the one whose predecessor belongs to another group, and each group has exactly one."""
-    t = jnp.minimum(ti + ahead, count - 1)
-    return (ti + ahead < count) & (group[t] < g) & (group[jnp.maximum(t - 1, 0)] != group[t]), t
-
-
 def _store_rows(acc, out_ref, row0, start, size, col0, block_m: int, block_n: int):
     """Store rows [start, start + size) of the [block_m, block_n] tile ``acc`` to out[row0 + start + i, col0:]
     through a scratch tile in shared memory, and wait for the stores."""
@@ -346,7 +331,6 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
         lhs, rhs, group_sizes, bm, bk, cta_n, transpose_rhs, rhs_base, lora)
     dtype = lhs.dtype
     b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
-    kp = lhs_p.shape[1]
 
     def rhs_tile(rhs_ref, group, ni):
         cols = pl.ds(ni * cta_n, cta_n)
@@ -405,11 +389,8 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                 # that half only (a group's last tile ending in its first half, a tile moved back from the end).
                 halves = cfg.row_halves and wg_m == 2 * _HALF
                 top, bottom = last <= _HALF, first >= _HALF
-                if cfg.l2_ahead:
-                    fresh, ahead_tile = first_tile_ahead(group_ref, ti, count, cfg.l2_ahead, g)
-                    fresh = fresh & (wg == 0)  # one warpgroup asks
 
-                def step(idx, a_smem, b_smem, acc_ref):
+                def step(_, a_smem, b_smem, acc_ref):
                     a = a_smem if split_n else a_smem.at[pl.ds(wg * wg_m, wg_m)]
                     if transpose_rhs:
                         b = (b_smem.at[pl.ds(wg * bn, bn)] if split_n else b_smem).transpose((1, 0))
@@ -422,12 +403,6 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                         pl.when(multiply & ~top & ~bottom)(lambda: plgpu.wgmma(acc_ref, a, b))
                     else:
                         pl.when(multiply)(lambda: plgpu.wgmma(acc_ref, a, b))
-                    if cfg.l2_ahead:
-                        # Asked while the first product runs, so the tensor cores have work meanwhile.
-                        pl.when(fresh & (idx[0] == 0))(
-                            lambda: _prefetch_l2(rhs_ref.at[index_ref[ahead_tile]],
-                                                 *((pl.ds(ni * cta_n, cta_n), pl.ds(0, kp)) if transpose_rhs
-                                                   else (pl.ds(0, kp), pl.ds(ni * cta_n, cta_n)))))
                     plgpu.wgmma_wait(0)
                     return acc_ref
 

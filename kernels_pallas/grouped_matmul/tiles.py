@@ -30,14 +30,8 @@ class TileConfig:
     in one 64-row half multiplies only that half. Split along N with 128-row tiles that is half of the groups' last
     tiles: counted in rows multiplied, 12% more products than rows at Qwen3-30B-A3B's 128 groups of ~512 rows
     become ~7% (on an H100 its down forward ran 477 TFLOP/s on equal groups of whole tiles and 442 as it is,
-    docs/benchmarks.md section 44). Not yet timed on a GPU.
-    l2_ahead (warp-specialised row kernel): 0, off; D > 0, a unit whose tile D tiles later is the first tile of a
-    group asks the L2 cache for that group's expert tile at the unit's N-block (TMA prefetch, nothing waited for),
-    so each expert tile is asked for once, about D tiles before its first use. Why: on an H100 the down forward ran
-    458 TFLOP/s on 128 equal groups and 590 on one group of the same rows, units and tiles (docs/benchmarks.md
-    section 45), the difference about one read of the 384 MB of experts from HBM not overlapped with the products;
-    each SM's own next unit's tiles asked for by every unit (section 44: 78 MB at once, more than the L2) were
-    13-53% slower, and runs of units at one N-block per SM (each SM reusing an expert tile) 37-50% slower.
+    docs/benchmarks.md section 44). On an H100 it was faster in all five comparisons on the two entries it applies
+    to, by 0.4-2% (section 45): on in the table there.
     blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
     Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
     stores under the other's products; what the warp-specialised kernel does inside one block, left to the
@@ -59,13 +53,12 @@ class TileConfig:
     blocks_per_sm: int = 1
     dw_blocks_per_sm: int = 1
     row_halves: bool = False
-    l2_ahead: int = 0
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
             raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
         for f in dataclasses.fields(self):
-            least = 0 if f.name in ("grid_block_n", "l2_ahead") else 1
+            least = 0 if f.name in ("grid_block_n",) else 1
             if f.type == "int" and getattr(self, f.name) < least:
                 raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= {least}, got {getattr(self, f.name)}")
         if self.block_m % self.dw_block_t:
@@ -98,14 +91,17 @@ CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     # one sweep, docs/benchmarks.md section 44)
     (2048, 1536, 128): TileConfig(**_WS, wg_split="m", block_n=192, block_k=64, stages=4, dw_block_k=128,
                                   dw_block_n=128, dw_stages=3, dw_blocks_per_sm=2),
-    (1536, 2048, 128): TileConfig(**_WS, wg_split="n", stages=3),
+    # row halves: d lhs 506.4 / 497.6 against 496.2 / 494.8 (an H100, two sweeps, section 45)
+    (1536, 2048, 128): TileConfig(**_WS, wg_split="n", stages=3, row_halves=True),
     # Qwen3-30B-A3B down [768 -> 2048]: fwd 253 [203], d rhs 282; its d lhs (2048 -> 768): 267 [242]. The queued
     # sweep of 2026-12-05 (gmm_sweep_h200_34003b2.json): fwd split along N, 128 x 128 x 64, 3 stages 446 against
     # the old entry's split along M, 128 x 128 x 128, 2 stages 399; d rhs 128 x 128 in 6 stages 394 against 192 x
     # 128 in 4, 376. No 256-row tile led on any shape.
     # d rhs two blocks an SM in 3 stages: 452.5 against 375.5 for one block in 6 (an H100, section 44)
+    # row halves: fwd 429.5 / 434.3 against 427.7 / 426.6 (two sweeps), 443.5 against 436.0 (the probe; an H100,
+    # section 45)
     (768, 2048, 128): TileConfig(**_WS, wg_split="n", block_k=64, stages=3, dw_block_k=128, dw_block_n=128,
-                                 dw_stages=3, dw_blocks_per_sm=2),
+                                 dw_stages=3, dw_blocks_per_sm=2, row_halves=True),
     (2048, 768, 128): TileConfig(**_WS, wg_split="m", block_n=192, stages=4),
     # GPT-OSS-20B gate_up [2880 -> 5760]: fwd 474 [455], d rhs 501; its d lhs (5760 -> 2880): 509 [462]
     (2880, 5760, 32): TileConfig(block_n=192, dw_block_k=192, dw_block_n=128),
