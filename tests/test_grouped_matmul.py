@@ -284,47 +284,17 @@ def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
                f"d lhs from base 6 (N {n})")
 
 
-@pytest.mark.parametrize("split,transpose,sizes", [
-    # 70 rows: one tile, both halves; 30 rows loaded from row 64 (stored 6-35) and 3 from row 96 (stored 4-6): the
-    # top half only; 150 rows: a whole tile and a last one
-    ("n", False, (70, 0, 30, 3, 0, 150)), ("n", True, (70, 0, 30, 3, 0, 150)),
-    ("n", False, (100, 20)),  # two groups in 120 rows: the second's tile is moved back, its rows in the bottom half
-    ("m", False, (300, 0, 40, 3, 0, 50)),  # 256-row tiles split along M: 128 rows a warpgroup
-])
-def test_row_halves_multiply_only_the_half_a_part_stores(split, transpose, sizes):
-    """TileConfig.row_halves: a compute warpgroup's 128-row part whose stored rows lie in one 64-row half multiplies
-    that half only (its accumulator and lhs rows sliced); the other half is never stored, so the product is the
-    per-group loop's, forward and with rhs read transposed, split along N (128-row tiles) and along M (256)."""
-    from kernels_pallas.grouped_matmul.tiles import TileConfig
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
-
-    cfg = TileConfig(block_m=128 if split == "n" else 256, block_n=64, block_k=64, stages=2, warp_specialized=True,
-                     wg_split=split, row_halves=True)
-    m, k, n = sum(sizes) + 5, 128, 128
-    k1, k2 = jax.random.split(jax.random.key(12))
-    lhs = jax.random.normal(k1, (m, k), jnp.float32)
-    rhs = jax.random.normal(k2, (len(sizes), k, n), jnp.float32)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
-                      interpret=True)
-    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, n)))[0], "float32", f"out (split {split}, row halves)")
-
-
 @pytest.mark.parametrize("key", [(768, 2048, 128), (1536, 2048, 128), (2048, 1536, 128)])
 def test_table_variants_lower_for_a_gpu_from_the_cpu(key):
-    """The Qwen3-30B-A3B warp-specialised entries and their sweep variants through Mosaic GPU's CUDA lowering, forward
-    and (rhs read transposed) d lhs: row halves both ways on the entries split along N (the sliced accumulator and
-    lhs rows are accepted by the wgmma lowering), the other walk on every entry."""
+    """The Qwen3-30B-A3B warp-specialised entries and their sweep variants (unchained, the other walk) through Mosaic
+    GPU's CUDA lowering, forward and (rhs read transposed) d lhs."""
     from kernels_pallas.grouped_matmul import tiles
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
     kc, n, g = key
     table = tiles.CONFIGS[key]
     assert table.warp_specialized
-    variants = [table, dataclasses.replace(table, grid_block_n=1)]
-    if table.wg_m == 128:
-        assert table.row_halves  # on in the table (section 45)
-        variants.append(dataclasses.replace(table, row_halves=False))
+    variants = [table, dataclasses.replace(table, chained=False), dataclasses.replace(table, grid_block_n=1)]
     lhs, dout = jax.ShapeDtypeStruct((4096, kc), jnp.bfloat16), jax.ShapeDtypeStruct((4096, n), jnp.bfloat16)
     rhs, sizes = jax.ShapeDtypeStruct((g, kc, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32)
     for cfg in variants:
@@ -529,8 +499,7 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     assert all("max_abs_diff_vs_table" not in r for r in rows if r["table"])
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
-        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1",
-        "ws-n halves 128x128x64 st3 walkrow"]
+        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):
@@ -566,23 +535,19 @@ def test_a_fused_adapter_adds_its_product_and_gets_its_gradients(impl, stacked):
     assert not np.any(np.asarray(out)[184:])  # rows past the groups: 0, adapter included
 
 
-@pytest.mark.parametrize("ws,split,rank,halves", [(False, "n", 8, False), (True, "m", 8, False),
-                                                  (True, "n", 8, False), (True, "m", 80, False), (True, "n", 8, True)])
-def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split, rank, halves):
+@pytest.mark.parametrize("ws,split,rank", [(False, "n", 8), (True, "m", 8), (True, "n", 8), (True, "m", 80)])
+def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split, rank):
     """The fused adapter's step in each row kernel (single warpgroup; warp-specialised with the tile split along M
     or N, each compute warpgroup loading its own part of xa and b), chained over several units per "SM"; a rank
-    past one 64-column tile (80, padded to 128); 128-row parts multiplying only the half they store
-    (TileConfig.row_halves, as the Qwen3-30B-A3B down forward's entry fuses it: the adapter's product then lands on
-    a whole accumulator of which one half had no main product)."""
+    past one 64-column tile (80, padded to 128)."""
     from kernels_pallas.grouped_matmul.tiles import TileConfig
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws
 
-    cfg = TileConfig(block_m=128 if halves else 64, block_n=64, block_k=64, stages=2, warp_specialized=ws,
-                     wg_split=split, row_halves=halves)
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws, wg_split=split)
     sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
     lhs, rhs, xa, b, _ = _lora_operands(200, 128, 256, 6, rank, 8)
     got = (gmm_rows_ws if ws else gmm_rows)(lhs, rhs, sizes, cfg, interpret=True, lora=(xa, b))
-    _close(got, _lora_loop(lhs, rhs, xa, b, sizes, np.zeros((200, 256)))[0], "float32", f"out ({ws}, {split}, halves {halves})")
+    _close(got, _lora_loop(lhs, rhs, xa, b, sizes, np.zeros((200, 256)))[0], "float32", f"out ({ws}, {split})")
 
 
 @pytest.mark.parametrize("ws,split", [(False, "n"), (True, "m"), (True, "n")])
@@ -730,8 +695,8 @@ def test_probe_variants_are_typed_tile_fields_or_one_line(capsys):
     from kernels_pallas.grouped_matmul import bench
 
     ap = argparse.ArgumentParser()
-    assert bench._tile_fields(ap, "stages=4,row_halves=1,wg_split=m") == {"stages": 4, "row_halves": True,
-                                                                         "wg_split": "m"}
+    assert bench._tile_fields(ap, "stages=4,chained=0,wg_split=m") == {"stages": 4, "chained": False,
+                                                                      "wg_split": "m"}
     for bad, said in (("depth=4", "expected FIELD=VALUE with FIELD one of"),
                       ("stages=x", "stages is a TileConfig int"), ("stages", "expected FIELD=VALUE")):
         with pytest.raises(SystemExit):
@@ -760,7 +725,7 @@ def test_probe_runs_the_table_kernel_on_each_derived_problem():
     from kernels_pallas.grouped_matmul.shapes import GmmShape
 
     shape = GmmShape("p", (70, 0, 186), 256, 64, 128, "bfloat16")
-    rows = bench.run_probe([shape], iters=1, timing_rounds=1, variants=[{"warp_specialized": True, "row_halves": True}])
+    rows = bench.run_probe([shape], iters=1, timing_rounds=1, variants=[{"warp_specialized": True, "chained": False}])
     labels = ["as is", "equal groups", "one group", "equal groups, K x2", "equal groups, K x4"]
     impls = ("mosaic", "mosaic variant 1", "dense")
     assert [(r["problem"], r["impl"]) for r in rows] == [(p, i) for p in labels for i in impls]
@@ -768,7 +733,7 @@ def test_probe_runs_the_table_kernel_on_each_derived_problem():
     mosaic_rows = {r["problem"]: r for r in rows if r["impl"] == "mosaic"}
     cfg = tiles.config_for(64, 128, 3)
     assert [r["config"] for r in rows[:3]] == [bench._describe(cfg), bench._describe(dataclasses.replace(
-        cfg, warp_specialized=True, row_halves=True)), "xla"]
+        cfg, warp_specialized=True, chained=False)), "xla"]
     assert all(r["max_abs_diff"] < 0.5 for r in rows if r["impl"] == "mosaic variant 1")
     assert [mosaic_rows[p]["k"] for p in labels] == [64, 64, 64, 128, 256]
     assert [mosaic_rows[p]["k_steps"] for p in labels] == [1, 1, 1, 2, 4]

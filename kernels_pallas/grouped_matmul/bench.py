@@ -9,7 +9,7 @@ with rows = sum(group_sizes), and its two gradients).
     python -m kernels_pallas.grouped_matmul.bench --sweep --json sweep.json      # row-kernel tiles per shape
     python -m kernels_pallas.grouped_matmul.bench --sweep --table-variants      # the table's tiles, variants only
     python -m kernels_pallas.grouped_matmul.bench --probe --shapes qwen3_30b_a3b_down   # where the kernel's time goes
-    python -m kernels_pallas.grouped_matmul.bench --probe --probe-variant row_halves=0 --probe-variant stages=4
+    python -m kernels_pallas.grouped_matmul.bench --probe --probe-variant stages=4 --probe-variant grid_block_n=1
 
 ``--sweep``: the row-tile kernel (forward and d lhs) of every bench shape on each of ``sweep_candidates``' tile
 configs and the d rhs kernel on ``sweep_dw_candidates``', next to the table's own (``tiles.CONFIGS``): the data the
@@ -247,8 +247,6 @@ def _describe_dw(cfg) -> str:
 
 def _describe(cfg) -> str:
     kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
-    if cfg.row_halves:
-        kind += " halves"
     walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
     blocks = f" x{cfg.blocks_per_sm}/SM" if cfg.blocks_per_sm > 1 else ""
     return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{blocks}"
@@ -256,14 +254,11 @@ def _describe(cfg) -> str:
 
 def _table_variants(table) -> list:
     """The table's config as it is, unchained (when it chains), with the other walk (TileConfig.grid_block_n:
-    along a tile's N-blocks, 0, or down the tiles, 1), (a compute warpgroup's part 128 rows) with
-    TileConfig.row_halves the other way."""
+    along a tile's N-blocks, 0, or down the tiles, 1)."""
     out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
-    if table.warp_specialized and table.wg_m == 128:
-        out.append(dataclasses.replace(table, row_halves=not table.row_halves))
     return out
 
 
@@ -491,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                     help="the forward row kernel on problems derived from each shape (equal groups, one group, "
                          "K x2 / x4), beside dense XLA: where its time goes")
     ap.add_argument("--probe-variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
-                    help="with --probe: also the table's entry with these TileConfig fields, e.g. row_halves=0 "
+                    help="with --probe: also the table's entry with these TileConfig fields, e.g. stages=4 "
                          "(repeatable)")
     ap.add_argument("--table-variants", action="store_true",
                     help="with --sweep: only the table's configs and their variants (no candidates, no d rhs)")

@@ -35,13 +35,13 @@ TMA multicast (3-7% slower), and whole tiles stored through a swizzled staging t
 nor bank conflicts in the epilogue limit these shapes. Section 44 (H100) took the Qwen3-30B-A3B forward apart
 (`bench --probe`): its 128 ragged groups run 6-9% under equal groups of whole tiles, and those 23-27% under one group
 of the same rows and units; a unit that starts on a fresh expert matrix costs ~4 us besides its products, ~1 us on
-one matrix. Four remedies measured and dropped (git history): an L2 prefetch of the SM's next unit's tiles
+one matrix. Five remedies measured and dropped (git history): an L2 prefetch of the SM's next unit's tiles
 (`plgpu.async_prefetch`, 14-53% slower), the output staged in 64-row pieces to free a fourth stage (2-3% slower),
-each SM taking runs of 4 or 8 tiles at one N-block to reuse an expert tile (37-50% slower, section 45), and each
-group's expert tiles asked of the L2 once, 8-32 tiles before their first use (3-48% slower, section 45: slower even
-where it asks for nothing but reads the schedule, and by half at K x 4, where each ask is 1.5 MB, so the TMA
-prefetches hold up the SM's own loads). The one gain: a 128-row part multiplies only the 64-row half it stores
-(``TileConfig.row_halves``, +0.4-2%, on the table).
+each SM taking runs of 4 or 8 tiles at one N-block to reuse an expert tile (37-50% slower, section 45), each
+group's expert tiles asked of the L2 once, 8-32 tiles before their first use (3-48% slower, section 45; worst at
+K x 4, where each ask is 1.5 MB: the prefetches seem to hold up the SM's own TMA loads, not measured directly), and
+a 128-row part multiplying only the 64-row half it stores (0.4-2% faster in five sweep comparisons, 1.8% slower in
+the A/B of section 45: within the spread).
 Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 35): forward
 461-606 TFLOP/s, forward+backward 467-560; the 600 / 500 target is met by GPT-OSS-20B's gate_up forward only and
 missed by both Qwen3-30B-A3B shapes (forward 534 and 461; the down shape's K = 768 gives a tile 12 contraction
@@ -312,9 +312,6 @@ def _store_rows_from(o_smem, out_ref, row0, start, size, col0, rows_max: int, bl
         rows //= 2
 
 
-_HALF = 64  # rows of one wgmma instruction: a compute warpgroup's part of 128 rows is two of them
-
-
 def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileConfig, *,
                 transpose_rhs: bool = False, interpret: bool = False, rhs_base=None, lora=None) -> jax.Array:
     """``gmm_rows`` with warp specialisation: a memory warpgroup runs the TMA pipeline, two compute
@@ -385,24 +382,13 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                 # Qwen3-30B-A3B's 128 groups of ~512 rows in 128-row tiles (its time on the GPU: not yet measured).
                 multiply = (group < g) & (last > first)
 
-                # TileConfig.row_halves: a part of 128 rows whose stored rows all lie in one 64-row half multiplies
-                # that half only (a group's last tile ending in its first half, a tile moved back from the end).
-                halves = cfg.row_halves and wg_m == 2 * _HALF
-                top, bottom = last <= _HALF, first >= _HALF
-
                 def step(_, a_smem, b_smem, acc_ref):
                     a = a_smem if split_n else a_smem.at[pl.ds(wg * wg_m, wg_m)]
                     if transpose_rhs:
                         b = (b_smem.at[pl.ds(wg * bn, bn)] if split_n else b_smem).transpose((1, 0))
                     else:
                         b = b_smem.at[:, pl.ds(wg * bn, bn)] if split_n else b_smem
-                    if halves:
-                        for half, only in ((0, top), (1, bottom)):
-                            rows = pl.ds(half * _HALF, _HALF)
-                            pl.when(multiply & only)(lambda rows=rows: plgpu.wgmma(acc_ref.at[rows], a.at[rows], b))
-                        pl.when(multiply & ~top & ~bottom)(lambda: plgpu.wgmma(acc_ref, a, b))
-                    else:
-                        pl.when(multiply)(lambda: plgpu.wgmma(acc_ref, a, b))
+                    pl.when(multiply)(lambda: plgpu.wgmma(acc_ref, a, b))
                     plgpu.wgmma_wait(0)
                     return acc_ref
 

@@ -26,12 +26,6 @@ class TileConfig:
     chained (warp-specialised kernel, when the contraction steps are a multiple of ``stages``): an SM's units run as
     one chain of pipelines, so the memory warpgroup loads the next unit while the compute warpgroups finish and
     store this one; else every unit fills its pipeline from empty and drains it.
-    row_halves (warp-specialised row kernel, a compute warpgroup's part 128 rows): a part whose stored rows all lie
-    in one 64-row half multiplies only that half. Split along N with 128-row tiles that is half of the groups' last
-    tiles: counted in rows multiplied, 12% more products than rows at Qwen3-30B-A3B's 128 groups of ~512 rows
-    become ~7% (on an H100 its down forward ran 477 TFLOP/s on equal groups of whole tiles and 442 as it is,
-    docs/benchmarks.md section 44). On an H100 it was faster in all five comparisons on the two entries it applies
-    to, by 0.4-2% (section 45): on in the table there.
     blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
     Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
     stores under the other's products; what the warp-specialised kernel does inside one block, left to the
@@ -52,7 +46,6 @@ class TileConfig:
     chained: bool = True
     blocks_per_sm: int = 1
     dw_blocks_per_sm: int = 1
-    row_halves: bool = False
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
@@ -91,17 +84,14 @@ CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     # one sweep, docs/benchmarks.md section 44)
     (2048, 1536, 128): TileConfig(**_WS, wg_split="m", block_n=192, block_k=64, stages=4, dw_block_k=128,
                                   dw_block_n=128, dw_stages=3, dw_blocks_per_sm=2),
-    # row halves: d lhs 506.4 / 497.6 against 496.2 / 494.8 (an H100, two sweeps, section 45)
-    (1536, 2048, 128): TileConfig(**_WS, wg_split="n", stages=3, row_halves=True),
+    (1536, 2048, 128): TileConfig(**_WS, wg_split="n", stages=3),
     # Qwen3-30B-A3B down [768 -> 2048]: fwd 253 [203], d rhs 282; its d lhs (2048 -> 768): 267 [242]. The queued
     # sweep of 2026-12-05 (gmm_sweep_h200_34003b2.json): fwd split along N, 128 x 128 x 64, 3 stages 446 against
     # the old entry's split along M, 128 x 128 x 128, 2 stages 399; d rhs 128 x 128 in 6 stages 394 against 192 x
     # 128 in 4, 376. No 256-row tile led on any shape.
     # d rhs two blocks an SM in 3 stages: 452.5 against 375.5 for one block in 6 (an H100, section 44)
-    # row halves: fwd 429.5 / 434.3 against 427.7 / 426.6 (two sweeps), 443.5 against 436.0 (the probe; an H100,
-    # section 45)
     (768, 2048, 128): TileConfig(**_WS, wg_split="n", block_k=64, stages=3, dw_block_k=128, dw_block_n=128,
-                                 dw_stages=3, dw_blocks_per_sm=2, row_halves=True),
+                                 dw_stages=3, dw_blocks_per_sm=2),
     (2048, 768, 128): TileConfig(**_WS, wg_split="m", block_n=192, stages=4),
     # GPT-OSS-20B gate_up [2880 -> 5760]: fwd 474 [455], d rhs 501; its d lhs (5760 -> 2880): 509 [462]
     (2880, 5760, 32): TileConfig(block_n=192, dw_block_k=192, dw_block_n=128),
