@@ -1,7 +1,7 @@
-"""Benchmark helpers shared by scripts/bench_attention.py: FLOP counts of the attention shapes.
+"""Benchmark helpers for scripts/bench_attention.py: FLOP counts of the attention shapes.
 
-The shapes themselves (``BENCH_SHAPES``, ``TEST_SHAPES``, ``make_segment_ids``) live in shapes.py, which
-the tests import too; they are re-exported here for the benchmark script.
+The shapes themselves (``BENCH_SHAPES``, ``TEST_SHAPES``, ``make_segment_ids``) live in shapes.py, which the
+tests and the benchmark script import.
 """
 
 from __future__ import annotations
@@ -9,14 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from kernels_pallas.attention.metadata import kept_pairs
-from kernels_pallas.attention.shapes import (  # noqa: F401 - re-exported for the benchmark
-    BENCH_SHAPES,
-    GPU_TEST_SHAPES,
-    LAYOUTS,
-    TEST_SHAPES,
-    AttnShape,
-    make_segment_ids,
-)
+from kernels_pallas.attention.shapes import AttnShape
 
 
 def useful_flops(shape: AttnShape, segment_ids: np.ndarray) -> tuple[float, float]:
