@@ -719,22 +719,23 @@ def test_table_variants_without_a_sweep_is_one_line(capsys):
 
 def test_probe_runs_the_table_kernel_on_each_derived_problem():
     """`bench --probe`: the shape as it is, in equal groups, as one group, and with K x2 / x4, each on the original
-    shape's table tiles beside dense XLA; every kernel output equals the reference, and the units it walks are
-    counted (equal groups of a multiple of the tile: no partial tile, so units = rows / block_m x N-blocks)."""
+    shape's table tiles (also with a variant, and reading the experts stored transposed) beside dense XLA; every
+    kernel output equals the reference, and the units it walks are counted (equal groups of a multiple of the tile:
+    no partial tile, so units = rows / block_m x N-blocks)."""
     from kernels_pallas.grouped_matmul import bench, tiles
     from kernels_pallas.grouped_matmul.shapes import GmmShape
 
     shape = GmmShape("p", (70, 0, 186), 256, 64, 128, "bfloat16")
     rows = bench.run_probe([shape], iters=1, timing_rounds=1, variants=[{"warp_specialized": True, "chained": False}])
     labels = ["as is", "equal groups", "one group", "equal groups, K x2", "equal groups, K x4"]
-    impls = ("mosaic", "mosaic variant 1", "dense")
+    impls = ("mosaic", "mosaic variant 1", "mosaic rhs [G, N, K]", "dense")
     assert [(r["problem"], r["impl"]) for r in rows] == [(p, i) for p in labels for i in impls]
     assert all("error" not in r and r["tflops"] > 0 for r in rows)
     mosaic_rows = {r["problem"]: r for r in rows if r["impl"] == "mosaic"}
     cfg = tiles.config_for(64, 128, 3)
-    assert [r["config"] for r in rows[:3]] == [bench._describe(cfg), bench._describe(dataclasses.replace(
-        cfg, warp_specialized=True, chained=False)), "xla"]
-    assert all(r["max_abs_diff"] < 0.5 for r in rows if r["impl"] == "mosaic variant 1")
+    assert [r["config"] for r in rows[:4]] == [bench._describe(cfg), bench._describe(dataclasses.replace(
+        cfg, warp_specialized=True, chained=False)), bench._describe(cfg) + " rhs^T", "xla"]
+    assert all(r["max_abs_diff"] < 0.5 for r in rows if r["impl"] in ("mosaic variant 1", "mosaic rhs [G, N, K]"))
     assert [mosaic_rows[p]["k"] for p in labels] == [64, 64, 64, 128, 256]
     assert [mosaic_rows[p]["k_steps"] for p in labels] == [1, 1, 1, 2, 4]
     # (one N-block of 128) as is: 70 rows in one tile, 186 from row 70 loaded from row 64 in two; equal groups: three

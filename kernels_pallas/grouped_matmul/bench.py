@@ -411,10 +411,12 @@ def _spot_check(out, lhs, rhs, group_sizes) -> float:
 
 def run_probe(shapes: Sequence[GmmShape], iters: int = 10, timing_rounds: int = 5,
               variants: Sequence[dict] = ()) -> list[dict]:
-    """Rows {"shape", "problem", "impl": "mosaic" | "mosaic variant N" | "dense", "config", "ms", "tflops", ...} for
-    each of `probe_problems`: the forward row kernel on the tiles of the *original* shape's table entry (so every
-    problem runs the same kernel), the same with each of `variants` ({TileConfig field: value} applied to the entry:
-    `--probe-variant`), and a dense XLA matmul of the same rows. Mosaic rows also give "units" (the (row tile,
+    """Rows {"shape", "problem", "impl": "mosaic" | "mosaic variant N" | "mosaic rhs [G, N, K]" | "dense", "config",
+    "ms", "tflops", ...} for each of `probe_problems`: the forward row kernel on the tiles of the *original* shape's
+    table entry (so every problem runs the same kernel), the same with each of `variants` ({TileConfig field: value}
+    applied to the entry: `--probe-variant`), the table's kernel reading the experts stored transposed ([G, N, K], as
+    nn.Linear stores a weight: each expert tile [cta_n, K] one contiguous block, where [G, K, N] spreads it over K
+    rows N elements apart), and a dense XLA matmul of the same rows. Mosaic rows also give "units" (the (row tile,
     N-block) pairs the SMs walk), "k_steps", "us_per_unit" (ms x SMs / units: one unit's time on one SM) and
     "max_abs_diff" (its output on the first, middle and last groups' rows against `_spot_check`'s float32
     products)."""
@@ -435,9 +437,12 @@ def run_probe(shapes: Sequence[GmmShape], iters: int = 10, timing_rounds: int = 
                     "groups": len(problem.group_sizes)}
             programs = {name: (cfg, jax.jit(lambda a, b, s, cfg=cfg: mosaic._rows(cfg)(
                 a, b, s, cfg, interpret=interpret)), (lhs, rhs, sizes)) for name, cfg in kernels.items()}
+            programs["mosaic rhs [G, N, K]"] = (table, jax.jit(lambda a, bt, s: mosaic._rows(table)(
+                a, bt, s, table, transpose_rhs=True, interpret=interpret)), (lhs, jnp.swapaxes(rhs, 1, 2), sizes))
             programs["dense"] = (None, jax.jit(lambda a, b: a @ b[0]), (lhs[:used], rhs))
             for impl, (cfg, fn, args) in programs.items():
-                row = {**base, "impl": impl, "config": _describe(cfg) if cfg else "xla"}
+                row = {**base, "impl": impl, "config": (_describe(cfg) + (" rhs^T" if "N, K" in impl else ""))
+                       if cfg else "xla"}
                 try:
                     compiled = fn.lower(*args).compile()
                     ms = queued_ms(compiled, args, iters, timing_rounds)
