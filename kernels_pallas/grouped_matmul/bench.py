@@ -249,16 +249,23 @@ def _describe(cfg) -> str:
     kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
     walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
     blocks = f" x{cfg.blocks_per_sm}/SM" if cfg.blocks_per_sm > 1 else ""
-    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{blocks}"
+    skew = f" skew{cfg.tile_skew}/{cfg.skew_together}" if cfg.tile_skew else ""
+    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{blocks}{skew}"
+
+
+_SKEWS = ((16, 1), (16, 2), (32, 2))  # about one and two waves of tiles at 8 N-blocks on 132 SMs
 
 
 def _table_variants(table) -> list:
     """The table's config as it is, unchained (when it chains), with the other walk (TileConfig.grid_block_n:
-    along a tile's N-blocks, 0, or down the tiles, 1)."""
+    along a tile's N-blocks, 0, or down the tiles, 1), and with a group's tiles skewed along the walk
+    (TileConfig.tile_skew / skew_together: 16 or 32 places, one or two tiles of a group at a time)."""
     out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
+    out += [dataclasses.replace(table, tile_skew=d, skew_together=p) for d, p in _SKEWS
+            if (d, p) != (table.tile_skew, table.skew_together)]
     return out
 
 
