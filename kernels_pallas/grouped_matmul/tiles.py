@@ -29,8 +29,8 @@ class TileConfig:
     tile_skew = D, skew_together = p (row-tile kernels): 0, tiles in group order; D > 0, tile k of a group moved
     (k // p) D places later in the walk (`mosaic_kernels.skewed`), so that only p of a group's tiles run while its
     experts come from HBM and the rest find them in the L2. Why: on 128 equal groups the Qwen3-30B-A3B down forward
-    ran 458 TFLOP/s on an H100 and 506 on an H200, on one group 590 and 595, a gap in proportion to the cards' HBM
-    bandwidth (docs/benchmarks.md sections 45-46). Not yet timed on a GPU.
+    ran 458 TFLOP/s on an H100 and 506 on an H200, on one group 590 and 595: the gap in time (0.10 and 0.061 ms)
+    shrinks roughly as the cards' HBM bandwidth grows (docs/benchmarks.md sections 45-46). Not yet timed on a GPU.
     blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
     Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
     stores under the other's products; what the warp-specialised kernel does inside one block, left to the
