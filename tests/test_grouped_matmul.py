@@ -534,21 +534,21 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     # with an adapter, fused and as two kernels (the table's: the one the GPU runs, per mosaic's FUSED_* flags);
     # d rhs: table, the several-blocks candidates, candidate
     fwd, dlhs = mosaic.FUSED_LORA_ON_GPU, mosaic.FUSED_DLHS_LORA_ON_GPU
-    # per row-kernel direction also the table with its tiles skewed three ways, the two-blocks-an-SM tiles
+    # per row-kernel direction also the table with its tiles skewed four ways, the two-blocks-an-SM tiles
     # (`two_block_candidates`: one at 128 x 128), and for d rhs `multi_block_dw_candidates`' two (two and three blocks)
-    assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True)] + [("fwd", False)] * 6 + [
-        ("dlhs", True)] + [("dlhs", False)] * 6 + [("fwd+lora", fwd), ("fwd+lora", not fwd), ("dlhs+lora", dlhs),
+    assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True)] + [("fwd", False)] * 7 + [
+        ("dlhs", True)] + [("dlhs", False)] * 7 + [("fwd+lora", fwd), ("fwd+lora", not fwd), ("dlhs+lora", dlhs),
                                                    ("dlhs+lora", not dlhs), ("drhs", True)] + [("drhs", False)] * 3
-    assert rows[14]["label"].startswith("fused ") and rows[15]["label"].startswith("two kernels ")
     assert rows[16]["label"].startswith("fused ") and rows[17]["label"].startswith("two kernels ")
-    assert [r["label"] for r in rows[2:5]] == [f"single 128x128x64 st4 walkrow skew{d}/{p}" for d, p in bench._SKEWS]
-    assert rows[5]["label"] == rows[12]["label"] == "single 128x128x64 st3 walkrow x2/SM"
+    assert rows[18]["label"].startswith("fused ") and rows[19]["label"].startswith("two kernels ")
+    assert [r["label"] for r in rows[2:6]] == [f"single 128x128x64 st4 walkrow skew{d}/{p}" for d, p in bench._SKEWS]
+    assert rows[6]["label"] == rows[14]["label"] == "single 128x128x64 st3 walkrow x2/SM"
     assert [r["label"] for r in rows[-3:]] == ["drhs 128x128 t64 st3 x2/SM", "drhs 128x128 t64 st2 x3/SM",
                                                "drhs 64x64 t64 st2"]
     assert all(bench.sweep_dw_candidates(2880, 5760)) and all(
         2880 % c.dw_block_k == 0 and 5760 % c.dw_block_n == 0 for c in bench.sweep_dw_candidates(2880, 5760))
     assert all(r["tflops"] > 0 and "error" not in r for r in rows)
-    assert rows[6]["label"] == "ws-m 64x64x64 st2 walk2" and rows[6]["config"]["grid_block_n"] == 2
+    assert rows[7]["label"] == "ws-m 64x64x64 st2 walk2" and rows[7]["config"]["grid_block_n"] == 2
     # every other config computes the table's product (bf16 outputs of ~N(0, 128) entries: a rounding step or two
     # where the accumulation order differs, as the adapter's two kernels round twice)
     others = [r for r in rows if not r["table"]]
@@ -557,8 +557,8 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
         "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1",
-        "ws-n 128x128x64 st3 walkrow skew16/1", "ws-n 128x128x64 st3 walkrow skew16/2",
-        "ws-n 128x128x64 st3 walkrow skew32/2"]
+        "ws-n 128x128x64 st3 walkrow skew8/2", "ws-n 128x128x64 st3 walkrow skew16/1",
+        "ws-n 128x128x64 st3 walkrow skew16/2", "ws-n 128x128x64 st3 walkrow skew32/2"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):

@@ -253,13 +253,15 @@ def _describe(cfg) -> str:
     return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{blocks}{skew}"
 
 
-_SKEWS = ((16, 1), (16, 2), (32, 2))  # about one and two waves of tiles at 8 N-blocks on 132 SMs
+# half, one and two waves of tiles at 8 N-blocks on 132 SMs (one wave: ~16.5 tiles); a group's tiles one or two at a
+# time (the L2 then holds about 4 / p waves of experts: 12 MB a wave on Qwen3-30B-A3B down)
+_SKEWS = ((8, 2), (16, 1), (16, 2), (32, 2))
 
 
 def _table_variants(table) -> list:
     """The table's config as it is, unchained (when it chains), with the other walk (TileConfig.grid_block_n:
     along a tile's N-blocks, 0, or down the tiles, 1), and with a group's tiles skewed along the walk
-    (TileConfig.tile_skew / skew_together: 16 or 32 places, one or two tiles of a group at a time)."""
+    (TileConfig.tile_skew / skew_together: `_SKEWS`)."""
     out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
