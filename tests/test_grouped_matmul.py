@@ -776,6 +776,27 @@ def test_table_variants_without_a_sweep_is_one_line(capsys):
     assert "--table-variants narrows --sweep; add --sweep" in capsys.readouterr().err
 
 
+def test_probe_problems_keep_the_rows_and_vary_groups_or_contraction():
+    """`probe_problems` of a 128-group shape: every problem has the shape's rows and N; equal groups, 32 and 8 equal
+    groups (the same rows over fewer expert matrices) and one group, then K x2 and x4 on the 128 equal groups; a
+    shape of 3 groups gets no fewer-groups problems."""
+    from kernels_pallas.grouped_matmul import bench
+    from kernels_pallas.grouped_matmul.shapes import BENCH_SHAPES
+
+    shape = next(s for s in BENCH_SHAPES if s.name == "qwen3_30b_a3b_down")
+    problems = bench.probe_problems(shape)
+    assert [label for label, _ in problems] == ["as is", "equal groups", "32 equal groups", "8 equal groups",
+                                                "one group", "equal groups, K x2", "equal groups, K x4"]
+    for label, p in problems:
+        assert sum(p.group_sizes) == shape.m and p.n == shape.n, label
+    assert [len(p.group_sizes) for _, p in problems] == [128, 128, 32, 8, 1, 128, 128]
+    assert all(len(set(p.group_sizes)) == 1 for label, p in problems[1:]), "equal sizes"
+    assert [p.k // shape.k for _, p in problems] == [1, 1, 1, 1, 1, 2, 4]
+    small = bench.probe_problems(dataclasses.replace(shape, group_sizes=(70, 0, 186)))
+    assert [label for label, _ in small] == ["as is", "equal groups", "one group", "equal groups, K x2",
+                                             "equal groups, K x4"]
+
+
 def test_probe_runs_the_table_kernel_on_each_derived_problem():
     """`bench --probe`: the shape as it is, in equal groups, as one group, and with K x2 / x4, each on the original
     shape's table tiles (also with a variant, and reading the experts stored transposed) beside dense XLA; every

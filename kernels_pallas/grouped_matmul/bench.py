@@ -394,14 +394,17 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
 def probe_problems(shape: GmmShape) -> list[tuple[str, GmmShape]]:
     """Problems derived from `shape` that take its row kernel's time apart (`run_probe`): as it is; the same rows in
     equal groups (no group's last tile partial where m / G is a multiple of the tile); one group of all the rows (a
-    dense product through the grouped kernel); equal groups with the contraction 2x and 4x as long (the same units,
-    more steps each: the time per unit against the steps, whose intercept is what a unit costs besides its
-    products)."""
+    dense product through the grouped kernel); the same rows in G / 4 and G / 16 equal groups (where G allows: the
+    same units over fewer expert matrices, so the time against the experts' bytes); equal groups with the
+    contraction 2x and 4x as long (the same units, more steps each: the time per unit against the steps, whose
+    intercept is what a unit costs besides its products)."""
     g = len(shape.group_sizes)
     even = (shape.m // g,) * g
     derived = lambda label, **kw: (label, dataclasses.replace(shape, name=f"{shape.name} {label}", **kw))
-    return [("as is", shape), derived("equal groups", group_sizes=even), derived("one group", group_sizes=(shape.m,)),
-            derived("equal groups, K x2", group_sizes=even, k=2 * shape.k),
+    fewer = [derived(f"{g // d} equal groups", group_sizes=(shape.m // (g // d),) * (g // d))
+             for d in (4, 16) if g // d > 1 and g % d == 0]
+    return [("as is", shape), derived("equal groups", group_sizes=even), *fewer,
+            derived("one group", group_sizes=(shape.m,)), derived("equal groups, K x2", group_sizes=even, k=2 * shape.k),
             derived("equal groups, K x4", group_sizes=even, k=4 * shape.k)]
 
 
