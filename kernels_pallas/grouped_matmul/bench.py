@@ -447,14 +447,15 @@ def run_probe(shapes: Sequence[GmmShape], iters: int = 10, timing_rounds: int = 
             work = _work(problem)["fwd"]
             base = {"shape": shape.name, "problem": label, "m": problem.m, "k": problem.k, "n": problem.n,
                     "groups": len(problem.group_sizes)}
-            programs = {name: (cfg, jax.jit(lambda a, b, s, cfg=cfg: mosaic._rows(cfg)(
+            # impl: (tiles or None for XLA, the row's config label, program, its arguments)
+            programs = {name: (cfg, _describe(cfg), jax.jit(lambda a, b, s, cfg=cfg: mosaic._rows(cfg)(
                 a, b, s, cfg, interpret=interpret)), (lhs, rhs, sizes)) for name, cfg in kernels.items()}
-            programs["mosaic rhs [G, N, K]"] = (table, jax.jit(lambda a, bt, s: mosaic._rows(table)(
-                a, bt, s, table, transpose_rhs=True, interpret=interpret)), (lhs, jnp.swapaxes(rhs, 1, 2), sizes))
-            programs["dense"] = (None, jax.jit(lambda a, b: a @ b[0]), (lhs[:used], rhs))
-            for impl, (cfg, fn, args) in programs.items():
-                row = {**base, "impl": impl, "config": (_describe(cfg) + (" rhs^T" if "N, K" in impl else ""))
-                       if cfg else "xla"}
+            programs["mosaic rhs [G, N, K]"] = (table, _describe(table) + " rhs^T", jax.jit(
+                lambda a, bt, s: mosaic._rows(table)(a, bt, s, table, transpose_rhs=True, interpret=interpret)),
+                (lhs, jnp.swapaxes(rhs, 1, 2), sizes))
+            programs["dense"] = (None, "xla", jax.jit(lambda a, b: a @ b[0]), (lhs[:used], rhs))
+            for impl, (cfg, config, fn, args) in programs.items():
+                row = {**base, "impl": impl, "config": config}
                 try:
                     compiled = fn.lower(*args).compile()
                     ms = queued_ms(compiled, args, iters, timing_rounds)
