@@ -286,16 +286,15 @@ def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
 
 @pytest.mark.parametrize("key", [(768, 2048, 128), (1536, 2048, 128), (2048, 1536, 128)])
 def test_table_variants_lower_for_a_gpu_from_the_cpu(key):
-    """The Qwen3-30B-A3B warp-specialised entries and their sweep variants (unchained, the other walk, tiles skewed)
-    through Mosaic GPU's CUDA lowering, forward and (rhs read transposed) d lhs."""
+    """The Qwen3-30B-A3B warp-specialised entries and their sweep variants (unchained, the other walk) through Mosaic
+    GPU's CUDA lowering, forward and (rhs read transposed) d lhs."""
     from kernels_pallas.grouped_matmul import tiles
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
     kc, n, g = key
     table = tiles.CONFIGS[key]
     assert table.warp_specialized
-    variants = [table, dataclasses.replace(table, chained=False), dataclasses.replace(table, grid_block_n=1),
-                dataclasses.replace(table, tile_skew=16, skew_together=2)]
+    variants = [table, dataclasses.replace(table, chained=False), dataclasses.replace(table, grid_block_n=1)]
     lhs, dout = jax.ShapeDtypeStruct((4096, kc), jnp.bfloat16), jax.ShapeDtypeStruct((4096, n), jnp.bfloat16)
     rhs, sizes = jax.ShapeDtypeStruct((g, kc, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32)
     for cfg in variants:
@@ -303,61 +302,6 @@ def test_table_variants_lower_for_a_gpu_from_the_cpu(key):
             fn = jax.jit(lambda a, b, c, cfg=cfg, t=transpose: gmm_rows_ws(a, b, c, cfg, transpose_rhs=t))
             text = fn.trace(a, rhs, sizes).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-
-
-def test_skewed_tiles_move_each_groups_later_tiles_along_the_walk():
-    """`skewed` (TileConfig.tile_skew = D, skew_together = p): a permutation of `row_tiles`' tiles that keeps the
-    real ones first and the unused ones last, keeps each group's tiles in order, and puts tile k of a group (k // p) D
-    places after where group order has it (equal groups of four tiles: exactly, D = 4, p = 1 and 2; ragged groups with
-    empty ones and the pseudo-group: every key's order)."""
-    from kernels_pallas.grouped_matmul.mosaic_kernels import row_tiles, skewed
-
-    # eight equal groups of four 64-row tiles: group order 0,0,0,0,1,1,1,1,...
-    tiles = row_tiles(jnp.full((8,), 256, jnp.int32), 8 * 256, 64)
-    group = np.asarray(tiles[0])
-    real = int(np.sum(group <= 8))
-    assert real == 32 and list(group[:8]) == [0, 0, 0, 0, 1, 1, 1, 1]
-    g1, *_ = map(np.asarray, skewed(tiles, 8, 4, 1))
-    # keys t + 4k: group 0's tiles at 0, 5, 10, 15; group 1's at 4, 9, 14, 19; group 2's at 8, 13, ...
-    assert list(g1[:12]) == [0, 1, 0, 2, 1, 0, 3, 2, 1, 0, 4, 3]
-    g2, *_ = map(np.asarray, skewed(tiles, 8, 4, 2))
-    # keys t + 4 (k // 2): a group's first two tiles together, its last two 4 places later
-    assert list(g2[:12]) == [0, 0, 1, 1, 0, 0, 2, 2, 1, 1, 3, 3]
-
-    sizes = jnp.asarray((70, 0, 61, 3, 0, 50, 300, 0, 129, 1), jnp.int32)
-    tiles = row_tiles(sizes, 1024, 64)
-    g = sizes.shape[0]
-    before = [np.asarray(a) for a in tiles]
-    real = int(np.sum(before[0] <= g))
-    for d, p in ((1, 1), (3, 2), (16, 1), (40, 3)):
-        after = [np.asarray(a) for a in skewed(tiles, g, d, p)]
-        rows = lambda ts: sorted(zip(*(a.tolist() for a in ts)))
-        assert rows(after) == rows(before), (d, p)  # a permutation of whole tiles
-        assert np.all(after[0][:real] <= g) and np.all(after[0][real:] > g)  # real tiles first
-        for grp in range(g + 1):  # each group's tiles keep their order (row0 ascending)
-            mine = after[1][:real][after[0][:real] == grp]
-            assert list(mine) == sorted(mine), (d, p, grp)
-
-
-@pytest.mark.parametrize("ws,split,transpose", [(True, "n", False), (True, "m", True), (False, "n", False)])
-def test_skewed_tiles_leave_the_product_unchanged(ws, split, transpose):
-    """The row kernels walking skewed tiles (TileConfig.tile_skew) in interpret mode: chained pipelines over the
-    reordered units (warp-specialised, both splits, rhs read transposed) and the single-warpgroup kernel, on ragged
-    groups with empty ones and rows past the last, equal to a per-group loop."""
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws
-    from kernels_pallas.grouped_matmul.tiles import TileConfig
-
-    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws, wg_split=split,
-                     tile_skew=3, skew_together=1)
-    sizes = (130, 0, 61, 3, 0, 50)
-    m, k, n = sum(sizes) + 9, 128, 256
-    k1, k2 = jax.random.split(jax.random.key(14))
-    lhs = jax.random.normal(k1, (m, k), jnp.float32)
-    rhs = jax.random.normal(k2, (len(sizes), k, n), jnp.float32)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    got = (gmm_rows_ws if ws else gmm_rows)(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg,
-                                            transpose_rhs=transpose, interpret=True)
-    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, n)))[0], "float32", f"out (skewed, ws {ws}, split {split})")
 
 
 @pytest.mark.parametrize("transpose", [False, True])
@@ -534,21 +478,20 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     # with an adapter, fused and as two kernels (the table's: the one the GPU runs, per mosaic's FUSED_* flags);
     # d rhs: table, the several-blocks candidates, candidate
     fwd, dlhs = mosaic.FUSED_LORA_ON_GPU, mosaic.FUSED_DLHS_LORA_ON_GPU
-    # per row-kernel direction also the table with its tiles skewed four ways, the two-blocks-an-SM tiles
-    # (`two_block_candidates`: one at 128 x 128), and for d rhs `multi_block_dw_candidates`' two (two and three blocks)
-    assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True)] + [("fwd", False)] * 7 + [
-        ("dlhs", True)] + [("dlhs", False)] * 7 + [("fwd+lora", fwd), ("fwd+lora", not fwd), ("dlhs+lora", dlhs),
+    # per row-kernel direction also the two-blocks-an-SM tiles (`two_block_candidates`: one at 128 x 128), and for
+    # d rhs `multi_block_dw_candidates`' two (two and three blocks)
+    assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True)] + [("fwd", False)] * 3 + [
+        ("dlhs", True)] + [("dlhs", False)] * 3 + [("fwd+lora", fwd), ("fwd+lora", not fwd), ("dlhs+lora", dlhs),
                                                    ("dlhs+lora", not dlhs), ("drhs", True)] + [("drhs", False)] * 3
-    assert rows[16]["label"].startswith("fused ") and rows[17]["label"].startswith("two kernels ")
-    assert rows[18]["label"].startswith("fused ") and rows[19]["label"].startswith("two kernels ")
-    assert [r["label"] for r in rows[2:6]] == [f"single 128x128x64 st4 walkrow skew{d}/{p}" for d, p in bench._SKEWS]
-    assert rows[6]["label"] == rows[14]["label"] == "single 128x128x64 st3 walkrow x2/SM"
+    assert rows[8]["label"].startswith("fused ") and rows[9]["label"].startswith("two kernels ")
+    assert rows[10]["label"].startswith("fused ") and rows[11]["label"].startswith("two kernels ")
+    assert rows[2]["label"] == rows[6]["label"] == "single 128x128x64 st3 walkrow x2/SM"
     assert [r["label"] for r in rows[-3:]] == ["drhs 128x128 t64 st3 x2/SM", "drhs 128x128 t64 st2 x3/SM",
                                                "drhs 64x64 t64 st2"]
     assert all(bench.sweep_dw_candidates(2880, 5760)) and all(
         2880 % c.dw_block_k == 0 and 5760 % c.dw_block_n == 0 for c in bench.sweep_dw_candidates(2880, 5760))
     assert all(r["tflops"] > 0 and "error" not in r for r in rows)
-    assert rows[7]["label"] == "ws-m 64x64x64 st2 walk2" and rows[7]["config"]["grid_block_n"] == 2
+    assert rows[3]["label"] == "ws-m 64x64x64 st2 walk2" and rows[3]["config"]["grid_block_n"] == 2
     # every other config computes the table's product (bf16 outputs of ~N(0, 128) entries: a rounding step or two
     # where the accumulation order differs, as the adapter's two kernels round twice)
     others = [r for r in rows if not r["table"]]
@@ -556,9 +499,7 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     assert all("max_abs_diff_vs_table" not in r for r in rows if r["table"])
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
-        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1",
-        "ws-n 128x128x64 st3 walkrow skew8/2", "ws-n 128x128x64 st3 walkrow skew16/1",
-        "ws-n 128x128x64 st3 walkrow skew16/2", "ws-n 128x128x64 st3 walkrow skew32/2"]
+        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):

@@ -249,25 +249,16 @@ def _describe(cfg) -> str:
     kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
     walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
     blocks = f" x{cfg.blocks_per_sm}/SM" if cfg.blocks_per_sm > 1 else ""
-    skew = f" skew{cfg.tile_skew}/{cfg.skew_together}" if cfg.tile_skew else ""
-    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{blocks}{skew}"
-
-
-# half, one and two waves of tiles at 8 N-blocks on 132 SMs (one wave: ~16.5 tiles); a group's tiles one or two at a
-# time (the L2 then holds about 4 / p waves of experts: 12 MB a wave on Qwen3-30B-A3B down)
-_SKEWS = ((8, 2), (16, 1), (16, 2), (32, 2))
+    return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{blocks}"
 
 
 def _table_variants(table) -> list:
     """The table's config as it is, unchained (when it chains), with the other walk (TileConfig.grid_block_n:
-    along a tile's N-blocks, 0, or down the tiles, 1), and with a group's tiles skewed along the walk
-    (TileConfig.tile_skew / skew_together: `_SKEWS`)."""
+    along a tile's N-blocks, 0, or down the tiles, 1)."""
     out = [table]
     if table.warp_specialized and table.chained:
         out.append(dataclasses.replace(table, chained=False))
     out.append(dataclasses.replace(table, grid_block_n=0 if table.grid_block_n else 1))
-    out += [dataclasses.replace(table, tile_skew=d, skew_together=p) for d, p in _SKEWS
-            if (d, p) != (table.tile_skew, table.skew_together)]
     return out
 
 

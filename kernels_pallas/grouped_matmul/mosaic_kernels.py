@@ -35,13 +35,15 @@ TMA multicast (3-7% slower), and whole tiles stored through a swizzled staging t
 nor bank conflicts in the epilogue limit these shapes. Section 44 (H100) took the Qwen3-30B-A3B forward apart
 (`bench --probe`): its 128 ragged groups run 6-9% under equal groups of whole tiles, and those 23-27% under one group
 of the same rows and units; a unit that starts on a fresh expert matrix costs ~4 us besides its products, ~1 us on
-one matrix. Five remedies measured and dropped (git history): an L2 prefetch of the SM's next unit's tiles
+one matrix. Six remedies measured and dropped (git history): an L2 prefetch of the SM's next unit's tiles
 (`plgpu.async_prefetch`, 14-53% slower), the output staged in 64-row pieces to free a fourth stage (2-3% slower),
 each SM taking runs of 4 or 8 tiles at one N-block to reuse an expert tile (37-50% slower, section 45), each
 group's expert tiles asked of the L2 once, 8-32 tiles before their first use (3-48% slower, section 45; worst at
 K x 4, where each ask is 1.5 MB: the prefetches seem to hold up the SM's own TMA loads, not measured directly), and
 a 128-row part multiplying only the 64-row half it stores (0.4-2% faster in five sweep comparisons, 1.8% slower in
-the A/B of section 45: within the spread).
+the A/B of section 45: within the spread), and a group's later tiles moved a wave or two along the walk, so that
+only the first of them would wait for its experts from HBM (10-42% slower, section 47: the tiles of a group that
+share its expert tiles gain from running at once).
 Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 35): forward
 461-606 TFLOP/s, forward+backward 467-560; the 600 / 500 target is met by GPT-OSS-20B's gate_up forward only and
 missed by both Qwen3-30B-A3B shapes (forward 534 and 461; the down shape's K = 768 gives a tile 12 contraction
@@ -176,41 +178,18 @@ def _rhs_window(rhs: jax.Array, g: int, rhs_base, pads: dict[int, int]):
     return rhs, lambda group: base + jnp.minimum(group, g - 1)
 
 
-def skewed(tiles, g: int, skew: int, together: int):
-    """TileConfig.tile_skew = D / skew_together = p: `row_tiles`' tiles reordered so that tile k of a group comes
-    (k // p) D places later than in group order: its first p tiles where they were, the next p D tiles later, and
-    so on (a stable sort of t + (k // p) D over the real tiles, which stay first; the unused ones stay last).
-
-    Why: the SMs working at once take consecutive units of the walk, so in group order all tiles of a group run at
-    once and every one of their units waits for the group's experts to come from HBM (the fresh-expert cost,
-    docs/benchmarks.md sections 44-46). With D about one wave of tiles (SMs / N-blocks), only p of a group's tiles
-    wait; the later ones find the experts in the L2, which then holds about (tiles per group / p) waves of them."""
-    group, *rest = tiles
-    t = jnp.arange(group.shape[0], dtype=jnp.int32)
-    starts = jnp.concatenate([jnp.ones((1,), bool), group[1:] != group[:-1]])
-    k = t - jax.lax.cummax(jnp.where(starts, t, 0), axis=0)  # the tile's index within its group
-    real = group <= g
-    key = jnp.where(real, t + (k // together) * skew, t + group.shape[0] * (skew + 1))
-    order = jnp.argsort(key, stable=True)
-    return tuple(a[order] for a in (group, *rest))
-
-
-def _row_operands(lhs, rhs, group_sizes, bm: int, bk: int, width: int, transpose_rhs: bool, rhs_base, lora,
-                  skew: tuple[int, int] = (0, 1)):
+def _row_operands(lhs, rhs, group_sizes, bm: int, bk: int, width: int, transpose_rhs: bool, rhs_base, lora):
     """What both row-tile kernels launch on: lhs and rhs zero-padded to their tiles (`width`: the output columns one
-    unit computes), the matrix index of each tile (`_rhs_window`), the schedule (`row_tiles`, reordered by `skewed`
-    when skew = (D, p) has D > 0), the fused adapter's operands (`_lora_operands`), the padded M and N, and the grid:
-    N-blocks and contraction steps."""
+    unit computes), the matrix index of each tile (`_rhs_window`), the schedule (`row_tiles`), the fused adapter's
+    operands (`_lora_operands`), the padded M and N, and the grid: N-blocks and contraction steps."""
     m, g = lhs.shape[0], group_sizes.shape[0]
     rhs, rhs_index = _rhs_window(rhs, g, rhs_base, {2: bk, 1: width} if transpose_rhs else {1: bk, 2: width})
     lhs_p = _pad(_pad(lhs, 0, bm), 1, bk)
     rhs_p = _pad(_pad(rhs, 2, bk), 1, width) if transpose_rhs else _pad(_pad(rhs, 1, bk), 2, width)
     mp, kp = lhs_p.shape
     np_ = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
-    tiles = row_tiles(group_sizes, mp, bm)
-    if skew[0]:
-        tiles = skewed(tiles, g, *skew)
-    return (lhs_p, rhs_p, rhs_index, tiles, _lora_operands(lora, m, bm, np_, g), mp, np_, np_ // width, kp // bk)
+    return (lhs_p, rhs_p, rhs_index, row_tiles(group_sizes, mp, bm), _lora_operands(lora, m, bm, np_, g), mp, np_,
+            np_ // width, kp // bk)
 
 
 def _unit(flat, count, grid_n: int, cfg: TileConfig):
@@ -243,7 +222,7 @@ def gmm_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: TileCo
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     lhs_p, rhs_p, rhs_index, tiles, lora, mp, np_, grid_n, k_steps = _row_operands(
-        lhs, rhs, group_sizes, bm, bk, bn, transpose_rhs, rhs_base, lora, (cfg.tile_skew, cfg.skew_together))
+        lhs, rhs, group_sizes, bm, bk, bn, transpose_rhs, rhs_base, lora)
     dtype = lhs.dtype
 
     def body(group_ref, index_ref, row0_ref, lo_ref, hi_ref, count_ref, lhs_ref, rhs_ref, *refs):
@@ -348,7 +327,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
     split_n = cfg.wg_split == "n"
     cta_n, wg_m = cfg.cta_n, cfg.wg_m
     lhs_p, rhs_p, rhs_index, tiles, lora, mp, np_, grid_n, k_steps = _row_operands(
-        lhs, rhs, group_sizes, bm, bk, cta_n, transpose_rhs, rhs_base, lora, (cfg.tile_skew, cfg.skew_together))
+        lhs, rhs, group_sizes, bm, bk, cta_n, transpose_rhs, rhs_base, lora)
     dtype = lhs.dtype
     b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
 

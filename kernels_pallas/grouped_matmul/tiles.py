@@ -26,11 +26,6 @@ class TileConfig:
     chained (warp-specialised kernel, when the contraction steps are a multiple of ``stages``): an SM's units run as
     one chain of pipelines, so the memory warpgroup loads the next unit while the compute warpgroups finish and
     store this one; else every unit fills its pipeline from empty and drains it.
-    tile_skew = D, skew_together = p (row-tile kernels): 0, tiles in group order; D > 0, tile k of a group moved
-    (k // p) D places later in the walk (`mosaic_kernels.skewed`), so that only p of a group's tiles run while its
-    experts come from HBM and the rest find them in the L2. Why: on 128 equal groups the Qwen3-30B-A3B down forward
-    ran 458 TFLOP/s on an H100 and 506 on an H200, on one group 590 and 595: the gap in time (0.10 and 0.061 ms)
-    shrinks roughly as the cards' HBM bandwidth grows (docs/benchmarks.md sections 45-46). Not yet timed on a GPU.
     blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
     Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
     stores under the other's products; what the warp-specialised kernel does inside one block, left to the
@@ -51,14 +46,12 @@ class TileConfig:
     chained: bool = True
     blocks_per_sm: int = 1
     dw_blocks_per_sm: int = 1
-    tile_skew: int = 0
-    skew_together: int = 1
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
             raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
         for f in dataclasses.fields(self):
-            least = 0 if f.name in ("grid_block_n", "tile_skew") else 1
+            least = 0 if f.name in ("grid_block_n",) else 1
             if f.type == "int" and getattr(self, f.name) < least:
                 raise ValueError(f"{_WHERE}: TileConfig.{f.name} must be >= {least}, got {getattr(self, f.name)}")
         if self.block_m % self.dw_block_t:
