@@ -42,7 +42,7 @@ group's expert tiles asked of the L2 once, 8-32 tiles before their first use (3-
 K x 4, where each ask is 1.5 MB: the prefetches seem to hold up the SM's own TMA loads, not measured directly), and
 a 128-row part multiplying only the 64-row half it stores (0.4-2% faster in five sweep comparisons, 1.8% slower in
 the A/B of section 45: within the spread), and a group's later tiles moved a wave or two along the walk, so that
-only the first of them would wait for its experts from HBM (10-42% slower, section 47: the tiles of a group that
+only the first of them would wait for its experts from HBM (10-51% slower, section 47: the tiles of a group that
 share its expert tiles gain from running at once).
 Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 35): forward
 461-606 TFLOP/s, forward+backward 467-560; the 600 / 500 target is met by GPT-OSS-20B's gate_up forward only and
