@@ -738,6 +738,26 @@ def test_probe_problems_keep_the_rows_and_vary_groups_or_contraction():
                                              "equal groups, K x4"]
 
 
+def test_probe_jax_dense_rows_lower_for_a_gpu_from_the_cpu():
+    """The probe's one-group rows of JAX's own dense Mosaic GPU matmul (`bench._JAX_DENSE`, GPU only when timed):
+    each config, clusters included, lowers for CUDA from the CPU to one Mosaic GPU call, under an abstract mesh that
+    gives the example its SM count (it asks the default device, which a CPU cannot answer)."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+    from kernels_pallas.grouped_matmul import bench
+
+    lhs, rhs = jax.ShapeDtypeStruct((65536, 768), jnp.bfloat16), jax.ShapeDtypeStruct((768, 2048), jnp.bfloat16)
+    programs = bench._jax_dense_programs(lhs, rhs)
+    assert len(programs) == len(bench._JAX_DENSE) and all(label.startswith("jax example") for label in programs)
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
+                                                                     num_cores=132, platform="cuda"))
+    with use_abstract_mesh(mesh):
+        for label, (cfg, config, fn, args) in programs.items():
+            assert cfg is None and config == label
+            text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("stablehlo.custom_call @mosaic_gpu") == 1, label
+
+
 def test_probe_runs_the_table_kernel_on_each_derived_problem():
     """`bench --probe`: the shape as it is, in equal groups, as one group, and with K x2 / x4, each on the original
     shape's table tiles (also with a variant, and reading the experts stored transposed) beside dense XLA; every

@@ -412,6 +412,29 @@ def _spot_check(out, lhs, rhs, group_sizes) -> float:
     return worst
 
 
+# JAX's own dense Mosaic GPU matmul (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu) at tiles near the table's
+# Qwen3-30B-A3B down entry: (tile_m, tile_n, stages, warpgroups split along, cluster of two along). Its CTA tile is
+# 128 x 256 split along N, like ours, and its clusters multicast the tile shared along the other dimension.
+_JAX_DENSE = ((128, 128, 3, "N", None), (128, 128, 3, "N", "M"), (128, 128, 3, "N", "N"), (128, 128, 3, "M", None),
+              (128, 128, 3, "M", "N"))
+
+
+def _jax_dense_programs(lhs, rhs) -> dict:
+    """The probe's rows of `_JAX_DENSE` on one group ([M, K] @ [K, N]; on a GPU only: the example takes no
+    interpreter): {impl: (None, label, program, args)}. Why: the one-group problem is a dense product, so this says
+    how far the Pallas warp-specialised structure itself gets on it, beside cuBLAS (XLA) and the grouped kernel."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    out = {}
+    for tm, tn, st, wg, cluster in _JAX_DENSE:
+        dim = hm.MatmulDimension
+        cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=st, wg_dimension=dim[wg],
+                              cluster_dimension=dim[cluster] if cluster else None)
+        label = f"jax example {tm}x{tn}x64 st{st} wg-{wg}" + (f" cluster-{cluster}" if cluster else "")
+        out[label] = (None, label, jax.jit(functools.partial(hm.matmul, c=None, config=cfg)), (lhs, rhs))
+    return out
+
+
 def run_probe(shapes: Sequence[GmmShape], iters: int = 10, timing_rounds: int = 5,
               variants: Sequence[dict] = ()) -> list[dict]:
     """Rows {"shape", "problem", "impl": "mosaic" | "mosaic variant N" | "mosaic rhs [G, N, K]" | "dense", "config",
@@ -419,7 +442,8 @@ def run_probe(shapes: Sequence[GmmShape], iters: int = 10, timing_rounds: int = 
     table entry (so every problem runs the same kernel), the same with each of `variants` ({TileConfig field: value}
     applied to the entry: `--probe-variant`), the table's kernel reading the experts stored transposed ([G, N, K], as
     nn.Linear stores a weight: each expert tile [cta_n, K] one contiguous block, where [G, K, N] spreads it over K
-    rows N elements apart), and a dense XLA matmul of the same rows. Mosaic rows also give "units" (the (row tile,
+    rows N elements apart), and a dense XLA matmul of the same rows; on a GPU the one-group problem also runs JAX's
+    own dense Mosaic GPU matmul (`_JAX_DENSE`, impl "jax example ..."). Mosaic rows also give "units" (the (row tile,
     N-block) pairs the SMs walk), "k_steps", "us_per_unit" (ms x SMs / units: one unit's time on one SM) and
     "max_abs_diff" (its output on the first, middle and last groups' rows against `_spot_check`'s float32
     products)."""
@@ -445,14 +469,17 @@ def run_probe(shapes: Sequence[GmmShape], iters: int = 10, timing_rounds: int = 
                 lambda a, bt, s: mosaic._rows(table)(a, bt, s, table, transpose_rhs=True, interpret=interpret)),
                 (lhs, jnp.swapaxes(rhs, 1, 2), sizes))
             programs["dense"] = (None, "xla", jax.jit(lambda a, b: a @ b[0]), (lhs[:used], rhs))
+            if label == "one group" and not interpret:
+                programs |= _jax_dense_programs(lhs, rhs[0])
             for impl, (cfg, config, fn, args) in programs.items():
                 row = {**base, "impl": impl, "config": config}
                 try:
                     compiled = fn.lower(*args).compile()
                     ms = queued_ms(compiled, args, iters, timing_rounds)
                     row.update(ms=ms, tflops=work / (ms * 1e-3) / 1e12)
-                    if cfg is not None:
+                    if cfg is not None or impl.startswith("jax example"):
                         row["max_abs_diff"] = _spot_check(compiled(*args), lhs, rhs, problem.group_sizes)
+                    if cfg is not None:
                         group = row_tiles(sizes, -(-problem.m // cfg.block_m) * cfg.block_m, cfg.block_m)[0]
                         units = int(jnp.sum(group <= len(problem.group_sizes))) * -(-problem.n // cfg.cta_n)
                         row.update(units=units, k_steps=problem.k // cfg.block_k,
