@@ -189,27 +189,36 @@ def test_auto_takes_the_kernels_only_on_hopper():
         grouped_matmul_mosaic(lhs, rhs, sizes, interpret=False)
 
 
-@pytest.mark.parametrize("split,transpose,block_m,sizes", [
-    ("n", False, 64, (70, 0, 61, 3, 0, 50)), ("m", True, 64, (70, 0, 61, 3, 0, 50)),
+@pytest.mark.parametrize("split,transpose,block_m,sizes,pair", [
+    ("n", False, 64, (70, 0, 61, 3, 0, 50), ""), ("m", True, 64, (70, 0, 61, 3, 0, 50), ""),
     # 256-row tiles split along M (128 rows a compute warpgroup, a sweep candidate): groups of one, two and three
     # halves, an empty one, and rows past the last group
-    ("m", False, 256, (300, 0, 140, 3, 0, 50)), ("m", True, 256, (300, 0, 140, 3, 0, 50)),
+    ("m", False, 256, (300, 0, 140, 3, 0, 50), ""), ("m", True, 256, (300, 0, 140, 3, 0, 50), ""),
+    # clusters of two blocks sharing each expert tile (TileConfig.cluster_m; the interpreter's 2 "SMs": one
+    # cluster): groups of 2, 1 and 3 tiles (null partners), an empty group, rows past the last; chained (2 steps on
+    # 2 stages) and not (3 steps); both splits, rhs as stored and read transposed
+    ("n", False, 64, (70, 0, 61, 3, 0, 150), "pair"), ("m", True, 64, (70, 0, 61, 3, 0, 150), "pair"),
+    ("n", False, 64, (130, 64, 0, 5), "pair, 3 steps"),
 ])
-def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes):
+def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes, pair):
     """The memory-warpgroup + two-compute-warpgroup variant in interpret mode, each way of splitting the tile
-    (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does)."""
+    (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does), and in clusters of
+    two blocks that share each expert tile (TileConfig.cluster_m)."""
     from kernels_pallas.grouped_matmul.tiles import TileConfig
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
-    cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split)
+    cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split,
+                     cluster_m=bool(pair))
+    k = 192 if "3 steps" in pair else 128
     m = sum(sizes) + 7
     sizes = jnp.asarray(sizes, jnp.int32)
     k1, k2 = jax.random.split(jax.random.key(4))
-    lhs = jax.random.normal(k1, (m, 128), jnp.float32)
-    rhs = jax.random.normal(k2, (6, 128, 256), jnp.float32)
+    lhs = jax.random.normal(k1, (m, k), jnp.float32)
+    rhs = jax.random.normal(k2, (sizes.shape[0], k, 256), jnp.float32)
     got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
                       interpret=True)
-    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 256)))[0], "float32", f"out (split {split}, {block_m} rows)")
+    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 256)))[0], "float32",
+           f"out (split {split}, {block_m} rows {pair})")
 
 
 @pytest.mark.parametrize("sizes,m,k,n,walk", [
@@ -286,15 +295,16 @@ def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
 
 @pytest.mark.parametrize("key", [(768, 2048, 128), (1536, 2048, 128), (2048, 1536, 128)])
 def test_table_variants_lower_for_a_gpu_from_the_cpu(key):
-    """The Qwen3-30B-A3B warp-specialised entries and their sweep variants (unchained, the other walk) through Mosaic
-    GPU's CUDA lowering, forward and (rhs read transposed) d lhs."""
+    """The Qwen3-30B-A3B warp-specialised entries and their sweep variants (unchained, the other walk, clusters
+    sharing the expert tile) through Mosaic GPU's CUDA lowering, forward and (rhs read transposed) d lhs."""
     from kernels_pallas.grouped_matmul import tiles
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
     kc, n, g = key
     table = tiles.CONFIGS[key]
     assert table.warp_specialized
-    variants = [table, dataclasses.replace(table, chained=False), dataclasses.replace(table, grid_block_n=1)]
+    variants = [table, dataclasses.replace(table, chained=False), dataclasses.replace(table, grid_block_n=1),
+                dataclasses.replace(table, cluster_m=True)]
     lhs, dout = jax.ShapeDtypeStruct((4096, kc), jnp.bfloat16), jax.ShapeDtypeStruct((4096, n), jnp.bfloat16)
     rhs, sizes = jax.ShapeDtypeStruct((g, kc, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32)
     for cfg in variants:
@@ -499,7 +509,8 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     assert all("max_abs_diff_vs_table" not in r for r in rows if r["table"])
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
-        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
+        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1",
+        "ws-n 128x128x64 st3 walkrow cluster-m"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):

@@ -78,11 +78,14 @@ def _num_sms(interpret: bool) -> int:
     return getattr(jax.devices()[0], "core_count", None) or _HOPPER_SMS
 
 
-def _kernel(body, out_type, interpret: bool, name: str, blocks_per_sm: int = 1, **threads):
+def _kernel(body, out_type, interpret: bool, name: str, blocks_per_sm: int = 1, cluster: int = 1, **threads):
     """A persistent kernel: `blocks_per_sm` blocks per SM (grid axis "sm"; the blocks of an SM run at once when
-    their shared memory and registers fit, TileConfig.blocks_per_sm)."""
-    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret) * blocks_per_sm,), grid_names=("sm",),
-                        **threads,
+    their shared memory and registers fit, TileConfig.blocks_per_sm), or with `cluster` > 1 one cluster of that
+    many blocks per `cluster` SMs (grid axis "sm" over the clusters, cluster axis "cluster")."""
+    if cluster > 1:
+        threads.update(cluster=(cluster,), cluster_names=("cluster",))
+    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret) * blocks_per_sm // cluster,),
+                        grid_names=("sm",), **threads,
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
                         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
 
@@ -164,6 +167,37 @@ def _lora_operands(lora, lhs_rows: int, block_m: int, width: int, g: int):
 def _real_tiles(group: jax.Array, g: int) -> jax.Array:
     """[1] int32: how many of `row_tiles`' tiles are real (a group's or the pseudo-group's); they come first."""
     return jnp.sum(group <= g, dtype=jnp.int32)[None]
+
+
+def paired_tiles(tiles, g: int):
+    """TileConfig.cluster_m: `row_tiles`' schedule with a null tile after the last tile of each group (or the
+    pseudo-group) that has an odd number of them, so that tiles 2p and 2p + 1 always belong to one group: the pair
+    a cluster of two blocks multiplies by that group's expert tiles, loaded once for both. A null tile is its
+    partner's (same group, same rows loaded) with lo == hi: it multiplies and stores nothing, but its block still
+    takes its half of the shared loads. Returns (group, row0, lo, hi) of static length len + G + 2 (even), the
+    real and null tiles first, then unused ones (group G + 1), and the number of real pairs as [1] int32.
+    Why: the expert tile is the larger operand of a 128 x 256 unit (K x 256 against 128 x K), and clusters that
+    shared the lhs tile instead lost 3-7% (docs/benchmarks.md section 43); JAX's dense example shares either."""
+    group, row0, lo, hi = tiles
+    size = group.shape[0]
+    t = jnp.arange(size, dtype=jnp.int32)
+    real = group <= g
+    counts = jnp.zeros((g + 1,), jnp.int32).at[jnp.where(real, group, g + 1)].add(1, mode="drop")
+    odd = counts % 2
+    before = jnp.cumsum(odd) - odd  # groups with an odd count before this one: null tiles inserted ahead of it
+    length = size + g + 1 + (size + g + 1) % 2
+    pos = jnp.where(real, t + before[jnp.minimum(group, g)], length)
+    src = jnp.full((length,), -1, jnp.int32).at[pos].set(t, mode="drop")
+    used = jnp.sum(real, dtype=jnp.int32) + jnp.sum(odd, dtype=jnp.int32)
+    q = jnp.arange(length, dtype=jnp.int32)
+    null = (src < 0) & (q < used)
+    take = jnp.where(src >= 0, src, jnp.where(null, src[jnp.maximum(q - 1, 0)], 0))
+    unused = q >= used
+    p_group = jnp.where(unused, g + 1, group[take])
+    p_row0 = jnp.where(unused, 0, row0[take])
+    p_hi = jnp.where(unused, 0, hi[take])
+    p_lo = jnp.where(unused, 0, jnp.where(null, p_hi, lo[take]))
+    return (p_group, p_row0, p_lo, p_hi), (used // 2)[None]
 
 
 def _rhs_window(rhs: jax.Array, g: int, rhs_base, pads: dict[int, int]):
@@ -330,6 +364,11 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
         lhs, rhs, group_sizes, bm, bk, cta_n, transpose_rhs, rhs_base, lora)
     dtype = lhs.dtype
     b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+    pair = 2 if cfg.cluster_m else 1  # TileConfig.cluster_m: two blocks take tiles 2p, 2p + 1 of `paired_tiles`
+    if pair > 1:
+        tiles, count = paired_tiles(tiles, g)
+    else:
+        count = _real_tiles(tiles[0], g)
 
     def rhs_tile(rhs_ref, group, ni):
         cols = pl.ds(ni * cta_n, cta_n)
@@ -343,7 +382,8 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                 plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=_swizzled(bk, dtype),
                                 memory_space=plgpu.SMEM),
                 plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
-                                transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM),
+                                transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM,
+                                collective_axes=("cluster",) if pair > 1 else ()),
             ])
 
     # Chained pipelines (see the docstring): the memory warpgroup loads the SM's next unit while the compute
@@ -366,11 +406,14 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
 
             # The SM's units: (tile, N-block) pairs of the real tiles only (row_tiles puts them first), so that every
             # unit a chain visits loads and stores (an idle unit between chained pipelines would break the chain).
+            # A cluster's units: (pair of tiles of one group, N-block), its expert tile multicast to both blocks.
             count = count_ref[0]
 
             @plgpu.nd_loop((count * grid_n,), collective_axes="sm")
             def _(info: plgpu.NDLoopInfo):
                 ti, ni = _unit(info.index[0], count, grid_n, cfg)
+                if pair > 1:
+                    ti = ti * pair + jax.lax.axis_index("cluster")
                 group, row0, lo, hi = group_ref[ti], row0_ref[ti], lo_ref[ti], hi_ref[ti]
                 row_off = 0 if split_n else wg * wg_m  # this warpgroup's rows / columns within the tile
                 col0 = ni * cta_n + (wg * bn if split_n else 0)
@@ -429,7 +472,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     group = tiles[0]
-    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", num_threads=3,
-                  thread_name="wg")(group, rhs_index(group), *tiles[1:], _real_tiles(group, g), lhs_p, rhs_p,
-                                    *(lora or ()))
+    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", cluster=pair,
+                  num_threads=3, thread_name="wg")(group, rhs_index(group), *tiles[1:], count, lhs_p, rhs_p,
+                                                   *(lora or ()))
     return out[:m, :n]
