@@ -93,6 +93,8 @@ def test_bad_shapes_are_one_line_naming_the_file():
 
     with pytest.raises(ValueError, match=r"tiles.py: TileConfig.dw_blocks_per_sm must be >= 1, got 0"):
         TileConfig(dw_blocks_per_sm=0)
+    with pytest.raises(ValueError, match=r"tiles.py: TileConfig.cluster_m needs warp_specialized=True"):
+        TileConfig(cluster_m=True)
 
 
 # --------------------------------------------------------------------------- the Mosaic GPU kernels' schedule
@@ -219,6 +221,35 @@ def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, 
                       interpret=True)
     _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 256)))[0], "float32",
            f"out (split {split}, {block_m} rows {pair})")
+
+
+def test_paired_tiles_put_two_tiles_of_one_group_in_each_pair():
+    """`paired_tiles` (TileConfig.cluster_m): tiles 2p and 2p + 1 of the schedule share a group for every real pair;
+    the real tiles are exactly `row_tiles`' in order; a group (or the pseudo-group) with an odd number of tiles gets
+    one null partner after its last (its group and rows loaded, lo == hi: nothing stored); the rest is unused
+    (group G + 1); the count is the real pairs."""
+    from kernels_pallas.grouped_matmul.mosaic_kernels import paired_tiles, row_tiles
+
+    sizes = jnp.asarray((130, 0, 61, 3, 0, 150, 64), jnp.int32)
+    g, m = sizes.shape[0], 640  # 408 rows in groups: 232 past them, the pseudo-group's
+    tiles = [np.asarray(a) for a in row_tiles(sizes, m, 64)]
+    real = tiles[0] <= g
+    counts = np.bincount(tiles[0][real], minlength=g + 1)
+    assert list(counts) == [3, 0, 1, 1, 0, 3, 1, 4]  # every real tile stores rows (lo < hi)
+    assert np.all(tiles[2][real] < tiles[3][real])
+    (group, row0, lo, hi), count = paired_tiles(row_tiles(sizes, m, 64), g)
+    group, row0, lo, hi, count = (np.asarray(a) for a in (group, row0, lo, hi, count))
+    assert group.shape[0] % 2 == 0 and count.shape == (1,)
+    used = 2 * int(count[0])
+    assert used // 2 == sum(-(-c // 2) for c in counts) == 9
+    assert np.all(group[0:used:2] == group[1:used:2]) and np.all(group[:used] <= g)
+    assert np.all(group[used:] == g + 1) and np.all(lo[used:] == hi[used:])
+    null = lo[:used] == hi[:used]
+    assert [tuple(x) for x in zip(*(a[:used][~null] for a in (group, row0, lo, hi)))] == \
+        [tuple(x) for x in zip(*(a[real] for a in tiles))]
+    nulls = np.flatnonzero(null)
+    assert list(group[nulls]) == [0, 2, 3, 5, 6]  # the odd groups' partners; the pseudo-group's 4 tiles pair up
+    assert np.all(nulls % 2 == 1) and np.all(row0[nulls] == row0[nulls - 1])
 
 
 @pytest.mark.parametrize("sizes,m,k,n,walk", [

@@ -174,7 +174,7 @@ def paired_tiles(tiles, g: int):
     pseudo-group) that has an odd number of them, so that tiles 2p and 2p + 1 always belong to one group: the pair
     a cluster of two blocks multiplies by that group's expert tiles, loaded once for both. A null tile is its
     partner's (same group, same rows loaded) with lo == hi: it multiplies and stores nothing, but its block still
-    takes its half of the shared loads. Returns (group, row0, lo, hi) of static length len + G + 2 (even), the
+    takes its half of the shared loads. Returns (group, row0, lo, hi) of a static even length (len + G + 1 rounded up), the
     real and null tiles first, then unused ones (group G + 1), and the number of real pairs as [1] int32.
     Why: the expert tile is the larger operand of a 128 x 256 unit (K x 256 against 128 x K), and clusters that
     shared the lhs tile instead lost 3-7% (docs/benchmarks.md section 43); JAX's dense example shares either."""
