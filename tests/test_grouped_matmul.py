@@ -93,8 +93,6 @@ def test_bad_shapes_are_one_line_naming_the_file():
 
     with pytest.raises(ValueError, match=r"tiles.py: TileConfig.dw_blocks_per_sm must be >= 1, got 0"):
         TileConfig(dw_blocks_per_sm=0)
-    with pytest.raises(ValueError, match=r"tiles.py: TileConfig.cluster_m needs warp_specialized=True"):
-        TileConfig(cluster_m=True)
 
 
 # --------------------------------------------------------------------------- the Mosaic GPU kernels' schedule
@@ -191,65 +189,27 @@ def test_auto_takes_the_kernels_only_on_hopper():
         grouped_matmul_mosaic(lhs, rhs, sizes, interpret=False)
 
 
-@pytest.mark.parametrize("split,transpose,block_m,sizes,pair", [
-    ("n", False, 64, (70, 0, 61, 3, 0, 50), ""), ("m", True, 64, (70, 0, 61, 3, 0, 50), ""),
+@pytest.mark.parametrize("split,transpose,block_m,sizes", [
+    ("n", False, 64, (70, 0, 61, 3, 0, 50)), ("m", True, 64, (70, 0, 61, 3, 0, 50)),
     # 256-row tiles split along M (128 rows a compute warpgroup, a sweep candidate): groups of one, two and three
     # halves, an empty one, and rows past the last group
-    ("m", False, 256, (300, 0, 140, 3, 0, 50), ""), ("m", True, 256, (300, 0, 140, 3, 0, 50), ""),
-    # clusters of two blocks sharing each expert tile (TileConfig.cluster_m; the interpreter's 2 "SMs": one
-    # cluster): groups of 2, 1 and 3 tiles (null partners), an empty group, rows past the last; chained (2 steps on
-    # 2 stages) and not (3 steps); both splits, rhs as stored and read transposed
-    ("n", False, 64, (70, 0, 61, 3, 0, 150), "pair"), ("m", True, 64, (70, 0, 61, 3, 0, 150), "pair"),
-    ("n", False, 64, (130, 64, 0, 5), "pair, 3 steps"),
+    ("m", False, 256, (300, 0, 140, 3, 0, 50)), ("m", True, 256, (300, 0, 140, 3, 0, 50)),
 ])
-def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes, pair):
+def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes):
     """The memory-warpgroup + two-compute-warpgroup variant in interpret mode, each way of splitting the tile
-    (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does), and in clusters of
-    two blocks that share each expert tile (TileConfig.cluster_m)."""
+    (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does)."""
     from kernels_pallas.grouped_matmul.tiles import TileConfig
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
-    cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split,
-                     cluster_m=bool(pair))
-    k = 192 if "3 steps" in pair else 128
+    cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split)
     m = sum(sizes) + 7
     sizes = jnp.asarray(sizes, jnp.int32)
     k1, k2 = jax.random.split(jax.random.key(4))
-    lhs = jax.random.normal(k1, (m, k), jnp.float32)
-    rhs = jax.random.normal(k2, (sizes.shape[0], k, 256), jnp.float32)
+    lhs = jax.random.normal(k1, (m, 128), jnp.float32)
+    rhs = jax.random.normal(k2, (6, 128, 256), jnp.float32)
     got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
                       interpret=True)
-    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 256)))[0], "float32",
-           f"out (split {split}, {block_m} rows {pair})")
-
-
-def test_paired_tiles_put_two_tiles_of_one_group_in_each_pair():
-    """`paired_tiles` (TileConfig.cluster_m): tiles 2p and 2p + 1 of the schedule share a group for every real pair;
-    the real tiles are exactly `row_tiles`' in order; a group (or the pseudo-group) with an odd number of tiles gets
-    one null partner after its last (its group and rows loaded, lo == hi: nothing stored); the rest is unused
-    (group G + 1); the count is the real pairs."""
-    from kernels_pallas.grouped_matmul.mosaic_kernels import paired_tiles, row_tiles
-
-    sizes = jnp.asarray((130, 0, 61, 3, 0, 150, 64), jnp.int32)
-    g, m = sizes.shape[0], 640  # 408 rows in groups: 232 past them, the pseudo-group's
-    tiles = [np.asarray(a) for a in row_tiles(sizes, m, 64)]
-    real = tiles[0] <= g
-    counts = np.bincount(tiles[0][real], minlength=g + 1)
-    assert list(counts) == [3, 0, 1, 1, 0, 3, 1, 4]  # every real tile stores rows (lo < hi)
-    assert np.all(tiles[2][real] < tiles[3][real])
-    (group, row0, lo, hi), count = paired_tiles(row_tiles(sizes, m, 64), g)
-    group, row0, lo, hi, count = (np.asarray(a) for a in (group, row0, lo, hi, count))
-    assert group.shape[0] % 2 == 0 and count.shape == (1,)
-    used = 2 * int(count[0])
-    assert used // 2 == sum(-(-c // 2) for c in counts) == 9
-    assert np.all(group[0:used:2] == group[1:used:2]) and np.all(group[:used] <= g)
-    assert np.all(group[used:] == g + 1) and np.all(lo[used:] == hi[used:])
-    null = lo[:used] == hi[:used]
-    assert [tuple(x) for x in zip(*(a[:used][~null] for a in (group, row0, lo, hi)))] == \
-        [tuple(x) for x in zip(*(a[real] for a in tiles))]
-    nulls = np.flatnonzero(null)
-    assert list(group[nulls]) == [0, 2, 3, 5, 6]  # the odd groups' partners; the pseudo-group's 4 tiles pair up
-    assert np.all(nulls % 2 == 1) and np.all(row0[nulls] == row0[nulls - 1])
+    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 256)))[0], "float32", f"out (split {split}, {block_m} rows)")
 
 
 @pytest.mark.parametrize("sizes,m,k,n,walk", [
@@ -326,16 +286,15 @@ def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
 
 @pytest.mark.parametrize("key", [(768, 2048, 128), (1536, 2048, 128), (2048, 1536, 128)])
 def test_table_variants_lower_for_a_gpu_from_the_cpu(key):
-    """The Qwen3-30B-A3B warp-specialised entries and their sweep variants (unchained, the other walk, clusters
-    sharing the expert tile) through Mosaic GPU's CUDA lowering, forward and (rhs read transposed) d lhs."""
+    """The Qwen3-30B-A3B warp-specialised entries and their sweep variants (unchained, the other walk) through Mosaic
+    GPU's CUDA lowering, forward and (rhs read transposed) d lhs."""
     from kernels_pallas.grouped_matmul import tiles
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
     kc, n, g = key
     table = tiles.CONFIGS[key]
     assert table.warp_specialized
-    variants = [table, dataclasses.replace(table, chained=False), dataclasses.replace(table, grid_block_n=1),
-                dataclasses.replace(table, cluster_m=True)]
+    variants = [table, dataclasses.replace(table, chained=False), dataclasses.replace(table, grid_block_n=1)]
     lhs, dout = jax.ShapeDtypeStruct((4096, kc), jnp.bfloat16), jax.ShapeDtypeStruct((4096, n), jnp.bfloat16)
     rhs, sizes = jax.ShapeDtypeStruct((g, kc, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32)
     for cfg in variants:
@@ -540,8 +499,7 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     assert all("max_abs_diff_vs_table" not in r for r in rows if r["table"])
     table = tiles.TileConfig(warp_specialized=True, wg_split="n", stages=3)
     assert [bench._describe(c) for c in bench._table_variants(table)] == [
-        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1",
-        "ws-n 128x128x64 st3 walkrow cluster-m"]
+        "ws-n 128x128x64 st3 walkrow", "ws-n-unchained 128x128x64 st3 walkrow", "ws-n 128x128x64 st3 walk1"]
 
 
 def _lora_operands(m: int, k: int, n: int, g: int, r: int, seed: int):

@@ -35,7 +35,7 @@ TMA multicast (3-7% slower), and whole tiles stored through a swizzled staging t
 nor bank conflicts in the epilogue limit these shapes. Section 44 (H100) took the Qwen3-30B-A3B forward apart
 (`bench --probe`): its 128 ragged groups run 6-9% under equal groups of whole tiles, and those 23-27% under one group
 of the same rows and units; a unit that starts on a fresh expert matrix costs ~4 us besides its products, ~1 us on
-one matrix. Six remedies measured and dropped (git history): an L2 prefetch of the SM's next unit's tiles
+one matrix. Seven remedies measured and dropped (git history): an L2 prefetch of the SM's next unit's tiles
 (`plgpu.async_prefetch`, 14-53% slower), the output staged in 64-row pieces to free a fourth stage (2-3% slower),
 each SM taking runs of 4 or 8 tiles at one N-block to reuse an expert tile (37-50% slower, section 45), each
 group's expert tiles asked of the L2 once, 8-32 tiles before their first use (3-48% slower, section 45; worst at
@@ -43,7 +43,8 @@ K x 4, where each ask is 1.5 MB: the prefetches seem to hold up the SM's own TMA
 a 128-row part multiplying only the 64-row half it stores (0.4-2% faster in five sweep comparisons, 1.8% slower in
 the A/B of section 45: within the spread), and a group's later tiles moved a wave or two along the walk, so that
 only the first of them would wait for its experts from HBM (10-51% slower, section 47: the tiles of a group that
-share its expert tiles gain from running at once).
+share its expert tiles gain from running at once), and clusters of two blocks taking two tiles of one group with
+the expert tile multicast to both (1-5% slower on six of seven probe problems, section 48).
 Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 35): forward
 461-606 TFLOP/s, forward+backward 467-560; the 600 / 500 target is met by GPT-OSS-20B's gate_up forward only and
 missed by both Qwen3-30B-A3B shapes (forward 534 and 461; the down shape's K = 768 gives a tile 12 contraction
@@ -78,14 +79,11 @@ def _num_sms(interpret: bool) -> int:
     return getattr(jax.devices()[0], "core_count", None) or _HOPPER_SMS
 
 
-def _kernel(body, out_type, interpret: bool, name: str, blocks_per_sm: int = 1, cluster: int = 1, **threads):
+def _kernel(body, out_type, interpret: bool, name: str, blocks_per_sm: int = 1, **threads):
     """A persistent kernel: `blocks_per_sm` blocks per SM (grid axis "sm"; the blocks of an SM run at once when
-    their shared memory and registers fit, TileConfig.blocks_per_sm), or with `cluster` > 1 one cluster of that
-    many blocks per `cluster` SMs (grid axis "sm" over the clusters, cluster axis "cluster")."""
-    if cluster > 1:
-        threads.update(cluster=(cluster,), cluster_names=("cluster",))
-    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret) * blocks_per_sm // cluster,),
-                        grid_names=("sm",), **threads,
+    their shared memory and registers fit, TileConfig.blocks_per_sm)."""
+    return plgpu.kernel(body, out_type=out_type, grid=(_num_sms(interpret) * blocks_per_sm,), grid_names=("sm",),
+                        **threads,
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
                         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
 
@@ -167,37 +165,6 @@ def _lora_operands(lora, lhs_rows: int, block_m: int, width: int, g: int):
 def _real_tiles(group: jax.Array, g: int) -> jax.Array:
     """[1] int32: how many of `row_tiles`' tiles are real (a group's or the pseudo-group's); they come first."""
     return jnp.sum(group <= g, dtype=jnp.int32)[None]
-
-
-def paired_tiles(tiles, g: int):
-    """TileConfig.cluster_m: `row_tiles`' schedule with a null tile after the last tile of each group (or the
-    pseudo-group) that has an odd number of them, so that tiles 2p and 2p + 1 always belong to one group: the pair
-    a cluster of two blocks multiplies by that group's expert tiles, loaded once for both. A null tile is its
-    partner's (same group, same rows loaded) with lo == hi: it multiplies and stores nothing, but its block still
-    takes its half of the shared loads. Returns (group, row0, lo, hi) of a static even length (len + G + 1 rounded up), the
-    real and null tiles first, then unused ones (group G + 1), and the number of real pairs as [1] int32.
-    Why: the expert tile is the larger operand of a 128 x 256 unit (K x 256 against 128 x K), and clusters that
-    shared the lhs tile instead lost 3-7% (docs/benchmarks.md section 43); JAX's dense example shares either."""
-    group, row0, lo, hi = tiles
-    size = group.shape[0]
-    t = jnp.arange(size, dtype=jnp.int32)
-    real = group <= g
-    counts = jnp.zeros((g + 1,), jnp.int32).at[jnp.where(real, group, g + 1)].add(1, mode="drop")
-    odd = counts % 2
-    before = jnp.cumsum(odd) - odd  # groups with an odd count before this one: null tiles inserted ahead of it
-    length = size + g + 1 + (size + g + 1) % 2
-    pos = jnp.where(real, t + before[jnp.minimum(group, g)], length)
-    src = jnp.full((length,), -1, jnp.int32).at[pos].set(t, mode="drop")
-    used = jnp.sum(real, dtype=jnp.int32) + jnp.sum(odd, dtype=jnp.int32)
-    q = jnp.arange(length, dtype=jnp.int32)
-    null = (src < 0) & (q < used)
-    take = jnp.where(src >= 0, src, jnp.where(null, src[jnp.maximum(q - 1, 0)], 0))
-    unused = q >= used
-    p_group = jnp.where(unused, g + 1, group[take])
-    p_row0 = jnp.where(unused, 0, row0[take])
-    p_hi = jnp.where(unused, 0, hi[take])
-    p_lo = jnp.where(unused, 0, jnp.where(null, p_hi, lo[take]))
-    return (p_group, p_row0, p_lo, p_hi), (used // 2)[None]
 
 
 def _rhs_window(rhs: jax.Array, g: int, rhs_base, pads: dict[int, int]):
@@ -364,11 +331,6 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
         lhs, rhs, group_sizes, bm, bk, cta_n, transpose_rhs, rhs_base, lora)
     dtype = lhs.dtype
     b_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
-    pair = 2 if cfg.cluster_m else 1  # TileConfig.cluster_m: two blocks take tiles 2p, 2p + 1 of `paired_tiles`
-    if pair > 1:
-        tiles, count = paired_tiles(tiles, g)
-    else:
-        count = _real_tiles(tiles[0], g)
 
     def rhs_tile(rhs_ref, group, ni):
         cols = pl.ds(ni * cta_n, cta_n)
@@ -382,8 +344,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                 plgpu.BlockSpec((bm, bk), lambda kk: (0, kk), transforms=_swizzled(bk, dtype),
                                 memory_space=plgpu.SMEM),
                 plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
-                                transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM,
-                                collective_axes=("cluster",) if pair > 1 else ()),
+                                transforms=_swizzled(bk if transpose_rhs else cta_n, dtype), memory_space=plgpu.SMEM),
             ])
 
     # Chained pipelines (see the docstring): the memory warpgroup loads the SM's next unit while the compute
@@ -406,14 +367,11 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
 
             # The SM's units: (tile, N-block) pairs of the real tiles only (row_tiles puts them first), so that every
             # unit a chain visits loads and stores (an idle unit between chained pipelines would break the chain).
-            # A cluster's units: (pair of tiles of one group, N-block), its expert tile multicast to both blocks.
             count = count_ref[0]
 
             @plgpu.nd_loop((count * grid_n,), collective_axes="sm")
             def _(info: plgpu.NDLoopInfo):
                 ti, ni = _unit(info.index[0], count, grid_n, cfg)
-                if pair > 1:
-                    ti = ti * pair + jax.lax.axis_index("cluster")
                 group, row0, lo, hi = group_ref[ti], row0_ref[ti], lo_ref[ti], hi_ref[ti]
                 row_off = 0 if split_n else wg * wg_m  # this warpgroup's rows / columns within the tile
                 col0 = ni * cta_n + (wg * bn if split_n else 0)
@@ -472,7 +430,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     group = tiles[0]
-    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", cluster=pair,
-                  num_threads=3, thread_name="wg")(group, rhs_index(group), *tiles[1:], count, lhs_p, rhs_p,
-                                                   *(lora or ()))
+    out = _kernel(body, jax.ShapeDtypeStruct((mp, np_), dtype), interpret, "gmm_rows_ws", num_threads=3,
+                  thread_name="wg")(group, rhs_index(group), *tiles[1:], _real_tiles(group, g), lhs_p, rhs_p,
+                                    *(lora or ()))
     return out[:m, :n]

@@ -26,10 +26,6 @@ class TileConfig:
     chained (warp-specialised kernel, when the contraction steps are a multiple of ``stages``): an SM's units run as
     one chain of pipelines, so the memory warpgroup loads the next unit while the compute warpgroups finish and
     store this one; else every unit fills its pipeline from empty and drains it.
-    cluster_m (warp-specialised row kernel): blocks run in clusters of two on neighbouring SMs that take two row
-    tiles of one group at the same N-block (`mosaic_kernels.paired_tiles`: a group with an odd number of tiles gets
-    a null partner for its last), its expert tile loaded once for both by TMA multicast, so each block reads half
-    of it from L2: per contraction step a 128 x 256 block reads 32 KB instead of 48. Not yet timed on a GPU.
     blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
     Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
     stores under the other's products; what the warp-specialised kernel does inside one block, left to the
@@ -50,14 +46,10 @@ class TileConfig:
     chained: bool = True
     blocks_per_sm: int = 1
     dw_blocks_per_sm: int = 1
-    cluster_m: bool = False
 
     def __post_init__(self):
         if self.wg_split not in ("n", "m"):
             raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
-        if self.cluster_m and not self.warp_specialized:
-            raise ValueError(f"{_WHERE}: TileConfig.cluster_m needs warp_specialized=True (the single-warpgroup row "
-                             f"kernel runs no clusters)")
         for f in dataclasses.fields(self):
             least = 0 if f.name in ("grid_block_n",) else 1
             if f.type == "int" and getattr(self, f.name) < least:
