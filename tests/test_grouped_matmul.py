@@ -752,8 +752,8 @@ def test_probe_jax_dense_rows_lower_for_a_gpu_from_the_cpu():
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
                                                                      num_cores=132, platform="cuda"))
     with use_abstract_mesh(mesh):
-        for label, (cfg, config, fn, args) in programs.items():
-            assert cfg is None and config == label
+        for label, (cfg, config, fn, args, grouped) in programs.items():
+            assert cfg is None and config == label and grouped
             text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert text.count("stablehlo.custom_call @mosaic_gpu") == 1, label
 

@@ -414,24 +414,24 @@ def _spot_check(out, lhs, rhs, group_sizes) -> float:
 
 # JAX's own dense Mosaic GPU matmul (jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu) at tiles near the table's
 # Qwen3-30B-A3B down entry: (tile_m, tile_n, stages, warpgroups split along, cluster of two along). Its CTA tile is
-# 128 x 256 split along N, like ours, and its clusters multicast the tile shared along the other dimension.
+# 128 x 256 with the warpgroups along N (like ours) or 256 x 128 along M; its clusters multicast the tile shared along
+# the other dimension.
 _JAX_DENSE = ((128, 128, 3, "N", None), (128, 128, 3, "N", "M"), (128, 128, 3, "N", "N"), (128, 128, 3, "M", None),
               (128, 128, 3, "M", "N"))
 
 
 def _jax_dense_programs(lhs, rhs) -> dict:
     """The probe's rows of `_JAX_DENSE` on one group ([M, K] @ [K, N]; on a GPU only: the example takes no
-    interpreter): {impl: (None, label, program, args)}. Why: the one-group problem is a dense product, so this says
+    interpreter): {impl: (None, label, program, args, True)}, as `run_probe` keeps its programs. Why: the one-group problem is a dense product, so this says
     how far the Pallas warp-specialised structure itself gets on it, beside cuBLAS (XLA) and the grouped kernel."""
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
-    out = {}
+    dim, out = hm.MatmulDimension, {}
     for tm, tn, st, wg, cluster in _JAX_DENSE:
-        dim = hm.MatmulDimension
         cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=st, wg_dimension=dim[wg],
                               cluster_dimension=dim[cluster] if cluster else None)
         label = f"jax example {tm}x{tn}x64 st{st} wg-{wg}" + (f" cluster-{cluster}" if cluster else "")
-        out[label] = (None, label, jax.jit(functools.partial(hm.matmul, c=None, config=cfg)), (lhs, rhs))
+        out[label] = (None, label, jax.jit(functools.partial(hm.matmul, c=None, config=cfg)), (lhs, rhs), True)
     return out
 
 
@@ -462,22 +462,23 @@ def run_probe(shapes: Sequence[GmmShape], iters: int = 10, timing_rounds: int = 
             work = _work(problem)["fwd"]
             base = {"shape": shape.name, "problem": label, "m": problem.m, "k": problem.k, "n": problem.n,
                     "groups": len(problem.group_sizes)}
-            # impl: (tiles or None for XLA, the row's config label, program, its arguments)
+            # impl: (tiles or None, the row's config label, program, its arguments, whether its output is the
+            # grouped product of all rows, so `_spot_check` applies: not the dense XLA matmul of every row by rhs[0])
             programs = {name: (cfg, _describe(cfg), jax.jit(lambda a, b, s, cfg=cfg: mosaic._rows(cfg)(
-                a, b, s, cfg, interpret=interpret)), (lhs, rhs, sizes)) for name, cfg in kernels.items()}
+                a, b, s, cfg, interpret=interpret)), (lhs, rhs, sizes), True) for name, cfg in kernels.items()}
             programs["mosaic rhs [G, N, K]"] = (table, _describe(table) + " rhs^T", jax.jit(
                 lambda a, bt, s: mosaic._rows(table)(a, bt, s, table, transpose_rhs=True, interpret=interpret)),
-                (lhs, jnp.swapaxes(rhs, 1, 2), sizes))
-            programs["dense"] = (None, "xla", jax.jit(lambda a, b: a @ b[0]), (lhs[:used], rhs))
+                (lhs, jnp.swapaxes(rhs, 1, 2), sizes), True)
+            programs["dense"] = (None, "xla", jax.jit(lambda a, b: a @ b[0]), (lhs[:used], rhs), False)
             if label == "one group" and not interpret:
                 programs |= _jax_dense_programs(lhs, rhs[0])
-            for impl, (cfg, config, fn, args) in programs.items():
+            for impl, (cfg, config, fn, args, grouped) in programs.items():
                 row = {**base, "impl": impl, "config": config}
                 try:
                     compiled = fn.lower(*args).compile()
                     ms = queued_ms(compiled, args, iters, timing_rounds)
                     row.update(ms=ms, tflops=work / (ms * 1e-3) / 1e12)
-                    if cfg is not None or impl.startswith("jax example"):
+                    if grouped:
                         row["max_abs_diff"] = _spot_check(compiled(*args), lhs, rhs, problem.group_sizes)
                     if cfg is not None:
                         group = row_tiles(sizes, -(-problem.m // cfg.block_m) * cfg.block_m, cfg.block_m)[0]
