@@ -709,6 +709,13 @@ def test_fused_adapter_tiles_fit_shared_memory_or_fall_back():
     assert (alone.blocks_per_sm, alone.stages) == (1, 4) and smem_bytes(alone, 16) <= _SMEM_BYTES
     small = dataclasses.replace(down, block_n=64, block_m=64)
     assert blocks_fit(smem_bytes(small, 16), 2) and fused_config(small, 2880, 16) == small
+    # the ping-pong kernel chains with any ring: the deepest that fits beside the adapter's tiles, 3 for the 10 steps
+    # of K 640 (a kernel split along M fits 4 but drops to 2, the deepest that divides them)
+    ping = dataclasses.replace(config_for(768, 2048, 128), block_n=128, stages=6, wg_split="unit")
+    assert fused_config(ping, 640, 16).stages == 3
+    split = dataclasses.replace(ping, wg_split="m")
+    assert smem_bytes(dataclasses.replace(split, stages=4), 16) <= _SMEM_BYTES
+    assert fused_config(split, 640, 16).stages == 2
 
 
 @pytest.mark.parametrize("key", [(2048, 1536, 128), (2048, 768, 128), (2880, 5760, 32)])

@@ -25,7 +25,8 @@ zero stack, which is dead code for frozen experts and compiled away.
 
 Two row-tile kernels: ``gmm_rows`` (one warpgroup issues the TMA loads and the wgmmas) and ``gmm_rows_ws``
 (warp-specialised: a memory warpgroup feeds two compute warpgroups that split the tile along N or M and store their
-rows while the next tile loads); ``tiles.CONFIGS`` picks one per shape. The warp-specialised kernel chains the
+rows while the next tile loads); ``tiles.CONFIGS`` picks one per shape. A third, `mosaic_pingpong` (wg_split
+"unit"), has the two compute warpgroups take alternate whole units instead. The warp-specialised kernel chains the
 pipelines of an SM's units (``TileConfig.chained``, JAX's ``pipeline_state``): the memory warpgroup goes on loading
 the next unit while the compute warpgroups finish and store this one, instead of draining the ring after every unit.
 Three variants measured on an H100 against the chained table entries of both Qwen3-30B-A3B shapes and dropped

@@ -183,8 +183,9 @@ def _fitted_ring(cfg: TileConfig, k: int, rank: int) -> TileConfig | None:
     for block_k in sorted({cfg.block_k, min(cfg.block_k, 64)}, reverse=True):
         steps = -(-k // block_k)
         for stages in range(cfg.stages, 1, -1):
+            # (the ping-pong kernel chains with any ring; the split ones only with one that divides the steps)
             if (stages, block_k) != (cfg.stages, cfg.block_k) and cfg.warp_specialized and cfg.chained and \
-                    steps % stages:
+                    cfg.wg_split != "unit" and steps % stages:
                 continue
             fitted = dataclasses.replace(cfg, stages=stages, block_k=block_k)
             if smem_bytes(fitted, rank) <= _SMEM_BYTES:
