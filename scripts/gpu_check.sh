@@ -7,8 +7,7 @@
 #   MoE grouped-matmul benchmark: xla ragged_dot / pallas_mosaic / dense, written to gmm.json, GMM_TIMEOUT_S=200
 #   (kernels timed queued back to back, 5 rounds: the bench's docstring);
 #   "gmmsweep" its tile sweep (bench --sweep: every candidate tile config per shape and kernel) to gmm_sweep.json;
-#   GMM_SWEEP_ARGS="--table-variants --shapes qwen3_30b_a3b_down" narrows it to the table's tiles and their variants,
-#   "--pingpong" to those and the ping-pong candidates (TileConfig.wg_split "unit");
+#   GMM_SWEEP_ARGS="--table-variants --shapes qwen3_30b_a3b_down" narrows it to the table's tiles and their variants;
 #   "gmmprobe" the forward row kernel on problems derived from each shape (bench --probe, GMM_PROBE_ARGS) to
 #   gmm_probe.json;
 #   "offload" the host-offload probe: $OUT/offload_probe.jsonl; OFFLOAD_DUMP=variant,... adds $OUT/offload_dump.tgz;

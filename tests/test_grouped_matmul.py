@@ -240,41 +240,6 @@ def test_warp_specialised_chains_of_pipelines_match_a_per_group_loop(sizes, m, k
     _close(got, _loop(lhs, rhs, sizes, np.zeros((m, n)))[0], "float32", f"out (K {k}, N {n}, walk {walk})")
 
 
-@pytest.mark.parametrize("sizes,m,k,n,walk,stages,transpose", [
-    ((70, 0, 61, 3, 0, 50), 200, 192, 256, 0, 2, False),  # 3 steps on 2 slots: a unit's steps wrap the ring
-    ((70, 0, 61, 3, 0, 50), 200, 192, 256, 1, 2, True),  # the same, rhs read transposed (d lhs), down the tiles
-    ((64,), 64, 128, 64, 0, 2, False),  # one unit: the first "SM"'s warpgroup 1 and the second "SM" have none
-    ((60, 60), 128, 128, 64, 1, 2, False),  # 3 tiles (with the 8 rows past the groups): 2 units and 1
-    ((70, 0, 61, 3, 0, 50), 200, 128, 512, 2, 3, False),  # a ring deeper than a unit's 2 steps; walk 2
-    ((100, 20), 120, 128, 64, 0, 2, True),  # the last tile moved back from the end, storing only its second half
-])
-def test_ping_pong_row_kernel_matches_a_per_group_loop(sizes, m, k, n, walk, stages, transpose):
-    """The ping-pong row kernel (TileConfig.wg_split "unit", `mosaic_pingpong`: the two compute warpgroups take
-    alternate units from one ring) in interpret mode on the interpreter's 2 "SMs": ring sizes that do and do not
-    divide a unit's contraction steps (each warpgroup's barriers must count only its own steps), an SM or a
-    warpgroup with no unit, the walks, rhs read transposed, ragged groups with empty ones and rows past the last.
-    The interpreter also fails a barrier freed with phases its waiter has not seen (the memory warpgroup's drain)."""
-    from kernels_pallas.grouped_matmul import mosaic
-    from kernels_pallas.grouped_matmul.mosaic_pingpong import gmm_rows_pp
-    from kernels_pallas.grouped_matmul.tiles import TileConfig
-
-    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=stages, warp_specialized=True, wg_split="unit",
-                     grid_block_n=walk)
-    assert mosaic._rows(cfg) is gmm_rows_pp
-    k1, k2 = jax.random.split(jax.random.key(7))
-    lhs = jax.random.normal(k1, (m, k), jnp.float32)
-    rhs = jax.random.normal(k2, (len(sizes), k, n), jnp.float32)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    if transpose:  # lhs [m, n] @ rhs[g]^T with rhs [G, K, N]: the d lhs form, output K wide
-        lhs = jax.random.normal(k1, (m, n), jnp.float32)
-        got = gmm_rows_pp(lhs, rhs, sizes, cfg, transpose_rhs=True, interpret=True)
-        want = _loop(lhs, jnp.swapaxes(rhs, 1, 2), sizes, np.zeros((m, k)))[0]
-    else:
-        got = gmm_rows_pp(lhs, rhs, sizes, cfg, interpret=True)
-        want = _loop(lhs, rhs, sizes, np.zeros((m, n)))[0]
-    _close(got, want, "float32", f"out (K {k}, N {n}, walk {walk}, {stages} stages, transposed {transpose})")
-
-
 @pytest.mark.parametrize("impl", OP.names)
 def test_a_row_of_a_layer_stack_equals_the_sliced_product(impl):
     """grouped_matmul(..., row=r) on a stack [L, G, K, N] is the product with rhs[r] (r traced: a jit argument),
@@ -296,16 +261,15 @@ def test_a_row_of_a_layer_stack_equals_the_sliced_product(impl):
         grouped_matmul(lhs, rhs, sizes, implementation=impl, row=0)
 
 
-@pytest.mark.parametrize("ws,split", [(False, "n"), (True, "n"), (True, "unit")])
-def test_row_kernels_read_the_stack_in_place_from_a_base(ws, split):
-    """The row-tile kernels (single warpgroup, warp-specialised, ping-pong) with `rhs_base` on a flattened stack
-    [L * G, K, N] whose tiles need no padding read matrices base .. base + G - 1 of it (d lhs too), and with N
-    needing padding fall back to the slice."""
-    from kernels_pallas.grouped_matmul import mosaic
+@pytest.mark.parametrize("ws", [False, True])
+def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
+    """The row-tile kernels with `rhs_base` on a flattened stack [L * G, K, N] whose tiles need no padding read
+    matrices base .. base + G - 1 of it (d lhs too), and with N needing padding fall back to the slice."""
     from kernels_pallas.grouped_matmul.tiles import TileConfig
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws
 
-    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws, wg_split=split)
-    kernel = mosaic._rows(cfg)
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws)
+    kernel = gmm_rows_ws if ws else gmm_rows
     sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
     k1, k2 = jax.random.split(jax.random.key(5))
     lhs = jax.random.normal(k1, (200, 128), jnp.float32)
@@ -442,41 +406,6 @@ def test_sweep_candidates_lower_for_a_gpu_from_the_cpu():
     assert lowered == 3 * 2 * 2  # two walks a shape, forward and d lhs
 
 
-def test_ping_pong_candidates_fit_and_lower_for_a_gpu_from_the_cpu():
-    """Every ping-pong candidate of the sweep (`bench.pingpong_candidates`) fits shared memory, divides the width
-    and goes through Mosaic GPU's CUDA lowering on the Qwen3-30B-A3B shapes, forward and d lhs, and with a rank-16
-    adapter fused (its tiles from `fused_config`): the sweep times them on the GPU, where a config the lowering
-    rejects would only print its error."""
-    from kernels_pallas.grouped_matmul import bench, tiles
-    from kernels_pallas.grouped_matmul.mosaic_pingpong import gmm_rows_pp
-
-    lowered = 0
-    for k, n in [(768, 2048), (2048, 1536)]:
-        g = 128
-        lhs, dout = jax.ShapeDtypeStruct((4096, k), jnp.bfloat16), jax.ShapeDtypeStruct((4096, n), jnp.bfloat16)
-        rhs, sizes = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32)
-        xa, b = jax.ShapeDtypeStruct((4096, 16), jnp.bfloat16), jax.ShapeDtypeStruct((g, 16, n), jnp.bfloat16)
-        for kc, width, a, transpose in ((k, n, lhs, False), (n, k, dout, True)):
-            cands = bench.pingpong_candidates(kc, width)
-            assert cands and {c.grid_block_n for c in cands} == {0, 1}
-            for cfg in cands:
-                assert cfg.wg_split == "unit" and width % cfg.cta_n == 0 and cfg.cta_n == cfg.block_n
-                assert tiles.smem_bytes(cfg) <= tiles._SMEM_BYTES
-                fn = jax.jit(lambda a, b, c, cfg=cfg, t=transpose: gmm_rows_pp(a, b, c, cfg, transpose_rhs=t))
-                text = fn.trace(a, rhs, sizes).lower(lowering_platforms=("cuda",)).as_text()
-                assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-                lowered += 1
-            fused = tiles.fused_config(cands[0], kc, 16)
-            if not transpose and fused is not None:
-                fn = jax.jit(lambda a, b, c, x, bb, cfg=fused: gmm_rows_pp(a, b, c, cfg, lora=(x, bb)))
-                text = fn.trace(a, rhs, sizes, xa, b).lower(lowering_platforms=("cuda",)).as_text()
-                assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-                lowered += 1
-    # down fwd (width 2048): 128 wide only, two rings, two walks (4) + fused; its d lhs (width 768): 128 and 192
-    # wide (8); gate_up fwd (width 1536): 8 + fused; its d lhs (width 2048): 4
-    assert lowered == 5 + 8 + 9 + 4
-
-
 def test_queued_timing_queues_the_calls_and_synchronises_once_per_round():
     """`kernels_pallas._bench.queued_ms`: warm-up calls, then `rounds` x `reps` calls; per round the device is
     synchronised once, on the last call's output, and the reported time is the median round's time per call."""
@@ -543,24 +472,20 @@ def test_sweep_candidates_fit_and_the_sweep_reports_each_config():
     small = lambda kc, n: [tiles.TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True,
                                              wg_split="m", grid_block_n=2)]
     small_dw = lambda k, n: [tiles.TileConfig(dw_block_k=64, dw_block_n=64, dw_block_t=64, dw_stages=2)]
-    ping = lambda kc, n: [tiles.TileConfig(block_m=64, block_n=64, block_k=64, stages=3, warp_specialized=True,
-                                            wg_split="unit")]
     rows = bench.run_sweep([shape], iters=1, compile_threads=2, candidates=small, dw_candidates=small_dw,
-                          timing_rounds=1, pingpong=ping)
+                          timing_rounds=1)
     # per row-kernel direction: the table's config, it with the other walk, the candidate; the forward and the d lhs
     # with an adapter, fused and as two kernels (the table's: the one the GPU runs, per mosaic's FUSED_* flags);
     # d rhs: table, the several-blocks candidates, candidate
     fwd, dlhs = mosaic.FUSED_LORA_ON_GPU, mosaic.FUSED_DLHS_LORA_ON_GPU
     # per row-kernel direction also the two-blocks-an-SM tiles (`two_block_candidates`: one at 128 x 128), and for
     # d rhs `multi_block_dw_candidates`' two (two and three blocks)
-    # and the ping-pong candidate
-    assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True)] + [("fwd", False)] * 4 + [
-        ("dlhs", True)] + [("dlhs", False)] * 4 + [("fwd+lora", fwd), ("fwd+lora", not fwd), ("dlhs+lora", dlhs),
+    assert [(r["direction"], r["table"]) for r in rows] == [("fwd", True)] + [("fwd", False)] * 3 + [
+        ("dlhs", True)] + [("dlhs", False)] * 3 + [("fwd+lora", fwd), ("fwd+lora", not fwd), ("dlhs+lora", dlhs),
                                                    ("dlhs+lora", not dlhs), ("drhs", True)] + [("drhs", False)] * 3
+    assert rows[8]["label"].startswith("fused ") and rows[9]["label"].startswith("two kernels ")
     assert rows[10]["label"].startswith("fused ") and rows[11]["label"].startswith("two kernels ")
-    assert rows[12]["label"].startswith("fused ") and rows[13]["label"].startswith("two kernels ")
-    assert rows[2]["label"] == rows[7]["label"] == "single 128x128x64 st3 walkrow x2/SM"
-    assert rows[4]["label"] == rows[9]["label"] == "ws-unit 64x64x64 st3 walkrow"
+    assert rows[2]["label"] == rows[6]["label"] == "single 128x128x64 st3 walkrow x2/SM"
     assert [r["label"] for r in rows[-3:]] == ["drhs 128x128 t64 st3 x2/SM", "drhs 128x128 t64 st2 x3/SM",
                                                "drhs 64x64 t64 st2"]
     assert all(bench.sweep_dw_candidates(2880, 5760)) and all(
@@ -610,34 +535,34 @@ def test_a_fused_adapter_adds_its_product_and_gets_its_gradients(impl, stacked):
     assert not np.any(np.asarray(out)[184:])  # rows past the groups: 0, adapter included
 
 
-@pytest.mark.parametrize("ws,split,rank", [(False, "n", 8), (True, "m", 8), (True, "n", 8), (True, "m", 80),
-                                           (True, "unit", 8)])
+@pytest.mark.parametrize("ws,split,rank", [(False, "n", 8), (True, "m", 8), (True, "n", 8), (True, "m", 80)])
 def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split, rank):
     """The fused adapter's step in each row kernel (single warpgroup; warp-specialised with the tile split along M
-    or N, each compute warpgroup loading its own part of xa and b; ping-pong, each compute warpgroup its own units'
-    tiles), chained over several units per "SM"; a rank past one 64-column tile (80, padded to 128)."""
-    from kernels_pallas.grouped_matmul import mosaic
+    or N, each compute warpgroup loading its own part of xa and b), chained over several units per "SM"; a rank
+    past one 64-column tile (80, padded to 128)."""
     from kernels_pallas.grouped_matmul.tiles import TileConfig
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws
 
     cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws, wg_split=split)
     sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
     lhs, rhs, xa, b, _ = _lora_operands(200, 128, 256, 6, rank, 8)
-    got = mosaic._rows(cfg)(lhs, rhs, sizes, cfg, interpret=True, lora=(xa, b))
+    got = (gmm_rows_ws if ws else gmm_rows)(lhs, rhs, sizes, cfg, interpret=True, lora=(xa, b))
     _close(got, _lora_loop(lhs, rhs, xa, b, sizes, np.zeros((200, 256)))[0], "float32", f"out ({ws}, {split})")
 
 
-@pytest.mark.parametrize("ws,split", [(False, "n"), (True, "m"), (True, "n"), (True, "unit")])
+@pytest.mark.parametrize("ws,split", [(False, "n"), (True, "m"), (True, "n")])
 def test_row_kernels_fuse_the_adapter_into_a_transposed_product(ws, split):
     """The d lhs form with an adapter (`backward_lhs(lora=)`): out = lhs @ rhs[g]^T + xa @ b[g] (rhs [G, N, K]), on
     each row kernel variant; the output width (K = 128) and the adapter's b [G, r, K] come from the transposed side."""
-    from kernels_pallas.grouped_matmul import mosaic
     from kernels_pallas.grouped_matmul.tiles import TileConfig
+    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws
 
     cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=ws, wg_split=split)
     sizes = jnp.asarray((70, 0, 61, 3, 0, 50), jnp.int32)
     dout, rhs, dxa, at, _ = _lora_operands(200, 256, 128, 6, 16, 9)  # rhs [G, 256, 128]: read as [G, 128, 256]^T
     rhs_t = jnp.swapaxes(rhs, 1, 2)
-    got = mosaic._rows(cfg)(dout, rhs_t, sizes, cfg, interpret=True, transpose_rhs=True, lora=(dxa, at))
+    got = (gmm_rows_ws if ws else gmm_rows)(dout, rhs_t, sizes, cfg, interpret=True, transpose_rhs=True,
+                                           lora=(dxa, at))
     _close(got, _lora_loop(dout, rhs, dxa, at, sizes, np.zeros((200, 128)))[0], "float32", f"d lhs ({ws}, {split})")
 
 
@@ -709,13 +634,6 @@ def test_fused_adapter_tiles_fit_shared_memory_or_fall_back():
     assert (alone.blocks_per_sm, alone.stages) == (1, 4) and smem_bytes(alone, 16) <= _SMEM_BYTES
     small = dataclasses.replace(down, block_n=64, block_m=64)
     assert blocks_fit(smem_bytes(small, 16), 2) and fused_config(small, 2880, 16) == small
-    # the ping-pong kernel chains with any ring: the deepest that fits beside the adapter's tiles, 3 for the 10 steps
-    # of K 640 (a kernel split along M fits 4 but drops to 2, the deepest that divides them)
-    ping = dataclasses.replace(config_for(768, 2048, 128), block_n=128, stages=6, wg_split="unit")
-    assert fused_config(ping, 640, 16).stages == 3
-    split = dataclasses.replace(ping, wg_split="m")
-    assert smem_bytes(dataclasses.replace(split, stages=4), 16) <= _SMEM_BYTES
-    assert fused_config(split, 640, 16).stages == 2
 
 
 @pytest.mark.parametrize("key", [(2048, 1536, 128), (2048, 768, 128), (2880, 5760, 32)])
@@ -797,6 +715,19 @@ def test_table_variants_without_a_sweep_is_one_line(capsys):
         bench.main(["--table-variants"])
     assert exit_info.value.code == 2
     assert "--table-variants narrows --sweep; add --sweep" in capsys.readouterr().err
+
+
+def test_table_variants_sweep_times_the_row_kernels_only(tmp_path):
+    """`bench --sweep --table-variants` (in the interpreter on the smoke shape): the table's row-kernel configs, their
+    variants and the adapter rows, and no d rhs row, as its help says."""
+    from kernels_pallas.grouped_matmul import bench
+
+    rows = bench.main(["--smoke", "--sweep", "--table-variants", "--iters", "1", "--timing-rounds", "1",
+                       "--json", str(tmp_path / "sweep.json")])
+    directions = {r["direction"] for r in rows}
+    assert directions == {"fwd", "dlhs", "fwd+lora", "dlhs+lora"}
+    assert [r["table"] for r in rows if r["direction"] == "fwd"][0] and all("error" not in r for r in rows)
+    assert json.loads((tmp_path / "sweep.json").read_text())["rows"] == rows
 
 
 def test_probe_problems_keep_the_rows_and_vary_groups_or_contraction():

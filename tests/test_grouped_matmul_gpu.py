@@ -17,6 +17,7 @@ import pytest
 from kernels_pallas.grouped_matmul import grouped_matmul
 from kernels_pallas.grouped_matmul import mosaic, tiles
 from kernels_pallas.grouped_matmul.tiles import TileConfig
+from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows, gmm_rows_ws
 from kernels_pallas.grouped_matmul.shapes import BENCH_SHAPES, GPU_TEST_SHAPES, GPU_TEST_TILES_OF, GmmShape, make_inputs
 from gpu_helpers import NO_AUTOTUNE
 
@@ -97,7 +98,7 @@ def test_a_fused_adapter_matches_on_the_tiles_of_each_projection(shape):
     k1, k2 = jax.random.split(jax.random.key(9))
     xa = jax.random.normal(k1, (shape.m, 16), jnp.float32).astype(jnp.bfloat16)
     b = (jax.random.normal(k2, (len(shape.group_sizes), 16, shape.n), jnp.float32) * 0.25).astype(jnp.bfloat16)
-    rows = mosaic._rows(cfg)
+    rows = gmm_rows_ws if cfg.warp_specialized else gmm_rows
     kernel = jax.jit(lambda a, w, s, x, bb: rows(a, w, s, cfg, lora=(x, bb))).lower(lhs, rhs, sizes, xa, b).compile()
     got = kernel(lhs, rhs, sizes, xa, b)
     zeros = np.zeros((shape.m, shape.n), np.float32)
@@ -125,7 +126,7 @@ def test_an_adapter_fused_into_the_d_lhs_kernel_matches_on_the_down_tiles(shape)
     k1, k2 = jax.random.split(jax.random.key(10))
     dxa = jax.random.normal(k1, (shape.m, 16), jnp.float32).astype(jnp.bfloat16)
     a = (jax.random.normal(k2, (g, shape.k, 16), jnp.float32) * 0.25).astype(jnp.bfloat16)
-    rows = mosaic._rows(cfg)
+    rows = gmm_rows_ws if cfg.warp_specialized else gmm_rows
     kernel = jax.jit(lambda d, w, s, x, at: rows(d, w, s, cfg, transpose_rhs=True, lora=(x, at))).lower(
         dout, rhs, sizes, dxa, jnp.swapaxes(a, 1, 2)).compile()
     got = kernel(dout, rhs, sizes, dxa, jnp.swapaxes(a, 1, 2))
@@ -140,10 +141,6 @@ VARIANTS = {
     "one_wg": TileConfig(),
     "ws_split_n": TileConfig(warp_specialized=True, wg_split="n", stages=3),
     "ws_split_m": TileConfig(warp_specialized=True, wg_split="m", block_n=192),
-    # ping-pong (mosaic_pingpong): a ring of 4 that does not divide the 12 steps of K 768 (each warpgroup's
-    # barriers count only its own steps), and 192-wide units (N padded) in a ring of 3
-    "pingpong": TileConfig(warp_specialized=True, wg_split="unit", stages=4),
-    "pingpong_192": TileConfig(warp_specialized=True, wg_split="unit", block_n=192, stages=3),
 }
 
 
@@ -153,7 +150,7 @@ def test_every_row_kernel_variant_forward_and_transposed(variant):
     cfg = VARIANTS[variant]
     shape = GPU_TEST_SHAPES[1]  # K 768, N 2048: N not a multiple of 192, so the padded path too; 16 ragged groups
     lhs, rhs, sizes, dout = make_inputs(shape)
-    rows = mosaic._rows(cfg)
+    rows = gmm_rows_ws if cfg.warp_specialized else gmm_rows
     want, want_t, _ = _numpy_fwd_bwd(lhs, rhs, dout, shape.group_sizes)  # d lhs = dout @ rhs^T per group
     _assert_close(jax.jit(lambda a, b, s: rows(a, b, s, cfg))(lhs, rhs, sizes), want, f"{variant} out")
     got_t = jax.jit(lambda a, b, s: rows(a, b, s, cfg, transpose_rhs=True))(dout, rhs, sizes)

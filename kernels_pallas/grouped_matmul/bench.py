@@ -205,25 +205,6 @@ def two_block_candidates(kc: int, n: int) -> list:
     return out
 
 
-def pingpong_candidates(kc: int, n: int) -> list:
-    """Ping-pong row-kernel tiles (TileConfig.wg_split "unit": the compute warpgroups take alternate units,
-    `mosaic_pingpong`) for contraction `kc` and output width `n` (bf16): 128 x 128 and 128 x 192 units (one
-    warpgroup's accumulator: at most 192 floats a thread) whose width divides n, 64-deep steps, the deepest ring and
-    one stage shallower that fit shared memory (the ring need not divide the steps: it always chains), both walks."""
-    from .tiles import _SMEM_BYTES, TileConfig, smem_bytes
-
-    out = []
-    for bn in (128, 192):
-        if n % bn or kc % 64:
-            continue
-        tiles = dict(block_m=128, block_n=bn, block_k=64, warp_specialized=True, wg_split="unit")
-        fits = [st for st in (6, 5, 4, 3, 2) if smem_bytes(TileConfig(**tiles, stages=st)) <= _SMEM_BYTES]
-        for stages in fits[:2]:
-            for walk in (0, 1):
-                out.append(TileConfig(**tiles, stages=stages, grid_block_n=walk))
-    return out
-
-
 def multi_block_dw_candidates(k: int, n: int) -> list:
     """d rhs (group-tile kernel) tiles run two or three blocks to an SM (TileConfig.dw_blocks_per_sm): 128 x 128,
     128 x 192, 192 x 128 and 64 x 192 output tiles that divide k and n, 64-row steps, the deepest ring of 2 or more
@@ -265,7 +246,7 @@ def _describe_dw(cfg) -> str:
 
 
 def _describe(cfg) -> str:
-    kind = f"ws-{cfg.wg_split}{'' if cfg.chained or cfg.wg_split == 'unit' else '-unchained'}" if cfg.warp_specialized else "single"
+    kind = f"ws-{cfg.wg_split}{'' if cfg.chained else '-unchained'}" if cfg.warp_specialized else "single"
     walk = f"walk{cfg.grid_block_n}" if cfg.grid_block_n else "walkrow"
     blocks = f" x{cfg.blocks_per_sm}/SM" if cfg.blocks_per_sm > 1 else ""
     return f"{kind} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} st{cfg.stages} {walk}{blocks}"
@@ -296,12 +277,11 @@ def _adapter_jobs(shape: GmmShape, direction: str, variants, args, fused_on_gpu:
 
 
 def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int = 8,
-              candidates=None, dw_candidates=sweep_dw_candidates, timing_rounds: int = 5,
-              pingpong=pingpong_candidates) -> list[dict]:
+              candidates=None, dw_candidates=sweep_dw_candidates, timing_rounds: int = 5) -> list[dict]:
     """Rows {"shape", "direction": "fwd" | "dlhs" | "fwd+lora" | "dlhs+lora" | "drhs", "label", "config", "table": bool,
     "ms", "tflops"} for the row-tile kernel on the table's config (`_table_variants`: also unchained, and with the
-    other walk) and on every `candidates(kc, n)` config (default `sweep_candidates`), two-blocks-an-SM and
-    `pingpong(kc, n)` config (None: none) of each shape's forward and d lhs; the forward with a rank-16 adapter fused ("fwd+lora", `tiles.fused_config`'s tiles) and as a second kernel
+    other walk) and on every `candidates(kc, n)` config (default `sweep_candidates`) of each shape's forward and d
+    lhs; the forward with a rank-16 adapter fused ("fwd+lora", `tiles.fused_config`'s tiles) and as a second kernel
     added after; the same for the d lhs with the down adapter's d xa @ a^T ("dlhs+lora",
     `mosaic.unfused_backward_lhs` for the two kernels); and the d rhs (group-tile) kernel on the table's dw_* tiles
     and each of `dw_candidates(k, n)` (None: no d rhs). The programs compile on `compile_threads` threads first
@@ -321,8 +301,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
         for direction in ("fwd", "dlhs"):
             table = fwd_table if direction == "fwd" else tiles._dlhs_config(fwd_table, *key)
             kc, width = (shape.k, shape.n) if direction == "fwd" else (shape.n, shape.k)
-            configs = _table_variants(table) + two_block_candidates(kc, width) + candidates(kc, width) + (
-                pingpong(kc, width) if pingpong else [])
+            configs = _table_variants(table) + two_block_candidates(kc, width) + candidates(kc, width)
             args = (lhs if direction == "fwd" else dout, rhs, sizes)
             for cfg in configs:
                 row = {"shape": shape.name, "direction": direction, "label": _describe(cfg),
@@ -548,14 +527,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                          "(repeatable)")
     ap.add_argument("--table-variants", action="store_true",
                     help="with --sweep: only the table's configs and their variants (no candidates, no d rhs)")
-    ap.add_argument("--pingpong", action="store_true",
-                    help="with --sweep: the table's configs, their variants and the ping-pong candidates only")
     args = ap.parse_args(argv)
-    for flag in ("table_variants", "pingpong"):
-        if getattr(args, flag) and not args.sweep:
-            ap.error(f"--{flag.replace('_', '-')} narrows --sweep; add --sweep")
-    if args.table_variants and args.pingpong:
-        ap.error("--table-variants and --pingpong narrow --sweep two ways; give one")
+    if args.table_variants and not args.sweep:
+        ap.error("--table-variants narrows --sweep; add --sweep")
     if args.probe_variant and not args.probe:
         ap.error("--probe-variant adds kernels to --probe; add --probe")
     for flag in ("rounds", "iters", "timing_rounds"):
@@ -578,9 +552,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     if args.sweep:
         # A shape at a time, the JSON rewritten after each: a sweep cut by its call's time limit keeps what it timed.
         rows = []
-        none = lambda *_: []  # noqa: E731
-        narrow = dict(candidates=none, dw_candidates=None, pingpong=None) if args.table_variants else \
-            dict(candidates=none, dw_candidates=None) if args.pingpong else {}
+        # (dw_candidates None: no d rhs rows at all, as the flag's help says; an empty list still timed the table's
+        # d rhs and its several-blocks candidates, which may be what ran section 48's sweep past its time limit)
+        narrow = dict(candidates=lambda kc, n: [], dw_candidates=None) if args.table_variants else {}
         for shape in [s for s in shapes if jnp.dtype(s.dtype) == jnp.bfloat16]:
             rows += run_sweep([shape], args.iters, timing_rounds=args.timing_rounds, **narrow)
             _write(args.json, rows)

@@ -43,16 +43,13 @@ import jax.numpy as jnp
 from kernels_pallas._dispatch import target_platform
 from .mosaic_drhs import gmm_drhs
 from .mosaic_kernels import gmm_rows, gmm_rows_ws
-from .mosaic_pingpong import gmm_rows_pp
 from .tiles import TileConfig, _dlhs_config, config_for, fused_config
 
 _WHERE = "kernels_pallas/grouped_matmul/mosaic.py"
 
 
 def _rows(cfg: TileConfig):
-    if not cfg.warp_specialized:
-        return gmm_rows
-    return gmm_rows_pp if cfg.wg_split == "unit" else gmm_rows_ws
+    return gmm_rows_ws if cfg.warp_specialized else gmm_rows
 
 
 # The fused adapter's kernels ran on the H200 (tests/test_grouped_matmul_gpu.py, tests/test_moe_gpu.py), the d lhs

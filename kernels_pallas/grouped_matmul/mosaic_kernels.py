@@ -25,8 +25,7 @@ zero stack, which is dead code for frozen experts and compiled away.
 
 Two row-tile kernels: ``gmm_rows`` (one warpgroup issues the TMA loads and the wgmmas) and ``gmm_rows_ws``
 (warp-specialised: a memory warpgroup feeds two compute warpgroups that split the tile along N or M and store their
-rows while the next tile loads); ``tiles.CONFIGS`` picks one per shape. A third, `mosaic_pingpong` (wg_split
-"unit"), has the two compute warpgroups take alternate whole units instead. The warp-specialised kernel chains the
+rows while the next tile loads); ``tiles.CONFIGS`` picks one per shape. The warp-specialised kernel chains the
 pipelines of an SM's units (``TileConfig.chained``, JAX's ``pipeline_state``): the memory warpgroup goes on loading
 the next unit while the compute warpgroups finish and store this one, instead of draining the ring after every unit.
 Three variants measured on an H100 against the chained table entries of both Qwen3-30B-A3B shapes and dropped
@@ -36,7 +35,7 @@ TMA multicast (3-7% slower), and whole tiles stored through a swizzled staging t
 nor bank conflicts in the epilogue limit these shapes. Section 44 (H100) took the Qwen3-30B-A3B forward apart
 (`bench --probe`): its 128 ragged groups run 6-9% under equal groups of whole tiles, and those 23-27% under one group
 of the same rows and units; a unit that starts on a fresh expert matrix costs ~4 us besides its products, ~1 us on
-one matrix. Seven remedies measured and dropped (git history): an L2 prefetch of the SM's next unit's tiles
+one matrix. Eight remedies measured and dropped (git history): an L2 prefetch of the SM's next unit's tiles
 (`plgpu.async_prefetch`, 14-53% slower), the output staged in 64-row pieces to free a fourth stage (2-3% slower),
 each SM taking runs of 4 or 8 tiles at one N-block to reuse an expert tile (37-50% slower, section 45), each
 group's expert tiles asked of the L2 once, 8-32 tiles before their first use (3-48% slower, section 45; worst at
@@ -45,7 +44,10 @@ a 128-row part multiplying only the 64-row half it stores (0.4-2% faster in five
 the A/B of section 45: within the spread), and a group's later tiles moved a wave or two along the walk, so that
 only the first of them would wait for its experts from HBM (10-51% slower, section 47: the tiles of a group that
 share its expert tiles gain from running at once), and clusters of two blocks taking two tiles of one group with
-the expert tile multicast to both (1-5% slower on six of seven probe problems, section 48).
+the expert tile multicast to both (1-5% slower on six of seven probe problems, section 48), and a ping-pong kernel
+whose two compute warpgroups took alternate 128 x 128 or 128 x 192 units from one hand-written ring, one storing
+while the other multiplied (4-10% slower on all four Qwen3 kernels, 15-19% on the dense one-group problem: unshared
+lhs tiles, 1.33x the operand bytes per product, cost more than the overlapped epilogue saves; section 49).
 Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 35): forward
 461-606 TFLOP/s, forward+backward 467-560; the 600 / 500 target is met by GPT-OSS-20B's gate_up forward only and
 missed by both Qwen3-30B-A3B shapes (forward 534 and 461; the down shape's K = 768 gives a tile 12 contraction

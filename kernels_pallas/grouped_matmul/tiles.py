@@ -22,9 +22,7 @@ class TileConfig:
     docs/benchmarks.md), the whole row was faster on 15 of the 16 (shape, direction, tile) pairs, by up to 25%.
     warp_specialized: the row-tile kernel with one memory warpgroup feeding two compute warpgroups, which split
     the output tile along N (wg_split "n": a block_m x 2 block_n tile, block_n each) or along M ("m": a
-    block_m x block_n tile, block_m / 2 rows each), or take alternate block_m x block_n units ("unit", ping-pong:
-    `mosaic_pingpong`, one storing while the other multiplies; it always chains); else one warpgroup does both
-    (block_m x block_n).
+    block_m x block_n tile, block_m / 2 rows each); else one warpgroup does both (block_m x block_n).
     chained (warp-specialised kernel, when the contraction steps are a multiple of ``stages``): an SM's units run as
     one chain of pipelines, so the memory warpgroup loads the next unit while the compute warpgroups finish and
     store this one; else every unit fills its pipeline from empty and drains it.
@@ -50,8 +48,8 @@ class TileConfig:
     dw_blocks_per_sm: int = 1
 
     def __post_init__(self):
-        if self.wg_split not in ("n", "m", "unit"):
-            raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n', 'm' or 'unit', got {self.wg_split!r}")
+        if self.wg_split not in ("n", "m"):
+            raise ValueError(f"{_WHERE}: TileConfig.wg_split must be 'n' or 'm', got {self.wg_split!r}")
         for f in dataclasses.fields(self):
             least = 0 if f.name in ("grid_block_n",) else 1
             if f.type == "int" and getattr(self, f.name) < least:
@@ -62,9 +60,9 @@ class TileConfig:
 
     @property
     def wg_m(self) -> int:
-        """Rows of the output tile one compute warpgroup of the warp-specialised kernel owns: block_m split along N
-        or taking whole units, block_m / 2 split along M."""
-        return self.block_m // 2 if self.wg_split == "m" else self.block_m
+        """Rows of the output tile one compute warpgroup of the warp-specialised kernel owns: block_m split along N,
+        block_m / 2 split along M."""
+        return self.block_m if self.wg_split == "n" else self.block_m // 2
 
     @property
     def cta_n(self) -> int:
@@ -183,9 +181,8 @@ def _fitted_ring(cfg: TileConfig, k: int, rank: int) -> TileConfig | None:
     for block_k in sorted({cfg.block_k, min(cfg.block_k, 64)}, reverse=True):
         steps = -(-k // block_k)
         for stages in range(cfg.stages, 1, -1):
-            # (the ping-pong kernel chains with any ring; the split ones only with one that divides the steps)
             if (stages, block_k) != (cfg.stages, cfg.block_k) and cfg.warp_specialized and cfg.chained and \
-                    cfg.wg_split != "unit" and steps % stages:
+                    steps % stages:
                 continue
             fitted = dataclasses.replace(cfg, stages=stages, block_k=block_k)
             if smem_bytes(fitted, rank) <= _SMEM_BYTES:
