@@ -422,8 +422,9 @@ _JAX_DENSE = ((128, 128, 3, "N", None), (128, 128, 3, "N", "M"), (128, 128, 3, "
 
 def _jax_dense_programs(lhs, rhs) -> dict:
     """The probe's rows of `_JAX_DENSE` on one group ([M, K] @ [K, N]; on a GPU only: the example takes no
-    interpreter): {impl: (None, label, program, args, True)}, as `run_probe` keeps its programs. Why: the one-group problem is a dense product, so this says
-    how far the Pallas warp-specialised structure itself gets on it, beside cuBLAS (XLA) and the grouped kernel."""
+    interpreter): {impl: (None, label, program, args, True)}, as `run_probe` keeps its programs. Why: the one-group
+    problem is a dense product, so this says how far the Pallas warp-specialised structure itself gets on it, beside
+    cuBLAS (XLA) and the grouped kernel."""
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
     dim, out = hm.MatmulDimension, {}
