@@ -298,7 +298,8 @@ class ExecutionConfig:
         byte budget per [chunk, vocab] fp32 block, `kernels_pallas.linear_cross_entropy.config`); with any remat
         policy the block is also capped at 4 x one layer input of the step (num_tokens x hidden x itemsize x 4),
         so the loss never needs more transient memory than a few residual-stream tensors, floored at
-        `CE_CHUNK_FLOOR` tokens (8B, 1 x 4096: 256 tokens; 1 x 65536: the kernel's 512). `device_kind` defaults to the first device's."""
+        `CE_CHUNK_FLOOR` tokens (8B, 1 x 4096: 256 tokens; 1 x 65536: the kernel's 512). `device_kind` defaults to
+        the first device's."""
         if self.ce_chunk_size is not None or self.remat == "none" and self.remat_plan is None:
             return self.ce_chunk_size
         from kernels_pallas.linear_cross_entropy import tiles_for
