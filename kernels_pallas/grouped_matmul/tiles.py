@@ -75,7 +75,8 @@ DEFAULT_CONFIG = TileConfig()
 _WS = dict(warp_specialized=True)
 # Per row-kernel problem (contraction K, output width N, groups G): the forward of a (K, N, G) projection looks
 # up (K, N, G), its d lhs (N, K, G); d rhs takes the dw_* fields of the forward's entry. Each entry is the best of
-# `bench --sweep` on the ragged sizes of shapes.BENCH_SHAPES (each kernel alone, queued; TFLOP/s in the comments).
+# `bench --sweep` on the ragged sizes of shapes.BENCH_SHAPES (each kernel alone; TFLOP/s in the comments, from
+# sweeps on different Hopper GPUs and timing methods: compare numbers within one comment only).
 CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     # Qwen3-30B-A3B gate_up [2048 -> 1536]: fwd 408; d rhs two blocks an SM in 3 stages, 460 against 413 for one
     (2048, 1536, 128): TileConfig(**_WS, wg_split="m", block_n=192, block_k=64, stages=4, dw_block_k=128,
