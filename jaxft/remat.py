@@ -95,8 +95,8 @@ LEAN_ATTN = f"offload={LAYER_INPUT},{ATTN_OUT},{ATTN_LSE}"
 # Device memory falls along the same order up to LEAN_ATTN, which keeps about offload's; full keeps the layer inputs
 # on the device, more than either. So "the first that fits" is still "the fastest that fits", and full and offload
 # are there for a host too small for LEAN_ATTN's copies (`Run._host_fit` skips it; offload then nests).
-# offload_stream is not a candidate: its copies of the tensors made last in a layer end the layer (15% slower than
-# no remat at Gemma-2-9B 1 x 4096), and full remat on the few layers a budget needs is cheaper.
+# offload_stream is not a candidate: the copies of the tensors a layer makes last have no compute left to hide under
+# (15% slower than no remat at Gemma-2-9B 1 x 4096), and full remat on the few layers a budget needs is cheaper.
 AUTO_ORDER = ("none", "offload+attn", LEAN_ATTN, "full", "offload")
 # What `auto` weighs when full remat on the first k layers fits and offload+attn might too (Run._partial_remat):
 # full remat on k layers recomputes those layers' whole forward, attention included; offload+attn recomputes the
