@@ -34,8 +34,8 @@ The model holds parameters and math; everything that changes speed or memory but
 - `offload_transfer`: how remat "offload" moves each layer input to pinned host memory: "policy" (jax.checkpoint's
   offload policy), "explicit" (`jaxft.offload`: the two copies written in a custom VJP, each copy back started
   when the layer above starts its backward; in a layer scan, for remat "offload" only, `jaxft.offload_scan`: one
-  custom VJP around the scan that copies each layer input back one layer early) or "auto" (explicit in the unrolled loop, whose
-  policy copies XLA folds away, the policy in the scan, whose copies XLA keeps). Other offloading policies
+  custom VJP around the scan that copies each layer input back one layer early) or "auto" (explicit in the unrolled
+  loop, whose policy copies XLA folds away, the policy in the scan, whose copies XLA keeps). Other offloading policies
   unrolled go through the explicit transfer with their policy's own copies inside it.
 - `layer_loop`: "scan" runs one layer body over stacked weights; "unroll" one program region per layer over
   per-layer weight buffers (no weight-slice copies, longer compile); "auto" unrolls only without remat (the
