@@ -19,8 +19,7 @@ demo-moe:
 	.venv/bin/jaxft-train examples/moe.yaml overwrite_output_dir=true
 
 # Two pytest-xdist workers, a test file at a time each (a file's module-scoped fixtures, mostly compiles, then run
-# once): 24-36 min of pytest for 1116 tests on a fresh clone on a 2-core machine like CI's, where one process took
-# 54-63 min.
+# once): on a 2-core machine like CI's this takes about half the time of one process.
 test: setup
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile tests
 

@@ -30,10 +30,9 @@ GIB = 2**30
 
 
 # The share of each GPU's memory JAX's allocator may take (XLA_PYTHON_CLIENT_MEM_FRACTION), where the environment
-# does not say. JAX's own default, 0.75, left a run 59.4 of an H100's 79.2 GiB, where a PyTorch peer may use nearly
-# all of it: GPT-OSS-20B's packed 1 x 16384 step could not place its temporaries beside the weights there
-# (docs/benchmarks.md section 41). What stays outside the pool (the CUDA context, NCCL's buffers, CUDA graphs) fits
-# in the rest, about 4 GiB of an H100.
+# does not say. JAX's own default, 0.75, leaves a run 59.4 of an H100's 79.2 GiB, where a PyTorch peer may use nearly
+# all of it (GPT-OSS-20B's packed 1 x 16384 step cannot place its temporaries beside the weights there). What stays
+# outside the pool (the CUDA context, NCCL's buffers, CUDA graphs) fits in the rest, about 4 GiB of an H100.
 GPU_MEMORY_FRACTION = 0.95
 _FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
@@ -69,9 +68,8 @@ def default_memory_budget(device=None) -> tuple[int, str]:
 
 
 # XLA's GPU allocator (BFC) rounds: it hands a whole free chunk to a request when the chunk is less than twice the
-# request and the rest is under 128 MiB, and counts the whole chunk as in use. Measured on the H200 (docs/benchmarks.md
-# section 17): bytes in use before the first step exceeded the step's arguments by 0.15-1.5% (Gemma-3-12B unrolled:
-# 0.34 GiB over 22.65 GiB, which took a 36.95 GiB estimate to a 37.29 GiB peak). A plan counts 2% of the arguments.
+# request and the rest is under 128 MiB, and counts the whole chunk as in use: bytes in use before the first step
+# exceed the step's arguments by up to 1.5%. A plan counts 2% of the arguments.
 ALLOCATOR_SLACK = 0.02
 
 
@@ -437,8 +435,8 @@ class AutoChoices:
 
         Why after the load: with a growing allocator (XLA_PYTHON_CLIENT_PREALLOCATE=false) the regions that hold
         the weights are up to about twice their bytes (regions double in size), so a step whose peak fits the
-        budget can still find no room for its temp: Gemma-2-9B packed 16k, no remat, ran out of memory at a
-        73.54 GiB temp beside 34 GiB of regions holding 18 GiB of weights (docs/benchmarks.md section 17). The
+        budget can still find no room for its temp: Gemma-2-9B packed 16k, no remat, runs out of memory at a
+        73.54 GiB temp beside 34 GiB of regions holding 18 GiB of weights. The
         remedy keeps the weights where they are (their layout follows the layer loop), so auto's choice is re-made
         within its loop: over unrolled layers (none, or full on k) full remat on more layers, k predicted from full
         remat's per-layer saving (`_partial_remat`'s, else measured the same way: `_full_remat_saving`); in the

@@ -34,12 +34,12 @@ The model holds parameters and math; everything that changes speed or memory but
 - `offload_transfer`: how remat "offload" moves each layer input to pinned host memory: "policy" (jax.checkpoint's
   offload policy), "explicit" (`jaxft.offload`: the two copies written in a custom VJP, each copy back started
   when the layer above starts its backward; in a layer scan, for remat "offload" only, `jaxft.offload_scan`: one
-  custom VJP around the scan that copies each layer input back one layer early) or "auto" (explicit in the unrolled loop, whose
-  policy copies XLA folds away, the policy in the scan, whose copies XLA keeps). Other offloading policies
+  custom VJP around the scan that copies each layer input back one layer early) or "auto" (explicit in the unrolled
+  loop, whose policy copies XLA folds away, the policy in the scan, whose copies XLA keeps). Other offloading policies
   unrolled go through the explicit transfer with their policy's own copies inside it.
 - `layer_loop`: "scan" runs one layer body over stacked weights; "unroll" one program region per layer over
   per-layer weight buffers (no weight-slice copies, longer compile); "auto" unrolls only without remat (the
-  host offload of unrolled layers is not yet confirmed on the GPU: tests/test_remat_gpu.py).
+  offloading policies are tuned for the scan).
 - `mlp_chunk_size`: the MLP runs over sequence chunks of this many tokens, each under a save-nothing
   checkpoint, so one layer never holds [T, intermediate] activations (None: one chunk); where it tiles, no
   remat policy keeps `mlp_gate_up` (it is recomputed per chunk).
@@ -49,7 +49,7 @@ The model holds parameters and math; everything that changes speed or memory but
   each layer's copied in one layer ahead of its use, in the forward and again in the backward: `jaxft.offload_scan`
   `HostRows`). What it buys: the device holds two layers' weights instead of all of them (8B bf16: about 0.9 of
   15 GiB). What it costs: every layer's weights cross the host link twice a step (8B: about 30 GB, about 0.57 s at
-  the H200's measured 53 GB/s), hidden only where a step's compute is longer. Layer scan, one device, a remat
+  53 GB/s), hidden only where a step's compute is longer. Layer scan, one device, a remat
   policy that offloads at most the layer input (none, full, offload, offload+attn, dots, save=..): what it keeps
   is kept as without streaming; or one that keeps nothing on the device (offload_all, offload=..): what it keeps
   goes to the host through the scan. MoE expert stacks and a 4-bit base's codes and scales stream too; the embeddings,
@@ -80,9 +80,8 @@ OFFLOAD_TRANSFERS = ("auto", "policy", "explicit")
 FROZEN_WEIGHTS = ("auto", "device", "host")
 CE_IMPLEMENTATIONS = ("xla", "reference")
 MOE_DISPATCHES = ("auto", "per_device", "global")
-# The smallest cross-entropy chunk under remat. Below 256 tokens the [chunk, H] x [H, V] matmuls ran slower for
-# no memory: at 128 the lean GPT-OSS-20B 1 x 4096 step took 252.0 ms against 247.4 at 256, Qwen3-30B-A3B 329.7
-# against 323.6, with the same compiled peak and allocator peak (docs/benchmarks.md section 28).
+# The smallest cross-entropy chunk under remat. Below 256 tokens the [chunk, H] x [H, V] matmuls run slower for
+# no memory: 2% slower at 128 on the lean GPT-OSS-20B 1 x 4096 step, at the same peak.
 CE_CHUNK_FLOOR = 256
 
 
@@ -149,8 +148,7 @@ class ExecutionConfig:
                 parsed.offloads and not parsed.explicit_capable:
             # In a scan the explicit transfer is `jaxft.offload_scan` (the layer input alone, a full recompute); a
             # policy's other host copies would be residuals stacked by the scan's AD in a host buffer, which XLA's
-            # layout assignment rejects (JAX 0.11.2, compiled for an H200: "Expected instruction to have shape
-            # equal to").
+            # layout assignment rejects (JAX 0.11.2: "Expected instruction to have shape equal to").
             raise ExecutionConfigError("offload_transfer", f"'explicit' in the layer scan takes remat: offload only "
                                        f"(got {self.remat!r}; XLA cannot place the scan's stacked host copies of "
                                        "other residuals); set layer_loop: unroll (or auto), or offload_transfer: auto")
@@ -300,8 +298,8 @@ class ExecutionConfig:
         byte budget per [chunk, vocab] fp32 block, `kernels_pallas.linear_cross_entropy.config`); with any remat
         policy the block is also capped at 4 x one layer input of the step (num_tokens x hidden x itemsize x 4),
         so the loss never needs more transient memory than a few residual-stream tensors, floored at
-        `CE_CHUNK_FLOOR` tokens (8B, 1 x 4096: 256 tokens, the lean mode's measured choice; 1 x 65536: the
-        kernel's 512). `device_kind` defaults to the first device's."""
+        `CE_CHUNK_FLOOR` tokens (8B, 1 x 4096: 256 tokens; 1 x 65536: the kernel's 512). `device_kind` defaults to
+        the first device's."""
         if self.ce_chunk_size is not None or self.remat == "none" and self.remat_plan is None:
             return self.ce_chunk_size
         from kernels_pallas.linear_cross_entropy import tiles_for
@@ -314,7 +312,7 @@ class ExecutionConfig:
     def resolved_layer_loop(self) -> str:
         """"auto" unrolls without remat, with remat on some layers (`remat_layers`), with offload_stream and
         with `offload_transfer: explicit` (their host copies go through `jaxft.offload`'s explicit transfer, which
-        needs unrolled layers; offload_stream in the scan kept more than no remat, docs/benchmarks.md section 10):
+        needs unrolled layers; offload_stream in the scan keeps more than no remat):
         the other host offload and recompute policies on every layer are tuned for the scan."""
         if self.layer_loop != "auto":
             return self.layer_loop
@@ -334,19 +332,14 @@ class ExecutionConfig:
         """The XLA options the step's program compiles with: `compiler_options` over what these settings want.
         A policy that offloads in the layer scan gets XLA's pipelined host offloading: each layer's copy to pinned
         host then runs beside the next layer's forward (the scan's dynamic-update-slice into the host stack is
-        started in one iteration and waited for in the next), where it otherwise ended before the layer's first
-        matmul (deviceless H200 compile; GPT-OSS-20B lean step 283.6 -> 279.0 ms on the H200,
-        docs/benchmarks.md section 23). The backward's copies back are not pipelined by it. Not with nested blocks
-        (`remat_block`), which are there for memory: its loop peeling held a second copy of a block's stacked layer
-        inputs (compiled for an H200, 8B at 1 x 65536 in blocks of 2 / 4: temp 8.43 / 11.27 GiB with it, 6.92 /
-        8.75 without; 122.43 -> 120.36 GiB at 1 x 1,026,048 in blocks of 3). Nor where the layer scan is
-        `jaxft.offload_scan.offloaded_scan` (streamed frozen weights, the explicit transfer): the loop it pipelines is
-        then ours, and pipelined, XLA made every fetch from host memory inside the loops (the weight rows, the layer
-        inputs and kept residuals coming back) a kernel reading host memory over PCIe instead of a copy (compiled
-        for an H200, 4 Llama-3.1-8B layers, 1 x 4096, offload=layer_input,attn_out,attn_lse over streamed weights:
-        14 of 17 host slices kernels pipelined, 1 of 9 without - the first layer's row, before the loop - and temp
-        2.47 -> 1.99 GiB; the price: the forward's copies of the attention residuals to the host run under 0 GEMMs
-        instead of 5-16)."""
+        started in one iteration and waited for in the next), where it otherwise ends before the layer's first
+        matmul (GPT-OSS-20B lean step 283.6 -> 279.0 ms). The backward's copies back are not pipelined by it. Not
+        with nested blocks (`remat_block`), which are there for memory: its loop peeling holds a second copy of a
+        block's stacked layer inputs (8B at 1 x 65536 in blocks of 2: temp 8.43 GiB with it, 6.92 without). Nor
+        where the layer scan is `jaxft.offload_scan.offloaded_scan` (streamed frozen weights, the explicit
+        transfer): the loop it pipelines is then ours, and pipelined, XLA makes most fetches from host memory inside
+        the loops (the weight rows, the layer inputs and kept residuals coming back) kernels reading host memory over
+        PCIe instead of copies."""
         wanted: dict[str, Any] = {}
         ours = self.frozen_weights == "host" or self.offload_transfer == "explicit"
         offloading_scan = self.remat != "auto" and self.resolved_layer_loop == "scan" \
@@ -356,17 +349,13 @@ class ExecutionConfig:
         if self.frozen_weights == "host":
             # Each fetch from host memory is an asynchronous dynamic-slice fusion. A layer makes one per packed buffer
             # (`jaxft.streamed`: one per dtype, e.g. a 4-bit base's codes and scales) and per unpacked host array.
-            # At the default limit XLA ran several one at a time, most waited for before any matmul (compiled for an
-            # H200, one fetch per weight: 0 of a layer's GEMMs under 5 of 7 fetches in the forward, 3 of 7 in the
-            # backward; with this limit the backward's run under 2-19 GEMMs, the forward's under 1-9:
-            # scripts/deviceless/stream_schedule.py).
+            # At the default limit XLA runs several one at a time, most waited for before any matmul (5 of a
+            # layer's 7 fetches in the forward under no GEMM); with this limit each runs under at least one.
             wanted["xla_gpu_experimental_parallel_async_compute_limit"] = 8
         if ours or offloading_scan:
-            # No CUDA-graph command buffers: inside one, the loop's copies from host memory ran serialised with the
-            # matmuls. Measured on the H200 (docs/benchmarks.md section 38): scripts/stream_fetch_probe.py's loop
-            # (16 layers of 8B's matmuls at 1 x 16384, each layer's weights copied in under the layer before) took
-            # 265 ms a step with command buffers and 157 without, against 147 for the compute alone and 140 for the
-            # copies alone; the 8B lean step at 1 x 16384 (XLA's offload policy) 1880 -> 1833 ms.
+            # No CUDA-graph command buffers: inside one, the loop's copies from host memory run serialised with the
+            # matmuls (a loop of 8B's matmuls with each layer's weights copied in under the layer before: 265 ms a
+            # step with command buffers, 157 without, 147 for the compute alone).
             wanted["xla_gpu_enable_command_buffer"] = ""
         return {**wanted, **self.compiler_options}
 

@@ -8,7 +8,7 @@ copy back. Inside a layer scan the copies go through the loop's stacked residual
 into a host buffer, a dynamic-slice out of it) and survive; in an unrolled program the copy back reads the copy
 to the host directly, and XLA's algebraic simplifier folds Copy(Copy(x)) with equal outer and inner shapes
 (layouts, memory space included) into x (`AlgebraicSimplifierVisitor::HandleCopy`): the offload is silently
-dropped (measured on the H200: no S(5) value in the compiled unrolled program, docs/benchmarks.md section 10).
+dropped (no S(5) value is left in the compiled unrolled program).
 
 Here the backward passes the host copy through an `optimization_barrier` together with a signal before copying it
 back. XLA's host offloader accepts a barrier on a host-memory path
@@ -19,17 +19,15 @@ on the device at a time, not all of them prefetched at once), else this layer's 
 recompute waits for this layer's output cotangent (a second barrier). The barriers also keep XLA from merging the
 recompute with the forward on backends that lower no placement (the CPU: there both transfers are identities).
 
-Two more barriers decide what the device keeps (found in the step compiled for an H200 target on a CPU machine -
-the CUDA plugin's deviceless compile - with 4 layers of Llama-3.2-1B widths at 1 x 2048 and Pallas attention: the
-unrolled offload's temp was 562 MiB, about no remat's 615, vs 322 with full remat; 275 MiB with both barriers;
-tests/test_offload_order.py checks them on the jaxpr):
+Two more barriers decide what the device keeps (without them the unrolled offload's temp is about no remat's;
+with them, below full remat's; tests/test_offload_order.py checks them on the jaxpr):
 - the forward holds the host copy together with the layer's output, so the copy completes before the next layer
   starts and the device x dies there (else its completion is scheduled beside its only use, in the backward, and
   every layer input stays on the device through the forward);
 - the backward holds this layer's weight cotangents together with its input cotangent, so the layer below cannot
-  start its backward before this layer's LoRA weight gradients exist. Without it XLA's scheduler put every
+  start its backward before this layer's LoRA weight gradients exist. Without it XLA's scheduler puts every
   layer's weight-gradient matmuls at the end of the program, beside the stacked gradient they feed, and their
-  operands - each layer's recomputed activations - stayed live through the whole backward. Only the cotangents
+  operands - each layer's recomputed activations - stay live through the whole backward. Only the cotangents
   the caller differentiates are in it (`symbolic_zeros`: the perturbed bits): a barrier keeps every operand alive,
   so a frozen weight's cotangent in it would be computed instead of dropped as dead code.
 
@@ -67,9 +65,9 @@ def host_offloaded(fn: Callable, policy: Callable | None = None, chain: "Prefetc
     With `host=False` (and no policy) `x` stays on the device: remat "full" with this VJP's order, the recompute
     waiting for the layer's output cotangent and the weight gradients done before the input cotangent leaves.
     Why: in an unrolled loop that also moves other layers' residuals to the host (`remat_plan`), XLA's scheduler
-    ran the recomputes of `jax.checkpoint`'s full layers early, beside the copies back, and held them all at once
-    (compiled for an H200: 8B, 1 x 16384 packed, full on layers 0-15 and offload_all on 16-31: temp 33.74 GiB
-    against 6.92 with full on every layer)."""
+    runs the recomputes of `jax.checkpoint`'s full layers early, beside the copies back, and holds them all at once
+    (8B, 1 x 16384 packed, full on layers 0-15 and offload_all on 16-31: temp 33.74 GiB against 6.92 with full on
+    every layer)."""
 
     def call(x, *args):
         converted, consts = _hoist_constants(fn, x, *args)
@@ -91,8 +89,8 @@ class PrefetchChain:
     the signal: layer i+1 makes it from its output cotangent as soon as that exists (the start of its backward),
     and layer i starts copying its input back once the signal exists, i.e. while layer i+1 recomputes and
     differentiates, instead of after layer i+1 has finished (a barrier on layer i's own output cotangent, which
-    is layer i+1's input cotangent, its last product). Measured on the H200 before (docs/benchmarks.md section
-    18, 8B width, 4 layers, 1 x 8192): the unrolled backward waited 1.21-1.24 ms per layer for its copy back. At
+    is layer i+1's input cotangent, its last product), where the unrolled backward waits ~1.2 ms per layer for its
+    copy back (8B widths, 1 x 8192). At
     most two layers' offloaded residuals are on the device at once (under a policy that offloads more than the
     layer input, all of its host residuals are copied back this way, outside its vjp). In a scan the signal
     would come from the previous iteration, which holds nothing for this one: a scan's layer function gets no
@@ -223,8 +221,8 @@ def _cotangents(vjp, dy, unsplit, n_consts, signal):
     # This layer's weight gradients are finished before its input cotangent leaves it. Without this barrier the
     # scheduler may defer every layer's LoRA weight-gradient matmuls to the end of the unrolled program (they are
     # only needed by the stacked gradient at the root), and their operands - this layer's recomputed activations -
-    # stay live through the backward of every layer below: the device temp of no remat at all (measured on the
-    # H200 compile). Only differentiated leaves are in it: a barrier keeps all its operands, so a frozen weight's
+    # stay live through the backward of every layer below: the device temp of no remat at all. Only
+    # differentiated leaves are in it: a barrier keeps all its operands, so a frozen weight's
     # cotangent in it would be computed (it is dead code otherwise).
     dx, d_diff = jax.lax.optimization_barrier((dx, d_diff))
     return (dx, signal, *unsplit(d_diff), *([None] * n_consts))

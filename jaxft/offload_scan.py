@@ -3,16 +3,12 @@ iteration ahead: remat "offload" (the layer input to the host, everything else r
 written as one custom VJP around the whole scan.
 
 Why: with jax.checkpoint's offload policy inside the scan, whether a layer input's copy back overlaps compute is
-XLA's choice. In a toy scan compiled for an H200 (`scripts/deviceless/scan_offload_schedule.py`) the copy back
-is waited for before the layer's first matmul (0 GEMMs between the copy's start and its done); in 4 Llama layers
-of 2048 width at 1 x 4096 compiled the same way, XLA overlapped it with 43 GEMMs. Here the overlap is written out:
-the backward is a reverse scan whose iteration i starts copying iteration i - 1's carry back before it recomputes
-and differentiates iteration i, and hands the copy to the next iteration through its own carry (3 of 3 GEMMs in
-the toy). The forward's copies to the host are pipelined by XLA (`ExecutionConfig.program_options`). Opt-in
-(`offload_transfer: explicit` with `layer_loop: scan`): measured on an H200 (GPT-OSS-20B lean, 1 x 4096,
-docs/benchmarks.md section 24) it is 6.7 ms a step slower than the policy (294.7 vs 288.0 ms), whose copies cost
-nothing there (the step without any host copy: 287.4 ms); in the Llama compile it costs 16 MiB more temp (the
-prefetched input).
+XLA's choice, and in a small scan it waits for the copy before the layer's first matmul. Here the overlap is written
+out: the backward is a reverse scan whose iteration i starts copying iteration i - 1's carry back before it
+recomputes and differentiates iteration i, and hands the copy to the next iteration through its own carry. The
+forward's copies to the host are pipelined by XLA (`ExecutionConfig.program_options`). Opt-in
+(`offload_transfer: explicit` with `layer_loop: scan`): where XLA already overlaps the policy's copies (GPT-OSS-20B
+lean, 1 x 4096) it is 2% slower than the policy.
 
 Math: for carry_{i+1} = f(carry_i, x_i, consts), the forward keeps carry_i (on the host when it is an array of
 rank >= 2, else on the device: the router statistics' small accumulator) and returns carry_L. The backward, from
@@ -30,15 +26,13 @@ time and the copies run under compute. The forward's last fetch (the top layer) 
 These inputs are frozen: nothing differentiates them. `host=False` keeps the carries on the device (remat "full"
 over streamed weights). Weights packed for streaming (`PackedSlot`, `jaxft.streamed`: one [L, total] host buffer
 per stack and dtype) are fetched as one row per layer and sliced apart on the device (`unpack_rows`): one copy per
-layer, which XLA runs under the layer's compute, where one copy per weight ran mostly exposed
-(scripts/deviceless/stream_schedule.py).
+layer, which XLA runs under the layer's compute, where one copy per weight runs mostly exposed.
 
 Fetches: every read of a stack in pinned host memory inside the loops (a streamed row, a kept carry or residual
 coming back) is a dynamic slice whose index is affine in the loop's counter and never leaves the stack. XLA then
 runs it as a copy (a dynamic-slice config, no kernel); an index read from a scanned array, or clamped
 (min(i + 1, L - 1)), makes it a loop fusion instead: a kernel whose threads read host memory over PCIe on the SMs
-the matmuls need (compiled for an H200: scripts/deviceless/hlo_schedule.py `host_slice_forms`,
-scripts/stream_fetch_probe.py). So the forward loop runs iterations 0 .. L-2, fetching iteration i + 1's rows, and
+the matmuls need. So the forward loop runs iterations 0 .. L-2, fetching iteration i + 1's rows, and
 the last iteration runs after it (its kept values apart from the loop's stacks); the backward loop's step k
 differentiates iteration L-1-k from what the step before fetched while it fetches iteration L-2-k's, and
 iteration 0 runs after it. Each f is traced twice in each direction (compile time), and an iteration's kept

@@ -87,31 +87,24 @@ LEAN_ATTN = f"offload={LAYER_INPUT},{ATTN_OUT},{ATTN_LSE}"
 #   none          recomputes nothing;
 #   offload+attn  recomputes projections/norms/MLP but not attention, copies one [B,T,H] per layer each way;
 #   LEAN_ATTN     the same recompute, the attention's residuals copied too (two [B,T,H] and the statistics per
-#                 layer each way); measured on the H200 at 8B 1 x 16384 with the same program options in
-#                 consecutive calls, 3% faster than offload (1,780 vs 1,833 ms, docs/benchmarks.md section 38);
-#                 tried after offload where its copies cost more than the attention forward they spare
-#                 (`attention_copies_pay`, Run._auto_order: at GPT-OSS-20B packed 1 x 16384 it was 16% slower than
-#                 offload, section 41, in a run whose cross-entropy chunks were also narrower: section 43);
+#                 layer each way): 3% faster than offload at 8B 1 x 16384; tried after offload where its copies
+#                 cost more than the attention forward they spare (`attention_copies_pay`, Run._auto_order);
 #   full          recomputes the whole layer, attention included, no host copies;
 #   offload       the same recompute as full plus the host copies (at best hidden under compute), so never
 #                 faster than full, but it keeps L fewer layer inputs on the device.
-# Device memory falls along the same order up to LEAN_ATTN, which keeps about offload's (compiled for the H200, 8B
-# 1 x 65536: 27.71 against offload's 27.97 GiB, section 37); full keeps the layer inputs on the device, more than
-# either. So "the first that fits" is still "the fastest that fits", and full and offload are there for a host too
-# small for LEAN_ATTN's copies (`Run._host_fit` skips it; offload then nests).
-# offload_stream is not a candidate: through the explicit transfer of the unrolled loop it now saves memory, but
-# measured on the H200 (docs/benchmarks.md section 15, Gemma-2-9B 1 x 4096) it was 15% slower than no remat
-# (6,806 vs 8,038 tok/s at 33.38 vs 38.20 GiB, no remat from section 10's call): the copies of the tensors made last in a layer end it, and full
-# remat on the few layers a budget needs is cheaper.
+# Device memory falls along the same order up to LEAN_ATTN, which keeps about offload's; full keeps the layer inputs
+# on the device, more than either. So "the first that fits" is still "the fastest that fits", and full and offload
+# are there for a host too small for LEAN_ATTN's copies (`Run._host_fit` skips it; offload then nests).
+# offload_stream is not a candidate: the copies of the tensors a layer makes last have no compute left to hide under
+# (15% slower than no remat at Gemma-2-9B 1 x 4096), and full remat on the few layers a budget needs is cheaper.
 AUTO_ORDER = ("none", "offload+attn", LEAN_ATTN, "full", "offload")
 # What `auto` weighs when full remat on the first k layers fits and offload+attn might too (Run._partial_remat):
 # full remat on k layers recomputes those layers' whole forward, attention included; offload+attn recomputes the
-# projections and MLP of every layer but no attention (its host copies hide under compute: docs/benchmarks.md
-# section 19). Which recomputes less depends on the row: attention grows with the pairs a row attends, the
-# projections with its tokens. `recompute_work` prices both in matmul time; ATTENTION_RATE is the attention
-# kernels' speed relative to dense matmuls on the H200 in bf16 (cuDNN forward 430-570 TFLOP/s against matmuls
-# of 620-800: the brief's and docs/benchmarks.md's measurements; the Pallas flash kernel on packed rows is not
-# faster). At 8B, 1 x 4096, the largest k that beats offload+attn is 28 of 32 layers; at 1 x 65536, 11.
+# projections and MLP of every layer but no attention (its host copies hide under compute). Which recomputes less
+# depends on the row: attention grows with the pairs a row attends, the projections with its tokens.
+# `recompute_work` prices both in matmul time; ATTENTION_RATE is the attention kernels' speed relative to dense
+# matmuls in bf16 (cuDNN forward 430-570 TFLOP/s against matmuls of 620-800; the Pallas flash kernel on packed rows
+# is not faster).
 ATTENTION_RATE = 0.65
 # How `auto` measures full remat's per-layer saving before trying it on the first k layers (Run._partial_remat):
 # full remat on the first 1 and on the first 3 layers of a 4-layer copy of the model (compiled from shapes). Four
@@ -375,7 +368,7 @@ def tiled_mlp_names(seq: int, mlp_chunk_size: int | None) -> tuple[str, ...]:
     (`jaxft.models.parts.tiled_mlp`: each chunk under a save-nothing checkpoint inside a loop, so the MLP's
     gate/up exist one chunk at a time and are recomputed in the backward); none when the MLP is one call.
     A policy naming them there would ask XLA to keep a value of the inner loop outside it (for an offload, XLA
-    0.11.2 fails its layout assignment: docs/benchmarks.md section 18), and would hold [T, intermediate] again."""
+    0.11.2 fails its layout assignment), and would hold [T, intermediate] again."""
     return (MLP_GATE_UP,) if mlp_chunk_size is not None and mlp_chunk_size < seq else ()
 
 
@@ -461,7 +454,7 @@ def recompute_work(cfg, segment_ids) -> list[tuple[float, float]]:
 
 
 # A host copy priced in matmul time: the dense-matmul FLOPs the H200 runs while its host link moves one byte (bf16
-# matmuls at about 700 TFLOP/s over pinned host <-> device at about 53 GB/s, both measured there: the brief).
+# matmuls at about 700 TFLOP/s over pinned host <-> device at about 53 GB/s).
 HOST_COPY_FLOPS_PER_BYTE = 700e12 / 53e9
 
 
@@ -474,12 +467,9 @@ def attention_copies_pay(cfg, segment_ids, itemsize: int) -> tuple[bool, float, 
     link's other direction, during the backward).
 
     Why a price and not an order: a copy hides under compute only when the layer's compute lasts longer, and what
-    it saves is the attention forward, which shrinks with the pairs a row attends. Measured: at 8B 1 x 16384 (one
-    document) LEAN_ATTN was 3% faster than offload on the H200 (docs/benchmarks.md section 38; by these prices the
-    attention is 108 TFLOP-equivalents a step against copies worth 58); at GPT-OSS-20B packed 1 x 16384 (documents
-    of ~306 tokens, 128-token windows on half the layers) it was 16% slower than offload on an H100 (section 41; 2
-    against 44), though that run's cross-entropy chunks were 83 tokens against offload's 256 (section 43), so the
-    copies' share of the 16% is not measured."""
+    it saves is the attention forward, which shrinks with the pairs a row attends: at 8B 1 x 16384 (one document)
+    the attention is 108 TFLOP-equivalents a step against copies worth 58 (LEAN_ATTN wins); at GPT-OSS-20B packed
+    1 x 16384 (documents of ~306 tokens, 128-token windows on half the layers), 2 against 44 (offload wins)."""
     import numpy as np
 
     b, t = np.shape(segment_ids)

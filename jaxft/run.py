@@ -107,8 +107,8 @@ class Run(AutoChoices):
     def unrolled(self) -> bool:
         """Whether the layers run unrolled (`ExecutionConfig.resolved_layer_loop`), except that `layer_loop: auto`
         scans an MoE model whose experts run the Mosaic GPU grouped matmul when nothing needs the unrolled loop:
-        every call site of a Mosaic GPU kernel is compiled on its own, so 24 unrolled GPT-OSS-20B layers compiled
-        for over 4 minutes on the H200 (docs/benchmarks.md section 19), where the scan compiles each kernel once."""
+        every call site of a Mosaic GPU kernel is compiled on its own, so 24 unrolled GPT-OSS-20B layers compile
+        for over 4 minutes, where the scan compiles each kernel once."""
         ex = self.execution
         if ex.resolved_layer_loop != "unroll":
             return False
@@ -210,9 +210,9 @@ class Run(AutoChoices):
 
     def random_state_program(self):
         """(graphdef, program): the jitted program `init_random` runs, returning the (lora, frozen) states with every
-        array made in its place on the mesh (`out_shardings`). Compiled for an H200 (scripts/deviceless), it keeps no
-        temporaries: XLA fuses each array's threefry draws, normal transform and cast into the kernel that writes it
-        (Llama-3.1-8B on one device: 15.1 GiB of outputs, 0 of temporaries; 70B over 8: 17.2 GiB per device). XLA's
+        array made in its place on the mesh (`out_shardings`). Compiled for a GPU, it keeps no temporaries: XLA
+        fuses each array's threefry draws, normal transform and cast into the kernel that writes it (Llama-3.1-8B on
+        one device: 15.1 GiB of outputs, 0 of temporaries). XLA's
         CPU backend runs threefry as a loop over [shard]-sized uint32 buffers instead: a 70B init over 8 CPU
         devices would keep 75 GiB of them per device; the CPU makes tiny models only. Lower and compile it to see
         its memory per device."""

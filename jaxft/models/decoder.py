@@ -224,9 +224,9 @@ def per_device_attention(q, k, v, *, segment_ids, metadata, implementation, sink
     on a GPU, where it takes them for packed rows); otherwise the op as it is.
 
     Why: attention is independent per row, but XLA cannot partition the flash kernels' custom call, so under a
-    mesh it all-gathers q, k and v to the whole batch and every device computes every row's attention (a step
-    compiled for 8 H200s under FSDP: 16 synchronous all-gathers of bf16 [8, 4096, 8, 512] into the kernels; on 4 CPU
-    devices the interpreted kernel's operands gathered the same way: tests/test_sharding.py). Here the op runs in
+    mesh it all-gathers q, k and v to the whole batch and every device computes every row's attention (8 GPUs under
+    FSDP: 16 synchronous all-gathers of bf16 [8, 4096, 8, 512] into the kernels; tests/test_sharding.py sees the
+    same on CPU devices). Here the op runs in
     `jax.shard_map` with the rows split over the batch axes (`jaxft.sharding.BATCH_AXES`, as `constrain_rows`
     splits the layer inputs) and the heads over "tensor" where both head counts divide by it; the batch's block
     tables (`make_metadata`, per row) are split with the rows, their batch-wide flag `single_segment` whole. The

@@ -117,9 +117,7 @@ def dispatch(experts: jax.Array, num_experts: int) -> Routing:
 def _picks(x: jax.Array, inverse: jax.Array, k: int) -> list[jax.Array]:
     """[x[inverse[n k + j]] for n < N], j < k: the rows of x [N*k, ...] of each token's j-th pick, one gather per
     j. The sums over k below add these k gathers elementwise: gathering [N, k, H] and reducing its middle axis
-    computed the same sum 4.9x slower on the H200 at Qwen3-30B-A3B's shape (k = 8: the combine and gather_tokens'
-    backward, forward + backward 2.95 vs 0.60 ms) and 2.0x at GPT-OSS-20B's (k = 4: 0.48 vs 0.24 ms;
-    scripts/bench/moe_routing.py, docs/benchmarks.md section 27)."""
+    computes the same sum 4.9x slower at Qwen3-30B-A3B's shape (k = 8: the combine and gather_tokens' backward)."""
     inv = inverse.reshape(-1, k)
     return [x[inv[:, j]] for j in range(k)]
 
@@ -202,8 +200,7 @@ def combine(ys: jax.Array, weights: jax.Array, routing: Routing, xf: jax.Array) 
     outputs ys [N*k, H], into xf's shape [N, H] and dtype. Products and the sum over k are taken in fp32 and
     rounded once to the activations' dtype.
     Rows move by gathers both ways (`_weighted_sum`): the definition, a scatter-add of the weighted rows into the
-    tokens with x[token] (whose autodiff is another scatter-add), measured 2.5x slower at Qwen3-30B-A3B's shape
-    (1.52 vs 0.60 ms forward + backward, docs/benchmarks.md section 27)."""
+    tokens with x[token] (whose autodiff is another scatter-add), is 2.5x slower at Qwen3-30B-A3B's shape."""
     return _weighted_sum(ys, weights, routing.inverse, routing.order).astype(xf.dtype)
 
 

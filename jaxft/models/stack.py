@@ -27,8 +27,8 @@ layers or periods becomes an outer scan over blocks of them (`_scan_layers`), ea
 its input alone, the layers inside full checkpoints; the outer policy offloads the block input for remat "offload".
 
 Host offload of the layer input (`resolve_transfer`): in the scan, jax.checkpoint's offload policy, whose copies
-XLA keeps (they go through the loop's stacked host buffer); in the unrolled loop XLA folded the policy's copy to
-the host and copy back into nothing (docs/benchmarks.md section 10: no S(5) value in the compiled program), so
+XLA keeps (they go through the loop's stacked host buffer); in the unrolled loop XLA folds the policy's copy to
+the host and copy back into nothing (no S(5) value is left in the compiled program), so
 remat "offload" there takes the explicit transfer of `jaxft.offload` (ExecutionConfig.offload_transfer), whose
 copy back reads an optimization barrier. `tests/test_remat_gpu.py` checks the compiled memory on the GPU,
 `scripts/offload_probe.py` measures every combination. On the CPU JAX lowers no placement ops (there is no host
@@ -248,9 +248,9 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         # The period's positions in runs of one kind (Gemma 3: five sliding layers, then one global; Gemma 2: runs
         # of one). A run of one position is one call; a longer run is an inner scan over its rows. Why: in the
         # backward of one period XLA may recompute every checkpointed layer of the body before it needs any, so a
-        # body of six calls held several layers' recomputed activations at once; an inner scan's backward runs its
-        # layers one at a time. Compiled for an H200, Gemma-3-12B at 1 x 16384 packed, full remat: temp 21.25 GiB
-        # with six calls, 13.63 with the inner scan (48 layers). Not for policies that offload to the host: their
+        # body of six calls holds several layers' recomputed activations at once; an inner scan's backward runs its
+        # layers one at a time (Gemma-3-12B at 1 x 16384 packed, full remat: temp 21.25 GiB with six calls, 13.63
+        # with the inner scan). Not for policies that offload to the host: their
         # residuals would be host buffers stacked in two loops, which XLA's layout assignment rejects on JAX
         # 0.11.2 (offload+attn keeps the six calls; not solved here). Each fn
         # takes its stack's block for the period and slices its row itself, inside its checkpoint (`_layer_fn`
@@ -321,20 +321,17 @@ def _scan_layers(step, carry, xs, block: int, outer: RematPolicy | None):
     call of the same checkpoint. The backward of a block re-runs its inner scan forward, whose steps are full
     checkpoints: it keeps the block's layer inputs on the device, then differentiates the steps one at a time.
 
-    Measured, compiled for an H200 on a CPU (8B; docs/benchmarks.md section 29):
-    - With XLA's pipelined host offloading each layer of a block past the first cost two layer inputs of device
-      memory (its loop peeling held two [k, T, H] buffers of the inner scan's stacked inputs); nested blocks go
-      without it (`ExecutionConfig.program_options`), and cost one layer input and one layer's weight slice.
-    - Unrolling the block's layers instead kept more (both forms reading rows as below). With CSE barriers: 9.32
-      vs 7.90 GiB of temp with blocks of 2, 15.44 vs 9.90 with blocks of 4, at 1 x 65536. Without them: 10.84 /
-      19.19 (the recompute merged into the block's).
-    - Reading each layer's row of the whole stack inside its checkpoint, as the periodic scan does, avoids slicing a
-      [k, ...] weight block per block: 8.43 -> 7.90 GiB at 1 x 65536 with blocks of 2. It costs a layer input,
-      though: 103.79 -> 109.74 GiB at 1 x 901,120. The block of weights is therefore scanned.
+    Why it is shaped so:
+    - No XLA pipelined host offloading (`ExecutionConfig.program_options`): its loop peeling holds two [k, T, H]
+      buffers of the inner scan's stacked inputs, two layer inputs for each layer of a block past the first.
+    - The block's layers are an inner scan, not unrolled: unrolled they keep more (8B at 1 x 65536 in blocks of 4:
+      15.44 against 9.90 GiB of temp).
+    - The block of weights is scanned, not each layer's row read from the whole stack inside its checkpoint (as the
+      periodic scan does): that saves the block's weight slice but costs a layer input, which long rows pay more.
     - Only the outer scan's block inputs reach the host: the last partial block's input, and a single block's
-      (an outer scan of one step), stay on the device. XLA folds a host copy pair outside a loop, as in the
-      unrolled loop (1 x 1,026,048 in blocks of 3: 10 inputs in the compiled host memory, not 11). The host count
-      of `jaxft.remat.offloaded_bytes` is one input high there; the device estimate is the compiled one."""
+      (an outer scan of one step), stay on the device, since XLA folds a host copy pair outside a loop as in the
+      unrolled loop. The host count of `jaxft.remat.offloaded_bytes` is one input high there; the device estimate
+      is the compiled one."""
     if outer is None or block <= 1:
         carry, _ = jax.lax.scan(lambda c, x: (step(c, x), None), carry, xs)
         return carry
@@ -430,11 +427,11 @@ def resolve_transfer(policy: RematPolicy, unrolled: bool) -> str:
         return "policy"
     if not policy.explicit_capable:
         # Unrolled loops only: in a scan the residuals of this form are stacked host buffers that XLA's layout
-        # assignment rejects (JAX 0.11.2, compiled for an H200: "Expected instruction to have shape equal to"),
+        # assignment rejects (JAX 0.11.2: "Expected instruction to have shape equal to"),
         # and there the policy's own offload is kept anyway.
         return "explicit" if unrolled else "policy"
     # In a scan "explicit" is `jaxft.offload_scan` around the whole scan (run_groups), which prefetches the copies
-    # back; "auto" keeps the policy there until that is measured on the GPU.
+    # back; "auto" keeps the policy there, whose copies XLA already overlaps.
     return "explicit" if policy.transfer == "explicit" or unrolled else "policy"
 
 
@@ -455,8 +452,8 @@ def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_
     `row` (a periodic scan's body): `layer_state` is the period's block of the stack ([c, ...] leaves) and the
     layer's weights are its row `row`. The slice is taken inside the layer's checkpoint and never saved: had the
     body sliced the block before the call, each slice would be a value made inside the scan, which the scan's
-    backward keeps as a stacked residual, i.e. a second copy of every layer's frozen weights (compiled for an
-    H200, Gemma-2-9B: 0.49 GiB a layer at 1 x 16384 with full remat, of which 0.38 GiB were weight copies). The
+    backward keeps as a stacked residual, i.e. a second copy of every layer's frozen weights (Gemma-2-9B: 0.38 of
+    0.49 GiB a layer at 1 x 16384 with full remat). The
     block itself is a scan input, which the backward reads in place. (Without remat nothing is gained: see
     below.)
 

@@ -142,11 +142,12 @@ class TrainConfig:
     # "auto" is per_device.
     moe_dispatch: Literal["auto", "per_device", "global"] = "auto"
     # HF/TRL's switch. Not given, `remat` becomes "offload" when this is true (HF keeps each layer's input on
-    # the device and recomputes the rest; offload keeps it in host memory: the lean mode of docs/benchmarks.md),
+    # the device and recomputes the rest; offload keeps it in host memory),
     # else "auto". After construction `remat` is always a canonical policy string (jaxft.remat).
     gradient_checkpointing: bool = False
-    # none, full, dots, offload, offload+attn, offload_stream, offload_all, auto, or selective: "save=attn_out,attn_lse;offload=
-    # layer_input" or a mapping {save: [...], offload: [...]} (jaxft.remat lists the residual names).
+    # none, full, dots, offload, offload+attn, offload_stream, offload_all, auto, or selective:
+    # "save=attn_out,attn_lse;offload=layer_input" or a mapping {save: [...], offload: [...]} (jaxft.remat lists the
+    # residual names).
     remat: str | dict | None = None
     # The remat policy on the first N layers only, the rest without remat (null: every layer); needs the unrolled
     # layer loop. `remat: auto` sets it itself when no remat does not fit but remat on a few layers does.

@@ -276,9 +276,9 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     if (config.execution.resolved_layer_loop == "unroll" and config.remat != "auto"
             and remat_policies.parse(config.remat).offloads):
         logger.info("layer_loop=unroll with an offloading remat policy: the host copies take the explicit transfer "
-                    "(jaxft/offload.py), each layer's input copied back one layer ahead (on an H200 92% of the "
-                    "copy time hidden under compute, at the scan's step time on 4 layers; it keeps one more layer "
-                    "input on the device: docs/benchmarks.md section 19); layer_loop: scan is the default")
+                    "(jaxft/offload.py), each layer's input copied back one layer ahead (most of the copy time "
+                    "hidden under compute; it keeps one more layer input on the device); layer_loop: scan is the "
+                    "default")
     if config.lr_scheduler_type == "constant" and plan.warmup_steps:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)

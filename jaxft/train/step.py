@@ -63,7 +63,7 @@ def unstack_layers(frozen: nnx.State, *, delete_source: bool = False) -> nnx.Sta
     The decoder then runs its layers unrolled (see `jaxft.models.decoder.is_unstacked`) and every matmul
     reads its own weight buffer. A layer scan instead slices each layer's weights out of the stacked arrays,
     which XLA does as a copy: all frozen weights are copied once in the forward and once in the backward
-    pass (about 20 ms per step for an 8B model on an H200). The LoRA parameters stay stacked (their slices
+    pass (about 20 ms per step for an 8B model). The LoRA parameters stay stacked (their slices
     are small). `delete_source` frees each stacked array once its slices exist, so the extra device memory
     is one stacked array at a time; the caller must not use the model it came from afterwards.
     """

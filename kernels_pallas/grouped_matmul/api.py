@@ -9,10 +9,8 @@ interpreter on CPU (tests).
 
 "auto" (the default, what the MoE blocks use) takes "pallas_mosaic" on a Hopper GPU (compute capability 9.x)
 for bf16/f16 operands and "xla" everywhere else (float32 keeps ragged_dot's numerics; CPU numerics unchanged).
-The kernels passed their GPU tests on the H200 at ed4a32e (tests/test_grouped_matmul_gpu.py: forward, d lhs
-and d rhs on the four MoE expert shapes with empty groups and ragged tails, every row-kernel variant, one full
-bench shape compiled to three Mosaic GPU calls; docs/benchmarks.md section 14), where their forward is 16-61x
-`lax.ragged_dot` (section 14's table). Under a mesh that shards the experts, the Mosaic custom call is not
+On the four MoE expert shapes the kernels' forward is 16-61x `lax.ragged_dot` (tests/test_grouped_matmul_gpu.py
+checks them on the GPU). Under a mesh that shards the experts, the Mosaic custom call is not
 partitioned by XLA (its operands are gathered): choose "xla" by name there (the MoE blocks take the name from
 ``ExecutionConfig.grouped_matmul_implementation``, the ``jaxft-train`` key of the same name).
 """

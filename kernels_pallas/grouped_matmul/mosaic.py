@@ -52,10 +52,8 @@ def _rows(cfg: TileConfig):
     return gmm_rows_ws if cfg.warp_specialized else gmm_rows
 
 
-# The fused adapter's kernels ran on the H200 (tests/test_grouped_matmul_gpu.py, tests/test_moe_gpu.py), the d lhs
-# kernel with an adapter (`backward_lhs(adapter=)`, the transposed rhs) too since 2026-12-04: GPT-OSS-20B's lean step
-# 244.0 -> 240.5 ms and compiled temp 2.23 -> 2.15 GiB against the two kernels (docs/benchmarks.md section 31). The
-# flag stays so an A/B against the two-kernel form is one edit.
+# The fused adapter's kernels (forward, and d lhs with an adapter: `backward_lhs(adapter=)`) against the two-kernel
+# form: GPT-OSS-20B's lean step 244.0 -> 240.5 ms. The flags stay so an A/B against the two-kernel form is one edit.
 FUSED_LORA_ON_GPU = True
 FUSED_DLHS_LORA_ON_GPU = True
 

@@ -28,31 +28,9 @@ Two row-tile kernels: ``gmm_rows`` (one warpgroup issues the TMA loads and the w
 rows while the next tile loads); ``tiles.CONFIGS`` picks one per shape. The warp-specialised kernel chains the
 pipelines of an SM's units (``TileConfig.chained``, JAX's ``pipeline_state``): the memory warpgroup goes on loading
 the next unit while the compute warpgroups finish and store this one, instead of draining the ring after every unit.
-Three variants measured on an H100 against the chained table entries of both Qwen3-30B-A3B shapes and dropped
-(docs/benchmarks.md section 43; in git history): a wgmma left in flight across contraction steps (2-5% slower than
-the unchained kernel it modifies, 6-17% under the chained entry), clusters of two blocks sharing each lhs tile by
-TMA multicast (3-7% slower), and whole tiles stored through a swizzled staging tile (-3% to +0.6%). So neither the tensor cores draining between steps, nor L2 reads,
-nor bank conflicts in the epilogue limit these shapes. Section 44 (H100) took the Qwen3-30B-A3B forward apart
-(`bench --probe`): its 128 ragged groups run 6-9% under equal groups of whole tiles, and those 23-27% under one group
-of the same rows and units; a unit that starts on a fresh expert matrix costs ~4 us besides its products, ~1 us on
-one matrix. Eight remedies measured and dropped (git history): an L2 prefetch of the SM's next unit's tiles
-(`plgpu.async_prefetch`, 14-53% slower), the output staged in 64-row pieces to free a fourth stage (2-3% slower),
-each SM taking runs of 4 or 8 tiles at one N-block to reuse an expert tile (37-50% slower, section 45), each
-group's expert tiles asked of the L2 once, 8-32 tiles before their first use (3-48% slower, section 45; worst at
-K x 4, where each ask is 1.5 MB: the prefetches seem to hold up the SM's own TMA loads, not measured directly), and
-a 128-row part multiplying only the 64-row half it stores (0.4-2% faster in five sweep comparisons, 1.8% slower in
-the A/B of section 45: within the spread), and a group's later tiles moved a wave or two along the walk, so that
-only the first of them would wait for its experts from HBM (10-51% slower, section 47: the tiles of a group that
-share its expert tiles gain from running at once), and clusters of two blocks taking two tiles of one group with
-the expert tile multicast to both (1-5% slower on six of seven probe problems, section 48), and a ping-pong kernel
-whose two compute warpgroups took alternate 128 x 128 or 128 x 192 units from one hand-written ring, one storing
-while the other multiplied (4-10% slower on all four Qwen3 kernels, 15-19% on the dense one-group problem: unshared
-lhs tiles, 1.33x the operand bytes per product, cost more than the overlapped epilogue saves; section 49).
-Measured on an H200 (the four bench shapes, ragged sizes, kernels queued: docs/benchmarks.md section 35): forward
-461-606 TFLOP/s, forward+backward 467-560; the 600 / 500 target is met by GPT-OSS-20B's gate_up forward only and
-missed by both Qwen3-30B-A3B shapes (forward 534 and 461; the down shape's K = 768 gives a tile 12 contraction
-steps) and GPT-OSS-20B's down forward (593); dense XLA matmuls of the same FLOPs: 704-770 forward. Most per-entry
-numbers in ``tiles.CONFIGS`` are older sweeps timed one synced call at a time (lower by 6-78%).
+What limits the ragged shapes is a unit that starts on a fresh expert matrix (~4 us besides its products, ~1 us on
+one matrix), not the tensor cores draining between steps, L2 reads or epilogue bank conflicts; the variants that
+tried to hide it were all slower and are recorded in experiments/LOG.md.
 
 bf16/f16 operands, fp32 accumulation, output in the input dtype. On CPU the same kernels run in Mosaic
 GPU's interpreter (``interpret=True``: the tests; float32 operands are accepted there).
@@ -124,9 +102,7 @@ def row_tiles(group_sizes: jax.Array, m: int, block_m: int):
     past m - block_m loads from m - block_m instead (inside the array, still a multiple of 8; the rows before lo
     are multiplied and not stored). Why: on the global grid every block that a group boundary crosses is visited
     once per group, about G whole tiles of extra work (12.5% at GPT-OSS-20B's 32 groups of ~1024 rows in 128-row
-    tiles); following the groups, a group's last tile is its only partial one (about G / 2 tiles). Measured on the
-    H200 against the grid's tiles, the kernels' speed did not change beyond the bench's +-5% order effect
-    (docs/benchmarks.md section 24).
+    tiles); following the groups, a group's last tile is its only partial one (about G / 2 tiles).
     group == G is the pseudo-group of the rows past sum(group_sizes) (stored as 0); tiles past the real count
     have group G + 1 and lo == hi (nothing stored). m is a multiple of block_m (the kernels pad it)."""
     g = group_sizes.shape[0]
@@ -385,7 +361,7 @@ def gmm_rows_ws(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, cfg: Til
                 # half (half of all last tiles), and the first half of a tile moved back from the end. The other
                 # warpgroup then has the tensor cores to itself. Counted in rows multiplied, a group's partial tile
                 # then wastes 32 rows on average instead of 64: 13.7% -> 6.8% more products than rows at
-                # Qwen3-30B-A3B's 128 groups of ~512 rows in 128-row tiles (its time on the GPU: not yet measured).
+                # Qwen3-30B-A3B's 128 groups of ~512 rows in 128-row tiles.
                 multiply = (group < g) & (last > first)
 
                 def step(_, a_smem, b_smem, acc_ref):

@@ -1,4 +1,4 @@
-"""Tiles of the Mosaic GPU grouped-matmul kernels (`mosaic_kernels`): the per-problem table measured on the H200,
+"""Tiles of the Mosaic GPU grouped-matmul kernels (`mosaic_kernels`): the per-problem table of swept tiles,
 the fallback fitted to a problem's widths, the d lhs lookup, and the shared-memory budget that decides whether an
 expert adapter fuses into a row kernel (`fused_config`)."""
 
@@ -18,8 +18,8 @@ class TileConfig:
     stages: TMA buffers in flight. grid_block_n (row-tile kernels): how many N-blocks the SMs' walk over the (tile,
     N-block) units takes side by side (``plgpu.planar_snake``); 0 (the default): all of a tile's N-blocks before the
     next tile, so the SMs working at once share a few lhs tiles and the expert matrices of a group or two; 1: down
-    every tile at one N-block, reading each lhs tile once per N-block. Measured on the H200 (section 25 of
-    docs/benchmarks.md), the whole row was faster on 15 of the 16 (shape, direction, tile) pairs, by up to 25%.
+    every tile at one N-block, reading each lhs tile once per N-block. The whole row (0) was faster on 15 of 16
+    (shape, direction, tile) problems, by up to 25%.
     warp_specialized: the row-tile kernel with one memory warpgroup feeding two compute warpgroups, which split
     the output tile along N (wg_split "n": a block_m x 2 block_n tile, block_n each) or along M ("m": a
     block_m x block_n tile, block_m / 2 rows each); else one warpgroup does both (block_m x block_n).
@@ -29,8 +29,8 @@ class TileConfig:
     blocks_per_sm (single-warpgroup row kernel) and dw_blocks_per_sm (group-tile d rhs): persistent blocks per SM.
     Two, when both fit an SM's shared memory and registers, run at once, each one's pipeline fill, drain and
     stores under the other's products; what the warp-specialised kernel does inside one block, left to the
-    hardware. Measured on an H100 (docs/benchmarks.md section 44): the d rhs of both Qwen3-30B-A3B shapes 11-20%
-    faster with two (the table's), the row kernels slower than the warp-specialised ones, three blocks slower."""
+    hardware: the d rhs of both Qwen3-30B-A3B shapes runs 11-20% faster with two (the table's); for the row kernels
+    the warp-specialised kernel wins."""
 
     block_m: int = 128
     block_n: int = 128
@@ -74,30 +74,23 @@ class TileConfig:
 DEFAULT_CONFIG = TileConfig()
 _WS = dict(warp_specialized=True)
 # Per row-kernel problem (contraction K, output width N, groups G): the forward of a (K, N, G) projection looks
-# up (K, N, G), its d lhs (N, K, G); d rhs takes the dw_* fields of the forward's entry. The row-kernel tiles are the
-# best of `bench --sweep` on an H200 (JAX 0.11.2, the ragged sizes of shapes.BENCH_SHAPES; each kernel alone,
-# TFLOP/s in the comments, the previous table's in brackets; docs/results/gmm_sweep_h200_c957edd.json).
+# up (K, N, G), its d lhs (N, K, G); d rhs takes the dw_* fields of the forward's entry. Each entry is the best of
+# `bench --sweep` on the ragged sizes of shapes.BENCH_SHAPES (each kernel alone; TFLOP/s in the comments, from
+# sweeps on different Hopper GPUs and timing methods: compare numbers within one comment only).
 CONFIGS: dict[tuple[int, int, int], TileConfig] = {
-    # Qwen3-30B-A3B gate_up [2048 -> 1536]: fwd 408 [382, 335 in a second run], d rhs 366 [341]
-    # (gmm_sweep_h200_5369fbf.json); its d lhs (1536 -> 2048): 369 [301]
-    # d rhs two blocks an SM, 128 x 128 in 3 stages: 459.6 against 413.2 for one block of 128 x 192 in 4 (an H100,
-    # one sweep, docs/benchmarks.md section 44)
+    # Qwen3-30B-A3B gate_up [2048 -> 1536]: fwd 408; d rhs two blocks an SM in 3 stages, 460 against 413 for one
     (2048, 1536, 128): TileConfig(**_WS, wg_split="m", block_n=192, block_k=64, stages=4, dw_block_k=128,
                                   dw_block_n=128, dw_stages=3, dw_blocks_per_sm=2),
-    (1536, 2048, 128): TileConfig(**_WS, wg_split="n", stages=3),
-    # Qwen3-30B-A3B down [768 -> 2048]: fwd 253 [203], d rhs 282; its d lhs (2048 -> 768): 267 [242]. The queued
-    # sweep of 2026-12-05 (gmm_sweep_h200_34003b2.json): fwd split along N, 128 x 128 x 64, 3 stages 446 against
-    # the old entry's split along M, 128 x 128 x 128, 2 stages 399; d rhs 128 x 128 in 6 stages 394 against 192 x
-    # 128 in 4, 376. No 256-row tile led on any shape.
-    # d rhs two blocks an SM in 3 stages: 452.5 against 375.5 for one block in 6 (an H100, section 44)
+    (1536, 2048, 128): TileConfig(**_WS, wg_split="n", stages=3),  # its d lhs: 369
+    # Qwen3-30B-A3B down [768 -> 2048]: fwd split along N in 3 stages, 446 against 399 split along M; d rhs two
+    # blocks an SM in 3 stages, 453 against 376 for one
     (768, 2048, 128): TileConfig(**_WS, wg_split="n", block_k=64, stages=3, dw_block_k=128, dw_block_n=128,
                                  dw_stages=3, dw_blocks_per_sm=2),
-    (2048, 768, 128): TileConfig(**_WS, wg_split="m", block_n=192, stages=4),
-    # GPT-OSS-20B gate_up [2880 -> 5760]: fwd 474 [455], d rhs 501; its d lhs (5760 -> 2880): 509 [462]
+    (2048, 768, 128): TileConfig(**_WS, wg_split="m", block_n=192, stages=4),  # its d lhs: 267
+    # GPT-OSS-20B gate_up [2880 -> 5760]: fwd 474, d rhs 501; its d lhs (5760 -> 2880): 509
     (2880, 5760, 32): TileConfig(block_n=192, dw_block_k=192, dw_block_n=128),
     (5760, 2880, 32): TileConfig(block_n=192),
-    # GPT-OSS-20B down [2880 -> 2880]: fwd 406 [371], d lhs 399 [359], d rhs 428. Two blocks an SM in 2 stages led a
-    # sweep on an H100 by 2-3% and tied in the A/B after it (fwd 523.1 against 527.2, section 44): one block.
+    # GPT-OSS-20B down [2880 -> 2880]: fwd 406, d lhs 399, d rhs 428; one block an SM (two tied in the A/B)
     (2880, 2880, 32): TileConfig(block_n=192, dw_block_k=64, dw_block_n=192, dw_stages=6),
 }
 
@@ -106,7 +99,7 @@ def _block_for(size: int, preferred: int) -> int:
     """A tile width for a dimension of `size`: 64 for a narrow one, else `preferred` or the first of 128, 192, 64
     that divides it. Why: a dimension that is not a multiple of its tile is zero-padded by a copy of the whole
     operand (and the output sliced back): a d rhs of GPT-OSS's rank-16 expert LoRA on its [16384, 2880] rows with
-    128-row tiles copied all of them to [16384, 2944] (the "pad" time of section 22's profile)."""
+    128-row tiles would copy all of them to [16384, 2944]."""
     if size <= 64:
         return 64
     for block in (preferred, 128, 192, 64):

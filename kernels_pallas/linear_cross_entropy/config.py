@@ -43,17 +43,14 @@ class LinearCrossEntropyConfig:
                 )
 
 
-# Measured on an H200 (docs/benchmarks.md section 4 and the training runs): 256 MiB chunks, ~512 tokens
-# of a 128k vocabulary per matmul.
+# The H200's budget: 256 MiB chunks, ~512 tokens of a 128k vocabulary per matmul.
 H200_CONFIG = LinearCrossEntropyConfig()
 DEFAULT_CONFIG = H200_CONFIG
 # Any other device: a quarter of the H200 budget (64 MiB per fp32 logits block, ~128 tokens of a 128k
 # vocabulary), which leaves room on GPUs with a fraction of the H200's memory.
 CONSERVATIVE_CONFIG = LinearCrossEntropyConfig(logits_chunk_bytes=64 * _MIB)
-# The Hopper parts the H200's budget was measured or run on: the H200, and the H100 (80 GB: a 256 MiB block is
-# 0.3% of it). On the H100 the conservative budget gave GPT-OSS-20B's 201k vocabulary 83-token chunks (below one
-# 128-row matmul tile; 198 chunk iterations a step) where the bench's lean mode runs 256 (docs/benchmarks.md
-# section 43).
+# The Hopper parts the H200's budget runs on: the H200, and the H100 (80 GB: a 256 MiB block is 0.3% of it), where
+# the conservative budget would give GPT-OSS-20B's 201k vocabulary 83-token chunks, below one 128-row matmul tile.
 _MEASURED_KINDS = ("H200", "H100")
 
 

@@ -1,7 +1,7 @@
 """Public entry point: y = x W^T for a bitsandbytes 4-bit weight W (see reference.py), and the op's registry
 ``OP`` (names as in kernels_pallas/_dispatch.py: "xla" re-dequantising custom VJP, "triton" the Pallas kernels that
-dequantise inside the matmul's K loop, "reference"). ``auto`` takes "xla": on the H200 it was 2.5-4.7x faster than the kernels
-on the 8B projections at 8k-16k tokens (docs/benchmarks.md section 21)."""
+dequantise inside the matmul's K loop, "reference"). ``auto`` takes "xla": it runs 2.5-4.7x faster than the kernels
+on the 8B projections at 8k-16k tokens."""
 
 from __future__ import annotations
 

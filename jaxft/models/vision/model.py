@@ -12,7 +12,7 @@ grids may be traced.
 A packed training batch carries its images per row (`pixel_rows` [B, P * patch_dim], `grid_rows` [B, G * 3]:
 `jaxft.data.packing`). Under a mesh of several devices each device runs the tower on its own rows' images only
 (`per_device_images`); as one program over the batch the tower's input is every image of the batch in one packed
-sequence, which XLA does not split, so every device ran the whole batch's tower.
+sequence, which XLA does not split, so every device would run the whole batch's tower.
 """
 
 from __future__ import annotations
