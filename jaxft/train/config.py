@@ -128,7 +128,8 @@ class TrainConfig:
         None, "prompts completed greedily at every evaluation, logged and written to metrics.jsonl as samples (one "
               "user turn when the tokenizer has a chat template, else plain text)")
     eval_generate_max_new_tokens: int = _key(64, "new tokens per eval_generate_prompts sample")
-    report_to: Literal["tensorboard", "none"] = _key("tensorboard", "TensorBoard event files in output_dir, or none")
+    report_to: Literal["tensorboard", "none"] = _key(
+        "tensorboard", "TensorBoard events in output_dir/tensorboard (when tensorboardX or torch is installed), or none")
     disable_tqdm: bool = _key(False, "no progress bar")
     resume_from_checkpoint: bool | str | None = _key(
         None, "true: continue from the latest checkpoint in output_dir; a path: from that checkpoint")
