@@ -97,7 +97,8 @@ def render_key_help(width: int = 110) -> str:
     """The keys as plain text for `jaxft-train --help`: `key (type, default)` then its help, indented."""
     out = ["config keys (docs/cli.md):"]
     for key, tp, default, help_text in key_rows():
-        out.append(f"  {key} ({tp.replace(chr(92), '')}; default {default})")
+        shown = default if default == "required" else f"default {default}"
+        out.append(f"  {key} ({tp.replace(chr(92), '')}; {shown})")
         out += textwrap.wrap(help_text, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(out) + "\n"
 
