@@ -29,8 +29,9 @@ def test_every_key_has_one_row_with_its_type_default_and_help():
     for f in fields:
         assert f.metadata["help"].strip() and "\n" not in f.metadata["help"], f.name
     row = dict((r.split("`")[1], r) for r in rows)
-    assert row["lr_scheduler_type"] == ("| `lr_scheduler_type` | linear \\| cosine \\| constant \\| constant_with_warmup "
-                                        "| `linear` | learning-rate decay after warm-up |")
+    assert row["lr_scheduler_type"] == (
+        "| `lr_scheduler_type` | linear \\| cosine \\| constant \\| constant_with_warmup | `linear` | learning-rate "
+        "decay after warm-up |")
     assert row["model_name_or_path"].split(" | ")[1:3] == ["str", "required"]
     assert row["eval_dataset"].split(" | ")[1:3] == ["str or null", "`null`"]
     assert row["packing"].split(" | ")[1:3] == ["bool", "`true`"]

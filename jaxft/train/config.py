@@ -129,7 +129,7 @@ class TrainConfig:
               "user turn when the tokenizer has a chat template, else plain text)")
     eval_generate_max_new_tokens: int = _key(64, "new tokens per eval_generate_prompts sample")
     report_to: Literal["tensorboard", "none"] = _key(
-        "tensorboard", "TensorBoard events in output_dir/tensorboard (when tensorboardX or torch is installed), or none")
+        "tensorboard", "TensorBoard events in output_dir/tensorboard (with tensorboardX or torch installed), or none")
     disable_tqdm: bool = _key(False, "no progress bar")
     resume_from_checkpoint: bool | str | None = _key(
         None, "true: continue from the latest checkpoint in output_dir; a path: from that checkpoint")
