@@ -170,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.help:
+        from jaxft.train.config_docs import render_key_help
+
         _parser().print_help()
+        print()
+        print(render_key_help(), end="")
         return 0
     if args.version:
         print(f"jaxft {_version()}")

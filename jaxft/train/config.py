@@ -80,6 +80,12 @@ class Where:
         return f"{self.origin}:{self.line}" if self.line is not None else self.origin
 
 
+def _key(default: Any = dataclasses.MISSING, help: str = "") -> Any:
+    """A `TrainConfig` field with its one-line help: the one place a key is described (`jaxft.train.config_docs`
+    renders docs/cli.md from it)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A training run. Required: `model_name_or_path`, `dataset`, `output_dir`.
@@ -92,131 +98,127 @@ class TrainConfig:
     `max_grad_norm: 0` disables clipping; `bf16: false` computes in fp32.
     """
 
-    model_name_or_path: str
-    dataset: str
-    output_dir: str
-    eval_dataset: str | None = None
+    model_name_or_path: str = _key(help="Hugging Face model directory (config.json, *.safetensors, tokenizer)")
+    dataset: str = _key(help="training data: a JSONL/JSON/Parquet file or a `datasets` save_to_disk directory")
+    output_dir: str = _key(help="where checkpoints, metrics.jsonl, the loss curve and the adapter are written")
+    eval_dataset: str | None = _key(None, "held-out data in the same formats (null: no evaluation)")
     # optimisation
-    learning_rate: float = 2e-4
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int | None = None
-    gradient_accumulation_steps: int = 1
-    num_train_epochs: float = 1.0
-    max_steps: int = -1
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.0
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
+    learning_rate: float = _key(2e-4, "peak learning rate of AdamW")
+    per_device_train_batch_size: int = _key(8, "packed rows of max_seq_length tokens per device per micro-batch")
+    per_device_eval_batch_size: int | None = _key(None, "packed rows per device in evaluation (null: the train "
+                                                        "batch size)")
+    gradient_accumulation_steps: int = _key(1, "micro-batches summed into one optimizer step")
+    num_train_epochs: float = _key(1.0, "passes over the training data (ignored when max_steps > 0)")
+    max_steps: int = _key(-1, "optimizer steps to run; -1: as many as num_train_epochs takes")
+    warmup_steps: int = _key(0, "steps of linear warm-up from 0 to learning_rate (wins over warmup_ratio)")
+    warmup_ratio: float = _key(0.0, "warm-up as a fraction of the total steps")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = _key(
+        "linear", "learning-rate decay after warm-up")
+    weight_decay: float = _key(0.0, "AdamW's decoupled weight decay on the LoRA weights")
+    adam_beta1: float = _key(0.9, "AdamW's first-moment decay")
+    adam_beta2: float = _key(0.999, "AdamW's second-moment decay")
+    adam_epsilon: float = _key(1e-8, "AdamW's epsilon")
+    max_grad_norm: float = _key(1.0, "global gradient-norm clip; 0 disables clipping")
     # logging / evaluation / checkpoints
-    logging_steps: int = 10
-    eval_steps: int | None = None
-    save_steps: int = 500
-    save_total_limit: int | None = None
-    # Prompts completed greedily at every evaluation (logged and written to metrics.jsonl as "samples"); each
-    # is one user turn when the tokenizer has a chat template, else plain text.
-    eval_generate_prompts: list[str] | None = None
-    eval_generate_max_new_tokens: int = 64
-    report_to: Literal["tensorboard", "none"] = "tensorboard"
-    disable_tqdm: bool = False
-    resume_from_checkpoint: bool | str | None = None
-    overwrite_output_dir: bool = False
-    seed: int = 42
+    logging_steps: int = _key(10, "steps per logging window (loss, step time, tokens/s, peak memory)")
+    eval_steps: int | None = _key(None, "steps between evaluations, also run at the end (null: logging_steps)")
+    save_steps: int = _key(500, "steps between orbax checkpoints, also written at the end")
+    save_total_limit: int | None = _key(None, "newest checkpoints kept (null: all)")
+    eval_generate_prompts: list[str] | None = _key(
+        None, "prompts completed greedily at every evaluation, logged and written to metrics.jsonl as samples (one "
+              "user turn when the tokenizer has a chat template, else plain text)")
+    eval_generate_max_new_tokens: int = _key(64, "new tokens per eval_generate_prompts sample")
+    report_to: Literal["tensorboard", "none"] = _key(
+        "tensorboard", "TensorBoard events in output_dir/tensorboard (with tensorboardX or torch installed), or none")
+    disable_tqdm: bool = _key(False, "no progress bar")
+    resume_from_checkpoint: bool | str | None = _key(
+        None, "true: continue from the latest checkpoint in output_dir; a path: from that checkpoint")
+    overwrite_output_dir: bool = _key(False, "start over in an output_dir that already holds a run")
+    seed: int = _key(42, "seed of the data order, LoRA initialisation and dropout")
     # data
-    max_seq_length: int = 1024
-    packing: bool = True
-    completion_only_loss: bool = True
-    assistant_only_loss: bool = True
+    max_seq_length: int = _key(1024, "tokens per packed row")
+    packing: bool = _key(True, "pack documents into rows with block-diagonal attention (only true is supported)")
+    completion_only_loss: bool = _key(True, "prompt/completion records: loss on the completion only (false: the "
+                                            "prompt too)")
+    assistant_only_loss: bool = _key(True, "chat records: loss on the assistant replies only (false: every token)")
     # model / precision / memory
-    bf16: bool = True
-    attention_implementation: Literal["auto", "reference", "xla", "pallas", "cudnn"] = "auto"
-    # The MoE experts' grouped matmul (kernels_pallas.grouped_matmul): "auto" (the Mosaic GPU kernels on Hopper in
-    # bf16, else lax.ragged_dot), "xla" (ragged_dot), "reference" or "pallas_mosaic" (on a mesh each device runs
-    # its own rows: moe_dispatch).
-    grouped_matmul_implementation: Literal["auto", "reference", "xla", "pallas_mosaic"] = "auto"
-    # Where an MoE layer sorts and multiplies its tokens under a mesh of several devices: "per_device" (each device
-    # its own rows, in shard_map), "global" (one program over the batch: every device multiplies every token);
-    # "auto" is per_device.
-    moe_dispatch: Literal["auto", "per_device", "global"] = "auto"
-    # HF/TRL's switch. Not given, `remat` becomes "offload" when this is true (HF keeps each layer's input on
-    # the device and recomputes the rest; offload keeps it in host memory),
-    # else "auto". After construction `remat` is always a canonical policy string (jaxft.remat).
-    gradient_checkpointing: bool = False
-    # none, full, dots, offload, offload+attn, offload_stream, offload_all, auto, or selective:
-    # "save=attn_out,attn_lse;offload=layer_input" or a mapping {save: [...], offload: [...]} (jaxft.remat lists the
-    # residual names).
-    remat: str | dict | None = None
-    # The remat policy on the first N layers only, the rest without remat (null: every layer); needs the unrolled
-    # layer loop. `remat: auto` sets it itself when no remat does not fit but remat on a few layers does.
-    remat_layers: int | None = None
-    # Runs of layers each under a policy of its own, in layer order, then `remat` on the layers after them:
-    # [[full, 8], [offload_all, 12]] (or {full: 8, offload_all: 12}; on the command line 'full:8|offload_all:12');
-    # needs the unrolled layer loop. For rows where one policy on every layer keeps too much on the device, moves
-    # more to the host than its link carries, or recomputes too much (jaxft.remat).
-    remat_plan: str | list | dict | None = None
-    # Nested checkpointing for remat full / offload in the layer scan: blocks of this many layers keep only their
-    # input (offload: in host memory), one more forward of compute; "auto": the smallest block whose inputs fit
-    # host_memory_gb (offload) or sqrt(layers) (full); null: every layer its own checkpoint. For rows whose layer
-    # inputs exceed the host's memory.
-    remat_block: int | str | None = None
-    # How remat "offload" moves the layer inputs to host memory: "policy" (jax.checkpoint's offload policy),
-    # "explicit" (jaxft.offload: its own copies, which the unrolled loop needs), "auto" (explicit when unrolled).
-    offload_transfer: Literal["auto", "policy", "explicit"] = "auto"
-    # Where the layers' frozen weight matrices live: "device", "host" (pinned host memory, each layer's copied in
-    # one layer ahead, forward and backward: the device holds two layers' weights; layer scan, one device, a remat
-    # policy that offloads at most the layer input), or "auto": the device unless remat auto fits nothing there.
-    frozen_weights: Literal["auto", "device", "host"] = "auto"
-    # auto's device budget in GiB (null: the device's free memory less a margin); offload_all's and remat_block
-    # auto's host budget (null: none for offload_all, the machine's memory less a margin for remat_block).
-    max_memory_gb: float | None = None
-    host_memory_gb: float | None = None
-    # The MLP in sequence chunks of this many tokens (null: one chunk), each recomputed on its own in the backward.
-    mlp_chunk_size: int | None = None
-    # "unroll": one program region per layer over per-layer weight buffers (faster steps, longer compile);
-    # "scan": one scanned layer body over stacked weights; "auto": unroll when remat is "none", else scan.
-    layer_loop: Literal["auto", "scan", "unroll"] = "auto"
-    # Tokens per chunk of the linear cross-entropy (null: by length, ExecutionConfig.resolved_ce_chunk); smaller
-    # chunks keep fewer [chunk, vocab] fp32 logits alive (the lean benchmark mode uses 256).
-    ce_chunk_size: int | None = None
-    # XLA options for the training step's program only, e.g. {xla_gpu_enable_dynamic_slice_fusion: true}.
-    compiler_options: dict | None = None
+    bf16: bool = _key(True, "compute in bfloat16 (false: float32)")
+    attention_implementation: Literal["auto", "reference", "xla", "pallas", "cudnn"] = _key(
+        "auto", "attention kernel; auto: cuDNN for single-document rows, Pallas flash for packed rows, the XLA "
+                "reference on CPU")
+    grouped_matmul_implementation: Literal["auto", "reference", "xla", "pallas_mosaic"] = _key(
+        "auto", "MoE experts' grouped matmul; auto: the Mosaic GPU kernels on Hopper in bf16, else lax.ragged_dot "
+                "(xla)")
+    moe_dispatch: Literal["auto", "per_device", "global"] = _key(
+        "auto", "on a mesh, where an MoE layer sorts and multiplies tokens: per_device (each device its own rows, "
+                "shard_map) or global; auto: per_device")
+    gradient_checkpointing: bool = _key(
+        False, "HF/TRL's switch: with remat not given, true selects remat: offload (layer inputs in host memory)")
+    remat: str | dict | None = _key(
+        None, "what the backward keeps, offloads or recomputes: none, full, dots, offload, offload+attn, "
+              "offload_stream, offload_all, 'save=..;offload=..' or auto (null: auto, or offload with "
+              "gradient_checkpointing); docs/memory.md")
+    remat_layers: int | None = _key(
+        None, "apply remat to the first N layers only, the rest without remat (unrolled layer loop; null: all)")
+    remat_plan: str | list | dict | None = _key(
+        None, "runs of layers each under its own policy, then remat on the rest: [[full, 8], [offload_all, 12]] "
+              "or 'full:8|offload_all:12' (unrolled layer loop)")
+    remat_block: int | str | None = _key(
+        None, "nested checkpointing for remat full/offload in the layer scan: blocks of k layers keep only their "
+              "input; auto: smallest k whose inputs fit host_memory_gb")
+    offload_transfer: Literal["auto", "policy", "explicit"] = _key(
+        "auto", "how offloading moves residuals to host: policy (jax.checkpoint's), explicit (jaxft.offload's "
+                "copies); auto: explicit when unrolled")
+    frozen_weights: Literal["auto", "device", "host"] = _key(
+        "auto", "where the frozen layer weights live: device, host (pinned, streamed one layer ahead; layer scan, "
+                "one device); auto: device unless remat auto fits nothing there")
+    max_memory_gb: float | None = _key(
+        None, "device budget in GiB for remat auto and mesh auto (null: free device memory less max(1 GiB, 5%))")
+    host_memory_gb: float | None = _key(
+        None, "host budget in GiB: offload_all's bound, and what remat auto / remat_block auto may offload (null: "
+              "no bound for offload_all, else the machine's memory less max(8 GiB, 10%))")
+    mlp_chunk_size: int | None = _key(
+        None, "run the MLP in sequence chunks of this many tokens, each recomputed in the backward (null: one chunk)")
+    layer_loop: Literal["auto", "scan", "unroll"] = _key(
+        "auto", "scan (one layer body over stacked weights) or unroll (one region per layer: faster step, longer "
+                "compile); auto: unroll when remat is none or the settings need it")
+    ce_chunk_size: int | None = _key(
+        None, "tokens per chunk of the linear cross-entropy (null: chosen by length and remat)")
+    compiler_options: dict | None = _key(
+        None, "XLA options for the training step's program only, e.g. {xla_gpu_enable_dynamic_slice_fusion: true}")
     # LoRA
-    lora_r: int = 16
-    lora_alpha: float = 32.0
-    lora_dropout: float = 0.0
-    lora_target_modules: str | list[str] = "all-linear"
-    # PEFT's target_parameters: raw MoE expert parameters, e.g. [experts.gate_up_proj, experts.down_proj]
-    # (null: none). Needs lora_dropout: 0 (PEFT cannot apply dropout to a raw parameter).
-    lora_target_parameters: list[str] | None = None
-    use_rslora: bool = False
-    # Vision-language models (Qwen2-VL, Qwen2.5-VL): which halves and kinds of linears get LoRA, as Unsloth's
-    # FastVisionModel.get_peft_model names them (null: not given = true, Unsloth's default). Any of them given
-    # replaces lora_target_modules (which must stay all-linear) by the chosen vision blocks' / language layers'
-    # attention (q/k/v/o, qkv/proj) and MLP (gate/up/down, fc1/fc2) linears; the merger and lm_head never.
-    finetune_vision_layers: bool | None = None
-    finetune_language_layers: bool | None = None
-    finetune_attention_modules: bool | None = None
-    finetune_mlp_modules: bool | None = None
-    save_merged_model: bool = False
-    # QLoRA (transformers' BitsAndBytesConfig names): frozen linears in bitsandbytes' 4-bit format. A checkpoint
-    # that is already bitsandbytes 4-bit loads as stored whatever these say. llm_int8_skip_modules (null: lm_head,
-    # routers, vision towers) stay in the compute dtype, and so does any module whose relative quantisation
-    # error exceeds bnb_4bit_max_rel_error (jaxft's key: dynamic 4-bit; null: no such check).
-    load_in_4bit: bool = False
-    bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
-    bnb_4bit_use_double_quant: bool = False
-    llm_int8_skip_modules: list[str] | None = None
-    bnb_4bit_max_rel_error: float | None = None
-    # Devices per mesh axis, e.g. {data: 2, fsdp: 4, tensor: 1} (-1: the rest of the devices); null: every device
-    # on data. Frozen weights are split over fsdp/tensor, batch rows over data x fsdp (see jaxft.sharding).
-    # auto: the least-communicating data x fsdp mesh whose step fits the device memory (max_memory_gb if set).
-    mesh: str | dict | None = None
-    # Several processes (hosts): null (one, unless JAXFT_NUM_PROCESSES is set), off, auto (SLURM / Open MPI as JAX
-    # detects them: one process per device) or {coordinator_address, num_processes, process_id} (jaxft.distributed).
-    distributed: str | dict | None = None
+    lora_r: int = _key(16, "LoRA rank")
+    lora_alpha: float = _key(32.0, "LoRA scale numerator (scale alpha/r; alpha/sqrt(r) with use_rslora)")
+    lora_dropout: float = _key(0.0, "dropout on the LoRA input")
+    lora_target_modules: str | list[str] = _key(
+        "all-linear", "all-linear or a list of module names such as [q_proj, v_proj]")
+    lora_target_parameters: list[str] | None = _key(
+        None, "PEFT's target_parameters: MoE expert parameters, e.g. [experts.gate_up_proj, experts.down_proj]; "
+              "needs lora_dropout: 0")
+    use_rslora: bool = _key(False, "rank-stabilised LoRA scale alpha/sqrt(r)")
+    finetune_vision_layers: bool | None = _key(
+        None, "vision-language models: LoRA on the vision blocks (Unsloth's flag; null: true); any finetune_* key "
+              "replaces lora_target_modules")
+    finetune_language_layers: bool | None = _key(
+        None, "vision-language models: LoRA on the language layers (null: true)")
+    finetune_attention_modules: bool | None = _key(
+        None, "vision-language models: LoRA on the attention linears (null: true)")
+    finetune_mlp_modules: bool | None = _key(None, "vision-language models: LoRA on the MLP linears (null: true)")
+    save_merged_model: bool = _key(False, "also write the base with the LoRA merged, as an HF checkpoint")
+    # QLoRA (transformers' BitsAndBytesConfig names); a bitsandbytes 4-bit checkpoint loads as stored.
+    load_in_4bit: bool = _key(False, "store the frozen linears in bitsandbytes' 4-bit format (QLoRA)")
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = _key("nf4", "4-bit code book")
+    bnb_4bit_use_double_quant: bool = _key(False, "quantise the block scales too (bitsandbytes' nested absmax)")
+    llm_int8_skip_modules: list[str] | None = _key(
+        None, "modules kept in the compute dtype (null: lm_head, routers, vision towers)")
+    bnb_4bit_max_rel_error: float | None = _key(
+        None, "keep dense any module whose relative 4-bit error exceeds this (jaxft's key; null: no check)")
+    mesh: str | dict | None = _key(
+        None, "devices per mesh axis {data: D, fsdp: F, tensor: T} (-1: the rest), or auto (null: all on data); "
+              "docs/multi-gpu.md")
+    distributed: str | dict | None = _key(
+        None, "several processes: null (one, unless JAXFT_NUM_PROCESSES is set), off, auto (SLURM / Open MPI) or "
+              "{coordinator_address, num_processes, process_id}")
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -295,7 +297,7 @@ class TrainConfig:
 
     def _lora_targets(self):
         """lora_target_modules, or the finetune_* keys' choice for a vision-language model (see the field
-        comment); each contradiction is one error on the key that causes it."""
+        help); each contradiction is one error on the key that causes it."""
         given = [k for k in FINETUNE_KEYS if getattr(self, k) is not None]
         if not given:
             return self.lora_target_modules
