@@ -210,6 +210,8 @@ class TrainConfig:
     bnb_4bit_use_double_quant: bool = False
     llm_int8_skip_modules: list[str] | None = None
     bnb_4bit_max_rel_error: float | None = None
+    load_in_fp8: bool = dataclasses.field(default=False, metadata={
+        "help": "frozen linears in FP8 (e4m3, a scale per output channel; FP8 GEMMs on Ada/Hopper), not with 4-bit"})
     # Devices per mesh axis, e.g. {data: 2, fsdp: 4, tensor: 1} (-1: the rest of the devices); null: every device
     # on data. Frozen weights are split over fsdp/tensor, batch rows over data x fsdp (see jaxft.sharding).
     # auto: the least-communicating data x fsdp mesh whose step fits the device memory (max_memory_gb if set).
@@ -329,9 +331,22 @@ class TrainConfig:
             raise TrainConfigError(f"key {key!r}: {e}", key=key) from None
 
     def _build_quant(self):
-        from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, QuantConfigError
+        from jaxft.quant.config import DEFAULT_SKIP, Fp8Config, QuantConfig, QuantConfigError
 
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if self.load_in_fp8 and self.load_in_4bit:
+            raise TrainConfigError("keys 'load_in_fp8' and 'load_in_4bit' are both true; the frozen base is FP8 or "
+                                   "4-bit, not both: set one of them to false", key="load_in_fp8")
+        if self.load_in_fp8:  # llm_int8_skip_modules: kept in the compute dtype, as for 4 bits
+            given = [k for f, k in QUANT_KEYS.items() if f != "skip_modules" and getattr(self, k) != defaults[k]]
+            if given:
+                raise TrainConfigError(f"key {given[0]!r} is a 4-bit setting and load_in_fp8 is true; drop "
+                                       f"{given[0]}", key=given[0])
+            skip = self.llm_int8_skip_modules
+            try:
+                return Fp8Config(**({} if skip is None else {"skip_modules": tuple(skip)}))
+            except QuantConfigError as e:
+                raise part_error(e, QUANT_KEYS) from None
         if not self.load_in_4bit:
             given = [k for k in QUANT_KEYS.values() if getattr(self, k) != defaults[k]]
             if given:
