@@ -4,7 +4,7 @@ dequantised, then multiplied in the compute dtype.
 A weight W [out, in] (torch's layout) is stored as
 
     q     [out, in] float8_e4m3fn   q[o, i] = fp8(clip(W[o, i] / scale[o], -448, 448))   (round to nearest even)
-    scale [out]     float32         scale[o] = max_i |W[o, i]| / 448                       (0 for a zero row)
+    scale [out]     float32         scale[o] = max_i |W[o, i]| * float32(1 / 448)          (0 for a zero row)
 
 and W ~= q * scale[:, None] (448 is e4m3fn's largest finite value: the largest |W| of a row lands on it). The
 op is y = x W^T for x [..., in]; W gets no gradient (it is frozen). `quantize_rows` is the same rounding for any
@@ -22,9 +22,10 @@ E4M3_MAX = 448.0
 
 
 def quantize_rows(a: jax.Array, dtype=E4M3) -> tuple[jax.Array, jax.Array]:
-    """(q in `dtype`, float32 scale [...]) of `a` [..., n]: one scale per row (last axis), amax / 448."""
+    """(q in `dtype`, float32 scale [...]) of `a` [..., n]: one scale per row (last axis), amax / 448 (as a
+    multiplication by float32(1/448), which XLA would make of a division by the constant anyway)."""
     a32 = a.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(a32), axis=-1) / E4M3_MAX
+    scale = jnp.max(jnp.abs(a32), axis=-1) * jnp.float32(1.0 / E4M3_MAX)
     safe = jnp.where(scale > 0, scale, 1.0)  # a zero row: codes 0, scale 0
     q = jnp.clip(a32 / safe[..., None], -E4M3_MAX, E4M3_MAX).astype(dtype)
     return q, scale
