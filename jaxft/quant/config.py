@@ -21,9 +21,9 @@ class QuantConfigError(ConfigError):
     """A bad 4-bit setting; `field` and `problem` as `jaxft.lora.LoraConfigError` (TrainConfig restates it under
     its own key)."""
 
-    def __init__(self, field: str, problem: str):
+    def __init__(self, field: str, problem: str, owner: str = "QuantConfig"):
         self.field, self.problem = field, problem
-        super().__init__(f"QuantConfig.{field}: {problem}")
+        super().__init__(f"{owner}.{field}: {problem}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +107,11 @@ class Fp8Config:
         skip = (self.skip_modules,) if isinstance(self.skip_modules, str) else tuple(self.skip_modules or ())
         if not all(isinstance(k, str) and k for k in skip):
             raise QuantConfigError("skip_modules", f"value {self.skip_modules!r} is invalid; must be a list of "
-                                                   "module names, e.g. ['lm_head', 'mlp.down_proj']")
+                                                   "module names, e.g. ['lm_head', 'mlp.down_proj']", "Fp8Config")
         object.__setattr__(self, "skip_modules", skip)
         if self.implementation not in FP8_IMPLEMENTATIONS:
             raise QuantConfigError("implementation", f"value {self.implementation!r} is invalid; use one of "
-                                                     f"{FP8_IMPLEMENTATIONS}")
+                                                     f"{FP8_IMPLEMENTATIONS}", "Fp8Config")
 
 
 def is_skipped(name: str, patterns: Iterable[str]) -> bool:
