@@ -137,6 +137,8 @@ def test_save_pretrained_writes_dequantised_weights_transformers_loads(models, t
     fp8, out = models["fp8"], models["exported"]
     with pytest.raises(ValueError, match="base is FP8, which has no bitsandbytes format"):
         jaxft.save_pretrained(fp8, tmp_path / "q", quantized=True)
+    with pytest.raises(ValueError, match=r"^merge_lora: layers\.\w+\.\w+ is an FP8 linear; merging would need"):
+        jaxft.merge_lora(fp8)
     hf = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in hf
     tensors = {}
@@ -173,6 +175,16 @@ def test_fp8_keys_are_validated(tmp_path):
         Fp8Config(implementation="fast")
     with pytest.raises(TrainConfigError, match="key 'llm_int8_skip_modules': value"):
         _train_config(tmp_path, llm_int8_skip_modules=[""])
+
+
+def test_bench_recipes_are_fast_and_lean_on_an_fp8_base():
+    from jaxft.train.config_file import load_config
+
+    bench = ROOT / "examples" / "bench"
+    for fp8, base in (("fp8", "fast"), ("fp8_lean", "lean")):
+        got, want = load_config(bench / f"{fp8}.yaml"), load_config(bench / f"{base}.yaml")
+        assert isinstance(got.quant, Fp8Config) and want.quant is None
+        assert got.execution == want.execution and got.lora == want.lora and got.optim == want.optim
 
 
 def test_fp8_run_trains_and_exports_an_adapter_peft_loads_on_the_bf16_base(tmp_path):
