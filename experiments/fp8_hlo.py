@@ -1,8 +1,9 @@
 """Compiles the training step of a Llama-3.1-8B-shaped model on an FP8 frozen base (`examples/bench/fp8.yaml` or
 `fp8_lean.yaml`) from shapes alone (a config.json, no weights: `jaxft.run.Run.compile` before `load`) and counts
 the FP8 GEMMs of the optimized HLO: on a GPU with FP8 tensor cores, cuBLASLt's `__cublas$lt$matmul$f8` calls (two
-per frozen linear and layer: the forward and the input gradient); on the CPU (`--implementation xla_fp8`, a dry
-run of the script) the converts to f8e4m3fn.
+per frozen linear and layer: the forward and the input gradient), or, with XLA's Triton GEMMs on (its default; the
+recipes do not turn them off), Triton GEMM fusions on f8 operands where autotuning found those faster; on the CPU
+(`--implementation xla_fp8`, a dry run of the script) the converts to f8e4m3fn.
 
     python experiments/fp8_hlo.py                                   # the GPU: 8B, 32 layers, 1 x 4096 tokens
     python experiments/fp8_hlo.py --recipe examples/bench/fp8_lean.yaml --dump /tmp/fp8_lean_hlo.txt
@@ -36,6 +37,7 @@ LLAMA_8B = {
 }
 F8_GEMM = re.compile(r'custom_call_target="__cublas\$lt\$matmul\$f8"')
 TO_F8 = re.compile(r"= f8e4m3fn\[[\d,]+\]\S* convert\(")
+TRITON_F8 = re.compile(r"\n%gemm_fusion\S*_computation \([\w.]+: f8e4m3fn\[[\d,]+\], [\w.]+: f8e4m3fn\[")
 
 
 def main() -> None:
@@ -73,7 +75,8 @@ def main() -> None:
     print(f"{args.recipe}: {args.layers} layers, {rows} x {args.seq} tokens, {run.layer_loop}, compiled in "
           f"{time.perf_counter() - began:.0f} s; temp {stats.temp_size_in_bytes / 2**30:.2f} GiB, arguments "
           f"{stats.argument_size_in_bytes / 2**30:.2f} GiB")
-    print(f"cuBLASLt FP8 GEMMs (__cublas$lt$matmul$f8): {len(F8_GEMM.findall(text))} "
+    print(f"FP8 GEMMs: cuBLASLt (__cublas$lt$matmul$f8) {len(F8_GEMM.findall(text))}, Triton GEMM fusions on f8 "
+          f"operands {len(TRITON_F8.findall(text))} "
           f"(expected 2 per frozen linear and layer: {2 * 7 * (args.layers if run.unrolled else 1)} "
           f"{'unrolled' if run.unrolled else 'in the scan body'}); converts to f8e4m3fn: {len(TO_F8.findall(text))}")
 

@@ -1,7 +1,9 @@
 """The FP8 frozen base on the GPU (compute capability 8.9+: FP8 tensor cores): XLA makes both GEMMs of the op
 cuBLASLt FP8 calls (`__cublas$lt$matmul$f8`), whose results track the dequantised bf16 matmul within FP8 error;
 the training step of an FP8 base (`load_in_fp8`, `auto` picking the FP8 GEMMs) holds one such call per frozen
-linear forward and one per input gradient, and trains like the bf16 base."""
+linear forward and one per input gradient, and trains like the bf16 base. Compiled with XLA's Triton GEMMs off
+(`FAST_COMPILE`): with them on, XLA may make the same f8 dots Triton GEMM fusions on the f8 operands instead
+(experiments/fp8_deviceless.py)."""
 
 from __future__ import annotations
 

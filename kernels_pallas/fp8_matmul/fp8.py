@@ -5,10 +5,12 @@ accumulation (XLA turns an f8 x f8 dot into cuBLASLt's FP8 GEMM, `__cublas$lt$ma
 Every scale is per row or per column of a GEMM's output, so it factors out of the contraction exactly:
 
     forward   q_x, s_x = quantize_rows(x)                       (s_x per token)
-              y  = (q_x @ q_w^T in fp32) * s_x[:, None] * s_w[None, :]          -> x's dtype
+              y  = (q_x @ q_w^T) * s_x[:, None] * s_w[None, :]                   -> x's dtype
     backward  dy' = dy * s_w[None, :]                            (W's output scale folded into dy, fp32)
               q_g, s_g = quantize_rows(dy')                      (s_g per token)
-              dx = (q_g @ q_w in fp32) * s_g[:, None]                           -> dy's dtype
+              dx = (q_g @ q_w) * s_g[:, None]                                    -> dy's dtype
+
+Each GEMM accumulates in fp32 and writes the compute dtype; the scales are applied in fp32.
 
 The output gradient is rounded to e4m3 too (per-token scales leave its 3 mantissa bits, not its range, as the
 limit; cuBLASLt takes e4m3 x e4m3). The weight gets no gradient; the residuals are its codes and scales alone.
@@ -26,9 +28,11 @@ from .reference import quantize_rows
 SCOPE = "fp8_matmul"  # the name the forward and backward GEMMs carry in the compiled program's metadata
 
 
-def _gemm(q_a: jax.Array, q_b: jax.Array, b_contract: int) -> jax.Array:
-    """q_a [m, k] times q_b (its dim `b_contract` of size k), accumulated in float32."""
-    return jax.lax.dot_general(q_a, q_b, (((1,), (b_contract,)), ((), ())), preferred_element_type=jnp.float32)
+def _gemm(q_a: jax.Array, q_b: jax.Array, b_contract: int, dtype) -> jax.Array:
+    """q_a [m, k] times q_b (its dim `b_contract` of size k), accumulated in float32, written in `dtype` (the
+    compute dtype: a bf16 result halves the GEMM's output traffic and the transient, at one bf16 rounding before
+    the scales, far below e4m3's)."""
+    return jax.lax.dot_general(q_a, q_b, (((1,), (b_contract,)), ((), ())), preferred_element_type=dtype)
 
 
 def forward(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -36,7 +40,7 @@ def forward(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     with jax.named_scope(SCOPE):
         rows = x.reshape(-1, x.shape[-1])
         q_x, s_x = quantize_rows(rows)
-        y = _gemm(q_x, q, 1) * s_x[:, None] * scale[None, :].astype(jnp.float32)
+        y = _gemm(q_x, q, 1, x.dtype).astype(jnp.float32) * s_x[:, None] * scale[None, :].astype(jnp.float32)
         return y.astype(x.dtype).reshape(*x.shape[:-1], q.shape[0])
 
 
@@ -45,7 +49,7 @@ def input_gradient(dy: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     with jax.named_scope(SCOPE + "_dx"):
         rows = dy.reshape(-1, dy.shape[-1]).astype(jnp.float32) * scale[None, :].astype(jnp.float32)
         q_g, s_g = quantize_rows(rows)
-        dx = _gemm(q_g, q, 0) * s_g[:, None]
+        dx = _gemm(q_g, q, 0, dy.dtype).astype(jnp.float32) * s_g[:, None]
         return dx.astype(dy.dtype).reshape(*dy.shape[:-1], q.shape[1])
 
 
