@@ -1,12 +1,13 @@
 """Compiles the training step of a Llama-3.1-8B-shaped model on an FP8 frozen base (`examples/bench/fp8.yaml` or
 `fp8_lean.yaml`) from shapes alone (a config.json, no weights: `jaxft.run.Run.compile` before `load`) and counts
-the FP8 GEMMs of the optimized HLO: on a GPU with FP8 tensor cores, cuBLASLt's `__cublas$lt$matmul$f8` calls (two
-per frozen linear and layer: the forward and the input gradient), or, with XLA's Triton GEMMs on (its default; the
+the FP8 GEMMs of the optimized HLO: on a GPU with FP8 tensor cores, cuBLASLt's `__cublas$lt$matmul$f8` calls (the
+forward and the input gradient of each frozen linear and layer), or, with XLA's Triton GEMMs on (its default; the
 recipes do not turn them off), Triton GEMM fusions on f8 operands where autotuning found those faster; on the CPU
 (`--implementation xla_fp8`, a dry run of the script) the converts to f8e4m3fn.
 
     python experiments/fp8_hlo.py                                   # the GPU: 8B, 32 layers, 1 x 4096 tokens
     python experiments/fp8_hlo.py --recipe examples/bench/fp8_lean.yaml --dump /tmp/fp8_lean_hlo.txt
+    python experiments/fp8_hlo.py --no-triton-gemm                  # every f8 dot a cuBLASLt call
     python experiments/fp8_hlo.py --layers 2 --hidden 256 --implementation xla_fp8 --seq 256   # CPU dry run
 """
 
@@ -48,6 +49,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=None, help="a smaller width (head_dim 128, MLP 3.5x)")
     ap.add_argument("--implementation", default="auto", help="the fp8_matmul implementation (Fp8Config)")
     ap.add_argument("--dump", default=None, help="write the optimized HLO text here")
+    ap.add_argument("--no-triton-gemm", action="store_true",
+                    help="compile with xla_gpu_enable_triton_gemm off: every f8 dot a cuBLASLt call")
     args = ap.parse_args()
 
     shape = dict(LLAMA_8B, num_hidden_layers=args.layers)
@@ -57,7 +60,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(shape))
         cfg = load_config(args.recipe, [f"model_name_or_path={model_dir}", f"max_seq_length={args.seq}",
-                                        f"dataset={REPO / 'examples' / 'data' / 'train.jsonl'}"])
+                                        f"dataset={REPO / 'examples' / 'data' / 'train.jsonl'}"]
+                          + (["compiler_options={xla_gpu_enable_triton_gemm: false}"] if args.no_triton_gemm else []))
         if not isinstance(cfg.model.quant, Fp8Config):
             raise SystemExit(f"{args.recipe}: load_in_fp8 is not true; use examples/bench/fp8.yaml or fp8_lean.yaml")
         run = Run.from_config(cfg, 1)
@@ -77,8 +81,9 @@ def main() -> None:
           f"{stats.argument_size_in_bytes / 2**30:.2f} GiB")
     print(f"FP8 GEMMs: cuBLASLt (__cublas$lt$matmul$f8) {len(F8_GEMM.findall(text))}, Triton GEMM fusions on f8 "
           f"operands {len(TRITON_F8.findall(text))} "
-          f"(expected 2 per frozen linear and layer: {2 * 7 * (args.layers if run.unrolled else 1)} "
-          f"{'unrolled' if run.unrolled else 'in the scan body'}); converts to f8e4m3fn: {len(TO_F8.findall(text))}")
+          f"(expected per layer, {'unrolled' if run.unrolled else 'in the scan body'}: 7 input gradients and 4 to 7 "
+          f"forward ones, XLA's dot merger may join q/k/v and gate/up); converts to f8e4m3fn: "
+          f"{len(TO_F8.findall(text))}")
 
 
 if __name__ == "__main__":
