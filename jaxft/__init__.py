@@ -1,7 +1,8 @@
 """jaxft: fast, memory-lean LoRA fine-tuning of Hugging Face LLMs in JAX.
 
 Public API:
-    from_pretrained(path, dtype="bfloat16", quantize=None) -> model  (quantize="nf4"/"fp4": QLoRA's 4-bit base)
+    from_pretrained(path, dtype="bfloat16", quantize=None) -> model  (quantize="nf4"/"fp4": QLoRA's 4-bit base;
+                                                             "fp8": an FP8 base, FP8 GEMMs on Ada/Hopper)
         model(input_ids, positions=None, segment_ids=None)
     save_pretrained(model, path)                           (LoRA merged)
     apply_lora(model, LoraConfig(...)), merge_lora(model)
@@ -19,7 +20,7 @@ from jaxft.generation import generate
 from jaxft.io import from_pretrained, save_pretrained
 from jaxft.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
 from jaxft.models import Decoder, LoraParam, init_model
-from jaxft.quant import QuantConfig
+from jaxft.quant import Fp8Config, QuantConfig
 from jaxft.run import Run
 # (last: imported before the models, jaxft.auto would meet their import cycle through jaxft.sharding)
 from jaxft.auto import claim_gpu_memory  # noqa: E402
@@ -28,6 +29,7 @@ __all__ = [
     "ConfigError",
     "Decoder",
     "ExecutionConfig",
+    "Fp8Config",
     "LoraConfig",
     "LoraParam",
     "ModelConfig",

@@ -24,6 +24,7 @@ from jaxft.models.decoder import Decoder, abstract_model
 from jaxft.models.families import family_for
 from jaxft.models.layers import LoraParam
 from jaxft.models.stack import layer_stacks
+from jaxft.quant.config import Fp8Config
 
 
 def _vision_blocks(cfg: ModelConfig) -> int | None:
@@ -65,7 +66,9 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     quantize="nf4" / "fp4" (or `quant_config=jaxft.quant.QuantConfig(...)`) stores the frozen linears in
     bitsandbytes' 4-bit format, quantised one layer at a time on the device from the host copy, so the whole
     model never exists in `dtype` on the accelerator; modules named in `QuantConfig.skip_modules` or over its
-    `max_rel_error` stay in `dtype` (listed, with the memory saved, when `verbose`). A bitsandbytes 4-bit
+    `max_rel_error` stay in `dtype` (listed, with the memory saved, when `verbose`). quantize="fp8" (or
+    `quant_config=jaxft.quant.Fp8Config(...)`) stores them in FP8 instead (`jaxft.quant.fp8`; MoE experts stay in
+    `dtype`), quantised the same way, never unless asked. A bitsandbytes 4-bit
     checkpoint (config.json `quantization_config`) loads as stored, byte for byte; an MXFP4 checkpoint (GPT-OSS)
     has its expert weights decoded to `dtype` (`bridge.mxfp4`).
 
@@ -73,7 +76,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     (`jax.make_array_from_callback`), each device's shard read from the safetensors slices it holds, so no
     host or device ever holds a whole (sharded) weight. Not with 4-bit weights yet.
     """
-    from jaxft.quant import weights as qw  # local: jaxft.quant imports the models
+    from jaxft.quant import fp8 as qf  # local: jaxft.quant imports the models
+    from jaxft.quant import weights as qw
 
     path = Path(path)
     hf = bridge.read_config(path)
@@ -81,8 +85,11 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     cfg = ModelConfig.from_hf(hf, source=source)
     dtype = jnp.dtype(dtype)
     stored = None if mxfp4.is_mxfp4(hf) else bnb4bit.quantization_config(hf, source)  # MXFP4: experts, below
-    if quant_config is None and quantize is not None:
+    if quant_config is None and quantize == "fp8":
+        quant_config = Fp8Config()
+    elif quant_config is None and quantize is not None:
         quant_config = qw.QuantConfig(quant_type=quantize, double_quant=double_quant)
+    fp8 = isinstance(quant_config, Fp8Config)
     if stored is not None and quant_config is not None:
         raise ValueError(f"{source}: the checkpoint is already bitsandbytes 4-bit; load it without quantize= / "
                          "quant_config= (it loads as stored)")
@@ -141,13 +148,15 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     if mx_shapes:
         arrays.update(mxfp4.load_rows(path, bridge.checkpoint_files(path), rows, mx_shapes, cfg.num_layers, dtype))
     skipped: list[str] = []
-    if stored is None and quant_config is not None:
+    if fp8:
+        skipped = qf.quantize_linears_fp8(model, arrays, quant_config, verbose)
+    elif stored is None and quant_config is not None:
         skipped = _quantize_sites(model, sites, arrays, quant_config, quants, str(dtype), verbose)
     elif stored is not None:
         skipped = [s.template for s in sites if s not in quants]
     for site, quant in quants.items():
         qw.install(site.linear(model), quant)
-    if stored is None and quant_config is not None:
+    if stored is None and quant_config is not None and not fp8:
         _quantize_experts(model, arrays, quant_config, str(dtype), verbose)
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
@@ -270,6 +279,9 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | Non
         from jaxft.quant import weights as qw
 
         qcfg = getattr(model, "quant_config", None)
+        if isinstance(qcfg, Fp8Config):
+            raise ValueError("save_pretrained(quantized=True): the model's base is FP8, which has no bitsandbytes "
+                             "format; save it with quantized=False (dequantised to the model dtype)")
         if qcfg is None:
             raise ValueError("save_pretrained(quantized=True): the model has no 4-bit linears; load it with "
                              "jaxft.from_pretrained(path, quantize='nf4')")

@@ -42,6 +42,7 @@ from jaxft.models.decoder import abstract_model, model_class
 from jaxft import streamed
 from jaxft.models.stack import streamed_weight
 from jaxft.offload_scan import is_slot
+from jaxft.quant.config import Fp8Config
 from jaxft.sharding import MeshConfig, Placement
 from jaxft.train.optim import OptimConfig
 from jaxft.train.step import (make_eval_step, make_train_step, restack_layers, split_model, stack_micro_batches,
@@ -66,7 +67,7 @@ class Run(AutoChoices):
     seed: int = 0
     accumulation: int = 1
     devices: Any = None
-    quant_config: Any = None  # jaxft.quant.QuantConfig: frozen linears in 4 bits (QLoRA); None: as stored
+    quant_config: Any = None  # jaxft.quant.QuantConfig (4 bits, QLoRA) or Fp8Config: frozen linears; None: as stored
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):
@@ -130,12 +131,16 @@ class Run(AutoChoices):
         return implementation_for(self.execution.grouped_matmul_implementation, self.dtype, device) == "pallas_mosaic"
 
     def _abstract_split(self):
+        from jaxft.quant.fp8 import abstract_fp8
         from jaxft.quant.weights import abstract_quantize
 
         def build():
             model = model_class(self.model_config)(self.model_config, dtype=jnp.dtype(self.dtype),
                                                    rngs=nnx.Rngs(0))
-            abstract_quantize(model, self.model_path, self.quant_config)
+            if isinstance(self.quant_config, Fp8Config):
+                abstract_fp8(model, self.quant_config)
+            else:
+                abstract_quantize(model, self.model_path, self.quant_config)
             return apply_lora(model, self.lora_config, seed=self.seed)
         return split_model(nnx.eval_shape(build))
 
@@ -203,8 +208,8 @@ class Run(AutoChoices):
             raise RuntimeError("Run.init_random() with remat 'auto': call run.choose_remat(batch) or "
                                "run.compile(batch) first (the chosen policy decides the weight layout)")
         if self.quant_config is not None:
-            raise ValueError("Run.init_random() with a 4-bit base (quant_config): random 4-bit codes are not "
-                             "supported; use load()")
+            raise ValueError("Run.init_random() with a quantised base (quant_config): random 4-bit or FP8 codes "
+                             "are not supported; use load()")
         graphdef, make = self.random_state_program()
         return self._adopt(graphdef, *make())
 

@@ -7,6 +7,8 @@ Implementation names mean the same thing in every op:
                    autodiff; the oracle of the tests, runs everywhere, never the fast path.
   "xla"            a hand-written XLA implementation with its own ``jax.custom_vjp`` (chunked, or saving
                    fewer residuals); runs everywhere.
+  "xla_fp8"        an XLA implementation whose GEMMs take FP8 operands (fp8_matmul): cuBLASLt's FP8 GEMMs on
+                   GPUs of compute capability 8.9+; elsewhere XLA upcasts them (a test vehicle on the CPU).
   "pallas"         Pallas kernels on the Triton backend (NVIDIA GPUs); off the GPU the same kernels run
                    in interpret mode, which is a test vehicle, so ``supported_on`` says False there.
   "pallas_mosaic"  Pallas kernels on the Mosaic GPU backend (Hopper wgmma/TMA; grouped_matmul); off the GPU

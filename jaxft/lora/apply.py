@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxft.lora.config import LoraConfig
 from jaxft.lora.targets import _modules, _plan, _Site
-from jaxft.models.layers import ExpertParam, Linear, LoraParam, LoraRank, LoraScale, linears, logical
+from jaxft.models.layers import ExpertParam, Linear, LoraParam, LoraRank, LoraScale, QuantFp8, linears, logical
 from jaxft.models.moe import ExpertLora, expert_adapters
 from jaxft.models.quant_experts import Quant4bitExperts, expert_weight
 
@@ -203,8 +203,10 @@ def merge_lora(model):
                              "them. Export the merged model with jaxft.save_pretrained (dequantised), or keep the "
                              "adapter separate (save_adapter)")
     for key in merged:
-        if key not in experts and _linear(model, key[:-1]).quant is not None:
-            raise ValueError(f"merge_lora: {'.'.join(key[:-1])} is a 4-bit linear; merging would need re-quantising "
+        quant = None if key in experts else _linear(model, key[:-1]).quant
+        if quant is not None:
+            kind = "an FP8" if isinstance(quant, QuantFp8) else "a 4-bit"
+            raise ValueError(f"merge_lora: {'.'.join(key[:-1])} is {kind} linear; merging would need re-quantising "
                              "it. Export the merged model with jaxft.save_pretrained (dequantised), or keep the "
                              "adapter separate (save_adapter)")
     values = {key: merged[key] for key in experts}  # every expert kernel before any adapter is removed

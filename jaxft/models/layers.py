@@ -5,8 +5,9 @@ layer's parameters: a slice inside `jax.lax.scan` (compile time does not grow wi
 training step over per-layer weight buffers (`jaxft.train.unstack_layers`), one unrolled call per layer
 (no weight-slicing copies). The variable types carry
 meaning: `nnx.Param` is the frozen base, `LoraParam` is what training updates, `LoraScale` is a per-layer
-constant, `QuantizedWeight` is a frozen 4-bit weight's storage (a `Linear` whose `quant` is set has no
-`kernel`); `ExpertParam` is a MoE expert stack, `QuantizedExpertWeight` the storage of one in 4 bits.
+constant, `QuantizedWeight` is a frozen 4-bit weight's storage and `Fp8Weight` a frozen FP8 weight's (a `Linear`
+whose `quant` is set has no `kernel`); `ExpertParam` is a MoE expert stack, `QuantizedExpertWeight` the storage of
+one in 4 bits.
 Optimisers, the trainer and the exporters select by type, never by name.
 
 Every parameter also names its dimensions where it is created (`logical(...)`, kept as the Variable's
@@ -24,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxft.quant.blockwise import dequantize_absmax
+from kernels_pallas import fp8_matmul as fp8_ops
 from kernels_pallas import nf4_matmul as nf4_ops
 
 
@@ -68,6 +70,11 @@ class LoraRank(nnx.Variable):
 class QuantizedWeight(nnx.Variable):
     """Storage of a frozen 4-bit weight (packed codes, absmax, nested absmax, offset): never differentiated,
     never given optimiser state, never a `Param` (so exporters and loaders that walk `Param`s skip it)."""
+
+
+class Fp8Weight(QuantizedWeight):
+    """Storage of a frozen FP8 weight (float8_e4m3fn codes and their per-output-channel scales, `QuantFp8`): a
+    `QuantizedWeight`, so whatever skips those (optimisers, gradients, exporters of `Param`s) skips it too."""
 
 
 class ExpertParam(nnx.Param):
@@ -155,6 +162,11 @@ class Quant4bit(nnx.Module):
     def shape(self) -> tuple[int, int]:
         return (self.out_features, self.in_features)
 
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The stack axes (the layer axis of a layer stack; none for a single linear)."""
+        return tuple(self.packed.shape[:-1])
+
     def _get(self, var, layer):
         value = _whole(var[...])
         return value if layer is None else value[layer]
@@ -179,6 +191,52 @@ class Quant4bit(nnx.Module):
         weight lives only inside this layer's forward and backward)."""
         return nf4_ops.nf4_matmul(x, self._get(self.packed, None), self.absmax_f32(), shape=self.shape,
                                   blocksize=self.blocksize, quant_type=self.quant_type)
+
+
+class QuantFp8(nnx.Module):
+    """A stack of frozen [out, in] weights in FP8 (`kernels_pallas.fp8_matmul`), per layer: q [out, in]
+    float8_e4m3fn and scale [out] float32, W ~= q * scale[:, None]. Stored in torch's [out, in] layout, whose
+    contraction axis is the minor one, as the FP8 GEMMs take it in the forward. The codes name the linear's
+    logical axes (`axes`: (in, out), as `Linear.axes`), so a mesh splits them as it would the kernel.
+    `implementation`: the fp8_matmul implementation ("auto": FP8 GEMMs on FP8 tensor cores, else dequantised
+    to the compute dtype)."""
+
+    def __init__(self, out_features: int, in_features: int, *, stack: tuple[int, ...],
+                 axes: tuple[str | None, str | None] = (None, None), implementation: str = "auto",
+                 arrays: dict | None = None):
+        # `arrays` ({q, scale}) fills the variables instead of zeros.
+        self.out_features, self.in_features = out_features, in_features
+        self.implementation = implementation
+        lead = stack_axes(stack)
+        shapes = dict(q=((*stack, out_features, in_features), fp8_ops.E4M3, (*lead, axes[1], axes[0])),
+                      scale=((*stack, out_features), jnp.float32, (*lead, axes[1])))
+        for name, (shape, dtype, names) in shapes.items():
+            value = jnp.zeros(shape, dtype) if arrays is None else arrays[name]
+            if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+                raise ValueError(f"QuantFp8.{name}: got {value.dtype} {tuple(value.shape)}, expected "
+                                 f"{jnp.dtype(dtype)} {tuple(shape)} for a [{out_features}, {in_features}] weight")
+            setattr(self, name, Fp8Weight(value, **logical(*names)))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        """The stack axes (the layer axis of a layer stack; none for a single linear)."""
+        return tuple(self.q.shape[:-2])
+
+    def dequantize(self, dtype, layer: int | None = None) -> jax.Array:
+        """The weight as [in, out] in `dtype` (the layout of `Linear.kernel`), of the layer the module holds or
+        of `layer` of a stack."""
+        q, scale = self.q[...], self.scale[...]
+        if layer is not None:
+            q, scale = q[layer], scale[layer]
+        return fp8_ops.dequantize_fp8(q, scale, dtype).T
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        """x [..., in] @ W -> [..., out] in x's dtype (`kernels_pallas.fp8_matmul`)."""
+        return fp8_ops.fp8_matmul(x, self.q[...], self.scale[...], implementation=self.implementation)
 
 
 def _whole(x: jax.Array) -> jax.Array:
@@ -217,7 +275,8 @@ class Linear(nnx.Module):
         self.lora_scale: LoraScale | None = None
         self.lora_rank: LoraRank | None = None
         self.lora_dropout: float = 0.0
-        self.quant: Quant4bit | None = None  # set (and `kernel` dropped) by jaxft.quant: a frozen 4-bit weight
+        # set (and `kernel` dropped) by jaxft.quant: a frozen 4-bit or FP8 weight
+        self.quant: Quant4bit | QuantFp8 | None = None
 
     @property
     def has_lora(self) -> bool:
@@ -234,11 +293,11 @@ class Linear(nnx.Module):
         return y
 
     def frozen_kernel(self, dtype=None) -> jax.Array:
-        """W [*stack, in, out]: the kernel, or the 4-bit weight dequantised (every layer) in `dtype`."""
+        """W [*stack, in, out]: the kernel, or the 4-bit / FP8 weight dequantised (every layer) in `dtype`."""
         if self.quant is None:
             return self.kernel[...] if dtype is None else self.kernel[...].astype(dtype)
         dtype = dtype or jnp.bfloat16
-        lead = self.quant.packed.shape[:-1]
+        lead = self.quant.lead
         if not lead:
             return self.quant.dequantize(dtype)
         return jnp.stack([self.quant.dequantize(dtype, i) for i in range(lead[0])])

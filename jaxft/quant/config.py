@@ -1,5 +1,5 @@
-"""`QuantConfig`: which frozen linears are stored in 4 bits and how (bitsandbytes' meaning of every field), and
-transformers' rule for matching `llm_int8_skip_modules` names."""
+"""`QuantConfig`: which frozen linears are stored in 4 bits and how (bitsandbytes' meaning of every field);
+`Fp8Config`: which are stored in FP8; and transformers' rule for matching `llm_int8_skip_modules` names."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from collections.abc import Iterable
 
 from jaxft.config import ConfigError
 from jaxft.quant.blockwise import BLOCKSIZES, NESTED_ROUNDINGS
+from kernels_pallas.fp8_matmul import IMPLEMENTATIONS as FP8_IMPLEMENTATIONS
 
-__all__ = ["DEFAULT_SKIP", "QuantConfig", "QuantConfigError", "is_skipped"]
+__all__ = ["DEFAULT_SKIP", "Fp8Config", "QuantConfig", "QuantConfigError", "is_skipped"]
 
 # Never quantised unless asked: the output head (transformers keeps it too), routers and vision towers.
 DEFAULT_SKIP = ("lm_head", "mlp.gate", "router", "vision_tower", "visual", "multi_modal_projector")
@@ -20,9 +21,9 @@ class QuantConfigError(ConfigError):
     """A bad 4-bit setting; `field` and `problem` as `jaxft.lora.LoraConfigError` (TrainConfig restates it under
     its own key)."""
 
-    def __init__(self, field: str, problem: str):
+    def __init__(self, field: str, problem: str, owner: str = "QuantConfig"):
         self.field, self.problem = field, problem
-        super().__init__(f"QuantConfig.{field}: {problem}")
+        super().__init__(f"{owner}.{field}: {problem}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +87,31 @@ class QuantConfig:
                 "llm_int8_has_fp16_weight": False, "llm_int8_skip_modules": skipped or None,
                 "llm_int8_threshold": 6.0, "load_in_4bit": True, "load_in_8bit": False,
                 "quant_method": "bitsandbytes"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """Frozen linears stored in FP8 (float8_e4m3fn codes, one float32 scale per output channel; see
+    `kernels_pallas.fp8_matmul`): half the bytes of bf16, and on FP8 tensor cores both frozen GEMMs of a linear in
+    FP8. MoE expert stacks stay in the model dtype.
+
+    skip_modules: HF module names kept in the model dtype, matched as `QuantConfig.skip_modules`.
+    implementation: the fp8_matmul implementation ("auto": FP8 GEMMs on a GPU of compute capability 8.9+, else
+    the weight dequantised to the compute dtype inside each matmul).
+    """
+
+    skip_modules: tuple[str, ...] = DEFAULT_SKIP
+    implementation: str = "auto"
+
+    def __post_init__(self):
+        skip = (self.skip_modules,) if isinstance(self.skip_modules, str) else tuple(self.skip_modules or ())
+        if not all(isinstance(k, str) and k for k in skip):
+            raise QuantConfigError("skip_modules", f"value {self.skip_modules!r} is invalid; must be a list of "
+                                                   "module names, e.g. ['lm_head', 'mlp.down_proj']", "Fp8Config")
+        object.__setattr__(self, "skip_modules", skip)
+        if self.implementation not in FP8_IMPLEMENTATIONS:
+            raise QuantConfigError("implementation", f"value {self.implementation!r} is invalid; use one of "
+                                                     f"{FP8_IMPLEMENTATIONS}", "Fp8Config")
 
 
 def is_skipped(name: str, patterns: Iterable[str]) -> bool:

@@ -213,6 +213,8 @@ class TrainConfig:
         None, "modules kept in the compute dtype (null: lm_head, routers, vision towers)")
     bnb_4bit_max_rel_error: float | None = _key(
         None, "keep dense any module whose relative 4-bit error exceeds this (jaxft's key; null: no check)")
+    load_in_fp8: bool = _key(False, "frozen linears in FP8 (e4m3, a scale per output channel; FP8 GEMMs on "
+                             "Ada/Hopper), not with 4-bit")
     mesh: str | dict | None = _key(
         None, "devices per mesh axis {data: D, fsdp: F, tensor: T} (-1: the rest), or auto (null: all on data); "
               "docs/multi-gpu.md")
@@ -331,9 +333,22 @@ class TrainConfig:
             raise TrainConfigError(f"key {key!r}: {e}", key=key) from None
 
     def _build_quant(self):
-        from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, QuantConfigError
+        from jaxft.quant.config import DEFAULT_SKIP, Fp8Config, QuantConfig, QuantConfigError
 
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if self.load_in_fp8 and self.load_in_4bit:
+            raise TrainConfigError("keys 'load_in_fp8' and 'load_in_4bit' are both true; the frozen base is FP8 or "
+                                   "4-bit, not both: set one of them to false", key="load_in_fp8")
+        if self.load_in_fp8:  # llm_int8_skip_modules: kept in the compute dtype, as for 4 bits
+            given = [k for f, k in QUANT_KEYS.items() if f != "skip_modules" and getattr(self, k) != defaults[k]]
+            if given:
+                raise TrainConfigError(f"key {given[0]!r} is a 4-bit setting and load_in_fp8 is true; drop "
+                                       f"{given[0]}", key=given[0])
+            skip = self.llm_int8_skip_modules
+            try:
+                return Fp8Config(**({} if skip is None else {"skip_modules": tuple(skip)}))
+            except QuantConfigError as e:
+                raise part_error(e, QUANT_KEYS) from None
         if not self.load_in_4bit:
             given = [k for k in QUANT_KEYS.values() if getattr(self, k) != defaults[k]]
             if given:

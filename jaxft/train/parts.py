@@ -40,7 +40,8 @@ def _is_int(value: Any) -> bool:
 class ModelSource:
     """The checkpoint a run trains: `path` a local Hugging Face directory (config.json + *.safetensors +
     tokenizer files; nothing is downloaded), `dtype` the compute dtype of the frozen weights and activations,
-    `quant` a `jaxft.quant.QuantConfig` to store the frozen linears in 4 bits (None: as stored)."""
+    `quant` a `jaxft.quant.QuantConfig` to store the frozen linears in 4 bits, or an `Fp8Config` for FP8 (None: as
+    stored)."""
 
     path: str
     dtype: str = "bfloat16"
@@ -48,7 +49,7 @@ class ModelSource:
 
     def __post_init__(self):
         from bridge.errors import hub_id_hint  # deferred: bridge imports numpy
-        from jaxft.quant.config import QuantConfig
+        from jaxft.quant.config import Fp8Config, QuantConfig
 
         if not isinstance(self.path, (str, Path)) or not str(self.path).strip():
             raise PartError("path", f"value {self.path!r} is invalid; give a non-empty path")
@@ -62,9 +63,9 @@ class ModelSource:
                                     "directory (config.json + *.safetensors + tokenizer files)")
         if self.dtype not in DTYPES:
             raise PartError("dtype", f"value {self.dtype!r} is not one of {', '.join(map(repr, DTYPES))}")
-        if self.quant is not None and not isinstance(self.quant, QuantConfig):
-            raise PartError("quant", f"value {self.quant!r} must be a jaxft.quant.QuantConfig (or None: no 4-bit "
-                                     "weights)")
+        if self.quant is not None and not isinstance(self.quant, (QuantConfig, Fp8Config)):
+            raise PartError("quant", f"value {self.quant!r} must be a jaxft.quant.QuantConfig or Fp8Config (or "
+                                     "None: no quantised weights)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,47 @@
+"""FP8 matmul problem shapes shared by the tests and bench.py: x [m, in] times W [out, in]^T.
+
+``TEST_SHAPES``: small, odd token counts, fp32 and bf16 activations; ``BENCH_SHAPES``: the Llama-3.1-8B
+projections (q/o 4096x4096, k/v 1024x4096, gate/up 14336x4096, down 4096x14336) at training sizes M = 4096,
+8192 and 16384 tokens, bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_8B = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "gate_proj": (14336, 4096), "down_proj": (4096, 14336)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Shape:
+    name: str
+    m: int
+    out_features: int
+    in_features: int
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if min(self.m, self.out_features, self.in_features) <= 0:
+            raise ValueError(f"kernels_pallas/fp8_matmul/shapes.py: Fp8Shape {self.name!r} needs positive sizes.")
+
+
+TEST_SHAPES: tuple[Fp8Shape, ...] = (
+    Fp8Shape("t_f32", 37, 96, 64),
+    Fp8Shape("t_bf16", 33, 64, 128, "bfloat16"),
+)
+BENCH_SHAPES: tuple[Fp8Shape, ...] = tuple(
+    Fp8Shape(f"8b_{proj}_{m // 1024}k", m, out_f, in_f, "bfloat16")
+    for m in (4096, 8192, 16384) for proj, (out_f, in_f) in _8B.items())
+
+
+def make_inputs(shape: Fp8Shape, seed: int = 0):
+    """``(x, w, dy)``: activations, a float32 weight [out, in] ~ N(0, 0.02) to quantise, and a cotangent."""
+    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+    dtype = jnp.dtype(shape.dtype)
+    x = jax.random.normal(kx, (shape.m, shape.in_features), jnp.float32).astype(dtype)
+    w = 0.02 * jax.random.normal(kw, (shape.out_features, shape.in_features), jnp.float32)
+    dy = jax.random.normal(kd, (shape.m, shape.out_features), jnp.float32).astype(dtype)
+    return x, w, dy
