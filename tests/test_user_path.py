@@ -137,3 +137,91 @@ def test_a_default_budget_below_zero_refuses_before_compiling(model_dir, tmp_pat
     assert run.remat_compiles == [] and run.remat_estimates == {}
     assert str(info.value).startswith("the memory left for the step is -0.500 GiB per device (host available "
                                       "memory: MemAvailable 0.50 GiB of MemTotal 16.00 GiB, less max(1 GiB, 5%))")
+
+
+# ------------------------------------------------------------------------------------------ a TRL user's config
+def _save_to_disk(directory: Path, field: str, texts: list[str]) -> Path:
+    """A `datasets` `Dataset.save_to_disk` directory (state.json + one Arrow stream), written with pyarrow."""
+    import pyarrow as pa
+
+    directory.mkdir(parents=True)
+    table = pa.table({field: texts, "id": list(range(len(texts)))})
+    with pa.OSFile(str(directory / "data-00000-of-00001.arrow"), "wb") as sink:
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+    (directory / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}],
+                                                      "_split": "train"}))
+    return directory
+
+
+def test_a_trl_sft_command_line_runs_without_a_yaml(tmp_path, capsys, caplog):
+    """`trl sft`'s way: no YAML, TRL's keys on the command line. dataset_name is a save_to_disk directory whose
+    text is in the field dataset_text_field names; torch_dtype float32 is bf16 false; eval_strategy / save_strategy
+    no: neither evaluation nor checkpoints, though an eval set is given; attn_implementation and the bare
+    --use_peft are each named in one line as ignored, with the reason."""
+    from jaxft.cli import main
+
+    data = _save_to_disk(tmp_path / "ds", "body", [f"the {w} sat on the mat number {i}" for i, w in
+                                                     enumerate(["cat", "dog", "owl", "fox"] * 6)])
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO, logger="jaxft"):
+        code = main(["--model_name_or_path", str(TINY_LLAMA), "--dataset_name", str(data), "--dataset_text_field",
+                     "body", "--eval_dataset", str(data), "--output_dir", str(out), "--torch_dtype", "float32",
+                     "--attn_implementation", "sdpa", "--use_peft", "--eval_strategy", "no", "--save_strategy", "no",
+                     "--max_length", "64", "--per_device_train_batch_size", "2", "--max_steps", "2",
+                     "--report_to", "none", "--disable_tqdm"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["dataset"] == str(data) and saved["dataset_text_field"] == "body" and saved["bf16"] is False
+    ignored = [line for line in captured.err.splitlines() if "ignored: " in line]
+    assert ignored == ["[jaxft] command line: ignored: attn_implementation 'sdpa': jaxft chooses its own attention "
+                       "kernel; its key is attention_implementation (auto, xla, pallas, cudnn)",
+                       "[jaxft] command line: ignored: use_peft True: jaxft always trains a LoRA adapter (PEFT "
+                       "format), as use_peft: true does"]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert not any("eval_loss" in m or "checkpoint" in m for m in metrics)
+    assert (out / "adapter" / "adapter_model.safetensors").is_file() and "trained 2 steps" in captured.out
+
+
+def _yaml(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_trl_keys_in_a_yaml_and_what_cannot_be_honoured(tmp_path):
+    """A config written for TRL's SFT: its keys mean what TRL says they mean; those that ask for what jaxft does
+    not do are one error each, naming the file, the line and the fix."""
+    from jaxft.train import TrainConfigError, load_config
+
+    data = str(EXAMPLES / "data" / "train.jsonl")
+    head = f"model_name_or_path: {TINY_LLAMA}\ndataset_name: {data}\noutput_dir: {tmp_path / 'out'}\n"
+    cfg = load_config(_yaml(tmp_path / "trl.yaml", head + "dtype: bfloat16\neval_strategy: epoch\n"
+                            "save_strategy: steps\nuse_peft: true\nattn_implementation: flash_attention_2\n"
+                            "max_length: 256\n"))
+    assert (cfg.dataset, cfg.bf16, cfg.eval_strategy, cfg.save_strategy, cfg.max_seq_length) == \
+        (data, True, "epoch", "steps", 256)
+    auto = load_config(_yaml(tmp_path / "auto.yaml", head + "torch_dtype: auto\nbf16: false\nsave_strategy: no\n"))
+    assert auto.bf16 is False and auto.save_strategy == "no"  # YAML's unquoted no (false) is the strategy "no"
+    for text, message in (
+            ("use_peft: false\n", "trl.yaml:4: key 'use_peft': false asks for full fine-tuning; jaxft trains LoRA "
+                                  "adapters only: set use_peft: true or drop the key"),
+            ("torch_dtype: float16\n", "trl.yaml:4: key 'torch_dtype': value 'float16' is not one of 'bfloat16', "
+                                       "'float32', 'auto'"),
+            ("dtype: float32\nbf16: true\n", "trl.yaml:4: key 'dtype': 'float32' contradicts bf16: True"),
+            ("save_strategy: best\n", "trl.yaml:4: key 'save_strategy': value 'best' is not one of 'steps', "
+                                      "'epoch', 'no'")):
+        with pytest.raises(TrainConfigError) as info:
+            load_config(_yaml(tmp_path / "trl.yaml", head + text))
+        assert str(info.value).startswith(str(tmp_path / message.split(":")[0]) + message[len("trl.yaml"):])
+
+
+def test_evaluation_and_checkpoints_follow_their_strategy():
+    """steps: every eval_steps / save_steps; epoch: at each epoch's end; no: never; steps and epoch at the end."""
+    from jaxft.train.parts import LoggingConfig
+
+    log = LoggingConfig(output_dir="out", eval_steps=4, save_steps=6, eval_strategy="epoch", save_strategy="steps")
+    assert [s for s in range(1, 13) if log.due("eval", s, 11, 5)] == [5, 10, 11]
+    assert [s for s in range(1, 13) if log.due("save", s, 11, 5)] == [6, 11, 12]
+    never = LoggingConfig(output_dir="out", eval_strategy="no", save_strategy="no")
+    assert not any(never.due(what, s, 11, 5) for what in ("eval", "save") for s in range(1, 12))

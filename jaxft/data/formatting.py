@@ -112,8 +112,9 @@ def load_tokenizer(path: str | Path):
         ) from None
 
 
-def record_kind(record: Record) -> Literal["chat", "prompt_completion", "text"]:
-    """Which supported format ``record`` is in; raises `MissingFieldError` naming its keys."""
+def record_kind(record: Record, text_field: str = "text") -> Literal["chat", "prompt_completion", "text"]:
+    """Which supported format ``record`` is in (plain text under ``text_field``); raises `MissingFieldError`
+    naming its keys."""
     d, src = record.data, record.source
     present = {k for k, v in d.items() if v is not None}
     if "messages" in present:
@@ -126,11 +127,12 @@ def record_kind(record: Record) -> Literal["chat", "prompt_completion", "text"]:
                 f"but no {missing!r}; add a {missing!r} field (or use a 'text' or 'messages' record)"
             )
         return "prompt_completion"
-    if "text" in present:
+    if text_field in present:
         return "text"
     raise MissingFieldError(
         f"{src}: record has keys {sorted(d)} but none of the supported fields; use 'messages' "
-        "(chat: list of {role, content}), 'prompt' + 'completion', or 'text' (rename your fields)"
+        f"(chat: list of {{role, content}}), 'prompt' + 'completion', or {text_field!r} (rename your fields"
+        + (")" if text_field != "text" else ", or set dataset_text_field to the field that holds the text)")
     )
 
 
@@ -138,9 +140,9 @@ class Formatter:
     """Tokenizes records for one tokenizer (caches what it learns about the tokenizer)."""
 
     def __init__(self, tokenizer, *, assistant_only_loss: bool = True, completion_only_loss: bool = True,
-                 images=None):
+                 images=None, text_field: str = "text"):
         """`images`: a `jaxft.data.images.ImageProcessor` (vision-language models); chats with image parts need
-        one."""
+        one. `text_field`: the field of plain-text records (TRL's dataset_text_field)."""
         for key, value in (("assistant_only_loss", assistant_only_loss),
                            ("completion_only_loss", completion_only_loss)):
             if not isinstance(value, bool):
@@ -149,6 +151,7 @@ class Formatter:
         self.assistant_only_loss = assistant_only_loss
         self.completion_only_loss = completion_only_loss
         self.images = images
+        self.text_field = text_field
         self._name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         self._specials: tuple[list[int], list[int]] | None = None
         self._end_marker: str | None = None
@@ -217,7 +220,7 @@ class Formatter:
 
     # ---- formats ---------------------------------------------------------------
     def __call__(self, record: Record) -> Document:
-        kind = record_kind(record)
+        kind = record_kind(record, self.text_field)
         if kind == "chat":
             return self._chat(record, record.data["messages"], first_trained=0, masked=self.assistant_only_loss)
         if kind == "prompt_completion":
@@ -225,10 +228,11 @@ class Formatter:
         return self._text(record)
 
     def _text(self, record: Record) -> Document:
-        text = record.data["text"]
+        text = record.data[self.text_field]
         if not isinstance(text, str):
             raise MissingFieldError(
-                f"{record.source}: key 'text' must be a string, got {type(text).__name__}; fix the record"
+                f"{record.source}: key {self.text_field!r} must be a string, got {type(text).__name__}; fix the "
+                "record"
             )
         bos, added_after = self._bos_eos_added()
         eos = self._eos_id()

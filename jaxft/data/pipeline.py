@@ -29,6 +29,7 @@ class DataConfig:
     completion_only_loss: prompt/completion records train on the completion only (False: every
         token). Each flag acts on its own format only; plain text always trains every token.
     overlong: documents longer than seq_len are "truncate"d or "drop"ped.
+    text_field: the field of plain-text records (TRL's ``dataset_text_field``).
     """
 
     path: str
@@ -43,6 +44,7 @@ class DataConfig:
     assistant_only_loss: bool = True
     completion_only_loss: bool = True
     overlong: Overlong = "truncate"
+    text_field: str = "text"
 
     def __post_init__(self):
         if not isinstance(self.path, (str, Path)) or not str(self.path):
@@ -91,7 +93,7 @@ def build_datasets(
             images = ImageProcessor.for_model_dir(tokenizer)
         tokenizer = load_tokenizer(tokenizer)
     fmt = Formatter(tokenizer, assistant_only_loss=config.assistant_only_loss,
-                    completion_only_loss=config.completion_only_loss, images=images)
+                    completion_only_loss=config.completion_only_loss, images=images, text_field=config.text_field)
     train_docs = _documents(config.path, config.split, fmt)
     eval_docs: list[Document] | None = None
     if config.eval_path or config.eval_split:
