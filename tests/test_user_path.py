@@ -225,3 +225,45 @@ def test_evaluation_and_checkpoints_follow_their_strategy():
     assert [s for s in range(1, 13) if log.due("save", s, 11, 5)] == [6, 11, 12]
     never = LoggingConfig(output_dir="out", eval_strategy="no", save_strategy="no")
     assert not any(never.due(what, s, 11, 5) for what in ("eval", "save") for s in range(1, 12))
+
+
+# ------------------------------------------------------------------------------------------ merged export
+def _hf_generate(model_dir: Path, prompt: list[int], **kwargs) -> list[int]:
+    """transformers' greedy generate with the directory's own defaults (generation_config.json where there is one)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def test_a_merged_model_stops_where_its_base_does(model_dir, tmp_path):
+    """A base whose generation_config.json alone lists a second stop id (an instruct model's end of turn) and
+    its max_new_tokens: transformers stops the base there. A merged export (zero LoRA: the same weights) stops
+    at the same token, from jaxft.save_pretrained and from the training run's export (Run.export_merged); without
+    the file it would run on to transformers' default length."""
+    import shutil
+
+    import jaxft
+
+    prompt = [1, 17, 30, 45, 9, 12]
+    free = _hf_generate(model_dir, prompt, max_new_tokens=30, min_new_tokens=30)  # no stop: where would it go
+    at = next(i for i in range(3, 30) if free[i] not in free[:i])
+    base_dir = shutil.copytree(model_dir, tmp_path / "base")
+    eos = json.loads((base_dir / "config.json").read_text())["eos_token_id"]
+    assert free[at] != eos
+    (base_dir / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [eos, free[at]], "max_new_tokens": 30, "do_sample": False}))
+    base = _hf_generate(base_dir, prompt)
+    assert base == free[:at + 1]
+    merged = jaxft.save_pretrained(jaxft.from_pretrained(base_dir, dtype="float32"), tmp_path / "merged")
+    assert _hf_generate(merged, prompt) == base
+    run = Run(base_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+              execution=ExecutionConfig(attention_implementation="reference", remat="none"))
+    run.load()
+    assert _hf_generate(run.export_merged(tmp_path / "from-run"), prompt) == base
+    tiny = jaxft.save_pretrained(jaxft.from_pretrained(TINY_LLAMA, dtype="float32"), tmp_path / "tiny")
+    assert (tiny / "generation_config.json").read_text() == (TINY_LLAMA / "generation_config.json").read_text()
