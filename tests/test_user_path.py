@@ -267,3 +267,82 @@ def test_a_merged_model_stops_where_its_base_does(model_dir, tmp_path):
     assert _hf_generate(run.export_merged(tmp_path / "from-run"), prompt) == base
     tiny = jaxft.save_pretrained(jaxft.from_pretrained(TINY_LLAMA, dtype="float32"), tmp_path / "tiny")
     assert (tiny / "generation_config.json").read_text() == (TINY_LLAMA / "generation_config.json").read_text()
+
+
+# ------------------------------------------------------------------------------------------ chat content
+@pytest.fixture(scope="module")
+def formatter():
+    from jaxft.data.formatting import Formatter, load_tokenizer
+
+    return Formatter(load_tokenizer(TINY_LLAMA))
+
+
+def _chat(content) -> list[dict]:
+    return [{"role": "user", "content": content}, {"role": "assistant", "content": "fine"}]
+
+
+def test_text_parts_train_as_their_joined_text(formatter):
+    """OpenAI-style parts on a text model: the text parts joined, as transformers' multimodal templates join
+    them, not the list's Python repr that a text-only template would render."""
+    from jaxft.data.sources import Record
+
+    parts = formatter(Record({"messages": _chat([{"type": "text", "text": "yo"}, {"type": "text", "text": " there"}])},
+                             "chats.jsonl:1"))
+    plain = formatter(Record({"messages": _chat("yo there")}, "chats.jsonl:2"))
+    assert parts.tokens.tolist() == plain.tokens.tolist() and parts.loss_mask.tolist() == plain.loss_mask.tolist()
+
+
+@pytest.mark.parametrize("content, problem", [
+    ({"a": 1}, 'messages[0].content (role \'user\') is dict {"a": 1}; give a string, or a list of {"type": "text", '
+               '"text": ...} (and {"type": "image", "image": path}) parts; fix the record'),
+    (123, "messages[0].content (role 'user') is int 123; give a string"),
+    (None, "messages[0].content (role 'user') is null; give a string"),
+    ([{"type": "image_url", "image_url": {"url": "x.png"}}], "messages[0].content[0] has type 'image_url'; give"),
+    ([{"type": "text", "text": 5}], "messages[0].content[0] has no string 'text'; give"),
+    (["yo"], "messages[0].content[0] has a str, not an object; give"),
+])
+def test_content_that_is_not_text_is_refused_naming_the_record(formatter, content, problem):
+    """An object, a number, null (without tool calls) or a part that is not text is one error naming the file,
+    line and message, where it was trained as its Python text ({'a': 1}, 123, None)."""
+    from jaxft.data.errors import MissingFieldError
+    from jaxft.data.sources import Record
+
+    with pytest.raises(MissingFieldError) as info:
+        formatter(Record({"messages": _chat(content)}, "chats.jsonl:7"))
+    assert str(info.value).startswith(f"chats.jsonl:7: {problem}")
+
+
+def test_an_assistant_tool_call_without_content_is_kept():
+    """content null beside tool_calls (OpenAI's form of a call) is not an error (the tiny model's template has no
+    tool role, so the check itself is asked)."""
+    from jaxft.data.formatting import _checked_messages
+
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    chat = [{"role": "user", "content": [{"type": "text", "text": "add 1 and 2"}]},
+            {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "3"}]
+    assert _checked_messages(chat, "chats.jsonl:1") == [{"role": "user", "content": "add 1 and 2"}, *chat[1:]]
+
+
+# ------------------------------------------------------------------------------------------ every bad record
+def test_every_bad_record_is_reported_the_first_ten_named(tmp_path):
+    """13 records of no usable form among good ones: one error counts them all, names the first ten (file:line
+    and why), and counts the rest, as bad JSON lines are reported; one bad record is its own error as before."""
+    from jaxft.data.errors import MissingFieldError
+    from jaxft.data.pipeline import DataConfig, build_datasets
+
+    good = {"messages": _chat("hello")}
+    bad = [{"messages": _chat({"a": i})} if i % 2 else {"body": "no known field"} for i in range(13)]
+    lines = [good] + [r for b in bad for r in (b, good)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(MissingFieldError) as info:
+        build_datasets(DataConfig(path=str(data), seq_len=64, batch_size=1), str(TINY_LLAMA))
+    text = str(info.value)
+    assert text.startswith(f"13 records cannot be trained on: {data}:2: record has keys ['body'] but none of the "
+                           f"supported fields") and text.endswith("; and 3 more") and "\n" not in text
+    named = [n for n in range(1, len(lines) + 1) if f"{data}:{n}: " in text]
+    assert named == [2 * k + 2 for k in range(10)]
+    assert f"{data}:4: messages[0].content (role 'user') is dict {{\"a\": 1}}" in text
+    data.write_text(json.dumps(good) + "\n" + json.dumps(bad[1]) + "\n")
+    with pytest.raises(MissingFieldError, match=rf"^{data}:2: messages\[0\]\.content \(role 'user'\) is dict"):
+        build_datasets(DataConfig(path=str(data), seq_len=64, batch_size=1), str(TINY_LLAMA))

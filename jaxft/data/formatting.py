@@ -39,6 +39,7 @@ Finding the assistant tokens of a chat, for any template:
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any, Iterable, Literal
@@ -263,7 +264,7 @@ class Formatter:
     def _chat(self, record: Record, messages: Any, *, first_trained: int, masked: bool) -> Document:
         """A rendered chat; ``masked``: train the assistant turns from ``messages[first_trained]`` on,
         else every token. Image parts (`jaxft.data.images`) become runs of image tokens."""
-        _check_messages(messages, record.source)
+        messages = _checked_messages(messages, record.source)
         doc = self._chat_text(record, messages, first_trained=first_trained, masked=masked)
         if not image_parts(messages):
             return doc
@@ -357,7 +358,11 @@ class Formatter:
         return Document(np.array(enc["input_ids"]), mask, src)
 
 
-def _check_messages(messages: Any, src: str) -> None:
+def _checked_messages(messages: Any, src: str) -> list[dict]:
+    """`messages` as the chat template is given them: each checked (a role, and content that is text), a content
+    of text parts only (OpenAI's `[{"type": "text", "text": ...}]`) joined into its string, as transformers'
+    multimodal templates join them and a text-only template cannot; a MissingFieldError names the record and
+    the message otherwise."""
     if not isinstance(messages, list) or not messages:
         got = "an empty list" if isinstance(messages, list) else type(messages).__name__
         raise MissingFieldError(
@@ -379,6 +384,43 @@ def _check_messages(messages: Any, src: str) -> None:
             raise MissingFieldError(
                 f"{src}: messages[{i}] (role {m['role']!r}) has no 'content'; add the message text"
             )
+    return [_checked_content(m, i, src) for i, m in enumerate(messages)]
+
+
+# Part types a chat's content may hold: text (joined), and images for a vision-language model (`jaxft.data.images`).
+_PART_TYPES = ("text", "image")
+
+
+def _checked_content(m: dict, i: int, src: str) -> dict:
+    """Message `i` with its content a string, or a list of parts that holds an image; refuses any other
+    content (an object, a number, null without tool calls), which a template would render as Python text."""
+    content = m.get("content")
+    if isinstance(content, str) or (content is None and m.get("tool_calls")) or "content" not in m:
+        return m
+    fix = ('give a string, or a list of {"type": "text", "text": ...} (and {"type": "image", "image": path}) '
+           "parts; fix the record")
+    if not isinstance(content, list):
+        got = "null" if content is None else f"{type(content).__name__} {_json_snippet(content)}"
+        raise MissingFieldError(f"{src}: messages[{i}].content (role {m['role']!r}) is {got}; {fix}")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            what = f"a {type(part).__name__}, not an object"
+        elif part.get("type") not in _PART_TYPES:
+            what = f"type {part.get('type')!r}"
+        elif part["type"] == "text" and not isinstance(part.get("text"), str):
+            what = "no string 'text'"
+        else:
+            continue
+        raise MissingFieldError(f"{src}: messages[{i}].content[{j}] has {what}; {fix}")
+    if any(part["type"] == "image" for part in content):
+        return m
+    return {**m, "content": "".join(part["text"] for part in content)}
+
+
+def _json_snippet(value: Any, limit: int = 60) -> str:
+    """`value` as short JSON for an error message."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def tokenize_records(
