@@ -346,3 +346,43 @@ def test_every_bad_record_is_reported_the_first_ten_named(tmp_path):
     data.write_text(json.dumps(good) + "\n" + json.dumps(bad[1]) + "\n")
     with pytest.raises(MissingFieldError, match=rf"^{data}:2: messages\[0\]\.content \(role 'user'\) is dict"):
         build_datasets(DataConfig(path=str(data), seq_len=64, batch_size=1), str(TINY_LLAMA))
+
+
+# ------------------------------------------------------------------------------------------ prompt vs context
+def test_a_prompt_past_the_context_is_refused_or_truncated(model_dir, caplog):
+    """The tiny model's context is 512 positions: a 600-token prompt with 8 new tokens is one error naming the
+    lengths (it used to run into positions never trained, or out of memory for a prompt far past it); with
+    truncate_prompt it is cut to its last 504 tokens, one warning line, and generates what those tokens do."""
+    import jaxft
+    from jaxft.generation import GenerationError, generate_ids
+
+    model = jaxft.from_pretrained(model_dir, dtype="float32")
+    long = np.random.default_rng(0).integers(3, 64, 600).tolist()
+    with pytest.raises(GenerationError) as info:
+        generate_ids(model, [[5, 6, 7], long], max_new_tokens=8)
+    assert str(info.value) == ("prompt 1 has 600 tokens; with max_new_tokens 8 that is 608 positions, over the "
+                               "model's context of 512 (max_position_embeddings); shorten the prompt, lower "
+                               "max_new_tokens, or keep its last 504 tokens (truncate_prompt=True; jaxft-generate "
+                               "--truncate)")
+    with pytest.raises(GenerationError, match="^max_new_tokens 512 leaves no room for a prompt in the model's "
+                                              "context of 512 tokens"):
+        generate_ids(model, [[5, 6, 7]], max_new_tokens=512)
+    with caplog.at_level(logging.WARNING, logger="jaxft.generation"):
+        cut = generate_ids(model, [long], max_new_tokens=8, stop_token_ids=[], truncate_prompt=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "prompt 0 has 600 tokens; with max_new_tokens 8 that is 608 positions, over the model's context of 512 "
+        "(max_position_embeddings): truncated to its last 504 tokens"]
+    assert cut == generate_ids(model, [long[-504:]], max_new_tokens=8, stop_token_ids=[])
+
+
+def test_jaxft_generate_refuses_a_prompt_past_the_context_in_one_line(capsys):
+    """jaxft-generate on examples/tiny-llama (2048 positions) with a prompt of about 2500 tokens: exit 2 and one
+    line naming the lengths and --truncate, before any memory is spent on it."""
+    from jaxft.generate_cli import main
+
+    assert main([str(TINY_LLAMA), "--prompt", " ".join(["cat"] * 2500), "--max-new-tokens", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("jaxft-generate: error: prompt 0 has ")
+    assert "with max_new_tokens 16 that is " in err[0] and err[0].endswith(
+        "over the model's context of 2048 (max_position_embeddings); shorten the prompt, lower max_new_tokens, "
+        "or keep its last 2032 tokens (truncate_prompt=True; jaxft-generate --truncate)")
