@@ -42,9 +42,9 @@ def _parser() -> argparse.ArgumentParser:
         description="LoRA fine-tuning of a Hugging Face causal LM in JAX. Writes checkpoints, metrics.jsonl, "
                     "loss_curve.png and a PEFT adapter (output_dir/adapter) to output_dir.",
         epilog="example: jaxft-train examples/quickstart.yaml --learning_rate 1e-4 --max_steps=200 lora_r=8")
-    p.add_argument("config", metavar="CONFIG", nargs="?",
+    p.add_argument("config", metavar="CONFIG",
                    help="YAML file of TrainConfig keys (model_name_or_path, dataset, output_dir, ...); also "
-                        "--config CONFIG; none: the keys are all given as overrides")
+                        "--config CONFIG; may be left out when the overrides give every required key")
     p.add_argument("overrides", nargs="*",
                    help="config keys overriding the file's: --key value, --key=value or key=value; a bare bool "
                         "key (--bf16) means true, --no_KEY false")
