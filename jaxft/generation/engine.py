@@ -181,7 +181,9 @@ def _fit_context(model, prompts: list[list[int]], max_new_tokens: int, truncate:
     (max_position_embeddings): past it the positions were never trained (garbage), and a prompt far past it
     exhausts memory before it fails. A longer prompt is refused in one line naming the lengths, or with
     `truncate` cut to its last tokens that fit (one warning line each; not a prompt with images, whose image
-    tokens must stay whole)."""
+    tokens must stay whole). Dynamic RoPE (`rope_type="dynamic"`) is made to run past it: not checked."""
+    if model.config.rope.rope_type == "dynamic":
+        return prompts
     context = model.config.max_position_embeddings
     room = context - max_new_tokens
     if room < 1:
