@@ -151,7 +151,7 @@ class MemoryBudgetError(ExecutionConfigError):
     starts with it only where the user set it (`keyed`): a default budget's refusal names the memory it read."""
 
     def __init__(self, problem: str, *, keyed: bool):
-        self.field, self.problem = "max_memory_gb", problem
+        self.field, self.problem, self.keyed = "max_memory_gb", problem, keyed
         ConfigError.__init__(self, f"key 'max_memory_gb': {problem}" if keyed else problem)
 
 

@@ -129,6 +129,17 @@ def test_a_default_budget_nothing_fits_refuses_in_one_line_without_host_candidat
     assert "set max_memory_gb" in text and "\n" not in text and info.value.field == "max_memory_gb"
 
 
+def test_a_default_budget_refusal_reaches_the_user_without_the_key():
+    """jaxft-train states a run's execution errors under their config key; a default budget's refusal, about
+    no key the user wrote, stays as it is. One the user's max_memory_gb caused keeps the key."""
+    from jaxft.train.config import EXECUTION_KEYS, part_error
+
+    assert str(part_error(MemoryBudgetError("no remat policy fits in ...", keyed=False), EXECUTION_KEYS)) == \
+        "no remat policy fits in ..."
+    assert str(part_error(MemoryBudgetError("no remat policy fits in ...", keyed=True), EXECUTION_KEYS)) == \
+        "key 'max_memory_gb': no remat policy fits in ..."
+
+
 def test_a_default_budget_below_zero_refuses_before_compiling(model_dir, tmp_path):
     """Less available than the margin: nothing can fit, said at once (no candidate compiled) with the numbers."""
     run = _run_on_host(model_dir, _meminfo(tmp_path / "meminfo", total=16, free=0.01, available=0.5), tmp_path)

@@ -63,7 +63,10 @@ LORA_KEYS = {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "t
 
 
 def part_error(error, fields: Mapping[str, str]) -> "TrainConfigError":
-    """A part config's error (it carries `field` and `problem`) stated under the flat key of that field."""
+    """A part config's error (it carries `field` and `problem`) stated under the flat key of that field; one that
+    is about no key the user wrote (`keyed` false: `jaxft.auto.MemoryBudgetError` of a default budget) as it is."""
+    if not getattr(error, "keyed", True):
+        return TrainConfigError(error.problem)
     key = fields.get(error.field, error.field)
     return TrainConfigError(f"key {key!r}: {error.problem}", key=key)
 
