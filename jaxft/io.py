@@ -85,14 +85,6 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
 
     The directory's generation_config.json is kept with the model (`generation_config`) for `save_pretrained`.
     """
-    model = _from_pretrained(Path(path), dtype, quantize, double_quant=double_quant, quant_config=quant_config,
-                             verbose=verbose, mesh=mesh)
-    model.generation_config = read_generation_config(path)
-    return model
-
-
-def _from_pretrained(path: Path, dtype: str, quantize: str | None, *, double_quant: bool, quant_config,
-                     verbose: bool, mesh) -> Decoder:
     from jaxft.quant import weights as qw  # local: jaxft.quant imports the models
 
     path = Path(path)
@@ -127,7 +119,7 @@ def _from_pretrained(path: Path, dtype: str, quantize: str | None, *, double_qua
         if stored is not None or quant_config is not None:
             raise ValueError(f"{source}: loading 4-bit weights sharded over a mesh is not supported yet; load "
                              "without mesh= (one device), or without quantisation")
-        return _sharded(model, path, cfg, expected, dtype, mesh, table)
+        return _with_generation_config(_sharded(model, path, cfg, expected, dtype, mesh, table), path)
     sites = qw.linear_sites(model)
     quants: dict = {}
     ignore: set[str] = set()
@@ -183,6 +175,11 @@ def _from_pretrained(path: Path, dtype: str, quantize: str | None, *, double_qua
     if quant_config is not None:
         model.quant_config = quant_config
         model.quant_skipped = tuple(skipped)
+    return _with_generation_config(model, path)
+
+
+def _with_generation_config(model: Decoder, path: Path) -> Decoder:
+    model.generation_config = read_generation_config(path)  # for save_pretrained
     return model
 
 

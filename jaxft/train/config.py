@@ -558,7 +558,7 @@ def _from_trl(values: Mapping[str, Any], source: str, where: Mapping[Any, Where]
             continue
         if value not in DTYPE_BF16:
             raise error(key, f"value {value!r} is not one of 'bfloat16', 'float32', 'auto'; jaxft computes in "
-                             "bfloat16 or float32 (float16 has no use on the devices it runs on): set bfloat16")
+                             "bfloat16 or float32: set bfloat16 (or bf16: true)")
         bf16 = DTYPE_BF16[value]
         if "bf16" in out and out["bf16"] != bf16:
             raise error(key, f"{value!r} contradicts bf16: {out['bf16']}; drop one of the two keys")
