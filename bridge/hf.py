@@ -425,6 +425,7 @@ def save_weights(
     extra: Sequence[PendingTensor] = (),
     layer_map: LayerMap | None = None,
     num_vision_blocks: int | None = None,
+    files: Mapping[str, str] | None = None,
 ) -> Path:
     """Write an HF checkpoint directory loadable by ``AutoModelForCausalLM.from_pretrained``.
 
@@ -446,6 +447,7 @@ def save_weights(
       num_vision_blocks: the vision tower's depth, for rows with a ``{v}`` placeholder.
       extra: tensors written as they are after the table's (``bridge.bnb4bit``: 4-bit weights).
       layer_map: as for ``load_weights``.
+      files: more text files of the directory, name -> content (e.g. generation_config.json).
 
     Returns the target path.
     """
@@ -482,6 +484,8 @@ def save_weights(
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         (tmp / CONFIG_NAME).write_text(config_text, encoding="utf-8")
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
         for name, shard in zip(names, shards):
             write_file(tmp / name, shard, {"format": "pt"})
         if n > 1:

@@ -10,10 +10,10 @@ estimate they all compare (`peak_estimate`) and the budgets they compare it with
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import math
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -53,18 +53,111 @@ def claim_gpu_memory(environ=None) -> str | None:
     return environ[_FRACTION_VAR]
 
 
-def default_memory_budget(device=None) -> tuple[int, str]:
+MEMINFO = Path("/proc/meminfo")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+_NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+def _meminfo(path: Path) -> dict[str, int]:
+    """/proc/meminfo's fields in bytes."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        key, _, rest = line.partition(":")
+        words = rest.split()
+        if words and words[0].isdigit():
+            out[key.strip()] = int(words[0]) * (1024 if words[1:] == ["kB"] else 1)
+    return out
+
+
+def _cgroup_room(root: Path, proc_cgroup: Path) -> tuple[int, str] | None:
+    """(bytes, what) this process's memory cgroup still allows: its limit less what it uses, the inactive page
+    cache (which the kernel reclaims before it would kill) not counted as used; None where no limit is set or
+    no cgroup file can be read. cgroup v2 (memory.max, memory.current) and v1 (memory.limit_in_bytes,
+    memory.usage_in_bytes); the process's own group first, then the root of the mount (a container's)."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if controllers == "":
+            base, names = Path(root), ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            base, names = Path(root) / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                  "total_inactive_file")
+        else:
+            continue
+        for d in (base / group.lstrip("/"), base):
+            try:
+                limit_text = (d / names[0]).read_text().strip()
+                usage = int((d / names[1]).read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+            if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= _NO_LIMIT:
+                break  # this hierarchy sets no limit here
+            inactive = 0
+            try:
+                for stat in (d / "memory.stat").read_text().splitlines():
+                    key, _, value = stat.partition(" ")
+                    if key == names[2]:
+                        inactive = int(value)
+            except (OSError, ValueError):
+                pass
+            limit, used = int(limit_text), max(0, usage - inactive)
+            return limit - used, f"cgroup limit {limit / GIB:.2f} GiB less {used / GIB:.2f} GiB in use"
+    return None
+
+
+def host_available_memory(meminfo: str | Path = MEMINFO, cgroup_root: str | Path = CGROUP_ROOT,
+                          proc_cgroup: str | Path = PROC_CGROUP) -> tuple[int, str]:
+    """(bytes, what they are) a new allocation can still take from this host: the kernel's MemAvailable, not
+    MemFree (Linux fills free memory with page cache it drops on demand, so MemFree sits near zero on a machine
+    with gigabytes to give), capped by the memory cgroup's room where a limit is set (`_cgroup_room`)."""
+    info = _meminfo(Path(meminfo))
+    total = info.get("MemTotal", 0)
+    if "MemAvailable" in info:
+        available = info["MemAvailable"]
+    else:  # kernels before 3.14: free pages plus the page cache
+        available = info.get("MemFree", 0) + info.get("Buffers", 0) + info.get("Cached", 0)
+    what = f"MemAvailable {available / GIB:.2f} GiB of MemTotal {total / GIB:.2f} GiB"
+    room = _cgroup_room(Path(cgroup_root), Path(proc_cgroup))
+    if room is not None and room[0] < available:
+        available, what = room[0], f"{room[1]}; {what}"
+    return available, what
+
+
+def default_memory_budget(device=None, *, sharing: int = 1, host: tuple[int, str] | None = None
+                          ) -> tuple[int, str]:
     """(bytes, where from) that `remat: auto` may plan a step to use when `max_memory_gb` is not given: the
     device's free memory (allocator limit minus bytes in use) less a margin of max(1 GiB, 5%) for the
     allocator's fragmentation and XLA's workspace. On the CPU, whose device memory is the host's, the host's
-    available physical memory less the same margin."""
+    available memory (`host`, default `host_available_memory()`) less the same margin, split over the `sharing`
+    CPU devices of this process (each runs its own shard of the step in that memory)."""
     device = device or jax.devices()[0]
     stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
-        free, source = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), f"{device.device_kind} free"
-    else:
-        free, source = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host available memory"
-    return int(free - max(GIB, 0.05 * free)), f"{source} less max(1 GiB, 5%)"
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        return int(free - max(GIB, 0.05 * free)), f"{device.device_kind} free less max(1 GiB, 5%)"
+    free, what = host if host is not None else host_available_memory()
+    budget = int(free - max(GIB, 0.05 * free)) // max(1, sharing)
+    split = f", split over {sharing} CPU devices" if sharing > 1 else ""
+    return budget, f"host available memory: {what}, less max(1 GiB, 5%){split}"
+
+
+class MemoryBudgetError(ExecutionConfigError):
+    """No step fits the device budget. `field` is max_memory_gb, the key that sets the budget; the message
+    starts with it only where the user set it (`keyed`): a default budget's refusal names the memory it read."""
+
+    def __init__(self, problem: str, *, keyed: bool):
+        self.field, self.problem, self.keyed = "max_memory_gb", problem, keyed
+        ConfigError.__init__(self, f"key 'max_memory_gb': {problem}" if keyed else problem)
+
+
+def host_is_device(device) -> bool:
+    """Whether `device`'s memory is the host's (the CPU): there, host offload and weights streamed from host
+    memory move bytes within the same memory and cannot make a step fit."""
+    return device.platform == "cpu"
 
 
 # XLA's GPU allocator (BFC) rounds: it hands a whole free chunk to a request when the chunk is less than twice the
@@ -106,14 +199,26 @@ class AutoChoices:
     """`Run`'s automatic choices (see the module docstring); mixed into `jaxft.run.Run`, whose state it reads and
     sets."""
 
+    def _host_memory(self) -> tuple[int, str]:
+        """(bytes, what) this host can still give (`host_available_memory`): the CPU device budget's source."""
+        return host_available_memory()
+
+    def _budget_is_host_memory(self) -> bool:
+        """Whether the default budget is the host's own memory (no `max_memory_gb`, CPU devices): where it is,
+        offloading to host memory or streaming weights from it spares nothing, and those candidates are skipped."""
+        return self.execution.max_memory_gb is None and host_is_device(self.placement.devices[0])
+
     def _budget(self) -> tuple[int, str]:
         """(bytes, where from) a step may plan to use on each device: `max_memory_gb`, else the free memory of
-        this process's first device less a margin (`default_memory_budget`); several processes take the
-        smallest of theirs, so that every process chooses the same step."""
+        this process's first device less a margin (`default_memory_budget`; CPU devices share the host's
+        available memory, so each gets its share); several processes take the smallest of theirs, so that every
+        process chooses the same step."""
         if self.execution.max_memory_gb is not None:
             return int(self.execution.max_memory_gb * GIB), "max_memory_gb"
         local = [d for d in self.placement.devices if d.process_index == jax.process_index()]
-        budget, source = default_memory_budget(local[0])
+        on_host = host_is_device(local[0])
+        budget, source = default_memory_budget(local[0], sharing=len(local) if on_host else 1,
+                                               host=self._host_memory() if on_host else None)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -141,15 +246,15 @@ class AutoChoices:
             self.placement = Placement(mesh, self.devices)
             self.graphdef, self._compiled, self._compiled_spec = None, None, None
             if base.remat == "auto":
-                self.execution = base.replace(max_memory_gb=budget / GIB)
+                self.execution = base
                 try:
-                    self.choose_remat(host_batch, log=log)
+                    self.choose_remat(host_batch, log=log, budget=(budget, source))
                 except ExecutionConfigError:
+                    if not self.remat_estimates:  # refused before compiling: no candidate can fit this budget
+                        raise
                     estimates[mesh.describe()] = min(self.remat_estimates.values())
                     log(f"mesh auto: {mesh.describe()} no remat policy fits -> does not fit")
                     continue
-                finally:
-                    self.execution = dataclasses.replace(self.execution, max_memory_gb=base.max_memory_gb)
                 estimate = self.remat_choice[1]
             else:
                 self.compile(host_batch)
@@ -164,12 +269,20 @@ class AutoChoices:
         self.execution, self._compiled, self._compiled_spec = base, None, None
         self.placement = Placement(candidates[0], self.devices)
         smallest = min(estimates, key=estimates.get)
-        raise ExecutionConfigError(
-            "max_memory_gb", f"no mesh fits in {budget / GIB:.3f} GiB per device ({source}): the smallest estimate "
-            f"is {smallest} at {estimates[smallest] / GIB:.3f} GiB; raise max_memory_gb, use more devices, or lower "
-            "per_device_train_batch_size / max_seq_length")
+        raise self._refusal(
+            f"no mesh fits in {budget / GIB:.3f} GiB per device ({source}): the smallest estimate is {smallest} at "
+            f"{estimates[smallest] / GIB:.3f} GiB", "use more devices, or lower per_device_train_batch_size / "
+            "max_seq_length")
 
-    def choose_remat(self, host_batch: dict[str, np.ndarray], *, log=logger.info) -> str:
+    def _refusal(self, what: str, fixes: str) -> "MemoryBudgetError":
+        """The error of a budget nothing fits, stated on the key `max_memory_gb` only where the user set it."""
+        if self.execution.max_memory_gb is not None:
+            return MemoryBudgetError(f"{what}; raise max_memory_gb, {fixes}", keyed=True)
+        return MemoryBudgetError(f"{what}; free memory (other processes hold the rest), {fixes}, or set "
+                                 "max_memory_gb (GiB per device) to plan for more than this", keyed=False)
+
+    def choose_remat(self, host_batch: dict[str, np.ndarray], *, log=logger.info,
+                     budget: tuple[int, str] | None = None) -> str:
         """Resolves `remat: auto` (a no-op for any other policy): compiles the step from shapes for each policy
         of `jaxft.remat.AUTO_ORDER` (fastest expected first), estimates its device peak (`peak_estimate`) and
         keeps the first within `max_memory_gb` (default `default_memory_budget`); between "none" and the next
@@ -179,19 +292,28 @@ class AutoChoices:
         they spare (`_auto_order`). Every compile logs one line (what, its estimate, and why it was compiled);
         slower candidates than the choice are not compiled. The chosen step stays compiled; `remat_compiles` lists
         what was compiled.
-        Raises ExecutionConfigError on key max_memory_gb (one line, with the smallest estimate) when nothing fits.
+        Raises ExecutionConfigError (one line, with the smallest estimate) when nothing fits, at once when the
+        budget cannot hold the frozen weights alone. Where the budget is the host's own memory (CPU devices, no
+        max_memory_gb: `_budget_is_host_memory`), candidates that offload to the host or stream the weights
+        from it are skipped: they would move bytes within the same memory. `budget`: (bytes, where from) to plan
+        in (`choose_mesh` passes its own); None: `_budget()`.
         Must run before `load`: the policy decides the layer loop, hence the weight layout."""
         base = original = self.execution
         if base.remat != "auto":
             return base.remat
         if self.loaded:
             raise RuntimeError("Run.choose_remat after Run.load(): choose the policy before the weights are placed")
-        budget, source = self._budget()
+        budget, source = budget or self._budget()
         order, why = self._auto_order(host_batch)
+        on_host = self._budget_is_host_memory()
+        if on_host:
+            order, why = tuple(p for p in order if not remat_policies.parse(p).offloads), None
         log(f"remat auto: device budget {budget / GIB:.2f} GiB ({source}); candidates in order of expected speed: "
-            f"{', '.join(order)}")
+            f"{', '.join(order)}" + (" (host-offloading policies skipped: the device's memory is the host's)"
+                                     if on_host else ""))
         if why:
             log(why)
+        self._refuse_at_once(budget, source, on_host)
         self._auto_seconds, self.remat_estimates, self.remat_probes, self.remat_compiles = 0.0, {}, {}, []
 
         def fits(policy: str, layers: int | None = None, *, probe: bool = False) -> bool:
@@ -216,8 +338,9 @@ class AutoChoices:
         # The weights on the device first; streamed from host memory (one device) when nothing fits there or
         # `frozen_weights: host` asks for it. Streamed candidates run in the layer scan: no full remat on the first k
         # layers (unrolled).
+        streams = len(self.placement.devices) == 1 and not on_host
         placements = {"device": ["device"], "host": ["host"]}.get(
-            base.frozen_weights, ["device", "host"] if len(self.placement.devices) == 1 else ["device"])
+            base.frozen_weights, ["device", "host"] if streams else ["device"])
         for weights in placements:
             if weights == "host" and original.frozen_weights == "auto":
                 log("remat auto: no policy fits with the frozen weights on the device; the same candidates with "
@@ -239,10 +362,26 @@ class AutoChoices:
                         return self.execution.remat
         self.execution, self._compiled, self._compiled_spec = original, None, None
         smallest = min(self.remat_estimates, key=self.remat_estimates.get)
-        raise ExecutionConfigError(
-            "max_memory_gb", f"no remat policy fits in {budget / GIB:.3f} GiB ({source}): the smallest estimate is "
-            f"{smallest} at {self.remat_estimates[smallest] / GIB:.3f} GiB; raise max_memory_gb, or lower "
-            "per_device_train_batch_size / max_seq_length")
+        raise self._refusal(f"no remat policy fits in {budget / GIB:.3f} GiB ({source}): the smallest estimate is "
+                            f"{smallest} at {self.remat_estimates[smallest] / GIB:.3f} GiB",
+                            "or lower per_device_train_batch_size / max_seq_length")
+
+    def _refuse_at_once(self, budget: int, source: str, on_host: bool) -> None:
+        """Raises `MemoryBudgetError` before any compile where a default budget (no max_memory_gb) cannot hold a
+        step: it is not positive, or one device would hold the frozen weights (CPU: always, nothing streams) and
+        they alone exceed it. A budget the user set is tried candidate by candidate, to name the smallest."""
+        if self.execution.max_memory_gb is not None:
+            return
+        self.remat_estimates = {}
+        if budget <= 0:
+            raise self._refusal(f"the memory left for the step is {budget / GIB:.3f} GiB per device ({source})",
+                                "or lower per_device_train_batch_size / max_seq_length")
+        if len(self.placement.devices) == 1 and (on_host or self.execution.frozen_weights == "device"):
+            weights = self.streamed_weight_bytes()
+            if weights > budget:
+                raise self._refusal(f"the frozen weights alone take {weights / GIB:.3f} GiB, over the "
+                                    f"{budget / GIB:.3f} GiB the step may use ({source})",
+                                    "load_in_4bit, use more devices (mesh with fsdp), or a smaller model")
 
     def _copies_pay(self, host_batch: dict[str, np.ndarray]) -> tuple[bool, float, float]:
         """`jaxft.remat.attention_copies_pay` on one micro-batch of `host_batch` at the run's activation dtype."""

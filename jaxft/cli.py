@@ -1,4 +1,6 @@
-"""`jaxft-train CONFIG.yaml [overrides ...] [--resume [PATH]]`: LoRA fine-tuning from a YAML config.
+"""`jaxft-train [CONFIG.yaml] [overrides ...] [--resume [PATH]]`: LoRA fine-tuning from a YAML config, or from
+the command line alone as `trl sft` runs (`jaxft-train --model_name_or_path DIR --dataset_name FILE
+--output_dir DIR`); TRL's `--config FILE` names the YAML file too.
 
 Keys are `jaxft.train.TrainConfig` fields (TRL SFTConfig names). Overrides are written the ways
 transformers' `HfArgumentParser` (and so TRL's CLI) takes them, mixed freely: `--key value`, `--key=value`,
@@ -41,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
                     "loss_curve.png and a PEFT adapter (output_dir/adapter) to output_dir.",
         epilog="example: jaxft-train examples/quickstart.yaml --learning_rate 1e-4 --max_steps=200 lora_r=8")
     p.add_argument("config", metavar="CONFIG",
-                   help="YAML file of TrainConfig keys (model_name_or_path, dataset, output_dir, ...)")
+                   help="YAML file of TrainConfig keys (model_name_or_path, dataset, output_dir, ...); also "
+                        "--config CONFIG; may be left out when the overrides give every required key")
     p.add_argument("overrides", nargs="*",
                    help="config keys overriding the file's: --key value, --key=value or key=value; a bare bool "
                         "key (--bf16) means true, --no_KEY false")
@@ -63,13 +66,15 @@ def _version() -> str:
 def _bool_keys() -> tuple[frozenset[str], frozenset[str]]:
     """TrainConfig's bool keys (bare `--key` means true) and those that default to true (`--no_key` means
     false): the fields HfArgumentParser gives those forms (type bool or bool | None)."""
-    from jaxft.train.config import ALIASES, TrainConfig
+    from jaxft.train.config import ALIASES, IGNORED_KEYS, TrainConfig
 
     hints = typing.get_type_hints(TrainConfig)
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     bools = {name for name, f in fields.items() if hints[name] in (bool, bool | None)}
     bools |= {alias for alias, name in ALIASES.items() if name in bools}
-    return frozenset(bools), frozenset(name for name in bools if fields[ALIASES.get(name, name)].default is True)
+    true_by_default = frozenset(name for name in bools if fields[ALIASES.get(name, name)].default is True)
+    bools |= {key for key, (kind, _) in IGNORED_KEYS.items() if kind is bool}  # TRL's bare --use_peft
+    return frozenset(bools), true_by_default
 
 
 def _option_override(word: str, following: list[str], bools: frozenset[str], true_by_default: frozenset[str]
@@ -130,6 +135,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             i += int(take)
         elif word.startswith("--resume="):
             args.resume = word.split("=", 1)[1] or "true"
+        elif word == "--config" or word.startswith("--config="):  # TRL's spelling of the config file
+            path = word.partition("=")[2] if "=" in word else (words[i] if i < len(words) else "")
+            i += 0 if "=" in word else 1
+            if not path or args.config is not None:
+                raise UsageError("--config needs one YAML file: --config FILE (or give FILE as the first word)")
+            args.config = path
         elif word.startswith("--"):
             bools = bools or _bool_keys()
             override, used = _option_override(word, words[i:], *bools)
@@ -144,8 +155,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         else:
             raise UsageError(f"{word!r} is a second config file or an override without a value; write overrides "
                              "as key=value, --key value or --key=value")
-    if args.config is None:
-        raise UsageError("give a YAML config file (CONFIG), e.g. jaxft-train examples/quickstart.yaml")
+    if args.config is None and not args.overrides:
+        raise UsageError("give a YAML config file (CONFIG), e.g. jaxft-train examples/quickstart.yaml, or the keys "
+                         "themselves: --model_name_or_path DIR --dataset_name FILE --output_dir DIR")
     return args
 
 
@@ -159,7 +171,8 @@ def _auto_class(model_dir: Path) -> str:
 
 def _resume_command(args) -> str:
     """The command line that continues this run from its latest checkpoint."""
-    return " ".join(shlex.quote(w) for w in [PROG, args.config, *args.overrides, "--resume"])
+    words = [args.config] if args.config is not None else []
+    return " ".join(shlex.quote(w) for w in [PROG, *words, *args.overrides, "--resume"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as plain text")
+    p.add_argument("--truncate", action="store_true", help="keep the last tokens of a prompt longer than the "
+                   "model's context less --max-new-tokens (default: such a prompt is an error)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--stats", action="store_true", help="print prefill seconds and decode tokens/s to stderr "
                    "(of a second, compiled run; a device sync before each clock read)")
@@ -117,7 +119,7 @@ def _run(args) -> tuple[list, list[str], dict | None]:
     ids, images = [e[0] for e in encoded], [e[1] for e in encoded]
     stops = stop_ids(model, tokenizer, model_dir=model_dir)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-              stop_token_ids=stops, images=images if with_images else None)
+              stop_token_ids=stops, images=images if with_images else None, truncate_prompt=args.truncate)
     if args.stats:  # a first, untimed run compiles both programs, so the timed one measures the device work
         run_generation(model, ids, **kw)
     result = run_generation(model, ids, timed=args.stats, **kw)

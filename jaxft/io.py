@@ -59,6 +59,16 @@ def param_shapes(model: Decoder) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
     return out
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def read_generation_config(model_dir: str | os.PathLike) -> str | None:
+    """The text of a model directory's generation_config.json (stop ids and decoding defaults that config.json
+    may not hold, e.g. an instruct model's end-of-turn id), or None where it has none."""
+    file = Path(model_dir) / GENERATION_CONFIG
+    return file.read_text(encoding="utf-8") if file.is_file() else None
+
+
 def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: str | None = None, *,
                     double_quant: bool = True, quant_config=None, verbose: bool = True, mesh=None) -> Decoder:
     """Loads an HF model directory (config.json + safetensors) into a jaxft `Decoder` in `dtype`.
@@ -75,6 +85,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     `mesh` (a `jaxft.sharding.Placement` or `MeshConfig`): every weight is built sharded by the rules
     (`jax.make_array_from_callback`), each device's shard read from the safetensors slices it holds, so no
     host or device ever holds a whole (sharded) weight. Not with 4-bit weights yet.
+
+    The directory's generation_config.json is kept with the model (`generation_config`) for `save_pretrained`.
     """
     from jaxft.quant import fp8 as qf  # local: jaxft.quant imports the models
     from jaxft.quant import weights as qw
@@ -114,7 +126,7 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         if stored is not None or quant_config is not None:
             raise ValueError(f"{source}: loading 4-bit weights sharded over a mesh is not supported yet; load "
                              "without mesh= (one device), or without quantisation")
-        return _sharded(model, path, cfg, expected, dtype, mesh, table)
+        return _with_generation_config(_sharded(model, path, cfg, expected, dtype, mesh, table), path)
     sites = qw.linear_sites(model)
     quants: dict = {}
     ignore: set[str] = set()
@@ -172,6 +184,11 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     if quant_config is not None:
         model.quant_config = quant_config
         model.quant_skipped = tuple(skipped)
+    return _with_generation_config(model, path)
+
+
+def _with_generation_config(model: Decoder, path: Path) -> Decoder:
+    model.generation_config = read_generation_config(path)  # for save_pretrained
     return model
 
 
@@ -259,9 +276,14 @@ def model_params(model: Decoder, *, merge_lora: bool = True, dequantize: bool = 
 
 
 def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | None = None,
-                    max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False, quantized: bool = False) -> Path:
+                    max_shard_bytes: int = 5 * 1024**3, overwrite: bool = False, quantized: bool = False,
+                    generation_config: str | None = None) -> Path:
     """Writes an HF directory (config.json + sharded safetensors + index); LoRA adapters are merged, and 4-bit
     linears are dequantised (a merged export is dense).
+
+    generation_config.json goes along: `generation_config` (its text), else the one of the directory the model
+    was loaded from (`from_pretrained`); without it transformers would stop the merged model only on
+    config.json's eos id and at its default length, where the base stops on every id the file lists.
 
     quantized=True writes a 4-bit model in bitsandbytes' format instead (what transformers saves and loads with
     `quantization_config`; the linears kept in the model dtype listed as llm_int8_skip_modules); a model with
@@ -299,9 +321,11 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | Non
     else:
         hf.pop("quantization_config", None)  # from a 4-bit source's config.json: the export is dense
         params = {k: v.astype(out_dtype) for k, v in model_params(model).items()}
+    generation = generation_config if generation_config is not None else getattr(model, "generation_config", None)
     bridge.save_weights(path, table, params, cfg.num_layers, hf, max_shard_bytes=max_shard_bytes,
                         overwrite=overwrite, num_experts=cfg.num_experts or None, extra=extra,
-                        layer_map=layer_stacks(cfg), num_vision_blocks=_vision_blocks(cfg))
+                        layer_map=layer_stacks(cfg), num_vision_blocks=_vision_blocks(cfg),
+                        files={GENERATION_CONFIG: generation} if generation is not None else {})
     return Path(path)
 
 

@@ -446,15 +446,16 @@ class Run(AutoChoices):
         return Path(path)
 
     def export_merged(self, path: str | Path, *, tokenizer=None) -> Path:
-        """Writes the merged HF model to `path`. Several processes: all call it (each weight is gathered onto
-        every host, layer by layer), process 0 writes."""
+        """Writes the merged HF model to `path`, with the base's generation_config.json (its stop ids and
+        decoding defaults). Several processes: all call it (each weight is gathered onto every host, layer by
+        layer), process 0 writes."""
         from jaxft.distributed import is_main_process
-        from jaxft.io import save_pretrained
+        from jaxft.io import read_generation_config, save_pretrained
 
         model = self.model(restack=self.unrolled) if jax.process_count() == 1 else self._host_model(weights=True)
         if not is_main_process():
             return Path(path)
-        save_pretrained(model, path)
+        save_pretrained(model, path, generation_config=read_generation_config(self.model_path))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(path))
         return Path(path)

@@ -187,7 +187,8 @@ def test_no_config_gives_the_usage_line_and_one_error(capsys):
     assert main([]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("usage: jaxft-train") and "CONFIG [overrides ...]" in " ".join(err[:-1])
-    assert err[-1] == "jaxft-train: error: give a YAML config file (CONFIG), e.g. jaxft-train examples/quickstart.yaml"
+    assert err[-1] == ("jaxft-train: error: give a YAML config file (CONFIG), e.g. jaxft-train examples/quickstart.yaml"
+                       ", or the keys themselves: --model_name_or_path DIR --dataset_name FILE --output_dir DIR")
     assert main(["run.yaml", "--learning_rate"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == ("jaxft-train: error: --learning_rate needs a value: write "
                                                        "--learning_rate VALUE or --learning_rate=VALUE")

@@ -39,6 +39,7 @@ Finding the assistant tokens of a chat, for any template:
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any, Iterable, Literal
@@ -112,8 +113,9 @@ def load_tokenizer(path: str | Path):
         ) from None
 
 
-def record_kind(record: Record) -> Literal["chat", "prompt_completion", "text"]:
-    """Which supported format ``record`` is in; raises `MissingFieldError` naming its keys."""
+def record_kind(record: Record, text_field: str = "text") -> Literal["chat", "prompt_completion", "text"]:
+    """Which supported format ``record`` is in (plain text under ``text_field``); raises `MissingFieldError`
+    naming its keys."""
     d, src = record.data, record.source
     present = {k for k, v in d.items() if v is not None}
     if "messages" in present:
@@ -126,11 +128,12 @@ def record_kind(record: Record) -> Literal["chat", "prompt_completion", "text"]:
                 f"but no {missing!r}; add a {missing!r} field (or use a 'text' or 'messages' record)"
             )
         return "prompt_completion"
-    if "text" in present:
+    if text_field in present:
         return "text"
     raise MissingFieldError(
         f"{src}: record has keys {sorted(d)} but none of the supported fields; use 'messages' "
-        "(chat: list of {role, content}), 'prompt' + 'completion', or 'text' (rename your fields)"
+        f"(chat: list of {{role, content}}), 'prompt' + 'completion', or {text_field!r} (rename your fields"
+        + (")" if text_field != "text" else ", or set dataset_text_field to the field that holds the text)")
     )
 
 
@@ -138,9 +141,9 @@ class Formatter:
     """Tokenizes records for one tokenizer (caches what it learns about the tokenizer)."""
 
     def __init__(self, tokenizer, *, assistant_only_loss: bool = True, completion_only_loss: bool = True,
-                 images=None):
+                 images=None, text_field: str = "text"):
         """`images`: a `jaxft.data.images.ImageProcessor` (vision-language models); chats with image parts need
-        one."""
+        one. `text_field`: the field of plain-text records (TRL's dataset_text_field)."""
         for key, value in (("assistant_only_loss", assistant_only_loss),
                            ("completion_only_loss", completion_only_loss)):
             if not isinstance(value, bool):
@@ -149,6 +152,7 @@ class Formatter:
         self.assistant_only_loss = assistant_only_loss
         self.completion_only_loss = completion_only_loss
         self.images = images
+        self.text_field = text_field
         self._name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         self._specials: tuple[list[int], list[int]] | None = None
         self._end_marker: str | None = None
@@ -217,7 +221,7 @@ class Formatter:
 
     # ---- formats ---------------------------------------------------------------
     def __call__(self, record: Record) -> Document:
-        kind = record_kind(record)
+        kind = record_kind(record, self.text_field)
         if kind == "chat":
             return self._chat(record, record.data["messages"], first_trained=0, masked=self.assistant_only_loss)
         if kind == "prompt_completion":
@@ -225,10 +229,11 @@ class Formatter:
         return self._text(record)
 
     def _text(self, record: Record) -> Document:
-        text = record.data["text"]
+        text = record.data[self.text_field]
         if not isinstance(text, str):
             raise MissingFieldError(
-                f"{record.source}: key 'text' must be a string, got {type(text).__name__}; fix the record"
+                f"{record.source}: key {self.text_field!r} must be a string, got {type(text).__name__}; fix the "
+                "record"
             )
         bos, added_after = self._bos_eos_added()
         eos = self._eos_id()
@@ -259,7 +264,7 @@ class Formatter:
     def _chat(self, record: Record, messages: Any, *, first_trained: int, masked: bool) -> Document:
         """A rendered chat; ``masked``: train the assistant turns from ``messages[first_trained]`` on,
         else every token. Image parts (`jaxft.data.images`) become runs of image tokens."""
-        _check_messages(messages, record.source)
+        messages = _checked_messages(messages, record.source)
         doc = self._chat_text(record, messages, first_trained=first_trained, masked=masked)
         if not image_parts(messages):
             return doc
@@ -353,7 +358,11 @@ class Formatter:
         return Document(np.array(enc["input_ids"]), mask, src)
 
 
-def _check_messages(messages: Any, src: str) -> None:
+def _checked_messages(messages: Any, src: str) -> list[dict]:
+    """`messages` as the chat template is given them: each checked (a role, and content that is text), a content
+    of text parts only (OpenAI's `[{"type": "text", "text": ...}]`) joined into its string, as transformers'
+    multimodal templates join them and a text-only template cannot; a MissingFieldError names the record and
+    the message otherwise."""
     if not isinstance(messages, list) or not messages:
         got = "an empty list" if isinstance(messages, list) else type(messages).__name__
         raise MissingFieldError(
@@ -375,6 +384,43 @@ def _check_messages(messages: Any, src: str) -> None:
             raise MissingFieldError(
                 f"{src}: messages[{i}] (role {m['role']!r}) has no 'content'; add the message text"
             )
+    return [_checked_content(m, i, src) for i, m in enumerate(messages)]
+
+
+# Part types a chat's content may hold: text (joined), and images for a vision-language model (`jaxft.data.images`).
+_PART_TYPES = ("text", "image")
+
+
+def _checked_content(m: dict, i: int, src: str) -> dict:
+    """Message `i` with its content a string, or a list of parts that holds an image; refuses any other
+    content (an object, a number, null without tool calls), which a template would render as Python text."""
+    content = m.get("content")
+    if isinstance(content, str) or (content is None and m.get("tool_calls")) or "content" not in m:
+        return m
+    fix = ('give a string, or a list of {"type": "text", "text": ...} (and {"type": "image", "image": path}) '
+           "parts; fix the record")
+    if not isinstance(content, list):
+        got = "null" if content is None else f"{type(content).__name__} {_json_snippet(content)}"
+        raise MissingFieldError(f"{src}: messages[{i}].content (role {m['role']!r}) is {got}; {fix}")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            what = f"a {type(part).__name__}, not an object"
+        elif part.get("type") not in _PART_TYPES:
+            what = f"type {part.get('type')!r}"
+        elif part["type"] == "text" and not isinstance(part.get("text"), str):
+            what = "no string 'text'"
+        else:
+            continue
+        raise MissingFieldError(f"{src}: messages[{i}].content[{j}] has {what}; {fix}")
+    if any(part["type"] == "image" for part in content):
+        return m
+    return {**m, "content": "".join(part["text"] for part in content)}
+
+
+def _json_snippet(value: Any, limit: int = 60) -> str:
+    """`value` as short JSON for an error message."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def tokenize_records(

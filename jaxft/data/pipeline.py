@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxft.data.errors import DataConfigError, EmptyDatasetError
+from jaxft.data.errors import DataConfigError, EmptyDatasetError, MissingFieldError
 from jaxft.data.formatting import Document, Formatter, load_tokenizer
 from jaxft.data.images import ImageProcessor
 from jaxft.data.packing import OVERLONG, Overlong, PackedDataset
@@ -29,6 +29,7 @@ class DataConfig:
     completion_only_loss: prompt/completion records train on the completion only (False: every
         token). Each flag acts on its own format only; plain text always trains every token.
     overlong: documents longer than seq_len are "truncate"d or "drop"ped.
+    text_field: the field of plain-text records (TRL's ``dataset_text_field``).
     """
 
     path: str
@@ -43,6 +44,7 @@ class DataConfig:
     assistant_only_loss: bool = True
     completion_only_loss: bool = True
     overlong: Overlong = "truncate"
+    text_field: str = "text"
 
     def __post_init__(self):
         if not isinstance(self.path, (str, Path)) or not str(self.path):
@@ -68,8 +70,24 @@ class DataConfig:
             raise DataConfigError(f"DataConfig.overlong must be one of {OVERLONG}, got {self.overlong!r}")
 
 
+_MAX_BAD_RECORDS = 10  # bad records named in one error message (as bad JSON lines are: jaxft.data.sources)
+
+
 def _documents(path, split, fmt: Formatter) -> list[Document]:
-    docs = [fmt(r) for r in iter_records(path, split=split)]
+    """Every record tokenized. Records of no supported format, or with a field of the wrong type, are all
+    reported in one error: the first `_MAX_BAD_RECORDS` named (file:line and why), the rest counted."""
+    docs, bad = [], []
+    for record in iter_records(path, split=split):
+        try:
+            docs.append(fmt(record))
+        except MissingFieldError as e:
+            bad.append(e)
+    if len(bad) == 1:
+        raise bad[0]
+    if bad:
+        more = f"; and {len(bad) - _MAX_BAD_RECORDS} more" if len(bad) > _MAX_BAD_RECORDS else ""
+        raise MissingFieldError(f"{len(bad)} records cannot be trained on: "
+                                + "; ".join(str(e) for e in bad[:_MAX_BAD_RECORDS]) + more)
     if not docs:
         where = f"{path}" + (f" (split {split!r})" if split else "")
         raise EmptyDatasetError(f"{where}: no records found; add data or fix the data path")
@@ -91,7 +109,7 @@ def build_datasets(
             images = ImageProcessor.for_model_dir(tokenizer)
         tokenizer = load_tokenizer(tokenizer)
     fmt = Formatter(tokenizer, assistant_only_loss=config.assistant_only_loss,
-                    completion_only_loss=config.completion_only_loss, images=images)
+                    completion_only_loss=config.completion_only_loss, images=images, text_field=config.text_field)
     train_docs = _documents(config.path, config.split, fmt)
     eval_docs: list[Document] | None = None
     if config.eval_path or config.eval_split:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import time
 from typing import Iterable, Sequence
 
@@ -46,6 +47,7 @@ from jaxft.generation.sampling import sample
 from jaxft.models.decoder import Decoder
 from jaxft.models.vision.model import VisionLanguageModel
 
+logger = logging.getLogger("jaxft.generation")
 PROMPT_BUCKET = 64
 PATCH_BUCKET = 64  # merge units (spatial_merge_size^2 patches each)
 
@@ -174,6 +176,36 @@ def _check(model, prompt_ids, max_new_tokens, temperature, top_p) -> list[list[i
     return out
 
 
+def _fit_context(model, prompts: list[list[int]], max_new_tokens: int, truncate: bool, images) -> list[list[int]]:
+    """The prompts, each checked to leave `max_new_tokens` positions in the model's context
+    (max_position_embeddings): past it the positions were never trained (garbage), and a prompt far past it
+    exhausts memory before it fails. A longer prompt is refused in one line naming the lengths, or with
+    `truncate` cut to its last tokens that fit (one warning line each; not a prompt with images, whose image
+    tokens must stay whole). Dynamic RoPE (`rope_type="dynamic"`) is made to run past it: not checked."""
+    if model.config.rope.rope_type == "dynamic":
+        return prompts
+    context = model.config.max_position_embeddings
+    room = context - max_new_tokens
+    if room < 1:
+        raise GenerationError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the model's context "
+                              f"of {context} tokens (max_position_embeddings); lower max_new_tokens")
+    out = []
+    for i, ids in enumerate(prompts):
+        if len(ids) > room:
+            over = (f"prompt {i} has {len(ids)} tokens; with max_new_tokens {max_new_tokens} that is "
+                    f"{len(ids) + max_new_tokens} positions, over the model's context of {context} "
+                    "(max_position_embeddings)")
+            if not truncate or (images is not None and images[i] is not None):
+                fix = ("shorten the prompt or lower max_new_tokens (a prompt with images is not truncated)" if truncate
+                       else f"shorten the prompt, lower max_new_tokens, or keep its last {room} tokens "
+                            "(truncate_prompt=True; jaxft-generate --truncate)")
+                raise GenerationError(f"{over}; {fix}")
+            logger.warning("%s: truncated to its last %d tokens", over, room)
+            ids = ids[-room:]
+        out.append(ids)
+    return out
+
+
 def _batch_images(model, prompts: list[list[int]], images):
     """(pixel_values [patches + pad, patch_dim], image_grid_thw [images + 1, 3]) of the prompts' images, in prompt
     order, padded to a `PATCH_BUCKET` multiple of merge units by one padding image (1, m, pad / m); None, None
@@ -219,9 +251,11 @@ def _batch_images(model, prompts: list[list[int]], images):
 def run_generation(model: Decoder, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                    stop_token_ids: Iterable[int] | None = None, timed: bool = False,
-                   images: Sequence[PromptImages | None] | None = None) -> Generation:
+                   images: Sequence[PromptImages | None] | None = None,
+                   truncate_prompt: bool = False) -> Generation:
     """`generate_ids`, plus prefill/decode timings when `timed` (a device sync after each stage)."""
     prompts = _check(model, prompt_ids, max_new_tokens, temperature, top_p)
+    prompts = _fit_context(model, prompts, max_new_tokens, truncate_prompt, images)
     stops = model_stop_ids(model) if stop_token_ids is None else [int(t) for t in stop_token_ids]
     pad_ids = _config_ids(model, "pad_token_id")
     pad_id = pad_ids[0] if pad_ids else 0
@@ -268,7 +302,8 @@ def run_generation(model: Decoder, prompt_ids: Sequence[Sequence[int]], *, max_n
 def generate_ids(model: Decoder, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                  stop_token_ids: Iterable[int] | None = None,
-                 images: Sequence[PromptImages | None] | None = None) -> list[list[int]]:
+                 images: Sequence[PromptImages | None] | None = None,
+                 truncate_prompt: bool = False) -> list[list[int]]:
     """New token ids for each prompt (a list of token ids), in the order given.
 
     A row stops at the first token in `stop_token_ids` (included in its output, as transformers does) or after
@@ -278,6 +313,10 @@ def generate_ids(model: Decoder, prompt_ids: Sequence[Sequence[int]], *, max_new
     layer weights (e.g. `nnx.merge(graphdef, lora, frozen)` of the training loop). `images` (a vision-language
     model): one `PromptImages` or None per prompt, whose ids then hold one image pad token per merged patch
     (`jaxft.generation.encode_prompt_images` builds both from messages with image parts).
+
+    A prompt must leave `max_new_tokens` positions of the model's context (max_position_embeddings): a longer
+    one is a GenerationError naming the lengths, or with `truncate_prompt` is cut to its last tokens that fit.
     """
     return run_generation(model, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, images=images).ids
+                          top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, images=images,
+                          truncate_prompt=truncate_prompt).ids

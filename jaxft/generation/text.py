@@ -112,14 +112,15 @@ def stop_ids(model: Decoder, tokenizer=None, model_dir: str | Path | None = None
 def generate(model: Decoder, tokenizer, prompts: str | Chat | Sequence[str | Chat], *, max_new_tokens: int = 128,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              stop_token_ids: Iterable[int] | None = None, chat_template: bool = False,
-             image_processor: ImageProcessor | None = None) -> list[str]:
+             image_processor: ImageProcessor | None = None, truncate_prompt: bool = False) -> list[str]:
     """The completion of each prompt (a string, or a chat rendered with the tokenizer's chat template and the
     generation prompt), decoded without special tokens and without the stop token that ended it.
 
     Generation stops on the eos ids of the tokenizer, config.json and generation_config.json and on
     `stop_token_ids`. `chat_template=True` wraps plain strings as one user turn. Chats may hold image parts
     (paths relative to the working directory) when `image_processor` is the vision-language model's
-    (`jaxft.data.ImageProcessor.from_model_dir(model_dir)`). See `generate_ids`.
+    (`jaxft.data.ImageProcessor.from_model_dir(model_dir)`). A prompt longer than the model's context less
+    `max_new_tokens` is refused, or with `truncate_prompt` cut to its last tokens that fit. See `generate_ids`.
     """
     items = normalize_prompts(prompts)
     encoded = [encode_prompt_images(tokenizer, p, image_processor, wrap_strings=chat_template,
@@ -128,7 +129,8 @@ def generate(model: Decoder, tokenizer, prompts: str | Chat | Sequence[str | Cha
     images = [im for _, im in encoded]
     out = generate_ids(model, [ids for ids, _ in encoded], max_new_tokens=max_new_tokens, temperature=temperature,
                        top_p=top_p, seed=seed, stop_token_ids=stops,
-                       images=images if any(im is not None for im in images) else None)
+                       images=images if any(im is not None for im in images) else None,
+                       truncate_prompt=truncate_prompt)
     return [decode_completion(tokenizer, row, stops) for row in out]
 
 

@@ -30,8 +30,19 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 
-ALIASES = {"max_length": "max_seq_length"}
+# `dataset_name` is the dataset key of TRL's `trl sft` (ScriptArguments): here a local path, as `dataset` takes it.
+ALIASES = {"max_length": "max_seq_length", "dataset_name": "dataset"}
 COMMAND_LINE = "command line"
+# TRL's ModelConfig dtype key (`torch_dtype` before TRL 0.20): the weights' dtype, which here is the compute dtype
+# `bf16` chooses; "auto" (the checkpoint's) leaves bf16 as it is.
+DTYPE_KEYS = ("dtype", "torch_dtype")
+DTYPE_BF16 = {"bfloat16": True, "bf16": True, "float32": False, "fp32": False}
+# TRL keys with no use here: accepted, each named in one log line with the reason, and dropped. (type, why)
+IGNORED_KEYS = {
+    "attn_implementation": (str, "jaxft chooses its own attention kernel; its key is attention_implementation "
+                                 "(auto, xla, pallas, cudnn)"),
+    "use_peft": (bool, "jaxft always trains a LoRA adapter (PEFT format), as use_peft: true does"),
+}
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +63,10 @@ LORA_KEYS = {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "t
 
 
 def part_error(error, fields: Mapping[str, str]) -> "TrainConfigError":
-    """A part config's error (it carries `field` and `problem`) stated under the flat key of that field."""
+    """A part config's error (it carries `field` and `problem`) stated under the flat key of that field; one that
+    is about no key the user wrote (`keyed` false: `jaxft.auto.MemoryBudgetError` of a default budget) as it is."""
+    if not getattr(error, "keyed", True):
+        return TrainConfigError(error.problem)
     key = fields.get(error.field, error.field)
     return TrainConfigError(f"key {key!r}: {error.problem}", key=key)
 
@@ -124,6 +138,12 @@ class TrainConfig:
     eval_steps: int | None = _key(None, "steps between evaluations, also run at the end (null: logging_steps)")
     save_steps: int = _key(500, "steps between orbax checkpoints, also written at the end")
     save_total_limit: int | None = _key(None, "newest checkpoints kept (null: all)")
+    eval_strategy: Literal["steps", "epoch", "no"] = _key(
+        "steps", "when the eval set is evaluated (TrainingArguments' names): every eval_steps, at each epoch's end, "
+                 "or never; steps and epoch also at the end (TRL defaults to no; jaxft to steps)")
+    save_strategy: Literal["steps", "epoch", "no"] = _key(
+        "steps", "when checkpoints are written: every save_steps and at the end, at each epoch's end and at the end, "
+                 "or never (the adapter is still exported)")
     eval_generate_prompts: list[str] | None = _key(
         None, "prompts completed greedily at every evaluation, logged and written to metrics.jsonl as samples (one "
               "user turn when the tokenizer has a chat template, else plain text)")
@@ -141,6 +161,8 @@ class TrainConfig:
     completion_only_loss: bool = _key(True, "prompt/completion records: loss on the completion only (false: the "
                                             "prompt too)")
     assistant_only_loss: bool = _key(True, "chat records: loss on the assistant replies only (false: every token)")
+    dataset_text_field: str = _key("text", "the record field that holds plain text (TRL's SFTConfig key), for "
+                                           "records without messages or prompt/completion")
     # model / precision / memory
     bf16: bool = _key(True, "compute in bfloat16 (false: float32)")
     attention_implementation: Literal["auto", "reference", "xla", "pallas", "cudnn"] = _key(
@@ -417,7 +439,7 @@ class TrainConfig:
         return DataConfig(path=self.dataset, seq_len=self.max_seq_length, batch_size=rows,
                           eval_path=self.eval_dataset, eval_batch_size=eval_rows, seed=self.seed,
                           assistant_only_loss=self.assistant_only_loss,
-                          completion_only_loss=self.completion_only_loss)
+                          completion_only_loss=self.completion_only_loss, text_field=self.dataset_text_field)
 
     def _resolve_remat(self):
         """`gradient_checkpointing` picks the remat policy only when `remat` is not given; a given policy wins,
@@ -440,6 +462,7 @@ class TrainConfig:
 
         # model_name_or_path and the logging keys are checked by their parts (jaxft.train.parts).
         need(bool(self.dataset.strip()), "dataset", "give a non-empty path")
+        need(bool(self.dataset_text_field.strip()), "dataset_text_field", "give the name of the text field")
         for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "lora_r"):
             need(getattr(self, key) >= 1, key, "must be an integer >= 1")
         need(self.per_device_eval_batch_size is None or self.per_device_eval_batch_size >= 1,
@@ -505,6 +528,7 @@ class TrainConfig:
         if not isinstance(values, Mapping):
             raise TrainConfigError(f"{source}: expected a mapping of key: value, got {type(values).__name__}")
         where = dict(where or {})
+        values = _from_trl(values, source, where)
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [key for key in values if ALIASES.get(key, key) not in names]
         if unknown:
@@ -528,6 +552,46 @@ class TrainConfig:
         except TrainConfigError as e:
             place = where.get(spelled[e.key], source) if e.key in spelled else source
             raise TrainConfigError(f"{place}: {e}", key=e.key) from None
+
+
+def _from_trl(values: Mapping[str, Any], source: str, where: Mapping[Any, Where]) -> dict[str, Any]:
+    """`values` with TRL's ModelConfig keys resolved: the dtype key (`DTYPE_KEYS`) becomes `bf16`, the keys of
+    `IGNORED_KEYS` are dropped with one log line each; what cannot be honoured is one error naming the key."""
+    out = dict(values)
+
+    def error(key: str, problem: str) -> TrainConfigError:
+        return TrainConfigError(f"{where.get(key, source)}: key {key!r}: {problem}", key=key)
+
+    for key in ("eval_strategy", "save_strategy"):
+        if out.get(key) is False:  # YAML 1.1 reads an unquoted `no` as false
+            out[key] = "no"
+    for key in DTYPE_KEYS:
+        if key not in out:
+            continue
+        value = out.pop(key)
+        if value == "auto":
+            logger.info("%s: ignored: %s %r; the compute dtype is bf16's choice (bf16: %s)", where.get(key, source),
+                        key, value, out.get("bf16", True))
+            continue
+        if value not in DTYPE_BF16:
+            raise error(key, f"value {value!r} is not one of 'bfloat16', 'float32', 'auto'; jaxft computes in "
+                             "bfloat16 or float32: set bfloat16 (or bf16: true)")
+        bf16 = DTYPE_BF16[value]
+        if "bf16" in out and out["bf16"] != bf16:
+            raise error(key, f"{value!r} contradicts bf16: {out['bf16']}; drop one of the two keys")
+        out["bf16"] = bf16
+    for key, (kind, why) in IGNORED_KEYS.items():
+        if key not in out:
+            continue
+        value = out.pop(key)
+        if not isinstance(value, kind) and value is not None:
+            raise error(key, f"value {value!r} ({type(value).__name__}) has the wrong type; expected "
+                             f"{_type_name(kind)}")
+        if key == "use_peft" and value is False:
+            raise error(key, "false asks for full fine-tuning; jaxft trains LoRA adapters only: set use_peft: true "
+                             "or drop the key")
+        logger.info("%s: ignored: %s %r: %s", where.get(key, source), key, value, why)
+    return out
 
 
 def _unknown_keys_message(unknown: list[Any], names: list[str], source: str, where: Mapping[Any, Where]) -> str:

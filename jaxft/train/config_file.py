@@ -17,15 +17,19 @@ def parse_value(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Reads a YAML config and applies `key=value` overrides (later wins). Relative paths inside the
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Reads a YAML config and applies `key=value` overrides (later wins); `path` None: the overrides are the
+    whole config, as `trl sft --model_name_or_path ... --dataset_name ...` takes it. Relative paths inside the
     file are kept as written (relative to the working directory), like TRL. An error about one key names
     where it was given: `FILE:LINE` for the file's keys, "command line" for overrides."""
-    p = Path(path)
-    if not p.is_file():
-        raise TrainConfigError(f"config file {str(p)!r} does not exist; pass the path of a YAML file")
-    values, lines = _read_mapping(p)
-    where: dict[Any, Where] = {key: Where(str(p), lines.get(str(key))) for key in values}
+    values: dict[Any, Any] = {}
+    where: dict[Any, Where] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise TrainConfigError(f"config file {str(p)!r} does not exist; pass the path of a YAML file")
+        values, lines = _read_mapping(p)
+        where = {key: Where(str(p), lines.get(str(key))) for key in values}
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
@@ -42,7 +46,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         values = {k: v for k, v in values.items() if ALIASES.get(k, k) != key}
         values[key] = value
         where[key] = Where(COMMAND_LINE)
-    return TrainConfig.from_dict(values, source=str(p), where=where)
+    return TrainConfig.from_dict(values, source=str(path) if path is not None else COMMAND_LINE, where=where)
 
 
 def _read_mapping(p: Path) -> tuple[dict[Any, Any], dict[str, int]]:

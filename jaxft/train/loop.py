@@ -332,7 +332,6 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     checkpointer = ckpt.Checkpointer(out / "checkpoints", save_steps=log.save_steps, max_to_keep=log.save_total_limit)
     writer = (MetricsWriter(out, resume_step=start_step if resume_path else None,
                             tensorboard=log.report_to == "tensorboard") if main else _NoMetrics(out))
-    eval_every = log.eval_every
     num_tokens = setup.start_tokens  # cumulative non-padding tokens trained on (TRL's num_tokens)
 
     def meta_for(step: int) -> dict[str, Any]:
@@ -366,7 +365,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     status: dict[str, str] = {}
     try:
         with StopRequests() as stop:
-            if eval_ds is not None and start_step == 0:  # the baseline the eval loss drops from
+            if eval_ds is not None and start_step == 0 and log.eval_strategy != "no":  # the baseline
                 last_eval = evaluate(0)
                 status["eval"] = f"eval {last_eval:.4f}"
                 bar.set_postfix_str(status["eval"], refresh=False)
@@ -394,8 +393,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                 if step % log.logging_steps == 0 or step == plan.total_steps:
                     last_loss = _log_window(writer, status, meter, window, step, plan, num_tokens)
                     window = []
-                do_eval = eval_ds is not None and (step % eval_every == 0 or step == plan.total_steps)
-                do_save = step % log.save_steps == 0 or step == plan.total_steps
+                do_eval = eval_ds is not None and log.due("eval", step, plan.total_steps, plan.steps_per_epoch)
+                do_save = log.due("save", step, plan.total_steps, plan.steps_per_epoch)
                 stopping = _stop_agreed(stop.requested, step % log.logging_steps == 0 or do_eval or do_save)
                 if stopping or do_eval or do_save:
                     with meter.paused(run.lora):  # syncs first: queued steps count as training time
@@ -405,8 +404,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                         if do_eval:
                             last_eval = evaluate(step)
                             status["eval"] = f"eval {last_eval:.4f}"
-                        if do_save:
-                            save(step, force=step == plan.total_steps)
+                        if do_save:  # (by epoch: at steps the checkpointer's save_steps does not know)
+                            save(step, force=step == plan.total_steps or log.save_strategy == "epoch")
                 bar.set_postfix_str(", ".join(status.values()), refresh=False)
                 bar.update(1)
     finally:

@@ -21,7 +21,8 @@ REPORT_TO = ("tensorboard", "none")
 MODEL_KEYS = {"path": "model_name_or_path", "dtype": "bf16", "quant": "load_in_4bit"}
 LOGGING_KEYS = {k: k for k in ("output_dir", "logging_steps", "eval_steps", "save_steps", "save_total_limit",
                                 "report_to", "disable_tqdm", "eval_generate_prompts",
-                                "eval_generate_max_new_tokens")}
+                                "eval_generate_max_new_tokens", "eval_strategy", "save_strategy")}
+STRATEGIES = ("steps", "epoch", "no")  # TrainingArguments' eval_strategy / save_strategy
 
 
 class PartError(ConfigError):
@@ -84,6 +85,8 @@ class LoggingConfig:
     disable_tqdm: bool = False
     eval_generate_prompts: tuple[str, ...] | None = None
     eval_generate_max_new_tokens: int = 64
+    eval_strategy: str = "steps"
+    save_strategy: str = "steps"
 
     def __post_init__(self):
         def need(ok: bool, field: str, what: str):
@@ -97,6 +100,10 @@ class LoggingConfig:
         for field in ("eval_steps", "save_total_limit"):
             value = getattr(self, field)
             need(value is None or (_is_int(value) and value >= 1), field, "must be an integer >= 1 (or null)")
+        for field in ("eval_strategy", "save_strategy"):
+            if getattr(self, field) not in STRATEGIES:
+                raise PartError(field, f"value {getattr(self, field)!r} is not one of "
+                                       f"{', '.join(map(repr, STRATEGIES))}")
         if self.report_to not in REPORT_TO:
             raise PartError("report_to", f"value {self.report_to!r} is not one of {', '.join(map(repr, REPORT_TO))}")
         need(isinstance(self.disable_tqdm, bool), "disable_tqdm", "must be true or false")
@@ -111,3 +118,10 @@ class LoggingConfig:
     def eval_every(self) -> int:
         """Steps between evaluations: `eval_steps`, else `logging_steps`."""
         return self.eval_steps or self.logging_steps
+
+    def due(self, what: str, step: int, total: int, steps_per_epoch: int) -> bool:
+        """Whether `what` ("eval" or "save") is due after optimizer step `step` of `total`: by its strategy,
+        every eval_every / save_steps steps, at each epoch's end, or never; steps and epoch also at the end."""
+        strategy = self.eval_strategy if what == "eval" else self.save_strategy
+        every = {"steps": self.eval_every if what == "eval" else self.save_steps, "epoch": steps_per_epoch}
+        return strategy != "no" and (step == total or step % every[strategy] == 0)
