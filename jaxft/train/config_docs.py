@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from jaxft.train.config import ALIASES, TrainConfig
+from jaxft.train.config import ALIASES, DTYPE_BF16, DTYPE_KEYS, IGNORED_KEYS, TrainConfig
 
 REGENERATE = "python -m jaxft.train.config_docs > docs/cli.md"
 
@@ -90,6 +90,10 @@ def render_cli_markdown() -> str:
     if ALIASES:
         lines += ["", "Aliases (the same key under another name; giving both is an error): "
                   + ", ".join(f"`{alias}` = `{name}`" for alias, name in sorted(ALIASES.items())) + "."]
+    lines += ["", "TRL / transformers model keys: " + " and ".join(f"`{k}`" for k in DTYPE_KEYS)
+              + " set `bf16` (" + ", ".join(f"`{v}`" for v in DTYPE_BF16) + "; `auto` leaves it as it is, "
+              "float16 is refused). Accepted and ignored, with one log line each: "
+              + "; ".join(f"`{k}` ({why})" for k, (_, why) in IGNORED_KEYS.items()) + "."]
     return "\n".join(lines) + "\n"
 
 
