@@ -83,7 +83,7 @@ class ImageProcessor:
         from transformers import AutoImageProcessor  # deferred: importing transformers is slow
 
         try:
-            processor = AutoImageProcessor.from_pretrained(str(p))
+            processor = AutoImageProcessor.from_pretrained(str(p), trust_remote_code=False)
         except Exception as e:  # transformers raises many types
             raise TokenizerError(f"cannot load the image processor of {p} ({one_line(e)}); fix "
                                  "preprocessor_config.json") from None
