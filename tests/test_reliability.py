@@ -1,0 +1,86 @@
+"""What keeps a run's output_dir sound when things go wrong: one writer under racing starts, the adapter
+swapped atomically (a kill between steps leaves the old or the new one, never none)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxft.train.guard import LOCK_NAME, OutputDirBusy, OutputDirLock
+
+REPO = Path(__file__).resolve().parents[1]
+RACERS = 8
+RACER = """import os, sys, time
+from pathlib import Path
+from jaxft.train.guard import OutputDirBusy, OutputDirLock
+out = Path(sys.argv[1])
+lock = OutputDirLock(out)
+(out / f"ready-{os.getpid()}").touch()
+while len(list(out.glob("ready-*"))) < {racers}:  # a barrier: every racer has imported, then all go at once
+    time.sleep(0.001)
+try:
+    lock.acquire()
+except OutputDirBusy:
+    got = False
+else:
+    got = True
+    (out / f"got-{os.getpid()}").touch()
+(out / f"tried-{os.getpid()}").touch()
+deadline = time.time() + 60
+while got and len(list(out.glob("tried-*"))) < {racers} and time.time() < deadline:
+    time.sleep(0.01)  # hold the lock until every racer has tried
+lock.release()
+"""
+
+
+def _dead_pid() -> int:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+@pytest.mark.parametrize("left", ["none", "stale"])
+def test_of_racing_runs_exactly_one_holds_the_lock(tmp_path, left):
+    out = tmp_path / "out"
+    out.mkdir()
+    if left == "stale":  # a killed run's record: the takeover path
+        (out / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "started": 0}))
+    code = RACER.replace("{racers}", str(RACERS))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=REPO, stderr=subprocess.PIPE,
+                              text=True) for _ in range(RACERS)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    assert len(list(out.glob("tried-*"))) == RACERS
+    holders = list(out.glob("got-*"))
+    assert len(holders) == 1, f"{len(holders)} of {RACERS} racing runs held the lock at once"
+
+
+def test_lock_dies_with_its_process_and_names_the_live_holder(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
+                               "from jaxft.train.guard import OutputDirLock\n"
+                               "OutputDirLock(Path(sys.argv[1])).acquire(); print('held', flush=True); time.sleep(600)",
+                               str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(OutputDirBusy, match=rf"in use by another jaxft-train run \(pid {holder.pid}\)"):
+            OutputDirLock(tmp_path).check()
+        with pytest.raises(OutputDirBusy, match=rf"pid {holder.pid}"):
+            OutputDirLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = OutputDirLock(tmp_path)  # SIGKILL left the file behind, but not the lock
+    assert (tmp_path / LOCK_NAME).exists()
+    lock.check()
+    lock.acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
