@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -84,3 +85,57 @@ def test_lock_dies_with_its_process_and_names_the_live_holder(tmp_path):
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     lock.release()
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+def _write_adapter(tag: str, files: int = 40):
+    def write(d: Path) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(files):
+            (d / f"part{i}.bin").write_bytes(os.urandom(4096))
+        (d / "complete").write_text(tag)
+    return write
+
+
+def test_replacing_the_adapter_never_leaves_none(tmp_path):
+    from jaxft.train.loop import _export
+
+    out = tmp_path / "out"
+    out.mkdir()
+    _export(out, "adapter", _write_adapter("0"))
+    seen_missing, stop = [], threading.Event()
+
+    def watch():  # a kill may land at any instant: at each, a complete adapter (or its .old copy) must exist
+        while not stop.is_set():
+            if not any((out / d / "complete").exists() for d in ("adapter", ".adapter.old", "adapter")):
+                seen_missing.append(time.monotonic())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for i in range(1, 40):
+            _export(out, "adapter", _write_adapter(str(i)))
+    finally:
+        stop.set()
+        watcher.join()
+    assert not seen_missing, f"{len(seen_missing)} moments with no complete adapter on disk"
+    assert (out / "adapter" / "complete").read_text() == "39"
+    assert sorted(p.name for p in out.iterdir()) == ["adapter"], "temporary directories left behind"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "adapter").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_a_run_killed_mid_swap_gets_its_adapter_back(tmp_path):
+    from jaxft.train.loop import recover_exports
+
+    out = tmp_path / "out"
+    _write_adapter("old", 2)(out / ".adapter.old")  # killed between moving the old one away and the new one in
+    _write_adapter("half", 1)(out / ".adapter.new")
+    (out / ".adapter.tmp-abc123" / "adapter").mkdir(parents=True)  # an earlier layout's leftover
+    recover_exports(out)
+    assert (out / "adapter" / "complete").read_text() == "old"
+    assert sorted(p.name for p in out.iterdir()) == ["adapter"]
+    _write_adapter("older", 2)(out / ".adapter.old")  # killed after the new one was in place
+    recover_exports(out)
+    assert (out / "adapter" / "complete").read_text() == "old"
+    assert sorted(p.name for p in out.iterdir()) == ["adapter"]

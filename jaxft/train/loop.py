@@ -10,7 +10,8 @@ Order of work (nothing is written to `output_dir` until every input has been val
      eval every `eval_steps`, checkpoint every `save_steps` and at the end; SIGINT/SIGTERM end the run after
      the current step with a checkpoint (`TrainingInterrupted`);
   4. export: loss-curve PNG, PEFT adapter (output_dir/adapter), optionally the merged model (output_dir/merged),
-     each written to a temporary directory and renamed into place.
+     each written beside its place and swapped in by renames (`_swap_dir`; a killed swap is undone at the next
+     start).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import json
 import logging
 import math
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -117,11 +117,35 @@ def _load_data(config: TrainConfig, num_devices: int):
     return tokenizer, train_ds, eval_ds
 
 
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Moves the finished `tmp` onto `target` (an older `target` is removed first)."""
+EXPORTS = ("adapter", "merged")
+
+
+def _swap_dir(new: Path, target: Path) -> None:
+    """Puts the finished `new` at `target` by renames only: the old `target` becomes `.<name>.old`, `new` takes
+    its place, then the old one is removed. A kill at any point leaves a complete `target` or `.<name>.old`,
+    which `recover_exports` puts back."""
+    backup = target.with_name(f".{target.name}.old")
+    if backup.exists():
+        shutil.rmtree(backup)
     if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+        target.rename(backup)
+    new.rename(target)
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def recover_exports(out: Path) -> None:
+    """Undoes what a run killed while exporting left in `out`: a missing adapter/merged directory comes back from
+    its `.old` copy; partly written `.new` / `.tmp-*` directories are removed."""
+    for name in EXPORTS:
+        target, backup = out / name, out / f".{name}.old"
+        if backup.is_dir():
+            if target.exists():
+                shutil.rmtree(backup)
+            else:
+                backup.rename(target)
+                logger.warning("restored %s from %s (a run was killed while replacing it)", target, backup.name)
+        for leftover in [*out.glob(f".{name}.new"), *out.glob(f".{name}.tmp-*")]:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -324,6 +348,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     start_step, resume_path, tokenizer = setup.start_step, setup.resume_path, setup.tokenizer
     main = distributed.is_main_process()
     if main:
+        recover_exports(out)
         if resume_path is None and config.overwrite_output_dir and (out / "checkpoints").exists():
             shutil.rmtree(out / "checkpoints")
         (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -543,16 +568,16 @@ class _NoMetrics:
 
 
 def _export(out: Path, name: str, write) -> Path:
-    """Runs `write(dir)` into a fresh temporary directory inside `out`, then renames it to `out/name`. Other
+    """Runs `write(dir)` into `out/.<name>.new`, then swaps it in for `out/name` (`_swap_dir`). Other
     processes than 0 run `write` (its gathers are collectives) without writing anything."""
     if not distributed.is_main_process():
         write(out / name)
         return out / name
-    tmp_root = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out))
+    new = out / f".{name}.new"  # the run holds output_dir's lock: a fixed name is ours alone
+    shutil.rmtree(new, ignore_errors=True)
     try:
-        target = tmp_root / name
-        write(target)
-        _replace_dir(target, out / name)
+        write(new)
+        _swap_dir(new, out / name)
     finally:
-        shutil.rmtree(tmp_root, ignore_errors=True)
+        shutil.rmtree(new, ignore_errors=True)
     return out / name
