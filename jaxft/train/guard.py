@@ -40,6 +40,11 @@ class OutputDirBusy(TrainConfigError):
         super().__init__(message, key="output_dir")
 
 
+class TrainingDiverged(TrainConfigError):
+    """The loss or gradient norm became NaN / infinite, or the gradients vanished at a positive loss (a saturated
+    model): the run stopped before saving or exporting that state. The message names the step and what is kept."""
+
+
 class TrainingInterrupted(Exception):
     """The run stopped on a signal after writing a checkpoint; `checkpoint` is its path (None if the run
     stopped before its first step)."""

@@ -17,6 +17,7 @@ Order of work (nothing is written to `output_dir` until every input has been val
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ from jaxft.execution import ExecutionConfigError
 from jaxft.lora import LoraConfigError
 from jaxft.train import checkpoint as ckpt
 from jaxft.train.config import EXECUTION_KEYS, LORA_KEYS, TrainConfig, TrainConfigError, part_error
-from jaxft.train.guard import OutputDirLock, StopRequests, TrainingInterrupted
+from jaxft.train.guard import OutputDirLock, StopRequests, TrainingDiverged, TrainingInterrupted
 from jaxft.train.meter import RunSummary, WindowMeter, device_peak_bytes
 from jaxft.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
 from jaxft.train.parts import LoggingConfig
@@ -92,7 +93,9 @@ def _resume_path(config: TrainConfig, out: Path) -> str | None:
         root, step = ckpt.resolve(path)
     except ckpt.CheckpointError as e:
         raise TrainConfigError(f"key 'resume_from_checkpoint': {e}") from None
-    return str(root / str(step))
+    # A checkpoints root (or output_dir) lets the restore fall back past a damaged newest step; one step's
+    # directory names that step only.
+    return str(root / str(step)) if Path(path).expanduser().absolute() == root / str(step) else str(root)
 
 
 def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
@@ -161,6 +164,7 @@ class _Setup:
     start_step: int
     start_tokens: int
     resume_path: str | None
+    identity: dict[str, Any]
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -325,12 +329,15 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     except ExecutionConfigError as e:
         raise part_error(e, EXECUTION_KEYS) from None
     start_step, start_tokens = 0, 0
+    identity = _run_identity(config, run, train_ds)
     if resume_path is not None:
         try:
-            lora, opt_state, meta = ckpt.restore(resume_path, run.lora, run.opt_state)
+            restored = ckpt.restore(resume_path, run.lora, run.opt_state,
+                                    check_meta=lambda meta: _check_identity(meta, identity))
         except ckpt.CheckpointError as e:
             raise TrainConfigError(f"key 'resume_from_checkpoint': {e}") from None
-        run.set_state(lora, opt_state)
+        meta, resume_path = restored.meta, str(restored.path)
+        run.set_state(restored.lora, restored.opt_state)
         start_step, run.rng = int(meta["step"]), ckpt.rng_from_json(meta["rng"])
         _check_resume_meta(meta, config, plan, train_ds.num_rows)
         # Checkpoints written before the count was kept: recount (batches are a pure function of the step).
@@ -339,7 +346,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
         logger.info("resumed from %s at step %d (epoch %d, step %d of the epoch)", resume_path, start_step,
                     meta["epoch"], meta["step_in_epoch"])
     return _Setup(plan=plan, tokenizer=tokenizer, train_ds=train_ds, eval_ds=eval_ds, run=run,
-                  start_step=start_step, start_tokens=start_tokens, resume_path=resume_path)
+                  start_step=start_step, start_tokens=start_tokens, resume_path=resume_path, identity=identity)
 
 
 def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> TrainResult:
@@ -349,6 +356,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     main = distributed.is_main_process()
     if main:
         recover_exports(out)
+        if resume_path is not None:  # later checkpoints belong to another timeline (or were found damaged)
+            ckpt.discard_after(out / "checkpoints", start_step, out)
         if resume_path is None and config.overwrite_output_dir and (out / "checkpoints").exists():
             shutil.rmtree(out / "checkpoints")
         (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -364,7 +373,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
         return dict(step=step, epoch=epoch, step_in_epoch=in_epoch, rng=ckpt.rng_to_json(run.rng),
                     seed=config.seed, rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length,
-                    num_rows=train_ds.num_rows, total_steps=plan.total_steps, num_tokens=num_tokens)
+                    num_rows=train_ds.num_rows, total_steps=plan.total_steps, num_tokens=num_tokens,
+                    identity=setup.identity)
 
     def evaluate(step: int) -> float:
         loss_sum, count = run.evaluate(_local_batches(run, eval_ds))
@@ -377,7 +387,23 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                 logger.info("step %d sample: %r -> %r", step, s["prompt"], s["completion"])
         return value
 
+    def diverged(problem: str) -> TrainingDiverged:
+        kept = checkpointer.latest_step()
+        kept = (f"the checkpoint of step {kept}" if kept is not None else "no checkpoint") + (
+            " and output_dir/adapter" if (out / "adapter").exists() else "")
+        return TrainingDiverged(
+            f"training stopped: {problem}; lower learning_rate (now {config.learning_rate:g}) or set max_grad_norm; "
+            f"nothing of this state was saved ({kept} kept)", key="learning_rate")
+
+    def check_pending(step: int) -> None:
+        """At a sync point (eval, checkpoint, stop): the steps not yet logged, and the LoRA state, are sound."""
+        problem = _unsound(jax.device_get([m for m, _ in window]), step - len(window) + 1)
+        bad = problem or ckpt.first_nonfinite(ckpt.to_nested(run.lora), "LoRA")
+        if bad:
+            raise diverged(problem or f"{bad} holds NaN or infinite values at step {step}")
+
     def save(step: int, force: bool = False):
+        check_pending(step)
         path = checkpointer.save(step, run.lora, run.opt_state, meta_for(step), force=force)
         if path is not None:
             writer.write({"step": step, "checkpoint": str(path)})
@@ -417,8 +443,10 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                 num_tokens += batch_tokens
                 window.append((metrics, batch_tokens))
                 if step % log.logging_steps == 0 or step == plan.total_steps:
-                    last_loss = _log_window(writer, status, meter, window, step, plan, num_tokens)
+                    last_loss, problem = _log_window(writer, status, meter, window, step, plan, num_tokens)
                     window = []
+                    if problem:
+                        raise diverged(problem)
                 do_eval = eval_ds is not None and (step % eval_every == 0 or step == plan.total_steps)
                 do_save = step % log.save_steps == 0 or step == plan.total_steps
                 stopping = _stop_agreed(stop.requested, step % log.logging_steps == 0 or do_eval or do_save)
@@ -430,6 +458,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                         if do_eval:
                             last_eval = evaluate(step)
                             status["eval"] = f"eval {last_eval:.4f}"
+                            if not math.isfinite(last_eval):
+                                raise diverged(f"the eval loss is {last_eval} at step {step}")
                         if do_save:
                             save(step, force=step == plan.total_steps)
                 bar.set_postfix_str(", ".join(status.values()), refresh=False)
@@ -439,6 +469,10 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         checkpointer.close()
         writer.close()
 
+    bad = ckpt.first_nonfinite(ckpt.to_nested(run.lora), "LoRA")
+    if bad:  # (every step was checked; this guards the export itself)
+        raise TrainingDiverged(f"{bad} holds NaN or infinite values after step {step}; output_dir/adapter is kept",
+                               key="learning_rate")
     # ---- exports (every process takes part in their gathers, process 0 writes)
     curve = plot_loss_curve(read_metrics(writer.path), out / "loss_curve.png") if main else None
     adapter_dir = _export(out, "adapter", lambda d: run.export_adapter(d, tokenizer=tokenizer))
@@ -472,6 +506,52 @@ def _sample_completions(model, tokenizer, log: LoggingConfig) -> list[dict[str, 
     return [{"prompt": p, "completion": c} for p, c in zip(prompts, completions)]
 
 
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
+
+
+def _run_identity(config: TrainConfig, run, train_ds) -> dict[str, Any]:
+    """What a checkpoint's state means: the LoRA settings and the adapter's parameter shapes, the base model (its
+    config.json and weight files' names and sizes: hashing the weights would cost a read of every byte) and the
+    training data (`PackedDataset.fingerprint`). A resume that changes any of them is refused (`_check_identity`)."""
+    lora = config.lora
+    shapes = sorted(f"{jax.tree_util.keystr(path)}:{tuple(x.shape)}"
+                    for path, x in jax.tree_util.tree_flatten_with_path(run.lora)[0])
+    model_dir = Path(config.model.path).expanduser()
+    weights = sorted(f"{p.name}:{p.stat().st_size}" for p in model_dir.glob("*.safetensors"))
+    return {
+        "lora_r": lora.r, "lora_alpha": float(lora.alpha), "use_rslora": lora.use_rslora,
+        "lora_target_modules": lora.target_modules if isinstance(lora.target_modules, str)
+        else list(lora.target_modules),
+        "lora_target_parameters": None if lora.target_parameters is None else list(lora.target_parameters),
+        "rank_pattern": dict(lora.rank_pattern),
+        "alpha_pattern": {k: float(v) for k, v in lora.alpha_pattern.items()},
+        "lora_parameters": hashlib.sha256("\n".join(shapes).encode()).hexdigest(),
+        "model": hashlib.sha256("\n".join([_file_digest(model_dir / "config.json"), *weights]).encode()).hexdigest(),
+        "data": train_ds.fingerprint(),
+    }
+
+
+def _check_identity(meta: dict, identity: dict[str, Any]) -> None:
+    """Refuses (one line, the differing keys) a checkpoint written for other LoRA settings, model or data."""
+    path = meta.get("path") or "the checkpoint"
+    recorded = meta.get("identity")
+    if not isinstance(recorded, dict):
+        logger.warning("%s records no run identity (written by an older jaxft): LoRA settings, model and data "
+                       "cannot be checked against this run", path)
+        return
+    keys = sorted(set(recorded) | set(identity))
+    changed = [k for k in keys if json.dumps(recorded.get(k), sort_keys=True) != json.dumps(identity.get(k),
+                                                                                              sort_keys=True)]
+    if changed:
+        show = lambda v: f"{v[:12]}..." if isinstance(v, str) and len(v) == 64 else json.dumps(v)  # noqa: E731
+        diffs = ", ".join(f"{k}: {show(recorded.get(k))} -> {show(identity.get(k))}" for k in changed)
+        raise TrainConfigError(
+            f"key 'resume_from_checkpoint': the checkpoint was written for another setup ({diffs}); resume with the "
+            "settings, model and data it was written with, or start over (overwrite_output_dir=true or a new "
+            "output_dir)", key="resume_from_checkpoint")
+
+
 def _check_resume_meta(meta: dict, config: TrainConfig, plan: _Plan, num_rows: int) -> None:
     now = dict(rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length, num_rows=num_rows, seed=config.seed,
                total_steps=plan.total_steps)
@@ -497,10 +577,28 @@ def _out_of_memory(error: Exception, config: TrainConfig) -> Exception:
     return TrainConfigError(f"the training step ran out of device memory ({first}); try " + "; or ".join(hints))
 
 
+def _unsound(host_metrics: list[dict[str, Any]], first_step: int) -> str | None:
+    """What is wrong with the first unsound step of `host_metrics` (steps `first_step`, ...), or None.
+
+    Unsound: a NaN or infinite loss or gradient norm, or a gradient norm of exactly 0 at a positive loss on
+    target tokens. The LoRA B matrices start at zero but their gradients do not, so an exact 0 means the model is
+    saturated (a learning rate far too high collapses it to the uniform prediction, loss ln(vocab)) and no further
+    step can change it; a perfectly fitted batch has loss 0, not a positive one."""
+    for i, m in enumerate(host_metrics):
+        loss, norm = float(m["loss"]), float(m["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            return f"the loss is {loss} (grad_norm {norm}) at step {first_step + i}"
+        if norm == 0.0 and loss > 0.0 and float(m.get("num_target_tokens", 1)) > 0:
+            return (f"the gradients are exactly zero at loss {loss:.4f} at step {first_step + i} (the model is "
+                    "saturated and cannot learn)")
+    return None
+
+
 def _log_window(writer, status: dict[str, str], meter: WindowMeter, window, step: int, plan: _Plan,
-                num_tokens: int) -> float:
+                num_tokens: int) -> tuple[float, str | None]:
     """Writes the train record of a finished window (after the sync that ends it); returns its mean loss, the
-    number the progress bar, metrics.jsonl and the final summary all show."""
+    number the progress bar, metrics.jsonl and the final summary all show, and what is unsound in the window
+    (`_unsound`; read from the metrics this sync fetched anyway, so no step waits for the host)."""
     host, timed = meter.close([m for m, _ in window], sum(n for _, n in window))
     last = host[-1]
     record = {
@@ -523,7 +621,7 @@ def _log_window(writer, status: dict[str, str], meter: WindowMeter, window, step
     status["speed"] = f"{record['tokens_per_second']:,.0f} tok/s, {timed.step_seconds:.3f} s/step"
     if peak is not None:
         status["memory"] = f"peak {record['peak_memory_gib']:.1f} GiB"
-    return record["loss"]
+    return record["loss"], _unsound(host, step - len(host) + 1)
 
 
 def _progress(total: int, initial: int, *, disable: bool):
