@@ -104,12 +104,13 @@ def write_manifest(step_dir: Path) -> None:
 
 
 def verify(step_dir: Path) -> str | None:
-    """None when every file matches the manifest (or there is none: a checkpoint of an older jaxft, or a run
-    killed between orbax's rename and the manifest's, whose values `restore` still checks); otherwise what is
-    wrong, naming the file."""
+    """None when every file matches the manifest; otherwise what is wrong, naming the file. A checkpoint without
+    a manifest (an older jaxft's, or a run killed between orbax's rename and the manifest's) cannot be told from
+    a corrupt one: bytes flipped in the array data restore as finite garbage, so it counts as damaged."""
     manifest = step_dir / MANIFEST
     if not manifest.exists():
-        return None
+        return (f"{manifest} is missing (the run was killed before the save finished, or an older jaxft without "
+                "checksums wrote it)")
     try:
         files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
         assert isinstance(files, dict)
@@ -241,12 +242,7 @@ def restore(path: str | Path, lora_template, opt_template,
         if problem is None:
             if check_meta is not None:
                 check_meta({**meta, "path": str(step_dir)})
-            try:
-                lora, opt_state, meta = _restore_step(root, step, lora_template, opt_template,
-                                                      verified=(step_dir / MANIFEST).exists())
-            except _Unreadable as e:
-                problem = str(e)
-        if problem is None:
+            lora, opt_state, meta = _restore_step(root, step, lora_template, opt_template)
             problem = first_nonfinite({"lora": to_nested(lora), "opt_state": to_nested(opt_state)}, str(step_dir))
             problem = problem and f"{problem} holds NaN or infinite values"
         if problem is None:
@@ -261,11 +257,8 @@ def restore(path: str | Path, lora_template, opt_template,
                           + "; drop resume_from_checkpoint to start from scratch")
 
 
-class _Unreadable(Exception):
-    """orbax could not read a checkpoint that has no manifest to tell corruption from a setup mismatch."""
-
-
-def _restore_step(root: Path, step: int, lora_template, opt_template, *, verified: bool):
+def _restore_step(root: Path, step: int, lora_template, opt_template):
+    """orbax's restore of a verified checkpoint: its files are as written, so a failure is a setup mismatch."""
     manager = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=False))
     try:
         args = ocp.args.Composite(
@@ -275,10 +268,8 @@ def _restore_step(root: Path, step: int, lora_template, opt_template, *, verifie
         )
         try:
             out = manager.restore(step, args=args)
-        except Exception as e:  # orbax and tensorstore raise many types for unreadable data
+        except Exception as e:  # orbax and tensorstore raise many types
             first = str(e).splitlines()[0][:300] if str(e) else ""
-            if not verified and not isinstance(e, (KeyError, ValueError)):
-                raise _Unreadable(f"orbax cannot read it ({type(e).__name__}: {first})") from None
             raise CheckpointError(
                 f"checkpoint {root / str(step)} does not match this model/LoRA setup ({type(e).__name__}: "
                 f"{first}); resume with the lora_r / lora_target_modules / model it was written with") from None

@@ -392,7 +392,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         kept = (f"the checkpoint of step {kept}" if kept is not None else "no checkpoint") + (
             " and output_dir/adapter" if (out / "adapter").exists() else "")
         return TrainingDiverged(
-            f"training stopped: {problem}; lower learning_rate (now {config.learning_rate:g}) or set max_grad_norm; "
+            f"training stopped: {problem}; lower learning_rate (now {config.learning_rate:g}); "
             f"nothing of this state was saved ({kept} kept)", key="learning_rate")
 
     def check_pending(step: int) -> None:
