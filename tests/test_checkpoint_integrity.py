@@ -125,3 +125,99 @@ def test_manifest_covers_every_file(tmp_path):
     on_disk = {p.relative_to(tmp_path / "1").as_posix() for p in (tmp_path / "1").rglob("*")
                if p.is_file() and p.name != ckpt.MANIFEST}
     assert set(files) == on_disk and all(len(v["sha256"]) == 64 for v in files.values())
+
+
+# ---------------------------------------------------------------------------------------------- through a run
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A finished 4-step run with checkpoints at steps 2 and 4 and an adapter."""
+    d = tmp_path_factory.mktemp("integrity")
+    make_tiny_model(d / "model")
+    make_jsonl(d / "train.jsonl", 40, seed=0)
+    values = dict(model_name_or_path=str(d / "model"), dataset=str(d / "train.jsonl"), output_dir=str(d / "base"),
+                  max_seq_length=64, per_device_train_batch_size=2, max_steps=4, logging_steps=1, save_steps=2,
+                  lora_r=4, lora_alpha=16, learning_rate=5e-3, bf16=False, disable_tqdm=True, report_to="none")
+    train(TrainConfig.from_dict(values))
+    return d, values
+
+
+def _copy(base, name: str, **changes) -> tuple[Path, TrainConfig]:
+    d, values = base
+    out = d / name
+    shutil.copytree(d / "base", out)
+    return out, TrainConfig.from_dict({**values, "output_dir": str(out), **changes})
+
+
+def test_resume_skips_a_damaged_newest_checkpoint_and_replaces_it(base, caplog):
+    out, config = _copy(base, "fallback", resume_from_checkpoint=True)
+    named = _damage(out / "checkpoints" / "4", "xor_opt")
+    with caplog.at_level(logging.WARNING, logger="jaxft.train"):
+        result = train(config)
+    assert result.resumed_from == str(out / "checkpoints" / "2") and result.global_step == 4
+    assert any(named in r.message and "next older" in r.message for r in caplog.records)
+    assert (out / "discarded_checkpoints" / "4").is_dir(), "the damaged checkpoint must not stay as the latest"
+    assert ckpt.verify(out / "checkpoints" / "4") is None, "step 4 is written anew, not kept from before"
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "checkpoint" in r] == [2, 4]
+
+
+def test_resume_from_an_earlier_step_moves_later_checkpoints_aside(base):
+    out, config = _copy(base, "earlier", resume_from_checkpoint=str(base[0] / "base" / "checkpoints" / "2"),
+                        max_steps=3)
+    before = (out / "checkpoints" / "4" / ckpt.MANIFEST).read_bytes()
+    assert train(config).global_step == 3
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "3"]
+    assert (out / "discarded_checkpoints" / "4" / ckpt.MANIFEST).read_bytes() == before
+
+
+def test_cli_names_the_damaged_file_of_a_named_step_in_one_line(base):
+    import subprocess
+    import sys
+
+    out, config = _copy(base, "named")
+    named = _damage(out / "checkpoints" / "4", "truncated")
+    path = out / "run.yaml"
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    proc = subprocess.run([sys.executable, "-m", "jaxft.cli", str(path), f"--resume={out / 'checkpoints' / '4'}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr and last.startswith("jaxft-train: error:") and named in last, last
+    assert "bytes, the manifest says" in last
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"lora_alpha": 32}, "lora_alpha: 16.0 -> 32.0"),
+    ({"dataset": "swapped"}, "data: "),
+])
+def test_resume_that_changes_what_the_state_means_is_refused(base, change, named):
+    if change.get("dataset") == "swapped":  # the same lengths, so the same row count: other text
+        src = (base[0] / "train.jsonl").read_text()
+        swapped = base[0] / "swapped.jsonl"
+        swapped.write_text(src.replace("cat", "dog").replace("sun", "red"))
+        change = {"dataset": str(swapped)}
+    out, config = _copy(base, f"changed_{next(iter(change))}", resume_from_checkpoint=True, max_steps=6, **change)
+    with pytest.raises(TrainConfigError, match=rf"written for another setup \(.*{named}"):
+        train(config)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4"]
+
+
+def _strict(line: str):
+    def refuse(name):
+        raise AssertionError(f"metrics.jsonl holds {name}, which is not JSON: {line}")
+    return json.loads(line, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("lr, why", [(1e30, "the loss is nan"), (1e6, "the gradients are exactly zero")])
+def test_a_diverged_run_stops_and_keeps_the_good_state(base, lr, why):
+    out, config = _copy(base, f"diverged_{lr:g}", resume_from_checkpoint=True, max_steps=8, learning_rate=lr)
+    adapter = (out / "adapter" / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(TrainConfigError, match=rf"training stopped: {why}.* at step \d+.*; lower learning_rate"):
+        train(config)
+    assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == adapter, "the good adapter was replaced"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["2", "4"], "a diverged state was saved"
+    records = [_strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if lr == 1e30:
+        assert any(r.get("loss", 0) is None for r in records)
