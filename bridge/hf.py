@@ -20,7 +20,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 from bridge.errors import CheckpointError, hub_id_hint, python_command
 from bridge.mappings import transforms
 from bridge.mappings.schema import LayerMap, Row, Table, rows_by_path, stack_layers, validate_table
-from bridge.safetensors_io import PendingTensor, TensorInfo, read_header, read_into, write_file
+from bridge.safetensors_io import PendingTensor, TensorInfo, new_temp_dir, read_header, read_into, write_file
 from bridge.tree import flatten_tree, unflatten_tree  # re-exported: bridge.hf is the one-stop I/O module
 
 __all__ = [
@@ -479,7 +478,7 @@ def save_weights(
     names = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = new_temp_dir(target)
     try:
         (tmp / CONFIG_NAME).write_text(config_text, encoding="utf-8")
         for name, shard in zip(names, shards):
@@ -560,7 +559,7 @@ def _swap_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
         return
     if any(target.iterdir()) and not overwrite:  # appeared while we were writing
         raise ValueError(f"save target {target} became non-empty during save; pass overwrite=True to replace it")
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    old = new_temp_dir(target, "old")
     os.rename(target, old / "prev")  # the target is absent only between these two renames
     os.rename(tmp, target)
     shutil.rmtree(old, ignore_errors=True)

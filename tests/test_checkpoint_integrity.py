@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -149,6 +150,16 @@ def _copy(base, name: str, **changes) -> tuple[Path, TrainConfig]:
     out = d / name
     shutil.copytree(d / "base", out)
     return out, TrainConfig.from_dict({**values, "output_dir": str(out), **changes})
+
+
+def test_exported_adapter_has_normal_permissions(base):
+    umask = os.umask(0o22)
+    os.umask(umask)
+    adapter = base[0] / "base" / "adapter"
+    assert adapter.stat().st_mode & 0o777 == 0o777 & ~umask
+    for f in adapter.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
+    assert sorted(p.name for p in adapter.parent.iterdir() if p.name.startswith(".")) == []
 
 
 def test_resume_skips_a_damaged_newest_checkpoint_and_replaces_it(base, caplog):

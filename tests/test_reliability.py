@@ -132,6 +132,7 @@ def test_a_run_killed_mid_swap_gets_its_adapter_back(tmp_path):
     _write_adapter("old", 2)(out / ".adapter.old")  # killed between moving the old one away and the new one in
     _write_adapter("half", 1)(out / ".adapter.new")
     (out / ".adapter.tmp-abc123" / "adapter").mkdir(parents=True)  # an earlier layout's leftover
+    (out / "..adapter.new.tmp-x1y2").mkdir()  # the adapter writer's own temporary directory
     recover_exports(out)
     assert (out / "adapter" / "complete").read_text() == "old"
     assert sorted(p.name for p in out.iterdir()) == ["adapter"]

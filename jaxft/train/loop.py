@@ -147,7 +147,8 @@ def recover_exports(out: Path) -> None:
             else:
                 backup.rename(target)
                 logger.warning("restored %s from %s (a run was killed while replacing it)", target, backup.name)
-        for leftover in [*out.glob(f".{name}.new"), *out.glob(f".{name}.tmp-*")]:
+        # `.<name>.new` and what the writers leave beside a target when killed (`.<target>.tmp-*` / `.old-*`)
+        for leftover in [*out.glob(f".{name}.*"), *out.glob(f"..{name}.*")]:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
