@@ -140,3 +140,57 @@ def test_a_run_killed_mid_swap_gets_its_adapter_back(tmp_path):
     recover_exports(out)
     assert (out / "adapter" / "complete").read_text() == "old"
     assert sorted(p.name for p in out.iterdir()) == ["adapter"]
+
+
+# ---------------------------------------------------------------------------------------------- one line, exit 2
+def _tiny_run(d: Path, out: Path, **extra) -> "TrainConfig":
+    from jaxft.train import TrainConfig
+    from test_train_fixtures import make_jsonl, make_tiny_model
+
+    if not (d / "model").exists():
+        make_tiny_model(d / "model")
+        make_jsonl(d / "train.jsonl", 20, seed=0)
+    return TrainConfig.from_dict(dict(model_name_or_path=str(d / "model"), dataset=str(d / "train.jsonl"),
+                                      output_dir=str(out), max_seq_length=64, per_device_train_batch_size=2,
+                                      max_steps=2, logging_steps=1, save_steps=2, lora_r=4, bf16=False,
+                                      disable_tqdm=True, report_to="none", **extra))
+
+
+@pytest.mark.skipif(not Path("/sys").is_dir() or os.access("/sys", os.W_OK) and os.geteuid() != 0,
+                    reason="needs a read-only directory (sysfs)")
+def test_read_only_output_dir_is_refused_before_loading(tmp_path):
+    from jaxft.train import TrainConfigError, train
+
+    out = Path("/sys/jaxft-out")
+    config = _tiny_run(tmp_path, out)
+    start = time.monotonic()
+    with pytest.raises(TrainConfigError, match=r"key 'output_dir': cannot write to /sys \("):
+        train(config)
+    assert time.monotonic() - start < 10, "the check must come before the model and data are loaded"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs (needs root): the out-of-space path of a real file system."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_full_disk_is_one_line_and_keeps_what_was_complete(tmp_path, small_disk):
+    from jaxft.train import TrainConfigError, train
+
+    out = small_disk / "out"
+    out.mkdir()
+    st = os.statvfs(small_disk)
+    (small_disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 48 * 1024))  # 48 KiB left
+    with pytest.raises(TrainConfigError, match=r"key 'output_dir': the disk of .* is full \(no space left"):
+        train(_tiny_run(tmp_path, out))
+    assert not (out / "adapter").exists()
+    assert not (out / ".jaxft-train.lock").exists()

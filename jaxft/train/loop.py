@@ -17,11 +17,14 @@ Order of work (nothing is written to `output_dir` until every input has been val
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import math
+import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -101,6 +104,14 @@ def _resume_path(config: TrainConfig, out: Path) -> str | None:
 def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
     if out.exists() and not out.is_dir():
         raise TrainConfigError(f"key 'output_dir': {str(out)!r} exists and is not a directory; choose another path")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    try:  # a probe file, not os.access: that says yes to root on a read-only mount
+        fd, probe = tempfile.mkstemp(prefix=".jaxft-write-check-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise TrainConfigError(f"key 'output_dir': cannot write to {existing} ({e.strerror}); choose a writable "
+                               "output_dir", key="output_dir") from None
     ck = out / "checkpoints"
     has_ckpt = ck.is_dir() and any(c.name.isdigit() for c in ck.iterdir())
     if has_ckpt and not resuming and not config.overwrite_output_dir:
@@ -188,9 +199,25 @@ def train(config: TrainConfig) -> TrainResult:
         lock.acquire()
     try:
         return _run(config, out, setup, wall_start)
+    except Exception as e:
+        if _disk_full(e):
+            raise TrainConfigError(
+                f"key 'output_dir': the disk of {out} is full (no space left on device); free space or choose "
+                "another output_dir, then resume: complete checkpoints and the previous adapter are kept",
+                key="output_dir") from None
+        raise
     finally:
         if main:
             lock.release()
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether `e` says a write ran out of disk: OSError ENOSPC / EDQUOT, or tensorstore's error for it inside
+    orbax (RESOURCE_EXHAUSTED with the OS error's text; a device out of memory says neither)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return "No space left on device" in text or "Disk quota exceeded" in text
 
 
 def _note_mosaic_experts(run, execution) -> None:
