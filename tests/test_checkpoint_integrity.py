@@ -232,3 +232,32 @@ def test_a_diverged_run_stops_and_keeps_the_good_state(base, lr, why):
     records = [_strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     if lr == 1e30:
         assert any(r.get("loss", 0) is None for r in records)
+
+
+@pytest.mark.parametrize("other, says", [({"hidden": 48}, "do not fit this model's"),
+                                         ({"layers": 1}, "model does not have or adapter_config.json does not target")])
+def test_generate_with_an_adapter_of_another_base_is_one_line(base, capsys, other, says):
+    from jaxft.generate_cli import main
+
+    d = base[0]
+    model = make_tiny_model(d / f"other_{next(iter(other))}", **other)
+    assert main([str(model), "--adapter", str(d / "base" / "adapter"), "--prompt", "cat dog"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("jaxft-generate: error:") and says in err[-1], err[-3:]
+
+
+def test_nan_in_an_adapter_is_named_on_load(base, caplog):
+    import jaxft
+    from safetensors.numpy import load_file, save_file
+
+    d = base[0]
+    bad = d / "nan_adapter"
+    shutil.copytree(d / "base" / "adapter", bad)
+    tensors = load_file(bad / "adapter_model.safetensors")
+    name = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[name][0, 0] = np.nan
+    save_file(tensors, bad / "adapter_model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="jaxft.lora"):
+        jaxft.load_adapter(jaxft.from_pretrained(d / "model", dtype="float32"), bad)
+    key = name.removeprefix("base_model.model.").removesuffix(".lora_B.weight")
+    assert any(key in r.message and "NaN" in r.message for r in caplog.records), [r.message for r in caplog.records]
