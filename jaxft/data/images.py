@@ -31,6 +31,11 @@ import numpy as np
 from jaxft.data.errors import DataPathError, MissingFieldError, TokenizerError, one_line
 from jaxft.data.sources import split_source
 
+# The most pixels an image may have: it is decoded whole before the processor shrinks it to its pixel budget
+# (Qwen2-VL: about 12.8 megapixels at most), so a 144-megapixel image costs 430 MB of RGB for nothing; PIL only
+# warns below 179 megapixels.
+MAX_IMAGE_PIXELS = 64_000_000
+
 
 class ImageError(DataPathError):
     """An image part whose file is missing or cannot be decoded."""
@@ -113,9 +118,16 @@ class ImageProcessor:
             raise ImageError(f"{source}: image {path!r} does not exist; fix the path (relative paths are relative "
                              f"to {relative_to})")
         try:
-            with Image.open(path) as image:
+            with Image.open(path) as image:  # reads the header only
+                width, height = image.size
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise ImageError(f"{source}: image {path!r} is {width}x{height} ({width * height / 1e6:.0f} "
+                                     f"megapixels), over the {MAX_IMAGE_PIXELS / 1e6:.0f} megapixels an image may "
+                                     "have (jaxft.data.images.MAX_IMAGE_PIXELS); downscale it")
                 image.load()
                 return image.convert("RGB")
+        except ImageError:
+            raise
         except Exception as e:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
             raise ImageError(f"{source}: image {path!r} cannot be read ({one_line(e, 120)}); replace the file or "
                              "drop the image part") from None
