@@ -171,6 +171,10 @@ def checkpoint_files(root: Path) -> list[Path]:
         by_shard: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             by_shard.setdefault(str(shard), []).append(name)
+        for s in by_shard:  # a file name of this directory (links are fine: the HF cache links shards to blobs)
+            if Path(s).name != s or s in (".", ".."):
+                raise CheckpointError(f"{index}: shard {s!r} (of tensor {by_shard[s][0]}) is not a file of {root}; "
+                                      "an index names files beside it: fix or re-download the index")
         missing = [s for s in by_shard if not (root / s).is_file()]
         if missing:
             lines = [f"{s} (holds {len(by_shard[s])} tensors, e.g. {by_shard[s][0]})" for s in missing]
