@@ -1,10 +1,11 @@
-"""A model folder is read only within itself and its values are checked: an index naming a file outside the
-folder is refused, NaN or infinite weights are named in a warning."""
+"""Folders are read only within themselves and their values are checked: an index naming a file outside the model
+folder is refused, NaN or infinite weights are named in a warning, a dataset's image paths stay in its folder."""
 
 from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,8 @@ from safetensors.numpy import load_file, save_file
 import bridge
 import jaxft
 from test_train_fixtures import make_tiny_model
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +48,28 @@ def test_nan_weights_in_a_base_model_are_named(tmp_path, model_dir, caplog):
         jaxft.from_pretrained(d, dtype="float32")
     hits = [r.message for r in caplog.records if "NaN or infinite" in r.message]
     assert len(hits) == 1 and "down_proj" in hits[0] and "1 weight(s)" in hits[0], hits
+
+
+def test_dataset_image_paths_stay_in_the_dataset_folder(tmp_path):
+    from PIL import Image
+
+    from jaxft.data import ImageError, ImageProcessor
+
+    data, outside = tmp_path / "data", tmp_path / "private"
+    data.mkdir()
+    outside.mkdir()
+    Image.new("RGB", (56, 56)).save(data / "in.png")
+    Image.new("RGB", (56, 56)).save(outside / "secret.png")
+    (data / "link.png").symlink_to(outside / "secret.png")
+    source = f"{data / 'train.jsonl'}:1"
+
+    def chat(path: str):
+        return [{"role": "user", "content": [{"type": "image", "image": path}, {"type": "text", "text": "?"}]}]
+
+    confined = ImageProcessor.from_model_dir(EXAMPLES / "tiny-qwen2-vl", confine=True)
+    assert len(confined.resolve(source, chat("in.png"))) == 1
+    for path in ("../private/secret.png", str(outside / "secret.png"), "link.png"):
+        with pytest.raises(ImageError, match=r"is outside the dataset's folder .*image_paths_outside_dataset: true"):
+            confined.resolve(source, chat(path))
+    free = ImageProcessor.from_model_dir(EXAMPLES / "tiny-qwen2-vl", confine=False)
+    assert len(free.resolve(source, chat("../private/secret.png"))) == 1

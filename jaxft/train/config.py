@@ -130,6 +130,9 @@ class TrainConfig:
     packing: bool = True
     completion_only_loss: bool = True
     assistant_only_loss: bool = True
+    # Image paths of a dataset stay inside the dataset file's folder ('..', absolute paths and links out of it are
+    # refused), so a dataset cannot make a run read any file it can; true reads them wherever they point.
+    image_paths_outside_dataset: bool = False
     # model / precision / memory
     bf16: bool = True
     attention_implementation: Literal["auto", "reference", "xla", "pallas", "cudnn"] = "auto"

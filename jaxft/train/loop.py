@@ -126,7 +126,8 @@ def _load_data(config: TrainConfig, num_devices: int):
     from jaxft.data.pipeline import build_datasets
 
     tokenizer = load_tokenizer(config.model.path)
-    images = ImageProcessor.for_model_dir(config.model.path)  # None for a text-only model
+    images = ImageProcessor.for_model_dir(config.model.path,  # None for a text-only model
+                                          confine=not config.image_paths_outside_dataset)
     train_ds, eval_ds = build_datasets(config.data(num_devices), tokenizer, images)
     return tokenizer, train_ds, eval_ds
 
