@@ -20,7 +20,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 from bridge.errors import CheckpointError, hub_id_hint, python_command
 from bridge.mappings import transforms
 from bridge.mappings.schema import LayerMap, Row, Table, rows_by_path, stack_layers, validate_table
-from bridge.safetensors_io import PendingTensor, TensorInfo, read_header, read_into, write_file
+from bridge.safetensors_io import PendingTensor, TensorInfo, new_temp_dir, read_header, read_into, write_file
 from bridge.tree import flatten_tree, unflatten_tree  # re-exported: bridge.hf is the one-stop I/O module
 
 __all__ = [
@@ -172,6 +171,10 @@ def checkpoint_files(root: Path) -> list[Path]:
         by_shard: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             by_shard.setdefault(str(shard), []).append(name)
+        for s in by_shard:  # a file name of this directory (links are fine: the HF cache links shards to blobs)
+            if Path(s).name != s or s in (".", ".."):
+                raise CheckpointError(f"{index}: shard {s!r} (of tensor {by_shard[s][0]}) is not a file of {root}; "
+                                      "an index names files beside it: fix or re-download the index")
         missing = [s for s in by_shard if not (root / s).is_file()]
         if missing:
             lines = [f"{s} (holds {len(by_shard[s])} tensors, e.g. {by_shard[s][0]})" for s in missing]
@@ -481,7 +484,7 @@ def save_weights(
     names = [SINGLE_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = new_temp_dir(target)
     try:
         (tmp / CONFIG_NAME).write_text(config_text, encoding="utf-8")
         for name, text in (files or {}).items():
@@ -564,7 +567,7 @@ def _swap_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
         return
     if any(target.iterdir()) and not overwrite:  # appeared while we were writing
         raise ValueError(f"save target {target} became non-empty during save; pass overwrite=True to replace it")
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    old = new_temp_dir(target, "old")
     os.rename(target, old / "prev")  # the target is absent only between these two renames
     os.rename(tmp, target)
     shutil.rmtree(old, ignore_errors=True)

@@ -43,7 +43,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from bridge.errors import CheckpointError, hub_id_hint, python_command
-from bridge.safetensors_io import PendingTensor, read_header, read_into, write_file
+from bridge.safetensors_io import PendingTensor, new_temp_dir, read_header, read_into, write_file
 
 __all__ = [
     "ADAPTER_CONFIG_NAME",
@@ -373,14 +372,14 @@ def save_adapter(path: str | os.PathLike, config: Mapping[str, Any],
         raise AdapterError(f"adapter target {target} exists and is not empty; pass overwrite=True to replace it")
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = new_temp_dir(target)
     try:
         write_file(tmp / ADAPTER_WEIGHTS_NAME, tensors, {"format": "pt"})
         (tmp / ADAPTER_CONFIG_NAME).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         if target.exists():
             # Move the old directory aside first: `target` is missing only between the two renames, and a reader
             # never sees a mix of old and new files.
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            old = new_temp_dir(target, "old")
             os.rename(target, old / "prev")
             os.rename(tmp, target)
             shutil.rmtree(old, ignore_errors=True)

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import struct
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -204,6 +205,16 @@ class PendingTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+def new_temp_dir(target: Path, kind: str = "tmp") -> Path:
+    """A fresh hidden directory `.<target name>.<kind>-XXXX` beside `target`, with the permissions a plain mkdir
+    gives (mkdtemp's 0o700 would otherwise follow the directory when it is renamed into place)."""
+    d = Path(tempfile.mkdtemp(prefix=f".{target.name}.{kind}-", dir=target.parent))
+    umask = os.umask(0o22)
+    os.umask(umask)
+    d.chmod(0o777 & ~umask)
+    return d
 
 
 def write_file(path: Path, tensors: Sequence[PendingTensor], metadata: dict[str, str]) -> None:

@@ -8,6 +8,7 @@ to one copy of the weights.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from jaxft.models.families import family_for
 from jaxft.models.layers import LoraParam
 from jaxft.models.stack import layer_stacks
 from jaxft.quant.config import Fp8Config
+
+logger = logging.getLogger("jaxft")
 
 
 def _vision_blocks(cfg: ModelConfig) -> int | None:
@@ -172,14 +175,18 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         _quantize_experts(model, arrays, quant_config, str(dtype), verbose)
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
-    leaves = []
+    leaves, finite = [], []
     for p, var in flat:
         key = _path_key(p)
         if key in arrays:
             # pop + wait: the host copy is released as soon as the device copy exists (peak ~ one copy plus
             # the largest tensor); without the wait the runtime keeps the host buffer alive until later.
-            var = var.replace(jax.device_put(arrays.pop(key)).block_until_ready())
+            value = jax.device_put(arrays.pop(key)).block_until_ready()
+            if jnp.issubdtype(value.dtype, jnp.inexact):
+                finite.append((key, _all_finite(value)))
+            var = var.replace(value)
         leaves.append((p, var))
+    _warn_non_finite(path, finite)
     model = nnx.merge(graphdef, nnx.from_flat_state(leaves))
     if quant_config is not None:
         model.quant_config = quant_config
@@ -190,6 +197,20 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
 def _with_generation_config(model: Decoder, path: Path) -> Decoder:
     model.generation_config = read_generation_config(path)  # for save_pretrained
     return model
+
+
+@jax.jit
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.isfinite(x).all()  # fused: no boolean copy of the weight
+
+
+def _warn_non_finite(path: Path, finite: list[tuple[tuple[str, ...], jax.Array]]) -> None:
+    """One warning naming the weights that hold NaN or infinite values (read in one sync after the loads): a
+    model that computes NaN from its first step otherwise trains and exports NaN without a word."""
+    bad = [".".join(key) for (key, _), ok in zip(finite, jax.device_get([f for _, f in finite])) if not ok]
+    if bad:
+        logger.warning("%s: %d weight(s) hold NaN or infinite values: %s%s; the model's outputs will be NaN", path,
+                       len(bad), ", ".join(bad[:5]), ", ..." if len(bad) > 5 else "")
 
 
 def _quantize_sites(model, sites, arrays, qcfg, quants, dtype_name, verbose) -> list[str]:

@@ -65,7 +65,8 @@ def bench_hf(model_dir: str, batch: int, prompt_len: int, new_tokens: int, cache
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                 trust_remote_code=False).to(device).eval()
     ids = torch.tensor(_prompts(batch, prompt_len, model.config.vocab_size), device=device)
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None,
               pad_token_id=model.config.pad_token_id)

@@ -287,7 +287,7 @@ def check_lora(model_dir: Path, tokenizer, train_records, eval_records, seed: in
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, trust_remote_code=False)
     model = get_peft_model(
         model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     )
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = train_tokenizer(train_records, args.vocab_size)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(args.out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(args.out_dir)  # train on exactly what is shipped
+    tokenizer = AutoTokenizer.from_pretrained(args.out_dir, trust_remote_code=False)  # train on exactly what is shipped
     print(f"tokenizer: {len(tokenizer)} tokens ({time.perf_counter() - t0:.1f}s)")
 
     config = LlamaConfig(
@@ -405,7 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     model.save_pretrained(args.out_dir)
 
-    shipped = AutoModelForCausalLM.from_pretrained(args.out_dir, dtype=torch.float32)
+    shipped = AutoModelForCausalLM.from_pretrained(args.out_dir, dtype=torch.float32,
+                                                   trust_remote_code=False)
     metrics = evaluate(shipped, tokenizer, eval_records)
     accuracy = exact_match(shipped, tokenizer, eval_records)
     for key, value in metrics.items():

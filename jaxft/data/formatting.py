@@ -105,7 +105,7 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer  # deferred: importing transformers is slow
 
     try:
-        return AutoTokenizer.from_pretrained(str(p))
+        return AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
     except Exception as e:  # transformers raises many types (OSError, ValueError, KeyError, ...)
         raise TokenizerError(
             f"cannot load a tokenizer from {p} ({one_line(e)}); the directory needs "

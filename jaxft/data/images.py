@@ -31,6 +31,11 @@ import numpy as np
 from jaxft.data.errors import DataPathError, MissingFieldError, TokenizerError, one_line
 from jaxft.data.sources import split_source
 
+# The most pixels an image may have: it is decoded whole before the processor shrinks it to its pixel budget
+# (Qwen2-VL: about 12.8 megapixels at most), so a 144-megapixel image costs 430 MB of RGB for nothing; PIL only
+# warns below 179 megapixels.
+MAX_IMAGE_PIXELS = 64_000_000
+
 
 class ImageError(DataPathError):
     """An image part whose file is missing or cannot be decoded."""
@@ -66,14 +71,15 @@ def image_parts(messages: Any) -> list[tuple[int, int, str]]:
 class ImageProcessor:
     """transformers' image processor of a model directory plus the facts the token layout needs."""
 
-    def __init__(self, processor, image_token_id: int, name: str = ""):
+    def __init__(self, processor, image_token_id: int, name: str = "", *, confine: bool = False):
+        self.confine = confine  # `resolve` refuses dataset image paths that leave the dataset file's folder
         self.processor = processor
         self.image_token_id = int(image_token_id)
         self.merge_unit = int(processor.merge_size) ** 2
         self.name = name or type(processor).__name__
 
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> "ImageProcessor":
+    def from_model_dir(cls, path: str | Path, *, confine: bool = False) -> "ImageProcessor":
         """From ``preprocessor_config.json`` (the processor) and ``config.json`` (``image_token_id``)."""
         p = Path(path).expanduser()
         if not (p / "preprocessor_config.json").is_file():
@@ -83,7 +89,7 @@ class ImageProcessor:
         from transformers import AutoImageProcessor  # deferred: importing transformers is slow
 
         try:
-            processor = AutoImageProcessor.from_pretrained(str(p))
+            processor = AutoImageProcessor.from_pretrained(str(p), trust_remote_code=False)
         except Exception as e:  # transformers raises many types
             raise TokenizerError(f"cannot load the image processor of {p} ({one_line(e)}); fix "
                                  "preprocessor_config.json") from None
@@ -91,15 +97,15 @@ class ImageProcessor:
         if "image_token_id" not in config:
             raise TokenizerError(f"{p / 'config.json'}: key 'image_token_id' is missing; add the id of the image "
                                  "pad token (e.g. <|image_pad|>)")
-        return cls(processor, config["image_token_id"], name=str(p))
+        return cls(processor, config["image_token_id"], name=str(p), confine=confine)
 
     @classmethod
-    def for_model_dir(cls, path: str | Path) -> "ImageProcessor | None":
+    def for_model_dir(cls, path: str | Path, *, confine: bool = False) -> "ImageProcessor | None":
         """The processor of a vision-language model directory (config.json has a vision_config), else None."""
         config = Path(path).expanduser() / "config.json"
         if not config.is_file() or "vision_config" not in json.loads(config.read_text(encoding="utf-8")):
             return None
-        return cls.from_model_dir(path)
+        return cls.from_model_dir(path, confine=confine)
 
     @property
     def patch_dim(self) -> int:
@@ -113,9 +119,16 @@ class ImageProcessor:
             raise ImageError(f"{source}: image {path!r} does not exist; fix the path (relative paths are relative "
                              f"to {relative_to})")
         try:
-            with Image.open(path) as image:
+            with Image.open(path) as image:  # reads the header only
+                width, height = image.size
+                if width * height > MAX_IMAGE_PIXELS:
+                    raise ImageError(f"{source}: image {path!r} is {width}x{height} ({width * height / 1e6:.0f} "
+                                     f"megapixels), over the {MAX_IMAGE_PIXELS / 1e6:.0f} megapixels an image may "
+                                     "have (jaxft.data.images.MAX_IMAGE_PIXELS); downscale it")
                 image.load()
                 return image.convert("RGB")
+        except ImageError:
+            raise
         except Exception as e:  # PIL raises UnidentifiedImageError, OSError, SyntaxError, ...
             raise ImageError(f"{source}: image {path!r} cannot be read ({one_line(e, 120)}); replace the file or "
                              "drop the image part") from None
@@ -144,7 +157,8 @@ class ImageProcessor:
                 relative_to: str = "the dataset file") -> list[ImageRef]:
         """The image parts of a record's chat with their grids (each image opened and decoded, not processed);
         one clear error naming the record and the part for a part without a path, a missing file or an
-        unreadable one. Relative paths are relative to `base` (default: the directory of the record's file)."""
+        unreadable one. Relative paths are relative to `base` (default: the directory of the record's file); with
+        `confine`, a path that leaves `base` (`..`, absolute, a link out of it) is refused."""
         base = Path(split_source(record_source)[0]).parent if base is None else Path(base)
         refs = []
         for i, j, image in image_parts(messages):
@@ -154,6 +168,10 @@ class ImageProcessor:
                                         f"{image!r}; fix the record")
             path = Path(image).expanduser()
             path = path if path.is_absolute() else base / path
+            if self.confine and not path.resolve().is_relative_to(base.resolve()):
+                raise ImageError(f"{where}: image {image!r} is outside the dataset's folder {base} (through '..', an "
+                                 "absolute path or a link); move it into that folder, or set "
+                                 "image_paths_outside_dataset: true to read it there")
             opened = self._open(str(path), where, relative_to)
             refs.append(ImageRef(str(path), self.grid(*opened.size), where))
         return refs

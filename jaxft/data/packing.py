@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import logging
 import math
 from typing import Iterator, Literal, Sequence
@@ -285,6 +286,14 @@ class PackedDataset:
     @property
     def num_rows(self) -> int:
         return len(self._rows)
+
+    def fingerprint(self) -> str:
+        """sha256 of the kept documents' tokens, loss masks and lengths (in input order): what a checkpoint
+        records so that a resume on other data is refused."""
+        h = hashlib.sha256()
+        for part in (self._doc_len, self._tokens, self._mask):
+            h.update(np.ascontiguousarray(part).tobytes())
+        return h.hexdigest()
 
     @property
     def num_batches_per_epoch(self) -> int:

@@ -34,6 +34,10 @@ from jaxft.data.errors import DataFormatError, DataPathError, one_line
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _SUFFIXES = (*_JSONL_SUFFIXES, ".json", ".parquet", ".arrow")
 _MAX_BAD_LINES = 10  # bad JSON Lines named in one error message
+# The largest record read (its JSON text, or its strings' UTF-8 bytes for columnar files). Tokenizing a record
+# costs far more memory than its text (a 100 MB chat record took 18 GB), and 16 MiB is some 4M tokens of text:
+# more than any sequence length trains on.
+MAX_RECORD_BYTES = 16 * 2**20
 _HINT = (
     "use a .jsonl/.json/.parquet/.arrow file, a directory of such files, or a directory "
     "written by datasets' save_to_disk"
@@ -168,6 +172,7 @@ def _read_jsonl(file: Path) -> Iterator[Record]:
     # Bytes per line, decoded one by one, so a bad UTF-8 sequence gets its own line number.
     with file.open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            _check_record_size(len(raw), f"{file}:{lineno}")
             obj, problem = _parse_line(raw, first=lineno == 1)
             if problem is not None:
                 num_bad += 1
@@ -182,6 +187,25 @@ def _read_jsonl(file: Path) -> Iterator[Record]:
             f"{file}: {what}: {', '.join(bad)}{more}; fix {'it' if num_bad == 1 else 'them'}: each line "
             'must be one complete JSON object, e.g. {"text": "..."}'
         ) from None
+
+
+def _check_record_size(size: int, source: str) -> None:
+    if size > MAX_RECORD_BYTES:
+        raise DataFormatError(f"{source}: the record is {size / 2**20:.1f} MiB, over the {MAX_RECORD_BYTES // 2**20} "
+                              "MiB one record may hold (jaxft.data.sources.MAX_RECORD_BYTES); split or shorten it")
+
+
+def _text_bytes(value: Any) -> int:
+    """The UTF-8 bytes of the strings in a record's value (what tokenizing costs memory for)."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8", errors="replace")) if len(value) * 4 > MAX_RECORD_BYTES else len(value)
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_bytes(v) for v in value)
+    return 8
 
 
 def _parse_line(raw: bytes, *, first: bool) -> tuple[dict | None, str | None]:
@@ -251,6 +275,7 @@ def _read_json(file: Path) -> Iterator[Record]:
                 f"{file} (record {i}): is a JSON {type(item).__name__}, expected an object; "
                 "fix the record"
             )
+        _check_record_size(_text_bytes(item), f"{file} (record {i})")
         yield Record(item, f"{file} (record {i})")
 
 
@@ -259,6 +284,7 @@ def _record_batches_to_records(file: Path, batches: Iterator[pa.RecordBatch]) ->
     try:
         for batch in batches:
             for item in batch.to_pylist():
+                _check_record_size(_text_bytes(item), f"{file} (row {row})")
                 yield Record(item, f"{file} (row {row})")
                 row += 1
     except (pa.ArrowException, OSError) as e:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from jaxft.config import ConfigError
 from jaxft.lora.apply import _expert_shape, _install, _linear
 from jaxft.lora.config import ALL_LINEAR, LoraConfig
 from jaxft.lora.targets import _modules, _plan, _Site
+
+logger = logging.getLogger("jaxft.lora")
 
 
 def _condensed_targets(model, plan) -> list[str]:
@@ -106,9 +109,10 @@ def load_adapter(model, path: str | os.PathLike):
     """Applies the PEFT LoRA adapter in directory `path` to `model` (in place, returned): the adapter's config
     decides the targets, ranks and scales exactly as PEFT would, and its weights fill A and B.
 
-    Errors name the file and the module: unsupported PEFT features (DoRA, LoRA bias, modules_to_save,
-    embedding LoRA, ...), targeted modules without weights, weights for modules the config does not target or
-    this model lacks, and shape mismatches with the model.
+    Errors (`bridge.peft.AdapterError`, a ValueError) name the file and the module: unsupported PEFT features
+    (DoRA, LoRA bias, modules_to_save, embedding LoRA, ...), targeted modules without weights, weights for modules
+    the config does not target or this model lacks, and shape mismatches with the model. NaN or infinite weights
+    are loaded with a warning naming the tensor.
     """
     path = Path(path)
     source = path / peft_io.ADAPTER_CONFIG_NAME
@@ -131,12 +135,12 @@ def load_adapter(model, path: str | os.PathLike):
     missing, extra = sorted(targeted - set(weights)), sorted(set(weights) - targeted)
     weights_file = path / peft_io.ADAPTER_WEIGHTS_NAME
     if missing:
-        raise ValueError(f"{weights_file}: no LoRA weights for {len(missing)} module(s) that {source.name} targets, "
-                         f"e.g. {missing[:3]}; the adapter does not match its config (re-export it)")
+        raise peft_io.AdapterError(f"{weights_file}: no LoRA weights for {len(missing)} module(s) that {source.name} "
+                                   f"targets, e.g. {missing[:3]}; the adapter does not match its config (re-export it)")
     if extra:
-        raise ValueError(f"{weights_file}: LoRA weights for {len(extra)} module(s) this {model.config.model_type} "
-                         f"model does not have or {source.name} does not target, e.g. {extra[:3]}; was the "
-                         "adapter trained for a different base model?")
+        raise peft_io.AdapterError(f"{weights_file}: LoRA weights for {len(extra)} module(s) this "
+                                   f"{model.config.model_type} model does not have or {source.name} does not target, "
+                                   f"e.g. {extra[:3]}; was the adapter trained for a different base model?")
 
     def fill(index: int, site: _Site, shape: tuple[int, ...], ranks: np.ndarray):
         *lead, n_in, n_out = shape  # lead: (E,) for an expert parameter
@@ -152,11 +156,15 @@ def load_adapter(model, path: str | os.PathLike):
             packed = r * (lead[0] if lead else 1)  # PEFT stacks the experts' ranks: r*E rows of A
             want = ((packed, n_in), (n_out, packed))
             if (pa.shape, pb.shape) != want:
-                raise ValueError(
+                raise peft_io.AdapterError(
                     f"{weights_file}: {key}: lora_A {list(pa.shape)} / lora_B {list(pb.shape)} do not fit this "
                     f"model's {name} (expected {list(want[0])} / {list(want[1])}); was the adapter trained for a "
                     "different base model?")
             pa, pb = np.asarray(pa, np.float32), np.asarray(pb, np.float32)
+            for part, arr in (("lora_A", pa), ("lora_B", pb)):
+                if not np.isfinite(arr).all():
+                    logger.warning("%s: %s.%s holds %d NaN or infinite values: the adapter's outputs will be NaN",
+                                   weights_file, key, part, int((~np.isfinite(arr)).sum()))
             if lead:
                 a[layer, ..., :r], b[layer, ..., :r, :] = peft_io.unpack_experts(pa, pb, lead[0])
             else:

@@ -163,6 +163,9 @@ class TrainConfig:
     assistant_only_loss: bool = _key(True, "chat records: loss on the assistant replies only (false: every token)")
     dataset_text_field: str = _key("text", "the record field that holds plain text (TRL's SFTConfig key), for "
                                            "records without messages or prompt/completion")
+    image_paths_outside_dataset: bool = _key(
+        False, "read image paths that leave the dataset file's folder ('..', absolute paths, links); false refuses "
+               "them, so a dataset cannot make a run read any file it can")
     # model / precision / memory
     bf16: bool = _key(True, "compute in bfloat16 (false: float32)")
     attention_implementation: Literal["auto", "reference", "xla", "pallas", "cudnn"] = _key(

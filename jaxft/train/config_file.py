@@ -12,9 +12,39 @@ import yaml
 from jaxft.train.config import ALIASES, COMMAND_LINE, TrainConfig, TrainConfigError, Where
 
 
+# Values a config may expand to through YAML aliases: a real config has hundreds; nested aliases (a "billion
+# laughs" file of a few lines) reach billions, and would exhaust memory in from_dict and in error messages.
+MAX_EXPANDED_VALUES = 100_000
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """Nodes under `node` with every alias expanded, counted without expanding (each node once, memoized)."""
+    if id(node) not in memo:
+        memo[id(node)] = 1  # (a recursive alias counts once, and PyYAML's constructor refuses it anyway)
+        children = node.value if isinstance(node, yaml.CollectionNode) else ()
+        parts = [c for pair in children for c in pair] if isinstance(node, yaml.MappingNode) else children
+        memo[id(node)] = 1 + sum(_expanded_size(c, memo) for c in parts)
+    return memo[id(node)]
+
+
+def _check_size(node: yaml.Node, where: str) -> None:
+    size = _expanded_size(node, {})
+    if size > MAX_EXPANDED_VALUES:
+        raise TrainConfigError(f"{where}: the YAML value expands to {size:,} values through aliases (*name), over "
+                               f"the {MAX_EXPANDED_VALUES:,} a config may hold; write the values out")
+
+
 def parse_value(text: str) -> Any:
     """A `key=value` override's value, read as YAML 1.2 scalars (so `1e-4` is a float, not a string)."""
-    return yaml.load(text, Loader=_Loader)
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_size(node, f"{COMMAND_LINE}: override value {text[:40]!r}")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
@@ -62,7 +92,10 @@ def _read_mapping(p: Path) -> tuple[dict[Any, Any], dict[str, int]]:
             got = type(loader.construct_document(node)).__name__
             raise TrainConfigError(f"{p}: expected a mapping of key: value at the top level, got {got}")
         lines: dict[str, int] = {}
-        for key_node, _ in node.value:
+        memo: dict[int, int] = {}
+        for key_node, value_node in node.value:
+            if _expanded_size(value_node, memo) > MAX_EXPANDED_VALUES:
+                _check_size(value_node, f"{p}:{key_node.start_mark.line + 1}: key {key_node.value!r}")
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             line = key_node.start_mark.line + 1
@@ -70,6 +103,7 @@ def _read_mapping(p: Path) -> tuple[dict[Any, Any], dict[str, int]]:
                 raise TrainConfigError(f"{p}:{line}: key {key_node.value!r} is given twice (also on line "
                                        f"{lines[key_node.value]}); keep one", key=key_node.value)
             lines[key_node.value] = line
+        _check_size(node, str(p))  # the keys together
         return loader.construct_document(node), lines
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

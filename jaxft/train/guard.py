@@ -1,9 +1,11 @@
 """What keeps a run's output_dir safe: one writer at a time, and a clean stop on Ctrl-C / SIGTERM.
 
-`OutputDirLock`: `<output_dir>/.jaxft-train.lock` holds the writer's host and PID. It is created with
-O_CREAT | O_EXCL, so of two runs started together exactly one gets it; the other is refused with one line.
-A lock left by a run that was killed (its PID no longer exists on this host) is taken over with a note.
-A lock from another host cannot be checked for liveness and is refused with the command to clear it.
+`OutputDirLock`: the writer holds an exclusive `flock` on `<output_dir>/.jaxft-train.lock` for its lifetime
+(the file also records its host and PID, for the message a refused run prints). The kernel grants the lock to
+exactly one process, so of runs started together one gets it and the others are refused with one line, and it
+dies with its process: a file left by a killed run is not locked and is taken over with a note. A holder
+unlinks the file on release; a run that locked a file another run had just unlinked sees that its descriptor
+no longer names the path and tries again.
 
 `StopRequests`: SIGINT and SIGTERM set a flag instead of raising inside a step; the training loop checks
 it after each step, writes a checkpoint and raises `TrainingInterrupted`, which the CLI turns into a
@@ -14,7 +16,7 @@ abandoning one mid-write loses only that checkpoint.
 
 from __future__ import annotations
 
-import errno
+import fcntl
 import json
 import logging
 import os
@@ -38,6 +40,11 @@ class OutputDirBusy(TrainConfigError):
         super().__init__(message, key="output_dir")
 
 
+class TrainingDiverged(TrainConfigError):
+    """The loss or gradient norm became NaN / infinite, or the gradients vanished at a positive loss (a saturated
+    model): the run stopped before saving or exporting that state. The message names the step and what is kept."""
+
+
 class TrainingInterrupted(Exception):
     """The run stopped on a signal after writing a checkpoint; `checkpoint` is its path (None if the run
     stopped before its first step)."""
@@ -48,19 +55,29 @@ class TrainingInterrupted(Exception):
         super().__init__(f"stopped by {signal_name} at step {step}; {where}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return e.errno == errno.EPERM  # exists, owned by someone else
-    return True
-
-
 def _read_lock(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return {}  # torn by a kill between create and write: treat as stale
+        return {}  # empty (a holder between lock and write) or torn
+
+
+def _try_lock(fd: int, path: Path, tries: int = 1) -> bool:
+    """Takes the exclusive lock on `fd`; False when another process holds it through `tries` attempts 50 ms
+    apart (a `check` of another starting run holds it for microseconds). A file system without locks warns and
+    counts as locked: the run goes on unguarded rather than not at all."""
+    for i in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if i + 1 < tries:
+                time.sleep(0.05)
+        except OSError as e:
+            logger.warning("cannot lock %s (%s): this file system has no file locks, so nothing stops a second run "
+                           "from writing to the same output_dir", path, e.strerror)
+            return True
+    return False
 
 
 class OutputDirLock:
@@ -68,59 +85,58 @@ class OutputDirLock:
 
     def __init__(self, output_dir: Path):
         self.path = Path(output_dir) / LOCK_NAME
-        self._held = False
-
-    def holder(self) -> dict | None:
-        """The live holder's record, or None when the directory is free (no lock, or a stale one)."""
-        if not self.path.exists():
-            return None
-        info = _read_lock(self.path)
-        if not info:
-            return None
-        if info.get("host") != socket.gethostname():
-            return info  # cannot tell whether a PID on another host is alive
-        pid = info.get("pid")
-        return info if isinstance(pid, int) and _pid_alive(pid) and pid != os.getpid() else None
+        self._fd: int | None = None
 
     def check(self) -> None:
-        """Raises OutputDirBusy when another live run holds the lock (without taking it)."""
-        info = self.holder()
-        if info is not None:
-            raise OutputDirBusy(self._busy_message(info))
+        """Raises OutputDirBusy when another live run holds the lock (without taking it or creating the file)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            if not _try_lock(fd, self.path):
+                raise OutputDirBusy(self._busy_message(_read_lock(self.path)))
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()})
-        for _ in range(2):
+        for _ in range(100):
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+            if not _try_lock(fd, self.path, tries=3):
+                info = _read_lock(self.path)
+                os.close(fd)
+                raise OutputDirBusy(self._busy_message(info))
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                info = self.holder()
-                if info is not None:
-                    raise OutputDirBusy(self._busy_message(info)) from None
-                stale = _read_lock(self.path)
-                logger.warning("taking over the lock of an earlier run of %s (pid %s, no longer running)",
-                               self.path.parent, stale.get("pid", "?"))
-                self.path.unlink(missing_ok=True)
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the previous holder unlinked this file after we opened it: lock the new one
+                os.close(fd)
                 continue
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(record)
-            self._held = True
+            stale = _read_lock(self.path)
+            if stale.get("pid") not in (None, os.getpid()):
+                logger.warning("taking over the lock of an earlier run of %s (pid %s, no longer running)",
+                               self.path.parent, stale["pid"])
+            record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()})
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record.encode(), 0)
+            self._fd = fd
             return
-        raise OutputDirBusy(f"could not take {self.path}: another run keeps re-creating it")
+        raise OutputDirBusy(f"key 'output_dir': could not take {self.path}: other runs keep re-creating it")
 
     def release(self) -> None:
-        if self._held:
-            self.path.unlink(missing_ok=True)
-            self._held = False
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)  # while still locked: a waiter re-checks the path (see acquire)
+            os.close(self._fd)
+            self._fd = None
 
     def _busy_message(self, info: dict) -> str:
         host, pid = info.get("host", "?"), info.get("pid", "?")
-        if host != socket.gethostname():
-            return (f"key 'output_dir': {str(self.path.parent)!r} is locked by a run on host {host} (pid {pid}); "
-                    f"if that run is gone, delete {self.path}, or choose another output_dir")
-        return (f"key 'output_dir': {str(self.path.parent)!r} is in use by another jaxft-train run (pid {pid}); "
-                "wait for it to finish, stop it, or choose another output_dir")
+        where = f" on host {host}" if host not in ("?", socket.gethostname()) else ""
+        return (f"key 'output_dir': {str(self.path.parent)!r} is in use by another jaxft-train run{where} "
+                f"(pid {pid}); wait for it to finish, stop it, or choose another output_dir")
 
 
 class StopRequests:

@@ -10,15 +10,19 @@ Order of work (nothing is written to `output_dir` until every input has been val
      eval every `eval_steps`, checkpoint every `save_steps` and at the end; SIGINT/SIGTERM end the run after
      the current step with a checkpoint (`TrainingInterrupted`);
   4. export: loss-curve PNG, PEFT adapter (output_dir/adapter), optionally the merged model (output_dir/merged),
-     each written to a temporary directory and renamed into place.
+     each written beside its place and swapped in by renames (`_swap_dir`; a killed swap is undone at the next
+     start).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -35,7 +39,7 @@ from jaxft.execution import ExecutionConfigError
 from jaxft.lora import LoraConfigError
 from jaxft.train import checkpoint as ckpt
 from jaxft.train.config import EXECUTION_KEYS, LORA_KEYS, TrainConfig, TrainConfigError, part_error
-from jaxft.train.guard import OutputDirLock, StopRequests, TrainingInterrupted
+from jaxft.train.guard import OutputDirLock, StopRequests, TrainingDiverged, TrainingInterrupted
 from jaxft.train.meter import RunSummary, WindowMeter, device_peak_bytes
 from jaxft.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
 from jaxft.train.parts import LoggingConfig
@@ -92,12 +96,22 @@ def _resume_path(config: TrainConfig, out: Path) -> str | None:
         root, step = ckpt.resolve(path)
     except ckpt.CheckpointError as e:
         raise TrainConfigError(f"key 'resume_from_checkpoint': {e}") from None
-    return str(root / str(step))
+    # A checkpoints root (or output_dir) lets the restore fall back past a damaged newest step; one step's
+    # directory names that step only.
+    return str(root / str(step)) if Path(path).expanduser().absolute() == root / str(step) else str(root)
 
 
 def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
     if out.exists() and not out.is_dir():
         raise TrainConfigError(f"key 'output_dir': {str(out)!r} exists and is not a directory; choose another path")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    try:  # a probe file, not os.access: that says yes to root on a read-only mount
+        fd, probe = tempfile.mkstemp(prefix=".jaxft-write-check-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise TrainConfigError(f"key 'output_dir': cannot write to {existing} ({e.strerror}); choose a writable "
+                               "output_dir", key="output_dir") from None
     ck = out / "checkpoints"
     has_ckpt = ck.is_dir() and any(c.name.isdigit() for c in ck.iterdir())
     if has_ckpt and not resuming and not config.overwrite_output_dir:
@@ -112,16 +126,42 @@ def _load_data(config: TrainConfig, num_devices: int):
     from jaxft.data.pipeline import build_datasets
 
     tokenizer = load_tokenizer(config.model.path)
-    images = ImageProcessor.for_model_dir(config.model.path)  # None for a text-only model
+    images = ImageProcessor.for_model_dir(config.model.path,  # None for a text-only model
+                                          confine=not config.image_paths_outside_dataset)
     train_ds, eval_ds = build_datasets(config.data(num_devices), tokenizer, images)
     return tokenizer, train_ds, eval_ds
 
 
-def _replace_dir(tmp: Path, target: Path) -> None:
-    """Moves the finished `tmp` onto `target` (an older `target` is removed first)."""
+EXPORTS = ("adapter", "merged")
+
+
+def _swap_dir(new: Path, target: Path) -> None:
+    """Puts the finished `new` at `target` by renames only: the old `target` becomes `.<name>.old`, `new` takes
+    its place, then the old one is removed. A kill at any point leaves a complete `target` or `.<name>.old`,
+    which `recover_exports` puts back."""
+    backup = target.with_name(f".{target.name}.old")
+    if backup.exists():
+        shutil.rmtree(backup)
     if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+        target.rename(backup)
+    new.rename(target)
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def recover_exports(out: Path) -> None:
+    """Undoes what a run killed while exporting left in `out`: a missing adapter/merged directory comes back from
+    its `.old` copy; partly written `.new` / `.tmp-*` directories are removed."""
+    for name in EXPORTS:
+        target, backup = out / name, out / f".{name}.old"
+        if backup.is_dir():
+            if target.exists():
+                shutil.rmtree(backup)
+            else:
+                backup.rename(target)
+                logger.warning("restored %s from %s (a run was killed while replacing it)", target, backup.name)
+        # `.<name>.new` and what the writers leave beside a target when killed (`.<target>.tmp-*` / `.old-*`)
+        for leftover in [*out.glob(f".{name}.*"), *out.glob(f"..{name}.*")]:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -137,6 +177,7 @@ class _Setup:
     start_step: int
     start_tokens: int
     resume_path: str | None
+    identity: dict[str, Any]
 
 
 def train(config: TrainConfig) -> TrainResult:
@@ -159,9 +200,25 @@ def train(config: TrainConfig) -> TrainResult:
         lock.acquire()
     try:
         return _run(config, out, setup, wall_start)
+    except Exception as e:
+        if _disk_full(e):
+            raise TrainConfigError(
+                f"key 'output_dir': the disk of {out} is full (no space left on device); free space or choose "
+                "another output_dir, then resume: complete checkpoints and the previous adapter are kept",
+                key="output_dir") from None
+        raise
     finally:
         if main:
             lock.release()
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether `e` says a write ran out of disk: OSError ENOSPC / EDQUOT, or tensorstore's error for it inside
+    orbax (RESOURCE_EXHAUSTED with the OS error's text; a device out of memory says neither)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return "No space left on device" in text or "Disk quota exceeded" in text
 
 
 def _note_mosaic_experts(run, execution) -> None:
@@ -301,12 +358,15 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     except ExecutionConfigError as e:
         raise part_error(e, EXECUTION_KEYS) from None
     start_step, start_tokens = 0, 0
+    identity = _run_identity(config, run, train_ds)
     if resume_path is not None:
         try:
-            lora, opt_state, meta = ckpt.restore(resume_path, run.lora, run.opt_state)
+            restored = ckpt.restore(resume_path, run.lora, run.opt_state,
+                                    check_meta=lambda meta: _check_identity(meta, identity))
         except ckpt.CheckpointError as e:
             raise TrainConfigError(f"key 'resume_from_checkpoint': {e}") from None
-        run.set_state(lora, opt_state)
+        meta, resume_path = restored.meta, str(restored.path)
+        run.set_state(restored.lora, restored.opt_state)
         start_step, run.rng = int(meta["step"]), ckpt.rng_from_json(meta["rng"])
         _check_resume_meta(meta, config, plan, train_ds.num_rows)
         # Checkpoints written before the count was kept: recount (batches are a pure function of the step).
@@ -315,7 +375,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
         logger.info("resumed from %s at step %d (epoch %d, step %d of the epoch)", resume_path, start_step,
                     meta["epoch"], meta["step_in_epoch"])
     return _Setup(plan=plan, tokenizer=tokenizer, train_ds=train_ds, eval_ds=eval_ds, run=run,
-                  start_step=start_step, start_tokens=start_tokens, resume_path=resume_path)
+                  start_step=start_step, start_tokens=start_tokens, resume_path=resume_path, identity=identity)
 
 
 def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> TrainResult:
@@ -324,6 +384,9 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     start_step, resume_path, tokenizer = setup.start_step, setup.resume_path, setup.tokenizer
     main = distributed.is_main_process()
     if main:
+        recover_exports(out)
+        if resume_path is not None:  # later checkpoints belong to another timeline (or were found damaged)
+            ckpt.discard_after(out / "checkpoints", start_step, out)
         if resume_path is None and config.overwrite_output_dir and (out / "checkpoints").exists():
             shutil.rmtree(out / "checkpoints")
         (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -338,7 +401,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
         return dict(step=step, epoch=epoch, step_in_epoch=in_epoch, rng=ckpt.rng_to_json(run.rng),
                     seed=config.seed, rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length,
-                    num_rows=train_ds.num_rows, total_steps=plan.total_steps, num_tokens=num_tokens)
+                    num_rows=train_ds.num_rows, total_steps=plan.total_steps, num_tokens=num_tokens,
+                    identity=setup.identity)
 
     def evaluate(step: int) -> float:
         loss_sum, count = run.evaluate(_local_batches(run, eval_ds))
@@ -351,7 +415,23 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                 logger.info("step %d sample: %r -> %r", step, s["prompt"], s["completion"])
         return value
 
+    def diverged(problem: str) -> TrainingDiverged:
+        kept = checkpointer.latest_step()
+        kept = (f"the checkpoint of step {kept}" if kept is not None else "no checkpoint") + (
+            " and output_dir/adapter" if (out / "adapter").exists() else "")
+        return TrainingDiverged(
+            f"training stopped: {problem}; lower learning_rate (now {config.learning_rate:g}); "
+            f"nothing of this state was saved ({kept} kept)", key="learning_rate")
+
+    def check_pending(step: int) -> None:
+        """At a sync point (eval, checkpoint, stop): the steps not yet logged, and the LoRA state, are sound."""
+        problem = _unsound(jax.device_get([m for m, _ in window]), step - len(window) + 1)
+        bad = problem or ckpt.first_nonfinite(ckpt.to_nested(run.lora), "LoRA")
+        if bad:
+            raise diverged(problem or f"{bad} holds NaN or infinite values at step {step}")
+
     def save(step: int, force: bool = False):
+        check_pending(step)
         path = checkpointer.save(step, run.lora, run.opt_state, meta_for(step), force=force)
         if path is not None:
             writer.write({"step": step, "checkpoint": str(path)})
@@ -391,8 +471,10 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                 num_tokens += batch_tokens
                 window.append((metrics, batch_tokens))
                 if step % log.logging_steps == 0 or step == plan.total_steps:
-                    last_loss = _log_window(writer, status, meter, window, step, plan, num_tokens)
+                    last_loss, problem = _log_window(writer, status, meter, window, step, plan, num_tokens)
                     window = []
+                    if problem:
+                        raise diverged(problem)
                 do_eval = eval_ds is not None and log.due("eval", step, plan.total_steps, plan.steps_per_epoch)
                 do_save = log.due("save", step, plan.total_steps, plan.steps_per_epoch)
                 stopping = _stop_agreed(stop.requested, step % log.logging_steps == 0 or do_eval or do_save)
@@ -404,6 +486,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                         if do_eval:
                             last_eval = evaluate(step)
                             status["eval"] = f"eval {last_eval:.4f}"
+                            if not math.isfinite(last_eval):
+                                raise diverged(f"the eval loss is {last_eval} at step {step}")
                         if do_save:  # (by epoch: at steps the checkpointer's save_steps does not know)
                             save(step, force=step == plan.total_steps or log.save_strategy == "epoch")
                 bar.set_postfix_str(", ".join(status.values()), refresh=False)
@@ -413,6 +497,10 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         checkpointer.close()
         writer.close()
 
+    bad = ckpt.first_nonfinite(ckpt.to_nested(run.lora), "LoRA")
+    if bad:  # (every step was checked; this guards the export itself)
+        raise TrainingDiverged(f"{bad} holds NaN or infinite values after step {step}; output_dir/adapter is kept",
+                               key="learning_rate")
     # ---- exports (every process takes part in their gathers, process 0 writes)
     curve = plot_loss_curve(read_metrics(writer.path), out / "loss_curve.png") if main else None
     adapter_dir = _export(out, "adapter", lambda d: run.export_adapter(d, tokenizer=tokenizer))
@@ -446,6 +534,52 @@ def _sample_completions(model, tokenizer, log: LoggingConfig) -> list[dict[str, 
     return [{"prompt": p, "completion": c} for p, c in zip(prompts, completions)]
 
 
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
+
+
+def _run_identity(config: TrainConfig, run, train_ds) -> dict[str, Any]:
+    """What a checkpoint's state means: the LoRA settings and the adapter's parameter shapes, the base model (its
+    config.json and weight files' names and sizes: hashing the weights would cost a read of every byte) and the
+    training data (`PackedDataset.fingerprint`). A resume that changes any of them is refused (`_check_identity`)."""
+    lora = config.lora
+    shapes = sorted(f"{jax.tree_util.keystr(path)}:{tuple(x.shape)}"
+                    for path, x in jax.tree_util.tree_flatten_with_path(run.lora)[0])
+    model_dir = Path(config.model.path).expanduser()
+    weights = sorted(f"{p.name}:{p.stat().st_size}" for p in model_dir.glob("*.safetensors"))
+    return {
+        "lora_r": lora.r, "lora_alpha": float(lora.alpha), "use_rslora": lora.use_rslora,
+        "lora_target_modules": lora.target_modules if isinstance(lora.target_modules, str)
+        else list(lora.target_modules),
+        "lora_target_parameters": None if lora.target_parameters is None else list(lora.target_parameters),
+        "rank_pattern": dict(lora.rank_pattern),
+        "alpha_pattern": {k: float(v) for k, v in lora.alpha_pattern.items()},
+        "lora_parameters": hashlib.sha256("\n".join(shapes).encode()).hexdigest(),
+        "model": hashlib.sha256("\n".join([_file_digest(model_dir / "config.json"), *weights]).encode()).hexdigest(),
+        "data": train_ds.fingerprint(),
+    }
+
+
+def _check_identity(meta: dict, identity: dict[str, Any]) -> None:
+    """Refuses (one line, the differing keys) a checkpoint written for other LoRA settings, model or data."""
+    path = meta.get("path") or "the checkpoint"
+    recorded = meta.get("identity")
+    if not isinstance(recorded, dict):
+        logger.warning("%s records no run identity (written by an older jaxft): LoRA settings, model and data "
+                       "cannot be checked against this run", path)
+        return
+    keys = sorted(set(recorded) | set(identity))
+    changed = [k for k in keys if json.dumps(recorded.get(k), sort_keys=True) != json.dumps(identity.get(k),
+                                                                                              sort_keys=True)]
+    if changed:
+        show = lambda v: f"{v[:12]}..." if isinstance(v, str) and len(v) == 64 else json.dumps(v)  # noqa: E731
+        diffs = ", ".join(f"{k}: {show(recorded.get(k))} -> {show(identity.get(k))}" for k in changed)
+        raise TrainConfigError(
+            f"key 'resume_from_checkpoint': the checkpoint was written for another setup ({diffs}); resume with the "
+            "settings, model and data it was written with, or start over (overwrite_output_dir=true or a new "
+            "output_dir)", key="resume_from_checkpoint")
+
+
 def _check_resume_meta(meta: dict, config: TrainConfig, plan: _Plan, num_rows: int) -> None:
     now = dict(rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length, num_rows=num_rows, seed=config.seed,
                total_steps=plan.total_steps)
@@ -471,10 +605,28 @@ def _out_of_memory(error: Exception, config: TrainConfig) -> Exception:
     return TrainConfigError(f"the training step ran out of device memory ({first}); try " + "; or ".join(hints))
 
 
+def _unsound(host_metrics: list[dict[str, Any]], first_step: int) -> str | None:
+    """What is wrong with the first unsound step of `host_metrics` (steps `first_step`, ...), or None.
+
+    Unsound: a NaN or infinite loss or gradient norm, or a gradient norm of exactly 0 at a positive loss on
+    target tokens. The LoRA B matrices start at zero but their gradients do not, so an exact 0 means the model is
+    saturated (a learning rate far too high collapses it to the uniform prediction, loss ln(vocab)) and no further
+    step can change it; a perfectly fitted batch has loss 0, not a positive one."""
+    for i, m in enumerate(host_metrics):
+        loss, norm = float(m["loss"]), float(m["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            return f"the loss is {loss} (grad_norm {norm}) at step {first_step + i}"
+        if norm == 0.0 and loss > 0.0 and float(m.get("num_target_tokens", 1)) > 0:
+            return (f"the gradients are exactly zero at loss {loss:.4f} at step {first_step + i} (the model is "
+                    "saturated and cannot learn)")
+    return None
+
+
 def _log_window(writer, status: dict[str, str], meter: WindowMeter, window, step: int, plan: _Plan,
-                num_tokens: int) -> float:
+                num_tokens: int) -> tuple[float, str | None]:
     """Writes the train record of a finished window (after the sync that ends it); returns its mean loss, the
-    number the progress bar, metrics.jsonl and the final summary all show."""
+    number the progress bar, metrics.jsonl and the final summary all show, and what is unsound in the window
+    (`_unsound`; read from the metrics this sync fetched anyway, so no step waits for the host)."""
     host, timed = meter.close([m for m, _ in window], sum(n for _, n in window))
     last = host[-1]
     record = {
@@ -497,7 +649,7 @@ def _log_window(writer, status: dict[str, str], meter: WindowMeter, window, step
     status["speed"] = f"{record['tokens_per_second']:,.0f} tok/s, {timed.step_seconds:.3f} s/step"
     if peak is not None:
         status["memory"] = f"peak {record['peak_memory_gib']:.1f} GiB"
-    return record["loss"]
+    return record["loss"], _unsound(host, step - len(host) + 1)
 
 
 def _progress(total: int, initial: int, *, disable: bool):
@@ -542,16 +694,16 @@ class _NoMetrics:
 
 
 def _export(out: Path, name: str, write) -> Path:
-    """Runs `write(dir)` into a fresh temporary directory inside `out`, then renames it to `out/name`. Other
+    """Runs `write(dir)` into `out/.<name>.new`, then swaps it in for `out/name` (`_swap_dir`). Other
     processes than 0 run `write` (its gathers are collectives) without writing anything."""
     if not distributed.is_main_process():
         write(out / name)
         return out / name
-    tmp_root = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=out))
+    new = out / f".{name}.new"  # the run holds output_dir's lock: a fixed name is ours alone
+    shutil.rmtree(new, ignore_errors=True)
     try:
-        target = tmp_root / name
-        write(target)
-        _replace_dir(target, out / name)
+        write(new)
+        _swap_dir(new, out / name)
     finally:
-        shutil.rmtree(tmp_root, ignore_errors=True)
+        shutil.rmtree(new, ignore_errors=True)
     return out / name

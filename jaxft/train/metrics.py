@@ -11,6 +11,7 @@ Record kinds (every record has "step", the number of optimizer updates done):
   eval:       {"step", "eval_loss", "eval_tokens"}      eval_loss = summed CE / target count of the eval set
   samples:    {"step", "samples": [{"prompt", "completion"}]}   greedy completions of eval_generate_prompts
   checkpoint: {"step", "checkpoint": path}             written after the checkpoint is complete on disk
+A value that is NaN or infinite is written as null (the file stays strict JSON); the run stops right after it.
 On resume from step k, records with step > k (written by the interrupted run after its last checkpoint)
 are dropped, so the file reads as one uninterrupted run.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -56,7 +58,8 @@ class MetricsWriter:
         self._tb = _tensorboard_writer(Path(output_dir) / "tensorboard") if tensorboard else None
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")  # strict JSON: a NaN is written as null
         self._file.flush()
         if self._tb is not None:
             step = int(record["step"])
