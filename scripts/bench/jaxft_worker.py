@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""jaxft worker of scripts/bench_train.py: one process per session (one system, one model shape).
+"""jaxft worker of the training benchmark (scripts.bench.train): one process per session (one system, one model shape).
 
 ``run_jaxft`` runs the mode's recipe, ``examples/bench/<mode>.yaml`` (the file ``jaxft-train`` runs;
-LoRA and AdamW as bench.workloads.LORA / ADAMW), through ``jaxft.run.Run`` (the code path of
+LoRA and AdamW as workloads.LORA / ADAMW), through ``jaxft.run.Run`` (the code path of
 ``jaxft-train``) on the random-weight HF model directory, and trains ``steps`` steps on
 ``make_token_data(workload, steps)``: step i trains on ``data.step(i)`` (the packed-batch dict,
 batches on the device before the clock starts). ``Run.compile`` compiles the step once, ahead of the
 clock; its ``memory_analysis()`` gives the static memory numbers below. Each step is timed with
 block_until_ready on its loss. Exceptions propagate to worker_main: an out-of-memory (RESOURCE_EXHAUSTED) is recorded as "oom", anything else "error".
 
-Sessions (bench.worker_common): consecutive tasks on the same model_dir (and the same dtype,
+Sessions (worker_common): consecutive tasks on the same model_dir (and the same dtype,
 attention and remat settings) reuse the loaded frozen weights; LoRA starts each task from the same
 seeded init (kept on the host, copied to the device per task), with a fresh optimizer state.
 
@@ -30,7 +30,7 @@ runs the ragged_dot side of an A/B).
 Profiling (optional): JAXFT_PROFILE_DIR=DIR profiles 3 extra steps of the workloads named in
 JAXFT_PROFILE_WORKLOADS (default 8b_4096) in the modes named in JAXFT_PROFILE_MODES (default fast) and
 dumps the optimized step HLO, so trace events map to jaxft's named scopes; the result's extra.profile
-also holds `overlap` (bench.profile.overlap_summary: host-copy time, per-layer backward time and how
+also holds `overlap` (profile.overlap_summary: host-copy time, per-layer backward time and how
 much of the copies ran under compute). Each profiled mode writes its trace under DIR/<mode>. XLA reads XLA_FLAGS once per process, so the dump flags are set
 at worker start, before JAX initialises, whenever any task of the session is profiled.
 
@@ -40,7 +40,8 @@ the harness passes to every worker) keeps each compiled step on disk, so a later
 compiling: `remat: auto`'s candidates included. The row's extra.compilation_cache_dir says whether it was set,
 since compile_s is then a cache read; the peak statistics are unaffected (a read runs no autotuning).
 
-Usage (the harness does this): python scripts/bench_jaxft_worker.py --task TASKS.json --out RESULTS.json
+Usage (the harness does this, from the repository root or with it on PYTHONPATH):
+    python -m scripts.bench.jaxft_worker --task TASKS.json --out RESULTS.json
 """
 
 from __future__ import annotations
@@ -51,17 +52,17 @@ import sys
 import time
 from typing import Any
 
-from bench.workloads import Workload
-from bench.worker_common import BENCH_RECIPES, ModelCache, Task, jaxft_modes, load_tasks, worker_main
+from .workloads import Workload
+from .worker_common import BENCH_RECIPES, ModelCache, Task, jaxft_modes, load_tasks, worker_main
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Each mode is a jaxft-train recipe in examples/bench/ (settings chosen from the measurements in
 # docs/benchmarks.md); the system name picks one (jaxft -> fast, jaxft_lean -> lean), JAXFT_BENCH_MODE
 # overrides it for ablations:
 #   fast: no rematerialisation (activations stay on the device: H200 memory is ample at these shapes), layers
 #         unrolled over per-layer weight buffers (8B, 1x4096 on the H200: 273 ms/step vs 286 ms scanned, whose
-#         per-layer weight slices are copies; scripts/ablate_step.py, docs/benchmarks.md);
+#         per-layer weight slices are copies; docs/benchmarks.md);
 #   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass; the
 #         layer scan (host offload of the scanned layer inputs is what keeps the memory down).
 #   offload_attn, offload_stream, save_named, offload_all, offload_unroll, auto, auto_40gb: the remat policies of
@@ -116,8 +117,8 @@ def _mode(task: Task) -> str:
 def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str, extra: tuple[str, ...] = ()):
     """The TrainConfig of `examples/bench/<mode>.yaml` for this workload's model, batch and length (plus
     JAXFT_BENCH_REMAT / _ATTENTION / _LAYERS / _GMM overrides for ablations; _GMM: the MoE grouped matmul, e.g.
-    xla for the ragged_dot side of an A/B; then `extra`, `key=value` overrides such as scripts/bench_scaling.py's
-    mesh): what `jaxft-train` would run."""
+    xla for the ragged_dot side of an A/B; then `extra`, `key=value` overrides such as a mesh): what `jaxft-train`
+    would run."""
     from jaxft.train import load_config
 
     overrides = [f"model_name_or_path={model_dir}", f"dataset={os.path.join(REPO, 'examples/data/train.jsonl')}",
@@ -137,10 +138,10 @@ def lora_overrides(workload: Workload) -> list[str]:
     as hf_ckpt and unsloth train);
     a vision-language shape adapts the language model's linears only (finetune_vision_layers: false replaces
     lora_target_modules, which must then be all-linear: the language layers' q..down, never the merger)."""
-    from bench.workloads import LORA, lora_module_targets, moe_layout
+    from .workloads import LORA, lora_module_targets, moe_layout
 
     out = []
-    if moe_layout(workload.shape) is not None:  # bench.workloads.lora_module_targets says why attention only
+    if moe_layout(workload.shape) is not None:  # workloads.lora_module_targets says why attention only
         out.append(f"lora_target_modules=[{', '.join(lora_module_targets(workload.shape))}]")
         out.append(f"lora_target_parameters=[{', '.join(LORA.expert_targets)}]")
     if workload.shape.is_vlm:
@@ -162,9 +163,9 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     import jax
 
     import jaxft
-    from bench.workloads import make_token_data
-    from jaxft.remat import spelled_plan
     from jaxft.run import Run
+
+    from .workloads import make_token_data
 
     cache = cache if cache is not None else ModelCache()
     profile_dir = _profile_dir(workload.name, mode)
@@ -248,7 +249,9 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
         "versions": {"jax": jax.__version__, "jaxft": getattr(jaxft, "__version__", "dev")},
         "settings": {"mode": mode, "recipe": extra["recipe"], "remat": execution.remat,
                      "remat_layers": execution.remat_layers, "remat_block": execution.remat_block,
-                     "remat_plan": None if execution.remat_plan is None else spelled_plan(execution.remat_plan),
+                     # as the command line spells a plan ('full:8|offload_all:12')
+                     "remat_plan": None if execution.remat_plan is None else "|".join(
+                         f"{policy}:{count}" for policy, count in execution.remat_plan),
                      "max_memory_gb": execution.max_memory_gb, "remat_estimates": run.remat_estimates,
                      "attention": execution.attention_implementation, "layers": run.layer_loop,
                      "ce_chunk_size": execution.ce_chunk_size, "dtype": dtype, "lora_dtype": "float32",
@@ -261,8 +264,9 @@ def grouped_matmul_settings(workload: Workload, execution, dtype: str) -> dict[s
     """A MoE shape's grouped matmul: the setting (`grouped_matmul_implementation`) and the implementation that
     ran for the step's dtype on this device ("auto" resolved: pallas_mosaic on Hopper in bf16, else xla); {} for
     a dense shape (no grouped matmul)."""
-    from bench.workloads import moe_layout
     from kernels_pallas.grouped_matmul import implementation_for
+
+    from .workloads import moe_layout
 
     if moe_layout(workload.shape) is None:
         return {}
@@ -291,7 +295,7 @@ def _profile(profile_dir: str, run, batches, num_layers: int) -> dict[str, Any]:
     """A few more steps under jax.profiler, summarised by jaxft's named scopes (after the timed steps)."""
     import jax
 
-    from bench.profile import load_step_hlo, load_trace, overlap_summary, summarize_trace
+    from .profile import load_step_hlo, load_trace, overlap_summary, summarize_trace
 
     try:  # the timings are the result; a profiler failure must not lose them
         t0 = time.perf_counter()
@@ -370,7 +374,7 @@ def quantized_bytes(frozen) -> int:
     import jax
     from flax import nnx
 
-    from jaxft.models.layers import QuantizedWeight
+    from jaxft.models import QuantizedWeight
 
     quantized = [v for _, v in nnx.to_flat_state(frozen) if isinstance(v, QuantizedWeight)]
     # A Variable is a pytree of its value (one stacked array, or the per-layer arrays of the unrolled loop).
@@ -379,7 +383,7 @@ def quantized_bytes(frozen) -> int:
 
 def _run_task(task: Task, out_json: str, cache: ModelCache) -> dict[str, Any]:
     if task.kind != "train":
-        raise ValueError(f"bench_jaxft_worker handles only kind='train' tasks, got {task.kind!r}")
+        raise ValueError(f"scripts.bench.jaxft_worker handles only kind='train' tasks, got {task.kind!r}")
     return run_jaxft(task.workload_obj, task.model_dir, task.steps, mode=_mode(task), cache=cache)
 
 
@@ -390,7 +394,7 @@ if __name__ == "__main__":
     logging.getLogger("jaxft.run").setLevel(logging.INFO)
     if "--task" in sys.argv:  # before worker_main imports JAX's backend (XLA_FLAGS is read once)
         setup_profiling(load_tasks(sys.argv[sys.argv.index("--task") + 1])[0])
-    from jaxft.auto import claim_gpu_memory  # (imports JAX: after the flags above)
+    from jaxft import claim_gpu_memory  # (imports JAX: after the flags above)
 
     claim_gpu_memory()  # the GPU share jaxft-train takes (jaxft.train.train does the same), read once too
     sys.exit(worker_main(_run_task))

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Torch-side worker of scripts/bench_train.py: one process per session (a list of tasks).
+"""Torch-side worker of the training benchmark (scripts.bench.train): one process per session (a list of tasks).
 
 The harness gives each torch system one session holding all its workloads, grouped by model
-shape (see bench.worker_common for the session contract: results rewritten after every task).
+shape (see worker_common for the session contract: results rewritten after every task).
 
 Systems:
   hf_ckpt / hf_nockpt  transformers + PEFT, attn_implementation="sdpa" (`hf_attention`: "eager" for Gemma 2's softcap,
@@ -34,7 +34,7 @@ Systems:
 Mixture-of-experts shapes (Qwen3-MoE, GPT-OSS): the experts are raw [E, ., .] parameters, not Linear
 modules; every system adapts the attention linears and, as expert LoRA at rank r, the experts (PEFT's
 target_parameters = LORA.expert_targets, the same two jaxft's lora_target_parameters adapts; see
-bench.workloads.lora_module_targets for why gate/up/down_proj are not passed as target_modules). Unsloth runs its MoE backend (UNSLOTH_MOE_BACKEND, default
+workloads.lora_module_targets for why gate/up/down_proj are not passed as target_modules). Unsloth runs its MoE backend (UNSLOTH_MOE_BACKEND, default
 grouped_mm where torch._grouped_mm runs; the chosen one is recorded in settings.moe_backend).
 Vision-language shapes (Qwen2.5-VL): HF loads Qwen2_5_VLForConditionalGeneration (AutoModelForImageTextToText)
 and adapts the language model's q..down linears only (a regex on model.language_model.layers, so the
@@ -54,7 +54,8 @@ patches the model in ways it offers no undo for; the session still saves the imp
 Triton compile cost. Peak memory: torch.cuda.reset_peak_memory_stats() just before each task's
 first step (after the previous task's state was freed), max_memory_allocated after its last.
 
-Usage (the harness does this): python scripts/bench_torch_worker.py --task TASKS.json --out RESULTS.json
+Usage (the harness does this, from the repository root or with it on PYTHONPATH):
+    python -m scripts.bench.torch_worker --task TASKS.json --out RESULTS.json
 """
 
 from __future__ import annotations
@@ -94,9 +95,9 @@ if any(t.get("system") in UNSLOTH_SYSTEMS and t.get("device") == "cuda" for t in
 
 import numpy as np  # noqa: E402
 
-from bench.workloads import (ADAMW, LORA, TokenData, Workload, lora_module_targets,  # noqa: E402
-                             make_token_data, moe_layout)
-from bench.worker_common import ModelCache, SystemUnavailable, Task, is_oom_message, worker_main  # noqa: E402
+from .workloads import (ADAMW, LORA, TokenData, Workload, lora_module_targets,  # noqa: E402
+                        make_token_data, moe_layout)
+from .worker_common import ModelCache, SystemUnavailable, Task, is_oom_message, worker_main  # noqa: E402
 
 
 def _versions(extra: tuple[str, ...] = ()) -> dict[str, str]:
@@ -451,14 +452,14 @@ def run_unsloth(task: Task, four_bit: bool = False) -> dict[str, Any]:
 
 def run_task(task: Task, out_json: str, cache: ModelCache) -> dict[str, Any]:
     if task.kind == "save_model":
-        from bench.models import save_random_model
+        from .models import save_random_model
 
         return save_random_model(task.workload_obj.shape, task.model_dir, task.device)
     if task.system in HF_SYSTEMS:
         return run_hf(task, ckpt=task.system != "hf_nockpt", cache=cache, four_bit=task.system == "hf_qlora")
     if task.system in UNSLOTH_SYSTEMS:
         return run_unsloth(task, four_bit=task.system == "unsloth_4bit")
-    raise ValueError(f"bench_torch_worker: unknown system {task.system!r}; known {SYSTEMS}")
+    raise ValueError(f"scripts.bench.torch_worker: unknown system {task.system!r}; known {SYSTEMS}")
 
 
 if __name__ == "__main__":

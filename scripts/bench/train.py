@@ -2,7 +2,7 @@
 """LoRA training benchmark: jaxft vs HF transformers + PEFT vs Unsloth, one process per system.
 
 Every system trains the same random-weight model directory (saved once per shape on the device
-with save_pretrained), on the same token ids (bench.workloads.make_token_data, checked by
+with save_pretrained), on the same token ids (workloads.make_token_data, checked by
 SHA-256), with the same LoRA settings and AdamW, for the same number of steps.
 
 Order of work: the matmul ceilings; one session saving every needed model directory (on /dev/shm
@@ -10,23 +10,23 @@ when it has room: tmpfs writes and reads are far faster than disk); then, in --s
 worker session per system: a torch system runs all its workloads in one process (consecutive tasks
 on one shape reuse the loaded base model), a JAX system one process per model shape, with the
 shape's workloads in ascending expected memory (JAX cannot reset its peak counter, see
-bench_jaxft_worker.py). Within a session each task still starts from the same LoRA init, a fresh
+jaxft_worker.py). Within a session each task still starts from the same LoRA init, a fresh
 optimizer and its own data. Results are saved after every task (JSON + markdown), so a run cut
 short still leaves a valid partial table; a session that dies (timeout, crash) costs the task it
-died in, and a new session runs the tasks after it (bench/sessions.py). The run itself is
-bench/harness.py (Bench), the GPU discovery bench/gpus.py; this script parses the arguments and
-starts the report.
+died in, and a new session runs the tasks after it (sessions.py). The run itself is
+harness.py (Bench), the GPU discovery gpus.py; this module parses the arguments and starts the
+report.
 
 With --gpus N > 1 (one host), the ceilings and the model saves run first, alone, on the first
 GPU; then the same queue of sessions runs up to N at once, each worker pinned to one GPU by
-CUDA_VISIBLE_DEVICES (bench.sessions.run_jobs), so the whole table takes about as long as its
+CUDA_VISIBLE_DEVICES (sessions.run_jobs), so the whole table takes about as long as its
 slowest system. Each run records the GPU index it ran on (``gpu``).
 
-    python scripts/bench_train.py --systems jaxft,jaxft_lean,hf_ckpt,hf_nockpt,unsloth \\
+    python -m scripts.bench.train --systems jaxft,jaxft_lean,hf_ckpt,hf_nockpt,unsloth \\
         --workloads 1b_2x4096,8b_4096,8b_16384,qwen3_8b_4096,8b_packed_16384 \\
         --steps 12 --budget-s 520 --out $OUT/bench_train.json --md $OUT/bench_train.md
-    python scripts/bench_train.py --gpus all ...   # 8 x H200: every system on its own GPU at once
-    python scripts/bench_train.py --tiny --systems hf_nockpt,jaxft --out /tmp/b.json --md /tmp/b.md
+    python -m scripts.bench.train --gpus all ...   # 8 x H200: every system on its own GPU at once
+    python -m scripts.bench.train --tiny --systems hf_nockpt,jaxft --out /tmp/b.json --md /tmp/b.md
 
 Unsloth is not on the device image: pass --unsloth-wheels DIR (default .peers/unsloth, filled by
 /work/shared/peers/unsloth-wheels.sh and carried to the device); the harness installs it into a
@@ -48,25 +48,9 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the bench package beside us
-
-from bench.gpus import FAKE_GPUS_ENV, _gpu_name, discover_gpus, resolve_gpus  # noqa: E402
-from bench.harness import (ALL_SYSTEMS, DEFAULT_SYSTEMS, DONE_STATUSES, JAXFT_MODES,  # noqa: E402
-                           PEER_WHEEL_SYSTEMS, REPO, REPORT_RESERVE_S, SCRIPTS, SHM, WORKER, Bench,
-                           ensure_unsloth, model_bytes, models_place, ram_available_bytes, run_order)
-from bench.sessions import (Job, SessionRunner, keep_logs, pin_env, run_jobs,  # noqa: E402,F401 (re-exported)
-                            run_subprocess)
-from bench.workloads import (ADAMW, DEFAULT_WORKLOADS, LORA, SHAPES, TINY_WORKLOADS,  # noqa: E402
-                             WORKLOADS, get_workload, moe_layout)
-
-# What callers import from here, defined here or in bench/harness.py, bench/gpus.py and bench/sessions.py.
-__all__ = [
-    "SCRIPTS", "REPO", "JAXFT_MODES", "PEER_WHEEL_SYSTEMS", "WORKER", "ALL_SYSTEMS", "DEFAULT_SYSTEMS", "DONE_STATUSES",
-    "MIN_TIMED_STEPS", "REPORT_RESERVE_S", "SHM", "FAKE_GPUS_ENV", "parse_args", "discover_gpus", "resolve_gpus",
-    "ensure_unsloth", "Bench", "models_place", "ram_available_bytes", "model_bytes", "run_order", "new_report",
-    "workload_notes", "concurrency_note", "main",
-    "Job", "SessionRunner", "keep_logs", "pin_env", "run_jobs", "run_subprocess",
-]
+from .gpus import _gpu_name, resolve_gpus
+from .harness import ALL_SYSTEMS, DEFAULT_SYSTEMS, DONE_STATUSES, REPO, REPORT_RESERVE_S, Bench
+from .workloads import ADAMW, DEFAULT_WORKLOADS, LORA, SHAPES, TINY_WORKLOADS, WORKLOADS, get_workload, moe_layout
 
 MIN_TIMED_STEPS = 10
 
@@ -158,7 +142,7 @@ def _commit(explicit: str | None) -> str:
 def new_report(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable, REPO)
                                                  if sys.executable.startswith(REPO) else "python",
-                                                 os.path.relpath(os.path.abspath(__file__), REPO)] + argv)
+                                                 "-m", "scripts.bench.train"] + argv)
     return {
         "meta": {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                  "commit": _commit(args.commit), "command": command,
