@@ -5,7 +5,7 @@ of docs/benchmarks.md section 14 was found and fixed this way). Not used by jaxf
 Needs the CUDA PJRT plugin of the installed JAX, outside the project's venv (about 400 MB):
 
     python -m pip install --target /tmp/jax_cuda jax-cuda13-plugin==$(python -c "import jax; print(jax.__version__)")
-    JAX_CUDA_PLUGIN_DIR=/tmp/jax_cuda python scripts/deviceless/gpu_compile.py     # a self-check
+    PYTHONPATH=/tmp/jax_cuda python -m experiments.deviceless.gpu_compile     # a self-check
 
 (the script sets JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1: without it the plugin's start-up check calls cuInit, which fails
 on a machine without a GPU, and JAX falls back to the CPU backend alone).
@@ -32,8 +32,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-if os.environ.get("JAX_CUDA_PLUGIN_DIR"):
-    sys.path.insert(0, os.environ["JAX_CUDA_PLUGIN_DIR"])
+# The CUDA plugin comes from PYTHONPATH (the folder pip installed it into); without a GPU its start-up check must
+# not call cuInit.
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
 import jax  # noqa: E402

@@ -20,7 +20,7 @@ backward's copies in this toy needs the hand-written form (`jaxft/offload_scan.p
 overstates the problem at real sizes.
 
     python -m pip install --target /tmp/jax_cuda jax-cuda13-plugin==$(python -c "import jax; print(jax.__version__)")
-    JAX_CUDA_PLUGIN_DIR=/tmp/jax_cuda python scripts/deviceless/scan_offload_schedule.py
+    PYTHONPATH=/tmp/jax_cuda python -m experiments.deviceless.scan_offload_schedule
 """
 
 from __future__ import annotations
@@ -28,14 +28,13 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin before jax is imported)
+from experiments.deviceless.gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin before jax is imported)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.ad_checkpoint import checkpoint_name  # noqa: E402
 
-from hlo_schedule import schedules  # noqa: E402
+from tests.hlo_text import schedules  # noqa: E402
 
 HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 L, T, H = 4, 2048, 1024

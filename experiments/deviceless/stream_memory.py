@@ -4,14 +4,14 @@ remat offload: "lean" and "lean_host"), compiled for an H200 on a CPU machine (n
 program (`jaxft.train.step.loss_and_grad_sums`; the optimizer update adds the LoRA state's AdamW moments, the same
 for both) at 1 x 4096, 1 x 16384 and 1 x 65536, Pallas attention, autotuning off.
 
-The compile target lists no host memory space (scripts/deviceless/stream_schedule.py's docstring), so the packed
+The compile target lists no host memory space (stream_schedule.py's docstring), so the packed
 buffers enter on the device and the program's first op copies them to pinned host: the "device arguments" column
 leaves them out (on the GPU they are host arguments), and "host" is what the program holds in host memory (the
 weights and the offloaded layer inputs). The last column: GEMMs between the start and the done of each fetch from
 host memory in the loop bodies of the compiled schedule (`hlo_schedule.gemms_under_fetches`; the weight rows, and for
 an offloading policy the layer inputs coming back; 0 would be a fetch waited for before any compute).
 
-    JAX_CUDA_PLUGIN_DIR=/tmp/jax_cuda python scripts/deviceless/stream_memory.py [--seqs 4096,16384,65536]
+    PYTHONPATH=/tmp/jax_cuda python -m experiments.deviceless.stream_memory [--seqs 4096,16384,65536]
         [--remats offload,offload+attn] [--remat 'offload=layer_input,attn_out' ...] [--weights device,host]
 """
 
@@ -24,16 +24,13 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parents[1]))
-sys.path.insert(0, str(HERE.parent))
-from gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin before jax is imported)
-from hlo_schedule import gemms_under_fetches, host_slice_counts  # noqa: E402
+from experiments.deviceless.gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin before jax is imported)
+from tests.hlo_text import gemms_under_fetches, host_slice_counts  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.workloads import SHAPES  # noqa: E402
+from scripts.bench.workloads import SHAPES  # noqa: E402
 from jaxft.execution import ExecutionConfig  # noqa: E402
 from jaxft.lora import LoraConfig  # noqa: E402
 from jaxft.offload_scan import is_slot  # noqa: E402

@@ -20,7 +20,7 @@ and backward 0,0,0,0,0,17,19 (XLA runs the fetches one at a time); per-leaf+limi
 backward 2,3,14,15,16,17,19; packed, forward 9 (all) and backward 19 (all), at 0.45 GiB more temp (the device-side
 slices of one layer's row).
 
-    JAX_CUDA_PLUGIN_DIR=/tmp/jax_cuda python scripts/deviceless/stream_schedule.py
+    PYTHONPATH=/tmp/jax_cuda python -m experiments.deviceless.stream_schedule
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin before jax is imported)
-from hlo_schedule import schedules  # noqa: E402
+from experiments.deviceless.gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin before jax is imported)
+from tests.hlo_text import schedules  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

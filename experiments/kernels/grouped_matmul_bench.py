@@ -2,14 +2,14 @@
 and forward+backward (d lhs and d rhs), next to one dense matmul of the same FLOPs ("dense": [rows, K] @ [K, N]
 with rows = sum(group_sizes), and its two gradients).
 
-    python -m kernels_pallas.grouped_matmul.bench                       # every BENCH_SHAPE, xla / pallas_mosaic / dense
-    python -m kernels_pallas.grouped_matmul.bench --impls pallas_mosaic --shapes gpt_oss_20b_down --json out.json
-    python -m kernels_pallas.grouped_matmul.bench --smoke               # shapes.TEST_SHAPES[-1], CPU ok
-    python -m kernels_pallas.grouped_matmul.bench --against ab_base --rounds 4   # this tree's kernels vs another's
-    python -m kernels_pallas.grouped_matmul.bench --sweep --json sweep.json      # row-kernel tiles per shape
-    python -m kernels_pallas.grouped_matmul.bench --sweep --table-variants      # the table's tiles, variants only
-    python -m kernels_pallas.grouped_matmul.bench --probe --shapes qwen3_30b_a3b_down   # where the kernel's time goes
-    python -m kernels_pallas.grouped_matmul.bench --probe --probe-variant stages=4 --probe-variant grid_block_n=1
+    python -m experiments.kernels.grouped_matmul_bench                       # every BENCH_SHAPE, xla / pallas_mosaic / dense
+    python -m experiments.kernels.grouped_matmul_bench --impls pallas_mosaic --shapes gpt_oss_20b_down --json out.json
+    python -m experiments.kernels.grouped_matmul_bench --smoke               # shapes.TEST_SHAPES[-1], CPU ok
+    python -m experiments.kernels.grouped_matmul_bench --against ab_base --rounds 4   # this tree's kernels vs another's
+    python -m experiments.kernels.grouped_matmul_bench --sweep --json sweep.json      # row-kernel tiles per shape
+    python -m experiments.kernels.grouped_matmul_bench --sweep --table-variants      # the table's tiles, variants only
+    python -m experiments.kernels.grouped_matmul_bench --probe --shapes qwen3_30b_a3b_down   # where the kernel's time goes
+    python -m experiments.kernels.grouped_matmul_bench --probe --probe-variant stages=4 --probe-variant grid_block_n=1
 
 ``--sweep``: the row-tile kernel (forward and d lhs) of every bench shape on each of ``sweep_candidates``' tile
 configs and the d rhs kernel on ``sweep_dw_candidates``', next to the table's own (``tiles.CONFIGS``): the data the
@@ -47,8 +47,8 @@ import jax.numpy as jnp
 
 from kernels_pallas._bench import queued_ms
 
-from .api import grouped_matmul
-from .shapes import BENCH_SHAPES, TEST_SHAPES, GmmShape, make_inputs
+from kernels_pallas.grouped_matmul.api import grouped_matmul
+from kernels_pallas.grouped_matmul.shapes import BENCH_SHAPES, TEST_SHAPES, GmmShape, make_inputs
 
 IMPLS = ("xla", "pallas_mosaic", "dense")
 
@@ -132,7 +132,7 @@ def load_kernels(root: str):
 def run_against(shapes: Sequence[GmmShape], other, rounds: int = 4, iters: int = 10) -> list[dict]:
     """Rows {"version": "this" | "against", ...} per shape: this tree's `grouped_matmul_mosaic` and `other`'s, timed
     in alternating order (round r runs "this" first when r is even)."""
-    from . import mosaic
+    from kernels_pallas.grouped_matmul import mosaic
 
     versions = {"this": mosaic.grouped_matmul_mosaic, "against": other.grouped_matmul_mosaic}
     rows = []
@@ -166,7 +166,7 @@ def sweep_candidates(kc: int, n: int) -> list:
     matmul example), which read each expert's tile once for twice the rows: for a short contraction (Qwen3-30B-A3B's
     down, K = 768) a 128 x 128 tile is 64 FLOPs per byte loaded. Why these: a width that does not divide n pads the
     whole expert stack, and an unchained pipeline fills from empty on every unit."""
-    from .tiles import _SMEM_BYTES, TileConfig, smem_bytes
+    from kernels_pallas.grouped_matmul.tiles import _SMEM_BYTES, TileConfig, smem_bytes
 
     out = []
     for split, bm in (("m", 128), ("m", 256), ("n", 128)):
@@ -193,7 +193,7 @@ def two_block_candidates(kc: int, n: int) -> list:
     contraction `kc` and output width `n` (bf16): 128 x 128, 128 x 192 and 64 x 256 output tiles whose width divides
     n, 64-deep steps, the deepest ring of 2 or more stages with which two blocks fit an SM's shared memory. (An
     accumulator of up to 192 floats a thread leaves two blocks of 128 threads within the SM's registers.)"""
-    from .tiles import TileConfig, blocks_fit, smem_bytes
+    from kernels_pallas.grouped_matmul.tiles import TileConfig, blocks_fit, smem_bytes
 
     out = []
     for bm, bn in ((128, 128), (128, 192), (64, 256)):
@@ -209,7 +209,7 @@ def multi_block_dw_candidates(k: int, n: int) -> list:
     """d rhs (group-tile kernel) tiles run two or three blocks to an SM (TileConfig.dw_blocks_per_sm): 128 x 128,
     128 x 192, 192 x 128 and 64 x 192 output tiles that divide k and n, 64-row steps, the deepest ring of 2 or more
     stages with which the blocks fit an SM's shared memory."""
-    from .tiles import TileConfig, blocks_fit, drhs_smem_bytes
+    from kernels_pallas.grouped_matmul.tiles import TileConfig, blocks_fit, drhs_smem_bytes
 
     out = []
     for bk, bn in ((128, 128), (128, 192), (192, 128), (64, 192)):
@@ -227,7 +227,7 @@ def multi_block_dw_candidates(k: int, n: int) -> list:
 def sweep_dw_candidates(k: int, n: int) -> list:
     """d rhs (group-tile kernel) tiles for lhs width `k` and dout width `n` (bf16): dw_block_k x dw_block_n output
     tiles that divide k and n, 64-row contraction steps, the deepest ring (of 6 or 4) that fits in shared memory."""
-    from .tiles import _SMEM_BYTES, TileConfig
+    from kernels_pallas.grouped_matmul.tiles import _SMEM_BYTES, TileConfig
 
     out = []
     for bk in (64, 128, 192):
@@ -289,7 +289,7 @@ def run_sweep(shapes: Sequence[GmmShape], iters: int = 10, compile_threads: int 
     gets "max_abs_diff_vs_table": its output against the table row's of the same shape and direction."""
     import concurrent.futures
 
-    from . import mosaic, mosaic_drhs, tiles
+    from kernels_pallas.grouped_matmul import mosaic, mosaic_drhs, tiles
 
     candidates = candidates or sweep_candidates
     interpret = jax.default_backend() != "gpu"  # the tests: Mosaic GPU's interpreter
@@ -448,8 +448,8 @@ def run_probe(shapes: Sequence[GmmShape], iters: int = 10, timing_rounds: int = 
     N-block) pairs the SMs walk), "k_steps", "us_per_unit" (ms x SMs / units: one unit's time on one SM) and
     "max_abs_diff" (its output on the first, middle and last groups' rows against `_spot_check`'s float32
     products)."""
-    from . import mosaic, tiles
-    from .mosaic_kernels import _num_sms, row_tiles
+    from kernels_pallas.grouped_matmul import mosaic, tiles
+    from kernels_pallas.grouped_matmul.mosaic_kernels import _num_sms, row_tiles
 
     interpret = jax.default_backend() != "gpu"  # the tests: Mosaic GPU's interpreter
     rows = []
@@ -574,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
 
 def _tile_fields(ap: argparse.ArgumentParser, text: str) -> dict:
     """{field: value} of a `--probe-variant` (FIELD=VALUE[,FIELD=VALUE]), each value typed as its TileConfig field."""
-    from .tiles import TileConfig
+    from kernels_pallas.grouped_matmul.tiles import TileConfig
 
     types = {f.name: f.type for f in dataclasses.fields(TileConfig)}
     out = {}

@@ -1,7 +1,7 @@
 """Smoke check of the Mosaic GPU grouped matmul: forward, d lhs and d rhs on one small ragged bf16 shape
 (an empty group, tails that are no multiple of a tile, rows past the last group) against the reference.
 
-    python -m kernels_pallas.grouped_matmul.smoke            # on the GPU (on CPU: Mosaic GPU's interpreter)
+    python -m experiments.kernels.grouped_matmul_smoke            # on the GPU (on CPU: Mosaic GPU's interpreter)
 
 Prints one line per quantity (max |error| / max |reference|), then OK or FAIL; exceptions are printed whole.
 Exit status 0 iff OK.
@@ -15,8 +15,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from .api import grouped_matmul
-from .shapes import GmmShape, make_inputs
+from kernels_pallas.grouped_matmul.api import grouped_matmul
+from kernels_pallas.grouped_matmul.shapes import GmmShape, make_inputs
 
 SHAPE = GmmShape("smoke", (130, 0, 77, 256, 1), 512, 256, 384, "bfloat16")
 TOL = 2e-2  # bf16 operands and output, relative to the largest reference entry

@@ -33,7 +33,6 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 OPTIONS = {
     "dsf": {"xla_gpu_enable_dynamic_slice_fusion": True},
@@ -64,8 +63,8 @@ def parse_variant(text: str) -> tuple[str, dict, int | None, bool, str]:
 def _save_model(workload: str, model_dir: str) -> None:
     import torch
 
-    from bench.models import save_random_model
-    from bench.workloads import get_workload
+    from scripts.bench.models import save_random_model
+    from scripts.bench.workloads import get_workload
 
     shape = get_workload(workload).shape
     saved = save_random_model(shape, model_dir, "cuda" if torch.cuda.is_available() else "cpu")
@@ -98,7 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
 
-    from bench.workloads import get_workload, make_token_data
+    from scripts.bench.workloads import get_workload, make_token_data
 
     workload = get_workload(args.workload)
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
@@ -106,8 +105,8 @@ def main(argv=None) -> int:
 
     import jax
 
-    from bench.profile import load_trace, summarize_trace
-    from bench_jaxft_worker import mode_config
+    from scripts.bench.profile import load_trace, summarize_trace
+    from scripts.bench.jaxft_worker import mode_config
     from jaxft.run import Run
 
     data = make_token_data(workload, args.steps)

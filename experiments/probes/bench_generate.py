@@ -28,10 +28,9 @@ import time
 
 # Both systems share the GPU in one process: JAX must not take 75% of its memory up front.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the bench package beside this script
 
-from bench.models import save_random_model  # noqa: E402
-from bench.workloads import SHAPES  # noqa: E402
+from scripts.bench.models import save_random_model  # noqa: E402
+from scripts.bench.workloads import SHAPES  # noqa: E402
 
 SHAPE_SETS = {"1b": ["llama-3.2-1b"], "8b": ["llama-3.1-8b"], "tiny": ["tiny-llama"]}
 

@@ -46,16 +46,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench
 
-from bench.report import heading  # noqa: E402
-from bench.worker_common import is_oom_message  # noqa: E402
-from bench_scaling_hf import SYSTEMS as HF_SYSTEMS  # noqa: E402
-from memory_table import MESHES, mesh_of  # noqa: E402 - the same dp / fsdp meshes as the memory table
+from scripts.bench.report import heading  # noqa: E402
+from scripts.bench.worker_common import is_oom_message  # noqa: E402
+from experiments.probes.bench_scaling_hf import SYSTEMS as HF_SYSTEMS  # noqa: E402
+from experiments.probes.memory_table import MESHES, mesh_of  # noqa: E402 - the same dp / fsdp meshes as the memory table
 
 GIB = 2**30
 SYSTEMS = ("jaxft",) + HF_SYSTEMS
-HF_WORKER = Path(__file__).resolve().parent / "bench_scaling_hf.py"
+HF_WORKER = "experiments.probes.bench_scaling_hf"  # a module: run with -m (torchrun too)
 # Kept off in every child, as the multi-GPU machines require: NVLink multicast can take a host's GPUs out of service.
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -65,8 +64,8 @@ def run_point(workload_name: str, mesh: str, devices: int, steps: int, mode: str
     import jax
     import numpy as np
 
-    from bench.workloads import SHAPES, get_workload, make_token_data
-    from bench_jaxft_worker import mode_config, run_dtype
+    from scripts.bench.workloads import SHAPES, get_workload, make_token_data
+    from scripts.bench.jaxft_worker import mode_config, run_dtype
     from jaxft.auto import peak_estimate
     from jaxft.run import Run
 
@@ -123,11 +122,11 @@ def point_command(args, system: str, mesh: str, devices: int, out: Path) -> list
     torchrun with a process per device when there are several."""
     common = ["--workload", args.workload, "--steps", str(args.steps), "--json", str(out)]
     if system == "jaxft":
-        return [sys.executable, str(Path(__file__).resolve()), "--point", f"{mesh}:{devices}", "--mode", args.mode,
+        return [sys.executable, "-m", "experiments.probes.bench_scaling", "--point", f"{mesh}:{devices}", "--mode", args.mode,
                 *common]
     launch = [sys.executable] if devices == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(devices)]
-    return [*launch, str(HF_WORKER), "--system", system, "--mesh", mesh, *common]
+    return [*launch, "-m", HF_WORKER, "--system", system, "--mesh", mesh, *common]
 
 
 # torch.distributed's launcher and store errors: a point that failed with one of these before any worker said why,

@@ -35,10 +35,9 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench
 
-from bench.models import random_model  # noqa: E402
-from bench.workloads import LORA, get_workload, make_token_data  # noqa: E402
+from scripts.bench.models import random_model  # noqa: E402
+from scripts.bench.workloads import LORA, get_workload, make_token_data  # noqa: E402
 
 SYSTEMS = ("hf_ckpt", "hf_nockpt")
 GIB = 2**30
@@ -63,7 +62,7 @@ def run_point(system: str, mesh: str, workload_name: str, steps: int) -> dict | 
     import torch.distributed as dist
     from peft import LoraConfig, get_peft_model
 
-    from bench_torch_worker import _versions, hf_attention, hf_lora_targets, train_loop
+    from scripts.bench.torch_worker import _versions, hf_attention, hf_lora_targets, train_loop
 
     cpu = not torch.cuda.is_available()
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -67,13 +67,12 @@ import threading
 import time
 from pathlib import Path
 
-from maxctx.probes import (GIB, POLICIES, RECIPE, REMAT_OF, ROOT, Settings, analytic_device_per_token,
+from experiments.probes.maxctx.probes import (GIB, POLICIES, RECIPE, REMAT_OF, ROOT, Settings, analytic_device_per_token,
                            argument_bytes, device_budget, execution_for, host_bytes_analytic, make_batch, make_run,
                            probe, real_step, recipe, search_policy)
-from maxctx.search import SearchResult, search_max
-from maxctx.table import UNSLOTH_POINTS, auto_row, from_probes, markdown, parse_points, unsloth_derived
+from experiments.probes.maxctx.search import SearchResult, search_max
+from experiments.probes.maxctx.table import UNSLOTH_POINTS, auto_row, from_probes, markdown, parse_points, unsloth_derived
 
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 __all__ = [
     "ROOT", "GIB", "POLICIES", "REMAT_OF", "RECIPE", "UNSLOTH_POINTS", "SearchResult", "search_max", "Settings",
@@ -90,7 +89,7 @@ def model_dir(model: str, layers: int | None, workdir: str) -> str:
     if os.path.isdir(model):
         config = json.loads((Path(model) / "config.json").read_text())
     else:
-        from bench.workloads import SHAPES
+        from scripts.bench.workloads import SHAPES
 
         if model not in SHAPES:
             raise SystemExit(f"--model {model!r}: not a directory and not a shape of scripts/bench/workloads.py "
@@ -154,10 +153,7 @@ def _print(rec: dict) -> None:
 
 def _deviceless() -> None:
     """Sets up the compile for the H200 target (before JAX is first imported: the CUDA plugin's start-up check)."""
-    import importlib
-
-    sys.path.insert(0, str(ROOT / "scripts" / "deviceless"))
-    importlib.import_module("gpu_compile")
+    import experiments.deviceless.gpu_compile  # noqa: F401  (its import sets the plugin up)
 
 
 def _resolve(settings: Settings) -> Settings:
@@ -203,12 +199,11 @@ class Collector:
 def _spawn(args, settings: Settings, kind: str, policy: str, seq: int | None, deadline_at: float,
            collect: Collector, tag: dict) -> None:
     """Runs one worker process, forwarding its JSON lines; killed (this process's own child) past the deadline."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--policy", policy,
+    cmd = [sys.executable, "-m", "experiments.probes.max_context", "--worker", kind, "--policy", policy,
            "--settings", json.dumps(dataclasses.asdict(settings)), "--deadline-at", str(deadline_at)]
     if seq is not None:
         cmd += ["--seq", str(seq)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "scripts"),
-                                                       os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

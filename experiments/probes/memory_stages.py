@@ -25,13 +25,12 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def snapshot(label: str, device) -> dict:
     import jax
 
-    from bench_jaxft_worker import distinct_buffers
+    from scripts.bench.jaxft_worker import distinct_buffers
 
     stats = device.memory_stats() or {}
     live = int(sum(x.nbytes for x in distinct_buffers(jax.live_arrays()).values()))
@@ -54,14 +53,14 @@ def main(argv=None) -> int:
 
     import jax
 
-    from bench.workloads import get_workload, make_token_data
-    from bench_jaxft_worker import mode_config
+    from scripts.bench.workloads import get_workload, make_token_data
+    from scripts.bench.jaxft_worker import mode_config
     from jaxft.run import Run
 
     workload = get_workload(args.workload)
     device = jax.devices()[0]
     if not os.path.exists(os.path.join(args.model_dir, "config.json")):
-        from bench.models import save_random_model
+        from scripts.bench.models import save_random_model
         saved = save_random_model(workload.shape, args.model_dir, "cuda" if device.platform == "gpu" else "cpu")
         print(f"[stages] saved the {workload.shape.name} model in {saved['save_s']:.0f} s", flush=True)
     dtype = "bfloat16" if device.platform == "gpu" else "float32"

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/bench
 
 GIB = 2**30
 MESHES = ("dp", "fsdp")
@@ -36,7 +35,7 @@ MESHES = ("dp", "fsdp")
 
 def model_configs() -> dict[str, dict]:
     """HF config.json dicts of the shapes in the table (the benchmark's Llama-3.1-8B and -70B shapes)."""
-    from bench.workloads import SHAPES
+    from scripts.bench.workloads import SHAPES
 
     return {"8b": SHAPES["llama-3.1-8b"].config_dict(), "70b": SHAPES["llama-3.1-70b"].config_dict()}
 
@@ -122,7 +121,7 @@ def main(argv=None) -> int:
             ratio = float(gib) / (match[0]["peak"] / GIB)
             notes.append(f"Calibration: measured {gib} GiB on one H200 for {model}, {n} device(s), {kind}, remat "
                          f"{remat}; this table says {match[0]['peak'] / GIB:.2f} GiB (GPU / CPU = {ratio:.2f}).")
-    from bench.report import heading
+    from scripts.bench.report import heading
 
     text = "\n".join([heading("scripts/memory_table.py", argv or sys.argv[1:]), "", header, *rows, "", *notes]) + "\n"
     if args.md:

@@ -46,8 +46,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+ROOT = Path(__file__).resolve().parents[2]
 
 STEP_MARKER = "overlap_step_"
 DEFAULT_VARIANTS = ("full:policy:scan", "offload:policy:scan", "offload:explicit:unroll")
@@ -225,10 +224,10 @@ def run_variant(variant: dict[str, str], model_dir: str, seq: int, steps: int, w
     """Profiles `steps` steps of one variant: (its record with the `analyse_trace` summary, the whole trace)."""
     import jax
 
-    from bench.profile import load_trace
+    from scripts.bench.profile import load_trace
     from jaxft.execution import ExecutionConfig
     from jaxft.run import Run
-    from max_context import make_batch, recipe, Settings
+    from experiments.probes.max_context import make_batch, recipe, Settings
 
     config = recipe(Settings(model_dir=model_dir))
     execution = ExecutionConfig(remat=variant["policy"], layer_loop=variant["loop"],
@@ -334,7 +333,7 @@ def main(argv=None) -> int:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
         parse_variant(v)
-    from max_context import model_dir
+    from experiments.probes.max_context import model_dir
 
     work = tempfile.mkdtemp(prefix="offload_overlap_")
     directory = model_dir(args.model, args.layers, work)
@@ -352,7 +351,7 @@ def main(argv=None) -> int:
             recs.append(dict(variant=v, error=f"skipped: {left:.0f} s left of --deadline-s"))
             continue
         part = os.path.join(work, f"trace_{i}.json")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", v, "--model-dir", directory, "--seq",
+        cmd = [sys.executable, "-m", "experiments.probes.offload_overlap", "--worker", v, "--model-dir", directory, "--seq",
                str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
                "--index", str(i)] + (["--trace-part", part] if args.trace else [])
         try:

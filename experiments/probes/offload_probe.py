@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Candidate XLA option (present in jaxlib 0.11.2's DebugOptions, off by default): the collective pipeliner moving a
 # scan's host write-back / reload one iteration over. (xla_gpu_enable_host_memory_offloading, also present, is
 # XLA's own remat-to-host in HloRematerialization, not the placement of JAX's annotations: left out.)
@@ -296,7 +296,7 @@ def _spawn(v: dict, steps: int, mem_fraction: float | None) -> dict:
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if mem_fraction is not None:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{mem_fraction:.2f}"
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(v), "--steps", str(steps)]
+    cmd = [sys.executable, "-m", "experiments.probes.offload_probe", "--worker", json.dumps(v), "--steps", str(steps)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("{"):

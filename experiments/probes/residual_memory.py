@@ -23,9 +23,8 @@ import numpy as np
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench.workloads import LORA, SHAPES, lora_module_targets, moe_layout  # noqa: E402
+from scripts.bench.workloads import LORA, SHAPES, lora_module_targets, moe_layout  # noqa: E402
 from jaxft.config import ModelConfig  # noqa: E402
 from jaxft.execution import ExecutionConfig  # noqa: E402
 from jaxft.lora import LoraConfig, apply_lora  # noqa: E402

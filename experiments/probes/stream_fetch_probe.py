@@ -48,8 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "deviceless"))
-from hlo_schedule import host_slice_counts  # noqa: E402  (plain text parsing)
+from tests.hlo_text import host_slice_counts  # noqa: E402  (plain text parsing)
 
 H, KV, I = 4096, 1024, 14336  # --small divides each by 16 (a CPU smoke run)
 

@@ -13,9 +13,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_variants_train_the_same_model_and_record_memory(tmp_path):
-    from ablate_step import parse_variant
-    from bench.models import save_random_model
-    from bench.workloads import get_workload
+    from experiments.probes.ablate_step import parse_variant
+    from scripts.bench.models import save_random_model
+    from scripts.bench.workloads import get_workload
 
     assert parse_variant("offload+unroll+dsf@128") == (
         "offload", {"xla_gpu_enable_dynamic_slice_fusion": True}, 128, True, "auto")

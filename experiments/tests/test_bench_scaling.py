@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-from bench.workloads import SHAPES  # noqa: E402
+from scripts.bench.workloads import SHAPES  # noqa: E402
 from bench_scaling import _point_in_a_process, markdown, point_row  # noqa: E402
 
 

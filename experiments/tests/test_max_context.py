@@ -12,7 +12,7 @@ import math
 import pytest
 
 import max_context as mc
-from bench.workloads import SHAPES
+from scripts.bench.workloads import SHAPES
 
 
 def _truth(load, g, t_min, t_max):

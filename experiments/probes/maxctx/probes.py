@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from maxctx.search import _floor, search_max
+from experiments.probes.maxctx.search import _floor, search_max
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GIB = 2**30
 POLICIES = ("none", "full", "offload", "offload+attn", "lean_attn", "offload_all", "offload_nested")
 # Policies of this script that are a remat policy plus execution settings: "offload_nested" is remat offload with
@@ -71,7 +71,7 @@ def make_run(settings: Settings, policy: str, seq: int, *, probe: bool):
     config = recipe(settings)
     devices = None
     if settings.deviceless:
-        from gpu_compile import h200_topology
+        from experiments.deviceless.gpu_compile import h200_topology
 
         devices = h200_topology().devices
     return Run(settings.model_dir, lora_config=config.lora, execution=execution_for(settings, policy, seq, probe=probe),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from maxctx.probes import GIB, REMAT_OF
+from experiments.probes.maxctx.probes import GIB, REMAT_OF
 
 # Unsloth's measured peaks (tokens, GiB), 8B shape, batch 1, LoRA r16 all linear, H200 (issue #10's table).
 UNSLOTH_POINTS = ((16384, 19.72), (32768, 23.9), (65536, 32.3))

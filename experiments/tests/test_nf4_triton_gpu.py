@@ -1,4 +1,4 @@
-"""The 4-bit matmul's Pallas kernels (kernels_pallas/nf4_matmul/triton.py) on the GPU: bf16 forward and input
+"""The 4-bit matmul's Pallas kernels (experiments/kernels/nf4_triton.py) on the GPU: bf16 forward and input
 gradient against the dequantise-then-matmul "xla" implementation on a weight of 8B-like proportions with a row
 count that is no multiple of the tile, and both kernels by name in the compiled program."""
 
@@ -12,8 +12,9 @@ import pytest
 from jaxft.quant import quantize_4bit
 from kernels_pallas import nf4_matmul as ops
 from kernels_pallas.nf4_matmul.shapes import Nf4Shape, make_inputs
-from kernels_pallas.nf4_matmul.triton import DX_NAME, FWD_NAME
-from gpu_helpers import NO_AUTOTUNE
+from experiments.kernels.nf4_triton import DX_NAME, FWD_NAME, nf4_matmul_triton
+
+NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}  # the GEMM algorithm, not the math (tests/gpu_helpers.py says why)
 
 pytestmark = pytest.mark.gpu
 
@@ -24,14 +25,14 @@ def test_triton_kernels_match_xla_in_bf16_and_are_in_the_compiled_program():
     q = quantize_4bit(w, blocksize=64, double_quant=False)
     dims = (shape.out_features, shape.in_features)
 
-    def step(impl):
+    def step(matmul):
         def run(a, packed, absmax, cot):
-            y, pullback = jax.vjp(lambda b: ops.nf4_matmul(b, packed, absmax, shape=dims, blocksize=64,
-                                                           implementation=impl), a)
+            y, pullback = jax.vjp(lambda b: matmul(b, packed, absmax, shape=dims, blocksize=64), a)
             return y, pullback(cot)[0]
         return jax.jit(run).lower(x, q.packed, q.absmax, dy).compile(compiler_options=NO_AUTOTUNE)
 
-    kernels, xla = step("triton"), step("xla")
+    kernels = step(nf4_matmul_triton)
+    xla = step(lambda b, p, m, **kw: ops.nf4_matmul(b, p, m, implementation="xla", **kw))
     hlo = kernels.as_text()
     assert FWD_NAME in hlo and DX_NAME in hlo
     (y, dx), (y_want, dx_want) = kernels(x, q.packed, q.absmax, dy), xla(x, q.packed, q.absmax, dy)

@@ -1,5 +1,5 @@
-"""scripts/memory_table.py's per-device estimate (compiled memory analysis from shapes, no weights) and
-`mesh: auto`, which uses it: on 2 host CPU devices (a subprocess: JAX fixes its device count at start), a
+"""`mesh: auto` and the per-device estimate it chooses by (compiled memory analysis from shapes, no weights): on
+2 host CPU devices (a subprocess: JAX fixes its device count at start), a
 tiny model's fsdp step holds less per device than its data-parallel step, and with a max_memory_gb between
 the two `mesh: auto` trains on fsdp, saying so."""
 
@@ -31,7 +31,7 @@ def test_estimate_and_mesh_auto_on_two_devices(tmp_path):
     make_tiny_model(tmp_path / "model", hidden=64, vocab=512)  # weights large enough to dominate the peak
     make_jsonl(tmp_path / "train.jsonl", 20)
     env = host_devices_env(2)
-    res = subprocess.run([sys.executable, str(REPO / "tests" / "memory_worker.py"), str(tmp_path / "model"),
+    res = subprocess.run([sys.executable, str(REPO / "tests" / "mesh_auto_worker.py"), str(tmp_path / "model"),
                           str(tmp_path / "train.jsonl"), str(tmp_path / "out"), str(tmp_path / "r.json")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
