@@ -359,12 +359,12 @@ class ExecutionConfig:
             # At the default limit XLA ran several one at a time, most waited for before any matmul (compiled for an
             # H200, one fetch per weight: 0 of a layer's GEMMs under 5 of 7 fetches in the forward, 3 of 7 in the
             # backward; with this limit the backward's run under 2-19 GEMMs, the forward's under 1-9:
-            # scripts/deviceless/stream_schedule.py).
+            # experiments/deviceless/stream_schedule.py).
             wanted["xla_gpu_experimental_parallel_async_compute_limit"] = 8
         if ours or offloading_scan:
             # No CUDA-graph command buffers: inside one, the loop's copies from host memory ran serialised with the
-            # matmuls. Measured on the H200 (docs/benchmarks.md section 38): scripts/stream_fetch_probe.py's loop
-            # (16 layers of 8B's matmuls at 1 x 16384, each layer's weights copied in under the layer before) took
+            # matmuls. Measured on the H200 (docs/benchmarks.md section 38): experiments/probes/stream_fetch_probe.py's
+            # loop (16 layers of 8B's matmuls at 1 x 16384, each layer's weights copied in under the layer before) took
             # 265 ms a step with command buffers and 157 without, against 147 for the compute alone and 140 for the
             # copies alone; the 8B lean step at 1 x 16384 (XLA's offload policy) 1880 -> 1833 ms.
             wanted["xla_gpu_enable_command_buffer"] = ""

@@ -3,7 +3,7 @@ iteration ahead: remat "offload" (the layer input to the host, everything else r
 written as one custom VJP around the whole scan.
 
 Why: with jax.checkpoint's offload policy inside the scan, whether a layer input's copy back overlaps compute is
-XLA's choice. In a toy scan compiled for an H200 (`scripts/deviceless/scan_offload_schedule.py`) the copy back
+XLA's choice. In a toy scan compiled for an H200 (`experiments/deviceless/scan_offload_schedule.py`) the copy back
 is waited for before the layer's first matmul (0 GEMMs between the copy's start and its done); in 4 Llama layers
 of 2048 width at 1 x 4096 compiled the same way, XLA overlapped it with 43 GEMMs. Here the overlap is written out:
 the backward is a reverse scan whose iteration i starts copying iteration i - 1's carry back before it recomputes
@@ -31,16 +31,16 @@ These inputs are frozen: nothing differentiates them. `host=False` keeps the car
 over streamed weights). Weights packed for streaming (`PackedSlot`, `jaxft.streamed`: one [L, total] host buffer
 per stack and dtype) are fetched as one row per layer and sliced apart on the device (`unpack_rows`): one copy per
 layer, which XLA runs under the layer's compute, where one copy per weight ran mostly exposed
-(scripts/deviceless/stream_schedule.py).
+(experiments/deviceless/stream_schedule.py).
 
 Fetches: every read of a stack in pinned host memory inside the loops (a streamed row, a kept carry or residual
 coming back) is a dynamic slice whose index is affine in the loop's counter and never leaves the stack. XLA then
 runs it as a copy (a dynamic-slice config, no kernel); an index read from a scanned array, or clamped
-(min(i + 1, L - 1)), makes it a loop fusion instead: a kernel whose threads read host memory over PCIe on the SMs
-the matmuls need (compiled for an H200: scripts/deviceless/hlo_schedule.py `host_slice_forms`,
-scripts/stream_fetch_probe.py). So the forward loop runs iterations 0 .. L-2, fetching iteration i + 1's rows, and
-the last iteration runs after it (its kept values apart from the loop's stacks); the backward loop's step k
-differentiates iteration L-1-k from what the step before fetched while it fetches iteration L-2-k's, and
+(min(i + 1, L - 1)), makes it a loop fusion instead: a kernel whose threads read host memory over PCIe on the SMs the
+matmuls need (compiled for an H200: tests/hlo_text.py `host_slice_forms`, experiments/probes/stream_fetch_probe.py). So
+the forward loop runs iterations 0 .. L-2, fetching iteration i + 1's rows, and the last iteration runs after it (its
+kept values apart from the loop's stacks); the backward loop's step k differentiates iteration L-1-k from what the step
+before fetched while it fetches iteration L-2-k's, and
 iteration 0 runs after it. Each f is traced twice in each direction (compile time), and an iteration's kept
 inputs come back together, one step early: with a period of p layers per iteration (`fs`) its p layer inputs are on
 the device through its backward, where each came back one layer early before (the loop's index into the stacks

@@ -4,7 +4,7 @@ buffer per stack and dtype, [L, total], whose row l is every streamed weight of 
 Why packed: each layer's weights then reach the device in ONE copy per layer and direction. Streamed leaf by leaf
 (one copy per weight), XLA ran the copies one after another and waited for most of them before the layer's first
 matmul; one copy per layer ran under all of the layer's matmuls (compiled for an H200 on a CPU,
-scripts/deviceless/stream_schedule.py: forward 9 of 9 GEMMs, backward 19 of 19, against 0-9 per weight).
+experiments/deviceless/stream_schedule.py: forward 9 of 9 GEMMs, backward 19 of 19, against 0-9 per weight).
 
 In the frozen state each streamed entry's value is a `PackedSlot`: the buffer (a pytree child, so the step receives
 it as an argument: every slot of one buffer passes the same array) and where the entry sits in each row (static).

@@ -1,7 +1,6 @@
 """The async copies of a compiled XLA GPU program that touch pinned host memory, and the GEMMs scheduled under each:
-read from `compiled.as_text()` (a scheduled HLO module). No JAX or CUDA plugin needed, so the deviceless scripts
-(scan_offload_schedule.py, stream_schedule.py, stream_memory.py) and the GPU tests (tests/test_frozen_weights_gpu.py)
-share it."""
+read from `compiled.as_text()` (a scheduled HLO module). Plain text parsing, no JAX or CUDA plugin: the GPU tests
+(tests/test_frozen_weights_gpu.py) and the lab's deviceless compiles (experiments/deviceless/) read programs with it."""
 
 from __future__ import annotations
 

@@ -371,7 +371,7 @@ def test_resume_keeps_finished_runs_without_rerunning(tmp_path):
                      "summary": {"status": "oom"}, "raw": {"status": "oom"}},
                     # outside this pass's selection: kept in the table (passes accumulate), not re-run
                     {"system": "jaxft", "workload": "tiny_llama", "summary": summary, "raw": raw}],
-           "ceiling": {}, "meta": {"command": "python scripts/bench_train.py --earlier-pass"}}
+           "ceiling": {}, "meta": {"command": "python -m scripts.bench.train --earlier-pass"}}
     prev = tmp_path / "old.json"
     prev.write_text(json.dumps(old))
     out = tmp_path / "new.json"
@@ -383,6 +383,6 @@ def test_resume_keeps_finished_runs_without_rerunning(tmp_path):
     report = json.loads(out.read_text())
     assert sorted((r["system"], r["workload"], r["summary"]["status"]) for r in report["runs"]) == \
         [("hf_ckpt", "tiny_packed", "oom"), ("hf_nockpt", "tiny_packed", "ok"), ("jaxft", "tiny_llama", "ok")]
-    assert report["meta"]["resumed_commands"] == ["python scripts/bench_train.py --earlier-pass"]
+    assert report["meta"]["resumed_commands"] == ["python -m scripts.bench.train --earlier-pass"]
     assert report["models"] == {}  # no model was saved: nothing was left to run
     assert "resumed from" in " ".join(report["notes"])

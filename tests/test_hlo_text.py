@@ -1,10 +1,10 @@
-"""scripts/deviceless/hlo_schedule.py's `host_slice_forms` on a synthetic scheduled HLO: only dynamic (update) slices
-that read or write a pinned host buffer (memory space S(5)) are listed, each as a memcpy when XLA gave it a
-dynamic slice config and as a kernel (a loop fusion) when not."""
+"""tests/hlo_text.py (how the GPU tests read a scheduled HLO) on a synthetic program: `host_slice_forms` lists only
+the dynamic (update) slices that read or write a pinned host buffer (memory space S(5)), each as a memcpy when XLA
+gave it a dynamic slice config and as a kernel (a loop fusion) when not."""
 
 from __future__ import annotations
 
-from hlo_schedule import host_slice_counts, host_slice_forms
+from hlo_text import host_slice_counts, host_slice_forms
 
 HLO = """
 %fetch_kernel (param_0.1: bf16[4,64]) -> bf16[1,64] {

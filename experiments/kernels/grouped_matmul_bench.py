@@ -24,7 +24,7 @@ number is the median over the rounds of its per-round medians.
 TFLOP/s counts useful work only: forward 2 * rows * K * N, forward+backward three times that. Each
 (implementation, shape) is compiled once, warmed up, then timed as the kernels' own throughput: ``--iters`` calls
 queued back to back and the device synchronised once after the last, the median over 5 such rounds of the time per
-call (`kernels_pallas._bench.queued_ms`). Until 2026-12-04 (docs/benchmarks.md sections 13-31) each call was
+call (`queued_ms`). Until 2026-12-04 (docs/benchmarks.md sections 13-31) each call was
 synchronised on its own, which also counted the host's dispatch and the wake-up after every sync (not yet
 measured how much). A failure prints its error and the run goes on.
 """
@@ -39,18 +39,42 @@ import importlib.util
 import json
 import os
 import sys
+import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas._bench import queued_ms
 
 from kernels_pallas.grouped_matmul.api import grouped_matmul
 from kernels_pallas.grouped_matmul.shapes import BENCH_SHAPES, TEST_SHAPES, GmmShape, make_inputs
 
 IMPLS = ("xla", "pallas_mosaic", "dense")
+
+
+def queued_ms(compiled: Callable, args: Sequence[jax.Array], reps: int = 20, rounds: int = 5,
+              warmup: int = 2) -> float:
+    """Median over ``rounds`` of the time per call of ``reps`` calls of ``compiled(*args)`` queued back to back,
+    the device synchronised once after the last (its stream runs them in order, so the last one done is all done).
+    Why: a kernel of about a millisecond timed one synchronised call at a time also pays the host's dispatch and
+    the wake-up after each sync, which a training step, whose kernels queue behind each other, does not; this
+    is the kernel's own throughput. Each call's outputs are dropped when the next replaces them."""
+    if reps < 1 or rounds < 1 or warmup < 0:
+        raise ValueError(f"experiments/kernels/grouped_matmul_bench.py: need reps, rounds >= 1 and warmup >= 0, got {reps}, {rounds}, "
+                         f"{warmup}.")
+    for _ in range(warmup):
+        jax.block_until_ready(compiled(*args))
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        out = None
+        for _ in range(reps):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - start) / reps)
+    return 1e3 * sorted(per_call)[len(per_call) // 2]
+
 
 
 def _programs(impl, shape: GmmShape):
@@ -262,7 +286,7 @@ def _table_variants(table) -> list:
     return out
 
 
-_SWEEP_RANK = 16  # the expert adapters' rank in the training benchmark (bench_train's LoRA r)
+_SWEEP_RANK = 16  # the expert adapters' rank in the training benchmark (scripts.bench's LoRA r)
 
 
 def _adapter_jobs(shape: GmmShape, direction: str, variants, args, fused_on_gpu: bool) -> list:

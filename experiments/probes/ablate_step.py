@@ -5,16 +5,16 @@ compiled memory (XLA's temp/argument/output sizes) is recorded. Variants differ 
 per-program XLA options; one variant can also be profiled (category split as scripts/bench/profile.py).
 The remat part is any policy of jaxft.remat without a ";" (e.g. "offload+attn", "offload=layer_input,mlp_gate_up").
 
-The numbers that go into the scoreboard come from scripts/bench_train.py (fresh process per system, the
+The numbers that go into the scoreboard come from scripts/bench/train.py (fresh process per system, the
 allocator's peak); this script is for deciding what the defaults should be, quickly, on the device.
 
-    python scripts/ablate_step.py --model-dir DIR --workload 8b_4096 \\
+    python -m experiments.probes.ablate_step --model-dir DIR --workload 8b_4096 \\
         --variants 'none;none+dsf;offload+dsf' --profile none+dsf --out $OUT/ablate.json
 
 A --model-dir without a config.json gets the workload shape's random-weight model first (bench.models, as
-scripts/bench_train.py saves it), e.g. a GPT-OSS-20B profile in one device call:
+scripts/bench/train.py saves it), e.g. a GPT-OSS-20B profile in one device call:
 
-    PYTHONPATH=.:scripts python3 scripts/ablate_step.py --model-dir /dev/shm/gpt_oss --workload gpt_oss_20b_4096 \\
+    python3 -m experiments.probes.ablate_step --model-dir /dev/shm/gpt_oss --workload gpt_oss_20b_4096 \\
         --variants 'offload;none' --profile offload --out $OUT/ablate.json
 
 Every variant is the benchmark's fast recipe (examples/bench/fast.yaml, through jaxft.run.Run) with other

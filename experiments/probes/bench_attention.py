@@ -1,6 +1,6 @@
 """Benchmark attention implementations (reference, cuDNN, jaxft Pallas) on the GPU.
 
-Usage: python scripts/bench_attention.py --out docs/results/attention_h200.json
+Usage: python -m experiments.probes.bench_attention --out docs/results/attention_h200.json
 Writes the JSON to --out and a markdown table next to it (same stem, .md),
 rewriting both after every shape so partial results survive a timeout.
 Shapes come from kernels_pallas/attention/shapes.py (shared with the tests); implementation names

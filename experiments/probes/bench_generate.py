@@ -1,6 +1,6 @@
 """Decode throughput of jaxft.generation vs transformers' generate, on random-weight bf16 models.
 
-    python scripts/bench_generate.py [--shapes 1b,8b | tiny] [--systems jaxft,hf] [--batch 1,16]
+    python -m experiments.probes.bench_generate [--shapes 1b,8b | tiny] [--systems jaxft,hf] [--batch 1,16]
                                      [--prompt-len 128] [--new-tokens 256] [--out results.json]
 
 For each shape (scripts/bench/workloads.py SHAPES: llama-3.2-1b, llama-3.1-8b; `tiny` = tiny-llama for a CPU

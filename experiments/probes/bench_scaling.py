@@ -2,7 +2,7 @@
 """Data-parallel and FSDP scaling of jaxft's LoRA step on 1-N devices of one host, beside HF+PEFT under accelerate
 (issue #15's scaling table).
 
-    python scripts/bench_scaling.py --workload 8b_4096 --devices 1,2,4,8 --meshes dp,fsdp --systems jaxft,hf_ckpt \\
+    python -m experiments.probes.bench_scaling --workload 8b_4096 --devices 1,2,4,8 --meshes dp,fsdp --systems jaxft,hf_ckpt \\
         --steps 10 --json scaling.json --md scaling.md
 
 Each jaxft point (mesh, device count N) runs in a process of its own on the first N devices (CUDA_VISIBLE_DEVICES, so
@@ -20,13 +20,13 @@ the median step time / N; efficiency = that over the one-device point's (one dev
 every mesh, so it runs once). Peak memory per device: the allocator's `peak_bytes_in_use` of each device after
 the steps (not reported on a CPU; the random init before them keeps no temporaries on a GPU, so the peak is the
 steps': `Run.random_state_program`), beside the compiled step's estimate (`jaxft.auto.peak_estimate`, what
-scripts/memory_table.py tabulates and `mesh: auto` plans with). Same data at every mesh of one N: the first losses
+experiments/probes/memory_table.py tabulates and `mesh: auto` plans with). Same data at every mesh of one N: the first losses
 of dp and fsdp agree (a check that both train the same thing).
 
-HF+PEFT points (`--systems hf_ckpt,hf_nockpt`: gradient checkpointing on / off) run scripts/bench_scaling_hf.py on
+HF+PEFT points (`--systems hf_ckpt,hf_nockpt`: gradient checkpointing on / off) run experiments/probes/bench_scaling_hf.py on
 the same first N devices, one process per device under torchrun (one device: a plain process), with accelerate's
 DDP ("dp") or FSDP2 ("fsdp"): the same workload rows per device, the same LoRA targets, rank and optimizer as
-bench_torch_worker's; see that script for how it is timed. Efficiency is each system's own: over its one-device row.
+scripts.bench.torch_worker's; see that script for how it is timed. Efficiency is each system's own: over its one-device row.
 
 The 70B-shaped FSDP point is `--workload 70b_4096 --devices 8 --meshes fsdp --systems jaxft`: `Run.init_random`
 makes the weights in place, each device drawing only its shards.
@@ -81,7 +81,7 @@ def run_point(workload_name: str, mesh: str, devices: int, steps: int, mode: str
         mesh_override = "mesh={" + ", ".join(f"{k}: {v}" for k, v in axes.items()) + "}"
         config = mode_config(mode, model_dir, workload, run_dtype(workload), extra=(mesh_override,))
         run = Run.from_config(config, total_steps=steps + 1, devices=jax.devices()[:devices])
-        run.compile(batches[0])  # before the weights exist, as the harness does (bench_jaxft_worker)
+        run.compile(batches[0])  # before the weights exist, as the harness does (scripts.bench.jaxft_worker)
         compile_s = run.compile_seconds
         estimate = peak_estimate(run.memory_analysis())  # what memory_table.py and `mesh: auto` plan with
         run.init_random()
@@ -212,7 +212,7 @@ def add_efficiency(rows: list[dict]) -> list[dict]:
 
 def markdown(rows: list[dict], argv: list[str]) -> str:
     kind = next((r["device_kind"] for r in rows if r.get("status") == "ok"), "?")
-    lines = [heading("scripts/bench_scaling.py", argv, kind), "",
+    lines = [heading("-m experiments.probes.bench_scaling", argv, kind), "",
              "| system | mesh | devices | step | tokens/s | tokens/s per device | efficiency | peak per device | "
              "estimate | first loss |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

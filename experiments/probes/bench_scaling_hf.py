@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""HF+PEFT side of scripts/bench_scaling.py: one point (system, mesh, N devices), run under torchrun with one
+"""HF+PEFT side of experiments/probes/bench_scaling.py: one point (system, mesh, N devices), run under torchrun with one
 process per device, as accelerate runs data parallel and FSDP training for its users.
 
-    python -m torch.distributed.run --standalone --nproc_per_node N scripts/bench_scaling_hf.py \\
+    python -m torch.distributed.run --standalone --nproc_per_node N experiments/probes/bench_scaling_hf.py \\
         --system hf_ckpt --mesh dp --workload 8b_4096 --steps 10 --json point.json
 
 (bench_scaling.py starts it so, and one device with plain `python`: under torchrun accelerate would wrap even a
 single process in DDP.) Each process builds the workload's model shape
 with random bf16 weights on its device (transformers' init, the same seed on every rank), wraps it with the PEFT LoRA
-of bench_torch_worker (the benchmark's targets, fp32 adapters), and hands it to `accelerate.Accelerator.prepare`:
+of scripts.bench.torch_worker (the benchmark's targets, fp32 adapters), and hands it to `accelerate.Accelerator.prepare`:
 
   dp    accelerate's DistributedDataParallel (the LoRA gradients all-reduced; every rank holds the whole model)
   fsdp  accelerate's FSDP2 (`FullyShardedDataParallelPlugin(fsdp_version=2)`, each decoder layer its own unit by
@@ -20,7 +20,7 @@ On one device neither: accelerate leaves the model as it is. accelerate shards w
 silently falls back to DDP), so a point whose distributed type is not the one asked for fails with one line.
 
 Every rank trains its own rows of the global batch (the workload's rows per device, so the global batch grows with
-N: weak scaling, as bench_scaling's jaxft points), the step of bench_torch_worker.train_loop (AdamW on the LoRA
+N: weak scaling, as bench_scaling's jaxft points), the step of scripts.bench.torch_worker.train_loop (AdamW on the LoRA
 parameters, gradient checkpointing per system), timed per step after a device sync. Rank 0 writes the point: per
 step the slowest rank's time, the ranks' mean loss, every rank's allocator peak.
 """

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # One device call for the numbers of the honest-metrics/generation issue, on random-weight bf16 models:
-#   1. decode tokens/s, jaxft.generate vs transformers' generate (scripts/bench_generate.py): Llama-3.2-1B and
-#      Llama-3.1-8B shapes, batch 1 and 16, 128-token prompts, 256 new tokens;
+#   1. decode tokens/s, jaxft.generate vs transformers' generate (experiments/probes/bench_generate.py):
+#      Llama-3.2-1B and Llama-3.1-8B shapes, batch 1 and 16, 128-token prompts, 256 new tokens;
 #   2. what `jaxft-train` logs (tokens/s, step time, peak memory, compile time, summary) for the benchmark's
 #      fast recipe (examples/bench/fast.yaml) on the 8B shape, packed 4096-token rows of ~300-token documents.
-# Usage (device tool, repo root):  OUT=$OUT bash scripts/gpu_decode_and_train.sh    (SHAPES=1b,8b STEPS=30)
+# Usage (device tool, repo root):  OUT=$OUT bash experiments/probes/gpu_decode_and_train.sh    (SHAPES=1b,8b STEPS=30)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:?set OUT to the results folder}
-export PYTHONPATH="$PWD:$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
 W=${WORKDIR:-/tmp/jaxft_models}
 mkdir -p "$W" "$OUT"
 stamp() { echo "[gpu $(date +%T)] $*"; }
 stamp "decode benchmark"
-timeout "${DECODE_TIMEOUT_S:-330}" python3 scripts/bench_generate.py --shapes "${SHAPES:-1b,8b}" --workdir "$W" \
+timeout "${DECODE_TIMEOUT_S:-330}" python3 -m experiments.probes.bench_generate --shapes "${SHAPES:-1b,8b}" --workdir "$W" \
   --out "$OUT/bench_generate.json" 2>&1 | tee "$OUT/generate.log" | tail -20
 stamp "jaxft-train, 8B shape, examples/bench/fast.yaml, packed 4096-token rows"
 python3 - "$W/docs.jsonl" <<'PY'

@@ -1,7 +1,7 @@
 """GPU check of the foundation: a Llama-3.2-1B-shaped model (random weights) runs its bf16 forward through
 every attention implementation and matches the fp32 logits within bf16 tolerance. Prints and writes JSON.
 
-    python scripts/gpu_forward_check.py --out $OUT/forward.json [--seq 4096] [--impls xla,cudnn,pallas]
+    python -m experiments.probes.gpu_forward_check --out $OUT/forward.json [--seq 4096] [--impls xla,cudnn,pallas]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 """Max context: the longest single row (batch 1) each remat policy can train on this device, from the compiled
 step's memory analysis plus host-memory accounting, then one real step at the goal length.
 
-    PYTHONPATH=.:scripts python scripts/max_context.py [--model llama-3.1-8b] [--policies none,full,...]
+    python -m experiments.probes.max_context [--model llama-3.1-8b] [--policies none,full,...]
         [--host-memory-gb 128] [--device-memory-gb G] [--deadline-s 300] [--out max_context.jsonl] [--md t.md]
 
 The step is the benchmark's (`examples/bench/auto.yaml`: LoRA r16 alpha 32 on q..down, AdamW; bf16; attention
@@ -31,7 +31,7 @@ the host holds one layer input per block, so its row is limited by the device (k
 recompute). Its load falls where a longer row takes a larger block, hence the search's frontier secant.
 
 `--deviceless` compiles every probe for the H200 target description on a machine without a GPU
-(scripts/deviceless/gpu_compile.py): no real step, no autotuning, Pallas attention (cuDNN does not lower there).
+(experiments/deviceless/gpu_compile.py): no real step, no autotuning, Pallas attention (cuDNN does not lower there).
 Measured against the GPU's own search (docs/benchmarks.md section 29) it gives 9-17% longer rows for the
 device-limited policies: a planning number, not a measurement.
 
@@ -49,7 +49,7 @@ Unsloth runs in torch, so its longest row cannot come from this method. Its colu
 a least-squares line through its measured peaks (issue #10, H200, commit aa868ab: 19.72 / 23.9 / 32.3 GiB at
 16k / 32k / 64k tokens, about 0.26 GiB per 1k tokens), solved for the device budget.
 
-The pieces live in scripts/maxctx/ (search.py: the search; probes.py: the step, one probe, a policy's search and
+The pieces live in experiments/probes/maxctx/ (search.py: the search; probes.py: the step, one probe, a policy's search and
 the real step; table.py: the derived rows and the table), re-exported here; this script runs them (worker
 processes, the deadline).
 """
@@ -135,7 +135,7 @@ def parse_args(argv=None):
     ap.add_argument("--step-seq", default="262144", help="tokens of the real step; 'max': the step policy's longest "
                     "row (after the searches); 0: no step")
     ap.add_argument("--deviceless", action="store_true", help="compile for an H200 on this machine instead of "
-                    "using its device (scripts/deviceless/gpu_compile.py; needs JAX_CUDA_PLUGIN_DIR, "
+                    "using its device (experiments/deviceless/gpu_compile.py; needs JAX_CUDA_PLUGIN_DIR, "
                     "--device-memory-gb and --step-seq 0; attention 'auto' becomes 'pallas', no autotuning)")
     ap.add_argument("--out", default=None, help="JSON lines (every probe, result and the step)")
     ap.add_argument("--md", default=None, help="the markdown table")

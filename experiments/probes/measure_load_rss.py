@@ -11,7 +11,7 @@ Done criterion: peak RSS <= 1.5 x checkpoint bytes. The result itself is one
 checkpoint's worth, so the criterion leaves 0.5x for the interpreter, numpy,
 the scratch buffer and any transient copy.
 
-Usage: python scripts/measure_load_rss.py [--dir DIR] [--keep]
+Usage: python -m experiments.probes.measure_load_rss [--dir DIR] [--keep]
 """
 
 from __future__ import annotations

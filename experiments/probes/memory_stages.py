@@ -5,10 +5,10 @@ Why: before its first step the Qwen3-30B-A3B lean row held 2.74 GB more than its
 batches), and no live array accounted for it (docs/benchmarks.md sections 23-24). XLA's BFC allocator counts a
 whole chunk as in use when it hands out a free chunk less than twice the request and less than 128 MiB larger,
 so the order in which buffers are made and freed can leave memory in use that no array owns. This prints, per
-stage, `bytes_in_use`, the bytes of the distinct live buffers (`bench_jaxft_worker.distinct_buffers`) and their
+stage, `bytes_in_use`, the bytes of the distinct live buffers (`scripts.bench.jaxft_worker.distinct_buffers`) and their
 difference, so the stage that adds it is named.
 
-    PYTHONPATH=.:scripts python3 scripts/memory_stages.py --model-dir DIR --workload qwen3_30b_a3b_4096 \\
+    python3 -m experiments.probes.memory_stages --model-dir DIR --workload qwen3_30b_a3b_4096 \\
         --mode lean --out $OUT/memory_stages.json
 
 A --model-dir without a config.json gets the workload shape's random-weight model first (bench.models).

@@ -4,7 +4,7 @@ step, compiled from abstract inputs (shapes with shardings, `jaxft.run.Run.compi
 so an 8B or 70B model "fits" in the table without a byte of it being allocated.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
-        python scripts/memory_table.py --models 8b,70b --devices 1,2,4,8 --remat none,full --md table.md
+        python -m experiments.probes.memory_table --models 8b,70b --devices 1,2,4,8 --remat none,full --md table.md
 
 Per-device peak = arguments (frozen weights, LoRA, optimizer state, batch: each device's shards) + outputs +
 temporaries - outputs aliased to donated inputs + the allocator's rounding (2% of arguments;
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
                          f"{remat}; this table says {match[0]['peak'] / GIB:.2f} GiB (GPU / CPU = {ratio:.2f}).")
     from scripts.bench.report import heading
 
-    text = "\n".join([heading("scripts/memory_table.py", argv or sys.argv[1:]), "", header, *rows, "", *notes]) + "\n"
+    text = "\n".join([heading("-m experiments.probes.memory_table", argv or sys.argv[1:]), "", header, *rows, "", *notes]) + "\n"
     if args.md:
         Path(args.md).write_text(text)
     print(text)

@@ -5,7 +5,7 @@ gathered [N, k, H] rows (jaxft's form until section 27 of docs/benchmarks.md), a
 whose autodiff is a scatter-add, and a scatter-add combine). The experts are left out (an elementwise stand-in),
 so the difference is the routing alone; `dispatch_only` is the sort, the inverse permutation and the group sizes.
 
-    PYTHONPATH=.:scripts python3 scripts/bench/moe_routing.py [--out moe_routing.json] [--small]
+    python3 -m experiments.probes.moe_routing [--out moe_routing.json] [--small]
 
 Shapes: the benchmark's 1 x 4096 rows of Qwen3-30B-A3B (H 2048, E 128, k 8) and GPT-OSS-20B (H 2880, E 32,
 k 4) (--small: one small shape, a CPU check); bf16; median ms of 20 calls (kernels_pallas._bench.median_ms,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Do the host offload's copies overlap compute? A profile of a few real training steps per variant, read back.
 
-    PYTHONPATH=.:scripts python scripts/offload_overlap.py [--variants full:scan,offload:policy:scan,...]
+    python -m experiments.probes.offload_overlap [--variants full:scan,offload:policy:scan,...]
         [--layers 4] [--seq 8192] [--steps 3] --out overlap.json [--trace overlap_trace.json.gz]
 
 Each variant (remat policy : offload transfer : layer loop [: frozen weights device|host]) runs in its own process:

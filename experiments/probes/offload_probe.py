@@ -24,7 +24,7 @@ the 4 largest arrays any compiled instruction produces (what dominates temp: e.g
 `peak_bytes`, `live_bytes_before` - allocator peak over the steps and bytes in use before them (None on
 the CPU, whose client keeps no stats); `loss`, `grad_norm` - of the first step (equal across policies).
 
-    PYTHONPATH=. python scripts/offload_probe.py [--out probe.jsonl] [--only SUBSTR,...] [--jobs N]
+    PYTHONPATH=. python -m experiments.probes.offload_probe [--out probe.jsonl] [--only SUBSTR,...] [--jobs N]
 
 On the CPU it checks itself (exit status 1 on a failed check): gradients of every policy equal to `full`,
 placements lowered for CUDA exactly for the offloading policies, full's temp below none's. On the GPU it

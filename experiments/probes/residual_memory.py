@@ -7,8 +7,8 @@ bytes per layer, and the largest residual kinds. An analysis of the program, not
 workspace, and an MoE shape's experts run on `ragged_dot` here, whose transpose keeps each layer's expert weights
 (listed as such; the Mosaic GPU kernels the H200 runs read them in place).
 
-    python scripts/residual_memory.py                                   # Llama-3.1-8B widths, 1 x 4096
-    python scripts/residual_memory.py --shape gpt-oss-20b --seq 4096    # GPT-OSS-20B widths, one period
+    python -m experiments.probes.residual_memory                                   # Llama-3.1-8B widths, 1 x 4096
+    python -m experiments.probes.residual_memory --shape gpt-oss-20b --seq 4096    # GPT-OSS-20B widths, one period
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 """How fast can a layer loop read its weights from pinned host memory, and does the copy run under the matmuls?
 A probe of the fetch forms `jaxft.offload_scan` could use, on one GPU, outside jaxft's model code.
 
-    PYTHONPATH=. python scripts/stream_fetch_probe.py [--layers 16] [--tokens 16384] --out probe.json
+    PYTHONPATH=. python -m experiments.probes.stream_fetch_probe [--layers 16] [--tokens 16384] --out probe.json
 
 The loop: `--layers` layers of Llama-3.1-8B's matmul shapes (q, k, v, o 4096 x 4096 in the real model's GQA
 shapes, gate/up 4096 x 14336, down 14336 x 4096; bf16), forward only, one row of `--tokens` tokens; the layer's
@@ -21,7 +21,7 @@ while layer i runs (as `offloaded_scan` does). Forms:
     host_peel     L - 1 iterations, each fetching row i + 1 at an index affine in a counter the scan carries (never
                   out of range: no clamp), the last layer after the loop
 
-Compiled for an H200 (scripts/deviceless/hlo_schedule.py `host_slice_forms`): the fetch of host_iota, host_const and
+Compiled for an H200 (experiments/deviceless/hlo_schedule.py `host_slice_forms`): the fetch of host_iota, host_const and
 host_counter is a loop fusion (a kernel reading host memory); host_xs, host_xs_shift and host_peel's is a memcpy
 (XLA's dynamic slice config: XLA makes one where the offset is an affine function of the loop's induction variable,
 or of a counter it merges with it, over every iteration; the clamp min(i + 1, L - 1) and a scanned index array are

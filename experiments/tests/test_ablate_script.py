@@ -1,4 +1,4 @@
-"""scripts/ablate_step.py (the one-process ablation tool used to choose defaults on the GPU) on a tiny model."""
+"""experiments/probes/ablate_step.py (the one-process ablation tool used to choose defaults on the GPU) on a tiny model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_variants_train_the_same_model_and_record_memory(tmp_path):
@@ -26,8 +26,8 @@ def test_variants_train_the_same_model_and_record_memory(tmp_path):
     model_dir = tmp_path / "model"
     save_random_model(get_workload("tiny_llama").shape, str(model_dir), "cpu")
     out = tmp_path / "ablate.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "scripts")]))
-    subprocess.run([sys.executable, os.path.join(REPO, "scripts", "ablate_step.py"), "--model-dir", str(model_dir),
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    subprocess.run([sys.executable, "-m", "experiments.probes.ablate_step", "--model-dir", str(model_dir),
                     "--workload", "tiny_llama", "--steps", "3", "--warmup", "1",
                     "--variants", "none;none+unroll;full@64;offload+xscan", "--out", str(out)],
                    check=True, env=env, capture_output=True, timeout=300)

@@ -1,4 +1,4 @@
-"""scripts/bench_scaling.py (issue #15's scaling table) on 2 host CPU devices: a process per point, the mesh
+"""experiments/probes/bench_scaling.py (issue #15's scaling table) on 2 host CPU devices: a process per point, the mesh
 each point asked for, the global batch growing with the devices, the same first loss for dp and fsdp on the same
 rows, efficiency against the one-device row, and the table; HF+PEFT points under accelerate (DDP over 2 CPU
 processes with gloo; FSDP, which accelerate runs on GPUs only, refused in one line)."""
@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 from scripts.bench.workloads import SHAPES  # noqa: E402
-from bench_scaling import _point_in_a_process, markdown, point_row  # noqa: E402
+from experiments.probes.bench_scaling import _point_in_a_process, markdown, point_row  # noqa: E402
 
 
 @pytest.mark.slow  # three child processes, each compiling a tiny step
 def test_points_run_on_their_meshes_and_agree_on_the_first_loss(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_scaling.py"), "--workload", "tiny_llama", "--devices", "1,2",
+    cmd = [sys.executable, "-m", "experiments.probes.bench_scaling", "--workload", "tiny_llama", "--devices", "1,2",
            "--systems", "jaxft", "--steps", "2", "--json", str(tmp_path / "s.json"), "--md", str(tmp_path / "s.md")]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -42,7 +42,7 @@ def test_points_run_on_their_meshes_and_agree_on_the_first_loss(tmp_path):
     dp, fsdp = rows[1]["losses"], rows[2]["losses"]
     assert dp[0] == pytest.approx(fsdp[0], rel=1e-5) and dp[-1] == pytest.approx(fsdp[-1], rel=1e-4)
     table = (tmp_path / "s.md").read_text().splitlines()
-    assert table[0].endswith("`python scripts/bench_scaling.py --workload tiny_llama --devices 1,2 --systems jaxft "
+    assert table[0].endswith("`python -m experiments.probes.bench_scaling --workload tiny_llama --devices 1,2 --systems jaxft "
                              f"--steps 2 --json {tmp_path / 's.json'} --md {tmp_path / 's.md'}`")
     assert [line.split(" | ")[:3] for line in table[4:7]] == [["| jaxft", "dp", "1"], ["| jaxft", "dp", "2"],
                                                               ["| jaxft", "fsdp", "2"]]
@@ -51,7 +51,7 @@ def test_points_run_on_their_meshes_and_agree_on_the_first_loss(tmp_path):
 
 @pytest.mark.slow  # three torch child processes (two of them under torchrun)
 def test_hf_points_run_under_accelerate_and_fsdp_on_a_cpu_is_refused_in_one_line(tmp_path):
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_scaling.py"), "--workload", "tiny_llama", "--devices", "1,2",
+    cmd = [sys.executable, "-m", "experiments.probes.bench_scaling", "--workload", "tiny_llama", "--devices", "1,2",
            "--systems", "hf_ckpt", "--steps", "2", "--json", str(tmp_path / "s.json"), "--md", str(tmp_path / "s.md")]
     res = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900,
                          cwd=REPO)
@@ -77,20 +77,20 @@ def test_hf_points_run_under_accelerate_and_fsdp_on_a_cpu_is_refused_in_one_line
 
 
 def test_a_bad_mesh_is_one_line():
-    res = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_scaling.py"), "--meshes", "dp,tp"],
+    res = subprocess.run([sys.executable, "-m", "experiments.probes.bench_scaling", "--meshes", "dp,tp"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 1 and res.stderr.strip() == "bench_scaling: --meshes 'tp': use dp, fsdp"
 
 
 def test_a_bad_system_is_one_line():
-    res = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_scaling.py"), "--systems", "jaxft,unsloth"],
+    res = subprocess.run([sys.executable, "-m", "experiments.probes.bench_scaling", "--systems", "jaxft,unsloth"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert res.returncode == 1 and res.stderr.strip() == ("bench_scaling: --systems 'unsloth': use jaxft, hf_ckpt, "
                                                           "hf_nockpt")
 
 
 def test_a_point_past_its_timeout_is_killed_whole_and_recorded(tmp_path):
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_scaling.py"), "--workload", "tiny_llama", "--devices", "1",
+    cmd = [sys.executable, "-m", "experiments.probes.bench_scaling", "--workload", "tiny_llama", "--devices", "1",
            "--systems", "jaxft", "--steps", "1", "--timeout", "2", "--json", str(tmp_path / "s.json")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]

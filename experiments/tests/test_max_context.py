@@ -1,4 +1,4 @@
-"""scripts/max_context.py: the search finds the exact longest row against a known memory limit (synthetic loads,
+"""experiments/probes/max_context.py: the search finds the exact longest row against a known memory limit (synthetic loads,
 and a tiny model's compiled step under an injected device budget), the real step runs on random weights, auto's
 row and Unsloth's derived row follow their definitions."""
 
@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-import max_context as mc
+from experiments.probes import max_context as mc
 from scripts.bench.workloads import SHAPES
 
 

@@ -1,4 +1,4 @@
-"""scripts/offload_overlap.py's trace reader on a synthetic GPU trace whose copy/compute overlap is known: only
+"""experiments/probes/offload_overlap.py's trace reader on a synthetic GPU trace whose copy/compute overlap is known: only
 stream lines count (the derived lines repeat the spans), only events inside a step's annotation, copies by
 direction, backward kernels by the HLO op's name stack, copies on their own stream or not."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import offload_overlap as ov
+from experiments.probes import offload_overlap as ov
 
 HLO = """
 ENTRY %main {

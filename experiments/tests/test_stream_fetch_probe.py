@@ -1,4 +1,4 @@
-"""scripts/stream_fetch_probe.py on the CPU at 1/16 width: every fetch form computes the same layer loop (the probe
+"""experiments/probes/stream_fetch_probe.py on the CPU at 1/16 width: every fetch form computes the same layer loop (the probe
 times forms that must agree), and an unknown form is one line."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import stream_fetch_probe as probe
+from experiments.probes import stream_fetch_probe as probe
 
 
 @pytest.fixture

@@ -119,7 +119,7 @@ def _picks(x: jax.Array, inverse: jax.Array, k: int) -> list[jax.Array]:
     j. The sums over k below add these k gathers elementwise: gathering [N, k, H] and reducing its middle axis
     computed the same sum 4.9x slower on the H200 at Qwen3-30B-A3B's shape (k = 8: the combine and gather_tokens'
     backward, forward + backward 2.95 vs 0.60 ms) and 2.0x at GPT-OSS-20B's (k = 4: 0.48 vs 0.24 ms;
-    scripts/bench/moe_routing.py, docs/benchmarks.md section 27)."""
+    experiments/probes/moe_routing.py, docs/benchmarks.md section 27)."""
     inv = inverse.reshape(-1, k)
     return [x[inv[:, j]] for j in range(k)]
 

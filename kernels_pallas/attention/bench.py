@@ -1,4 +1,4 @@
-"""Benchmark helpers for scripts/bench_attention.py: FLOP counts of the attention shapes.
+"""Benchmark helpers for experiments/probes/bench_attention.py: FLOP counts of the attention shapes.
 
 The shapes themselves (``BENCH_SHAPES``, ``TEST_SHAPES``, ``make_segment_ids``) live in shapes.py, which the
 tests and the benchmark script import.

@@ -33,7 +33,7 @@ Three variants measured on an H100 against the chained table entries of both Qwe
 the unchained kernel it modifies, 6-17% under the chained entry), clusters of two blocks sharing each lhs tile by
 TMA multicast (3-7% slower), and whole tiles stored through a swizzled staging tile (-3% to +0.6%). So neither the tensor cores draining between steps, nor L2 reads,
 nor bank conflicts in the epilogue limit these shapes. Section 44 (H100) took the Qwen3-30B-A3B forward apart
-(`bench --probe`): its 128 ragged groups run 6-9% under equal groups of whole tiles, and those 23-27% under one group
+(the lab's probe): its 128 ragged groups run 6-9% under equal groups of whole tiles, and those 23-27% under one group
 of the same rows and units; a unit that starts on a fresh expert matrix costs ~4 us besides its products, ~1 us on
 one matrix. Eight remedies measured and dropped (git history): an L2 prefetch of the SM's next unit's tiles
 (`plgpu.async_prefetch`, 14-53% slower), the output staged in 64-row pieces to free a fourth stage (2-3% slower),

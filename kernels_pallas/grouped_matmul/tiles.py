@@ -75,7 +75,7 @@ DEFAULT_CONFIG = TileConfig()
 _WS = dict(warp_specialized=True)
 # Per row-kernel problem (contraction K, output width N, groups G): the forward of a (K, N, G) projection looks
 # up (K, N, G), its d lhs (N, K, G); d rhs takes the dw_* fields of the forward's entry. The row-kernel tiles are the
-# best of `bench --sweep` on an H200 (JAX 0.11.2, the ragged sizes of shapes.BENCH_SHAPES; each kernel alone,
+# best of a tile sweep on an H200 (JAX 0.11.2, the ragged sizes of shapes.BENCH_SHAPES; each kernel alone,
 # TFLOP/s in the comments, the previous table's in brackets; docs/results/gmm_sweep_h200_c957edd.json).
 CONFIGS: dict[tuple[int, int, int], TileConfig] = {
     # Qwen3-30B-A3B gate_up [2048 -> 1536]: fwd 408 [382, 335 in a second run], d rhs 366 [341]

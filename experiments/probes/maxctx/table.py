@@ -1,4 +1,4 @@
-"""The rows scripts/max_context.py derives instead of searching (auto's, from its candidates' rows; Unsloth's, from a
+"""The rows experiments/probes/max_context.py derives instead of searching (auto's, from its candidates' rows; Unsloth's, from a
 line through its measured peaks), the --unsloth-points parser, and the markdown table."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def markdown(results: dict[str, dict], step: dict | None, budget: int | None, ho
              unsloth_points=UNSLOTH_POINTS) -> str:
     gib = lambda b: "-" if b is None else f"{b / GIB:.2f}"  # noqa: E731
     lines = [f"Device budget {gib(budget)} GiB, host budget {gib(host_budget)} GiB "
-             "(compiled memory analysis; `scripts/max_context.py`).", "",
+             "(compiled memory analysis; `experiments/probes/max_context.py`).", "",
              "| policy | max T (tokens) | exact? | limited by | device GiB | host GiB | compile s | probes |",
              "|---|---:|---|---|---:|---:|---:|---:|"]
     for p, r in results.items():
