@@ -114,8 +114,8 @@ if has ce; then
 fi
 
 if has nf4; then
-  stamp "nf4 matmul benchmark (8B projections, M = 4k..16k: dense bf16 vs dequantise-then-matmul vs the Pallas kernels)"
-  # Every row to check.log (48 of them), the last ones to the call's output.
+  stamp "nf4 matmul benchmark (8B projections, M = 4k..16k: dense bf16 vs dequantise-then-matmul vs the reference)"
+  # Every row to check.log (36 of them), the last ones to the call's output.
   timeout "${NF4_TIMEOUT_S:-120}" python3 -m kernels_pallas.nf4_matmul.bench --iters 5 \
     2>&1 | grep -v "Warning\|warn\|^  " | tee -a "$OUT/check.log" | tail -30
 fi

@@ -25,8 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from kernels_pallas.attention import dot_product_attention, make_metadata  # noqa: E402
-from kernels_pallas.attention.bench import useful_flops  # noqa: E402
-from kernels_pallas.attention.shapes import BENCH_SHAPES, make_segment_ids  # noqa: E402
+from kernels_pallas.attention.metadata import kept_pairs  # noqa: E402
+from kernels_pallas.attention.shapes import BENCH_SHAPES, AttnShape, make_segment_ids  # noqa: E402
 from kernels_pallas.attention.config import BlockConfig, FlashConfig  # noqa: E402
 from kernels_pallas.attention.config import default_flash_config  # noqa: E402
 from kernels_pallas.attention.cudnn import cudnn_attention  # noqa: E402
@@ -35,6 +35,17 @@ from kernels_pallas.attention.flash import flash_attention  # noqa: E402
 IMPLS = ("reference", "cudnn", "pallas")
 REFERENCE_MAX_SCORE_BYTES = 24 * 2**30  # skip the reference when one fp32 [B,H,T,T] score tensor exceeds this
 
+
+
+def useful_flops(shape: AttnShape, segment_ids: np.ndarray) -> tuple[float, float]:
+    """(forward, forward+backward) FLOPs counting only kept score entries.
+
+    Forward: 2 matmuls (QK^T, PV) = 4 * D flops per kept pair per head.
+    Backward: 5 matmuls (QK^T recompute, dV, dP, dQ, dK) = 10 * D.
+    """
+    pairs = kept_pairs(segment_ids, window=shape.window)
+    fwd = 4.0 * shape.head_dim * shape.heads * pairs
+    return fwd, fwd * 3.5
 
 def _time(fn, args, iters):
     out = fn(*args)
