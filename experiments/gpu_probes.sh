@@ -31,7 +31,8 @@ stamp() { echo "[gpu_probes $(date +%T)] $*"; }
 
 if has forward; then
   stamp "forward check (Llama-3.2-1B shape, bf16 vs fp32, every attention implementation)"
-  timeout "${FORWARD_TIMEOUT_S:-150}" python3 -m experiments.probes.gpu_forward_check --out "$OUT/forward.json" 2>&1 | tail -20
+  timeout "${FORWARD_TIMEOUT_S:-150}" python3 -m experiments.probes.gpu_forward_check --out "$OUT/forward.json" \
+    2>&1 | tail -20
 fi
 
 if has attention; then
@@ -73,8 +74,9 @@ if has overlap; then
   # A profile of 3 steps of 4 layers of the 8B width, 1 x 8192: full vs offload (policy transfer in the scan,
   # explicit transfer unrolled); per-layer backward, copy time, copy/compute overlap, copy streams.
   stamp "offload overlap (profiled steps: full vs offload policy/explicit)"
-  timeout $(( ${OVERLAP_TIMEOUT_S:-150} + 30 )) python3 -m experiments.probes.offload_overlap --deadline-s "${OVERLAP_TIMEOUT_S:-150}" \
-    --out "$OUT/offload_overlap.json" --trace "$OUT/overlap_trace.json.gz" ${OVERLAP_ARGS:-} 2>&1 | tail -12 \
+  timeout $(( ${OVERLAP_TIMEOUT_S:-150} + 30 )) python3 -m experiments.probes.offload_overlap \
+    --deadline-s "${OVERLAP_TIMEOUT_S:-150}" --out "$OUT/offload_overlap.json" \
+    --trace "$OUT/overlap_trace.json.gz" ${OVERLAP_ARGS:-} 2>&1 | tail -12 \
     | tee -a "$OUT/check.log"
 fi
 

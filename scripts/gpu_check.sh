@@ -6,7 +6,8 @@
 #   matmul's (kernels_pallas/<op>/bench.py; rows to check.log). The lab's device probes (forward check,
 #   attention, offload, max context, scaling, grouped-matmul sweeps) are experiments/gpu_probes.sh.
 #   TRAIN_PLAN="jaxft,hf_ckpt|8b_4096|300;jaxft,unsloth|8b_packed_16384|120"  TRAIN_RESUME=old.json
-#   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12  TESTS="tests/test_x.py ..." (default: every gpu-marked test)
+#   DEADLINE_S=540 (later passes shrink or are skipped to end in time)  TRAIN_STEPS=12
+#   TESTS="tests/test_x.py ..." (default: every gpu-marked test)
 #   TESTS_WORKERS=6 (pytest-xdist workers for the gpu tests; 1: one process)  TESTS_TIMEOUT_S=150 (per pytest call)
 #   TESTS_SERIAL_MEM_GIB=24 (the serial call's GPU share, at most half)
 #   TRAIN_GPUS=1 (default: sessions one after another on one GPU) | N | all (scripts.bench.train --gpus: up to N

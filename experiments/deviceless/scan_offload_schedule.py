@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import sys
 
-from experiments.deviceless.gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin before jax is imported)
+from experiments.deviceless.gpu_compile import compile_for_h200  # noqa: E402  (sets the CUDA plugin up first)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-from experiments.deviceless.gpu_compile import compile_for_h200  # noqa: E402  (sets up the CUDA plugin before jax is imported)
+from experiments.deviceless.gpu_compile import compile_for_h200  # noqa: E402  (sets the CUDA plugin up first)
 from tests.hlo_text import gemms_under_fetches, host_slice_counts  # noqa: E402
 
 import jax  # noqa: E402

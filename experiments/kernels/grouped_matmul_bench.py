@@ -2,13 +2,13 @@
 and forward+backward (d lhs and d rhs), next to one dense matmul of the same FLOPs ("dense": [rows, K] @ [K, N]
 with rows = sum(group_sizes), and its two gradients).
 
-    python -m experiments.kernels.grouped_matmul_bench                       # every BENCH_SHAPE, xla / pallas_mosaic / dense
+    python -m experiments.kernels.grouped_matmul_bench            # every BENCH_SHAPE, xla / pallas_mosaic / dense
     python -m experiments.kernels.grouped_matmul_bench --impls pallas_mosaic --shapes gpt_oss_20b_down --json out.json
     python -m experiments.kernels.grouped_matmul_bench --smoke               # shapes.TEST_SHAPES[-1], CPU ok
     python -m experiments.kernels.grouped_matmul_bench --against ab_base --rounds 4   # this tree's kernels vs another's
     python -m experiments.kernels.grouped_matmul_bench --sweep --json sweep.json      # row-kernel tiles per shape
     python -m experiments.kernels.grouped_matmul_bench --sweep --table-variants      # the table's tiles, variants only
-    python -m experiments.kernels.grouped_matmul_bench --probe --shapes qwen3_30b_a3b_down   # where the kernel's time goes
+    python -m experiments.kernels.grouped_matmul_bench --probe --shapes qwen3_30b_a3b_down   # where its time goes
     python -m experiments.kernels.grouped_matmul_bench --probe --probe-variant stages=4 --probe-variant grid_block_n=1
 
 ``--sweep``: the row-tile kernel (forward and d lhs) of every bench shape on each of ``sweep_candidates``' tile
@@ -61,8 +61,8 @@ def queued_ms(compiled: Callable, args: Sequence[jax.Array], reps: int = 20, rou
     the wake-up after each sync, which a training step, whose kernels queue behind each other, does not; this
     is the kernel's own throughput. Each call's outputs are dropped when the next replaces them."""
     if reps < 1 or rounds < 1 or warmup < 0:
-        raise ValueError(f"experiments/kernels/grouped_matmul_bench.py: need reps, rounds >= 1 and warmup >= 0, got {reps}, {rounds}, "
-                         f"{warmup}.")
+        raise ValueError(f"experiments/kernels/grouped_matmul_bench.py: need reps, rounds >= 1 and warmup >= 0, "
+                         f"got {reps}, {rounds}, {warmup}.")
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
     per_call = []

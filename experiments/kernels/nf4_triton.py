@@ -2,8 +2,9 @@
 Taken out of kernels_pallas.nf4_matmul's dispatch: its "xla" implementation (dequantise, then cuBLAS) was 2.5-4.7x
 faster on the H200 at training sizes. Called directly: nf4_matmul_triton(x, packed, absmax, shape=, blocksize=).
 
-What it computes is kernels_pallas/nf4_matmul/reference.py's y = x W^T (and dx = dy W), W = code[q] * absmax rounded once to x's dtype; the
-kernels never write W to memory, each tile of it is rebuilt in registers from its bytes where a matmul needs it.
+What it computes is kernels_pallas/nf4_matmul/reference.py's y = x W^T (and dx = dy W), W = code[q] * absmax rounded
+once to x's dtype; the kernels never write W to memory, each tile of it is rebuilt in registers from its bytes where a
+matmul needs it.
 
 The byte layout and the pair split. bitsandbytes stores W [out, in] row-major, two values a byte, the even flat
 index in the HIGH nibble. When in % blocksize == 0 and the block size is even, row o of W and its block c (columns

@@ -2,8 +2,8 @@
 """Data-parallel and FSDP scaling of jaxft's LoRA step on 1-N devices of one host, beside HF+PEFT under accelerate
 (issue #15's scaling table).
 
-    python -m experiments.probes.bench_scaling --workload 8b_4096 --devices 1,2,4,8 --meshes dp,fsdp --systems jaxft,hf_ckpt \\
-        --steps 10 --json scaling.json --md scaling.md
+    python -m experiments.probes.bench_scaling --workload 8b_4096 --devices 1,2,4,8 --meshes dp,fsdp \\
+        --systems jaxft,hf_ckpt --steps 10 --json scaling.json --md scaling.md
 
 Each jaxft point (mesh, device count N) runs in a process of its own on the first N devices (CUDA_VISIBLE_DEVICES, so
 no process holds memory on a GPU it does not use and each point's allocator peak is its own). It runs the recipe
@@ -20,13 +20,14 @@ the median step time / N; efficiency = that over the one-device point's (one dev
 every mesh, so it runs once). Peak memory per device: the allocator's `peak_bytes_in_use` of each device after
 the steps (not reported on a CPU; the random init before them keeps no temporaries on a GPU, so the peak is the
 steps': `Run.random_state_program`), beside the compiled step's estimate (`jaxft.auto.peak_estimate`, what
-experiments/probes/memory_table.py tabulates and `mesh: auto` plans with). Same data at every mesh of one N: the first losses
-of dp and fsdp agree (a check that both train the same thing).
+experiments/probes/memory_table.py tabulates and `mesh: auto` plans with). Same data at every mesh of one N: the first
+losses of dp and fsdp agree (a check that both train the same thing).
 
-HF+PEFT points (`--systems hf_ckpt,hf_nockpt`: gradient checkpointing on / off) run experiments/probes/bench_scaling_hf.py on
-the same first N devices, one process per device under torchrun (one device: a plain process), with accelerate's
-DDP ("dp") or FSDP2 ("fsdp"): the same workload rows per device, the same LoRA targets, rank and optimizer as
-scripts.bench.torch_worker's; see that script for how it is timed. Efficiency is each system's own: over its one-device row.
+HF+PEFT points (`--systems hf_ckpt,hf_nockpt`: gradient checkpointing on / off) run
+experiments/probes/bench_scaling_hf.py on the same first N devices, one process per device under torchrun (one device: a
+plain process), with accelerate's DDP ("dp") or FSDP2 ("fsdp"): the same workload rows per device, the same LoRA
+targets, rank and optimizer as scripts.bench.torch_worker's; see that module for how it is timed. Efficiency is each
+system's own: over its one-device row.
 
 The 70B-shaped FSDP point is `--workload 70b_4096 --devices 8 --meshes fsdp --systems jaxft`: `Run.init_random`
 makes the weights in place, each device drawing only its shards.
@@ -50,7 +51,7 @@ from pathlib import Path
 from scripts.bench.report import heading  # noqa: E402
 from scripts.bench.worker_common import is_oom_message  # noqa: E402
 from experiments.probes.bench_scaling_hf import SYSTEMS as HF_SYSTEMS  # noqa: E402
-from experiments.probes.memory_table import MESHES, mesh_of  # noqa: E402 - the same dp / fsdp meshes as the memory table
+from experiments.probes.memory_table import MESHES, mesh_of  # noqa: E402 - the memory table's dp / fsdp meshes
 
 GIB = 2**30
 SYSTEMS = ("jaxft",) + HF_SYSTEMS
@@ -122,8 +123,8 @@ def point_command(args, system: str, mesh: str, devices: int, out: Path) -> list
     torchrun with a process per device when there are several."""
     common = ["--workload", args.workload, "--steps", str(args.steps), "--json", str(out)]
     if system == "jaxft":
-        return [sys.executable, "-m", "experiments.probes.bench_scaling", "--point", f"{mesh}:{devices}", "--mode", args.mode,
-                *common]
+        return [sys.executable, "-m", "experiments.probes.bench_scaling", "--point", f"{mesh}:{devices}",
+                "--mode", args.mode, *common]
     launch = [sys.executable] if devices == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(devices)]
     return [*launch, "-m", HF_WORKER, "--system", system, "--mesh", mesh, *common]

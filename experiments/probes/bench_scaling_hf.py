@@ -8,7 +8,8 @@ process per device, as accelerate runs data parallel and FSDP training for its u
 (bench_scaling.py starts it so, and one device with plain `python`: under torchrun accelerate would wrap even a
 single process in DDP.) Each process builds the workload's model shape
 with random bf16 weights on its device (transformers' init, the same seed on every rank), wraps it with the PEFT LoRA
-of scripts.bench.torch_worker (the benchmark's targets, fp32 adapters), and hands it to `accelerate.Accelerator.prepare`:
+of scripts.bench.torch_worker (the benchmark's targets, fp32 adapters), and hands it to
+`accelerate.Accelerator.prepare`:
 
   dp    accelerate's DistributedDataParallel (the LoRA gradients all-reduced; every rank holds the whole model)
   fsdp  accelerate's FSDP2 (`FullyShardedDataParallelPlugin(fsdp_version=2)`, each decoder layer its own unit by

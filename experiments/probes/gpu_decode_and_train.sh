@@ -14,8 +14,8 @@ W=${WORKDIR:-/tmp/jaxft_models}
 mkdir -p "$W" "$OUT"
 stamp() { echo "[gpu $(date +%T)] $*"; }
 stamp "decode benchmark"
-timeout "${DECODE_TIMEOUT_S:-330}" python3 -m experiments.probes.bench_generate --shapes "${SHAPES:-1b,8b}" --workdir "$W" \
-  --out "$OUT/bench_generate.json" 2>&1 | tee "$OUT/generate.log" | tail -20
+timeout "${DECODE_TIMEOUT_S:-330}" python3 -m experiments.probes.bench_generate --shapes "${SHAPES:-1b,8b}" \
+  --workdir "$W" --out "$OUT/bench_generate.json" 2>&1 | tee "$OUT/generate.log" | tail -20
 stamp "jaxft-train, 8B shape, examples/bench/fast.yaml, packed 4096-token rows"
 python3 - "$W/docs.jsonl" <<'PY'
 import json, random, sys

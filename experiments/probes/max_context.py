@@ -49,9 +49,9 @@ Unsloth runs in torch, so its longest row cannot come from this method. Its colu
 a least-squares line through its measured peaks (issue #10, H200, commit aa868ab: 19.72 / 23.9 / 32.3 GiB at
 16k / 32k / 64k tokens, about 0.26 GiB per 1k tokens), solved for the device budget.
 
-The pieces live in experiments/probes/maxctx/ (search.py: the search; probes.py: the step, one probe, a policy's search and
-the real step; table.py: the derived rows and the table), re-exported here; this script runs them (worker
-processes, the deadline).
+The pieces live in experiments/probes/maxctx/ (search.py: the search; probes.py: the step, one probe, a policy's search
+and the real step; table.py: the derived rows and the table), re-exported here; this script runs them (worker processes,
+the deadline).
 """
 
 from __future__ import annotations
@@ -67,11 +67,13 @@ import threading
 import time
 from pathlib import Path
 
-from experiments.probes.maxctx.probes import (GIB, POLICIES, RECIPE, REMAT_OF, ROOT, Settings, analytic_device_per_token,
-                           argument_bytes, device_budget, execution_for, host_bytes_analytic, make_batch, make_run,
-                           probe, real_step, recipe, search_policy)
+from experiments.probes.maxctx.probes import (GIB, POLICIES, RECIPE, REMAT_OF, ROOT, Settings,
+                                              analytic_device_per_token, argument_bytes, device_budget, execution_for,
+                                              host_bytes_analytic, make_batch, make_run, probe, real_step, recipe,
+                                              search_policy)
 from experiments.probes.maxctx.search import SearchResult, search_max
-from experiments.probes.maxctx.table import UNSLOTH_POINTS, auto_row, from_probes, markdown, parse_points, unsloth_derived
+from experiments.probes.maxctx.table import (UNSLOTH_POINTS, auto_row, from_probes, markdown, parse_points,
+                                             unsloth_derived)
 
 
 __all__ = [

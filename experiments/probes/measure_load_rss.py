@@ -192,7 +192,8 @@ def main() -> int:
         ckpt_bytes = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
         print(f"wrote {n_shards} shards, {ckpt_bytes / 1e9:.3f} GB in {time.perf_counter() - t0:.1f}s -> {directory}")
 
-        cmd = [sys.executable, "-m", "experiments.probes.measure_load_rss", "--child", str(directory)] + (["--jaxft"] if args.jaxft else [])
+        cmd = [sys.executable, "-m", "experiments.probes.measure_load_rss", "--child", str(directory)] + (
+            ["--jaxft"] if args.jaxft else [])
         use_time = Path("/usr/bin/time").exists()
         proc = subprocess.run((["/usr/bin/time", "-v"] if use_time else []) + cmd,
                               capture_output=True, text=True, check=False)

@@ -123,7 +123,8 @@ def main(argv=None) -> int:
                          f"{remat}; this table says {match[0]['peak'] / GIB:.2f} GiB (GPU / CPU = {ratio:.2f}).")
     from scripts.bench.report import heading
 
-    text = "\n".join([heading("-m experiments.probes.memory_table", argv or sys.argv[1:]), "", header, *rows, "", *notes]) + "\n"
+    title = heading("-m experiments.probes.memory_table", argv or sys.argv[1:])
+    text = "\n".join([title, "", header, *rows, "", *notes]) + "\n"
     if args.md:
         Path(args.md).write_text(text)
     print(text)

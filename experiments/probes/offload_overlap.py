@@ -351,8 +351,8 @@ def main(argv=None) -> int:
             recs.append(dict(variant=v, error=f"skipped: {left:.0f} s left of --deadline-s"))
             continue
         part = os.path.join(work, f"trace_{i}.json")
-        cmd = [sys.executable, "-m", "experiments.probes.offload_overlap", "--worker", v, "--model-dir", directory, "--seq",
-               str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
+        cmd = [sys.executable, "-m", "experiments.probes.offload_overlap", "--worker", v, "--model-dir", directory,
+               "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
                "--index", str(i)] + (["--trace-part", part] if args.trace else [])
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=left)

@@ -1,4 +1,5 @@
-"""experiments/probes/ablate_step.py (the one-process ablation tool used to choose defaults on the GPU) on a tiny model."""
+"""experiments/probes/ablate_step.py (the one-process ablation tool used to choose defaults on the GPU) on a tiny
+model."""
 
 from __future__ import annotations
 

@@ -42,8 +42,8 @@ def test_points_run_on_their_meshes_and_agree_on_the_first_loss(tmp_path):
     dp, fsdp = rows[1]["losses"], rows[2]["losses"]
     assert dp[0] == pytest.approx(fsdp[0], rel=1e-5) and dp[-1] == pytest.approx(fsdp[-1], rel=1e-4)
     table = (tmp_path / "s.md").read_text().splitlines()
-    assert table[0].endswith("`python -m experiments.probes.bench_scaling --workload tiny_llama --devices 1,2 --systems jaxft "
-                             f"--steps 2 --json {tmp_path / 's.json'} --md {tmp_path / 's.md'}`")
+    assert table[0].endswith("`python -m experiments.probes.bench_scaling --workload tiny_llama --devices 1,2 "
+                             f"--systems jaxft --steps 2 --json {tmp_path / 's.json'} --md {tmp_path / 's.md'}`")
     assert [line.split(" | ")[:3] for line in table[4:7]] == [["| jaxft", "dp", "1"], ["| jaxft", "dp", "2"],
                                                               ["| jaxft", "fsdp", "2"]]
     assert "n/a (CPU)" in table[5] and "100.0%" in table[4]

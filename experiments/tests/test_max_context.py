@@ -1,5 +1,5 @@
-"""experiments/probes/max_context.py: the search finds the exact longest row against a known memory limit (synthetic loads,
-and a tiny model's compiled step under an injected device budget), the real step runs on random weights, auto's
+"""experiments/probes/max_context.py: the search finds the exact longest row against a known memory limit (synthetic
+loads, and a tiny model's compiled step under an injected device budget), the real step runs on random weights, auto's
 row and Unsloth's derived row follow their definitions."""
 
 from __future__ import annotations

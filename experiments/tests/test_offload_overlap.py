@@ -1,5 +1,5 @@
-"""experiments/probes/offload_overlap.py's trace reader on a synthetic GPU trace whose copy/compute overlap is known: only
-stream lines count (the derived lines repeat the spans), only events inside a step's annotation, copies by
+"""experiments/probes/offload_overlap.py's trace reader on a synthetic GPU trace whose copy/compute overlap is known:
+only stream lines count (the derived lines repeat the spans), only events inside a step's annotation, copies by
 direction, backward kernels by the HLO op's name stack, copies on their own stream or not."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""experiments/probes/stream_fetch_probe.py on the CPU at 1/16 width: every fetch form computes the same layer loop (the probe
-times forms that must agree), and an unknown form is one line."""
+"""experiments/probes/stream_fetch_probe.py on the CPU at 1/16 width: every fetch form computes the same layer loop (the
+probe times forms that must agree), and an unknown form is one line."""
 
 from __future__ import annotations
 

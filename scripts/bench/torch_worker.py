@@ -34,16 +34,15 @@ Systems:
 Mixture-of-experts shapes (Qwen3-MoE, GPT-OSS): the experts are raw [E, ., .] parameters, not Linear
 modules; every system adapts the attention linears and, as expert LoRA at rank r, the experts (PEFT's
 target_parameters = LORA.expert_targets, the same two jaxft's lora_target_parameters adapts; see
-workloads.lora_module_targets for why gate/up/down_proj are not passed as target_modules). Unsloth runs its MoE backend (UNSLOTH_MOE_BACKEND, default
-grouped_mm where torch._grouped_mm runs; the chosen one is recorded in settings.moe_backend).
-Vision-language shapes (Qwen2.5-VL): HF loads Qwen2_5_VLForConditionalGeneration (AutoModelForImageTextToText)
-and adapts the language model's q..down linears only (a regex on model.language_model.layers, so the
-vision tower's own gate/up/down_proj stay frozen, as jaxft's finetune_vision_layers=false); Unsloth uses
-FastVisionModel with finetune_vision_layers=False. Every step passes the same pixel_values,
-image_grid_thw and mm_token_type_ids (TokenData.hf_vision_inputs), from which the model computes its M-RoPE
-positions (without mm_token_type_ids it would use 1-D positions: see there).
-Also task kind "save_model": write the random-weight model directory of a shape (the harness
-saves every shape in one session).
+workloads.lora_module_targets for why gate/up/down_proj are not passed as target_modules). Unsloth runs its MoE backend
+(UNSLOTH_MOE_BACKEND, default grouped_mm where torch._grouped_mm runs; the chosen one is recorded in
+settings.moe_backend). Vision-language shapes (Qwen2.5-VL): HF loads Qwen2_5_VLForConditionalGeneration
+(AutoModelForImageTextToText) and adapts the language model's q..down linears only (a regex on
+model.language_model.layers, so the vision tower's own gate/up/down_proj stay frozen, as jaxft's
+finetune_vision_layers=false); Unsloth uses FastVisionModel with finetune_vision_layers=False. Every step passes the
+same pixel_values, image_grid_thw and mm_token_type_ids (TokenData.hf_vision_inputs), from which the model computes its
+M-RoPE positions (without mm_token_type_ids it would use 1-D positions: see there). Also task kind "save_model": write
+the random-weight model directory of a shape (the harness saves every shape in one session).
 
 Between tasks of a session: HF systems keep the loaded bf16 base model while the model_dir stays
 the same; each task wraps it with a fresh PEFT LoRA (torch.manual_seed(0) first, so the init is

@@ -1,5 +1,5 @@
-"""One probe of experiments/probes/max_context.py (the step of a remat policy at one length, compiled from shapes: its device
-and host bytes), a policy's search over probes, and the real step on random weights. JAX and jaxft are imported
+"""One probe of experiments/probes/max_context.py (the step of a remat policy at one length, compiled from shapes: its
+device and host bytes), a policy's search over probes, and the real step on random weights. JAX and jaxft are imported
 inside the functions, after the script has set the device up."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The search of experiments/probes/max_context.py: the largest multiple of a granule whose load fits (<= 1), for a load that
-does not decrease with the length (`search_max`); plain Python, tested on synthetic loads."""
+"""The search of experiments/probes/max_context.py: the largest multiple of a granule whose load fits (<= 1), for a load
+that does not decrease with the length (`search_max`); plain Python, tested on synthetic loads."""
 
 from __future__ import annotations
 

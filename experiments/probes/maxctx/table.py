@@ -1,5 +1,5 @@
-"""The rows experiments/probes/max_context.py derives instead of searching (auto's, from its candidates' rows; Unsloth's, from a
-line through its measured peaks), the --unsloth-points parser, and the markdown table."""
+"""The rows experiments/probes/max_context.py derives instead of searching (auto's, from its candidates' rows;
+Unsloth's, from a line through its measured peaks), the --unsloth-points parser, and the markdown table."""
 
 from __future__ import annotations
 
