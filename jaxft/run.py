@@ -195,8 +195,8 @@ class Run(AutoChoices):
     def init_random(self) -> "Run":
         """Like `load`, with random weights instead of the checkpoint's (`jaxft.models.decoder.init_model`:
         normal(0, 0.02) linears and embeddings, unit norms; seeded by `seed`): a run of a model shape that has no
-        weights on disk, e.g. memory and speed at real sizes (scripts/max_context.py, scripts/bench_scaling.py).
-        Not for a 4-bit base (its codes come from the checkpoint's weights).
+        weights on disk, e.g. memory and speed at real sizes (experiments/probes/max_context.py,
+        experiments/probes/bench_scaling.py). Not for a 4-bit base (its codes come from the checkpoint's weights).
 
         The weights are made where they live: one compiled program draws every array straight into its place on
         the mesh (`out_shardings`), so a device holds only its shards of the frozen weights, never the whole
@@ -285,8 +285,8 @@ class Run(AutoChoices):
         `opt_state`, a fresh optimizer state for `lora`.
 
         The old state is released BEFORE the new one is placed: the new buffers (the same shapes) then take the
-        old ones' room in order. Made while the old state was alive, they went elsewhere and the allocator's
-        reuse of the freed room left memory in use that no array owned (scripts/memory_stages.py). The collection:
+        old ones' room in order. Made while the old state was alive, they went elsewhere and the allocator's reuse of
+        the freed room left memory in use that no array owned (experiments/probes/memory_stages.py). The collection:
         flax's Variables sit in reference cycles, so dropped state keeps its device buffers until one runs."""
         self.lora = self.opt_state = None
         gc.collect()

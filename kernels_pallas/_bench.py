@@ -1,4 +1,4 @@
-"""Timing helpers shared by the ops' benchmarks (rmsnorm/bench.py, glu/bench.py; `median_ms` also grouped_matmul).
+"""Timing helpers shared by the ops' benchmarks (rmsnorm/bench.py, glu/bench.py, ...).
 
 Each benchmark times, per implementation of the op's registry, the jitted forward+backward
 (``jax.vjp`` then the pullback) on the op's shared shapes and reports the compiled temporary memory,
@@ -54,29 +54,6 @@ def median_ms(compiled: Callable, args: Sequence[jax.Array], iters: int, warmup:
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
     return 1e3 * sorted(times)[len(times) // 2]
-
-
-def queued_ms(compiled: Callable, args: Sequence[jax.Array], reps: int = 20, rounds: int = 5,
-              warmup: int = 2) -> float:
-    """Median over ``rounds`` of the time per call of ``reps`` calls of ``compiled(*args)`` queued back to back,
-    the device synchronised once after the last (its stream runs them in order, so the last one done is all done).
-    Why: a kernel of about a millisecond timed one synchronised call at a time also pays the host's dispatch and
-    the wake-up after each sync, which a training step, whose kernels queue behind each other, does not; this
-    is the kernel's own throughput. Each call's outputs are dropped when the next replaces them."""
-    if reps < 1 or rounds < 1 or warmup < 0:
-        raise ValueError(f"kernels_pallas/_bench.py: need reps, rounds >= 1 and warmup >= 0, got {reps}, {rounds}, "
-                         f"{warmup}.")
-    for _ in range(warmup):
-        jax.block_until_ready(compiled(*args))
-    per_call = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        out = None
-        for _ in range(reps):
-            out = compiled(*args)
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - start) / reps)
-    return 1e3 * sorted(per_call)[len(per_call) // 2]
 
 
 def format_timings(rows: Sequence[Timing]) -> str:

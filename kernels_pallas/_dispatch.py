@@ -40,7 +40,7 @@ ALL_PLATFORMS = ("cpu", "gpu", "cuda", "tpu")
 def target_platform() -> str:
     """The platform a program is being built for when no device is named: the device of the mesh set for tracing
     (`jax.set_mesh`, as `jaxft.sharding.Placement.tracing` does), else ``jax_default_device``, else the first
-    device. An ahead-of-time compile for a GPU target on a CPU-only host (``scripts/deviceless``) traces under
+    device. An ahead-of-time compile for a GPU target on a CPU-only host (``experiments/deviceless``) traces under
     the target's mesh, so its Pallas kernels lower for that GPU, not for the CPU's interpreter."""
     abstract = jax.sharding.get_abstract_mesh().abstract_device
     if abstract is not None:

@@ -1,4 +1,4 @@
-"""Helpers shared by the Pallas kernels on the Triton backend (attention/flash.py, nf4_matmul/triton.py)."""
+"""Helpers for the Pallas kernels on the Triton backend (attention/flash.py)."""
 
 from __future__ import annotations
 

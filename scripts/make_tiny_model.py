@@ -51,7 +51,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -71,7 +70,7 @@ from transformers import (  # noqa: E402
     PreTrainedTokenizerFast,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Run as a script, so its folder (scripts/) is first on the module path: the data maker beside it imports as is.
 from make_example_data import HELD_OUT_FAMILIES, PRETRAIN_FAMILIES, make_chat_records  # noqa: E402
 
 PAD, BOS, EOT_TEXT, EOT, START_HEADER, END_HEADER = (

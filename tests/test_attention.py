@@ -194,7 +194,7 @@ def test_kernel_tiles_finer_than_metadata_blocks():
 
 
 def test_test_shapes_share_the_benchmark_generator():
-    """The packed TEST_SHAPE (from bench.py, shared with the benchmark) forward."""
+    """The packed TEST_SHAPE (from shapes.py, shared with the benchmark) forward."""
     shape = TEST_SHAPES[1]
     seg = jnp.asarray(make_segment_ids(shape, seed=0, pad_tail=13))
     q, k, v, _, _ = _inputs(shape.batch, shape.seq_len, shape.heads, shape.kv_heads,

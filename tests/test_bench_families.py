@@ -1,5 +1,5 @@
 """Tests of the training benchmark on the mixture-of-experts and vision-language families (scripts/bench/workloads.py,
-the workers, scripts/bench_train.py): parameter counts, active-expert and vision-tower FLOPs, image rows and their
+the workers, scripts.bench.train): parameter counts, active-expert and vision-tower FLOPs, image rows and their
 pixels, the same LoRA targets in jaxft, PEFT and Unsloth; and the jaxft worker's resident-memory report and where
 the models are saved.
 
@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(REPO, "scripts")
 
-from bench.workloads import (LORA, SHAPES, get_workload, make_token_data,  # noqa: E402
+from scripts.bench.workloads import (LORA, SHAPES, get_workload, make_token_data,  # noqa: E402
                              param_counts, useful_flops)
 
 torch = pytest.importorskip("torch")
@@ -36,7 +35,7 @@ pytest.importorskip("transformers")
 def _meta_model(shape):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from bench.models import build_config
+    from scripts.bench.models import build_config
 
     auto = AutoModelForImageTextToText if shape.is_vlm else AutoModelForCausalLM
     with torch.device("meta"):
@@ -48,7 +47,7 @@ def _meta_model(shape):
 def test_moe_shapes_count_every_expert_stored_and_the_top_k_active(shape_name, published):
     """transformers' model on the meta device: stored = attention/lm_head Linears + every expert + routers; active =
     stored less the (E - k) experts a token skips in each sparse layer."""
-    from bench.workloads import moe_layout
+    from scripts.bench.workloads import moe_layout
 
     shape = SHAPES[shape_name]
     model = _meta_model(shape)
@@ -61,7 +60,7 @@ def test_moe_shapes_count_every_expert_stored_and_the_top_k_active(shape_name, p
     per_expert = experts // (sum(moe.sparse) * moe.num_experts)
     skipped = sum(moe.sparse) * (moe.num_experts - moe.top_k) * per_expert
     assert counts["frozen_matmul"] == counts["stored_matmul"] - skipped
-    from bench_train import model_bytes
+    from scripts.bench.harness import model_bytes
 
     assert 0.999 * 2 * published < model_bytes(shape) <= 2 * published
 
@@ -69,7 +68,7 @@ def test_moe_shapes_count_every_expert_stored_and_the_top_k_active(shape_name, p
 def test_qwen3_30b_a3b_config_is_the_released_one():
     """The fields of Qwen/Qwen3-30B-A3B's config.json as transformers' Qwen3MoeConfig reads them (its defaults differ:
     24 layers, rope_theta 1e4, norm_topk_prob false, head_dim hidden / heads = 64)."""
-    from bench.models import build_config
+    from scripts.bench.models import build_config
 
     cfg = build_config(SHAPES["qwen3-30b-a3b"])
     assert type(cfg).__name__ == "Qwen3MoeConfig"
@@ -106,15 +105,15 @@ def test_moe_lora_targets_are_the_same_in_jaxft_peft_and_the_count(workload, tmp
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    import bench_jaxft_worker
-    from bench.models import build_config, save_random_model
-    from bench_torch_worker import hf_lora_targets
+    from scripts.bench import jaxft_worker
+    from scripts.bench.models import build_config, save_random_model
+    from scripts.bench.torch_worker import hf_lora_targets
     from jaxft.run import Run
 
     w = get_workload(workload)
     model_dir = str(tmp_path / "m")
     save_random_model(w.shape, model_dir, "cpu")
-    run = Run.from_config(bench_jaxft_worker.mode_config("fast", model_dir, w, "float32"), 1)
+    run = Run.from_config(jaxft_worker.mode_config("fast", model_dir, w, "float32"), 1)
     ours = set(run.check_targets())
     peft_model = get_peft_model(AutoModelForCausalLM.from_config(build_config(w.shape)), LoraConfig(
         r=LORA.r, lora_alpha=LORA.alpha, task_type="CAUSAL_LM", **hf_lora_targets(w)))
@@ -132,7 +131,7 @@ def test_moe_lora_targets_are_the_same_in_jaxft_peft_and_the_count(workload, tmp
 def test_unsloth_peft_kwargs_train_the_same_parameters():
     """Built without running Unsloth (it needs a GPU): the MoE experts through target_parameters, attention linears
     only as modules; a VLM's language layers only; dense shapes as before."""
-    from bench_torch_worker import unsloth_peft_kwargs
+    from scripts.bench.torch_worker import unsloth_peft_kwargs
 
     moe = unsloth_peft_kwargs(get_workload("qwen3_30b_a3b_4096"))
     assert moe["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -152,8 +151,8 @@ def test_unsloth_peft_kwargs_train_the_same_parameters():
 
 
 def test_qwen2_5_vl_7b_shape_matches_transformers():
-    from bench.models import build_config
-    from bench.workloads import vision_params
+    from scripts.bench.models import build_config
+    from scripts.bench.workloads import vision_params
 
     shape = SHAPES["qwen2.5-vl-7b"]
     cfg = build_config(shape)
@@ -182,7 +181,7 @@ def test_vision_attention_pairs_follow_transformers_windows():
     """Window pairs against transformers' own window cut (get_vision_window_index's cumulative window lengths)."""
     from transformers.vision_utils import get_vision_window_index
 
-    from bench.workloads import vision_attention_pairs
+    from scripts.bench.workloads import vision_attention_pairs
 
     for name, grid in (("tiny-qwen2.5-vl", (1, 10, 10)), ("tiny-qwen2.5-vl", (1, 8, 12)),
                        ("qwen2.5-vl-7b", (1, 32, 32)), ("qwen2.5-vl-7b", (1, 74, 74))):
@@ -198,8 +197,8 @@ def test_image_rows_hold_the_processors_pixels_and_mask_image_targets(tmp_path):
     from PIL import Image
     from transformers import AutoImageProcessor
 
-    from bench.models import save_processor_config
-    from bench.workloads import IMAGE_TEXT_PREFIX, synthetic_image
+    from scripts.bench.models import save_processor_config
+    from scripts.bench.workloads import IMAGE_TEXT_PREFIX, synthetic_image
 
     w = get_workload("tiny_qwen2_5_vl")
     d = make_token_data(w, 2)
@@ -233,7 +232,7 @@ def test_image_rows_hold_the_processors_pixels_and_mask_image_targets(tmp_path):
 
 
 def test_vlm_useful_flops_add_the_tower_forward():
-    from bench.workloads import vision_attention_pairs, vision_params
+    from scripts.bench.workloads import vision_attention_pairs, vision_params
 
     shape = SHAPES["qwen2.5-vl-7b"]
     grid = (1, 32, 32)  # 448 px
@@ -248,16 +247,16 @@ def test_vlm_lora_targets_are_the_language_layers_in_jaxft_and_peft(tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
-    import bench_jaxft_worker
-    from bench.models import build_config, save_random_model
-    from bench_torch_worker import hf_lora_targets
+    from scripts.bench import jaxft_worker
+    from scripts.bench.models import build_config, save_random_model
+    from scripts.bench.torch_worker import hf_lora_targets
     from jaxft.run import Run
 
     w = get_workload("tiny_qwen2_5_vl")
     model_dir = str(tmp_path / "m")
     save_random_model(w.shape, model_dir, "cpu")
     assert (tmp_path / "m" / "preprocessor_config.json").exists()
-    ours = Run.from_config(bench_jaxft_worker.mode_config("fast", model_dir, w, "float32"), 1).check_targets()
+    ours = Run.from_config(jaxft_worker.mode_config("fast", model_dir, w, "float32"), 1).check_targets()
     peft_model = get_peft_model(AutoModelForImageTextToText.from_config(build_config(w.shape)), LoraConfig(
         r=LORA.r, lora_alpha=LORA.alpha, task_type="CAUSAL_LM", **hf_lora_targets(w)))
     theirs = peft_model.base_model.targeted_module_names
@@ -271,7 +270,7 @@ def test_tiny_pipeline_moe_and_vlm_with_jaxft_and_hf(tmp_path):
     """The CLI end to end on the tiny Qwen3-MoE and Qwen2.5-VL: jaxft and hf_ckpt train the same data (pixels
     included) and the same LoRA parameter count, and agree on the first loss; unsloth is not_run on the CPU."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny", "--no-ceiling",
+    cmd = [sys.executable, "-m", "scripts.bench.train", "--tiny", "--no-ceiling",
            "--systems", "jaxft,hf_ckpt,unsloth", "--workloads", "tiny_qwen3_moe,tiny_qwen2_5_vl", "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -296,16 +295,16 @@ def test_qlora_mode_trains_the_moe_shape_with_4bit_experts(tmp_path):
     """The jaxft_qlora system on the tiny Qwen3-MoE (the plumbing of its qwen3_30b_a3b_4096 run): the recipe
     loads in 4 bits with expert LoRA, the experts are stored 4-bit (their codes alone are half a byte per
     weight: more than every 4-bit linear together here) and it trains."""
-    import bench_jaxft_worker
-    from bench.models import save_random_model
-    from bench.workloads import moe_layout
+    from scripts.bench import jaxft_worker
+    from scripts.bench.models import save_random_model
+    from scripts.bench.workloads import moe_layout
 
     w = get_workload("tiny_qwen3_moe")
     model_dir = str(tmp_path / "m")
     save_random_model(w.shape, model_dir, "cpu")
-    config = bench_jaxft_worker.mode_config("qlora", model_dir, w, "float32")
+    config = jaxft_worker.mode_config("qlora", model_dir, w, "float32")
     assert config.model.quant is not None and config.lora.target_parameters
-    raw = bench_jaxft_worker.run_jaxft(w, model_dir, 2, mode="qlora")
+    raw = jaxft_worker.run_jaxft(w, model_dir, 2, mode="qlora")
     assert len(raw["losses"]) == 2 and all(np.isfinite(raw["losses"]))
     # The row says which grouped matmul ran: the recipe's "auto" is ragged_dot off the GPU.
     assert (raw["settings"]["grouped_matmul_setting"], raw["settings"]["grouped_matmul"]) == ("auto", "xla")
@@ -319,20 +318,20 @@ def test_qlora_mode_trains_the_moe_shape_with_4bit_experts(tmp_path):
 def test_moe_rows_record_the_grouped_matmul_and_jaxft_bench_gmm_chooses_it(tmp_path, monkeypatch):
     """JAXFT_BENCH_GMM sets the recipe's grouped_matmul_implementation (the A/B switch); a MoE row's settings name
     the implementation that ran, a dense row's none."""
-    import bench_jaxft_worker
-    from bench.models import save_random_model
+    from scripts.bench import jaxft_worker
+    from scripts.bench.models import save_random_model
 
     w = get_workload("tiny_qwen3_moe")
     model_dir = str(tmp_path / "m")
     save_random_model(w.shape, model_dir, "cpu")
     monkeypatch.setenv("JAXFT_BENCH_GMM", "reference")
-    execution = bench_jaxft_worker.mode_config("fast", model_dir, w, "float32").execution
+    execution = jaxft_worker.mode_config("fast", model_dir, w, "float32").execution
     assert execution.grouped_matmul_implementation == "reference"
-    assert bench_jaxft_worker.grouped_matmul_settings(w, execution, "bfloat16") == {
+    assert jaxft_worker.grouped_matmul_settings(w, execution, "bfloat16") == {
         "grouped_matmul_setting": "reference", "grouped_matmul": "reference"}
     auto = execution.replace(grouped_matmul_implementation="auto")
-    assert bench_jaxft_worker.grouped_matmul_settings(w, auto, "float32")["grouped_matmul"] == "xla"  # CPU
-    assert bench_jaxft_worker.grouped_matmul_settings(get_workload("tiny_llama"), auto, "float32") == {}
+    assert jaxft_worker.grouped_matmul_settings(w, auto, "float32")["grouped_matmul"] == "xla"  # CPU
+    assert jaxft_worker.grouped_matmul_settings(get_workload("tiny_llama"), auto, "float32") == {}
 
 
 def test_hf_attention_is_what_transformers_accepts_for_each_family(tmp_path):
@@ -341,8 +340,8 @@ def test_hf_attention_is_what_transformers_accepts_for_each_family(tmp_path):
     the worker asked for SDPA and HF+PEFT could not load GPT-OSS at all (found on a tiny model, CPU)."""
     import transformers
 
-    from bench.models import build_config
-    from bench_torch_worker import hf_attention
+    from scripts.bench.models import build_config
+    from scripts.bench.torch_worker import hf_attention
 
     configs = {name: build_config(SHAPES[name]).to_dict() for name in ("tiny-gpt-oss", "tiny-gemma2", "tiny-llama")}
     assert hf_attention(configs["tiny-llama"], "cuda") == "sdpa"
@@ -363,8 +362,8 @@ def test_hf_vlm_steps_take_the_m_rope_positions_jaxft_computes(tmp_path):
     import jax.numpy as jnp
     from transformers import AutoModelForImageTextToText
 
-    from bench.models import build_config
-    from bench_torch_worker import train_loop
+    from scripts.bench.models import build_config
+    from scripts.bench.torch_worker import train_loop
     from jaxft.models.vision.config import VisionConfig
     from jaxft.models.vision.mrope import mrope_positions
 
@@ -399,7 +398,7 @@ def test_hf_vlm_steps_take_the_m_rope_positions_jaxft_computes(tmp_path):
 def test_resident_outside_names_the_arrays_beside_the_state_and_the_allocator_difference():
     import jax.numpy as jnp
 
-    import bench_jaxft_worker
+    from scripts.bench import jaxft_worker
 
     state = {"w": jnp.ones((64, 64), jnp.float32)}
     stray = jnp.zeros((128, 128), jnp.bfloat16)  # alive beside the state, as a leftover of a load would be
@@ -408,7 +407,7 @@ def test_resident_outside_names_the_arrays_beside_the_state_and_the_allocator_di
         def memory_stats(self):
             return {"bytes_in_use": 64 * 64 * 4 + stray.nbytes + 1000}
 
-    found = bench_jaxft_worker.resident_outside(state, Device())
+    found = jaxft_worker.resident_outside(state, Device())
     assert [128, 128] in [shape for shape, _, _ in found["largest"]] and found["bytes"] >= stray.nbytes
     assert found["state_bytes"] == 64 * 64 * 4
     assert found["in_use_beyond_state"] == found["in_use_beyond_state_after_gc"] == stray.nbytes + 1000
@@ -417,7 +416,7 @@ def test_resident_outside_names_the_arrays_beside_the_state_and_the_allocator_di
 def test_models_go_to_shm_only_when_the_host_ram_holds_them_and_the_saving_worker():
     """The two MoE shapes of the benchmark together passed /dev/shm's free-space check on the 128 GiB H200 host,
     and the save was killed for memory: /dev/shm is RAM, and the saving worker holds the model it writes."""
-    from bench_train import model_bytes, models_place
+    from scripts.bench.harness import model_bytes, models_place
 
     gib = 2 ** 30
     qwen, gpt_oss = model_bytes(SHAPES["qwen3-30b-a3b"]), model_bytes(SHAPES["gpt-oss-20b"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.profile import classify, op_names_from_hlo, summarize_trace
+from scripts.bench.profile import classify, op_names_from_hlo, summarize_trace
 
 HLO = """
 HloModule jit_step
@@ -69,7 +69,7 @@ def test_summary_buckets_device_time_and_idle():
 
 
 def test_overlap_summary_measures_hidden_and_serialised_copies():
-    from bench.profile import overlap_summary
+    from scripts.bench.profile import overlap_summary
 
     hlo = ('  %copy-start.1 = (bf16[8], bf16[8]) copy-start(%a), metadata={op_name="jit(step)/layers/x"}\n'
            '  %fusion.2 = bf16[8] fusion(%c), kind=kLoop, metadata={op_name="jit(step)/transpose(jvp(layers))/mul"}\n'

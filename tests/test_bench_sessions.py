@@ -1,5 +1,5 @@
 """Tests of the training benchmark's worker sessions (scripts/bench/sessions.py, the workers' session loops and
-scripts/bench_train.py's scheduling): several tasks per worker process, the reused base model, a session continued
+scripts.bench.train's scheduling): several tasks per worker process, the reused base model, a session continued
 after the task it died in, sessions side by side on several (fake) GPUs; and the report's memory marks and its
 remat auto check.
 
@@ -18,11 +18,10 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(REPO, "scripts")
 
-from bench.report import markdown, summarise_run  # noqa: E402
-from bench.workloads import SHAPES, get_workload  # noqa: E402
-from bench.worker_common import Task, dump_session, worker_main  # noqa: E402
+from scripts.bench.report import markdown, summarise_run  # noqa: E402
+from scripts.bench.workloads import SHAPES, get_workload  # noqa: E402
+from scripts.bench.worker_common import Task, dump_session, worker_main  # noqa: E402
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -35,20 +34,21 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from bench.models import save_random_model
+    from scripts.bench.models import save_random_model
 
     path = str(tmp_path_factory.mktemp("models") / "tiny-llama")
     save_random_model(SHAPES["tiny-llama"], path, "cpu")
     return path
 
 
-def _run_session(script: str, tasks: list[Task], tmp_path) -> list[dict]:
-    """Run a worker script on a session task file in its own process (CPU only); its result list."""
-    task_path, out = str(tmp_path / f"{script}.tasks.json"), str(tmp_path / f"{script}.results.json")
+def _run_session(module: str, tasks: list[Task], tmp_path) -> list[dict]:
+    """Run a worker module on a session task file in its own process (CPU only), as the harness does (`python -m`
+    from a run folder, the repository on PYTHONPATH); its result list."""
+    task_path, out = str(tmp_path / f"{module}.tasks.json"), str(tmp_path / f"{module}.results.json")
     dump_session(tasks, task_path)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([SCRIPTS, REPO]), JAX_PLATFORMS="cpu",
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
                CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, script), "--task", task_path, "--out", out],
+    res = subprocess.run([sys.executable, "-m", module, "--task", task_path, "--out", out],
                          capture_output=True, text=True, timeout=240, cwd=str(tmp_path), env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     with open(out) as f:
@@ -59,13 +59,13 @@ def _run_session(script: str, tasks: list[Task], tmp_path) -> list[dict]:
 
 
 def test_hf_session_reuses_the_model_and_survives_a_failed_task(tiny_model_dir, tmp_path):
-    import bench_torch_worker
+    from scripts.bench import torch_worker
 
     missing = str(tmp_path / "no_such_model")
     tasks = [Task("train", "hf_nockpt", wl, d, 3, "cpu") for wl, d in
              [("tiny_llama", tiny_model_dir), ("tiny_llama", missing), ("tiny_packed", tiny_model_dir),
               ("tiny_llama", tiny_model_dir)]]
-    res = _run_session("bench_torch_worker.py", tasks, tmp_path)
+    res = _run_session("scripts.bench.torch_worker", tasks, tmp_path)
     assert [r["status"] for r in res] == ["ok", "error", "ok", "ok"]
     assert "no_such_model" in res[1]["error"]
     # The failed task dropped the cached model (task 3 reloads it); task 4 reuses task 3's load.
@@ -75,21 +75,21 @@ def test_hf_session_reuses_the_model_and_survives_a_failed_task(tiny_model_dir, 
     # A one-task run (single-task file, its own model load) == the session's 3rd task.
     task_path, out = str(tmp_path / "single.json"), str(tmp_path / "single_result.json")
     tasks[2].dump(task_path)
-    assert worker_main(bench_torch_worker.run_task, ["--task", task_path, "--out", out]) == 0
+    assert worker_main(torch_worker.run_task, ["--task", task_path, "--out", out]) == 0
     single = json.load(open(out))
     assert single["status"] == "ok" and single["data_sha256"] == res[2]["data_sha256"]
     np.testing.assert_allclose(single["losses"], res[2]["losses"], rtol=1e-6)
 
 
 def test_jaxft_session_matches_a_fresh_run_and_reports_its_memory(tiny_model_dir, tmp_path):
-    import bench_jaxft_worker
+    from scripts.bench import jaxft_worker
 
     tasks = [Task("train", "jaxft", wl, tiny_model_dir, 3, "cpu") for wl in ("tiny_packed", "tiny_llama")]
-    res = _run_session("bench_jaxft_worker.py", tasks, tmp_path)
+    res = _run_session("scripts.bench.jaxft_worker", tasks, tmp_path)
     assert [r["status"] for r in res] == ["ok", "ok"], [r.get("error") for r in res]
     assert [r["base_model_reused"] for r in res] == [False, True]
     # The 2nd task's reused frozen weights + re-copied LoRA init == a fresh load (fresh cache).
-    fresh = bench_jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 3)
+    fresh = jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 3)
     np.testing.assert_allclose(res[1]["losses"], fresh["losses"], rtol=1e-6)
     for r in res:
         analysis, mem = r["extra"]["memory_analysis"], r["extra"]["memory"]
@@ -107,11 +107,11 @@ def test_jaxft_session_matches_a_fresh_run_and_reports_its_memory(tiny_model_dir
 
 
 def test_jaxft_row_reports_the_settings_it_ran_with_after_remat_auto(tiny_model_dir):
-    import bench_jaxft_worker
+    from scripts.bench import jaxft_worker
 
     # remat auto resolves on CPU to "none" (the tiny model fits), and "none" unrolls the layers: the row must say
     # so, not the unresolved config's "scan" (the Gemma auto_40gb row of 3fa6ed3 said "scan" for an unrolled run).
-    raw = bench_jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 2, mode="auto")
+    raw = jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 2, mode="auto")
     settings = raw["settings"]
     assert (settings["remat"], settings["remat_layers"], settings["layers"]) == ("none", None, "unroll"), settings
     # What auto compiled ([policy, remat_layers, depth]) and whether a compilation cache served compile_s.
@@ -122,7 +122,7 @@ def test_jaxft_row_reports_the_settings_it_ran_with_after_remat_auto(tiny_model_
 
 
 def test_jax_task_peak_uses_the_allocator_only_when_the_steps_raised_it():
-    from bench_jaxft_worker import _task_peak
+    from scripts.bench.jaxft_worker import _task_peak
 
     analysis = {"temp_size_in_bytes": 50, "output_size_in_bytes": 30, "alias_size_in_bytes": 20}
     before = {"bytes_in_use": 100, "peak_bytes_in_use": 500}
@@ -153,7 +153,7 @@ def test_markdown_marks_static_memory_estimates():
 def test_the_report_checks_auto_against_the_fastest_policy_that_fits():
     """issue #10's bar: auto within 5% of the fastest jaxft policy that fits its budget (the recipe's
     max_memory_gb, or every policy that ran); a 4-bit base is another model, not a candidate."""
-    from bench.report import auto_check
+    from scripts.bench.report import auto_check
 
     w = get_workload("tiny_llama")
 
@@ -185,8 +185,7 @@ def test_the_report_checks_auto_against_the_fastest_policy_that_fits():
 
 FAKE_WORKER = """
 import os, sys, time
-sys.path.insert(0, {scripts!r})
-from bench.worker_common import worker_main
+from scripts.bench.worker_common import worker_main
 
 def run(task, out_json, cache):  # a real worker contract; the model_dir's name picks the behaviour
     name = os.path.basename(task.model_dir)
@@ -204,11 +203,17 @@ sys.exit(worker_main(run))
 """
 
 
-def test_session_runner_restarts_after_the_task_a_session_died_in(tmp_path):
-    from bench.sessions import SessionRunner
+def _fake_worker(tmp_path):
+    """FAKE_WORKER as the module `fake_worker` in tmp_path, and the environment that finds it and the repository."""
+    (tmp_path / "fake_worker.py").write_text(FAKE_WORKER.format())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), REPO]))
+    return "fake_worker", lambda run_dir: env
 
-    script = tmp_path / "fake_worker.py"
-    script.write_text(FAKE_WORKER.format(scripts=SCRIPTS))
+
+def test_session_runner_restarts_after_the_task_a_session_died_in(tmp_path):
+    from scripts.bench.sessions import SessionRunner
+
+    module, env_for = _fake_worker(tmp_path)
     names = ["a", "hang", "c", "crash", "e"]
     tasks = [Task("save_model", "", "tiny_llama", str(tmp_path / n), 1, "cpu") for n in names]
     got = []
@@ -218,20 +223,19 @@ def test_session_runner_restarts_after_the_task_a_session_died_in(tmp_path):
 
     runner = SessionRunner(str(tmp_path / "work"), task_timeout_s=6.0, time_left=lambda: 600.0, min_start_s=1.0,
                            logs_dir=str(tmp_path / "logs"))
-    runner.run("s", str(script), tasks, lambda run_dir: dict(os.environ), on_result)
+    runner.run("s", module, tasks, env_for, on_result)
     # The hung task is killed after the tiny timeout and the crash costs only its own task.
     assert got == [("a", "ok", "s"), ("hang", "timeout", "s"), ("c", "ok", "s.1"), ("crash", "crashed", "s.1"),
                    ("e", "ok", "s.2")]
     assert sorted(os.listdir(tmp_path / "logs")) == ["s", "s.1", "s.2"]
     # No time left: nothing starts, every task is recorded as skipped.
     got.clear()
-    SessionRunner(str(tmp_path / "work2"), 6.0, lambda: 0.0, 1.0).run("t", str(script), tasks[:2],
-                                                                       lambda d: dict(os.environ), on_result)
+    SessionRunner(str(tmp_path / "work2"), 6.0, lambda: 0.0, 1.0).run("t", module, tasks[:2], env_for, on_result)
     assert got == [("a", "skipped", None), ("hang", "skipped", None)]
 
 
 def test_run_order_puts_each_shapes_workloads_in_ascending_memory():
-    from bench_train import run_order
+    from scripts.bench.harness import run_order
 
     assert run_order(["8b_16384", "1b_2x4096", "8b_packed_16384", "qwen3_8b_4096", "8b_4096"]) == \
         ["8b_4096", "8b_packed_16384", "8b_16384", "1b_2x4096", "qwen3_8b_4096"]
@@ -240,15 +244,14 @@ def test_run_order_puts_each_shapes_workloads_in_ascending_memory():
 def test_run_jobs_runs_sessions_concurrently_one_per_gpu(tmp_path):
     """(a) each session's worker sees only its GPU, (b) sessions overlap in time, (c) a dead session
     is continued on its GPU, and a queued one starts only when a GPU is free."""
-    from bench.sessions import Job, SessionRunner, run_jobs
+    from scripts.bench.sessions import Job, SessionRunner, run_jobs
 
-    script = tmp_path / "fake_worker.py"
-    script.write_text(FAKE_WORKER.format(scripts=SCRIPTS))
+    module, env_for = _fake_worker(tmp_path)
     got: dict[tuple[str, str], dict] = {}
 
     def job(name, *dirs):
         tasks = [Task("save_model", "", "tiny_llama", str(tmp_path / d), 1, "cpu") for d in dirs]
-        return Job(name, str(script), tasks, lambda run_dir: dict(os.environ),
+        return Job(name, module, tasks, env_for,
                    lambda task, raw: got.setdefault((name, os.path.basename(task.model_dir)), raw))
 
     jobs = [job("j0", "sleep_a", "crash", "fast_c"), job("j1", "sleep_b"), job("j2", "sleep_c"),
@@ -276,8 +279,9 @@ def test_run_jobs_runs_sessions_concurrently_one_per_gpu(tmp_path):
 
 def test_cli_gpus_flag_checks_the_gpu_count(tmp_path):
     env = dict(os.environ, BENCH_FAKE_GPUS="2")
-    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny", "--gpus", "3",
-                          "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60, env=env)
+    res = subprocess.run([sys.executable, "-m", "scripts.bench.train", "--tiny", "--gpus", "3",
+                          "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60, env=env,
+                         cwd=REPO)
     assert res.returncode != 0 and "--gpus 3: nvidia-smi lists 2 GPU(s)" in res.stderr
     assert "0: fake GPU 0" in res.stderr
 
@@ -286,7 +290,7 @@ def test_tiny_pipeline_on_two_fake_gpus_records_each_runs_gpu(tmp_path):
     """The CLI with --gpus all on a host that lists 2 (fake) GPUs: both systems' sessions run at
     once, one per GPU, and the report says so."""
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
-    cmd = [sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny", "--no-ceiling", "--gpus", "all",
+    cmd = [sys.executable, "-m", "scripts.bench.train", "--tiny", "--no-ceiling", "--gpus", "all",
            "--systems", "hf_nockpt,unsloth", "--workloads", "tiny_packed", "--out", str(out), "--md", str(md)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                          env=dict(os.environ, BENCH_FAKE_GPUS="2"))

@@ -1,4 +1,4 @@
-"""Tests of the training benchmark harness (scripts/bench_train.py and scripts/bench/): token data, dense
+"""Tests of the training benchmark harness (scripts/bench/: python -m scripts.bench.train): token data, dense
 shapes and FLOPs, the HF packed forward, the worker contract, the CLI end to end. Worker sessions are tested in
 test_bench_sessions.py, the MoE and vision-language families in test_bench_families.py.
 
@@ -19,12 +19,11 @@ import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(REPO, "scripts")
 
-from bench.report import markdown, summarise_run  # noqa: E402
-from bench.workloads import (LORA, SHAPES, get_workload, make_token_data,  # noqa: E402
+from scripts.bench.report import markdown, summarise_run  # noqa: E402
+from scripts.bench.workloads import (LORA, SHAPES, get_workload, make_token_data,  # noqa: E402
                              param_counts, useful_flops)
-from bench.worker_common import Task, validate_train_result, worker_main  # noqa: E402
+from scripts.bench.worker_common import Task, validate_train_result, worker_main  # noqa: E402
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -94,7 +93,7 @@ def test_real_shapes_match_transformers_parameter_counts(shape_name):
     """Count every tensor of the real-size HF model on the meta device (no memory)."""
     from transformers import AutoModelForCausalLM
 
-    from bench.models import build_config
+    from scripts.bench.models import build_config
 
     shape = SHAPES[shape_name]
     with torch.device("meta"):
@@ -108,7 +107,7 @@ def test_real_shapes_match_transformers_parameter_counts(shape_name):
     assert total == published
     assert model.config.tie_word_embeddings == shape.get("tie_word_embeddings")
     # What the harness reserves on /dev/shm: every bf16 tensor but the (tiny) norm scales.
-    from bench_train import model_bytes
+    from scripts.bench.harness import model_bytes
 
     assert 0.999 * 2 * total < model_bytes(shape) <= 2 * total
 
@@ -117,7 +116,7 @@ def test_lora_param_count_matches_peft():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from bench.models import build_config
+    from scripts.bench.models import build_config
 
     for shape_name in ("tiny-llama", "tiny-qwen3"):
         shape = SHAPES[shape_name]
@@ -152,8 +151,8 @@ def test_hf_padding_free_packed_forward_and_loss_match_per_document(workload):
     worker's masks its packed rows attend across documents (0.84 apart in the logits)."""
     from transformers import AutoModelForCausalLM
 
-    from bench.models import build_config
-    from bench_torch_worker import hf_attention, packed_forward_kwargs
+    from scripts.bench.models import build_config
+    from scripts.bench.torch_worker import hf_attention, packed_forward_kwargs
 
     torch.manual_seed(0)
     w = get_workload(workload)
@@ -187,8 +186,8 @@ def test_mask_factory_params_see_through_an_unsloth_style_wrapper():
 
     from transformers import AutoModelForCausalLM, masking_utils
 
-    from bench.models import build_config
-    from bench_torch_worker import hf_attention, mask_factory_params
+    from scripts.bench.models import build_config
+    from scripts.bench.torch_worker import hf_attention, mask_factory_params
 
     def wrap(f):
         def _find_config(args, kwargs):  # a closed-over helper with named parameters, as Unsloth's
@@ -287,29 +286,29 @@ def test_summarise_run_drops_warmup_and_uses_one_ceiling():
 
 
 def test_run_subprocess_records_timeout_crash_and_oom(tmp_path):
-    import bench_train
+    from scripts.bench.sessions import run_subprocess
 
     env = dict(os.environ)
     out = str(tmp_path / "none.json")
-    res = bench_train.run_subprocess([sys.executable, "-c", "import time; time.sleep(60)"],
+    res = run_subprocess([sys.executable, "-c", "import time; time.sleep(60)"],
                                      str(tmp_path / "a"), out, 1.0, env)
     assert res["status"] == "timeout" and res["wall_s"] < 30
-    res = bench_train.run_subprocess([sys.executable, "-c", "import sys; sys.exit(3)"],
+    res = run_subprocess([sys.executable, "-c", "import sys; sys.exit(3)"],
                                      str(tmp_path / "b"), out, 30.0, env)
     assert res["status"] == "crashed" and "exit code 3" in res["error"]
     code = "import sys; print('RuntimeError: CUDA error: out of memory', file=sys.stderr); sys.exit(1)"
-    res = bench_train.run_subprocess([sys.executable, "-c", code], str(tmp_path / "c"), out, 30.0, env)
+    res = run_subprocess([sys.executable, "-c", code], str(tmp_path / "c"), out, 30.0, env)
     assert res["status"] == "oom"
 
 
 def test_cli_rejects_too_few_timed_steps(tmp_path):
-    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--steps", "5",
+    res = subprocess.run([sys.executable, "-m", "scripts.bench.train", "--steps", "5",
                           "--workloads", "8b_4096", "--out", str(tmp_path / "x.json")],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
     assert res.returncode != 0 and ">= 10 timed steps" in res.stderr
-    res = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny",
+    res = subprocess.run([sys.executable, "-m", "scripts.bench.train", "--tiny",
                           "--workloads", "8b_4096", "--out", str(tmp_path / "x.json")],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
     assert res.returncode != 0 and "not tiny" in res.stderr
 
 
@@ -320,14 +319,14 @@ def test_cli_rejects_too_few_timed_steps(tmp_path):
 
 def test_tiny_pipeline_end_to_end_hf_nockpt(tmp_path):
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
-    cmd = [sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny",
+    cmd = [sys.executable, "-m", "scripts.bench.train", "--tiny",
            "--systems", "hf_nockpt,unsloth", "--workloads", "tiny_llama,tiny_packed",
            "--out", str(out), "--md", str(md), "--commit", "test-commit"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     meta = report["meta"]
-    assert meta["commit"] == "test-commit" and "bench_train.py --tiny" in meta["command"]
+    assert meta["commit"] == "test-commit" and "-m scripts.bench.train --tiny" in meta["command"]
     assert meta["steps"] == 3 and meta["warmup"] == 1 and meta["date"]
     assert meta["versions"]["torch_side"]["transformers"] == transformers.__version__
     assert report["ceiling"]["torch"]["status"] == "ok" and report["ceiling"]["used_flops_per_s"] > 0
@@ -372,11 +371,11 @@ def test_resume_keeps_finished_runs_without_rerunning(tmp_path):
                      "summary": {"status": "oom"}, "raw": {"status": "oom"}},
                     # outside this pass's selection: kept in the table (passes accumulate), not re-run
                     {"system": "jaxft", "workload": "tiny_llama", "summary": summary, "raw": raw}],
-           "ceiling": {}, "meta": {"command": "python scripts/bench_train.py --earlier-pass"}}
+           "ceiling": {}, "meta": {"command": "python -m scripts.bench.train --earlier-pass"}}
     prev = tmp_path / "old.json"
     prev.write_text(json.dumps(old))
     out = tmp_path / "new.json"
-    cmd = [sys.executable, os.path.join(SCRIPTS, "bench_train.py"), "--tiny", "--no-ceiling",
+    cmd = [sys.executable, "-m", "scripts.bench.train", "--tiny", "--no-ceiling",
            "--systems", "hf_nockpt,hf_ckpt", "--workloads", "tiny_packed", "--resume", str(prev),
            "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -384,6 +383,6 @@ def test_resume_keeps_finished_runs_without_rerunning(tmp_path):
     report = json.loads(out.read_text())
     assert sorted((r["system"], r["workload"], r["summary"]["status"]) for r in report["runs"]) == \
         [("hf_ckpt", "tiny_packed", "oom"), ("hf_nockpt", "tiny_packed", "ok"), ("jaxft", "tiny_llama", "ok")]
-    assert report["meta"]["resumed_commands"] == ["python scripts/bench_train.py --earlier-pass"]
+    assert report["meta"]["resumed_commands"] == ["python -m scripts.bench.train --earlier-pass"]
     assert report["models"] == {}  # no model was saved: nothing was left to run
     assert "resumed from" in " ".join(report["notes"])

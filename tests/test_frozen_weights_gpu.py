@@ -23,7 +23,7 @@ from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batche
 from gpu_helpers import NO_AUTOTUNE
 from lora_helpers import perturb_lora_b
 
-from hlo_schedule import gemms_under_fetches, host_slice_counts  # plain text parsing: no plugin set-up
+from hlo_text import gemms_under_fetches, host_slice_counts  # plain text parsing: no plugin set-up
 
 pytestmark = pytest.mark.gpu
 
@@ -50,7 +50,7 @@ def _compiled(graphdef, lora, frozen, batch, weights: str):
     step = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[:2])
     # XLA's own GEMM emitters (NO_AUTOTUNE, not FAST_COMPILE): with cuBLAS for every GEMM the matmuls sit in called
     # computations (command buffers) that `gemms_under_fetches` does not see into (compiled for an H200 on a CPU:
-    # 0 GEMMs under both fetches with cuBLAS, 9 and 19 with the default emitters, scripts/deviceless/stream_schedule.py).
+    # 0 GEMMs under both fetches with cuBLAS, 9 and 19 with the default emitters, experiments/deviceless/).
     return step.lower(lora, frozen, batch).compile(compiler_options={**NO_AUTOTUNE, **ex.program_options})
 
 

@@ -4,7 +4,7 @@ are identities, so the gradients must equal those of the same remat policy over 
 (one group), Gemma 2 (a periodic scan: blocks of rows per iteration) and a mixed dense/sparse Qwen3-MoE stack whose
 expert stacks stream too; a 4-bit base; jaxft-train's path places them and trains to the same losses; settings it does
 not run under get one line naming the key. Where the copies run on the GPU (one layer ahead, under compute) is
-compiled for an H200 in scripts/deviceless/stream_schedule.py; the CUDA-lowered placements are
+compiled for an H200 in experiments/deviceless/stream_schedule.py; the CUDA-lowered placements are
 tests/test_offload_scan.py's."""
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def test_backward_keeps_only_the_needed_activations():
     """Per layer, a LoRA step keeps gate and up ([T, I], not silu(gate)*up), the layer input and the
     post-attention residual ([T, H]), q/k/v and the attention output -- no fp32 copies of hidden states,
     no normed states (recomputed in the backward pass). Guards the activation-memory work of
-    scripts/residual_memory.py against regressions."""
+    experiments/probes/residual_memory.py against regressions."""
     import collections
 
     from jax._src.ad_checkpoint import saved_residuals  # the list behind the public print_saved_residuals

@@ -82,8 +82,8 @@ def _host_copies(text: str) -> int:
 
 
 # Measured on the H200 (JAX 0.11.2, docs/benchmarks.md section 10) with segment ids, i.e. cuDNN's ragged (THD) path
-# with one slot per token (max_segments = T): there the temp was 67.6 GiB without remat and 65.2 GiB with the
-# scan's offload. Read from the source, not yet from a buffer dump (scripts/offload_probe.py prints the largest
+# with one slot per token (max_segments = T): there the temp was 67.6 GiB without remat and 65.2 GiB with the scan's
+# offload. Read from the source, not yet from a buffer dump (experiments/probes/offload_probe.py prints the largest
 # buffers): that path's softmax statistics are [B * max_segments, heads, T] fp32
 # (`jax._src.cudnn.fused_attention_stablehlo`), 512 MiB per layer here, and its backward workspace is sized for
 # B * T sequences - the bulk of the temp, which no remat policy touches; the 2.4 GiB the offload saved are about
@@ -93,7 +93,7 @@ def _host_copies(text: str) -> int:
 # The explicit transfer kept the device temp of no remat (measured at 3fa6ed3 on the H200: 0.535 GiB vs 0.501
 # without remat and 0.246 with full remat) until its two ordering barriers (jaxft.offload, tests/test_offload_order.py):
 # compiled for an H200 target with Pallas attention, 562 -> 275 MiB (none 615, full 322).
-# At 2 layers (this CFG), compiled for an H200 target on a CPU with Pallas attention (scripts/deviceless; cuDNN is
+# At 2 layers (this CFG), compiled for an H200 target on a CPU with Pallas attention (experiments/deviceless; cuDNN is
 # not there): scan none 474 / full 354 / offload 346 MiB; unrolled 365 / 263 / 233 MiB, and 318 MiB before the
 # barriers (5f23f0a^), where this test fails. Compiled with cuBLAS GEMMs (xla_gpu_enable_triton_gemm off) the
 # offload saves less than full remat in both loops (scan 405 / 270 / 294, unrolled 376 / 292 / 329 MiB), barriers
@@ -187,7 +187,7 @@ def _nested_program(remat: str, block: int | None):
 def test_nested_offload_keeps_one_input_per_block_in_host_memory():
     """Blocks of 2 of 4 layers: the host holds 2 layer inputs where plain offload holds 4 (compiled host temp, each
     [1, T, H] bf16), and the device holds more than plain offload's (a block's second layer input while the block
-    is differentiated) but less than no remat. Compiled for an H200 on a CPU (scripts/deviceless) the host temps
+    is differentiated) but less than no remat. Compiled for an H200 on a CPU (experiments/deviceless) the host temps
     were exactly 2 and 4 inputs."""
     def compiled(remat, block):
         fn, args = _nested_program(remat, block)

@@ -86,10 +86,9 @@ def test_export_after_unrolled_training_loads_as_the_trained_model(model_dir, tm
 
 
 def test_bench_recipes_use_the_peers_lora_and_optimizer():
-    from bench.workloads import ADAMW, LORA
-
-    from bench_jaxft_worker import MODES, system_mode
-    from bench_train import WORKER
+    from scripts.bench.harness import WORKER
+    from scripts.bench.jaxft_worker import MODES, system_mode
+    from scripts.bench.workloads import ADAMW, LORA
 
     assert [system_mode(s) for s in WORKER if s.startswith("jaxft")] == list(MODES)
     for mode in MODES:

@@ -2,8 +2,9 @@
 
 from jaxft.models.decoder import Decoder, abstract_model, init_model, positions_from_segments
 from jaxft.models.families import FAMILIES, Family, family_for
-from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, linears
+from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, QuantizedWeight, linears
 from jaxft.models.parts import BlockParts, RMSNorm
 
-__all__ = ["FAMILIES", "BlockParts", "Decoder", "Family", "Linear", "LoraParam", "LoraRank", "LoraScale", "RMSNorm",
-           "abstract_model", "family_for", "init_model", "linears", "positions_from_segments"]
+__all__ = ["FAMILIES", "BlockParts", "Decoder", "Family", "Linear", "LoraParam", "LoraRank", "LoraScale",
+           "QuantizedWeight", "RMSNorm", "abstract_model", "family_for", "init_model", "linears",
+           "positions_from_segments"]

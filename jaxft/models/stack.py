@@ -31,8 +31,8 @@ XLA keeps (they go through the loop's stacked host buffer); in the unrolled loop
 the host and copy back into nothing (no S(5) value is left in the compiled program), so
 remat "offload" there takes the explicit transfer of `jaxft.offload` (ExecutionConfig.offload_transfer), whose
 copy back reads an optimization barrier. `tests/test_remat_gpu.py` checks the compiled memory on the GPU,
-`scripts/offload_probe.py` measures every combination. On the CPU JAX lowers no placement ops (there is no host
-offload to keep): an offloading policy is a plain remat there.
+`experiments/probes/offload_probe.py` measures every combination. On the CPU JAX lowers no placement ops (there is no
+host offload to keep): an offloading policy is a plain remat there.
 """
 
 from __future__ import annotations

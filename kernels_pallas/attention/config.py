@@ -50,7 +50,7 @@ class FlashConfig:
 HEAD_DIMS = (64, 128, 256)
 
 # Tilings measured or verified on an H200 (jax.devices()[0].device_kind "NVIDIA H200"), by head_dim.
-# head_dim 128: winners of the sweep in scripts/bench_attention.py (--tune-shape dense_8k,
+# head_dim 128: winners of the sweep in experiments/probes/bench_attention.py (--tune-shape dense_8k,
 # docs/results/attention_h200.json).  head_dim 64 / 256: not swept; tilings that keep the fp32
 # accumulators ([block, head_dim] per output) in registers, verified on the H200 by the gpu tests in
 # tests/test_attention.py.
@@ -108,7 +108,7 @@ def fit_to_metadata(cfg: FlashConfig, meta_block_q: int, meta_block_k: int) -> F
 # ---------------------------------------------------------------------------
 
 # Fastest fwd+bwd implementation measured on an H200 (bf16, H=32, KV=8, D=128,
-# 16k tokens per batch) by scripts/bench_attention.py; results in
+# 16k tokens per batch) by experiments/probes/bench_attention.py; results in
 # docs/results/attention_h200.json.  Keys: (layout, T) with layout "dense",
 # "packed" (segment_ids given) or "window" (dense rows, causal window).
 # packed_32k: cuDNN's packed backward ran out of memory (110 GiB request).

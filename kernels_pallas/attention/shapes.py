@@ -1,4 +1,4 @@
-"""Attention problem shapes shared by the benchmark (bench.py, scripts/bench_attention.py) and the tests.
+"""Attention problem shapes shared by the tests and the lab's benchmark (experiments/probes/bench_attention.py).
 
 Benchmark shapes (issue spec): bf16, 16k tokens per batch (B = max(1, 16384 // T)),
 H=32, KV=8, D=128: dense causal T = 2k, 8k, 32k; packed (lognormal documents,

@@ -1,7 +1,7 @@
 """Public entry point: y = x W^T for a bitsandbytes 4-bit weight W (see reference.py), and the op's registry
-``OP`` (names as in kernels_pallas/_dispatch.py: "xla" re-dequantising custom VJP, "triton" the Pallas kernels that
-dequantise inside the matmul's K loop, "reference"). ``auto`` takes "xla": it runs 2.5-4.7x faster than the kernels
-on the 8B projections at 8k-16k tokens."""
+``OP`` (names as in kernels_pallas/_dispatch.py: "xla" the re-dequantising custom VJP, "reference"). "xla"
+dequantises the whole weight, then runs one cuBLAS matmul: 2.5-4.7x faster on the 8B projections at 8k-16k tokens
+than dequantising tiles inside the matmul's K loop."""
 
 from __future__ import annotations
 
@@ -10,31 +10,17 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas._dispatch import ALL_PLATFORMS, GPU_PLATFORMS, Implementation, Op
+from kernels_pallas._dispatch import reference_and_xla
 
 from .codes import QUANT_TYPES
 from .reference import nf4_matmul_reference
-from .triton import nf4_matmul_triton
-from .triton import supports as triton_supports
 from .xla import nf4_matmul_xla
 
 _WHERE = "kernels_pallas/nf4_matmul/api.py"
 
-OP = Op(name="nf4_matmul", where=_WHERE, implementations=(
-    Implementation("reference", nf4_matmul_reference, ALL_PLATFORMS, summary="autodiff of the definition"),
-    Implementation("xla", nf4_matmul_xla, ALL_PLATFORMS,
-                   summary="dequantise-then-matmul, custom VJP re-dequantising in the backward"),
-    Implementation("triton", nf4_matmul_triton, GPU_PLATFORMS, interpret_platforms=("cpu",),
-                   summary="Pallas (Triton backend): each weight tile dequantised in registers inside the K loop, "
-                           "forward and input gradient")),
-    auto_order=("xla", "reference"))
+OP = reference_and_xla("nf4_matmul", _WHERE, nf4_matmul_reference, nf4_matmul_xla,
+                       "dequantise-then-matmul, custom VJP re-dequantising in the backward")
 IMPLEMENTATIONS = OP.accepted
-
-
-def supports(implementation: str, shape: tuple[int, int], blocksize: int) -> bool:
-    """Whether `implementation` takes a weight of `shape` in blocks of `blocksize` (the kernels need whole blocks
-    per row and whole tiles of rows; the others take any)."""
-    return OP.canonical(implementation) != "triton" or triton_supports(tuple(shape), blocksize)
 
 
 def nf4_matmul(x: jax.Array, packed: jax.Array, absmax: jax.Array, *, shape: tuple[int, int], blocksize: int,

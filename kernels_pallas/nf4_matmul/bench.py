@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from kernels_pallas._bench import Timing, bench_main, time_fwd_bwd
 
-from .api import OP, supports
+from .api import OP
 from .shapes import BENCH_SHAPES, TEST_SHAPES, make_inputs
 
 
@@ -43,8 +43,6 @@ def run(shapes=BENCH_SHAPES, implementations: Sequence[str] = OP.names, iters: i
         rows.append(time_fwd_bwd("nf4_matmul", shape.name, "dense_bf16",
                                  lambda a, d: jnp.einsum("mi,oi->mo", a, d), (x,), iters=iters, frozen=(dense,)))
         for name in implementations:
-            if not supports(name, dims, shape.blocksize):
-                continue
             fn = functools.partial(OP.resolve(name).fn, shape=dims, blocksize=shape.blocksize, quant_type="nf4")
             rows.append(time_fwd_bwd("nf4_matmul", shape.name, name,
                                      lambda a, p, m, f=fn: f(a, packed=p, absmax=m), (x,), iters=iters,

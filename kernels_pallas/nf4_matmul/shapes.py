@@ -1,7 +1,6 @@
 """4-bit matmul problem shapes shared by the tests and bench.py: x [m, in] times W [out, in]^T.
 
 ``TEST_SHAPES``: small, odd token counts, a weight whose size is not a multiple of the block, fp32 and bf16;
-``KERNEL_TEST_SHAPES`` (+ ``KERNEL_TEST_TILES``): small ones in the layout of the Pallas kernels (triton.py);
 ``BENCH_SHAPES``: the Llama-3.1-8B projections (q/o 4096x4096, k/v 1024x4096, gate/up 14336x4096,
 down 4096x14336) at training sizes M = 4096, 8192 and 16384 tokens, bf16.
 """
@@ -35,14 +34,6 @@ TEST_SHAPES: tuple[Nf4Shape, ...] = (
     Nf4Shape("t_partial_block_f32", 5, 20, 24, 64),
     Nf4Shape("t_bf16", 33, 64, 128, 32, "bfloat16"),
 )
-# In the Pallas kernels' layout (whole blocks per row, rows in whole tiles of KERNEL_TEST_TILES' block_n = 32):
-# odd row counts (padded to block_m), blocks of 32 / 64 / 128, several K-loop steps both ways.
-KERNEL_TEST_SHAPES: tuple[Nf4Shape, ...] = (
-    Nf4Shape("k_f32", 37, 64, 192, 64),
-    Nf4Shape("k_bs32_bf16", 20, 96, 256, 32, "bfloat16"),
-    Nf4Shape("k_bs128_f32", 33, 64, 256, 128),
-)
-KERNEL_TEST_TILES = {"block_m": 16, "block_n": 32}
 BENCH_SHAPES: tuple[Nf4Shape, ...] = tuple(
     Nf4Shape(f"8b_{proj}_{m // 1024}k", m, out_f, in_f, 64, "bfloat16")
     for m in (4096, 8192, 16384) for proj, (out_f, in_f) in _8B.items())

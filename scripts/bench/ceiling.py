@@ -8,10 +8,10 @@ first timed loops after a process starts can run far below the chip's rate (on t
 8192 read 236 and 502 TFLOP/s in a single trial, 747 and 809 in a warm process; docs/benchmarks.md
 section 20), and a ceiling read low inflates every MFU divided by it.
 
-Runnable as a script (this file imports nothing from the benchmark package, so the harness can
+Runnable on its own (this module imports nothing from the rest of the benchmark package, so the harness can
 start it in its own process for each framework):
 
-    python scripts/bench/ceiling.py --framework {torch,jax} --device {cpu,cuda} --out RESULT.json
+    python -m scripts.bench.ceiling --framework {torch,jax} --device {cpu,cuda} --out RESULT.json
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The host's GPUs for scripts/bench_train.py: what nvidia-smi lists (or fake ones, for tests), --gpus resolved to
-the indices sessions are pinned to, and the GPU a serial worker runs on."""
+"""The host's GPUs for the training benchmark (scripts.bench.train): what nvidia-smi lists (or fake ones, for
+tests), --gpus resolved to the indices sessions are pinned to, and the GPU a serial worker runs on."""
 
 from __future__ import annotations
 

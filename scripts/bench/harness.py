@@ -1,6 +1,7 @@
-"""The run of scripts/bench_train.py (`Bench`): the matmul ceilings, one session saving the model directories
-(`models_place`: /dev/shm or disk), one worker session per system and model shape (`run_order`), and the report
-saved after every task; the systems and the worker script each runs in."""
+"""The run of `python -m scripts.bench.train` (`Bench`): the matmul ceilings, one session saving the model
+directories (`models_place`: /dev/shm or disk), one worker session per system and model shape (`run_order`), and
+the report saved after every task; the systems and the worker module each runs as (`python -m`, the repository on
+the worker's PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -17,20 +18,20 @@ import threading
 import time
 from typing import Any
 
-from bench.gpus import _serial_gpu
-from bench.report import first_loss_spread, markdown, summarise_run
-from bench.sessions import Job, SessionRunner, keep_logs, pin_env, run_jobs, run_subprocess
-from bench.workloads import SHAPES, ModelShape, Workload, get_workload, make_token_data, param_counts, useful_flops
-from bench.worker_common import Task, jaxft_modes
+from .gpus import _serial_gpu
+from .report import first_loss_spread, markdown, summarise_run
+from .sessions import Job, SessionRunner, keep_logs, pin_env, run_jobs, run_subprocess
+from .workloads import SHAPES, ModelShape, Workload, get_workload, make_token_data, param_counts, useful_flops
+from .worker_common import Task, jaxft_modes
 
-SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-REPO = os.path.dirname(SCRIPTS)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # jaxft systems: "jaxft" (examples/bench/fast.yaml) and "jaxft_<mode>" (examples/bench/<mode>.yaml).
 JAXFT_MODES = jaxft_modes()[1:]
 # Torch systems whose worker needs the carried peer wheels on its path (Unsloth; bitsandbytes for HF QLoRA).
 PEER_WHEEL_SYSTEMS = ("unsloth", "unsloth_4bit", "hf_qlora")
-WORKER = {"jaxft": "bench_jaxft_worker.py", **{f"jaxft_{m}": "bench_jaxft_worker.py" for m in JAXFT_MODES},
-          **{s: "bench_torch_worker.py" for s in ("hf_ckpt", "hf_nockpt") + PEER_WHEEL_SYSTEMS}}
+JAXFT_WORKER, TORCH_WORKER = "scripts.bench.jaxft_worker", "scripts.bench.torch_worker"
+WORKER = {"jaxft": JAXFT_WORKER, **{f"jaxft_{m}": JAXFT_WORKER for m in JAXFT_MODES},
+          **{s: TORCH_WORKER for s in ("hf_ckpt", "hf_nockpt") + PEER_WHEEL_SYSTEMS}}
 ALL_SYSTEMS = tuple(WORKER)
 DEFAULT_SYSTEMS = ("jaxft", "jaxft_lean", "hf_ckpt", "hf_nockpt", "unsloth")  # the table's systems
 DONE_STATUSES = ("ok", "oom")  # what --resume keeps
@@ -45,7 +46,8 @@ SHM = "/dev/shm"
 
 def _worker_env(device: str, extra_pythonpath: list[str], run_dir: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(extra_pythonpath + [REPO] + (
+    # The repository first: the workers run as `python -m scripts.bench...` from their run folders.
+    env["PYTHONPATH"] = os.pathsep.join([REPO] + extra_pythonpath + (
         [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update({
         # No network from any worker: everything is local (the model dir is on disk).
@@ -155,7 +157,7 @@ class Bench:
                 continue
             run_dir = os.path.join(self.workdir, f"ceiling_{fw}")
             out = os.path.join(run_dir, "result.json")
-            cmd = [sys.executable, os.path.join(SCRIPTS, "bench", "ceiling.py"), "--framework", fw,
+            cmd = [sys.executable, "-m", "scripts.bench.ceiling", "--framework", fw,
                    "--device", self.args.device, "--out", out]
             ceil[fw] = run_subprocess(cmd, run_dir, out, timeout,
                                       self.first_gpu_env(_worker_env(self.args.device, [], run_dir)))
@@ -196,7 +198,7 @@ class Bench:
             return os.path.join(SHM, f"bench_train_models_{tag}")
         if place == "disk":
             return os.path.join(self.workdir, "models")
-        raise SystemExit(f"bench_train.py: {place}; the shapes: {', '.join(shapes)}")
+        raise SystemExit(f"scripts.bench.train: {place}; the shapes: {', '.join(shapes)}")
 
     def save_models(self, workloads: list[str]) -> dict[str, str | None]:
         """Save the model of each workload's shape in one session; {shape: None or why it failed}."""
@@ -217,7 +219,7 @@ class Bench:
                   f"({'reused' if raw.get('reused') else task.model_dir})", flush=True)
 
         # Alone, before any training session (on the first GPU when several).
-        save = Job("save_models", os.path.join(SCRIPTS, "bench_torch_worker.py"), tasks,
+        save = Job("save_models", TORCH_WORKER, tasks,
                    lambda run_dir: _worker_env(self.args.device, [], run_dir), on_result)
         run_jobs(self.runner(), [save], self.args.gpu_ids[:1] if self.args.gpu_ids else None)
         self.save()
@@ -250,7 +252,7 @@ class Bench:
         for session, names in self.sessions(system, runnable):
             tasks = [Task("train", system, name, os.path.join(self.models_dir, get_workload(name).shape_name),
                           self.args.steps, self.args.device) for name in names]
-            jobs.append(Job(session, os.path.join(SCRIPTS, WORKER[system]), tasks,
+            jobs.append(Job(session, WORKER[system], tasks,
                             lambda run_dir: _worker_env(self.args.device, path, run_dir),
                             lambda task, raw: self.record(system, task.workload, raw, *infos[task.workload])))
         return jobs

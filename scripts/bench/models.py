@@ -18,7 +18,7 @@ import os
 import time
 from typing import Any
 
-from bench.workloads import ModelShape
+from .workloads import ModelShape
 
 TOKENIZER_VOCAB = 256
 SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}

@@ -19,7 +19,7 @@ import statistics
 import subprocess
 from typing import Any
 
-from bench.workloads import FLOP_FORMULA, Workload
+from .workloads import FLOP_FORMULA, Workload
 
 GIB = 1024 ** 3
 STATIC_MARK = "*"

@@ -1,6 +1,6 @@
 """Worker processes of the training benchmark: one-shot subprocesses and task sessions.
 
-A session is one worker process running a list of tasks in order (bench.worker_common). The
+A session is one worker process (`python -m <module>`) running a list of tasks in order (worker_common). The
 worker rewrites its result file, a JSON list, after every task; ``run_session`` polls that file,
 hands each new result to a callback as soon as it appears (so the harness can save its report
 after every task, even if the harness itself is cut short), and kills the worker when no task has
@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from bench.worker_common import Task, dump_session, is_oom_message
+from .worker_common import Task, dump_session, is_oom_message
 
 LOG_KEEP_BYTES = 200_000
 POLL_S = 0.5
@@ -160,7 +160,7 @@ def keep_logs(run_dir: str, logs_dir: str | None) -> None:
 
 @dataclasses.dataclass
 class SessionRunner:
-    """Runs task lists as chained sessions of one worker script (see the module docstring)."""
+    """Runs task lists as chained sessions of one worker module (see the module docstring)."""
 
     workdir: str                       # one subfolder per session
     task_timeout_s: float              # kill a session when no task finished for this long
@@ -169,11 +169,12 @@ class SessionRunner:
     logs_dir: str | None = None
     python: str = sys.executable
 
-    def run(self, name: str, script: str, tasks: list[Task], env_for: Callable[[str], dict[str, str]],
+    def run(self, name: str, module: str, tasks: list[Task], env_for: Callable[[str], dict[str, str]],
             on_result: OnResult) -> None:
         """Every task gets exactly one ``on_result(task, raw)``; raw["session"] names its session.
 
-        ``env_for(run_dir)`` builds the worker's environment. Tasks no session could start for
+        The worker runs as ``python -m module`` in its run folder: ``env_for(run_dir)`` builds its environment,
+        whose PYTHONPATH must find ``module``. Tasks no session could start for
         (budget) are recorded as "skipped".
         """
         todo, part = list(tasks), 0
@@ -187,7 +188,7 @@ class SessionRunner:
             run_dir = os.path.join(self.workdir, session)
             batch = todo
             finished, death = run_session(
-                [self.python, script], batch, run_dir, env_for(run_dir), self.task_timeout_s,
+                [self.python, "-m", module], batch, run_dir, env_for(run_dir), self.task_timeout_s,
                 time.perf_counter() + left,
                 lambda i, raw: on_result(batch[i], {**raw, "session": session}))
             keep_logs(run_dir, self.logs_dir)
@@ -204,7 +205,7 @@ class Job:
     """One queued session chain: the arguments of ``SessionRunner.run``."""
 
     name: str
-    script: str
+    module: str
     tasks: list[Task]
     env_for: Callable[[str], dict[str, str]]
     on_result: OnResult
@@ -230,7 +231,7 @@ def run_jobs(runner: SessionRunner, jobs: list[Job], gpus: list[int] | None) -> 
     """
     if gpus is None:
         for job in jobs:
-            runner.run(job.name, job.script, job.tasks, job.env_for, job.on_result)
+            runner.run(job.name, job.module, job.tasks, job.env_for, job.on_result)
         return
     if not gpus:
         raise ValueError("run_jobs: gpus is an empty list; pass None for the serial path")
@@ -246,7 +247,7 @@ def run_jobs(runner: SessionRunner, jobs: list[Job], gpus: list[int] | None) -> 
                 job.on_result(task, {**raw, "gpu": gpu if raw.get("session") is not None else None})
 
         try:
-            runner.run(job.name, job.script, job.tasks, lambda run_dir: pin_env(job.env_for(run_dir), gpu),
+            runner.run(job.name, job.module, job.tasks, lambda run_dir: pin_env(job.env_for(run_dir), gpu),
                        on_result)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread after the join
             failures.append(exc)

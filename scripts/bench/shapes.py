@@ -1,6 +1,6 @@
 """The model shapes of the training benchmark: Hugging Face config dicts of the real models (Llama 3, Qwen3, Gemma 2
 and 3, GPT-OSS, Qwen3-MoE, Qwen2.5-VL) and of tiny ones of the same families for the CPU; the weights are random,
-made from these on the device (bench/models.py). Re-exported by bench.workloads."""
+made from these on the device (models.py). Re-exported by workloads."""
 
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ SHAPES: dict[str, ModelShape] = {
         **_LLAMA_COMMON, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
         "vocab_size": 128256, "tie_word_embeddings": False, "rope_parameters": _llama3_rope(8.0)}),
-    # Llama-3.1-70B: issue #15's FSDP run over 8 GPUs (scripts/bench_scaling.py) and the memory table's 70B.
+    # Llama-3.1-70B: issue #15's FSDP run over 8 GPUs and the memory table's 70B.
     "llama-3.1-70b": ModelShape("llama-3.1-70b", {
         **_LLAMA_COMMON, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
         "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,

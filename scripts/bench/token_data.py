@@ -1,6 +1,6 @@
 """The token data every system of the training benchmark trains on: seeded numpy, the same bytes in every process
 (checked by a SHA-256), in jaxft's packed-batch form and in transformers' (labels, position_ids, a VLM row's pixels).
-Re-exported by bench.workloads."""
+Re-exported by workloads."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bench.shapes import ModelShape
+from .shapes import ModelShape
 
-if TYPE_CHECKING:  # bench.workloads imports this module
-    from bench.workloads import Workload
+if TYPE_CHECKING:  # workloads imports this module
+    from .workloads import Workload
 
 PACKED_DOC_SIGMA = 1.0  # lognormal sigma of packed document lengths (mean is set per workload)
 PACKED_MIN_DOC = 2      # shortest document: one with a single token has no target

@@ -17,7 +17,7 @@ A training result (what a ``run_*`` function returns) holds:
                        the batches are already on the device before the clock starts.
     losses             list[float], one per step: the training loss that step computed.
     peak_memory_bytes  int, this task's device memory peak (torch: max_memory_allocated after a
-                       reset just before the first step; JAX: see bench_jaxft_worker.py, which
+                       reset just before the first step; JAX: see jaxft_worker.py, which
                        has no peak reset and so may fall back to a static estimate).
     peak_memory_source "allocator" (measured) or "static_estimate" (JAX only; see above).
     data_sha256        TokenData.sha256 of the batches trained on (proves identical data).
@@ -43,7 +43,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from bench.workloads import Workload, get_workload
+from .workloads import Workload, get_workload
 
 STATUSES = ("ok", "oom", "not_run", "error", "timeout", "crashed", "skipped")
 # The jaxft benchmark recipes: every mode is a `jaxft-train` YAML here (docs/benchmarks.md names it per row).

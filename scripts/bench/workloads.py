@@ -3,10 +3,10 @@
 Everything a worker needs to train "the same thing" lives here, or in the two modules this one re-exports (all of
 it importable from here), and nowhere else:
 
-* the model shapes (Hugging Face config dicts of the real models; weights are random): bench/shapes.py,
+* the model shapes (Hugging Face config dicts of the real models; weights are random): shapes.py,
 * the workloads (shape x batch x sequence length x packing),
 * the LoRA and optimizer settings,
-* the token data (seeded numpy, identical for every system; checked by a SHA-256): bench/token_data.py,
+* the token data (seeded numpy, identical for every system; checked by a SHA-256): token_data.py,
 * the useful-FLOP formula used for MFU.
 
 Useful FLOPs of one optimizer step (the formula printed in every report):
@@ -41,8 +41,8 @@ import dataclasses
 import zlib
 from typing import Any
 
-from bench.shapes import SHAPES, ModelShape
-from bench.token_data import (IMAGE_TEXT_PREFIX, PACKED_DOC_SIGMA, PACKED_MIN_DOC, TokenData, causal_pairs,
+from .shapes import SHAPES, ModelShape
+from .token_data import (IMAGE_TEXT_PREFIX, PACKED_DOC_SIGMA, PACKED_MIN_DOC, TokenData, causal_pairs,
                               image_processor, make_token_data, synthetic_image, text_vocab_below)
 
 __all__ = [

@@ -1,0 +1,1 @@
+"""Kernel sweeps and kernels taken out of kernels_pallas's dispatch."""

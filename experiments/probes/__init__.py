@@ -1,0 +1,1 @@
+"""Device probes, sweeps and ablations of jaxft (experiments/README.md)."""

@@ -1,0 +1,70 @@
+"""`mesh: auto` and the per-device estimate it chooses by (compiled memory analysis from shapes, no weights): on
+2 host CPU devices (a subprocess: JAX fixes its device count at start), a
+tiny model's fsdp step holds less per device than its data-parallel step, and with a max_memory_gb between
+the two `mesh: auto` trains on fsdp, saying so."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxft.sharding import MeshConfig, MeshConfigError
+from test_train_fixtures import host_devices_env, make_jsonl, make_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_mesh_auto_candidates_go_from_data_to_fsdp():
+    assert MeshConfig.from_mapping("auto").candidates(8) == [MeshConfig(data=8), MeshConfig(data=4, fsdp=2),
+                                                             MeshConfig(data=2, fsdp=4), MeshConfig(data=1, fsdp=8)]
+    assert MeshConfig.from_mapping("auto").shape(4) == {"data": 4, "fsdp": 1, "tensor": 1}  # until chosen
+    assert MeshConfig(data=2).candidates(2) == [MeshConfig(data=2)]
+    with pytest.raises(MeshConfigError, match="must be auto or a mapping"):
+        MeshConfig.from_mapping("fsdp")
+
+
+def test_estimate_and_mesh_auto_on_two_devices(tmp_path):
+    make_tiny_model(tmp_path / "model", hidden=64, vocab=512)  # weights large enough to dominate the peak
+    make_jsonl(tmp_path / "train.jsonl", 20)
+    env = host_devices_env(2)
+    res = subprocess.run([sys.executable, str(REPO / "tests" / "mesh_auto_worker.py"), str(tmp_path / "model"),
+                          str(tmp_path / "train.jsonl"), str(tmp_path / "out"), str(tmp_path / "r.json")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    r = json.loads((tmp_path / "r.json").read_text())
+    dp, fsdp = r["estimates"]["dp"], r["estimates"]["fsdp"]
+    # fp32 weights of hidden 64, MLP 128, 2 layers, vocab 512 x 2 (embedding, head): ~0.5 MiB; each fsdp
+    # device holds about half of them
+    weights = 4 * (2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128) + 2 * 512 * 64)
+    assert weights < dp["argument_size_in_bytes"] < 2 * weights
+    assert fsdp["argument_size_in_bytes"] < 0.75 * dp["argument_size_in_bytes"]
+    assert 0 < fsdp["peak"] < dp["peak"] < 2**30
+    assert r["mesh_lines"][1].startswith("mesh auto: {data: 2, fsdp: 1, tensor: 1} estimated peak") and \
+        r["mesh_lines"][1].endswith("does not fit")
+    assert r["mesh_lines"][2].startswith("mesh auto: {data: 1, fsdp: 2, tensor: 1}") and \
+        r["mesh_lines"][2].endswith("fits: chosen")
+    assert r["steps"] == 2
+
+
+def test_mesh_auto_with_remat_auto_gives_each_mesh_its_remat_choice_and_says_when_nothing_fits(tmp_path):
+    from jaxft.execution import ExecutionConfig, ExecutionConfigError
+    from jaxft.lora import LoraConfig
+    from jaxft.run import Run
+    from test_remat import packed_batch
+
+    run = Run(make_tiny_model(tmp_path / "model"), lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+              mesh=MeshConfig(auto=True),
+              execution=ExecutionConfig(attention_implementation="reference", remat="auto", max_memory_gb=1e-4))
+    lines = []
+    with pytest.raises(ExecutionConfigError, match=r"^key 'max_memory_gb': no mesh fits in 0\.000 GiB per device "
+                                                   r"\(max_memory_gb\): the smallest estimate is \{data: 1, fsdp: 1"):
+        run.choose_mesh(packed_batch(64, b=2, t=64), log=lines.append)
+    assert lines[0].startswith("mesh auto: device budget 0.000 GiB (max_memory_gb); candidates in order of "
+                               "communication: {data: 1, fsdp: 1, tensor: 1}")
+    assert any(s.startswith("remat auto: none ") for s in lines)  # the mesh's own remat choice ran
+    assert lines[-1] == "mesh auto: {data: 1, fsdp: 1, tensor: 1} no remat policy fits -> does not fit"
+    assert run.execution.remat == "auto" and run.execution.max_memory_gb == 1e-4 and run._compiled is None
