@@ -4,6 +4,7 @@ Public API:
     from_pretrained(path, dtype="bfloat16", quantize=None) -> model  (quantize="nf4"/"fp4": QLoRA's 4-bit base)
         model(input_ids, positions=None, segment_ids=None)
     save_pretrained(model, path)                           (LoRA merged)
+    save_gguf(model, path, dtype="f16", tokenizer=...)    one GGUF file for llama.cpp (LoRA merged; q8_0, ...)
     apply_lora(model, LoraConfig(...)), merge_lora(model)
     save_adapter(model, dir), load_adapter(model, dir)     (PEFT format)
     generate(model, tokenizer, prompts, ...)               (KV-cached decoding)
@@ -16,7 +17,7 @@ Public API:
 from jaxft.config import ConfigError, ModelConfig, RopeConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.generation import generate
-from jaxft.io import from_pretrained, save_pretrained
+from jaxft.io import from_pretrained, save_gguf, save_pretrained
 from jaxft.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
 from jaxft.models import Decoder, LoraParam, init_model
 from jaxft.quant import QuantConfig
@@ -42,5 +43,6 @@ __all__ = [
     "load_adapter",
     "merge_lora",
     "save_adapter",
+    "save_gguf",
     "save_pretrained",
 ]

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 import bridge
-from bridge import bnb4bit, mxfp4
+from bridge import bnb4bit, gguf, mxfp4
 from bridge.safetensors_io import read_header
 from jaxft.config import ModelConfig
 from jaxft.models.decoder import Decoder, abstract_model
@@ -69,6 +69,9 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     checkpoint (config.json `quantization_config`) loads as stored, byte for byte; an MXFP4 checkpoint (GPT-OSS)
     has its expert weights decoded to `dtype` (`bridge.mxfp4`).
 
+    A `.gguf` file (llama.cpp) loads as a base model too, every tensor dequantised to `dtype` (`bridge.gguf`;
+    the dense families, not with `mesh`).
+
     `mesh` (a `jaxft.sharding.Placement` or `MeshConfig`): every weight is built sharded by the rules
     (`jax.make_array_from_callback`), each device's shard read from the safetensors slices it holds, so no
     host or device ever holds a whole (sharded) weight. Not with 4-bit weights yet.
@@ -77,9 +80,13 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
 
     path = Path(path)
     hf = bridge.read_config(path)
-    source = str(path / "config.json")
+    source = str(path) if gguf.is_gguf(path) else str(path / "config.json")
     cfg = ModelConfig.from_hf(hf, source=source)
     dtype = jnp.dtype(dtype)
+    if gguf.is_gguf(path):
+        return _from_gguf(path, hf, cfg, dtype, quant_config or (
+            None if quantize is None else qw.QuantConfig(quant_type=quantize, double_quant=double_quant)),
+            verbose, mesh)
     stored = None if mxfp4.is_mxfp4(hf) else bnb4bit.quantization_config(hf, source)  # MXFP4: experts, below
     if quant_config is None and quantize is not None:
         quant_config = qw.QuantConfig(quant_type=quantize, double_quant=double_quant)
@@ -149,6 +156,11 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         qw.install(site.linear(model), quant)
     if stored is None and quant_config is not None:
         _quantize_experts(model, arrays, quant_config, str(dtype), verbose)
+    return _filled(model, arrays, quant_config, skipped)
+
+
+def _filled(model: Decoder, arrays: dict, quant_config, skipped) -> Decoder:
+    """The abstract `model` with its parameters set from host `arrays` (emptied as they move)."""
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
     leaves = []
@@ -164,6 +176,29 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         model.quant_config = quant_config
         model.quant_skipped = tuple(skipped)
     return model
+
+
+def _from_gguf(path: Path, hf: dict, cfg: ModelConfig, dtype, quant_config, verbose: bool, mesh) -> Decoder:
+    """`from_pretrained` of a GGUF file: dequantised tensors through the family's table, then as a dense load."""
+    from jaxft.quant import weights as qw
+
+    if mesh is not None:
+        raise ValueError(f"{path}: loading a GGUF file sharded over a mesh is not supported; load without mesh=, "
+                         "save_pretrained it and load that directory sharded")
+    model = abstract_model(cfg, dtype=dtype)
+    expected = param_shapes(model)
+    tensors = gguf.read_tensors(path, hf)
+    arrays = gguf.tree_arrays(family_for(cfg.model_type).table, expected, tensors, cfg.num_layers, dtype,
+                              layer_map=layer_stacks(cfg), source=str(path))
+    del tensors
+    skipped: list[str] = []
+    if quant_config is not None:
+        sites = qw.linear_sites(model)
+        quants: dict = {}
+        skipped = _quantize_sites(model, sites, arrays, quant_config, quants, str(dtype), verbose)
+        for site, quant in quants.items():
+            qw.install(site.linear(model), quant)
+    return _filled(model, arrays, quant_config, skipped)
 
 
 def _quantize_sites(model, sites, arrays, qcfg, quants, dtype_name, verbose) -> list[str]:
@@ -309,3 +344,24 @@ def _sharded(model: Decoder, path: Path, cfg: ModelConfig, expected, dtype, mesh
                 var = var.replace(value.block_until_ready())
             leaves.append((p, var))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def save_gguf(model: Decoder, path: str | os.PathLike, dtype: str = "f16", *, tokenizer=None,
+              overwrite: bool = False) -> Path:
+    """Writes the model as one GGUF file (llama.cpp, Ollama, LM Studio; transformers reads it with
+    `gguf_file=`): LoRA adapters merged and 4-bit linears dequantised as in `save_pretrained`, the matrices in
+    `dtype` ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"; norms and biases stay float32).
+
+    `tokenizer` (a transformers fast tokenizer, or the path of a model directory / GGUF file holding one) adds
+    the vocabulary, merges, special token ids and chat template a runtime needs to talk to the model; without it
+    the file holds the weights and architecture only. Dense families (llama, mistral, qwen2, qwen3, gemma2,
+    gemma3_text)."""
+    cfg: ModelConfig = model.config
+    hf = cfg.to_hf()
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from jaxft.data.formatting import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer)
+    table = family_for(cfg.model_type).table
+    tensors = bridge.hf_tensors(table, model_params(model), cfg.num_layers, layer_map=layer_stacks(cfg))
+    return gguf.write_gguf(path, hf, tensors, dtype=dtype, tokenizer=tokenizer, overwrite=overwrite)
