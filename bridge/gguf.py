@@ -163,7 +163,7 @@ def _metadata(config: Mapping, fam: names.GgufFamily, source: str) -> dict[str, 
 
 def _config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str], source: str) -> dict[str, Any]:
     arch = fields.get("general.architecture")
-    model_type = names.model_type_of(arch, fields.get("general.name"))
+    model_type = names.model_type_of(arch, fields)
     if model_type is None:
         archs = sorted({f.arch for f in names.FAMILIES.values()})
         raise CheckpointError(f"{source}: GGUF architecture {arch!r} is not one jaxft loads ({', '.join(archs)}); "
@@ -417,7 +417,8 @@ def write_gguf(path: str | os.PathLike, config: Mapping[str, Any], tensors: Iter
     os.close(fd)
     try:
         writer = gguf.GGUFWriter(tmp, fam.arch)
-        writer.add_name(fam.name or name or config.get("model_type"))
+        # not the bare model_type: transformers reads a `llama` file named "mistral" as a Mistral it cannot map
+        writer.add_name(name or (config.get("architectures") or [config["model_type"]])[0])
         writer.add_file_type(int(gguf.LlamaFileType[WRITE_TYPES[dtype][1]]))
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for key, value in metadata.items():

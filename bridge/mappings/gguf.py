@@ -8,8 +8,9 @@ changes llama.cpp's converter makes and transformers' GGUF loader undoes:
   interleaved, because llama.cpp's Llama kernels rotate adjacent pairs where transformers rotates halves;
 * `norm_offset`: Gemma stores every RMSNorm weight as w + 1 (the model computes x_hat * (1 + w)).
 
-Mistral has no architecture of its own in llama.cpp: it is written as `llama`, and transformers reads a `llama`
-file back as Mistral when `general.name` is "mistral".
+Mistral has no architecture of its own in llama.cpp: it is written as `llama` (transformers reads it back as
+Llama, the same model without a sliding window); its window, when it has one, goes in
+`llama.attention.sliding_window`, which llama.cpp ignores and jaxft reads the file back as Mistral by.
 
 Metadata: `CONFIG_KEYS` pairs a transformers config.json key with the GGUF key after `<arch>.`; a family's
 `extra_keys` adds its own.
@@ -75,14 +76,16 @@ class GgufFamily:
     permute_qk: bool = False
     norm_offset: float = 0.0
     extra_keys: tuple[tuple[str, str], ...] = ()
-    # general.name transformers needs to read the file back as this model_type (Mistral in a `llama` file)
-    name: str | None = None
+    # a metadata key (after `<arch>.`) whose presence tells this family from another of the same arch
+    marker: str | None = None
     rope_dimension_is_head_dim: bool = False  # llama: `rope.dimension_count` is what transformers reads as head_dim
 
 
 FAMILIES: dict[str, GgufFamily] = {
     "llama": GgufFamily("llama", DENSE_MODULES, permute_qk=True, rope_dimension_is_head_dim=True),
-    "mistral": GgufFamily("llama", DENSE_MODULES, permute_qk=True, name="mistral", rope_dimension_is_head_dim=True),
+    "mistral": GgufFamily("llama", DENSE_MODULES, permute_qk=True, extra_keys=(("sliding_window",
+                                                                              "attention.sliding_window"),),
+                          marker="attention.sliding_window", rope_dimension_is_head_dim=True),
     "qwen2": GgufFamily("qwen2", DENSE_MODULES),
     "qwen3": GgufFamily("qwen3", DENSE_MODULES),
     "gemma2": GgufFamily("gemma2", GEMMA_MODULES, norm_offset=1.0, extra_keys=GEMMA_KEYS),
@@ -90,13 +93,13 @@ FAMILIES: dict[str, GgufFamily] = {
 }
 
 
-def model_type_of(arch: str, name: str | None) -> str | None:
-    """The transformers model_type of a file of llama.cpp architecture `arch` (and `general.name`), None if
-    no family here writes it."""
+def model_type_of(arch: str, keys) -> str | None:
+    """The transformers model_type of a file of llama.cpp architecture `arch` with metadata `keys`, None if no
+    family here writes it."""
     for model_type, fam in FAMILIES.items():
-        if fam.arch == arch and fam.name is not None and fam.name == name:
+        if fam.arch == arch and fam.marker is not None and f"{arch}.{fam.marker}" in keys:
             return model_type
     for model_type, fam in FAMILIES.items():
-        if fam.arch == arch and fam.name is None:
+        if fam.arch == arch and fam.marker is None:
             return model_type
     return None
