@@ -200,6 +200,9 @@ class TrainConfig:
     finetune_attention_modules: bool | None = None
     finetune_mlp_modules: bool | None = None
     save_merged_model: bool = False
+    save_gguf: Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"] | None = dataclasses.field(
+        default=None, metadata={"help": "also write the merged model as one GGUF file (llama.cpp) of this type, "
+                                        "with the tokenizer, to <output_dir>/gguf/"})
     # QLoRA (transformers' BitsAndBytesConfig names): frozen linears in bitsandbytes' 4-bit format. A checkpoint
     # that is already bitsandbytes 4-bit loads as stored whatever these say. llm_int8_skip_modules (null: lm_head,
     # routers, vision towers) stay in the compute dtype, and so does any module whose relative quantisation
