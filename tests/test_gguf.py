@@ -153,3 +153,25 @@ def test_unsupported_inputs_are_one_clear_error(tmp_path):
     scaled = model.config.replace(rope=model.config.rope.__class__(rope_type="dynamic", factor=2.0))
     with pytest.raises(CheckpointError, match="RoPE type 'dynamic'"):
         bgguf.write_gguf(tmp_path / "c.gguf", scaled.to_hf(), [], dtype="f16")
+
+
+def test_training_key_writes_the_merged_model_as_gguf(tmp_path, ids):
+    from jaxft.train import TrainConfig, TrainConfigError, train
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(f'{{"prompt": "Q{i}: what is {i} + {i}?", "completion": " {2 * i}"}}\n'
+                            for i in range(16)), encoding="utf-8")
+    keys = dict(model_name_or_path=str(TOKENIZER), dataset=str(data), output_dir=str(tmp_path / "run"),
+                max_seq_length=64, per_device_train_batch_size=2, max_steps=2, learning_rate=5e-2, bf16=False,
+                disable_tqdm=True, report_to="none", lora_r=4, save_merged_model=True)
+    with pytest.raises(TrainConfigError, match="key 'save_gguf'.*'q4_k' is not one of"):
+        TrainConfig(**keys, save_gguf="q4_k")
+    result = train(TrainConfig(**keys, save_gguf="f32"))
+    assert result.gguf_file == tmp_path / "run" / "gguf" / "model-f32.gguf"
+    merged = transformers.AutoModelForCausalLM.from_pretrained(result.merged_dir, dtype=torch.float32).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(TOKENIZER, dtype=torch.float32).eval()
+    want = torch_logits(merged, ids)
+    assert rel_err(torch_logits(base, ids), want) > 1e-3  # the run changed the model
+    assert rel_err(torch_logits(_hf_gguf(result.gguf_file), ids), want) < 1e-5
+    back = transformers.AutoTokenizer.from_pretrained(result.gguf_file.parent, gguf_file=result.gguf_file.name)
+    assert back.chat_template is not None and back.eos_token_id == base.config.eos_token_id
