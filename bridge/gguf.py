@@ -148,6 +148,7 @@ def _metadata(config: Mapping, fam: names.GgufFamily, source: str) -> dict[str, 
     for hf_key, key in names.CONFIG_KEYS + fam.extra_keys:
         if config.get(hf_key) is not None:
             out[key] = config[hf_key]
+    _check_layer_pattern(config, fam, source)
     if fam.rope_dimension_is_head_dim:
         out["rope.dimension_count"] = head_dim
     out.update(_rope_fields(config, fam.arch, source))
@@ -160,6 +161,22 @@ def _metadata(config: Mapping, fam: names.GgufFamily, source: str) -> dict[str, 
         if local is not None:
             out["rope.freq_base_swa"] = float(local)
     return out
+
+
+def _check_layer_pattern(config: Mapping, fam: names.GgufFamily, source: str) -> None:
+    """GGUF has no per-layer attention kinds: llama.cpp assumes the architecture's pattern (Gemma 2 alternating,
+    Gemma 3 five sliding to one full) and no window elsewhere, so a model that differs is refused, not changed."""
+    types = config.get("layer_types")
+    n = int(config["num_hidden_layers"])
+    if fam.arch in ("gemma2", "gemma3"):
+        every = 2 if fam.arch == "gemma2" else 6
+        default = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+        if types is not None and list(types) != default:
+            raise CheckpointError(f"{source}: layer_types {types} is not {fam.arch}'s fixed pattern in llama.cpp; "
+                                  "GGUF cannot carry it, export a Hugging Face checkpoint (save_pretrained)")
+    elif config.get("use_sliding_window") or (types is not None and "sliding_attention" in types):
+        raise CheckpointError(f"{source}: sliding-window layers (use_sliding_window / layer_types) have no GGUF "
+                              f"metadata for {fam.arch}; export a Hugging Face checkpoint (save_pretrained)")
 
 
 def _config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str], source: str) -> dict[str, Any]:
@@ -227,7 +244,10 @@ def _fields(reader) -> dict[str, Any]:
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
             continue
-        out[key] = field.contents()
+        value = field.contents()
+        if isinstance(value, float):  # stored as float32: the shortest decimal that rounds to it (1e-06, not 9.99e-07)
+            value = float(str(np.float32(value)))
+        out[key] = value
     return out
 
 

@@ -175,3 +175,26 @@ def test_training_key_writes_the_merged_model_as_gguf(tmp_path, ids):
     assert rel_err(torch_logits(_hf_gguf(result.gguf_file), ids), want) < 1e-5
     back = transformers.AutoTokenizer.from_pretrained(result.gguf_file.parent, gguf_file=result.gguf_file.name)
     assert back.chat_template is not None and back.eos_token_id == base.config.eos_token_id
+
+
+def test_metadata_round_trips_what_gguf_carries_and_refuses_what_it_cannot(tmp_path):
+    def config_of(model_type, **kw):
+        hf = transformers.AutoConfig.for_model(model_type, **{**BASE, **kw}).to_dict()
+        return jaxft.ModelConfig.from_hf(hf)
+
+    cases = {
+        "mistral": config_of("mistral", sliding_window=100),
+        "yarn": config_of("llama", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
+                                                    "original_max_position_embeddings": 256}),
+        "gemma3": config_of("gemma3_text", sliding_window=24, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    }
+    for name, cfg in cases.items():
+        file = bgguf.write_gguf(tmp_path / f"{name}.gguf", cfg.to_hf(), [], dtype="f16")
+        back = jaxft.ModelConfig.from_hf(bgguf.read_config(file))
+        # no tensors were written, so tying (read from the absence of output.weight) is not compared
+        assert back.replace(hf_json="", tie_word_embeddings=cfg.tie_word_embeddings) == cfg.replace(hf_json=""), name
+    odd = config_of("gemma3_text", layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(CheckpointError, match="layer_types .* fixed pattern"):
+        bgguf.write_gguf(tmp_path / "odd.gguf", odd.to_hf(), [], dtype="f16")
