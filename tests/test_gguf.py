@@ -198,3 +198,14 @@ def test_metadata_round_trips_what_gguf_carries_and_refuses_what_it_cannot(tmp_p
     odd = config_of("gemma3_text", layer_types=["full_attention", "sliding_attention"])
     with pytest.raises(CheckpointError, match="layer_types .* fixed pattern"):
         bgguf.write_gguf(tmp_path / "odd.gguf", odd.to_hf(), [], dtype="f16")
+
+
+def test_gguf_base_quantised_to_nf4_on_load(tmp_path, tokenizer, ids):
+    dense = jaxft.from_pretrained(TOKENIZER, dtype="float32", verbose=False)
+    file = jaxft.save_gguf(dense, tmp_path / "tiny.gguf", "f32")
+    nf4 = jaxft.from_pretrained(file, dtype="float32", quantize="nf4", verbose=False)
+    want = jaxft.from_pretrained(TOKENIZER, dtype="float32", quantize="nf4", verbose=False)
+    assert nf4.quant_config == want.quant_config and nf4.quant_skipped == want.quant_skipped
+    got = jax_logits(nf4, ids)
+    assert rel_err(got, jax_logits(want, ids)) < 1e-6  # the same weights, quantised alike
+    assert rel_err(got, jax_logits(dense, ids)) > 1e-3  # and 4-bit indeed

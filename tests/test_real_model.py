@@ -151,6 +151,7 @@ def _exact_match(answers: list[str]) -> float:
     return float(np.mean([a.strip().split("\n")[0].strip() == c for a, c in zip(answers, HELD_OUT.values())]))
 
 
+@pytest.mark.slow
 def test_lora_run_on_gguf_base_learns_the_task_and_the_adapter_answers_alike_everywhere(
         tmp_path, gguf_file, base_answers, hf_model, tokenizer):
     from jaxft.generate_cli import main as generate_main
