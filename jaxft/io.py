@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 import bridge
-from bridge import bnb4bit, gguf, mxfp4
+from bridge import bnb4bit, fp8, gguf, mxfp4
 from bridge.safetensors_io import read_header
 from jaxft.config import ModelConfig
 from jaxft.models.decoder import Decoder, abstract_model
@@ -67,7 +67,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     model never exists in `dtype` on the accelerator; modules named in `QuantConfig.skip_modules` or over its
     `max_rel_error` stay in `dtype` (listed, with the memory saved, when `verbose`). A bitsandbytes 4-bit
     checkpoint (config.json `quantization_config`) loads as stored, byte for byte; an MXFP4 checkpoint (GPT-OSS)
-    has its expert weights decoded to `dtype` (`bridge.mxfp4`).
+    has its expert weights decoded to `dtype` (`bridge.mxfp4`), an FP8 one (transformers' fine-grained or
+    compressed-tensors) its linear weights (`bridge.fp8`).
 
     A `.gguf` file (llama.cpp) loads as a base model too, every tensor dequantised to `dtype` (`bridge.gguf`;
     the dense families, not with `mesh`).
@@ -87,7 +88,9 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         return _from_gguf(path, hf, cfg, dtype, quant_config or (
             None if quantize is None else qw.QuantConfig(quant_type=quantize, double_quant=double_quant)),
             verbose, mesh)
-    stored = None if mxfp4.is_mxfp4(hf) else bnb4bit.quantization_config(hf, source)  # MXFP4: experts, below
+    fp8_scale = fp8.scale_suffix(hf, source)
+    # MXFP4 (experts) and FP8 (linears): decoded below
+    stored = None if mxfp4.is_mxfp4(hf) or fp8_scale else bnb4bit.quantization_config(hf, source)
     if quant_config is None and quantize is not None:
         quant_config = qw.QuantConfig(quant_type=quantize, double_quant=double_quant)
     if stored is not None and quant_config is not None:
@@ -107,7 +110,18 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
             raise bridge.CheckpointError(f"{source}: quantization_config.quant_method is 'mxfp4' but no tensor is "
                                          "stored as <name>_blocks / <name>_scales; remove quantization_config")
         mx_shapes = {row.path: expected.pop(row.path).shape for row in rows}
+    fp8_shapes = {}
+    if fp8_scale:
+        names = {n for f in bridge.checkpoint_files(path) for n in read_header(f)[0]}
+        fp8_rows = fp8.quantized_rows(table, names, fp8_scale)
+        if not fp8_rows:
+            raise bridge.CheckpointError(f"{source}: quantization_config says FP8 but no linear weight has a "
+                                         f"<module>.{fp8_scale} beside it; remove quantization_config")
+        fp8_shapes = {row.path: expected.pop(row.path).shape for row in fp8_rows}
     if mesh is not None:
+        if fp8_shapes:
+            raise ValueError(f"{source}: loading an FP8 checkpoint sharded over a mesh is not supported yet; load "
+                             "without mesh=, save_pretrained it and load that sharded")
         if mx_shapes:
             raise ValueError(f"{source}: loading an MXFP4 checkpoint sharded over a mesh is not supported yet; load "
                              "without mesh=, save_pretrained it (bf16) and load that sharded")
@@ -142,11 +156,16 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         quant_config = qw.QuantConfig.from_hf(stored)
     if mx_shapes:
         ignore.update(n for row in rows for n in mxfp4.tensor_names(row, cfg.num_layers))
+    if fp8_shapes:
+        ignore.update(fp8.tensor_names(fp8_rows, cfg.num_layers, names, fp8_scale))
     arrays = bridge.load_weights(path, table, expected, cfg.num_layers, dtype,
                                  num_experts=cfg.num_experts or None, ignore=ignore, layer_map=layer_stacks(cfg),
                                  num_vision_blocks=_vision_blocks(cfg))
     if mx_shapes:
         arrays.update(mxfp4.load_rows(path, bridge.checkpoint_files(path), rows, mx_shapes, cfg.num_layers, dtype))
+    if fp8_shapes:
+        arrays.update(fp8.load_rows(path, bridge.checkpoint_files(path), fp8_rows, fp8_shapes, cfg.num_layers,
+                                    dtype, fp8_scale))
     skipped: list[str] = []
     if stored is None and quant_config is not None:
         skipped = _quantize_sites(model, sites, arrays, quant_config, quants, str(dtype), verbose)
