@@ -163,7 +163,7 @@ def test_lora_run_on_gguf_base_learns_the_task_and_the_adapter_answers_alike_eve
     data.write_text("".join(json.dumps({"prompt": _prompt(c), "completion": f" {a}"}) + "\n"
                             for c, a in TRAIN.items()), encoding="utf-8")
     cfg = TrainConfig(model_name_or_path=str(gguf_file), dataset=str(data), output_dir=str(tmp_path / "run"),
-                      max_seq_length=64, per_device_train_batch_size=4, max_steps=10, learning_rate=2e-3,
+                      max_seq_length=32, per_device_train_batch_size=4, max_steps=10, learning_rate=2e-3,
                       lr_scheduler_type="constant", lora_r=8, lora_alpha=16, bf16=False, logging_steps=5,
                       disable_tqdm=True, report_to="none")
     result = train(cfg)
