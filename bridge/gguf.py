@@ -46,10 +46,10 @@ _TOKEN_NORMAL, _TOKEN_UNUSED, _TOKEN_CONTROL, _TOKEN_USER, _TOKEN_BYTE = 1, 5, 3
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # transformers' GGUF tokenizer rebuilds these pre-tokenizer splits by name; other byte-level splits read as GPT-2's
 _PRE_SPLITS = {
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
-        "llama-bpe",
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
-        "qwen2",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "llama-bpe",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+": "qwen2",
 }
 
 
@@ -156,8 +156,8 @@ def _metadata(config: Mapping, fam: names.GgufFamily, source: str) -> dict[str, 
         scalar = config.get("query_pre_attn_scalar")
         if scalar is not None and scalar != head_dim:
             out["attention.scale"] = float(scalar) ** -0.5
-        local = (config.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta",
-                                                                                      config.get("rope_local_base_freq"))
+        sliding = (config.get("rope_parameters") or {}).get("sliding_attention", {})
+        local = sliding.get("rope_theta", config.get("rope_local_base_freq"))
         if local is not None:
             out["rope.freq_base_swa"] = float(local)
     return out
