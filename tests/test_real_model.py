@@ -165,7 +165,7 @@ def test_lora_run_on_gguf_base_learns_the_task_and_the_adapter_answers_alike_eve
     cfg = TrainConfig(model_name_or_path=str(gguf_file), dataset=str(data), output_dir=str(tmp_path / "run"),
                       max_seq_length=32, per_device_train_batch_size=4, max_steps=10, learning_rate=2e-3,
                       lr_scheduler_type="constant", lora_r=8, lora_alpha=16, bf16=False, logging_steps=5,
-                      disable_tqdm=True, report_to="none")
+                      disable_tqdm=True, report_to="none", layer_loop="scan")  # scan: one layer body to compile
     result = train(cfg)
     print(f"LoRA run: {result.summary.line()}")
 
