@@ -42,7 +42,7 @@ WRITE_TYPES = {
     "q4_1": ("Q4_1", "MOSTLY_Q4_1"),
     "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
 }
-_TOKEN_NORMAL, _TOKEN_UNUSED, _TOKEN_CONTROL, _TOKEN_USER, _TOKEN_BYTE = 1, 5, 3, 4, 6
+_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER, _TOKEN_UNUSED, _TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # transformers' GGUF tokenizer rebuilds these pre-tokenizer splits by name; other byte-level splits read as GPT-2's
 _PRE_SPLITS = {
@@ -361,6 +361,9 @@ def _tokenizer_fields(tokenizer, vocab_size: int, source: str) -> dict[str, Any]
         if tok is None:  # the embedding's padding rows: llama.cpp needs one token per row
             tokens.append(f"[PAD{i}]")
             types.append(_TOKEN_UNUSED)
+        elif i == getattr(tokenizer, "unk_token_id", None):
+            tokens.append(tok)
+            types.append(_TOKEN_UNKNOWN)
         elif i in added:
             tokens.append(tok)
             types.append(_TOKEN_CONTROL if added[i].get("special") else _TOKEN_USER)
@@ -393,7 +396,7 @@ def _tokenizer_fields(tokenizer, vocab_size: int, source: str) -> dict[str, Any]
 
 def _adds_prefix_space(spec: Mapping) -> bool:
     text = json.dumps([spec.get("normalizer"), spec.get("pre_tokenizer")])
-    return '"prepend_scheme": "always"' in text or '"Prepend"' in text
+    return any(f'"prepend_scheme": "{s}"' in text for s in ("always", "first")) or '"Prepend"' in text
 
 
 def _pre_name(pre: Mapping | None) -> str:

@@ -209,3 +209,22 @@ def test_gguf_base_quantised_to_nf4_on_load(tmp_path, tokenizer, ids):
     got = jax_logits(nf4, ids)
     assert rel_err(got, jax_logits(want, ids)) < 1e-6  # the same weights, quantised alike
     assert rel_err(got, jax_logits(dense, ids)) > 1e-3  # and 4-bit indeed
+
+
+def test_sentencepiece_style_tokenizer_round_trips_as_llama_model(tmp_path):
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"])}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    merges = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "a"), ("i", "n")]
+    for piece in [*"▁abcdefghijklmnopqrstuvwxyz", *(a + b for a, b in merges)]:
+        vocab.setdefault(piece, len(vocab))
+    tok = transformers.LlamaTokenizer(vocab=vocab, merges=merges)
+    config = {**BASE, "model_type": "llama", "vocab_size": len(vocab) + 5}  # padded embedding rows
+    file = bgguf.write_gguf(tmp_path / "spm.gguf", config, [], dtype="f16", tokenizer=tok)
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(str(file)).fields.items()}
+    assert fields["tokenizer.ggml.model"] == "llama" and fields["tokenizer.ggml.add_space_prefix"] is True
+    types = fields["tokenizer.ggml.token_type"]
+    assert types[3:259] == [6] * 256 and types[-5:] == [5] * 5  # byte tokens, the padding rows
+    assert types[:3] == [2, 3, 3]  # <unk> unknown, <s> </s> control
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=file.name)
+    text = "the cat in a hat! 9"
+    assert back(text)["input_ids"] == tok(text)["input_ids"]
