@@ -67,11 +67,15 @@ class Quant4bitTensor:
         return json.dumps(state).encode("utf-8")  # json.dumps' default separators, as bitsandbytes packs it
 
 
+# quant_methods whose weights from_pretrained decodes to the compute dtype (bridge.mxfp4, bridge.fp8): dense here
+DECODED_ON_LOAD = ("mxfp4", "fp8", "compressed-tensors")
+
+
 def quantization_config(config: dict, source: str) -> dict | None:
     """config.json's bitsandbytes 4-bit `quantization_config` (None when the checkpoint is not quantised);
     other quantisation methods, and 8-bit, are refused with one line naming the key."""
     q = config.get("quantization_config")
-    if q is None:
+    if q is None or (isinstance(q, dict) and q.get("quant_method") in DECODED_ON_LOAD):
         return None
     if not isinstance(q, dict) or q.get("quant_method") != "bitsandbytes":
         method = q.get("quant_method") if isinstance(q, dict) else q

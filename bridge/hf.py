@@ -20,7 +20,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from bridge import gguf
 from bridge.errors import CheckpointError, hub_id_hint, python_command
 from bridge.mappings import transforms
 from bridge.mappings.schema import LayerMap, Row, Table, rows_by_path, stack_layers, validate_table
@@ -80,8 +81,11 @@ def _read_json(file: Path, what: str) -> Any:
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """Read ``<path>/config.json`` (or ``path`` itself if it is a file) as a dict."""
+    """Read ``<path>/config.json`` (or ``path`` itself if it is a file) as a dict; a ``.gguf`` file's metadata
+    as the config dict it describes (``bridge.gguf``)."""
     path = Path(path)
+    if gguf.is_gguf(path):
+        return gguf.read_config(path)
     if not path.exists():
         hint = hub_id_hint(path) or "; pass a local HF model directory"
         raise CheckpointError(f"checkpoint path {path} does not exist{hint}")
@@ -505,6 +509,13 @@ def save_weights(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def hf_tensors(table: Table, params: Mapping[tuple, Any], num_layers: int, *, dtype: Any = None,
+               layer_map: LayerMap | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(HF name, array) of every tensor `save_weights` would write, in its order, made one at a time."""
+    for t in _pending_tensors(table, params, _sizes(num_layers, None), dtype, layer_map):
+        yield t.name, t.produce()
 
 
 def _pending_tensors(table: Table, params: Mapping[tuple, Any], sizes: Mapping[str, int],

@@ -5,6 +5,7 @@ Public API:
                                                              "fp8": an FP8 base, FP8 GEMMs on Ada/Hopper)
         model(input_ids, positions=None, segment_ids=None)
     save_pretrained(model, path)                           (LoRA merged)
+    save_gguf(model, path, dtype="f16", tokenizer=...)    one GGUF file for llama.cpp (LoRA merged; q8_0, ...)
     apply_lora(model, LoraConfig(...)), merge_lora(model)
     save_adapter(model, dir), load_adapter(model, dir)     (PEFT format)
     generate(model, tokenizer, prompts, ...)               (KV-cached decoding)
@@ -17,7 +18,7 @@ Public API:
 from jaxft.config import ConfigError, ModelConfig, RopeConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.generation import generate
-from jaxft.io import from_pretrained, save_pretrained
+from jaxft.io import from_pretrained, save_gguf, save_pretrained
 from jaxft.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
 from jaxft.models import Decoder, LoraParam, init_model
 from jaxft.quant import Fp8Config, QuantConfig
@@ -44,5 +45,6 @@ __all__ = [
     "load_adapter",
     "merge_lora",
     "save_adapter",
+    "save_gguf",
     "save_pretrained",
 ]

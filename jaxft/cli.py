@@ -161,10 +161,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _base_args(base: Path) -> str:
+    """from_pretrained's arguments for the base model: a GGUF file is its directory plus gguf_file=."""
+    return f"'{base.parent}', gguf_file='{base.name}'" if base.is_file() else f"'{base}'"
+
+
 def _auto_class(model_dir: Path) -> str:
     """The transformers Auto class that loads the base model: image-text-to-text for a vision-language model."""
     import json
 
+    if model_dir.is_file():  # a GGUF file: the text-only families
+        return "AutoModelForCausalLM"
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     return "AutoModelForImageTextToText" if "vision_config" in config else "AutoModelForCausalLM"
 
@@ -243,11 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(f"adapter:     {result.adapter_dir}")
     if result.merged_dir is not None:
         lines.append(f"merged model: {result.merged_dir}")
+    if result.gguf_file is not None:
+        lines.append(f"gguf:        {result.gguf_file}")
     lines += [f"metrics:     {result.metrics_path}",
               f"loss curve:  {result.loss_curve}" if result.loss_curve else
               "loss curve:  skipped (matplotlib is not installed)",
               f"checkpoints: {result.checkpoint_dir}",
-              f"load in PEFT: PeftModel.from_pretrained({_auto_class(base)}.from_pretrained('{base}'), "
+              f"load in PEFT: PeftModel.from_pretrained({_auto_class(base)}.from_pretrained({_base_args(base)}), "
               f"'{result.adapter_dir}')"]
     print("\n".join(lines))
     return 0

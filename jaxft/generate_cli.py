@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "Hugging Face causal LM in JAX, with a KV cache.",
                                 epilog="example: jaxft-generate examples/tiny-llama --adapter runs/quickstart/adapter "
                                        "--prompt 'What is 2+2?'")
-    p.add_argument("model_dir", help="HF model directory (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("model_dir", help="HF model directory (config.json, *.safetensors, tokenizer files) or a .gguf "
+                   "file")
     p.add_argument("--adapter", help="PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
@@ -93,8 +94,10 @@ def _run(args) -> tuple[list, list[str], dict | None]:
     jaxft.claim_gpu_memory()  # the GPU share jaxft-train takes: a model that trains here also generates here
     prompts = read_prompts(args.file) if args.file else list(args.prompt)
     model_dir = Path(args.model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise InputError(f"{model_dir}: not a model directory (no config.json); pass a HF model directory")
+    is_gguf = model_dir.suffix.lower() == ".gguf" and model_dir.is_file()  # a llama.cpp file holds it all
+    if not is_gguf and not (model_dir / "config.json").is_file():
+        raise InputError(f"{model_dir}: not a model directory (no config.json); pass a HF model directory or a "
+                         ".gguf file")
     model = jaxft.from_pretrained(model_dir, dtype=args.dtype)
     if args.adapter:
         if not (Path(args.adapter) / "adapter_config.json").is_file():

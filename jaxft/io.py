@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 import bridge
-from bridge import bnb4bit, mxfp4
+from bridge import bnb4bit, fp8, gguf, mxfp4
 from bridge.safetensors_io import read_header
 from jaxft.config import ModelConfig
 from jaxft.models.decoder import Decoder, abstract_model
@@ -83,7 +83,11 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     `quant_config=jaxft.quant.Fp8Config(...)`) stores them in FP8 instead (`jaxft.quant.fp8`; MoE experts stay in
     `dtype`), quantised the same way, never unless asked. A bitsandbytes 4-bit
     checkpoint (config.json `quantization_config`) loads as stored, byte for byte; an MXFP4 checkpoint (GPT-OSS)
-    has its expert weights decoded to `dtype` (`bridge.mxfp4`).
+    has its expert weights decoded to `dtype` (`bridge.mxfp4`), an FP8 one (transformers' fine-grained or
+    compressed-tensors) its linear weights (`bridge.fp8`).
+
+    A `.gguf` file (llama.cpp) loads as a base model too, every tensor dequantised to `dtype` (`bridge.gguf`;
+    the dense families, not with `mesh`).
 
     `mesh` (a `jaxft.sharding.Placement` or `MeshConfig`): every weight is built sharded by the rules
     (`jax.make_array_from_callback`), each device's shard read from the safetensors slices it holds, so no
@@ -96,15 +100,22 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
 
     path = Path(path)
     hf = bridge.read_config(path)
-    source = str(path / "config.json")
+    source = str(path) if gguf.is_gguf(path) else str(path / "config.json")
     cfg = ModelConfig.from_hf(hf, source=source)
     dtype = jnp.dtype(dtype)
-    stored = None if mxfp4.is_mxfp4(hf) else bnb4bit.quantization_config(hf, source)  # MXFP4: experts, below
+    if gguf.is_gguf(path):
+        return _from_gguf(path, hf, cfg, dtype, quant_config or (
+            None if quantize is None else Fp8Config() if quantize == "fp8"
+            else qw.QuantConfig(quant_type=quantize, double_quant=double_quant)),
+            verbose, mesh)
+    fp8_scale = fp8.scale_suffix(hf, source)
+    # MXFP4 (experts) and FP8 checkpoints (linears): decoded below
+    stored = None if mxfp4.is_mxfp4(hf) or fp8_scale else bnb4bit.quantization_config(hf, source)
     if quant_config is None and quantize == "fp8":
         quant_config = Fp8Config()
     elif quant_config is None and quantize is not None:
         quant_config = qw.QuantConfig(quant_type=quantize, double_quant=double_quant)
-    fp8 = isinstance(quant_config, Fp8Config)
+    to_fp8 = isinstance(quant_config, Fp8Config)
     if stored is not None and quant_config is not None:
         raise ValueError(f"{source}: the checkpoint is already bitsandbytes 4-bit; load it without quantize= / "
                          "quant_config= (it loads as stored)")
@@ -122,7 +133,18 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
             raise bridge.CheckpointError(f"{source}: quantization_config.quant_method is 'mxfp4' but no tensor is "
                                          "stored as <name>_blocks / <name>_scales; remove quantization_config")
         mx_shapes = {row.path: expected.pop(row.path).shape for row in rows}
+    fp8_shapes = {}
+    if fp8_scale:
+        names = {n for f in bridge.checkpoint_files(path) for n in read_header(f)[0]}
+        fp8_rows = fp8.quantized_rows(table, names, fp8_scale)
+        if not fp8_rows:
+            raise bridge.CheckpointError(f"{source}: quantization_config says FP8 but no linear weight has a "
+                                         f"<module>.{fp8_scale} beside it; remove quantization_config")
+        fp8_shapes = {row.path: expected.pop(row.path).shape for row in fp8_rows}
     if mesh is not None:
+        if fp8_shapes:
+            raise ValueError(f"{source}: loading an FP8 checkpoint sharded over a mesh is not supported yet; load "
+                             "without mesh=, save_pretrained it and load that sharded")
         if mx_shapes:
             raise ValueError(f"{source}: loading an MXFP4 checkpoint sharded over a mesh is not supported yet; load "
                              "without mesh=, save_pretrained it (bf16) and load that sharded")
@@ -157,13 +179,18 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         quant_config = qw.QuantConfig.from_hf(stored)
     if mx_shapes:
         ignore.update(n for row in rows for n in mxfp4.tensor_names(row, cfg.num_layers))
+    if fp8_shapes:
+        ignore.update(fp8.tensor_names(fp8_rows, cfg.num_layers, names, fp8_scale))
     arrays = bridge.load_weights(path, table, expected, cfg.num_layers, dtype,
                                  num_experts=cfg.num_experts or None, ignore=ignore, layer_map=layer_stacks(cfg),
                                  num_vision_blocks=_vision_blocks(cfg))
     if mx_shapes:
         arrays.update(mxfp4.load_rows(path, bridge.checkpoint_files(path), rows, mx_shapes, cfg.num_layers, dtype))
+    if fp8_shapes:
+        arrays.update(fp8.load_rows(path, bridge.checkpoint_files(path), fp8_rows, fp8_shapes, cfg.num_layers,
+                                    dtype, fp8_scale))
     skipped: list[str] = []
-    if fp8:
+    if to_fp8:
         skipped = qf.quantize_linears_fp8(model, arrays, quant_config, verbose)
     elif stored is None and quant_config is not None:
         skipped = _quantize_sites(model, sites, arrays, quant_config, quants, str(dtype), verbose)
@@ -171,8 +198,13 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         skipped = [s.template for s in sites if s not in quants]
     for site, quant in quants.items():
         qw.install(site.linear(model), quant)
-    if stored is None and quant_config is not None and not fp8:
+    if stored is None and quant_config is not None and not to_fp8:
         _quantize_experts(model, arrays, quant_config, str(dtype), verbose)
+    return _filled(model, arrays, quant_config, skipped, path)
+
+
+def _filled(model: Decoder, arrays: dict, quant_config, skipped, path: Path) -> Decoder:
+    """The abstract `model` with its parameters set from host `arrays` (emptied as they move)."""
     graphdef, state = nnx.split(model)
     flat = nnx.to_flat_state(state)
     leaves, finite = [], []
@@ -211,6 +243,32 @@ def _warn_non_finite(path: Path, finite: list[tuple[tuple[str, ...], jax.Array]]
     if bad:
         logger.warning("%s: %d weight(s) hold NaN or infinite values: %s%s; the model's outputs will be NaN", path,
                        len(bad), ", ".join(bad[:5]), ", ..." if len(bad) > 5 else "")
+
+
+def _from_gguf(path: Path, hf: dict, cfg: ModelConfig, dtype, quant_config, verbose: bool, mesh) -> Decoder:
+    """`from_pretrained` of a GGUF file: dequantised tensors through the family's table, then as a dense load."""
+    from jaxft.quant import fp8 as qf
+    from jaxft.quant import weights as qw
+
+    if mesh is not None:
+        raise ValueError(f"{path}: loading a GGUF file sharded over a mesh is not supported; load without mesh=, "
+                         "save_pretrained it and load that directory sharded")
+    model = abstract_model(cfg, dtype=dtype)
+    expected = param_shapes(model)
+    tensors = gguf.read_tensors(path, hf)
+    arrays = gguf.tree_arrays(family_for(cfg.model_type).table, expected, tensors, cfg.num_layers, dtype,
+                              layer_map=layer_stacks(cfg), source=str(path))
+    del tensors
+    skipped: list[str] = []
+    if isinstance(quant_config, Fp8Config):
+        skipped = qf.quantize_linears_fp8(model, arrays, quant_config, verbose)
+    elif quant_config is not None:
+        sites = qw.linear_sites(model)
+        quants: dict = {}
+        skipped = _quantize_sites(model, sites, arrays, quant_config, quants, str(dtype), verbose)
+        for site, quant in quants.items():
+            qw.install(site.linear(model), quant)
+    return _filled(model, arrays, quant_config, skipped, path)
 
 
 def _quantize_sites(model, sites, arrays, qcfg, quants, dtype_name, verbose) -> list[str]:
@@ -366,3 +424,24 @@ def _sharded(model: Decoder, path: Path, cfg: ModelConfig, expected, dtype, mesh
                 var = var.replace(value.block_until_ready())
             leaves.append((p, var))
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def save_gguf(model: Decoder, path: str | os.PathLike, dtype: str = "f16", *, tokenizer=None,
+              overwrite: bool = False) -> Path:
+    """Writes the model as one GGUF file (llama.cpp, Ollama, LM Studio; transformers reads it with
+    `gguf_file=`): LoRA adapters merged and 4-bit linears dequantised as in `save_pretrained`, the matrices in
+    `dtype` ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"; norms and biases stay float32).
+
+    `tokenizer` (a transformers fast tokenizer, or the path of a model directory / GGUF file holding one) adds
+    the vocabulary, merges, special token ids and chat template a runtime needs to talk to the model; without it
+    the file holds the weights and architecture only. Dense families (llama, mistral, qwen2, qwen3, gemma2,
+    gemma3_text)."""
+    cfg: ModelConfig = model.config
+    hf = cfg.to_hf()
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from jaxft.data.formatting import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer)
+    table = family_for(cfg.model_type).table
+    tensors = bridge.hf_tensors(table, model_params(model), cfg.num_layers, layer_map=layer_stacks(cfg))
+    return gguf.write_gguf(path, hf, tensors, dtype=dtype, tokenizer=tokenizer, overwrite=overwrite)

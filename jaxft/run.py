@@ -460,6 +460,17 @@ class Run(AutoChoices):
             tokenizer.save_pretrained(str(path))
         return Path(path)
 
+    def export_gguf(self, path: str | Path, dtype: str, *, tokenizer=None) -> Path:
+        """Writes the merged model as one GGUF file at `path` (`jaxft.save_gguf`). Several processes: all call it,
+        process 0 writes."""
+        from jaxft.distributed import is_main_process
+        from jaxft.io import save_gguf
+
+        model = self.model(restack=self.unrolled) if jax.process_count() == 1 else self._host_model(weights=True)
+        if not is_main_process():
+            return Path(path)
+        return save_gguf(model, path, dtype, tokenizer=tokenizer)
+
 
 def _to_host(x):
     """A (possibly multi-process) array as one host numpy array. Sharded arrays are gathered by a collective

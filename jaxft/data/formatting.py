@@ -97,7 +97,8 @@ class Document:
 
 
 def load_tokenizer(path: str | Path):
-    """``transformers.AutoTokenizer.from_pretrained`` on a local model directory, with clear errors."""
+    """``transformers.AutoTokenizer.from_pretrained`` on a local model directory (or a GGUF file), with clear
+    errors."""
     p = Path(path).expanduser()
     if not p.exists():
         hint = hub_id_hint(path) or "; fix the model path"
@@ -105,6 +106,8 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer  # deferred: importing transformers is slow
 
     try:
+        if p.suffix.lower() == ".gguf" and p.is_file():  # a GGUF file carries its tokenizer
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, trust_remote_code=False)
         return AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
     except Exception as e:  # transformers raises many types (OSError, ValueError, KeyError, ...)
         raise TokenizerError(

@@ -230,6 +230,9 @@ class TrainConfig:
         None, "vision-language models: LoRA on the attention linears (null: true)")
     finetune_mlp_modules: bool | None = _key(None, "vision-language models: LoRA on the MLP linears (null: true)")
     save_merged_model: bool = _key(False, "also write the base with the LoRA merged, as an HF checkpoint")
+    save_gguf: Literal["f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0"] | None = _key(
+        None, "also write the merged model as one GGUF file (llama.cpp) of this type, with the tokenizer, to "
+              "<output_dir>/gguf/")
     # QLoRA (transformers' BitsAndBytesConfig names); a bitsandbytes 4-bit checkpoint loads as stored.
     load_in_4bit: bool = _key(False, "store the frozen linears in bitsandbytes' 4-bit format (QLoRA)")
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = _key("nf4", "4-bit code book")

@@ -63,6 +63,7 @@ class TrainResult:
     eval_loss: float | None
     resumed_from: str | None
     summary: RunSummary | None = None
+    gguf_file: Path | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,6 +508,11 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     merged_dir = None
     if config.save_merged_model:
         merged_dir = _export(out, "merged", lambda d: run.export_merged(d, tokenizer=tokenizer))
+    gguf_file = None
+    if config.save_gguf:
+        name = f"model-{config.save_gguf}.gguf"
+        gguf_file = _export(out, "gguf", lambda d: run.export_gguf(d / name, config.save_gguf,
+                                                                   tokenizer=tokenizer)) / name
     tokens_per_s, step_s = meter.medians()
     summary = RunSummary(steps=step - start_step, num_tokens=num_tokens - setup.start_tokens,
                          median_tokens_per_second=tokens_per_s, median_step_seconds=step_s,
@@ -520,7 +526,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         logger.info("remat auto: %s estimated peak %.3f GiB, %s", chosen, estimate / 2**30, measured)
     return TrainResult(output_dir=out, adapter_dir=adapter_dir, merged_dir=merged_dir, metrics_path=writer.path,
                        loss_curve=curve, checkpoint_dir=out / "checkpoints", global_step=step, train_loss=last_loss,
-                       eval_loss=last_eval, resumed_from=resume_path, summary=summary)
+                       eval_loss=last_eval, resumed_from=resume_path, summary=summary, gguf_file=gguf_file)
 
 
 def _sample_completions(model, tokenizer, log: LoggingConfig) -> list[dict[str, str]]:

@@ -40,9 +40,9 @@ def _is_int(value: Any) -> bool:
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
     """The checkpoint a run trains: `path` a local Hugging Face directory (config.json + *.safetensors +
-    tokenizer files; nothing is downloaded), `dtype` the compute dtype of the frozen weights and activations,
-    `quant` a `jaxft.quant.QuantConfig` to store the frozen linears in 4 bits, or an `Fp8Config` for FP8 (None: as
-    stored)."""
+    tokenizer files; nothing is downloaded) or a GGUF file (dequantised on load), `dtype` the compute dtype of the
+    frozen weights and activations, `quant` a `jaxft.quant.QuantConfig` to store the frozen linears in 4 bits, or an
+    `Fp8Config` for FP8 (None: as stored)."""
 
     path: str
     dtype: str = "bfloat16"
@@ -59,7 +59,9 @@ class ModelSource:
             # A Hub id ("meta-llama/Llama-3.2-1B") gets the download command: nothing is fetched here.
             hint = hub_id_hint(str(self.path), repo_type="model")
             raise PartError("path", f"path {str(self.path)!r} does not exist{hint or '; fix the path'}")
-        if not (path / "config.json").is_file():
+        if path.suffix.lower() == ".gguf" and path.is_file():  # a llama.cpp file: config and tokenizer inside
+            pass
+        elif not (path / "config.json").is_file():
             raise PartError("path", f"{str(self.path)!r} has no config.json; give a local Hugging Face model "
                                     "directory (config.json + *.safetensors + tokenizer files)")
         if self.dtype not in DTYPES:
