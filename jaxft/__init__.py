@@ -15,13 +15,15 @@ Public API:
                                                            take 95% of each GPU, as jaxft-train lets it (JAX: 75%)
 """
 
-from jaxft.config import ConfigError, ModelConfig, RopeConfig
+from jaxft.config import ModelConfig
+from jaxft.errors import ConfigError
 from jaxft.execution import ExecutionConfig
 from jaxft.generation import generate
 from jaxft.io import from_pretrained, save_gguf, save_pretrained
 from jaxft.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter
 from jaxft.models import Decoder, LoraParam, init_model
 from jaxft.quant import Fp8Config, QuantConfig
+from jaxft.rope_config import RopeConfig
 from jaxft.run import Run
 # (last: imported before the models, jaxft.auto would meet their import cycle through jaxft.sharding)
 from jaxft.auto import claim_gpu_memory  # noqa: E402

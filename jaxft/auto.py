@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxft import remat as remat_policies
-from jaxft.config import ConfigError
+from jaxft.errors import ConfigError
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.remat import AUTO_ORDER, AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
 from jaxft.sharding import MeshConfig, Placement

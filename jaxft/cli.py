@@ -102,7 +102,7 @@ def _option_override(word: str, following: list[str], bools: frozenset[str], tru
 
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
     import bridge
-    from jaxft.config import ConfigError
+    from jaxft.errors import ConfigError
     from jaxft.data.errors import DataError
     from jaxft.train.checkpoint import CheckpointError
     from jaxft.train.config import TrainConfigError

@@ -2,7 +2,7 @@
 
 `ModelConfig` holds the sizes and the per-layer choices (window, RoPE kind) of a decoder. What a family's
 config.json keys mean, and which parts its layers are made of, lives with the family
-(`jaxft.models.families.<name>`): `from_hf` / `to_hf` read the keys every family shares here and hand the
+(`jaxft.families.<name>`): `from_hf` / `to_hf` read the keys every family shares here and hand the
 rest to the family's mapping.
 """
 
@@ -12,86 +12,15 @@ import dataclasses
 import json
 from typing import Any, Mapping
 
+from jaxft.errors import ConfigError
+from jaxft.families import family_for
+from jaxft.rope_config import RopeConfig
+
 ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 LAYER_MLPS = ("glu", "moe", "gpt_oss_moe")  # a layer's MLP: dense gated (`glu`) or mixture of experts (`moe`; GPT-OSS's
 # biased one, `gpt_oss_moe`), see jaxft.models.parts.MLPS
 SPARSE_MLPS = ("moe", "gpt_oss_moe")  # the kinds with a router (num_experts, router statistics)
 LAYER_ROPES = ("global", "local")  # which RoPE table a layer uses: `rope`, or `rope_local` (Gemma 3 sliding layers)
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, malformed or unsupported. The message names the key and the fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """RoPE parameters as transformers computes them (see `jaxft.models.rope`)."""
-
-    rope_type: str = "default"
-    theta: float = 10000.0
-    factor: float = 1.0
-    # llama3
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-    # yarn
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    partial_rotary_factor: float = 1.0
-
-    def __post_init__(self):
-        if self.rope_type not in ROPE_TYPES:
-            raise ConfigError(
-                f"rope_parameters.rope_type={self.rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
-            )
-        if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
-            raise ConfigError(
-                f"rope_parameters.rope_type={self.rope_type!r} needs 'original_max_position_embeddings'; add it to "
-                "rope_parameters (rope_scaling) in config.json"
-            )
-        if self.rope_type != "default" and not self.factor > 0:
-            raise ConfigError(f"rope_parameters.factor must be > 0 for rope_type={self.rope_type!r}, got {self.factor}")
-
-    @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "RopeConfig":
-        params = dict(hf.get("rope_parameters") or {})
-        legacy = hf.get("rope_scaling") or {}
-        params = {**legacy, **params}  # rope_parameters (v5) wins over the legacy rope_scaling (v4)
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-        kw: dict[str, Any] = dict(rope_type=rope_type, theta=float(theta))
-        for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
-                    "attention_factor", "mscale", "mscale_all_dim", "partial_rotary_factor"):
-            if params.get(key) is not None:
-                kw[key] = float(params[key])
-        if "partial_rotary_factor" not in kw and hf.get("partial_rotary_factor") is not None:
-            kw["partial_rotary_factor"] = float(hf["partial_rotary_factor"])
-        if params.get("original_max_position_embeddings") is not None:
-            kw["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
-        if "truncate" in params:
-            kw["truncate"] = bool(params["truncate"])
-        return cls(**kw)
-
-    def to_hf(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.theta}
-        if self.rope_type == "default":
-            return out
-        out["factor"] = self.factor
-        if self.rope_type == "llama3":
-            out.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor,
-                       original_max_position_embeddings=self.original_max_position_embeddings)
-        if self.rope_type == "yarn":
-            out.update(beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate,
-                       original_max_position_embeddings=self.original_max_position_embeddings)
-            for key in ("attention_factor", "mscale", "mscale_all_dim"):
-                if getattr(self, key) is not None:
-                    out[key] = getattr(self, key)
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +84,6 @@ class ModelConfig:
     hf_json: str = dataclasses.field(default="{}", compare=False, repr=False)
 
     def __post_init__(self):
-        from jaxft.models.families import family_for  # the registry imports this module
-
         family_for(self.model_type)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                     "num_kv_heads", "head_dim"):
@@ -247,8 +174,6 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
         """Builds a config from a transformers `config.json` dict. `source` names the file in errors."""
-        from jaxft.models.families import family_for
-
         model_type = hf.get("model_type")
         try:
             family = family_for(model_type)
@@ -285,8 +210,6 @@ class ModelConfig:
             raise ConfigError(f"{source}: {e}") from None
 
     def to_hf(self) -> dict[str, Any]:
-        from jaxft.models.families import family_for
-
         out = json.loads(self.hf_json)
         for stale in ("rope_scaling", "rope_theta", "torch_dtype", "dtype", "transformers_version"):
             out.pop(stale, None)
@@ -318,8 +241,6 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count of the base model (embeddings included)."""
-        from jaxft.models.families import family_for
-
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         norms = 4 if family_for(self.model_type).parts.sandwich_norms else 2

@@ -36,7 +36,7 @@ from typing import Any, Mapping
 
 import jax
 
-from jaxft.config import ConfigError
+from jaxft.errors import ConfigError
 
 logger = logging.getLogger("jaxft.train")
 

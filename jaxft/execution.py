@@ -70,7 +70,8 @@ from typing import Any, Mapping
 import jax
 
 from jaxft import remat as remat_policies
-from jaxft.config import ConfigError
+from jaxft.errors import ConfigError
+from jaxft.residuals import LAYER_INPUT, NAMES
 from kernels_pallas.grouped_matmul import IMPLEMENTATIONS as GROUPED_MATMUL_IMPLEMENTATIONS
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "cudnn")
@@ -236,7 +237,7 @@ class ExecutionConfig:
         if k != "auto":
             return min(k, cfg.num_layers)
         host = self.host_budget_bytes() if self.remat == "offload" else None
-        stream = remat_policies.residual_bytes(cfg, batch, seq, itemsize)[remat_policies.LAYER_INPUT]
+        stream = remat_policies.residual_bytes(cfg, batch, seq, itemsize)[LAYER_INPUT]
         return remat_policies.block_layers(cfg.num_layers, stream, host)
 
     def host_budget_bytes(self) -> int:
@@ -254,11 +255,11 @@ class ExecutionConfig:
     def layer_policy(self, cfg, batch: int, seq: int, itemsize: int, remat: str | None = None,
                      offload_all_layers: int | None = None) -> remat_policies.RematPolicy:
         """The per-layer policy of `remat` (default the `remat` key) for a [batch, seq] micro-batch of model `cfg`:
-        "offload_all" spends `host_memory_gb` on the names in `jaxft.remat.NAMES` order over
+        "offload_all" spends `host_memory_gb` on the names in `jaxft.residuals.NAMES` order over
         `offload_all_layers` layers (default all; `budget_offload_all`); with a tiled MLP no policy keeps the names
         inside it (`jaxft.remat.tiled_mlp_names`); the policy carries `offload_transfer`."""
         remat = self.remat if remat is None else remat
-        names = remat_policies.NAMES
+        names = NAMES
         if remat == "offload_all":
             names, _ = remat_policies.budget_offload_all(cfg, batch, seq, itemsize, self.host_memory_gb,
                                                          self.mlp_chunk_size, offload_all_layers)

@@ -22,7 +22,7 @@ from bridge import bnb4bit, fp8, gguf, mxfp4
 from bridge.safetensors_io import read_header
 from jaxft.config import ModelConfig
 from jaxft.models.decoder import Decoder, abstract_model
-from jaxft.models.families import family_for
+from jaxft.families import family_for
 from jaxft.models.layers import LoraParam
 from jaxft.models.stack import layer_stacks
 from jaxft.quant.config import Fp8Config

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxft.config import ConfigError
+from jaxft.errors import ConfigError
 from jaxft.models.layers import LOGICAL_AXES, LoraParam, LoraRank, LoraScale, logical, logical_axes
 
 MESH_AXES = ("data", "fsdp", "tensor")

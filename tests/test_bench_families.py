@@ -364,7 +364,7 @@ def test_hf_vlm_steps_take_the_m_rope_positions_jaxft_computes(tmp_path):
 
     from scripts.bench.models import build_config
     from scripts.bench.torch_worker import train_loop
-    from jaxft.models.vision.config import VisionConfig
+    from jaxft.vision_config import VisionConfig
     from jaxft.models.vision.mrope import mrope_positions
 
     w = get_workload("tiny_qwen2_5_vl")

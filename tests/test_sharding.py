@@ -22,7 +22,7 @@ from jaxft.config import ModelConfig
 from jaxft.io import param_shapes
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models.decoder import abstract_model
-from jaxft.models.families import family_for
+from jaxft.families import family_for
 from jaxft.models.layers import logical_axes
 from jaxft.sharding import RULES, MeshConfig, MeshConfigError, partition_spec
 from jaxft.train import TrainConfigError, load_config

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge import peft as peft_io
-from jaxft.config import ConfigError
+from jaxft.errors import ConfigError
 from jaxft.lora.apply import _expert_shape, _install, _linear
 from jaxft.lora.config import ALL_LINEAR, LoraConfig
 from jaxft.lora.targets import _modules, _plan, _Site

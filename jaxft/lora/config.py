@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bridge import peft as peft_io
-from jaxft.config import ConfigError
+from jaxft.errors import ConfigError
 
 ALL_LINEAR = peft_io.ALL_LINEAR
 

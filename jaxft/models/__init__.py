@@ -1,9 +1,9 @@
 """Flax NNX decoders assembled per family (Llama, Mistral, Qwen2, Qwen3 dense, Gemma 2, Gemma 3 text)."""
 
 from jaxft.models.decoder import Decoder, abstract_model, init_model, positions_from_segments
-from jaxft.models.families import FAMILIES, Family, family_for
+from jaxft.families import FAMILIES, BlockParts, Family, family_for
 from jaxft.models.layers import Linear, LoraParam, LoraRank, LoraScale, QuantizedWeight, linears
-from jaxft.models.parts import BlockParts, RMSNorm
+from jaxft.models.parts import RMSNorm
 
 __all__ = ["FAMILIES", "BlockParts", "Decoder", "Family", "Linear", "LoraParam", "LoraRank", "LoraScale",
            "QuantizedWeight", "RMSNorm", "abstract_model", "family_for", "init_model", "linears",

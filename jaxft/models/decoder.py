@@ -8,7 +8,7 @@ Data flow of a forward pass:
              layers [family block: norm -> q,k,v (+LoRA) -> (q/k norm) -> RoPE -> attention(window, scale,
              softcap) -> o -> (norm) -> residual -> norm -> MLP slot (+LoRA) -> (norm) -> residual]
           -> final norm -> lm_head (or tied embedding) -> (final logit softcap)
-The family (`jaxft.models.families`, chosen by `model_type`) decides the block's parts.
+The family (`jaxft.families`, chosen by `model_type`) decides the block's parts.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxft.config import SPARSE_MLPS, ModelConfig
 from jaxft.execution import ExecutionConfig
-from jaxft.models.families import family_for
+from jaxft.families import family_for
 from jaxft.models.layers import Linear, _init, logical
 from jaxft.models.parts import DecoderLayer, RMSNorm
 from jaxft.models.rope import mrope_tables, rope_tables

@@ -55,10 +55,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
+from jaxft.models.activations import ACTIVATIONS
 from jaxft.models.layers import (ExpertParam, LoraParam, LoraRank, LoraScale, StackRow, _init, logical,
                                  stack_axes)
 from jaxft.models.quant_experts import expert_matmul
-from jaxft.remat import MLP_GATE_UP, MOE_EXPERT_OUT
+from jaxft.residuals import MLP_GATE_UP, MOE_EXPERT_OUT
 from jaxft.sharding import BATCH_AXES, row_axes
 from kernels_pallas.grouped_matmul import grouped_matmul
 
@@ -390,13 +391,11 @@ class MoeMLP(GroupedExperts):
     def __init__(self, cfg: ModelConfig, *, stack, dtype, rngs):
         self._experts(cfg, stack, dtype, rngs)
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.hidden_act = cfg.hidden_act  # a name (static), looked up in parts.ACTIVATIONS
+        self.hidden_act = cfg.hidden_act  # a name (static), looked up in ACTIVATIONS
 
     def route_rows(self, xf):
         return route(xf, self.router[...], self.top_k, self.norm_topk_prob)
 
     def activate(self, gate_up):
-        from jaxft.models.parts import ACTIVATIONS  # parts registers this class in its MLP slot
-
         gate, up = jnp.split(gate_up, 2, axis=-1)  # gate's columns first (the bridge's `Row.part`)
         return ACTIVATIONS[self.hidden_act](gate, up)

@@ -1,7 +1,7 @@
 """The parts a family assembles its decoder layer from: RMSNorm (plain or offset), GLU activations, the
 attention block, the MLP slot, and the block that wires them with residuals.
 
-A family (`jaxft.models.families`) says which parts it uses through `BlockParts`; sizes, biases, q/k norm,
+A family (`jaxft.families`) says which parts it uses through `BlockParts`; sizes, biases, q/k norm,
 softcaps and windows come from its `ModelConfig`. Every module is created with stacked parameters (a leading
 layer axis, `stack=(L,)`) and called on one layer's slice (see `jaxft.models.layers`).
 
@@ -25,23 +25,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
+from jaxft.families.family import BlockParts
+from jaxft.models.activations import ACTIVATIONS
 from jaxft.models.gpt_oss_moe import GptOssMoeMLP
 from jaxft.models.layers import Linear, _init, _recompute, logical, project, stack_axes
 from jaxft.models.moe import MoeMLP
 from jaxft.models.rope import apply_rope
-from jaxft.remat import ATTN_PROJ, ATTN_QKV, MLP_GATE_UP, MLP_INPUT, MLP_OUT
-from kernels_pallas.glu import geglu_tanh, swiglu
+from jaxft.residuals import ATTN_PROJ, ATTN_QKV, MLP_GATE_UP, MLP_INPUT, MLP_OUT
 from kernels_pallas.rmsnorm import rmsnorm
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockParts:
-    """Which shared parts a family's layer is made of (what config.json does not say, the architecture does)."""
-
-    norm_offset: bool = False  # RMSNorm weights are offsets: x_hat * (1 + w), in fp32 (Gemma)
-    sandwich_norms: bool = False  # attention and MLP outputs are normalised before their residual add (Gemma 2/3)
-    mlp: str = "glu"  # the MLP slot (`MLPS`); a mixture-of-experts MLP registers there
-    embed_scale: bool = False  # embeddings times sqrt(hidden_size), the factor rounded to the dtype (Gemma)
 
 
 # ------------------------------------------------------------------------------------------------ norms
@@ -63,17 +54,6 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         # Custom VJP: the backward keeps x in its own dtype and one fp32 scalar per row, not fp32 copies.
         return rmsnorm(x, self.scale[...], self.eps, offset=self.offset)
-
-
-# ------------------------------------------------------------------------------------------------ activations
-
-
-# HF `hidden_act` / `hidden_activation` -> the gated activation h = act(gate) * up.
-ACTIVATIONS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
-    "silu": swiglu,  # custom VJP: only gate and up are kept for its own backward
-    "swish": swiglu,
-    "gelu_pytorch_tanh": geglu_tanh,  # the same for GeGLU (gelu_tanh evaluated in fp32, as torch does)
-}
 
 
 # ------------------------------------------------------------------------------------------------ attention

@@ -18,7 +18,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxft.config import RopeConfig
+from jaxft.rope_config import RopeConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> np.ndarray:

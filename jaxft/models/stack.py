@@ -49,12 +49,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
-from jaxft.models.families import family_for
+from jaxft.families import family_for
 from jaxft.models.layers import ExpertParam, QuantizedWeight, StackRow
 from jaxft.sharding import constrain_rows
 from jaxft.offload import PrefetchChain, host_offloaded, layer_index
 from jaxft.offload_scan import HostRows, in_host_memory, is_slot, offloaded_scan, unpack_rows
-from jaxft.remat import BLOCK_INPUT, LAYER_INPUT, RematPolicy
+from jaxft.remat import RematPolicy
+from jaxft.residuals import BLOCK_INPUT, LAYER_INPUT
 from kernels_pallas._dispatch import target_platform
 
 

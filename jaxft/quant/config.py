@@ -7,7 +7,7 @@ import dataclasses
 import re
 from collections.abc import Iterable
 
-from jaxft.config import ConfigError
+from jaxft.errors import ConfigError
 from jaxft.quant.blockwise import BLOCKSIZES, NESTED_ROUNDINGS
 from kernels_pallas.fp8_matmul import IMPLEMENTATIONS as FP8_IMPLEMENTATIONS
 

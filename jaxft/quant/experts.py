@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from bridge.mappings.schema import LAYER
-from jaxft.models.families import family_for
+from jaxft.families import family_for
 from jaxft.models.layers import ExpertParam
 from jaxft.models.quant_experts import Quant4bitExperts
 from jaxft.quant.blockwise import quantize_4bit_batch

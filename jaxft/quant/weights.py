@@ -18,8 +18,8 @@ from flax import nnx
 
 from bridge.bnb4bit import Quant4bitTensor
 from bridge.mappings.schema import LAYER
-from jaxft.config import ConfigError
-from jaxft.models.families import family_for
+from jaxft.errors import ConfigError
+from jaxft.families import family_for
 from jaxft.models.layers import Linear, Quant4bit, linears
 from jaxft.quant.blockwise import quantize_4bit
 from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, is_skipped

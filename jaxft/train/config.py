@@ -353,7 +353,7 @@ class TrainConfig:
             if not flags[a] and not flags[b]:
                 raise TrainConfigError(f"key {b!r}: {a} and {b} are both false, so no {what} would get LoRA and "
                                        "nothing would train; set one of them to true", key=b)
-        from jaxft.config import ConfigError
+        from jaxft.errors import ConfigError
 
         try:
             return finetune_targets(hf.get("model_type", ""), **flags)

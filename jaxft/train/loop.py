@@ -37,6 +37,7 @@ from jaxft import remat as remat_policies
 from jaxft.auto import claim_gpu_memory
 from jaxft.execution import ExecutionConfigError
 from jaxft.lora import LoraConfigError
+from jaxft.residuals import LAYER_INPUT
 from jaxft.train import checkpoint as ckpt
 from jaxft.train.config import EXECUTION_KEYS, LORA_KEYS, TrainConfig, TrainConfigError, part_error
 from jaxft.train.guard import OutputDirLock, StopRequests, TrainingDiverged, TrainingInterrupted
@@ -255,7 +256,7 @@ def _note_nested_blocks(run, config: TrainConfig, rows: int) -> None:
     cfg, seq = run.model_config, config.max_seq_length
     itemsize = jax.numpy.dtype(run.dtype).itemsize
     policy = ex.layer_policy(cfg, rows, seq, itemsize)
-    stream = remat_policies.residual_bytes(cfg, rows, seq, itemsize)[remat_policies.LAYER_INPUT]
+    stream = remat_policies.residual_bytes(cfg, rows, seq, itemsize)[LAYER_INPUT]
     where = "pinned host memory" if policy.offloads else "device memory"
     blocks = -(-cfg.num_layers // policy.block)
     logger.info("remat %s in nested blocks of %d layers (remat_block %s): %d block inputs (%.2f GiB) in %s, one "

@@ -11,7 +11,7 @@ import math
 
 import optax
 
-from jaxft.config import ConfigError
+from jaxft.errors import ConfigError
 from jaxft.train.schedules import SCHEDULES, make_schedule, warmup_steps_for
 
 

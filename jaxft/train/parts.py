@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from jaxft.config import ConfigError
+from jaxft.errors import ConfigError
 
 DTYPES = ("bfloat16", "float32")
 REPORT_TO = ("tensorboard", "none")

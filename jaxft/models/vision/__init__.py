@@ -1,6 +1,6 @@
 """Vision towers feeding the decoder's `inputs_embeds` (Qwen2-VL, Qwen2.5-VL)."""
 
-from jaxft.models.vision.config import VisionConfig
+from jaxft.vision_config import VisionConfig
 from jaxft.models.vision.layout import PatchLayout, patch_layout
 from jaxft.models.vision.targets import finetune_targets
 from jaxft.models.vision.tower import VisionTower

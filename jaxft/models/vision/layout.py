@@ -24,7 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxft.models.vision.config import VisionConfig
+from jaxft.vision_config import VisionConfig
 
 
 @dataclasses.dataclass(frozen=True)

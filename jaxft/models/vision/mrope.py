@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxft.models.vision.config import VisionConfig
+from jaxft.vision_config import VisionConfig
 
 
 def _starts(mask: jax.Array) -> jax.Array:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import re
 
-from jaxft.config import ConfigError
-from jaxft.models.families import family_for
+from jaxft.errors import ConfigError
+from jaxft.families import family_for
 
 
 def _kind(path: tuple[str, ...]) -> tuple[str, str] | None:

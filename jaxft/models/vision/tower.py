@@ -30,7 +30,7 @@ from flax import nnx
 from jaxft.models.layers import Linear, logical, stack_axes
 from jaxft.models.parts import RMSNorm
 from jaxft.models.rope import apply_rope
-from jaxft.models.vision.config import VisionConfig
+from jaxft.vision_config import VisionConfig
 from jaxft.models.vision.layout import PatchLayout, expand_order, patch_layout
 from kernels_pallas import attention as attention_ops
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from bridge.mappings import dense as dense_table
-from jaxft.config import ModelConfig, RopeConfig
-from jaxft.models.parts import BlockParts
+from jaxft.rope_config import RopeConfig
+from jaxft.families.family import BlockParts, Family
 
 PARTS = BlockParts()
 
@@ -48,7 +48,7 @@ def _from_hf(model_type: str):
     return config_from_hf
 
 
-def _to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
+def _to_hf(cfg, out: dict[str, Any]) -> None:
     if cfg.model_type in ("llama", "qwen3"):
         out["attention_bias"] = cfg.qkv_bias
     if cfg.model_type == "llama":
@@ -64,8 +64,6 @@ def _to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
 
 
 def _family(model_type: str, architecture: str):
-    from jaxft.models.families import Family  # the registry module imports this one
-
     return Family(model_type, architecture, dense_table.TABLE, PARTS, _from_hf(model_type), _to_hf)
 
 

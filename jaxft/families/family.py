@@ -1,19 +1,22 @@
-"""Model families: what a `model_type` means (config mapping, weight table, the parts of its block).
-
-A family is a `Family` value defined in `jaxft/models/families/<name>.py` (each module exports `FAMILIES`, a
-tuple of them, and `HINTS`, {model_type: why it is refused}); the registry below lists the modules. Adding a
-family is a new module plus its name in `_MODULES` (and its weight table in `bridge/mappings/`).
-"""
+"""What a family is: a `Family` (one HF `model_type`: config mapping, weight tables, block parts) and the
+`BlockParts` its decoder layer is assembled from. Plain data, below the model config that reads it."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Callable, Mapping
 
 from bridge.mappings.schema import LoraParamRow, Table
-from jaxft.config import ConfigError, ModelConfig
-from jaxft.models.parts import BlockParts
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockParts:
+    """Which shared parts a family's layer is made of (what config.json does not say, the architecture does)."""
+
+    norm_offset: bool = False  # RMSNorm weights are offsets: x_hat * (1 + w), in fp32 (Gemma)
+    sandwich_norms: bool = False  # attention and MLP outputs are normalised before their residual add (Gemma 2/3)
+    mlp: str = "glu"  # the MLP slot (`MLPS`); a mixture-of-experts MLP registers there
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), the factor rounded to the dtype (Gemma)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Family:
     table: Table
     parts: BlockParts
     config_from_hf: Callable[[Mapping[str, Any], dict[str, Any]], dict[str, Any]]
-    config_to_hf: Callable[[ModelConfig, dict[str, Any]], None]
+    config_to_hf: Callable[[Any, dict[str, Any]], None]  # (a jaxft.config.ModelConfig, out)
     lora_parameters: tuple[LoraParamRow, ...] = ()
     text_config: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     layouts: tuple[Table, ...] = ()
@@ -46,24 +49,3 @@ class Family:
     def module_table(self) -> Table:
         """The table whose HF names are transformers' module names (LoRA / PEFT)."""
         return self.table if self.modules is None else self.modules
-
-
-_MODULES = tuple(importlib.import_module(f"{__name__}.{name}")
-                 for name in ("dense", "gemma", "qwen3_moe", "gpt_oss", "qwen2_vl"))
-
-FAMILIES: dict[str, Family] = {f.model_type: f for m in _MODULES for f in m.FAMILIES}
-HINTS: dict[str, str] = {k: v for m in _MODULES for k, v in m.HINTS.items()}
-
-
-def family_for(model_type: str) -> Family:
-    """The family of an HF `model_type`; ConfigError naming the supported ones otherwise."""
-    try:
-        return FAMILIES[model_type]
-    except (KeyError, TypeError):
-        if model_type in HINTS:
-            raise ConfigError(HINTS[model_type]) from None
-        raise ConfigError(
-            f"model_type={model_type!r} is not supported; supported: {', '.join(FAMILIES)}") from None
-
-
-__all__ = ["FAMILIES", "Family", "family_for"]

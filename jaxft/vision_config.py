@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from jaxft.config import ConfigError
+from jaxft.errors import ConfigError
 
 KINDS = ("qwen2_vl", "qwen2_5_vl")
 VISION_ACTIVATIONS = ("quick_gelu", "silu", "gelu", "gelu_pytorch_tanh")

@@ -20,8 +20,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from bridge.mappings import qwen3_moe as moe_table
-from jaxft.config import ConfigError, ModelConfig, RopeConfig
-from jaxft.models.parts import BlockParts
+from jaxft.errors import ConfigError
+from jaxft.rope_config import RopeConfig
+from jaxft.families.family import BlockParts, Family
 
 PARTS = BlockParts(mlp="moe")
 _EXPERT_KEYS = ("num_experts", "num_local_experts")
@@ -73,7 +74,7 @@ def config_from_hf(hf: Mapping[str, Any], common: dict[str, Any]) -> dict[str, A
     )
 
 
-def config_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
+def config_to_hf(cfg, out: dict[str, Any]) -> None:
     windows = {w for w in cfg.layer_windows if w is not None}
     key = next((k for k in _EXPERT_KEYS if k in out), "num_experts")  # the source's spelling
     for k in _EXPERT_KEYS:
@@ -96,8 +97,6 @@ def config_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
 
 
 def _family():
-    from jaxft.models.families import Family  # the registry module imports this one
-
     return Family("qwen3_moe", "Qwen3MoeForCausalLM", moe_table.TABLE, PARTS, config_from_hf, config_to_hf,
                   lora_parameters=moe_table.LORA_PARAMETERS)
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from bridge.mappings import gpt_oss as gpt_oss_table
-from jaxft.config import ConfigError, ModelConfig, RopeConfig
-from jaxft.models.parts import BlockParts
+from jaxft.errors import ConfigError
+from jaxft.rope_config import RopeConfig
+from jaxft.families.family import BlockParts, Family
 
 PARTS = BlockParts(mlp="gpt_oss_moe")
 _SLIDING, _FULL = "sliding_attention", "full_attention"
@@ -66,7 +67,7 @@ def config_from_hf(hf: Mapping[str, Any], common: dict[str, Any]) -> dict[str, A
     )
 
 
-def config_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
+def config_to_hf(cfg, out: dict[str, Any]) -> None:
     windows = {w for w in cfg.layer_windows if w is not None}
     out.pop("num_experts", None)
     out.update(attention_bias=cfg.qkv_bias, num_local_experts=cfg.num_experts,
@@ -80,8 +81,6 @@ def config_to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
 
 
 def _family():
-    from jaxft.models.families import Family  # the registry module imports this one
-
     return Family("gpt_oss", "GptOssForCausalLM", gpt_oss_table.TABLE, PARTS, config_from_hf, config_to_hf,
                   lora_parameters=gpt_oss_table.LORA_PARAMETERS)
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from bridge.mappings import qwen2_vl as vl_table
-from jaxft.config import ConfigError, ModelConfig, RopeConfig
-from jaxft.models.families import dense
-from jaxft.models.parts import BlockParts
+from jaxft.errors import ConfigError
+from jaxft.rope_config import RopeConfig
+from jaxft.vision_config import VisionConfig
+from jaxft.families import dense
+from jaxft.families.family import BlockParts, Family
 
 PARTS = BlockParts()
 # What ModelConfig.to_hf and the dense mapping write at the top level that belongs in text_config.
@@ -48,8 +50,6 @@ def _rope(text: Mapping[str, Any]) -> tuple[RopeConfig, tuple[int, ...]]:
 
 def _from_hf(kind: str):
     def config_from_hf(hf: Mapping[str, Any], common: dict[str, Any]) -> dict[str, Any]:
-        from jaxft.models.vision.config import VisionConfig
-
         text = text_config(hf)
         rope, section = _rope(text)
         if rope.rope_type == "dynamic":
@@ -62,7 +62,7 @@ def _from_hf(kind: str):
     return config_from_hf
 
 
-def _to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
+def _to_hf(cfg, out: dict[str, Any]) -> None:
     dense._to_hf(cfg.replace(model_type="qwen2"), out)
     text = dict(out.get("text_config") or {})
     for key in _TEXT_KEYS:
@@ -80,8 +80,6 @@ def _to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
 
 
 def _family(model_type: str, architecture: str):
-    from jaxft.models.families import Family  # the registry module imports this one
-
     return Family(model_type, architecture, vl_table.TABLE, PARTS, _from_hf(model_type), _to_hf,
                   text_config=text_config, layouts=(vl_table.V5_TABLE,), modules=vl_table.V5_TABLE)
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from bridge.mappings import gemma as gemma_table
-from jaxft.config import ConfigError, ModelConfig, RopeConfig
-from jaxft.models.parts import BlockParts
+from jaxft.errors import ConfigError
+from jaxft.rope_config import RopeConfig
+from jaxft.families.family import BlockParts, Family
 
 PARTS = BlockParts(norm_offset=True, sandwich_norms=True, embed_scale=True)
 _SLIDING, _FULL = "sliding_attention", "full_attention"
@@ -88,7 +89,7 @@ def _cap(hf: Mapping[str, Any], key: str, default: float | None) -> float | None
     return None if value is None else float(value)
 
 
-def _to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
+def _to_hf(cfg, out: dict[str, Any]) -> None:
     out.pop("hidden_act", None)
     windows = {w for w in cfg.layer_windows if w is not None}
     out.update(
@@ -106,8 +107,6 @@ def _to_hf(cfg: ModelConfig, out: dict[str, Any]) -> None:
 
 
 def _family(model_type: str, architecture: str):
-    from jaxft.models.families import Family  # the registry module imports this one
-
     return Family(model_type, architecture, gemma_table.TABLE, PARTS, _from_hf(model_type), _to_hf)
 
 
