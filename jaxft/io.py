@@ -21,7 +21,8 @@ import bridge
 from bridge import bnb4bit, fp8, gguf, mxfp4
 from bridge.safetensors_io import read_header
 from jaxft.config import ModelConfig
-from jaxft.models.decoder import Decoder, abstract_model
+from jaxft.models.build import abstract_model
+from jaxft.models.decoder import Decoder
 from jaxft.families import family_for
 from jaxft.models.layers import LoraParam
 from jaxft.models.stack import layer_stacks

@@ -38,7 +38,7 @@ from jaxft.config import SPARSE_MLPS, ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.auto import AutoChoices
 from jaxft.lora import LoraConfig, apply_lora, target_names
-from jaxft.models.decoder import abstract_model, model_class
+from jaxft.models.build import abstract_model, init_model, model_class
 from jaxft import streamed
 from jaxft.models.stack import streamed_weight
 from jaxft.offload_scan import is_slot
@@ -193,7 +193,7 @@ class Run(AutoChoices):
         return contextlib.nullcontext() if host is None else jax.default_device(host)
 
     def init_random(self) -> "Run":
-        """Like `load`, with random weights instead of the checkpoint's (`jaxft.models.decoder.init_model`:
+        """Like `load`, with random weights instead of the checkpoint's (`jaxft.models.build.init_model`:
         normal(0, 0.02) linears and embeddings, unit norms; seeded by `seed`): a run of a model shape that has no
         weights on disk, e.g. memory and speed at real sizes (experiments/probes/max_context.py,
         experiments/probes/bench_scaling.py). Not for a 4-bit base (its codes come from the checkpoint's weights).
@@ -221,8 +221,6 @@ class Run(AutoChoices):
         CPU backend runs threefry as a loop over [shard]-sized uint32 buffers instead: a 70B init over 8 CPU
         devices would keep 75 GiB of them per device; the CPU makes tiny models only. Lower and compile it to see
         its memory per device."""
-        from jaxft.models.decoder import init_model
-
         graphdef, lora, frozen = self._abstract_split()
 
         def make():

@@ -16,7 +16,7 @@ import pytest
 from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.lora import LoraConfig, apply_lora
-from jaxft.models.decoder import init_model
+from jaxft.models.build import init_model
 from jaxft.offload_scan import is_slot
 from jaxft.streamed import pack
 from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batches

@@ -171,7 +171,7 @@ def test_lora_step_temp_memory_holds_no_dequantised_experts(tmp_path):
 
 
 def test_abstract_model_has_the_loaded_shapes(base):
-    from jaxft.models.decoder import model_class
+    from jaxft.models.build import model_class
     from jaxft.quant.weights import abstract_quantize
 
     family, path = base

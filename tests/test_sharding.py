@@ -21,7 +21,7 @@ import bridge
 from jaxft.config import ModelConfig
 from jaxft.io import param_shapes
 from jaxft.lora import LoraConfig, apply_lora
-from jaxft.models.decoder import abstract_model
+from jaxft.models.build import abstract_model
 from jaxft.families import family_for
 from jaxft.models.layers import logical_axes
 from jaxft.sharding import RULES, MeshConfig, MeshConfigError, partition_spec

@@ -209,15 +209,6 @@ class Decoder(nnx.Module):
         return softcap(z, self.config.final_logit_softcap)
 
 
-def model_class(cfg: ModelConfig) -> type[Decoder]:
-    """`Decoder`, or its vision-language subclass when the config has a vision tower."""
-    if cfg.vision is None:
-        return Decoder
-    from jaxft.models.vision.model import VisionLanguageModel  # it imports this module
-
-    return VisionLanguageModel
-
-
 def per_device_attention(q, k, v, *, segment_ids, metadata, implementation, sinks=None, **static) -> jax.Array:
     """`kernels_pallas.attention.dot_product_attention`, on each device's own rows when traced under a mesh of
     several devices and the implementation may run the Pallas flash kernels ("pallas", or "auto" with block tables:
@@ -250,13 +241,3 @@ def per_device_attention(q, k, v, *, segment_ids, metadata, implementation, sink
     return jax.shard_map(local, mesh=mesh, out_specs=qkv, check_vma=False, in_specs=(
         qkv, qkv, qkv, None if segment_ids is None else by_row, meta_specs, None if sinks is None else jax.P(heads),
     ))(q, k, v, segment_ids, metadata, sinks)
-
-
-def init_model(cfg: ModelConfig, *, dtype=jnp.bfloat16, seed: int = 0, **kw) -> Decoder:
-    """A randomly initialised model (normal(0, 0.02) linears and embeddings, unit norms)."""
-    return model_class(cfg)(cfg, dtype=dtype, rngs=nnx.Rngs(seed), **kw)
-
-
-def abstract_model(cfg: ModelConfig, *, dtype=jnp.bfloat16, **kw) -> Decoder:
-    """The model with `jax.ShapeDtypeStruct` leaves: no memory is allocated (for real-size shape checks)."""
-    return nnx.eval_shape(lambda: model_class(cfg)(cfg, dtype=dtype, rngs=nnx.Rngs(0), **kw))

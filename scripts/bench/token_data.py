@@ -6,14 +6,24 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .shapes import ModelShape
 
-if TYPE_CHECKING:  # workloads imports this module
-    from .workloads import Workload
+
+class WorkloadSpec(Protocol):
+    """What the token data reads of a workload (``workloads.Workload``, which imports this module)."""
+
+    name: str
+    seed: int
+    shape: ModelShape
+    batch: int
+    seq_len: int
+    packed: bool
+    mean_doc_len: int
+    image_size: int
 
 PACKED_DOC_SIGMA = 1.0  # lognormal sigma of packed document lengths (mean is set per workload)
 PACKED_MIN_DOC = 2      # shortest document: one with a single token has no target
@@ -151,7 +161,7 @@ def text_vocab_below(shape: ModelShape) -> int:
     return min([int(shape.get("vocab_size"))] + [int(i) for i in ids])
 
 
-def _image_rows(workload: Workload, steps: int, input_ids: np.ndarray, loss_mask: np.ndarray):
+def _image_rows(workload: WorkloadSpec, steps: int, input_ids: np.ndarray, loss_mask: np.ndarray):
     """Put one image per row into ``input_ids`` (in place): prefix text, <|vision_start|>, one image pad per
     merged patch, <|vision_end|>, text; mask the targets that are image pads. Returns (pixel_values,
     image_grid_thw) in the jaxft batch form."""
@@ -194,7 +204,7 @@ def causal_pairs(segment_ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def make_token_data(workload: Workload, steps: int) -> TokenData:
+def make_token_data(workload: WorkloadSpec, steps: int) -> TokenData:
     """Deterministic token data for ``steps`` optimizer steps (seeded by the workload name).
 
     Token ids are uniform over the vocabulary (below a VLM's special ids); the same call gives the same
