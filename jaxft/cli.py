@@ -23,6 +23,14 @@ import sys
 import typing
 from pathlib import Path
 
+import bridge
+from jaxft.data.errors import DataError
+from jaxft.errors import ConfigError
+from jaxft.train import TrainingInterrupted, load_config, train
+from jaxft.train.checkpoint import CheckpointError
+from jaxft.train.config import ALIASES, IGNORED_KEYS, TrainConfig, TrainConfigError
+from jaxft.train.config_docs import render_key_help
+
 EXIT_BAD_INPUT = 2
 PROG = "jaxft-train"
 # HfArgumentParser's `string_to_bool` words.
@@ -66,8 +74,6 @@ def _version() -> str:
 def _bool_keys() -> tuple[frozenset[str], frozenset[str]]:
     """TrainConfig's bool keys (bare `--key` means true) and those that default to true (`--no_key` means
     false): the fields HfArgumentParser gives those forms (type bool or bool | None)."""
-    from jaxft.train.config import ALIASES, IGNORED_KEYS, TrainConfig
-
     hints = typing.get_type_hints(TrainConfig)
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     bools = {name for name, f in fields.items() if hints[name] in (bool, bool | None)}
@@ -101,12 +107,6 @@ def _option_override(word: str, following: list[str], bools: frozenset[str], tru
 
 
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
-    import bridge
-    from jaxft.errors import ConfigError
-    from jaxft.data.errors import DataError
-    from jaxft.train.checkpoint import CheckpointError
-    from jaxft.train.config import TrainConfigError
-
     return TrainConfigError, ConfigError, DataError, CheckpointError, bridge.CheckpointError
 
 
@@ -190,8 +190,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.help:
-        from jaxft.train.config_docs import render_key_help
-
         _parser().print_help()
         print()
         print(render_key_help(), end="")
@@ -206,11 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     root.setLevel(logging.INFO)
     propagate, root.propagate = root.propagate, False  # no second copy through a root handler (absl installs one)
     errors = _bad_input_errors()
-    from jaxft.train import TrainingInterrupted
 
     try:
-        from jaxft.train import load_config, train
-
         overrides = list(args.overrides)
         if args.resume is not None:
             overrides.append(f"resume_from_checkpoint={args.resume}")

@@ -73,6 +73,7 @@ from jaxft import remat as remat_policies
 from jaxft.errors import ConfigError
 from jaxft.residuals import LAYER_INPUT, NAMES
 from kernels_pallas.grouped_matmul import IMPLEMENTATIONS as GROUPED_MATMUL_IMPLEMENTATIONS
+from kernels_pallas.linear_cross_entropy import tiles_for
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "reference", "xla", "pallas", "cudnn")
 REMAT_POLICIES = remat_policies.FIXED  # plus selective 'save=..;offload=..' strings
@@ -303,7 +304,6 @@ class ExecutionConfig:
         the first device's."""
         if self.ce_chunk_size is not None or self.remat == "none" and self.remat_plan is None:
             return self.ce_chunk_size
-        from kernels_pallas.linear_cross_entropy import tiles_for
 
         default = tiles_for(device_kind or jax.devices()[0].device_kind, num_tokens, vocab_size)
         cap = max(CE_CHUNK_FLOOR, (4 * num_tokens * hidden_size * itemsize) // (vocab_size * 4) // 128 * 128)

@@ -17,6 +17,13 @@ import json
 import sys
 from pathlib import Path
 
+import bridge
+import jaxft
+from jaxft.cli import _bad_input_errors as train_errors
+from jaxft.data.formatting import load_tokenizer
+from jaxft.data.images import ImageProcessor, image_parts
+from jaxft.generation import GenerationError, decode_completion, encode_prompt_images, run_generation, stop_ids
+
 EXIT_BAD_INPUT = 2
 
 
@@ -78,19 +85,10 @@ def read_prompts(path: str) -> list:
 
 
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
-    import bridge
-    from jaxft.cli import _bad_input_errors as train_errors
-    from jaxft.generation import GenerationError
-
     return (*train_errors(), GenerationError, InputError, bridge.CheckpointError)
 
 
 def _run(args) -> tuple[list, list[str], dict | None]:
-    import jaxft
-    from jaxft.data.formatting import load_tokenizer
-    from jaxft.data.images import ImageProcessor, image_parts
-    from jaxft.generation import decode_completion, encode_prompt_images, run_generation, stop_ids
-
     jaxft.claim_gpu_memory()  # the GPU share jaxft-train takes: a model that trains here also generates here
     prompts = read_prompts(args.file) if args.file else list(args.prompt)
     model_dir = Path(args.model_dir)

@@ -24,9 +24,14 @@ from jaxft.config import ModelConfig
 from jaxft.models.build import abstract_model
 from jaxft.models.decoder import Decoder
 from jaxft.families import family_for
-from jaxft.models.layers import LoraParam
+from jaxft.models.layers import LoraParam, linears
 from jaxft.models.stack import layer_stacks
-from jaxft.quant.config import Fp8Config
+from jaxft.quant.config import Fp8Config, is_skipped
+from jaxft.data.formatting import load_tokenizer
+from jaxft.lora import merged_kernels
+from jaxft.models.quant_experts import Quant4bitExperts
+from jaxft.quant import experts as qe, fp8 as qf, weights as qw
+from jaxft.sharding import MeshConfig, Placement
 
 logger = logging.getLogger("jaxft")
 
@@ -41,7 +46,6 @@ def _checkpoint_table(family, path: Path):
     (unindexed) tensor names; ties go to the family's table, and the load reports what does not match."""
     if not family.layouts:
         return family.table
-    from bridge.safetensors_io import read_header
 
     names = {n for f in bridge.checkpoint_files(path) for n in read_header(f)[0]}
     tables = (family.table, *family.layouts)
@@ -96,9 +100,6 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
 
     The directory's generation_config.json is kept with the model (`generation_config`) for `save_pretrained`.
     """
-    from jaxft.quant import fp8 as qf  # local: jaxft.quant imports the models
-    from jaxft.quant import weights as qw
-
     path = Path(path)
     hf = bridge.read_config(path)
     source = str(path) if gguf.is_gguf(path) else str(path / "config.json")
@@ -248,9 +249,6 @@ def _warn_non_finite(path: Path, finite: list[tuple[tuple[str, ...], jax.Array]]
 
 def _from_gguf(path: Path, hf: dict, cfg: ModelConfig, dtype, quant_config, verbose: bool, mesh) -> Decoder:
     """`from_pretrained` of a GGUF file: dequantised tensors through the family's table, then as a dense load."""
-    from jaxft.quant import fp8 as qf
-    from jaxft.quant import weights as qw
-
     if mesh is not None:
         raise ValueError(f"{path}: loading a GGUF file sharded over a mesh is not supported; load without mesh=, "
                          "save_pretrained it and load that directory sharded")
@@ -275,8 +273,6 @@ def _from_gguf(path: Path, hf: dict, cfg: ModelConfig, dtype, quant_config, verb
 def _quantize_sites(model, sites, arrays, qcfg, quants, dtype_name, verbose) -> list[str]:
     """Quantises every site not skipped by name or by error (into `quants`, popping its host kernel); returns
     the HF names of the linears kept in the model dtype."""
-    from jaxft.quant import weights as qw
-
     kept, lines, saved = [], [], 0
     for site in sites:
         names = site.names()
@@ -305,9 +301,6 @@ def _quantize_sites(model, sites, arrays, qcfg, quants, dtype_name, verbose) -> 
 def _quantize_experts(model, arrays, qcfg, dtype_name, verbose) -> None:
     """Stores every MoE expert stack not skipped by name in 4 bits (`jaxft.quant.experts`), popping its host
     copy; prints what it saved."""
-    from jaxft.quant import experts as qe
-    from jaxft.quant.config import is_skipped
-
     done, kept, saved = 0, [], 0
     for site in qe.expert_sites(model):
         if any(is_skipped(n, qcfg.skip_modules) for n in site.names()):
@@ -326,11 +319,6 @@ def model_params(model: Decoder, *, merge_lora: bool = True, dequantize: bool = 
     """Base parameters as host arrays, with LoRA deltas merged into the kernels when present, and the 4-bit
     linears' kernels dequantised in the model dtype (left out with dequantize=False); 4-bit expert stacks are
     dequantised in the model dtype either way."""
-    from jaxft.lora import merged_kernels  # local: lora imports io-free modules only
-    from jaxft.models.layers import linears
-
-    from jaxft.models.quant_experts import Quant4bitExperts
-
     merged = merged_kernels(model) if merge_lora else {}
     out = {}
     for p, lin in linears(model):
@@ -377,9 +365,6 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | Non
     table = family_for(cfg.model_type).table
     extra = []
     if quantized:
-        from jaxft.models.layers import linears
-        from jaxft.quant import weights as qw
-
         qcfg = getattr(model, "quant_config", None)
         if isinstance(qcfg, Fp8Config):
             raise ValueError("save_pretrained(quantized=True): the model's base is FP8, which has no bitsandbytes "
@@ -410,8 +395,6 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | Non
 
 
 def _sharded(model: Decoder, path: Path, cfg: ModelConfig, expected, dtype, mesh, table) -> Decoder:
-    from jaxft.sharding import MeshConfig, Placement
-
     placement = Placement(mesh) if isinstance(mesh, MeshConfig) else mesh
     graphdef, state = nnx.split(model)
     leaves = []
@@ -440,8 +423,6 @@ def save_gguf(model: Decoder, path: str | os.PathLike, dtype: str = "f16", *, to
     cfg: ModelConfig = model.config
     hf = cfg.to_hf()
     if isinstance(tokenizer, (str, os.PathLike)):
-        from jaxft.data.formatting import load_tokenizer
-
         tokenizer = load_tokenizer(tokenizer)
     table = family_for(cfg.model_type).table
     tensors = bridge.hf_tensors(table, model_params(model), cfg.num_layers, layer_map=layer_stacks(cfg))

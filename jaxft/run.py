@@ -37,7 +37,7 @@ import bridge
 from jaxft.config import SPARSE_MLPS, ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.auto import AutoChoices
-from jaxft.lora import LoraConfig, apply_lora, target_names
+from jaxft.lora import LoraConfig, apply_lora, save_adapter, target_names
 from jaxft.models.build import abstract_model, init_model, model_class
 from jaxft import streamed
 from jaxft.models.stack import streamed_weight
@@ -47,6 +47,11 @@ from jaxft.sharding import MeshConfig, Placement
 from jaxft.train.optim import OptimConfig
 from jaxft.train.step import (make_eval_step, make_train_step, restack_layers, split_model, stack_micro_batches,
                               unstack_layers)
+from jaxft.distributed import is_main_process
+from jaxft.io import from_pretrained, read_generation_config, save_gguf, save_pretrained
+from jaxft.quant.fp8 import abstract_fp8
+from jaxft.quant.weights import abstract_quantize
+from kernels_pallas.grouped_matmul import implementation_for
 
 
 def _abstract(tree):
@@ -123,17 +128,12 @@ class Run(AutoChoices):
     @property
     def mosaic_experts(self) -> bool:
         """Whether the model has expert layers whose grouped matmul resolves to the Mosaic GPU kernels here."""
-        from kernels_pallas.grouped_matmul import implementation_for
-
         if not set(SPARSE_MLPS) & set(self.model_config.layer_mlps):
             return False
         device = self.placement.devices[0]
         return implementation_for(self.execution.grouped_matmul_implementation, self.dtype, device) == "pallas_mosaic"
 
     def _abstract_split(self):
-        from jaxft.quant.fp8 import abstract_fp8
-        from jaxft.quant.weights import abstract_quantize
-
         def build():
             model = model_class(self.model_config)(self.model_config, dtype=jnp.dtype(self.dtype),
                                                    rngs=nnx.Rngs(0))
@@ -158,8 +158,6 @@ class Run(AutoChoices):
 
     def load(self) -> "Run":
         """Reads the weights, applies LoRA (seeded), splits by variable type and places the state."""
-        from jaxft.io import from_pretrained
-
         if self.execution.remat == "auto":
             raise RuntimeError("Run.load() with remat 'auto': call run.choose_remat(batch) or run.compile(batch) "
                                "first (the chosen policy decides the weight layout)")
@@ -432,9 +430,6 @@ class Run(AutoChoices):
 
     def export_adapter(self, path: str | Path, *, tokenizer=None) -> Path:
         """Writes the PEFT adapter to `path`. Several processes: all call it, process 0 writes."""
-        from jaxft.distributed import is_main_process
-        from jaxft.lora import save_adapter
-
         model = self.model(restack=self.unrolled) if jax.process_count() == 1 else self._host_model(weights=False)
         if not is_main_process():
             return Path(path)
@@ -447,9 +442,6 @@ class Run(AutoChoices):
         """Writes the merged HF model to `path`, with the base's generation_config.json (its stop ids and
         decoding defaults). Several processes: all call it (each weight is gathered onto every host, layer by
         layer), process 0 writes."""
-        from jaxft.distributed import is_main_process
-        from jaxft.io import read_generation_config, save_pretrained
-
         model = self.model(restack=self.unrolled) if jax.process_count() == 1 else self._host_model(weights=True)
         if not is_main_process():
             return Path(path)
@@ -461,9 +453,6 @@ class Run(AutoChoices):
     def export_gguf(self, path: str | Path, dtype: str, *, tokenizer=None) -> Path:
         """Writes the merged model as one GGUF file at `path` (`jaxft.save_gguf`). Several processes: all call it,
         process 0 writes."""
-        from jaxft.distributed import is_main_process
-        from jaxft.io import save_gguf
-
         model = self.model(restack=self.unrolled) if jax.process_count() == 1 else self._host_model(weights=True)
         if not is_main_process():
             return Path(path)

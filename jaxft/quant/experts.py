@@ -23,6 +23,7 @@ from jaxft.models.layers import ExpertParam
 from jaxft.models.quant_experts import Quant4bitExperts
 from jaxft.quant.blockwise import quantize_4bit_batch
 from jaxft.quant.config import QuantConfig, is_skipped
+from jaxft.models.stack import layer_stacks
 
 __all__ = ["ExpertSite", "expert_sites", "install_experts", "quantize_experts", "saved_expert_bytes"]
 
@@ -50,8 +51,6 @@ class ExpertSite:
 
 def expert_sites(model) -> list[ExpertSite]:
     """Every `ExpertParam` of `model` (selected by type), with its HF names from the family's table row."""
-    from jaxft.models.stack import layer_stacks  # local: the models import this package
-
     rows = {row.path: row.hf for row in family_for(model.config.model_type).table}
     stacks = layer_stacks(model.config)
     out = []

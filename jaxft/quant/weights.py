@@ -24,6 +24,9 @@ from jaxft.models.layers import Linear, Quant4bit, linears
 from jaxft.quant.blockwise import quantize_4bit
 from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, is_skipped
 from kernels_pallas.nf4_matmul import DYNAMIC, code_4bit, dequantize_4bit
+from bridge import bnb4bit, checkpoint_files, read_config
+from jaxft.models.stack import layer_stacks
+from jaxft.quant.experts import abstract_experts
 
 __all__ = ["DEFAULT_SKIP", "QuantConfig", "Site", "abstract_quantize", "install", "is_skipped", "linear_sites", "quantize_site",
            "records_of", "saved_bytes", "site_from_records"]
@@ -52,8 +55,6 @@ class Site:
 
 def linear_sites(model) -> list[Site]:
     """Every `Linear` of `model` with its HF module name (bridge table rows `<module>.weight -> <path>.kernel`)."""
-    from jaxft.models.stack import layer_stacks  # local: the models import this package
-
     present = {tuple(p.split(".")) for p, _ in linears(model)}
     stacks = layer_stacks(model.config)
     out = []
@@ -171,8 +172,6 @@ def saved_bytes(quant: Quant4bit, dtype) -> int:
 def abstract_quantize(model, path, cfg: QuantConfig | None) -> None:
     """Installs the 4-bit modules `from_pretrained(path, quant_config=cfg)` would, with zero arrays (call it under
     `nnx.eval_shape` for shapes alone): for ahead-of-time compilation before the weights are read."""
-    from bridge import bnb4bit, checkpoint_files, read_config
-
     hf = read_config(path)
     stored = bnb4bit.quantization_config(hf, str(path))
     if stored is not None:
@@ -191,7 +190,6 @@ def abstract_quantize(model, path, cfg: QuantConfig | None) -> None:
     if cfg.max_rel_error is not None:
         raise ValueError("QuantConfig.max_rel_error decides which modules stay dense from the weights themselves: "
                          "load the model (Run.load) before compiling")
-    from jaxft.quant.experts import abstract_experts
 
     abstract_experts(model, cfg)
     for site in linear_sites(model):

@@ -29,6 +29,17 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from bridge.errors import hub_id_hint
+from jaxft.data.pipeline import DataConfig
+from jaxft.distributed import DistributedConfig, DistributedConfigError
+from jaxft.errors import ConfigError
+from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.lora import LoraConfig, LoraConfigError
+from jaxft.models.vision.targets import finetune_targets
+from jaxft.quant.config import DEFAULT_SKIP, Fp8Config, QuantConfig, QuantConfigError
+from jaxft.sharding import MeshConfig, MeshConfigError
+from jaxft.train.optim import OptimConfig, OptimConfigError
+from jaxft.train.parts import LOGGING_KEYS, LoggingConfig, MODEL_KEYS, ModelSource, PartError
 
 # `dataset_name` is the dataset key of TRL's `trl sft` (ScriptArguments): here a local path, as `dataset` takes it.
 ALIASES = {"max_length": "max_seq_length", "dataset_name": "dataset"}
@@ -275,8 +286,6 @@ class TrainConfig:
 
     def _build_model_and_logging(self):
         """The model part (it checks the model directory) and the logging part, errors under the flat keys."""
-        from jaxft.train.parts import LOGGING_KEYS, MODEL_KEYS, LoggingConfig, ModelSource, PartError
-
         try:
             logging_part = LoggingConfig(**{field: getattr(self, key) for field, key in LOGGING_KEYS.items()})
         except PartError as e:
@@ -294,10 +303,6 @@ class TrainConfig:
     def _build_parts(self):
         """The validated parts a run is built from, each checking its own fields once. Their errors carry the
         field; PART_KEYS turns it into the flat key the user wrote (no message rewriting)."""
-        from jaxft.execution import ExecutionConfig, ExecutionConfigError
-        from jaxft.lora import LoraConfig, LoraConfigError
-        from jaxft.train.optim import OptimConfig, OptimConfigError
-
         for name, build, fields in (("execution", ExecutionConfig, EXECUTION_KEYS), ("optim", OptimConfig,
                                                                                      OPTIM_KEYS),
                                     ("lora", LoraConfig, LORA_KEYS)):
@@ -312,13 +317,11 @@ class TrainConfig:
                 raise part_error(e, fields) from None
             object.__setattr__(self, f"_{name}", part)
         object.__setattr__(self, "remat", self._execution.remat)  # canonical (a mapping becomes its string)
-        from jaxft.sharding import MeshConfig, MeshConfigError
 
         try:
             object.__setattr__(self, "_mesh", MeshConfig.from_mapping(self.mesh))
         except MeshConfigError as e:
             raise TrainConfigError(str(e), key="mesh") from None
-        from jaxft.distributed import DistributedConfig, DistributedConfigError
 
         try:
             object.__setattr__(self, "_distributed", DistributedConfig.from_value(self.distributed))
@@ -333,7 +336,6 @@ class TrainConfig:
             return self.lora_target_modules
         import json
 
-        from jaxft.models.vision.targets import finetune_targets
 
         key = given[0]
         hf = json.loads((Path(self.model_name_or_path).expanduser() / "config.json").read_text(encoding="utf-8"))
@@ -353,7 +355,6 @@ class TrainConfig:
             if not flags[a] and not flags[b]:
                 raise TrainConfigError(f"key {b!r}: {a} and {b} are both false, so no {what} would get LoRA and "
                                        "nothing would train; set one of them to true", key=b)
-        from jaxft.errors import ConfigError
 
         try:
             return finetune_targets(hf.get("model_type", ""), **flags)
@@ -361,8 +362,6 @@ class TrainConfig:
             raise TrainConfigError(f"key {key!r}: {e}", key=key) from None
 
     def _build_quant(self):
-        from jaxft.quant.config import DEFAULT_SKIP, Fp8Config, QuantConfig, QuantConfigError
-
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         if self.load_in_fp8 and self.load_in_4bit:
             raise TrainConfigError("keys 'load_in_fp8' and 'load_in_4bit' are both true; the frozen base is FP8 or "
@@ -438,8 +437,6 @@ class TrainConfig:
     def data(self, num_devices: int):
         """The data part (`jaxft.data.DataConfig`) for a run over `num_devices` devices (the rows per step
         scale with them)."""
-        from jaxft.data.pipeline import DataConfig
-
         rows = self.rows_per_step(num_devices)
         eval_rows = (self.per_device_eval_batch_size or self.per_device_train_batch_size) * num_devices
         return DataConfig(path=self.dataset, seq_len=self.max_seq_length, batch_size=rows,
@@ -492,8 +489,6 @@ class TrainConfig:
                                       "block-diagonal attention (no cross-document attention), so it is exact")
 
     def _check_paths(self):
-        from bridge.errors import hub_id_hint  # deferred: bridge imports numpy
-
         for key in ("dataset", "eval_dataset"):  # the model directory is checked by the model part
             value = getattr(self, key)
             if value is not None and not Path(value).expanduser().exists():

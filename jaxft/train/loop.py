@@ -32,12 +32,20 @@ from typing import Any
 import jax
 import numpy as np
 
+# The module, not its names: jaxft.run imports this package's step and optim modules, so while jaxft.run loads
+# first, this package (and this module, which it re-exports) loads inside it and finds jaxft.run half made.
+import jaxft.run
 from jaxft import distributed
 from jaxft import remat as remat_policies
 from jaxft.auto import claim_gpu_memory
+from jaxft.data.formatting import load_tokenizer
+from jaxft.data.images import ImageProcessor
+from jaxft.data.pipeline import build_datasets
 from jaxft.execution import ExecutionConfigError
+from jaxft.generation import generate
 from jaxft.lora import LoraConfigError
 from jaxft.residuals import LAYER_INPUT
+from jaxft.sharding import MeshConfigError
 from jaxft.train import checkpoint as ckpt
 from jaxft.train.config import EXECUTION_KEYS, LORA_KEYS, TrainConfig, TrainConfigError, part_error
 from jaxft.train.guard import OutputDirLock, StopRequests, TrainingDiverged, TrainingInterrupted
@@ -123,10 +131,6 @@ def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
 
 
 def _load_data(config: TrainConfig, num_devices: int):
-    from jaxft.data.formatting import load_tokenizer
-    from jaxft.data.images import ImageProcessor
-    from jaxft.data.pipeline import build_datasets
-
     tokenizer = load_tokenizer(config.model.path)
     images = ImageProcessor.for_model_dir(config.model.path,  # None for a text-only model
                                           confine=not config.image_paths_outside_dataset)
@@ -308,11 +312,9 @@ def _note_plan(run, config: TrainConfig, rows: int) -> None:
 def _prepare(config: TrainConfig, out: Path) -> _Setup:
     resume_path = _resume_path(config, out)
     _check_output_dir(config, out, resume_path is not None)
-    from jaxft.run import Run  # here: jaxft.run imports jaxft.train's step module
-    from jaxft.sharding import MeshConfigError
 
     try:  # on the shapes only: a target that matches nothing is reported before the data is read
-        probe = Run.from_config(config, total_steps=1)
+        probe = jaxft.run.Run.from_config(config, total_steps=1)
         probe.check_targets()
     except LoraConfigError as e:
         raise part_error(e, LORA_KEYS) from None
@@ -341,7 +343,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     if config.lr_scheduler_type == "constant" and plan.warmup_steps:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
-    run = Run.from_config(config, plan.total_steps)
+    run = jaxft.run.Run.from_config(config, plan.total_steps)
     _note_mosaic_experts(run, config.execution)
     _note_nested_blocks(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
     _note_plan(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
@@ -533,8 +535,6 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
 def _sample_completions(model, tokenizer, log: LoggingConfig) -> list[dict[str, str]]:
     """Greedy completions of `eval_generate_prompts` by the model as trained so far (one compiled decode
     program, reused at every evaluation)."""
-    from jaxft.generation import generate
-
     prompts = list(log.eval_generate_prompts)
     completions = generate(model, tokenizer, prompts, max_new_tokens=log.eval_generate_max_new_tokens,
                            temperature=0.0, chat_template=True)

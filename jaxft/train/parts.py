@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxft.errors import ConfigError
+from bridge.errors import hub_id_hint
+from jaxft.quant.config import Fp8Config, QuantConfig
 
 DTYPES = ("bfloat16", "float32")
 REPORT_TO = ("tensorboard", "none")
@@ -49,9 +51,6 @@ class ModelSource:
     quant: Any = None
 
     def __post_init__(self):
-        from bridge.errors import hub_id_hint  # deferred: bridge imports numpy
-        from jaxft.quant.config import Fp8Config, QuantConfig
-
         if not isinstance(self.path, (str, Path)) or not str(self.path).strip():
             raise PartError("path", f"value {self.path!r} is invalid; give a non-empty path")
         path = Path(self.path).expanduser()
