@@ -18,6 +18,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import xla_bridge  # no public way to ask whether the backends have started
+from jax.experimental import multihost_utils
 
 from jaxft import remat as remat_policies
 from jaxft.errors import ConfigError
@@ -45,7 +47,6 @@ def claim_gpu_memory(environ=None) -> str | None:
     environ = os.environ if environ is None else environ
     if _FRACTION_VAR in environ:
         return environ[_FRACTION_VAR]
-    from jax._src import xla_bridge  # no public way to ask whether the backends have started
 
     if xla_bridge.backends_are_initialized():
         return None
@@ -220,8 +221,6 @@ class AutoChoices:
         budget, source = default_memory_budget(local[0], sharing=len(local) if on_host else 1,
                                                host=self._host_memory() if on_host else None)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             budget = int(np.min(multihost_utils.process_allgather(np.int64(budget))))
             source += f", the smallest of {jax.process_count()} processes"
         return budget, source

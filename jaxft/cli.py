@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import json
 import logging
 import shlex
 import signal
 import sys
 import typing
 from pathlib import Path
+
+import jax
 
 import bridge
 from jaxft.data.errors import DataError
@@ -168,8 +171,6 @@ def _base_args(base: Path) -> str:
 
 def _auto_class(model_dir: Path) -> str:
     """The transformers Auto class that loads the base model: image-text-to-text for a vision-language model."""
-    import json
-
     if model_dir.is_file():  # a GGUF file: the text-only families
         return "AutoModelForCausalLM"
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
@@ -227,7 +228,6 @@ def main(argv: list[str] | None = None) -> int:
         root.removeHandler(handler)
         root.propagate = propagate
 
-    import jax
 
     if jax.process_index() > 0:  # process 0 wrote the outputs and prints where they are
         print(f"process {jax.process_index()} of {jax.process_count()}: trained {result.global_step} steps; process 0 "

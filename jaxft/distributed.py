@@ -35,6 +35,8 @@ import re
 from typing import Any, Mapping
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxft.errors import ConfigError
 
@@ -178,8 +180,6 @@ def is_main_process() -> bool:
 def sync(name: str) -> None:
     """Waits until every process reached the same `name` (no-op for one process)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 
@@ -187,7 +187,5 @@ def any_process(flag: bool) -> bool:
     """Whether `flag` is true on any process (a collective: every process must call it at the same point)."""
     if jax.process_count() == 1:
         return bool(flag)
-    import numpy as np
-    from jax.experimental import multihost_utils
 
     return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))

@@ -45,6 +45,7 @@ import math
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 
 from jaxft.errors import ConfigError
 from jaxft.families import family_for
@@ -408,8 +409,6 @@ def recompute_work(cfg, segment_ids) -> list[tuple[float, float]]:
     2 FLOPs per weight per token over q, k, v, o and the MLP a token runs (a dense gated MLP's three matrices, or
     the router and its top-k experts'); attention: QK^T and PV, 4 D per kept pair and query head (`kept_pairs`
     under the layer's window). LoRA's factors and the norms are left out (under 1% of either)."""
-    import numpy as np
-
     tokens = int(np.size(segment_ids))
     h, d = cfg.hidden_size, cfg.head_dim
     attention_weights = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
@@ -442,8 +441,6 @@ def attention_copies_pay(cfg, segment_ids, itemsize: int) -> tuple[bool, float, 
     it saves is the attention forward, which shrinks with the pairs a row attends: at 8B 1 x 16384 (one document)
     the attention is 108 TFLOP-equivalents a step against copies worth 58 (LEAN_ATTN wins); at GPT-OSS-20B packed
     1 x 16384 (documents of ~306 tokens, 128-token windows on half the layers), 2 against 44 (offload wins)."""
-    import numpy as np
-
     b, t = np.shape(segment_ids)
     sizes = residual_bytes(cfg, b, t, itemsize)
     saved = sum(a for _, a in recompute_work(cfg, segment_ids))

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 import bridge
 from jaxft.config import SPARSE_MLPS, ModelConfig
@@ -465,7 +466,6 @@ def _to_host(x):
     whole layer of it)."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(x)
-    from jax.experimental import multihost_utils
 
     if x.ndim >= 3:
         return np.stack([np.asarray(multihost_utils.process_allgather(x[i], tiled=True)) for i in range(x.shape[0])])

@@ -113,7 +113,7 @@ class ImageProcessor:
         return 3 * int(pr.temporal_patch_size) * int(pr.patch_size) ** 2
 
     def _open(self, path: str, source: str, relative_to: str = "the dataset file"):
-        from PIL import Image
+        from PIL import Image  # deferred: Pillow is optional (the `demo` extra), needed for image rows only
 
         if not Path(path).is_file():
             raise ImageError(f"{source}: image {path!r} does not exist; fix the path (relative paths are relative "
@@ -143,6 +143,7 @@ class ImageProcessor:
         """The patch grid (t, h, w) the processor gives a still image of this size: its resize target from
         transformers' `smart_resize` (the function the processor's resize calls) with the processor's settings,
         in patches; one frame (a still image is padded to `temporal_patch_size` frames, one temporal patch)."""
+        # deferred: importing transformers is slow
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         pr = self.processor

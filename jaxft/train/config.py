@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import logging
 import types
 import typing
@@ -40,6 +41,7 @@ from jaxft.quant.config import DEFAULT_SKIP, Fp8Config, QuantConfig, QuantConfig
 from jaxft.sharding import MeshConfig, MeshConfigError
 from jaxft.train.optim import OptimConfig, OptimConfigError
 from jaxft.train.parts import LOGGING_KEYS, LoggingConfig, MODEL_KEYS, ModelSource, PartError
+
 
 # `dataset_name` is the dataset key of TRL's `trl sft` (ScriptArguments): here a local path, as `dataset` takes it.
 ALIASES = {"max_length": "max_seq_length", "dataset_name": "dataset"}
@@ -334,8 +336,6 @@ class TrainConfig:
         given = [k for k in FINETUNE_KEYS if getattr(self, k) is not None]
         if not given:
             return self.lora_target_modules
-        import json
-
 
         key = given[0]
         hf = json.loads((Path(self.model_name_or_path).expanduser() / "config.json").read_text(encoding="utf-8"))

@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
 # The module, not its names: jaxft.run imports this package's step and optim modules, so while jaxft.run loads
 # first, this package (and this module, which it re-exports) loads inside it and finds jaxft.run half made.
@@ -660,8 +661,6 @@ def _log_window(writer, status: dict[str, str], meter: WindowMeter, window, step
 
 
 def _progress(total: int, initial: int, *, disable: bool):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, initial=initial, disable=disable, unit="step", dynamic_ncols=True, desc="train")
 
 

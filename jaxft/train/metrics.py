@@ -77,7 +77,7 @@ class MetricsWriter:
 def _tensorboard_writer(logdir: Path):
     """tensorboardX's or torch's SummaryWriter when one is importable, else None (TensorBoard is optional)."""
     try:
-        from tensorboardX import SummaryWriter  # type: ignore
+        from tensorboardX import SummaryWriter  # type: ignore  # optional: TensorBoard logging only
     except ImportError:
         try:
             from torch.utils.tensorboard import SummaryWriter  # type: ignore
@@ -89,7 +89,8 @@ def _tensorboard_writer(logdir: Path):
 def plot_loss_curve(records: list[dict[str, Any]], path: str | Path) -> Path | None:
     """Train (and eval) loss against step as a PNG; None (with a logged note) when matplotlib is missing."""
     try:
-        # The object API with an explicit Agg canvas: no pyplot, no process-wide backend switch.
+        # Optional (the `demo` extra). The object API with an explicit Agg canvas: no pyplot, no process-wide
+        # backend switch.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
