@@ -15,6 +15,7 @@ Public API:
                                                            take 95% of each GPU, as jaxft-train lets it (JAX: 75%)
 """
 
+from jaxft.auto import claim_gpu_memory
 from jaxft.config import ModelConfig
 from jaxft.errors import ConfigError
 from jaxft.execution import ExecutionConfig
@@ -25,8 +26,6 @@ from jaxft.models import Decoder, LoraParam, init_model
 from jaxft.quant import Fp8Config, QuantConfig
 from jaxft.rope_config import RopeConfig
 from jaxft.run import Run
-# (last: imported before the models, jaxft.auto would meet their import cycle through jaxft.sharding)
-from jaxft.auto import claim_gpu_memory  # noqa: E402
 
 __all__ = [
     "ConfigError",

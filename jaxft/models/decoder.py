@@ -28,7 +28,7 @@ from jaxft.models.layers import Linear, _init, logical
 from jaxft.models.parts import DecoderLayer, RMSNorm
 from jaxft.models.rope import mrope_tables, rope_tables
 from jaxft.models.stack import _layer_runs, is_unstacked, layer_groups, layer_slice, layer_stacks, run_groups, STACK_NAMES
-from jaxft.sharding import row_split
+from jaxft.mesh_axes import row_split
 from kernels_pallas import attention as attention_ops
 
 __all__ = ["DEFAULT_EXECUTION", "Decoder", "_layer_runs", "abstract_model", "init_model", "is_unstacked",
@@ -218,7 +218,7 @@ def per_device_attention(q, k, v, *, segment_ids, metadata, implementation, sink
     mesh it all-gathers q, k and v to the whole batch and every device computes every row's attention (8 GPUs under
     FSDP: 16 synchronous all-gathers of bf16 [8, 4096, 8, 512] into the kernels; tests/test_sharding.py sees the
     same on CPU devices). Here the op runs in
-    `jax.shard_map` with the rows split over the batch axes (`jaxft.sharding.BATCH_AXES`, as `constrain_rows`
+    `jax.shard_map` with the rows split over the batch axes (`jaxft.mesh_axes.BATCH_AXES`, as `constrain_rows`
     splits the layer inputs) and the heads over "tensor" where both head counts divide by it; the batch's block
     tables (`make_metadata`, per row) are split with the rows, their batch-wide flag `single_segment` whole. The
     sinks [H] enter with the heads; shard_map's transpose sums their gradient over the devices. cuDNN's attention

@@ -60,7 +60,7 @@ from jaxft.models.layers import (ExpertParam, LoraParam, LoraRank, LoraScale, St
                                  stack_axes)
 from jaxft.models.quant_experts import expert_matmul
 from jaxft.residuals import MLP_GATE_UP, MOE_EXPERT_OUT
-from jaxft.sharding import BATCH_AXES, row_axes
+from jaxft.mesh_axes import BATCH_AXES, row_axes
 from kernels_pallas.grouped_matmul import grouped_matmul
 
 
@@ -274,7 +274,7 @@ def per_device(block: nnx.Module, x: jax.Array, token_weights: jax.Array | None,
     them, and every device then runs the experts' grouped matmuls on every token of the batch. On 8 host devices
     (data 2 x fsdp 4, tiny Qwen3-MoE, lax.ragged_dot) the compiled step sorted 1024 slots and multiplied
     [1024, ...] rows on each device, against 128 here. The Mosaic GPU kernels' custom call is not partitioned at
-    all. Here the block runs in `jax.shard_map` over the batch axes (`jaxft.sharding.BATCH_AXES`, the rows
+    all. Here the block runs in `jax.shard_map` over the batch axes (`jaxft.mesh_axes.BATCH_AXES`, the rows
     `constrain_rows` already splits), and over any other mesh axis (tensor) along the tokens of a row: each device
     sorts, multiplies and combines its own tokens.
 

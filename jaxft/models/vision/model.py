@@ -27,7 +27,7 @@ from jaxft.execution import ExecutionConfig
 from jaxft.models.decoder import DEFAULT_EXECUTION, Decoder
 from jaxft.models.vision.mrope import mrope_positions
 from jaxft.models.vision.tower import VisionTower
-from jaxft.sharding import row_split
+from jaxft.mesh_axes import row_split
 
 
 class VisionLanguageModel(Decoder):
@@ -95,7 +95,7 @@ def put_images(tower: VisionTower, x, ids, pixel_values, image_grid_thw, impleme
 
 def per_device_images(tower: VisionTower, x, ids, pixel_rows, grid_rows, implementation: str) -> jax.Array:
     """`put_images` of a packed batch's per-row images, each device on its own rows when traced under a mesh of
-    several devices whose batch axes divide the rows (`jax.shard_map` over `jaxft.sharding.row_split`, as
+    several devices whose batch axes divide the rows (`jax.shard_map` over `jaxft.mesh_axes.row_split`, as
     `constrain_rows` splits the layer inputs); otherwise on the whole batch. A row's image tokens hold exactly
     its own images' embeddings, so the rows' images can be embedded apart.
 
