@@ -21,16 +21,16 @@ import bridge
 from bridge import bnb4bit, fp8, gguf, mxfp4
 from bridge.safetensors_io import read_header
 from jaxft.config import ModelConfig
+from jaxft.data.formatting import load_tokenizer
+from jaxft.families import family_for
+from jaxft.lora import merged_kernels
 from jaxft.models.build import abstract_model
 from jaxft.models.decoder import Decoder
-from jaxft.families import family_for
 from jaxft.models.layers import LoraParam, linears
-from jaxft.models.stack import layer_stacks
-from jaxft.quant.config import Fp8Config, is_skipped
-from jaxft.data.formatting import load_tokenizer
-from jaxft.lora import merged_kernels
 from jaxft.models.quant_experts import Quant4bitExperts
+from jaxft.models.stack import layer_stacks
 from jaxft.quant import experts as qe, fp8 as qf, weights as qw
+from jaxft.quant.config import Fp8Config, is_skipped
 from jaxft.sharding import MeshConfig, Placement
 
 logger = logging.getLogger("jaxft")

@@ -35,12 +35,12 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import bridge
+from jaxft import streamed
+from jaxft.auto import AutoChoices
 from jaxft.config import SPARSE_MLPS, ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
-from jaxft.auto import AutoChoices
 from jaxft.lora import LoraConfig, apply_lora, save_adapter, target_names
 from jaxft.models.build import abstract_model, init_model, model_class
-from jaxft import streamed
 from jaxft.models.stack import streamed_weight
 from jaxft.offload_scan import is_slot
 from jaxft.quant.config import Fp8Config

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from bridge.mappings import dense as dense_table
-from jaxft.rope_config import RopeConfig
 from jaxft.families.family import BlockParts, Family
+from jaxft.rope_config import RopeConfig
 
 PARTS = BlockParts()
 

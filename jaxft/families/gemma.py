@@ -18,8 +18,8 @@ from typing import Any, Mapping
 
 from bridge.mappings import gemma as gemma_table
 from jaxft.errors import ConfigError
-from jaxft.rope_config import RopeConfig
 from jaxft.families.family import BlockParts, Family
+from jaxft.rope_config import RopeConfig
 
 PARTS = BlockParts(norm_offset=True, sandwich_norms=True, embed_scale=True)
 _SLIDING, _FULL = "sliding_attention", "full_attention"

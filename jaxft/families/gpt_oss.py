@@ -18,8 +18,8 @@ from typing import Any, Mapping
 
 from bridge.mappings import gpt_oss as gpt_oss_table
 from jaxft.errors import ConfigError
-from jaxft.rope_config import RopeConfig
 from jaxft.families.family import BlockParts, Family
+from jaxft.rope_config import RopeConfig
 
 PARTS = BlockParts(mlp="gpt_oss_moe")
 _SLIDING, _FULL = "sliding_attention", "full_attention"

@@ -17,10 +17,10 @@ from typing import Any, Mapping
 
 from bridge.mappings import qwen2_vl as vl_table
 from jaxft.errors import ConfigError
-from jaxft.rope_config import RopeConfig
-from jaxft.vision_config import VisionConfig
 from jaxft.families import dense
 from jaxft.families.family import BlockParts, Family
+from jaxft.rope_config import RopeConfig
+from jaxft.vision_config import VisionConfig
 
 PARTS = BlockParts()
 # What ModelConfig.to_hf and the dense mapping write at the top level that belongs in text_config.

@@ -21,8 +21,8 @@ from typing import Any, Mapping
 
 from bridge.mappings import qwen3_moe as moe_table
 from jaxft.errors import ConfigError
-from jaxft.rope_config import RopeConfig
 from jaxft.families.family import BlockParts, Family
+from jaxft.rope_config import RopeConfig
 
 PARTS = BlockParts(mlp="moe")
 _EXPERT_KEYS = ("num_experts", "num_local_experts")

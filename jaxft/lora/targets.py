@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from bridge import peft as peft_io
 from bridge.mappings.schema import LAYER, VISION_BLOCK
 from jaxft.errors import ConfigError
-from jaxft.lora.config import ALL_LINEAR, LoraConfig, LoraConfigError
 from jaxft.families import family_for
+from jaxft.lora.config import ALL_LINEAR, LoraConfig, LoraConfigError
 from jaxft.models.layers import linears
 from jaxft.models.stack import layer_stacks
 

@@ -24,11 +24,11 @@ from flax import nnx
 from jaxft.config import SPARSE_MLPS, ModelConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.families import family_for
+from jaxft.mesh_axes import row_split
 from jaxft.models.layers import Linear, _init, logical
 from jaxft.models.parts import DecoderLayer, RMSNorm
 from jaxft.models.rope import mrope_tables, rope_tables
 from jaxft.models.stack import _layer_runs, is_unstacked, layer_groups, layer_slice, layer_stacks, run_groups, STACK_NAMES
-from jaxft.mesh_axes import row_split
 from kernels_pallas import attention as attention_ops
 
 __all__ = ["DEFAULT_EXECUTION", "Decoder", "_layer_runs", "abstract_model", "init_model", "is_unstacked",

@@ -58,9 +58,9 @@ from jaxft.config import ModelConfig
 from jaxft.models.activations import ACTIVATIONS
 from jaxft.models.layers import (ExpertParam, LoraParam, LoraRank, LoraScale, StackRow, _init, logical,
                                  stack_axes)
+from jaxft.mesh_axes import BATCH_AXES, row_axes
 from jaxft.models.quant_experts import expert_matmul
 from jaxft.residuals import MLP_GATE_UP, MOE_EXPERT_OUT
-from jaxft.mesh_axes import BATCH_AXES, row_axes
 from kernels_pallas.grouped_matmul import grouped_matmul
 
 

@@ -16,8 +16,7 @@ Math of one block (x: the residual stream [B, T, H]):
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

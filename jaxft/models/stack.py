@@ -50,8 +50,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxft.config import ModelConfig
 from jaxft.families import family_for
-from jaxft.models.layers import ExpertParam, QuantizedWeight, StackRow
 from jaxft.mesh_axes import constrain_rows
+from jaxft.models.layers import ExpertParam, QuantizedWeight, StackRow
 from jaxft.offload import PrefetchChain, host_offloaded, layer_index
 from jaxft.offload_scan import HostRows, in_host_memory, is_slot, offloaded_scan, unpack_rows
 from jaxft.remat import RematPolicy

@@ -21,9 +21,9 @@ from bridge.mappings.schema import LAYER
 from jaxft.families import family_for
 from jaxft.models.layers import ExpertParam
 from jaxft.models.quant_experts import Quant4bitExperts
+from jaxft.models.stack import layer_stacks
 from jaxft.quant.blockwise import quantize_4bit_batch
 from jaxft.quant.config import QuantConfig, is_skipped
-from jaxft.models.stack import layer_stacks
 
 __all__ = ["ExpertSite", "expert_sites", "install_experts", "quantize_experts", "saved_expert_bytes"]
 

@@ -16,17 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bridge import bnb4bit, checkpoint_files, read_config
 from bridge.bnb4bit import Quant4bitTensor
 from bridge.mappings.schema import LAYER
 from jaxft.errors import ConfigError
 from jaxft.families import family_for
 from jaxft.models.layers import Linear, Quant4bit, linears
+from jaxft.models.stack import layer_stacks
 from jaxft.quant.blockwise import quantize_4bit
 from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, is_skipped
-from kernels_pallas.nf4_matmul import DYNAMIC, code_4bit, dequantize_4bit
-from bridge import bnb4bit, checkpoint_files, read_config
-from jaxft.models.stack import layer_stacks
 from jaxft.quant.experts import abstract_experts
+from kernels_pallas.nf4_matmul import DYNAMIC, code_4bit, dequantize_4bit
 
 __all__ = ["DEFAULT_SKIP", "QuantConfig", "Site", "abstract_quantize", "install", "is_skipped", "linear_sites", "quantize_site",
            "records_of", "saved_bytes", "site_from_records"]

@@ -12,8 +12,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from jaxft.errors import ConfigError
 from bridge.errors import hub_id_hint
+from jaxft.errors import ConfigError
 from jaxft.quant.config import Fp8Config, QuantConfig
 
 DTYPES = ("bfloat16", "float32")

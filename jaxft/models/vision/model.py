@@ -24,10 +24,10 @@ from flax import nnx
 
 from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig
+from jaxft.mesh_axes import row_split
 from jaxft.models.decoder import DEFAULT_EXECUTION, Decoder
 from jaxft.models.vision.mrope import mrope_positions
 from jaxft.models.vision.tower import VisionTower
-from jaxft.mesh_axes import row_split
 
 
 class VisionLanguageModel(Decoder):

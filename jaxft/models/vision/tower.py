@@ -30,8 +30,8 @@ from flax import nnx
 from jaxft.models.layers import Linear, logical, stack_axes
 from jaxft.models.parts import RMSNorm
 from jaxft.models.rope import apply_rope
-from jaxft.vision_config import VisionConfig
 from jaxft.models.vision.layout import PatchLayout, expand_order, patch_layout
+from jaxft.vision_config import VisionConfig
 from kernels_pallas import attention as attention_ops
 
 _EPS = 1e-6  # transformers hard-codes the vision norms' eps
