@@ -1,11 +1,18 @@
 """Shared test setup: CPU by default, `gpu`-marked tests only where a GPU is present."""
 
+import importlib.util
 import os
 
 import pytest
 
 # Tests compare against fp32 torch: keep XLA's CPU matmuls at full precision.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# Without a CUDA plugin, LLVM's passes over XLA's CPU code at -O0 (child processes inherit it: test_train_fixtures'
+# host_devices_env keeps it): the tests' programs are tiny, so compiling them is most of the suite's time, and -O0
+# takes about a third off it; the HLO the tests read (fusions, buffers, placements) is made before LLVM and is the
+# same, and without fast-math LLVM reorders no float arithmetic, so the numbers are too.
+if not any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import jax  # noqa: E402
 

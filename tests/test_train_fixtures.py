@@ -67,7 +67,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def host_devices_env(devices: int) -> dict:
     """The environment of a subprocess whose JAX sees `devices` CPU devices (XLA fixes the count at start-up)."""
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")  # conftest's flags kept
 
 
 def run_cli_on_host_devices(values: dict, yaml_path: Path, devices: int, timeout: int = 300,
