@@ -25,6 +25,12 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    """Files with a `slow` test first (each file's tests kept together and in order): `make test`'s workers take a
+    file at a time, so a long file started last would leave one worker running it alone."""
+    first_slow = {}
+    for i, item in enumerate(items):
+        first_slow.setdefault(item.path, [i, False])[1] |= "slow" in item.keywords
+    items.sort(key=lambda item: (not first_slow[item.path][1], first_slow[item.path][0]))
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.sh runs these on the device)")
