@@ -84,6 +84,7 @@ def run_cli_on_host_devices(values: dict, yaml_path: Path, devices: int, timeout
     env = host_devices_env(devices)
     if dump_hlo is not None:
         env["XLA_FLAGS"] += f" --xla_dump_to={dump_hlo} --xla_dump_hlo_as_text"
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a program read from the run's cache (conftest) is not dumped
     res = subprocess.run([sys.executable, "-m", "jaxft.cli", str(yaml_path)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
