@@ -20,9 +20,10 @@ demo-moe:
 
 # The whole CPU suite (GPU tests are skipped here; scripts/gpu_check.sh runs them on the device): two pytest-xdist
 # workers, a test file at a time each (a file's module-scoped fixtures, mostly compiles, then run once), files with
-# slow tests first (tests/conftest.py); the 20 slowest tests are listed at the end.
+# slow tests first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order, where xdist would start
+# the files with the most tests first); the 20 slowest tests are listed at the end.
 test: setup
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=20 tests
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 tests
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -13,7 +13,7 @@ os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # Without a CUDA plugin, LLVM's passes over XLA's CPU code at -O0 (child processes inherit it: test_train_fixtures'
 # host_devices_env keeps it): the tests' programs are tiny, so compiling them is most of the suite's time, and -O0
 # takes about a third off it; the HLO the tests read (fusions, buffers, placements) is made before LLVM and is the
-# same, and without fast-math LLVM reorders no float arithmetic, so the numbers are too.
+# same, and without fast-math LLVM reassociates no float sums (the losses of test_remat's programs came out equal).
 # A run's compiled programs are shared by its workers and child processes through JAX's compilation cache in a
 # folder of this run (made by the first process, removed at its end): many tests compile the same tiny step (the
 # jaxft-train runs, a killed run and its resume, a variant and its base), and a hit costs no compile.
