@@ -1,5 +1,5 @@
 # `make demo` and `make test` each set up .venv first (scripts/setup.sh finds a Python >= 3.12).
-.PHONY: setup demo demo-vlm demo-moe test test-fast gpu-check
+.PHONY: setup demo demo-vlm demo-moe test gpu-check
 
 setup:
 	scripts/setup.sh
@@ -18,10 +18,12 @@ demo-moe:
 	scripts/setup.sh --demo
 	.venv/bin/jaxft-train examples/moe.yaml overwrite_output_dir=true
 
-# Two pytest-xdist workers, a test file at a time each (a file's module-scoped fixtures, mostly compiles, then run
-# once): on a 2-core machine like CI's this takes about half the time of one process.
+# The whole CPU suite (GPU tests are skipped here; scripts/gpu_check.sh runs them on the device): two pytest-xdist
+# workers, a test file at a time each (a file's module-scoped fixtures, mostly compiles, then run once), files with
+# slow tests first (tests/conftest.py orders them; --no-loadscope-reorder keeps that order, where xdist would start
+# the files with the most tests first); the 20 slowest tests are listed at the end.
 test: setup
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile tests
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20 tests
 
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -1,11 +1,29 @@
 """Shared test setup: CPU by default, `gpu`-marked tests only where a GPU is present."""
 
+import atexit
+import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 
 # Tests compare against fp32 torch: keep XLA's CPU matmuls at full precision.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# Without a CUDA plugin, LLVM's passes over XLA's CPU code at -O0 (child processes inherit it: test_train_fixtures'
+# host_devices_env keeps it): the tests' programs are tiny, so compiling them is most of the suite's time, and -O0
+# takes about a third off it; the HLO the tests read (fusions, buffers, placements) is made before LLVM and is the
+# same, and without fast-math LLVM reassociates no float sums (the losses of test_remat's programs came out equal).
+# A run's compiled programs are shared by its workers and child processes through JAX's compilation cache in a
+# folder of this run (made by the first process, removed at its end): many tests compile the same tiny step (the
+# jaxft-train runs, a killed run and its resume, a variant and its base), and a hit costs no compile.
+if not any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxft-tests-xla-cache-")
+        atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 
@@ -18,6 +36,12 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    """Files with a `slow` test first (each file's tests kept together and in order): `make test`'s workers take a
+    file at a time, so a long file started last would leave one worker running it alone."""
+    first_slow = {}
+    for i, item in enumerate(items):
+        first_slow.setdefault(item.path, [i, False])[1] |= "slow" in item.keywords
+    items.sort(key=lambda item: (not first_slow[item.path][1], first_slow[item.path][0]))
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu_check.sh runs these on the device)")

@@ -50,11 +50,12 @@ def _loss_and_grads(model, batch, **execution):
     return jax.jit(jax.value_and_grad(loss))(lora)
 
 
-@pytest.mark.parametrize("remat", ["full", "dots", "offload"])
-def test_remat_policies_give_the_same_gradients(remat):
+def test_a_remat_policy_gives_the_same_gradients():
+    """Through the model's own call (`token_loss_sum`); every way a policy reaches the program is
+    tests/test_remat.py's."""
     batch = _batch()
     want_loss, want = _loss_and_grads(_lora_model(), batch, remat="none")
-    got_loss, got = _loss_and_grads(_lora_model(), batch, remat=remat)
+    got_loss, got = _loss_and_grads(_lora_model(), batch, remat="offload")
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
     assert len(flat_got) == len(flat_want) == 14  # A and B of 7 targeted linears (stacked over layers)

@@ -37,7 +37,8 @@ def _free_port() -> int:
 
 def _env(devices: int, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXFT_")}
-    return dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu", **extra)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return dict(env, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", **extra)  # conftest's flags kept
 
 
 def _two_processes(*args: str) -> list[subprocess.Popen]:

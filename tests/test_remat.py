@@ -1,7 +1,8 @@
-"""Rematerialisation policies (jaxft.remat): parsing and its one-line errors, gradients of every policy equal to
-no remat in both layer loops (Llama and Gemma 2, packed rows), the named attention residuals that spare the
-kernel forward, and the host offload present per layer in both loops (jaxpr and the CUDA-lowered StableHLO:
-the CPU backend lowers no memory placement, so only the GPU test shows the compiled copies and their memory)."""
+"""Rematerialisation policies (jaxft.remat): parsing and its one-line errors, gradients equal to no remat's for
+each way a policy reaches the program, in both layer loops (Llama and Gemma 2, packed rows), the named attention
+residuals that spare the kernel forward, and the host offload present per layer in both loops (jaxpr and the
+CUDA-lowered StableHLO: the CPU backend lowers no memory placement, so only the GPU test shows the compiled copies and
+their memory)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ LLAMA = llama()
 GEMMA = ModelConfig(model_type="gemma2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=16, layer_windows=(24, None), attn_logit_softcap=5.0,
                     final_logit_softcap=8.0, query_pre_attn_scalar=16.0)
-POLICIES = ("full", "dots", "offload", "offload+attn", "offload_stream", "offload_all", "save=attn_out,mlp_gate_up;offload=layer_input")
 
 
 def packed_batch(vocab: int, b: int = 2, t: int = 64, seed: int = 0) -> dict[str, np.ndarray]:
@@ -137,8 +137,17 @@ def model_case(request):
     return cfg, split, {loop: grads(cfg, split, "none", loop) for loop in ("scan", "unroll")}
 
 
-@pytest.mark.parametrize("loop", ["scan", "unroll"])
-@pytest.mark.parametrize("remat", POLICIES)
+# One case per way a policy reaches the program, in each loop. On the CPU an offloading policy is a plain remat (the
+# placements are identities), so its gradients differ from another policy of the same way only by what XLA fuses:
+# whole-layer recompute (full), JAX's dots policy, named residuals saved and offloaded by jax.checkpoint (the
+# scan), and, unrolled, named residuals kept through jaxft.offload's custom VJP (offload+attn; offload_all: every
+# name). Plain offload in both loops is the explicit tests' below (the unrolled loop takes the explicit transfer).
+# Where the copies go and what they cost is checked on lowered programs here and on the GPU (test_remat_gpu.py).
+GRADIENT_CASES = [("scan", "full"), ("scan", "dots"), ("scan", "save=attn_out,mlp_gate_up;offload=layer_input"),
+                  ("unroll", "full"), ("unroll", "offload+attn"), ("unroll", "offload_all")]
+
+
+@pytest.mark.parametrize("loop, remat", GRADIENT_CASES)
 def test_every_policy_gives_the_gradients_of_no_remat(model_case, remat, loop):
     """fp32, packed rows of three documents. The recompute repeats the forward's operations on the same
     values, but XLA fuses a program with checkpoints (and the unrolled loop's CSE barriers) differently from the

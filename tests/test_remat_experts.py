@@ -78,11 +78,12 @@ def test_keeping_the_experts_residuals_recomputes_no_grouped_matmul(case):
     assert none < without_out < _wide_grouped_matmuls(cfg, split, "save=layer_input,mlp_input")
 
 
-@pytest.mark.parametrize("remat", [KEEP_EXPERTS, f"offload=layer_input,mlp_gate_up,{MOE_EXPERT_OUT}"])
-def test_keeping_the_experts_residuals_gives_the_gradients_of_no_remat(case, remat):
+def test_keeping_the_experts_residuals_gives_the_gradients_of_no_remat(case):
+    """Kept on the device; offloading the same names is the same program on the CPU (its placements are
+    identities there), so one policy serves."""
     cfg, split = case
     run = functools.partial(grads, cfg, split, loop="scan", grouped_matmul_implementation="xla")
-    assert_grads_match(*run(remat), *run("none"))
+    assert_grads_match(*run(KEEP_EXPERTS), *run("none"))
 
 
 def test_expert_outputs_are_counted_per_chosen_expert_and_offload_all_takes_them():

@@ -34,8 +34,9 @@ def model_case(request):
     return cfg, split, grads(cfg, split, "full", "scan")
 
 
-@pytest.mark.parametrize("remat", ["full", "offload"])
-@pytest.mark.parametrize("block", [2, 3])
+# Both nesting policies, each with its own block size (Llama's 5 layers: blocks 2+2+1 and 3+2, both with a partial last
+# block): the outer scan, the inner one and the last block are the same for either policy.
+@pytest.mark.parametrize("remat, block", [("full", 2), ("offload", 3)])
 def test_nested_blocks_give_the_gradients_of_one_checkpoint_per_layer(model_case, remat, block):
     """fp32, packed rows. The block's recompute repeats its layers' forward on the same values; XLA fuses the
     nested program differently, so a few fp32 sums may round in another order: 2e-6 of each gradient's largest

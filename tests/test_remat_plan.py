@@ -22,15 +22,20 @@ DATA = str(Path(__file__).resolve().parents[1] / "examples" / "data" / "train.js
 SELECTIVE = "save=attn_out;offload=layer_input"
 
 
+@pytest.fixture(scope="module")
+def no_remat():
+    cfg = llama(layers=4)
+    split = lora_split(cfg)
+    return cfg, split, grads(cfg, split, "none", "unroll")
+
+
 @pytest.mark.parametrize("plan, rest", [("full:1|offload_all:1|offload+attn:1", "none"),
                                         ([["offload", 2]], "full"),
                                         ({SELECTIVE: 1, "none": 1, "full": 1}, "offload_all")])
-def test_a_plan_gives_the_gradients_of_no_remat(plan, rest):
+def test_a_plan_gives_the_gradients_of_no_remat(no_remat, plan, rest):
     """fp32, 4 layers, packed rows of three documents: to 2e-6 of each gradient's largest entry (the bound of
     tests/test_remat.py: checkpointed layers fuse differently, so a few fp32 sums round in another order)."""
-    cfg = llama(layers=4)
-    split = lora_split(cfg)
-    loss0, g0 = grads(cfg, split, "none", "unroll")
+    cfg, split, (loss0, g0) = no_remat
     assert_grads_match(*grads(cfg, split, rest, "unroll", remat_plan=plan), loss0, g0)
 
 

@@ -67,7 +67,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def host_devices_env(devices: int) -> dict:
     """The environment of a subprocess whose JAX sees `devices` CPU devices (XLA fixes the count at start-up)."""
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")  # conftest's flags kept
 
 
 def run_cli_on_host_devices(values: dict, yaml_path: Path, devices: int, timeout: int = 300,
@@ -83,6 +84,7 @@ def run_cli_on_host_devices(values: dict, yaml_path: Path, devices: int, timeout
     env = host_devices_env(devices)
     if dump_hlo is not None:
         env["XLA_FLAGS"] += f" --xla_dump_to={dump_hlo} --xla_dump_hlo_as_text"
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a program read from the run's cache (conftest) is not dumped
     res = subprocess.run([sys.executable, "-m", "jaxft.cli", str(yaml_path)], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]

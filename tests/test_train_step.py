@@ -185,7 +185,7 @@ def test_device_out_of_memory_becomes_a_one_line_config_error(tmp_path):
     assert _out_of_memory(other, cfg) is other  # not an OOM: re-raised unchanged
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "offload"])
+@pytest.mark.parametrize("remat", ["none", "offload"])
 def test_unrolled_layers_match_the_layer_scan(remat):
     """unstack_layers (per-layer weight buffers, layers unrolled) is the same math as the scan over stacked
     weights: same loss, same LoRA gradients, with and without remat; restack_layers inverts it exactly. The
