@@ -174,24 +174,28 @@ def _key(path: tuple) -> tuple[str, ...]:
     return tuple(str(p) for p in path)
 
 
+def layout(mixed: dict[tuple, np.ndarray], row: int) -> tuple[bool, ...]:
+    """Which of a stack's mixed linear variables (`mixed_rows`) stack row `row` reads: layers of one layout run
+    as one scan."""
+    return tuple(bool(own[row] >= 0) for own in mixed.values())
+
+
 def _uniform_runs(group: LayerGroup, mixed: dict[tuple, np.ndarray]) -> list[LayerGroup]:
     """`group` cut into runs of layers whose mixed linears (`mixed_rows`) have the same format in each: a scan
     body holds one format per linear."""
     if not mixed:
         return [group]
-    owns = list(mixed.values())
     first, out, start = group.first_row, [], group.start
-    layout = [tuple(own[first + k] >= 0 for own in owns) for k in range(group.end - group.start)]
-    for _, run in itertools.groupby(layout):
+    for _, run in itertools.groupby(layout(mixed, first + k) for k in range(group.end - group.start)):
         n = len(list(run))
         out.append(dataclasses.replace(group, start=start, end=start + n, row=first + start - group.start))
         start += n
     return out
 
 
-def _run_state(state: nnx.State, first: int, n: int, mixed: dict[tuple, np.ndarray]) -> nnx.State:
-    """Stack rows [first, first + n) of a run of one layout (`_uniform_runs`): a mixed linear's variables give
-    their own rows of it, or None (the format the run does not use)."""
+def run_rows(state: nnx.State, first: int, n: int, mixed: dict[tuple, np.ndarray]) -> nnx.State:
+    """Stack rows [first, first + n) of a run of one layout (`_uniform_runs`, `layout`): a mixed linear's
+    variables give their own rows of it, or None (the format the run does not use)."""
     def rows(p, v):
         own = mixed.get(_key(p))
         if own is None:
@@ -366,7 +370,7 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
             continue
         layer_fn = fn_for(group)
         if mixed[group.stack]:
-            state, first = _run_state(state, first, n, mixed[group.stack]), 0
+            state, first = run_rows(state, first, n, mixed[group.stack]), 0
         whole = first == 0 and all(leaf.shape[0] == n for leaf in jax.tree.leaves(state))
         run_state, packed = _scanned(state, lambda leaf: HostRows(leaf, first),
                                      lambda leaf: leaf if whole else leaf[first:first + n])
