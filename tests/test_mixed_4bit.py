@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("bitsandbytes")
 import bitsandbytes as bnb  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import peft  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -29,8 +30,10 @@ from flax import nnx  # noqa: E402
 
 import jaxft  # noqa: E402
 from jaxft.generation.engine import generate_ids  # noqa: E402
+from jaxft.models.decoder import model_class  # noqa: E402
 from jaxft.models.stack import streamed_weight  # noqa: E402
 from jaxft.quant import QuantConfig  # noqa: E402
+from jaxft.quant.weights import abstract_quantize  # noqa: E402
 from jaxft.train import TrainConfig, read_metrics, split_model, train, unstack_layers  # noqa: E402
 from bnb_helpers import cpu_4bit_logit_tol  # noqa: E402
 from lora_helpers import jax_logits, perturb_lora_b, rel_err, torch_logits  # noqa: E402
@@ -128,15 +131,30 @@ def test_mixed_checkpoint_loads_its_bytes_and_logits_in_both_loops(model, mixed_
     for row, layer in enumerate((1, 2)):
         assert np.array_equal(np.asarray(down.kernel[...][row]).T, files[f"model.layers.{layer}.mlp.down_proj.weight"])
     assert np.array_equal(np.asarray(q.kernel[...][0]).T, files["model.layers.3.self_attn.q_proj.weight"])
-    ref = torch_logits(oracle, ids)
-    assert rel_err(jax_logits(model, ids), ref) < TOL  # the layer scan: runs of one layout
+    ref, got = torch_logits(oracle, ids), jax_logits(model, ids)
+    assert rel_err(got, ref) < TOL  # the layer scan: runs of one layout
     unrolled = jaxft.apply_lora(jaxft.from_pretrained(mixed_dir, dtype="float32"), jaxft.LoraConfig(r=4, alpha=8))
     graphdef, lora, frozen = split_model(unrolled)
     assert rel_err(jax_logits(nnx.merge(graphdef, lora, unstack_layers(frozen)), ids), ref) < TOL
     # ... and the checkpoint as transformers runs it, 4-bit matmuls and all (bitsandbytes' CPU kernel's tolerance)
-    assert rel_err(jax_logits(model, ids), torch_logits(_hf_load(mixed_dir), ids)) < cpu_4bit_logit_tol(1e-5)
+    assert rel_err(got, torch_logits(_hf_load(mixed_dir), ids)) < cpu_4bit_logit_tol(1e-5)
     with pytest.raises(ValueError, match="already bitsandbytes 4-bit"):
         jaxft.from_pretrained(mixed_dir, dtype="float32", quantize="nf4")
+
+
+def test_the_abstract_model_has_the_loaded_shapes(model, mixed_dir):
+    """What `jaxft.run.Run` compiles before the weights are read (`abstract_quantize`) is the loaded layout."""
+    def build():
+        fresh = model_class(model.config)(model.config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        abstract_quantize(fresh, mixed_dir, None)
+        return fresh
+
+    def shapes(m):
+        return {p: (type(v).__name__, v.shape, v.dtype) for p, v in nnx.to_flat_state(nnx.state(m))}
+
+    abstract = nnx.eval_shape(build)
+    assert shapes(abstract) == shapes(model)
+    assert abstract.layers.mlp.down_proj.quant_rows == model.layers.mlp.down_proj.quant_rows
 
 
 def test_save_quantized_writes_the_same_layout(model, mixed_dir, tmp_path):
@@ -151,25 +169,30 @@ def test_save_quantized_writes_the_same_layout(model, mixed_dir, tmp_path):
     assert isinstance(hf.model.layers[3].mlp.down_proj, bnb.nn.Linear4bit)
 
 
-def test_peft_adapter_loads_onto_the_mixed_checkpoint(model, mixed_dir, ids, tmp_path):
+def test_peft_adapter_loads_onto_the_mixed_checkpoint(mixed_dir, oracle, ids, tmp_path):
     tuned = jaxft.apply_lora(jaxft.from_pretrained(mixed_dir, dtype="float32"), jaxft.LoraConfig(r=4, alpha=8))
     perturb_lora_b(tuned)
     jaxft.save_adapter(tuned, tmp_path / "adapter")
     hf = peft.PeftModel.from_pretrained(_dequantized(_hf_load(mixed_dir)), tmp_path / "adapter").eval()
     ours, ref = jax_logits(tuned, ids), torch_logits(hf, ids)
-    assert rel_err(ours, jax_logits(model, ids)) > 1e-2  # the adapter changes the logits
+    assert rel_err(ours, torch_logits(oracle, ids)) > 1e-2  # the adapter changes the logits
     assert rel_err(ours, ref) < TOL
+    # The merged export is dense: every layer dequantised or as stored, plus its adapter.
+    jaxft.save_pretrained(tuned, tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32,
+                                                               attn_implementation="eager").eval()
+    assert rel_err(torch_logits(merged, ids), ours) < TOL
 
 
 def test_qlora_trains_on_the_mixed_checkpoint_and_resumes(mixed_dir, tmp_path):
     data = make_jsonl(tmp_path / "data.jsonl", 16)
     config = dict(model_name_or_path=str(mixed_dir), dataset=str(data), output_dir=str(tmp_path / "run"), bf16=False,
-                  max_seq_length=64, per_device_train_batch_size=2, max_steps=2, save_steps=2, logging_steps=1,
+                  max_seq_length=32, per_device_train_batch_size=2, max_steps=1, save_steps=1, logging_steps=1,
                   report_to="none", disable_tqdm=True, lora_r=4, lora_alpha=8, seed=0)
     first = train(TrainConfig(**config))
-    again = train(TrainConfig(**{**config, "max_steps": 3, "resume_from_checkpoint": True}))
+    again = train(TrainConfig(**{**config, "max_steps": 2, "resume_from_checkpoint": True}))
     rows = [r for r in read_metrics(again.metrics_path) if "loss" in r]
-    assert [r["step"] for r in rows][-1] == 3 and all(np.isfinite(r["loss"]) for r in rows)
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
     assert first.metrics_path == again.metrics_path
     tuned = jaxft.load_adapter(jaxft.from_pretrained(mixed_dir, dtype="float32"), tmp_path / "run" / "adapter")
     assert np.abs(np.asarray(tuned.layers.mlp.down_proj.lora_b[...])).max() > 0  # trained
