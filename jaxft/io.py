@@ -40,7 +40,7 @@ def _checkpoint_table(family, path: Path):
     (unindexed) tensor names; ties go to the family's table, and the load reports what does not match."""
     if not family.layouts:
         return family.table
-    from bridge.safetensors_io import PendingTensor, read_header
+    from bridge.safetensors_io import read_header
 
     names = {n for f in bridge.checkpoint_files(path) for n in read_header(f)[0]}
     tables = (family.table, *family.layouts)
@@ -311,16 +311,19 @@ def _quantize_sites(model, sites, arrays, qcfg, quants, dtype_name, verbose) -> 
         lin = site.linear(model)
         each = qw.layer_saving(lin.out_features, lin.in_features, qcfg, model.dtype)
         cost += each * sum(1 for i in dense if errors[i] is not None)
-        named = [site.layers[i] for i in dense if errors[i] is None]
+        named = [i for i in dense if errors[i] is None]
         over = [i for i in dense if errors[i] is not None]
-        every = "" if len(dense) == len(four) or not site.stacked else " in layers "
+
+        def which(rows):  # the module, or the layers of it
+            every = len(rows) == len(names) or not site.stacked
+            return site.template + ("" if every else f" in layers {[site.layers[i] for i in rows]}")
+
         if named:
-            lines.append(f"  {site.template}{every and every + str(named)}: by name (skip_modules)")
+            lines.append(f"  {which(named)}: by name (skip_modules)")
         if over:
             worst = max(errors[i] for i in over)
-            lines.append(f"  {site.template}{every and every + str([site.layers[i] for i in over])}: relative "
-                         f"error {worst:.4f} > max_rel_error {qcfg.max_rel_error} "
-                         f"({each * len(over) / 2**20:.2f} MiB more than 4-bit)")
+            lines.append(f"  {which(over)}: relative error {worst:.4f} > max_rel_error {qcfg.max_rel_error} "
+                         f"({each * len(over) / 2**20:.2f} MiB more than in 4 bits)")
         if quant is None:
             continue
         if dense:
@@ -333,7 +336,7 @@ def _quantize_sites(model, sites, arrays, qcfg, quants, dtype_name, verbose) -> 
         print(f"jaxft: {len(quants)} linear module(s) in 4-bit {qcfg.quant_type} "
               f"({'double-quantised absmax, ' if qcfg.double_quant else ''}blocks of {qcfg.blocksize}), "
               f"{saved / 2**20:.1f} MiB saved over {model.dtype}"
-              + (f" ({cost / 2**20:.2f} MiB more kept dense over max_rel_error)" if cost else "")
+              + (f", less {cost / 2**20:.2f} MiB for the layers kept dense over max_rel_error" if cost else "")
               + f"; kept in {model.dtype}:" + ("\n" + "\n".join(lines) if lines else " none"))
     return kept
 

@@ -12,6 +12,11 @@ are per-layer buffers (`jaxft.train.unstack_layers`), as unrolled calls. Gemma 2
 every layer (L groups of 1); Gemma 3 runs five sliding layers per global one. Over stacked weights such a
 periodic stack is one scan whose body is one period (`layer_period`).
 
+A linear 4-bit in some layers and dense in others (`Linear.quant_rows`: a bitsandbytes checkpoint whose
+`llm_int8_skip_modules` names single layers' modules) holds each format's rows apart, so a scan body, which has
+one format per linear, runs over runs of layers of one layout (`mixed_rows`, `_uniform_runs`; no periodic scan
+then), and an unrolled layer reads its own row of whichever format it has (`layer_slice`).
+
 Rematerialisation policies (`ExecutionConfig.remat`, `jaxft.remat`) are applied per layer here, the same way
 in both loops: each layer is one `jax.checkpoint` whose policy sees the named residuals (layer input here,
 the others in the block and the attention ops).
