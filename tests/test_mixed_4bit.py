@@ -33,7 +33,7 @@ from jaxft.generation.engine import generate_ids  # noqa: E402
 from jaxft.models.decoder import model_class  # noqa: E402
 from jaxft.models.stack import streamed_weight  # noqa: E402
 from jaxft.quant import QuantConfig  # noqa: E402
-from jaxft.quant.weights import abstract_quantize  # noqa: E402
+from jaxft.quant.weights import abstract_quantize, layer_saving, saved_bytes  # noqa: E402
 from jaxft.train import TrainConfig, read_metrics, split_model, train, unstack_layers  # noqa: E402
 from bnb_helpers import cpu_4bit_logit_tol  # noqa: E402
 from lora_helpers import jax_logits, perturb_lora_b, rel_err, torch_logits  # noqa: E402
@@ -189,8 +189,10 @@ def test_qlora_trains_on_the_mixed_checkpoint_and_resumes(mixed_dir, tmp_path):
     config = dict(model_name_or_path=str(mixed_dir), dataset=str(data), output_dir=str(tmp_path / "run"), bf16=False,
                   max_seq_length=32, per_device_train_batch_size=2, max_steps=1, save_steps=1, logging_steps=1,
                   report_to="none", disable_tqdm=True, lora_r=4, lora_alpha=8, seed=0)
-    first = train(TrainConfig(**config))
-    again = train(TrainConfig(**{**config, "max_steps": 2, "resume_from_checkpoint": True}))
+    first = train(TrainConfig(**config))  # remat auto: none, so the layers run unrolled
+    # ... resumed in the layer scan (runs of one layout), every layer checkpointed
+    again = train(TrainConfig(**{**config, "max_steps": 2, "resume_from_checkpoint": True, "layer_loop": "scan",
+                                 "remat": "full"}))
     rows = [r for r in read_metrics(again.metrics_path) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
     assert first.metrics_path == again.metrics_path
@@ -235,6 +237,9 @@ def test_dynamic_quantiser_decides_per_layer_and_module(base, ids, tmp_path, cap
     assert ours.layers.attn.v_proj.quant_rows == (True, True, False, True)
     assert ours.layers.mlp.down_proj.quant_rows == (False, True, True, True)
     assert ours.layers.attn.q_proj.quant_rows is None and ours.layers.attn.q_proj.kernel is None
+    # What the report counts per layer kept dense is what a layer saves in 4 bits.
+    q = ours.layers.attn.q_proj.quant
+    assert 4 * layer_saving(64, 64, cfg, jnp.float32) == saved_bytes(q, jnp.float32) > 0
     assert sorted(ours.quant_skipped) == ["lm_head", "model.layers.0.mlp.down_proj", bad]
     jaxft.save_pretrained(ours, tmp_path / "q", quantized=True)
     assert _skip_list(tmp_path / "q") == ["lm_head", "model.layers.0.mlp.down_proj", bad]
