@@ -33,6 +33,7 @@ from jaxft.generation.engine import generate_ids  # noqa: E402
 from jaxft.models.decoder import model_class  # noqa: E402
 from jaxft.models.stack import streamed_weight  # noqa: E402
 from jaxft.quant import QuantConfig  # noqa: E402
+from jaxft.streamed import pack  # noqa: E402
 from jaxft.quant.weights import abstract_quantize, layer_saving, saved_bytes  # noqa: E402
 from jaxft.train import TrainConfig, read_metrics, split_model, train, unstack_layers  # noqa: E402
 from bnb_helpers import cpu_4bit_logit_tol  # noqa: E402
@@ -200,9 +201,10 @@ def test_qlora_trains_on_the_mixed_checkpoint_and_resumes(mixed_dir, tmp_path):
     assert np.abs(np.asarray(tuned.layers.mlp.down_proj.lora_b[...])).max() > 0  # trained
 
 
-def test_frozen_weights_on_the_host_are_refused_in_one_line(model, ids):
+def test_frozen_weights_on_the_host_are_refused_in_one_line(mixed_dir, ids):
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    graphdef, lora, frozen = split_model(jaxft.apply_lora(model, jaxft.LoraConfig(r=4, alpha=8)))
+    tuned = jaxft.apply_lora(jaxft.from_pretrained(mixed_dir, dtype="float32"), jaxft.LoraConfig(r=4, alpha=8))
+    graphdef, lora, frozen = split_model(tuned)
     frozen = nnx.from_flat_state([(p, v.replace(jax.device_put(v.get_value(), host)) if streamed_weight(p, v) else v)
                                   for p, v in nnx.to_flat_state(frozen)])
     with pytest.raises(ValueError, match="mixes 4-bit and dense layers: use frozen_weights: device"):
@@ -258,3 +260,12 @@ def test_greedy_generation_matches_the_oracle(model, oracle):
         for _ in range(6):
             ids.append(int(torch_logits(oracle, [ids])[0, -1].argmax()))
         assert row == ids[len(prompt):]
+
+
+def test_packed_host_weights_are_refused_in_one_line(mixed_dir):
+    """`frozen_weights: host` packs one row per layer per stack (`jaxft.streamed.pack`, what `jaxft.run.Run`
+    places): a mixed module's rows are refused there, naming the key to change."""
+    tuned = jaxft.apply_lora(jaxft.from_pretrained(mixed_dir, dtype="float32"), jaxft.LoraConfig(r=4, alpha=8))
+    graphdef, lora, frozen = split_model(tuned)
+    with pytest.raises(ValueError, match=r"layers\.attn\.q_proj\.\S+ holds [13] of 4 .*set frozen_weights: device"):
+        pack(nnx.eval_shape(lambda: frozen))
