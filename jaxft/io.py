@@ -19,7 +19,7 @@ from flax import nnx
 
 import bridge
 from bridge import bnb4bit, fp8, gguf, mxfp4
-from bridge.safetensors_io import read_header
+from bridge.safetensors_io import PendingTensor, read_header
 from jaxft.config import ModelConfig
 from jaxft.data.formatting import load_tokenizer
 from jaxft.families import family_for
@@ -155,7 +155,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
                              "without mesh= (one device), or without quantisation")
         return _with_generation_config(_sharded(model, path, cfg, expected, dtype, mesh, table), path)
     sites = qw.linear_sites(model)
-    quants: dict = {}
+    quants: dict = {}  # site -> (Quant4bit, True per layer in 4 bits)
+    mixed: dict = {}  # site -> the shape of its dense rows (a module 4-bit in some layers only)
     ignore: set[str] = set()
     if stored is not None:
         records = bnb4bit.read_quantized(path, bridge.checkpoint_files(path))
@@ -170,14 +171,16 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
             present = [n for n in names if n in records]
             if not present:
                 continue
-            if len(present) != len(names):
-                raise bridge.CheckpointError(
-                    f"{path}: {site.template} is 4-bit in {len(present)} of {len(names)} layers (e.g. {present[0]}); "
-                    "jaxft stores a module in one format for all layers: re-quantise with the whole module in or "
-                    "out of llm_int8_skip_modules")
-            quants[site] = qw.site_from_records([records[n] for n in names], site.stacked, f"{path}: {names[0]}")
-            ignore.update(t for n in names for t in bnb4bit.tensor_names(n, records[n]))
-            del expected[(*site.path, "kernel")]
+            # A module 4-bit in some layers only (a per-layer llm_int8_skip_modules): its dense rows are read
+            # apart (`_dense_rows`), the rest of the load expects no kernel for it.
+            four = tuple(n in records for n in names)
+            quants[site] = (qw.site_from_records([records[n] for n in present], site.stacked, f"{path}: {present[0]}"),
+                            four)
+            ignore.update(t for n in present for t in bnb4bit.tensor_names(n, records[n]))
+            kernel = expected.pop((*site.path, "kernel"))
+            if not all(four):
+                mixed[site] = jax.ShapeDtypeStruct((four.count(False), *kernel.shape[1:]), kernel.dtype)
+                ignore.update(n + ".weight" for n, f in zip(names, four) if not f)
         quant_config = qw.QuantConfig.from_hf(stored)
     if mx_shapes:
         ignore.update(n for row in rows for n in mxfp4.tensor_names(row, cfg.num_layers))
@@ -186,6 +189,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     arrays = bridge.load_weights(path, table, expected, cfg.num_layers, dtype,
                                  num_experts=cfg.num_experts or None, ignore=ignore, layer_map=layer_stacks(cfg),
                                  num_vision_blocks=_vision_blocks(cfg))
+    for site, shape in mixed.items():
+        arrays[(*site.path, "kernel")] = _dense_rows(path, table, cfg, dtype, site, quants[site][1], shape)
     if mx_shapes:
         arrays.update(mxfp4.load_rows(path, bridge.checkpoint_files(path), rows, mx_shapes, cfg.num_layers, dtype))
     if fp8_shapes:
@@ -196,13 +201,26 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         skipped = qf.quantize_linears_fp8(model, arrays, quant_config, verbose)
     elif stored is None and quant_config is not None:
         skipped = _quantize_sites(model, sites, arrays, quant_config, quants, str(dtype), verbose)
-    elif stored is not None:
-        skipped = [s.template for s in sites if s not in quants]
-    for site, quant in quants.items():
-        qw.install(site.linear(model), quant)
+    elif stored is not None:  # the HF names of the dense linears, layer by layer
+        skipped = [n for s in sites if s not in quants for n in s.names()]
+        skipped += [n for s, (_, four) in quants.items() for n, f in zip(s.names(), four) if not f]
+    for site, (quant, four) in quants.items():
+        qw.install(site.linear(model), quant, four)
     if stored is None and quant_config is not None and not to_fp8:
         _quantize_experts(model, arrays, quant_config, str(dtype), verbose)
     return _filled(model, arrays, quant_config, skipped, path)
+
+
+def _dense_rows(path: Path, table, cfg: ModelConfig, dtype, site, four: tuple[bool, ...],
+                shape: jax.ShapeDtypeStruct) -> np.ndarray:
+    """The dense layers' rows [n, in, out] of a module 4-bit in its other layers (True in `four`): a load of that
+    one kernel, the stack mapped to those layers alone, every other tensor of the checkpoint ignored."""
+    key = (*site.path, "kernel")
+    layers = tuple(layer for layer, f in zip(site.layers, four) if not f)
+    wanted = {n + ".weight" for n, f in zip(site.names(), four) if not f}
+    others = {n for f in bridge.checkpoint_files(path) for n in read_header(f)[0]} - wanted
+    return bridge.load_weights(path, table, {key: shape}, cfg.num_layers, dtype, ignore=others,
+                               layer_map={site.path[0]: layers})[key]
 
 
 def _filled(model: Decoder, arrays: dict, quant_config, skipped, path: Path) -> Decoder:
@@ -265,36 +283,58 @@ def _from_gguf(path: Path, hf: dict, cfg: ModelConfig, dtype, quant_config, verb
         sites = qw.linear_sites(model)
         quants: dict = {}
         skipped = _quantize_sites(model, sites, arrays, quant_config, quants, str(dtype), verbose)
-        for site, quant in quants.items():
-            qw.install(site.linear(model), quant)
+        for site, (quant, four) in quants.items():
+            qw.install(site.linear(model), quant, four)
     return _filled(model, arrays, quant_config, skipped, path)
 
 
 def _quantize_sites(model, sites, arrays, qcfg, quants, dtype_name, verbose) -> list[str]:
-    """Quantises every site not skipped by name or by error (into `quants`, popping its host kernel); returns
-    the HF names of the linears kept in the model dtype."""
-    kept, lines, saved = [], [], 0
+    """Quantises every site (into `quants` as (Quant4bit, True per layer in 4 bits)), layer by layer: a layer
+    stays in the model dtype when its HF name is skipped or its error exceeds `max_rel_error`, so a module may be
+    4-bit in some layers only (its host kernel keeps those rows; popped when none). Returns the HF names of the
+    linears kept in the model dtype, layer by layer; `verbose` prints each with why and what it costs."""
+    kept, lines, saved, cost = [], [], 0, 0
     for site in sites:
         names = site.names()
-        hit = [n for n in names if qw.is_skipped(n, qcfg.skip_modules)]
-        if hit:
-            kept.extend(hit if len(hit) == len(names) else names)
+        by_name = [qw.is_skipped(n, qcfg.skip_modules) for n in names]
+        key = (*site.path, "kernel")
+        if all(by_name):
+            kept.extend(names)
             lines.append(f"  {site.template}: by name (skip_modules)")
             continue
-        key = (*site.path, "kernel")
-        quant, err = qw.quantize_site(arrays[key], site.stacked, qcfg, dtype_name)
+        quant, four, errors = qw.quantize_site(arrays[key], site.stacked, qcfg, dtype_name, by_name)
+        dense = [i for i, f in enumerate(four) if not f]
+        kept.extend(names[i] for i in dense)
+        lin = site.linear(model)
+        each = qw.layer_saving(lin.out_features, lin.in_features, qcfg, model.dtype)
+        cost += each * sum(1 for i in dense if errors[i] is not None)
+        named = [i for i in dense if errors[i] is None]
+        over = [i for i in dense if errors[i] is not None]
+
+        def which(rows):  # the module, or the layers of it
+            every = len(rows) == len(names) or not site.stacked
+            return site.template + ("" if every else f" in layers {[site.layers[i] for i in rows]}")
+
+        if named:
+            lines.append(f"  {which(named)}: by name (skip_modules)")
+        if over:
+            worst = max(errors[i] for i in over)
+            lines.append(f"  {which(over)}: relative error {worst:.4f} > max_rel_error {qcfg.max_rel_error} "
+                         f"({each * len(over) / 2**20:.2f} MiB more than in 4 bits)")
         if quant is None:
-            kept.extend(names)
-            lines.append(f"  {site.template}: relative error {err:.4f} > max_rel_error {qcfg.max_rel_error}")
             continue
-        del arrays[key]
-        quants[site] = quant
+        if dense:
+            arrays[key] = arrays[key][np.asarray(dense)]  # the dense rows alone
+        else:
+            del arrays[key]
+        quants[site] = (quant, four)
         saved += qw.saved_bytes(quant, model.dtype)
     if verbose:
         print(f"jaxft: {len(quants)} linear module(s) in 4-bit {qcfg.quant_type} "
               f"({'double-quantised absmax, ' if qcfg.double_quant else ''}blocks of {qcfg.blocksize}), "
-              f"{saved / 2**20:.1f} MiB saved over {model.dtype}; kept in {model.dtype}:"
-              + ("\n" + "\n".join(lines) if lines else " none"))
+              f"{saved / 2**20:.1f} MiB saved over {model.dtype}"
+              + (f", less {cost / 2**20:.2f} MiB for the layers kept dense over max_rel_error" if cost else "")
+              + f"; kept in {model.dtype}:" + ("\n" + "\n".join(lines) if lines else " none"))
     return kept
 
 
@@ -376,13 +416,22 @@ def save_pretrained(model: Decoder, path: str | os.PathLike, *, dtype: str | Non
             raise ValueError("save_pretrained(quantized=True): the model has LoRA adapters, which a 4-bit base "
                              "cannot absorb without re-quantising; save them with jaxft.save_adapter, or export a "
                              "merged dense model with quantized=False")
+        params = {k: v.astype(out_dtype) for k, v in model_params(model, merge_lora=False, dequantize=False).items()}
         for site in qw.linear_sites(model):
             lin = site.linear(model)
-            if lin.quant is not None:
-                for name, record in zip(site.names(), qw.records_of(lin.quant, site.stacked)):
-                    extra.extend(bnb4bit.tensors_of(name, record))
+            if lin.quant is None:
+                continue
+            four = qw.four_bit_rows(lin, len(site.names()))
+            names = [n for n, f in zip(site.names(), four) if f]
+            for name, record in zip(names, qw.records_of(lin.quant, site.stacked)):
+                extra.extend(bnb4bit.tensors_of(name, record))
+            if lin.quant_rows is not None:  # a mixed module: its dense rows under their layers' names
+                dense = {(*site.path, "kernel"): params.pop((*site.path, "kernel"))}
+                layers = tuple(layer for layer, f in zip(site.layers, four) if not f)
+                for name, value in bridge.hf_tensors(table, dense, cfg.num_layers, layer_map={site.path[0]: layers}):
+                    value = np.ascontiguousarray(value)
+                    extra.append(PendingTensor(name, tuple(value.shape), value.dtype, lambda v=value: v))
         hf["quantization_config"] = qcfg.to_hf(str(model.dtype), model.quant_skipped)
-        params = {k: v.astype(out_dtype) for k, v in model_params(model, merge_lora=False, dequantize=False).items()}
     else:
         hf.pop("quantization_config", None)  # from a 4-bit source's config.json: the export is dense
         params = {k: v.astype(out_dtype) for k, v in model_params(model).items()}

@@ -59,6 +59,10 @@ def pack(frozen: nnx.State, sharding: jax.sharding.Sharding | None = None, *, de
             host = np.empty((layers, totals[key]), dtype=np.dtype(entries[0][1].dtype))
         offset = 0
         for path, value in entries:
+            if value.shape[0] != layers:  # a linear 4-bit in some layers only holds each format's rows apart
+                raise ValueError(f"frozen_weights: host streams one row per layer, but {'.'.join(map(str, path))} "
+                                 f"holds {value.shape[0]} of {layers} (a module 4-bit in some layers only); set "
+                                 "frozen_weights: device")
             size = math.prod(value.shape[1:])
             if not abstract:
                 host[:, offset:offset + size] = np.asarray(value).reshape(layers, size)

@@ -187,15 +187,6 @@ def test_qlora_adapter_loads_onto_bitsandbytes_model_in_peft(bnb_dir, ids, tmp_p
     assert rel_err(_logits(model, ids), _torch_logits(hf, ids)) < HF_4BIT_TOL
 
 
-def test_layer_mixed_checkpoint_is_one_line_error(base, tmp_path):
-    path = tmp_path / "mixed"
-    _hf_4bit(base, skip=["lm_head", "model.layers.1.mlp.down_proj"]).save_pretrained(path)
-    with pytest.raises(ValueError, match=r"mlp\.down_proj is 4-bit in 1 of 2 layers"):
-        jaxft.from_pretrained(path, dtype="float32")
-    with pytest.raises(ValueError, match="already bitsandbytes 4-bit"):
-        jaxft.from_pretrained(path, dtype="float32", quantize="nf4")
-
-
 def _bnb_rel_error(weight: torch.Tensor) -> float:
     import bitsandbytes.functional as F
     q, state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxft.models.decoder import Decoder, is_unstacked, layer_slice
-from jaxft.models.stack import layer_stacks
+from jaxft.models.stack import layer_stacks, layout, mixed_rows, run_rows
 from jaxft.models.rope import mrope_tables, rope_tables
 from kernels_pallas.attention.reference import MASK_VALUE
 
@@ -119,6 +119,8 @@ def forward(model: Decoder, input_ids: jax.Array | None, positions: jax.Array, c
     # sparse layers are mixed); the cache is indexed by the layer itself.
     split = {name: nnx.split(module) for name, module in model.layer_stacks().items()}
     where = {i: (name, r) for name, layers in layer_stacks(cfg).items() for r, i in enumerate(layers)}
+    # Linears 4-bit in some layers only (`jaxft.models.stack.mixed_rows`): each layer reads its own format's row.
+    mixed = {name: mixed_rows(module) for name, module in model.layer_stacks().items()}
 
     def layer_ctx(index, window, rope):
         return dict(cos=cos_all[rope], sin=sin_all[rope],
@@ -130,7 +132,7 @@ def forward(model: Decoder, input_ids: jax.Array | None, positions: jax.Array, c
         for i, window in enumerate(cfg.layer_windows):
             name, r = where[i]
             graphdef, state = split[name]
-            layer = nnx.merge(graphdef, layer_slice(state, r))
+            layer = nnx.merge(graphdef, layer_slice(state, r, mixed[name]))
             x, (k_all[i], v_all[i]) = layer.cached(x, layer_ctx(None, window or NO_WINDOW, ropes[i]),
                                                    (k_all[i], v_all[i]))
         return model.final_norm(x), {"k": tuple(k_all), "v": tuple(v_all)}
@@ -139,12 +141,19 @@ def forward(model: Decoder, input_ids: jax.Array | None, positions: jax.Array, c
     ropes = jnp.asarray(ropes, jnp.int32)
     carry = (x, cache["k"], cache["v"])
     start = 0
-    # One scan per run of consecutive layers in the same stack (windows and RoPE kinds are scanned as data).
-    for name, run in itertools.groupby(range(cfg.num_layers), key=lambda i: where[i][0]):
+    # One scan per run of consecutive layers in the same stack and layout (windows and RoPE kinds are scanned as
+    # data).
+    def run_key(i):
+        name, r = where[i]
+        return name, layout(mixed[name], r)
+
+    for (name, _), run in itertools.groupby(range(cfg.num_layers), key=run_key):
         n = len(list(run))
         graphdef, state = split[name]
         first = where[start][1]
-        if (first, n) != (0, _rows(state)):
+        if mixed[name]:
+            state = run_rows(state, first, n, mixed[name])
+        elif (first, n) != (0, _rows(state)):
             state = jax.tree.map(lambda leaf: leaf[first:first + n], state)
 
         def body(carry, xs, graphdef=graphdef):

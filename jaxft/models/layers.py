@@ -277,6 +277,11 @@ class Linear(nnx.Module):
         self.lora_dropout: float = 0.0
         # set (and `kernel` dropped) by jaxft.quant: a frozen 4-bit or FP8 weight
         self.quant: Quant4bit | QuantFp8 | None = None
+        # A stacked linear 4-bit in some layers and dense in others (bitsandbytes' per-layer
+        # llm_int8_skip_modules): True per stack row stored in 4 bits; `kernel` then holds the dense rows
+        # alone and `quant` the 4-bit rows, each in stack order. The layer loops hand each layer one of the two
+        # (the other's value None: `jaxft.models.stack`).
+        self.quant_rows: tuple[bool, ...] | None = None
 
     @property
     def has_lora(self) -> bool:
@@ -284,7 +289,7 @@ class Linear(nnx.Module):
 
     def base(self, x: jax.Array) -> jax.Array:
         """x @ W (+ b): the frozen part."""
-        if self.quant is not None:
+        if self.quantized_here:
             y = self.quant.matmul(x)
         else:
             y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(x.dtype))
@@ -292,8 +297,23 @@ class Linear(nnx.Module):
             y = y + self.bias[...].astype(y.dtype)
         return y
 
+    @property
+    def quantized_here(self) -> bool:
+        """Whether the weight this module holds is `quant`'s: a mixed linear's layer (see `quant_rows`) holds
+        either its dense row (quant's values None) or its 4-bit row (the kernel's value None)."""
+        if self.quant is None:
+            return False
+        return self.quant_rows is None or self.kernel.get_value() is None
+
     def frozen_kernel(self, dtype=None) -> jax.Array:
         """W [*stack, in, out]: the kernel, or the 4-bit / FP8 weight dequantised (every layer) in `dtype`."""
+        if self.quant_rows is not None:  # dense and 4-bit rows back in stack order
+            dense, rows, d, q = self.kernel[...], [], 0, 0
+            dtype = dtype or dense.dtype
+            for four in self.quant_rows:
+                rows.append(self.quant.dequantize(dtype, q) if four else dense[d].astype(dtype))
+                q, d = q + four, d + (not four)
+            return jnp.stack(rows)
         if self.quant is None:
             return self.kernel[...] if dtype is None else self.kernel[...].astype(dtype)
         dtype = dtype or jnp.bfloat16

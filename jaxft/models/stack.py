@@ -12,6 +12,11 @@ are per-layer buffers (`jaxft.train.unstack_layers`), as unrolled calls. Gemma 2
 every layer (L groups of 1); Gemma 3 runs five sliding layers per global one. Over stacked weights such a
 periodic stack is one scan whose body is one period (`layer_period`).
 
+A linear 4-bit in some layers and dense in others (`Linear.quant_rows`: a bitsandbytes checkpoint whose
+`llm_int8_skip_modules` names single layers' modules) holds each format's rows apart, so a scan body, which has
+one format per linear, runs over runs of layers of one layout (`mixed_rows`, `_uniform_runs`; no periodic scan
+then), and an unrolled layer reads its own row of whichever format it has (`layer_slice`).
+
 Rematerialisation policies (`ExecutionConfig.remat`, `jaxft.remat`) are applied per layer here, the same way
 in both loops: each layer is one `jax.checkpoint` whose policy sees the named residuals (layer input here,
 the others in the block and the attention ops).
@@ -51,7 +56,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxft.config import ModelConfig
 from jaxft.families import family_for
 from jaxft.mesh_axes import constrain_rows
-from jaxft.models.layers import ExpertParam, QuantizedWeight, StackRow
+from jaxft.models.layers import ExpertParam, QuantizedWeight, StackRow, linears
 from jaxft.offload import PrefetchChain, host_offloaded, layer_index
 from jaxft.offload_scan import HostRows, in_host_memory, is_slot, offloaded_scan, unpack_rows
 from jaxft.remat import RematPolicy
@@ -143,9 +148,68 @@ def is_unstacked(layer_state: nnx.State) -> bool:
     return any(isinstance(v.get_value(), tuple) for _, v in nnx.to_flat_state(layer_state))
 
 
-def layer_slice(layer_state: nnx.State, i: int) -> nnx.State:
-    """Layer i's parameters: element i of a per-layer tuple, or a static slice of a stacked array."""
-    return nnx.from_flat_state([(p, v.replace(v.get_value()[i])) for p, v in nnx.to_flat_state(layer_state)])
+def layer_slice(layer_state: nnx.State, i: int, mixed: dict[tuple, np.ndarray] | None = None) -> nnx.State:
+    """Layer i's parameters: element i of a per-layer tuple, or a static slice of a stacked array; a mixed
+    linear's variables (`mixed_rows`) give their own row of layer i, or None where it is in the other format."""
+    def row(p, v):
+        own = mixed.get(_key(p)) if mixed else None
+        if own is None:
+            return v.replace(v.get_value()[i])
+        return v.replace(None if own[i] < 0 else v.get_value()[own[i]])
+
+    return nnx.from_flat_state([(p, row(p, v)) for p, v in nnx.to_flat_state(layer_state)])
+
+
+def mixed_rows(module) -> dict[tuple, np.ndarray]:
+    """{state path of a variable of a linear 4-bit in some layers only (`Linear.quant_rows`): int32 [L], its own
+    row for each stack row, -1 where that layer is in the other format}: the kernel holds the dense rows, `quant`
+    the 4-bit ones. Empty for a stack whose linears each have one format."""
+    out: dict[tuple, np.ndarray] = {}
+    for path, lin in linears(module):
+        if lin.quant_rows is None:
+            continue
+        four = np.asarray(lin.quant_rows)
+        base = tuple(path.split("."))
+        out[(*base, "kernel")] = np.where(~four, np.cumsum(~four) - 1, -1).astype(np.int32)
+        for name in ("packed", "absmax", "nested_absmax", "offset"):
+            out[(*base, "quant", name)] = np.where(four, np.cumsum(four) - 1, -1).astype(np.int32)
+    return out
+
+
+def _key(path: tuple) -> tuple[str, ...]:
+    return tuple(str(p) for p in path)
+
+
+def layout(mixed: dict[tuple, np.ndarray], row: int) -> tuple[bool, ...]:
+    """Which of a stack's mixed linear variables (`mixed_rows`) stack row `row` reads: layers of one layout run
+    as one scan."""
+    return tuple(bool(own[row] >= 0) for own in mixed.values())
+
+
+def _uniform_runs(group: LayerGroup, mixed: dict[tuple, np.ndarray]) -> list[LayerGroup]:
+    """`group` cut into runs of layers whose mixed linears (`mixed_rows`) have the same format in each: a scan
+    body holds one format per linear."""
+    if not mixed:
+        return [group]
+    first, out, start = group.first_row, [], group.start
+    for _, run in itertools.groupby(layout(mixed, first + k) for k in range(group.end - group.start)):
+        n = len(list(run))
+        out.append(dataclasses.replace(group, start=start, end=start + n, row=first + start - group.start))
+        start += n
+    return out
+
+
+def run_rows(state: nnx.State, first: int, n: int, mixed: dict[tuple, np.ndarray]) -> nnx.State:
+    """Stack rows [first, first + n) of a run of one layout (`_uniform_runs`, `layout`): a mixed linear's
+    variables give their own rows of it, or None (the format the run does not use)."""
+    def rows(p, v):
+        own = mixed.get(_key(p))
+        if own is None:
+            return v.replace(v.get_value()[first:first + n])
+        r = int(own[first])
+        return v.replace(None if r < 0 else v.get_value()[r:r + n])
+
+    return nnx.from_flat_state([(p, rows(p, v)) for p, v in nnx.to_flat_state(state)])
 
 
 def layer_period(groups: list[LayerGroup]) -> int | None:
@@ -176,6 +240,9 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     stacks = layers if isinstance(layers, dict) else {"layers": layers}
     split = {name: nnx.split(module) for name, module in stacks.items()}
     states = {name: state for name, (_, state) in split.items()}
+    # Linears 4-bit in some layers only: each layer reads its own format's row; scans run over layers of one
+    # layout (`_uniform_runs`).
+    mixed = {name: mixed_rows(module) for name, module in stacks.items()}
     unrolled = any(is_unstacked(state) for state in states.values())
     num_layers = groups[-1].end
     if per_layer is not None and not unrolled:
@@ -210,6 +277,10 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     streamed = any(in_host_memory(leaf) for state in states.values() for leaf in jax.tree.leaves(state))
     keep_on_host, kept, kept_on_host = True, None, False
     if streamed:
+        if any(mixed.values()):
+            raise ValueError("run_groups: frozen weights in host memory (frozen_weights: host) need one format per "
+                             "linear in every layer; this model mixes 4-bit and dense layers: use frozen_weights: "
+                             "device")
         if unrolled or per_layer is not None or outer is not None or not policy.streams:
             raise ValueError("run_groups: frozen weights in host memory stream through the layer scan under one "
                              "policy that offloads at most the layer input or keeps nothing on the device (got "
@@ -236,7 +307,7 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
 
     carry = x if router_stats is None else (x, router_stats)
 
-    period = None if unrolled else layer_period(groups)
+    period = None if unrolled or any(mixed.values()) else layer_period(groups)
     if period is not None:
         kinds = [g for g in groups for _ in range(g.start, g.end)][:period]
         # Position j of the period reads row `slot[j]` of its stack's rows for the period.
@@ -290,6 +361,8 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         cut = reps * period
         groups = [dataclasses.replace(g, start=max(g.start, cut), row=g.first_row + max(0, cut - g.start))
                   for g in groups if g.end > cut]
+    if not unrolled:
+        groups = [run for group in groups for run in _uniform_runs(group, mixed[group.stack])]
     for group in groups:
         state = states[group.stack]
         first, n = group.first_row, group.end - group.start
@@ -299,9 +372,11 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
                 index = group.start + k
                 own = policy if per_layer is None else per_layer[index]
                 fn = fns.get(own) or fns.setdefault(own, fn_for(group, own))
-                carry = fn(carry, layer_slice(state, first + k), index)
+                carry = fn(carry, layer_slice(state, first + k, mixed[group.stack]), index)
             continue
         layer_fn = fn_for(group)
+        if mixed[group.stack]:
+            state, first = run_rows(state, first, n, mixed[group.stack]), 0
         whole = first == 0 and all(leaf.shape[0] == n for leaf in jax.tree.leaves(state))
         run_state, packed = _scanned(state, lambda leaf: HostRows(leaf, first),
                                      lambda leaf: leaf if whole else leaf[first:first + n])

@@ -34,9 +34,10 @@ class QuantConfig:
     8 bits.  blocksize: elements per absmax (bitsandbytes' 64).  nested_blocksize: absmax per nested absmax.
     nested_rounding: "cuda" (nearest) or "cpu" (bitsandbytes' CPU lookup table), see `jaxft.quant.blockwise`.
     skip_modules [llm_int8_skip_modules]: HF module names kept in the model dtype, matched as transformers
-    does (from the start up to a module boundary, as a regex with that boundary, or as a suffix).
-    max_rel_error: dynamic 4-bit: a site whose relative quantisation error ||W - Q(W)||_F / ||W||_F exceeds it
-    in any layer stays in the model dtype (None: no such check).
+    does (from the start up to a module boundary, as a regex with that boundary, or as a suffix), layer by layer:
+    "model.layers.1.mlp.down_proj" keeps that layer's alone.
+    max_rel_error: dynamic 4-bit: each layer of a module whose relative quantisation error
+    ||W - Q(W)||_F / ||W||_F exceeds it stays in the model dtype, the others in 4 bits (None: no such check).
     """
 
     quant_type: str = "nf4"

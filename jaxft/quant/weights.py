@@ -3,8 +3,10 @@ quantisation of loaded weights one layer at a time on the device, and bitsandbyt
 
 A quantised `Linear` keeps its bias and LoRA slots; its `kernel` is replaced by `quant`, a `Quant4bit` module
 whose variables are `QuantizedWeight`s (`jaxft.models.layers`): trainable and quantised state are told apart
-by variable type. A site (one linear of the layer stack, all layers) is quantised as a whole: the stacked
-arrays hold every layer in one format.
+by variable type. A site (one linear of the layer stack, all layers) may be 4-bit in some layers and dense in
+others (bitsandbytes' per-layer `llm_int8_skip_modules`, as Unsloth's dynamic 4-bit checkpoints store them; a
+layer over `max_rel_error`): the `Linear` then holds the dense rows as its kernel and the 4-bit rows as `quant`
+(`Linear.quant_rows` says which row is which), so neither format costs memory in the other's layers.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, is_skipped
 from jaxft.quant.experts import abstract_experts
 from kernels_pallas.nf4_matmul import DYNAMIC, code_4bit, dequantize_4bit
 
-__all__ = ["DEFAULT_SKIP", "QuantConfig", "Site", "abstract_quantize", "install", "is_skipped", "linear_sites", "quantize_site",
-           "records_of", "saved_bytes", "site_from_records"]
+__all__ = ["DEFAULT_SKIP", "QuantConfig", "Site", "abstract_quantize", "four_bit_rows", "install", "is_skipped",
+           "layer_saving", "linear_sites", "quantize_site", "records_of", "saved_bytes", "site_from_records"]
 
 @dataclasses.dataclass(frozen=True)
 class Site:
@@ -64,12 +66,26 @@ def linear_sites(model) -> list[Site]:
     return out
 
 
-def install(lin: Linear, quant: Quant4bit) -> None:
-    """Makes `lin` a 4-bit linear: `quant` replaces its kernel."""
+def install(lin: Linear, quant: Quant4bit, rows: tuple[bool, ...] | None = None, dense=None) -> None:
+    """Makes `lin` a 4-bit linear: `quant` replaces its kernel; or, with `rows` (True per stack row in 4 bits)
+    not all True, a mixed one: `quant` holds the 4-bit rows and the kernel keeps the dense ones (`dense`
+    [rows, in, out] sets it here; None: the caller fills it, e.g. a loader's host arrays)."""
     # `nnx.data` / `nnx.static`: `quant` was None (static) on the fresh Linear and now holds state; the kernel
     # goes away (None, static), so nothing can read a stale float copy.
     lin.quant = nnx.data(quant)
+    if rows is not None and not all(rows):
+        lin.quant_rows = tuple(bool(r) for r in rows)
+        if dense is not None:
+            lin.kernel = lin.kernel.replace(dense)
+        return
     lin.kernel = nnx.static(None)
+
+
+def four_bit_rows(lin: Linear, layers: int) -> tuple[bool, ...]:
+    """True per stack row that `lin` holds in 4 bits (all of them for a plain 4-bit linear, none for a dense one)."""
+    if lin.quant_rows is not None:
+        return lin.quant_rows
+    return (lin.quant is not None,) * layers
 
 
 def _layers_of(kernel: np.ndarray, stacked: bool):
@@ -80,34 +96,45 @@ def _stack(parts: list, stacked: bool):
     return jnp.stack(parts) if stacked else parts[0]
 
 
-def quantize_site(kernel: np.ndarray, stacked: bool, cfg: QuantConfig, source_dtype: str
-                  ) -> tuple[Quant4bit | None, float]:
-    """(Quant4bit, worst relative error over layers) of a host kernel [L?, in, out], one layer on the device at a
-    time; (None, error) when `cfg.max_rel_error` is exceeded (the site stays dense)."""
-    packed, absmax, nested, offsets, worst = [], [], [], [], 0.0
+def quantize_site(kernel: np.ndarray, stacked: bool, cfg: QuantConfig, source_dtype: str,
+                  keep: list[bool] | None = None) -> tuple[Quant4bit | None, tuple[bool, ...], list[float | None]]:
+    """(Quant4bit of the layers in 4 bits, True per layer in 4 bits, relative error per layer) of a host kernel
+    [L?, in, out], one layer on the device at a time. A layer stays dense when `keep` says so (skipped by name;
+    error None) or when its error exceeds `cfg.max_rel_error`; the Quant4bit is None when every layer does."""
+    packed, absmax, nested, offsets, four, errors = [], [], [], [], [], []
     in_f, out_f = kernel.shape[-2:]
-    for layer in _layers_of(kernel, stacked):
+    for i, layer in enumerate(_layers_of(kernel, stacked)):
+        if keep is not None and keep[i]:
+            four.append(False)
+            errors.append(None)
+            continue
         w = jnp.asarray(layer).T  # torch's [out, in]: the blocks run along `in`
         q = quantize_4bit(w, quant_type=cfg.quant_type, blocksize=cfg.blocksize, double_quant=cfg.double_quant,
                           nested_blocksize=cfg.nested_blocksize, nested_rounding=cfg.nested_rounding)
+        err = None
         if cfg.max_rel_error is not None:
             back = dequantize_4bit(q.packed, q.absmax_f32(), shape=q.shape, blocksize=cfg.blocksize,
                                    quant_type=cfg.quant_type, dtype=jnp.float32)
             w32 = w.astype(jnp.float32)
-            worst = max(worst, float(jnp.linalg.norm(back - w32) / jnp.maximum(jnp.linalg.norm(w32), 1e-30)))
+            err = float(jnp.linalg.norm(back - w32) / jnp.maximum(jnp.linalg.norm(w32), 1e-30))
+        errors.append(err)
+        del w
+        if err is not None and err > cfg.max_rel_error:
+            four.append(False)
+            continue
+        four.append(True)
         packed.append(q.packed)
         absmax.append(q.absmax)
         if cfg.double_quant:
             nested.append(q.nested_absmax)
             offsets.append(jnp.float32(q.offset))
-        del w
-    if cfg.max_rel_error is not None and worst > cfg.max_rel_error:
-        return None, worst
+    if not packed:
+        return None, tuple(four), errors
     arrays = dict(packed=_stack(packed, stacked), absmax=_stack(absmax, stacked))
     if cfg.double_quant:
         arrays.update(nested_absmax=_stack(nested, stacked), offset=_stack(offsets, stacked))
     return _module(out_f, in_f, stacked, cfg.quant_type, cfg.blocksize, cfg.double_quant, cfg.nested_blocksize,
-                   source_dtype, arrays), worst
+                   source_dtype, arrays), tuple(four), errors
 
 
 def _module(out_f, in_f, stacked, quant_type, blocksize, double_quant, nested_blocksize, source_dtype, arrays):
@@ -169,6 +196,16 @@ def saved_bytes(quant: Quant4bit, dtype) -> int:
     return dense - held
 
 
+def layer_saving(out_f: int, in_f: int, cfg: QuantConfig, dtype) -> int:
+    """Device bytes one [out, in] layer saves in 4 bits (`cfg`'s format) over `dtype`: what keeping it dense costs."""
+    n = out_f * in_f
+    blocks = -(-n // cfg.blocksize)
+    held = -(-n // 2) + blocks * (1 if cfg.double_quant else 4)
+    if cfg.double_quant:
+        held += 4 * -(-blocks // cfg.nested_blocksize) + 4
+    return n * jnp.dtype(dtype).itemsize - held
+
+
 def abstract_quantize(model, path, cfg: QuantConfig | None) -> None:
     """Installs the 4-bit modules `from_pretrained(path, quant_config=cfg)` would, with zero arrays (call it under
     `nnx.eval_shape` for shapes alone): for ahead-of-time compilation before the weights are read."""
@@ -177,13 +214,13 @@ def abstract_quantize(model, path, cfg: QuantConfig | None) -> None:
     if stored is not None:
         records = bnb4bit.read_quantized(path, checkpoint_files(path))
         for site in linear_sites(model):
-            names = site.names()
-            if names[0] in records:
-                r = records[names[0]]
-                lead = (len(site.layers),) if site.stacked else ()
-                install(site.linear(model), Quant4bit(
-                    r.shape[0], r.shape[1], stack=lead, quant_type=r.quant_type, blocksize=r.blocksize,
-                    double_quant=r.double_quant, nested_blocksize=r.nested_blocksize or 256, source_dtype=r.dtype))
+            present = [n for n in site.names() if n in records]
+            if present:
+                r, lin = records[present[0]], site.linear(model)
+                rows = tuple(n in records for n in site.names())
+                _install_abstract(lin, len(present), rows, site.stacked, quant_type=r.quant_type,
+                                  blocksize=r.blocksize, double_quant=r.double_quant,
+                                  nested_blocksize=r.nested_blocksize or 256, source_dtype=r.dtype)
         return
     if cfg is None:
         return
@@ -193,9 +230,17 @@ def abstract_quantize(model, path, cfg: QuantConfig | None) -> None:
 
     abstract_experts(model, cfg)
     for site in linear_sites(model):
-        if any(is_skipped(n, cfg.skip_modules) for n in site.names()):
-            continue
-        lin = site.linear(model)
-        install(lin, Quant4bit(lin.out_features, lin.in_features, stack=(len(site.layers),) if site.stacked else (),
-                               quant_type=cfg.quant_type, blocksize=cfg.blocksize, double_quant=cfg.double_quant,
-                               nested_blocksize=cfg.nested_blocksize, source_dtype=str(model.dtype)))
+        rows = tuple(not is_skipped(n, cfg.skip_modules) for n in site.names())
+        if any(rows):
+            _install_abstract(site.linear(model), sum(rows), rows, site.stacked, quant_type=cfg.quant_type,
+                              blocksize=cfg.blocksize, double_quant=cfg.double_quant,
+                              nested_blocksize=cfg.nested_blocksize, source_dtype=str(model.dtype))
+
+
+def _install_abstract(lin: Linear, count: int, rows: tuple[bool, ...], stacked: bool, **fmt) -> None:
+    """A zero Quant4bit of `count` rows installed on `lin`, with zero dense rows for the others (mixed)."""
+    dense = None
+    if not all(rows):
+        kernel = lin.kernel[...]
+        dense = jnp.zeros((len(rows) - count, *kernel.shape[1:]), kernel.dtype)
+    install(lin, Quant4bit(lin.out_features, lin.in_features, stack=(count,) if stacked else (), **fmt), rows, dense)

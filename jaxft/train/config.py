@@ -251,9 +251,11 @@ class TrainConfig:
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = _key("nf4", "4-bit code book")
     bnb_4bit_use_double_quant: bool = _key(False, "quantise the block scales too (bitsandbytes' nested absmax)")
     llm_int8_skip_modules: list[str] | None = _key(
-        None, "modules kept in the compute dtype (null: lm_head, routers, vision towers)")
+        None, "modules kept in the compute dtype, whole or in single layers, e.g. model.layers.1.mlp.down_proj "
+              "(null: lm_head, routers, vision towers)")
     bnb_4bit_max_rel_error: float | None = _key(
-        None, "keep dense any module whose relative 4-bit error exceeds this (jaxft's key; null: no check)")
+        None, "keep dense each layer of a module whose relative 4-bit error exceeds this (jaxft's key; null: no "
+              "check)")
     load_in_fp8: bool = _key(False, "frozen linears in FP8 (e4m3, a scale per output channel; FP8 GEMMs on "
                              "Ada/Hopper), not with 4-bit")
     mesh: str | dict | None = _key(
