@@ -80,6 +80,37 @@ OFFLOAD_TRANSFERS = ("auto", "policy", "explicit")
 FROZEN_WEIGHTS = ("auto", "device", "host")
 CE_IMPLEMENTATIONS = ("xla", "reference")
 MOE_DISPATCHES = ("auto", "per_device", "global")
+# The `memory` key's presets: each is the ExecutionConfig fields of one measured benchmark recipe
+# (examples/bench/<recipe>.yaml, numbers in docs/benchmarks.md), named for what it buys; explicit `execution`
+# fields win over a preset's, field by field. Llama-3.1-8B shape, LoRA r 16 on every linear, one GPU.
+MEMORY_PRESETS: dict[str, dict[str, Any]] = {
+    # The fastest policy whose compiled step fits `max_memory_gb` (`jaxft.auto`): at 8B 1 x 4096 on an H200 it
+    # chose no remat, within 0.6% of fast; at 1 x 65536, offload+attn (5,281 tok/s at 47.25 GiB).
+    "auto": {"remat": "auto"},
+    # No remat, layers unrolled (fast.yaml): 8B 1 x 4096, H200: 14,799 tok/s at 27.76 GiB (1.44x Unsloth).
+    "fast": {"remat": "none", "layer_loop": "auto"},
+    # Layer inputs to pinned host, attention output and statistics kept on the device (offload_attn.yaml): the
+    # backward recomputes projections and MLP, never the attention. Gemma-2-9B packed 1 x 16384, H200: 8,683 tok/s
+    # at 30.04 GiB (3.15x Unsloth).
+    "balanced": {"remat": "offload+attn", "layer_loop": "scan"},
+    # Layer inputs to pinned host, the rest recomputed, small loss chunks (lean.yaml): Unsloth's memory at its
+    # speed or better. 8B 1 x 4096, H100: 10,439 tok/s at 16.89 GiB (Unsloth 10,159 at 16.68).
+    "lean": {"remat": "offload", "layer_loop": "scan", "ce_chunk_size": 256},
+    # Layer inputs and attention residuals to pinned host, frozen weights streamed from host one layer ahead
+    # (lean_attn_host.yaml): the smallest device memory measured. 8B 1 x 16384, H100: 8,366 tok/s at 6.87 GiB
+    # (Unsloth 8,260 at 19.73).
+    "max_context": {"remat": "offload=layer_input,attn_out,attn_lse", "layer_loop": "scan",
+                    "frozen_weights": "host"},
+}
+MEMORY_HELP = {
+    "auto": "the fastest mode that fits max_memory_gb (the default)",
+    "fast": "no remat, layers unrolled: fastest, most memory (8B 1x4096 H200: 14,799 tok/s, 27.76 GiB)",
+    "balanced": "layer inputs to host, attention kept on device (Gemma-2-9B packed 16k H200: 8,683 tok/s, 30.04 GiB)",
+    "lean": "layer inputs to host, the rest recomputed: Unsloth's memory (8B 1x4096 H100: 10,439 tok/s, 16.89 GiB)",
+    "max_context": "layer inputs and attention to host, frozen weights streamed from host: least device memory "
+                   "(8B 1x16384 H100: 8,366 tok/s, 6.87 GiB)",
+}
+
 # The smallest cross-entropy chunk under remat. Below 256 tokens the [chunk, H] x [H, V] matmuls run slower for
 # no memory: 2% slower at 128 on the lean GPT-OSS-20B 1 x 4096 step, at the same peak.
 CE_CHUNK_FLOOR = 256
