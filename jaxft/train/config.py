@@ -554,9 +554,10 @@ class TrainConfig:
         return dataclasses.replace(self, **{**self._given, **changes})
 
     def to_dict(self) -> dict[str, Any]:
-        """The keys as run: `memory` resolved, `execution` as given, the flat execution keys merged."""
+        """The keys: `memory` resolved, `execution` and the flat execution keys as given (`from_dict` of it builds
+        this config again, quietly)."""
         out = dataclasses.asdict(self)
-        out["execution"] = self._given["execution"]
+        out.update({k: self._given[k] for k in ("execution",) + EXECUTION_MAPPING_KEYS})
         for key in ("lora_target_modules", "lora_target_parameters", "eval_generate_prompts", "llm_int8_skip_modules"):
             if isinstance(out[key], tuple):
                 out[key] = list(out[key])
@@ -589,7 +590,8 @@ class TrainConfig:
                                        f"alias {alias!r}); keep one", key=name)
             kwargs[name] = value
             spelled[name] = key
-        deprecated = [key for key in values if ALIASES.get(key, key) in MEMORY_FLAT_KEYS]
+        deprecated = [key for key, value in values.items() if ALIASES.get(key, key) in MEMORY_FLAT_KEYS
+                      and value is not None]
         if deprecated:
             logger.warning("%s: deprecated flat key%s %s: choose a mode with memory: (%s), or set the mechanism "
                            "under execution: {%s: ...} (docs/memory.md)", where.get(deprecated[0], source),
