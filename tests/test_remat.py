@@ -222,8 +222,9 @@ def _dots(split, remat: str) -> int:
 
 
 def test_keeping_everything_but_gate_up_recomputes_only_gate_up():
-    """A selective policy: with q/k/v, the attention's residuals and the MLP input kept (here offloaded), the backward re-runs six matmuls of a layer: gate and up, each with its LoRA A and B; no attention,
-    q/k/v/o or down projection. Full remat re-runs more. Gradients equal no remat's."""
+    """A selective policy: with q/k/v, the attention's residuals and the MLP input kept (here offloaded), the
+    backward re-runs six matmuls of a layer: gate and up, each with its LoRA A and B; no attention, q/k/v/o or down
+    projection. Full remat re-runs more. Gradients equal no remat's."""
     policy, split = "offload=layer_input,attn_out,attn_lse,attn_qkv,mlp_input", lora_split(LLAMA)
     assert _dots(split, policy) == _dots(split, "none") + 6 < _dots(split, "full")
     want_loss, want = grads(LLAMA, split, "none", "scan")
