@@ -56,7 +56,8 @@ The model holds parameters and math; everything that changes speed or memory but
 - `compiler_options`: XLA options for the step's program only (never process-wide flags), over the ones the
   settings want (`program_options`: the scan's pipelined host offload).
 
-Frozen and validated once; every error names the field, which is also the flat `jaxft-train` key.
+Frozen and validated once; every error names the field, a field of `jaxft-train`'s `execution` mapping (whose
+presets are the `memory` key's, `MEMORY_PRESETS`).
 """
 
 from __future__ import annotations
