@@ -17,16 +17,13 @@ The model holds parameters and math; everything that changes speed or memory but
   `jaxft.models.moe.per_device`) or "global" (the block as one program over the whole batch: XLA gathers the
   routing, and every device multiplies every token); "auto" is per_device.
 - `remat`: what the backward pass keeps, offloads to pinned host memory or recomputes (`jaxft.remat`: "none",
-  "full", "dots", "offload", "offload+attn", "offload_stream", "offload_all", "save=..;offload=..", "auto"); a mapping
-  {save: [...], offload: [...]} is accepted and stored as its canonical string. `host_memory_gb` bounds what
-  "offload_all" puts in host memory (None: no bound); `max_memory_gb` is "auto"'s device budget (None: the
-  device's free memory less a margin, `jaxft.auto.default_memory_budget`). `remat_layers` = N applies the policy
-  to the first N layers only and runs the rest without remat (None: every layer): memory falls by about one
-  layer's residuals per layer at the recompute cost of that layer alone, the steps between "none" and a policy
-  on all layers (unrolled loop only; "auto" picks N when "none" does not fit, `jaxft.run.Run.choose_remat`).
-  `remat_plan` generalises it: runs of layers each under a policy of its own, in layer order, then `remat` on the
-  layers after them, e.g. ((full, 8), (offload_all, 12)) with remat none (YAML: a list of [policy, N] pairs;
-  command line: 'full:8|offload_all:12'; unrolled loop only; `jaxft.remat.canonical_plan`).
+  "full", "offload", "offload+attn", "save=..;offload=..", "auto"); a mapping {save: [...], offload: [...]} is
+  accepted and stored as its canonical string. `max_memory_gb` is "auto"'s device budget (None: the device's free
+  memory less a margin, `jaxft.auto.default_memory_budget`); `host_memory_gb` what "auto" and nested blocks may
+  put in host memory. `remat_layers` = N applies the policy to the first N layers only and runs the rest without
+  remat (None: every layer): "auto"'s step between "none" and a policy on all layers when "none" does not fit
+  (Gemma-3-12B 1 x 4096 within 40 GB, H200: full on 25 of 48 layers, 7,914 tok/s, 1.66x Unsloth; unrolled loop
+  only; `jaxft.run.Run.choose_remat`); not a user key.
   `remat_block` = k (remat "full" or "offload", layer scan): nested checkpointing, blocks of k layers of which only
   the block input is kept (on the device / in pinned host memory) for one more forward of compute (`jaxft.remat`);
   "auto" takes the smallest k whose block inputs fit `host_memory_gb` (None: the machine's memory less a margin)
@@ -50,8 +47,8 @@ The model holds parameters and math; everything that changes speed or memory but
   `HostRows`). What it buys: the device holds two layers' weights instead of all of them (8B bf16: about 0.9 of
   15 GiB). What it costs: every layer's weights cross the host link twice a step (8B: about 30 GB, about 0.57 s at
   53 GB/s), hidden only where a step's compute is longer. Layer scan, one device, a remat
-  policy that offloads at most the layer input (none, full, offload, offload+attn, dots, save=..): what it keeps
-  is kept as without streaming; or one that keeps nothing on the device (offload_all, offload=..): what it keeps
+  policy that offloads at most the layer input (none, full, offload, offload+attn, save=..): what it keeps
+  is kept as without streaming; or one that keeps nothing on the device (offload=..): what it keeps
   goes to the host through the scan. MoE expert stacks and a 4-bit base's codes and scales stream too; the embeddings,
   head and small rows (norms, biases, LoRA scales) stay on the device. "auto" (the default): on the device,
   unless `remat: auto` finds no policy that fits with them there on one device; it then tries its candidates
@@ -59,7 +56,8 @@ The model holds parameters and math; everything that changes speed or memory but
 - `compiler_options`: XLA options for the step's program only (never process-wide flags), over the ones the
   settings want (`program_options`: the scan's pipelined host offload).
 
-Frozen and validated once; every error names the field, which is also the flat `jaxft-train` key.
+Frozen and validated once; every error names the field, a field of `jaxft-train`'s `execution` mapping (whose
+presets are the `memory` key's, `MEMORY_PRESETS`).
 """
 
 from __future__ import annotations
@@ -82,6 +80,37 @@ OFFLOAD_TRANSFERS = ("auto", "policy", "explicit")
 FROZEN_WEIGHTS = ("auto", "device", "host")
 CE_IMPLEMENTATIONS = ("xla", "reference")
 MOE_DISPATCHES = ("auto", "per_device", "global")
+# The `memory` key's presets: each is the ExecutionConfig fields of one measured benchmark recipe
+# (examples/bench/<recipe>.yaml, numbers in docs/benchmarks.md), named for what it buys; explicit `execution`
+# fields win over a preset's, field by field. Llama-3.1-8B shape, LoRA r 16 on every linear, one GPU.
+MEMORY_PRESETS: dict[str, dict[str, Any]] = {
+    # The fastest policy whose compiled step fits `max_memory_gb` (`jaxft.auto`): at 8B 1 x 4096 on an H200 it
+    # chose no remat, within 0.6% of fast; at 1 x 65536, offload+attn (5,281 tok/s at 47.25 GiB).
+    "auto": {"remat": "auto"},
+    # No remat, layers unrolled (fast.yaml): 8B 1 x 4096, H200: 14,799 tok/s at 27.76 GiB (1.44x Unsloth).
+    "fast": {"remat": "none", "layer_loop": "auto"},
+    # Layer inputs to pinned host, attention output and statistics kept on the device (offload_attn.yaml): the
+    # backward recomputes projections and MLP, never the attention. Gemma-2-9B packed 1 x 16384, H200: 8,683 tok/s
+    # at 30.04 GiB (3.15x Unsloth).
+    "balanced": {"remat": "offload+attn", "layer_loop": "scan"},
+    # Layer inputs to pinned host, the rest recomputed, small loss chunks (lean.yaml): Unsloth's memory at its
+    # speed or better. 8B 1 x 4096, H100: 10,439 tok/s at 16.89 GiB (Unsloth 10,159 at 16.68).
+    "lean": {"remat": "offload", "layer_loop": "scan", "ce_chunk_size": 256},
+    # Layer inputs and attention residuals to pinned host, frozen weights streamed from host one layer ahead
+    # (lean_attn_host.yaml): the smallest device memory measured. 8B 1 x 16384, H100: 8,366 tok/s at 6.87 GiB
+    # (Unsloth 8,260 at 19.73).
+    "max_context": {"remat": "offload=layer_input,attn_out,attn_lse", "layer_loop": "scan",
+                    "frozen_weights": "host"},
+}
+MEMORY_HELP = {
+    "auto": "the fastest mode that fits max_memory_gb (the default)",
+    "fast": "no remat, layers unrolled: fastest, most memory (8B 1x4096 H200: 14,799 tok/s, 27.76 GiB)",
+    "balanced": "layer inputs to host, attention kept on device (Gemma-2-9B packed 16k H200: 8,683 tok/s, 30.04 GiB)",
+    "lean": "layer inputs to host, the rest recomputed: Unsloth's memory (8B 1x4096 H100: 10,439 tok/s, 16.89 GiB)",
+    "max_context": "layer inputs and attention to host, frozen weights streamed from host: least device memory "
+                   "(8B 1x16384 H100: 8,366 tok/s, 6.87 GiB)",
+}
+
 # The smallest cross-entropy chunk under remat. Below 256 tokens the [chunk, H] x [H, V] matmuls run slower for
 # no memory: 2% slower at 128 on the lean GPT-OSS-20B 1 x 4096 step, at the same peak.
 CE_CHUNK_FLOOR = 256
@@ -105,7 +134,6 @@ class ExecutionConfig:
     attention_implementation: str = "auto"
     remat: str = "none"
     remat_layers: int | None = None
-    remat_plan: tuple[tuple[str, int], ...] | None = None
     remat_block: int | str | None = None
     layer_loop: str = "auto"
     ce_chunk_size: int | None = None
@@ -140,7 +168,6 @@ class ExecutionConfig:
             if self.layer_loop == "scan":
                 raise ExecutionConfigError("remat_layers", "needs the unrolled layer loop (one region per layer); set "
                                            "layer_loop: unroll (or auto), or drop remat_layers")
-        self._check_plan()
         self._check_block()
         self._check_frozen_weights()
         _choice("ce_implementation", self.ce_implementation, CE_IMPLEMENTATIONS)
@@ -173,24 +200,6 @@ class ExecutionConfig:
         # Frozen all the way down: the config is hashed into compiled-step caches.
         object.__setattr__(self, "compiler_options", dict(self.compiler_options))
 
-    def _check_plan(self) -> None:
-        if self.remat_plan is None:
-            return
-        try:
-            object.__setattr__(self, "remat_plan", remat_policies.canonical_plan(self.remat_plan))
-        except remat_policies.RematError as e:
-            raise ExecutionConfigError("remat_plan", str(e).removeprefix("remat_plan ").removeprefix("remat_plan: "))\
-                from None
-        if self.remat == "auto":
-            raise ExecutionConfigError("remat_plan", "is set but remat is 'auto': the plan's layers have their "
-                                       "policies, and remat is the policy of the layers after them (e.g. none)")
-        if self.remat_layers is not None:
-            raise ExecutionConfigError("remat_plan", "and remat_layers both say which layers take which policy; "
-                                       "keep one (remat_layers: N with remat P is remat_plan P:N with remat none)")
-        if self.layer_loop == "scan":
-            raise ExecutionConfigError("remat_plan", "needs the unrolled layer loop (one region per layer); set "
-                                       "layer_loop: unroll (or auto), or drop remat_plan")
-
     def _check_block(self) -> None:
         k = self.remat_block
         if k is None or k == 1 and not isinstance(k, bool):
@@ -204,9 +213,6 @@ class ExecutionConfig:
         if self.offload_transfer == "explicit":
             raise ExecutionConfigError("remat_block", "takes the policy's host copies (offload_transfer: auto or "
                                        "policy), not 'explicit'; drop one of the two")
-        if self.remat_plan is not None:
-            raise ExecutionConfigError("remat_block", "nests one policy's layers in the scan; a remat_plan runs "
-                                       "unrolled layers: drop one of the two")
         if self.resolved_layer_loop != "scan":
             raise ExecutionConfigError("remat_block", "needs the layer scan (blocks are an outer scan over inner "
                                        "scans): set layer_loop: scan (or auto)")
@@ -221,7 +227,7 @@ class ExecutionConfig:
             # host copies for the scan to stack (RematPolicy.streams). remat auto's candidates all stream.
             raise ExecutionConfigError("frozen_weights", f"'host' runs under a remat policy that offloads at most the "
                                        f"layer input or keeps nothing on the device (got {self.remat!r}): e.g. remat: "
-                                       "offload, offload+attn, full, none, offload_all, "
+                                       "offload, offload+attn, full, none, "
                                        "'offload=layer_input,attn_out,attn_lse' or auto, or set frozen_weights: device")
         if self.layer_loop == "unroll":
             raise ExecutionConfigError("frozen_weights", "'host' streams each layer's rows of the stacked weights "
@@ -253,18 +259,13 @@ class ExecutionConfig:
         """The attention implementation as `kernels_pallas.attention` names it ("xla" is the reference)."""
         return "reference" if self.attention_implementation == "xla" else self.attention_implementation
 
-    def layer_policy(self, cfg, batch: int, seq: int, itemsize: int, remat: str | None = None,
-                     offload_all_layers: int | None = None) -> remat_policies.RematPolicy:
+    def layer_policy(self, cfg, batch: int, seq: int, itemsize: int,
+                     remat: str | None = None) -> remat_policies.RematPolicy:
         """The per-layer policy of `remat` (default the `remat` key) for a [batch, seq] micro-batch of model `cfg`:
-        "offload_all" spends `host_memory_gb` on the names in `jaxft.residuals.NAMES` order over
-        `offload_all_layers` layers (default all; `budget_offload_all`); with a tiled MLP no policy keeps the names
-        inside it (`jaxft.remat.tiled_mlp_names`); the policy carries `offload_transfer`."""
+        with a tiled MLP no policy keeps the names inside it (`jaxft.remat.tiled_mlp_names`); the policy carries
+        `offload_transfer`."""
         remat = self.remat if remat is None else remat
-        names = NAMES
-        if remat == "offload_all":
-            names, _ = remat_policies.budget_offload_all(cfg, batch, seq, itemsize, self.host_memory_gb,
-                                                         self.mlp_chunk_size, offload_all_layers)
-        policy = remat_policies.parse(remat, offload_all=names)
+        policy = remat_policies.parse(remat)
         dropped = remat_policies.tiled_mlp_names(seq, self.mlp_chunk_size)
         if dropped and policy.kind == "names":
             policy = policy.without(dropped)
@@ -273,25 +274,20 @@ class ExecutionConfig:
 
     def layer_remats(self, num_layers: int) -> tuple[str, ...] | None:
         """The remat policy string of each of `num_layers` layers where layers differ (None: every layer takes
-        `remat`): `remat_layers` = N, the policy on layers 0..N-1 and none after; `remat_plan`, its runs of layers
-        in order, then `remat` on the rest. Runs past the model's last layer are cut there, as remat_layers >= L
-        means every layer (a recipe sized for one model still runs on a shallower one; jaxft-train logs the cut,
-        `jaxft.train.loop._note_plan`)."""
-        if self.remat_plan is None and self.remat_layers is None:
+        `remat`): `remat_layers` = N, the policy on layers 0..N-1 and none after (N >= L: every layer)."""
+        if self.remat_layers is None:
             return None
-        plan = self.remat_plan or ((self.remat, self.remat_layers),)
-        rest = self.remat if self.remat_plan is not None else "none"
-        return tuple(([p for p, n in plan for _ in range(n)] + [rest] * num_layers)[:num_layers])
+        n = min(self.remat_layers, num_layers)
+        return (self.remat,) * n + ("none",) * (num_layers - n)
 
     def layer_policies(self, cfg, batch: int, seq: int,
                        itemsize: int) -> tuple[remat_policies.RematPolicy, ...] | None:
         """`layer_remats` as policies for a [batch, seq] micro-batch (`layer_policy`; None: every layer takes
-        `layer_policy`). offload_all's host budget is spread over the layers that take it."""
+        `layer_policy`)."""
         remats = self.layer_remats(cfg.num_layers)
         if remats is None:
             return None
-        everywhere = remats.count("offload_all")
-        made = {p: self.layer_policy(cfg, batch, seq, itemsize, p, everywhere) for p in set(remats)}
+        made = {p: self.layer_policy(cfg, batch, seq, itemsize, p) for p in set(remats)}
         return tuple(made[p] for p in remats)
 
     def resolved_ce_chunk(self, num_tokens: int, vocab_size: int, hidden_size: int, itemsize: int,
@@ -302,7 +298,7 @@ class ExecutionConfig:
         so the loss never needs more transient memory than a few residual-stream tensors, floored at
         `CE_CHUNK_FLOOR` tokens (8B, 1 x 4096: 256 tokens; 1 x 65536: the kernel's 512). `device_kind` defaults to
         the first device's."""
-        if self.ce_chunk_size is not None or self.remat == "none" and self.remat_plan is None:
+        if self.ce_chunk_size is not None or self.remat == "none":
             return self.ce_chunk_size
 
         default = tiles_for(device_kind or jax.devices()[0].device_kind, num_tokens, vocab_size)
@@ -311,10 +307,9 @@ class ExecutionConfig:
 
     @property
     def resolved_layer_loop(self) -> str:
-        """"auto" unrolls without remat, with remat on some layers (`remat_layers`), with offload_stream and
-        with `offload_transfer: explicit` (their host copies go through `jaxft.offload`'s explicit transfer, which
-        needs unrolled layers; offload_stream in the scan keeps more than no remat):
-        the other host offload and recompute policies on every layer are tuned for the scan."""
+        """"auto" unrolls without remat, with remat on some layers (`remat_layers`) and with
+        `offload_transfer: explicit` (its host copies go through `jaxft.offload`'s explicit transfer, which needs
+        unrolled layers): the host offload and recompute policies on every layer are tuned for the scan."""
         if self.layer_loop != "auto":
             return self.layer_loop
         if self.frozen_weights == "host":
@@ -323,10 +318,9 @@ class ExecutionConfig:
 
     @property
     def needs_unrolled_layers(self) -> bool:
-        """Whether these settings only run on unrolled layers (remat on some layers; offload_stream's and the
-        explicit transfer's host copies), as opposed to preferring them (no remat: faster unrolled)."""
-        return (self.remat == "offload_stream" or self.remat_layers is not None or self.remat_plan is not None
-                or self.offload_transfer == "explicit")
+        """Whether these settings only run on unrolled layers (remat on some layers; the explicit transfer's host
+        copies), as opposed to preferring them (no remat: faster unrolled)."""
+        return self.remat_layers is not None or self.offload_transfer == "explicit"
 
     @property
     def program_options(self) -> dict[str, Any]:
@@ -364,8 +358,8 @@ class ExecutionConfig:
         return dataclasses.replace(self, **changes)
 
     def __hash__(self) -> int:
-        return hash((self.attention_implementation, self.remat, self.remat_layers, self.remat_plan, self.remat_block,
-                     self.layer_loop,
-                     self.ce_chunk_size, self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb, self.ce_implementation,
+        return hash((self.attention_implementation, self.remat, self.remat_layers, self.remat_block, self.layer_loop,
+                     self.ce_chunk_size, self.mlp_chunk_size, self.max_memory_gb, self.host_memory_gb,
+                     self.ce_implementation,
                      tuple(sorted(self.compiler_options.items())), self.offload_transfer,
                      self.grouped_matmul_implementation, self.moe_dispatch, self.frozen_weights))

@@ -64,7 +64,7 @@ def host_offloaded(fn: Callable, policy: Callable | None = None, chain: "Prefetc
 
     With `host=False` (and no policy) `x` stays on the device: remat "full" with this VJP's order, the recompute
     waiting for the layer's output cotangent and the weight gradients done before the input cotangent leaves.
-    Why: in an unrolled loop that also moves other layers' residuals to the host (`remat_plan`), XLA's scheduler
+    Why: in an unrolled loop that also moves other layers' residuals to the host (per-layer policies), XLA's scheduler
     runs the recomputes of `jax.checkpoint`'s full layers early, beside the copies back, and holds them all at once
     (8B, 1 x 16384 packed, full on layers 0-15 and offload_all on 16-31: temp 33.74 GiB against 6.92 with full on
     every layer)."""

@@ -5,18 +5,17 @@ The model names the residuals worth keeping with `jax.ad_checkpoint.checkpoint_n
 says, per name, "save" (kept on the device), "offload" (moved to pinned host memory after the forward, moved
 back for the backward) or nothing (recomputed). Policies (`ExecutionConfig.remat`, the flat `remat` key):
 
-    none          no checkpoint: every residual stays on the device (fastest, most memory)
-    full          keep nothing but the layer inputs (on the device); recompute the rest
-    dots          keep matmul outputs (jax's dots_with_no_batch_dims_saveable)
-    offload       layer inputs to pinned host, recompute the rest (attention included)
+    none          no checkpoint: every residual stays on the device (memory: fast; 8B 1 x 4096 H200 14,799 tok/s)
+    full          keep nothing but the layer inputs (on the device); recompute the rest (auto's candidate where the
+                  host is too small for the copies; 8B max context on an H200 326,656 tokens, no host memory)
+    offload       layer inputs to pinned host, recompute the rest, attention included (memory: lean; 8B 1 x 4096
+                  H100 10,439 tok/s at 16.89 GiB)
     offload+attn  layer inputs to pinned host, attention output + softmax statistics kept on the device, so
                   the backward never re-runs the attention forward (recomputes projections, norms, the MLP)
-    offload_stream  every named residual kept, the residual-stream tensors ([B,T,H]: layer input, MLP input and,
-                  with sandwich norms, the attention and MLP outputs their output norms read) in pinned host
-                  memory: the backward recomputes only elementwise ops and LoRA's rank-r products
-    offload_all   every named residual to pinned host, within `host_memory_gb` (see `budget_offload_all`)
+                  (memory: balanced; Gemma-2-9B packed 1 x 16384 H200 8,683 tok/s at 30.04 GiB)
     save=N,..;offload=N,..   selective: the named residuals kept on the device / offloaded (either part may be
-                  left out); the YAML key also takes a mapping {save: [...], offload: [...]}
+                  left out); the YAML key also takes a mapping {save: [...], offload: [...]} (memory: max_context
+                  is offload=layer_input,attn_out,attn_lse; 8B 1 x 16384 H100 8,366 tok/s at 6.87 GiB streamed)
     auto          chosen per run from the compiled step's memory analysis (`jaxft.run.Run.choose_remat`)
 
 Nested (two-level) checkpointing, `remat_block` = k > 1 with "full" or "offload" (`RematPolicy.block`): the
@@ -27,11 +26,6 @@ block's k layer inputs on the device, then differentiates its layers one at a ti
 input. Cost: one more forward of every layer (a step is about 3 forwards' work with "full", 4 here). What it
 buys: the host holds L / k layer inputs where "offload" holds L, so a row whose L layer inputs exceed the host's
 memory still trains (`block_layers` picks the smallest k that fits a host budget).
-
-A plan (`ExecutionConfig.remat_plan`, unrolled layers): leading runs of layers each under a policy of its own, the
-layers after them under `remat`, e.g. "full:8|offload_all:12" with remat "none" (`canonical_plan`): layers 0-7 full,
-8-19 offload_all, the rest none. Why: a single policy on every layer either keeps too much on the device, moves
-more to the host than the host link carries under one forward, or recomputes too much; a plan mixes the three.
 
 Why names rather than "save dots": the attention kernels are custom VJPs (Pallas flash, cuDNN) whose
 residuals (output, logsumexp) are named inside their forward rules (`kernels_pallas.attention.residuals`),
@@ -54,7 +48,7 @@ from jaxft.residuals import (ATTN_LSE, ATTN_OUT, ATTN_PROJ, ATTN_QKV, BLOCK_INPU
 from kernels_pallas.attention import kept_pairs
 
 STREAM = (LAYER_INPUT, MLP_INPUT, ATTN_PROJ, MLP_OUT)  # the [B,T,H] residuals, what `offload_stream` moves
-FIXED = ("none", "full", "dots", "offload", "offload+attn", "offload_stream", "offload_all", "auto")
+FIXED = ("none", "full", "offload", "offload+attn", "auto")
 # Layer inputs and the attention's residuals (output, softmax statistics) in pinned host memory
 # (`examples/bench/lean_attn.yaml`): offload+attn's recompute at about offload's device memory.
 LEAN_ATTN = f"offload={LAYER_INPUT},{ATTN_OUT},{ATTN_LSE}"
@@ -70,8 +64,6 @@ LEAN_ATTN = f"offload={LAYER_INPUT},{ATTN_OUT},{ATTN_LSE}"
 # Device memory falls along the same order up to LEAN_ATTN, which keeps about offload's; full keeps the layer inputs
 # on the device, more than either. So "the first that fits" is still "the fastest that fits", and full and offload
 # are there for a host too small for LEAN_ATTN's copies (`Run._host_fit` skips it; offload then nests).
-# offload_stream is not a candidate: the copies of the tensors a layer makes last have no compute left to hide under
-# (15% slower than no remat at Gemma-2-9B 1 x 4096), and full remat on the few layers a budget needs is cheaper.
 AUTO_ORDER = ("none", "offload+attn", LEAN_ATTN, "full", "offload")
 # What `auto` weighs when full remat on the first k layers fits and offload+attn might too (Run._partial_remat):
 # full remat on k layers recomputes those layers' whole forward, attention included; offload+attn recomputes the
@@ -97,8 +89,8 @@ class RematError(ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class RematPolicy:
-    """A parsed policy: `kind` is "none", "full", "dots" or "names" (keep `save` on the device, `offload` on
-    the host, recompute everything else)."""
+    """A parsed policy: `kind` is "none", "full" or "names" (keep `save` on the device, `offload` on the host,
+    recompute everything else)."""
 
     kind: str
     save: tuple[str, ...] = ()
@@ -128,8 +120,6 @@ class RematPolicy:
         """The `jax.checkpoint` policy of one layer."""
         if self.kind == "full":
             return jax.checkpoint_policies.nothing_saveable
-        if self.kind == "dots":
-            return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
         if self.kind == "names":
             if not self.offload:
                 return jax.checkpoint_policies.save_only_these_names(*self.save)
@@ -158,7 +148,7 @@ class RematPolicy:
         it offloads nothing but the layer input, or it keeps nothing on the device (`save` empty: every residual
         it keeps goes to the host). The scan moves those itself (`streaming`); a jax.checkpoint offload inside it
         would leave host buffers for the scan to stack, which XLA's layout assignment rejects on JAX 0.11.2. A
-        policy that both keeps names on the device and offloads others (offload_stream) does not stream."""
+        policy that both keeps names on the device and offloads others beside the layer input does not stream."""
         return set(self.offload) <= {LAYER_INPUT} or (self.kind == "names" and not self.save)
 
     def streaming(self):
@@ -232,50 +222,6 @@ def canonical(value: Any) -> str:
     return _selective(parts, value)
 
 
-PLAN_HELP = ("a list of [policy, layers] pairs (or a mapping policy: layers, or the string 'full:8|offload_all:12'),"
-             " each policy not 'auto', each count an integer >= 1")
-
-
-def canonical_plan(value: Any) -> tuple[tuple[str, int], ...]:
-    """The canonical form of a remat plan: ((canonical policy, layers), ...), in layer order. Accepts the
-    string 'POLICY:N|POLICY:N' (the command line's), a list of [policy, N] pairs (YAML) or a mapping
-    {policy: N} (YAML, in order); raises RematError (one line) on anything else."""
-    if isinstance(value, str):
-        items = []
-        for part in value.split("|"):
-            policy, sep, count = part.strip().rpartition(":")
-            if not sep:
-                raise RematError(f"remat_plan {value!r}: part {part.strip()!r} is not POLICY:LAYERS; {PLAN_HELP}")
-            items.append((policy.strip(), count.strip()))
-    elif isinstance(value, Mapping):
-        items = list(value.items())
-    elif isinstance(value, (list, tuple)) and all(isinstance(v, (list, tuple)) and len(v) == 2 for v in value):
-        items = [tuple(v) for v in value]
-    else:
-        raise RematError(f"remat_plan {value!r} is not a plan; {PLAN_HELP}")
-    if not items:
-        raise RematError(f"remat_plan {value!r} is empty; {PLAN_HELP} (or null for no plan)")
-    plan = []
-    for policy, count in items:
-        if isinstance(count, str) and count.isdigit():
-            count = int(count)
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise RematError(f"remat_plan: the layer count {count!r} of {policy!r} must be an integer >= 1")
-        try:
-            policy = canonical(policy)
-        except RematError as e:
-            raise RematError(f"remat_plan: {str(e).removeprefix('remat ')}") from None
-        if policy == "auto":
-            raise RematError(f"remat_plan: 'auto' cannot be a segment's policy; {PLAN_HELP}")
-        plan.append((policy, count))
-    return tuple(plan)
-
-
-def spelled_plan(plan: tuple[tuple[str, int], ...]) -> str:
-    """The command line's spelling of a canonical plan ('full:8|offload_all:12')."""
-    return "|".join(f"{policy}:{count}" for policy, count in plan)
-
-
 def _selective(parts: Mapping[str, tuple[str, ...]], spelled: str) -> str:
     save, offload = tuple(parts.get("save", ())), tuple(parts.get("offload", ()))
     both = set(save) & set(offload)
@@ -284,20 +230,15 @@ def _selective(parts: Mapping[str, tuple[str, ...]], spelled: str) -> str:
     return RematPolicy("names", save, offload).spelled()
 
 
-def parse(value: str, *, offload_all: tuple[str, ...] = NAMES) -> RematPolicy:
-    """The policy of a canonical remat string ("auto" must be resolved first). `offload_all` is the names
-    `offload_all` moves to the host (all of them unless a host budget cut the list: `budget_offload_all`)."""
+def parse(value: str) -> RematPolicy:
+    """The policy of a canonical remat string ("auto" must be resolved first)."""
     value = canonical(value)
-    if value in ("none", "full", "dots"):
+    if value in ("none", "full"):
         return RematPolicy(value)
     if value == "offload":
         return RematPolicy("names", offload=(LAYER_INPUT,))
     if value == "offload+attn":
         return RematPolicy("names", save=(ATTN_OUT, ATTN_LSE), offload=(LAYER_INPUT,))
-    if value == "offload_stream":
-        return RematPolicy("names", save=tuple(n for n in NAMES if n not in STREAM), offload=STREAM)
-    if value == "offload_all":
-        return RematPolicy("names", offload=tuple(offload_all))
     if value == "auto":
         raise ValueError("remat 'auto' is resolved by jaxft.run.Run.choose_remat before the step is built")
     save, offload = (), ()
@@ -343,25 +284,6 @@ def tiled_mlp_names(seq: int, mlp_chunk_size: int | None) -> tuple[str, ...]:
     A policy naming them there would ask XLA to keep a value of the inner loop outside it (for an offload, XLA
     0.11.2 fails its layout assignment), and would hold [T, intermediate] again."""
     return (MLP_GATE_UP,) if mlp_chunk_size is not None and mlp_chunk_size < seq else ()
-
-
-def budget_offload_all(cfg, batch: int, seq: int, itemsize: int, host_memory_gb: float | None,
-                       mlp_chunk_size: int | None = None, layers: int | None = None) -> tuple[tuple[str, ...], int]:
-    """(names `offload_all` moves to the host, their host bytes over `layers` layers, default all of the model's):
-    `NAMES` in order while the running total stays within `host_memory_gb` (None: no limit). A name that does
-    not fit is skipped (recomputed) and smaller later ones may still fit; names the model keeps nothing under
-    are left out."""
-    sizes = residual_bytes(cfg, batch, seq, itemsize, mlp_chunk_size)
-    limit = None if host_memory_gb is None else host_memory_gb * 2**30
-    chosen, total = [], 0
-    for name in NAMES:
-        cost = sizes[name] * (cfg.num_layers if layers is None else layers)
-        if cost == 0:  # the model keeps no such residual (attn_proj / mlp_out without output norms)
-            continue
-        if limit is None or total + cost <= limit:
-            chosen.append(name)
-            total += cost
-    return tuple(chosen), total
 
 
 def block_layers(num_layers: int, layer_input_bytes: int, host_budget_bytes: int | None) -> int:

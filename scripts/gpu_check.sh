@@ -16,7 +16,7 @@
 #     OUT=$OUT PHASES=train TRAIN_GPUS=all TRAIN_PLAN="jaxft,jaxft_lean,unsloth,hf_ckpt,hf_nockpt|1b_2x4096,8b_4096,8b_16384,qwen3_8b_4096,8b_packed_16384|560" bash scripts/gpu_check.sh
 #   and issue #10's table (every remat policy, auto and the peers on its six rows; a system per GPU; continue a cut
 #   call with TRAIN_RESUME=<its bench_train.json>):
-#     OUT=$OUT PHASES=train TRAIN_GPUS=all TRAIN_PLAN="jaxft,jaxft_full_remat,jaxft_lean,jaxft_offload_attn,jaxft_offload_all,jaxft_auto,unsloth,hf_ckpt|8b_4096,8b_16384,8b_32768,8b_65536,8b_packed_16384,8b_packed_65536|560" bash scripts/gpu_check.sh
+#     OUT=$OUT PHASES=train TRAIN_GPUS=all TRAIN_PLAN="jaxft,jaxft_full_remat,jaxft_lean,jaxft_offload_attn,jaxft_lean_attn,jaxft_auto,unsloth,hf_ckpt|8b_4096,8b_16384,8b_32768,8b_65536,8b_packed_16384,8b_packed_65536|560" bash scripts/gpu_check.sh
 #   and the streamed weights (frozen_weights: host) beside lean and Unsloth at 64k:
 #     OUT=$OUT PHASES=train TRAIN_EXTRA_ARGS="--no-ceiling" TRAIN_PLAN="jaxft_offload_attn_host,jaxft_offload_attn,jaxft_lean,unsloth|8b_65536|585" bash scripts/gpu_check.sh
 #   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache (opt-in, JAX's own setting): every process of the call shares a disk

@@ -213,12 +213,13 @@ def test_unknown_option_is_an_unknown_key(workdir, capsys):
     assert not (workdir / "uo").exists()
 
 
-def test_gradient_checkpointing_flag_trains_with_offload(workdir, capsys):
+def test_gradient_checkpointing_flag_trains_with_the_lean_preset(workdir, capsys):
     path = _write_config(workdir, "gc.yaml")
     assert main([str(path), "--gradient_checkpointing", "--max-steps", "1", "lora_r=2"]) == 0
     err = capsys.readouterr().err
-    assert "[jaxft] gradient_checkpointing=true -> remat=offload (layer inputs kept in host memory)" in err
+    assert "[jaxft] gradient_checkpointing=true -> memory: lean (layer inputs in host memory, the rest recomputed)" \
+        in err
     saved = json.loads((workdir / "gc" / "train_config.json").read_text())
-    assert (saved["gradient_checkpointing"], saved["remat"], saved["max_steps"], saved["lora_r"]) == (
-        True, "offload", 1, 2)
+    assert (saved["gradient_checkpointing"], saved["memory"], saved["max_steps"], saved["lora_r"]) == (
+        True, "lean", 1, 2)
     assert [r["step"] for r in read_metrics(workdir / "gc" / "metrics.jsonl") if "loss" in r] == [1]

@@ -38,9 +38,9 @@ def on_host(frozen: nnx.State) -> nnx.State:
 ATTN_ON_HOST = "offload=layer_input,attn_out,attn_lse"  # offload+attn with the attention's residuals on the host
 # Each structure (one group, a periodic scan, a dense then a sparse stack with streamed experts) and each way a
 # policy meets the streamed scan (nothing kept, the layer input to the host, residuals kept on the device, residuals
-# moved to the host, everything kept, every name offloaded), each at least once: the scan's fetches do not depend
+# moved to the host, everything kept), each at least once: the scan's fetches do not depend
 # on the policy, and the policies' own gradients are tests/test_remat.py's.
-CASES = [("packed", "llama", "full"), ("packed", "llama", ATTN_ON_HOST), ("packed", "llama", "offload_all"),
+CASES = [("packed", "llama", "full"), ("packed", "llama", ATTN_ON_HOST), ("packed", "llama", "offload"),
          ("per_leaf", "llama", "offload+attn"),
          ("packed", "gemma2", "offload+attn"), ("packed", "gemma2", "offload"),
          ("packed", "qwen3_moe", "none"), ("packed", "qwen3_moe", ATTN_ON_HOST)]
@@ -51,7 +51,7 @@ def test_streamed_weights_give_the_gradients_of_weights_on_the_device(name, rema
     """Llama: one group of 5 layers; Gemma 2: a periodic scan, each iteration a block of two rows; Qwen3-MoE: a
     dense group then a sparse one, rows from two stacks, the expert stacks streamed as plain per-layer rows. Policies that keep residuals
     (offload+attn: attention output and statistics; none: everything) keep them over streamed weights too, and
-    policies that offload them (the attention's residuals, offload_all: every named one) move them through the
+    policies that offload them (the attention's residuals) move them through the
     scan to the host and back."""
     cfg = {"llama": LLAMA5, "gemma2": GEMMA4, "qwen3_moe": MOE}[name]
     graphdef, lora, frozen = lora_split(cfg)
@@ -78,13 +78,12 @@ def test_streamed_weights_outside_the_streaming_policies_are_refused_in_the_step
     jaxft-train's keys."""
     graphdef, lora, frozen = lora_split(LLAMA5)
     with pytest.raises(ValueError, match="offloads at most the layer input"):
-        grads(LLAMA5, (graphdef, lora, on_host(frozen)), "offload_stream", "scan")
+        grads(LLAMA5, (graphdef, lora, on_host(frozen)), "save=attn_out;offload=layer_input,mlp_input", "scan")
 
 
 @pytest.mark.parametrize("settings, needle", [
-    (dict(remat="offload_stream"), "'host' runs under a remat policy that offloads at most the layer input or keeps "
-                                   "nothing on the device (got 'offload_stream')"),
-    (dict(remat="save=attn_out;offload=layer_input,mlp_input"), "(got 'save=attn_out;offload=layer_input,mlp_input')"),
+    (dict(remat="save=attn_out;offload=layer_input,mlp_input"), "'host' runs under a remat policy that offloads at "
+     "most the layer input or keeps nothing on the device (got 'save=attn_out;offload=layer_input,mlp_input')"),
     (dict(remat="full", layer_loop="unroll"), "set layer_loop: scan (or auto)"),
     (dict(remat="offload", remat_block=2), "remat_block (nested blocks) do not combine yet"),
     (dict(remat="full", frozen_weights="cpu"), "value 'cpu' is not one of 'auto', 'device', 'host'"),
@@ -278,8 +277,7 @@ def test_what_each_policy_keeps_where_over_streamed_weights():
     assert parse("offload+attn").streaming()[1:] == (True, False)
     assert parse("none").streaming()[1:] == (False, False)
     assert parse("offload=layer_input,attn_out,attn_lse").streaming()[1:] == (True, True)
-    assert parse("offload_all").streaming()[1:] == (True, True)
     assert parse("offload=attn_out,attn_lse").streaming()[1:] == (False, True)
-    assert not parse("offload_stream").streams
+    assert not parse("save=attn_out;offload=layer_input,mlp_input").streams
     with pytest.raises(ValueError, match="keeps .* on the device and offloads .*: over streamed weights"):
-        parse("offload_stream").streaming()
+        parse("save=attn_out;offload=layer_input,mlp_input").streaming()

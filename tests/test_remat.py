@@ -17,7 +17,7 @@ from jaxft.config import ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models import init_model
-from jaxft.remat import NAMES, RematPolicy, budget_offload_all, canonical, parse, residual_bytes
+from jaxft.remat import NAMES, RematPolicy, canonical, parse, residual_bytes
 from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batches, unstack_layers
 from lora_helpers import perturb_lora_b
 
@@ -30,6 +30,8 @@ LLAMA = llama()
 GEMMA = ModelConfig(model_type="gemma2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                     num_heads=2, num_kv_heads=1, head_dim=16, layer_windows=(24, None), attn_logit_softcap=5.0,
                     final_logit_softcap=8.0, query_pre_attn_scalar=16.0)
+POLICIES = ("full", "offload", "offload+attn", "offload=layer_input,attn_out,attn_lse",
+            "save=attn_out,mlp_gate_up;offload=layer_input")
 
 
 def packed_batch(vocab: int, b: int = 2, t: int = 64, seed: int = 0) -> dict[str, np.ndarray]:
@@ -116,19 +118,6 @@ def test_train_config_reports_a_bad_policy_at_its_line(tmp_path):
         "save=attn_out;offload=layer_input"
 
 
-def test_offload_all_spends_the_host_budget_in_name_order():
-    cfg = LLAMA
-    sizes = residual_bytes(cfg, 1, 1024, 2)
-    names, total = budget_offload_all(cfg, 1, 1024, 2, None)
-    assert names == tuple(n for n in NAMES if sizes[n]) and total == cfg.num_layers * sum(sizes.values())
-    # Room for the attention output, its statistics and the layer input only: the rest is recomputed.
-    room = cfg.num_layers * (sizes["attn_out"] + sizes["attn_lse"] + sizes["layer_input"])
-    names, total = budget_offload_all(cfg, 1, 1024, 2, room / 2**30)
-    assert names == ("attn_out", "attn_lse", "layer_input") and total == room
-    ex = ExecutionConfig(remat="offload_all", host_memory_gb=room / 2**30)
-    assert ex.layer_policy(cfg, 1, 1024, 2).offload == ("attn_out", "attn_lse", "layer_input")
-
-
 # ---------------------------------------------------------------------------------------------- gradients
 @pytest.fixture(scope="module", params=["llama", "gemma2"])
 def model_case(request):
@@ -139,12 +128,13 @@ def model_case(request):
 
 # One case per way a policy reaches the program, in each loop. On the CPU an offloading policy is a plain remat (the
 # placements are identities), so its gradients differ from another policy of the same way only by what XLA fuses:
-# whole-layer recompute (full), JAX's dots policy, named residuals saved and offloaded by jax.checkpoint (the
-# scan), and, unrolled, named residuals kept through jaxft.offload's custom VJP (offload+attn; offload_all: every
-# name). Plain offload in both loops is the explicit tests' below (the unrolled loop takes the explicit transfer).
+# whole-layer recompute (full), named residuals saved and offloaded by jax.checkpoint (the scan), and, unrolled,
+# named residuals kept through jaxft.offload's custom VJP (offload+attn; the last case: most names to the host). Plain offload in both loops is the explicit tests' below (the unrolled loop takes the explicit transfer).
 # Where the copies go and what they cost is checked on lowered programs here and on the GPU (test_remat_gpu.py).
-GRADIENT_CASES = [("scan", "full"), ("scan", "dots"), ("scan", "save=attn_out,mlp_gate_up;offload=layer_input"),
-                  ("unroll", "full"), ("unroll", "offload+attn"), ("unroll", "offload_all")]
+GRADIENT_CASES = [("scan", "full"), ("scan", "offload=layer_input,attn_out,attn_lse"),
+                  ("scan", "save=attn_out,mlp_gate_up;offload=layer_input"),
+                  ("unroll", "full"), ("unroll", "offload+attn"),
+                  ("unroll", "offload=layer_input,mlp_input,attn_out,attn_lse,attn_qkv,mlp_gate_up")]
 
 
 @pytest.mark.parametrize("loop, remat", GRADIENT_CASES)
@@ -243,9 +233,9 @@ def _dots(split, remat: str) -> int:
 
 
 def test_keeping_everything_but_gate_up_recomputes_only_gate_up():
-    """`examples/bench/lean_gateup.yaml`'s policy: with q/k/v, the attention's residuals and the MLP input kept (here
-    offloaded), the backward re-runs six matmuls of a layer: gate and up, each with its LoRA A and B; no attention,
-    q/k/v/o or down projection. Full remat re-runs more. Gradients equal no remat's."""
+    """A selective policy: with q/k/v, the attention's residuals and the MLP input kept (here offloaded), the
+    backward re-runs six matmuls of a layer: gate and up, each with its LoRA A and B; no attention, q/k/v/o or down
+    projection. Full remat re-runs more. Gradients equal no remat's."""
     policy, split = "offload=layer_input,attn_out,attn_lse,attn_qkv,mlp_input", lora_split(LLAMA)
     assert _dots(split, policy) == _dots(split, "none") + 6 < _dots(split, "full")
     want_loss, want = grads(LLAMA, split, "none", "scan")
@@ -329,36 +319,19 @@ def _placements_back(loop: str, remat: str) -> int:
 
 
 @pytest.mark.parametrize("loop", ["scan", "unroll"])
-@pytest.mark.parametrize("remat, per_layer", [("offload", 1), ("offload+attn", 1), ("offload_stream", 2),
-                                              ("offload_all", 7)])
+@pytest.mark.parametrize("remat, per_layer", [("offload", 1), ("offload+attn", 1),
+                                              ("offload=layer_input,attn_out,attn_lse", 2)])
 def test_offload_policies_place_residuals_in_host_memory_in_both_loops(loop, remat, per_layer):
-    """Per layer: `per_layer` values go to pinned host (offload_all: the layer input, attention output and
-    statistics, the MLP input, q, k, v, gate and up - 9 arrays under 6 names; the reference attention has no
-    statistics, so 8 here... counted from the program, see the assertion) and come back for the backward. The
-    scan's body is one layer (one annotation per name), the unrolled program has one per layer."""
+    """Per layer: `per_layer` values go to pinned host (the layer input, and the attention output where named: the
+    reference attention has no statistics) and come back for the backward. The scan's body is one layer (one
+    annotation per name), the unrolled program has one per layer."""
     jaxpr, hlo = _offload_texts(loop, remat)
     layers = 1 if loop == "scan" else 3
     to_host = hlo.count('_xla_buffer_placement = "pinned_host"')
     to_device = hlo.count('_xla_buffer_placement = "device"')
     assert to_host == to_device // _placements_back(loop, remat) and to_host > 0 and to_host % layers == 0
-    if remat != "offload_all":
-        assert to_host == per_layer * layers
-    else:  # layer input, mlp input, attn_out, q, k, v, gate, up (the reference attention has no statistics)
-        assert to_host == 8 * layers
+    assert to_host == per_layer * layers
     assert jaxpr.count("devices=(MemorySpace.Host,)") == to_host
-
-
-def test_offload_stream_also_moves_what_sandwich_output_norms_read():
-    """Gemma 2 (output norms after attention and MLP): offload_stream moves four [B,T,H] tensors per layer -
-    the layer input, the MLP input and the two branch outputs the output norms' backward reads; Llama (no
-    output norms, checked above) moves two."""
-    jaxpr, hlo = _offload_texts("unroll", "offload_stream", GEMMA)
-    to_host = hlo.count('_xla_buffer_placement = "pinned_host"')
-    to_device = hlo.count('_xla_buffer_placement = "device"') // _placements_back("unroll", "offload_stream")
-    assert to_host == to_device == 4 * GEMMA.num_layers
-    sizes = residual_bytes(GEMMA, 1, 64, 4)
-    assert sizes["attn_proj"] == sizes["mlp_out"] == sizes["layer_input"] > 0
-    assert residual_bytes(LLAMA, 1, 64, 4)["attn_proj"] == 0
 
 
 # ---------------------------------------------------------------------------------------------- explicit transfer
@@ -428,7 +401,8 @@ def test_an_offloading_policy_in_the_scan_compiles_with_pipelined_host_offload()
     flag = "xla_gpu_enable_pipelined_host_offloading"
     scan = dict(layer_loop="scan")
     off = {flag: True, "xla_gpu_enable_command_buffer": ""}  # no command buffers either: they serialised the copies
-    for remat in ("offload", "offload+attn", "offload_all", "save=attn_out;offload=layer_input"):
+    for remat in ("offload", "offload+attn", "offload=layer_input,attn_out,attn_lse",
+                  "save=attn_out;offload=layer_input"):
         assert ExecutionConfig(remat=remat, **scan).program_options == off, remat
     for remat, loop in (("full", "scan"), ("none", "auto"), ("offload", "unroll"), ("save=attn_out", "scan")):
         assert flag not in ExecutionConfig(remat=remat, layer_loop=loop).program_options, (remat, loop)

@@ -46,9 +46,11 @@ def test_bad_remat_layers_get_one_line_naming_the_key(kwargs, needle):
 def test_the_flat_keys_reach_the_execution_config(model_dir, tmp_path):
     from jaxft.train import TrainConfig
 
-    cfg = TrainConfig(model_name_or_path=str(model_dir), dataset=DATA, output_dir=str(tmp_path / "o"), remat="full", remat_layers=3,
+    cfg = TrainConfig(model_name_or_path=str(model_dir), dataset=DATA, output_dir=str(tmp_path / "o"), remat="full",
                       offload_transfer="explicit")
-    assert (cfg.execution.remat_layers, cfg.execution.offload_transfer) == (3, "explicit")
+    assert (cfg.execution.remat, cfg.execution.offload_transfer) == ("full", "explicit")
+    with pytest.raises(TypeError, match="remat_layers"):  # remat auto's own setting, not a user key
+        TrainConfig(model_name_or_path=str(model_dir), dataset=DATA, output_dir=str(tmp_path / "o"), remat_layers=3)
     with pytest.raises(Exception, match="key 'offload_transfer': value 'eager' is not one of"):
         TrainConfig(model_name_or_path=str(model_dir), dataset=DATA, output_dir=str(tmp_path / "o"), offload_transfer="eager")
 
@@ -56,8 +58,8 @@ def test_the_flat_keys_reach_the_execution_config(model_dir, tmp_path):
 def test_auto_loop_unrolls_under_remat_on_some_layers():
     assert ExecutionConfig(remat="full", remat_layers=3).resolved_layer_loop == "unroll"
     assert ExecutionConfig(remat="full").resolved_layer_loop == "scan"
-    # offload_stream's host copies take the explicit transfer, which runs on unrolled layers only
-    assert ExecutionConfig(remat="offload_stream").resolved_layer_loop == "unroll"
+    # the explicit transfer runs on unrolled layers only
+    assert ExecutionConfig(remat="offload", offload_transfer="explicit").resolved_layer_loop == "unroll"
 
 
 @pytest.fixture(scope="module")

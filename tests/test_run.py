@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxft.execution import ExecutionConfig
+from jaxft.execution import MEMORY_PRESETS, ExecutionConfig
 from jaxft.lora import LoraConfig
 from jaxft.run import Run
 from jaxft.remat import NAMES
@@ -109,19 +109,18 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert load_config(REPO / "examples/bench/lean_attn.yaml").execution == lean_attn
     assert load_config(REPO / "examples/bench/lean_attn_host.yaml").execution == lean_attn.replace(
         frozen_weights="host")
-    assert load_config(REPO / "examples/bench/lean_gateup.yaml").execution == lean_attn.replace(
-        remat="offload=layer_input,attn_out,attn_lse,attn_qkv,mlp_input")
     fast = load_config(REPO / "examples/bench/fast.yaml").execution
     assert (fast.remat, fast.resolved_layer_loop) == ("none", "unroll")
     assert load_config(REPO / "examples/bench/fast_host.yaml").execution == fast.replace(layer_loop="scan",
                                                                                           frozen_weights="host")
     policies = {mode: load_config(REPO / "examples/bench" / f"{mode}.yaml").execution for mode in MODES}
-    assert (policies["offload_attn"].remat, policies["offload_all"].remat, policies["auto"].remat) == (
-        "offload+attn", "offload_all", "auto")
-    assert (policies["offload_stream"].remat, policies["offload_stream"].resolved_layer_loop) == (
-        "offload_stream", "unroll")
+    assert (policies["offload_attn"].remat, policies["auto"].remat) == ("offload+attn", "auto")
     assert (policies["auto_40gb"].remat, policies["auto_40gb"].max_memory_gb) == ("auto", 37.25)
-    assert policies["save_named"].remat == "save=" + ",".join(NAMES)
+    # each preset is the measured recipe it names (jaxft.execution.MEMORY_PRESETS)
+    for preset, mode in (("fast", "fast"), ("balanced", "offload_attn"), ("lean", "lean"),
+                         ("max_context", "lean_attn_host"), ("auto", "auto")):
+        assert load_config(REPO / "examples/bench" / f"{mode}.yaml").memory == preset
+        assert policies[mode] == ExecutionConfig(**MEMORY_PRESETS[preset])
     qlora = load_config(REPO / "examples/bench/qlora.yaml")
     assert (qlora.quant.quant_type, qlora.quant.double_quant, qlora.execution) == ("nf4", True, fast)
     qlora_lean = load_config(REPO / "examples/bench/qlora_lean.yaml")
@@ -129,14 +128,12 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     qlora_offload = load_config(REPO / "examples/bench/qlora_offload.yaml")
     assert (qlora_offload.quant, qlora_offload.execution) == (qlora.quant, policies["offload_unroll"].replace(
         ce_chunk_size=256))
-    assert (policies["offload_all"].host_memory_gb, policies["offload_unroll"].resolved_layer_loop) == (100, "unroll")
-    plan = policies["remat_plan"]
-    assert (plan.remat, plan.remat_plan, plan.resolved_layer_loop) == ("full", (("offload_all", 12),), "unroll")
+    assert policies["offload_unroll"].resolved_layer_loop == "unroll"
 
 
 # The other recipes are these settings combined (the test above checks how): weights streamed from the host, the
-# scan with chunked CE and offload, named residuals to the host over streamed weights, a 4-bit base unrolled, a plan.
-@pytest.mark.parametrize("mode", ["fast_host", "lean", "lean_attn_host", "qlora_offload", "remat_plan"])
+# scan with chunked CE and offload, named residuals to the host over streamed weights, a 4-bit base unrolled, attention residuals kept.
+@pytest.mark.parametrize("mode", ["fast_host", "lean", "lean_attn_host", "qlora_offload", "offload_attn"])
 def test_bench_recipes_run_in_jaxft_train(mode, model_dir, tmp_path):
     make_jsonl(tmp_path / "train.jsonl", 40)
     cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml", [

@@ -1,5 +1,6 @@
 """`TrainConfig` from YAML and overrides: every unknown key in one error with its YAML line, key errors placed
-at their line or on the command line, and `gradient_checkpointing` (HF/TRL's switch) mapped to a remat policy."""
+at their line or on the command line, `gradient_checkpointing` (HF/TRL's switch) mapped to the lean preset, and the
+`memory` presets with the `execution` mapping over them."""
 
 from __future__ import annotations
 
@@ -101,32 +102,84 @@ def test_from_dict_places_errors_by_key(paths):
         TrainConfig.from_dict({**paths, "seed": "x"})
 
 
-def test_gradient_checkpointing_selects_offload_and_says_so(tmp_path, paths, caplog):
+def test_gradient_checkpointing_selects_lean_and_says_so(tmp_path, paths, caplog):
     with caplog.at_level(logging.INFO, logger="jaxft"):
         cfg = load_config(_yaml(tmp_path, paths, "gradient_checkpointing: true\n"))
-    assert (cfg.gradient_checkpointing, cfg.remat) == (True, "offload")
+    assert (cfg.gradient_checkpointing, cfg.memory, cfg.remat) == (True, "lean", "offload")
+    assert cfg.execution == TrainConfig(**paths, memory="lean").execution
     notes = [r.getMessage() for r in caplog.records if "gradient_checkpointing" in r.getMessage()]
-    assert notes == ["gradient_checkpointing=true -> remat=offload (layer inputs kept in host memory); set remat to "
-                     "choose another policy"]
-    # The policy round-trips through to_dict (what train_config.json holds), with no second note.
+    assert notes == ["gradient_checkpointing=true -> memory: lean (layer inputs in host memory, the rest "
+                     "recomputed); set memory to choose another mode"]
+    # The mode round-trips through to_dict (what train_config.json holds), with no second note.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="jaxft"):
         assert TrainConfig.from_dict(cfg.to_dict()) == cfg
     assert not caplog.records
-    assert cfg.to_dict()["gradient_checkpointing"] is True and cfg.to_dict()["remat"] == "offload"
+    assert cfg.to_dict()["gradient_checkpointing"] is True and cfg.to_dict()["memory"] == "lean"
 
 
 def test_gradient_checkpointing_with_or_without_remat(tmp_path, paths):
     assert TrainConfig(**paths).remat == "auto"  # the default: chosen per run from the compiled step's memory
     assert TrainConfig(**paths, gradient_checkpointing=False).remat == "auto"
-    assert TrainConfig(**paths, gradient_checkpointing=False, remat="dots").remat == "dots"
+    assert TrainConfig(**paths, gradient_checkpointing=False, remat="full").remat == "full"
     assert TrainConfig(**paths, gradient_checkpointing=True, remat="full").remat == "full"  # a given policy wins
     assert load_config(_yaml(tmp_path, paths, "remat: full\n"), ["gradient_checkpointing=true"]).remat == "full"
     path = _yaml(tmp_path, paths, "gradient_checkpointing: true\nremat: none\n")
-    assert _error(path) == (f"{path}:4: key 'gradient_checkpointing': true contradicts remat: none; drop one of the "
-                            "two keys, or set remat to full, dots or offload")
+    assert _error(path) == (f"{path}:4: key 'gradient_checkpointing': true contradicts execution's remat: none; "
+                            "drop one of the two, or choose memory: lean")
+    path = _yaml(tmp_path, paths, "gradient_checkpointing: true\nmemory: fast\n")
+    assert _error(path) == (f"{path}:4: key 'gradient_checkpointing': true contradicts memory: fast (no remat); "
+                            "drop one of the two, or choose memory: lean")
     assert _error(_yaml(tmp_path, paths, "gradient_checkpointing: yes please\n")).startswith(
         f"{tmp_path / 'run.yaml'}:4: key 'gradient_checkpointing'")
+
+
+def test_memory_presets_are_the_measured_recipes_and_execution_wins_per_field(tmp_path, paths, caplog):
+    from jaxft.execution import MEMORY_PRESETS, ExecutionConfig
+
+    assert TrainConfig(**paths).memory == "auto" and TrainConfig(**paths).execution == ExecutionConfig(remat="auto")
+    for name, fields in MEMORY_PRESETS.items():
+        assert TrainConfig(**paths, memory=name).execution == ExecutionConfig(**fields)
+    lean = TrainConfig(**paths, memory="lean").execution
+    assert (lean.remat, lean.resolved_layer_loop, lean.ce_chunk_size) == ("offload", "scan", 256)
+    assert TrainConfig(**paths, memory="max_context").execution.frozen_weights == "host"
+    with caplog.at_level(logging.INFO, logger="jaxft"):
+        cfg = load_config(_yaml(tmp_path, paths, "memory: lean\nexecution: {remat: full, mlp_chunk_size: 64}\n"))
+    assert cfg.execution == lean.replace(remat="full", mlp_chunk_size=64)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory:")] == [
+        "memory: lean; execution wins for remat: 'full' (preset 'offload')"]
+    assert cfg.replace(max_steps=3).execution == cfg.execution  # the keys as given, not the merged flat values
+    assert cfg.replace(memory="fast").execution == ExecutionConfig(remat="full", layer_loop="auto",
+                                                                   mlp_chunk_size=64)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jaxft"):
+        assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert not [r for r in caplog.records if "deprecated" in r.getMessage()]
+
+
+def test_flat_memory_keys_still_work_with_one_deprecation_line(tmp_path, paths, caplog):
+    path = _yaml(tmp_path, paths, "remat: offload+attn\nlayer_loop: scan\n")
+    with caplog.at_level(logging.INFO, logger="jaxft"):
+        cfg = load_config(path)
+    assert cfg.execution == TrainConfig(**paths, memory="balanced").execution
+    assert [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()] == [
+        f"{path}:4: deprecated flat keys remat, layer_loop: choose a mode with memory: (auto, fast, balanced, lean, "
+        "max_context), or set the mechanism under execution: {remat: ...} (docs/memory.md)"]
+
+
+def test_execution_mapping_errors_name_the_key_and_the_field(tmp_path, paths):
+    path = _yaml(tmp_path, paths, "execution: {remat_plan: 'full:8'}\n")
+    assert _error(path).startswith(f"{path}:4: key 'execution': unknown field 'remat_plan'; did you mean "
+                                   "'remat_block'? fields: remat, remat_block,")
+    path = _yaml(tmp_path, paths, "execution: {layer_loop: scn}\n")
+    assert _error(path) == (f"{path}:4: key 'execution': layer_loop: value 'scn' is not one of 'auto', 'scan', "
+                            "'unroll'")
+    path = _yaml(tmp_path, paths, "layer_loop: scan\nexecution: {layer_loop: unroll}\n")
+    assert _error(path) == (f"{path}:4: key 'layer_loop' is given twice, flat ('scan') and under execution "
+                            "('unroll'); keep the one under execution")
+    assert _error(_yaml(tmp_path, paths, "memory: tiny\n")).startswith(f"{path}:4: key 'memory': value 'tiny'")
+    for gone in ("remat_layers: 2\n", "remat_plan: 'full:8'\n"):  # not user keys: no measured row pays for them
+        assert "unknown key" in _error(_yaml(tmp_path, paths, gone))
 
 
 def test_model_and_logging_parts_come_from_the_flat_keys(paths):

@@ -230,7 +230,7 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
                per_layer: Sequence[RematPolicy] | None = None, router_stats: jax.Array | None = None):
     """x through every group in order: `layer(x, group_ctx(group), rng)` per layer, scanned or unrolled, each
     layer rematerialised per `policy` (see the module docstring for the CSE barriers), or layer i per
-    `per_layer[i]` (`ExecutionConfig.layer_policies`: remat_layers, remat_plan; unrolled layers only: a scan body
+    `per_layer[i]` (`ExecutionConfig.layer_policies`: remat_layers; unrolled layers only: a scan body
     is one policy). Stacked weights of a periodic stack scan over whole periods (`layer_period`), the rest by group.
 
     `layers`: the stacked layer module, or {stack name: module} (`layer_stacks`) when groups name several.
@@ -246,7 +246,7 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     unrolled = any(is_unstacked(state) for state in states.values())
     num_layers = groups[-1].end
     if per_layer is not None and not unrolled:
-        raise ValueError("run_groups: per-layer policies (ExecutionConfig.remat_layers / remat_plan) need "
+        raise ValueError("run_groups: per-layer policies (ExecutionConfig.remat_layers) need "
                          "per-layer weight buffers (layer_loop: unroll)")
     without = RematPolicy("none")
     # Nested checkpointing (`RematPolicy.block`, jaxft.remat): an outer scan over blocks of layers, each block one

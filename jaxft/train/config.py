@@ -9,8 +9,12 @@ value and expected type), ranges, choices and that input paths exist; every fail
 (`TrainConfigError.key`), so `from_dict` can prefix the place the key came from without rewriting text. YAML
 files and overrides are read by `jaxft.train.config_file.load_config`.
 
-`remat` not given: `gradient_checkpointing: true` (the HF/TRL switch) selects `remat: offload`, otherwise the
-policy is `auto` (chosen per run from the compiled step's memory, within `max_memory_gb`: `jaxft.run.Run`).
+Memory is one key, `memory`: a preset named for what it buys (`jaxft.execution.MEMORY_PRESETS`, each a measured
+benchmark recipe), `auto` by default (the fastest that fits `max_memory_gb`: `jaxft.run.Run`). The mechanisms
+behind the presets are fields of one advanced mapping, `execution` (`EXECUTION_MAPPING_KEYS`); an `execution` field
+wins over the preset's, field by field, logged. `gradient_checkpointing: true` (the HF/TRL switch) with neither
+`memory` nor a remat policy given selects `memory: lean`. The flat spellings of the execution fields (`remat`,
+`layer_loop`, ...: `MEMORY_FLAT_KEYS`) still work, each noted as deprecated when read from a file or the command line.
 
 Loss selection, with TRL's two keys, each acting on its own data format only:
 `assistant_only_loss` (chat `messages` records; default true: the assistant replies are trained, false: every
@@ -61,10 +65,17 @@ logger = logging.getLogger(__name__)
 
 
 # Part field -> flat key. ExecutionConfig's and OptimConfig's fields are the flat keys themselves.
-EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "remat_layers", "remat_plan", "remat_block",
-                                  "layer_loop", "ce_chunk_size", "mlp_chunk_size", "max_memory_gb", "host_memory_gb",
-                                  "offload_transfer", "compiler_options", "grouped_matmul_implementation",
-                                  "moe_dispatch", "frozen_weights")}
+EXECUTION_KEYS = {k: k for k in ("attention_implementation", "remat", "remat_block", "layer_loop", "ce_chunk_size",
+                                  "mlp_chunk_size", "max_memory_gb", "host_memory_gb", "offload_transfer",
+                                  "compiler_options", "grouped_matmul_implementation", "moe_dispatch",
+                                  "frozen_weights")}
+# The memory mechanisms: fields of the `execution` mapping, whose flat spellings are deprecated (`memory` picks them).
+MEMORY_FLAT_KEYS = ("remat", "remat_block", "layer_loop", "ce_chunk_size", "mlp_chunk_size", "host_memory_gb",
+                    "offload_transfer", "frozen_weights")
+# What `execution: {...}` takes: the memory mechanisms and the kernel choices (whose flat keys stay).
+EXECUTION_MAPPING_KEYS = MEMORY_FLAT_KEYS + ("attention_implementation", "grouped_matmul_implementation",
+                                             "moe_dispatch", "compiler_options")
+MEMORY_CHOICES = ("auto", "fast", "balanced", "lean", "max_context")
 OPTIM_KEYS = {k: k for k in ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay",
                               "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm")}
 QUANT_KEYS = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use_double_quant",
@@ -190,38 +201,31 @@ class TrainConfig:
     moe_dispatch: Literal["auto", "per_device", "global"] = _key(
         "auto", "on a mesh, where an MoE layer sorts and multiplies tokens: per_device (each device its own rows, "
                 "shard_map) or global; auto: per_device")
-    gradient_checkpointing: bool = _key(
-        False, "HF/TRL's switch: with remat not given, true selects remat: offload (layer inputs in host memory)")
-    remat: str | dict | None = _key(
-        None, "what the backward keeps, offloads or recomputes: none, full, dots, offload, offload+attn, "
-              "offload_stream, offload_all, 'save=..;offload=..' or auto (null: auto, or offload with "
-              "gradient_checkpointing); docs/memory.md")
-    remat_layers: int | None = _key(
-        None, "apply remat to the first N layers only, the rest without remat (unrolled layer loop; null: all)")
-    remat_plan: str | list | dict | None = _key(
-        None, "runs of layers each under its own policy, then remat on the rest: [[full, 8], [offload_all, 12]] "
-              "or 'full:8|offload_all:12' (unrolled layer loop)")
-    remat_block: int | str | None = _key(
-        None, "nested checkpointing for remat full/offload in the layer scan: blocks of k layers keep only their "
-              "input; auto: smallest k whose inputs fit host_memory_gb")
-    offload_transfer: Literal["auto", "policy", "explicit"] = _key(
-        "auto", "how offloading moves residuals to host: policy (jax.checkpoint's), explicit (jaxft.offload's "
-                "copies); auto: explicit when unrolled")
-    frozen_weights: Literal["auto", "device", "host"] = _key(
-        "auto", "where the frozen layer weights live: device, host (pinned, streamed one layer ahead; layer scan, "
-                "one device); auto: device unless remat auto fits nothing there")
+    memory: Literal["auto", "fast", "balanced", "lean", "max_context"] | None = _key(
+        None, "speed against device memory, one measured mode: auto (the fastest that fits max_memory_gb), fast (no "
+              "remat), balanced (layer inputs to host, attention kept), lean (layer inputs to host, the rest "
+              "recomputed: Unsloth's memory), max_context (lean plus attention to host and frozen weights streamed "
+              "from host: least device memory); null: auto, or lean with gradient_checkpointing; docs/memory.md")
     max_memory_gb: float | None = _key(
-        None, "device budget in GiB for remat auto and mesh auto (null: free device memory less max(1 GiB, 5%))")
-    host_memory_gb: float | None = _key(
-        None, "host budget in GiB: offload_all's bound, and what remat auto / remat_block auto may offload (null: "
-              "no bound for offload_all, else the machine's memory less max(8 GiB, 10%))")
-    mlp_chunk_size: int | None = _key(
-        None, "run the MLP in sequence chunks of this many tokens, each recomputed in the backward (null: one chunk)")
-    layer_loop: Literal["auto", "scan", "unroll"] = _key(
-        "auto", "scan (one layer body over stacked weights) or unroll (one region per layer: faster step, longer "
-                "compile); auto: unroll when remat is none or the settings need it")
-    ce_chunk_size: int | None = _key(
-        None, "tokens per chunk of the linear cross-entropy (null: chosen by length and remat)")
+        None, "device budget in GiB for memory auto and mesh auto (null: free device memory less max(1 GiB, 5%))")
+    gradient_checkpointing: bool = _key(
+        False, "HF/TRL's switch: true selects memory: lean (layer inputs in host memory, the rest recomputed) when "
+               "neither memory nor execution's remat is given")
+    execution: dict | None = _key(
+        None, "advanced: the mechanisms behind memory, field by field over its preset, e.g. {remat: offload+attn, "
+              "layer_loop: scan, ce_chunk_size: 256, frozen_weights: host}; fields: " + ", ".join(
+                  EXECUTION_MAPPING_KEYS) + "; docs/memory.md")
+    remat: str | dict | None = _key(None, "deprecated flat key: execution: {remat: ...}")
+    remat_block: int | str | None = _key(None, "deprecated flat key: execution: {remat_block: ...}")
+    offload_transfer: Literal["auto", "policy", "explicit"] | None = _key(
+        None, "deprecated flat key: execution: {offload_transfer: ...}")
+    frozen_weights: Literal["auto", "device", "host"] | None = _key(
+        None, "deprecated flat key: execution: {frozen_weights: ...}")
+    host_memory_gb: float | None = _key(None, "deprecated flat key: execution: {host_memory_gb: ...}")
+    mlp_chunk_size: int | None = _key(None, "deprecated flat key: execution: {mlp_chunk_size: ...}")
+    layer_loop: Literal["auto", "scan", "unroll"] | None = _key(
+        None, "deprecated flat key: execution: {layer_loop: ...}")
+    ce_chunk_size: int | None = _key(None, "deprecated flat key: execution: {ce_chunk_size: ...}")
     compiler_options: dict | None = _key(
         None, "XLA options for the training step's program only, e.g. {xla_gpu_enable_dynamic_slice_fusion: true}")
     # LoRA
@@ -282,7 +286,7 @@ class TrainConfig:
                     f"key {f.name!r}: value {value!r} ({type(value).__name__}) has the wrong type; "
                     f"expected {_type_name(hints[f.name])}", key=f.name)
             object.__setattr__(self, f.name, value)
-        self._resolve_remat()
+        self._resolve_memory()
         self._check_ranges()
         self._build_model_and_logging()
         self._check_paths()
@@ -317,10 +321,14 @@ class TrainConfig:
                 values["compiler_options"] = values["compiler_options"] or {}
             try:
                 part = build(**values)
-            except (ExecutionConfigError, OptimConfigError, LoraConfigError) as e:
+            except ExecutionConfigError as e:
+                if e.field in (self._given["execution"] or {}):
+                    raise TrainConfigError(f"key 'execution': {e.field}: {e.problem}", key="execution") from None
                 raise part_error(e, fields) from None
-            object.__setattr__(self, f"_{name}", part)
-        object.__setattr__(self, "remat", self._execution.remat)  # canonical (a mapping becomes its string)
+            except (OptimConfigError, LoraConfigError) as e:
+                raise part_error(e, fields) from None
+            object.__setattr__(self, "execution" if name == "execution" else f"_{name}", part)
+        object.__setattr__(self, "remat", self.execution.remat)  # canonical (a mapping becomes its string)
 
         try:
             object.__setattr__(self, "_mesh", MeshConfig.from_mapping(self.mesh))
@@ -407,11 +415,6 @@ class TrainConfig:
         return self._model.quant
 
     @property
-    def execution(self):
-        """How the step runs (`jaxft.execution.ExecutionConfig`), from the flat keys."""
-        return self._execution
-
-    @property
     def optim(self):
         """The optimiser part (`jaxft.train.optim.OptimConfig`)."""
         return self._optim
@@ -446,18 +449,52 @@ class TrainConfig:
                           assistant_only_loss=self.assistant_only_loss,
                           completion_only_loss=self.completion_only_loss, text_field=self.dataset_text_field)
 
-    def _resolve_remat(self):
-        """`gradient_checkpointing` picks the remat policy only when `remat` is not given; a given policy wins,
-        except "none", which contradicts gradient_checkpointing=true."""
-        if self.remat is None:
-            if self.gradient_checkpointing:
-                logger.info("gradient_checkpointing=true -> remat=offload (layer inputs kept in host memory); "
-                            "set remat to choose another policy")
-            object.__setattr__(self, "remat", "offload" if self.gradient_checkpointing else "auto")
-        elif self.gradient_checkpointing and self.remat == "none":
-            raise TrainConfigError(
-                "key 'gradient_checkpointing': true contradicts remat: none; drop one of the two keys, or set remat "
-                "to full, dots or offload", key="gradient_checkpointing")
+    def _resolve_memory(self):
+        """The execution fields of this run: the `memory` preset's, then the `execution` mapping's and the
+        deprecated flat keys' over them, field by field (a field given both ways with two values is an error). The
+        merged values are written to the flat fields, which `_build_parts` reads; the keys as given are kept for
+        `replace`. `gradient_checkpointing` selects `memory: lean` only when neither memory nor a remat policy is
+        given; it contradicts remat none and memory fast."""
+        from jaxft.execution import MEMORY_PRESETS, ExecutionConfig
+
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        given = {k: getattr(self, k) for k in ("memory", "execution") + EXECUTION_MAPPING_KEYS}
+        object.__setattr__(self, "_given", given)
+        nested = self.execution or {}
+        unknown = [k for k in nested if k not in EXECUTION_MAPPING_KEYS]
+        if unknown:
+            close = difflib.get_close_matches(str(unknown[0]), EXECUTION_MAPPING_KEYS, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise TrainConfigError(f"key 'execution': unknown field {unknown[0]!r}; {hint}fields: "
+                                   f"{', '.join(EXECUTION_MAPPING_KEYS)}", key="execution")
+        flat = {k: getattr(self, k) for k in EXECUTION_MAPPING_KEYS if getattr(self, k) != defaults[k]}
+        for k in set(flat) & set(nested):
+            if flat[k] != nested[k]:
+                raise TrainConfigError(f"key {k!r} is given twice, flat ({flat[k]!r}) and under execution "
+                                       f"({nested[k]!r}); keep the one under execution", key=k)
+        explicit = {**flat, **nested}
+        memory = self.memory
+        if memory is None:
+            memory = "auto"
+            if self.gradient_checkpointing and "remat" not in explicit:
+                logger.info("gradient_checkpointing=true -> memory: lean (layer inputs in host memory, the rest "
+                            "recomputed); set memory to choose another mode")
+                memory = "lean"
+        if self.gradient_checkpointing and (explicit.get("remat") == "none" or "remat" not in explicit
+                                            and memory == "fast"):
+            what = "execution's remat: none" if explicit.get("remat") == "none" else "memory: fast (no remat)"
+            raise TrainConfigError(f"key 'gradient_checkpointing': true contradicts {what}; drop one of the two, or "
+                                   "choose memory: lean", key="gradient_checkpointing")
+        preset = MEMORY_PRESETS[memory]
+        overridden = [k for k in explicit if k in preset and explicit[k] != preset[k]]
+        if self.memory is not None and overridden:
+            logger.info("memory: %s; execution wins for %s", memory, ", ".join(
+                f"{k}: {explicit[k]!r} (preset {preset[k]!r})" for k in overridden))
+        merged = {**preset, **explicit}
+        object.__setattr__(self, "memory", memory)
+        unset = {f.name: f.default for f in dataclasses.fields(ExecutionConfig) if f.name in MEMORY_FLAT_KEYS}
+        for k in EXECUTION_MAPPING_KEYS:
+            object.__setattr__(self, k, merged.get(k, unset.get(k, defaults[k])))
 
     # ------------------------------------------------------------------ validation
     def _check_ranges(self):
@@ -510,10 +547,14 @@ class TrainConfig:
 
     # ------------------------------------------------------------------ derived values
     def replace(self, **changes) -> "TrainConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`, the memory and execution keys taken as given (not as merged)."""
+        return dataclasses.replace(self, **{**self._given, **changes})
 
     def to_dict(self) -> dict[str, Any]:
+        """The keys: `memory` resolved, `execution` and the flat execution keys as given (`from_dict` of it builds
+        this config again, quietly)."""
         out = dataclasses.asdict(self)
+        out.update({k: self._given[k] for k in ("execution",) + EXECUTION_MAPPING_KEYS})
         for key in ("lora_target_modules", "lora_target_parameters", "eval_generate_prompts", "llm_int8_skip_modules"):
             if isinstance(out[key], tuple):
                 out[key] = list(out[key])
@@ -546,6 +587,13 @@ class TrainConfig:
                                        f"alias {alias!r}); keep one", key=name)
             kwargs[name] = value
             spelled[name] = key
+        deprecated = [key for key, value in values.items() if ALIASES.get(key, key) in MEMORY_FLAT_KEYS
+                      and value is not None]
+        if deprecated:
+            logger.warning("%s: deprecated flat key%s %s: choose a mode with memory: (%s), or set the mechanism "
+                           "under execution: {%s: ...} (docs/memory.md)", where.get(deprecated[0], source),
+                           "s" if len(deprecated) > 1 else "", ", ".join(map(str, deprecated)),
+                           ", ".join(MEMORY_CHOICES), deprecated[0])
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.name not in kwargs]
         if missing:

@@ -287,29 +287,6 @@ def _note_streamed_weights(run, config: TrainConfig) -> None:
                        size(total))
 
 
-def _note_plan(run, config: TrainConfig, rows: int) -> None:
-    """What the log says about a `remat_plan`: each run of layers with its policy and the host bytes it offloads
-    for micro-batches of `rows` rows, so a user sees where the plan puts what."""
-    ex = config.execution
-    if ex.remat_plan is None:
-        return
-    cfg, seq = run.model_config, config.max_seq_length
-    itemsize = jax.numpy.dtype(run.dtype).itemsize
-    policies = ex.layer_policies(cfg, rows, seq, itemsize)
-    planned = sum(n for _, n in ex.remat_plan)
-    names = ex.layer_remats(cfg.num_layers)
-    runs, start = [], 0
-    for i in range(1, cfg.num_layers + 1):
-        if i == cfg.num_layers or names[i] != names[start]:
-            host = sum(remat_policies.offloaded_bytes(policies[j], cfg, rows, seq, itemsize, ex.mlp_chunk_size)
-                       for j in range(start, i)) / cfg.num_layers  # offloaded_bytes counts every layer
-            runs.append(f"layers {start}-{i - 1} {names[start]}" + (f" ({host / 2**30:.2f} GiB to host)" if host
-                                                                     else ""))
-            start = i
-    cut = f" (it names {planned} layers, the model has {cfg.num_layers}: cut there)" if planned > cfg.num_layers else ""
-    logger.info("remat plan %s%s: %s", remat_policies.spelled_plan(ex.remat_plan), cut, "; ".join(runs))
-
-
 def _prepare(config: TrainConfig, out: Path) -> _Setup:
     resume_path = _resume_path(config, out)
     _check_output_dir(config, out, resume_path is not None)
@@ -347,7 +324,6 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     run = jaxft.run.Run.from_config(config, plan.total_steps)
     _note_mosaic_experts(run, config.execution)
     _note_nested_blocks(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
-    _note_plan(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
     if config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is on the device
         try:
             if run.mesh.auto:  # (with remat auto, each mesh gets its own remat choice)

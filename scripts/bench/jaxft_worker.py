@@ -65,8 +65,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 #         per-layer weight slices are copies; docs/benchmarks.md);
 #   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass; the
 #         layer scan (host offload of the scanned layer inputs is what keeps the memory down).
-#   offload_attn, offload_stream, save_named, offload_all, offload_unroll, auto, auto_40gb: the remat policies of
-#         jaxft.remat (one YAML each; auto_40gb = auto within 40 GB);
+#   offload_attn (memory: balanced), lean_attn_host (memory: max_context), offload_unroll, auto, auto_40gb: the
+#         remat policies of jaxft.remat (one YAML each; auto_40gb = auto within 40 GB);
 #   qlora: fast on a 4-bit base (the frozen linears, and a MoE shape's experts, quantised to bitsandbytes nf4
 #         with double quantisation while loading); qlora_lean: the same base with full remat over the layer scan;
 #         qlora_offload: the same base with the layer inputs offloaded from the unrolled loop.
@@ -249,9 +249,6 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
         "versions": {"jax": jax.__version__, "jaxft": getattr(jaxft, "__version__", "dev")},
         "settings": {"mode": mode, "recipe": extra["recipe"], "remat": execution.remat,
                      "remat_layers": execution.remat_layers, "remat_block": execution.remat_block,
-                     # as the command line spells a plan ('full:8|offload_all:12')
-                     "remat_plan": None if execution.remat_plan is None else "|".join(
-                         f"{policy}:{count}" for policy, count in execution.remat_plan),
                      "max_memory_gb": execution.max_memory_gb, "remat_estimates": run.remat_estimates,
                      "attention": execution.attention_implementation, "layers": run.layer_loop,
                      "ce_chunk_size": execution.ce_chunk_size, "dtype": dtype, "lora_dtype": "float32",

@@ -15,7 +15,7 @@ from experiments.probes.maxctx.search import _floor, search_max
 
 ROOT = Path(__file__).resolve().parents[3]
 GIB = 2**30
-POLICIES = ("none", "full", "offload", "offload+attn", "lean_attn", "offload_all", "offload_nested")
+POLICIES = ("none", "full", "offload", "offload+attn", "lean_attn", "offload_nested")
 # Policies of this script that are a remat policy plus execution settings: "offload_nested" is remat offload with
 # nested blocks sized to the host budget (`remat_block: auto`, jaxft.remat); "lean_attn" names the selective policy
 # `jaxft.remat.LEAN_ATTN` (`--policies` is split on commas; this module imports no JAX before the device is set up).
