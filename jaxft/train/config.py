@@ -38,7 +38,7 @@ from bridge.errors import hub_id_hint
 from jaxft.data.pipeline import DataConfig
 from jaxft.distributed import DistributedConfig, DistributedConfigError
 from jaxft.errors import ConfigError
-from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.execution import MEMORY_PRESETS, ExecutionConfig, ExecutionConfigError
 from jaxft.lora import LoraConfig, LoraConfigError
 from jaxft.models.vision.targets import finetune_targets
 from jaxft.quant.config import DEFAULT_SKIP, Fp8Config, QuantConfig, QuantConfigError
@@ -455,8 +455,6 @@ class TrainConfig:
         merged values are written to the flat fields, which `_build_parts` reads; the keys as given are kept for
         `replace`. `gradient_checkpointing` selects `memory: lean` only when neither memory nor a remat policy is
         given; it contradicts remat none and memory fast."""
-        from jaxft.execution import MEMORY_PRESETS, ExecutionConfig
-
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         given = {k: getattr(self, k) for k in ("memory", "execution") + EXECUTION_MAPPING_KEYS}
         object.__setattr__(self, "_given", given)
