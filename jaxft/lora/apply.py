@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxft.lora import trained
 from jaxft.lora.config import LoraConfig
 from jaxft.lora.targets import _modules, _plan, _Site
-from jaxft.models.layers import ExpertParam, Linear, LoraParam, LoraRank, LoraScale, QuantFp8, linears, logical
+from jaxft.models.layers import (ExpertParam, Linear, LoraParam, LoraRank, LoraScale, QuantFp8, TrainableParam, linears,
+                                 logical)
 from jaxft.models.moe import ExpertLora, expert_adapters
 from jaxft.models.quant_experts import Quant4bitExperts, expert_weight
 
@@ -115,7 +117,8 @@ def _install(model, cfg: LoraConfig, plan, fill) -> None:
 
 
 def apply_lora(model, cfg: LoraConfig, *, seed: int = 0):
-    """Adds LoRA adapters to `model` in place (and returns it): A ~ U(+-1/sqrt(in)), B = 0, fp32.
+    """Adds LoRA adapters to `model` in place (and returns it): A ~ U(+-1/sqrt(in)), B = 0, fp32; and makes the
+    modules / token rows of `modules_to_save` / `trainable_token_indices` trainable (`jaxft.lora.trained`).
 
     Raises ConfigError if a target_modules entry, an exclude_modules value or a rank/alpha pattern key selects
     nothing, or selects a module LoRA cannot adapt (output head, embeddings, norms).
@@ -125,7 +128,10 @@ def apply_lora(model, cfg: LoraConfig, *, seed: int = 0):
                         "dict use LoraConfig.from_peft(d)")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"apply_lora(seed={seed!r}): the seed must be a non-negative integer")
-    _install(model, cfg, _plan(model, cfg, strict=True), _random_fill(seed))
+    plan = _plan(model, cfg, strict=True)
+    trained.plan(model, cfg)  # checked before anything is installed
+    _install(model, cfg, plan, _random_fill(seed))
+    trained.install(model, cfg)
     return model
 
 
@@ -222,12 +228,13 @@ def merge_lora(model):
     for path, _ in expert_adapters(model):
         *owner, slot = path.split(".")
         setattr(_linear(model, tuple(owner)), slot, None)
+    trained.merge(model)
     model.lora_config = None
     return model
 
 
 def lora_state(model) -> nnx.State:
-    """The trainable adapter matrices (`LoraParam` variables) of `model`."""
-    return nnx.state(model, LoraParam)
+    """What training updates (`TrainableParam` variables: adapter matrices, trained tables and rows) of `model`."""
+    return nnx.state(model, TrainableParam)
 
 

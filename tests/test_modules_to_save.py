@@ -1,0 +1,198 @@
+"""modules_to_save and trainable tokens against transformers + PEFT (the oracle): gradients of the trained
+embeddings / head / rows, and adapters moving both ways (PEFT-saved into jaxft, jaxft-saved into PEFT) with equal
+logits. A tiny Llama, untied and tied, on 512-token inputs."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors import safe_open
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jaxft
+from jaxft import lora
+from jaxft.config import ConfigError
+from jaxft.models.layers import SavedParam, TokenRows
+from jaxft.train.step import split_model, token_loss_sum
+from lora_helpers import rel_err
+
+VOCAB, SEQ = 96, 512
+TOKENS = [3, 17, 40, 95]
+CASES = {
+    "untied_saved": (False, dict(modules_to_save=["embed_tokens", "lm_head"])),
+    "tied_saved": (True, dict(modules_to_save=["embed_tokens", "lm_head"])),
+    "tied_embed_only": (True, dict(modules_to_save=["embed_tokens"])),
+    "untied_tokens": (False, dict(trainable_token_indices={"embed_tokens": TOKENS, "lm_head": TOKENS[:2]})),
+    "tied_tokens": (True, dict(trainable_token_indices=TOKENS)),
+}
+
+
+def _hf(tied: bool, seed: int = 0):
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                      tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    out = {}
+    for tied in (False, True):
+        path = tmp_path_factory.mktemp(f"base_tied{tied}")
+        _hf(tied).save_pretrained(path)
+        out[tied] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.default_rng(0).integers(0, VOCAB, (1, SEQ)).astype(np.int32)
+
+
+def _fresh(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _peft_model(path, extra: dict):
+    """A PEFT model on q/v with every trained tensor moved off its init (B off zero, tables and rows perturbed)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = peft.get_peft_model(_fresh(path), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj",
+                                                                                                  "v_proj"], **extra))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _torch_loss_grads(model, ids):
+    model.zero_grad()
+    x = torch.tensor(ids, dtype=torch.long)
+    logits = model(x).logits
+    loss = F.cross_entropy(logits[0, :-1], x[0, 1:], reduction="sum")
+    loss.backward()
+    return {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.requires_grad and "lora" not in n}
+
+
+def _batch(ids):
+    t = ids.shape[1]
+    targets = np.concatenate([ids[:, 1:], np.zeros((1, 1), np.int32)], 1)
+    mask = (np.arange(t) < t - 1).astype(np.float32)[None]
+    return dict(input_ids=jnp.asarray(ids), targets=jnp.asarray(targets), loss_mask=jnp.asarray(mask),
+                segment_ids=jnp.ones((1, t), jnp.int32), positions=jnp.arange(t, dtype=jnp.int32)[None])
+
+
+def _jax_grads(model, ids):
+    graphdef, trainable, frozen = split_model(model)
+    grad = jax.jit(jax.grad(lambda tr: token_loss_sum(nnx.merge(graphdef, tr, frozen), _batch(ids))))(trainable)
+    return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grad)}
+
+
+def _logits(model, ids):
+    return np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
+
+
+def _torch_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def peft_saved(bases, tmp_path_factory, ids):
+    """{case: (PEFT adapter dir, PEFT logits, PEFT grads of the trained tables/rows)}."""
+    out = {}
+    for case, (tied, extra) in CASES.items():
+        model = _peft_model(bases[tied], extra)
+        path = tmp_path_factory.mktemp(f"peft_{case}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.save_pretrained(path)
+        out[case] = (path, _torch_logits(model, ids), _torch_loss_grads(model, ids))
+    return out
+
+
+# PEFT parameter name -> jaxft trainable path (torch layout: lm_head's kernel is the transpose).
+_PATHS = {
+    "model.embed_tokens.modules_to_save.default.weight": ("embed.embedding", False),
+    "lm_head.modules_to_save.default.weight": ("lm_head.kernel", True),
+    "model.embed_tokens.token_adapter.trainable_tokens_delta.default": ("embed.token_rows", False),
+    "lm_head.token_adapter.trainable_tokens_delta.default": ("lm_head.token_rows", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_peft_adapter_loads_with_equal_logits_and_grads(bases, peft_saved, ids, case):
+    tied, _ = CASES[case]
+    path, want_logits, want_grads = peft_saved[case]
+    model = lora.load_adapter(jaxft.from_pretrained(bases[tied], dtype="float32", verbose=False), path)
+    assert rel_err(_logits(model, ids), want_logits) < 2e-5
+    grads = _jax_grads(model, ids)
+    assert want_grads
+    for name, want in want_grads.items():
+        ours, transposed = _PATHS[name.removeprefix("base_model.model.")]
+        got = grads[ours].T if transposed else grads[ours]
+        assert rel_err(got, want) < 2e-4, name
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_jaxft_adapter_loads_in_peft(bases, peft_saved, ids, tmp_path, case):
+    """jaxft applies the config itself, gets PEFT's trained values, saves; PEFT loads it: equal logits and keys."""
+    tied, extra = CASES[case]
+    peft_path = peft_saved[case][0]
+    model = lora.load_adapter(jaxft.from_pretrained(bases[tied], dtype="float32", verbose=False), peft_path)
+    out = lora.save_adapter(model, tmp_path / "ours")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = peft.PeftModel.from_pretrained(_fresh(bases[tied]), out)
+    assert rel_err(_torch_logits(loaded, ids), _logits(model, ids)) < 2e-5
+    with safe_open(peft_path / "adapter_model.safetensors", "np") as a, safe_open(out / "adapter_model.safetensors",
+                                                                                  "np") as b:
+        assert set(a.keys()) == set(b.keys())
+    config = json.loads((out / "adapter_config.json").read_text())
+    for key, value in extra.items():
+        assert config[key] == value
+
+
+def test_fresh_apply_matches_peft_init_and_types(bases, ids):
+    """apply_lora: the tables start as the base's (B = 0: base logits), typed as trainable, in the split's
+    trainable half; merge_lora folds them back."""
+    model = jaxft.from_pretrained(bases[True], dtype="float32", verbose=False)
+    base = _logits(model, ids)
+    lora.apply_lora(model, lora.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"],
+                                           trainable_token_indices=TOKENS))
+    assert isinstance(model.lm_head.kernel, SavedParam) and isinstance(model.embed.token_rows, TokenRows)
+    assert rel_err(_logits(model, ids), base) < 1e-6
+    _, trainable, _ = split_model(model)
+    paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(trainable)}
+    assert {"lm_head.kernel", "embed.token_rows"} <= paths
+    model.lm_head.kernel[...] = model.lm_head.kernel[...] * 1.5
+    model.embed.token_rows[...] = model.embed.token_rows[...] + 0.3
+    before = _logits(model, ids)
+    lora.merge_lora(model)
+    assert not isinstance(model.lm_head.kernel, SavedParam) and model.embed.token_rows is None
+    assert rel_err(_logits(model, ids), before) < 1e-6
+
+
+@pytest.mark.parametrize("extra, match", [
+    (dict(modules_to_save=["norm"]), "modules_to_save"),
+    (dict(trainable_token_indices=[VOCAB]), "outside the vocabulary"),
+    (dict(modules_to_save=["embed_tokens"], trainable_token_indices=[1]), "trained in full already"),
+    (dict(trainable_token_indices=[1, 1]), "twice"),
+])
+def test_bad_configs_name_the_field(bases, extra, match):
+    model = jaxft.from_pretrained(bases[False], dtype="float32", verbose=False)
+    with pytest.raises(ConfigError, match=match):
+        lora.apply_lora(model, lora.LoraConfig(r=4, target_modules=["q_proj"], **extra))
