@@ -59,7 +59,9 @@ QUANT_KEYS = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use
 FINETUNE_KEYS = ("finetune_vision_layers", "finetune_language_layers", "finetune_attention_modules",
                  "finetune_mlp_modules")
 LORA_KEYS = {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "lora_target_modules",
-              "use_rslora": "use_rslora", "target_parameters": "lora_target_parameters"}
+              "use_rslora": "use_rslora", "target_parameters": "lora_target_parameters",
+              "modules_to_save": "modules_to_save", "trainable_token_indices": "trainable_token_indices",
+              "ensure_weight_tying": "ensure_weight_tying"}
 
 
 def part_error(error, fields: Mapping[str, str]) -> "TrainConfigError":
@@ -221,6 +223,14 @@ class TrainConfig:
         None, "PEFT's target_parameters: MoE expert parameters, e.g. [experts.gate_up_proj, experts.down_proj]; "
               "needs lora_dropout: 0")
     use_rslora: bool = _key(False, "rank-stabilised LoRA scale alpha/sqrt(r)")
+    modules_to_save: list[str] | None = _key(
+        None, "PEFT's modules_to_save: train these in full beside the adapters, e.g. [embed_tokens, lm_head] (saved "
+              "in the adapter; a tied model gets one copy per name unless ensure_weight_tying)")
+    trainable_token_indices: list[int] | dict | None = _key(
+        None, "PEFT's trainable tokens: train only these embedding rows (token ids), or {embed_tokens: [...], "
+              "lm_head: [...]}; a tied head follows the embedding")
+    ensure_weight_tying: bool = _key(
+        False, "tied models: one trained table for embed_tokens and lm_head in modules_to_save (PEFT's flag)")
     finetune_vision_layers: bool | None = _key(
         None, "vision-language models: LoRA on the vision blocks (Unsloth's flag; null: true); any finetune_* key "
               "replaces lora_target_modules")
@@ -488,6 +498,8 @@ class TrainConfig:
              "[experts.gate_up_proj, experts.down_proj] (or null)")
         if isinstance(params, list):
             object.__setattr__(self, "lora_target_parameters", tuple(params))
+        if isinstance(self.modules_to_save, list):
+            object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save))
         need(self.packing, "packing", "only packing=true is supported: documents are packed into rows with "
                                       "block-diagonal attention (no cross-document attention), so it is exact")
 
@@ -517,7 +529,8 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for key in ("lora_target_modules", "lora_target_parameters", "eval_generate_prompts", "llm_int8_skip_modules"):
+        for key in ("lora_target_modules", "lora_target_parameters", "eval_generate_prompts", "llm_int8_skip_modules",
+                    "modules_to_save"):
             if isinstance(out[key], tuple):
                 out[key] = list(out[key])
         return out
