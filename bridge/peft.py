@@ -37,6 +37,10 @@ rows (``trainable_token_indices``, PEFT >= 0.15) as the replaced rows, in the or
     base_model.model.<module>.weight                                        [V, H] (torch layout: lm_head too)
     base_model.model.<module>.token_adapter.trainable_tokens_delta          [n, H] (values, not differences)
 
+Where the vocabulary was resized (new tokens), PEFT also stores the resized base tables, under
+``<module>.original_module.weight``, ``<module>.token_adapter.base_layer.weight`` or, for a module it does not
+wrap, ``<module>.weight`` (and ``<module>.modules_to_save.weight``, a second copy of the trained table).
+
 Only what jaxft can represent is accepted: LoRA on linear layers, plus those. DoRA, LoRA biases,
 embedding LoRA, layer selection and base-modifying initialisations (PiSSA, OLoRA, CorDA,
 LoftQ) are refused with a message that says so, rather than loaded wrongly.
@@ -528,48 +532,57 @@ def load_adapter(path: str | os.PathLike, *,
     return cfg, out
 
 
+_BASE_SUFFIXES = (".original_module.weight", ".token_adapter.base_layer.weight")
+_COPY_SUFFIX = ".modules_to_save.weight"
+
+
 def _trained_key(cfg: Mapping[str, Any], key: str) -> tuple[str, str] | None:
-    """(module name, suffix) of a tensor key holding a module of modules_to_save or trainable-token rows under
-    `cfg`; None for any other key."""
-    if not key.startswith(KEY_PREFIX):
+    """(module name, kind) of a tensor key that is not a LoRA matrix, under a config with modules_to_save or
+    trainable tokens: kind "saved" (a module trained in full), "rows" (trainable-token rows), "base" (a resized
+    base table) or "copy" (PEFT's second copy of a saved module); None for any other key."""
+    if not key.startswith(KEY_PREFIX) or key.endswith((_SUFFIX_A, _SUFFIX_B)):
+        return None
+    saved, tokens = cfg.get("modules_to_save") or (), cfg.get("trainable_token_indices")
+    if not (saved or tokens):
         return None
     name = key[len(KEY_PREFIX):]
-    if cfg.get("trainable_token_indices") and name.endswith(TOKENS_SUFFIX):
-        return name[: -len(TOKENS_SUFFIX)], TOKENS_SUFFIX
-    saved = cfg.get("modules_to_save")
-    if saved and name.endswith(SAVED_SUFFIX) and not name.endswith((_SUFFIX_A, _SUFFIX_B)):
+    if tokens and name.endswith(TOKENS_SUFFIX):
+        return name[: -len(TOKENS_SUFFIX)], "rows"
+    for suffix, kind in [(s, "base") for s in _BASE_SUFFIXES] + [(_COPY_SUFFIX, "copy")]:
+        if name.endswith(suffix):
+            return name[: -len(suffix)], kind
+    if name.endswith(SAVED_SUFFIX):
         module = name[: -len(SAVED_SUFFIX)]
-        if target_matches(module, saved):
-            return module, SAVED_SUFFIX
+        return module, "saved" if target_matches(module, saved) else "base"
     return None
 
 
-def load_trained(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """The modules trained in full and the trainable-token rows of adapter directory ``path``:
-    ({module name: weight (torch layout)}, {module name: rows [n, H]}), empty where the config has none."""
+def load_trained(path: str | os.PathLike) -> dict[str, dict[str, np.ndarray]]:
+    """The tensors of adapter directory ``path`` beside its LoRA matrices, by kind (see ``_trained_key``):
+    {"saved": {module name: weight (torch layout)}, "rows": {module name: rows [n, H]}, "base": {module name:
+    resized base weight}}, empty where the config has neither modules_to_save nor trainable tokens."""
     root = Path(path)
     cfg, weights_file = read_adapter_config(root), root / ADAPTER_WEIGHTS_NAME
-    full: dict[str, np.ndarray] = {}
-    rows: dict[str, np.ndarray] = {}
+    out: dict[str, dict[str, np.ndarray]] = {"saved": {}, "rows": {}, "base": {}}
     if not (cfg.get("modules_to_save") or cfg.get("trainable_token_indices")) or not weights_file.is_file():
-        return full, rows
+        return out
     infos, _ = read_header(weights_file)
     fd = os.open(weights_file, os.O_RDONLY)
     try:
         bounce = np.empty(1 << 20, np.uint8)
         for key, info in infos.items():
             hit = _trained_key(cfg, key)
-            if hit is None:
+            if hit is None or hit[1] == "copy":
                 continue
             if info.dtype is None or info.dtype.kind != "f" and info.code != "BF16" or len(info.shape) != 2:
                 raise AdapterError(f"{weights_file}: {key} has dtype {info.code} and shape {list(info.shape)}; "
                                    "trained weights must be a floating-point matrix")
             dst = np.empty(info.shape, info.dtype)
             read_into(fd, weights_file, info, dst, None, bounce)
-            (full if hit[1] == SAVED_SUFFIX else rows)[hit[0]] = dst
+            out[hit[1]][hit[0]] = dst
     finally:
         os.close(fd)
-    return full, rows
+    return out
 
 
 def _listing(items: list[str], limit: int = 12) -> str:

@@ -201,6 +201,68 @@ def test_bad_configs_name_the_field(bases, extra, match):
         lora.apply_lora(model, lora.LoraConfig(r=4, target_modules=["q_proj"], **extra))
 
 
+# --------------------------------------------------------------------------- new tokens
+
+
+def test_resize_embeddings_matches_transformers_mean_resizing(bases):
+    """Old rows kept; new rows of the embeddings and the untied head are the old rows' mean plus noise of 1e-9
+    times their covariance, as transformers draws them: both draws lie within a few of that noise's sigmas of
+    each other (statistical: the draws are not the same random numbers), and ours is not the bare mean."""
+    hf = _fresh(bases[False])
+    hf.resize_token_embeddings(VOCAB + 8, mean_resizing=True)
+    model = jaxft.from_pretrained(bases[False], dtype="float32", verbose=False)
+    lora.resize_embeddings(model, VOCAB + 8)
+    assert model.config.vocab_size == VOCAB + 8
+    old = _fresh(bases[False])
+    for ours, theirs, before in ((model.embed.embedding[...], hf.model.embed_tokens.weight,
+                                  old.model.embed_tokens.weight),
+                                 (model.lm_head.kernel[...].T, hf.lm_head.weight, old.lm_head.weight)):
+        ours, theirs, before = np.asarray(ours), theirs.detach().numpy(), before.detach().numpy()
+        np.testing.assert_array_equal(ours[:VOCAB], before)
+        sigma = np.sqrt(1e-9 * before.var(axis=0))
+        mean = before.mean(axis=0)
+        assert np.abs(ours[VOCAB:] - theirs[VOCAB:]).max(axis=0).max() < 6 * np.sqrt(2) * sigma.max()
+        z = (ours[VOCAB:] - mean) / sigma
+        assert 0.3 < z.std() < 3
+
+
+def test_new_tokens_both_ways_with_peft(bases, tmp_path, ids):
+    """New tokens trained as token rows: a PEFT adapter (base resized by transformers) loads in jaxft (base
+    resized by jaxft) with equal logits, and the adapter jaxft saves loads in PEFT: the trained rows replace the
+    new rows, so the two resizes' different draws do not matter."""
+    new = [VOCAB, VOCAB + 1, VOCAB + 2]
+    text = ids.copy()
+    text[0, ::5] = VOCAB + 1
+    for tied in (False, True):
+        hf = _fresh(bases[tied])
+        hf.resize_token_embeddings(VOCAB + 3)
+        cfg = lora.new_token_config(lora.LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]), new, tied)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = peft.get_peft_model(hf, peft.LoraConfig(**cfg.peft_fields()))
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for _, p in theirs.named_parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * 0.1)
+        theirs.save_pretrained(tmp_path / f"peft{tied}")
+        model = jaxft.from_pretrained(bases[tied], dtype="float32", verbose=False)
+        lora.resize_embeddings(model, VOCAB + 3, seed=5)
+        lora.load_adapter(model, tmp_path / f"peft{tied}")
+        assert rel_err(_logits(model, text), _torch_logits(theirs, text)) < 2e-5
+        # PEFT stored its resized base tables too: a base jaxft did not resize takes them (and their size).
+        grown = lora.load_adapter(jaxft.from_pretrained(bases[tied], dtype="float32", verbose=False),
+                                  tmp_path / f"peft{tied}")
+        assert rel_err(_logits(grown, text), _torch_logits(theirs, text)) < 2e-5
+        out = lora.save_adapter(model, tmp_path / f"ours{tied}")
+        back = _fresh(bases[tied])
+        back.resize_token_embeddings(VOCAB + 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            back = peft.PeftModel.from_pretrained(back, out)
+        assert rel_err(_torch_logits(back, text), _logits(model, text)) < 2e-5
+
+
 # --------------------------------------------------------------------------- jaxft-train
 
 
@@ -216,6 +278,7 @@ def test_train_run_trains_saves_and_resumes_modules_to_save(tmp_path):
                   output_dir=str(tmp_path / "run"), max_steps=2, save_steps=2, logging_steps=1, max_seq_length=256,
                   per_device_train_batch_size=2, warmup_steps=0, remat="none", layer_loop="scan",
                   lora_target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "lm_head"])
+    values["add_special_tokens"] = ["<|tool|>"]  # a new token: the tables grow to 1025 rows
     train(TrainConfig(**values))
     run = Path(values["output_dir"])
     ckpt = run / "checkpoints" / "2"
@@ -228,9 +291,20 @@ def test_train_run_trains_saves_and_resumes_modules_to_save(tmp_path):
     adapter = run / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["modules_to_save"] == ["embed_tokens", "lm_head"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(adapter)  # saved with the adapter, new token included
+    new_id = tokenizer.convert_tokens_to_ids("<|tool|>")
+    assert len(tokenizer) == 1025 and new_id == 1024
     base = jaxft.from_pretrained(TINY, "float32", verbose=False)
-    ours = lora.load_adapter(jaxft.from_pretrained(TINY, "float32", verbose=False), adapter)
+    with pytest.raises(ValueError, match="resize_embeddings"):  # as in PEFT: the base is resized first
+        lora.load_adapter(jaxft.from_pretrained(TINY, "float32", verbose=False), adapter)
+    lora.resize_embeddings(base, len(tokenizer))
+    ours = lora.load_adapter(base, adapter)
+    base = jaxft.from_pretrained(TINY, "float32", verbose=False)
+    assert ours.embed.embedding.shape[0] == 1025
     assert np.abs(np.asarray(ours.embed.embedding[...]) - np.asarray(base.embed.embedding[...])).max() > 1e-4
     ids = np.random.default_rng(2).integers(0, 256, (1, 64)).astype(np.int32)
-    hf = peft.PeftModel.from_pretrained(_fresh(TINY), adapter).eval()
+    ids[0, ::7] = new_id
+    hf = _fresh(TINY)
+    hf.resize_token_embeddings(len(tokenizer))  # what a PEFT user does before loading an adapter with new tokens
+    hf = peft.PeftModel.from_pretrained(hf, adapter).eval()
     assert rel_err(_logits(ours, ids), _torch_logits(hf, ids)) < 1e-5

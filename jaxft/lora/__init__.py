@@ -30,6 +30,7 @@ from jaxft.lora.adapter_files import load_adapter, save_adapter
 from jaxft.lora.apply import apply_lora, lora_state, merge_lora, merged_kernels
 from jaxft.lora.config import ALL_LINEAR, LoraConfig, LoraConfigError
 from jaxft.lora.targets import target_names
+from jaxft.lora.trained import new_token_config, resize_embeddings
 from jaxft.models.layers import TrainableParam
 
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
     "lora_state",
     "merge_lora",
     "merged_kernels",
+    "new_token_config",
+    "resize_embeddings",
     "save_adapter",
     "target_names",
     "trainable_filter",

@@ -179,8 +179,9 @@ def load_adapter(model, path: str | os.PathLike):
         trained.plan(model, cfg)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
-    full, rows = peft_io.load_trained(path)
-    values = trained.values_of(model, cfg, full, rows, weights_file)
+    stored = peft_io.load_trained(path)
+    trained.adopt_base_tables(model, stored["base"], weights_file)
+    values = trained.values_of(model, cfg, stored["saved"], stored["rows"], weights_file)
     _install(model, cfg, plan, fill)
     trained.install(model, cfg, values)
     return model

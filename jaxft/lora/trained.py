@@ -8,11 +8,15 @@ PEFT's rules reproduced here:
   the head becomes its own [H, V] kernel (a copy of the table), so each copy is a variable of its own.
 * trainable tokens replace rows of the table (index_copy, not a delta added to it), starting from the rows'
   values; a tied head reads the same replaced table.
+
+New tokens grow the tables first (`resize_embeddings`, transformers' `resize_token_embeddings` with its mean
+initialisation); their rows are then trained like any other (`new_token_config`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -132,7 +136,11 @@ def _layout(role: str, value, shape) -> np.ndarray:
     if role == HEAD:
         value = value.T
     if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"a trained {role} of shape {tuple(value.shape)} does not fit this model's {tuple(shape)}")
+        vocab = value.shape[0 if role == EMBED else 1]
+        hint = (f"; the adapter has new tokens: grow the base first with jaxft.lora.resize_embeddings(model, {vocab})"
+                if vocab > shape[0 if role == EMBED else 1] else "")
+        raise ValueError(f"a trained {role} of shape {tuple(value.shape)} does not fit this model's {tuple(shape)}"
+                         f"{hint}")
     return value
 
 
@@ -160,6 +168,32 @@ def exported(model) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     if model.lm_head is None and EMBED in names and names[EMBED] in full and cfg.ensure_weight_tying:
         full[names[HEAD]] = full[names[EMBED]]  # PEFT ties the head to the trained table and saves both
     return full, rows
+
+
+def adopt_base_tables(model, tables: Mapping[str, np.ndarray], source) -> None:
+    """Makes the resized base tables PEFT stores with an adapter of new tokens ({HF module name: weight [V', H]})
+    the model's frozen tables, growing the vocabulary to V' where the model is smaller (`resize_embeddings` for a
+    table the adapter does not hold), so the untrained new rows are PEFT's too."""
+    if not tables:
+        return
+    names = module_names(model)
+    roles = {name: role for role, name in names.items()}
+    unknown = sorted(set(tables) - set(roles))
+    if unknown:
+        raise peft_io.AdapterError(f"{source}: full weights for {unknown[0]}, which is neither the embeddings nor "
+                                   "the output head; jaxft cannot load them")
+    vocab = {int(np.asarray(t).shape[0]) for t in tables.values()}
+    if len(vocab) > 1 or min(vocab) < model.config.vocab_size:
+        raise peft_io.AdapterError(f"{source}: resized base tables of {sorted(vocab)} rows do not fit this model's "
+                                   f"{model.config.vocab_size}; was the adapter trained for a different base model?")
+    resize_embeddings(model, vocab.pop())
+    for name, value in tables.items():
+        role = roles[name]
+        if role == HEAD and model.lm_head is None:
+            continue  # a tied head: PEFT stored the embedding table again
+        var = _var(model, role)
+        setattr(_holder(model, role), _PATHS[role][1],
+                nnx.Param(jnp.asarray(_layout(role, value, var.shape), var.dtype), **var.get_metadata()))
 
 
 def values_of(model, cfg: LoraConfig, full: Mapping[str, np.ndarray], rows: Mapping[str, np.ndarray],
@@ -204,3 +238,72 @@ def merge(model) -> None:
             holder.token_rows = holder.token_ids = nnx.static(None)
         if isinstance(var, SavedParam):
             setattr(holder, _PATHS[role][1], nnx.Param(var[...].astype(dtype), **var.get_metadata()))
+
+
+# transformers scales the old rows' covariance by this before sampling new rows from it (mean_resizing=True).
+_MEAN_RESIZING_EPS = 1e-9
+
+
+def _mean_rows(table: np.ndarray, count: int, rng: np.random.Generator) -> np.ndarray:
+    """`count` rows drawn from N(mean, 1e-9 * cov) of `table`'s rows [V, H] (cov = centered^T centered / V), or the
+    mean itself where that covariance is not positive definite: transformers' `_init_added_embeddings_weights_
+    with_mean`. The spread is 3e-5 of the rows' own: the new rows are the mean, up to noise."""
+    x = np.asarray(table, np.float32)
+    mean = x.mean(axis=0)
+    centered = x - mean
+    cov = (centered.T @ centered / x.shape[0]).astype(np.float64) * _MEAN_RESIZING_EPS
+    try:
+        chol = np.linalg.cholesky(cov)
+    except np.linalg.LinAlgError:
+        return np.broadcast_to(mean, (count, x.shape[1])).copy()
+    return (mean + rng.standard_normal((count, x.shape[1])) @ chol.T).astype(np.float32)
+
+
+def resize_embeddings(model, vocab_size: int, *, seed: int = 0) -> None:
+    """Grows the embedding table (and an untied head) of `model` to `vocab_size` rows in place, as transformers'
+    `model.resize_token_embeddings(vocab_size)` (mean_resizing=True) does: old rows kept, new rows drawn from a
+    normal with the old rows' mean and 1e-9 times their covariance (the head's from the head's rows). The draws
+    are jaxft's own (seeded), so they equal transformers' only in distribution. Call it before `apply_lora`."""
+    old = model.config.vocab_size
+    if not isinstance(vocab_size, int) or vocab_size < old:
+        raise ValueError(f"resize_embeddings: vocab_size={vocab_size!r} must be an integer >= the model's {old} "
+                         "(shrinking the vocabulary is not supported)")
+    if getattr(model, "lora_config", None) is not None:
+        raise ValueError("resize_embeddings: the model has adapters already; resize the base before apply_lora")
+    if vocab_size == old:
+        return
+    if model.lm_head is not None and getattr(model.lm_head, "kernel", None) is None:
+        raise ValueError("resize_embeddings: the output head is stored quantised; keep lm_head in "
+                         "llm_int8_skip_modules")
+    rng = np.random.default_rng([seed, vocab_size])
+    var = model.embed.embedding
+    table = np.asarray(var[...].astype(jnp.float32))
+    grown = np.concatenate([table, _mean_rows(table, vocab_size - old, rng)])
+    model.embed.embedding = nnx.Param(jnp.asarray(grown, var.dtype), **var.get_metadata())
+    if model.lm_head is not None:
+        var = model.lm_head.kernel
+        head = np.asarray(var[...].astype(jnp.float32)).T
+        grown = np.concatenate([head, _mean_rows(head, vocab_size - old, rng)])
+        model.lm_head.kernel = nnx.Param(jnp.asarray(grown.T, var.dtype), **var.get_metadata())
+        model.lm_head.out_features = vocab_size
+    model.config = dataclasses.replace(model.config, vocab_size=vocab_size)
+
+
+def new_token_config(cfg: LoraConfig, ids: Sequence[int], tied: bool) -> LoraConfig:
+    """`cfg` with token rows `ids` (new tokens) trained: added to trainable_token_indices for the embeddings
+    (and an untied head, whose new rows need training as much), except where modules_to_save trains a table in
+    full already."""
+    ids = [int(i) for i in ids]
+    if not ids:
+        return cfg
+    saved = cfg.modules_to_save or ()
+    rows = dict(cfg.token_index_map)
+    def names(entry: str, module: str) -> bool:  # an entry written as the module's name or a dotted path to it
+        return entry == module or entry.endswith("." + module)
+
+    for module in ("embed_tokens",) + (() if tied else ("lm_head",)):
+        if any(names(s, module) for s in saved):
+            continue
+        key = next((k for k in rows if names(k, module)), module)
+        rows[key] = tuple(dict.fromkeys([*rows.get(key, ()), *ids]))
+    return dataclasses.replace(cfg, trainable_token_indices=rows or None)

@@ -231,6 +231,10 @@ class TrainConfig:
               "lm_head: [...]}; a tied head follows the embedding")
     ensure_weight_tying: bool = _key(
         False, "tied models: one trained table for embed_tokens and lm_head in modules_to_save (PEFT's flag)")
+    add_special_tokens: list[str] | None = _key(
+        None, "special tokens added to the tokenizer (e.g. a chat template's <|im_start|>, <|im_end|>): the "
+              "embeddings grow (transformers' mean init) and these tokens' rows train (trainable_token_indices, "
+              "unless modules_to_save trains the tables); the tokenizer is saved with the adapter")
     finetune_vision_layers: bool | None = _key(
         None, "vision-language models: LoRA on the vision blocks (Unsloth's flag; null: true); any finetune_* key "
               "replaces lora_target_modules")
@@ -500,6 +504,11 @@ class TrainConfig:
             object.__setattr__(self, "lora_target_parameters", tuple(params))
         if isinstance(self.modules_to_save, list):
             object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save))
+        tokens = self.add_special_tokens
+        need(tokens is None or (len(tokens) > 0 and all(isinstance(t, str) and t.strip() for t in tokens)),
+             "add_special_tokens", "give a non-empty list of token strings such as ['<|im_start|>', '<|im_end|>']")
+        if isinstance(tokens, list):
+            object.__setattr__(self, "add_special_tokens", tuple(tokens))
         need(self.packing, "packing", "only packing=true is supported: documents are packed into rows with "
                                       "block-diagonal attention (no cross-document attention), so it is exact")
 
@@ -530,7 +539,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         for key in ("lora_target_modules", "lora_target_parameters", "eval_generate_prompts", "llm_int8_skip_modules",
-                    "modules_to_save"):
+                    "modules_to_save", "add_special_tokens"):
             if isinstance(out[key], tuple):
                 out[key] = list(out[key])
         return out

@@ -32,11 +32,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from bridge import read_config
 from jaxft import distributed
 from jaxft import remat as remat_policies
 from jaxft.auto import claim_gpu_memory
 from jaxft.execution import ExecutionConfigError
-from jaxft.lora import LoraConfigError
+from jaxft.config import ModelConfig
+from jaxft.lora import LoraConfigError, new_token_config
 from jaxft.train import checkpoint as ckpt
 from jaxft.train.config import EXECUTION_KEYS, LORA_KEYS, TrainConfig, TrainConfigError, part_error
 from jaxft.train.guard import OutputDirLock, StopRequests, TrainingDiverged, TrainingInterrupted
@@ -121,12 +123,28 @@ def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
             "to continue it, overwrite_output_dir=true to start over, or choose a new output_dir")
 
 
+def _new_tokens(config: TrainConfig, tokenizer) -> dict[str, Any]:
+    """Run.from_config's overrides for `add_special_tokens`: the vocabulary grown to the tokenizer's (where it
+    outgrew the model's) and those tokens' rows trained (`jaxft.lora.new_token_config`)."""
+    if not config.add_special_tokens:
+        return {}
+    model = ModelConfig.from_hf(read_config(config.model.path))
+    ids = tokenizer.convert_tokens_to_ids(list(config.add_special_tokens))
+    try:
+        lora_config = new_token_config(config.lora, ids, model.tie_word_embeddings)
+    except LoraConfigError as e:
+        raise TrainConfigError(f"key 'add_special_tokens': {e}", key="add_special_tokens") from None
+    return dict(lora_config=lora_config, vocab_size=max(model.vocab_size, len(tokenizer)))
+
+
 def _load_data(config: TrainConfig, num_devices: int):
     from jaxft.data.formatting import load_tokenizer
     from jaxft.data.images import ImageProcessor
     from jaxft.data.pipeline import build_datasets
 
     tokenizer = load_tokenizer(config.model.path)
+    if config.add_special_tokens:  # before the data is tokenized: the new tokens get their own ids
+        tokenizer.add_tokens(list(config.add_special_tokens), special_tokens=True)
     images = ImageProcessor.for_model_dir(config.model.path,  # None for a text-only model
                                           confine=not config.image_paths_outside_dataset)
     train_ds, eval_ds = build_datasets(config.data(num_devices), tokenizer, images)
@@ -340,7 +358,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     if config.lr_scheduler_type == "constant" and plan.warmup_steps:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
-    run = Run.from_config(config, plan.total_steps)
+    run = Run.from_config(config, plan.total_steps, **_new_tokens(config, tokenizer))
     _note_mosaic_experts(run, config.execution)
     _note_nested_blocks(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
     _note_plan(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
