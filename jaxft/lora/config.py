@@ -47,8 +47,8 @@ class LoraConfig:
     trainable_token_indices [trainable_token_indices]: token ids whose embedding rows are trained (the rest
     frozen), or {module name: ids} ("embed_tokens", and "lm_head" on an untied model); a tied head follows the
     embedding's rows.
-    Lists are stored as sorted tuples (token ids keep their order) and the pattern dicts are copied (their order is kept: first match wins),
-    so a config is hashable (it is static metadata of the model it is applied to).
+    Lists are stored as sorted tuples (token ids keep their order) and the pattern dicts are copied (their order
+    is kept: first match wins), so a config is hashable (it is static metadata of the model it is applied to).
     """
 
     r: int = 8

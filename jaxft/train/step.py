@@ -23,7 +23,8 @@ never materialised.
 
 Only `TrainableParam` variables (LoRA matrices, and tables or token rows trained beside them) are differentiated
 and optimised: the model is split by variable type, `graphdef, lora, frozen = nnx.split(model, TrainableParam,
-...)`; the step takes `lora` and the optimizer state as donated buffers (updated in place) and `frozen` (base weights, LoRA scales) as a read-only input.
+...)`; the step takes `lora` and the optimizer state as donated buffers (updated in place) and `frozen` (base
+weights, LoRA scales) as a read-only input.
 """
 
 from __future__ import annotations
