@@ -175,12 +175,12 @@ def load_adapter(model, path: str | os.PathLike):
                 a[layer, :, :r], b[layer, :r, :] = pa.T, pb.T
         return jnp.asarray(a), jnp.asarray(b)
 
+    stored = peft_io.load_trained(path)
+    trained.adopt_base_tables(model, stored["base"], weights_file)  # new tokens: PEFT's resized tables
     try:
         trained.plan(model, cfg)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
-    stored = peft_io.load_trained(path)
-    trained.adopt_base_tables(model, stored["base"], weights_file)
     values = trained.values_of(model, cfg, stored["saved"], stored["rows"], weights_file)
     _install(model, cfg, plan, fill)
     trained.install(model, cfg, values)
