@@ -23,7 +23,7 @@ from bridge.safetensors_io import read_header
 from jaxft.config import ModelConfig
 from jaxft.models.decoder import Decoder, abstract_model
 from jaxft.models.families import family_for
-from jaxft.models.layers import LoraParam
+from jaxft.models.layers import LoraParam, TokenRows
 from jaxft.models.stack import layer_stacks
 from jaxft.quant.config import Fp8Config
 
@@ -53,8 +53,9 @@ def _path_key(path) -> tuple[str, ...]:
 
 
 def param_shapes(model: Decoder) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
-    """Tree path -> shape/dtype of every base parameter (LoRA excluded)."""
-    state = nnx.state(model, nnx.Not(LoraParam))
+    """Tree path -> shape/dtype of every base parameter (LoRA and trained token rows excluded; a table trained in
+    full is the base parameter it replaces)."""
+    state = nnx.state(model, nnx.Not(nnx.Any(LoraParam, TokenRows)))
     out = {}
     for path, var in nnx.to_flat_state(state):
         if isinstance(var, nnx.Param):

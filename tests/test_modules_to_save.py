@@ -166,9 +166,9 @@ def test_both_ways_with_peft_equal_logits_and_grads(bases, peft_saved, ids, tmp_
         assert config[key] == value
 
 
-def test_fresh_apply_matches_peft_init_and_types(bases, ids):
+def test_fresh_apply_matches_peft_init_and_types(bases, ids, tmp_path):
     """apply_lora: the tables start as the base's (B = 0: base logits), typed as trainable, in the split's
-    trainable half; merge_lora folds them back."""
+    trainable half; a merged export (transformers loads it) and merge_lora fold them in."""
     model = jaxft.from_pretrained(bases[True], dtype="float32", verbose=False)
     base = _logits(model, ids)
     lora.apply_lora(model, lora.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"],
@@ -181,6 +181,8 @@ def test_fresh_apply_matches_peft_init_and_types(bases, ids):
     model.lm_head.kernel[...] = model.lm_head.kernel[...] * 1.5
     model.embed.token_rows[...] = model.embed.token_rows[...] + 0.3
     before = _logits(model, ids)
+    merged = jaxft.save_pretrained(model, tmp_path / "merged")  # the head untied from the table: both written
+    assert rel_err(_torch_logits(_fresh(merged), ids), before) < 1e-5
     lora.merge_lora(model)
     assert not isinstance(model.lm_head.kernel, SavedParam) and model.embed.token_rows is None
     assert rel_err(_logits(model, ids), before) < 1e-6

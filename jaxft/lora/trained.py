@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -26,7 +27,7 @@ from bridge import peft as peft_io
 from jaxft.config import ConfigError
 from jaxft.lora.config import LoraConfig, LoraConfigError
 from jaxft.models.families import family_for
-from jaxft.models.layers import Linear, SavedParam, TokenIds, TokenRows, TrainableParam, logical
+from jaxft.models.layers import Linear, SavedParam, TokenIds, TokenRows, TrainableParam, logical, with_token_rows
 
 EMBED, HEAD = "embed", "head"
 _PATHS = {EMBED: ("embed", "embedding"), HEAD: ("lm_head", "kernel")}
@@ -151,6 +152,7 @@ def _untie(model) -> None:
                   axes=("embed", "vocab"))
     head.kernel = nnx.Param(jnp.asarray(table.T), **logical("embed", "vocab"))
     model.lm_head = nnx.data(head)
+    model.config = dataclasses.replace(model.config, tie_word_embeddings=False)  # a merged export has both
 
 
 def exported(model) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -222,6 +224,19 @@ def values_of(model, cfg: LoraConfig, full: Mapping[str, np.ndarray], rows: Mapp
     return out
 
 
+def row_tables(model) -> dict[tuple[str, ...], str]:
+    """{("embed", "embedding") / ("lm_head", "kernel"): role} of the tables that have trained rows."""
+    return {_PATHS[role]: role for role in (EMBED, HEAD)
+            if _holder(model, role) is not None and getattr(_holder(model, role), "token_rows", None) is not None}
+
+
+def table_with_rows(model, key: tuple[str, ...]) -> jax.Array:
+    """The table at `key` (see `row_tables`) with its trained rows written in (what a merged export writes)."""
+    role = row_tables(model)[tuple(key)]
+    holder = _holder(model, role)
+    return with_token_rows(getattr(holder, _PATHS[role][1])[...], holder, 0 if role == EMBED else 1)
+
+
 def merge(model) -> None:
     """Folds trained tables and rows into the frozen base (a `SavedParam` becomes an `nnx.Param` of the model's
     dtype; trained rows are written into their table)."""
@@ -232,9 +247,7 @@ def merge(model) -> None:
             continue
         var = getattr(holder, _PATHS[role][1], None)
         if getattr(holder, "token_rows", None) is not None:
-            table = var[...]
-            ids, rows = holder.token_ids[...], holder.token_rows[...].astype(table.dtype)
-            var[...] = table.at[ids].set(rows) if role == EMBED else table.at[:, ids].set(rows.T)
+            var[...] = with_token_rows(var[...], holder, 0 if role == EMBED else 1)
             holder.token_rows = holder.token_ids = nnx.static(None)
         if isinstance(var, SavedParam):
             setattr(holder, _PATHS[role][1], nnx.Param(var[...].astype(dtype), **var.get_metadata()))
