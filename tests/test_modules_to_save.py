@@ -35,6 +35,7 @@ CASES = {
     "untied_saved": (False, dict(modules_to_save=["embed_tokens", "lm_head"])),
     "tied_saved": (True, dict(modules_to_save=["embed_tokens", "lm_head"])),
     "tied_embed_only": (True, dict(modules_to_save=["embed_tokens"])),
+    "tied_ensure": (True, dict(modules_to_save=["embed_tokens"], ensure_weight_tying=True)),
     "untied_tokens": (False, dict(trainable_token_indices={"embed_tokens": TOKENS, "lm_head": TOKENS[:2]})),
     "tied_tokens": (True, dict(trainable_token_indices=TOKENS)),
 }
