@@ -175,9 +175,10 @@ def load_adapter(model, path: str | os.PathLike):
                 a[layer, :, :r], b[layer, :r, :] = pa.T, pb.T
         return jnp.asarray(a), jnp.asarray(b)
 
-    stored = peft_io.load_trained(path)
-    trained.adopt_base_tables(model, stored["base"], weights_file)  # new tokens: PEFT's resized tables
     try:
+        trained.check_names(model, cfg)
+        stored = peft_io.load_trained(path)
+        trained.adopt_base_tables(model, stored["base"], weights_file)  # new tokens: PEFT's resized tables
         trained.plan(model, cfg)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None

@@ -56,6 +56,14 @@ def _select(names: dict[str, str], entries, field: str, model_type: str) -> set[
     return chosen
 
 
+def check_names(model, cfg: LoraConfig) -> None:
+    """Raises `LoraConfigError` where modules_to_save or a trainable_token_indices key names a module jaxft cannot
+    train (anything but the embeddings and the output head)."""
+    names, model_type = module_names(model), model.config.model_type
+    _select(names, cfg.modules_to_save or (), "modules_to_save", model_type)
+    _select(names, cfg.token_index_map, "trainable_token_indices", model_type)
+
+
 def plan(model, cfg: LoraConfig) -> tuple[set[str], dict[str, tuple[int, ...]]]:
     """(roles trained in full, {role: token ids trained}) of `cfg` on `model`, checked."""
     names, model_type = module_names(model), model.config.model_type
