@@ -76,7 +76,9 @@ def plan(model, cfg: LoraConfig) -> tuple[set[str], dict[str, tuple[int, ...]]]:
             rows[role] = ids
     tied = model.lm_head is None
     if tied and HEAD in rows:
-        if rows.get(EMBED, rows[HEAD]) != rows[HEAD]:
+        # PEFT trains the head's rows apart from the embedding's here (its rows then differ from the shared table's):
+        # jaxft keeps one table, so only the tied form is accepted.
+        if rows.get(EMBED) != rows[HEAD]:
             raise LoraConfigError("trainable_token_indices", f"{names[HEAD]} and {names[EMBED]} share one table in "
                                   "this model (tied embeddings): give them the same token ids, or name only "
                                   f"{names[EMBED]!r} (the head follows it)")
