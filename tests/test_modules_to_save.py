@@ -201,6 +201,13 @@ def test_bad_configs_name_the_field(bases, extra, match):
         lora.apply_lora(model, lora.LoraConfig(r=4, target_modules=["q_proj"], **extra))
 
 
+def test_tied_head_rows_apart_from_the_embedding_are_refused(bases):
+    model = jaxft.from_pretrained(bases[True], dtype="float32", verbose=False)
+    with pytest.raises(ConfigError, match="share one table"):
+        lora.apply_lora(model, lora.LoraConfig(r=4, target_modules=["q_proj"],
+                                               trainable_token_indices={"lm_head": [1, 2]}))
+
+
 def test_peft_adapter_saving_a_module_jaxft_cannot_train_is_refused(bases, tmp_path):
     model = _peft_model(bases[False], dict(modules_to_save=["norm"]))
     model.save_pretrained(tmp_path / "norm")
