@@ -31,8 +31,18 @@ on one definition:
 * ``pattern_key``: the first key ``k`` of a rank/alpha pattern dict (in dict order) for which
   ``re.match(rf"(.*\\.)?({k})$", name)`` succeeds.
 
-Only what jaxft can represent is accepted: plain LoRA on linear layers. DoRA, LoRA biases, ``modules_to_save``,
-embedding LoRA, trainable tokens, layer selection and base-modifying initialisations (PiSSA, OLoRA, CorDA,
+Modules trained in full (``modules_to_save``) are stored whole under their module's name, and trainable token
+rows (``trainable_token_indices``, PEFT >= 0.15) as the replaced rows, in the order of the config's ids::
+
+    base_model.model.<module>.weight                                        [V, H] (torch layout: lm_head too)
+    base_model.model.<module>.token_adapter.trainable_tokens_delta          [n, H] (values, not differences)
+
+Where the vocabulary was resized (new tokens), PEFT also stores the resized base tables, under
+``<module>.original_module.weight``, ``<module>.token_adapter.base_layer.weight`` or, for a module it does not
+wrap, ``<module>.weight`` (and ``<module>.modules_to_save.weight``, a second copy of the trained table).
+
+Only what jaxft can represent is accepted: LoRA on linear layers, plus those. DoRA, LoRA biases,
+embedding LoRA, layer selection and base-modifying initialisations (PiSSA, OLoRA, CorDA,
 LoftQ) are refused with a message that says so, rather than loaded wrongly.
 """
 
@@ -61,6 +71,7 @@ __all__ = [
     "check_adapter_config",
     "is_excluded",
     "load_adapter",
+    "load_trained",
     "make_adapter_config",
     "module_rank_alpha",
     "pack_experts",
@@ -77,6 +88,8 @@ ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 KEY_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 ALL_LINEAR = "all-linear"
 _SUFFIX_A, _SUFFIX_B = ".lora_A.weight", ".lora_B.weight"
+SAVED_SUFFIX = ".weight"  # a module of modules_to_save
+TOKENS_SUFFIX = ".token_adapter.trainable_tokens_delta"
 _PICKLED = ("adapter_model.bin", "adapter_model.pt")
 # A PEFT pickle is a plain state dict under the same keys as the safetensors file, so torch.load with
 # weights_only=True (tensors only, no arbitrary objects) reads it and save_file writes it unchanged.
@@ -167,9 +180,6 @@ _UNSUPPORTED = {
     "use_dora": "DoRA (use_dora=true) is not supported; train/export plain LoRA, or merge the DoRA adapter "
                 "into the base model with PEFT (merge_and_unload) and fine-tune that",
     "lora_bias": "LoRA biases (lora_bias=true) are not supported",
-    "modules_to_save": "modules_to_save (fully trained copies of whole modules) is not supported; only LoRA "
-                       "adapters on linear layers can be loaded",
-    "trainable_token_indices": "trainable tokens (trainable_token_indices) are not supported",
     "layers_to_transform": "layers_to_transform is not supported; select layers with full module names or a "
                            "regex in target_modules instead",
     "layers_pattern": "layers_pattern is not supported; select layers with a regex in target_modules instead",
@@ -222,17 +232,29 @@ def make_adapter_config(*, r: int, lora_alpha: float, target_modules: str | Sequ
                         alpha_pattern: Mapping[str, float] | None = None,
                         exclude_modules: str | Sequence[str] | None = None,
                         target_parameters: Sequence[str] | None = None,
+                        modules_to_save: Sequence[str] | None = None,
+                        trainable_token_indices: Sequence[int] | Mapping[str, Sequence[int]] | None = None,
+                        ensure_weight_tying: bool = False,
                         base_model_name_or_path: str | None = None) -> dict[str, Any]:
     """A complete ``adapter_config.json`` dict for a CAUSAL_LM LoRA adapter (validated).
 
     ``target_modules``: a regex string is written as is; a list is written sorted (PEFT keeps a set). Pass
     "all-linear" resolved to explicit names: the file then means the same thing whatever the loader's rules.
     None (only with ``target_parameters``) is written as [] (PEFT's way of saying "no modules").
-    ``target_parameters`` is written as given (only when set: PEFT < 0.17 does not know the key).
+    ``target_parameters``, ``trainable_token_indices`` and ``ensure_weight_tying`` are written as given, and only
+    when set (older PEFTs do not know the keys).
     """
     cfg = dict(_DEFAULTS)
     if target_parameters:
         cfg["target_parameters"] = list(target_parameters)
+    if trainable_token_indices:
+        cfg["trainable_token_indices"] = (
+            {k: list(v) for k, v in trainable_token_indices.items()} if isinstance(trainable_token_indices, Mapping)
+            else list(trainable_token_indices))
+    if ensure_weight_tying:
+        cfg["ensure_weight_tying"] = True
+    if modules_to_save:
+        cfg["modules_to_save"] = list(modules_to_save)
     cfg.update(
         r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_rslora=use_rslora,
         target_modules=(target_modules if isinstance(target_modules, str) else sorted(target_modules or ())),
@@ -287,6 +309,15 @@ def check_adapter_config(config: Mapping[str, Any], source: str | os.PathLike) -
         bad("lora_dropout", "must be a number in [0, 1)")
     if not isinstance(cfg.get("use_rslora", False), bool):
         bad("use_rslora", "must be true or false")
+    if not isinstance(cfg.get("ensure_weight_tying", False), bool):
+        bad("ensure_weight_tying", "must be true or false")
+    saved = cfg.get("modules_to_save")
+    if saved is not None and not (isinstance(saved, (list, tuple)) and all(isinstance(t, str) and t for t in saved)):
+        bad("modules_to_save", "must be null or a list of module names (e.g. ['embed_tokens', 'lm_head'])")
+    tokens = cfg.get("trainable_token_indices")
+    names, lists = (list(tokens), list(tokens.values())) if isinstance(tokens, Mapping) else ([], [tokens])
+    if tokens is not None and not (all(isinstance(k, str) and k for k in names) and all(map(_is_id_list, lists))):
+        bad("trainable_token_indices", "must be null, a list of token ids or {module name: list of token ids}")
 
     params = cfg.get("target_parameters")
     if params is not None and not (isinstance(params, (list, tuple)) and all(isinstance(t, str) and t for t in params)):
@@ -325,6 +356,11 @@ def check_adapter_config(config: Mapping[str, Any], source: str | os.PathLike) -
     return cfg
 
 
+def _is_id_list(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                    for i in value)
+
+
 def _check_regex(pattern: str, what: str, source) -> None:
     try:
         re.compile(pattern)
@@ -337,7 +373,9 @@ def _check_regex(pattern: str, what: str, source) -> None:
 
 def save_adapter(path: str | os.PathLike, config: Mapping[str, Any],
                  weights: Mapping[str, tuple[np.ndarray, np.ndarray]], *, overwrite: bool = False,
-                 parameters: Mapping[str, tuple[str, int]] | None = None) -> Path:
+                 parameters: Mapping[str, tuple[str, int]] | None = None,
+                 saved: Mapping[str, np.ndarray] | None = None,
+                 token_rows: Mapping[str, np.ndarray] | None = None) -> Path:
     """Write a PEFT adapter directory.
 
     Args:
@@ -349,6 +387,8 @@ def save_adapter(path: str | os.PathLike, config: Mapping[str, Any],
         assigns it (``r`` or its ``rank_pattern`` entry).
       parameters: ``{module key: (parameter name, experts E)}`` for the keys of ``weights`` that adapt raw
         parameters (see ``param_wrapper_keys``): their A is [r*E, in], B [out, r*E], r that of the parameter name.
+      saved: ``{module name: weight}`` of the modules trained in full (``modules_to_save``), torch layout.
+      token_rows: ``{module name: rows [n, H]}`` of the trainable tokens (in the order of the config's ids).
     """
     target = Path(path)
     cfg = check_adapter_config(config, f"adapter config for {target}")
@@ -364,6 +404,10 @@ def save_adapter(path: str | os.PathLike, config: Mapping[str, Any],
             arr = np.ascontiguousarray(arr)
             tensors.append(PendingTensor(KEY_PREFIX + name + suffix, arr.shape, arr.dtype,
                                          lambda arr=arr: arr))
+    for suffix, extra in ((SAVED_SUFFIX, saved or {}), (TOKENS_SUFFIX, token_rows or {})):
+        for name in sorted(extra):
+            arr = np.ascontiguousarray(extra[name])
+            tensors.append(PendingTensor(KEY_PREFIX + name + suffix, arr.shape, arr.dtype, lambda arr=arr: arr))
     if not tensors:
         raise AdapterError(f"refusing to write {target}: the adapter has no LoRA weights")
     if target.exists() and not target.is_dir():
@@ -441,6 +485,8 @@ def load_adapter(path: str | os.PathLike, *,
     pairs: dict[str, dict[str, Any]] = {}
     foreign: list[str] = []
     for key, info in infos.items():
+        if _trained_key(cfg, key):
+            continue  # read by load_trained
         suffix = _SUFFIX_A if key.endswith(_SUFFIX_A) else _SUFFIX_B if key.endswith(_SUFFIX_B) else None
         if not key.startswith(KEY_PREFIX) or suffix is None:
             foreign.append(key)
@@ -486,6 +532,59 @@ def load_adapter(path: str | os.PathLike, *,
     return cfg, out
 
 
+_BASE_SUFFIXES = (".original_module.weight", ".token_adapter.base_layer.weight")
+_COPY_SUFFIX = ".modules_to_save.weight"
+
+
+def _trained_key(cfg: Mapping[str, Any], key: str) -> tuple[str, str] | None:
+    """(module name, kind) of a tensor key that is not a LoRA matrix, under a config with modules_to_save or
+    trainable tokens: kind "saved" (a module trained in full), "rows" (trainable-token rows), "base" (a resized
+    base table) or "copy" (PEFT's second copy of a saved module); None for any other key."""
+    if not key.startswith(KEY_PREFIX) or key.endswith((_SUFFIX_A, _SUFFIX_B)):
+        return None
+    saved, tokens = cfg.get("modules_to_save") or (), cfg.get("trainable_token_indices")
+    if not (saved or tokens):
+        return None
+    name = key[len(KEY_PREFIX):]
+    if tokens and name.endswith(TOKENS_SUFFIX):
+        return name[: -len(TOKENS_SUFFIX)], "rows"
+    for suffix, kind in [(s, "base") for s in _BASE_SUFFIXES] + [(_COPY_SUFFIX, "copy")]:
+        if name.endswith(suffix):
+            return name[: -len(suffix)], kind
+    if name.endswith(SAVED_SUFFIX):
+        module = name[: -len(SAVED_SUFFIX)]
+        return module, "saved" if target_matches(module, saved) else "base"
+    return None
+
+
+def load_trained(path: str | os.PathLike) -> dict[str, dict[str, np.ndarray]]:
+    """The tensors of adapter directory ``path`` beside its LoRA matrices, by kind (see ``_trained_key``):
+    {"saved": {module name: weight (torch layout)}, "rows": {module name: rows [n, H]}, "base": {module name:
+    resized base weight}}, empty where the config has neither modules_to_save nor trainable tokens."""
+    root = Path(path)
+    cfg, weights_file = read_adapter_config(root), root / ADAPTER_WEIGHTS_NAME
+    out: dict[str, dict[str, np.ndarray]] = {"saved": {}, "rows": {}, "base": {}}
+    if not (cfg.get("modules_to_save") or cfg.get("trainable_token_indices")) or not weights_file.is_file():
+        return out
+    infos, _ = read_header(weights_file)
+    fd = os.open(weights_file, os.O_RDONLY)
+    try:
+        bounce = np.empty(1 << 20, np.uint8)
+        for key, info in infos.items():
+            hit = _trained_key(cfg, key)
+            if hit is None or hit[1] == "copy":
+                continue
+            if info.dtype is None or info.dtype.kind != "f" and info.code != "BF16" or len(info.shape) != 2:
+                raise AdapterError(f"{weights_file}: {key} has dtype {info.code} and shape {list(info.shape)}; "
+                                   "trained weights must be a floating-point matrix")
+            dst = np.empty(info.shape, info.dtype)
+            read_into(fd, weights_file, info, dst, None, bounce)
+            out[hit[1]][hit[0]] = dst
+    finally:
+        os.close(fd)
+    return out
+
+
 def _listing(items: list[str], limit: int = 12) -> str:
     shown = ", ".join(sorted(items)[:limit])
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
@@ -503,6 +602,6 @@ def _why_foreign(keys: list[str]) -> str:
         return ("these are full base-layer weights, which PEFT saves when it adapts the output head (lm_head) or "
                 "the embeddings: LoRA on those layers is not supported")
     if "modules_to_save" in text or "trainable_tokens" in text:
-        return "these are modules_to_save / trainable-token weights: not supported"
+        return "these are modules_to_save / trainable-token weights that adapter_config.json does not declare"
     return (f"expected only '{KEY_PREFIX}<module>{_SUFFIX_A}' and '{KEY_PREFIX}<module>{_SUFFIX_B}' keys "
             "(a LoRA adapter saved by PEFT for a causal LM)")

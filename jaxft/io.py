@@ -26,7 +26,7 @@ from jaxft.families import family_for
 from jaxft.lora import merged_kernels
 from jaxft.models.build import abstract_model
 from jaxft.models.decoder import Decoder
-from jaxft.models.layers import LoraParam, linears
+from jaxft.models.layers import LoraParam, TokenRows, linears
 from jaxft.models.quant_experts import Quant4bitExperts
 from jaxft.models.stack import layer_stacks
 from jaxft.quant import experts as qe, fp8 as qf, weights as qw
@@ -58,8 +58,9 @@ def _path_key(path) -> tuple[str, ...]:
 
 
 def param_shapes(model: Decoder) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
-    """Tree path -> shape/dtype of every base parameter (LoRA excluded)."""
-    state = nnx.state(model, nnx.Not(LoraParam))
+    """Tree path -> shape/dtype of every base parameter (LoRA and trained token rows excluded; a table trained in
+    full is the base parameter it replaces)."""
+    state = nnx.state(model, nnx.Not(nnx.Any(LoraParam, TokenRows)))
     out = {}
     for path, var in nnx.to_flat_state(state):
         if isinstance(var, nnx.Param):

@@ -40,6 +40,7 @@ from jaxft.auto import AutoChoices
 from jaxft.config import SPARSE_MLPS, ModelConfig
 from jaxft.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.lora import LoraConfig, apply_lora, save_adapter, target_names
+from jaxft.lora.trained import resize_embeddings
 from jaxft.models.build import abstract_model, init_model, model_class
 from jaxft.models.stack import streamed_weight
 from jaxft.offload_scan import is_slot
@@ -75,11 +76,16 @@ class Run(AutoChoices):
     devices: Any = None
     quant_config: Any = None  # jaxft.quant.QuantConfig (4 bits, QLoRA) or Fp8Config: frozen linears; None: as stored
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    # New tokens: the embeddings (and an untied head) grow to this many rows on load, with transformers' mean
+    # initialisation (`jaxft.lora.trained.resize_embeddings`); None: as stored.
+    vocab_size: int | None = None
 
     def __post_init__(self):
         self.model_path = Path(self.model_path).expanduser()
         self.model_config = ModelConfig.from_hf(bridge.read_config(self.model_path),
                                                 source=str(self.model_path / "config.json"))
+        if self.vocab_size is not None and self.vocab_size != self.model_config.vocab_size:
+            self.model_config = dataclasses.replace(self.model_config, vocab_size=self.vocab_size)
         self.optimizer, self.schedule = self.optim.build(self.total_steps)
         devices = jax.devices() if self.devices is None else list(self.devices)
         if self.streams_weights and len(devices) > 1:
@@ -101,13 +107,13 @@ class Run(AutoChoices):
         self._auto_seconds = 0.0  # remat "auto": seconds of its compiles so far (`_compile_candidate`)
 
     @classmethod
-    def from_config(cls, config, total_steps: int, *, devices=None) -> "Run":
+    def from_config(cls, config, total_steps: int, *, devices=None, lora_config=None, vocab_size=None) -> "Run":
         """The run a `jaxft.train.TrainConfig` describes (its validated model, LoRA, execution and optimiser
-        parts)."""
-        return cls(model_path=config.model.path, lora_config=config.lora, execution=config.execution,
+        parts); `lora_config` / `vocab_size` replace its LoRA part and vocabulary (new tokens)."""
+        return cls(model_path=config.model.path, lora_config=lora_config or config.lora, execution=config.execution,
                    optim=config.optim, total_steps=total_steps, dtype=config.model.dtype, seed=config.seed,
                    accumulation=config.gradient_accumulation_steps, devices=devices, quant_config=config.model.quant,
-                   mesh=config.mesh_config)
+                   mesh=config.mesh_config, vocab_size=vocab_size)
 
     # ------------------------------------------------------------------ building the state
     @property
@@ -166,8 +172,10 @@ class Run(AutoChoices):
         # base is quantised on one device and then placed (its codes and scales split over fsdp by `_adopt`).
         mesh = self.placement if len(self.placement.devices) > 1 and self.quant_config is None else None
         with self._reading_place():
-            model = apply_lora(from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config,
-                                               mesh=mesh), self.lora_config, seed=self.seed)
+            model = from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config, mesh=mesh)
+            if self.vocab_size is not None:
+                resize_embeddings(model, self.vocab_size, seed=self.seed)
+            model = apply_lora(model, self.lora_config, seed=self.seed)
         graphdef, lora, frozen = split_model(model)
         del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
         return self._adopt(graphdef, lora, frozen)

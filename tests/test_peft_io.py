@@ -133,7 +133,6 @@ def test_reads_bfloat16_adapters(tmp_path):
 @pytest.mark.parametrize("fields, match", [
     (dict(target_modules=["q_proj"], use_dora=True), "DoRA"),
     (dict(target_modules=["q_proj"], lora_bias=True), "lora_bias"),
-    (dict(target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
     (dict(target_modules=["embed_tokens"]), "embedding"),
     (dict(target_modules=["q_proj"], layers_to_transform=[1]), "layers_to_transform"),
     (dict(target_modules=["q_proj"], bias="lora_only"), "bias"),

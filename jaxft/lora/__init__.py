@@ -19,15 +19,19 @@ MoE experts are raw 3-D parameters in transformers, adapted by PEFT's `target_pa
 `jaxft.models.moe.ExpertLora` (A [L, E, in, r], B [L, E, r, out]) at the path the family's `lora_parameters`
 rows name; PEFT's packed [r*E, in] / [out, r*E] layout is converted in `save_adapter` / `load_adapter`.
 
+Beside the adapters, `modules_to_save` trains the embeddings / output head in full and `trainable_token_indices`
+trains single rows of them (`jaxft.lora.trained`, PEFT's semantics and file format).
+
 The package: `config` (LoraConfig), `targets` (which modules a config selects), `apply` (install and merge
-adapters), `adapter_files` (PEFT's files, both ways).
+adapters), `trained` (tables and rows trained beside them), `adapter_files` (PEFT's files, both ways).
 """
 
 from jaxft.lora.adapter_files import load_adapter, save_adapter
 from jaxft.lora.apply import apply_lora, lora_state, merge_lora, merged_kernels
 from jaxft.lora.config import ALL_LINEAR, LoraConfig, LoraConfigError
 from jaxft.lora.targets import target_names
-from jaxft.models.layers import LoraParam
+from jaxft.lora.trained import new_token_config, resize_embeddings
+from jaxft.models.layers import TrainableParam
 
 __all__ = [
     "ALL_LINEAR",
@@ -38,10 +42,12 @@ __all__ = [
     "lora_state",
     "merge_lora",
     "merged_kernels",
+    "new_token_config",
+    "resize_embeddings",
     "save_adapter",
     "target_names",
     "trainable_filter",
 ]
 
 # The variable type the optimiser updates: `nnx.state(model, trainable_filter)` / `nnx.DiffState(0, ...)`.
-trainable_filter = LoraParam
+trainable_filter = TrainableParam

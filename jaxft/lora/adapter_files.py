@@ -12,6 +12,7 @@ import numpy as np
 
 from bridge import peft as peft_io
 from jaxft.errors import ConfigError
+from jaxft.lora import trained
 from jaxft.lora.apply import _expert_shape, _install, _linear
 from jaxft.lora.config import ALL_LINEAR, LoraConfig
 from jaxft.lora.targets import _modules, _plan, _Site
@@ -52,7 +53,8 @@ def save_adapter(model, path: str | os.PathLike, *, base_model_name_or_path: str
     """Writes the model's adapters as a PEFT LoRA adapter directory (adapter_config.json +
     adapter_model.safetensors) that `peft.PeftModel.from_pretrained(hf_model, path)` loads without warnings.
 
-    "all-linear" targets are written as the resolved explicit list (what PEFT itself stores).
+    "all-linear" targets are written as the resolved explicit list (what PEFT itself stores). Embeddings / head
+    trained in full and trained token rows are written in PEFT's format (`bridge.peft`).
     """
     cfg: LoraConfig | None = getattr(model, "lora_config", None)
     if cfg is None:
@@ -94,8 +96,10 @@ def save_adapter(model, path: str | os.PathLike, *, base_model_name_or_path: str
     if cfg.target_modules == ALL_LINEAR:
         fields.update(target_modules=_condensed_targets(model, plan), exclude_modules=None)
     config = peft_io.make_adapter_config(**fields, base_model_name_or_path=base_model_name_or_path)
+    saved, token_rows = trained.exported(model)
     return peft_io.save_adapter(path, config, weights, overwrite=overwrite,
-                                parameters={k: (v[0], v[3]) for k, v in keys.items()})
+                                parameters={k: (v[0], v[3]) for k, v in keys.items()}, saved=saved,
+                                token_rows=token_rows)
 
 
 def _param_keys(model, plan) -> dict[str, tuple[str, _Site, int, int]]:
@@ -110,7 +114,7 @@ def load_adapter(model, path: str | os.PathLike):
     decides the targets, ranks and scales exactly as PEFT would, and its weights fill A and B.
 
     Errors (`bridge.peft.AdapterError`, a ValueError) name the file and the module: unsupported PEFT features
-    (DoRA, LoRA bias, modules_to_save, embedding LoRA, ...), targeted modules without weights, weights for modules
+    (DoRA, LoRA bias, embedding LoRA, ...), targeted modules without weights, weights for modules
     the config does not target or this model lacks, and shape mismatches with the model. NaN or infinite weights
     are loaded with a warning naming the tensor.
     """
@@ -171,5 +175,14 @@ def load_adapter(model, path: str | os.PathLike):
                 a[layer, :, :r], b[layer, :r, :] = pa.T, pb.T
         return jnp.asarray(a), jnp.asarray(b)
 
+    try:
+        trained.check_names(model, cfg)
+        stored = peft_io.load_trained(path)
+        trained.adopt_base_tables(model, stored["base"], weights_file)  # new tokens: PEFT's resized tables
+        trained.plan(model, cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    values = trained.values_of(model, cfg, stored["saved"], stored["rows"], weights_file)
     _install(model, cfg, plan, fill)
+    trained.install(model, cfg, values)
     return model

@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxft.lora import trained
 from jaxft.lora.config import LoraConfig
 from jaxft.lora.targets import _modules, _plan, _Site
-from jaxft.models.layers import ExpertParam, Linear, LoraParam, LoraRank, LoraScale, QuantFp8, linears, logical
+from jaxft.models.layers import (ExpertParam, Linear, LoraParam, LoraRank, LoraScale, QuantFp8, TrainableParam, linears,
+                                 logical)
 from jaxft.models.moe import ExpertLora, expert_adapters
 from jaxft.models.quant_experts import Quant4bitExperts, expert_weight
 
@@ -115,7 +117,8 @@ def _install(model, cfg: LoraConfig, plan, fill) -> None:
 
 
 def apply_lora(model, cfg: LoraConfig, *, seed: int = 0):
-    """Adds LoRA adapters to `model` in place (and returns it): A ~ U(+-1/sqrt(in)), B = 0, fp32.
+    """Adds LoRA adapters to `model` in place (and returns it): A ~ U(+-1/sqrt(in)), B = 0, fp32; and makes the
+    modules / token rows of `modules_to_save` / `trainable_token_indices` trainable (`jaxft.lora.trained`).
 
     Raises ConfigError if a target_modules entry, an exclude_modules value or a rank/alpha pattern key selects
     nothing, or selects a module LoRA cannot adapt (output head, embeddings, norms).
@@ -125,7 +128,10 @@ def apply_lora(model, cfg: LoraConfig, *, seed: int = 0):
                         "dict use LoraConfig.from_peft(d)")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"apply_lora(seed={seed!r}): the seed must be a non-negative integer")
-    _install(model, cfg, _plan(model, cfg, strict=True), _random_fill(seed))
+    plan = _plan(model, cfg, strict=True)
+    trained.plan(model, cfg)  # checked before anything is installed
+    _install(model, cfg, plan, _random_fill(seed))
+    trained.install(model, cfg)
     return model
 
 
@@ -162,9 +168,13 @@ class _MergedKernels(Mapping):
         self._dtype = getattr(model, "dtype", None)
         self._lins = {(*tuple(p.split(".")), "kernel"): lin for p, lin in linears(model) if lin.has_lora}
         self._experts = _expert_merges(model)
+        self._model = model
+        self._rows = trained.row_tables(model)
 
     def __getitem__(self, key):
         key = tuple(key)
+        if key in self._rows:
+            return trained.table_with_rows(self._model, key)
         if key in self._experts:
             holder, name, ad = self._experts[key]
             # 4-bit experts merge into their dequantised weights (in the model's dtype, as for a 4-bit linear).
@@ -178,15 +188,16 @@ class _MergedKernels(Mapping):
         return _merged(kernel, a, b, scale)
 
     def __iter__(self):
-        return iter([*self._lins, *self._experts])
+        return iter([*self._lins, *self._experts, *self._rows])
 
     def __len__(self):
-        return len(self._lins) + len(self._experts)
+        return len(self._lins) + len(self._experts) + len(self._rows)
 
 
 def merged_kernels(model) -> Mapping[tuple[str, ...], jax.Array]:
     """{("layers", "attn", "q_proj", "kernel"): W + s*A@B (per layer, kernel dtype)} for every Linear with LoRA,
-    and {("layers", "mlp", "gate_up_proj"): W_e + s*A_e@B_e (per layer and expert)} for every adapted expert kernel.
+    {("layers", "mlp", "gate_up_proj"): W_e + s*A_e@B_e (per layer and expert)} for every adapted expert kernel,
+    and {("embed", "embedding"): the table with its trained token rows} for a table that has them.
 
     The model is not modified (what `save_pretrained` exports). Values are computed on access.
     """
@@ -194,7 +205,8 @@ def merged_kernels(model) -> Mapping[tuple[str, ...], jax.Array]:
 
 
 def merge_lora(model):
-    """Folds every adapter into its kernel (W <- W + s*A@B) and removes the adapters; in place, returns model."""
+    """Folds every adapter into its kernel (W <- W + s*A@B), and trained tables and rows into the base
+    (`jaxft.lora.trained.merge`), and removes the adapters; in place, returns model."""
     merged = merged_kernels(model)
     experts = _expert_merges(model)
     for key, (holder, name, *_) in experts.items():
@@ -202,7 +214,7 @@ def merge_lora(model):
             raise ValueError(f"merge_lora: {'.'.join(key)} holds 4-bit experts; merging would need re-quantising "
                              "them. Export the merged model with jaxft.save_pretrained (dequantised), or keep the "
                              "adapter separate (save_adapter)")
-    for key in merged:
+    for key in [k for k in merged if k not in trained.row_tables(model)]:
         quant = None if key in experts else _linear(model, key[:-1]).quant
         if quant is not None:
             kind = "an FP8" if isinstance(quant, QuantFp8) else "a 4-bit"
@@ -210,7 +222,7 @@ def merge_lora(model):
                              "it. Export the merged model with jaxft.save_pretrained (dequantised), or keep the "
                              "adapter separate (save_adapter)")
     values = {key: merged[key] for key in experts}  # every expert kernel before any adapter is removed
-    for key in list(merged):
+    for key in [k for k in merged if k not in trained.row_tables(model)]:  # the tables: trained.merge
         if key in experts:
             holder, name = experts[key][:2]
             getattr(holder, name)[...] = values[key]
@@ -222,12 +234,13 @@ def merge_lora(model):
     for path, _ in expert_adapters(model):
         *owner, slot = path.split(".")
         setattr(_linear(model, tuple(owner)), slot, None)
+    trained.merge(model)
     model.lora_config = None
     return model
 
 
 def lora_state(model) -> nnx.State:
-    """The trainable adapter matrices (`LoraParam` variables) of `model`."""
-    return nnx.state(model, LoraParam)
+    """What training updates (`TrainableParam` variables: adapter matrices, trained tables and rows) of `model`."""
+    return nnx.state(model, TrainableParam)
 
 

@@ -40,8 +40,15 @@ class LoraConfig:
     target_parameters: raw parameter names (MoE experts: ["experts.gate_up_proj", "experts.down_proj"]), each
     matching a parameter whose full name (`model.layers.0.mlp.experts.down_proj`) equals it or ends with "." +
     it; PEFT's ParamWrapper has no dropout, so dropout must be 0. target_modules may then be None (no modules).
-    Lists are stored as sorted tuples and the pattern dicts are copied (their order is kept: first match wins),
-    so a config is hashable (it is static metadata of the model it is applied to).
+    modules_to_save [modules_to_save]: modules trained in full beside the adapters, by name (same rule as a
+    target_modules list): the embeddings ("embed_tokens") and the output head ("lm_head"). On a model with tied
+    embeddings each named module gets its own trained copy, as in PEFT, unless ensure_weight_tying
+    [ensure_weight_tying] and "embed_tokens" is named: then one trained table serves both.
+    trainable_token_indices [trainable_token_indices]: token ids whose embedding rows are trained (the rest
+    frozen), or {module name: ids} ("embed_tokens", and "lm_head" on an untied model); a tied head follows the
+    embedding's rows.
+    Lists are stored as sorted tuples (token ids keep their order) and the pattern dicts are copied (their order
+    is kept: first match wins), so a config is hashable (it is static metadata of the model it is applied to).
     """
 
     r: int = 8
@@ -53,6 +60,9 @@ class LoraConfig:
     alpha_pattern: Mapping[str, float] = dataclasses.field(default_factory=dict)
     exclude_modules: str | tuple[str, ...] | None = None
     target_parameters: tuple[str, ...] | None = None
+    modules_to_save: tuple[str, ...] | None = None
+    trainable_token_indices: tuple[int, ...] | Mapping[str, tuple[int, ...]] | None = None
+    ensure_weight_tying: bool = False
 
     def __post_init__(self):
         def bad(field: str, why: str):
@@ -98,11 +108,29 @@ class LoraConfig:
                 if not ok(value):
                     raise LoraConfigError(field, f"value {value!r} of {key!r} must be {what}")
             object.__setattr__(self, field, dict(pattern))
+        saved = self.modules_to_save
+        if saved is not None:
+            if isinstance(saved, str) or not isinstance(saved, (list, tuple, set, frozenset)) or not all(
+                    isinstance(n, str) and n for n in saved):
+                bad("modules_to_save", "must be None or a list of module names such as ['embed_tokens', 'lm_head']")
+            object.__setattr__(self, "modules_to_save", tuple(sorted(set(saved))) or None)
+        object.__setattr__(self, "trainable_token_indices", _token_indices(self.trainable_token_indices))
+        if not isinstance(self.ensure_weight_tying, bool):
+            bad("ensure_weight_tying", "must be True or False")
+
+    @property
+    def token_index_map(self) -> dict[str, tuple[int, ...]]:
+        """trainable_token_indices as {module name: ids} (a bare list names the embeddings, as in PEFT)."""
+        ids = self.trainable_token_indices
+        if ids is None:
+            return {}
+        return dict(ids) if isinstance(ids, Mapping) else {"embed_tokens": ids}
 
     def __hash__(self) -> int:
         return hash((self.r, self.alpha, self.dropout, self.target_modules, self.use_rslora,
                      frozenset(self.rank_pattern.items()), frozenset(self.alpha_pattern.items()), self.exclude_modules,
-                     self.target_parameters))
+                     self.target_parameters, self.modules_to_save, tuple(self.token_index_map.items()),
+                     self.ensure_weight_tying))
 
     def scale(self, rank: int, alpha: float) -> float:
         """The LoRA scale of a module of this rank and alpha: alpha / r, or alpha / sqrt(r) under rsLoRA."""
@@ -115,7 +143,13 @@ class LoraConfig:
         return dict(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
                     target_modules=listed(self.target_modules), use_rslora=self.use_rslora,
                     rank_pattern=dict(self.rank_pattern), alpha_pattern=dict(self.alpha_pattern),
-                    exclude_modules=listed(self.exclude_modules), target_parameters=listed(self.target_parameters))
+                    exclude_modules=listed(self.exclude_modules), target_parameters=listed(self.target_parameters),
+                    modules_to_save=listed(self.modules_to_save),
+                    trainable_token_indices=(None if self.trainable_token_indices is None else
+                                             {k: list(v) for k, v in self.trainable_token_indices.items()}
+                                             if isinstance(self.trainable_token_indices, Mapping)
+                                             else list(self.trainable_token_indices)),
+                    ensure_weight_tying=self.ensure_weight_tying)
 
     @classmethod
     def from_peft(cls, peft: Mapping[str, Any]) -> "LoraConfig":
@@ -124,7 +158,32 @@ class LoraConfig:
                    target_modules=peft["target_modules"], use_rslora=bool(peft.get("use_rslora", False)),
                    rank_pattern=peft.get("rank_pattern") or {}, alpha_pattern=peft.get("alpha_pattern") or {},
                    exclude_modules=peft.get("exclude_modules") or None,
-                   target_parameters=peft.get("target_parameters") or None)
+                   target_parameters=peft.get("target_parameters") or None,
+                   modules_to_save=peft.get("modules_to_save") or None,
+                   trainable_token_indices=peft.get("trainable_token_indices") or None,
+                   ensure_weight_tying=bool(peft.get("ensure_weight_tying", False)))
+
+
+def _token_ids(value, where: str) -> tuple[int, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        raise LoraConfigError("trainable_token_indices", f"{where}{value!r} must be a non-empty list of token ids "
+                              "(non-negative integers), e.g. [128000, 128001]")
+    if len(set(value)) != len(value):
+        raise LoraConfigError("trainable_token_indices", f"{where}{value!r} lists a token id twice")
+    return tuple(value)
+
+
+def _token_indices(value):
+    """None, a tuple of ids (the embeddings' rows), or {module name: tuple of ids} (PEFT's two forms)."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        if not value or not all(isinstance(k, str) and k for k in value):
+            raise LoraConfigError("trainable_token_indices", f"value {value!r}: a dict must map module names "
+                                  "(embed_tokens, lm_head) to lists of token ids")
+        return {k: _token_ids(v, f"{k!r}: ") for k, v in value.items()}
+    return _token_ids(value, "value ")
 
 
 def _finite_number(x) -> bool:

@@ -25,7 +25,7 @@ from jaxft.config import SPARSE_MLPS, ModelConfig
 from jaxft.execution import ExecutionConfig
 from jaxft.families import family_for
 from jaxft.mesh_axes import row_split
-from jaxft.models.layers import Linear, _init, logical
+from jaxft.models.layers import Linear, TrainableParam, _init, logical, with_token_rows
 from jaxft.models.parts import DecoderLayer, RMSNorm
 from jaxft.models.rope import mrope_tables, rope_tables
 from jaxft.models.stack import _layer_runs, is_unstacked, layer_groups, layer_slice, layer_stacks, run_groups, STACK_NAMES
@@ -179,11 +179,15 @@ class Decoder(nnx.Module):
 
     def embed_tokens(self, input_ids) -> jax.Array:
         """Token embeddings [B, T, H] in the activation dtype (times sqrt(H) rounded to it, for Gemma)."""
-        x = self.embed.embedding[...][input_ids].astype(self.dtype)
+        x = self.embedding_table()[input_ids].astype(self.dtype)
         if self.embed_scale:
             # transformers multiplies by the normalizer cast to the weight dtype (bf16-rounded in bf16 runs).
             x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.dtype)
         return x
+
+    def embedding_table(self) -> jax.Array:
+        """The embedding table [V, H] as the forward reads it: trained rows (`TokenRows`) in place."""
+        return with_token_rows(self.embed.embedding[...], self.embed)
 
     def head_weight(self) -> tuple[jax.Array, str]:
         """The LM head's weight as stored and its layout, for `linear_cross_entropy(..., weight_layout=)`:
@@ -191,8 +195,12 @@ class Decoder(nnx.Module):
         table is handed over untransposed: `embedding.T` fed to the loss's chunk loop was materialised as a
         transposed copy (1.7 GiB for Gemma 2) at the no-remat step's memory peak."""
         if self.lm_head is None:
-            return self.embed.embedding[...], "vh"
-        return self.lm_head.frozen_kernel(self.dtype if self.lm_head.quant is not None else None), "hv"
+            table = self.embedding_table()
+            return (table.astype(self.dtype) if isinstance(self.embed.embedding, TrainableParam) else table), "vh"
+        kernel = self.lm_head.frozen_kernel(self.dtype if self.lm_head.quant is not None else None)
+        if isinstance(getattr(self.lm_head, "kernel", None), TrainableParam):  # fp32 master copy: run in model dtype
+            kernel = kernel.astype(self.dtype)
+        return with_token_rows(kernel, self.lm_head, vocab_axis=1), "hv"
 
     def __call__(self, input_ids=None, positions=None, segment_ids=None, *, dropout_rng=None,
                  execution: ExecutionConfig = DEFAULT_EXECUTION, inputs_embeds=None) -> jax.Array:
@@ -203,7 +211,9 @@ class Decoder(nnx.Module):
         """LM-head logits [..., V] of final-normed hidden states [..., H] (tied embedding or lm_head), soft-capped
         by `final_logit_softcap` (Gemma 2)."""
         if self.lm_head is None:
-            z = jnp.einsum("...h,vh->...v", x, self.embed.embedding[...].astype(x.dtype))
+            z = jnp.einsum("...h,vh->...v", x, self.embedding_table().astype(x.dtype))
+        elif getattr(self.lm_head, "token_rows", None) is not None:
+            z = jnp.einsum("...h,hv->...v", x, self.head_weight()[0].astype(x.dtype))
         else:
             z = self.lm_head(x)
         return softcap(z, self.config.final_logit_softcap)

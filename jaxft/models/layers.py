@@ -4,7 +4,8 @@ Every module is created with *stacked* parameters (a leading layer axis, `stack=
 layer's parameters: a slice inside `jax.lax.scan` (compile time does not grow with depth), or, for a
 training step over per-layer weight buffers (`jaxft.train.unstack_layers`), one unrolled call per layer
 (no weight-slicing copies). The variable types carry
-meaning: `nnx.Param` is the frozen base, `LoraParam` is what training updates, `LoraScale` is a per-layer
+meaning: `nnx.Param` is the frozen base, `TrainableParam`s are what training updates (`LoraParam` adapter
+matrices, `SavedParam` base matrices trained in full, `TokenRows` trained rows of a table), `LoraScale` is a per-layer
 constant, `QuantizedWeight` is a frozen 4-bit weight's storage and `Fp8Weight` a frozen FP8 weight's (a `Linear`
 whose `quant` is set has no `kernel`); `ExpertParam` is a MoE expert stack, `QuantizedExpertWeight` the storage of
 one in 4 bits.
@@ -55,8 +56,37 @@ def stack_axes(stack: tuple[int, ...]) -> tuple[str, ...]:
     return ("layers",) * len(stack)
 
 
-class LoraParam(nnx.Param):
-    """A trainable low-rank adapter matrix (fp32). The only variable type that receives gradients."""
+class TrainableParam(nnx.Param):
+    """What training differentiates and updates (fp32): the only variable types that receive gradients."""
+
+
+class LoraParam(TrainableParam):
+    """A trainable low-rank adapter matrix (fp32)."""
+
+
+class SavedParam(TrainableParam):
+    """A base matrix trained in full (fp32 master copy; PEFT's `modules_to_save`): the embedding table or the
+    output head's kernel, in the layout of the frozen variable it replaces."""
+
+
+class TokenRows(TrainableParam):
+    """Trained rows [n, H] of a table (PEFT's trainable tokens): row k replaces the table's row `TokenIds[k]`
+    (the embedding's rows; the output head's vocabulary columns of its [H, V] kernel)."""
+
+
+class TokenIds(nnx.Variable):
+    """The int32 token ids [n] whose rows `TokenRows` replaces. Not trained."""
+
+
+def with_token_rows(table: jax.Array, holder, vocab_axis: int = 0) -> jax.Array:
+    """`table` with the rows (vocab_axis 0: [V, H]) or columns (1: an [H, V] kernel) `holder.token_ids` replaced by
+    `holder.token_rows` (PEFT's index_copy: the gradient of a replaced row reaches the trained row only); `table`
+    itself where `holder` has no trained rows."""
+    rows = getattr(holder, "token_rows", None)
+    if rows is None:
+        return table
+    ids, values = holder.token_ids[...], rows[...].astype(table.dtype)
+    return table.at[ids].set(values) if vocab_axis == 0 else table.at[:, ids].set(values.T)
 
 
 class LoraScale(nnx.Variable):

@@ -83,7 +83,9 @@ QUANT_KEYS = {"quant_type": "bnb_4bit_quant_type", "double_quant": "bnb_4bit_use
 FINETUNE_KEYS = ("finetune_vision_layers", "finetune_language_layers", "finetune_attention_modules",
                  "finetune_mlp_modules")
 LORA_KEYS = {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "target_modules": "lora_target_modules",
-              "use_rslora": "use_rslora", "target_parameters": "lora_target_parameters"}
+              "use_rslora": "use_rslora", "target_parameters": "lora_target_parameters",
+              "modules_to_save": "modules_to_save", "trainable_token_indices": "trainable_token_indices",
+              "ensure_weight_tying": "ensure_weight_tying"}
 
 
 def part_error(error, fields: Mapping[str, str]) -> "TrainConfigError":
@@ -238,6 +240,18 @@ class TrainConfig:
         None, "PEFT's target_parameters: MoE expert parameters, e.g. [experts.gate_up_proj, experts.down_proj]; "
               "needs lora_dropout: 0")
     use_rslora: bool = _key(False, "rank-stabilised LoRA scale alpha/sqrt(r)")
+    modules_to_save: list[str] | None = _key(
+        None, "PEFT's modules_to_save: train these in full beside the adapters, e.g. [embed_tokens, lm_head] (saved "
+              "in the adapter; a tied model gets one copy per name unless ensure_weight_tying)")
+    trainable_token_indices: list[int] | dict | None = _key(
+        None, "PEFT's trainable tokens: train only these embedding rows (token ids), or {embed_tokens: [...], "
+              "lm_head: [...]}; a tied head follows the embedding")
+    ensure_weight_tying: bool = _key(
+        False, "tied models: one trained table for embed_tokens and lm_head in modules_to_save (PEFT's flag)")
+    add_special_tokens: list[str] | None = _key(
+        None, "special tokens added to the tokenizer (e.g. a chat template's <|im_start|>, <|im_end|>): the "
+              "embeddings grow (transformers' mean init) and these tokens' rows train (trainable_token_indices, "
+              "unless modules_to_save trains the tables); the tokenizer is saved with the adapter")
     finetune_vision_layers: bool | None = _key(
         None, "vision-language models: LoRA on the vision blocks (Unsloth's flag; null: true); any finetune_* key "
               "replaces lora_target_modules")
@@ -522,6 +536,13 @@ class TrainConfig:
              "[experts.gate_up_proj, experts.down_proj] (or null)")
         if isinstance(params, list):
             object.__setattr__(self, "lora_target_parameters", tuple(params))
+        if isinstance(self.modules_to_save, list):
+            object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save))
+        tokens = self.add_special_tokens
+        need(tokens is None or (len(tokens) > 0 and all(isinstance(t, str) and t.strip() for t in tokens)),
+             "add_special_tokens", "give a non-empty list of token strings such as ['<|im_start|>', '<|im_end|>']")
+        if isinstance(tokens, list):
+            object.__setattr__(self, "add_special_tokens", tuple(tokens))
         need(self.packing, "packing", "only packing=true is supported: documents are packed into rows with "
                                       "block-diagonal attention (no cross-document attention), so it is exact")
 
@@ -553,7 +574,8 @@ class TrainConfig:
         this config again, quietly)."""
         out = dataclasses.asdict(self)
         out.update({k: self._given[k] for k in ("execution",) + EXECUTION_MAPPING_KEYS})
-        for key in ("lora_target_modules", "lora_target_parameters", "eval_generate_prompts", "llm_int8_skip_modules"):
+        for key in ("lora_target_modules", "lora_target_parameters", "eval_generate_prompts", "llm_int8_skip_modules",
+                    "modules_to_save", "add_special_tokens"):
             if isinstance(out[key], tuple):
                 out[key] = list(out[key])
         return out

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 # The module, not its names: jaxft.run imports this package's step and optim modules, so while jaxft.run loads
 # first, this package (and this module, which it re-exports) loads inside it and finds jaxft.run half made.
 import jaxft.run
+from bridge import read_config
 from jaxft import distributed
 from jaxft import remat as remat_policies
 from jaxft.auto import claim_gpu_memory
@@ -44,7 +45,8 @@ from jaxft.data.images import ImageProcessor
 from jaxft.data.pipeline import build_datasets
 from jaxft.execution import ExecutionConfigError
 from jaxft.generation import generate
-from jaxft.lora import LoraConfigError
+from jaxft.config import ModelConfig
+from jaxft.lora import LoraConfigError, new_token_config
 from jaxft.residuals import LAYER_INPUT
 from jaxft.sharding import MeshConfigError
 from jaxft.train import checkpoint as ckpt
@@ -131,8 +133,24 @@ def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
             "to continue it, overwrite_output_dir=true to start over, or choose a new output_dir")
 
 
+def _new_tokens(config: TrainConfig, tokenizer) -> dict[str, Any]:
+    """Run.from_config's overrides for `add_special_tokens`: the vocabulary grown to the tokenizer's (where it
+    outgrew the model's) and those tokens' rows trained (`jaxft.lora.new_token_config`)."""
+    if not config.add_special_tokens:
+        return {}
+    model = ModelConfig.from_hf(read_config(config.model.path))
+    ids = tokenizer.convert_tokens_to_ids(list(config.add_special_tokens))
+    try:
+        lora_config = new_token_config(config.lora, ids, model.tie_word_embeddings)
+    except LoraConfigError as e:
+        raise TrainConfigError(f"key 'add_special_tokens': {e}", key="add_special_tokens") from None
+    return dict(lora_config=lora_config, vocab_size=max(model.vocab_size, len(tokenizer)))
+
+
 def _load_data(config: TrainConfig, num_devices: int):
     tokenizer = load_tokenizer(config.model.path)
+    if config.add_special_tokens:  # before the data is tokenized: the new tokens get their own ids
+        tokenizer.add_tokens(list(config.add_special_tokens), special_tokens=True)
     images = ImageProcessor.for_model_dir(config.model.path,  # None for a text-only model
                                           confine=not config.image_paths_outside_dataset)
     train_ds, eval_ds = build_datasets(config.data(num_devices), tokenizer, images)
@@ -321,7 +339,7 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     if config.lr_scheduler_type == "constant" and plan.warmup_steps:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
-    run = jaxft.run.Run.from_config(config, plan.total_steps)
+    run = jaxft.run.Run.from_config(config, plan.total_steps, **_new_tokens(config, tokenizer))
     _note_mosaic_experts(run, config.execution)
     _note_nested_blocks(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
     if config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is on the device

@@ -21,9 +21,10 @@ this is transformers' `outputs.loss`). It enters each micro-batch's summed objec
 `kernels_pallas.linear_cross_entropy` on the final hidden states: the [tokens, vocab] fp32 logits are
 never materialised.
 
-Only `LoraParam` variables are differentiated and optimised: the model is split by variable type,
-`graphdef, lora, frozen = nnx.split(model, LoraParam, ...)`; the step takes `lora` and the optimizer state
-as donated buffers (updated in place) and `frozen` (base weights, LoRA scales) as a read-only input.
+Only `TrainableParam` variables (LoRA matrices, and tables or token rows trained beside them) are differentiated
+and optimised: the model is split by variable type, `graphdef, lora, frozen = nnx.split(model, TrainableParam,
+...)`; the step takes `lora` and the optimizer state as donated buffers (updated in place) and `frozen` (base
+weights, LoRA scales) as a read-only input.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import optax
 from flax import nnx
 
 from jaxft.execution import ExecutionConfig
-from jaxft.models.layers import LoraParam
+from jaxft.models.layers import TrainableParam
 from jaxft.models.stack import STACK_NAMES
 from jaxft.models.moe import load_balancing_loss
 from kernels_pallas.linear_cross_entropy import linear_cross_entropy
@@ -49,10 +50,11 @@ TRAIN_EXECUTION = ExecutionConfig()  # attention "auto" (per device and batch), 
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """(graphdef, lora, frozen): the trainable LoRA matrices and everything else, selected by type."""
-    graphdef, lora, frozen = nnx.split(model, LoraParam, ...)
+    """(graphdef, lora, frozen): the trainable variables (LoRA matrices, trained tables and rows) and everything
+    else, selected by type."""
+    graphdef, lora, frozen = nnx.split(model, TrainableParam, ...)
     if not jax.tree.leaves(lora):
-        raise ValueError("the model has no LoraParam variables: apply LoRA (jaxft.lora.apply_lora) before training")
+        raise ValueError("the model has no trainable variables: apply LoRA (jaxft.lora.apply_lora) before training")
     return graphdef, lora, frozen
 
 
