@@ -36,7 +36,7 @@ from jaxft.quant import QuantConfig  # noqa: E402
 from jaxft.streamed import pack  # noqa: E402
 from jaxft.quant.weights import abstract_quantize, layer_saving, saved_bytes  # noqa: E402
 from jaxft.train import TrainConfig, read_metrics, split_model, train, unstack_layers  # noqa: E402
-from bnb_helpers import cpu_4bit_logit_tol  # noqa: E402
+from bnb_helpers import cpu_4bit_logit_tol, save_tiny_llama  # noqa: E402
 from lora_helpers import jax_logits, perturb_lora_b, rel_err, torch_logits  # noqa: E402
 from test_train_fixtures import make_jsonl, make_tokenizer  # noqa: E402
 
@@ -82,16 +82,7 @@ def _skip_list(path: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    config = transformers.AutoConfig.for_model("llama", **BASE)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-    path = tmp_path_factory.mktemp("base")
-    model.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("base"), BASE)
 
 
 @pytest.fixture(scope="module")

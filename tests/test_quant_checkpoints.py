@@ -27,7 +27,7 @@ from flax import nnx  # noqa: E402
 import jaxft  # noqa: E402
 from jaxft.models.layers import QuantizedWeight  # noqa: E402
 from jaxft.quant import QuantConfig  # noqa: E402
-from bnb_helpers import cpu_4bit_logit_tol  # noqa: E402
+from bnb_helpers import cpu_4bit_logit_tol, save_tiny_llama  # noqa: E402
 from lora_helpers import perturb_lora_b, rel_err  # noqa: E402
 
 SEQ = 520
@@ -76,16 +76,7 @@ def _tensors(path):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    config = transformers.AutoConfig.for_model("llama", **BASE)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-    path = tmp_path_factory.mktemp("base")
-    model.save_pretrained(path)
-    return path
+    return save_tiny_llama(tmp_path_factory.mktemp("base"), BASE)
 
 
 @pytest.fixture(scope="module")
