@@ -18,14 +18,14 @@ import pytest
 
 from jaxft.train import TrainConfig, TrainConfigError
 
+from scripts.make_vlm_example import make_dataset
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "examples" / "tiny-qwen2-vl"
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from make_vlm_example import make_dataset
-
     out = tmp_path_factory.mktemp("vlm_data")
     make_dataset(out, records=16, eval_records=4, seed=1)
     return out
