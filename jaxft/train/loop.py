@@ -114,17 +114,24 @@ def _resume_path(config: TrainConfig, out: Path) -> str | None:
     return str(root / str(step)) if Path(path).expanduser().absolute() == root / str(step) else str(root)
 
 
-def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise TrainConfigError(f"key 'output_dir': {str(out)!r} exists and is not a directory; choose another path")
-    existing = next(p for p in (out, *out.parents) if p.exists())
-    try:  # a probe file, not os.access: that says yes to root on a read-only mount
+def _probe_writable(existing: Path) -> None:
+    """One line when `existing` takes no file: a probe file, not os.access, which says yes to root on a read-only
+    mount."""
+    try:
         fd, probe = tempfile.mkstemp(prefix=".jaxft-write-check-", dir=existing)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
         raise TrainConfigError(f"key 'output_dir': cannot write to {existing} ({e.strerror}); choose a writable "
                                "output_dir", key="output_dir") from None
+
+
+def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise TrainConfigError(f"key 'output_dir': {str(out)!r} exists and is not a directory; choose another path")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if distributed.is_main_process():  # the others write only inside checkpoints/, which orbax checks itself
+        _probe_writable(existing)
     ck = out / "checkpoints"
     has_ckpt = ck.is_dir() and any(c.name.isdigit() for c in ck.iterdir())
     if has_ckpt and not resuming and not config.overwrite_output_dir:
