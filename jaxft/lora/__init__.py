@@ -31,12 +31,14 @@ from jaxft.lora.apply import apply_lora, lora_state, merge_lora, merged_kernels
 from jaxft.lora.config import ALL_LINEAR, LoraConfig, LoraConfigError
 from jaxft.lora.targets import target_names
 from jaxft.lora.trained import new_token_config, resize_embeddings
-from jaxft.models.layers import TrainableParam
+from jaxft.models.layers import LoraParam, TrainableParam
 
 __all__ = [
     "ALL_LINEAR",
     "LoraConfig",
     "LoraConfigError",
+    "LoraParam",
+    "TrainableParam",
     "apply_lora",
     "load_adapter",
     "lora_state",
