@@ -44,6 +44,13 @@ def _loss(scan):
     return loss
 
 
+def _close(got, want) -> None:
+    """Equal to fp32 rounding: XLA may contract or order a sum differently in the two programs (the CPU code at -O0,
+    tests/conftest.py), so the absolute slack scales with the array's largest value."""
+    want = np.asarray(want)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(want).max())))
+
+
 def _plain(f, carry, xs):
     return jax.lax.scan(lambda c, x: (f(c, x), None), carry, xs)[0]
 
@@ -54,7 +61,7 @@ def test_gradients_equal_the_plain_scan():
     got = jax.jit(jax.value_and_grad(_loss(offloaded_scan), argnums=(0, 1)))(*args)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     for g, w in zip(got[1], want[1]):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        _close(g, w)
 
 
 def test_only_what_the_caller_differentiates_is_differentiated():
@@ -63,7 +70,7 @@ def test_only_what_the_caller_differentiates_is_differentiated():
     args = _inputs(1)
     g_lora = jax.jit(jax.grad(_loss(offloaded_scan), argnums=1))(*args)
     want = jax.jit(jax.grad(_loss(_plain), argnums=1))(*args)
-    np.testing.assert_allclose(np.asarray(g_lora), np.asarray(want), rtol=1e-5, atol=1e-6)
+    _close(g_lora, want)
     both = jax.jit(jax.grad(_loss(offloaded_scan), argnums=(1, 2))).lower(*args).as_text().count("dot_general")
     lora_only = jax.jit(jax.grad(_loss(offloaded_scan), argnums=1)).lower(*args).as_text().count("dot_general")
     assert lora_only < both
@@ -97,7 +104,8 @@ def test_a_period_of_several_layers_equals_the_plain_scan():
     want = jax.grad(lambda *a: loss(plain, *a), argnums=(0, 1))(x, lora)
     got = jax.grad(lambda *a: loss(offloaded_scan, *a), argnums=(0, 1))(x, lora)
     for a, b in zip(got, want):  # float32 rounding of gradients up to ~40 (the loop and the last layer fuse apart)
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
+        # three layers a period, each differentiated twice over: fp32 orders of the two programs drift further
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
     text = jax.jit(jax.grad(lambda *a: loss(offloaded_scan, *a), argnums=1)).trace(x, lora).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count('_xla_buffer_placement = "pinned_host"') == 4  # each f's input: in the loop, and the last
@@ -130,7 +138,7 @@ def test_streamed_weights_give_the_gradients_of_the_plain_scan():
                                          argnums=(0, 1)))(x, lora, table)
         np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
         for g, w in zip(got[1], want[1]):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+            _close(g, w)
     value = jax.jit(_streamed_loss(offloaded_scan, HostRows(host, 2)))(x, lora, table)  # the primal alone
     np.testing.assert_allclose(value, want[0], rtol=1e-6)
 
@@ -154,7 +162,7 @@ def test_streamed_blocks_of_rows_feed_a_period():
     got = jax.jit(jax.grad(lambda *a: loss(offloaded_scan, HostRows(_on_host(frozen), 0, 2), *a),
                            argnums=(0, 1)))(x, lora)
     for a, b in zip(got, want):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        _close(a, b)
 
 
 def test_lowered_for_a_gpu_each_layers_weights_come_to_the_device_once_each_way():
@@ -206,7 +214,7 @@ def _named_loss(scan, table, weights, **kw):
 def _assert_value_and_grads_match(got, want):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     for g, w in zip(got[1], want[1]):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        _close(g, w)
 
 
 @pytest.mark.parametrize("streamed", [False, True])
