@@ -30,7 +30,7 @@ from flax import nnx  # noqa: E402
 
 import jaxft  # noqa: E402
 from jaxft.generation.engine import generate_ids  # noqa: E402
-from jaxft.models.decoder import model_class  # noqa: E402
+from jaxft.models.build import model_class  # noqa: E402
 from jaxft.models.stack import streamed_weight  # noqa: E402
 from jaxft.quant import QuantConfig  # noqa: E402
 from jaxft.streamed import pack  # noqa: E402
