@@ -70,7 +70,7 @@ if has tests; then
   parallel=(); [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadgroup)
   # The serial call's share is a size, not a fraction: its tests need ~13 GB at most, and what it does not use the
   # parallel workers get. As a fixed fraction (0.5) the workers had 6 GiB each on an H100 (80 GB) and two tests ran
-  # out of memory there (docs/benchmarks.md section 41); the H200's 139 GB hid it.
+  # out of memory there; the H200's 139 GB hid it.
   gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   serial_fraction=${TESTS_SERIAL_MEM_FRACTION:-$(awk -v m="${gpu_mib:-0}" -v want="${TESTS_SERIAL_MEM_GIB:-24}" \
     'BEGIN { f = (m > 0) ? want * 1024 / m : 0.5; if (f > 0.5) f = 0.5; printf "%.3f", f }')}

@@ -5,8 +5,8 @@ ratio says how close a training step gets to what the same chip and libraries ca
 easiest possible kernel. For an n x n x n matmul: FLOPs = 2 n^3; the ceiling is the maximum over
 the sizes tried of 2 n^3 * iters / seconds, each size timed in several trials and the best kept: the
 first timed loops after a process starts can run far below the chip's rate (on the H200, JAX's 4096 and
-8192 read 236 and 502 TFLOP/s in a single trial, 747 and 809 in a warm process; docs/benchmarks.md
-section 20), and a ceiling read low inflates every MFU divided by it.
+8192 read 236 and 502 TFLOP/s in a single trial, 747 and 809 in a warm process), and a ceiling read low
+inflates every MFU divided by it.
 
 Runnable on its own (this module imports nothing from the rest of the benchmark package, so the harness can
 start it in its own process for each framework):

@@ -210,7 +210,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     if before:
         # XLA allocates the step's temp as one buffer: where the allocator's pool (its regions, which can exceed the
         # bytes in use) leaves less than that below its limit, the first step runs out of memory. One line before
-        # the steps, so a failed row's log says by how much (docs/benchmarks.md section 16).
+        # the steps, so a failed row's log says by how much.
         gib = 2**30
         print(f"[jaxft] device memory before the steps: in use {before.get('bytes_in_use', 0) / gib:.2f} GiB, pool "
               f"{before.get('pool_bytes', 0) / gib:.2f} GiB, largest free block "
@@ -330,7 +330,7 @@ def distinct_buffers(arrays) -> dict[int, Any]:
     """{device buffer address: one array on it} of `arrays`. Why by buffer, not by Python object: two Array objects
     can share one buffer (a `device_put` of an uncommitted array onto its own device wraps the same buffer), and
     flax's Variables keep replaced objects alive in reference cycles until a garbage collection (Qwen3-30B-A3B's
-    optimizer moments were counted twice by object, docs/benchmarks.md section 24). Deleted (donated) and
+    optimizer moments were counted twice by object). Deleted (donated) and
     multi-device arrays are left out."""
     seen: dict[int, Any] = {}
     for x in arrays:
@@ -345,7 +345,7 @@ def resident_outside(state, device=None, top: int = 8) -> dict[str, Any]:
     """The device buffers alive beside the run's `state` (weights, LoRA, optimizer, batches): their total bytes and
     the `top` largest (shape, dtype, bytes); with a `device`, its bytes in use against the state's bytes, before
     and after a garbage collection (unreachable cycles that still hold buffers). Why: Qwen3-30B-A3B's row held
-    2.74 GB before its first step beyond its step's arguments (docs/benchmarks.md section 23), which the peak then
+    2.74 GB before its first step beyond its step's arguments, which the peak then
     counts."""
     import gc
 

@@ -82,8 +82,8 @@ class TokenData:
         """The vision keyword arguments of step i for transformers' Qwen2.5-VL forward: `hf_images` and
         mm_token_type_ids [B, T] (1 on image tokens, 0 on text, as its processor returns them). Without
         mm_token_type_ids transformers 5 computes no M-RoPE positions: its text model silently takes 1-D
-        positions arange(T), which shift every text token after an image (found on the H200: HF+PEFT and
-        Unsloth trained the 7B rows that way; docs/benchmarks.md section 20)."""
+        positions arange(T), which shift every text token after an image (HF+PEFT and Unsloth once trained the 7B
+        rows that way)."""
         pixels, grids = self.hf_images(i)
         return {"pixel_values": pixels, "image_grid_thw": grids,
                 "mm_token_type_ids": (self.input_ids[i] == self.image_token_id).astype(np.int64)}
