@@ -27,7 +27,7 @@ from jaxft.lora import merged_kernels
 from jaxft.models.build import abstract_model
 from jaxft.models.decoder import Decoder
 from jaxft.models.layers import LoraParam, TokenRows, linears
-from jaxft.models.quant_experts import Quant4bitExperts
+from jaxft.models.quant_experts import QuantizedExperts
 from jaxft.models.stack import layer_stacks
 from jaxft.quant import experts as qe, fp8 as qf, weights as qw
 from jaxft.quant.config import Fp8Config, is_skipped
@@ -86,11 +86,12 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     bitsandbytes' 4-bit format, quantised one layer at a time on the device from the host copy, so the whole
     model never exists in `dtype` on the accelerator; modules named in `QuantConfig.skip_modules` or over its
     `max_rel_error` stay in `dtype` (listed, with the memory saved, when `verbose`). quantize="fp8" (or
-    `quant_config=jaxft.quant.Fp8Config(...)`) stores them in FP8 instead (`jaxft.quant.fp8`; MoE experts stay in
-    `dtype`), quantised the same way, never unless asked. A bitsandbytes 4-bit
+    `quant_config=jaxft.quant.Fp8Config(...)`) stores them and the MoE expert stacks in FP8 instead
+    (`jaxft.quant.fp8`, `jaxft.quant.experts`), quantised the same way, never unless asked. A bitsandbytes 4-bit
     checkpoint (config.json `quantization_config`) loads as stored, byte for byte; an MXFP4 checkpoint (GPT-OSS)
     has its expert weights decoded to `dtype` (`bridge.mxfp4`), an FP8 one (transformers' fine-grained or
-    compressed-tensors) its linear weights (`bridge.fp8`).
+    compressed-tensors) its linear weights (`bridge.fp8`), while its per-expert FP8 weights load as stored, codes
+    and block scales (dequantised only where `quant_config` is 4-bit or skips the experts by name).
 
     A `.gguf` file (llama.cpp) loads as a base model too, every tensor dequantised to `dtype` (`bridge.gguf`;
     the dense families, not with `mesh`).
@@ -136,16 +137,19 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
             raise bridge.CheckpointError(f"{source}: quantization_config.quant_method is 'mxfp4' but no tensor is "
                                          "stored as <name>_blocks / <name>_scales; remove quantization_config")
         mx_shapes = {row.path: expected.pop(row.path).shape for row in rows}
-    fp8_shapes = {}
+    fp8_shapes, expert_shapes = {}, {}
     if fp8_scale:
         names = {n for f in bridge.checkpoint_files(path) for n in read_header(f)[0]}
-        fp8_rows = fp8.quantized_rows(table, names, fp8_scale)
-        if not fp8_rows:
+        fp8_rows = [row for row in fp8.quantized_rows(table, names, fp8_scale) if row.path in expected]
+        fp8_experts = fp8.expert_rows(table, names, fp8_scale, layer_stacks(cfg), cfg.num_layers)
+        if not fp8_rows and not fp8_experts:
             raise bridge.CheckpointError(f"{source}: quantization_config says FP8 but no linear weight has a "
                                          f"<module>.{fp8_scale} beside it; remove quantization_config")
         fp8_shapes = {row.path: expected.pop(row.path).shape for row in fp8_rows}
+        # the experts' codes and scales are read as stored (below); the gate and up rows share one path
+        expert_shapes = {p: expected.pop(p).shape for p in dict.fromkeys(row.path for row in fp8_experts)}
     if mesh is not None:
-        if fp8_shapes:
+        if fp8_shapes or expert_shapes:
             raise ValueError(f"{source}: loading an FP8 checkpoint sharded over a mesh is not supported yet; load "
                              "without mesh=, save_pretrained it and load that sharded")
         if mx_shapes:
@@ -186,7 +190,10 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     if mx_shapes:
         ignore.update(n for row in rows for n in mxfp4.tensor_names(row, cfg.num_layers))
     if fp8_shapes:
-        ignore.update(fp8.tensor_names(fp8_rows, cfg.num_layers, names, fp8_scale))
+        ignore.update(fp8.tensor_names(fp8_rows, cfg.num_layers, names, fp8_scale, layer_stacks(cfg)))
+    if expert_shapes:
+        ignore.update(fp8.expert_tensor_names(fp8_experts, layer_stacks(cfg), cfg.num_layers, cfg.num_experts, names,
+                                              fp8_scale))
     arrays = bridge.load_weights(path, table, expected, cfg.num_layers, dtype,
                                  num_experts=cfg.num_experts or None, ignore=ignore, layer_map=layer_stacks(cfg),
                                  num_vision_blocks=_vision_blocks(cfg))
@@ -196,7 +203,12 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         arrays.update(mxfp4.load_rows(path, bridge.checkpoint_files(path), rows, mx_shapes, cfg.num_layers, dtype))
     if fp8_shapes:
         arrays.update(fp8.load_rows(path, bridge.checkpoint_files(path), fp8_rows, fp8_shapes, cfg.num_layers,
-                                    dtype, fp8_scale))
+                                    dtype, fp8_scale, layer_stacks(cfg)))
+    if expert_shapes:
+        _stored_fp8_experts(model, fp8.load_expert_rows(path, bridge.checkpoint_files(path), fp8_experts,
+                                                        expert_shapes, layer_stacks(cfg), cfg.num_layers,
+                                                        cfg.num_experts, fp8_scale),
+                            arrays, quant_config, dtype, verbose)
     skipped: list[str] = []
     if to_fp8:
         skipped = qf.quantize_linears_fp8(model, arrays, quant_config, verbose)
@@ -207,9 +219,30 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
         skipped += [n for s, (_, four) in quants.items() for n, f in zip(s.names(), four) if not f]
     for site, (quant, four) in quants.items():
         qw.install(site.linear(model), quant, four)
-    if stored is None and quant_config is not None and not to_fp8:
+    if stored is None and quant_config is not None:
         _quantize_experts(model, arrays, quant_config, str(dtype), verbose)
     return _filled(model, arrays, quant_config, skipped, path)
+
+
+def _stored_fp8_experts(model, stored: dict, arrays: dict, quant_config, dtype, verbose: bool) -> None:
+    """An FP8 checkpoint's expert stacks (`stored`: path -> (codes, scales), `bridge.fp8.load_expert_rows`): kept
+    in FP8 as stored, unless the load stores experts otherwise (a 4-bit `quant_config`, or an `Fp8Config` whose
+    skip_modules names them): then dequantised into `arrays` as dense kernels for that."""
+    sites = {site.path: site for site in qe.expert_sites(model)}
+    kept = {}
+    for key, (codes, scales) in stored.items():
+        skipped = quant_config is not None and any(is_skipped(n, quant_config.skip_modules)
+                                                   for n in sites[key].names())
+        if quant_config is None or (isinstance(quant_config, Fp8Config) and not skipped):
+            kept[key] = (codes, scales)
+        else:
+            arrays[key] = fp8.dequantize_experts(codes, scales, dtype)
+    for key, quant in qe.stored_fp8_experts(model, kept, str(dtype)).items():
+        qe.install_experts(model, sites[key], quant)
+        if verbose:
+            bm, bn = quant.block
+            print(f"jaxft: {sites[key].param} in FP8 as stored (e4m3, a scale per {bm} x {bn} block), "
+                  f"{qe.saved_expert_bytes(quant, model.dtype) / 2**20:.1f} MiB saved over {model.dtype}")
 
 
 def _dense_rows(path: Path, table, cfg: ModelConfig, dtype, site, four: tuple[bool, ...],
@@ -340,8 +373,8 @@ def _quantize_sites(model, sites, arrays, qcfg, quants, dtype_name, verbose) -> 
 
 
 def _quantize_experts(model, arrays, qcfg, dtype_name, verbose) -> None:
-    """Stores every MoE expert stack not skipped by name in 4 bits (`jaxft.quant.experts`), popping its host
-    copy; prints what it saved."""
+    """Stores every MoE expert stack not skipped by name in 4 bits or FP8 (`qcfg`, `jaxft.quant.experts`),
+    popping its host copy; prints what it saved."""
     done, kept, saved = 0, [], 0
     for site in qe.expert_sites(model):
         if any(is_skipped(n, qcfg.skip_modules) for n in site.names()):
@@ -351,15 +384,17 @@ def _quantize_experts(model, arrays, qcfg, dtype_name, verbose) -> None:
         qe.install_experts(model, site, quant)
         done, saved = done + 1, saved + qe.saved_expert_bytes(quant, model.dtype)
     if verbose and (done or kept):
-        print(f"jaxft: {done} expert stack(s) in 4-bit {qcfg.quant_type}, {saved / 2**20:.1f} MiB saved over "
+        what = ("FP8 (e4m3, a scale per output channel)" if isinstance(qcfg, Fp8Config)
+                else f"4-bit {qcfg.quant_type}")
+        print(f"jaxft: {done} expert stack(s) in {what}, {saved / 2**20:.1f} MiB saved over "
               f"{model.dtype}" + (f"; kept in {model.dtype} (skip_modules): {', '.join(kept)}" if kept else ""))
 
 
 def model_params(model: Decoder, *, merge_lora: bool = True, dequantize: bool = True
                  ) -> dict[tuple[str, ...], np.ndarray]:
     """Base parameters as host arrays, with LoRA deltas merged into the kernels when present, and the 4-bit
-    linears' kernels dequantised in the model dtype (left out with dequantize=False); 4-bit expert stacks are
-    dequantised in the model dtype either way."""
+    linears' kernels dequantised in the model dtype (left out with dequantize=False); quantised expert stacks
+    (4-bit, FP8) are dequantised in the model dtype either way."""
     merged = merged_kernels(model) if merge_lora else {}
     out = {}
     for p, lin in linears(model):
@@ -368,8 +403,8 @@ def model_params(model: Decoder, *, merge_lora: bool = True, dequantize: bool = 
             out[key] = np.asarray(lin.frozen_kernel(model.dtype))
     for p, node in nnx.iter_graph(model):
         key = _path_key(p)
-        # 4-bit experts are always written dense: a bitsandbytes checkpoint has no 4-bit expert format.
-        if isinstance(node, Quant4bitExperts) and key not in merged:
+        # Quantised experts are always written dense: a bitsandbytes checkpoint has no 4-bit expert format.
+        if isinstance(node, QuantizedExperts) and key not in merged:
             out[key] = np.asarray(node.dequantize(model.dtype))
     for key in list(param_shapes(model)) + [k for k in merged if k not in out]:
         if key in out:

@@ -145,7 +145,7 @@ class Run(AutoChoices):
             model = model_class(self.model_config)(self.model_config, dtype=jnp.dtype(self.dtype),
                                                    rngs=nnx.Rngs(0))
             if isinstance(self.quant_config, Fp8Config):
-                abstract_fp8(model, self.quant_config)
+                abstract_fp8(model, self.quant_config, self.model_path)
             else:
                 abstract_quantize(model, self.model_path, self.quant_config)
             return apply_lora(model, self.lora_config, seed=self.seed)

@@ -16,7 +16,7 @@ from jaxft.lora.targets import _modules, _plan, _Site
 from jaxft.models.layers import (ExpertParam, Linear, LoraParam, LoraRank, LoraScale, QuantFp8, TrainableParam, linears,
                                  logical)
 from jaxft.models.moe import ExpertLora, expert_adapters
-from jaxft.models.quant_experts import Quant4bitExperts, expert_weight
+from jaxft.models.quant_experts import QuantizedExperts, expert_weight
 
 
 def _linear(model, path: tuple[str, ...]) -> Linear:
@@ -210,8 +210,9 @@ def merge_lora(model):
     merged = merged_kernels(model)
     experts = _expert_merges(model)
     for key, (holder, name, *_) in experts.items():
-        if isinstance(getattr(holder, name), Quant4bitExperts):
-            raise ValueError(f"merge_lora: {'.'.join(key)} holds 4-bit experts; merging would need re-quantising "
+        if isinstance(getattr(holder, name), QuantizedExperts):
+            raise ValueError(f"merge_lora: {'.'.join(key)} holds {getattr(holder, name).kind} experts; merging would "
+                             "need re-quantising "
                              "them. Export the merged model with jaxft.save_pretrained (dequantised), or keep the "
                              "adapter separate (save_adapter)")
     for key in [k for k in merged if k not in trained.row_tables(model)]:

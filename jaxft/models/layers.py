@@ -8,7 +8,7 @@ meaning: `nnx.Param` is the frozen base, `TrainableParam`s are what training upd
 matrices, `SavedParam` base matrices trained in full, `TokenRows` trained rows of a table), `LoraScale` is a per-layer
 constant, `QuantizedWeight` is a frozen 4-bit weight's storage and `Fp8Weight` a frozen FP8 weight's (a `Linear`
 whose `quant` is set has no `kernel`); `ExpertParam` is a MoE expert stack, `QuantizedExpertWeight` the storage of
-one in 4 bits.
+one in 4 bits, `Fp8ExpertWeight` in FP8.
 Optimisers, the trainer and the exporters select by type, never by name.
 
 Every parameter also names its dimensions where it is created (`logical(...)`, kept as the Variable's
@@ -109,8 +109,9 @@ class Fp8Weight(QuantizedWeight):
 
 class ExpertParam(nnx.Param):
     """A stack of MoE expert weights [*stack, E, in, out] (frozen, like any `nnx.Param`): what `load_in_4bit`
-    stores in 4 bits as a `jaxft.models.quant_experts.Quant4bitExperts` (selected by this type). Inside a layer
-    scan its value is a `StackRow` (`jaxft.models.stack`), which `expert_matmul` reads in place."""
+    stores in 4 bits as a `jaxft.models.quant_experts.Quant4bitExperts`, `load_in_fp8` in FP8 as an `Fp8Experts`
+    (selected by this type). Inside a layer scan its value is a `StackRow` (`jaxft.models.stack`), which
+    `expert_matmul` reads in place."""
 
 
 @jax.tree_util.register_dataclass
@@ -136,6 +137,11 @@ class StackRow:
 class QuantizedExpertWeight(QuantizedWeight):
     """Storage of a stack of frozen 4-bit expert weights (one bitsandbytes record per expert); a
     `QuantizedWeight`, so whatever skips those (optimisers, gradients, exporters of `Param`s) skips it too."""
+
+
+class Fp8ExpertWeight(QuantizedExpertWeight):
+    """Storage of a stack of frozen FP8 expert weights (float8_e4m3fn codes and their block scales,
+    `jaxft.models.quant_experts.Fp8Experts`); skipped wherever a `QuantizedWeight` is."""
 
 
 def init_4bit_buffers(module: nnx.Module, lead: tuple[int, ...], out_features: int, in_features: int, *,

@@ -4,7 +4,8 @@ and routers by default; embeddings and norms are no linears), quantised one laye
 
 A quantised `Linear` keeps its bias and LoRA slots; its `kernel` is replaced by `quant`, a `QuantFp8` module
 whose variables are `Fp8Weight`s (`jaxft.models.layers`), told apart from trainable state by type, like the 4-bit
-weights. A site is quantised for all layers of its stack. MoE expert stacks are not quantised.
+weights. A site is quantised for all layers of its stack. MoE expert stacks are stored in FP8 too
+(`jaxft.quant.experts`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from jaxft.models.layers import QuantFp8
 from jaxft.quant.config import Fp8Config, is_skipped
+from jaxft.quant.experts import abstract_experts, checkpoint_fp8_blocks
 from jaxft.quant.weights import install, linear_sites
 from kernels_pallas.fp8_matmul import quantize_rows
 
@@ -66,9 +68,11 @@ def quantize_linears_fp8(model, arrays: dict, cfg: Fp8Config, verbose: bool = Tr
     return kept
 
 
-def abstract_fp8(model, cfg: Fp8Config) -> None:
+def abstract_fp8(model, cfg: Fp8Config, path=None) -> None:
     """Installs the FP8 modules `from_pretrained(path, quant_config=cfg)` would, with zero arrays (call it under
-    `nnx.eval_shape` for shapes alone): for ahead-of-time compilation before the weights are read."""
+    `nnx.eval_shape` for shapes alone): for ahead-of-time compilation before the weights are read. `path` (the
+    checkpoint) gives an FP8 checkpoint's expert stacks their stored blocks; without it they are per channel."""
+    abstract_experts(model, cfg, checkpoint_fp8_blocks(model, path))
     for site in linear_sites(model):
         if any(is_skipped(n, cfg.skip_modules) for n in site.names()):
             continue

@@ -27,7 +27,7 @@ from jaxft.models.layers import Linear, Quant4bit, linears
 from jaxft.models.stack import layer_stacks
 from jaxft.quant.blockwise import quantize_4bit
 from jaxft.quant.config import DEFAULT_SKIP, QuantConfig, is_skipped
-from jaxft.quant.experts import abstract_experts
+from jaxft.quant.experts import abstract_experts, checkpoint_fp8_blocks
 from kernels_pallas.nf4_matmul import DYNAMIC, code_4bit, dequantize_4bit
 
 __all__ = ["DEFAULT_SKIP", "QuantConfig", "Site", "abstract_quantize", "four_bit_rows", "install", "is_skipped",
@@ -211,6 +211,7 @@ def abstract_quantize(model, path, cfg: QuantConfig | None) -> None:
     `nnx.eval_shape` for shapes alone): for ahead-of-time compilation before the weights are read."""
     hf = read_config(path)
     stored = bnb4bit.quantization_config(hf, str(path))
+    fp8_experts = checkpoint_fp8_blocks(model, path)  # an FP8 checkpoint's experts, kept as stored
     if stored is not None:
         records = bnb4bit.read_quantized(path, checkpoint_files(path))
         for site in linear_sites(model):
@@ -223,12 +224,13 @@ def abstract_quantize(model, path, cfg: QuantConfig | None) -> None:
                                   nested_blocksize=r.nested_blocksize or 256, source_dtype=r.dtype)
         return
     if cfg is None:
+        abstract_experts(model, None, fp8_experts)
         return
     if cfg.max_rel_error is not None:
         raise ValueError("QuantConfig.max_rel_error decides which modules stay dense from the weights themselves: "
                          "load the model (Run.load) before compiling")
 
-    abstract_experts(model, cfg)
+    abstract_experts(model, cfg, fp8_experts)
     for site in linear_sites(model):
         rows = tuple(not is_skipped(n, cfg.skip_modules) for n in site.names())
         if any(rows):
