@@ -294,3 +294,19 @@ def test_lora_step_temp_memory_holds_no_dequantised_experts(tmp_path):
     dense, fp8 = analysis(SKIP_EXPERTS), analysis(Fp8Config())  # the same FP8 linears either way
     assert fp8.temp_size_in_bytes - dense.temp_size_in_bytes < expert_bytes / 8
     assert 0.4 * expert_bytes < dense.argument_size_in_bytes - fp8.argument_size_in_bytes < 0.5 * expert_bytes
+
+
+@pytest.mark.slow  # a 6-step jaxft-train run (compile before load, unrolled layers)
+def test_load_in_fp8_run_trains_expert_lora_on_fp8_experts(tmp_path, capsys):
+    import test_moe_train as moe_train
+    from jaxft.train import TrainConfig, train
+
+    base = moe_train._model_dir(tmp_path)
+    cfg = TrainConfig(**moe_train._values(tmp_path, base, load_in_fp8=True, max_steps=6, logging_steps=2,
+                                          save_steps=6))
+    result = train(cfg)
+    assert "jaxft: 2 expert stack(s) in FP8 (e4m3, a scale per output channel)" in capsys.readouterr().out
+    losses = [r["loss"] for r in map(json.loads, result.metrics_path.read_text().splitlines()) if "loss" in r]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.05, losses
+    adapter = json.loads((result.adapter_dir / "adapter_config.json").read_text())
+    assert sorted(adapter["target_parameters"]) == sorted(moe_train.EXPERTS)
