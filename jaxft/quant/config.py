@@ -92,11 +92,13 @@ class QuantConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
-    """Frozen linears stored in FP8 (float8_e4m3fn codes, one float32 scale per output channel; see
-    `kernels_pallas.fp8_matmul`): half the bytes of bf16, and on FP8 tensor cores both frozen GEMMs of a linear in
-    FP8. MoE expert stacks stay in the model dtype.
+    """Frozen linears and MoE expert stacks stored in FP8 (float8_e4m3fn codes, one float32 scale per output
+    channel; see `kernels_pallas.fp8_matmul`): half the bytes of bf16, and on FP8 tensor cores both frozen GEMMs of a
+    linear in FP8 (the experts' grouped matmuls run on each layer's weights dequantised to the compute dtype; an FP8
+    checkpoint's experts keep their stored block scales).
 
-    skip_modules: HF module names kept in the model dtype, matched as `QuantConfig.skip_modules`.
+    skip_modules: HF module names kept in the model dtype, matched as `QuantConfig.skip_modules` ("mlp.experts"
+    keeps the MoE experts).
     implementation: the fp8_matmul implementation ("auto": FP8 GEMMs on a GPU of compute capability 8.9+, else
     the weight dequantised to the compute dtype inside each matmul).
     """
