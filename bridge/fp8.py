@@ -66,10 +66,18 @@ def scale_suffix(config: Mapping[str, Any], source: str) -> str | None:
     return None
 
 
-def quantized_rows(table: Sequence[Row], names: set[str], suffix: str) -> list[Row]:
-    """The per-layer linear weight rows stored as FP8 (layer 0 has the scale tensor beside its weight)."""
-    return [row for row in table if row.axes == ("i",) and row.hf.endswith(".weight") and row.transform
-            and row.name(0)[: -len("weight")] + suffix in names]
+def quantized_rows(table: Sequence[Row], names: set[str], suffix: str, layer_map: LayerMap | None = None,
+                   num_layers: int = 1) -> list[Row]:
+    """The per-layer linear weight rows stored as FP8 (the first layer of their stack, layer 0 without a
+    `layer_map`, has the scale tensor beside its weight)."""
+    out = []
+    for row in table:
+        if row.axes != ("i",) or not row.hf.endswith(".weight") or not row.transform:
+            continue
+        layers = stack_layers(row, layer_map, num_layers)
+        if layers and row.name(layers[0])[: -len("weight")] + suffix in names:
+            out.append(row)
+    return out
 
 
 def tensor_names(rows: Sequence[Row], num_layers: int, names: set[str], suffix: str,

@@ -140,7 +140,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "bfloat16", quantize: 
     fp8_shapes, expert_shapes = {}, {}
     if fp8_scale:
         names = {n for f in bridge.checkpoint_files(path) for n in read_header(f)[0]}
-        fp8_rows = [row for row in fp8.quantized_rows(table, names, fp8_scale) if row.path in expected]
+        fp8_rows = [row for row in fp8.quantized_rows(table, names, fp8_scale, layer_stacks(cfg), cfg.num_layers)
+                    if row.path in expected]
         fp8_experts = fp8.expert_rows(table, names, fp8_scale, layer_stacks(cfg), cfg.num_layers)
         if not fp8_rows and not fp8_experts:
             raise bridge.CheckpointError(f"{source}: quantization_config says FP8 but no linear weight has a "
@@ -237,7 +238,7 @@ def _stored_fp8_experts(model, stored: dict, arrays: dict, quant_config, dtype, 
             kept[key] = (codes, scales)
         else:
             arrays[key] = fp8.dequantize_experts(codes, scales, dtype)
-    for key, quant in qe.stored_fp8_experts(model, kept, str(dtype)).items():
+    for key, quant in qe.stored_fp8_experts(kept, str(dtype)).items():
         qe.install_experts(model, sites[key], quant)
         if verbose:
             bm, bn = quant.block

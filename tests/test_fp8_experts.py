@@ -54,16 +54,13 @@ def base(request, tmp_path_factory):
     return request.param, path
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    """(the fp32 Qwen3-MoE directory, the same weights in transformers' fine-grained FP8 layout: every expert and
-    attention linear as float8_e4m3fn in BLOCK blocks beside its weight_scale_inv)."""
-    dense = tmp_path_factory.mktemp("qwen_dense")
-    tiny_qwen3_moe(QWEN, seed=1).save_pretrained(dense)
+def _fine_grained_fp8(dense, path):
+    """`dense`'s weights in transformers' fine-grained FP8 layout at `path`: every projection of the layers
+    (attention, experts, dense MLPs) as float8_e4m3fn in BLOCK blocks beside its weight_scale_inv."""
     state = safetensors.torch.load_file(str(dense / "model.safetensors"))
     out = {}
     for name, w in state.items():
-        if name.endswith("_proj.weight") and (".experts." in name or ".self_attn." in name):
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
             rows, cols = w.shape
             blocks = w.reshape(rows // BLOCK[0], BLOCK[0], cols // BLOCK[1], BLOCK[1])
             scale = blocks.abs().amax(dim=(1, 3)) / 448.0
@@ -71,13 +68,21 @@ def qwen(tmp_path_factory):
             out[name[: -len("weight")] + "weight_scale_inv"] = scale.float()
         else:
             out[name] = w
-    path = tmp_path_factory.mktemp("qwen_fp8")
+    path.mkdir(parents=True, exist_ok=True)
     hf = json.loads((dense / "config.json").read_text())
     hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(BLOCK), "fmt": "e4m3",
                                  "activation_scheme": "dynamic"}
     (path / "config.json").write_text(json.dumps(hf))
     safetensors.torch.save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return dense, path
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """(the fp32 Qwen3-MoE directory, the same weights in transformers' fine-grained FP8 layout)."""
+    dense = tmp_path_factory.mktemp("qwen_dense")
+    tiny_qwen3_moe(QWEN, seed=1).save_pretrained(dense)
+    return dense, _fine_grained_fp8(dense, tmp_path_factory.mktemp("qwen_fp8"))
 
 
 def _mlp(model):
@@ -243,6 +248,18 @@ def test_fine_grained_fp8_checkpoint_loads_as_stored(qwen, capsys):
             return m
 
         assert _shapes(nnx.eval_shape(build)) == _shapes(loaded)
+
+
+def test_fine_grained_fp8_checkpoint_with_dense_layers_maps_each_stack_to_its_layers(tmp_path):
+    """mlp_only_layers=[1]: layers 0 and 2 are sparse (the `layers` stack), layer 1 dense (`dense_layers`); every
+    FP8 tensor is read from its own layer."""
+    dense = tmp_path / "dense"
+    tiny_qwen3_moe({**QWEN, "num_hidden_layers": 3, "mlp_only_layers": [1]}, seed=2).save_pretrained(dense)
+    path = _fine_grained_fp8(dense, tmp_path / "fp8")
+    model = jaxft.from_pretrained(path, dtype="float32", verbose=False)
+    assert isinstance(_mlp(model).down_proj, Fp8Experts) and _mlp(model).down_proj.q.shape[0] == 2
+    ids = np.random.default_rng(6).integers(0, 128, (1, 64))
+    assert rel_err(jax_logits(model, ids), torch_logits(hf_model_fp32(path), ids)) < 1e-5
 
 
 def test_abstract_fp8_model_of_a_dense_checkpoint_has_the_loaded_shapes(qwen):

@@ -100,7 +100,7 @@ def quantize_experts(kernel: np.ndarray, cfg: QuantConfig | Fp8Config, source_dt
                             source_dtype=source_dtype, arrays=arrays)
 
 
-def stored_fp8_experts(model, stored: dict, source_dtype: str) -> dict[tuple[str, ...], Fp8Experts]:
+def stored_fp8_experts(stored: dict, source_dtype: str) -> dict[tuple[str, ...], Fp8Experts]:
     """{tree path: Fp8Experts} of an FP8 checkpoint's expert stacks as stored: `stored` maps each path to (codes
     [L, E, out, in] float8_e4m3fn, scales [L, E, out / bm, in / bn] float32) as `bridge.fp8.load_expert_rows`
     reads them (host arrays)."""
