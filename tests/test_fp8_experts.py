@@ -250,6 +250,43 @@ def test_fine_grained_fp8_checkpoint_loads_as_stored(qwen, capsys):
         assert _shapes(nnx.eval_shape(build)) == _shapes(loaded)
 
 
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_fp8_experts_load_as_stored(qwen, tmp_path, strategy):
+    """compressed-tensors FP8 experts (w = fp8 * weight_scale, per channel [out, 1] or per tensor [1]; the linears
+    here dense): codes and scales as stored, gate's rows then up's, and exactly the weights they encode."""
+    dense, _ = qwen
+    state = safetensors.torch.load_file(str(dense / "model.safetensors"))
+    out, exact = {}, {}
+    for name, w in state.items():
+        if ".experts." in name:
+            amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+            scale = (amax / 448.0).float()
+            stem = name[: -len("weight")]
+            out[name], out[stem + "weight_scale"], out[stem + "input_scale"] = (w / scale).to(torch.float8_e4m3fn), \
+                scale, torch.ones(1)
+            exact[name] = out[name].float() * scale
+        else:
+            out[name] = w
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+                                                "symmetric": True, "dynamic": False}}
+    hf = json.loads((dense / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                 "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
+    tmp_path.joinpath("config.json").write_text(json.dumps(hf))
+    safetensors.torch.save_file(out, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = jaxft.from_pretrained(tmp_path, dtype="float32", verbose=False)
+    gate_up, down = _mlp(model).gate_up_proj, _mlp(model).down_proj
+    assert (gate_up.block, down.block) == (((1, 64), (1, 32)) if strategy == "channel" else ((32, 64), (64, 32)))
+    assert model.layers.attn.q_proj.quant is None  # the linears were stored dense
+    for layer in range(2):
+        for e in range(4):
+            stem = f"model.layers.{layer}.mlp.experts.{e}."
+            want = torch.cat([exact[stem + "gate_proj.weight"], exact[stem + "up_proj.weight"]]).numpy()
+            np.testing.assert_array_equal(np.asarray(gate_up.dequantize(jnp.float32)[layer, e]).T, want)
+            np.testing.assert_array_equal(np.asarray(down.dequantize(jnp.float32)[layer, e]).T,
+                                          exact[stem + "down_proj.weight"].numpy())
+
+
 def test_fine_grained_fp8_checkpoint_with_dense_layers_maps_each_stack_to_its_layers(tmp_path):
     """mlp_only_layers=[1]: layers 0 and 2 are sparse (the `layers` stack), layer 1 dense (`dense_layers`); every
     FP8 tensor is read from its own layer."""
