@@ -22,8 +22,8 @@ Gradients: the activation is `kernels_pallas.glu.clamped_swiglu`, whose custom V
 bounds, as torch's clamp, and none on or outside them; the grouped matmuls differentiate by their implementation's
 rules (`kernels_pallas.grouped_matmul`: ragged dots for "xla", the Mosaic kernels' custom VJP), chosen per step by
 `ExecutionConfig.grouped_matmul_implementation` (`jaxft.models.moe`).
-The two expert weights are `ExpertParam`s, 4-bit `Quant4bitExperts` with `load_in_4bit` (biases stay in the
-model dtype), both through `jaxft.models.quant_experts.expert_matmul`.
+The two expert weights are `ExpertParam`s, 4-bit `Quant4bitExperts` with `load_in_4bit`, FP8 `Fp8Experts` with
+`load_in_fp8` (biases stay in the model dtype), all through `jaxft.models.quant_experts.expert_matmul`.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ stores no choice (the model holds parameters and math, the execution config how)
 
 The router is a plain parameter, not a `Linear`: LoRA never targets it (neither does PEFT: transformers' router
 is not an nn.Linear); the experts are [E, in, out] stacks, also not `Linear`s: `ExpertParam`s, or with
-`load_in_4bit` `jaxft.models.quant_experts.Quant4bitExperts` (the grouped matmul on weights dequantised inside
-the layer, `expert_matmul`).
+`load_in_4bit` `jaxft.models.quant_experts.Quant4bitExperts`, with `load_in_fp8` `Fp8Experts` (the grouped matmul
+on weights dequantised inside the layer, `expert_matmul`).
 
 Expert LoRA (`ExpertLora`, PEFT's `target_parameters` on the fused `experts.gate_up_proj` / `down_proj`):
 per expert e a rank-r update of W_e, applied without forming any per-expert delta weight:
