@@ -94,13 +94,13 @@ def test_yaml_scalars_and_aliases(workdir):
     path = _write_config(workdir, "ok.yaml", max_length=48, max_seq_length=None)
     path.write_text(path.read_text() + "learning_rate: 1e-4\n", encoding="utf-8")
     cfg = load_config(path, ["lora_target_modules=[q_proj, v_proj]", "warmup_ratio=.1"])
-    assert cfg.learning_rate == 1e-4 and isinstance(cfg.learning_rate, float)
-    assert cfg.max_seq_length == 48
+    assert cfg.optim.learning_rate == 1e-4 and isinstance(cfg.optim.learning_rate, float)
+    assert cfg.model.max_seq_length == 48
     assert load_config(path, ["max_seq_length=32"]).max_seq_length == 32  # an override beats the file's alias
     with pytest.raises(TrainConfigError, match="key 'max_seq_length' is given twice"):
         load_config(_write_config(workdir, "twice.yaml", max_length=48))
-    assert cfg.lora_target_modules == ("q_proj", "v_proj")
-    assert cfg.warmup_ratio == 0.1
+    assert cfg.lora.lora_target_modules == ("q_proj", "v_proj")
+    assert cfg.optim.warmup_ratio == 0.1
     with pytest.raises(TrainConfigError, match="required key 'output_dir' is missing"):
         TrainConfig.from_dict({"model_name_or_path": str(workdir / "model"), "dataset": str(workdir / "train.jsonl")})
 
@@ -178,7 +178,7 @@ def test_overrides_in_every_hf_spelling_mean_what_hfargumentparser_reads(workdir
     given = {"learning_rate", "max_steps", "bf16", "overwrite_output_dir", "assistant_only_loss", "use_rslora",
              "disable_tqdm", "seed", "warmup_ratio", "max_grad_norm", "completion_only_loss", "lora_alpha"}
     assert {k: getattr(cfg, k) for k in given} == {k: getattr(expected, k) for k in given}
-    assert cfg.lora_r == 2
+    assert cfg.lora.lora_r == 2
     assert _parse(["run.yaml", "--max_steps", "-1", "--bf16", "--traceback"]).overrides == ["max_steps=-1", "bf16=true"]
     assert _parse(["run.yaml", "--bf16", "max_steps=2"]).overrides == ["bf16=true", "max_steps=2"]  # bare, then k=v
 

@@ -116,7 +116,7 @@ def test_the_flat_key_reaches_the_execution_config(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(head + "grouped_matmul_implementation: xla\n")
     cfg = load_config(path)
-    assert cfg.execution.grouped_matmul_implementation == "xla"
+    assert cfg.execution_config.grouped_matmul_implementation == "xla"
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg  # what train_config.json holds
     assert load_config(path, ["grouped_matmul_implementation=reference"]).execution.grouped_matmul_implementation \
         == "reference"

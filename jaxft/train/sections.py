@@ -33,7 +33,9 @@ FINETUNE_KEYS = ("finetune_vision_layers", "finetune_language_layers", "finetune
 
 def _need(section_obj, ok: bool, key: str, what: str) -> None:
     if not ok:
-        raise TrainConfigError(f"key {key!r}: value {getattr(section_obj, key)!r} is invalid; {what}", key=key)
+        value = getattr(section_obj, key)
+        value = list(value) if isinstance(value, tuple) else value  # as the user wrote it (a list)
+        raise TrainConfigError(f"key {key!r}: value {value!r} is invalid; {what}", key=key)
 
 
 def _names(values) -> bool:
@@ -142,7 +144,7 @@ class LoraSection:
         if self.lora_target_modules != "all-linear":
             raise TrainConfigError(
                 f"key {key!r}: the finetune_* keys choose the LoRA targets, but lora_target_modules is also given "
-                f"({list(self.lora_target_modules)!r}); keep lora_target_modules: all-linear or drop the finetune_* "
+                f"({self.lora_target_modules!r}); keep lora_target_modules: all-linear or drop the finetune_* "
                 "keys", key=key)
         flags = {k: getattr(self, k) is not False for k in FINETUNE_KEYS}
         for a, b, what in ((FINETUNE_KEYS[0], FINETUNE_KEYS[1], "layers"),
