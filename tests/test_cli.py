@@ -96,7 +96,7 @@ def test_yaml_scalars_and_aliases(workdir):
     cfg = load_config(path, ["lora_target_modules=[q_proj, v_proj]", "warmup_ratio=.1"])
     assert cfg.optim.learning_rate == 1e-4 and isinstance(cfg.optim.learning_rate, float)
     assert cfg.model.max_seq_length == 48
-    assert load_config(path, ["max_seq_length=32"]).max_seq_length == 32  # an override beats the file's alias
+    assert load_config(path, ["max_seq_length=32""]).model.max_seq_length == 32  # an override beats the file's alias
     with pytest.raises(TrainConfigError, match="key 'max_seq_length' is given twice"):
         load_config(_write_config(workdir, "twice.yaml", max_length=48))
     assert cfg.lora.lora_target_modules == ("q_proj", "v_proj")

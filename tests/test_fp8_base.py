@@ -165,8 +165,8 @@ def _train_config(tmp_path, **overrides) -> TrainConfig:
 def test_fp8_keys_are_validated(tmp_path):
     cfg = _train_config(tmp_path)
     assert isinstance(cfg.quant_config, Fp8Config) and "lm_head" in cfg.quant_config.skip_modules
-    assert _train_config(tmp_path, llm_int8_skip_modules=["down_proj"]).quant.skip_modules == ("down_proj",)
-    assert _train_config(tmp_path, load_in_fp8=False).quant is None  # never on unless asked
+    assert _train_config(tmp_path, llm_int8_skip_modules=["down_proj"]).quant_config.skip_modules == ("down_proj",)
+    assert _train_config(tmp_path, load_in_fp8=False).quant_config is None  # never on unless asked
     with pytest.raises(TrainConfigError, match="^keys 'load_in_fp8' and 'load_in_4bit' are both true; .* false$"):
         _train_config(tmp_path, load_in_4bit=True)
     with pytest.raises(TrainConfigError, match="key 'bnb_4bit_quant_type' is a 4-bit setting and load_in_fp8 is"):
@@ -183,8 +183,8 @@ def test_bench_recipes_are_fast_and_lean_on_an_fp8_base():
     bench = ROOT / "examples" / "bench"
     for fp8, base in (("fp8", "fast"), ("fp8_lean", "lean")):
         got, want = load_config(bench / f"{fp8}.yaml"), load_config(bench / f"{base}.yaml")
-        assert isinstance(got.quant, Fp8Config) and want.quant is None
-        assert got.execution == want.execution and got.lora == want.lora and got.optim == want.optim
+        assert isinstance(got.quant_config, Fp8Config) and want.quant_config is None
+        assert got.execution_config == want.execution_config and got.lora == want.lora and got.optim == want.optim
 
 
 def test_fp8_run_trains_and_exports_an_adapter_peft_loads_on_the_bf16_base(tmp_path):

@@ -118,8 +118,8 @@ def test_the_flat_key_reaches_the_execution_config(tmp_path):
     cfg = load_config(path)
     assert cfg.execution_config.grouped_matmul_implementation == "xla"
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg  # what train_config.json holds
-    assert load_config(path, ["grouped_matmul_implementation=reference"]).execution.grouped_matmul_implementation \
-        == "reference"
+    chosen = load_config(path, ["grouped_matmul_implementation=reference"]).execution_config
+    assert chosen.grouped_matmul_implementation == "reference"
     path.write_text(head + "grouped_matmul_implementation: mosaic\n")
     with pytest.raises(TrainConfigError) as info:
         load_config(path)

@@ -53,7 +53,7 @@ def test_lora_target_parameters_key_is_validated(tmp_path):
     cfg = _config(tmp_path, base)
     assert cfg.lora_config.target_parameters == tuple(sorted(EXPERTS))
     assert cfg.to_dict()["lora_target_parameters"] == EXPERTS
-    assert _config(tmp_path, base, lora_target_parameters=None).lora.target_parameters is None
+    assert _config(tmp_path, base, lora_target_parameters=None).lora_config.target_parameters is None
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.to_dict().items()
                                                       if k != "lora_target_parameters"}))
     cli = load_config(tmp_path / "run.yaml", ["lora_target_parameters=[experts.down_proj, experts.gate_up_proj]"])

@@ -41,7 +41,7 @@ def test_4bit_keys_are_validated(tmp_path):
     cfg = _config(tmp_path)
     quant = cfg.quant_config
     assert quant.quant_type == "nf4" and quant.double_quant and "lm_head" in quant.skip_modules
-    assert _config(tmp_path, load_in_4bit=False, bnb_4bit_use_double_quant=False).quant is None
+    assert _config(tmp_path, load_in_4bit=False, bnb_4bit_use_double_quant=False).quant_config is None
     with pytest.raises(TrainConfigError, match="key 'bnb_4bit_use_double_quant' is set but load_in_4bit is false"):
         _config(tmp_path, load_in_4bit=False)
     with pytest.raises(TrainConfigError, match="key 'bnb_4bit_quant_type': value 'int4' is not one of"):
