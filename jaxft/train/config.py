@@ -81,14 +81,16 @@ class TrainConfig:
     distributed_config: DistributedConfig = _built()
 
     def __init__(self, **keys: Any):
-        """A config from keys (their canonical names, no aliases); each section checks its own keys, then the
-        library objects are built from the sections."""
+        """A config from keys (their canonical names, no aliases), as keyword arguments: an unknown or missing one
+        is Python's TypeError (`from_dict` is the door for a user's keys). Each section checks its own keys, then
+        the library objects are built from the sections."""
         unknown = [key for key in keys if key not in BY_NAME]
         if unknown:
-            raise TrainConfigError(_unknown_keys_message(unknown, "config", {}))
+            raise TypeError(f"TrainConfig() got an unexpected keyword argument: "
+                            f"{_unknown_keys_message(unknown, 'config', {})}")
         missing = [k.name for k in KEYS if k.required and k.name not in keys]
         if missing:
-            raise TrainConfigError(f"config: required key {missing[0]!r} is missing; add `{missing[0]}: ...`")
+            raise TypeError(f"TrainConfig() missing required keyword argument {missing[0]!r}")
         for name in SECTIONS:
             cls = SECTION_CLASSES[name]
             object.__setattr__(self, name, cls(**{k.name: keys[k.name] for k in cls.KEYS if k.name in keys}))
