@@ -347,7 +347,7 @@ def test_every_bad_record_is_reported_the_first_ten_named(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in lines))
     with pytest.raises(MissingFieldError) as info:
-        build_datasets(DataConfig(path=str(data), seq_len=64, batch_size=1), str(TINY_LLAMA))
+        build_datasets(DataConfig(path=str(data), max_seq_length=64, batch_size=1), str(TINY_LLAMA))
     text = str(info.value)
     assert text.startswith(f"13 records cannot be trained on: {data}:2: record has keys ['body'] but none of the "
                            f"supported fields") and text.endswith("; and 3 more") and "\n" not in text
@@ -356,7 +356,7 @@ def test_every_bad_record_is_reported_the_first_ten_named(tmp_path):
     assert f"{data}:4: messages[0].content (role 'user') is dict {{\"a\": 1}}" in text
     data.write_text(json.dumps(good) + "\n" + json.dumps(bad[1]) + "\n")
     with pytest.raises(MissingFieldError, match=rf"^{data}:2: messages\[0\]\.content \(role 'user'\) is dict"):
-        build_datasets(DataConfig(path=str(data), seq_len=64, batch_size=1), str(TINY_LLAMA))
+        build_datasets(DataConfig(path=str(data), max_seq_length=64, batch_size=1), str(TINY_LLAMA))
 
 
 # ------------------------------------------------------------------------------------------ prompt vs context

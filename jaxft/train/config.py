@@ -127,7 +127,7 @@ class TrainConfig:
         per step scale with them)."""
         data = self.data
         eval_rows = (data.per_device_eval_batch_size or data.per_device_train_batch_size) * num_devices
-        return DataConfig(path=data.dataset, seq_len=self.model.max_seq_length,
+        return DataConfig(path=data.dataset, max_seq_length=self.model.max_seq_length,
                           batch_size=self.rows_per_step(num_devices), eval_path=data.eval_dataset,
                           eval_batch_size=eval_rows, seed=self.optim.seed, assistant_only_loss=data.assistant_only_loss,
                           completion_only_loss=data.completion_only_loss, text_field=data.dataset_text_field)

@@ -408,9 +408,9 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     def meta_for(step: int) -> dict[str, Any]:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
         return dict(step=step, epoch=epoch, step_in_epoch=in_epoch, rng=ckpt.rng_to_json(run.rng),
-                    seed=config.optim.seed, rows_per_step=plan.rows_per_step, seq_len=config.model.max_seq_length,
-                    num_rows=train_ds.num_rows, total_steps=plan.total_steps, num_tokens=num_tokens,
-                    identity=setup.identity)
+                    seed=config.optim.seed, rows_per_step=plan.rows_per_step,
+                    max_seq_length=config.model.max_seq_length, num_rows=train_ds.num_rows,
+                    total_steps=plan.total_steps, num_tokens=num_tokens, identity=setup.identity)
 
     def evaluate(step: int) -> float:
         loss_sum, count = run.evaluate(_local_batches(run, eval_ds))
@@ -592,7 +592,7 @@ def _check_identity(meta: dict, identity: dict[str, Any]) -> None:
 
 
 def _check_resume_meta(meta: dict, config: TrainConfig, plan: _Plan, num_rows: int) -> None:
-    now = dict(rows_per_step=plan.rows_per_step, seq_len=config.model.max_seq_length, num_rows=num_rows,
+    now = dict(rows_per_step=plan.rows_per_step, max_seq_length=config.model.max_seq_length, num_rows=num_rows,
                seed=config.optim.seed, total_steps=plan.total_steps)
     changed = {k: (meta.get(k), v) for k, v in now.items() if meta.get(k) != v}
     if changed:
