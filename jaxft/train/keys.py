@@ -18,7 +18,7 @@ import dataclasses
 import difflib
 import types
 import typing
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 REQUIRED: Any = dataclasses.MISSING
 COMMAND_LINE = "command line"
@@ -422,8 +422,3 @@ def default_text(key: Key) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
-
-
-def values_of(config_sections: Mapping[str, Any]) -> dict[str, Any]:
-    """{key: value} of every key, read from the sections (name -> section object)."""
-    return {k.name: getattr(config_sections[k.section], k.name) for k in KEYS}
