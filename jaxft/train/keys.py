@@ -166,7 +166,8 @@ KEYS: tuple[Key, ...] = (
         "vision-language models: LoRA on the language layers (null: true)"),
     Key("finetune_attention_modules", "lora", bool | None, None,
         "vision-language models: LoRA on the attention linears (null: true)"),
-    Key("finetune_mlp_modules", "lora", bool | None, None, "vision-language models: LoRA on the MLP linears (null: true)"),
+    Key("finetune_mlp_modules", "lora", bool | None, None,
+        "vision-language models: LoRA on the MLP linears (null: true)"),
     # quant
     Key("load_in_4bit", "quant", bool, False, "store the frozen linears in bitsandbytes' 4-bit format (QLoRA)"),
     Key("bnb_4bit_quant_type", "quant", Literal["nf4", "fp4"], "nf4", "4-bit code book", field="quant_type"),
