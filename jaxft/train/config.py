@@ -27,7 +27,6 @@ false: the prompt too). Plain `text` records always train on every token. TRL de
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 from typing import Any, Mapping
 
@@ -38,7 +37,8 @@ from jaxft.lora import LoraConfig
 from jaxft.quant.config import Fp8Config, QuantConfig
 from jaxft.sharding import MeshConfig
 from jaxft.train.keys import (ALIASES, BY_NAME, COMMAND_LINE, DTYPE_BF16, DTYPE_KEYS, IGNORED_KEYS, KEYS,
-                              MEMORY_CHOICES, MEMORY_FLAT_KEYS, SECTIONS, TrainConfigError, Where, type_phrase)
+                              MEMORY_CHOICES, MEMORY_FLAT_KEYS, SECTIONS, TrainConfigError, Where, closest,
+                              type_phrase)
 from jaxft.train.optim import OptimConfig
 from jaxft.train.sections import (SECTION_CLASSES, DataSection, LoggingSection, LoraSection, MemorySection,
                                   MeshSection, ModelSection, OptimSection, QuantSection)
@@ -233,9 +233,9 @@ def _unknown_keys_message(unknown: list[Any], source: str, where: Mapping[Any, W
             notes.append(f"line {place.line}")
         elif place is not None and place.origin != prefix:
             notes.append(str(place))
-        close = difflib.get_close_matches(str(key), list(BY_NAME) + list(ALIASES), n=1, cutoff=0.6)
+        close = closest(key, list(BY_NAME) + list(ALIASES))
         if close:
-            notes.append(f"did you mean {close[0]!r}?")
+            notes.append(f"did you mean {close!r}?")
         unhinted |= not close
         items.append(repr(key) + (f" ({'; '.join(notes)})" if notes else ""))
     head = f"unknown key {items[0]}" if len(items) == 1 else f"unknown keys: {', '.join(items)}"
