@@ -62,11 +62,11 @@ def main() -> None:
         cfg = load_config(args.recipe, [f"model_name_or_path={model_dir}", f"max_seq_length={args.seq}",
                                         f"dataset={REPO / 'examples' / 'data' / 'train.jsonl'}"]
                           + (["compiler_options={xla_gpu_enable_triton_gemm: false}"] if args.no_triton_gemm else []))
-        if not isinstance(cfg.model.quant, Fp8Config):
+        if not isinstance(cfg.quant_config, Fp8Config):
             raise SystemExit(f"{args.recipe}: load_in_fp8 is not true; use examples/bench/fp8.yaml or fp8_lean.yaml")
         run = Run.from_config(cfg, 1)
-        run.quant_config = Fp8Config(skip_modules=cfg.model.quant.skip_modules, implementation=args.implementation)
-        rows = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+        run.quant_config = Fp8Config(skip_modules=cfg.quant_config.skip_modules, implementation=args.implementation)
+        rows = cfg.data.per_device_train_batch_size * cfg.optim.gradient_accumulation_steps
         ids = np.ones((rows, args.seq), np.int32)
         batch = dict(input_ids=ids, targets=ids, loss_mask=ids.astype(np.float32), segment_ids=ids,
                      positions=np.tile(np.arange(args.seq, dtype=np.int32), (rows, 1)))

@@ -2,7 +2,7 @@
 the command line alone as `trl sft` runs (`jaxft-train --model_name_or_path DIR --dataset_name FILE
 --output_dir DIR`); TRL's `--config FILE` names the YAML file too.
 
-Keys are `jaxft.train.TrainConfig` fields (TRL SFTConfig names). Overrides are written the ways
+Keys are those of the keys table, `jaxft.train.keys` (TRL SFTConfig names). Overrides are written the ways
 transformers' `HfArgumentParser` (and so TRL's CLI) takes them, mixed freely: `--key value`, `--key=value`,
 and jaxft's `key=value`; `--learning-rate` is `--learning_rate`; a bool key written bare (`--bf16`) means
 true, `--no_KEY` / `--no-KEY` means false for a bool key that defaults to true. Values are read as YAML
@@ -14,14 +14,12 @@ the key / file and the fix, exit status 2, and nothing written to output_dir.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.metadata
 import json
 import logging
 import shlex
 import signal
 import sys
-import typing
 from pathlib import Path
 
 import jax
@@ -31,7 +29,7 @@ from jaxft.data.errors import DataError
 from jaxft.errors import ConfigError
 from jaxft.train import TrainingInterrupted, load_config, train
 from jaxft.train.checkpoint import CheckpointError
-from jaxft.train.config import ALIASES, IGNORED_KEYS, TrainConfig, TrainConfigError
+from jaxft.train.keys import ALIASES, IGNORED_KEYS, KEYS, TrainConfigError
 from jaxft.train.config_docs import render_key_help
 
 EXIT_BAD_INPUT = 2
@@ -75,15 +73,14 @@ def _version() -> str:
 
 
 def _bool_keys() -> tuple[frozenset[str], frozenset[str]]:
-    """TrainConfig's bool keys (bare `--key` means true) and those that default to true (`--no_key` means
-    false): the fields HfArgumentParser gives those forms (type bool or bool | None)."""
-    hints = typing.get_type_hints(TrainConfig)
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    bools = {name for name, f in fields.items() if hints[name] in (bool, bool | None)}
-    bools |= {alias for alias, name in ALIASES.items() if name in bools}
-    true_by_default = frozenset(name for name in bools if fields[ALIASES.get(name, name)].default is True)
-    bools |= {key for key, (kind, _) in IGNORED_KEYS.items() if kind is bool}  # TRL's bare --use_peft
-    return frozenset(bools), true_by_default
+    """The bool keys (bare `--key` means true) and those that default to true (`--no_key` means false): the keys
+    HfArgumentParser gives those forms (type bool or bool | None)."""
+    bools = {k.name: k for k in KEYS if k.type in (bool, bool | None)}
+    true_by_default = {name for name, k in bools.items() if k.default is True}
+    true_by_default |= {alias for alias, name in ALIASES.items() if name in true_by_default}
+    names = set(bools) | {alias for alias, name in ALIASES.items() if name in bools}
+    names |= {key for key, (kind, _) in IGNORED_KEYS.items() if kind is bool}  # TRL's bare --use_peft
+    return frozenset(names), frozenset(true_by_default)
 
 
 def _option_override(word: str, following: list[str], bools: frozenset[str], true_by_default: frozenset[str]
@@ -233,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"process {jax.process_index()} of {jax.process_count()}: trained {result.global_step} steps; process 0 "
               f"wrote the outputs to {result.output_dir}")
         return 0
-    base = Path(config.model_name_or_path).expanduser().absolute()
+    base = Path(config.model.model_name_or_path).expanduser().absolute()
     summary = f"trained {result.global_step} steps"
     if result.train_loss is not None:
         summary += f"; train loss {result.train_loss:.4f} (mean of the last logging window)"

@@ -110,10 +110,11 @@ class Run(AutoChoices):
     def from_config(cls, config, total_steps: int, *, devices=None, lora_config=None, vocab_size=None) -> "Run":
         """The run a `jaxft.train.TrainConfig` describes (its validated model, LoRA, execution and optimiser
         parts); `lora_config` / `vocab_size` replace its LoRA part and vocabulary (new tokens)."""
-        return cls(model_path=config.model.path, lora_config=lora_config or config.lora, execution=config.execution,
-                   optim=config.optim, total_steps=total_steps, dtype=config.model.dtype, seed=config.seed,
-                   accumulation=config.gradient_accumulation_steps, devices=devices, quant_config=config.model.quant,
-                   mesh=config.mesh_config, vocab_size=vocab_size)
+        return cls(model_path=config.model.model_name_or_path, lora_config=lora_config or config.lora_config,
+                   execution=config.execution_config, optim=config.optim_config, total_steps=total_steps,
+                   dtype=config.model.dtype, seed=config.optim.seed,
+                   accumulation=config.optim.gradient_accumulation_steps, devices=devices,
+                   quant_config=config.quant_config, mesh=config.mesh_config, vocab_size=vocab_size)
 
     # ------------------------------------------------------------------ building the state
     @property

@@ -75,7 +75,7 @@ def batches(out: str, model: str, data: str) -> int:
     assert distributed.initialize(distributed.DistributedConfig.from_value(None))
     placement = Placement(MeshConfig(data=2, fsdp=2))
     accumulation, rows = 2, 8  # 2 micro-batches of 4 rows: one row per device per micro-batch
-    train_ds, _ = build_datasets(DataConfig(path=data, seq_len=64, batch_size=rows, seed=0), model)
+    train_ds, _ = build_datasets(DataConfig(path=data, max_seq_length=64, batch_size=rows, seed=0), model)
     saved = {}
     for step in (0, 5, 13):  # 13: the second epoch (another shuffle)
         slots = placement.local_rows(rows, accumulation)

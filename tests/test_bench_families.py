@@ -303,7 +303,7 @@ def test_qlora_mode_trains_the_moe_shape_with_4bit_experts(tmp_path):
     model_dir = str(tmp_path / "m")
     save_random_model(w.shape, model_dir, "cpu")
     config = jaxft_worker.mode_config("qlora", model_dir, w, "float32")
-    assert config.model.quant is not None and config.lora.target_parameters
+    assert config.quant_config is not None and config.lora_config.target_parameters
     raw = jaxft_worker.run_jaxft(w, model_dir, 2, mode="qlora")
     assert len(raw["losses"]) == 2 and all(np.isfinite(raw["losses"]))
     # The row says which grouped matmul ran: the recipe's "auto" is ragged_dot off the GPU.
@@ -325,7 +325,7 @@ def test_moe_rows_record_the_grouped_matmul_and_jaxft_bench_gmm_chooses_it(tmp_p
     model_dir = str(tmp_path / "m")
     save_random_model(w.shape, model_dir, "cpu")
     monkeypatch.setenv("JAXFT_BENCH_GMM", "reference")
-    execution = jaxft_worker.mode_config("fast", model_dir, w, "float32").execution
+    execution = jaxft_worker.mode_config("fast", model_dir, w, "float32").execution_config
     assert execution.grouped_matmul_implementation == "reference"
     assert jaxft_worker.grouped_matmul_settings(w, execution, "bfloat16") == {
         "grouped_matmul_setting": "reference", "grouped_matmul": "reference"}

@@ -94,13 +94,13 @@ def test_yaml_scalars_and_aliases(workdir):
     path = _write_config(workdir, "ok.yaml", max_length=48, max_seq_length=None)
     path.write_text(path.read_text() + "learning_rate: 1e-4\n", encoding="utf-8")
     cfg = load_config(path, ["lora_target_modules=[q_proj, v_proj]", "warmup_ratio=.1"])
-    assert cfg.learning_rate == 1e-4 and isinstance(cfg.learning_rate, float)
-    assert cfg.max_seq_length == 48
-    assert load_config(path, ["max_seq_length=32"]).max_seq_length == 32  # an override beats the file's alias
+    assert cfg.optim.learning_rate == 1e-4 and isinstance(cfg.optim.learning_rate, float)
+    assert cfg.model.max_seq_length == 48
+    assert load_config(path, ["max_seq_length=32"]).model.max_seq_length == 32  # an override beats the file's alias
     with pytest.raises(TrainConfigError, match="key 'max_seq_length' is given twice"):
         load_config(_write_config(workdir, "twice.yaml", max_length=48))
-    assert cfg.lora_target_modules == ("q_proj", "v_proj")
-    assert cfg.warmup_ratio == 0.1
+    assert cfg.lora.lora_target_modules == ("q_proj", "v_proj")
+    assert cfg.optim.warmup_ratio == 0.1
     with pytest.raises(TrainConfigError, match="required key 'output_dir' is missing"):
         TrainConfig.from_dict({"model_name_or_path": str(workdir / "model"), "dataset": str(workdir / "train.jsonl")})
 
@@ -158,17 +158,16 @@ def test_resume_flag_takes_a_path_only_when_it_is_a_directory(tmp_path):
 
 def test_overrides_in_every_hf_spelling_mean_what_hfargumentparser_reads(workdir):
     """`--key value`, `--key=value`, `--key-with-dashes`, bare bools and `--no_KEY` read as transformers'
-    HfArgumentParser reads them (over TrainConfig's bool/int/float keys), mixed with `key=value` words."""
+    HfArgumentParser reads them (over the bool/int/float keys of the keys table), mixed with `key=value` words."""
     import dataclasses
-    import typing
 
     from transformers import HfArgumentParser
 
     from jaxft.cli import _parse
+    from jaxft.train.keys import KEYS
 
-    hints = typing.get_type_hints(TrainConfig)
-    mirror = dataclasses.make_dataclass("Mirror", [(f.name, hints[f.name], f.default) for f in dataclasses.fields(
-        TrainConfig) if hints[f.name] in (bool, int, float)])
+    mirror = dataclasses.make_dataclass("Mirror", [(k.name, k.type, k.default) for k in KEYS
+                                                   if k.type in (bool, int, float)])
     hf_words = ["--learning-rate", "1e-4", "--max_steps=3", "--bf16", "false", "--overwrite_output_dir",
                 "--no-assistant-only-loss", "--use_rslora", "--disable_tqdm", "yes", "--seed", "7",
                 "--warmup-ratio=0.25", "--max_grad_norm", "0", "--no_completion_only_loss", "--lora_alpha", "8"]
@@ -177,8 +176,8 @@ def test_overrides_in_every_hf_spelling_mean_what_hfargumentparser_reads(workdir
     cfg = load_config(args.config, args.overrides)
     given = {"learning_rate", "max_steps", "bf16", "overwrite_output_dir", "assistant_only_loss", "use_rslora",
              "disable_tqdm", "seed", "warmup_ratio", "max_grad_norm", "completion_only_loss", "lora_alpha"}
-    assert {k: getattr(cfg, k) for k in given} == {k: getattr(expected, k) for k in given}
-    assert cfg.lora_r == 2
+    assert {k: cfg.to_dict()[k] for k in given} == {k: getattr(expected, k) for k in given}
+    assert cfg.lora.lora_r == 2
     assert _parse(["run.yaml", "--max_steps", "-1", "--bf16", "--traceback"]).overrides == ["max_steps=-1", "bf16=true"]
     assert _parse(["run.yaml", "--bf16", "max_steps=2"]).overrides == ["bf16=true", "max_steps=2"]  # bare, then k=v
 

@@ -1,4 +1,5 @@
-"""docs/cli.md and `jaxft-train --help` are rendered from TrainConfig's field help (`jaxft.train.config_docs`)."""
+"""docs/cli.md and `jaxft-train --help` are rendered from the keys table (`jaxft.train.keys`, by
+`jaxft.train.config_docs`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ from typing import Literal
 import pytest
 
 from jaxft.cli import main
-from jaxft.train import TrainConfig
-from jaxft.train.config import ALIASES
-from jaxft.train.config_docs import REGENERATE, key_rows, render_cli_markdown, type_name
+from jaxft.train.config_docs import REGENERATE, key_rows, render_cli_markdown
+from jaxft.train.keys import ALIASES, KEYS, SECTIONS, Key, type_name
 
 CLI_DOC = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
@@ -23,11 +23,11 @@ def test_cli_page_is_the_rendered_key_table():
 
 def test_every_key_has_one_row_with_its_type_default_and_help():
     page = render_cli_markdown()
-    fields = dataclasses.fields(TrainConfig)
     rows = [line for line in page.splitlines() if line.startswith("| `")]
-    assert [row.split("`")[1] for row in rows] == [f.name for f in fields]
-    for f in fields:
-        assert f.metadata["help"].strip() and "\n" not in f.metadata["help"], f.name
+    assert [row.split("`")[1] for row in rows] == [k.name for k in KEYS]
+    # One table per section, under its heading, in the order of SECTIONS.
+    headings = [line.split("`")[1] for line in page.splitlines() if line.startswith("## `")]
+    assert headings == list(SECTIONS)
     row = dict((r.split("`")[1], r) for r in rows)
     assert row["lr_scheduler_type"] == (
         "| `lr_scheduler_type` | linear \\| cosine \\| constant \\| constant_with_warmup | `linear` | learning-rate "
@@ -46,20 +46,17 @@ def test_type_names_read_as_yaml():
     assert type_name(Literal["a", "b"]) == "a \\| b"
 
 
-def test_a_key_without_help_is_refused():
-    @dataclasses.dataclass
-    class Undocumented:
-        documented: int = dataclasses.field(default=1, metadata={"help": "has help"})
-        bare: int = 2
-
-    with pytest.raises(ValueError, match="field 'bare' has no help"):
-        key_rows(Undocumented)
+def test_a_key_without_one_line_of_help_is_refused():
+    documented = Key("documented", "model", int, 1, "has help")
+    for bad in ("", "two\nlines"):
+        with pytest.raises(ValueError, match="key 'bare' has no one-line help"):
+            key_rows((documented, dataclasses.replace(documented, name="bare", help=bad)))
 
 
 def test_help_lists_every_key_with_the_same_help(capsys):
     assert main(["--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    for f in dataclasses.fields(TrainConfig):
-        assert f" {f.name} (" in out, f.name
-        assert " ".join(f.metadata["help"].split()) in out, f.name
+    for k in KEYS:
+        assert f" {k.name} (" in out, k.name
+        assert " ".join(k.help.split()) in out, k.name
     assert "lr_scheduler_type (linear | cosine | constant | constant_with_warmup; default linear)" in out

@@ -96,7 +96,7 @@ def check_row_invariants(batch, docs_by_first_token):
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_packed_rows_follow_the_contract_and_hold_every_token_once(batch_size):
     docs = make_docs(40)
-    ds = PackedDataset(docs, seq_len=SEQ, batch_size=batch_size, seed=1)
+    ds = PackedDataset(docs, max_seq_length=SEQ, batch_size=batch_size, seed=1)
     by_first = {int(d.tokens[0]): i for i, d in enumerate(docs)}
     found = []
     n_tokens = 0
@@ -118,7 +118,7 @@ def test_packed_rows_follow_the_contract_and_hold_every_token_once(batch_size):
 
 def test_last_batch_is_filled_with_padding_rows():
     docs = [Document(np.arange(1, SEQ + 1), np.ones(SEQ, bool), f"d{i}") for i in range(5)]
-    ds = PackedDataset(docs, seq_len=SEQ, batch_size=4, shuffle=False)
+    ds = PackedDataset(docs, max_seq_length=SEQ, batch_size=4, shuffle=False)
     assert ds.num_rows == 5 and ds.num_batches_per_epoch == 2
     last = ds.batch(1)
     assert (last["segment_ids"][0] == 1).all()
@@ -128,8 +128,8 @@ def test_last_batch_is_filled_with_padding_rows():
 
 def test_batches_are_a_pure_function_of_step_for_resume():
     docs = make_docs(60, seed=3)
-    a = PackedDataset(docs, seq_len=SEQ, batch_size=2, seed=7)
-    b = PackedDataset(docs, seq_len=SEQ, batch_size=2, seed=7)
+    a = PackedDataset(docs, max_seq_length=SEQ, batch_size=2, seed=7)
+    b = PackedDataset(docs, max_seq_length=SEQ, batch_size=2, seed=7)
     nb = a.num_batches_per_epoch
     steps = list(range(3 * nb))
     ref = {s: a.batch(s) for s in steps}
@@ -141,9 +141,9 @@ def test_batches_are_a_pure_function_of_step_for_resume():
         rows = np.concatenate([a.rows_of(epoch * nb + i) for i in range(nb)])
         assert sorted(rows.tolist()) == list(range(a.num_rows))
     assert not np.array_equal(a.row_order(0), a.row_order(1))
-    other_seed = PackedDataset(docs, seq_len=SEQ, batch_size=2, seed=8)
+    other_seed = PackedDataset(docs, max_seq_length=SEQ, batch_size=2, seed=8)
     assert not np.array_equal(a.row_order(0), other_seed.row_order(0))
-    unshuffled = PackedDataset(docs, seq_len=SEQ, batch_size=2, shuffle=False)
+    unshuffled = PackedDataset(docs, max_seq_length=SEQ, batch_size=2, shuffle=False)
     assert (unshuffled.row_order(5) == np.arange(unshuffled.num_rows)).all()
     with pytest.raises(ValueError, match="step must be a non-negative int"):
         a.batch(-1)
@@ -152,7 +152,7 @@ def test_batches_are_a_pure_function_of_step_for_resume():
 def _long_docs():
     trained = np.ones(50, bool)
     late = np.zeros(50, bool)
-    late[40:] = True  # only trained after seq_len: nothing left once truncated
+    late[40:] = True  # only trained after max_seq_length: nothing left once truncated
     return [
         Document(1 + np.arange(50), trained, "long"),
         Document(1001 + np.arange(50), late, "late"),
@@ -163,7 +163,7 @@ def _long_docs():
 
 def test_overlong_truncate_is_counted(caplog):
     with caplog.at_level(logging.INFO, logger="jaxft.data"):
-        ds = PackedDataset(_long_docs(), seq_len=SEQ, batch_size=2, overlong="truncate")
+        ds = PackedDataset(_long_docs(), max_seq_length=SEQ, batch_size=2, overlong="truncate")
     st = ds.stats
     assert (st.num_input, st.num_documents, st.truncated, st.dropped, st.skipped) == (4, 2, 1, 0, 2)
     assert st.real_tokens == SEQ + 10 and st.num_rows == 2
@@ -175,7 +175,7 @@ def test_overlong_truncate_is_counted(caplog):
 
 
 def test_overlong_drop_is_counted():
-    st = PackedDataset(_long_docs(), seq_len=SEQ, batch_size=2, overlong="drop").stats
+    st = PackedDataset(_long_docs(), max_seq_length=SEQ, batch_size=2, overlong="drop").stats
     assert (st.num_input, st.num_documents, st.truncated, st.dropped, st.skipped) == (4, 1, 0, 2, 1)
     assert st.real_tokens == 10 and st.efficiency == pytest.approx(10 / SEQ)
 
@@ -183,7 +183,7 @@ def test_overlong_drop_is_counted():
 def test_nothing_left_after_filtering():
     docs = [Document(np.arange(1, 50), np.ones(49, bool), "long"), Document([1, 2], [0, 0], "x")]
     with pytest.raises(EmptyDatasetError) as e:
-        PackedDataset(docs, seq_len=SEQ, batch_size=1, overlong="drop", name="eval")
+        PackedDataset(docs, max_seq_length=SEQ, batch_size=1, overlong="drop", name="eval")
     msg = str(e.value)
     assert msg.startswith("eval data: no trainable document left of 2: 1 document longer than max_seq_length=32 "
                           "was dropped (overlong='drop'): long (49 tokens); raise max_seq_length or use "
@@ -194,9 +194,9 @@ def test_nothing_left_after_filtering():
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        (dict(seq_len=1, batch_size=1), "seq_len must be an int >= 2"),
-        (dict(seq_len=SEQ, batch_size=0), "batch_size must be an int >= 1"),
-        (dict(seq_len=SEQ, batch_size=1, overlong="wrap"), "overlong='wrap' is not one of"),
+        (dict(max_seq_length=1, batch_size=1), "max_seq_length must be an int >= 2"),
+        (dict(max_seq_length=SEQ, batch_size=0), "batch_size must be an int >= 1"),
+        (dict(max_seq_length=SEQ, batch_size=1, overlong="wrap"), "overlong='wrap' is not one of"),
     ],
 )
 def test_bad_packing_options(kwargs, pattern):

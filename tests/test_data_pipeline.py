@@ -38,7 +38,7 @@ def tok_and_dir(tmp_path_factory):
 def test_chat_jsonl_with_held_out_eval(tmp_path, tok_and_dir):
     tok, model_dir = tok_and_dir
     f = write_jsonl(tmp_path / "train.jsonl", random_chats(30))
-    cfg = DataConfig(str(f), seq_len=64, batch_size=2, eval_fraction=0.2, seed=3)
+    cfg = DataConfig(str(f), max_seq_length=64, batch_size=2, eval_fraction=0.2, seed=3)
     train, evalset = build_datasets(cfg, str(model_dir))  # tokenizer loaded from the model dir
     assert (train.stats.num_input, evalset.stats.num_input) == (24, 6)
     assert not evalset.shuffle and evalset.num_batches_per_epoch == len(list(evalset))
@@ -65,7 +65,7 @@ def trained_texts(tok, batches) -> list[str]:
 def test_same_config_gives_same_batches(tmp_path, tok_and_dir):
     tok, _ = tok_and_dir
     f = write_jsonl(tmp_path / "train.jsonl", random_chats(20, seed=1))
-    cfg = DataConfig(str(f), seq_len=48, batch_size=2, eval_fraction=0.25, seed=11)
+    cfg = DataConfig(str(f), max_seq_length=48, batch_size=2, eval_fraction=0.25, seed=11)
     (a, ea), (b, eb) = build_datasets(cfg, tok), build_datasets(cfg, tok)
     for step in (0, 3, a.num_batches_per_epoch + 1):
         for k, v in a.batch(step).items():
@@ -154,7 +154,7 @@ def test_missing_paths(tmp_path, tok_and_dir):
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        (dict(seq_len=1), r"DataConfig.seq_len must be an int >= 2, got 1"),
+        (dict(max_seq_length=1), r"DataConfig.max_seq_length must be an int >= 2, got 1"),
         (dict(batch_size=0), r"DataConfig.batch_size must be an int >= 1"),
         (dict(eval_batch_size=0), r"DataConfig.eval_batch_size must be an int >= 1"),
         (dict(eval_fraction=1.0), r"DataConfig.eval_fraction must be in \[0, 1\)"),
@@ -167,6 +167,6 @@ def test_missing_paths(tmp_path, tok_and_dir):
     ],
 )
 def test_config_validation(kwargs, pattern):
-    args = dict(path="d.jsonl", seq_len=32, batch_size=1) | kwargs
+    args = dict(path="d.jsonl", max_seq_length=32, batch_size=1) | kwargs
     with pytest.raises(DataConfigError, match=pattern):
         DataConfig(**args)

@@ -164,9 +164,9 @@ def _train_config(tmp_path, **overrides) -> TrainConfig:
 
 def test_fp8_keys_are_validated(tmp_path):
     cfg = _train_config(tmp_path)
-    assert isinstance(cfg.quant, Fp8Config) and "lm_head" in cfg.quant.skip_modules
-    assert _train_config(tmp_path, llm_int8_skip_modules=["down_proj"]).quant.skip_modules == ("down_proj",)
-    assert _train_config(tmp_path, load_in_fp8=False).quant is None  # never on unless asked
+    assert isinstance(cfg.quant_config, Fp8Config) and "lm_head" in cfg.quant_config.skip_modules
+    assert _train_config(tmp_path, llm_int8_skip_modules=["down_proj"]).quant_config.skip_modules == ("down_proj",)
+    assert _train_config(tmp_path, load_in_fp8=False).quant_config is None  # never on unless asked
     with pytest.raises(TrainConfigError, match="^keys 'load_in_fp8' and 'load_in_4bit' are both true; .* false$"):
         _train_config(tmp_path, load_in_4bit=True)
     with pytest.raises(TrainConfigError, match="key 'bnb_4bit_quant_type' is a 4-bit setting and load_in_fp8 is"):
@@ -183,8 +183,8 @@ def test_bench_recipes_are_fast_and_lean_on_an_fp8_base():
     bench = ROOT / "examples" / "bench"
     for fp8, base in (("fp8", "fast"), ("fp8_lean", "lean")):
         got, want = load_config(bench / f"{fp8}.yaml"), load_config(bench / f"{base}.yaml")
-        assert isinstance(got.quant, Fp8Config) and want.quant is None
-        assert got.execution == want.execution and got.lora == want.lora and got.optim == want.optim
+        assert isinstance(got.quant_config, Fp8Config) and want.quant_config is None
+        assert got.execution_config == want.execution_config and got.lora == want.lora and got.optim == want.optim
 
 
 def test_fp8_run_trains_and_exports_an_adapter_peft_loads_on_the_bf16_base(tmp_path):
@@ -196,10 +196,10 @@ def test_fp8_run_trains_and_exports_an_adapter_peft_loads_on_the_bf16_base(tmp_p
                         per_device_train_batch_size=2, per_device_eval_batch_size=4, warmup_steps=0,
                         eval_dataset=str(held_out))
     train(cfg)
-    records = [json.loads(ln) for ln in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(ln) for ln in (Path(cfg.logging.output_dir) / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0] - 0.1  # the held-out loss falls from its step-0 baseline
-    adapter = Path(cfg.output_dir) / "adapter"
+    adapter = Path(cfg.logging.output_dir) / "adapter"
     assert "quant" not in (adapter / "adapter_config.json").read_text()
     ids = np.random.default_rng(2).integers(0, 256, (1, 64))
     hf = peft.PeftModel.from_pretrained(hf_model_fp32(TINY), adapter).eval()

@@ -107,19 +107,20 @@ def test_a_bad_name_is_one_line_naming_the_key_and_the_valid_names():
 
 def test_the_flat_key_reaches_the_execution_config(tmp_path):
     from jaxft.train import TrainConfig, TrainConfigError, load_config
+    from jaxft.train.keys import BY_NAME
     from test_train_fixtures import make_jsonl, make_tiny_model
 
-    hints = typing.get_type_hints(TrainConfig)["grouped_matmul_implementation"]
-    assert set(typing.get_args(hints)) == set(OP.accepted)  # the key's choices are the op's names
+    key = BY_NAME["grouped_matmul_implementation"]
+    assert set(typing.get_args(key.type)) == set(OP.accepted)  # the key's choices are the op's names
     head = (f"model_name_or_path: {make_tiny_model(tmp_path / 'm', hidden=32, layers=1)}\n"
             f"dataset: {make_jsonl(tmp_path / 'd.jsonl', 4)}\noutput_dir: {tmp_path / 'o'}\n")
     path = tmp_path / "run.yaml"
     path.write_text(head + "grouped_matmul_implementation: xla\n")
     cfg = load_config(path)
-    assert cfg.execution.grouped_matmul_implementation == "xla"
+    assert cfg.execution_config.grouped_matmul_implementation == "xla"
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg  # what train_config.json holds
-    assert load_config(path, ["grouped_matmul_implementation=reference"]).execution.grouped_matmul_implementation \
-        == "reference"
+    chosen = load_config(path, ["grouped_matmul_implementation=reference"]).execution_config
+    assert chosen.grouped_matmul_implementation == "reference"
     path.write_text(head + "grouped_matmul_implementation: mosaic\n")
     with pytest.raises(TrainConfigError) as info:
         load_config(path)

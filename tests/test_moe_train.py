@@ -51,13 +51,13 @@ def _config(tmp_path, base, **overrides) -> TrainConfig:
 def test_lora_target_parameters_key_is_validated(tmp_path):
     base = _model_dir(tmp_path)
     cfg = _config(tmp_path, base)
-    assert cfg.lora.target_parameters == tuple(sorted(EXPERTS))
+    assert cfg.lora_config.target_parameters == tuple(sorted(EXPERTS))
     assert cfg.to_dict()["lora_target_parameters"] == EXPERTS
-    assert _config(tmp_path, base, lora_target_parameters=None).lora.target_parameters is None
+    assert _config(tmp_path, base, lora_target_parameters=None).lora_config.target_parameters is None
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({k: v for k, v in cfg.to_dict().items()
                                                       if k != "lora_target_parameters"}))
     cli = load_config(tmp_path / "run.yaml", ["lora_target_parameters=[experts.down_proj, experts.gate_up_proj]"])
-    assert cli.lora.target_parameters == cfg.lora.target_parameters
+    assert cli.lora_config.target_parameters == cfg.lora_config.target_parameters
     with pytest.raises(TrainConfigError, match=r"key 'lora_target_parameters': value \[\] is invalid; give a non-empty"):
         _config(tmp_path, base, lora_target_parameters=[])
     with pytest.raises(TrainConfigError, match=r"key 'lora_target_parameters': value 'experts.down_proj' .* wrong type"):

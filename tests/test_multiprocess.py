@@ -112,7 +112,7 @@ def test_each_process_packs_its_rows_and_together_they_make_the_one_process_batc
     _finish(_two_processes("batches", str(tmp_path / "p{i}.npz"), str(workdir / "model"), str(workdir / "train.jsonl")))
     parts = [np.load(tmp_path / f"p{i}.npz") for i in range(2)]
     assert [int(p["process"]) for p in parts] == [0, 1]
-    one, _ = build_datasets(DataConfig(path=str(workdir / "train.jsonl"), seq_len=64, batch_size=8, seed=0),
+    one, _ = build_datasets(DataConfig(path=str(workdir / "train.jsonl"), max_seq_length=64, batch_size=8, seed=0),
                             str(workdir / "model"))
     for step in (0, 5, 13):
         full = one.batch(step)

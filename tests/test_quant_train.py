@@ -39,8 +39,9 @@ def _config(tmp_path, **overrides) -> TrainConfig:
 
 def test_4bit_keys_are_validated(tmp_path):
     cfg = _config(tmp_path)
-    assert cfg.quant.quant_type == "nf4" and cfg.quant.double_quant and "lm_head" in cfg.quant.skip_modules
-    assert _config(tmp_path, load_in_4bit=False, bnb_4bit_use_double_quant=False).quant is None
+    quant = cfg.quant_config
+    assert quant.quant_type == "nf4" and quant.double_quant and "lm_head" in quant.skip_modules
+    assert _config(tmp_path, load_in_4bit=False, bnb_4bit_use_double_quant=False).quant_config is None
     with pytest.raises(TrainConfigError, match="key 'bnb_4bit_use_double_quant' is set but load_in_4bit is false"):
         _config(tmp_path, load_in_4bit=False)
     with pytest.raises(TrainConfigError, match="key 'bnb_4bit_quant_type': value 'int4' is not one of"):
@@ -53,12 +54,12 @@ def test_qlora_run_exports_an_adapter_peft_loads_on_bitsandbytes(tmp_path):
     cfg = _config(tmp_path, max_steps=4, logging_steps=2, eval_steps=4, save_steps=4, max_seq_length=128,
                   per_device_train_batch_size=2, per_device_eval_batch_size=2)
     train(cfg)
-    adapter = Path(cfg.output_dir) / "adapter"
+    adapter = Path(cfg.logging.output_dir) / "adapter"
     # The same base quantised by transformers + bitsandbytes, saved: PEFT's side and (loaded as stored) jaxft's.
     q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                         bnb_4bit_compute_dtype=torch.float32)
-    transformers.AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, quantization_config=q, device_map="cpu",
-                                                      dtype=torch.float32).save_pretrained(tmp_path / "bnb")
+    transformers.AutoModelForCausalLM.from_pretrained(cfg.model.model_name_or_path, quantization_config=q,
+                                                      device_map="cpu", dtype=torch.float32).save_pretrained(tmp_path / "bnb")
     ours = jaxft.load_adapter(jaxft.from_pretrained(tmp_path / "bnb", dtype="float32"), adapter)
     assert isinstance(ours.layers.mlp.up_proj.quant, Quant4bit)
     b = np.asarray(ours.layers.mlp.up_proj.lora_b[...])

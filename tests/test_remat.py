@@ -114,7 +114,7 @@ def test_train_config_reports_a_bad_policy_at_its_line(tmp_path):
     with pytest.raises(TrainConfigError) as info:
         load_config(path)
     assert str(info.value).startswith(f"{path}:4: key 'remat': ") and "'layer_inputs'" in str(info.value)
-    assert load_config(path, ["remat={save: [attn_out], offload: [layer_input]}"]).remat == \
+    assert load_config(path, ["remat={save: [attn_out], offload: [layer_input]}"]).execution_config.remat == \
         "save=attn_out;offload=layer_input"
 
 

@@ -240,7 +240,7 @@ def test_auto_is_the_cli_default_and_reports_estimate_and_peak(model_dir, tmp_pa
     cfg = TrainConfig(model_name_or_path=str(model_dir), dataset=str(tmp_path / "train.jsonl"),
                       output_dir=str(tmp_path / "out"), max_seq_length=64, per_device_train_batch_size=2,
                       max_steps=2, bf16=False, disable_tqdm=True, report_to="none")
-    assert cfg.remat == "auto" and cfg.execution.max_memory_gb is None
+    assert cfg.execution_config.remat == "auto" and cfg.execution_config.max_memory_gb is None
     with caplog.at_level(logging.INFO, logger="jaxft"):
         result = train(cfg)
     messages = [r.getMessage() for r in caplog.records]

@@ -95,7 +95,7 @@ def test_expert_outputs_are_counted_per_chosen_expert():
 
 def test_the_keep_experts_recipe_runs_the_policy_tested_here():
     recipe = Path(__file__).resolve().parents[1] / "examples" / "bench" / "keep_experts.yaml"
-    ex = load_config(recipe).execution
+    ex = load_config(recipe).execution_config
     assert (ex.remat, ex.layer_loop) == (KEEP_EXPERTS, "scan")
 
 

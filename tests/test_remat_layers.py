@@ -48,7 +48,7 @@ def test_the_flat_keys_reach_the_execution_config(model_dir, tmp_path):
 
     cfg = TrainConfig(model_name_or_path=str(model_dir), dataset=DATA, output_dir=str(tmp_path / "o"), remat="full",
                       offload_transfer="explicit")
-    assert (cfg.execution.remat, cfg.execution.offload_transfer) == ("full", "explicit")
+    assert (cfg.execution_config.remat, cfg.execution_config.offload_transfer) == ("full", "explicit")
     with pytest.raises(TypeError, match="remat_layers"):  # remat auto's own setting, not a user key
         TrainConfig(model_name_or_path=str(model_dir), dataset=DATA, output_dir=str(tmp_path / "o"), remat_layers=3)
     with pytest.raises(Exception, match="key 'offload_transfer': value 'eager' is not one of"):

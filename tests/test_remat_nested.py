@@ -128,7 +128,7 @@ def test_remat_block_is_a_flat_key_of_the_recipe(tmp_path):
     path = tmp_path / "run.yaml"
     head = f"model_name_or_path: {model}\ndataset: {tmp_path / 'd.jsonl'}\noutput_dir: {tmp_path / 'o'}\n"
     path.write_text(head + "remat: offload\nremat_block: auto\n")
-    assert load_config(path).execution.remat_block == "auto"
+    assert load_config(path).execution_config.remat_block == "auto"
     path.write_text(head + "remat: offload+attn\nremat_block: 2\n")
     with pytest.raises(TrainConfigError) as info:
         load_config(path)

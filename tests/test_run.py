@@ -93,41 +93,42 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert [system_mode(s) for s in WORKER if s.startswith("jaxft")] == list(MODES)
     for mode in MODES:
         cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml")
-        assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == (LORA.r, LORA.alpha, LORA.dropout)
-        assert cfg.lora.target_modules == tuple(sorted(LORA.targets))
-        o = cfg.optim
+        assert (cfg.lora_config.r, cfg.lora_config.alpha, cfg.lora_config.dropout) == (LORA.r, LORA.alpha, LORA.dropout)
+        assert cfg.lora_config.target_modules == tuple(sorted(LORA.targets))
+        o = cfg.optim_config
         assert (o.learning_rate, o.adam_beta1, o.adam_beta2, o.adam_epsilon, o.weight_decay) == (
             ADAMW.lr, ADAMW.b1, ADAMW.b2, ADAMW.eps, ADAMW.weight_decay)
         assert o.lr_scheduler_type == "constant" and o.max_grad_norm == 0.0
-    lean = load_config(REPO / "examples/bench/lean.yaml").execution
+    lean = load_config(REPO / "examples/bench/lean.yaml").execution_config
     assert (lean.remat, lean.resolved_layer_loop, lean.ce_chunk_size) == ("offload", "scan", 256)
-    assert load_config(REPO / "examples/bench/lean_host.yaml").execution == lean.replace(frozen_weights="host")
-    offload_attn = load_config(REPO / "examples/bench/offload_attn.yaml").execution
-    assert load_config(REPO / "examples/bench/offload_attn_host.yaml").execution == offload_attn.replace(
+    assert load_config(REPO / "examples/bench/lean_host.yaml").execution_config == lean.replace(frozen_weights="host")
+    offload_attn = load_config(REPO / "examples/bench/offload_attn.yaml").execution_config
+    assert load_config(REPO / "examples/bench/offload_attn_host.yaml").execution_config == offload_attn.replace(
         frozen_weights="host")
     lean_attn = offload_attn.replace(remat="offload=layer_input,attn_out,attn_lse")
-    assert load_config(REPO / "examples/bench/lean_attn.yaml").execution == lean_attn
-    assert load_config(REPO / "examples/bench/lean_attn_host.yaml").execution == lean_attn.replace(
+    assert load_config(REPO / "examples/bench/lean_attn.yaml").execution_config == lean_attn
+    assert load_config(REPO / "examples/bench/lean_attn_host.yaml").execution_config == lean_attn.replace(
         frozen_weights="host")
-    fast = load_config(REPO / "examples/bench/fast.yaml").execution
+    fast = load_config(REPO / "examples/bench/fast.yaml").execution_config
     assert (fast.remat, fast.resolved_layer_loop) == ("none", "unroll")
-    assert load_config(REPO / "examples/bench/fast_host.yaml").execution == fast.replace(layer_loop="scan",
+    assert load_config(REPO / "examples/bench/fast_host.yaml").execution_config == fast.replace(layer_loop="scan",
                                                                                           frozen_weights="host")
-    policies = {mode: load_config(REPO / "examples/bench" / f"{mode}.yaml").execution for mode in MODES}
+    policies = {mode: load_config(REPO / "examples/bench" / f"{mode}.yaml").execution_config for mode in MODES}
     assert (policies["offload_attn"].remat, policies["auto"].remat) == ("offload+attn", "auto")
     assert (policies["auto_40gb"].remat, policies["auto_40gb"].max_memory_gb) == ("auto", 37.25)
     # each preset is the measured recipe it names (jaxft.execution.MEMORY_PRESETS)
     for preset, mode in (("fast", "fast"), ("balanced", "offload_attn"), ("lean", "lean"),
                          ("max_context", "lean_attn_host"), ("auto", "auto")):
-        assert load_config(REPO / "examples/bench" / f"{mode}.yaml").memory == preset
+        assert load_config(REPO / "examples/bench" / f"{mode}.yaml").memory.memory == preset
         assert policies[mode] == ExecutionConfig(**MEMORY_PRESETS[preset])
     qlora = load_config(REPO / "examples/bench/qlora.yaml")
-    assert (qlora.quant.quant_type, qlora.quant.double_quant, qlora.execution) == ("nf4", True, fast)
+    assert (qlora.quant_config.quant_type, qlora.quant_config.double_quant) == ("nf4", True)
+    assert qlora.execution_config == fast
     qlora_lean = load_config(REPO / "examples/bench/qlora_lean.yaml")
-    assert (qlora_lean.quant, qlora_lean.execution) == (qlora.quant, policies["full_remat"])
+    assert (qlora_lean.quant_config, qlora_lean.execution_config) == (qlora.quant_config, policies["full_remat"])
     qlora_offload = load_config(REPO / "examples/bench/qlora_offload.yaml")
-    assert (qlora_offload.quant, qlora_offload.execution) == (qlora.quant, policies["offload_unroll"].replace(
-        ce_chunk_size=256))
+    assert (qlora_offload.quant_config, qlora_offload.execution_config) == (
+        qlora.quant_config, policies["offload_unroll"].replace(ce_chunk_size=256))
     assert policies["offload_unroll"].resolved_layer_loop == "unroll"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from jaxft.train import TrainConfig, TrainConfigError, load_config
-from jaxft.train.config import COMMAND_LINE, Where
+from jaxft.train.keys import COMMAND_LINE, KEYS, Where
 from test_train_fixtures import make_jsonl, make_tiny_model
 
 
@@ -45,7 +45,7 @@ def test_every_unknown_key_is_reported_once_with_its_line(tmp_path, paths):
         f"{path}: unknown keys: 'learnin_rate' (line 4; did you mean 'learning_rate'?), "
         "'lora_rnk' (line 6; did you mean 'lora_r'?), 'zzzzzz' (line 7), "
         "'max_stepps' (command line; did you mean 'max_steps'?); known keys: " +
-        ", ".join(f.name for f in dataclasses.fields(TrainConfig)))
+        ", ".join(k.name for k in KEYS))
 
 
 def test_unknown_keys_only_on_the_command_line_say_so(tmp_path, paths):
@@ -105,8 +105,9 @@ def test_from_dict_places_errors_by_key(paths):
 def test_gradient_checkpointing_selects_lean_and_says_so(tmp_path, paths, caplog):
     with caplog.at_level(logging.INFO, logger="jaxft"):
         cfg = load_config(_yaml(tmp_path, paths, "gradient_checkpointing: true\n"))
-    assert (cfg.gradient_checkpointing, cfg.memory, cfg.remat) == (True, "lean", "offload")
-    assert cfg.execution == TrainConfig(**paths, memory="lean").execution
+    assert (cfg.memory.gradient_checkpointing, cfg.memory.memory, cfg.execution_config.remat) == (True, "lean",
+                                                                                                   "offload")
+    assert cfg.execution_config == TrainConfig(**paths, memory="lean").execution_config
     notes = [r.getMessage() for r in caplog.records if "gradient_checkpointing" in r.getMessage()]
     assert notes == ["gradient_checkpointing=true -> memory: lean (layer inputs in host memory, the rest "
                      "recomputed); set memory to choose another mode"]
@@ -119,11 +120,15 @@ def test_gradient_checkpointing_selects_lean_and_says_so(tmp_path, paths, caplog
 
 
 def test_gradient_checkpointing_with_or_without_remat(tmp_path, paths):
-    assert TrainConfig(**paths).remat == "auto"  # the default: chosen per run from the compiled step's memory
-    assert TrainConfig(**paths, gradient_checkpointing=False).remat == "auto"
-    assert TrainConfig(**paths, gradient_checkpointing=False, remat="full").remat == "full"
-    assert TrainConfig(**paths, gradient_checkpointing=True, remat="full").remat == "full"  # a given policy wins
-    assert load_config(_yaml(tmp_path, paths, "remat: full\n"), ["gradient_checkpointing=true"]).remat == "full"
+    def remat(**keys):
+        return TrainConfig(**paths, **keys).execution_config.remat
+
+    assert remat() == "auto"  # the default: chosen per run from the compiled step's memory
+    assert remat(gradient_checkpointing=False) == "auto"
+    assert remat(gradient_checkpointing=False, remat="full") == "full"
+    assert remat(gradient_checkpointing=True, remat="full") == "full"  # a given policy wins
+    loaded = load_config(_yaml(tmp_path, paths, "remat: full\n"), ["gradient_checkpointing=true"])
+    assert loaded.execution_config.remat == "full"
     path = _yaml(tmp_path, paths, "gradient_checkpointing: true\nremat: none\n")
     assert _error(path) == (f"{path}:4: key 'gradient_checkpointing': true contradicts execution's remat: none; "
                             "drop one of the two, or choose memory: lean")
@@ -137,20 +142,21 @@ def test_gradient_checkpointing_with_or_without_remat(tmp_path, paths):
 def test_memory_presets_are_the_measured_recipes_and_execution_wins_per_field(tmp_path, paths, caplog):
     from jaxft.execution import MEMORY_PRESETS, ExecutionConfig
 
-    assert TrainConfig(**paths).memory == "auto" and TrainConfig(**paths).execution == ExecutionConfig(remat="auto")
+    default = TrainConfig(**paths)
+    assert default.memory.memory == "auto" and default.execution_config == ExecutionConfig(remat="auto")
     for name, fields in MEMORY_PRESETS.items():
-        assert TrainConfig(**paths, memory=name).execution == ExecutionConfig(**fields)
-    lean = TrainConfig(**paths, memory="lean").execution
+        assert TrainConfig(**paths, memory=name).execution_config == ExecutionConfig(**fields)
+    lean = TrainConfig(**paths, memory="lean").execution_config
     assert (lean.remat, lean.resolved_layer_loop, lean.ce_chunk_size) == ("offload", "scan", 256)
-    assert TrainConfig(**paths, memory="max_context").execution.frozen_weights == "host"
+    assert TrainConfig(**paths, memory="max_context").execution_config.frozen_weights == "host"
     with caplog.at_level(logging.INFO, logger="jaxft"):
         cfg = load_config(_yaml(tmp_path, paths, "memory: lean\nexecution: {remat: full, mlp_chunk_size: 64}\n"))
-    assert cfg.execution == lean.replace(remat="full", mlp_chunk_size=64)
+    assert cfg.execution_config == lean.replace(remat="full", mlp_chunk_size=64)
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory:")] == [
         "memory: lean; execution wins for remat: 'full' (preset 'offload')"]
-    assert cfg.replace(max_steps=3).execution == cfg.execution  # the keys as given, not the merged flat values
-    assert cfg.replace(memory="fast").execution == ExecutionConfig(remat="full", layer_loop="auto",
-                                                                   mlp_chunk_size=64)
+    assert cfg.replace(max_steps=3).execution_config == cfg.execution_config  # the keys as given, not merged
+    assert cfg.replace(memory="fast").execution_config == ExecutionConfig(remat="full", layer_loop="auto",
+                                                                          mlp_chunk_size=64)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="jaxft"):
         assert TrainConfig.from_dict(cfg.to_dict()) == cfg
@@ -161,7 +167,7 @@ def test_flat_memory_keys_still_work_with_one_deprecation_line(tmp_path, paths, 
     path = _yaml(tmp_path, paths, "remat: offload+attn\nlayer_loop: scan\n")
     with caplog.at_level(logging.INFO, logger="jaxft"):
         cfg = load_config(path)
-    assert cfg.execution == TrainConfig(**paths, memory="balanced").execution
+    assert cfg.execution_config == TrainConfig(**paths, memory="balanced").execution_config
     assert [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()] == [
         f"{path}:4: deprecated flat keys remat, layer_loop: choose a mode with memory: (auto, fast, balanced, lean, "
         "max_context), or set the mechanism under execution: {remat: ...} (docs/memory.md)"]
@@ -182,42 +188,59 @@ def test_execution_mapping_errors_name_the_key_and_the_field(tmp_path, paths):
         assert "unknown key" in _error(_yaml(tmp_path, paths, gone))
 
 
-def test_model_and_logging_parts_come_from_the_flat_keys(paths):
-    from jaxft.train.parts import LoggingConfig, ModelSource
+def test_every_key_is_a_field_of_its_section_under_its_own_name(paths):
+    from jaxft.train.keys import SECTIONS
 
-    cfg = TrainConfig(**paths, bf16=False, logging_steps=5, eval_generate_prompts=["hi"])
-    assert cfg.model == ModelSource(path=paths["model_name_or_path"], dtype="float32", quant=None)
-    assert cfg.quant is cfg.model.quant is None
-    assert cfg.logging == LoggingConfig(output_dir=paths["output_dir"], logging_steps=5,
-                                        eval_generate_prompts=("hi",))
+    cfg = TrainConfig(**paths)
+    assert [f.name for f in dataclasses.fields(cfg) if f.compare] == list(SECTIONS)  # the rest are built from them
+    for name in SECTIONS:
+        assert [f.name for f in dataclasses.fields(getattr(cfg, name))] == [k.name for k in KEYS if k.section == name]
+    assert cfg.to_dict() == {k.name: (None if k.required else k.default) for k in KEYS} | paths | {"memory": "auto"}
+
+
+def test_sections_and_the_parts_built_from_them(paths):
+    from jaxft.train.sections import LoggingSection, ModelSection
+
+    cfg = TrainConfig(**paths, bf16=False, logging_steps=5, eval_generate_prompts=["hi"], lora_r=4, lora_alpha=8,
+                      bnb_4bit_quant_type="fp4", load_in_4bit=True, warmup_ratio=0.5)
+    assert cfg.model == ModelSection(model_name_or_path=paths["model_name_or_path"], bf16=False)
+    assert cfg.model.dtype == "float32" and TrainConfig(**paths).model.dtype == "bfloat16"
+    assert cfg.logging == LoggingSection(output_dir=paths["output_dir"], logging_steps=5, eval_generate_prompts=("hi",))
     assert cfg.logging.eval_every == 5 and cfg.replace(eval_steps=3).logging.eval_every == 3
-    assert TrainConfig(**paths).model.dtype == "bfloat16"
+    # A key's row names the field it sets in its section's part (lora_r -> LoraConfig.r).
+    assert (cfg.lora_config.r, cfg.lora_config.alpha, cfg.quant_config.quant_type) == (4, 8.0, "fp4")
+    assert cfg.optim_config.warmup_ratio == 0.5 and TrainConfig(**paths).quant_config is None
+    with pytest.raises(TrainConfigError, match="^key 'lora_dropout': ") as info:
+        TrainConfig(**paths, lora_target_parameters=["experts.down_proj"], lora_dropout=0.1)
+    assert info.value.key == "lora_dropout"
 
 
-@pytest.mark.parametrize("part,values,message", [
-    ("model", dict(path="/nowhere/model"), "key 'path': path '/nowhere/model' does not exist; fix the path"),
-    ("model", dict(path=""), "key 'path': value '' is invalid; give a non-empty path"),
-    ("model", dict(dtype="float16"), "key 'dtype': value 'float16' is not one of 'bfloat16', 'float32'"),
-    ("model", dict(quant="nf4"), "key 'quant': value 'nf4' must be a jaxft.quant.QuantConfig"),
+@pytest.mark.parametrize("section,values,message", [
+    ("model", dict(model_name_or_path="/nowhere/model"),
+     "key 'model_name_or_path': path '/nowhere/model' does not exist; fix the path"),
+    ("model", dict(model_name_or_path=""), "key 'model_name_or_path': value '' is invalid; give a non-empty path"),
+    ("model", dict(max_seq_length=1), "key 'max_seq_length': value 1 is invalid; must be an integer >= 2"),
     ("logging", dict(output_dir=" "), "key 'output_dir': value ' ' is invalid; give a non-empty path"),
     ("logging", dict(logging_steps=0), "key 'logging_steps': value 0 is invalid; must be an integer >= 1"),
-    ("logging", dict(save_steps=True), "key 'save_steps': value True is invalid; must be an integer >= 1"),
+    ("logging", dict(save_steps=True), "key 'save_steps': value True (bool) has the wrong type; expected an integer"),
     ("logging", dict(eval_steps=0), "key 'eval_steps': value 0 is invalid; must be an integer >= 1 (or null)"),
     ("logging", dict(save_total_limit=-1), "key 'save_total_limit': value -1 is invalid; must be an integer >= 1"),
     ("logging", dict(report_to="wandb"), "key 'report_to': value 'wandb' is not one of 'tensorboard', 'none'"),
-    ("logging", dict(disable_tqdm="yes"), "key 'disable_tqdm': value 'yes' is invalid; must be true or false"),
-    ("logging", dict(eval_generate_prompts=["ok", " "]), "key 'eval_generate_prompts': value ['ok', ' '] is invalid"),
+    ("logging", dict(disable_tqdm="yes"), "key 'disable_tqdm': value 'yes' (str) has the wrong type; expected "
+                                          "true/false"),
+    ("logging", dict(eval_generate_prompts=["ok", " "]),
+     "key 'eval_generate_prompts': value ['ok', ' '] is invalid"),
     ("logging", dict(eval_generate_max_new_tokens=0), "key 'eval_generate_max_new_tokens': value 0 is invalid"),
 ])
-def test_model_and_logging_parts_reject_bad_values_in_one_line(paths, part, values, message):
-    from jaxft.train.parts import LoggingConfig, ModelSource, PartError
+def test_a_section_rejects_bad_values_in_one_line(paths, section, values, message):
+    from jaxft.train.sections import SECTION_CLASSES
 
-    build, base = {"model": (ModelSource, dict(path=paths["model_name_or_path"])),
-                   "logging": (LoggingConfig, dict(output_dir=paths["output_dir"]))}[part]
-    with pytest.raises(PartError) as info:
-        build(**{**base, **values})
+    base = {"model": dict(model_name_or_path=paths["model_name_or_path"]),
+            "logging": dict(output_dir=paths["output_dir"])}[section]
+    with pytest.raises(TrainConfigError) as info:
+        SECTION_CLASSES[section](**{**base, **values})
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
-    assert info.value.field == next(iter(values))
+    assert info.value.key == next(iter(values))
 
 
 def test_part_errors_name_the_flat_key_and_its_yaml_line(tmp_path, paths):

@@ -59,7 +59,7 @@ def test_loss_curve_matches_hf_peft(tmp_path):
 
     model_dir = make_tiny_model(tmp_path / "model")
     data = make_jsonl(tmp_path / "train.jsonl", 120, seed=0)
-    train_ds, _ = build_datasets(DataConfig(path=str(data), seq_len=128, batch_size=4, seed=0), str(model_dir))
+    train_ds, _ = build_datasets(DataConfig(path=str(data), max_seq_length=128, batch_size=4, seed=0), str(model_dir))
     assert train_ds.num_batches_per_epoch >= 2  # the 30 steps run over several epochs of reshuffled rows
 
     # ---- ours: fp32, LoRA on every linear of every layer

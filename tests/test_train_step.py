@@ -42,7 +42,7 @@ def _random_batch(rows, t, seed):
     for _ in range(rows * 4):  # more tokens than `rows` rows hold: the first `rows` packed rows are all used
         n = int(rs.randint(3, t // 2))
         docs.append(Document(rs.randint(4, CFG.vocab_size, n), rs.rand(n) < rs.uniform(0.2, 0.9), "rand"))
-    return PackedDataset(docs, seq_len=t, batch_size=rows, shuffle=False).batch(0)
+    return PackedDataset(docs, max_seq_length=t, batch_size=rows, shuffle=False).batch(0)
 
 
 def test_grad_accumulation_is_exact():
@@ -86,13 +86,13 @@ def test_packed_loss_equals_unpacked_loss():
     model = nnx.merge(graphdef, lora, frozen)
     loss_fn = jax.jit(lambda b: (token_loss_sum(model, b), b["loss_mask"].sum()))
 
-    packed = PackedDataset(docs, seq_len=512, batch_size=1, shuffle=False)
+    packed = PackedDataset(docs, max_seq_length=512, batch_size=1, shuffle=False)
     assert packed.num_rows == 1
     packed_sum, packed_count = loss_fn(packed.batch(0))
 
     alone_sum, alone_count = 0.0, 0.0
     for doc in docs:  # each document alone, right-padded to the same 512 columns
-        s, c = loss_fn(PackedDataset([doc], seq_len=512, batch_size=1, shuffle=False).batch(0))
+        s, c = loss_fn(PackedDataset([doc], max_seq_length=512, batch_size=1, shuffle=False).batch(0))
         alone_sum, alone_count = alone_sum + float(s), alone_count + float(c)
 
     assert float(packed_count) == alone_count == sum(int(d.loss_mask[1:].sum()) for d in docs)

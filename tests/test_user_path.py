@@ -132,11 +132,11 @@ def test_a_default_budget_nothing_fits_refuses_in_one_line_without_host_candidat
 def test_a_default_budget_refusal_reaches_the_user_without_the_key():
     """jaxft-train states a run's execution errors under their config key; a default budget's refusal, about
     no key the user wrote, stays as it is. One the user's max_memory_gb caused keeps the key."""
-    from jaxft.train.config import EXECUTION_KEYS, part_error
+    from jaxft.train.keys import part_error
 
-    assert str(part_error(MemoryBudgetError("no remat policy fits in ...", keyed=False), EXECUTION_KEYS)) == \
+    assert str(part_error(MemoryBudgetError("no remat policy fits in ...", keyed=False), "memory")) == \
         "no remat policy fits in ..."
-    assert str(part_error(MemoryBudgetError("no remat policy fits in ...", keyed=True), EXECUTION_KEYS)) == \
+    assert str(part_error(MemoryBudgetError("no remat policy fits in ...", keyed=True), "memory")) == \
         "key 'max_memory_gb': no remat policy fits in ..."
 
 
@@ -210,10 +210,10 @@ def test_trl_keys_in_a_yaml_and_what_cannot_be_honoured(tmp_path):
     cfg = load_config(_yaml(tmp_path / "trl.yaml", head + "dtype: bfloat16\neval_strategy: epoch\n"
                             "save_strategy: steps\nuse_peft: true\nattn_implementation: flash_attention_2\n"
                             "max_length: 256\n"))
-    assert (cfg.dataset, cfg.bf16, cfg.eval_strategy, cfg.save_strategy, cfg.max_seq_length) == \
-        (data, True, "epoch", "steps", 256)
+    assert (cfg.data.dataset, cfg.model.bf16, cfg.logging.eval_strategy, cfg.logging.save_strategy,
+            cfg.model.max_seq_length) == (data, True, "epoch", "steps", 256)
     auto = load_config(_yaml(tmp_path / "auto.yaml", head + "torch_dtype: auto\nbf16: false\nsave_strategy: no\n"))
-    assert auto.bf16 is False and auto.save_strategy == "no"  # YAML's unquoted no (false) is the strategy "no"
+    assert auto.model.bf16 is False and auto.logging.save_strategy == "no"  # YAML's unquoted no (false) is the strategy "no"
     for text, message in (
             ("use_peft: false\n", "trl.yaml:4: key 'use_peft': false asks for full fine-tuning; jaxft trains LoRA "
                                   "adapters only: set use_peft: true or drop the key"),
@@ -229,12 +229,12 @@ def test_trl_keys_in_a_yaml_and_what_cannot_be_honoured(tmp_path):
 
 def test_evaluation_and_checkpoints_follow_their_strategy():
     """steps: every eval_steps / save_steps; epoch: at each epoch's end; no: never; steps and epoch at the end."""
-    from jaxft.train.parts import LoggingConfig
+    from jaxft.train.sections import LoggingSection
 
-    log = LoggingConfig(output_dir="out", eval_steps=4, save_steps=6, eval_strategy="epoch", save_strategy="steps")
+    log = LoggingSection(output_dir="out", eval_steps=4, save_steps=6, eval_strategy="epoch", save_strategy="steps")
     assert [s for s in range(1, 13) if log.due("eval", s, 11, 5)] == [5, 10, 11]
     assert [s for s in range(1, 13) if log.due("save", s, 11, 5)] == [6, 11, 12]
-    never = LoggingConfig(output_dir="out", eval_strategy="no", save_strategy="no")
+    never = LoggingSection(output_dir="out", eval_strategy="no", save_strategy="no")
     assert not any(never.due(what, s, 11, 5) for what in ("eval", "save") for s in range(1, 12))
 
 
@@ -347,7 +347,7 @@ def test_every_bad_record_is_reported_the_first_ten_named(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in lines))
     with pytest.raises(MissingFieldError) as info:
-        build_datasets(DataConfig(path=str(data), seq_len=64, batch_size=1), str(TINY_LLAMA))
+        build_datasets(DataConfig(path=str(data), max_seq_length=64, batch_size=1), str(TINY_LLAMA))
     text = str(info.value)
     assert text.startswith(f"13 records cannot be trained on: {data}:2: record has keys ['body'] but none of the "
                            f"supported fields") and text.endswith("; and 3 more") and "\n" not in text
@@ -356,7 +356,7 @@ def test_every_bad_record_is_reported_the_first_ten_named(tmp_path):
     assert f"{data}:4: messages[0].content (role 'user') is dict {{\"a\": 1}}" in text
     data.write_text(json.dumps(good) + "\n" + json.dumps(bad[1]) + "\n")
     with pytest.raises(MissingFieldError, match=rf"^{data}:2: messages\[0\]\.content \(role 'user'\) is dict"):
-        build_datasets(DataConfig(path=str(data), seq_len=64, batch_size=1), str(TINY_LLAMA))
+        build_datasets(DataConfig(path=str(data), max_seq_length=64, batch_size=1), str(TINY_LLAMA))
 
 
 # ------------------------------------------------------------------------------------------ prompt vs context

@@ -94,7 +94,7 @@ def test_image_tokens_are_merged_patches_and_carry_no_loss(tmp_path, images, tok
 
 def test_packed_rows_hold_several_images_in_layout_order(tmp_path, images):
     path, _ = _dataset(tmp_path)
-    train, _ = build_datasets(DataConfig(str(path), seq_len=256, batch_size=1), MODEL)
+    train, _ = build_datasets(DataConfig(str(path), max_seq_length=256, batch_size=1), MODEL)
     assert train.num_rows == 1 and train.max_row_images == 3
     batch = train.batch(0)
     refs = [im for d in train.row_documents(0) for im in train._images[d]]  # in the row's layout order
@@ -125,9 +125,9 @@ def test_flat_images_put_real_patches_first_and_keep_logits(tmp_path, images):
     path, _ = _dataset(tmp_path)
     docs = [Formatter(load_tokenizer(MODEL), images=images)(r) for r in read_records(path)]
     # Rows too short for both image chats: one row each (the text chat joins one of them, or a row of its own).
-    seq_len = max(len(docs[0]), len(docs[1])) + 1
-    assert len(docs[0]) + len(docs[1]) > seq_len
-    train = PackedDataset(docs, seq_len=seq_len, batch_size=3, images=images, shuffle=False)
+    max_seq_length = max(len(docs[0]), len(docs[1])) + 1
+    assert len(docs[0]) + len(docs[1]) > max_seq_length
+    train = PackedDataset(docs, max_seq_length=max_seq_length, batch_size=3, images=images, shuffle=False)
     batch = train.batch(0)
     rows = train.num_rows
     assert rows >= 2 and (batch["image_grid_thw"][:rows] != 0).any(axis=1).sum() == 2
@@ -158,14 +158,14 @@ def test_missing_or_unreadable_image_is_one_line_naming_the_record(tmp_path, ima
         rows = [_chat([good], "Q?", "A."), _chat([good, name], "Q?", "A.")]
         (d / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
         with pytest.raises(ImageError) as info:
-            build_datasets(DataConfig(str(d / "data.jsonl"), seq_len=128, batch_size=1), MODEL)
+            build_datasets(DataConfig(str(d / "data.jsonl"), max_seq_length=128, batch_size=1), MODEL)
         msg = str(info.value)
         assert "\n" not in msg and problem in msg
         assert msg.startswith(f"{d / 'data.jsonl'}:2: messages[0].content[1]: image {str(d / name)!r}")
     rows = [{"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "A."}]}]
     (d / "data.jsonl").write_text(json.dumps(rows[0]) + "\n", encoding="utf-8")
     with pytest.raises(MissingFieldError, match=r"data.jsonl:1: messages\[0\].content\[0\]: an image part needs"):
-        build_datasets(DataConfig(str(d / "data.jsonl"), seq_len=128, batch_size=1), MODEL)
+        build_datasets(DataConfig(str(d / "data.jsonl"), max_seq_length=128, batch_size=1), MODEL)
 
 
 def test_truncation_never_splits_an_image_from_its_tokens(tmp_path, images):
@@ -178,7 +178,7 @@ def test_truncation_never_splits_an_image_from_its_tokens(tmp_path, images):
     first = _tokens_per_image(images, SIZES[1])
     at = np.flatnonzero(doc.tokens == images.image_token_id)
     cut = int(at[first + 2])  # inside the second image's run
-    ds = PackedDataset([doc], seq_len=cut + 5, batch_size=1, images=images)
+    ds = PackedDataset([doc], max_seq_length=cut + 5, batch_size=1, images=images)
     assert ds._images[0] == doc.images[:1] and ds.stats.truncated == 1
     batch = ds.batch(0)
     assert int((batch["input_ids"] == images.image_token_id).sum()) == first
@@ -205,7 +205,7 @@ def test_each_image_is_processed_once_when_its_batch_is_built(tmp_path, images, 
     for its batch, and the grids it gives are the ones the tokens were laid out for (packing checks them)."""
     path, layout = _dataset(tmp_path)
     counting = _Counting(images.processor)
-    train, _ = build_datasets(DataConfig(str(path), seq_len=128, batch_size=1), tokenizer,
+    train, _ = build_datasets(DataConfig(str(path), max_seq_length=128, batch_size=1), tokenizer,
                               images=ImageProcessor(counting, images.image_token_id))
     assert counting.images == 0
     for step in range(train.num_batches_per_epoch):

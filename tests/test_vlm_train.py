@@ -83,8 +83,8 @@ def test_finetune_keys_choose_the_lora_targets(tmp_path, data):
     from jaxft.models.vision import finetune_targets
 
     cfg = _config(data, tmp_path, finetune_vision_layers=False)
-    assert cfg.lora.target_modules == finetune_targets("qwen2_vl", finetune_vision_layers=False)
-    assert _config(data, tmp_path).lora.target_modules == "all-linear"  # none given: lora_target_modules
+    assert cfg.lora_config.target_modules == finetune_targets("qwen2_vl", finetune_vision_layers=False)
+    assert _config(data, tmp_path).lora_config.target_modules == "all-linear"  # none given: lora_target_modules
     from jaxft.run import Run
 
     names = Run.from_config(_config(data, tmp_path, finetune_language_layers=False,

@@ -123,9 +123,9 @@ def main(argv=None) -> int:
 
     def build(variant: str):
         remat, options, chunk, unroll, transfer = parse_variant(variant)
-        execution = config.execution.replace(remat=remat, compiler_options=options, offload_transfer=transfer,
-                                             ce_chunk_size=chunk or args.ce_chunk,
-                                             layer_loop="unroll" if unroll else "scan")
+        execution = config.execution_config.replace(remat=remat, compiler_options=options,
+                                                    offload_transfer=transfer, ce_chunk_size=chunk or args.ce_chunk,
+                                                    layer_loop="unroll" if unroll else "scan")
         return base.variant(execution, lora=lora0)
 
     for variant in [v for v in args.variants.split(";") if v]:

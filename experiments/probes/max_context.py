@@ -255,7 +255,7 @@ def main(argv=None) -> int:
                         host_budget=host_budget, mlp_chunk_size=args.mlp_chunk_size,
                         probe_autotune_level=args.probe_autotune_level, max_probes=args.max_probes,
                         dtype=args.dtype, attention=args.attention, recipe=args.recipe, deviceless=args.deviceless)
-    if args.step_seq != "0" and recipe(settings).model.quant is not None:
+    if args.step_seq != "0" and recipe(settings).quant_config is not None:
         raise SystemExit(f"--recipe {args.recipe}: a 4-bit base has no random-weight step (Run.init_random makes "
                          "no 4-bit codes); pass --step-seq 0 (the search compiles from shapes and needs none)")
     collect = Collector(args.out)

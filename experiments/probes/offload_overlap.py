@@ -232,7 +232,7 @@ def run_variant(variant: dict[str, str], model_dir: str, seq: int, steps: int, w
     config = recipe(Settings(model_dir=model_dir))
     execution = ExecutionConfig(remat=variant["policy"], layer_loop=variant["loop"],
                                 offload_transfer=variant["transfer"], frozen_weights=variant["weights"])
-    run = Run(model_dir, lora_config=config.lora, execution=execution, optim=config.optim, total_steps=1,
+    run = Run(model_dir, lora_config=config.lora_config, execution=execution, optim=config.optim_config, total_steps=1,
               dtype=dtype, seed=0)
     batch = make_batch(seq, run.model_config.vocab_size)
     rec: dict[str, Any] = dict(variant=":".join(variant.values()), seq=seq, layers=run.model_config.num_layers,

@@ -184,7 +184,7 @@ def test_a_four_bit_recipe_compiles_its_4bit_base_from_shapes(tmp_path):
     dense, four_bit = mc.argument_bytes(mc.make_run(bf16, "full", 256, probe=True)), mc.argument_bytes(run)
     assert four_bit < dense, (four_bit, dense)
     assert mc.probe(qlora, "full", 256)["device_bytes"] > 0
-    assert mc.recipe(qlora).model.quant is not None and mc.recipe(bf16).model.quant is None
+    assert mc.recipe(qlora).quant_config is not None and mc.recipe(bf16).quant_config is None
     with pytest.raises(SystemExit, match="--step-seq 0"):
         mc.main(["--model", "tiny-llama", "--recipe", qlora.recipe, "--policies", "full", "--step-seq", "256"])
 

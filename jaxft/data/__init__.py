@@ -2,7 +2,7 @@
 
 Typical use::
 
-    train, evalset = build_datasets(DataConfig(path, seq_len=2048, batch_size=8), model_dir)
+    train, evalset = build_datasets(DataConfig(path, max_seq_length=2048, batch_size=8), model_dir)
     batch = train.batch(step)   # dict of [B, T] numpy arrays (see jaxft.data.packing)
 """
 

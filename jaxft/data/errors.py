@@ -13,7 +13,7 @@ class DataError(ValueError):
 
 
 class DataConfigError(DataError):
-    """An invalid data option (a DataConfig field such as seq_len, batch_size or overlong)."""
+    """An invalid data option (a DataConfig field such as max_seq_length, batch_size or overlong)."""
 
 
 class DataPathError(DataError):

@@ -4,12 +4,12 @@ Packing is best-fit decreasing (documents longest first, each into the open row 
 free space is the smallest that still fits it, else a new row). It has the same 11/9·OPT
 asymptotic worst case as first-fit decreasing and never leaves a document out of a row
 that could hold it; open rows are kept in buckets by free space, so each document costs
-one bisect over at most ``seq_len`` distinct free-space values.
+one bisect over at most ``max_seq_length`` distinct free-space values.
 
 Batch ``step`` is row block ``step % nb`` of epoch ``step // nb`` (``nb`` =
 `PackedDataset.num_batches_per_epoch`), where an epoch visits all rows in the order of a
 permutation seeded by ``(seed, epoch)``: the batch is a pure function of
-(data, seq_len, batch_size, seed, step), so training resumes at any step.
+(data, max_seq_length, batch_size, seed, step), so training resumes at any step.
 
 Per row, with documents d_1..d_k laid out back to back from column 0:
   input_ids[t]   = token at t (0 on padding)
@@ -25,7 +25,7 @@ Documents with images (vision-language models, `jaxft.data.images`) add two keys
                     order, each as the image processor emits it), zero after them; P = the largest row's patches
   image_grid_thw[r] int32 [G * 3]: their (t, h, w) grids, zero after them; G = the most images a row holds
 `jaxft.models.vision.model.flat_images` turns them back into the processor's flat [N, patch_dim] / [I, 3] form on
-the device. A document longer than seq_len is cut before the first image that does not fit whole (an image's
+the device. A document longer than max_seq_length is cut before the first image that does not fit whole (an image's
 tokens are never split from its pixels).
 """
 
@@ -55,12 +55,12 @@ class PackingStats:
     """What packing kept and lost.
 
     ``num_input = num_documents + dropped + skipped``; ``truncated`` counts kept documents
-    that were cut to ``seq_len``; ``skipped`` counts documents with no trained target
+    that were cut to ``max_seq_length``; ``skipped`` counts documents with no trained target
     (no assistant reply, or all of it cut off by truncation).
-    efficiency = real_tokens / (num_rows · seq_len).
+    efficiency = real_tokens / (num_rows · max_seq_length).
     """
 
-    seq_len: int
+    max_seq_length: int
     num_input: int
     num_documents: int
     num_rows: int
@@ -76,12 +76,12 @@ class PackingStats:
 
     @property
     def efficiency(self) -> float:
-        return self.real_tokens / (self.num_rows * self.seq_len) if self.num_rows else 0.0
+        return self.real_tokens / (self.num_rows * self.max_seq_length) if self.num_rows else 0.0
 
     def summary(self) -> str:
         return (
             f"packed {self.num_documents}/{self.num_input} documents into {self.num_rows} rows of "
-            f"{self.seq_len} tokens: efficiency {100 * self.efficiency:.1f}% ({self.real_tokens} "
+            f"{self.max_seq_length} tokens: efficiency {100 * self.efficiency:.1f}% ({self.real_tokens} "
             f"tokens, {self.trained_tokens} trained); {self.truncated} truncated to max_seq_length, "
             f"{self.dropped} dropped, {self.skipped} skipped (no target tokens)"
         )
@@ -114,13 +114,10 @@ class _Named:
         return ", ".join(parts) + (f", and {more} more" if more else "")
 
 
-def _loss_notes(lost: dict[str, _Named], seq_len: int) -> list[str]:
-    """One line per kind of loss that happened, naming the documents and the fix.
-
-    ``seq_len`` is called max_seq_length here: the key users set (TrainConfig, the CLI).
-    """
+def _loss_notes(lost: dict[str, _Named], max_seq_length: int) -> list[str]:
+    """One line per kind of loss that happened, naming the documents and the fix."""
     notes = []
-    limit = f"max_seq_length={seq_len}"
+    limit = f"max_seq_length={max_seq_length}"
     t, d, c, u = (lost[k] for k in ("truncated", "dropped", "cut", "untrained"))
     if t.count:
         notes.append(f"{_docs(t.count)} longer than {limit} {_verb(t.count, 'was', 'were')} truncated: "
@@ -146,20 +143,21 @@ def _verb(n: int, singular: str, plural: str) -> str:
     return singular if n == 1 else plural
 
 
-def _image_cut(doc: Document, seq_len: int, images) -> tuple[int, tuple]:
-    """(tokens kept, images kept) of a document cut to seq_len: before the first image that does not fit whole."""
+def _image_cut(doc: Document, max_seq_length: int, images) -> tuple[int, tuple]:
+    """(tokens kept, images kept) of a document cut to max_seq_length: before the first image that does not fit
+    whole."""
     if not doc.images:
-        return seq_len, ()
+        return max_seq_length, ()
     at = np.flatnonzero(doc.tokens == images.image_token_id)  # the images' tokens, image after image
     kept, used = [], 0
     for im in doc.images:
         n = im.num_patches // images.merge_unit
         first, last = int(at[used]), int(at[used + n - 1])
-        if last >= seq_len:
+        if last >= max_seq_length:
             return first, tuple(kept)
         kept.append(im)
         used += n
-    return seq_len, tuple(kept)
+    return max_seq_length, tuple(kept)
 
 
 def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) -> list[list[int]]:
@@ -192,7 +190,7 @@ def best_fit_decreasing(lengths: Sequence[int] | np.ndarray, capacity: int) -> l
 
 
 class PackedDataset:
-    """Documents packed into rows of ``seq_len``; batches are [batch_size, seq_len] host arrays.
+    """Documents packed into rows of ``max_seq_length``; batches are [batch_size, max_seq_length] host arrays.
 
     The last batch of an epoch is filled up with all-padding rows (loss_mask 0), so every
     batch has the same shape and no row is left out.
@@ -202,7 +200,7 @@ class PackedDataset:
         self,
         documents: Sequence[Document],
         *,
-        seq_len: int,
+        max_seq_length: int,
         batch_size: int,
         seed: int = 0,
         shuffle: bool = True,
@@ -210,14 +208,14 @@ class PackedDataset:
         name: str = "train",
         images=None,
     ):
-        if not isinstance(seq_len, int) or seq_len < 2:
-            raise DataConfigError(f"seq_len must be an int >= 2, got {seq_len!r}")
+        if not isinstance(max_seq_length, int) or max_seq_length < 2:
+            raise DataConfigError(f"max_seq_length must be an int >= 2, got {max_seq_length!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise DataConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if overlong not in OVERLONG:
             raise DataConfigError(f"overlong={overlong!r} is not one of {OVERLONG}")
-        self.seq_len, self.batch_size, self.seed, self.shuffle, self.name = (
-            seq_len, batch_size, int(seed), bool(shuffle), name,
+        self.max_seq_length, self.batch_size, self.seed, self.shuffle, self.name = (
+            max_seq_length, batch_size, int(seed), bool(shuffle), name,
         )
 
         self.images = images  # jaxft.data.images.ImageProcessor when documents may hold images
@@ -226,16 +224,16 @@ class PackedDataset:
         lost = {k: _Named() for k in ("truncated", "dropped", "cut", "untrained")}
         for doc in documents:
             tokens, mask = doc.tokens, doc.loss_mask
-            if len(tokens) > seq_len:
+            if len(tokens) > max_seq_length:
                 if overlong == "drop":
                     lost["dropped"].add(doc.source, len(tokens))
                     continue
-                cut, doc_images = _image_cut(doc, seq_len, images)
+                cut, doc_images = _image_cut(doc, max_seq_length, images)
                 tokens, mask = tokens[:cut], mask[:cut]
             else:
                 doc_images = doc.images
             if not mask[1:].any():
-                if doc.loss_mask[1:].any():  # it had targets, all beyond seq_len
+                if doc.loss_mask[1:].any():  # it had targets, all beyond max_seq_length
                     first = int(np.flatnonzero(doc.loss_mask[1:])[0]) + 1
                     lost["cut"].add(doc.source, len(doc.tokens), f", first target at token {first}")
                 else:
@@ -248,14 +246,14 @@ class PackedDataset:
             kept_images.append(tuple(doc_images))
         truncated, dropped = lost["truncated"].count, lost["dropped"].count
         skipped = lost["cut"].count + lost["untrained"].count
-        notes = _loss_notes(lost, seq_len)
+        notes = _loss_notes(lost, max_seq_length)
 
         lengths = np.array([len(t) for t in kept_tokens], dtype=np.int64)
         self._doc_start = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self._doc_len = lengths
         self._tokens = np.concatenate(kept_tokens) if kept_tokens else np.zeros(0, np.int32)
         self._mask = np.concatenate(kept_masks) if kept_masks else np.zeros(0, bool)
-        self._rows = [np.array(r, dtype=np.int64) for r in best_fit_decreasing(lengths, seq_len)]
+        self._rows = [np.array(r, dtype=np.int64) for r in best_fit_decreasing(lengths, max_seq_length)]
         self._images = kept_images
         # Per-row image budgets (static batch shapes): the most patches / images any row holds.
         self.max_row_patches = max((sum(im.num_patches for d in r for im in kept_images[d]) for r in self._rows),
@@ -264,7 +262,7 @@ class PackedDataset:
         if self.max_row_images and images is None:
             raise DataConfigError(f"{name} data: documents hold images but no image processor was given")
         self.stats = PackingStats(
-            seq_len=seq_len,
+            max_seq_length=max_seq_length,
             num_input=len(documents),
             num_documents=len(kept_tokens),
             num_rows=len(self._rows),
@@ -331,7 +329,7 @@ class PackedDataset:
         ``slots``: only these rows (indices into the batch's ``batch_size`` rows, in the order given) are packed,
         so ``batch(step, slots) == batch(step)[slots]``; a process of a multi-process run packs only the rows its
         devices hold (`jaxft.sharding.Placement.local_rows`)."""
-        t = self.seq_len
+        t = self.max_seq_length
         slots = np.arange(self.batch_size) if slots is None else np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size and (slots.min() < 0 or slots.max() >= self.batch_size):
             raise ValueError(f"batch slots must be in [0, {self.batch_size}), got {slots.min()}..{slots.max()}")

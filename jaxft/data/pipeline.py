@@ -19,8 +19,8 @@ class DataConfig:
     """Where the data is and how it becomes batches.
 
     path / eval_path: a file or directory (see `jaxft.data.sources`).
-    seq_len: tokens per packed row, TrainConfig's ``max_seq_length`` (the name data messages use,
-        since it is the key CLI users set); longer documents are cut to it (see ``overlong``).
+    max_seq_length: tokens per packed row (the `jaxft-train` key of that name); longer documents are cut to it
+        (see ``overlong``).
     split / eval_split: split names when a path is a ``DatasetDict`` directory; an
         ``eval_split`` without ``eval_path`` is read from ``path``.
     eval_fraction: hold out this fraction of the training documents (seeded by ``seed``)
@@ -28,12 +28,12 @@ class DataConfig:
     assistant_only_loss: chats train on the assistant replies only (False: every token).
     completion_only_loss: prompt/completion records train on the completion only (False: every
         token). Each flag acts on its own format only; plain text always trains every token.
-    overlong: documents longer than seq_len are "truncate"d or "drop"ped.
+    overlong: documents longer than max_seq_length are "truncate"d or "drop"ped.
     text_field: the field of plain-text records (TRL's ``dataset_text_field``).
     """
 
     path: str
-    seq_len: int
+    max_seq_length: int
     batch_size: int
     eval_path: str | None = None
     eval_fraction: float = 0.0
@@ -49,7 +49,7 @@ class DataConfig:
     def __post_init__(self):
         if not isinstance(self.path, (str, Path)) or not str(self.path):
             raise DataConfigError(f"data path must be a non-empty string, got {self.path!r}")
-        for key, low in (("seq_len", 2), ("batch_size", 1), ("eval_batch_size", 1)):
+        for key, low in (("max_seq_length", 2), ("batch_size", 1), ("eval_batch_size", 1)):
             v = getattr(self, key)
             if v is None and key == "eval_batch_size":
                 continue  # defaults to batch_size
@@ -126,7 +126,7 @@ def build_datasets(
         eval_docs = [d for i, d in enumerate(train_docs) if i in held]
         train_docs = [d for i, d in enumerate(train_docs) if i not in held]
 
-    common = dict(seq_len=config.seq_len, overlong=config.overlong, seed=config.seed, images=images)
+    common = dict(max_seq_length=config.max_seq_length, overlong=config.overlong, seed=config.seed, images=images)
     train = PackedDataset(train_docs, batch_size=config.batch_size, shuffle=True, name="train", **common)
     evalset = None
     if eval_docs is not None:

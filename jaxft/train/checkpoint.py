@@ -15,7 +15,7 @@ class layouts.
 
 `meta` (JSON) holds: step (optimizer updates done), epoch and step_in_epoch (data position: the next
 batch is `PackedDataset.batch(step)`), rng (key data of the training RNG), plus run facts (seed, rows per
-step, seq_len, number of packed rows) that a resume checks.
+step, max_seq_length, number of packed rows) that a resume checks.
 """
 
 from __future__ import annotations

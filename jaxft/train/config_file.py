@@ -9,7 +9,8 @@ from typing import Any
 
 import yaml
 
-from jaxft.train.config import ALIASES, COMMAND_LINE, TrainConfig, TrainConfigError, Where
+from jaxft.train.config import TrainConfig
+from jaxft.train.keys import ALIASES, COMMAND_LINE, TrainConfigError, Where
 
 
 # Values a config may expand to through YAML aliases: a real config has hundreds; nested aliases (a "billion

@@ -50,11 +50,12 @@ from jaxft.lora import LoraConfigError, new_token_config
 from jaxft.residuals import LAYER_INPUT
 from jaxft.sharding import MeshConfigError
 from jaxft.train import checkpoint as ckpt
-from jaxft.train.config import EXECUTION_KEYS, LORA_KEYS, TrainConfig, TrainConfigError, part_error
+from jaxft.train.config import TrainConfig
 from jaxft.train.guard import OutputDirLock, StopRequests, TrainingDiverged, TrainingInterrupted
 from jaxft.train.meter import RunSummary, WindowMeter, device_peak_bytes
 from jaxft.train.metrics import MetricsWriter, plot_loss_curve, read_metrics
-from jaxft.train.parts import LoggingConfig
+from jaxft.train.keys import TrainConfigError, part_error
+from jaxft.train.sections import LoggingSection
 
 logger = logging.getLogger("jaxft.train")
 
@@ -91,13 +92,14 @@ class _Plan:
 def _plan(config: TrainConfig, num_rows: int, num_devices: int) -> _Plan:
     rows = config.rows_per_step(num_devices)
     per_epoch = math.ceil(num_rows / rows)
-    total = config.max_steps if config.max_steps > 0 else max(1, math.ceil(config.num_train_epochs * per_epoch))
-    return _Plan(rows, per_epoch, total, config.optim.warmup_for(total))
+    optim = config.optim
+    total = optim.max_steps if optim.max_steps > 0 else max(1, math.ceil(optim.num_train_epochs * per_epoch))
+    return _Plan(rows, per_epoch, total, config.optim_config.warmup_for(total))
 
 
 # ---------------------------------------------------------------------------------------------- setup pieces
 def _resume_path(config: TrainConfig, out: Path) -> str | None:
-    resume = config.resume_from_checkpoint
+    resume = config.logging.resume_from_checkpoint
     if resume is None or resume is False:
         return None
     path = out / "checkpoints" if resume is True else Path(resume)
@@ -134,7 +136,7 @@ def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
         _probe_writable(existing)
     ck = out / "checkpoints"
     has_ckpt = ck.is_dir() and any(c.name.isdigit() for c in ck.iterdir())
-    if has_ckpt and not resuming and not config.overwrite_output_dir:
+    if has_ckpt and not resuming and not config.logging.overwrite_output_dir:
         raise TrainConfigError(
             f"key 'output_dir': {str(out)!r} already holds checkpoints of a run; pass resume_from_checkpoint=true "
             "to continue it, overwrite_output_dir=true to start over, or choose a new output_dir")
@@ -143,24 +145,24 @@ def _check_output_dir(config: TrainConfig, out: Path, resuming: bool) -> None:
 def _new_tokens(config: TrainConfig, tokenizer) -> dict[str, Any]:
     """Run.from_config's overrides for `add_special_tokens`: the vocabulary grown to the tokenizer's (where it
     outgrew the model's) and those tokens' rows trained (`jaxft.lora.new_token_config`)."""
-    if not config.add_special_tokens:
+    if not config.model.add_special_tokens:
         return {}
-    model = ModelConfig.from_hf(read_config(config.model.path))
-    ids = tokenizer.convert_tokens_to_ids(list(config.add_special_tokens))
+    model = ModelConfig.from_hf(read_config(config.model.model_name_or_path))
+    ids = tokenizer.convert_tokens_to_ids(list(config.model.add_special_tokens))
     try:
-        lora_config = new_token_config(config.lora, ids, model.tie_word_embeddings)
+        lora_config = new_token_config(config.lora_config, ids, model.tie_word_embeddings)
     except LoraConfigError as e:
         raise TrainConfigError(f"key 'add_special_tokens': {e}", key="add_special_tokens") from None
     return dict(lora_config=lora_config, vocab_size=max(model.vocab_size, len(tokenizer)))
 
 
 def _load_data(config: TrainConfig, num_devices: int):
-    tokenizer = load_tokenizer(config.model.path)
-    if config.add_special_tokens:  # before the data is tokenized: the new tokens get their own ids
-        tokenizer.add_tokens(list(config.add_special_tokens), special_tokens=True)
-    images = ImageProcessor.for_model_dir(config.model.path,  # None for a text-only model
-                                          confine=not config.image_paths_outside_dataset)
-    train_ds, eval_ds = build_datasets(config.data(num_devices), tokenizer, images)
+    tokenizer = load_tokenizer(config.model.model_name_or_path)
+    if config.model.add_special_tokens:  # before the data is tokenized: the new tokens get their own ids
+        tokenizer.add_tokens(list(config.model.add_special_tokens), special_tokens=True)
+    images = ImageProcessor.for_model_dir(config.model.model_name_or_path,  # None for a text-only model
+                                          confine=not config.data.image_paths_outside_dataset)
+    train_ds, eval_ds = build_datasets(config.data_config(num_devices), tokenizer, images)
     return tokenizer, train_ds, eval_ds
 
 
@@ -280,10 +282,10 @@ def _note_nested_blocks(run, config: TrainConfig, rows: int) -> None:
     """What the log says about nested checkpointing (`remat_block`): the block size chosen for micro-batches of
     `rows` rows (all batch-parallel devices', as the step's trace sees them) and what each side holds, so a user
     sees why a step costs one more forward."""
-    ex = config.execution
+    ex = config.execution_config
     if ex.remat_block is None or ex.remat == "auto":
         return
-    cfg, seq = run.model_config, config.max_seq_length
+    cfg, seq = run.model_config, config.model.max_seq_length
     itemsize = jax.numpy.dtype(run.dtype).itemsize
     policy = ex.layer_policy(cfg, rows, seq, itemsize)
     stream = remat_policies.residual_bytes(cfg, rows, seq, itemsize)[LAYER_INPUT]
@@ -320,11 +322,11 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
         probe = jaxft.run.Run.from_config(config, total_steps=1)
         probe.check_targets()
     except LoraConfigError as e:
-        raise part_error(e, LORA_KEYS) from None
+        raise part_error(e, "lora") from None
     except MeshConfigError as e:  # the mesh does not fit this process's devices
         raise TrainConfigError(str(e), key="mesh") from None
     except ExecutionConfigError as e:  # settings that do not fit these devices (frozen_weights: host on several)
-        raise part_error(e, EXECUTION_KEYS) from None
+        raise part_error(e, "memory") from None
     num_devices = probe.placement.batch_parallel  # the devices batch rows are split over (all processes')
     if jax.process_count() > 1 and config.logging.eval_generate_prompts:
         raise TrainConfigError("key 'eval_generate_prompts': sample generation runs in one process only; drop it "
@@ -335,34 +337,34 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
     assert plan.steps_per_epoch == train_ds.num_batches_per_epoch, (plan, train_ds.num_batches_per_epoch)
     logger.info("%d rows per step (%d rows x %d micro-batches x %d batch-parallel devices), %d steps per epoch, "
                 "%d steps",
-                plan.rows_per_step, config.per_device_train_batch_size,
-                config.gradient_accumulation_steps, num_devices, plan.steps_per_epoch, plan.total_steps)
-    if (config.execution.resolved_layer_loop == "unroll" and config.remat != "auto"
-            and remat_policies.parse(config.remat).offloads):
+                plan.rows_per_step, config.data.per_device_train_batch_size,
+                config.optim.gradient_accumulation_steps, num_devices, plan.steps_per_epoch, plan.total_steps)
+    if (config.execution_config.resolved_layer_loop == "unroll" and config.execution_config.remat != "auto"
+            and remat_policies.parse(config.execution_config.remat).offloads):
         logger.info("layer_loop=unroll with an offloading remat policy: the host copies take the explicit transfer "
                     "(jaxft/offload.py), each layer's input copied back one layer ahead (most of the copy time "
                     "hidden under compute; it keeps one more layer input on the device); layer_loop: scan is the "
                     "default")
-    if config.lr_scheduler_type == "constant" and plan.warmup_steps:
+    if config.optim.lr_scheduler_type == "constant" and plan.warmup_steps:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
     run = jaxft.run.Run.from_config(config, plan.total_steps, **_new_tokens(config, tokenizer))
-    _note_mosaic_experts(run, config.execution)
-    _note_nested_blocks(run, config, plan.rows_per_step // config.gradient_accumulation_steps)
-    if config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is on the device
+    _note_mosaic_experts(run, config.execution_config)
+    _note_nested_blocks(run, config, plan.rows_per_step // config.optim.gradient_accumulation_steps)
+    if config.execution_config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is placed
         try:
             if run.mesh.auto:  # (with remat auto, each mesh gets its own remat choice)
                 run.choose_mesh(_local_batch(run, train_ds, 0))
             else:
                 run.choose_remat(_local_batch(run, train_ds, 0))
         except ExecutionConfigError as e:
-            raise part_error(e, EXECUTION_KEYS) from None
+            raise part_error(e, "memory") from None
     _note_streamed_weights(run, config)
     run.load()
     try:  # the step's temp must fit beside the pool the load left (a growing allocator's regions)
         run.fit_allocator(_local_batch(run, train_ds, 0))
     except ExecutionConfigError as e:
-        raise part_error(e, EXECUTION_KEYS) from None
+        raise part_error(e, "memory") from None
     start_step, start_tokens = 0, 0
     identity = _run_identity(config, run, train_ds)
     if resume_path is not None:
@@ -393,7 +395,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         recover_exports(out)
         if resume_path is not None:  # later checkpoints belong to another timeline (or were found damaged)
             ckpt.discard_after(out / "checkpoints", start_step, out)
-        if resume_path is None and config.overwrite_output_dir and (out / "checkpoints").exists():
+        if resume_path is None and config.logging.overwrite_output_dir and (out / "checkpoints").exists():
             shutil.rmtree(out / "checkpoints")
         (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
     distributed.sync("jaxft:output_dir")  # old checkpoints are gone before any process makes the manager
@@ -406,9 +408,9 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     def meta_for(step: int) -> dict[str, Any]:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
         return dict(step=step, epoch=epoch, step_in_epoch=in_epoch, rng=ckpt.rng_to_json(run.rng),
-                    seed=config.seed, rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length,
-                    num_rows=train_ds.num_rows, total_steps=plan.total_steps, num_tokens=num_tokens,
-                    identity=setup.identity)
+                    seed=config.optim.seed, rows_per_step=plan.rows_per_step,
+                    max_seq_length=config.model.max_seq_length, num_rows=train_ds.num_rows,
+                    total_steps=plan.total_steps, num_tokens=num_tokens, identity=setup.identity)
 
     def evaluate(step: int) -> float:
         loss_sum, count = run.evaluate(_local_batches(run, eval_ds))
@@ -426,7 +428,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         kept = (f"the checkpoint of step {kept}" if kept is not None else "no checkpoint") + (
             " and output_dir/adapter" if (out / "adapter").exists() else "")
         return TrainingDiverged(
-            f"training stopped: {problem}; lower learning_rate (now {config.learning_rate:g}); "
+            f"training stopped: {problem}; lower learning_rate (now {config.optim.learning_rate:g}); "
             f"nothing of this state was saved ({kept} kept)", key="learning_rate")
 
     def check_pending(step: int) -> None:
@@ -511,12 +513,12 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     curve = plot_loss_curve(read_metrics(writer.path), out / "loss_curve.png") if main else None
     adapter_dir = _export(out, "adapter", lambda d: run.export_adapter(d, tokenizer=tokenizer))
     merged_dir = None
-    if config.save_merged_model:
+    if config.logging.save_merged_model:
         merged_dir = _export(out, "merged", lambda d: run.export_merged(d, tokenizer=tokenizer))
     gguf_file = None
-    if config.save_gguf:
-        name = f"model-{config.save_gguf}.gguf"
-        gguf_file = _export(out, "gguf", lambda d: run.export_gguf(d / name, config.save_gguf,
+    if config.logging.save_gguf:
+        name = f"model-{config.logging.save_gguf}.gguf"
+        gguf_file = _export(out, "gguf", lambda d: run.export_gguf(d / name, config.logging.save_gguf,
                                                                    tokenizer=tokenizer)) / name
     tokens_per_s, step_s = meter.medians()
     summary = RunSummary(steps=step - start_step, num_tokens=num_tokens - setup.start_tokens,
@@ -534,7 +536,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                        eval_loss=last_eval, resumed_from=resume_path, summary=summary, gguf_file=gguf_file)
 
 
-def _sample_completions(model, tokenizer, log: LoggingConfig) -> list[dict[str, str]]:
+def _sample_completions(model, tokenizer, log: LoggingSection) -> list[dict[str, str]]:
     """Greedy completions of `eval_generate_prompts` by the model as trained so far (one compiled decode
     program, reused at every evaluation)."""
     prompts = list(log.eval_generate_prompts)
@@ -551,10 +553,10 @@ def _run_identity(config: TrainConfig, run, train_ds) -> dict[str, Any]:
     """What a checkpoint's state means: the LoRA settings and the adapter's parameter shapes, the base model (its
     config.json and weight files' names and sizes: hashing the weights would cost a read of every byte) and the
     training data (`PackedDataset.fingerprint`). A resume that changes any of them is refused (`_check_identity`)."""
-    lora = config.lora
+    lora = config.lora_config
     shapes = sorted(f"{jax.tree_util.keystr(path)}:{tuple(x.shape)}"
                     for path, x in jax.tree_util.tree_flatten_with_path(run.lora)[0])
-    model_dir = Path(config.model.path).expanduser()
+    model_dir = Path(config.model.model_name_or_path).expanduser()
     weights = sorted(f"{p.name}:{p.stat().st_size}" for p in model_dir.glob("*.safetensors"))
     return {
         "lora_r": lora.r, "lora_alpha": float(lora.alpha), "use_rslora": lora.use_rslora,
@@ -590,8 +592,8 @@ def _check_identity(meta: dict, identity: dict[str, Any]) -> None:
 
 
 def _check_resume_meta(meta: dict, config: TrainConfig, plan: _Plan, num_rows: int) -> None:
-    now = dict(rows_per_step=plan.rows_per_step, seq_len=config.max_seq_length, num_rows=num_rows, seed=config.seed,
-               total_steps=plan.total_steps)
+    now = dict(rows_per_step=plan.rows_per_step, max_seq_length=config.model.max_seq_length, num_rows=num_rows,
+               seed=config.optim.seed, total_steps=plan.total_steps)
     changed = {k: (meta.get(k), v) for k, v in now.items() if meta.get(k) != v}
     if changed:
         logger.warning("resuming with a different data setup than the checkpoint (%s): the run continues, but "
@@ -605,11 +607,11 @@ def _out_of_memory(error: Exception, config: TrainConfig) -> Exception:
     if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
         return error
     hints = []
-    if config.remat != "offload":
-        hints.append(f"remat: offload (now {config.remat!r}; layer inputs go to host memory)")
-    hints.append(f"a smaller per_device_train_batch_size (now {config.per_device_train_batch_size}) with a "
-                 f"larger gradient_accumulation_steps (now {config.gradient_accumulation_steps})")
-    hints.append(f"a shorter max_seq_length (now {config.max_seq_length})")
+    if config.execution_config.remat != "offload":
+        hints.append(f"remat: offload (now {config.execution_config.remat!r}; layer inputs go to host memory)")
+    hints.append(f"a smaller per_device_train_batch_size (now {config.data.per_device_train_batch_size}) with a "
+                 f"larger gradient_accumulation_steps (now {config.optim.gradient_accumulation_steps})")
+    hints.append(f"a shorter max_seq_length (now {config.model.max_seq_length})")
     first = text.strip().splitlines()[0][:300]
     return TrainConfigError(f"the training step ran out of device memory ({first}); try " + "; or ".join(hints))
 

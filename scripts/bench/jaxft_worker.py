@@ -175,7 +175,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
     data = make_token_data(workload, steps)
     host_batches = [data.step(i) for i in range(steps)]
 
-    key = (model_dir, config.to_dict()["bf16"], config.execution)
+    key = (model_dir, config.model.bf16, config.execution_config)
     compile_s, fresh = None, None
     if not cache.holds(key):
         # A fresh load: compile BEFORE the weights are on the device, from the shapes alone. XLA's

@@ -74,8 +74,9 @@ def make_run(settings: Settings, policy: str, seq: int, *, probe: bool):
         from experiments.deviceless.gpu_compile import h200_topology
 
         devices = h200_topology().devices
-    return Run(settings.model_dir, lora_config=config.lora, execution=execution_for(settings, policy, seq, probe=probe),
-               optim=config.optim, total_steps=1, dtype=settings.dtype, seed=0, quant_config=config.model.quant,
+    return Run(settings.model_dir, lora_config=config.lora_config,
+               execution=execution_for(settings, policy, seq, probe=probe), optim=config.optim_config, total_steps=1,
+               dtype=settings.dtype, seed=0, quant_config=config.quant_config,
                devices=devices)
 
 
