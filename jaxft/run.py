@@ -22,7 +22,6 @@ weights resident that transient can exceed the training peak, which the allocato
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import gc
@@ -154,7 +153,7 @@ class Run:
         # One device: whole arrays. A mesh: each weight is read shard by shard into its place (jaxft.io); a 4-bit
         # base is quantised on one device and then placed (its codes and scales split over fsdp by `_adopt`).
         mesh = self.placement if len(self.placement.devices) > 1 and self.quant_config is None else None
-        with self._reading_place():
+        with streamed.reading_place(self.streams_weights and self.quant_config is None):
             model = from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config, mesh=mesh)
             if self.vocab_size is not None:
                 resize_embeddings(model, self.vocab_size, seed=self.seed)
@@ -162,25 +161,6 @@ class Run:
         graphdef, lora, frozen = split_model(model)
         del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
         return self._adopt(graphdef, lora, frozen)
-
-    def _host_device(self):
-        """The host's CPU device where `load` reads a streamed model's weights before packing (`frozen_weights:
-        host`, a bf16/f32 base), so the whole model never lands on the accelerator; None otherwise (or when this
-        process has no CPU backend), and for a 4-bit base, quantised on the accelerator one layer at a time.
-        (`init_random` still makes them on the accelerator: XLA's CPU threefry would hold uint32 buffers of about
-        the model's size on the host, see `random_state_program`.)"""
-        if not self.streams_weights or self.quant_config is not None:
-            return None
-        try:
-            return jax.devices("cpu")[0]
-        except RuntimeError:  # JAX_PLATFORMS without cpu
-            return None
-
-    def _reading_place(self):
-        """Where `load` reads the checkpoint into (`_host_device`, else the default device); `_adopt` then packs
-        the streamed weights into pinned host memory and places the rest."""
-        host = self._host_device()
-        return contextlib.nullcontext() if host is None else jax.default_device(host)
 
     def init_random(self) -> "Run":
         """Like `load`, with random weights instead of the checkpoint's (`jaxft.models.build.init_model`:
@@ -405,6 +385,17 @@ class Run:
             return choice.Compiled(run.memory_analysis(), run.compile_seconds)
         return compile_candidate
 
+    def _decide(self, choose, host_batch: dict[str, np.ndarray], log, *args) -> choice.Decision:
+        """`choose(target, *args, execution, host_batch, compile, ...)` of `jaxft.memory.choice` over this run; on
+        a refusal the run is left with its execution and no compiled step."""
+        base = self.execution
+        try:
+            return choose(self._target(), *args, base, host_batch, self._compiler(host_batch), trials=self.trials,
+                          log=log)
+        except ExecutionConfigError:
+            self.execution, self._compiled, self._compiled_spec = base, None, None
+            raise
+
     def choose_mesh(self, host_batch: dict[str, np.ndarray], *, log=choice.logger.info) -> MeshConfig:
         """Resolves `mesh: auto` (a no-op for a given mesh; `jaxft.memory.choice.choose_mesh`, with `remat: auto`
         each mesh's own remat choice); the chosen step stays compiled. Must run before `load`."""
@@ -412,16 +403,14 @@ class Run:
             return self.mesh
         if self.loaded:
             raise RuntimeError("Run.choose_mesh after Run.load(): choose the mesh before the weights are placed")
-        base = self.execution
+        auto = self.execution.remat == "auto"
         try:
-            decision = choice.choose_mesh(self._target(), self.mesh, base, host_batch, self._compiler(host_batch),
-                                          trials=self.trials, log=log)
+            decision = self._decide(choice.choose_mesh, host_batch, log, self.mesh)
         except ExecutionConfigError:
-            self.execution, self._compiled, self._compiled_spec = base, None, None
             self.placement = Placement(self.mesh.candidates(len(self.placement.devices))[0], self.devices)
             raise
         self.mesh, self.execution = decision.mesh, decision.execution
-        if base.remat == "auto":
+        if auto:  # (else the last compile's, the chosen step's)
             self.compile_seconds = self.trials.seconds
         return self.mesh
 
@@ -434,13 +423,8 @@ class Run:
             return base.remat
         if self.loaded:
             raise RuntimeError("Run.choose_remat after Run.load(): choose the policy before the weights are placed")
-        try:
-            decision = choice.choose_remat(self._target(), base, host_batch, self._compiler(host_batch),
-                                           trials=self.trials, log=log)
-        except ExecutionConfigError:
-            self.execution, self._compiled, self._compiled_spec = base, None, None
-            raise
-        self.execution, self.compile_seconds = decision.execution, self.trials.seconds
+        self.execution = self._decide(choice.choose_remat, host_batch, log).execution
+        self.compile_seconds = self.trials.seconds
         return self.execution.remat
 
     def fit_allocator(self, host_batch: dict[str, np.ndarray], *, stats: dict[str, int] | None = None,

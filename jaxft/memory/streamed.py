@@ -11,11 +11,12 @@ it as an argument: every slot of one buffer passes the same array) and where the
 slices the layer's weights out of the row on the device (`jaxft.memory.scan_offload.unpack_rows`). `pack` / `unpack`
 convert a frozen state both ways on the host (numpy): generation and exports get ordinary arrays back
 (`jaxft.run.Run.model`). Packing holds the weights twice in host memory for a moment (the numpy buffer and its pinned
-copy). `frozen_shardings` / `place` say where a run's frozen state lives with or without streaming.
+copy). `reading_place`, `frozen_shardings` and `place` say where a run's frozen state is read and lives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -126,3 +127,17 @@ def place(placement, frozen: nnx.State, streams: bool, *, delete_source: bool = 
     if streams and not is_packed(frozen):
         frozen = pack(frozen, host_sharding(placement), delete_source=delete_source)
     return jax.device_put(frozen, frozen_shardings(placement, frozen, streams))
+
+
+def reading_place(streams: bool):
+    """Where a model's checkpoint is read into: with `streams` (weights that stream, read whole: not a 4-bit base,
+    quantised on the accelerator one layer at a time) the host's CPU device, so the whole model never lands on the
+    accelerator before it is packed into pinned host memory; else (or with no CPU backend) the default device. A
+    random init still makes them on the accelerator: XLA's CPU threefry would hold uint32 buffers of about the
+    model's size on the host (`jaxft.run.Run.random_state_program`)."""
+    if streams:
+        try:
+            return jax.default_device(jax.devices("cpu")[0])
+        except RuntimeError:  # JAX_PLATFORMS without cpu
+            pass
+    return contextlib.nullcontext()
