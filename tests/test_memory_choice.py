@@ -91,6 +91,10 @@ def test_fit_allocator_takes_the_next_scan_policy_whose_temp_fits_the_room():
     decision = fit_allocator(_target(), chosen, _batch(), {"temp_size_in_bytes": int(3 * GIB)}, stats,
                              _compiler(calls), trials=trials, log=lambda line: None)
     assert decision.execution.remat == "full" and [c[0] for c in calls] == [LEAN_ATTN, "full"]
+    streamed = fit_allocator(_target(), chosen.replace(frozen_weights="host"), _batch(),
+                             {"temp_size_in_bytes": int(3 * GIB)}, stats, _compiler([]), trials=trials,
+                             log=lambda line: None).execution
+    assert trials.choice(streamed) == ("full" + STREAMED, int(1.5 * GIB))  # named as the choice it reports
     assert fit_allocator(_target(), chosen, _batch(), {"temp_size_in_bytes": int(3 * GIB)}, {},
                          _compiler(calls)).execution is chosen
 

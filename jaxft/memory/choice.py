@@ -530,7 +530,7 @@ def _refit_compile(target: Target, execution: ExecutionConfig, room: int, compil
     m = compile(execution).analysis
     temp = m.get("temp_size_in_bytes", 0)
     layers = execution.remat_layers
-    name = candidate_name(execution.remat, layers)
+    name = candidate_name(execution.remat, layers, execution.frozen_weights == "host")  # as `Trials.choice` names it
     trials.estimates[name] = peak_estimate(m)
     trials.compiles.append((execution.remat, layers, target.model_config.num_layers))
     log(f"remat auto: {name:<12} temp {temp / GIB:.3f} GiB -> "
