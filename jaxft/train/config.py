@@ -9,7 +9,7 @@ value and expected type), ranges, choices and that input paths exist; every fail
 (`TrainConfigError.key`), so `from_dict` can prefix the place the key came from without rewriting text. YAML
 files and overrides are read by `jaxft.train.config_file.load_config`.
 
-Memory is one key, `memory`: a preset named for what it buys (`jaxft.memory.execution.MEMORY_PRESETS`, each a measured
+Memory is one key, `memory`: a preset named for what it buys (`jaxft.execution.MEMORY_PRESETS`, each a measured
 benchmark recipe), `auto` by default (the fastest that fits `max_memory_gb`: `jaxft.run.Run`). The mechanisms
 behind the presets are fields of one advanced mapping, `execution` (`EXECUTION_MAPPING_KEYS`); an `execution` field
 wins over the preset's, field by field, logged. `gradient_checkpointing: true` (the HF/TRL switch) with neither
@@ -90,8 +90,7 @@ LORA_KEYS = {"r": "lora_r", "alpha": "lora_alpha", "dropout": "lora_dropout", "t
 
 def part_error(error, fields: Mapping[str, str]) -> "TrainConfigError":
     """A part config's error (it carries `field` and `problem`) stated under the flat key of that field; one that
-    is about no key the user wrote (`keyed` false: `jaxft.memory.choice.MemoryBudgetError` of a default budget) as it
-    is."""
+    is about no key the user wrote (`keyed` false: `jaxft.auto.MemoryBudgetError` of a default budget) as it is."""
     if not getattr(error, "keyed", True):
         return TrainConfigError(error.problem)
     key = fields.get(error.field, error.field)
