@@ -15,10 +15,10 @@ Public API:
                                                            take 95% of each GPU, as jaxft-train lets it (JAX: 75%)
 """
 
-from jaxft.auto import claim_gpu_memory
+from jaxft.memory import claim_gpu_memory
 from jaxft.config import ModelConfig
 from jaxft.errors import ConfigError
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.generation import generate
 from jaxft.io import from_pretrained, save_gguf, save_pretrained
 from jaxft.lora import LoraConfig, apply_lora, load_adapter, merge_lora, save_adapter

@@ -1,5 +1,5 @@
 """The names the model gives the residuals worth keeping (`jax.ad_checkpoint.checkpoint_name`): what a
-rematerialisation policy (`jaxft.remat`) can save on the device or offload to pinned host memory."""
+rematerialisation policy (`jaxft.memory.policy`) can save on the device or offload to pinned host memory."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
     run = Run.from_config(train_config, total_steps)      # or Run(model_dir, lora=..., execution=..., optim=...)
     run.compile(host_batch)        # optional, before load(): compiled from shapes, no weight on the device yet
     run.choose_remat(host_batch)   # remat "auto": compiles candidates from shapes, keeps the fastest that fits
+    run.describe(rows, seq)        # what the plan does beyond its keys' names, as log lines
     run.load()                     # HF weights -> LoRA -> split by type -> per-layer buffers? -> placed
     metrics = run.step(host_batch, step_index)                 # one optimizer update (the compiled step)
     loss_sum, count = run.evaluate(host_batches)
@@ -12,8 +13,8 @@ What it holds: the model's `graphdef`, the trainable `lora` state and the optimi
 step: updated in place), the `frozen` state (base weights, LoRA scales; read only), the run's RNG key.
 Execution settings (attention kernel, remat, layer loop, CE chunk, compiler options) come from one
 `ExecutionConfig`; the model itself holds only parameters and math. The automatic choices (`mesh: auto`,
-`remat: auto`, the allocator re-fit) and the memory estimate they use live in `jaxft.auto` (`AutoChoices`, a base
-class of `Run`).
+`remat: auto`, the allocator re-fit) are `jaxft.memory.choice`'s functions over this run's compile (`_compiler`);
+the run takes the execution they return and keeps their `trials`.
 
 Compiling before loading matters on a GPU: XLA's autotuner allocates scratch while it compiles, and with the
 weights resident that transient can exceed the training peak, which the allocator's peak statistic then hides.
@@ -21,7 +22,7 @@ weights resident that transient can exceed the training peak, which the allocato
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import dataclasses
 import gc
 import time
@@ -35,24 +36,23 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import bridge
-from jaxft import streamed
-from jaxft.auto import AutoChoices
 from jaxft.config import SPARSE_MLPS, ModelConfig
-from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.distributed import is_main_process
+from jaxft.io import from_pretrained, read_generation_config, save_gguf, save_pretrained
 from jaxft.lora import LoraConfig, apply_lora, save_adapter, target_names
 from jaxft.lora.trained import resize_embeddings
+from jaxft.memory import choice, streamed
+from jaxft.memory.budget import contiguous_room, host_available_memory
+from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.memory.policy import attention_copies_pay
 from jaxft.models.build import abstract_model, init_model, model_class
-from jaxft.models.stack import streamed_weight
-from jaxft.offload_scan import is_slot
 from jaxft.quant.config import Fp8Config
+from jaxft.quant.fp8 import abstract_fp8
+from jaxft.quant.weights import abstract_quantize
 from jaxft.sharding import MeshConfig, Placement
 from jaxft.train.optim import OptimConfig
 from jaxft.train.step import (make_eval_step, make_train_step, restack_layers, split_model, stack_micro_batches,
                               unstack_layers)
-from jaxft.distributed import is_main_process
-from jaxft.io import from_pretrained, read_generation_config, save_gguf, save_pretrained
-from jaxft.quant.fp8 import abstract_fp8
-from jaxft.quant.weights import abstract_quantize
 from kernels_pallas.grouped_matmul import implementation_for
 
 
@@ -62,7 +62,7 @@ def _abstract(tree):
 
 
 @dataclasses.dataclass
-class Run(AutoChoices):
+class Run:
     """See the module docstring. Build with `Run.from_config` or directly; nothing is read until used."""
 
     model_path: str | Path
@@ -87,24 +87,12 @@ class Run(AutoChoices):
         if self.vocab_size is not None and self.vocab_size != self.model_config.vocab_size:
             self.model_config = dataclasses.replace(self.model_config, vocab_size=self.vocab_size)
         self.optimizer, self.schedule = self.optim.build(self.total_steps)
-        devices = jax.devices() if self.devices is None else list(self.devices)
-        if self.streams_weights and len(devices) > 1:
-            raise ExecutionConfigError("frozen_weights", f"'host' streams one device's weights; this run has "
-                                       f"{len(devices)} devices: set frozen_weights: device")
-        self.placement = Placement(self.mesh, self.devices)
+        self.placement = placement_for(self.execution, self.mesh, self.devices)
         self.rng = jax.random.key(self.seed)
         self.graphdef = self.lora = self.frozen = self.opt_state = None
-        self._compiled = None
-        self._compiled_spec = None
-        self._eval_fn = None
+        self._compiled = self._compiled_spec = self._eval_fn = None
         self.compile_seconds = 0.0
-        self.remat_estimates: dict[str, int] = {}  # remat "auto": candidate -> estimated peak bytes
-        # remat "auto": what it compiled, in order: (policy, remat_layers, model depth); a depth below the model's
-        # is a shallow probe (`_shallow`), whose estimate is in `remat_probes`, not `remat_estimates`
-        self.remat_compiles: list[tuple[str, int | None, int]] = []
-        self.remat_probes: dict[str, int] = {}
-        self._remat_slope: float | None = None  # remat "auto": bytes full remat saves per layer (`_partial_remat`)
-        self._auto_seconds = 0.0  # remat "auto": seconds of its compiles so far (`_compile_candidate`)
+        self.trials = choice.Trials()  # what remat "auto" compiled (estimates, probes, compiles, in order)
 
     @classmethod
     def from_config(cls, config, total_steps: int, *, devices=None, lora_config=None, vocab_size=None) -> "Run":
@@ -119,14 +107,8 @@ class Run(AutoChoices):
     # ------------------------------------------------------------------ building the state
     @property
     def unrolled(self) -> bool:
-        """Whether the layers run unrolled (`ExecutionConfig.resolved_layer_loop`), except that `layer_loop: auto`
-        scans an MoE model whose experts run the Mosaic GPU grouped matmul when nothing needs the unrolled loop:
-        every call site of a Mosaic GPU kernel is compiled on its own, so 24 unrolled GPT-OSS-20B layers compile
-        for over 4 minutes, where the scan compiles each kernel once."""
-        ex = self.execution
-        if ex.resolved_layer_loop != "unroll":
-            return False
-        return not (ex.layer_loop == "auto" and not ex.needs_unrolled_layers and self.mosaic_experts)
+        """Whether the layers run unrolled (`ExecutionConfig.unrolls`)."""
+        return self.execution.unrolls(self.mosaic_experts)
 
     @property
     def layer_loop(self) -> str:
@@ -155,13 +137,13 @@ class Run(AutoChoices):
     def check_targets(self) -> list[str]:
         """The HF module names the LoRA config adapts (raises `LoraConfigError` when a target matches nothing);
         reads no weights."""
-        return target_names(abstract_model(self.model_config, dtype=jnp.float32), self.lora_config)
+        return _check_targets(self.model_config, self.lora_config)
 
     def abstract_state(self):
         """(graphdef, lora, frozen) as shapes: what `load` would build, with nothing allocated."""
         graphdef, lora, frozen = self._abstract_split()
         if self.streams_weights:
-            return graphdef, lora, streamed.pack(frozen, self._host_sharding)
+            return graphdef, lora, streamed.pack(frozen, streamed.host_sharding(self.placement))
         return graphdef, lora, unstack_layers(frozen) if self.unrolled else frozen
 
     def load(self) -> "Run":
@@ -172,7 +154,7 @@ class Run(AutoChoices):
         # One device: whole arrays. A mesh: each weight is read shard by shard into its place (jaxft.io); a 4-bit
         # base is quantised on one device and then placed (its codes and scales split over fsdp by `_adopt`).
         mesh = self.placement if len(self.placement.devices) > 1 and self.quant_config is None else None
-        with self._reading_place():
+        with streamed.reading_place(self.streams_weights and self.quant_config is None):
             model = from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config, mesh=mesh)
             if self.vocab_size is not None:
                 resize_embeddings(model, self.vocab_size, seed=self.seed)
@@ -180,25 +162,6 @@ class Run(AutoChoices):
         graphdef, lora, frozen = split_model(model)
         del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
         return self._adopt(graphdef, lora, frozen)
-
-    def _host_device(self):
-        """The host's CPU device where `load` reads a streamed model's weights before packing (`frozen_weights:
-        host`, a bf16/f32 base), so the whole model never lands on the accelerator; None otherwise (or when this
-        process has no CPU backend), and for a 4-bit base, quantised on the accelerator one layer at a time.
-        (`init_random` still makes them on the accelerator: XLA's CPU threefry would hold uint32 buffers of about
-        the model's size on the host, see `random_state_program`.)"""
-        if not self.streams_weights or self.quant_config is not None:
-            return None
-        try:
-            return jax.devices("cpu")[0]
-        except RuntimeError:  # JAX_PLATFORMS without cpu
-            return None
-
-    def _reading_place(self):
-        """Where `load` reads the checkpoint into (`_host_device`, else the default device); `_adopt` then packs
-        the streamed weights into pinned host memory and places the rest."""
-        host = self._host_device()
-        return contextlib.nullcontext() if host is None else jax.default_device(host)
 
     def init_random(self) -> "Run":
         """Like `load`, with random weights instead of the checkpoint's (`jaxft.models.build.init_model`:
@@ -238,43 +201,21 @@ class Run(AutoChoices):
 
     @property
     def streams_weights(self) -> bool:
-        """Whether the layer stacks' frozen weights live in pinned host memory, packed (`jaxft.streamed`)."""
+        """Whether the layer stacks' frozen weights live in pinned host memory, packed (`jaxft.memory.streamed`)."""
         return self.execution.frozen_weights == "host"
 
-    @property
-    def _host_sharding(self) -> jax.sharding.Sharding:
-        return self.placement.replicated.with_memory_kind("pinned_host")
-
     def frozen_shardings(self, frozen):
-        """Where each frozen array lives: the placement's sharding; with `frozen_weights: host`, a packed buffer
-        (`jaxft.streamed.PackedSlot`) in pinned host memory, and before packing (`init_random`'s program) the
-        entries that will be packed there too."""
-        flat = []
-        for p, v in nnx.to_flat_state(frozen):
-            value = v.get_value()
-            if is_slot(value):
-                flat.append((p, v.replace(dataclasses.replace(value, rows=self._host_sharding))))
-            elif self.streams_weights and streamed_weight(p, v):
-                flat.append((p, v.replace(self.placement.sharding_of(v).with_memory_kind("pinned_host"))))
-            else:
-                flat.append((p, v.replace(self.placement.sharding_of(v))))
-        return nnx.from_flat_state(flat)
+        """Where each frozen array lives (`jaxft.memory.streamed.frozen_shardings`)."""
+        return streamed.frozen_shardings(self.placement, frozen, self.streams_weights)
 
     def streamed_buffers(self) -> dict[tuple[str, str], int]:
         """{packed buffer key (stack, dtype): bytes} of the frozen weights `frozen_weights: host` keeps in pinned host
-        memory (`jaxft.streamed.buffer_bytes`), from the abstract state: nothing is read."""
+        memory (`jaxft.memory.streamed.buffer_bytes`), from the abstract state: nothing is read."""
         return streamed.buffer_bytes(self._abstract_split()[2])
 
     def streamed_weight_bytes(self) -> int:
         """Bytes of the frozen weights `frozen_weights: host` keeps in pinned host memory (`streamed_buffers`)."""
         return sum(self.streamed_buffers().values())
-
-    def _place_frozen(self, frozen, *, delete_source: bool = True):
-        """`frozen` in its places (`frozen_shardings`), packed first with `frozen_weights: host` (the packing reads
-        each array to the host and, with `delete_source`, frees it)."""
-        if self.streams_weights and not streamed.is_packed(frozen):
-            frozen = streamed.pack(frozen, self._host_sharding, delete_source=delete_source)
-        return jax.device_put(frozen, self.frozen_shardings(frozen))
 
     def _adopt(self, graphdef, lora, frozen) -> "Run":
         """Takes a model's split state (`split_model`): per-layer buffers where the layers run unrolled, each
@@ -282,7 +223,8 @@ class Run(AutoChoices):
         if self.unrolled:  # a stacked array at a time is sliced, then freed
             frozen = unstack_layers(frozen, delete_source=True)
         self.graphdef = graphdef
-        self.lora, self.frozen = self.placement.place(lora), self._place_frozen(frozen)
+        self.lora = self.placement.place(lora)
+        self.frozen = streamed.place(self.placement, frozen, self.streams_weights)
         self.opt_state = self.placement.place_like(self.optimizer.init(self.lora), self.lora)
         return self
 
@@ -319,7 +261,8 @@ class Run(AutoChoices):
         elif self.unrolled and not other.unrolled:
             frozen = restack_layers(frozen)
         lora = jax.tree.map(jnp.copy, self.lora) if lora is None else lora
-        other.frozen = other._place_frozen(frozen, delete_source=False)  # this run keeps its weights
+        # this run keeps its weights
+        other.frozen = streamed.place(other.placement, frozen, other.streams_weights, delete_source=False)
         other.set_state(lora)
         return other
 
@@ -408,6 +351,117 @@ class Run(AutoChoices):
                 "generated_code_size_in_bytes", "peak_memory_in_bytes")
         return {k: int(getattr(stats, k)) for k in keys if stats is not None and hasattr(stats, k)}
 
+    # ------------------------------------------------------------------ the automatic choices
+    def _host_memory(self) -> tuple[int, str]:
+        """(bytes, what) this host can still give: the CPU device budget's source."""
+        return host_available_memory()
+
+    def _copies_pay(self, host_batch: dict[str, np.ndarray]) -> tuple[bool, float, float]:
+        """`jaxft.memory.policy.attention_copies_pay` on one micro-batch of `host_batch` at the activation dtype."""
+        segments = host_batch.get("segment_ids", np.ones_like(host_batch["input_ids"]))
+        return attention_copies_pay(self.model_config, segments[:segments.shape[0] // self.accumulation],
+                                    jnp.dtype(self.dtype).itemsize)
+
+    def _target(self) -> choice.Target:
+        """What the automatic choices plan for (`jaxft.memory.choice.Target`)."""
+        return choice.Target(self.model_config, tuple(self.placement.devices), self.accumulation, self.dtype,
+                             self.mosaic_experts, self.streamed_weight_bytes, self._host_memory, self._copies_pay)
+
+    def _compiler(self, host_batch: dict[str, np.ndarray]) -> choice.CompileFn:
+        """The choices' compile callback: this run's step for `host_batch` under an execution, on a mesh (the run's
+        placement moves to it) and at a depth (a copy of this run whose model is its first layers, with no state,
+        compiled from shapes: this run's step stays as it was)."""
+        def compile_candidate(execution: ExecutionConfig, depth: int | None = None, mesh=None) -> choice.Compiled:
+            if mesh is not None and mesh is not self.placement.config:
+                self.placement = Placement(mesh, self.devices)
+                self.graphdef = self._compiled = self._compiled_spec = None
+            run = self
+            if depth is not None:
+                run = copy.copy(self)
+                run.model_config = self.model_config.first_layers(depth)
+                run.graphdef = run.lora = run.frozen = run.opt_state = None
+                run._compiled = run._compiled_spec = run._eval_fn = None
+            run.execution = execution
+            run.compile(host_batch)
+            return choice.Compiled(run.memory_analysis(), run.compile_seconds)
+        return compile_candidate
+
+    def _decide(self, choose, host_batch: dict[str, np.ndarray], log, *args) -> choice.Decision:
+        """`choose(target, *args, execution, host_batch, compile, ...)` of `jaxft.memory.choice` over this run; on
+        a refusal the run is left with its execution and no compiled step."""
+        base = self.execution
+        try:
+            return choose(self._target(), *args, base, host_batch, self._compiler(host_batch), trials=self.trials,
+                          log=log)
+        except ExecutionConfigError:
+            self.execution, self._compiled, self._compiled_spec = base, None, None
+            raise
+
+    def choose_mesh(self, host_batch: dict[str, np.ndarray], *, log=choice.logger.info) -> MeshConfig:
+        """Resolves `mesh: auto` (a no-op for a given mesh; `jaxft.memory.choice.choose_mesh`, with `remat: auto`
+        each mesh's own remat choice); the chosen step stays compiled. Must run before `load`."""
+        if not self.mesh.auto:
+            return self.mesh
+        if self.loaded:
+            raise RuntimeError("Run.choose_mesh after Run.load(): choose the mesh before the weights are placed")
+        auto = self.execution.remat == "auto"
+        try:
+            decision = self._decide(choice.choose_mesh, host_batch, log, self.mesh)
+        except ExecutionConfigError:
+            self.placement = Placement(self.mesh.candidates(len(self.placement.devices))[0], self.devices)
+            raise
+        self.mesh, self.execution = decision.mesh, decision.execution
+        if auto:  # (else the last compile's, the chosen step's)
+            self.compile_seconds = self.trials.seconds
+        return self.mesh
+
+    def choose_remat(self, host_batch: dict[str, np.ndarray], *, log=choice.logger.info) -> str:
+        """Resolves `remat: auto` (a no-op for any other policy; `jaxft.memory.choice.choose_remat`) and returns the
+        policy; the chosen step stays compiled, `trials` lists what was compiled. Must run before `load`: the
+        policy decides the layer loop, hence the weight layout."""
+        base = self.execution
+        if base.remat != "auto":
+            return base.remat
+        if self.loaded:
+            raise RuntimeError("Run.choose_remat after Run.load(): choose the policy before the weights are placed")
+        self.execution = self._decide(choice.choose_remat, host_batch, log).execution
+        self.compile_seconds = self.trials.seconds
+        return self.execution.remat
+
+    def fit_allocator(self, host_batch: dict[str, np.ndarray], *, stats: dict[str, int] | None = None,
+                      log=choice.logger.info) -> None:
+        """After `load`: re-chooses a leaner step of `remat: auto`'s where the step's temporaries do not fit where
+        the device's allocator can still place one buffer (`jaxft.memory.choice.fit_allocator`; `stats`: the
+        device's `memory_stats()`). A no-op where the device does not report its pool (CPU) or the step fits."""
+        if not self.loaded:
+            raise RuntimeError("Run.fit_allocator before Run.load(): the allocator's pool is known once the weights "
+                               "are placed")
+        if stats is None:
+            local = [d for d in self.placement.devices if d.process_index == jax.process_index()]
+            stats = local[0].memory_stats() or {}
+        if contiguous_room(stats) is None:
+            return
+        if not self.compiled_for(host_batch):
+            self.compile(host_batch)
+        self.execution = choice.fit_allocator(self._target(), self.execution, host_batch, self.memory_analysis(),
+                                              stats, self._compiler(host_batch), trials=self.trials,
+                                              log=log).execution
+
+    @property
+    def remat_choice(self) -> tuple[str, int] | None:
+        """What `remat: auto` chose, named as in `trials.estimates` ("full on 2 layers" for full remat on the first
+        2 layers), and its estimated peak bytes; None when auto has not run."""
+        return self.trials.choice(self.execution)
+
+    def describe(self, rows: int, seq: int, *, samples: bool = False) -> list[tuple[int, str]]:
+        """(logging level, line)s saying what this run's step does beyond its keys' names, for micro-batches of
+        [`rows`, `seq`] over all batch-parallel devices, with sample generations (`samples`) or not
+        (`ExecutionConfig.describe`; nothing is read)."""
+        return self.execution.describe(self.model_config, rows=rows, seq=seq, itemsize=jnp.dtype(self.dtype).itemsize,
+                                       devices=len(self.placement.devices), mosaic_experts=self.mosaic_experts,
+                                       streamed=self.streamed_buffers() if self.streams_weights else None,
+                                       samples=samples)
+
     # ------------------------------------------------------------------ the trained model
     def model(self, *, restack: bool = False, on_device: bool = False):
         """The model with its current LoRA state (per-layer weight buffers stacked back when `restack`, as
@@ -467,6 +521,33 @@ class Run(AutoChoices):
         if not is_main_process():
             return Path(path)
         return save_gguf(model, path, dtype, tokenizer=tokenizer)
+
+
+def _check_targets(model_config: ModelConfig, lora_config: LoraConfig) -> list[str]:
+    return target_names(abstract_model(model_config, dtype=jnp.float32), lora_config)
+
+
+def check_config(config, devices=None) -> Placement:
+    """What `Run.from_config(config, ...)` refuses, checked from shapes before any data is read and without building
+    a run: a mesh or settings that do not fit the devices (`placement_for`), LoRA targets that match no module
+    (`LoraConfigError`). Returns the placement, whose `batch_parallel` sizes the data the run is then built for."""
+    placement = placement_for(config.execution_config, config.mesh_config, devices)
+    path = Path(config.model.model_name_or_path).expanduser()
+    _check_targets(ModelConfig.from_hf(bridge.read_config(path), source=str(path / "config.json")),
+                   config.lora_config)
+    return placement
+
+
+def placement_for(execution: ExecutionConfig, mesh: MeshConfig | None = None, devices=None) -> Placement:
+    """Where a run of `execution` on `mesh` over `devices` (None: all) puts its state; raises MeshConfigError where
+    the mesh does not fit the devices and ExecutionConfigError where the settings do not (weights streamed from
+    host memory on several devices). What `Run` checks first, so a caller that only needs the placement (the
+    batch-parallel size that sizes the data) builds no run."""
+    devices = jax.devices() if devices is None else list(devices)
+    if execution.frozen_weights == "host" and len(devices) > 1:
+        raise ExecutionConfigError("frozen_weights", f"'host' streams one device's weights; this run has "
+                                   f"{len(devices)} devices: set frozen_weights: device")
+    return Placement(mesh, devices)
 
 
 def _to_host(x):

@@ -1,7 +1,7 @@
 """Run by tests/test_mesh_auto.py with 2 host CPU devices: the per-device peak estimate of a tiny model's step on a
-data-parallel and an fsdp mesh (XLA's memory analysis of the step compiled from shapes, `jaxft.auto.peak_estimate`),
-then `mesh: auto` training with a max_memory_gb between the two estimates (so pure data parallelism does not fit
-and fsdp does). Writes what it saw as JSON.
+data-parallel and an fsdp mesh (XLA's memory analysis of the step compiled from shapes,
+`jaxft.memory.budget.peak_estimate`), then `mesh: auto` training with a max_memory_gb between the two estimates (so pure
+data parallelism does not fit and fsdp does). Writes what it saw as JSON.
 
     python tests/mesh_auto_worker.py MODEL_DIR DATA.jsonl OUT_DIR RESULT.json
 """
@@ -23,8 +23,8 @@ def estimate(model: str, mesh: dict[str, int], seq_len: int = 64, rows_per_devic
     its "peak" as `mesh: auto` reckons it; no weight is read."""
     import jax
 
-    from jaxft.auto import peak_estimate
-    from jaxft.execution import ExecutionConfig
+    from jaxft.memory import peak_estimate
+    from jaxft.memory.execution import ExecutionConfig
     from jaxft.lora import LoraConfig
     from jaxft.run import Run
     from jaxft.sharding import MeshConfig

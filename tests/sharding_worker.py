@@ -24,7 +24,7 @@ import sys
 import jax
 import numpy as np
 
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.io import from_pretrained
 from jaxft.lora import LoraConfig
 from jaxft.run import Run

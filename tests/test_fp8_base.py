@@ -22,7 +22,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import jaxft
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models.layers import Fp8Weight, LoraParam, QuantFp8, linears
 from jaxft.quant import Fp8Config

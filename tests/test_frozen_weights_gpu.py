@@ -2,8 +2,8 @@
 each loop body fetches one packed row per layer from host memory under the layer's matmuls, as a copy (not a
 kernel reading host memory), and the step's loss and
 LoRA gradients equal those over the weights on the device. A 4-layer model of 1024 width, fp32, 1 x 1024 tokens,
-remat offload+attn (the policy that keeps residuals over streamed weights: `jaxft.offload_scan._Residuals`). On the
-CPU these checks cannot be made: its memory analysis counts host arguments as arguments, and JAX lowers no
+remat offload+attn (the policy that keeps residuals over streamed weights: `jaxft.memory.scan_offload._Residuals`). On
+the CPU these checks cannot be made: its memory analysis counts host arguments as arguments, and JAX lowers no
 placement there (tests/test_frozen_weights_host.py checks the gradients on the CPU)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from jaxft.config import ModelConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models.build import init_model
-from jaxft.offload_scan import is_slot
-from jaxft.streamed import pack
+from jaxft.memory.scan_offload import is_slot
+from jaxft.memory.streamed import pack
 from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batches
 from gpu_helpers import NO_AUTOTUNE
 from lora_helpers import perturb_lora_b

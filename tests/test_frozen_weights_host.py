@@ -1,5 +1,5 @@
 """`frozen_weights: host` (ExecutionConfig): the layer stacks' frozen weights in pinned host memory, each layer's rows
-streamed to the device one layer ahead through `jaxft.offload_scan` (forward and backward). On the CPU the copies
+streamed to the device one layer ahead through `jaxft.memory.scan_offload` (forward and backward). On the CPU the copies
 are identities, so the gradients must equal those of the same remat policy over weights on the device: a Llama
 (one group), Gemma 2 (a periodic scan: blocks of rows per iteration) and a mixed dense/sparse Qwen3-MoE stack whose
 expert stacks stream too; a 4-bit base; jaxft-train's path places them and trains to the same losses; settings it does
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.models.layers import ExpertParam
 from jaxft.models.stack import streamed_weight
-from jaxft.offload_scan import in_host_memory, is_slot
-from jaxft.remat import parse
-from jaxft.streamed import is_packed as streamed_is_packed
-from jaxft.streamed import pack
+from jaxft.memory.scan_offload import in_host_memory, is_slot
+from jaxft.memory.policy import parse
+from jaxft.memory.streamed import is_packed as streamed_is_packed
+from jaxft.memory.streamed import pack
 from test_remat import assert_grads_match, grads, lora_split
 from test_remat_nested import GEMMA4, LLAMA5, MOE
 
@@ -30,7 +30,7 @@ HOST = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_h
 
 def on_host(frozen: nnx.State) -> nnx.State:
     """`frozen` with the entries `frozen_weights: host` streams in pinned host memory, one array each (the packed
-    form is `jaxft.streamed.pack`'s, what `Run` places)."""
+    form is `jaxft.memory.streamed.pack`'s, what `Run` places)."""
     return nnx.from_flat_state([(p, v.replace(jax.device_put(v.get_value(), HOST)) if streamed_weight(p, v) else v)
                                 for p, v in nnx.to_flat_state(frozen)])
 
@@ -67,7 +67,7 @@ def test_streamed_weights_give_the_gradients_of_weights_on_the_device(name, rema
     want = grads(cfg, (graphdef, lora, frozen), remat, "scan")
     got = grads(cfg, (graphdef, lora, streamed), remat, "scan", frozen_weights="host")
     # 5e-6 of each leaf's largest entry: the streamed scan runs one iteration in each direction outside its loops
-    # (`jaxft.offload_scan`, "Fetches"), so those layers fuse on their own and round apart (Gemma 2's periodic
+    # (`jaxft.memory.scan_offload`, "Fetches"), so those layers fuse on their own and round apart (Gemma 2's periodic
     # scan: 4.1e-6 at most)
     assert_grads_match(*got, *want, scale_tol=5e-6)
 
@@ -128,9 +128,9 @@ def test_the_run_packs_the_layer_weights_into_one_host_buffer(tmp_path):
     losses and eval loss equal the device run's, and a variant over the same weights back on the device agrees. `Run.model()`
     gives host arrays (exports), `on_device=True` a device copy (generation)."""
     from jaxft.lora import LoraConfig
-    from jaxft.offload_scan import PackedSlot
+    from jaxft.memory.scan_offload import PackedSlot
     from jaxft.run import Run
-    from jaxft.streamed import unpack
+    from jaxft.memory.streamed import unpack
     from test_run import _batches
     from test_train_fixtures import make_tiny_model
 
@@ -195,7 +195,7 @@ def test_a_4bit_base_streams_its_codes_and_trains_as_on_the_device(tmp_path):
     adapters of the same run with the base on the device."""
     from jaxft.lora import LoraConfig
     from jaxft.models.layers import QuantizedWeight
-    from jaxft.offload_scan import PackedSlot
+    from jaxft.memory.scan_offload import PackedSlot
     from jaxft.quant import QuantConfig
     from jaxft.run import Run
     from test_remat_auto import _batch
@@ -227,7 +227,7 @@ def test_gpt_oss_with_expert_adapters_trains_over_streamed_experts(tmp_path):
     losses."""
     from jaxft.lora import LoraConfig
     from jaxft.models.layers import ExpertParam
-    from jaxft.offload_scan import PackedSlot
+    from jaxft.memory.scan_offload import PackedSlot
     from jaxft.run import Run
     from test_moe_gmm_choice import _saved
     from test_remat_auto import _batch

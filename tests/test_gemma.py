@@ -23,7 +23,7 @@ import jaxft
 from jaxft import lora
 from jaxft.lora.targets import _modules
 from jaxft.config import ConfigError, ModelConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.models import init_model, linears
 from jaxft.train.step import token_loss_sum
 from kernels_pallas.linear_cross_entropy import transposed_copies

@@ -70,7 +70,7 @@ def _loss_and_grads(path, dtype, execution, batch):
 @needs_gpu
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_gemma_bf16_pallas_step_matches_fp32_reference(kind, tmp_path):
-    from jaxft.execution import ExecutionConfig
+    from jaxft.memory.execution import ExecutionConfig
     from kernels_pallas.attention.flash import DKDV_NAME, DQ_NAME, FWD_NAME
     from lora_helpers import rel_err
 

@@ -24,7 +24,7 @@ from safetensors.numpy import load_file
 import jaxft
 from jaxft import lora
 from jaxft.config import ConfigError, ModelConfig, RopeConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.models.rope import inv_freq_and_scale
 from jaxft.train.step import token_loss_sum
 from lora_helpers import hf_model_fp32, jax_logits, jaxpr_eqns, perturb_lora_b, rel_err, torch_logits

@@ -51,7 +51,7 @@ def test_estimate_and_mesh_auto_on_two_devices(tmp_path):
 
 
 def test_mesh_auto_with_remat_auto_gives_each_mesh_its_remat_choice_and_says_when_nothing_fits(tmp_path):
-    from jaxft.execution import ExecutionConfig, ExecutionConfigError
+    from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
     from jaxft.lora import LoraConfig
     from jaxft.run import Run
     from test_remat import packed_batch

@@ -33,7 +33,7 @@ from jaxft.generation.engine import generate_ids  # noqa: E402
 from jaxft.models.build import model_class  # noqa: E402
 from jaxft.models.stack import streamed_weight  # noqa: E402
 from jaxft.quant import QuantConfig  # noqa: E402
-from jaxft.streamed import pack  # noqa: E402
+from jaxft.memory.streamed import pack  # noqa: E402
 from jaxft.quant.weights import abstract_quantize, layer_saving, saved_bytes  # noqa: E402
 from jaxft.train import TrainConfig, read_metrics, split_model, train, unstack_layers  # noqa: E402
 from bnb_helpers import cpu_4bit_logit_tol, save_tiny_llama  # noqa: E402
@@ -254,7 +254,7 @@ def test_greedy_generation_matches_the_oracle(model, oracle):
 
 
 def test_packed_host_weights_are_refused_in_one_line(mixed_dir):
-    """`frozen_weights: host` packs one row per layer per stack (`jaxft.streamed.pack`, what `jaxft.run.Run`
+    """`frozen_weights: host` packs one row per layer per stack (`jaxft.memory.streamed.pack`, what `jaxft.run.Run`
     places): a mixed module's rows are refused there, naming the key to change."""
     tuned = jaxft.apply_lora(jaxft.from_pretrained(mixed_dir, dtype="float32"), jaxft.LoraConfig(r=4, alpha=8))
     graphdef, lora, frozen = split_model(tuned)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxft.config import ModelConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.models import init_model, positions_from_segments
 from lora_helpers import jaxpr_eqns
 

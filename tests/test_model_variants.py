@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxft.config import ModelConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models import init_model
 from jaxft.train.step import split_model, token_loss_sum

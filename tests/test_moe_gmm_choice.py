@@ -23,7 +23,7 @@ from flax import nnx
 
 import jaxft
 from jaxft import lora
-from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
 from kernels_pallas.grouped_matmul import OP
 from lora_helpers import jaxpr_eqns, perturb_lora_b, rel_err, tiny_qwen3_moe
 
@@ -128,26 +128,21 @@ def test_the_flat_key_reaches_the_execution_config(tmp_path):
                                "'reference', 'xla', 'pallas_mosaic'; did you mean 'pallas_mosaic'?")
 
 
-def test_the_log_says_how_the_mosaic_kernels_run_on_a_mesh(caplog):
-    """`jaxft-train`'s notes on the Mosaic expert kernels on a mesh of several devices: per device (moe_dispatch
-    auto / per_device) one info line; with moe_dispatch global one warning naming the key and the fix (XLA cannot
-    partition their custom call); nothing on one device or without them."""
-    from types import SimpleNamespace
+def test_the_log_says_how_the_mosaic_kernels_run_on_a_mesh():
+    """`jaxft-train`'s notes on the Mosaic expert kernels on a mesh of several devices (`ExecutionConfig.describe`):
+    per device (moe_dispatch auto / per_device) one info line; with moe_dispatch global one warning naming the key
+    and the fix (XLA cannot partition their custom call); nothing on one device or without them."""
+    import logging
 
-    from jaxft.train.loop import _note_mosaic_experts
+    def notes(mosaic: bool, devices: int, dispatch: str = "auto") -> list[tuple[int, str]]:
+        return ExecutionConfig(layer_loop="scan", moe_dispatch=dispatch).describe(
+            None, rows=1, seq=1, itemsize=4, devices=devices, mosaic_experts=mosaic)
 
-    def notes(mosaic: bool, devices: int, dispatch: str = "auto") -> str:
-        caplog.clear()
-        run = SimpleNamespace(mosaic_experts=mosaic, unrolled=False, placement=SimpleNamespace(devices=[0] * devices))
-        with caplog.at_level("INFO", logger="jaxft.train"):
-            _note_mosaic_experts(run, ExecutionConfig(layer_loop="scan", moe_dispatch=dispatch))
-        return caplog.text
-
-    assert "moe_dispatch: global" in notes(True, 2, "global") and "set moe_dispatch: per_device" in caplog.text
-    assert [r.levelname for r in caplog.records] == ["WARNING"]
-    assert "run per device on the mesh of 2 devices (moe_dispatch auto" in notes(True, 2)
-    assert [r.levelname for r in caplog.records] == ["INFO"]
-    assert notes(True, 1) == "" and notes(False, 8) == "" and notes(False, 8, "global") == ""
+    [(level, line)] = notes(True, 2, "global")
+    assert level == logging.WARNING and "moe_dispatch: global" in line and "set moe_dispatch: per_device" in line
+    [(level, line)] = notes(True, 2)
+    assert level == logging.INFO and "run per device on the mesh of 2 devices (moe_dispatch auto" in line
+    assert notes(True, 1) == [] and notes(False, 8) == [] and notes(False, 8, "global") == []
 
 
 # ------------------------------------------------------------------------------------------------ the step
@@ -289,7 +284,7 @@ def test_a_policy_can_keep_the_experts_gate_up_off_the_device(steps):
 
 @pytest.mark.parametrize("family,layers", [("qwen3_moe", 2), ("gpt_oss", 4)])
 def test_explicit_offload_in_the_scan_keeps_the_moe_gradients(family, layers, tmp_path):
-    """remat "offload" through `jaxft.offload_scan` (`offload_transfer: explicit` in the layer scan): the expert
+    """remat "offload" through `jaxft.memory.scan_offload` (`offload_transfer: explicit` in the layer scan): the expert
     stacks read in place (closed over), the router statistics in the carry, GPT-OSS's period of two layers; loss
     and LoRA gradients equal to no remat."""
     path = _saved(family, tmp_path / family, layers)

@@ -49,7 +49,7 @@ def loss_and_grads(path, implementation: str, batch: dict, compile_fn=compile_no
 
     import jaxft
     from jaxft import lora
-    from jaxft.execution import ExecutionConfig
+    from jaxft.memory.execution import ExecutionConfig
     from jaxft.train.step import token_loss_sum
     from lora_helpers import perturb_lora_b
 

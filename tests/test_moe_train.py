@@ -14,6 +14,7 @@ import transformers
 import yaml
 from safetensors.numpy import load_file
 
+from jaxft.memory.choice import _partial_remat
 from jaxft.train import TrainConfig, train
 from jaxft.train import TrainConfigError, load_config
 
@@ -95,7 +96,7 @@ def test_auto_layer_loop_scans_experts_on_the_mosaic_kernels(tmp_path):
     the H200), so `layer_loop: auto` without remat scans an MoE model whose experts take those kernels; a dense
     model, or experts on ragged_dot, stay unrolled; an explicit `unroll`, or remat on some layers, are obeyed."""
     from jaxft import Run
-    from jaxft.execution import ExecutionConfig
+    from jaxft.memory.execution import ExecutionConfig
     from jaxft.lora import LoraConfig
 
     base = _model_dir(tmp_path, num_hidden_layers=4)
@@ -116,17 +117,18 @@ def test_auto_layer_loop_scans_experts_on_the_mosaic_kernels(tmp_path):
 
     # remat auto: full remat on the first k layers needs them unrolled, so it is not tried there (no compile).
     lines, auto = [], run(grouped_matmul_implementation="pallas_mosaic", remat="auto")
-    auto.remat_estimates["none"] = 2**40
+    auto.trials.estimates["none"] = 2**40
 
     def never(*args, **kwargs):
         raise AssertionError("compiled a partial remat candidate")
-    assert auto._partial_remat(never, never, 2**30, 4, lines.append) == (False, None)
+    assert _partial_remat(auto._target(), auto.execution, auto.trials, never, never, 2**30, 4, lines.append) == \
+        (False, None)
     assert lines == ["remat auto: no full remat on the first layers only (it needs unrolled layers, whose Mosaic GPU "
                      "expert kernels compile for minutes); offload+attn is next"]
     explicit = run(grouped_matmul_implementation="pallas_mosaic", remat="auto", layer_loop="unroll")
-    explicit.remat_estimates["none"] = 2**40
+    explicit.trials.estimates["none"] = 2**40
     with pytest.raises(AssertionError, match="compiled a partial remat candidate"):  # unrolled as asked: tried
-        explicit._partial_remat(never, never, 2**30, 4, lines.append)
+        _partial_remat(explicit._target(), explicit.execution, explicit.trials, never, never, 2**30, 4, lines.append)
     assert (mosaic.layer_loop, run(grouped_matmul_implementation="xla").layer_loop) == ("scan", "unroll")
 
 

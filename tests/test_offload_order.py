@@ -1,5 +1,5 @@
-"""The order the explicit host offload (jaxft.offload) imposes on an unrolled layer loop, read from the step's jaxpr:
-what keeps its device temp at or below full remat's on the GPU (the CPU lowers no placement and its scheduler
+"""The order the explicit host offload (jaxft.memory.offload) imposes on an unrolled layer loop, read from the step's
+jaxpr: what keeps its device temp at or below full remat's on the GPU (the CPU lowers no placement and its scheduler
 shows neither effect, so its compiled memory cannot; tests/test_remat_gpu.py measures the GPU program).
 
 Measured on a compile for the H200 (4 layers of Llama-3.2-1B widths, 1 x 2048, Pallas attention, temp of the
@@ -17,7 +17,7 @@ import collections
 import jax
 import pytest
 
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.train.step import loss_and_grad_sums, stack_micro_batches, unstack_layers
 from test_remat import llama, lora_split, packed_batch
 
@@ -110,7 +110,7 @@ def _signal_sources(remat: str = "offload"):
 @pytest.mark.parametrize("remat", ["offload", "offload+attn", "offload=layer_input,attn_out,attn_lse"])
 def test_each_copy_back_starts_when_the_layer_above_starts_its_backward(remat):
     """Unrolled: layer i's copy back is gated by the scalar layer i+1 makes from its output cotangent (the
-    start of its backward, `jaxft.offload.PrefetchChain`), so the copy runs under layer i+1's recompute and
+    start of its backward, `jaxft.memory.offload.PrefetchChain`), so the copy runs under layer i+1's recompute and
     backward instead of after it (measured on the H200 before: 1.2 ms of idle compute per layer, 8B width at
     1 x 8192, docs/benchmarks.md section 18). The top layer has no layer above (a constant). The same for the
     policies that keep more (their vjp inside the custom VJP): their offloaded residuals are copied back early,

@@ -1,5 +1,5 @@
-"""`jaxft.offload_scan.offloaded_scan`: the gradients of the plain scan (carry, the differentiated scanned inputs,
-through a closed-over constant and a tuple carry with a small accumulator), nothing for what the caller does not
+"""`jaxft.memory.scan_offload.offloaded_scan`: the gradients of the plain scan (carry, the differentiated scanned
+inputs, through a closed-over constant and a tuple carry with a small accumulator), nothing for what the caller does not
 differentiate, and, lowered for a GPU, each carry goes to pinned host and comes back once; the loops read their
 stacks at indices affine in their counter (what XLA copies with)."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxft.offload_scan import HostRows, in_host_memory, offloaded_scan
+from jaxft.memory.scan_offload import HostRows, in_host_memory, offloaded_scan
 from lora_helpers import jaxpr_eqns
 
 L, T, H = 5, 16, 8

@@ -1,4 +1,4 @@
-"""Rematerialisation policies (jaxft.remat): parsing and its one-line errors, gradients equal to no remat's for
+"""Rematerialisation policies (jaxft.memory.policy): parsing and its one-line errors, gradients equal to no remat's for
 each way a policy reaches the program, in both layer loops (Llama and Gemma 2, packed rows), the named attention
 residuals that spare the kernel forward, and the host offload present per layer in both loops (jaxpr and the
 CUDA-lowered StableHLO: the CPU backend lowers no memory placement, so only the GPU test shows the compiled copies and
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from jaxft.config import ModelConfig
-from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models import init_model
-from jaxft.remat import NAMES, RematPolicy, canonical, parse, residual_bytes
+from jaxft.memory.policy import NAMES, RematPolicy, canonical, parse, residual_bytes
 from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batches, unstack_layers
 from lora_helpers import perturb_lora_b
 
@@ -129,8 +129,9 @@ def model_case(request):
 # One case per way a policy reaches the program, in each loop. On the CPU an offloading policy is a plain remat (the
 # placements are identities), so its gradients differ from another policy of the same way only by what XLA fuses:
 # whole-layer recompute (full), named residuals saved and offloaded by jax.checkpoint (the scan), and, unrolled,
-# named residuals kept through jaxft.offload's custom VJP (offload+attn; the last case: most names to the host). Plain offload in both loops is the explicit tests' below (the unrolled loop takes the explicit transfer).
-# Where the copies go and what they cost is checked on lowered programs here and on the GPU (test_remat_gpu.py).
+# named residuals kept through jaxft.memory.offload's custom VJP (offload+attn; the last case: most names to the host).
+# Plain offload in both loops is the explicit tests' below (the unrolled loop takes the explicit transfer). Where the
+# copies go and what they cost is checked on lowered programs here and on the GPU (test_remat_gpu.py).
 GRADIENT_CASES = [("scan", "full"), ("scan", "offload=layer_input,attn_out,attn_lse"),
                   ("scan", "save=attn_out,mlp_gate_up;offload=layer_input"),
                   ("unroll", "full"), ("unroll", "offload+attn"),
@@ -170,7 +171,7 @@ def test_explicit_offload_in_the_scan_takes_a_period_with_runs_of_layers():
 
 
 def test_explicit_offload_in_the_scan_gives_the_gradients_of_no_remat(model_case):
-    """remat "offload" with `offload_transfer: explicit` in the layer scan (`jaxft.offload_scan`: Llama's one
+    """remat "offload" with `offload_transfer: explicit` in the layer scan (`jaxft.memory.scan_offload`: Llama's one
     group, Gemma 2's period of two layers); lowered for a GPU, each layer input goes to pinned host once and comes
     back once (Llama's 2 layers: the loop's first and the last after it; Gemma 2's one period of 2 layers: no loop,
     each position's input)."""
@@ -312,7 +313,7 @@ def _offload_texts(loop: str, remat: str, cfg: ModelConfig | None = None):
 
 def _placements_back(loop: str, remat: str) -> int:
     """Placements on the device per offloaded residual. Unrolled, a policy that keeps more than the layer input
-    runs its vjp inside jaxft.offload's custom VJP, which copies the host residuals back itself (one layer early,
+    runs its vjp inside jaxft.memory.offload's custom VJP, which copies the host residuals back itself (one layer early,
     PrefetchChain); the vjp's own placement then reads a value already on the device (a second annotation, which
     compiles to no copy: compiled for an H200, one copy back per residual)."""
     return 2 if loop == "unroll" and not parse(remat).explicit_capable else 1
@@ -336,7 +337,7 @@ def test_offload_policies_place_residuals_in_host_memory_in_both_loops(loop, rem
 
 # ---------------------------------------------------------------------------------------------- explicit transfer
 def test_explicit_offload_gives_the_gradients_of_no_remat(model_case):
-    """jaxft.offload (the layer input to host in a custom VJP, full recompute from the copy; unrolled layers,
+    """jaxft.memory.offload (the layer input to host in a custom VJP, full recompute from the copy; unrolled layers,
     the copies back chained one layer ahead): the gradients of no remat, as every policy (same tolerance and
     reason as above)."""
     cfg, split, want = model_case
@@ -357,7 +358,7 @@ def _host_barriers(jaxpr: str) -> int:
                                                       ("explicit", "unroll", 6)])
 def test_the_copy_back_of_an_explicit_offload_waits_behind_a_barrier(transfer, loop, barriers):
     """With the explicit transfer every copy back to the device reads an optimization barrier that holds the host
-    copy and the layer's output cotangent (what keeps XLA from folding the copy pair, jaxft.offload), and the
+    copy and the layer's output cotangent (what keeps XLA from folding the copy pair, jaxft.memory.offload), and the
     forward's host copy is held with the layer output (two host barriers per layer); `auto` takes it in the
     unrolled loop only. Still one placement each way per layer (the scan: one body)."""
     cfg = llama(3)
@@ -382,7 +383,7 @@ def test_offload_transfer_is_validated_and_carried_by_the_layer_policy():
     with pytest.raises(ExecutionConfigError, match="key 'offload_transfer': value 'manual' is not one of"):
         ExecutionConfig(offload_transfer="manual")
     # A policy's explicit copies stacked by a scan fail XLA's layout assignment on the GPU; remat "offload" alone
-    # runs in the scan through jaxft.offload_scan.
+    # runs in the scan through jaxft.memory.scan_offload.
     with pytest.raises(ExecutionConfigError, match=r"^key 'offload_transfer': 'explicit' in the layer scan takes "
                                                    r"remat: offload only \(got 'offload\+attn'"):
         ExecutionConfig(remat="offload+attn", offload_transfer="explicit", layer_loop="scan")
@@ -407,8 +408,8 @@ def test_an_offloading_policy_in_the_scan_compiles_with_pipelined_host_offload()
     for remat, loop in (("full", "scan"), ("none", "auto"), ("offload", "unroll"), ("save=attn_out", "scan")):
         assert flag not in ExecutionConfig(remat=remat, layer_loop=loop).program_options, (remat, loop)
     assert ExecutionConfig(remat="offload", layer_loop="auto").program_options == off  # auto: the scan
-    # jaxft.offload_scan's own loop (streamed weights, the explicit transfer): its fetches stay copies unpipelined
-    # ... and, again, without command buffers
+    # jaxft.memory.scan_offload's own loop (streamed weights, the explicit transfer): its fetches stay copies
+    # unpipelined ... and, again, without command buffers
     for ours in (ExecutionConfig(remat="offload", frozen_weights="host", **scan),
                  ExecutionConfig(remat="offload", offload_transfer="explicit", **scan)):
         assert flag not in ours.program_options and ours.program_options["xla_gpu_enable_command_buffer"] == ""

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from jaxft.config import ModelConfig
-from jaxft.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.lora import LoraConfig
-from jaxft.remat import AUTO_ORDER, LEAN_ATTN, offloaded_bytes, parse, residual_bytes
-from jaxft.auto import GIB, STREAMED, peak_estimate
-from jaxft.streamed import is_packed as streamed_is_packed
+from jaxft.memory.policy import AUTO_ORDER, LEAN_ATTN, offloaded_bytes, parse, residual_bytes
+from jaxft.memory import GIB, STREAMED, peak_estimate
+from jaxft.memory.choice import host_fit
+from jaxft.memory.streamed import is_packed as streamed_is_packed
 from jaxft.run import Run
 from jaxft.train.step import loss_and_grad_sums, stack_micro_batches
 from test_remat import grads, lora_split, packed_batch
@@ -31,8 +32,8 @@ def _batch():
 
 
 class LongRows(Run):
-    """A run whose rows count as attending long enough for LEAN_ATTN's host copies to pay (`Run._copies_pay`), so
-    that the tests of the budgets reach every candidate: the tiny model's 128-token rows never do, which
+    """A run whose rows count as attending long enough for LEAN_ATTN's host copies to pay (`Target.copies_pay`),
+    so that the tests of the budgets reach every candidate: the tiny model's 128-token rows never do, which
     `test_auto_tries_lean_attn_last_where_its_copies_cost_more_than_the_attention` tests on its own."""
 
     def _copies_pay(self, host_batch):
@@ -59,7 +60,7 @@ def test_the_choice_follows_the_budget(model_dir, estimates):
     lines = []
     roomy = _run(model_dir, "auto", max_memory_gb=2 * estimates["none"] / GIB)
     assert roomy.choose_remat(_batch(), log=lines.append) == "none"
-    assert roomy.execution.remat == "none" and roomy.remat_estimates == {"none": estimates["none"]}
+    assert roomy.execution.remat == "none" and roomy.trials.estimates == {"none": estimates["none"]}
     assert lines[0].startswith("remat auto: device budget ") and "(max_memory_gb)" in lines[0]
     assert lines[1].startswith(f"remat auto: none         estimated peak {estimates['none'] / GIB:.3f} GiB")
     assert lines[1].endswith("-> fits: chosen")
@@ -71,8 +72,8 @@ def test_the_choice_follows_the_budget(model_dir, estimates):
     want = next(p for p in estimates if estimates[p] <= between * GIB)  # the first in AUTO_ORDER that fits
     tight = _run(model_dir, "auto", max_memory_gb=between)
     assert tight.choose_remat(_batch(), log=lines.append) == want != "none"
-    assert tight.remat_estimates == {p: estimates[p] for p in AUTO_ORDER[:AUTO_ORDER.index(want) + 1]}
-    assert lines[1].endswith("-> does not fit") and lines[len(tight.remat_estimates)].endswith("-> fits: chosen")
+    assert tight.trials.estimates == {p: estimates[p] for p in AUTO_ORDER[:AUTO_ORDER.index(want) + 1]}
+    assert lines[1].endswith("-> does not fit") and lines[len(tight.trials.estimates)].endswith("-> fits: chosen")
     # The chosen step stays compiled: loading and stepping reuse it.
     compiled = tight._compiled
     tight.load()
@@ -86,17 +87,17 @@ def test_nothing_fits_is_one_line_naming_the_key_and_the_smallest_estimate(model
     with pytest.raises(ExecutionConfigError) as info:
         run.choose_remat(_batch(), log=lambda line: None)
     text = str(info.value)
-    smallest = min(run.remat_estimates, key=run.remat_estimates.get)
-    assert set(run.remat_estimates) == set(AUTO_ORDER) | {p + STREAMED for p in AUTO_ORDER} and "\n" not in text
+    smallest = min(run.trials.estimates, key=run.trials.estimates.get)
+    assert set(run.trials.estimates) == set(AUTO_ORDER) | {p + STREAMED for p in AUTO_ORDER} and "\n" not in text
     assert text.startswith("key 'max_memory_gb': no remat policy fits in 0.000 GiB (max_memory_gb): the smallest "
-                           f"estimate is {smallest} at {run.remat_estimates[smallest] / GIB:.3f} GiB")
+                           f"estimate is {smallest} at {run.trials.estimates[smallest] / GIB:.3f} GiB")
     assert run.execution.remat == "auto" and run.execution.frozen_weights == "auto" and run._compiled is None
     with pytest.raises(RuntimeError, match="choose_remat"):
         run.load()
     pinned = _run(model_dir, "auto", max_memory_gb=1e-4, frozen_weights="device")
     with pytest.raises(ExecutionConfigError):
         pinned.choose_remat(_batch(), log=lambda line: None)
-    assert set(pinned.remat_estimates) == set(AUTO_ORDER)
+    assert set(pinned.trials.estimates) == set(AUTO_ORDER)
 
 
 class GpuAccounting(Run):
@@ -177,7 +178,7 @@ def test_auto_takes_the_attention_residuals_to_the_host_when_offload_attn_does_n
                             execution=ExecutionConfig(attention_implementation="reference", remat="auto",
                                                       max_memory_gb=(lean + with_attn) / 2 / GIB))
     assert run.choose_remat(_batch(), log=lines.append) == LEAN_ATTN == run.execution.remat
-    assert list(run.remat_estimates) == ["none", "offload+attn", LEAN_ATTN]
+    assert list(run.trials.estimates) == ["none", "offload+attn", LEAN_ATTN]
     assert run.remat_choice == (LEAN_ATTN, lean) and not run.streams_weights
     assert lines[-1] == f"remat auto: chose {LEAN_ATTN} (not compiled: full, offload, expected slower)"
     compiled = run._compiled
@@ -187,7 +188,7 @@ def test_auto_takes_the_attention_residuals_to_the_host_when_offload_attn_does_n
 
 def test_auto_tries_lean_attn_last_where_its_copies_cost_more_than_the_attention(model_dir):
     """The tiny model's packed 128-token rows attend a few dozen keys a query: LEAN_ATTN's copies of the attention
-    output would cost more than the attention forward they spare (`jaxft.remat.attention_copies_pay`), so auto
+    output would cost more than the attention forward they spare (`jaxft.memory.policy.attention_copies_pay`), so auto
     tries full and offload, which recompute the attention, before it, and says why in one line. With the budget
     that chose LEAN_ATTN above (only it fits), it is still chosen, last."""
     with_attn, lean = _host_estimate(model_dir, "offload+attn"), _host_estimate(model_dir, LEAN_ATTN)
@@ -197,7 +198,7 @@ def test_auto_tries_lean_attn_last_where_its_copies_cost_more_than_the_attention
                                                   frozen_weights="device", max_memory_gb=(lean + with_attn) / 2 / GIB))
     order = ("none", "offload+attn", "full", "offload", LEAN_ATTN)
     assert run.choose_remat(_batch(), log=lines.append) == LEAN_ATTN == run.execution.remat
-    assert tuple(run.remat_estimates) == order and run.remat_choice == (LEAN_ATTN, lean)
+    assert tuple(run.trials.estimates) == order and run.remat_choice == (LEAN_ATTN, lean)
     assert lines[0].endswith("candidates in order of expected speed: " + ", ".join(order))
     assert lines[1].startswith(f"remat auto: {LEAN_ATTN} tried after offload: its attention copies to host cost ")
     assert lines[1].endswith(" TFLOP)") and "more than the attention forward they spare" in lines[1]
@@ -213,7 +214,7 @@ def test_attention_copies_pay_on_long_documents_only():
     import transformers
     from test_remat_layers import _llama_8b
 
-    from jaxft.remat import ATTN_LSE, ATTN_OUT, HOST_COPY_FLOPS_PER_BYTE, attention_copies_pay, recompute_work
+    from jaxft.memory.policy import ATTN_LSE, ATTN_OUT, HOST_COPY_FLOPS_PER_BYTE, attention_copies_pay, recompute_work
 
     cfg = _llama_8b()
     packed = np.repeat(np.arange(1, 56), 300)[None, :16384]
@@ -377,15 +378,16 @@ def test_auto_checks_what_the_host_holds(model_dir, estimates):
     lines = []
     run = _run(model_dir, "auto", max_memory_gb=between, host_memory_gb=stream / GIB)
     assert run.choose_remat(_batch(), log=lines.append) == "full"
-    assert "offload+attn" not in run.remat_estimates and LEAN_ATTN not in run.remat_estimates
+    assert "offload+attn" not in run.trials.estimates and LEAN_ATTN not in run.trials.estimates
     for policy in ("offload+attn", LEAN_ATTN):  # each skipped with its line, neither compiled
         assert any(line.startswith(f"remat auto: {policy} offloads ") and line.endswith("-> does not fit (host)")
                    for line in lines)
-    nested = run._host_fit(ExecutionConfig(remat="offload", host_memory_gb=stream / GIB), _batch(), lines.append)
+    nested = host_fit(run._target(), ExecutionConfig(remat="offload", host_memory_gb=stream / GIB), _batch(),
+                      lines.append)
     assert nested.remat_block == "auto" and nested.layer_policy(run.model_config, 2, 128, 4).block == 2
     assert lines[-1].endswith("offload in nested blocks of 2 layers (remat_block auto)")
     roomy = ExecutionConfig(remat="offload", host_memory_gb=2 * stream / GIB)
-    assert run._host_fit(roomy, _batch(), lines.append) is roomy
+    assert host_fit(run._target(), roomy, _batch(), lines.append) is roomy
 
 
 def test_jaxft_claims_most_of_each_gpu_unless_told_otherwise():
@@ -397,7 +399,7 @@ def test_jaxft_claims_most_of_each_gpu_unless_told_otherwise():
     import subprocess
     import sys
 
-    from jaxft.auto import GPU_MEMORY_FRACTION
+    from jaxft.memory import GPU_MEMORY_FRACTION
 
     # Claim before the backends start, start them, drop the variable, claim again.
     probe = ("import os, jax; from jaxft import claim_gpu_memory as claim; before = claim(); "

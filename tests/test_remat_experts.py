@@ -1,5 +1,5 @@
-"""`moe_expert_out` (jaxft.remat): a mixture of experts' down-projection output per sorted row, which the combine's
-backward reads for the router weights' gradient. Kept with `mlp_gate_up`, the experts' backward recomputes no
+"""`moe_expert_out` (jaxft.memory.policy): a mixture of experts' down-projection output per sorted row, which the
+combine's backward reads for the router weights' gradient. Kept with `mlp_gate_up`, the experts' backward recomputes no
 grouped matmul; the gradients are those of no remat. Both MoE families, expert LoRA on both expert weights."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
 from jaxft.config import ModelConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models import init_model
-from jaxft.remat import MOE_EXPERT_OUT, residual_bytes
+from jaxft.memory.policy import MOE_EXPERT_OUT, residual_bytes
 from jaxft.train import load_config
 from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batches, token_loss_sum
 from lora_helpers import jaxpr_eqns, perturb_lora_b

@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from jaxft.config import ModelConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models.decoder import Decoder
 from jaxft.train.step import loss_and_grad_sums, split_model, unstack_layers
@@ -31,7 +31,7 @@ serial = pytest.mark.serial
 # 2 layers of Llama-3.2-1B widths at 1 x 2048: one layer's saved activations (~75 MiB) dwarf its input (8 MiB).
 # Two layers, not four: the unrolled program's compile time grows with the layers, and two already show the bug
 # the unrolled offload test guards (compiled for an H200 target on a CPU before the ordering barriers of
-# jaxft.offload, 2 layers: offload temp above no remat; see the comment over the test).
+# jaxft.memory.offload, 2 layers: offload temp above no remat; see the comment over the test).
 CFG = ModelConfig(model_type="llama", vocab_size=8192, hidden_size=2048, intermediate_size=8192, num_layers=2,
                   num_heads=32, num_kv_heads=8, head_dim=64)
 T = 2048
@@ -89,10 +89,10 @@ def _host_copies(text: str) -> int:
 # B * T sequences - the bulk of the temp, which no remat policy touches; the 2.4 GiB the offload saved are about
 # the four layers' residuals (statistics included). Rows of one document take the dense kernel (attention "auto" does too), so
 # the residuals are what temp measures. Unrolled, XLA folded the policy's copy pair (no S(5) value at all); the
-# unrolled loop now takes the explicit transfer (`jaxft.offload`, ExecutionConfig.offload_transfer "auto").
+# unrolled loop now takes the explicit transfer (`jaxft.memory.offload`, ExecutionConfig.offload_transfer "auto").
 # The explicit transfer kept the device temp of no remat (measured at 3fa6ed3 on the H200: 0.535 GiB vs 0.501
-# without remat and 0.246 with full remat) until its two ordering barriers (jaxft.offload, tests/test_offload_order.py):
-# compiled for an H200 target with Pallas attention, 562 -> 275 MiB (none 615, full 322).
+# without remat and 0.246 with full remat) until its two ordering barriers (jaxft.memory.offload,
+# tests/test_offload_order.py): compiled for an H200 target with Pallas attention, 562 -> 275 MiB (none 615, full 322).
 # At 2 layers (this CFG), compiled for an H200 target on a CPU with Pallas attention (experiments/deviceless; cuDNN is
 # not there): scan none 474 / full 354 / offload 346 MiB; unrolled 365 / 263 / 233 MiB, and 318 MiB before the
 # barriers (5f23f0a^), where this test fails. Compiled with cuBLAS GEMMs (xla_gpu_enable_triton_gemm off) the
@@ -110,7 +110,7 @@ def test_offload_is_kept_in_both_layer_loops(loop):
     # part - loss, LoRA gradients - is about half of this small config, so a ratio to `none` is the wrong bound);
     # unrolled none 0.501 / offload 0.535 GiB: the explicit transfer saved nothing there before its barriers.
     # Before the unrolled fix the unrolled offload temp was ABOVE the no-remat temp (13.47 vs 13.08 GB at 8B).
-    # Unrolled, the copy back of a layer's input is prefetched one layer ahead (jaxft.offload.PrefetchChain): the
+    # Unrolled, the copy back of a layer's input is prefetched one layer ahead (jaxft.memory.offload.PrefetchChain): the
     # next layer's input arrives while this layer's backward runs, beside its staging. On these 2 layers, where full
     # remat's 2 layer inputs are all it keeps, that costs about what the offload spares: measured at de7bcca (H200)
     # none 0.309 / full 0.215 / offload 0.231 GiB, 2.1 layer inputs above full; before the prefetch (b50b7b0) the
@@ -151,7 +151,7 @@ def test_every_name_to_host_compiles_with_a_tiled_mlp():
     the chunk loop's gate/up to the host, and XLA 0.11.2 failed its layout assignment ("INTERNAL: during context
     [end-of-post-layout_assignment]", 8B at 321536 tokens on the H200, docs/benchmarks.md section 18; the same at
     this small shape compiled for an H200 on a CPU). The tiled MLP's names are now kept by no policy
-    (`jaxft.remat.tiled_mlp_names`): it compiles, and the other residuals still go to the host."""
+    (`jaxft.memory.policy.tiled_mlp_names`): it compiles, and the other residuals still go to the host."""
     compiled = _compiled(EVERY_NAME_TO_HOST, "scan", "pallas", small=True, mlp_chunk=256)
     assert _host_copies(compiled.as_text()) > 0
 
@@ -169,7 +169,8 @@ def test_every_name_to_host_compiles_with_the_device_side_attention_choice():
     assert "jaxft_flash_fwd" in text and "__cudnn$fmha" in text
 
 
-# Nested checkpointing (jaxft.remat, `remat_block`): 4 layers of SMALL_CFG at 1 x 4096 (cuDNN dense: one document).
+# Nested checkpointing (jaxft.memory.policy, `remat_block`): 4 layers of SMALL_CFG at 1 x 4096 (cuDNN dense: one
+# document).
 NESTED_CFG = ModelConfig(model_type="llama", vocab_size=2048, hidden_size=512, intermediate_size=2048, num_layers=4,
                          num_heads=8, num_kv_heads=2, head_dim=64)
 NESTED_T = 4096

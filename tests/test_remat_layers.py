@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxft.execution import ExecutionConfig, ExecutionConfigError
-from jaxft.remat import AUTO_ORDER, LEAN_ATTN
-from jaxft.auto import GIB, peak_estimate
+from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.memory.policy import AUTO_ORDER, LEAN_ATTN
+from jaxft.memory import GIB, peak_estimate
 from test_remat import assert_grads_match, grads, llama, lora_split
 from test_remat_auto import _batch, _run
 from test_train_fixtures import make_tiny_model
@@ -87,9 +87,9 @@ def test_auto_takes_the_fewest_layers_that_fit_when_no_remat_does_not(model_dir,
     run = _run(model_dir, "auto", max_memory_gb=budget / GIB)
     chosen = run.choose_remat(_batch(), log=lines.append)
     assert (chosen, run.execution.remat, run.execution.remat_layers) == ("full", "full", 2)
-    assert run.remat_estimates["none"] == estimates[None] > budget
-    assert run.remat_estimates[f"full on {LAYERS} layers"] == estimates[LAYERS]
-    assert run.remat_estimates["full on 2 layers"] == estimates[2] <= budget
+    assert run.trials.estimates["none"] == estimates[None] > budget
+    assert run.trials.estimates[f"full on {LAYERS} layers"] == estimates[LAYERS]
+    assert run.trials.estimates["full on 2 layers"] == estimates[2] <= budget
     assert lines[-1].startswith("remat auto: full on 2 layers estimated peak ") and lines[-1].endswith("fits: chosen")
     probe = [line for line in lines if line.startswith(f"remat auto: full on {LAYERS} layers ")]
     assert len(probe) == 1 and probe[0].endswith("-> fits (probe)")  # measured, not chosen
@@ -102,7 +102,7 @@ def test_auto_takes_the_fewest_layers_that_fit_when_no_remat_does_not(model_dir,
 
 
 # ---------------------------------------------------------------------------------------------- shallow probes
-DEEP = 5  # deeper than auto's probe copy (jaxft.remat.AUTO_PROBE_DEPTH), so auto measures on the copy
+DEEP = 5  # deeper than auto's probe copy (jaxft.memory.policy.AUTO_PROBE_DEPTH), so auto measures on the copy
 
 
 def test_first_layers_cuts_the_per_layer_choices():
@@ -132,7 +132,7 @@ def test_auto_measures_the_saving_on_a_shallow_copy(deep_dir):
     """A 5-layer model whose budget fits full remat on 2 layers, not 1: the per-layer saving comes from a 4-layer
     copy, so the only full-depth programs are "none" and the chosen one (before: also full remat on every
     layer), each compile logs one line, and the run keeps its own depth and the chosen step."""
-    from jaxft.remat import AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
+    from jaxft.memory.policy import AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
 
     full = {}
     for k in (1, 2):
@@ -143,18 +143,18 @@ def test_auto_measures_the_saving_on_a_shallow_copy(deep_dir):
     lines = []
     run = _run(deep_dir, "auto", max_memory_gb=budget / GIB)
     assert run.choose_remat(_batch(), log=lines.append) == "full" and run.execution.remat_layers == 2
-    assert run.remat_estimates["full on 2 layers"] == full[2] <= budget < full[1] < run.remat_estimates["none"]
+    assert run.trials.estimates["full on 2 layers"] == full[2] <= budget < full[1] < run.trials.estimates["none"]
     probes = [("full", n, AUTO_PROBE_DEPTH) for n in AUTO_PROBE_LAYERS]
-    assert run.remat_compiles == [("none", None, DEEP), *probes, ("full", 2, DEEP)]
-    assert set(run.remat_estimates) == {"none", "full on 2 layers"}  # the copy's peaks are probes, not candidates
-    few, more = (run.remat_probes[f"full on {n} of a {AUTO_PROBE_DEPTH}-layer copy"] for n in AUTO_PROBE_LAYERS)
+    assert run.trials.compiles == [("none", None, DEEP), *probes, ("full", 2, DEEP)]
+    assert set(run.trials.estimates) == {"none", "full on 2 layers"}  # the copy's peaks are probes, not candidates
+    few, more = (run.trials.probes[f"full on {n} of a {AUTO_PROBE_DEPTH}-layer copy"] for n in AUTO_PROBE_LAYERS)
     assert few > more > 0
     probe_lines = [line for line in lines if "-layer copy " in line]
     assert len(probe_lines) == 2 and all(line.endswith("-> probe (per-layer saving of full remat)")
                                          for line in probe_lines)
     saves = f"remat auto: full remat saves {(few - more) / (AUTO_PROBE_LAYERS[1] - AUTO_PROBE_LAYERS[0]) / GIB:.3f}"
     assert any(line.startswith(saves) and line.endswith("-> full on 2 layers predicted to fit") for line in lines)
-    assert len(lines) == 1 + len(run.remat_compiles) + 1  # the budget, one per compile, the prediction
+    assert len(lines) == 1 + len(run.trials.compiles) + 1  # the budget, one per compile, the prediction
     assert lines[-1].startswith("remat auto: full on 2 layers estimated peak ") and lines[-1].endswith("fits: chosen")
     # The probes left the run's own state alone: its depth, and the chosen step, which loading and stepping reuse.
     compiled = run._compiled
@@ -169,14 +169,14 @@ def test_auto_over_the_layer_scan_skips_partial_remat(deep_dir):
     run = _run(deep_dir, "auto", layer_loop="scan", max_memory_gb=1e-4, frozen_weights="device")
     with pytest.raises(ExecutionConfigError) as info:
         run.choose_remat(_batch(), log=lambda line: None)
-    assert info.value.field == "max_memory_gb" and set(run.remat_estimates) == set(AUTO_ORDER)
-    assert all(layers is None for _, layers, _ in run.remat_compiles)
+    assert info.value.field == "max_memory_gb" and set(run.trials.estimates) == set(AUTO_ORDER)
+    assert all(layers is None for _, layers, _ in run.trials.compiles)
 
 
 # ---------------------------------------------------------------------------------------- the allocator after load
 
 def test_contiguous_room_is_the_larger_of_the_free_block_and_the_limit_left_beside_the_pool():
-    from jaxft.auto import contiguous_room
+    from jaxft.memory import contiguous_room
 
     assert contiguous_room({}) is None  # the CPU reports no pool
     assert contiguous_room({"bytes_limit": 100, "pool_bytes": 70, "largest_free_block_bytes": 10}) == 30
@@ -213,7 +213,7 @@ def test_fit_allocator_takes_more_remat_when_the_pool_leaves_no_room_for_the_tem
     assert any(line.startswith("allocator: after the load the allocator can place one buffer of ") for line in lines)
     assert any(line.startswith("remat auto: full remat saves ") for line in lines)  # auto had not measured it
     assert lines[-1].startswith(f"remat auto: full on {k} layers temp ") and lines[-1].endswith("fits the allocator: chosen")
-    assert run.remat_choice == (f"full on {k} layers", run.remat_estimates[f"full on {k} layers"])
+    assert run.remat_choice == (f"full on {k} layers", run.trials.estimates[f"full on {k} layers"])
     assert np.isfinite(float(run.step(_batch(), 0)["loss"]))
     run.fit_allocator(_batch(), stats=_stats(10 * GIB), log=lines.append)  # room enough: nothing changes
     assert (run.execution.remat, run.execution.remat_layers) == ("full", k)
@@ -238,12 +238,12 @@ def test_fit_allocator_in_the_layer_scan_takes_the_next_scan_policy_whose_temp_f
     assert (run.execution.remat, run.execution.remat_layers, run.unrolled) == ("offload+attn", None, False)
     assert run.memory_analysis()["temp_size_in_bytes"] == temps["offload+attn"] <= room
     assert lines[-1].startswith("remat auto: offload+attn temp ") and lines[-1].endswith("fits the allocator: chosen")
-    assert run.remat_choice == ("offload+attn", run.remat_estimates["offload+attn"])
+    assert run.remat_choice == ("offload+attn", run.trials.estimates["offload+attn"])
     assert np.isfinite(float(run.step(_batch(), 0)["loss"]))
-    compiled = len(run.remat_compiles)
+    compiled = len(run.trials.compiles)
     with pytest.raises(ExecutionConfigError) as info:
         run.fit_allocator(_batch(), stats=_stats(1024), log=lines.append)
-    assert run.remat_compiles[compiled:] == [(p, None, LAYERS) for p in AUTO_ORDER[2:]]
+    assert run.trials.compiles[compiled:] == [(p, None, LAYERS) for p in AUTO_ORDER[2:]]
     assert all(line.endswith("does not fit the allocator") for line in lines[-2:])
     assert info.value.field == "max_memory_gb" and "\n" not in str(info.value)
 
@@ -295,7 +295,7 @@ def test_full_remat_pays_on_fewer_layers_as_attention_outweighs_the_projections(
     offload+attn recomputes less fall with the row's length (attention grows with its square); packed documents
     of a few hundred tokens attend little, and sliding windows cap what a layer attends. Each limit is the
     definition's largest k, checked one layer either side."""
-    from jaxft.remat import partial_full_limit, recompute_work
+    from jaxft.memory.policy import partial_full_limit, recompute_work
 
     def limit(cfg, ids):
         work = recompute_work(cfg, ids)
@@ -341,7 +341,7 @@ def test_auto_takes_offload_attn_where_full_remat_would_recompute_more(model_dir
     """Full remat on 2 of the 4 layers fits the budget, and so does offload+attn: on these rows 2 layers of full
     remat recompute more than offload+attn (attention included), so auto compiles offload+attn before any k and
     takes it (it took full on 2 layers when the limit was a fixed 3/4 of the layers)."""
-    from jaxft.remat import partial_full_limit, recompute_work
+    from jaxft.memory.policy import partial_full_limit, recompute_work
 
     rows, e = _one_document_rows(), long_estimates
     assert e["none"] > e["full on 1"] > e["full on 2"] > e["offload+attn"]
@@ -349,7 +349,7 @@ def test_auto_takes_offload_attn_where_full_remat_would_recompute_more(model_dir
     run = _run(model_dir, "auto", max_memory_gb=(e["full on 1"] + e["full on 2"]) / 2 / GIB)
     assert partial_full_limit(recompute_work(run.model_config, rows["segment_ids"])) == 1
     assert run.choose_remat(rows, log=lines.append) == "offload+attn"
-    assert [(p, k) for p, k, _ in run.remat_compiles] == [("none", None), ("full", LAYERS), ("offload+attn", None)]
+    assert [(p, k) for p, k, _ in run.trials.compiles] == [("none", None), ("full", LAYERS), ("offload+attn", None)]
     assert any(line.startswith("remat auto: full on 2 layers recomputes more than offload+attn on this batch (at "
                                "most 1 of the 4 layers do not)") for line in lines)
     assert lines[-2].startswith("remat auto: offload+attn estimated peak ") and lines[-2].endswith("fits: chosen")
@@ -371,7 +371,7 @@ def test_auto_takes_full_remat_on_k_layers_when_offload_attn_does_not_fit(deep_d
     run = _run(deep_dir, "auto", max_memory_gb=(e["full on 4"] + e["offload+attn"]) / 2 / GIB)
     assert run.choose_remat(_one_document_rows(), log=lines.append) == "full"
     assert run.execution.remat_layers == 4 and run.remat_choice == ("full on 4 layers", e["full on 4"])
-    compiled = [(p, k) for p, k, _ in run.remat_compiles]
+    compiled = [(p, k) for p, k, _ in run.trials.compiles]
     assert compiled[0] == ("none", None)
     assert compiled[-3:] == [("offload+attn", None), (LEAN_ATTN, None), ("full", 4)]
     assert any(line.startswith("remat auto: full on 4 layers recomputes more than offload+attn on this batch")

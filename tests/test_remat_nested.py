@@ -1,5 +1,5 @@
-"""Nested checkpointing (`remat_block`, jaxft.remat): blocks of k layers keep only their input (on the device for
-remat full, in pinned host memory for offload), each layer inside a full checkpoint. Gradients equal to one
+"""Nested checkpointing (`remat_block`, jaxft.memory.policy): blocks of k layers keep only their input (on the device
+for remat full, in pinned host memory for offload), each layer inside a full checkpoint. Gradients equal to one
 checkpoint per layer (Llama with a partial last block, Gemma 2's periodic scan, a mixed dense/sparse Qwen3-MoE
 stack carrying router statistics), one host copy per block in the CUDA-lowered program, the block size chosen for
 a host budget, the host bytes the max-context search counts, and one-line errors for settings that cannot nest.
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from jaxft.config import ModelConfig
-from jaxft.execution import ExecutionConfig, ExecutionConfigError
-from jaxft.remat import (LAYER_INPUT, RematPolicy, block_layers, default_host_budget, offloaded_bytes,
+from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.memory.policy import (LAYER_INPUT, RematPolicy, block_layers, default_host_budget, offloaded_bytes,
                          residual_bytes)
 from jaxft.train.step import loss_and_grad_sums, stack_micro_batches
 from test_remat import GEMMA, grads, llama, lora_split, packed_batch

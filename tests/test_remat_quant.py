@@ -1,5 +1,5 @@
 """Remat policies on a 4-bit base (QLoRA): the layers' NF4 matmuls are custom VJPs whose code table is a constant
-of the layer, which the explicit host offload (`jaxft.offload`) hoists into arguments; training through it gives
+of the layer, which the explicit host offload (`jaxft.memory.offload`) hoists into arguments; training through it gives
 the steps of no remat (it raised JAX's "differentiation of a custom_vjp with respect to a closed-over value")."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.lora import LoraConfig
 from jaxft.quant import QuantConfig
 from jaxft.run import Run

@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxft.execution import MEMORY_PRESETS, ExecutionConfig
+from jaxft.memory.execution import MEMORY_PRESETS, ExecutionConfig
 from jaxft.lora import LoraConfig
 from jaxft.run import Run
-from jaxft.remat import NAMES
+from jaxft.memory.policy import NAMES
 from jaxft.train import load_config, train
 from jaxft.train.optim import OptimConfig
 from test_train_fixtures import make_jsonl, make_tiny_model
@@ -116,7 +116,7 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     policies = {mode: load_config(REPO / "examples/bench" / f"{mode}.yaml").execution_config for mode in MODES}
     assert (policies["offload_attn"].remat, policies["auto"].remat) == ("offload+attn", "auto")
     assert (policies["auto_40gb"].remat, policies["auto_40gb"].max_memory_gb) == ("auto", 37.25)
-    # each preset is the measured recipe it names (jaxft.execution.MEMORY_PRESETS)
+    # each preset is the measured recipe it names (jaxft.memory.execution.MEMORY_PRESETS)
     for preset, mode in (("fast", "fast"), ("balanced", "offload_attn"), ("lean", "lean"),
                          ("max_context", "lean_attn_host"), ("auto", "auto")):
         assert load_config(REPO / "examples/bench" / f"{mode}.yaml").memory.memory == preset

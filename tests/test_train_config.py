@@ -140,7 +140,7 @@ def test_gradient_checkpointing_with_or_without_remat(tmp_path, paths):
 
 
 def test_memory_presets_are_the_measured_recipes_and_execution_wins_per_field(tmp_path, paths, caplog):
-    from jaxft.execution import MEMORY_PRESETS, ExecutionConfig
+    from jaxft.memory.execution import MEMORY_PRESETS, ExecutionConfig
 
     default = TrainConfig(**paths)
     assert default.memory.memory == "auto" and default.execution_config == ExecutionConfig(remat="auto")

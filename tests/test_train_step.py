@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.config import ModelConfig
 from jaxft.data.formatting import Document
 from jaxft.data.packing import PackedDataset

@@ -12,10 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxft.auto import GIB, STREAMED, MemoryBudgetError, default_memory_budget, host_available_memory
-from jaxft.execution import ExecutionConfig
+from jaxft.memory import GIB, STREAMED, MemoryBudgetError, default_memory_budget, host_available_memory
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.lora import LoraConfig
-from jaxft.remat import parse
+from jaxft.memory.policy import parse
 from jaxft.run import Run
 from test_train_fixtures import make_tiny_model
 
@@ -122,8 +122,8 @@ def test_a_default_budget_nothing_fits_refuses_in_one_line_without_host_candidat
     _meminfo(tmp_path / "meminfo", total=16, free=0.01, available=1 + 1.5 * weights / GIB)
     with pytest.raises(MemoryBudgetError) as info:
         run.choose_remat(_batch(run.model_config.vocab_size), log=lambda line: None)
-    assert run.remat_estimates and all(not parse(name.split(" on ")[0]).offloads and STREAMED not in name
-                                       for name in run.remat_estimates)
+    assert run.trials.estimates and all(not parse(name.split(" on ")[0]).offloads and STREAMED not in name
+                                       for name in run.trials.estimates)
     text = str(info.value)
     assert text.startswith("no remat policy fits in ") and "(host available memory: MemAvailable 1.00 GiB" in text
     assert "set max_memory_gb" in text and "\n" not in text and info.value.field == "max_memory_gb"
@@ -145,7 +145,7 @@ def test_a_default_budget_below_zero_refuses_before_compiling(model_dir, tmp_pat
     run = _run_on_host(model_dir, _meminfo(tmp_path / "meminfo", total=16, free=0.01, available=0.5), tmp_path)
     with pytest.raises(MemoryBudgetError) as info:
         run.choose_remat(_batch(run.model_config.vocab_size), log=lambda line: None)
-    assert run.remat_compiles == [] and run.remat_estimates == {}
+    assert run.trials.compiles == [] and run.trials.estimates == {}
     assert str(info.value).startswith("the memory left for the step is -0.500 GiB per device (host available "
                                       "memory: MemAvailable 0.50 GiB of MemTotal 16.00 GiB, less max(1 GiB, 5%))")
 

@@ -15,7 +15,7 @@ What it showed (JAX 0.11.2, docs/benchmarks.md section 23): policy, forward 0 an
 (the copy of iteration i's input waits behind iteration i + 1's matmul) and backward 0; prefetch, forward 1 and
 backward 3 (the whole layer backward runs under the copy back). Device temp 20.0 / 20.0 / 34.0 MiB: the prefetch
 holds a second layer input (4 MiB here) and more of the loop's buffers, not yet looked at. So hiding the
-backward's copies in this toy needs the hand-written form (`jaxft/offload_scan.py`, opt-in). In 4 Llama layers of
+backward's copies in this toy needs the hand-written form (`jaxft/memory/scan_offload.py`, opt-in). In 4 Llama layers of
 2048 width at 1 x 4096 compiled the same way, XLA overlapped the policy's copy back with 43 GEMMs: the toy
 overstates the problem at real sizes.
 

@@ -31,9 +31,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from scripts.bench.workloads import SHAPES  # noqa: E402
-from jaxft.execution import ExecutionConfig  # noqa: E402
+from jaxft.memory.execution import ExecutionConfig  # noqa: E402
 from jaxft.lora import LoraConfig  # noqa: E402
-from jaxft.offload_scan import is_slot  # noqa: E402
+from jaxft.memory.scan_offload import is_slot  # noqa: E402
 from jaxft.run import Run  # noqa: E402
 from jaxft.train.step import loss_and_grad_sums, stack_micro_batches  # noqa: E402
 

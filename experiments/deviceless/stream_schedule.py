@@ -1,5 +1,5 @@
-"""Where XLA schedules the weight fetches of `frozen_weights: host` (`jaxft.offload_scan.HostRows`), compiled for an
-H200 on a CPU machine (no GPU time): four Llama-3.1-8B layers (q, k, v, o 4096 x 4096, gate/up 4096 x 14336, down
+"""Where XLA schedules the weight fetches of `frozen_weights: host` (`jaxft.memory.scan_offload.HostRows`), compiled for
+an H200 on a CPU machine (no GPU time): four Llama-3.1-8B layers (q, k, v, o 4096 x 4096, gate/up 4096 x 14336, down
 14336 x 4096, bf16; attention stood in for by two matmuls), 1 x 4096, LoRA on q, remat full over streamed weights.
 
 Three forms:
@@ -34,7 +34,7 @@ from tests.hlo_text import schedules  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxft.offload_scan import HostRows, offloaded_scan  # noqa: E402
+from jaxft.memory.scan_offload import HostRows, offloaded_scan  # noqa: E402
 
 HOST = jax.memory.Space.Host
 L, T, H, I, R = 4, 4096, 4096, 14336, 16

@@ -3,7 +3,8 @@
 and timed on the same batches (median of the steps after the warm-up, device-synchronised), and its
 compiled memory (XLA's temp/argument/output sizes) is recorded. Variants differ in remat policy and in
 per-program XLA options; one variant can also be profiled (category split as scripts/bench/profile.py).
-The remat part is any policy of jaxft.remat without a ";" (e.g. "offload+attn", "offload=layer_input,mlp_gate_up").
+The remat part is any policy of jaxft.memory.policy without a ";" (e.g. "offload+attn",
+"offload=layer_input,mlp_gate_up").
 
 The numbers that go into the scoreboard come from scripts/bench/train.py (fresh process per system, the
 allocator's peak); this script is for deciding what the defaults should be, quickly, on the device.
@@ -19,7 +20,7 @@ scripts/bench/train.py saves it), e.g. a GPT-OSS-20B profile in one device call:
 
 Every variant is the benchmark's fast recipe (examples/bench/fast.yaml, through jaxft.run.Run) with other
 execution settings over the same loaded weights. A variant is `remat[+option...][@ce_chunk]`, options:
-unroll (per-layer weight buffers, layers unrolled), xscan (offload_transfer explicit: jaxft/offload_scan.py's
+unroll (per-layer weight buffers, layers unrolled), xscan (offload_transfer explicit: jaxft/memory/scan_offload.py's
 hand-written scan VJP instead of the policy's copies), dsf (xla_gpu_enable_dynamic_slice_fusion), nocb (command
 buffers off: per-op profile attribution), nopho (xla_gpu_enable_pipelined_host_offloading off).
 """

@@ -19,7 +19,7 @@ input rows are placed from the host inside it (kilobytes per device). tokens/s p
 the median step time / N; efficiency = that over the one-device point's (one device is the same program for
 every mesh, so it runs once). Peak memory per device: the allocator's `peak_bytes_in_use` of each device after
 the steps (not reported on a CPU; the random init before them keeps no temporaries on a GPU, so the peak is the
-steps': `Run.random_state_program`), beside the compiled step's estimate (`jaxft.auto.peak_estimate`, what
+steps': `Run.random_state_program`), beside the compiled step's estimate (`jaxft.memory.budget.peak_estimate`, what
 experiments/probes/memory_table.py tabulates and `mesh: auto` plans with). Same data at every mesh of one N: the first
 losses of dp and fsdp agree (a check that both train the same thing).
 
@@ -67,7 +67,7 @@ def run_point(workload_name: str, mesh: str, devices: int, steps: int, mode: str
 
     from scripts.bench.workloads import SHAPES, get_workload, make_token_data
     from scripts.bench.jaxft_worker import mode_config, run_dtype
-    from jaxft.auto import peak_estimate
+    from jaxft.memory import peak_estimate
     from jaxft.run import Run
 
     if devices > jax.device_count():

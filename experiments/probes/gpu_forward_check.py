@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxft.config import ModelConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.models import init_model
 
 LLAMA_32_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,

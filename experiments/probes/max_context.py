@@ -11,10 +11,11 @@ The step is the benchmark's (`examples/bench/auto.yaml`: LoRA r16 alpha 32 on q.
 and, for rows longer than `--mlp-chunk-size` (8192), the MLP in chunks of that many tokens (`mlp_chunk_size`: one
 layer never holds [T, intermediate] activations). A length T fits when
 
-    device: arguments + outputs + temporaries - aliased + allocator slack (`jaxft.auto.peak_estimate` of
+    device: arguments + outputs + temporaries - aliased + allocator slack (`jaxft.memory.budget.peak_estimate` of
             `Run.compile` from shapes,
             before any weight exists) <= the device budget (free memory less max(1 GiB, 5%), or --device-memory-gb)
-    host:   the offloaded residuals (`jaxft.remat.residual_bytes` of the policy's offloaded names x layers, or what
+    host:   the offloaded residuals (`jaxft.memory.policy.residual_bytes` of the policy's offloaded names x layers, or
+    what
             the compiled program reports in host memory if more) <= the host budget (--host-memory-gb, default the
             machine's memory, less max(8 GiB, 10%) for the process itself).
 
@@ -26,7 +27,7 @@ Each probe is one compile (no weights, no run), with XLA's autotuning off on the
 a long-row compile otherwise times every GEMM at full size); the real step compiles with autotuning.
 Policies run in parallel worker processes (--jobs), one compile each at a time.
 
-`offload_nested` is remat offload in nested blocks sized to the host budget (`remat_block: auto`, jaxft.remat):
+`offload_nested` is remat offload in nested blocks sized to the host budget (`remat_block: auto`, jaxft.memory.policy):
 the host holds one layer input per block, so its row is limited by the device (k layer inputs and one block's
 recompute). Its load falls where a longer row takes a larger block, hence the search's frontier secant.
 
@@ -35,8 +36,8 @@ recompute). Its load falls where a longer row takes a larger block, hence the se
 Measured against the GPU's own search (docs/benchmarks.md section 29) it gives 9-17% longer rows for the
 device-limited policies: a planning number, not a measurement.
 
-`auto` is not searched: it takes the first of `jaxft.remat.AUTO_ORDER` that fits the device and the host
-(`jaxft.run.Run._host_fit`), and runs offload in nested blocks where offload's layer inputs exceed the host, so its
+`auto` is not searched: it takes the first of `jaxft.memory.policy.AUTO_ORDER` that fits the device and the host
+(`jaxft.memory.choice.host_fit`), and runs offload in nested blocks where offload's layer inputs exceed the host, so its
 longest row is the longest of its candidates' (offload's: the longer of `offload` and `offload_nested`), and the
 row says which candidate it would choose there (`auto_row`).
 
@@ -243,7 +244,7 @@ def main(argv=None) -> int:
         _deviceless()
         if args.attention == "auto":  # cuDNN does not lower without cuDNN installed; the flash kernel does
             args.attention = "pallas"
-    from jaxft.remat import default_host_budget
+    from jaxft.memory.policy import default_host_budget
 
     host_budget = default_host_budget(int(args.host_memory_gb * GIB) if args.host_memory_gb else None)
     if host_budget <= 0:

@@ -8,7 +8,7 @@ so an 8B or 70B model "fits" in the table without a byte of it being allocated.
 
 Per-device peak = arguments (frozen weights, LoRA, optimizer state, batch: each device's shards) + outputs +
 temporaries - outputs aliased to donated inputs + the allocator's rounding (2% of arguments;
-`jaxft.auto.peak_estimate`, what `remat: auto` and `mesh: auto` use). Meshes: "dp" = every device on data
+`jaxft.memory.budget.peak_estimate`, what `remat: auto` and `mesh: auto` use). Meshes: "dp" = every device on data
 (weights replicated), "fsdp" = every device on fsdp (frozen weights split on their hidden dimension); both split
 the batch rows, 1 row of `--seq` tokens per device.
 
@@ -49,12 +49,12 @@ def estimate(hf_config: dict, *, devices: int, mesh: dict[str, int], remat: str 
              layer_loop: str = "scan") -> dict:
     """XLA's memory analysis (bytes per device) of the LoRA step of a model shaped by `hf_config` (a config.json
     dict) on the first `devices` devices with `mesh`, all-linear LoRA of rank `lora_r`, `rows_per_device` rows
-    of `seq_len` tokens per batch-parallel device; "peak" is `jaxft.auto.peak_estimate`. No weight is read."""
+    of `seq_len` tokens per batch-parallel device; "peak" is `jaxft.memory.budget.peak_estimate`. No weight is read."""
     import jax
 
-    from jaxft.execution import ExecutionConfig
+    from jaxft.memory.execution import ExecutionConfig
     from jaxft.lora import LoraConfig
-    from jaxft.auto import peak_estimate
+    from jaxft.memory import peak_estimate
     from jaxft.run import Run
     from jaxft.sharding import MeshConfig
 

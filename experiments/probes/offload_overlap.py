@@ -225,7 +225,7 @@ def run_variant(variant: dict[str, str], model_dir: str, seq: int, steps: int, w
     import jax
 
     from scripts.bench.profile import load_trace
-    from jaxft.execution import ExecutionConfig
+    from jaxft.memory.execution import ExecutionConfig
     from jaxft.run import Run
     from experiments.probes.max_context import make_batch, recipe, Settings
 

@@ -8,7 +8,7 @@ Each variant is compiled (and run for a few real steps) in its own subprocess, s
                GPU; a small shape on the CPU), or "mini": pure JAX, L residual MLP layers, each one
                `jax.checkpoint` that names its input "layer_input" (no jaxft code at all).
     policy     none | full | offload (layer inputs to pinned host by jax.checkpoint's offload policy) |
-               offload_explicit (the same through `jaxft.offload.host_offloaded`); loop: scan | unroll
+               offload_explicit (the same through `jaxft.memory.offload.host_offloaded`); loop: scan | unroll
     attention  jaxft only: cudnn (segment ids given: cuDNN's ragged THD path, what tests/test_remat_gpu.py
                compiles), cudnn_dense (no segment ids: jax.nn.dot_product_attention), reference, pallas
     flags      compiler options for this program only (`jit(...).lower().compile(compiler_options=...)`)
@@ -151,7 +151,7 @@ def _jaxft_program(v: dict, gpu: bool):
     import jax.numpy as jnp
     import numpy as np
     from jaxft.config import ModelConfig
-    from jaxft.execution import ExecutionConfig
+    from jaxft.memory.execution import ExecutionConfig
     from jaxft.lora import LoraConfig, apply_lora
     from jaxft.models import init_model
     from jaxft.models.layers import linears
@@ -179,7 +179,8 @@ def _jaxft_program(v: dict, gpu: bool):
     # cudnn_dense: no segment ids, so cuDNN runs jax.nn.dot_product_attention; otherwise one segment per row.
     batch["segment_ids"] = None if attention == "cudnn_dense" else np.ones((1, 1, t), np.int32)
     remat = {"offload_explicit": "offload", "none": "none", "full": "full", "offload": "offload"}[v["policy"]]
-    # "offload" is jax.checkpoint's policy in both loops (what the H200 measured), "offload_explicit" jaxft.offload.
+    # "offload" is jax.checkpoint's policy in both loops (what the H200 measured), "offload_explicit"
+    # jaxft.memory.offload.
     extra = {"offload_transfer": "explicit" if v["policy"] == "offload_explicit" else "policy"}
     ex = ExecutionConfig(attention_implementation="cudnn" if attention.startswith("cudnn") else attention,
                          remat=remat, layer_loop=v["loop"], **extra)
@@ -217,7 +218,7 @@ def _mini_program(v: dict, gpu: bool):
             offload_dst="pinned_host")
         body = jax.checkpoint(layer, policy=pol)
     else:
-        from jaxft.offload import host_offloaded
+        from jaxft.memory.offload import host_offloaded
 
         body = host_offloaded(layer)
 

@@ -26,7 +26,7 @@ from jax._src.ad_checkpoint import saved_residuals
 
 from scripts.bench.workloads import LORA, SHAPES, lora_module_targets, moe_layout  # noqa: E402
 from jaxft.config import ModelConfig  # noqa: E402
-from jaxft.execution import ExecutionConfig  # noqa: E402
+from jaxft.memory.execution import ExecutionConfig  # noqa: E402
 from jaxft.lora import LoraConfig, apply_lora  # noqa: E402
 from jaxft.models import init_model  # noqa: E402
 from jaxft.train.step import split_model, token_loss_sum  # noqa: E402

@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """How fast can a layer loop read its weights from pinned host memory, and does the copy run under the matmuls?
-A probe of the fetch forms `jaxft.offload_scan` could use, on one GPU, outside jaxft's model code.
+A probe of the fetch forms `jaxft.memory.scan_offload` could use, on one GPU, outside jaxft's model code.
 
     PYTHONPATH=. python -m experiments.probes.stream_fetch_probe [--layers 16] [--tokens 16384] --out probe.json
 
 The loop: `--layers` layers of Llama-3.1-8B's matmul shapes (q, k, v, o 4096 x 4096 in the real model's GQA
 shapes, gate/up 4096 x 14336, down 14336 x 4096; bf16), forward only, one row of `--tokens` tokens; the layer's
-weights are one packed [total] row of an [L, total] stack (`jaxft.streamed`'s layout). Layer i + 1's row is fetched
-while layer i runs (as `offloaded_scan` does). Forms:
+weights are one packed [total] row of an [L, total] stack (`jaxft.memory.streamed`'s layout). Layer i + 1's row is
+fetched while layer i runs (as `offloaded_scan` does). Forms:
 
     device        the stack on the device, sliced in the scan: the compute alone
     copy_only     the stack in pinned host memory, each row fetched, almost no compute: the link alone

@@ -129,7 +129,7 @@ def test_deviceless_needs_a_device_budget_and_no_step():
 
 
 def test_auto_row_is_the_longest_candidate_offload_nesting_past_the_host():
-    """auto skips what the host cannot hold and nests offload there (Run._host_fit): its row is the longest of
+    """auto skips what the host cannot hold and nests offload there (jaxft.memory.choice.host_fit): its row is the longest of
     its candidates', offload reaching its nested row, and names the first candidate that reaches it."""
     results = {
         "none": dict(max_seq=36_864, limited_by="device", device_bytes=1, host_bytes=0),
@@ -157,7 +157,7 @@ def test_auto_row_is_the_longest_candidate_offload_nesting_past_the_host():
 
 
 def test_lean_attn_is_the_remat_policy_auto_tries():
-    from jaxft.remat import AUTO_ORDER, LEAN_ATTN
+    from jaxft.memory.policy import AUTO_ORDER, LEAN_ATTN
 
     assert mc.REMAT_OF["lean_attn"] == (LEAN_ATTN, {}) and LEAN_ATTN in AUTO_ORDER and "lean_attn" in mc.POLICIES
     ex = mc.execution_for(mc.Settings(model_dir=None, host_budget=64 * mc.GIB), "lean_attn", 4096, probe=False)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxft.config import SPARSE_MLPS, ModelConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.families import family_for
 from jaxft.mesh_axes import row_split
 from jaxft.models.layers import Linear, TrainableParam, _init, logical, with_token_rows

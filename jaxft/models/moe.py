@@ -370,7 +370,7 @@ class GroupedExperts(nnx.Module):
             h = self.activate(checkpoint_name(gate_up, MLP_GATE_UP))
             adapter = None if self.down_lora is None else self.down_lora.grouped_adapter(h.dtype)
             ys = bias(expert_matmul(h, self.down_proj, sizes, gmm, adapter=adapter), "down_bias")
-            ys = checkpoint_name(ys, MOE_EXPERT_OUT)  # what the combine's backward reads (jaxft.remat)
+            ys = checkpoint_name(ys, MOE_EXPERT_OUT)  # what the combine's backward reads (jaxft.memory.policy)
             out = combine(ys, weights, routing, xf).reshape(shape)
         return out if stats is None else (out, stats)
 

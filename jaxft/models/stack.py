@@ -17,7 +17,7 @@ A linear 4-bit in some layers and dense in others (`Linear.quant_rows`: a bitsan
 one format per linear, runs over runs of layers of one layout (`mixed_rows`, `_uniform_runs`; no periodic scan
 then), and an unrolled layer reads its own row of whichever format it has (`layer_slice`).
 
-Rematerialisation policies (`ExecutionConfig.remat`, `jaxft.remat`) are applied per layer here, the same way
+Rematerialisation policies (`ExecutionConfig.remat`, `jaxft.memory.policy`) are applied per layer here, the same way
 in both loops: each layer is one `jax.checkpoint` whose policy sees the named residuals (layer input here,
 the others in the block and the attention ops).
 
@@ -34,7 +34,7 @@ its input alone, the layers inside full checkpoints; the outer policy offloads t
 Host offload of the layer input (`resolve_transfer`): in the scan, jax.checkpoint's offload policy, whose copies
 XLA keeps (they go through the loop's stacked host buffer); in the unrolled loop XLA folds the policy's copy to
 the host and copy back into nothing (no S(5) value is left in the compiled program), so
-remat "offload" there takes the explicit transfer of `jaxft.offload` (ExecutionConfig.offload_transfer), whose
+remat "offload" there takes the explicit transfer of `jaxft.memory.offload` (ExecutionConfig.offload_transfer), whose
 copy back reads an optimization barrier. `tests/test_remat_gpu.py` checks the compiled memory on the GPU,
 `experiments/probes/offload_probe.py` measures every combination. On the CPU JAX lowers no placement ops (there is no
 host offload to keep): an offloading policy is a plain remat there.
@@ -57,9 +57,9 @@ from jaxft.config import ModelConfig
 from jaxft.families import family_for
 from jaxft.mesh_axes import constrain_rows
 from jaxft.models.layers import ExpertParam, QuantizedWeight, StackRow, linears
-from jaxft.offload import PrefetchChain, host_offloaded, layer_index
-from jaxft.offload_scan import HostRows, in_host_memory, is_slot, offloaded_scan, unpack_rows
-from jaxft.remat import RematPolicy
+from jaxft.memory.offload import PrefetchChain, host_offloaded, layer_index
+from jaxft.memory.scan_offload import HostRows, in_host_memory, is_slot, offloaded_scan, unpack_rows
+from jaxft.memory.policy import RematPolicy
 from jaxft.residuals import BLOCK_INPUT, LAYER_INPUT
 from kernels_pallas._dispatch import target_platform
 
@@ -249,15 +249,15 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
         raise ValueError("run_groups: per-layer policies (ExecutionConfig.remat_layers) need "
                          "per-layer weight buffers (layer_loop: unroll)")
     without = RematPolicy("none")
-    # Nested checkpointing (`RematPolicy.block`, jaxft.remat): an outer scan over blocks of layers, each block one
-    # checkpoint of policy `outer` keeping its input alone, each layer inside a full checkpoint.
+    # Nested checkpointing (`RematPolicy.block`, jaxft.memory.policy): an outer scan over blocks of layers, each block
+    # one checkpoint of policy `outer` keeping its input alone, each layer inside a full checkpoint.
     outer, block = None, policy.block if policy.checkpointed else 1
     if block > 1:
         if unrolled:
             raise ValueError("run_groups: nested remat blocks (ExecutionConfig.remat_block) need the layer scan")
         outer, policy = policy.nested()
     # The explicitly offloaded layers of an unrolled loop pass each other the signal that starts a copy back one
-    # layer early (jaxft.offload.PrefetchChain); this trace's own, in layer order.
+    # layer early (jaxft.memory.offload.PrefetchChain); this trace's own, in layer order.
     chain = PrefetchChain() if unrolled else None
     # In a scan the expert stacks stay whole, outside the scanned state: each layer reads its row in place
     # (`StackRow`). Unrolled layers have buffers of their own already.
@@ -267,7 +267,7 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
             states[name], expert_stacks[name] = _split_expert_stacks(states[name])
     rows_of = _stack_rows(groups, num_layers)
     # Remat "offload" with the explicit transfer in a scan: one custom VJP around the whole scan
-    # (`jaxft.offload_scan`), whose backward copies each layer input back one layer early; the layers inside it
+    # (`jaxft.memory.scan_offload`), whose backward copies each layer input back one layer early; the layers inside it
     # run without a checkpoint of their own (its backward recomputes them).
     scan_offload = not unrolled and resolve_transfer(policy, False) == "explicit"
     # Frozen weights in pinned host memory (`ExecutionConfig.frozen_weights: host`): the same scan, streaming each
@@ -406,8 +406,8 @@ def _scan_layers(step, carry, xs, block: int, outer: RematPolicy | None):
       periodic scan does): that saves the block's weight slice but costs a layer input, which long rows pay more.
     - Only the outer scan's block inputs reach the host: the last partial block's input, and a single block's
       (an outer scan of one step), stay on the device, since XLA folds a host copy pair outside a loop as in the
-      unrolled loop. The host count of `jaxft.remat.offloaded_bytes` is one input high there; the device estimate
-      is the compiled one."""
+      unrolled loop. The host count of `jaxft.memory.policy.offloaded_bytes` is one input high there; the device
+      estimate is the compiled one."""
     if outer is None or block <= 1:
         carry, _ = jax.lax.scan(lambda c, x: (step(c, x), None), carry, xs)
         return carry
@@ -431,7 +431,7 @@ def _scan_layers(step, carry, xs, block: int, outer: RematPolicy | None):
 def _scanned(state: nnx.State, host_rows, device_rows) -> tuple[nnx.State, dict[tuple, HostRows]]:
     """(the scanned form of a stack's state, {packed buffer key: its streamed rows}): a device leaf as
     `device_rows(leaf)` (the group's rows), a leaf in host memory as `host_rows(leaf)` (a `HostRows`), a packed
-    entry (`jaxft.streamed`) as its slot without the buffer, whose rows `host_rows(buffer)` are streamed once for
+    entry (`jaxft.memory.streamed`) as its slot without the buffer, whose rows `host_rows(buffer)` are streamed once for
     all its slots (`unpack_rows` slices them out of the fetched row)."""
     buffers: dict[tuple, HostRows] = {}
 
@@ -493,9 +493,9 @@ def _with_rows(layer_state: nnx.State, stacks: nnx.State, row) -> nnx.State:
 
 
 def resolve_transfer(policy: RematPolicy, unrolled: bool) -> str:
-    """How the layer input reaches the host under `policy`: "explicit" (`jaxft.offload.host_offloaded`) or
+    """How the layer input reaches the host under `policy`: "explicit" (`jaxft.memory.offload.host_offloaded`) or
     "policy" (jax.checkpoint's offload policy). `policy.transfer` "auto" is explicit in the unrolled loop, whose
-    policy offload XLA drops (see `jaxft.offload`), and the policy in the scan, whose offload XLA keeps;
+    policy offload XLA drops (see `jaxft.memory.offload`), and the policy in the scan, whose offload XLA keeps;
     "explicit" applies to every policy that offloads something: the layer input alone with nothing else kept
     (`RematPolicy.explicit_capable`) by hand with a full recompute, any other through the policy's own vjp
     inside the explicit custom VJP (`host_offloaded(fn, policy)`), whose barriers decide when the copies run."""
@@ -506,8 +506,8 @@ def resolve_transfer(policy: RematPolicy, unrolled: bool) -> str:
         # assignment rejects (JAX 0.11.2: "Expected instruction to have shape equal to"),
         # and there the policy's own offload is kept anyway.
         return "explicit" if unrolled else "policy"
-    # In a scan "explicit" is `jaxft.offload_scan` around the whole scan (run_groups), which prefetches the copies
-    # back; "auto" keeps the policy there, whose copies XLA already overlaps.
+    # In a scan "explicit" is `jaxft.memory.scan_offload` around the whole scan (run_groups), which prefetches the
+    # copies back; "auto" keeps the policy there, whose copies XLA already overlaps.
     return "explicit" if policy.transfer == "explicit" or unrolled else "policy"
 
 
@@ -521,7 +521,7 @@ def _layer_fn(graphdef, layer_ctx, dropout_rng, *, policy: RematPolicy, prevent_
               transfer: str = "policy", row: int | None = None, chain: PrefetchChain | None = None,
               stacks: nnx.State | None = None, stack_rows: np.ndarray | None = None):
     """`(x, layer_state, index) -> x` for one layer, rematerialised per `policy`; `transfer` "explicit" (only
-    for a policy that `explicit_capable` accepts) moves the layer input to the host through `jaxft.offload`, with
+    for a policy that `explicit_capable` accepts) moves the layer input to the host through `jaxft.memory.offload`, with
     its copy back started one layer early when the layers share a `chain` (unrolled loops); "ordered" (policy
     full) is the same custom VJP with the input kept on the device (`host_offloaded(host=False)`).
 

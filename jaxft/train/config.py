@@ -10,7 +10,7 @@ unknown key at once, each with a "did you mean" suggestion and where it was give
 command line), and prefixes a key's error with that place. Every failure is a `TrainConfigError` whose message is
 one line the CLI can print as is. YAML files and overrides are read by `jaxft.train.config_file.load_config`.
 
-Memory is one key, `memory`: a preset named for what it buys (`jaxft.execution.MEMORY_PRESETS`, each a measured
+Memory is one key, `memory`: a preset named for what it buys (`jaxft.memory.execution.MEMORY_PRESETS`, each a measured
 benchmark recipe), `auto` by default (the fastest that fits `max_memory_gb`: `jaxft.run.Run`). The mechanisms
 behind the presets are fields of one advanced mapping, `execution` (`EXECUTION_MAPPING_KEYS`); an `execution` field
 wins over the preset's, field by field, logged. `gradient_checkpointing: true` (the HF/TRL switch) with neither
@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 from jaxft.data.pipeline import DataConfig
 from jaxft.distributed import DistributedConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.lora import LoraConfig
 from jaxft.quant.config import Fp8Config, QuantConfig
 from jaxft.sharding import MeshConfig

@@ -75,7 +75,7 @@ SECTIONS = {
     "optim": "the optimizer, its schedule, how many steps of how many micro-batches, the seed",
     "lora": "the adapter: rank, scale, targets, fully trained modules and token rows (built: jaxft.lora.LoraConfig)",
     "quant": "the frozen weights in 4 bits (transformers' BitsAndBytesConfig names) or FP8",
-    "memory": "speed against device memory, and the kernels a step uses (built: jaxft.execution.ExecutionConfig)",
+    "memory": "speed against device memory, and the kernels a step uses (built: memory.execution.ExecutionConfig)",
     "mesh": "devices and processes",
     "logging": "outputs: where, how often the run logs, evaluates and saves, what is exported",
 }
@@ -286,7 +286,8 @@ def key_for(section: str, field: str) -> str:
 
 def part_error(error, section: str) -> TrainConfigError:
     """A built part's error (it carries `field` and `problem`) stated under the key that sets that field; one that
-    is about no key the user wrote (`keyed` false: `jaxft.auto.MemoryBudgetError` of a default budget) as it is."""
+    is about no key the user wrote (`keyed` false: `jaxft.memory.choice.MemoryBudgetError` of a default budget) as
+    it is."""
     if not getattr(error, "keyed", True):
         return TrainConfigError(error.problem)
     key = key_for(section, error.field)

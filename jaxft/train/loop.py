@@ -38,16 +38,13 @@ from tqdm.auto import tqdm
 import jaxft.run
 from bridge import read_config
 from jaxft import distributed
-from jaxft import remat as remat_policies
-from jaxft.auto import claim_gpu_memory
+from jaxft.config import ModelConfig
 from jaxft.data.formatting import load_tokenizer
 from jaxft.data.images import ImageProcessor
 from jaxft.data.pipeline import build_datasets
-from jaxft.execution import ExecutionConfigError
 from jaxft.generation import generate
-from jaxft.config import ModelConfig
 from jaxft.lora import LoraConfigError, new_token_config
-from jaxft.residuals import LAYER_INPUT
+from jaxft.memory import ExecutionConfigError, claim_gpu_memory
 from jaxft.sharding import MeshConfigError
 from jaxft.train import checkpoint as ckpt
 from jaxft.train.config import TrainConfig
@@ -255,79 +252,19 @@ def _disk_full(e: BaseException) -> bool:
     return "No space left on device" in text or "Disk quota exceeded" in text
 
 
-def _note_mosaic_experts(run, execution) -> None:
-    """What the log says when the MoE experts run on the Mosaic GPU kernels: how the layer loop compiles them, and
-    that a mesh of several devices does not split them."""
-    if not run.mosaic_experts:
-        return
-    if execution.resolved_layer_loop == "unroll":
-        if run.unrolled:
-            logger.warning("layer_loop=unroll with the Mosaic GPU grouped matmul: each layer's expert kernels compile "
-                           "on their own (24 GPT-OSS-20B layers: over 4 minutes); layer_loop: auto scans them")
-        else:
-            logger.info("layer_loop auto: the layers are scanned, so the Mosaic GPU expert kernels compile once")
-    if len(run.placement.devices) > 1 and execution.moe_dispatch == "global":
-        # XLA's SPMD partitioner cannot split a custom call: it gathers the kernels' operands, so every device
-        # runs every token's experts.
-        logger.warning("grouped_matmul_implementation resolves to the Mosaic GPU kernels on a mesh of %d devices "
-                       "with moe_dispatch: global: XLA does not partition their custom call (each device runs all "
-                       "tokens' experts); set moe_dispatch: per_device (or auto)", len(run.placement.devices))
-    elif len(run.placement.devices) > 1:
-        logger.info("the Mosaic GPU expert kernels run per device on the mesh of %d devices (moe_dispatch %s: each "
-                    "device its own rows, jaxft.models.moe.per_device); not yet run on several GPUs",
-                    len(run.placement.devices), execution.moe_dispatch)
-
-
-def _note_nested_blocks(run, config: TrainConfig, rows: int) -> None:
-    """What the log says about nested checkpointing (`remat_block`): the block size chosen for micro-batches of
-    `rows` rows (all batch-parallel devices', as the step's trace sees them) and what each side holds, so a user
-    sees why a step costs one more forward."""
-    ex = config.execution_config
-    if ex.remat_block is None or ex.remat == "auto":
-        return
-    cfg, seq = run.model_config, config.model.max_seq_length
-    itemsize = jax.numpy.dtype(run.dtype).itemsize
-    policy = ex.layer_policy(cfg, rows, seq, itemsize)
-    stream = remat_policies.residual_bytes(cfg, rows, seq, itemsize)[LAYER_INPUT]
-    where = "pinned host memory" if policy.offloads else "device memory"
-    blocks = -(-cfg.num_layers // policy.block)
-    logger.info("remat %s in nested blocks of %d layers (remat_block %s): %d block inputs (%.2f GiB) in %s, one "
-                "block's %d layer inputs (%.2f GiB) on the device while it is differentiated; each step runs one "
-                "more forward of every layer", ex.remat, policy.block, ex.remat_block, blocks, blocks * stream / 2**30,
-                where, policy.block, policy.block * stream / 2**30)
-
-
-def _note_streamed_weights(run, config: TrainConfig) -> None:
-    """What the log says about `frozen_weights: host` (set, or chosen by remat auto): how many bytes of weights
-    stream, and what crosses the host link per step (read from the abstract state: nothing is loaded yet)."""
-    if not run.streams_weights:
-        return
-    streamed = run.streamed_buffers()
-    total, buffers, layers = sum(streamed.values()), len(streamed), run.model_config.num_layers
-    size = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"  # noqa: E731
-    logger.info("frozen_weights host: %s of layer weights in pinned host memory (%d packed buffers), each layer's %s "
-                "copied to the device one layer ahead in the forward and again in the backward (%s over the host "
-                "link per step)", size(total), buffers, size(total / layers), size(2 * total))
-    if config.logging.eval_generate_prompts:
-        logger.warning("eval_generate_prompts with frozen_weights host: each sample generation copies the %s of "
-                       "streamed weights to the device for its duration (generation does not stream them)",
-                       size(total))
-
-
 def _prepare(config: TrainConfig, out: Path) -> _Setup:
     resume_path = _resume_path(config, out)
     _check_output_dir(config, out, resume_path is not None)
 
     try:  # on the shapes only: a target that matches nothing is reported before the data is read
-        probe = jaxft.run.Run.from_config(config, total_steps=1)
-        probe.check_targets()
+        placement = jaxft.run.check_config(config)
     except LoraConfigError as e:
         raise part_error(e, "lora") from None
     except MeshConfigError as e:  # the mesh does not fit this process's devices
         raise TrainConfigError(str(e), key="mesh") from None
     except ExecutionConfigError as e:  # settings that do not fit these devices (frozen_weights: host on several)
         raise part_error(e, "memory") from None
-    num_devices = probe.placement.batch_parallel  # the devices batch rows are split over (all processes')
+    num_devices = placement.batch_parallel  # the devices batch rows are split over (all processes')
     if jax.process_count() > 1 and config.logging.eval_generate_prompts:
         raise TrainConfigError("key 'eval_generate_prompts': sample generation runs in one process only; drop it "
                                f"for this {jax.process_count()}-process run", key="eval_generate_prompts")
@@ -339,18 +276,10 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
                 "%d steps",
                 plan.rows_per_step, config.data.per_device_train_batch_size,
                 config.optim.gradient_accumulation_steps, num_devices, plan.steps_per_epoch, plan.total_steps)
-    if (config.execution_config.resolved_layer_loop == "unroll" and config.execution_config.remat != "auto"
-            and remat_policies.parse(config.execution_config.remat).offloads):
-        logger.info("layer_loop=unroll with an offloading remat policy: the host copies take the explicit transfer "
-                    "(jaxft/offload.py), each layer's input copied back one layer ahead (most of the copy time "
-                    "hidden under compute; it keeps one more layer input on the device); layer_loop: scan is the "
-                    "default")
     if config.optim.lr_scheduler_type == "constant" and plan.warmup_steps:
         logger.warning("lr_scheduler_type=constant ignores warmup (as in transformers); use constant_with_warmup "
                        "for %d warmup steps", plan.warmup_steps)
     run = jaxft.run.Run.from_config(config, plan.total_steps, **_new_tokens(config, tokenizer))
-    _note_mosaic_experts(run, config.execution_config)
-    _note_nested_blocks(run, config, plan.rows_per_step // config.optim.gradient_accumulation_steps)
     if config.execution_config.remat == "auto" or run.mesh.auto:  # compiled from shapes, before any weight is placed
         try:
             if run.mesh.auto:  # (with remat auto, each mesh gets its own remat choice)
@@ -359,7 +288,10 @@ def _prepare(config: TrainConfig, out: Path) -> _Setup:
                 run.choose_remat(_local_batch(run, train_ds, 0))
         except ExecutionConfigError as e:
             raise part_error(e, "memory") from None
-    _note_streamed_weights(run, config)
+    rows = plan.rows_per_step // config.optim.gradient_accumulation_steps
+    for level, line in run.describe(rows, config.model.max_seq_length,
+                                    samples=bool(config.logging.eval_generate_prompts)):
+        logger.log(level, line)
     run.load()
     try:  # the step's temp must fit beside the pool the load left (a growing allocator's regions)
         run.fit_allocator(_local_batch(run, train_ds, 0))

@@ -16,7 +16,7 @@ from pathlib import Path
 from bridge.errors import hub_id_hint
 from jaxft.distributed import DistributedConfig, DistributedConfigError
 from jaxft.errors import ConfigError
-from jaxft.execution import MEMORY_PRESETS, ExecutionConfig, ExecutionConfigError
+from jaxft.memory.execution import MEMORY_PRESETS, ExecutionConfig, ExecutionConfigError
 from jaxft.lora import LoraConfig, LoraConfigError
 from jaxft.models.vision.targets import finetune_targets
 from jaxft.quant.config import DEFAULT_SKIP, Fp8Config, QuantConfig, QuantConfigError
@@ -190,7 +190,7 @@ class QuantSection:
 
 @section("memory")
 class MemorySection:
-    """Speed against device memory: the `memory` preset (`jaxft.execution.MEMORY_PRESETS`), then the `execution`
+    """Speed against device memory: the `memory` preset (`jaxft.memory.execution.MEMORY_PRESETS`), then the `execution`
     mapping's fields and the deprecated flat keys over it, field by field (`build`: `ExecutionConfig`).
 
     `memory` holds the mode in force (null resolved: auto, or lean by `gradient_checkpointing` when no remat

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.models.layers import TrainableParam
 from jaxft.models.stack import STACK_NAMES
 from jaxft.models.moe import load_balancing_loss

@@ -66,7 +66,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 #   lean: layer inputs offloaded to pinned host memory, everything else recomputed in the backward pass; the
 #         layer scan (host offload of the scanned layer inputs is what keeps the memory down).
 #   offload_attn (memory: balanced), lean_attn_host (memory: max_context), offload_unroll, auto, auto_40gb: the
-#         remat policies of jaxft.remat (one YAML each; auto_40gb = auto within 40 GB);
+#         remat policies of jaxft.memory.policy (one YAML each; auto_40gb = auto within 40 GB);
 #   qlora: fast on a 4-bit base (the frozen linears, and a MoE shape's experts, quantised to bitsandbytes nf4
 #         with double quantisation while loading); qlora_lean: the same base with full remat over the layer scan;
 #         qlora_offload: the same base with the layer inputs offloaded from the unrolled loop.
@@ -231,8 +231,8 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
              "recipe": os.path.relpath(mode_yaml(mode), REPO),
              # compile_s is a cache read, not a compile, when an earlier process compiled the same step
              "compilation_cache_dir": jax.config.jax_compilation_cache_dir}
-    if run.remat_compiles:  # remat "auto": what it compiled, [policy, remat_layers, depth] (a shallow depth: a probe)
-        extra["remat_compiles"] = [list(c) for c in run.remat_compiles]
+    if run.trials.compiles:  # remat "auto": what it compiled, [policy, remat_layers, depth] (a shallow depth: a probe)
+        extra["remat_compiles"] = [list(c) for c in run.trials.compiles]
     if profile_dir:
         extra.update(_profile(profile_dir, run, batches, run.model_config.num_layers))
     execution = run.execution  # as run: `remat: auto` resolved (policy, remat_layers, hence the layer loop)
@@ -249,7 +249,7 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
         "versions": {"jax": jax.__version__, "jaxft": getattr(jaxft, "__version__", "dev")},
         "settings": {"mode": mode, "recipe": extra["recipe"], "remat": execution.remat,
                      "remat_layers": execution.remat_layers, "remat_block": execution.remat_block,
-                     "max_memory_gb": execution.max_memory_gb, "remat_estimates": run.remat_estimates,
+                     "max_memory_gb": execution.max_memory_gb, "remat_estimates": run.trials.estimates,
                      "attention": execution.attention_implementation, "layers": run.layer_loop,
                      "ce_chunk_size": execution.ce_chunk_size, "dtype": dtype, "lora_dtype": "float32",
                      "compute": dtype, **grouped_matmul_settings(workload, execution, dtype)},

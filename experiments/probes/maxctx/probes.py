@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[3]
 GIB = 2**30
 POLICIES = ("none", "full", "offload", "offload+attn", "lean_attn", "offload_nested")
 # Policies of this script that are a remat policy plus execution settings: "offload_nested" is remat offload with
-# nested blocks sized to the host budget (`remat_block: auto`, jaxft.remat); "lean_attn" names the selective policy
-# `jaxft.remat.LEAN_ATTN` (`--policies` is split on commas; this module imports no JAX before the device is set up).
+# nested blocks sized to the host budget (`remat_block: auto`, jaxft.memory.policy); "lean_attn" names the selective
+# policy `jaxft.memory.policy.LEAN_ATTN` (`--policies` is split on commas; this module imports no JAX before the device
+# is set up).
 REMAT_OF = {"offload_nested": ("offload", {"remat_block": "auto"}),
             "lean_attn": ("offload=layer_input,attn_out,attn_lse", {})}
 RECIPE = ROOT / "examples" / "bench" / "auto.yaml"
@@ -52,7 +53,7 @@ def recipe(settings: Settings):
 
 def execution_for(settings: Settings, policy: str, seq: int, *, probe: bool):
     """The step's ExecutionConfig for `policy` at a row of `seq` tokens."""
-    from jaxft.execution import ExecutionConfig
+    from jaxft.memory.execution import ExecutionConfig
 
     chunk = settings.mlp_chunk_size
     name, (policy, extra) = policy, REMAT_OF.get(policy, (policy, {}))
@@ -95,11 +96,11 @@ def make_batch(seq: int, vocab: int, *, seed: int = 0) -> dict:
 
 
 def host_bytes_analytic(run, seq: int) -> int:
-    """Host bytes of the policy's offloaded residuals (`jaxft.remat.offloaded_bytes`: each offloaded name x layers,
-    or one layer input per nested block; the policy never names what a tiled MLP recomputes per chunk)."""
+    """Host bytes of the policy's offloaded residuals (`jaxft.memory.policy.offloaded_bytes`: each offloaded name x
+    layers, or one layer input per nested block; the policy never names what a tiled MLP recomputes per chunk)."""
     import jax.numpy as jnp
 
-    from jaxft.remat import offloaded_bytes
+    from jaxft.memory.policy import offloaded_bytes
 
     cfg, ex = run.model_config, run.execution
     itemsize = jnp.dtype(run.dtype).itemsize
@@ -121,7 +122,7 @@ def analytic_device_per_token(run, seq: int) -> float:
     cotangents)."""
     import jax.numpy as jnp
 
-    from jaxft.remat import LAYER_INPUT, MLP_GATE_UP, residual_bytes
+    from jaxft.memory.policy import LAYER_INPUT, MLP_GATE_UP, residual_bytes
 
     cfg, ex = run.model_config, run.execution
     itemsize = jnp.dtype(run.dtype).itemsize
@@ -143,7 +144,7 @@ def analytic_device_per_token(run, seq: int) -> float:
 def device_budget(settings: Settings) -> tuple[int, str]:
     if settings.device_budget is not None:
         return settings.device_budget, "--device-memory-gb"
-    from jaxft.auto import default_memory_budget
+    from jaxft.memory import default_memory_budget
 
     return default_memory_budget()
 
@@ -152,7 +153,7 @@ def probe(settings: Settings, policy: str, seq: int) -> dict[str, Any]:
     """Compiles the step of `policy` at `seq` tokens from shapes; its device and host bytes."""
     import jax
 
-    from jaxft.auto import peak_estimate
+    from jaxft.memory import peak_estimate
 
     run = make_run(settings, policy, seq, probe=True)
     rec: dict[str, Any] = dict(policy=policy, seq=seq)
@@ -255,7 +256,7 @@ def real_step(settings: Settings, policy: str, seq: int, emit: Callable[[dict], 
     """One real training step of `policy` at `seq` tokens on random weights (`Run.init_random`)."""
     import jax
 
-    from jaxft.auto import peak_estimate
+    from jaxft.memory import peak_estimate
 
     rec: dict[str, Any] = dict(event="step", policy=policy, seq=seq)
     try:

@@ -24,13 +24,13 @@ def unsloth_derived(budget: int, points=UNSLOTH_POINTS) -> dict[str, float]:
 
 def auto_row(results: dict[str, dict]) -> dict[str, Any]:
     """auto's longest row, derived from the searched rows: auto takes the first of `AUTO_ORDER` whose compiled step
-    fits the device and whose offloaded residuals fit the host (`jaxft.run.Run._host_fit`), and where offload's
+    fits the device and whose offloaded residuals fit the host (`jaxft.memory.choice.host_fit`), and where offload's
     layer inputs exceed the host it runs offload in nested blocks (`remat_block: auto`, the `offload_nested` row).
     So offload reaches the longer of its two rows, every other candidate its own, auto's longest row is the longest
     of these, and the row names the first candidate that reaches it (the one auto would choose there). The order is
     `AUTO_ORDER` itself: one document of tens of thousands of tokens attends enough for LEAN_ATTN's copies to pay
-    (`jaxft.remat.attention_copies_pay`; auto moves it after offload on rows that attend little)."""
-    from jaxft.remat import AUTO_ORDER
+    (`jaxft.memory.policy.attention_copies_pay`; auto moves it after offload on rows that attend little)."""
+    from jaxft.memory.policy import AUTO_ORDER
 
     row_of = {remat: name for name, (remat, extra) in REMAT_OF.items() if not extra}  # LEAN_ATTN: "lean_attn"
     reach: dict[str, tuple[str, dict]] = {}  # candidate -> (the form auto runs it in, its searched row)

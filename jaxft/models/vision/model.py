@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxft.config import ModelConfig
-from jaxft.execution import ExecutionConfig
+from jaxft.memory.execution import ExecutionConfig
 from jaxft.mesh_axes import row_split
 from jaxft.models.decoder import DEFAULT_EXECUTION, Decoder
 from jaxft.models.vision.mrope import mrope_positions

@@ -7,14 +7,17 @@ matmul; one copy per layer runs under all of the layer's matmuls.
 
 In the frozen state each streamed entry's value is a `PackedSlot`: the buffer (a pytree child, so the step receives
 it as an argument: every slot of one buffer passes the same array) and where the entry sits in each row (static).
-`jaxft.models.stack.run_groups` fetches one row per buffer and iteration (`jaxft.offload_scan.HostRows`) and slices
-the layer's weights out of the row on the device (`jaxft.offload_scan.unpack_rows`). `pack` / `unpack` convert a
-frozen state both ways on the host (numpy): generation and exports get ordinary arrays back (`jaxft.run.Run.model`).
-Packing holds the weights twice in host memory for a moment (the numpy buffer and its pinned copy).
+`jaxft.models.stack.run_groups` fetches one row per buffer and iteration (`jaxft.memory.scan_offload.HostRows`) and
+slices the layer's weights out of the row on the device (`jaxft.memory.scan_offload.unpack_rows`). `pack` / `unpack`
+convert a frozen state both ways on the host (numpy): generation and exports get ordinary arrays back
+(`jaxft.run.Run.model`). Packing holds the weights twice in host memory for a moment (the numpy buffer and its pinned
+copy). `reading_place`, `frozen_shardings` and `place` say where a run's frozen state is read and lives.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from typing import Any
 
@@ -22,8 +25,8 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxft.memory.scan_offload import PackedSlot, is_slot
 from jaxft.models.stack import streamed_weight
-from jaxft.offload_scan import PackedSlot, is_slot
 
 
 def _layout(frozen: nnx.State) -> tuple[dict[tuple, list[tuple[tuple, Any]]], dict[tuple, int]]:
@@ -94,3 +97,47 @@ def unpack(frozen: nnx.State) -> nnx.State:
 
 def is_packed(frozen: nnx.State) -> bool:
     return any(is_slot(v.get_value()) for _, v in nnx.to_flat_state(frozen))
+
+
+def host_sharding(placement) -> jax.sharding.Sharding:
+    """Where packed buffers live: pinned host memory, replicated over `placement`'s mesh
+    (`jaxft.sharding.Placement`)."""
+    return placement.replicated.with_memory_kind("pinned_host")
+
+
+def frozen_shardings(placement, frozen: nnx.State, streams: bool) -> nnx.State:
+    """Where each frozen array lives: `placement`'s sharding; where the weights stream (`streams`), a packed buffer
+    (`PackedSlot`) in pinned host memory, and before packing (a program that makes the weights) the entries that
+    will be packed there too."""
+    flat = []
+    for p, v in nnx.to_flat_state(frozen):
+        value = v.get_value()
+        if is_slot(value):
+            flat.append((p, v.replace(dataclasses.replace(value, rows=host_sharding(placement)))))
+        elif streams and streamed_weight(p, v):
+            flat.append((p, v.replace(placement.sharding_of(v).with_memory_kind("pinned_host"))))
+        else:
+            flat.append((p, v.replace(placement.sharding_of(v))))
+    return nnx.from_flat_state(flat)
+
+
+def place(placement, frozen: nnx.State, streams: bool, *, delete_source: bool = True) -> nnx.State:
+    """`frozen` in its places (`frozen_shardings`), packed first where the weights stream (the packing reads each
+    array to the host and, with `delete_source`, frees it)."""
+    if streams and not is_packed(frozen):
+        frozen = pack(frozen, host_sharding(placement), delete_source=delete_source)
+    return jax.device_put(frozen, frozen_shardings(placement, frozen, streams))
+
+
+def reading_place(streams: bool):
+    """Where a model's checkpoint is read into: with `streams` (weights that stream, read whole: not a 4-bit base,
+    quantised on the accelerator one layer at a time) the host's CPU device, so the whole model never lands on the
+    accelerator before it is packed into pinned host memory; else (or with no CPU backend) the default device. A
+    random init still makes them on the accelerator: XLA's CPU threefry would hold uint32 buffers of about the
+    model's size on the host (`jaxft.run.Run.random_state_program`)."""
+    if streams:
+        try:
+            return jax.default_device(jax.devices("cpu")[0])
+        except RuntimeError:  # JAX_PLATFORMS without cpu
+            pass
+    return contextlib.nullcontext()

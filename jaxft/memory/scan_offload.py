@@ -24,7 +24,7 @@ rows to the device one iteration early - the forward fetches layer i + 1's weigh
 layer i - 1's while layer i recomputes and differentiates - so at most two layers' weights are on the device at a
 time and the copies run under compute. The forward's last fetch (the top layer) is the backward's first weights.
 These inputs are frozen: nothing differentiates them. `host=False` keeps the carries on the device (remat "full"
-over streamed weights). Weights packed for streaming (`PackedSlot`, `jaxft.streamed`: one [L, total] host buffer
+over streamed weights). Weights packed for streaming (`PackedSlot`, `jaxft.memory.streamed`: one [L, total] host buffer
 per stack and dtype) are fetched as one row per layer and sliced apart on the device (`unpack_rows`): one copy per
 layer, which XLA runs under the layer's compute, where one copy per weight runs mostly exposed.
 
@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jaxft.offload import _hoist_constants
+from jaxft.memory.offload import _hoist_constants
 
 Space = jax.memory.Space
 
@@ -234,7 +234,7 @@ def _host(leaf) -> bool:
 
 
 def _to(leaf, space):
-    # On the CPU JAX lowers no placement: both copies are identities there (as in jaxft.offload).
+    # On the CPU JAX lowers no placement: both copies are identities there (as in jaxft.memory.offload).
     return jax.device_put(leaf, space)
 
 

@@ -57,15 +57,15 @@ LEAN_ATTN = f"offload={LAYER_INPUT},{ATTN_OUT},{ATTN_LSE}"
 #   offload+attn  recomputes projections/norms/MLP but not attention, copies one [B,T,H] per layer each way;
 #   LEAN_ATTN     the same recompute, the attention's residuals copied too (two [B,T,H] and the statistics per
 #                 layer each way): 3% faster than offload at 8B 1 x 16384; tried after offload where its copies
-#                 cost more than the attention forward they spare (`attention_copies_pay`, Run._auto_order);
+#                 cost more than the attention forward they spare (`attention_copies_pay`, choice.auto_order);
 #   full          recomputes the whole layer, attention included, no host copies;
 #   offload       the same recompute as full plus the host copies (at best hidden under compute), so never
 #                 faster than full, but it keeps L fewer layer inputs on the device.
 # Device memory falls along the same order up to LEAN_ATTN, which keeps about offload's; full keeps the layer inputs
 # on the device, more than either. So "the first that fits" is still "the fastest that fits", and full and offload
-# are there for a host too small for LEAN_ATTN's copies (`Run._host_fit` skips it; offload then nests).
+# are there for a host too small for LEAN_ATTN's copies (`choice.host_fit` skips it; offload then nests).
 AUTO_ORDER = ("none", "offload+attn", LEAN_ATTN, "full", "offload")
-# What `auto` weighs when full remat on the first k layers fits and offload+attn might too (Run._partial_remat):
+# What `auto` weighs when full remat on the first k layers fits and offload+attn might too (choice._partial_remat):
 # full remat on k layers recomputes those layers' whole forward, attention included; offload+attn recomputes the
 # projections and MLP of every layer but no attention (its host copies hide under compute). Which recomputes less
 # depends on the row: attention grows with the pairs a row attends, the projections with its tokens.
@@ -73,7 +73,7 @@ AUTO_ORDER = ("none", "offload+attn", LEAN_ATTN, "full", "offload")
 # matmuls in bf16 (cuDNN forward 430-570 TFLOP/s against matmuls of 620-800; the Pallas flash kernel on packed rows
 # is not faster).
 ATTENTION_RATE = 0.65
-# How `auto` measures full remat's per-layer saving before trying it on the first k layers (Run._partial_remat):
+# How `auto` measures full remat's per-layer saving before trying it on the first k layers (choice._partial_remat):
 # full remat on the first 1 and on the first 3 layers of a 4-layer copy of the model (compiled from shapes). Four
 # layers are two whole periods of period 1 and 2 stacks (Llama, Qwen, Gemma 2, GPT-OSS) and the two counts differ
 # by one period (a sliding and a global Gemma 2 layer); for Gemma 3 (period 6) they are its first layers, the
@@ -96,7 +96,7 @@ class RematPolicy:
     save: tuple[str, ...] = ()
     offload: tuple[str, ...] = ()
     # How an offloaded layer input travels (ExecutionConfig.offload_transfer): "policy" (jax.checkpoint's offload
-    # policy), "explicit" (jaxft.offload: copies written in a custom VJP) or "auto" (explicit in unrolled loops).
+    # policy), "explicit" (jaxft.memory.offload: copies written in a custom VJP) or "auto" (explicit in unrolled loops).
     transfer: str = "auto"
     # Layers per nested-checkpoint block (module docstring); 1: each layer is its own checkpoint. Only "full"
     # and "offload" (the layer input alone kept) nest.
@@ -112,7 +112,7 @@ class RematPolicy:
 
     @property
     def explicit_capable(self) -> bool:
-        """Whether `jaxft.offload` can run this policy: the layer input offloaded, nothing else kept (remat
+        """Whether `jaxft.memory.offload` can run this policy: the layer input offloaded, nothing else kept (remat
         "offload"); its backward recomputes the whole layer, so a policy that keeps other residuals cannot."""
         return self.kind == "names" and self.offload == (LAYER_INPUT,) and not self.save
 
@@ -144,11 +144,12 @@ class RematPolicy:
 
     @property
     def streams(self) -> bool:
-        """Whether layers of this policy run over streamed weights (`frozen_weights: host`, `jaxft.offload_scan`):
-        it offloads nothing but the layer input, or it keeps nothing on the device (`save` empty: every residual
-        it keeps goes to the host). The scan moves those itself (`streaming`); a jax.checkpoint offload inside it
-        would leave host buffers for the scan to stack, which XLA's layout assignment rejects on JAX 0.11.2. A
-        policy that both keeps names on the device and offloads others beside the layer input does not stream."""
+        """Whether layers of this policy run over streamed weights (`frozen_weights: host`,
+        `jaxft.memory.scan_offload`): it offloads nothing but the layer input, or it keeps nothing on the device (`save`
+        empty: every residual it keeps goes to the host). The scan moves those itself (`streaming`); a jax.checkpoint
+        offload inside it would leave host buffers for the scan to stack, which XLA's layout assignment rejects on JAX
+        0.11.2. A policy that both keeps names on the device and offloads others beside the layer input does not
+        stream."""
         return set(self.offload) <= {LAYER_INPUT} or (self.kind == "names" and not self.save)
 
     def streaming(self):

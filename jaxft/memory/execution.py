@@ -16,21 +16,21 @@ The model holds parameters and math; everything that changes speed or memory but
   "per_device" (the block in `jax.shard_map` over the batch axes, each device its own rows:
   `jaxft.models.moe.per_device`) or "global" (the block as one program over the whole batch: XLA gathers the
   routing, and every device multiplies every token); "auto" is per_device.
-- `remat`: what the backward pass keeps, offloads to pinned host memory or recomputes (`jaxft.remat`: "none",
+- `remat`: what the backward pass keeps, offloads to pinned host memory or recomputes (`jaxft.memory.policy`: "none",
   "full", "offload", "offload+attn", "save=..;offload=..", "auto"); a mapping {save: [...], offload: [...]} is
   accepted and stored as its canonical string. `max_memory_gb` is "auto"'s device budget (None: the device's free
-  memory less a margin, `jaxft.auto.default_memory_budget`); `host_memory_gb` what "auto" and nested blocks may
+  memory less a margin, `jaxft.memory.budget.default_memory_budget`); `host_memory_gb` what "auto" and nested blocks may
   put in host memory. `remat_layers` = N applies the policy to the first N layers only and runs the rest without
   remat (None: every layer): "auto"'s step between "none" and a policy on all layers when "none" does not fit
   (Gemma-3-12B 1 x 4096 within 40 GB, H200: full on 25 of 48 layers, 7,914 tok/s, 1.66x Unsloth; unrolled loop
   only; `jaxft.run.Run.choose_remat`); not a user key.
   `remat_block` = k (remat "full" or "offload", layer scan): nested checkpointing, blocks of k layers of which only
-  the block input is kept (on the device / in pinned host memory) for one more forward of compute (`jaxft.remat`);
-  "auto" takes the smallest k whose block inputs fit `host_memory_gb` (None: the machine's memory less a margin)
-  for "offload", ceil(sqrt(L)) for "full"; None or 1: every layer its own checkpoint.
+  the block input is kept (on the device / in pinned host memory) for one more forward of compute
+  (`jaxft.memory.policy`); "auto" takes the smallest k whose block inputs fit `host_memory_gb` (None: the machine's
+  memory less a margin) for "offload", ceil(sqrt(L)) for "full"; None or 1: every layer its own checkpoint.
 - `offload_transfer`: how remat "offload" moves each layer input to pinned host memory: "policy" (jax.checkpoint's
-  offload policy), "explicit" (`jaxft.offload`: the two copies written in a custom VJP, each copy back started
-  when the layer above starts its backward; in a layer scan, for remat "offload" only, `jaxft.offload_scan`: one
+  offload policy), "explicit" (`jaxft.memory.offload`: the two copies written in a custom VJP, each copy back started
+  when the layer above starts its backward; in a layer scan, for remat "offload" only, `jaxft.memory.scan_offload`: one
   custom VJP around the scan that copies each layer input back one layer early) or "auto" (explicit in the unrolled
   loop, whose policy copies XLA folds away, the policy in the scan, whose copies XLA keeps). Other offloading policies
   unrolled go through the explicit transfer with their policy's own copies inside it.
@@ -43,16 +43,16 @@ The model holds parameters and math; everything that changes speed or memory but
 - `ce_chunk_size` / `ce_implementation`: the linear cross-entropy's token chunk and kernel. None picks by
   length (`resolved_ce_chunk`).
 - `frozen_weights`: where the frozen weights of the layer stack live: "device", "host" (pinned host memory,
-  each layer's copied in one layer ahead of its use, in the forward and again in the backward: `jaxft.offload_scan`
-  `HostRows`). What it buys: the device holds two layers' weights instead of all of them (8B bf16: about 0.9 of
-  15 GiB). What it costs: every layer's weights cross the host link twice a step (8B: about 30 GB, about 0.57 s at
-  53 GB/s), hidden only where a step's compute is longer. Layer scan, one device, a remat
+  each layer's copied in one layer ahead of its use, in the forward and again in the backward:
+  `jaxft.memory.scan_offload` `HostRows`). What it buys: the device holds two layers' weights instead of all of them (8B
+  bf16: about 0.9 of 15 GiB). What it costs: every layer's weights cross the host link twice a step (8B: about 30 GB,
+  about 0.57 s at 53 GB/s), hidden only where a step's compute is longer. Layer scan, one device, a remat
   policy that offloads at most the layer input (none, full, offload, offload+attn, save=..): what it keeps
   is kept as without streaming; or one that keeps nothing on the device (offload=..): what it keeps
   goes to the host through the scan. MoE expert stacks and a 4-bit base's codes and scales stream too; the embeddings,
   head and small rows (norms, biases, LoRA scales) stay on the device. "auto" (the default): on the device,
   unless `remat: auto` finds no policy that fits with them there on one device; it then tries its candidates
-  again with the weights streamed (`jaxft.auto`).
+  again with the weights streamed (`jaxft.memory.choice`).
 - `compiler_options`: XLA options for the step's program only (never process-wide flags), over the ones the
   settings want (`program_options`: the scan's pipelined host offload).
 
@@ -63,12 +63,13 @@ presets are the `memory` key's, `MEMORY_PRESETS`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Mapping
 
 import jax
 
-from jaxft import remat as remat_policies
 from jaxft.errors import ConfigError
+from jaxft.memory import policy as remat_policies
 from jaxft.residuals import LAYER_INPUT, NAMES
 from kernels_pallas.grouped_matmul import IMPLEMENTATIONS as GROUPED_MATMUL_IMPLEMENTATIONS
 from kernels_pallas.linear_cross_entropy import tiles_for
@@ -84,7 +85,7 @@ MOE_DISPATCHES = ("auto", "per_device", "global")
 # (examples/bench/<recipe>.yaml, numbers in docs/benchmarks.md), named for what it buys; explicit `execution`
 # fields win over a preset's, field by field. Llama-3.1-8B shape, LoRA r 16 on every linear, one GPU.
 MEMORY_PRESETS: dict[str, dict[str, Any]] = {
-    # The fastest policy whose compiled step fits `max_memory_gb` (`jaxft.auto`): at 8B 1 x 4096 on an H200 it
+    # The fastest policy whose compiled step fits `max_memory_gb` (`jaxft.memory.choice`): at 8B 1 x 4096 on an H200 it
     # chose no remat, within 0.6% of fast; at 1 x 65536, offload+attn (5,281 tok/s at 47.25 GiB).
     "auto": {"remat": "auto"},
     # No remat, layers unrolled (fast.yaml): 8B 1 x 4096, H200: 14,799 tok/s at 27.76 GiB (1.44x Unsloth).
@@ -175,8 +176,8 @@ class ExecutionConfig:
         parsed = None if self.remat == "auto" else remat_policies.parse(self.remat)
         if self.offload_transfer == "explicit" and self.layer_loop == "scan" and parsed is not None and \
                 parsed.offloads and not parsed.explicit_capable:
-            # In a scan the explicit transfer is `jaxft.offload_scan` (the layer input alone, a full recompute); a
-            # policy's other host copies would be residuals stacked by the scan's AD in a host buffer, which XLA's
+            # In a scan the explicit transfer is `jaxft.memory.scan_offload` (the layer input alone, a full recompute);
+            # a policy's other host copies would be residuals stacked by the scan's AD in a host buffer, which XLA's
             # layout assignment rejects (JAX 0.11.2: "Expected instruction to have shape equal to").
             raise ExecutionConfigError("offload_transfer", f"'explicit' in the layer scan takes remat: offload only "
                                        f"(got {self.remat!r}; XLA cannot place the scan's stacked host copies of "
@@ -222,7 +223,7 @@ class ExecutionConfig:
         if self.frozen_weights != "host":
             return
         if self.remat != "auto" and not remat_policies.parse(self.remat).streams:
-            # The streamed scan (`jaxft.offload_scan`) moves the layer input, or every kept residual, to the host
+            # The streamed scan (`jaxft.memory.scan_offload`) moves the layer input, or every kept residual, to the host
             # itself; a policy that keeps some names on the device and offloads others would leave jax.checkpoint's
             # host copies for the scan to stack (RematPolicy.streams). remat auto's candidates all stream.
             raise ExecutionConfigError("frozen_weights", f"'host' runs under a remat policy that offloads at most the "
@@ -249,7 +250,7 @@ class ExecutionConfig:
 
     def host_budget_bytes(self) -> int:
         """The host bytes offloaded residuals may take: `host_memory_gb`, else the machine's memory less a margin
-        (`jaxft.remat.default_host_budget`)."""
+        (`jaxft.memory.policy.default_host_budget`)."""
         if self.host_memory_gb is not None:
             return int(self.host_memory_gb * 2**30)
         return remat_policies.default_host_budget()
@@ -262,7 +263,7 @@ class ExecutionConfig:
     def layer_policy(self, cfg, batch: int, seq: int, itemsize: int,
                      remat: str | None = None) -> remat_policies.RematPolicy:
         """The per-layer policy of `remat` (default the `remat` key) for a [batch, seq] micro-batch of model `cfg`:
-        with a tiled MLP no policy keeps the names inside it (`jaxft.remat.tiled_mlp_names`); the policy carries
+        with a tiled MLP no policy keeps the names inside it (`jaxft.memory.policy.tiled_mlp_names`); the policy carries
         `offload_transfer`."""
         remat = self.remat if remat is None else remat
         policy = remat_policies.parse(remat)
@@ -308,13 +309,74 @@ class ExecutionConfig:
     @property
     def resolved_layer_loop(self) -> str:
         """"auto" unrolls without remat, with remat on some layers (`remat_layers`) and with
-        `offload_transfer: explicit` (its host copies go through `jaxft.offload`'s explicit transfer, which needs
+        `offload_transfer: explicit` (its host copies go through `jaxft.memory.offload`'s explicit transfer, which needs
         unrolled layers): the host offload and recompute policies on every layer are tuned for the scan."""
         if self.layer_loop != "auto":
             return self.layer_loop
         if self.frozen_weights == "host":
             return "scan"
         return "unroll" if self.remat == "none" or self.needs_unrolled_layers else "scan"
+
+    def unrolls(self, mosaic_experts: bool) -> bool:
+        """Whether the layers run unrolled (`resolved_layer_loop`), except that `layer_loop: auto` scans an MoE
+        model whose experts run the Mosaic GPU grouped matmul (`mosaic_experts`) when nothing needs the unrolled
+        loop: every call site of a Mosaic GPU kernel is compiled on its own, so 24 unrolled GPT-OSS-20B layers
+        compile for over 4 minutes, where the scan compiles each kernel once."""
+        if self.resolved_layer_loop != "unroll":
+            return False
+        return not (self.layer_loop == "auto" and not self.needs_unrolled_layers and mosaic_experts)
+
+    def describe(self, cfg, *, rows: int, seq: int, itemsize: int, devices: int = 1, mosaic_experts: bool = False,
+                 streamed: Mapping[Any, int] | None = None, samples: bool = False) -> list[tuple[int, str]]:
+        """What a step of model `cfg` under these settings does beyond its key's name, as (logging level, line):
+        how the Mosaic GPU expert kernels (`mosaic_experts`) compile and split over `devices`, the explicit transfer
+        of an offloading policy over unrolled layers, nested blocks for micro-batches of [`rows`, `seq`] (all
+        batch-parallel devices' rows, as the step's trace sees them) and what each side holds, the bytes of
+        `streamed` weights (`jaxft.memory.streamed.buffer_bytes`), what crosses the host link per step and what sample
+        generations (`samples`) copy."""
+        lines, chosen = [], self.remat != "auto"
+        unrolled = self.unrolls(mosaic_experts)
+        if mosaic_experts and self.resolved_layer_loop == "unroll":
+            lines.append((logging.WARNING, "layer_loop=unroll with the Mosaic GPU grouped matmul: each layer's "
+                          "expert kernels compile on their own (24 GPT-OSS-20B layers: over 4 minutes); layer_loop: "
+                          "auto scans them") if unrolled else
+                         (logging.INFO, "layer_loop auto: the layers are scanned, so the Mosaic GPU expert kernels "
+                          "compile once"))
+        if mosaic_experts and devices > 1:
+            # XLA's SPMD partitioner cannot split a custom call: it gathers the kernels' operands, so every device
+            # runs every token's experts.
+            lines.append((logging.WARNING, f"grouped_matmul_implementation resolves to the Mosaic GPU kernels on a "
+                          f"mesh of {devices} devices with moe_dispatch: global: XLA does not partition their custom "
+                          "call (each device runs all tokens' experts); set moe_dispatch: per_device (or auto)")
+                         if self.moe_dispatch == "global" else
+                         (logging.INFO, f"the Mosaic GPU expert kernels run per device on the mesh of {devices} "
+                          f"devices (moe_dispatch {self.moe_dispatch}: each device its own rows, "
+                          "jaxft.models.moe.per_device); not yet run on several GPUs"))
+        if chosen and unrolled and remat_policies.parse(self.remat).offloads:
+            lines.append((logging.INFO, "layer_loop=unroll with an offloading remat policy: the host copies take the "
+                          "explicit transfer (jaxft/memory/offload.py), each layer's input copied back one layer ahead "
+                          "(most of the copy time hidden under compute; it keeps one more layer input on the device); "
+                          "layer_loop: scan is the default"))
+        if chosen and self.remat_block is not None:
+            policy = self.layer_policy(cfg, rows, seq, itemsize)
+            stream = remat_policies.residual_bytes(cfg, rows, seq, itemsize)[LAYER_INPUT]
+            blocks = -(-cfg.num_layers // policy.block)
+            lines.append((logging.INFO, f"remat {self.remat} in nested blocks of {policy.block} layers (remat_block "
+                          f"{self.remat_block}): {blocks} block inputs ({blocks * stream / 2**30:.2f} GiB) in "
+                          f"{'pinned host memory' if policy.offloads else 'device memory'}, one block's "
+                          f"{policy.block} layer inputs ({policy.block * stream / 2**30:.2f} GiB) on the device while "
+                          "it is differentiated; each step runs one more forward of every layer"))
+        if self.frozen_weights == "host" and streamed:
+            total = sum(streamed.values())
+            lines.append((logging.INFO, f"frozen_weights host: {_size(total)} of layer weights in pinned host memory "
+                          f"({len(streamed)} packed buffers), each layer's {_size(total / cfg.num_layers)} copied to "
+                          "the device one layer ahead in the forward and again in the backward "
+                          f"({_size(2 * total)} over the host link per step)"))
+            if samples:
+                lines.append((logging.WARNING, f"eval_generate_prompts with frozen_weights host: each sample "
+                              f"generation copies the {_size(total)} of streamed weights to the device for its "
+                              "duration (generation does not stream them)"))
+        return lines
 
     @property
     def needs_unrolled_layers(self) -> bool:
@@ -331,7 +393,7 @@ class ExecutionConfig:
         matmul (GPT-OSS-20B lean step 283.6 -> 279.0 ms). The backward's copies back are not pipelined by it. Not
         with nested blocks (`remat_block`), which are there for memory: its loop peeling holds a second copy of a
         block's stacked layer inputs (8B at 1 x 65536 in blocks of 2: temp 8.43 GiB with it, 6.92 without). Nor
-        where the layer scan is `jaxft.offload_scan.offloaded_scan` (streamed frozen weights, the explicit
+        where the layer scan is `jaxft.memory.scan_offload.offloaded_scan` (streamed frozen weights, the explicit
         transfer): the loop it pipelines is then ours, and pipelined, XLA makes most fetches from host memory inside
         the loops (the weight rows, the layer inputs and kept residuals coming back) kernels reading host memory over
         PCIe instead of copies."""
@@ -343,8 +405,8 @@ class ExecutionConfig:
             wanted["xla_gpu_enable_pipelined_host_offloading"] = True
         if self.frozen_weights == "host":
             # Each fetch from host memory is an asynchronous dynamic-slice fusion. A layer makes one per packed buffer
-            # (`jaxft.streamed`: one per dtype, e.g. a 4-bit base's codes and scales) and per unpacked host array.
-            # At the default limit XLA runs several one at a time, most waited for before any matmul (5 of a
+            # (`jaxft.memory.streamed`: one per dtype, e.g. a 4-bit base's codes and scales) and per unpacked host
+            # array. At the default limit XLA runs several one at a time, most waited for before any matmul (5 of a
             # layer's 7 fetches in the forward under no GEMM); with this limit each runs under at least one.
             wanted["xla_gpu_experimental_parallel_async_compute_limit"] = 8
         if ours or offloading_scan:
@@ -363,3 +425,7 @@ class ExecutionConfig:
                      self.ce_implementation,
                      tuple(sorted(self.compiler_options.items())), self.offload_transfer,
                      self.grouped_matmul_implementation, self.moe_dispatch, self.frozen_weights))
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
