@@ -25,7 +25,7 @@ import numpy as np
 
 import jaxft
 from jaxft.data.formatting import load_tokenizer
-from jaxft.train import TrainConfig, train
+from jaxft.train import TrainConfig, read_metrics, train
 
 REPO = Path(__file__).resolve().parents[1]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -83,7 +83,9 @@ def lora_run(gguf: Path, tokenizer, work: Path, base: str, steps: int, seed: int
     model = jaxft.from_pretrained(gguf, "bfloat16", quantize="fp8" if base == "fp8" else None, verbose=False)
     jaxft.load_adapter(model, result.adapter_dir)
     answers = jaxft.generate(model, tokenizer, [prompt(c) for c in HELD_OUT], max_new_tokens=NEW_TOKENS)
-    return {"seed": seed, "eval_loss": result.eval_loss, "train_loss": result.train_loss,
+    evals = [r["eval_loss"] for r in read_metrics(result.metrics_path) if "eval_loss" in r]
+    return {"seed": seed, "eval_loss_before": evals[0], "eval_loss": result.eval_loss,
+            "train_loss": result.train_loss,
             "held_out_exact_match": exact_match(answers), "answers": answers,
             "cpu_seconds": round(time.process_time() - start, 1)}
 
@@ -126,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(stats, indent=1), flush=True)
 
     base_model = jaxft.from_pretrained(args.gguf, "bfloat16", verbose=False)
-    before = exact_match(jaxft.generate(base_model, tokenizer, [prompt(c) for c in HELD_OUT],
-                                        max_new_tokens=NEW_TOKENS))
+    exact_before = exact_match(jaxft.generate(base_model, tokenizer, [prompt(c) for c in HELD_OUT],
+                                              max_new_tokens=NEW_TOKENS))
     del base_model
     runs = {"bf16": [], "fp8": []}
     with tempfile.TemporaryDirectory(prefix="fp8-accuracy-") as tmp:
@@ -140,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(base, json.dumps(runs[base][-1]), flush=True)
     mean = {base: {k: float(np.mean([r[k] for r in rs])) for k in ("eval_loss", "held_out_exact_match")}
             for base, rs in runs.items()}
+    # The bases' own held-out eval loss (step 0: no adapter effect), the same for every seed.
+    before = {base: rs[0]["eval_loss_before"] for base, rs in runs.items()}
     gap = [f["eval_loss"] / b["eval_loss"] - 1 for b, f in zip(runs["bf16"], runs["fp8"])]
     # What the base alone cannot be blamed for: the bf16 runs' own spread over seeds (relative to their mean).
     bf16_losses = np.array([r["eval_loss"] for r in runs["bf16"]])
@@ -148,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
            "recipe": {"lora_r": 8, "lora_alpha": 16, "target": "all-linear", "steps": args.steps,
                       "learning_rate": 2e-3, "batch": 4, "max_seq_length": 32, "train_pairs": len(TRAIN),
                       "held_out_pairs": len(HELD_OUT), "compute": "bfloat16"},
-           "logits": stats, "held_out_exact_match_before": before, "runs": runs, "mean": mean,
+           "logits": stats, "held_out_exact_match_before": exact_before, "eval_loss_before": before,
+           "fp8_eval_loss_before_rel_gap": before["fp8"] / before["bf16"] - 1, "runs": runs, "mean": mean,
            "fp8_eval_loss_rel_gap_per_seed": gap,
            "fp8_eval_loss_rel_gap_of_means": mean["fp8"]["eval_loss"] / mean["bf16"]["eval_loss"] - 1,
            "bf16_eval_loss_rel_std_over_seeds": float(bf16_losses.std(ddof=1) / bf16_losses.mean())
