@@ -232,6 +232,21 @@ def test_frozen_weights_on_the_host_give_the_gradients_of_weights_on_the_device(
     assert_grads_match(float(loss), jax.tree.leaves(got), float(loss0), jax.tree.leaves(want))
 
 
+def test_qlora_over_streamed_weights_trains_as_on_the_device(mixed_dir, tmp_path):
+    """jaxft-train's path with `frozen_weights: host` (`jaxft.run.Run` packs and places the weights, the step
+    compiled from the abstract packed state): the logged losses of the run with the base on the device."""
+    data = make_jsonl(tmp_path / "data.jsonl", 16)
+    config = dict(model_name_or_path=str(mixed_dir), dataset=str(data), bf16=False, max_seq_length=32,
+                  per_device_train_batch_size=2, max_steps=2, logging_steps=1, report_to="none", disable_tqdm=True,
+                  lora_r=4, lora_alpha=8, seed=0, layer_loop="scan", remat="offload")
+    losses = {}
+    for weights in ("device", "host"):
+        run = train(TrainConfig(**config, output_dir=str(tmp_path / weights), frozen_weights=weights))
+        losses[weights] = [r["loss"] for r in read_metrics(run.metrics_path) if "loss" in r]
+    assert len(losses["host"]) == 2
+    np.testing.assert_allclose(losses["host"], losses["device"], rtol=1e-6)
+
+
 def _bnb_rel_error(weight: torch.Tensor) -> float:
     q, state = bnb.functional.quantize_4bit(weight, blocksize=64, quant_type="nf4", compress_statistics=True)
     back = bnb.functional.dequantize_4bit(q, state)
