@@ -15,13 +15,17 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import jaxft
 from jaxft.data.formatting import load_tokenizer
@@ -56,9 +60,6 @@ def _records(pairs: dict[str, str]) -> str:
 
 
 def _logits(model, ids: list[int]) -> np.ndarray:
-    from flax import nnx
-    import jax.numpy as jnp
-
     return np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray([ids])), np.float64)[0]
 
 
@@ -94,10 +95,8 @@ def _provenance(argv: list[str]) -> dict:
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
-    import jax
-
     return {"commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain")),
-            "command": "python -m scripts.fp8_accuracy " + " ".join(argv),
+            "command": shlex.join(["python", "-m", "scripts.fp8_accuracy", *argv]),
             "versions": {"python": platform.python_version(), "jax": jax.__version__,
                          **{p: importlib.metadata.version(p) for p in ("jaxlib", "flax", "transformers", "gguf")}},
             "device": str(jax.devices()[0]), "platform": platform.platform()}
