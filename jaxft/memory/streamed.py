@@ -12,6 +12,10 @@ slices the layer's weights out of the row on the device (`jaxft.memory.scan_offl
 convert a frozen state both ways on the host (numpy): generation and exports get ordinary arrays back
 (`jaxft.run.Run.model`). Packing holds the weights twice in host memory for a moment (the numpy buffer and its pinned
 copy). `reading_place`, `frozen_shardings` and `place` say where a run's frozen state is read and lives.
+
+A linear 4-bit in some layers only (`jaxft.models.layers.Linear.quant_rows`) has fewer rows than the stack in each
+format: its variables stay arrays of their own in pinned host memory, streamed one row per layer of their format
+(`jaxft.models.stack.run_rows`), since a row of a packed buffer holds every layer's entries at the same offsets.
 """
 
 from __future__ import annotations
@@ -27,23 +31,42 @@ from flax import nnx
 
 from jaxft.memory.scan_offload import PackedSlot, is_slot
 from jaxft.models.stack import streamed_weight
+from jaxft.memory.scan_offload import PackedSlot, in_host_memory, is_slot
 
 
-def _layout(frozen: nnx.State) -> tuple[dict[tuple, list[tuple[tuple, Any]]], dict[tuple, int]]:
-    """({buffer key: [(path, value), ...] in state order}, {buffer key: row length}) of the streamed entries."""
-    groups: dict[tuple, list] = {}
+def _layout(frozen: nnx.State) -> tuple[dict[tuple, list[tuple[tuple, Any]]], dict[tuple, int], dict[str, int],
+                                        list[tuple[tuple, Any]]]:
+    """({buffer key: [(path, value), ...] in state order}, {buffer key: row length}, {stack: its layer count},
+    [(path, value)] of the streamed entries with fewer rows than their stack: a mixed linear's, kept unpacked)."""
+    layers: dict[str, int] = {}
+    streamed = []
     for path, var in nnx.to_flat_state(frozen):
+        value = var.get_value()
+        if path and hasattr(value, "shape") and len(value.shape) and not isinstance(value, tuple):
+            layers[path[0]] = max(layers.get(path[0], 0), value.shape[0])  # the norms have every layer's row
         if streamed_weight(path, var):
-            value = var.get_value()
+            streamed.append((path, value))
+    groups: dict[tuple, list] = {}
+    apart = []
+    for path, value in streamed:
+        if value.shape[0] != layers[path[0]]:
+            apart.append((path, value))
+        else:
             groups.setdefault((path[0], np.dtype(value.dtype).name), []).append((path, value))
-    return groups, {key: sum(math.prod(v.shape[1:]) for _, v in entries) for key, entries in groups.items()}
+    totals = {key: sum(math.prod(v.shape[1:]) for _, v in entries) for key, entries in groups.items()}
+    return groups, totals, layers, apart
 
 
 def buffer_bytes(frozen: nnx.State) -> dict[tuple[str, str], int]:
-    """{buffer key (stack, dtype): bytes} of the buffers `pack` would make of `frozen` (arrays or shapes)."""
-    groups, totals = _layout(frozen)
-    return {key: entries[0][1].shape[0] * totals[key] * np.dtype(entries[0][1].dtype).itemsize
-            for key, entries in groups.items()}
+    """{(stack, dtype): bytes} of the pinned host memory `pack` would fill from `frozen` (arrays or shapes): the
+    buffers, and a mixed linear's unpacked entries under their stack and dtype."""
+    groups, totals, layers, apart = _layout(frozen)
+    out = {key: layers[key[0]] * totals[key] * np.dtype(entries[0][1].dtype).itemsize
+           for key, entries in groups.items()}
+    for path, value in apart:
+        key = (path[0], np.dtype(value.dtype).name)
+        out[key] = out.get(key, 0) + math.prod(value.shape) * np.dtype(value.dtype).itemsize
+    return out
 
 
 def pack(frozen: nnx.State, sharding: jax.sharding.Sharding | None = None, *, delete_source: bool = False) -> nnx.State:
@@ -51,10 +74,10 @@ def pack(frozen: nnx.State, sharding: jax.sharding.Sharding | None = None, *, de
     each entry's value a `PackedSlot` into it. Arrays are packed on the host (numpy) and placed with `sharding`
     (pinned host memory: the caller's); ShapeDtypeStructs (an abstract state) give ShapeDtypeStruct buffers.
     `delete_source` frees each device array once copied to the host."""
-    groups, totals = _layout(frozen)
-    slots: dict[tuple, PackedSlot] = {}
+    groups, totals, stack_layers, apart = _layout(frozen)
+    slots: dict[tuple, Any] = {}
     for key, entries in groups.items():
-        layers = entries[0][1].shape[0]
+        layers = stack_layers[key[0]]
         abstract = isinstance(entries[0][1], jax.ShapeDtypeStruct)
         if abstract:
             rows = jax.ShapeDtypeStruct((layers, totals[key]), entries[0][1].dtype, sharding=sharding)
@@ -62,10 +85,6 @@ def pack(frozen: nnx.State, sharding: jax.sharding.Sharding | None = None, *, de
             host = np.empty((layers, totals[key]), dtype=np.dtype(entries[0][1].dtype))
         offset = 0
         for path, value in entries:
-            if value.shape[0] != layers:  # a linear 4-bit in some layers only holds each format's rows apart
-                raise ValueError(f"frozen_weights: host streams one row per layer, but {'.'.join(map(str, path))} "
-                                 f"holds {value.shape[0]} of {layers} (a module 4-bit in some layers only); set "
-                                 "frozen_weights: device")
             size = math.prod(value.shape[1:])
             if not abstract:
                 host[:, offset:offset + size] = np.asarray(value).reshape(layers, size)
@@ -78,12 +97,20 @@ def pack(frozen: nnx.State, sharding: jax.sharding.Sharding | None = None, *, de
             del host
         for path, _ in entries:
             slots[path] = PackedSlot(rows, key, *slots[path])
+    for path, value in apart:
+        if isinstance(value, jax.ShapeDtypeStruct):
+            slots[path] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+        elif sharding is not None:
+            slots[path] = jax.device_put(np.asarray(value), sharding)
+            if delete_source and isinstance(value, jax.Array):
+                value.delete()
     return nnx.from_flat_state([(p, v.replace(slots[p])) if p in slots else (p, v)
                                 for p, v in nnx.to_flat_state(frozen)])
 
 
 def unpack(frozen: nnx.State) -> nnx.State:
-    """The inverse of `pack`: every `PackedSlot` replaced by its [L, *shape] host (numpy) array."""
+    """The inverse of `pack`: every `PackedSlot` replaced by its [L, *shape] host (numpy) array, and a mixed
+    linear's pinned-host entries by numpy copies."""
     host: dict[int, np.ndarray] = {}
     out = []
     for path, var in nnx.to_flat_state(frozen):
@@ -91,6 +118,8 @@ def unpack(frozen: nnx.State) -> nnx.State:
         if is_slot(slot):
             rows = host.setdefault(id(slot.rows), np.asarray(slot.rows))
             var = var.replace(rows[:, slot.offset:slot.offset + slot.size].reshape(rows.shape[0], *slot.shape))
+        elif streamed_weight(path, var) and in_host_memory(slot):  # a mixed linear's entry, kept unpacked
+            var = var.replace(np.asarray(slot))
         out.append((path, var))
     return nnx.from_flat_state(out)
 

@@ -15,7 +15,9 @@ periodic stack is one scan whose body is one period (`layer_period`).
 A linear 4-bit in some layers and dense in others (`Linear.quant_rows`: a bitsandbytes checkpoint whose
 `llm_int8_skip_modules` names single layers' modules) holds each format's rows apart, so a scan body, which has
 one format per linear, runs over runs of layers of one layout (`mixed_rows`, `_uniform_runs`; no periodic scan
-then), and an unrolled layer reads its own row of whichever format it has (`layer_slice`).
+then), and an unrolled layer reads its own row of whichever format it has (`layer_slice`). Over streamed weights
+(`frozen_weights: host`) such a run reads its own rows of each mixed variable, an array of its own in host memory
+(`jaxft.memory.streamed`), and the run's rows of the packed buffers.
 
 Rematerialisation policies (`ExecutionConfig.remat`, `jaxft.memory.policy`) are applied per layer here, the same way
 in both loops: each layer is one `jax.checkpoint` whose policy sees the named residuals (layer input here,
@@ -199,14 +201,19 @@ def _uniform_runs(group: LayerGroup, mixed: dict[tuple, np.ndarray]) -> list[Lay
     return out
 
 
-def run_rows(state: nnx.State, first: int, n: int, mixed: dict[tuple, np.ndarray]) -> nnx.State:
+def run_rows(state: nnx.State, first: int, n: int, mixed: dict[tuple, np.ndarray], *,
+             streamed: bool = False) -> nnx.State:
     """Stack rows [first, first + n) of a run of one layout (`_uniform_runs`, `layout`): a mixed linear's
-    variables give their own rows of it, or None (the format the run does not use)."""
+    variables give their own rows of it, or None (the format the run does not use). `streamed` (frozen weights in
+    host memory): the other entries stay whole (the scan reads the run's rows of them) and a mixed variable, an
+    array of its own in host memory (`jaxft.memory.streamed.pack`), is read from its own first row (`HostRows`)."""
     def rows(p, v):
         own = mixed.get(_key(p))
         if own is None:
-            return v.replace(v.get_value()[first:first + n])
+            return v if streamed else v.replace(v.get_value()[first:first + n])
         r = int(own[first])
+        if r >= 0 and streamed and in_host_memory(v.get_value()):
+            return v.replace(HostRows(v.get_value(), r))
         return v.replace(None if r < 0 else v.get_value()[r:r + n])
 
     return nnx.from_flat_state([(p, rows(p, v)) for p, v in nnx.to_flat_state(state)])
@@ -277,10 +284,6 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
     streamed = any(in_host_memory(leaf) for state in states.values() for leaf in jax.tree.leaves(state))
     keep_on_host, kept, kept_on_host = True, None, False
     if streamed:
-        if any(mixed.values()):
-            raise ValueError("run_groups: frozen weights in host memory (frozen_weights: host) need one format per "
-                             "linear in every layer; this model mixes 4-bit and dense layers: use frozen_weights: "
-                             "device")
         if unrolled or per_layer is not None or outer is not None or not policy.streams:
             raise ValueError("run_groups: frozen weights in host memory stream through the layer scan under one "
                              "policy that offloads at most the layer input or keeps nothing on the device (got "
@@ -375,9 +378,12 @@ def run_groups(layers, x: jax.Array, groups: list[LayerGroup],
                 carry = fn(carry, layer_slice(state, first + k, mixed[group.stack]), index)
             continue
         layer_fn = fn_for(group)
-        if mixed[group.stack]:
+        if mixed[group.stack] and streamed:  # packed buffers are read in place: a run reads its rows of them
+            state = run_rows(state, first, n, mixed[group.stack], streamed=True)
+        elif mixed[group.stack]:
             state, first = run_rows(state, first, n, mixed[group.stack]), 0
-        whole = first == 0 and all(leaf.shape[0] == n for leaf in jax.tree.leaves(state))
+        whole = first == 0 and all(leaf.shape[0] == n for leaf in jax.tree.leaves(state, is_leaf=_host_rows)
+                                   if not _host_rows(leaf))
         run_state, packed = _scanned(state, lambda leaf: HostRows(leaf, first),
                                      lambda leaf: leaf if whole else leaf[first:first + n])
         indices = jnp.arange(group.start, group.end, dtype=jnp.int32)
@@ -436,12 +442,18 @@ def _scanned(state: nnx.State, host_rows, device_rows) -> tuple[nnx.State, dict[
     buffers: dict[tuple, HostRows] = {}
 
     def one(value):
+        if _host_rows(value):  # a mixed linear's own rows (`run_rows`)
+            return value
         if is_slot(value):
             buffers.setdefault(value.key, host_rows(value.rows))
             return dataclasses.replace(value, rows=None)
         return host_rows(value) if in_host_memory(value) else device_rows(value)
 
-    return jax.tree.map(one, state, is_leaf=is_slot), buffers
+    return jax.tree.map(one, state, is_leaf=lambda v: is_slot(v) or _host_rows(v)), buffers
+
+
+def _host_rows(value) -> bool:
+    return isinstance(value, HostRows)
 
 
 def _summing_stats(layer_fn):
