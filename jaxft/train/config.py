@@ -58,8 +58,11 @@ DTYPE_BF16 = {"bfloat16": True, "bf16": True, "float32": False, "fp32": False}
 IGNORED_KEYS = {
     "attn_implementation": (str, "jaxft chooses its own attention kernel; its key is attention_implementation "
                                  "(auto, xla, pallas, cudnn)"),
-    "use_peft": (bool, "jaxft always trains a LoRA adapter (PEFT format), as use_peft: true does"),
+    "use_peft": (bool, "true is jaxft's default, finetuning_type: lora (a PEFT adapter); false means "
+                       "finetuning_type: full"),
 }
+# Other libraries' switches for full fine-tuning, read as `finetuning_type: full` (TRL's ModelConfig, Unsloth).
+FULL_SWITCHES = {"use_peft": False, "full_finetuning": True}
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +233,10 @@ class TrainConfig:
     ce_chunk_size: int | None = _key(None, "deprecated flat key: execution: {ce_chunk_size: ...}")
     compiler_options: dict | None = _key(
         None, "XLA options for the training step's program only, e.g. {xla_gpu_enable_dynamic_slice_fusion: true}")
+    finetuning_type: Literal["lora", "full"] = _key(
+        "lora", "lora: train LoRA adapters (exported as a PEFT adapter); full: train every weight (fp32 masters and "
+                "AdamW state, exported as an HF checkpoint to output_dir/model; TRL's use_peft: false and Unsloth's "
+                "full_finetuning: true mean the same); docs/full-finetuning.md")
     # LoRA
     lora_r: int = _key(16, "LoRA rank")
     lora_alpha: float = _key(32.0, "LoRA scale numerator (scale alpha/r; alpha/sqrt(r) with use_rslora)")
@@ -301,6 +308,7 @@ class TrainConfig:
                     f"expected {_type_name(hints[f.name])}", key=f.name)
             object.__setattr__(self, f.name, value)
         self._resolve_memory()
+        self._check_full()
         self._check_ranges()
         self._build_model_and_logging()
         self._check_paths()
@@ -509,6 +517,31 @@ class TrainConfig:
             object.__setattr__(self, k, merged.get(k, unset.get(k, defaults[k])))
 
     # ------------------------------------------------------------------ validation
+    def _check_full(self):
+        """finetuning_type full: one error for a key that only means something for LoRA (a LoRA or 4-bit/FP8 key
+        set, the merged export) or that needs frozen weights (layer_loop unroll, frozen_weights host given); the
+        memory preset's frozen_weights host becomes device (nothing is frozen to stream)."""
+        if self.finetuning_type != "full":
+            return
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key in ("load_in_4bit", "load_in_fp8", *LORA_KEYS.values(), *FINETUNE_KEYS, "save_merged_model"):
+            if getattr(self, key) != defaults[key]:
+                why = ("the trained model is exported to output_dir/model already" if key == "save_merged_model"
+                       else "a quantised base cannot be trained" if key.startswith("load_in")
+                       else "it is a LoRA setting")
+                raise TrainConfigError(f"key {key!r} is set and finetuning_type is full: {why}; drop {key} (or set "
+                                       "finetuning_type: lora)", key=key)
+        explicit = {**{k: v for k, v in self._given.items() if k in EXECUTION_MAPPING_KEYS and v is not None},
+                    **(self._given["execution"] or {})}
+        for key, value in (("layer_loop", "unroll"), ("frozen_weights", "host"), ("offload_transfer", "explicit")):
+            if explicit.get(key) == value:
+                raise TrainConfigError(f"key {key!r}: {value!r} needs frozen weights, and finetuning_type full trains "
+                                       f"every weight (in the layer scan, on the device); drop {key}", key=key)
+        if self.frozen_weights == "host":
+            logger.info("memory: %s streams frozen weights from host; finetuning_type full has none: "
+                        "frozen_weights: device", self.memory)
+            object.__setattr__(self, "frozen_weights", "device")
+
     def _check_ranges(self):
         def need(cond: bool, key: str, what: str):
             if not cond:
@@ -659,9 +692,21 @@ def _from_trl(values: Mapping[str, Any], source: str, where: Mapping[Any, Where]
             raise error(key, f"value {value!r} ({type(value).__name__}) has the wrong type; expected "
                              f"{_type_name(kind)}")
         if key == "use_peft" and value is False:
-            raise error(key, "false asks for full fine-tuning; jaxft trains LoRA adapters only: set use_peft: true "
-                             "or drop the key")
+            continue  # read as finetuning_type: full (below)
         logger.info("%s: ignored: %s %r: %s", where.get(key, source), key, value, why)
+    for key, full in FULL_SWITCHES.items():
+        value = values.get(key)
+        if key in out:  # (use_peft was taken above)
+            value = out.pop(key)
+            if not isinstance(value, bool):
+                raise error(key, f"value {value!r} ({type(value).__name__}) has the wrong type; expected true/false")
+        if value is None or value != full:
+            continue
+        if out.get("finetuning_type", "full") != "full":
+            raise error(key, f"{value} means finetuning_type: full, which contradicts finetuning_type: "
+                             f"{out['finetuning_type']}; drop one of the two keys")
+        out["finetuning_type"] = "full"
+        where.setdefault("finetuning_type", where.get(key, Where(source)))
     return out
 
 

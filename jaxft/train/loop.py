@@ -9,7 +9,8 @@ Order of work (nothing is written to `output_dir` until every input has been val
      jitted update; metrics per logging window, timed from device sync to device sync (`meter.WindowMeter`);
      eval every `eval_steps`, checkpoint every `save_steps` and at the end; SIGINT/SIGTERM end the run after
      the current step with a checkpoint (`TrainingInterrupted`);
-  4. export: loss-curve PNG, PEFT adapter (output_dir/adapter), optionally the merged model (output_dir/merged),
+  4. export: loss-curve PNG, PEFT adapter (output_dir/adapter) or, for `finetuning_type: full`, the trained model
+     (output_dir/model, an HF checkpoint), optionally the merged model (output_dir/merged),
      each written beside its place and swapped in by renames (`_swap_dir`; a killed swap is undone at the next
      start).
 """
@@ -65,7 +66,7 @@ class TrainResult:
     metrics.jsonl show last); `eval_loss` the last evaluation (or None); `summary` the run's speed and cost."""
 
     output_dir: Path
-    adapter_dir: Path
+    adapter_dir: Path | None  # None for a full fine-tune, whose trained model is `model_dir`
     merged_dir: Path | None
     metrics_path: Path
     loss_curve: Path | None
@@ -76,6 +77,7 @@ class TrainResult:
     resumed_from: str | None
     summary: RunSummary | None = None
     gguf_file: Path | None = None
+    model_dir: Path | None = None  # finetuning_type full: the trained model, an HF checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +166,7 @@ def _load_data(config: TrainConfig, num_devices: int):
     return tokenizer, train_ds, eval_ds
 
 
-EXPORTS = ("adapter", "merged")
+EXPORTS = ("adapter", "merged", "model")
 
 
 def _swap_dir(new: Path, target: Path) -> None:
@@ -509,8 +511,11 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                                key="learning_rate")
     # ---- exports (every process takes part in their gathers, process 0 writes)
     curve = plot_loss_curve(read_metrics(writer.path), out / "loss_curve.png") if main else None
-    adapter_dir = _export(out, "adapter", lambda d: run.export_adapter(d, tokenizer=tokenizer))
-    merged_dir = None
+    adapter_dir = model_dir = merged_dir = None
+    if run.full:
+        model_dir = _export(out, "model", lambda d: run.export_merged(d, tokenizer=tokenizer))
+    else:
+        adapter_dir = _export(out, "adapter", lambda d: run.export_adapter(d, tokenizer=tokenizer))
     if config.save_merged_model:
         merged_dir = _export(out, "merged", lambda d: run.export_merged(d, tokenizer=tokenizer))
     gguf_file = None
@@ -531,7 +536,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         logger.info("remat auto: %s estimated peak %.3f GiB, %s", chosen, estimate / 2**30, measured)
     return TrainResult(output_dir=out, adapter_dir=adapter_dir, merged_dir=merged_dir, metrics_path=writer.path,
                        loss_curve=curve, checkpoint_dir=out / "checkpoints", global_step=step, train_loss=last_loss,
-                       eval_loss=last_eval, resumed_from=resume_path, summary=summary, gguf_file=gguf_file)
+                       eval_loss=last_eval, resumed_from=resume_path, summary=summary, gguf_file=gguf_file,
+                       model_dir=model_dir)
 
 
 def _sample_completions(model, tokenizer, log: LoggingConfig) -> list[dict[str, str]]:
@@ -556,7 +562,8 @@ def _run_identity(config: TrainConfig, run, train_ds) -> dict[str, Any]:
                     for path, x in jax.tree_util.tree_flatten_with_path(run.lora)[0])
     model_dir = Path(config.model.path).expanduser()
     weights = sorted(f"{p.name}:{p.stat().st_size}" for p in model_dir.glob("*.safetensors"))
-    return {
+    full = {"finetuning_type": "full"} if run.full else {}  # (a LoRA run's identity as before: its checkpoints resume)
+    return {**full,
         "lora_r": lora.r, "lora_alpha": float(lora.alpha), "use_rslora": lora.use_rslora,
         "lora_target_modules": lora.target_modules if isinstance(lora.target_modules, str)
         else list(lora.target_modules),
