@@ -101,14 +101,16 @@ def test_gradients_and_adamw_steps_equal_transformers(tmp_path):
     for name, p in hf.named_parameters():
         want = p.detach().numpy()
         assert np.abs(want - before[name]).max() > LR, name  # every weight moved by about STEPS * lr
-        np.testing.assert_allclose(ours[name], want, rtol=0, atol=2e-5, err_msg=name)  # a decay step is 1e-3
+        # Adam turns fp32 noise in a near-zero gradient into up to 2e-5; a step of decay on a norm is 1e-3
+        np.testing.assert_allclose(ours[name], want, rtol=0, atol=1e-4, err_msg=name)
 
 
 def _config(tmp: Path, name: str, **over) -> dict:
-    return dict(model_name_or_path=str(REPO / "examples/tiny-llama"), dataset=str(REPO / "examples/data/train.jsonl"),
-                output_dir=str(tmp / name), finetuning_type="full", max_seq_length=128, per_device_train_batch_size=2,
-                max_steps=4, save_steps=2, logging_steps=1, learning_rate=1e-3, lr_scheduler_type="constant",
-                weight_decay=0.01, bf16=False, disable_tqdm=True, report_to="none", seed=0, **over)
+    return {**dict(model_name_or_path=str(REPO / "examples/tiny-llama"),
+                   dataset=str(REPO / "examples/data/train.jsonl"), output_dir=str(tmp / name), finetuning_type="full",
+                   max_seq_length=128, per_device_train_batch_size=2, max_steps=4, save_steps=2, logging_steps=1,
+                   learning_rate=1e-3, lr_scheduler_type="constant", weight_decay=0.01, bf16=False, disable_tqdm=True,
+                   report_to="none", seed=0), **over}
 
 
 def test_jaxft_train_full_exports_an_hf_checkpoint_and_resumes_exactly(tmp_path):
