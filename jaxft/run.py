@@ -501,8 +501,8 @@ class Run(AutoChoices):
 
     def export_merged(self, path: str | Path, *, tokenizer=None) -> Path:
         """Writes the merged HF model (a full fine-tune: the trained model, in its compute dtype) to `path`, with
-        the base's generation_config.json (its stop ids and decoding defaults). Several processes: all call it (each weight is gathered onto every host, layer by
-        layer), process 0 writes."""
+        the base's generation_config.json (its stop ids and decoding defaults). Several processes: all call it (each
+        weight is gathered onto every host, layer by layer), process 0 writes."""
         model = self.model(restack=self.unrolled) if jax.process_count() == 1 else self._host_model(weights=True)
         if not is_main_process():
             return Path(path)

@@ -166,8 +166,8 @@ def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.Stat
     aux_weight = count / accum  # c * aux_m * N / A per micro-batch: c * mean_m aux_m once divided by N
 
     def micro_loss(lora_, mb, r):
-        return token_loss_sum(nnx.merge(graphdef, lora_ if cast is None else cast(lora_), frozen), mb, dropout_rng=r, execution=execution,
-                              aux_weight=aux_weight)
+        model = nnx.merge(graphdef, lora_ if cast is None else cast(lora_), frozen)
+        return token_loss_sum(model, mb, dropout_rng=r, execution=execution, aux_weight=aux_weight)
 
     grad_fn = jax.value_and_grad(micro_loss)
 
