@@ -93,8 +93,9 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert [system_mode(s) for s in WORKER if s.startswith("jaxft")] == list(MODES)
     for mode in MODES:
         cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml")
-        assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == (LORA.r, LORA.alpha, LORA.dropout)
-        assert cfg.lora.target_modules == tuple(sorted(LORA.targets))
+        if cfg.finetuning_type == "lora":  # (full.yaml trains every weight)
+            assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout) == (LORA.r, LORA.alpha, LORA.dropout)
+            assert cfg.lora.target_modules == tuple(sorted(LORA.targets))
         o = cfg.optim
         assert (o.learning_rate, o.adam_beta1, o.adam_beta2, o.adam_epsilon, o.weight_decay) == (
             ADAMW.lr, ADAMW.b1, ADAMW.b2, ADAMW.eps, ADAMW.weight_decay)
