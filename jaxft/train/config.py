@@ -58,7 +58,7 @@ DTYPE_BF16 = {"bfloat16": True, "bf16": True, "float32": False, "fp32": False}
 IGNORED_KEYS = {
     "attn_implementation": (str, "jaxft chooses its own attention kernel; its key is attention_implementation "
                                  "(auto, xla, pallas, cudnn)"),
-    "use_peft": (bool, "true is jaxft's default, finetuning_type: lora (a PEFT adapter); false means "
+    "use_peft": (bool, "true is jaxft's default, finetuning_type: lora (a PEFT adapter); false is read as "
                        "finetuning_type: full"),
 }
 # Other libraries' switches for full fine-tuning, read as `finetuning_type: full` (TRL's ModelConfig, Unsloth).
@@ -703,8 +703,8 @@ def _from_trl(values: Mapping[str, Any], source: str, where: Mapping[Any, Where]
         if value is None or value != full:
             continue
         if out.get("finetuning_type", "full") != "full":
-            raise error(key, f"{value} means finetuning_type: full, which contradicts finetuning_type: "
-                             f"{out['finetuning_type']}; drop one of the two keys")
+            raise error(key, f"{str(value).lower()} means finetuning_type: full, which contradicts "
+                             f"finetuning_type: {out['finetuning_type']}; drop one of the two keys")
         out["finetuning_type"] = "full"
         where.setdefault("finetuning_type", where.get(key, Where(source)))
     return out
