@@ -22,7 +22,8 @@ from jaxft.families import family_for
 from jaxft.io import from_pretrained, model_params
 from jaxft.lora import LoraConfig
 from jaxft.run import Run
-from jaxft.train import TrainConfig, TrainConfigError, loss_and_grad_sums, stack_micro_batches, train
+from jaxft.train import (TrainConfig, TrainConfigError, loss_and_grad_sums, stack_micro_batches, token_loss_sum,
+                         train)
 from jaxft.train.optim import OptimConfig
 from lora_helpers import hf_model_fp32, jax_logits, rel_err, torch_logits
 from test_train_fixtures import host_devices_env
@@ -187,3 +188,24 @@ def test_fsdp_shards_weights_and_adam_state_and_equals_one_device(tmp_path):
     assert split - {p for p in split if "kernel" in p or "embedding" in p} == {
         "['layers']['attn']['o_proj']['bias'].value", "['layers']['mlp']['down_proj']['bias'].value"}
     assert len(split) == 11 and len(got["specs"]) > len(split)
+
+
+def test_bf16_trains_fp32_masters_computes_and_exports_in_bf16(tmp_path):
+    """A bf16 full fine-tune keeps fp32 master weights and AdamW moments; its step computes on the masters cast to
+    bf16 (the first step's loss is the bf16 checkpoint's own), and its export is the masters rounded to bf16."""
+    _tiny_llama(tmp_path / "model")
+    run = Run(tmp_path / "model", LoraConfig(), optim=OptimConfig(learning_rate=1e-2), total_steps=1,
+              dtype="bfloat16", finetuning_type="full").load()
+    assert {x.dtype for x in jax.tree.leaves(run.lora)} == {np.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves(run.opt_state) if x.ndim} == {np.dtype("float32")}
+    batch = _batch(0)
+    base = from_pretrained(tmp_path / "model", dtype="bfloat16")
+    want = jax.jit(lambda m, b: token_loss_sum(m, b))(base, batch) / batch["loss_mask"].sum()
+    assert float(run.step(batch, 0)["loss"]) == float(want)
+    run.export_merged(tmp_path / "out")
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    masters = _hf_named(run, run.lora)
+    assert {v.dtype.name for v in saved.values()} == {"bfloat16"}
+    for name, value in saved.items():
+        np.testing.assert_array_equal(value.astype(np.float32), masters[name].astype(value.dtype).astype(np.float32),
+                                      err_msg=name)
