@@ -404,6 +404,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     writer = (MetricsWriter(out, resume_step=start_step if resume_path else None,
                             tensorboard=log.report_to == "tensorboard") if main else _NoMetrics(out))
     num_tokens = setup.start_tokens  # cumulative non-padding tokens trained on (TRL's num_tokens)
+    trained = "weights" if run.full else "LoRA"  # what a non-finite value's path starts with
+    export = "model" if run.full else "adapter"  # the run's export directory in output_dir
 
     def meta_for(step: int) -> dict[str, Any]:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
@@ -426,7 +428,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     def diverged(problem: str) -> TrainingDiverged:
         kept = checkpointer.latest_step()
         kept = (f"the checkpoint of step {kept}" if kept is not None else "no checkpoint") + (
-            " and output_dir/adapter" if (out / "adapter").exists() else "")
+            f" and output_dir/{export}" if (out / export).exists() else "")
         return TrainingDiverged(
             f"training stopped: {problem}; lower learning_rate (now {config.learning_rate:g}); "
             f"nothing of this state was saved ({kept} kept)", key="learning_rate")
@@ -434,7 +436,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     def check_pending(step: int) -> None:
         """At a sync point (eval, checkpoint, stop): the steps not yet logged, and the LoRA state, are sound."""
         problem = _unsound(jax.device_get([m for m, _ in window]), step - len(window) + 1)
-        bad = problem or ckpt.first_nonfinite(ckpt.to_nested(run.lora), "LoRA")
+        bad = problem or ckpt.first_nonfinite(ckpt.to_nested(run.lora), trained)
         if bad:
             raise diverged(problem or f"{bad} holds NaN or infinite values at step {step}")
 
@@ -505,9 +507,9 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         checkpointer.close()
         writer.close()
 
-    bad = ckpt.first_nonfinite(ckpt.to_nested(run.lora), "LoRA")
+    bad = ckpt.first_nonfinite(ckpt.to_nested(run.lora), trained)
     if bad:  # (every step was checked; this guards the export itself)
-        raise TrainingDiverged(f"{bad} holds NaN or infinite values after step {step}; output_dir/adapter is kept",
+        raise TrainingDiverged(f"{bad} holds NaN or infinite values after step {step}; output_dir/{export} is kept",
                                key="learning_rate")
     # ---- exports (every process takes part in their gathers, process 0 writes)
     curve = plot_loss_curve(read_metrics(writer.path), out / "loss_curve.png") if main else None
