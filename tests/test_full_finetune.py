@@ -18,14 +18,18 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from bridge.hf import hf_tensors
+from jaxft.config import ModelConfig
 from jaxft.families import family_for
-from jaxft.io import from_pretrained, model_params
+from jaxft.io import from_pretrained, model_params, save_pretrained
 from jaxft.lora import LoraConfig
+from jaxft.models import abstract_model
 from jaxft.run import Run
 from jaxft.train import (TrainConfig, TrainConfigError, loss_and_grad_sums, stack_micro_batches, token_loss_sum,
                          train)
+from jaxft.train import full as full_ft
 from jaxft.train.optim import OptimConfig
 from lora_helpers import hf_model_fp32, jax_logits, rel_err, torch_logits
+from test_model_families import BASE, VARIANTS
 from test_train_fixtures import host_devices_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,11 +60,15 @@ def _batch(seed: int, rows: int = 2, t: int = 16) -> dict[str, np.ndarray]:
                 positions=np.broadcast_to(np.arange(t, dtype=np.int32), (rows, t)).copy())
 
 
-def _hf_named(run: Run, state) -> dict[str, np.ndarray]:
-    """A trainable state (weights or gradients) under its transformers names, in torch's layouts."""
-    model = nnx.merge(run.graphdef, state, run.frozen)
+def _hf_tensors(model) -> dict[str, np.ndarray]:
+    """A model's weights under their transformers names, in torch's layouts."""
     cfg = model.config
     return dict(hf_tensors(family_for(cfg.model_type).table, model_params(model, merge_lora=False), cfg.num_layers))
+
+
+def _hf_named(run: Run, state) -> dict[str, np.ndarray]:
+    """A trainable state (weights or gradients) of `run` under its transformers names, in torch's layouts."""
+    return _hf_tensors(nnx.merge(run.graphdef, state, run.frozen))
 
 
 def test_gradients_and_adamw_steps_equal_transformers(tmp_path):
@@ -209,3 +217,23 @@ def test_bf16_trains_fp32_masters_computes_and_exports_in_bf16(tmp_path):
     for name, value in saved.items():
         np.testing.assert_array_equal(value.astype(np.float32), masters[name].astype(value.dtype).astype(np.float32),
                                       err_msg=name)
+
+
+@pytest.mark.parametrize("model_type", list(VARIANTS))
+def test_decay_groups_are_transformers_trainers_in_every_family(model_type, tmp_path):
+    """The weights AdamW decays (`jaxft.train.full.decay_mask`, by norm type and bias name) are exactly those
+    transformers' Trainer decays, in a variant of every text family with its optional tensors (biases, q/k norms,
+    experts, sinks): the mask, as 1.0 / 0.0 weights, is exported and loaded by transformers, which names them."""
+    config = transformers.AutoConfig.for_model(model_type, **{**BASE, **VARIANTS[model_type]})
+    model = abstract_model(ModelConfig.from_hf(config.to_dict()), dtype=np.float32)
+    graphdef, params, rest = nnx.split(model, full_ft.TRAINED_TYPE, ...)
+    flags = jax.tree.map(lambda x, d: np.full(x.shape, float(d), np.float32), params,
+                         full_ft.decay_mask(model)(params))
+    save_pretrained(nnx.merge(graphdef, flags, rest), tmp_path / "flags")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "flags", dtype=torch.float32)
+    values = {n: np.unique(p.detach().numpy()) for n, p in hf.named_parameters()}
+    assert all(v.size == 1 for v in values.values())  # one group per parameter
+    decayed = {n for n, v in values.items() if v[0] == 1.0}
+    # (a tied head is the embedding's parameter: named_parameters lists it once, the Trainer's names twice)
+    assert decayed == set(transformers.Trainer.get_decay_parameter_names(None, hf)) & set(values)
+    assert decayed and set(values) - decayed  # both groups hold weights
