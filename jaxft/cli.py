@@ -239,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [summary]
     if result.summary is not None:
         lines.append(f"cost:        {result.summary.line()}")
-    lines.append(f"adapter:     {result.adapter_dir}")
+    if result.model_dir is not None:  # finetuning_type full
+        lines.append(f"model:       {result.model_dir}")
+    else:
+        lines.append(f"adapter:     {result.adapter_dir}")
     if result.merged_dir is not None:
         lines.append(f"merged model: {result.merged_dir}")
     if result.gguf_file is not None:
@@ -247,9 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"metrics:     {result.metrics_path}",
               f"loss curve:  {result.loss_curve}" if result.loss_curve else
               "loss curve:  skipped (matplotlib is not installed)",
-              f"checkpoints: {result.checkpoint_dir}",
-              f"load in PEFT: PeftModel.from_pretrained({_auto_class(base)}.from_pretrained({_base_args(base)}), "
-              f"'{result.adapter_dir}')"]
+              f"checkpoints: {result.checkpoint_dir}"]
+    if result.model_dir is not None:
+        lines.append(f"load in transformers: {_auto_class(base)}.from_pretrained('{result.model_dir}')")
+    else:
+        lines.append(f"load in PEFT: PeftModel.from_pretrained({_auto_class(base)}.from_pretrained("
+                     f"{_base_args(base)}), '{result.adapter_dir}')")
     print("\n".join(lines))
     return 0
 

@@ -10,7 +10,9 @@
     run.export_adapter(dir); run.export_merged(dir)
 
 What it holds: the model's `graphdef`, the trainable `lora` state and the optimizer state (donated to each
-step: updated in place), the `frozen` state (base weights, LoRA scales; read only), the run's RNG key.
+step: updated in place), the `frozen` state (base weights, LoRA scales; read only), the run's RNG key. With
+`finetuning_type="full"` the trainable state is every weight, as fp32 masters (`jaxft.train.full`), and
+`export_merged` writes the trained model.
 Execution settings (attention kernel, remat, layer loop, CE chunk, compiler options) come from one
 `ExecutionConfig`; the model itself holds only parameters and math. The automatic choices (`mesh: auto`,
 `remat: auto`, the allocator re-fit) are `jaxft.memory.choice`'s functions over this run's compile (`_compiler`);
@@ -50,6 +52,7 @@ from jaxft.quant.config import Fp8Config
 from jaxft.quant.fp8 import abstract_fp8
 from jaxft.quant.weights import abstract_quantize
 from jaxft.sharding import MeshConfig, Placement
+from jaxft.train import full as full_ft
 from jaxft.train.optim import OptimConfig
 from jaxft.train.step import (make_eval_step, make_train_step, restack_layers, split_model, stack_micro_batches,
                               unstack_layers)
@@ -79,6 +82,8 @@ class Run:
     # New tokens: the embeddings (and an untied head) grow to this many rows on load, with transformers' mean
     # initialisation (`jaxft.lora.trained.resize_embeddings`); None: as stored.
     vocab_size: int | None = None
+    # "lora": adapters (`lora_config`); "full": every weight trained, `lora_config` unused (`jaxft.train.full`).
+    finetuning_type: str = "lora"
 
     def __post_init__(self):
         self.model_path = Path(self.model_path).expanduser()
@@ -86,7 +91,17 @@ class Run:
                                                 source=str(self.model_path / "config.json"))
         if self.vocab_size is not None and self.vocab_size != self.model_config.vocab_size:
             self.model_config = dataclasses.replace(self.model_config, vocab_size=self.vocab_size)
-        self.optimizer, self.schedule = self.optim.build(self.total_steps)
+        if self.finetuning_type not in full_ft.FINETUNING_TYPES:
+            raise ValueError(f"finetuning_type {self.finetuning_type!r}: one of {full_ft.FINETUNING_TYPES}")
+        decay_mask = None
+        if self.full:
+            if self.quant_config is not None:
+                raise ValueError("full fine-tuning trains every weight: a quantised base (quant_config) cannot be "
+                                 "trained; load it in bf16 or fp32")
+            self.execution = full_ft.full_execution(self.execution)
+            decay_mask = full_ft.decay_mask(abstract_model(self.model_config, dtype=jnp.float32))
+        self.optimizer, self.schedule = self.optim.build(self.total_steps, decay_mask=decay_mask)
+        self.compute_dtypes = None  # full: the dtypes the fp32 masters are cast to (`_abstract_split`)
         self.placement = placement_for(self.execution, self.mesh, self.devices)
         self.rng = jax.random.key(self.seed)
         self.graphdef = self.lora = self.frozen = self.opt_state = None
@@ -102,13 +117,47 @@ class Run:
                    execution=config.execution_config, optim=config.optim_config, total_steps=total_steps,
                    dtype=config.model.dtype, seed=config.optim.seed,
                    accumulation=config.optim.gradient_accumulation_steps, devices=devices,
-                   quant_config=config.quant_config, mesh=config.mesh_config, vocab_size=vocab_size)
+                   quant_config=config.quant_config, mesh=config.mesh_config, vocab_size=vocab_size,
+                   finetuning_type=config.lora.finetuning_type)
+
+    @property
+    def full(self) -> bool:
+        """Whether every weight is trained (`finetuning_type="full"`) rather than LoRA adapters."""
+        return self.finetuning_type == "full"
+
+    def _trained(self, model):
+        """`model` made trainable as this run trains it: LoRA applied, or (full) as it is."""
+        return model if self.full else apply_lora(model, self.lora_config, seed=self.seed)
+
+    def _split(self, model, *, delete_source: bool = False):
+        """`split_model` by this run's trainable type; a full fine-tune's trainable state in fp32 (masters), the
+        dtypes it computes with kept in `compute_dtypes`."""
+        if not self.full:
+            return split_model(model)
+        graphdef, params, frozen = split_model(model, full_ft.TRAINED_TYPE)
+        self.compute_dtypes = full_ft.compute_dtypes(params)
+        return graphdef, full_ft.to_master(params, delete_source=delete_source), frozen
+
+    @property
+    def cast(self):
+        """What the step applies to the trainable state before the forward (`jaxft.train.full.caster`): None for
+        LoRA and for fp32 masters that compute in fp32."""
+        if not self.full:
+            return None
+        if self.compute_dtypes is None:
+            self._abstract_split()
+        return full_ft.caster(self.compute_dtypes)
+
+    def _computed(self, lora):
+        """The trainable state as the model computes with it (a full fine-tune's masters cast)."""
+        cast = self.cast
+        return lora if cast is None else cast(lora)
 
     # ------------------------------------------------------------------ building the state
     @property
     def unrolled(self) -> bool:
-        """Whether the layers run unrolled (`ExecutionConfig.unrolls`)."""
-        return self.execution.unrolls(self.mosaic_experts)
+        """Whether the layers run unrolled (`ExecutionConfig.unrolls`); a full fine-tune scans them."""
+        return not self.full and self.execution.unrolls(self.mosaic_experts)
 
     @property
     def layer_loop(self) -> str:
@@ -131,12 +180,14 @@ class Run:
                 abstract_fp8(model, self.quant_config, self.model_path)
             else:
                 abstract_quantize(model, self.model_path, self.quant_config)
-            return apply_lora(model, self.lora_config, seed=self.seed)
-        return split_model(nnx.eval_shape(build))
+            return self._trained(model)
+        return self._split(nnx.eval_shape(build))
 
     def check_targets(self) -> list[str]:
         """The HF module names the LoRA config adapts (raises `LoraConfigError` when a target matches nothing);
-        reads no weights."""
+        reads no weights; none for a full fine-tune."""
+        if self.full:
+            return []
         return _check_targets(self.model_config, self.lora_config)
 
     def abstract_state(self):
@@ -158,8 +209,8 @@ class Run:
             model = from_pretrained(self.model_path, self.dtype, quant_config=self.quant_config, mesh=mesh)
             if self.vocab_size is not None:
                 resize_embeddings(model, self.vocab_size, seed=self.seed)
-            model = apply_lora(model, self.lora_config, seed=self.seed)
-        graphdef, lora, frozen = split_model(model)
+            model = self._trained(model)
+        graphdef, lora, frozen = self._split(model, delete_source=True)
         del model  # its LoRA buffers are donated to the step; its stacked weights go as they are split
         return self._adopt(graphdef, lora, frozen)
 
@@ -196,7 +247,7 @@ class Run:
 
         def make():
             model = init_model(self.model_config, dtype=jnp.dtype(self.dtype), seed=self.seed)
-            return split_model(apply_lora(model, self.lora_config, seed=self.seed))[1:]
+            return self._split(self._trained(model))[1:]
         return graphdef, jax.jit(make, out_shardings=(self.placement.shardings(lora), self.frozen_shardings(frozen)))
 
     @property
@@ -288,7 +339,7 @@ class Run:
         opt_sh = p.like(opt_state, lora, lora_sh)
         batch_sh = {k: p.batch_sharding(len(v.shape)) for k, v in batch.items()}
         return make_train_step(graphdef, self.optimizer, self.schedule, execution=self.execution,
-                               dropout=self.lora_config.dropout > 0,
+                               dropout=self.lora_config.dropout > 0 and not self.full, cast=self.cast,
                                in_shardings=(lora_sh, opt_sh, self.frozen_shardings(frozen), batch_sh, p.replicated),
                                out_shardings=(lora_sh, opt_sh, p.replicated))
 
@@ -337,7 +388,7 @@ class Run:
     def evaluate(self, host_batches) -> tuple[float, float]:
         """(summed token loss, target count) over [B, T] host batches; the eval loss is their ratio."""
         if self._eval_fn is None:
-            self._eval_fn = make_eval_step(self.graphdef, execution=self.execution)
+            self._eval_fn = make_eval_step(self.graphdef, execution=self.execution, cast=self.cast)
         loss_sum, count = 0.0, 0.0
         for batch in host_batches:
             s, c = self._eval_fn(self.lora, self.frozen, self.placement.batch(batch))
@@ -475,7 +526,7 @@ class Run:
             frozen = streamed.unpack(frozen)
             if on_device:
                 frozen = self.placement.place(frozen)
-        return nnx.merge(self.graphdef, self.lora, frozen)
+        return nnx.merge(self.graphdef, self._computed(self.lora), frozen)
 
     def _host_model(self, *, weights: bool):
         """The model for an export when the arrays span several processes: every process must call this (the
@@ -484,7 +535,7 @@ class Run:
         state, scales and ranks alone)."""
         frozen = restack_layers(self.frozen, delete_source=True) if self.unrolled else self.frozen
         self.frozen = frozen
-        lora = jax.tree.map(_to_host, self.lora)
+        lora = jax.tree.map(_to_host, self._computed(self.lora))
         if not weights:  # the replicated leaves (LoRA scales and ranks, norms) are read locally; the rest: shapes
             frozen = jax.tree.map(lambda x: np.asarray(x) if x.is_fully_replicated else
                                   jax.ShapeDtypeStruct(x.shape, x.dtype), frozen)
@@ -494,6 +545,8 @@ class Run:
 
     def export_adapter(self, path: str | Path, *, tokenizer=None) -> Path:
         """Writes the PEFT adapter to `path`. Several processes: all call it, process 0 writes."""
+        if self.full:
+            raise ValueError("a full fine-tune has no adapter: export the trained model with export_merged")
         model = self.model(restack=self.unrolled) if jax.process_count() == 1 else self._host_model(weights=False)
         if not is_main_process():
             return Path(path)
@@ -503,9 +556,9 @@ class Run:
         return Path(path)
 
     def export_merged(self, path: str | Path, *, tokenizer=None) -> Path:
-        """Writes the merged HF model to `path`, with the base's generation_config.json (its stop ids and
-        decoding defaults). Several processes: all call it (each weight is gathered onto every host, layer by
-        layer), process 0 writes."""
+        """Writes the merged HF model (a full fine-tune: the trained model, in its compute dtype) to `path`, with
+        the base's generation_config.json (its stop ids and decoding defaults). Several processes: all call it (each
+        weight is gathered onto every host, layer by layer), process 0 writes."""
         model = self.model(restack=self.unrolled) if jax.process_count() == 1 else self._host_model(weights=True)
         if not is_main_process():
             return Path(path)
@@ -533,8 +586,9 @@ def check_config(config, devices=None) -> Placement:
     (`LoraConfigError`). Returns the placement, whose `batch_parallel` sizes the data the run is then built for."""
     placement = placement_for(config.execution_config, config.mesh_config, devices)
     path = Path(config.model.model_name_or_path).expanduser()
-    _check_targets(ModelConfig.from_hf(bridge.read_config(path), source=str(path / "config.json")),
-                   config.lora_config)
+    if config.lora.finetuning_type != "full":  # (a full fine-tune has no targets)
+        _check_targets(ModelConfig.from_hf(bridge.read_config(path), source=str(path / "config.json")),
+                       config.lora_config)
     return placement
 
 

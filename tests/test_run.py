@@ -93,8 +93,10 @@ def test_bench_recipes_use_the_peers_lora_and_optimizer():
     assert [system_mode(s) for s in WORKER if s.startswith("jaxft")] == list(MODES)
     for mode in MODES:
         cfg = load_config(REPO / "examples/bench" / f"{mode}.yaml")
-        assert (cfg.lora_config.r, cfg.lora_config.alpha, cfg.lora_config.dropout) == (LORA.r, LORA.alpha, LORA.dropout)
-        assert cfg.lora_config.target_modules == tuple(sorted(LORA.targets))
+        if cfg.lora.finetuning_type == "lora":  # (full.yaml trains every weight)
+            lora = cfg.lora_config
+            assert (lora.r, lora.alpha, lora.dropout) == (LORA.r, LORA.alpha, LORA.dropout)
+            assert lora.target_modules == tuple(sorted(LORA.targets))
         o = cfg.optim_config
         assert (o.learning_rate, o.adam_beta1, o.adam_beta2, o.adam_epsilon, o.weight_decay) == (
             ADAMW.lr, ADAMW.b1, ADAMW.b2, ADAMW.eps, ADAMW.weight_decay)

@@ -188,8 +188,8 @@ def test_a_trl_sft_command_line_runs_without_a_yaml(tmp_path, capsys, caplog):
     ignored = [line for line in captured.err.splitlines() if "ignored: " in line]
     assert ignored == ["[jaxft] command line: ignored: attn_implementation 'sdpa': jaxft chooses its own attention "
                        "kernel; its key is attention_implementation (auto, xla, pallas, cudnn)",
-                       "[jaxft] command line: ignored: use_peft True: jaxft always trains a LoRA adapter (PEFT "
-                       "format), as use_peft: true does"]
+                       "[jaxft] command line: ignored: use_peft True: true is jaxft's default, finetuning_type: "
+                       "lora (a PEFT adapter); false is read as finetuning_type: full"]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert not any("eval_loss" in m or "checkpoint" in m for m in metrics)
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and "trained 2 steps" in captured.out
@@ -214,9 +214,10 @@ def test_trl_keys_in_a_yaml_and_what_cannot_be_honoured(tmp_path):
             cfg.model.max_seq_length) == (data, True, "epoch", "steps", 256)
     auto = load_config(_yaml(tmp_path / "auto.yaml", head + "torch_dtype: auto\nbf16: false\nsave_strategy: no\n"))
     assert auto.model.bf16 is False and auto.logging.save_strategy == "no"  # YAML's unquoted no (false) is the strategy "no"
+    assert load_config(_yaml(tmp_path / "full.yaml", head + "use_peft: false\n")).lora.finetuning_type == "full"
     for text, message in (
-            ("use_peft: false\n", "trl.yaml:4: key 'use_peft': false asks for full fine-tuning; jaxft trains LoRA "
-                                  "adapters only: set use_peft: true or drop the key"),
+            ("use_peft: false\nfinetuning_type: lora\n", "trl.yaml:4: key 'use_peft': false means finetuning_type: "
+                                                         "full, which contradicts finetuning_type: lora"),
             ("torch_dtype: float16\n", "trl.yaml:4: key 'torch_dtype': value 'float16' is not one of 'bfloat16', "
                                        "'float32', 'auto'"),
             ("dtype: float32\nbf16: true\n", "trl.yaml:4: key 'dtype': 'float32' contradicts bf16: True"),

@@ -1,4 +1,5 @@
-"""LoRA training: config, the jitted step, checkpoints, metrics, and `train(config) -> TrainResult`."""
+"""Training (LoRA adapters, or every weight: `jaxft.train.full`): config, the jitted step, checkpoints, metrics,
+and `train(config) -> TrainResult`."""
 
 from jaxft.train.checkpoint import CheckpointError, Checkpointer
 from jaxft.train.config import TrainConfig, TrainConfigError

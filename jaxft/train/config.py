@@ -36,9 +36,9 @@ from jaxft.memory.execution import ExecutionConfig
 from jaxft.lora import LoraConfig
 from jaxft.quant.config import Fp8Config, QuantConfig
 from jaxft.sharding import MeshConfig
-from jaxft.train.keys import (ALIASES, BY_NAME, COMMAND_LINE, DTYPE_BF16, DTYPE_KEYS, IGNORED_KEYS, KEYS,
-                              MEMORY_CHOICES, MEMORY_FLAT_KEYS, SECTIONS, TrainConfigError, Where, closest,
-                              type_phrase)
+from jaxft.train.keys import (ALIASES, BY_NAME, COMMAND_LINE, DTYPE_BF16, DTYPE_KEYS, FULL_SWITCHES, IGNORED_KEYS,
+                              KEYS, MEMORY_CHOICES, MEMORY_FLAT_KEYS, SECTIONS, TrainConfigError, Where, closest,
+                              section_keys, type_phrase)
 from jaxft.train.optim import OptimConfig
 from jaxft.train.sections import (SECTION_CLASSES, DataSection, LoggingSection, LoraSection, MemorySection,
                                   MeshSection, ModelSection, OptimSection, QuantSection)
@@ -94,13 +94,43 @@ class TrainConfig:
         for name in SECTIONS:
             cls = SECTION_CLASSES[name]
             object.__setattr__(self, name, cls(**{k.name: keys[k.name] for k in cls.KEYS if k.name in keys}))
+        self._check_full()
         object.__setattr__(self, "quant_config", self.quant.build())
-        object.__setattr__(self, "execution_config", self.memory.build())
+        object.__setattr__(self, "execution_config", self._full_execution(self.memory.build()))
         object.__setattr__(self, "optim_config", self.optim.build())
         object.__setattr__(self, "lora_config", self.lora.build(self.model.model_name_or_path))
         mesh, distributed = self.mesh.build()
         object.__setattr__(self, "mesh_config", mesh)
         object.__setattr__(self, "distributed_config", distributed)
+
+    # ------------------------------------------------------------------ rules across sections
+    def _check_full(self):
+        """finetuning_type full: one error for a key that only means something for LoRA (a LoRA or 4-bit/FP8 key
+        set, the merged export) or that needs frozen weights (layer_loop unroll, frozen_weights host given)."""
+        if self.lora.finetuning_type != "full":
+            return
+        lora = [k for k in section_keys("lora") if k.name != "finetuning_type"]
+        for k in (BY_NAME["load_in_4bit"], BY_NAME["load_in_fp8"], *lora, BY_NAME["save_merged_model"]):
+            if getattr(getattr(self, k.section), k.name) != k.default:
+                why = ("the trained model is exported to output_dir/model already" if k.name == "save_merged_model"
+                       else "a quantised base cannot be trained" if k.name.startswith("load_in")
+                       else "it is a LoRA setting")
+                raise TrainConfigError(f"key {k.name!r} is set and finetuning_type is full: {why}; drop {k.name} (or "
+                                       "set finetuning_type: lora)", key=k.name)
+        explicit = {**self.memory.flat(), **(self.memory.execution or {})}
+        for key, value in (("layer_loop", "unroll"), ("frozen_weights", "host"), ("offload_transfer", "explicit")):
+            if explicit.get(key) == value:
+                raise TrainConfigError(f"key {key!r}: {value!r} needs frozen weights, and finetuning_type full trains "
+                                       f"every weight (in the layer scan, on the device); drop {key}", key=key)
+
+    def _full_execution(self, execution: ExecutionConfig) -> ExecutionConfig:
+        """`execution`, whose memory preset streams frozen weights from host, with them on the device for a full
+        fine-tune (nothing is frozen to stream)."""
+        if self.lora.finetuning_type != "full" or execution.frozen_weights != "host":
+            return execution
+        logger.info("memory: %s streams frozen weights from host; finetuning_type full has none: "
+                    "frozen_weights: device", self.memory.memory)
+        return execution.replace(frozen_weights="device")
 
     # ------------------------------------------------------------------ derived values
     def replace(self, **changes) -> "TrainConfig":
@@ -209,9 +239,21 @@ def _from_trl(values: Mapping[str, Any], source: str, where: Mapping[Any, Where]
             raise error(key, f"value {value!r} ({type(value).__name__}) has the wrong type; expected "
                              f"{type_phrase(kind)}")
         if key == "use_peft" and value is False:
-            raise error(key, "false asks for full fine-tuning; jaxft trains LoRA adapters only: set use_peft: true "
-                             "or drop the key")
+            continue  # read as finetuning_type: full (below)
         logger.info("%s: ignored: %s %r: %s", where.get(key, source), key, value, why)
+    for key, full in FULL_SWITCHES.items():
+        value = values.get(key)
+        if key in out:  # (use_peft was taken above)
+            value = out.pop(key)
+            if not isinstance(value, bool):
+                raise error(key, f"value {value!r} ({type(value).__name__}) has the wrong type; expected true/false")
+        if value is None or value != full:
+            continue
+        if out.get("finetuning_type", "full") != "full":
+            raise error(key, f"{str(value).lower()} means finetuning_type: full, which contradicts "
+                             f"finetuning_type: {out['finetuning_type']}; drop one of the two keys")
+        out["finetuning_type"] = "full"
+        where.setdefault("finetuning_type", where.get(key, Where(source)))
     return out
 
 

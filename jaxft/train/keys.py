@@ -73,7 +73,8 @@ SECTIONS = {
     "model": "the checkpoint, its compute dtype, the sequence length and added tokens",
     "data": "the training and eval data, how records become packed rows, rows per device",
     "optim": "the optimizer, its schedule, how many steps of how many micro-batches, the seed",
-    "lora": "the adapter: rank, scale, targets, fully trained modules and token rows (built: jaxft.lora.LoraConfig)",
+    "lora": "what is trained: LoRA adapters (rank, scale, targets, fully trained modules and token rows; built: "
+            "jaxft.lora.LoraConfig) or every weight (finetuning_type: full)",
     "quant": "the frozen weights in 4 bits (transformers' BitsAndBytesConfig names) or FP8",
     "memory": "speed against device memory, and the kernels a step uses (built: memory.execution.ExecutionConfig)",
     "mesh": "devices and processes",
@@ -140,6 +141,10 @@ KEYS: tuple[Key, ...] = (
     Key("max_grad_norm", "optim", float, 1.0, "global gradient-norm clip; 0 disables clipping", field="max_grad_norm"),
     Key("seed", "optim", int, 42, "seed of the data order, LoRA initialisation and dropout"),
     # lora
+    Key("finetuning_type", "lora", Literal["lora", "full"], "lora",
+        "lora: train LoRA adapters (exported as a PEFT adapter); full: train every weight (fp32 masters and AdamW "
+        "state, exported as an HF checkpoint to output_dir/model; TRL's use_peft: false and Unsloth's "
+        "full_finetuning: true mean the same); docs/full-finetuning.md"),
     Key("lora_r", "lora", int, 16, "LoRA rank", field="r"),
     Key("lora_alpha", "lora", float, 32.0, "LoRA scale numerator (scale alpha/r; alpha/sqrt(r) with use_rslora)",
         field="alpha"),
@@ -271,8 +276,11 @@ DTYPE_BF16 = {"bfloat16": True, "bf16": True, "float32": False, "fp32": False}
 IGNORED_KEYS = {
     "attn_implementation": (str, "jaxft chooses its own attention kernel; its key is attention_implementation "
                                  "(auto, xla, pallas, cudnn)"),
-    "use_peft": (bool, "jaxft always trains a LoRA adapter (PEFT format), as use_peft: true does"),
+    "use_peft": (bool, "true is jaxft's default, finetuning_type: lora (a PEFT adapter); false is read as "
+                       "finetuning_type: full"),
 }
+# Other libraries' switches for full fine-tuning, read as `finetuning_type: full` (TRL's ModelConfig, Unsloth).
+FULL_SWITCHES = {"use_peft": False, "full_finetuning": True}
 
 
 def section_keys(section: str) -> tuple[Key, ...]:

@@ -9,7 +9,8 @@ Order of work (nothing is written to `output_dir` until every input has been val
      jitted update; metrics per logging window, timed from device sync to device sync (`meter.WindowMeter`);
      eval every `eval_steps`, checkpoint every `save_steps` and at the end; SIGINT/SIGTERM end the run after
      the current step with a checkpoint (`TrainingInterrupted`);
-  4. export: loss-curve PNG, PEFT adapter (output_dir/adapter), optionally the merged model (output_dir/merged),
+  4. export: loss-curve PNG, PEFT adapter (output_dir/adapter) or, for `finetuning_type: full`, the trained model
+     (output_dir/model, an HF checkpoint), optionally the merged model (output_dir/merged),
      each written beside its place and swapped in by renames (`_swap_dir`; a killed swap is undone at the next
      start).
 """
@@ -63,7 +64,7 @@ class TrainResult:
     metrics.jsonl show last); `eval_loss` the last evaluation (or None); `summary` the run's speed and cost."""
 
     output_dir: Path
-    adapter_dir: Path
+    adapter_dir: Path | None  # None for a full fine-tune, whose trained model is `model_dir`
     merged_dir: Path | None
     metrics_path: Path
     loss_curve: Path | None
@@ -74,6 +75,7 @@ class TrainResult:
     resumed_from: str | None
     summary: RunSummary | None = None
     gguf_file: Path | None = None
+    model_dir: Path | None = None  # finetuning_type full: the trained model, an HF checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +165,7 @@ def _load_data(config: TrainConfig, num_devices: int):
     return tokenizer, train_ds, eval_ds
 
 
-EXPORTS = ("adapter", "merged")
+EXPORTS = ("adapter", "merged", "model")
 
 
 def _swap_dir(new: Path, target: Path) -> None:
@@ -336,6 +338,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     writer = (MetricsWriter(out, resume_step=start_step if resume_path else None,
                             tensorboard=log.report_to == "tensorboard") if main else _NoMetrics(out))
     num_tokens = setup.start_tokens  # cumulative non-padding tokens trained on (TRL's num_tokens)
+    trained = "weights" if run.full else "LoRA"  # what a non-finite value's path starts with
+    export = "model" if run.full else "adapter"  # the run's export directory in output_dir
 
     def meta_for(step: int) -> dict[str, Any]:
         epoch, in_epoch = divmod(step, plan.steps_per_epoch)
@@ -358,7 +362,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     def diverged(problem: str) -> TrainingDiverged:
         kept = checkpointer.latest_step()
         kept = (f"the checkpoint of step {kept}" if kept is not None else "no checkpoint") + (
-            " and output_dir/adapter" if (out / "adapter").exists() else "")
+            f" and output_dir/{export}" if (out / export).exists() else "")
         return TrainingDiverged(
             f"training stopped: {problem}; lower learning_rate (now {config.optim.learning_rate:g}); "
             f"nothing of this state was saved ({kept} kept)", key="learning_rate")
@@ -366,7 +370,7 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
     def check_pending(step: int) -> None:
         """At a sync point (eval, checkpoint, stop): the steps not yet logged, and the LoRA state, are sound."""
         problem = _unsound(jax.device_get([m for m, _ in window]), step - len(window) + 1)
-        bad = problem or ckpt.first_nonfinite(ckpt.to_nested(run.lora), "LoRA")
+        bad = problem or ckpt.first_nonfinite(ckpt.to_nested(run.lora), trained)
         if bad:
             raise diverged(problem or f"{bad} holds NaN or infinite values at step {step}")
 
@@ -437,14 +441,17 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         checkpointer.close()
         writer.close()
 
-    bad = ckpt.first_nonfinite(ckpt.to_nested(run.lora), "LoRA")
+    bad = ckpt.first_nonfinite(ckpt.to_nested(run.lora), trained)
     if bad:  # (every step was checked; this guards the export itself)
-        raise TrainingDiverged(f"{bad} holds NaN or infinite values after step {step}; output_dir/adapter is kept",
+        raise TrainingDiverged(f"{bad} holds NaN or infinite values after step {step}; output_dir/{export} is kept",
                                key="learning_rate")
     # ---- exports (every process takes part in their gathers, process 0 writes)
     curve = plot_loss_curve(read_metrics(writer.path), out / "loss_curve.png") if main else None
-    adapter_dir = _export(out, "adapter", lambda d: run.export_adapter(d, tokenizer=tokenizer))
-    merged_dir = None
+    adapter_dir = model_dir = merged_dir = None
+    if run.full:
+        model_dir = _export(out, "model", lambda d: run.export_merged(d, tokenizer=tokenizer))
+    else:
+        adapter_dir = _export(out, "adapter", lambda d: run.export_adapter(d, tokenizer=tokenizer))
     if config.logging.save_merged_model:
         merged_dir = _export(out, "merged", lambda d: run.export_merged(d, tokenizer=tokenizer))
     gguf_file = None
@@ -465,7 +472,8 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
         logger.info("remat auto: %s estimated peak %.3f GiB, %s", chosen, estimate / 2**30, measured)
     return TrainResult(output_dir=out, adapter_dir=adapter_dir, merged_dir=merged_dir, metrics_path=writer.path,
                        loss_curve=curve, checkpoint_dir=out / "checkpoints", global_step=step, train_loss=last_loss,
-                       eval_loss=last_eval, resumed_from=resume_path, summary=summary, gguf_file=gguf_file)
+                       eval_loss=last_eval, resumed_from=resume_path, summary=summary, gguf_file=gguf_file,
+                       model_dir=model_dir)
 
 
 def _sample_completions(model, tokenizer, log: LoggingSection) -> list[dict[str, str]]:
@@ -490,7 +498,8 @@ def _run_identity(config: TrainConfig, run, train_ds) -> dict[str, Any]:
                     for path, x in jax.tree_util.tree_flatten_with_path(run.lora)[0])
     model_dir = Path(config.model.model_name_or_path).expanduser()
     weights = sorted(f"{p.name}:{p.stat().st_size}" for p in model_dir.glob("*.safetensors"))
-    return {
+    full = {"finetuning_type": "full"} if run.full else {}  # (a LoRA run's identity as before: its checkpoints resume)
+    return {**full,
         "lora_r": lora.r, "lora_alpha": float(lora.alpha), "use_rslora": lora.use_rslora,
         "lora_target_modules": lora.target_modules if isinstance(lora.target_modules, str)
         else list(lora.target_modules),

@@ -53,19 +53,23 @@ class OptimConfig:
     def warmup_for(self, total_steps: int) -> int:
         return warmup_steps_for(total_steps, self.warmup_steps, self.warmup_ratio)
 
-    def build(self, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-        """(optimizer, schedule) for a run of `total_steps` updates."""
+    def build(self, total_steps: int, *, decay_mask=None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+        """(optimizer, schedule) for a run of `total_steps` updates; `decay_mask` as `make_optimizer` takes it."""
         schedule = make_schedule(self.lr_scheduler_type, self.learning_rate, total_steps,
                                  self.warmup_for(total_steps))
         return make_optimizer(schedule, b1=self.adam_beta1, b2=self.adam_beta2, eps=self.adam_epsilon,
-                              weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm), schedule
+                              weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm,
+                              decay_mask=decay_mask), schedule
 
 
 def make_optimizer(schedule: optax.Schedule | float, *, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                   weight_decay: float = 0.0, max_grad_norm: float = 0.0) -> optax.GradientTransformation:
+                   weight_decay: float = 0.0, max_grad_norm: float = 0.0,
+                   decay_mask=None) -> optax.GradientTransformation:
     """AdamW (decoupled decay: p <- p - lr * (adam_update + weight_decay * p), as torch.optim.AdamW), after
-    global-norm clipping of the gradient to `max_grad_norm` (0 = no clipping)."""
-    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    global-norm clipping of the gradient to `max_grad_norm` (0 = no clipping). `decay_mask` (optax's `mask`: a
+    function of the parameters giving a tree of bools) limits the decay to the True leaves; None decays every one
+    (a LoRA run's adapters, as transformers' Trainer decays them)."""
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
     if max_grad_norm and max_grad_norm > 0:
         return optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw)
     return adamw

@@ -205,7 +205,7 @@ class MemorySection:
             hint = f"did you mean {close!r}? " if close else ""
             raise TrainConfigError(f"key 'execution': unknown field {unknown[0]!r}; {hint}fields: "
                                    f"{', '.join(EXECUTION_MAPPING_KEYS)}", key="execution")
-        flat = self._flat()
+        flat = self.flat()
         for k in sorted(set(flat) & set(nested), key=EXECUTION_MAPPING_KEYS.index):
             if flat[k] != nested[k]:
                 raise TrainConfigError(f"key {k!r} is given twice, flat ({flat[k]!r}) and under execution "
@@ -230,7 +230,7 @@ class MemorySection:
                 f"{k}: {explicit[k]!r} (preset {preset[k]!r})" for k in overridden))
         object.__setattr__(self, "memory", memory)
 
-    def _flat(self) -> dict:
+    def flat(self) -> dict:
         """The mapping fields given as flat keys (those not at their defaults)."""
         return {k: getattr(self, k) for k in EXECUTION_MAPPING_KEYS if getattr(self, k) != BY_NAME[k].default}
 
@@ -239,7 +239,7 @@ class MemorySection:
         return {k.name: getattr(self, k.name) for k in self.KEYS} | {"memory": self._given_memory}
 
     def build(self) -> ExecutionConfig:
-        merged = {**MEMORY_PRESETS[self.memory], **self._flat(), **(self.execution or {})}
+        merged = {**MEMORY_PRESETS[self.memory], **self.flat(), **(self.execution or {})}
         unset = {f.name: f.default for f in dataclasses.fields(ExecutionConfig) if f.name in MEMORY_FLAT_KEYS}
         values = {k.field: merged.get(k.name, unset.get(k.name, k.default)) if k.name in EXECUTION_MAPPING_KEYS
                   else getattr(self, k.name) for k in self.KEYS if k.field}

@@ -24,7 +24,8 @@ never materialised.
 Only `TrainableParam` variables (LoRA matrices, and tables or token rows trained beside them) are differentiated
 and optimised: the model is split by variable type, `graphdef, lora, frozen = nnx.split(model, TrainableParam,
 ...)`; the step takes `lora` and the optimizer state as donated buffers (updated in place) and `frozen` (base
-weights, LoRA scales) as a read-only input.
+weights, LoRA scales) as a read-only input. A full fine-tune (`jaxft.train.full`) splits off every `nnx.Param`
+instead, as fp32 master weights, and passes `cast` (the masters to the compute dtype before each forward).
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 TRAIN_EXECUTION = ExecutionConfig()  # attention "auto" (per device and batch), no remat
 
 
-def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """(graphdef, lora, frozen): the trainable variables (LoRA matrices, trained tables and rows) and everything
-    else, selected by type."""
-    graphdef, lora, frozen = nnx.split(model, TrainableParam, ...)
+def split_model(model: nnx.Module, trainable: type = TrainableParam) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graphdef, lora, frozen): the trainable variables (LoRA matrices, trained tables and rows; with
+    `trainable=nnx.Param`, every weight) and everything else, selected by type."""
+    graphdef, lora, frozen = nnx.split(model, trainable, ...)
     if not jax.tree.leaves(lora):
         raise ValueError("the model has no trainable variables: apply LoRA (jaxft.lora.apply_lora) before training")
     return graphdef, lora, frozen
@@ -154,18 +155,19 @@ def _ce_sum(model, hidden, batch: Batch, execution: ExecutionConfig) -> jax.Arra
 
 
 def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.State, batch: Batch,
-                       rng: jax.Array | None, execution: ExecutionConfig = TRAIN_EXECUTION
-                       ) -> tuple[jax.Array, Any, jax.Array]:
+                       rng: jax.Array | None, execution: ExecutionConfig = TRAIN_EXECUTION,
+                       cast: Callable | None = None) -> tuple[jax.Array, Any, jax.Array]:
     """(sum of token losses, sum of their gradients w.r.t. `lora`, target count) over `batch` whose leaves are
-    [A, B, T] (A micro-batches, scanned one at a time so only one micro-batch's activations are live)."""
+    [A, B, T] (A micro-batches, scanned one at a time so only one micro-batch's activations are live). `cast`
+    maps the trainable state to what the model computes with (differentiated through); None: as it is."""
 
     accum = batch["loss_mask"].shape[0]
     count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
     aux_weight = count / accum  # c * aux_m * N / A per micro-batch: c * mean_m aux_m once divided by N
 
     def micro_loss(lora_, mb, r):
-        return token_loss_sum(nnx.merge(graphdef, lora_, frozen), mb, dropout_rng=r, execution=execution,
-                              aux_weight=aux_weight)
+        model = nnx.merge(graphdef, lora_ if cast is None else cast(lora_), frozen)
+        return token_loss_sum(model, mb, dropout_rng=r, execution=execution, aux_weight=aux_weight)
 
     grad_fn = jax.value_and_grad(micro_loss)
 
@@ -184,7 +186,8 @@ def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.Stat
 
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule | None = None, *, execution: ExecutionConfig = TRAIN_EXECUTION,
-                    dropout: bool = False, donate: bool = True, in_shardings=None, out_shardings=None) -> Callable:
+                    dropout: bool = False, donate: bool = True, in_shardings=None, out_shardings=None,
+                    cast: Callable | None = None) -> Callable:
     """`step(lora, opt_state, frozen, batch [A,B,T], rng) -> (lora, opt_state, metrics)`, jitted once.
 
     `lora` and `opt_state` are donated. metrics: loss (mean over the step's target tokens), grad_norm (global
@@ -192,11 +195,12 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     (one key per micro-batch via fold_in); it is ignored unless `dropout`. `execution` says how the step runs
     (attention kernel, remat policy, CE chunk; its `compiler_options` apply to this program only, never as
     process-wide flags). `in_shardings` / `out_shardings` (for the five arguments and the three outputs) place
-    the step on a mesh (`jaxft.sharding.Placement`); XLA inserts the collectives."""
+    the step on a mesh (`jaxft.sharding.Placement`); XLA inserts the collectives. `cast`: see
+    `loss_and_grad_sums`."""
 
     def step(lora, opt_state, frozen, batch, rng):
         loss_sum, grad_sum, count = loss_and_grad_sums(graphdef, lora, frozen, batch, rng if dropout else None,
-                                                       execution)
+                                                       execution, cast)
         denom = jnp.maximum(count, 1.0)  # an all-padding step has zero loss and zero gradient
         grads = jax.tree.map(lambda g: g / denom, grad_sum)
         metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads), "num_target_tokens": count}
@@ -212,12 +216,13 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
                    compiler_options=execution.program_options or None, **shardings)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, *, execution: ExecutionConfig = TRAIN_EXECUTION) -> Callable:
+def make_eval_step(graphdef: nnx.GraphDef, *, execution: ExecutionConfig = TRAIN_EXECUTION,
+                   cast: Callable | None = None) -> Callable:
     """`eval_step(lora, frozen, batch [B,T]) -> (loss_sum, target_count)`; the eval loss is
-    sum(loss_sum) / sum(target_count) over all eval batches."""
+    sum(loss_sum) / sum(target_count) over all eval batches. `cast`: see `loss_and_grad_sums`."""
 
     def eval_step(lora, frozen, batch):
-        model = nnx.merge(graphdef, lora, frozen)
+        model = nnx.merge(graphdef, lora if cast is None else cast(lora), frozen)
         count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
         # No backward: no remat. The router aux loss (if any) is weighted by the batch's targets, so the eval
         # loss is the CE mean plus c times the target-weighted mean of the batches' aux losses.

@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # jaxft systems: "jaxft" (examples/bench/fast.yaml) and "jaxft_<mode>" (examples/bench/<mode>.yaml).
 JAXFT_MODES = jaxft_modes()[1:]
 # Torch systems whose worker needs the carried peer wheels on its path (Unsloth; bitsandbytes for HF QLoRA).
-PEER_WHEEL_SYSTEMS = ("unsloth", "unsloth_4bit", "hf_qlora")
+PEER_WHEEL_SYSTEMS = ("unsloth", "unsloth_4bit", "unsloth_full", "hf_qlora")
 JAXFT_WORKER, TORCH_WORKER = "scripts.bench.jaxft_worker", "scripts.bench.torch_worker"
 WORKER = {"jaxft": JAXFT_WORKER, **{f"jaxft_{m}": JAXFT_WORKER for m in JAXFT_MODES},
           **{s: TORCH_WORKER for s in ("hf_ckpt", "hf_nockpt") + PEER_WHEEL_SYSTEMS}}

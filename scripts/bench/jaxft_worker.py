@@ -52,6 +52,8 @@ import sys
 import time
 from typing import Any
 
+import yaml
+
 from .workloads import Workload
 from .worker_common import BENCH_RECIPES, ModelCache, Task, jaxft_modes, load_tasks, worker_main
 
@@ -123,13 +125,21 @@ def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str, extra
 
     overrides = [f"model_name_or_path={model_dir}", f"dataset={os.path.join(REPO, 'examples/data/train.jsonl')}",
                  f"max_seq_length={workload.seq_len}", f"per_device_train_batch_size={workload.batch}",
-                 f"bf16={'true' if dtype == 'bfloat16' else 'false'}"] + lora_overrides(workload)
+                 f"bf16={'true' if dtype == 'bfloat16' else 'false'}"]
+    if not trains_in_full(mode):  # a full fine-tune refuses LoRA keys
+        overrides += lora_overrides(workload)
     for env, key in (("REMAT", "remat"), ("ATTENTION", "attention_implementation"), ("LAYERS", "layer_loop"),
                      ("GMM", "grouped_matmul_implementation")):
         if os.environ.get(f"JAXFT_BENCH_{env}"):
             overrides.append(f"{key}={os.environ[f'JAXFT_BENCH_{env}']}")
     # attention "auto" is the reference off the GPU (kernels_pallas.attention.config.choose_implementation)
     return load_config(mode_yaml(mode), overrides + list(extra))
+
+
+def trains_in_full(mode: str) -> bool:
+    """Whether the mode's recipe trains every weight (`finetuning_type: full`) instead of LoRA adapters."""
+    with open(mode_yaml(mode), encoding="utf-8") as f:
+        return (yaml.safe_load(f) or {}).get("finetuning_type", "lora") == "full"
 
 
 def lora_overrides(workload: Workload) -> list[str]:

@@ -31,6 +31,9 @@ Systems:
                        imported before transformers/peft, needs a CUDA GPU. Packed workloads pass
                        the same position_ids (Unsloth derives packed_seq_lengths from them).
   unsloth_4bit         the same with load_in_4bit=True (Unsloth's QLoRA: bitsandbytes nf4 base).
+  unsloth_full         full fine-tuning (from_pretrained's full_finetuning=True, no adapter): the peer of
+                       jaxft_full (examples/bench/full.yaml). Unsloth trains the bf16 weights themselves (no fp32
+                       master copy, as jaxft keeps), so its memory is not jaxft_full's like for like.
 Mixture-of-experts shapes (Qwen3-MoE, GPT-OSS): the experts are raw [E, ., .] parameters, not Linear
 modules; every system adapts the attention linears and, as expert LoRA at rank r, the experts (PEFT's
 target_parameters = LORA.expert_targets, the same two jaxft's lora_target_parameters adapts; see
@@ -67,7 +70,7 @@ import time
 from typing import Any, Callable
 
 HF_SYSTEMS = ("hf_ckpt", "hf_nockpt", "hf_qlora")
-UNSLOTH_SYSTEMS = ("unsloth", "unsloth_4bit")
+UNSLOTH_SYSTEMS = ("unsloth", "unsloth_4bit", "unsloth_full")
 SYSTEMS = HF_SYSTEMS + UNSLOTH_SYSTEMS
 
 
@@ -394,7 +397,7 @@ def _unsloth_moe_backend() -> str | None:
         return f"unknown ({type(e).__name__}: {str(e)[:200]})"
 
 
-def run_unsloth(task: Task, four_bit: bool = False) -> dict[str, Any]:
+def run_unsloth(task: Task, four_bit: bool = False, full: bool = False) -> dict[str, Any]:
     if task.device != "cuda":
         raise SystemUnavailable("Unsloth needs a CUDA GPU (its kernels are Triton)")
     if _UNSLOTH_IMPORT_ERROR is not None:
@@ -409,13 +412,16 @@ def run_unsloth(task: Task, four_bit: bool = False) -> dict[str, Any]:
     else:
         from unsloth import FastLanguageModel as Fast
     data = make_token_data(workload, task.steps)
-    load = {"use_gradient_checkpointing": "unsloth"} if vlm else {}
-    peft_kwargs = unsloth_peft_kwargs(workload)
+    load = {"use_gradient_checkpointing": "unsloth"} if vlm or full else {}
+    if full:  # every weight trained: no adapter (get_peft_model would wrap the model in one)
+        load["full_finetuning"] = True
+    peft_kwargs = None if full else unsloth_peft_kwargs(workload)
     try:
         model, _tok = Fast.from_pretrained(
             model_name=task.model_dir, max_seq_length=workload.seq_len, dtype=torch.bfloat16,
             load_in_4bit=four_bit, load_in_16bit=not four_bit, local_files_only=True, **load)
-        model = Fast.get_peft_model(model, **peft_kwargs)
+        if not full:
+            model = Fast.get_peft_model(model, **peft_kwargs)
         Fast.for_training(model)
     except Exception as e:  # Unsloth refusing a shape is a result (not_run), running out of memory another (oom)
         if is_oom_message(f"{type(e).__name__} {e}"):
@@ -437,7 +443,7 @@ def run_unsloth(task: Task, four_bit: bool = False) -> dict[str, Any]:
             "versions": _versions(("unsloth", "unsloth_zoo", "bitsandbytes", "flash_attn",
                                    "xformers")),
             "settings": {"loader": "FastVisionModel" if vlm else "FastLanguageModel",
-                         "load_in_16bit": not four_bit, "load_in_4bit": four_bit,
+                         "load_in_16bit": not four_bit, "load_in_4bit": four_bit, "full_finetuning": full,
                          "use_gradient_checkpointing": "unsloth",
                          "optimizer": "torch.optim.AdamW(fused=True)",
                          "attention_backends_available": backends,
@@ -457,7 +463,7 @@ def run_task(task: Task, out_json: str, cache: ModelCache) -> dict[str, Any]:
     if task.system in HF_SYSTEMS:
         return run_hf(task, ckpt=task.system != "hf_nockpt", cache=cache, four_bit=task.system == "hf_qlora")
     if task.system in UNSLOTH_SYSTEMS:
-        return run_unsloth(task, four_bit=task.system == "unsloth_4bit")
+        return run_unsloth(task, four_bit=task.system == "unsloth_4bit", full=task.system == "unsloth_full")
     raise ValueError(f"scripts.bench.torch_worker: unknown system {task.system!r}; known {SYSTEMS}")
 
 
