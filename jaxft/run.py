@@ -79,6 +79,8 @@ class Run(AutoChoices):
     # New tokens: the embeddings (and an untied head) grow to this many rows on load, with transformers' mean
     # initialisation (`jaxft.lora.trained.resize_embeddings`); None: as stored.
     vocab_size: int | None = None
+    # The training objective: None for token cross-entropy (SFT), else its part (`jaxft.train.dpo.DpoConfig`).
+    objective: Any = None
 
     def __post_init__(self):
         self.model_path = Path(self.model_path).expanduser()
@@ -113,7 +115,7 @@ class Run(AutoChoices):
         return cls(model_path=config.model.path, lora_config=lora_config or config.lora, execution=config.execution,
                    optim=config.optim, total_steps=total_steps, dtype=config.model.dtype, seed=config.seed,
                    accumulation=config.gradient_accumulation_steps, devices=devices, quant_config=config.model.quant,
-                   mesh=config.mesh_config, vocab_size=vocab_size)
+                   mesh=config.mesh_config, vocab_size=vocab_size, objective=config.objective)
 
     # ------------------------------------------------------------------ building the state
     @property
@@ -344,7 +346,7 @@ class Run(AutoChoices):
         opt_sh = p.like(opt_state, lora, lora_sh)
         batch_sh = {k: p.batch_sharding(len(v.shape)) for k, v in batch.items()}
         return make_train_step(graphdef, self.optimizer, self.schedule, execution=self.execution,
-                               dropout=self.lora_config.dropout > 0,
+                               dropout=self.lora_config.dropout > 0, objective=self.objective,
                                in_shardings=(lora_sh, opt_sh, self.frozen_shardings(frozen), batch_sh, p.replicated),
                                out_shardings=(lora_sh, opt_sh, p.replicated))
 
@@ -391,9 +393,10 @@ class Run(AutoChoices):
         return metrics
 
     def evaluate(self, host_batches) -> tuple[float, float]:
-        """(summed token loss, target count) over [B, T] host batches; the eval loss is their ratio."""
+        """(summed token loss, target count) over [B, T] host batches (with an objective: its loss sum and count,
+        e.g. DPO's pairs); the eval loss is their ratio."""
         if self._eval_fn is None:
-            self._eval_fn = make_eval_step(self.graphdef, execution=self.execution)
+            self._eval_fn = make_eval_step(self.graphdef, execution=self.execution, objective=self.objective)
         loss_sum, count = 0.0, 0.0
         for batch in host_batches:
             s, c = self._eval_fn(self.lora, self.frozen, self.placement.batch(batch))

@@ -43,6 +43,7 @@ from jaxft.lora import LoraConfig, LoraConfigError
 from jaxft.models.vision.targets import finetune_targets
 from jaxft.quant.config import DEFAULT_SKIP, Fp8Config, QuantConfig, QuantConfigError
 from jaxft.sharding import MeshConfig, MeshConfigError
+from jaxft.train.dpo import DpoConfig, DpoConfigError
 from jaxft.train.optim import OptimConfig, OptimConfigError
 from jaxft.train.parts import LOGGING_KEYS, LoggingConfig, MODEL_KEYS, ModelSource, PartError
 
@@ -282,6 +283,42 @@ class TrainConfig:
     distributed: str | dict | None = _key(
         None, "several processes: null (one, unless JAXFT_NUM_PROCESSES is set), off, auto (SLURM / Open MPI) or "
               "{coordinator_address, num_processes, process_id}")
+    # objective (TRL's DPOConfig names for DPO; docs/objectives.md)
+    trainer: Literal["sft", "dpo"] = _key(
+        "sft", "the objective: sft (cross-entropy on the trained tokens) or dpo (direct preference optimisation on "
+               "prompt/chosen/rejected records, the reference being the model with its adapters off; a row holds whole "
+               "pairs, so TRL's max_length per sequence is half of max_seq_length)")
+    beta: float = _key(0.1, "dpo: strength of the pull towards the reference model")
+    loss_type: Literal["sigmoid", "robust"] = _key(
+        "sigmoid", "dpo: sigmoid (DPO's -log sigmoid(beta * margin)) or robust (label noise label_smoothing)")
+    label_smoothing: float = _key(0.0, "dpo, loss_type robust: the probability a preference label is flipped, in "
+                                       "[0, 0.5)")
+
+    def _build_objective(self):
+        """The DPO part (`jaxft.train.dpo.DpoConfig`) with trainer dpo, else None; a DPO key without it, and what the
+        adapters-off reference cannot express (base weights trained beside the adapters), are errors."""
+        keys = {"beta": "beta", "loss_type": "loss_type", "label_smoothing": "label_smoothing"}
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if self.trainer != "dpo":
+            given = [k for k in keys if getattr(self, k) != defaults[k]]
+            if given:
+                raise TrainConfigError(f"key {given[0]!r} is a DPO setting and trainer is {self.trainer!r}; add "
+                                       f"`trainer: dpo` or drop {given[0]}", key=given[0])
+            return None
+        for key in ("modules_to_save", "trainable_token_indices", "add_special_tokens"):
+            if getattr(self, key):
+                raise TrainConfigError(f"key {key!r} with trainer dpo: the DPO reference is the model with its LoRA "
+                                       "adapters off, which cannot undo base weights trained beside them; drop "
+                                       f"{key}", key=key)
+        try:
+            return DpoConfig(**{field: getattr(self, key) for field, key in keys.items()})
+        except DpoConfigError as e:
+            raise part_error(e, keys) from None
+
+    @property
+    def objective(self):
+        """The training objective's part: `jaxft.train.dpo.DpoConfig` with trainer dpo, None for SFT."""
+        return self._objective
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))
@@ -305,6 +342,7 @@ class TrainConfig:
         self._build_model_and_logging()
         self._check_paths()
         self._build_parts()
+        object.__setattr__(self, "_objective", self._build_objective())
 
     def _build_model_and_logging(self):
         """The model part (it checks the model directory) and the logging part, errors under the flat keys."""
