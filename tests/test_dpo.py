@@ -143,3 +143,99 @@ def test_loss_metrics_and_gradients_match_trl(tiny, tmp_path, dpo):
     np.testing.assert_allclose(float(metrics["loss"]), t_loss, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(metrics["rewards/accuracies"]), t_metrics["rewards/accuracies"], atol=1e-6)
     assert float(metrics["num_pairs"]) == len(PAIRS)
+
+
+def test_conversational_pair_takes_the_sft_template_and_mask():
+    """A conversational pair's sequences are the SFT chat records prompt + reply, token for token and mask for mask
+    (the tiny Llama's template marks replies with {% generation %}: SFT reads that mask, the pair finds the reply
+    after the prompt's generation prompt); an implicit prompt (the messages chosen and rejected share) is the
+    same pair."""
+    from jaxft.data.formatting import Formatter, load_tokenizer
+    from jaxft.data.preference import preference_pair
+    from jaxft.data.sources import Record
+
+    tok = load_tokenizer(REPO / "examples/tiny-llama")
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    chosen, rejected = [{"role": "assistant", "content": "5"}], [{"role": "assistant", "content": "six"}]
+    fmt = Formatter(tok)
+    pair = preference_pair(fmt, Record({"prompt": prompt, "chosen": chosen, "rejected": rejected}, "p.jsonl:1"))
+    implicit = preference_pair(fmt, Record({"chosen": prompt + chosen, "rejected": prompt + rejected}, "p.jsonl:2"))
+    for doc, again, reply in zip(pair, implicit, (chosen, rejected)):
+        sft = fmt(Record({"messages": prompt + reply}, "sft.jsonl:1"))
+        np.testing.assert_array_equal(doc.tokens, sft.tokens)
+        np.testing.assert_array_equal(doc.loss_mask, sft.loss_mask)
+        np.testing.assert_array_equal(again.tokens, sft.tokens)
+        np.testing.assert_array_equal(again.loss_mask, sft.loss_mask)
+        assert tok.decode(doc.tokens[doc.loss_mask]) == reply[0]["content"] + "<|eot_id|>"
+
+
+@pytest.mark.parametrize("record, line, words", [
+    ({"prompt": "a", "chosen": "b"}, 2, ["no 'rejected'", "add 'rejected'"]),
+    ({"chosen": "b", "rejected": "c"}, 2, ["no 'prompt'"]),
+    ({"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant", "content": "c"}]}, 2,
+     ["'rejected' as lists of messages"]),
+    ({"prompt": "a", "chosen": 3, "rejected": "c"}, 2, ["key 'chosen' must be a string or a list of messages"]),
+    ({"messages": [{"role": "user", "content": "hi"}]}, 2, ["no 'chosen'"]),
+], ids=["no-rejected", "no-prompt", "mixed", "not-text", "sft-record"])
+def test_bad_record_is_one_line_naming_file_line_and_key(tiny, tmp_path, record, line, words):
+    from jaxft.data.errors import MissingFieldError
+    from jaxft.data.pipeline import DataConfig
+    from jaxft.data.preference import build_preference_datasets
+
+    model_dir, _ = tiny
+    data = _jsonl(tmp_path / "bad.jsonl", [PAIRS[0], record])
+    with pytest.raises(MissingFieldError) as e:
+        build_preference_datasets(DataConfig(path=str(data), seq_len=128, batch_size=1), str(model_dir))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{data}:{line}: ")
+    for word in words:
+        assert word in message, message
+
+
+def test_dpo_keys_are_checked(tiny, tmp_path):
+    from jaxft.train import TrainConfig, TrainConfigError
+
+    model_dir, data = tiny
+    base = dict(model_name_or_path=str(model_dir), dataset=str(data), output_dir=str(tmp_path / "out"))
+    assert TrainConfig(**base).objective is None
+    dpo = TrainConfig(**base, trainer="dpo", beta=0.5, loss_type="robust", label_smoothing=0.1).objective
+    assert (dpo.beta, dpo.loss_type, dpo.label_smoothing) == (0.5, "robust", 0.1)
+    for values, words in ((dict(beta=0.2), "key 'beta' is a DPO setting and trainer is 'sft'"),
+                          (dict(trainer="dpo", beta=0.0), "key 'beta'"),
+                          (dict(trainer="dpo", label_smoothing=0.1), "loss_type: robust"),
+                          (dict(trainer="dpo", loss_type="robust", label_smoothing=0.5), "[0, 0.5)"),
+                          (dict(trainer="dpo", modules_to_save=["lm_head"]), "key 'modules_to_save' with trainer dpo")):
+        with pytest.raises(TrainConfigError) as e:
+            TrainConfig(**base, **values)
+        assert words in str(e.value), str(e.value)
+
+
+def test_jaxft_train_dpo_example(tmp_path):
+    """examples/dpo.yaml through jaxft-train's path, shortened: TRL's metrics logged, the eval loss a mean over the
+    eval pairs, and the adapter an ordinary PEFT adapter (PEFT loads it onto the base)."""
+    from transformers import AutoModelForCausalLM
+
+    from jaxft.train import load_config, read_metrics, train
+    from jaxft.train.dpo import METRICS
+
+    config = load_config(REPO / "examples/dpo.yaml", [
+        f"output_dir={tmp_path / 'run'}", "max_steps=2", "logging_steps=1", "per_device_train_batch_size=2",
+        "per_device_eval_batch_size=8", "lora_target_modules=[q_proj,v_proj]", "save_strategy=no"])
+    assert config.objective is not None
+    result = train(config)
+    rows = read_metrics(result.metrics_path)
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert set(METRICS) <= set(r) and r["num_pairs"] >= 2 and 0 <= r["rewards/accuracies"] <= 1
+    assert abs(steps[0]["loss"] - np.log(2)) < 1e-5  # step 1: the adapter starts at B = 0, the reference itself
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert [r["eval_num_pairs"] for r in evals] == [80, 80] and abs(evals[0]["eval_loss"] - np.log(2)) < 1e-5
+    assert evals[-1]["eval_loss"] != evals[0]["eval_loss"]
+    adapter = json.loads((result.adapter_dir / "adapter_config.json").read_text())
+    assert adapter["peft_type"] == "LORA" and set(adapter["target_modules"]) == {"q_proj", "v_proj"}
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(REPO / "examples/tiny-llama"),
+                                            str(result.adapter_dir))
+    b = loaded.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight
+    assert float(b.abs().max()) > 0  # trained: B left its zero init
