@@ -230,7 +230,7 @@ def test_jaxft_train_dpo_example(tmp_path):
     for r in steps:
         assert set(METRICS) <= set(r) and r["num_pairs"] >= 2 and 0 <= r["rewards/accuracies"] <= 1
     assert abs(steps[0]["loss"] - np.log(2)) < 1e-5  # step 1: the adapter starts at B = 0, the reference itself
-    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
     assert [r["eval_num_pairs"] for r in evals] == [80, 80] and abs(evals[0]["eval_loss"] - np.log(2)) < 1e-5
     assert evals[-1]["eval_loss"] != evals[0]["eval_loss"]
     adapter = json.loads((result.adapter_dir / "adapter_config.json").read_text())
