@@ -87,6 +87,7 @@ def _trl_step(model_dir, lora, tmp_path, **dpo):
     return float(loss.detach()), metrics, grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dpo", [dict(beta=0.1), dict(beta=0.5, loss_type="robust", label_smoothing=0.2)],
                          ids=["sigmoid", "robust"])
 def test_loss_metrics_and_gradients_match_trl(tiny, tmp_path, dpo):
@@ -204,6 +205,7 @@ def test_dpo_keys_are_checked(tiny, tmp_path):
                           (dict(trainer="dpo", beta=0.0), "key 'beta'"),
                           (dict(trainer="dpo", label_smoothing=0.1), "loss_type: robust"),
                           (dict(trainer="dpo", loss_type="robust", label_smoothing=0.5), "[0, 0.5)"),
+                          (dict(trainer="dpo", completion_only_loss=False), "key 'completion_only_loss': false"),
                           (dict(trainer="dpo", modules_to_save=["lm_head"]), "key 'modules_to_save' with trainer dpo")):
         with pytest.raises(TrainConfigError) as e:
             TrainConfig(**base, **values)
@@ -239,3 +241,25 @@ def test_jaxft_train_dpo_example(tmp_path):
                                             str(result.adapter_dir))
     b = loaded.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight
     assert float(b.abs().max()) > 0  # trained: B left its zero init
+
+
+def test_rows_hold_whole_pairs_cut_to_fit(caplog):
+    """A pair longer than a row keeps the first L tokens of each sequence (the largest L that fits both); a pair
+    whose completion lies wholly beyond L is skipped, named; rows are whole pairs, chosen then rejected."""
+    from jaxft.data.formatting import Document
+    from jaxft.data.preference import PreferenceDataset
+
+    def doc(n: int, prompt: int, name: str) -> Document:
+        return Document(np.arange(1, n + 1), np.arange(n) >= prompt, name)
+
+    pairs = [(doc(8, 2, "d:1"), doc(4, 2, "d:1")),   # 12 > 10: the short side whole, the long one cut to 6
+             (doc(3, 1, "d:2"), doc(3, 1, "d:2")),   # 6: whole
+             (doc(9, 7, "d:3"), doc(9, 7, "d:3"))]   # both cut to 5: the completions (from token 7) are gone
+    with caplog.at_level("WARNING", logger="jaxft.data"):
+        ds = PreferenceDataset(pairs, seq_len=10, batch_size=2, shuffle=False)
+    assert ds.num_pairs == 2 and ds.num_rows == 2
+    assert "d:1" in caplog.text and "truncated" in caplog.text and "d:3" in caplog.text and "skipped" in caplog.text
+    batch = ds.batch(0)
+    lengths = [[int((row == j).sum()) for j in (1, 2)] for row in batch["segment_ids"]]
+    assert sorted(lengths) == [[3, 3], [6, 4]]
+    assert batch["segment_ids"].max() == 2  # one pair per row here: 6 + 4 + 3 + 3 > 10

@@ -97,7 +97,8 @@ def _kept_length(chosen: int, rejected: int, seq_len: int) -> int:
 
 class PreferenceDataset(PackedDataset):
     """Preference pairs packed whole into rows of ``seq_len`` tokens (see the module docstring); batches are
-    `PackedDataset` batches, whose pair k of a row is segments 2k+1 (chosen) and 2k+2 (rejected)."""
+    `PackedDataset` batches, whose pair k of a row is segments 2k+1 (chosen) and 2k+2 (rejected). Only the layout
+    differs from the base class, so this sets the fields its batch methods read (documents, rows, stats) itself."""
 
     def __init__(self, pairs: Sequence[tuple[Document, Document]], *, seq_len: int, batch_size: int, seed: int = 0,
                  shuffle: bool = True, name: str = "train"):

@@ -305,6 +305,10 @@ class TrainConfig:
                 raise TrainConfigError(f"key {given[0]!r} is a DPO setting and trainer is {self.trainer!r}; add "
                                        f"`trainer: dpo` or drop {given[0]}", key=given[0])
             return None
+        for key in ("assistant_only_loss", "completion_only_loss"):
+            if not getattr(self, key):
+                raise TrainConfigError(f"key {key!r}: false with trainer dpo, whose log-probabilities are the "
+                                       f"completion's (the reply) only; drop {key}", key=key)
         for key in ("modules_to_save", "trainable_token_indices", "add_special_tokens"):
             if getattr(self, key):
                 raise TrainConfigError(f"key {key!r} with trainer dpo: the DPO reference is the model with its LoRA "
