@@ -392,15 +392,20 @@ class Run(AutoChoices):
                                                             jax.random.fold_in(self.rng, step_index))
         return metrics
 
-    def evaluate(self, host_batches) -> tuple[float, float]:
+    def evaluate(self, host_batches, *, metrics: dict[str, float] | None = None) -> tuple[float, float]:
         """(summed token loss, target count) over [B, T] host batches (with an objective: its loss sum and count,
-        e.g. DPO's pairs); the eval loss is their ratio."""
+        e.g. DPO's pairs); the eval loss is their ratio. `metrics` receives the objective's own metrics as means
+        over that count (DPO: rewards/*, logps/*; SFT has none)."""
         if self._eval_fn is None:
             self._eval_fn = make_eval_step(self.graphdef, execution=self.execution, objective=self.objective)
-        loss_sum, count = 0.0, 0.0
+        loss_sum, count, sums = 0.0, 0.0, {}
         for batch in host_batches:
-            s, c = self._eval_fn(self.lora, self.frozen, self.placement.batch(batch))
+            s, c, *extra = self._eval_fn(self.lora, self.frozen, self.placement.batch(batch))
             loss_sum, count = loss_sum + float(s), count + float(c)
+            for key, value in (extra[0] if extra else {}).items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        if metrics is not None:
+            metrics.update({key: value / max(count, 1.0) for key, value in sums.items()})
         return loss_sum, count
 
     def memory_analysis(self) -> dict[str, int]:

@@ -235,6 +235,8 @@ def test_jaxft_train_dpo_example(tmp_path):
     assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
     assert [r["eval_num_pairs"] for r in evals] == [80, 80] and abs(evals[0]["eval_loss"] - np.log(2)) < 1e-5
     assert evals[-1]["eval_loss"] != evals[0]["eval_loss"]
+    assert all(0 <= r["eval_rewards/accuracies"] <= 1 and set(f"eval_{k}" for k in METRICS) <= set(r) for r in evals)
+    assert evals[0]["eval_rewards/margins"] == pytest.approx(0.0, abs=1e-5)
     adapter = json.loads((result.adapter_dir / "adapter_config.json").read_text())
     assert adapter["peft_type"] == "LORA" and set(adapter["target_modules"]) == {"q_proj", "v_proj"}
     loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(REPO / "examples/tiny-llama"),

@@ -137,13 +137,13 @@ class DpoConfig:
         return loss_sum, grad_sum, count, metrics
 
     def eval_sums(self, graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.State, batch,
-                  execution: ExecutionConfig = TRAIN_EXECUTION) -> tuple[jax.Array, jax.Array]:
-        """(sum of pair losses, pair count) of a [B, T] batch, no gradient."""
+                  execution: ExecutionConfig = TRAIN_EXECUTION) -> tuple[jax.Array, jax.Array, dict]:
+        """(sum of pair losses, pair count, metric sums) of a [B, T] batch, no gradient."""
         ref = self._logps(nnx.merge(graphdef, lora, adapters_off(frozen)), batch, execution)
         chosen, rejected = self._logps(nnx.merge(graphdef, lora, frozen), batch, execution)
         valid = _valid_pairs(batch["loss_mask"].astype(_F32), batch["segment_ids"])
         loss = jnp.sum(jnp.where(valid, self.pair_losses(chosen, rejected, *ref), 0.0))
-        return loss, jnp.sum(valid).astype(_F32)
+        return loss, jnp.sum(valid).astype(_F32), self._metric_sums(valid, chosen, rejected, *ref)
 
     def _logps(self, model, batch, execution: ExecutionConfig) -> tuple[jax.Array, jax.Array]:
         """(chosen, rejected) summed completion log-probabilities [B, P] of `model` (no gradient, no dropout)."""

@@ -415,10 +415,12 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                     identity=setup.identity)
 
     def evaluate(step: int) -> float:
-        loss_sum, count = run.evaluate(_local_batches(run, eval_ds))
+        means: dict[str, float] = {}  # the objective's own (DPO: rewards/*, logps/*)
+        loss_sum, count = run.evaluate(_local_batches(run, eval_ds), metrics=means)
         value = loss_sum / max(count, 1.0)
         counted = "eval_tokens" if config.objective is None else f"eval_{config.objective.count_name}"
-        writer.write({"step": step, "eval_loss": value, counted: int(count)})
+        writer.write({"step": step, "eval_loss": value, counted: int(count),
+                      **{f"eval_{key}": mean for key, mean in means.items()}})
         if log.eval_generate_prompts:
             samples = _sample_completions(run.model(on_device=True), tokenizer, log)
             writer.write({"step": step, "samples": samples})

@@ -235,7 +235,7 @@ def make_eval_step(graphdef: nnx.GraphDef, *, execution: ExecutionConfig = TRAIN
                    objective=None) -> Callable:
     """`eval_step(lora, frozen, batch [B,T]) -> (loss_sum, target_count)`; the eval loss is
     sum(loss_sum) / sum(target_count) over all eval batches. With an `objective` (see `make_train_step`), its
-    loss sum and count (e.g. DPO: preference pairs)."""
+    loss sum and count (e.g. DPO: preference pairs) and a third output, its metrics' sums over that count."""
 
     def eval_step(lora, frozen, batch):
         if objective is not None:
