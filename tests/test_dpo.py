@@ -193,6 +193,15 @@ def test_bad_record_is_one_line_naming_file_line_and_key(tiny, tmp_path, record,
         assert word in message, message
 
 
+def test_preference_data_without_trainer_dpo_says_so(tiny, tmp_path):
+    from jaxft.data.errors import MissingFieldError
+    from jaxft.data.pipeline import DataConfig, build_datasets
+
+    model_dir, data = tiny
+    with pytest.raises(MissingFieldError, match=rf"^4 records cannot be trained on: {data}:1: .*set `trainer: dpo`"):
+        build_datasets(DataConfig(path=str(data), seq_len=128, batch_size=1), str(model_dir))
+
+
 def test_dpo_keys_are_checked(tiny, tmp_path):
     from jaxft.train import TrainConfig, TrainConfigError
 
