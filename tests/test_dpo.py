@@ -210,9 +210,12 @@ def test_dpo_keys_are_checked(tiny, tmp_path):
     assert TrainConfig(**base).objective is None
     dpo = TrainConfig(**base, trainer="dpo", beta=0.5, loss_type="robust", label_smoothing=0.1).objective
     assert (dpo.beta, dpo.loss_type, dpo.label_smoothing) == (0.5, "robust", 0.1)
+    assert TrainConfig(**base, trainer="dpo", loss_type=["robust"]).objective.loss_type == "robust"  # TRL's list
     for values, words in ((dict(beta=0.2), "key 'beta' is a DPO setting and trainer is 'sft'"),
                           (dict(trainer="dpo", beta=0.0), "key 'beta'"),
                           (dict(trainer="dpo", label_smoothing=0.1), "loss_type: robust"),
+                          (dict(trainer="dpo", loss_type=["sigmoid", "hinge"]), "jaxft trains one loss type"),
+                          (dict(trainer="dpo", loss_type=["ipo"]), "'loss_type': value 'ipo' is not one of"),
                           (dict(trainer="dpo", loss_type="robust", label_smoothing=0.5), "[0, 0.5)"),
                           (dict(trainer="dpo", completion_only_loss=False), "key 'completion_only_loss': false"),
                           (dict(trainer="dpo", modules_to_save=["lm_head"]), "key 'modules_to_save' with trainer dpo")):

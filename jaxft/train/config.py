@@ -289,8 +289,9 @@ class TrainConfig:
                "prompt/chosen/rejected records, the reference being the model with its adapters off; a row holds whole "
                "pairs, so TRL's max_length per sequence is half of max_seq_length)")
     beta: float = _key(0.1, "dpo: strength of the pull towards the reference model")
-    loss_type: Literal["sigmoid", "robust"] = _key(
-        "sigmoid", "dpo: sigmoid (DPO's -log sigmoid(beta * margin)) or robust (label noise label_smoothing)")
+    loss_type: Literal["sigmoid", "robust"] | list[str] = _key(
+        "sigmoid", "dpo: sigmoid (DPO's -log sigmoid(beta * margin)) or robust (label noise label_smoothing), or "
+                   "TRL's list of one of them")
     label_smoothing: float = _key(0.0, "dpo, loss_type robust: the probability a preference label is flipped, in "
                                        "[0, 0.5)")
 
@@ -305,6 +306,11 @@ class TrainConfig:
                 raise TrainConfigError(f"key {given[0]!r} is a DPO setting and trainer is {self.trainer!r}; add "
                                        f"`trainer: dpo` or drop {given[0]}", key=given[0])
             return None
+        if isinstance(self.loss_type, list):  # TRL's DPOConfig takes a list of loss types, weighted
+            if len(self.loss_type) != 1:
+                raise TrainConfigError(f"key 'loss_type': value {self.loss_type!r}; jaxft trains one loss type: give "
+                                       "one of sigmoid, robust", key="loss_type")
+            object.__setattr__(self, "loss_type", self.loss_type[0])
         for key in ("assistant_only_loss", "completion_only_loss"):
             if not getattr(self, key):
                 raise TrainConfigError(f"key {key!r}: false with trainer dpo, whose log-probabilities are the "
