@@ -84,6 +84,8 @@ class Run:
     vocab_size: int | None = None
     # "lora": adapters (`lora_config`); "full": every weight trained, `lora_config` unused (`jaxft.train.full`).
     finetuning_type: str = "lora"
+    # The training objective: None for token cross-entropy (SFT), else its part (`jaxft.train.dpo.DpoConfig`).
+    objective: Any = None
 
     def __post_init__(self):
         self.model_path = Path(self.model_path).expanduser()
@@ -100,6 +102,9 @@ class Run:
                                  "trained; load it in bf16 or fp32")
             self.execution = full_ft.full_execution(self.execution)
             decay_mask = full_ft.decay_mask(abstract_model(self.model_config, dtype=jnp.float32))
+            if self.objective is not None:
+                raise ValueError("full fine-tuning has no adapters, and the DPO reference is the model with its "
+                                 "adapters off: train DPO with finetuning_type lora")
         self.optimizer, self.schedule = self.optim.build(self.total_steps, decay_mask=decay_mask)
         self.compute_dtypes = None  # full: the dtypes the fp32 masters are cast to (`_abstract_split`)
         self.placement = placement_for(self.execution, self.mesh, self.devices)
@@ -118,7 +123,8 @@ class Run:
                    dtype=config.model.dtype, seed=config.optim.seed,
                    accumulation=config.optim.gradient_accumulation_steps, devices=devices,
                    quant_config=config.quant_config, mesh=config.mesh_config, vocab_size=vocab_size,
-                   finetuning_type=config.lora.finetuning_type)
+                   finetuning_type=config.lora.finetuning_type,
+                   objective=config.objective_config)
 
     @property
     def full(self) -> bool:
@@ -340,6 +346,7 @@ class Run:
         batch_sh = {k: p.batch_sharding(len(v.shape)) for k, v in batch.items()}
         return make_train_step(graphdef, self.optimizer, self.schedule, execution=self.execution,
                                dropout=self.lora_config.dropout > 0 and not self.full, cast=self.cast,
+                               objective=self.objective,
                                in_shardings=(lora_sh, opt_sh, self.frozen_shardings(frozen), batch_sh, p.replicated),
                                out_shardings=(lora_sh, opt_sh, p.replicated))
 
@@ -385,14 +392,21 @@ class Run:
                                                             jax.random.fold_in(self.rng, step_index))
         return metrics
 
-    def evaluate(self, host_batches) -> tuple[float, float]:
-        """(summed token loss, target count) over [B, T] host batches; the eval loss is their ratio."""
+    def evaluate(self, host_batches, *, metrics: dict[str, float] | None = None) -> tuple[float, float]:
+        """(summed token loss, target count) over [B, T] host batches (with an objective: its loss sum and count,
+        e.g. DPO's pairs); the eval loss is their ratio. `metrics` receives the objective's own metrics as means
+        over that count (DPO: rewards/*, logps/*; SFT has none)."""
         if self._eval_fn is None:
-            self._eval_fn = make_eval_step(self.graphdef, execution=self.execution, cast=self.cast)
-        loss_sum, count = 0.0, 0.0
+            self._eval_fn = make_eval_step(self.graphdef, execution=self.execution, cast=self.cast,
+                                           objective=self.objective)
+        loss_sum, count, sums = 0.0, 0.0, {}
         for batch in host_batches:
-            s, c = self._eval_fn(self.lora, self.frozen, self.placement.batch(batch))
+            s, c, *extra = self._eval_fn(self.lora, self.frozen, self.placement.batch(batch))
             loss_sum, count = loss_sum + float(s), count + float(c)
+            for key, value in (extra[0] if extra else {}).items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+        if metrics is not None:
+            metrics.update({key: value / max(count, 1.0) for key, value in sums.items()})
         return loss_sum, count
 
     def memory_analysis(self) -> dict[str, int]:

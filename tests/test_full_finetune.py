@@ -27,7 +27,9 @@ from jaxft.run import Run
 from jaxft.train import (TrainConfig, TrainConfigError, loss_and_grad_sums, stack_micro_batches, token_loss_sum,
                          train)
 from jaxft.train import full as full_ft
-from jaxft.train.optim import OptimConfig
+from jaxft.train.dpo import DpoConfig
+from jaxft.train.optim import OptimConfig, make_optimizer
+from jaxft.train.step import make_eval_step, make_train_step
 from lora_helpers import hf_model_fp32, jax_logits, rel_err, torch_logits
 from test_model_families import BASE, VARIANTS
 from test_train_fixtures import host_devices_env
@@ -157,12 +159,24 @@ def test_jaxft_train_full_exports_an_hf_checkpoint_and_resumes_exactly(tmp_path)
     (dict(save_merged_model=True), "save_merged_model"),
     (dict(execution={"layer_loop": "unroll"}), "layer_loop"),
     (dict(use_peft=False, finetuning_type="lora"), "use_peft"),
+    (dict(trainer="dpo"), "trainer"),
 ])
 def test_full_refuses_what_makes_no_sense(tmp_path, over, key):
     values = {**_config(tmp_path, "x"), **over}
     with pytest.raises(TrainConfigError) as e:
         TrainConfig.from_dict(values)
     assert e.value.key == key and "\n" not in str(e.value)
+
+
+def test_dpo_needs_adapters_for_its_reference():
+    """DPO's reference is the model with its adapters off: a full fine-tune (no adapters) is refused by the run and
+    by the step, which would otherwise ignore the masters' cast."""
+    with pytest.raises(ValueError, match="DPO reference"):
+        Run(REPO / "examples/tiny-llama", LoraConfig(), finetuning_type="full", objective=DpoConfig())
+    for make in (lambda: make_train_step(None, make_optimizer(1e-3), cast=lambda s: s, objective=DpoConfig()),
+                 lambda: make_eval_step(None, cast=lambda s: s, objective=DpoConfig())):
+        with pytest.raises(ValueError, match="takes no cast"):
+            make()
 
 
 def test_other_libraries_switches_mean_full(tmp_path):

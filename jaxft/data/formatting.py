@@ -123,6 +123,9 @@ def record_kind(record: Record, text_field: str = "text") -> Literal["chat", "pr
     present = {k for k, v in d.items() if v is not None}
     if "messages" in present:
         return "chat"
+    if {"chosen", "rejected"} <= present and "completion" not in present:
+        raise MissingFieldError(f"{src}: a preference record (prompt/chosen/rejected) in supervised fine-tuning data; "
+                                "set `trainer: dpo` to train on preference pairs (docs/objectives.md)")
     if "prompt" in present or "completion" in present:
         missing = "completion" if "prompt" in present else "prompt"
         if missing not in present:

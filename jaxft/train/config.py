@@ -4,10 +4,11 @@ The user writes flat keys (TRL's `SFTConfig` / transformers' `TrainingArguments`
 TRL recipe ports by copying keys); the keys table (`jaxft.train.keys.KEYS`) says which section holds each, and a
 `TrainConfig` is one frozen dataclass per section (`config.model.max_seq_length`, `config.optim.learning_rate`,
 `jaxft.train.sections`) plus the library objects built from them (`lora_config`, `quant_config`, `optim_config`,
-`execution_config`, `mesh_config`, `distributed_config`). `TrainConfig(**keys)` builds one from trusted keys;
-`TrainConfig.from_dict` is the door for untrusted input (YAML files, `key=value` overrides): it reports every
-unknown key at once, each with a "did you mean" suggestion and where it was given (`Where`: the YAML line, or the
-command line), and prefixes a key's error with that place. Every failure is a `TrainConfigError` whose message is
+`execution_config`, `mesh_config`, `distributed_config`, `objective_config`). A rule across sections (what a full
+fine-tune or DPO rules out elsewhere) is a check of `TrainConfig` itself. `TrainConfig(**keys)` builds one from
+trusted keys; `TrainConfig.from_dict` is the door for untrusted input (YAML files, `key=value` overrides): it
+reports every unknown key at once, each with a "did you mean" suggestion and where it was given (`Where`: the
+YAML line, or the command line), and prefixes a key's error with that place. Every failure is a `TrainConfigError` whose message is
 one line the CLI can print as is. YAML files and overrides are read by `jaxft.train.config_file.load_config`.
 
 Memory is one key, `memory`: a preset named for what it buys (`jaxft.memory.execution.MEMORY_PRESETS`, each a measured
@@ -39,9 +40,10 @@ from jaxft.sharding import MeshConfig
 from jaxft.train.keys import (ALIASES, BY_NAME, COMMAND_LINE, DTYPE_BF16, DTYPE_KEYS, FULL_SWITCHES, IGNORED_KEYS,
                               KEYS, MEMORY_CHOICES, MEMORY_FLAT_KEYS, SECTIONS, TrainConfigError, Where, closest,
                               section_keys, type_phrase)
+from jaxft.train.dpo import DpoConfig
 from jaxft.train.optim import OptimConfig
 from jaxft.train.sections import (SECTION_CLASSES, DataSection, LoggingSection, LoraSection, MemorySection,
-                                  MeshSection, ModelSection, OptimSection, QuantSection)
+                                  MeshSection, ModelSection, ObjectiveSection, OptimSection, QuantSection)
 
 __all__ = ["COMMAND_LINE", "TrainConfig", "TrainConfigError", "Where"]
 
@@ -68,6 +70,7 @@ class TrainConfig:
     model: ModelSection
     data: DataSection
     optim: OptimSection
+    objective: ObjectiveSection
     lora: LoraSection
     quant: QuantSection
     memory: MemorySection
@@ -79,6 +82,7 @@ class TrainConfig:
     execution_config: ExecutionConfig = _built()
     mesh_config: MeshConfig = _built()
     distributed_config: DistributedConfig = _built()
+    objective_config: DpoConfig | None = _built()
 
     def __init__(self, **keys: Any):
         """A config from keys (their canonical names, no aliases), as keyword arguments: an unknown or missing one
@@ -102,6 +106,8 @@ class TrainConfig:
         mesh, distributed = self.mesh.build()
         object.__setattr__(self, "mesh_config", mesh)
         object.__setattr__(self, "distributed_config", distributed)
+        self._check_dpo()
+        object.__setattr__(self, "objective_config", self.objective.build())
 
     # ------------------------------------------------------------------ rules across sections
     def _check_full(self):
@@ -122,6 +128,24 @@ class TrainConfig:
             if explicit.get(key) == value:
                 raise TrainConfigError(f"key {key!r}: {value!r} needs frozen weights, and finetuning_type full trains "
                                        f"every weight (in the layer scan, on the device); drop {key}", key=key)
+
+    def _check_dpo(self):
+        """trainer dpo: one error for a key its completion-only log-probabilities or its adapters-off reference
+        cannot honour (loss on prompts, base weights trained beside the adapters, no adapters at all)."""
+        if self.objective.trainer != "dpo":
+            return
+        for key in ("assistant_only_loss", "completion_only_loss"):
+            if not getattr(self.data, key):
+                raise TrainConfigError(f"key {key!r}: false with trainer dpo, whose log-probabilities are the "
+                                       f"completion's (the reply) only; drop {key}", key=key)
+        for k in (BY_NAME["modules_to_save"], BY_NAME["trainable_token_indices"], BY_NAME["add_special_tokens"]):
+            if getattr(getattr(self, k.section), k.name):
+                raise TrainConfigError(f"key {k.name!r} with trainer dpo: the DPO reference is the model with its LoRA "
+                                       "adapters off, which cannot undo base weights trained beside them; drop "
+                                       f"{k.name}", key=k.name)
+        if self.lora.finetuning_type == "full":
+            raise TrainConfigError("key 'trainer': dpo with finetuning_type full, which has no adapters to switch off "
+                                   "for the DPO reference; set finetuning_type: lora", key="trainer")
 
     def _full_execution(self, execution: ExecutionConfig) -> ExecutionConfig:
         """`execution`, whose memory preset streams frozen weights from host, with them on the device for a full

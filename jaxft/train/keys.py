@@ -73,6 +73,8 @@ SECTIONS = {
     "model": "the checkpoint, its compute dtype, the sequence length and added tokens",
     "data": "the training and eval data, how records become packed rows, rows per device",
     "optim": "the optimizer, its schedule, how many steps of how many micro-batches, the seed",
+    "objective": "what the loss is: cross-entropy (sft) or DPO on preference pairs (TRL's DPOConfig names; built: "
+                 "jaxft.train.dpo.DpoConfig); docs/objectives.md",
     "lora": "what is trained: LoRA adapters (rank, scale, targets, fully trained modules and token rows; built: "
             "jaxft.lora.LoraConfig) or every weight (finetuning_type: full)",
     "quant": "the frozen weights in 4 bits (transformers' BitsAndBytesConfig names) or FP8",
@@ -140,6 +142,17 @@ KEYS: tuple[Key, ...] = (
     Key("adam_epsilon", "optim", float, 1e-8, "AdamW's epsilon", field="adam_epsilon"),
     Key("max_grad_norm", "optim", float, 1.0, "global gradient-norm clip; 0 disables clipping", field="max_grad_norm"),
     Key("seed", "optim", int, 42, "seed of the data order, LoRA initialisation and dropout"),
+    # objective
+    Key("trainer", "objective", Literal["sft", "dpo"], "sft",
+        "the objective: sft (cross-entropy on the trained tokens) or dpo (direct preference optimisation on "
+        "prompt/chosen/rejected records, the reference being the model with its adapters off; a row holds whole "
+        "pairs, so TRL's max_length per sequence is half of max_seq_length)"),
+    Key("beta", "objective", float, 0.1, "dpo: strength of the pull towards the reference model", field="beta"),
+    Key("loss_type", "objective", Literal["sigmoid", "robust"] | list[str], "sigmoid",
+        "dpo: sigmoid (DPO's -log sigmoid(beta * margin)) or robust (label noise label_smoothing), or TRL's list of "
+        "one of them", field="loss_type"),
+    Key("label_smoothing", "objective", float, 0.0,
+        "dpo, loss_type robust: the probability a preference label is flipped, in [0, 0.5)", field="label_smoothing"),
     # lora
     Key("finetuning_type", "lora", Literal["lora", "full"], "lora",
         "lora: train LoRA adapters (exported as a PEFT adapter); full: train every weight (fp32 masters and AdamW "

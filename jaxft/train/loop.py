@@ -43,6 +43,7 @@ from jaxft.config import ModelConfig
 from jaxft.data.formatting import load_tokenizer
 from jaxft.data.images import ImageProcessor
 from jaxft.data.pipeline import build_datasets
+from jaxft.data.preference import build_preference_datasets
 from jaxft.generation import generate
 from jaxft.lora import LoraConfigError, new_token_config
 from jaxft.memory import ExecutionConfigError, claim_gpu_memory
@@ -161,7 +162,10 @@ def _load_data(config: TrainConfig, num_devices: int):
         tokenizer.add_tokens(list(config.model.add_special_tokens), special_tokens=True)
     images = ImageProcessor.for_model_dir(config.model.model_name_or_path,  # None for a text-only model
                                           confine=not config.data.image_paths_outside_dataset)
-    train_ds, eval_ds = build_datasets(config.data_config(num_devices), tokenizer, images)
+    if config.objective_config is not None:  # DPO: preference pairs, a row holding whole pairs
+        train_ds, eval_ds = build_preference_datasets(config.data_config(num_devices), tokenizer)
+    else:
+        train_ds, eval_ds = build_datasets(config.data_config(num_devices), tokenizer, images)
     return tokenizer, train_ds, eval_ds
 
 
@@ -349,9 +353,13 @@ def _run(config: TrainConfig, out: Path, setup: _Setup, wall_start: float) -> Tr
                     total_steps=plan.total_steps, num_tokens=num_tokens, identity=setup.identity)
 
     def evaluate(step: int) -> float:
-        loss_sum, count = run.evaluate(_local_batches(run, eval_ds))
+        means: dict[str, float] = {}  # the objective's own (DPO: rewards/*, logps/*)
+        loss_sum, count = run.evaluate(_local_batches(run, eval_ds), metrics=means)
         value = loss_sum / max(count, 1.0)
-        writer.write({"step": step, "eval_loss": value, "eval_tokens": int(count)})
+        objective = config.objective_config
+        counted = "eval_tokens" if objective is None else f"eval_{objective.count_name}"
+        writer.write({"step": step, "eval_loss": value, counted: int(count),
+                      **{f"eval_{key}": mean for key, mean in means.items()}})
         if log.eval_generate_prompts:
             samples = _sample_completions(run.model(on_device=True), tokenizer, log)
             writer.write({"step": step, "samples": samples})
@@ -574,6 +582,9 @@ def _unsound(host_metrics: list[dict[str, Any]], first_step: int) -> str | None:
     return None
 
 
+_STEP_METRICS = {"loss", "learning_rate", "grad_norm", "num_target_tokens"}  # what every step reports
+
+
 def _log_window(writer, status: dict[str, str], meter: WindowMeter, window, step: int, plan: _Plan,
                 num_tokens: int) -> tuple[float, str | None]:
     """Writes the train record of a finished window (after the sync that ends it); returns its mean loss, the
@@ -592,6 +603,8 @@ def _log_window(writer, status: dict[str, str], meter: WindowMeter, window, step
         "step_seconds": timed.step_seconds,
         "tokens_per_second": timed.tokens_per_second,
     }
+    for key in host[-1].keys() - _STEP_METRICS:  # the objective's own (DPO: rewards/*, logps/*, num_pairs)
+        record[key] = float(np.mean([float(m[key]) for m in host]))
     peak = device_peak_bytes()
     if peak is not None:
         record["peak_memory_gib"] = round(peak / 2**30, 3)

@@ -8,7 +8,11 @@ Record kinds (every record has "step", the number of optimizer updates done):
               window_tokens = those of the window; step_seconds / tokens_per_second = the window's training
               time (device sync to device sync, eval and checkpoints excluded) per step / per token;
               peak_memory_gib = the allocator's peak since the process started
+              trainer dpo adds its means over the window (docs/objectives.md): "rewards/chosen", "rewards/rejected",
+              "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected", "num_pairs"
   eval:       {"step", "eval_loss", "eval_tokens"}      eval_loss = summed CE / target count of the eval set
+              (trainer dpo: the mean pair loss, "eval_num_pairs" in place of "eval_tokens", and "eval_rewards/*",
+              "eval_logps/*": the train record's metrics over the eval set)
   samples:    {"step", "samples": [{"prompt", "completion"}]}   greedy completions of eval_generate_prompts
   checkpoint: {"step", "checkpoint": path}             written after the checkpoint is complete on disk
 A value that is NaN or infinite is written as null (the file stays strict JSON); the run stops right after it.

@@ -23,6 +23,7 @@ from jaxft.quant.config import DEFAULT_SKIP, Fp8Config, QuantConfig, QuantConfig
 from jaxft.sharding import MeshConfig, MeshConfigError
 from jaxft.train.keys import (BY_NAME, EXECUTION_MAPPING_KEYS, MEMORY_FLAT_KEYS, TrainConfigError, closest,
                               part_error, section)
+from jaxft.train.dpo import DpoConfig, DpoConfigError
 from jaxft.train.optim import OptimConfig, OptimConfigError
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,34 @@ class OptimSection:
             return OptimConfig(**{k.field: getattr(self, k.name) for k in self.KEYS if k.field})
         except OptimConfigError as e:
             raise part_error(e, "optim") from None
+
+
+@section("objective")
+class ObjectiveSection:
+    """The loss a step minimises (`build`: `jaxft.train.dpo.DpoConfig` with trainer dpo, None for sft). What DPO's
+    adapters-off reference and completion-only log-probabilities rule out in other sections is
+    `TrainConfig`'s check."""
+
+    def check(self):
+        if self.trainer != "dpo":
+            given = [k.name for k in self.KEYS if k.field and getattr(self, k.name) != k.default]
+            if given:
+                raise TrainConfigError(f"key {given[0]!r} is a DPO setting and trainer is {self.trainer!r}; add "
+                                       f"`trainer: dpo` or drop {given[0]}", key=given[0])
+            return
+        if isinstance(self.loss_type, tuple):  # TRL's DPOConfig takes a list of loss types, weighted
+            if len(self.loss_type) != 1:
+                raise TrainConfigError(f"key 'loss_type': value {list(self.loss_type)!r}; jaxft trains one loss type: "
+                                       "give one of sigmoid, robust", key="loss_type")
+            object.__setattr__(self, "loss_type", self.loss_type[0])
+
+    def build(self) -> DpoConfig | None:
+        if self.trainer != "dpo":
+            return None
+        try:
+            return DpoConfig(**{k.field: getattr(self, k.name) for k in self.KEYS if k.field})
+        except DpoConfigError as e:
+            raise part_error(e, "objective") from None
 
 
 @section("lora")
@@ -304,5 +333,6 @@ class LoggingSection:
         return strategy != "no" and (step == total or step % every[strategy] == 0)
 
 
-SECTION_CLASSES = {"model": ModelSection, "data": DataSection, "optim": OptimSection, "lora": LoraSection,
-                   "quant": QuantSection, "memory": MemorySection, "mesh": MeshSection, "logging": LoggingSection}
+SECTION_CLASSES = {"model": ModelSection, "data": DataSection, "optim": OptimSection, "objective": ObjectiveSection,
+                   "lora": LoraSection, "quant": QuantSection, "memory": MemorySection, "mesh": MeshSection,
+                   "logging": LoggingSection}

@@ -143,12 +143,19 @@ def model_inputs(model, batch: Batch) -> tuple[tuple, dict[str, jax.Array]]:
 
 
 def _ce_sum(model, hidden, batch: Batch, execution: ExecutionConfig) -> jax.Array:
+    return head_cross_entropy(model, hidden, batch["targets"], batch["loss_mask"], execution)
+
+
+def head_cross_entropy(model, hidden: jax.Array, targets: jax.Array, weights: jax.Array,
+                       execution: ExecutionConfig = TRAIN_EXECUTION) -> jax.Array:
+    """sum_t weights_t * CE(softmax(softcap(h_t @ W_head)), targets_t) over [B, T] `hidden` (fp32 scalar), the
+    [tokens, vocab] logits never materialised (`linear_cross_entropy`); differentiable w.r.t. `hidden` and
+    `weights` (whose gradient is each token's CE)."""
     b, t, h = hidden.shape
     weight, layout = model.head_weight()
     with jax.named_scope("cross_entropy"):
         return linear_cross_entropy(
-            hidden.reshape(b * t, h), weight, batch["targets"].reshape(b * t),
-            batch["loss_mask"].reshape(b * t).astype(jnp.float32),
+            hidden.reshape(b * t, h), weight, targets.reshape(b * t), weights.reshape(b * t).astype(jnp.float32),
             logit_softcap=model.config.final_logit_softcap,
             chunk_size=execution.resolved_ce_chunk(b * t, model.config.vocab_size, h, hidden.dtype.itemsize),
             implementation=execution.ce_implementation, weight_layout=layout)
@@ -184,10 +191,16 @@ def loss_and_grad_sums(graphdef: nnx.GraphDef, lora: nnx.State, frozen: nnx.Stat
     return loss_sum, grad_sum, count
 
 
+def _check_objective(objective, cast: Callable | None) -> None:
+    if objective is not None and cast is not None:
+        raise ValueError("an objective other than cross-entropy (DPO) trains LoRA adapters, whose reference is the "
+                         "model with them off; it takes no cast of fully trained weights")
+
+
 def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule | None = None, *, execution: ExecutionConfig = TRAIN_EXECUTION,
                     dropout: bool = False, donate: bool = True, in_shardings=None, out_shardings=None,
-                    cast: Callable | None = None) -> Callable:
+                    cast: Callable | None = None, objective=None) -> Callable:
     """`step(lora, opt_state, frozen, batch [A,B,T], rng) -> (lora, opt_state, metrics)`, jitted once.
 
     `lora` and `opt_state` are donated. metrics: loss (mean over the step's target tokens), grad_norm (global
@@ -196,14 +209,26 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
     (attention kernel, remat policy, CE chunk; its `compiler_options` apply to this program only, never as
     process-wide flags). `in_shardings` / `out_shardings` (for the five arguments and the three outputs) place
     the step on a mesh (`jaxft.sharding.Placement`); XLA inserts the collectives. `cast`: see
-    `loss_and_grad_sums`."""
+    `loss_and_grad_sums`. `objective`: another training objective than token cross-entropy
+    (`jaxft.train.dpo.DpoConfig`): its `loss_and_grad_sums` gives the sums and the count the loss is a mean over,
+    and its metrics (means over that count) join the step's; it trains adapters, so takes no `cast`."""
+    _check_objective(objective, cast)
 
     def step(lora, opt_state, frozen, batch, rng):
-        loss_sum, grad_sum, count = loss_and_grad_sums(graphdef, lora, frozen, batch, rng if dropout else None,
-                                                       execution, cast)
+        r = rng if dropout else None
+        extra = {}
+        if objective is None:
+            loss_sum, grad_sum, count = loss_and_grad_sums(graphdef, lora, frozen, batch, r, execution, cast)
+        else:
+            loss_sum, grad_sum, count, extra = objective.loss_and_grad_sums(graphdef, lora, frozen, batch, r,
+                                                                            execution)
         denom = jnp.maximum(count, 1.0)  # an all-padding step has zero loss and zero gradient
         grads = jax.tree.map(lambda g: g / denom, grad_sum)
         metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(grads), "num_target_tokens": count}
+        if objective is not None:
+            metrics.update({k: v / denom for k, v in extra.items()})
+            metrics["num_target_tokens"] = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+            metrics[objective.count_name] = count
         if schedule is not None:
             metrics["learning_rate"] = jnp.asarray(schedule(_update_count(opt_state)), jnp.float32)
         with jax.named_scope("optimizer"):
@@ -217,11 +242,16 @@ def make_train_step(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformat
 
 
 def make_eval_step(graphdef: nnx.GraphDef, *, execution: ExecutionConfig = TRAIN_EXECUTION,
-                   cast: Callable | None = None) -> Callable:
+                   cast: Callable | None = None, objective=None) -> Callable:
     """`eval_step(lora, frozen, batch [B,T]) -> (loss_sum, target_count)`; the eval loss is
-    sum(loss_sum) / sum(target_count) over all eval batches. `cast`: see `loss_and_grad_sums`."""
+    sum(loss_sum) / sum(target_count) over all eval batches. `cast`: see `loss_and_grad_sums`. With an
+    `objective` (see `make_train_step`), its loss sum and count (e.g. DPO: preference pairs) and a third output,
+    its metrics' sums over that count."""
+    _check_objective(objective, cast)
 
     def eval_step(lora, frozen, batch):
+        if objective is not None:
+            return objective.eval_sums(graphdef, lora, frozen, batch, execution.replace(remat="none"))
         model = nnx.merge(graphdef, lora if cast is None else cast(lora), frozen)
         count = jnp.sum(batch["loss_mask"].astype(jnp.float32))
         # No backward: no remat. The router aux loss (if any) is weighted by the batch's targets, so the eval
