@@ -8,8 +8,9 @@ TRL recipe ports by copying keys); the keys table (`jaxft.train.keys.KEYS`) says
 fine-tune or DPO rules out elsewhere) is a check of `TrainConfig` itself. `TrainConfig(**keys)` builds one from
 trusted keys; `TrainConfig.from_dict` is the door for untrusted input (YAML files, `key=value` overrides): it
 reports every unknown key at once, each with a "did you mean" suggestion and where it was given (`Where`: the
-YAML line, or the command line), and prefixes a key's error with that place. Every failure is a `TrainConfigError` whose message is
-one line the CLI can print as is. YAML files and overrides are read by `jaxft.train.config_file.load_config`.
+YAML line, or the command line), and prefixes a key's error with that place. Every failure is a
+`TrainConfigError` whose message is one line the CLI can print as is. YAML files and overrides are read by
+`jaxft.train.config_file.load_config`.
 
 Memory is one key, `memory`: a preset named for what it buys (`jaxft.memory.execution.MEMORY_PRESETS`, each a measured
 benchmark recipe), `auto` by default (the fastest that fits `max_memory_gb`: `jaxft.run.Run`). The mechanisms
@@ -37,10 +38,10 @@ from jaxft.memory.execution import ExecutionConfig
 from jaxft.lora import LoraConfig
 from jaxft.quant.config import Fp8Config, QuantConfig
 from jaxft.sharding import MeshConfig
+from jaxft.train.dpo import DpoConfig
 from jaxft.train.keys import (ALIASES, BY_NAME, COMMAND_LINE, DTYPE_BF16, DTYPE_KEYS, FULL_SWITCHES, IGNORED_KEYS,
                               KEYS, MEMORY_CHOICES, MEMORY_FLAT_KEYS, SECTIONS, TrainConfigError, Where, closest,
                               section_keys, type_phrase)
-from jaxft.train.dpo import DpoConfig
 from jaxft.train.optim import OptimConfig
 from jaxft.train.sections import (SECTION_CLASSES, DataSection, LoggingSection, LoraSection, MemorySection,
                                   MeshSection, ModelSection, ObjectiveSection, OptimSection, QuantSection)

@@ -21,9 +21,9 @@ from jaxft.lora import LoraConfig, LoraConfigError
 from jaxft.models.vision.targets import finetune_targets
 from jaxft.quant.config import DEFAULT_SKIP, Fp8Config, QuantConfig, QuantConfigError
 from jaxft.sharding import MeshConfig, MeshConfigError
+from jaxft.train.dpo import DpoConfig, DpoConfigError
 from jaxft.train.keys import (BY_NAME, EXECUTION_MAPPING_KEYS, MEMORY_FLAT_KEYS, TrainConfigError, closest,
                               part_error, section)
-from jaxft.train.dpo import DpoConfig, DpoConfigError
 from jaxft.train.optim import OptimConfig, OptimConfigError
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,8 @@ class ObjectiveSection:
 @section("lora")
 class LoraSection:
     """The adapter (`build`: `jaxft.lora.LoraConfig`). The finetune_* keys choose the targets of a
-    vision-language model in place of lora_target_modules."""
+    vision-language model in place of lora_target_modules. `finetuning_type: full` trains every weight instead (no
+    adapter; `TrainConfig` refuses the LoRA keys then)."""
 
     def check(self):
         _need(self, self.lora_r >= 1, "lora_r", "must be an integer >= 1")
