@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from test_train_fixtures import make_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
