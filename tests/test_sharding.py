@@ -247,7 +247,8 @@ def test_checkpoint_written_on_one_mesh_resumes_on_another(tmp_path):
                    max_steps=5, logging_steps=1, save_steps=3, learning_rate=5e-3, lr_scheduler_type="cosine",
                    warmup_steps=1, lora_r=4, seed=0, bf16=False, disable_tqdm=True, report_to="none", mesh=mesh,
                    layer_loop="scan", **extra)
-        rows, _ = run_cli_on_host_devices(cfg, tmp_path / f"{name}.yaml", devices)
+        rows, output = run_cli_on_host_devices(cfg, tmp_path / f"{name}.yaml", devices)
+        assert f"x {devices} batch-parallel devices" in output  # the mesh really spans them
         return {r["step"]: r["loss"] for r in rows}
 
     # 8 rows per step on both: 1 per device on 8 devices (data 2 x fsdp 4), 4 per device on 2 (data 2)
