@@ -73,27 +73,25 @@ def _stop(proc: subprocess.Popen, d: Path, name: str, sig: signal.Signals, after
 
 
 def test_signals_write_a_checkpoint_and_print_the_resume_command(workdir):
-    """Ctrl-C stops the run; the printed command continues it from that step; SIGTERM stops the resumed run."""
+    """A second run on the output_dir of a running one is refused; Ctrl-C stops the running one; the printed command
+    continues it from that step; SIGTERM stops the resumed run."""
     name = "stop"
-    stopped_at, command = _stop(_start(_config(workdir, name)), workdir, name, signal.SIGINT, 0)
+    config = _config(workdir, name)
+    proc = _start(config)
+    try:
+        _wait_for_steps(proc, workdir / name / "metrics.jsonl", n=1)
+        cfg = TrainConfig.from_dict({**yaml.safe_load(config.read_text()), "overwrite_output_dir": True})
+        with pytest.raises(TrainConfigError, match=rf"in use by another jaxft-train run \(pid {proc.pid}\)"):
+            train(cfg)
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    stopped_at, command = _stop(proc, workdir, name, signal.SIGINT, 0)
     resumed = _start(Path(command[1]), *command[2:-1], "--resume")
     stopped_again, _ = _stop(resumed, workdir, name, signal.SIGTERM, stopped_at)
     steps = [r["step"] for r in read_metrics(workdir / name / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(1, stopped_again + 1)), steps  # from where it stopped: no step redone or skipped
-
-
-def test_second_run_on_the_same_output_dir_is_refused(workdir):
-    config = _config(workdir, "busy")
-    proc = _start(config)
-    try:
-        _wait_for_steps(proc, workdir / "busy" / "metrics.jsonl", n=1)
-        cfg = TrainConfig.from_dict({**yaml.safe_load(config.read_text()), "overwrite_output_dir": True})
-        with pytest.raises(TrainConfigError, match=rf"in use by another jaxft-train run \(pid {proc.pid}\)"):
-            train(cfg)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGINT.value
 
 
 def test_lock_of_a_killed_run_is_taken_over_with_a_note(workdir, caplog):
