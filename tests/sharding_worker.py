@@ -1,6 +1,7 @@
 """Run by tests/test_sharding.py in a subprocess with 8 host CPU devices (JAX fixes its device count at start):
 `python tests/sharding_worker.py MODEL_DIR OUT.json` (`--moe MODEL_DIR OUT.json [both]`: `main_moe`, an MoE
-model's losses and expert placement on two meshes, and with `both` the global routing on a third). Writes what the test asserts on:
+model's losses and expert placement on two meshes, and with `both` the global routing on a third). Writes what
+the test asserts on:
 
 - losses: 5 fp32 LoRA steps on one device and on several meshes of the 8 devices (same global batches);
 - all_gathers: every all-gather of the compiled FSDP step (layer scan) with its result shape and whether it
