@@ -1,6 +1,7 @@
 """Run by tests/test_sharding.py in a subprocess with 8 host CPU devices (JAX fixes its device count at start):
-`python tests/sharding_worker.py MODEL_DIR OUT.json` (`--moe MODEL_DIR OUT.json`: `main_moe`, an MoE model's
-losses and expert placement on three meshes). Writes what the test asserts on:
+`python tests/sharding_worker.py MODEL_DIR OUT.json` (`--moe MODEL_DIR OUT.json [both]`: `main_moe`, an MoE
+model's losses and expert placement on two meshes, and with `both` the global routing on a third). Writes what
+the test asserts on:
 
 - losses: 5 fp32 LoRA steps on one device and on several meshes of the 8 devices (same global batches);
 - all_gathers: every all-gather of the compiled FSDP step (layer scan) with its result shape and whether it
@@ -161,24 +162,24 @@ def main(model_dir: str, out_path: str) -> None:
         json.dump(result, f, indent=1)
 
 
-def main_moe(model_dir: str, out_path: str) -> None:
-    """An MoE model's losses on one device and on three meshes (expert adapters included; the grouped matmuls are
-    lax.ragged_dot here), each device routing its own rows (moe_dispatch auto = per_device), and on one mesh with
-    the routing global; the slots each device's compiled step sorts, both ways; where its frozen expert stacks and
-    its expert adapters were placed."""
+def main_moe(model_dir: str, out_path: str, routing: str = "per_device") -> None:
+    """An MoE model's losses on one device and on two meshes that split its expert stacks (expert adapters
+    included; the grouped matmuls are lax.ragged_dot here), each device routing its own rows (moe_dispatch auto =
+    per_device), and with `routing` "both" also on one mesh with the routing global; the slots each device's
+    compiled step sorts; where its frozen expert stacks and its expert adapters were placed."""
     assert len(jax.devices()) == 8, jax.devices()
     batches = _batches()
     one = _run(model_dir, None, "scan", devices=jax.devices()[:1], lora=MOE_LORA).load()
     result = {"losses": {"one_device": _losses(one, batches)}, "expert_spec": {}, "expert_lora_replicated": {},
               "sorted_slots": {}}
-    for key, mesh, dispatch in (("data2_fsdp4", dict(data=2, fsdp=4), "auto"), ("data8", dict(data=8), "auto"),
-                                ("fsdp4_tensor2", dict(fsdp=4, tensor=2), "auto"),
-                                ("data2_fsdp4_global", dict(data=2, fsdp=4), "global")):
+    meshes = [("data2_fsdp4", dict(data=2, fsdp=4), "auto"), ("fsdp4_tensor2", dict(fsdp=4, tensor=2), "auto")]
+    if routing == "both":
+        meshes.append(("data2_fsdp4_global", dict(data=2, fsdp=4), "global"))
+    for key, mesh, dispatch in meshes:
         run = _run(model_dir, mesh, "scan", lora=MOE_LORA, moe_dispatch=dispatch).load()
         result["losses"][key] = _losses(run, batches)
-        if key != "data8":  # the routing's stable sort: [slots] int32 keys
-            result["sorted_slots"][key] = sorted({int(n) for n in re.findall(
-                r"= \(s32\[(\d+)\]\{0\}, s32\[\d+\]\{0\}\) sort\(", run._compiled.as_text())})
+        result["sorted_slots"][key] = sorted({int(n) for n in re.findall(  # the routing's stable sort: [slots] keys
+            r"= \(s32\[(\d+)\]\{0\}, s32\[\d+\]\{0\}\) sort\(", run._compiled.as_text())})
         if dispatch == "global":
             continue
         mlp = run.frozen["layers"]["mlp"]

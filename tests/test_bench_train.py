@@ -317,15 +317,21 @@ def test_cli_rejects_too_few_timed_steps(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_tiny_pipeline_end_to_end_hf_nockpt(tmp_path):
+def test_tiny_pipeline_end_to_end_hf_nockpt_on_two_fake_gpus(tmp_path):
+    """The CLI with --gpus all on a host that lists 2 (fake) GPUs: the ceiling and the model save first, then
+    both systems' sessions at once, one per GPU, and the report says so."""
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
-    cmd = [sys.executable, "-m", "scripts.bench.train", "--tiny",
+    cmd = [sys.executable, "-m", "scripts.bench.train", "--tiny", "--gpus", "all",
            "--systems", "hf_nockpt,unsloth", "--workloads", "tiny_llama,tiny_packed",
            "--out", str(out), "--md", str(md), "--commit", "test-commit"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env=dict(os.environ, BENCH_FAKE_GPUS="2"))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     report = json.loads(out.read_text())
     meta = report["meta"]
+    assert meta["concurrent_gpus"] == 2
+    assert meta["gpus"] == ["0: fake GPU 0 (BENCH_FAKE_GPUS)", "1: fake GPU 1 (BENCH_FAKE_GPUS)"]
+    assert any("concurrently, each on its own GPU of one host" in n and "fake GPU 1" in n for n in report["notes"])
     assert meta["commit"] == "test-commit" and "-m scripts.bench.train --tiny" in meta["command"]
     assert meta["steps"] == 3 and meta["warmup"] == 1 and meta["date"]
     assert meta["versions"]["torch_side"]["transformers"] == transformers.__version__
@@ -351,8 +357,13 @@ def test_tiny_pipeline_end_to_end_hf_nockpt(tmp_path):
     llama = runs["hf_nockpt", "tiny_llama"]["raw"]
     assert (llama["session_index"], llama["base_model_reused"], llama["status"]) == (1, True, "ok")
     assert runs["unsloth", "tiny_packed"]["summary"]["status"] == "not_run"  # reported, not a crash
+    # Queue order: hf_nockpt's session on GPU 0, unsloth's on GPU 1 (both free at the start).
+    assert (hf["gpu"], runs["unsloth", "tiny_packed"]["gpu"], model["gpu"]) == (0, 1, 0)
     text = md.read_text()
     assert "| tiny_packed | hf_nockpt | ok |" in text and "useful_flops/step" in text
+    assert "| loss first -> last | gpu |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| tiny_packed | hf_nockpt | ok |"))
+    assert row.endswith("| 0 |")
     assert "| tiny_packed | unsloth | not_run" in text
     assert report["workloads"]["tiny_packed"]["useful_flops_per_step"] > 0
     for session in ("save_models", "hf_nockpt", "unsloth"):

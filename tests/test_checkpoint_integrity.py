@@ -129,7 +129,6 @@ def test_manifest_covers_every_file(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- through a run
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -183,19 +182,18 @@ def test_resume_from_an_earlier_step_moves_later_checkpoints_aside(base):
     assert (out / "discarded_checkpoints" / "4" / ckpt.MANIFEST).read_bytes() == before
 
 
-def test_cli_names_the_damaged_file_of_a_named_step_in_one_line(base):
-    import subprocess
-    import sys
+def test_cli_names_the_damaged_file_of_a_named_step_in_one_line(base, capsys):
+    from jaxft.cli import main
 
     out, config = _copy(base, "named")
     named = _damage(out / "checkpoints" / "4", "truncated")
     path = out / "run.yaml"
     path.write_text(yaml.safe_dump(config.to_dict()))
-    proc = subprocess.run([sys.executable, "-m", "jaxft.cli", str(path), f"--resume={out / 'checkpoints' / '4'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert "Traceback" not in proc.stderr and last.startswith("jaxft-train: error:") and named in last, last
+    rc = main([str(path), f"--resume={out / 'checkpoints' / '4'}"])
+    err = capsys.readouterr().err
+    assert rc == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("jaxft-train: error:") and named in last, last
     assert "bytes, the manifest says" in last
 
 

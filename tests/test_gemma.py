@@ -287,19 +287,21 @@ def test_packed_row_equals_each_document_alone(saved, kind):
     graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
 
     def batch_of(row, seg):
-        t = len(row)
+        keep = (seg[None, 1:] == seg[None, :-1]) & (seg[None, :-1] > 0)
         return dict(input_ids=jnp.asarray(row[None, :-1]), targets=jnp.asarray(row[None, 1:]),
-                    loss_mask=jnp.asarray((seg[None, 1:] == seg[None, :-1]).astype(np.float32)),
-                    segment_ids=jnp.asarray(seg[None, :-1]), positions=None), t
+                    loss_mask=jnp.asarray(keep.astype(np.float32)), segment_ids=jnp.asarray(seg[None, :-1]),
+                    positions=None)
 
     @jax.jit  # one compile per row length: op by op, the three gradients took about a minute on 2 cores
     def loss_and_grad(batch):
         return jax.value_and_grad(lambda p: token_loss_sum(nnx.merge(graphdef, p, rest), batch,
                                                            execution=REFERENCE))(params)
 
-    packed, _ = batch_of(np.concatenate(docs), np.repeat([1, 2], [len(d) for d in docs]).astype(np.int32))
-    # The packed row's targets cross the document boundary at one position; its loss mask drops it.
-    alone = [batch_of(np.concatenate([d, [0]]), np.concatenate([np.ones(len(d)), [2]]).astype(np.int32))[0]
+    packed = batch_of(np.concatenate(docs), np.repeat([1, 2], [len(d) for d in docs]).astype(np.int32))
+    # The packed row's targets cross the document boundary at one position; its loss mask drops it. Each document
+    # alone is padded to one length (padding: segment 0, no loss), so the two share one compile.
+    width = max(len(d) for d in docs) + 1
+    alone = [batch_of(np.pad(d, (0, width - len(d))), np.pad(np.ones(len(d), np.int32), (0, width - len(d))))
              for d in docs]
     l_packed, g_packed = loss_and_grad(packed)
     parts = [loss_and_grad(b) for b in alone]

@@ -42,8 +42,8 @@ def test_the_committed_model_is_what_the_script_makes(tmp_path):
 @pytest.mark.slow
 def test_the_example_trains_and_its_adapter_loads_in_peft_with_our_logits(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the example's paths are relative to the repo root, as `jaxft-train` runs it
-    cfg = load_config(EXAMPLE, [f"output_dir={tmp_path / 'run'}", "max_steps=12", "logging_steps=4",
-                                "eval_steps=100", "save_steps=12", "disable_tqdm=true"])
+    cfg = load_config(EXAMPLE, [f"output_dir={tmp_path / 'run'}", "max_steps=6", "logging_steps=2",
+                                "eval_steps=100", "save_steps=6", "disable_tqdm=true"])
     assert cfg.lora_config.target_parameters == ("experts.down_proj", "experts.gate_up_proj")
     result = train(cfg)
     losses = [r["loss"] for r in map(json.loads, result.metrics_path.read_text().splitlines()) if "loss" in r]

@@ -130,25 +130,3 @@ def test_auto_layer_loop_scans_experts_on_the_mosaic_kernels(tmp_path):
     with pytest.raises(AssertionError, match="compiled a partial remat candidate"):  # unrolled as asked: tried
         _partial_remat(explicit._target(), explicit.execution, explicit.trials, never, never, 2**30, 4, lines.append)
     assert (mosaic.layer_loop, run(grouped_matmul_implementation="xla").layer_loop) == ("scan", "unroll")
-
-
-@pytest.mark.slow
-def test_expert_lora_on_an_fsdp_mesh_trains_like_one_device(tmp_path):
-    """The tiny Qwen3-MoE with expert LoRA, layer scan, 8 rows a step: on one device, and on 8 host devices as
-    data 2 x fsdp 4 (the expert stacks split on their hidden axis, tokens on data x fsdp). Same losses."""
-    from test_train_fixtures import run_cli_on_host_devices
-
-    base = _model_dir(tmp_path)
-
-    def cli(name, devices, per_device, **mesh):
-        values = _values(tmp_path, base, output_dir=str(tmp_path / name), per_device_train_batch_size=per_device,
-                         max_steps=4, logging_steps=1, save_steps=100, layer_loop="scan",
-                         **({"mesh": mesh} if mesh else {}))
-        rows, output = run_cli_on_host_devices(values, tmp_path / f"{name}.yaml", devices, timeout=600)
-        assert f"x {devices} batch-parallel devices" in output  # the mesh really spans them
-        return [r["loss"] for r in rows]
-
-    one = cli("one", 1, 8)
-    sharded = cli("fsdp", 8, 1, data=2, fsdp=4)
-    assert len(one) == 4 and one[-1] < one[0]
-    np.testing.assert_allclose(sharded, one, rtol=1e-5)

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from test_train_fixtures import make_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,14 +36,13 @@ def _folder(tmp_path: Path) -> tuple[Path, Path]:
     return d, marker
 
 
-@pytest.mark.parametrize("loader", [
-    "from jaxft.data.formatting import load_tokenizer as f",
-    "from jaxft.data.images import ImageProcessor; f = ImageProcessor.from_model_dir",
-])
-def test_auto_map_code_in_a_model_folder_never_runs(tmp_path, loader):
+def test_auto_map_code_in_a_model_folder_never_runs(tmp_path):
+    """Both loaders in one process (a process: transformers' trust prompt reads stdin)."""
     d, marker = _folder(tmp_path)
-    code = f"{loader}\ntry:\n    f({str(d)!r})\nexcept ValueError as e:\n    print('refused:', e)\n"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, input="y\ny\ny\n", capture_output=True, text=True,
+    code = ("from jaxft.data.formatting import load_tokenizer\nfrom jaxft.data.images import ImageProcessor\n"
+            "for f in (load_tokenizer, ImageProcessor.from_model_dir):\n    try:\n"
+            f"        f({str(d)!r})\n    except ValueError as e:\n        print(f.__name__, 'refused:', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, input="y\n" * 6, capture_output=True, text=True,
                           timeout=300)
     assert not marker.exists(), f"the model folder's evil.py ran: {proc.stdout[-2000:]} {proc.stderr[-2000:]}"
     assert proc.returncode == 0, proc.stderr[-3000:]

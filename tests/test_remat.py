@@ -119,11 +119,20 @@ def test_train_config_reports_a_bad_policy_at_its_line(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- gradients
-@pytest.fixture(scope="module", params=["llama", "gemma2"])
-def model_case(request):
-    cfg = {"llama": LLAMA, "gemma2": GEMMA}[request.param]
-    split = lora_split(cfg)
-    return cfg, split, {loop: grads(cfg, split, "none", loop) for loop in ("scan", "unroll")}
+@pytest.fixture(scope="module")
+def no_remat():
+    """family, loop -> (config, split model, (loss, gradients) of no remat), each computed once when first asked."""
+    splits, wants = {}, {}
+
+    def case(family: str, loop: str):
+        cfg = {"llama": LLAMA, "gemma2": GEMMA}[family]
+        if family not in splits:
+            splits[family] = lora_split(cfg)
+        split = splits[family]
+        if (family, loop) not in wants:
+            wants[family, loop] = grads(cfg, split, "none", loop)
+        return cfg, split, wants[family, loop]
+    return case
 
 
 # One case per way a policy reaches the program, in each loop. On the CPU an offloading policy is a plain remat (the
@@ -132,21 +141,24 @@ def model_case(request):
 # named residuals kept through jaxft.memory.offload's custom VJP (offload+attn; the last case: most names to the host).
 # Plain offload in both loops is the explicit tests' below (the unrolled loop takes the explicit transfer). Where the
 # copies go and what they cost is checked on lowered programs here and on the GPU (test_remat_gpu.py).
-GRADIENT_CASES = [("scan", "full"), ("scan", "offload=layer_input,attn_out,attn_lse"),
-                  ("scan", "save=attn_out,mlp_gate_up;offload=layer_input"),
-                  ("unroll", "full"), ("unroll", "offload+attn"),
-                  ("unroll", "offload=layer_input,mlp_input,attn_out,attn_lse,attn_qkv,mlp_gate_up")]
+# Gemma 2 takes the scan's cases only: its scan body is a period of two layers, while its unrolled layers are
+# Llama's mechanism with another mask.
+SCAN_CASES = [("scan", "full"), ("scan", "offload=layer_input,attn_out,attn_lse"),
+              ("scan", "save=attn_out,mlp_gate_up;offload=layer_input")]
+GRADIENT_CASES = [("llama", loop, remat) for loop, remat in SCAN_CASES] + [
+    ("llama", "unroll", "full"), ("llama", "unroll", "offload+attn"),
+    ("llama", "unroll", "offload=layer_input,mlp_input,attn_out,attn_lse,attn_qkv,mlp_gate_up")] + [
+    ("gemma2", loop, remat) for loop, remat in SCAN_CASES]
 
 
-@pytest.mark.parametrize("loop, remat", GRADIENT_CASES)
-def test_every_policy_gives_the_gradients_of_no_remat(model_case, remat, loop):
+@pytest.mark.parametrize("family, loop, remat", GRADIENT_CASES)
+def test_every_policy_gives_the_gradients_of_no_remat(no_remat, family, remat, loop):
     """fp32, packed rows of three documents. The recompute repeats the forward's operations on the same
     values, but XLA fuses a program with checkpoints (and the unrolled loop's CSE barriers) differently from the
     no-remat one, so a few fp32 sums round in another order: agreement to 2e-6 of each gradient's largest
     entry (measured: 0 for full/offload in the scan, up to 1.2e-6 elsewhere - Gemma 2 unrolled full/offload;
     main's unrolled full remat was already at 1.0e-6)."""
-    cfg, split, want = model_case
-    want_loss, want_grads = want[loop]
+    cfg, split, (want_loss, want_grads) = no_remat(family, loop)
     loss, got = grads(cfg, split, remat, loop)
     assert len(got) == len(want_grads) == 14
     assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
@@ -170,13 +182,13 @@ def test_explicit_offload_in_the_scan_takes_a_period_with_runs_of_layers():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * float(np.max(np.abs(w))))
 
 
-def test_explicit_offload_in_the_scan_gives_the_gradients_of_no_remat(model_case):
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_explicit_offload_in_the_scan_gives_the_gradients_of_no_remat(no_remat, family):
     """remat "offload" with `offload_transfer: explicit` in the layer scan (`jaxft.memory.scan_offload`: Llama's one
     group, Gemma 2's period of two layers); lowered for a GPU, each layer input goes to pinned host once and comes
     back once (Llama's 2 layers: the loop's first and the last after it; Gemma 2's one period of 2 layers: no loop,
     each position's input)."""
-    cfg, split, want = model_case
-    want_loss, want_grads = want["scan"]
+    cfg, split, (want_loss, want_grads) = no_remat(family, "scan")
     loss, got = grads(cfg, split, "offload", "scan", offload_transfer="explicit")
     assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
     for g, w in zip(got, want_grads):
@@ -336,14 +348,12 @@ def test_offload_policies_place_residuals_in_host_memory_in_both_loops(loop, rem
 
 
 # ---------------------------------------------------------------------------------------------- explicit transfer
-def test_explicit_offload_gives_the_gradients_of_no_remat(model_case):
+def test_explicit_offload_gives_the_gradients_of_no_remat(no_remat):
     """jaxft.memory.offload (the layer input to host in a custom VJP, full recompute from the copy; unrolled layers,
     the copies back chained one layer ahead): the gradients of no remat, as every policy (same tolerance and
     reason as above)."""
-    cfg, split, want = model_case
-    loop = "unroll"
-    want_loss, want_grads = want[loop]
-    loss, got = grads(cfg, split, "offload", loop, offload_transfer="explicit")
+    cfg, split, (want_loss, want_grads) = no_remat("llama", "unroll")
+    loss, got = grads(cfg, split, "offload", "unroll", offload_transfer="explicit")
     assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
     for g, w in zip(got, want_grads):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * float(np.max(np.abs(w))))

@@ -163,10 +163,11 @@ def test_auto_measures_the_saving_on_a_shallow_copy(deep_dir):
     assert np.isfinite(float(run.step(_batch(), 0)["loss"])) and run._compiled is compiled
 
 
-def test_auto_over_the_layer_scan_skips_partial_remat(deep_dir):
+def test_auto_over_the_layer_scan_skips_partial_remat(model_dir):
     """`layer_loop: scan` has no per-layer remat (remat_layers needs the unrolled loop): when none does not fit,
-    auto goes on to the next policy instead of failing on a remat_layers it was not given."""
-    run = _run(deep_dir, "auto", layer_loop="scan", max_memory_gb=1e-4, frozen_weights="device")
+    auto goes on to the next policy instead of failing on a remat_layers it was not given. (The programs are
+    test_fit_allocator_in_the_layer_scan's: compiled once for both through the run's compilation cache.)"""
+    run = _run(model_dir, "auto", layer_loop="scan", max_memory_gb=1e-4, frozen_weights="device")
     with pytest.raises(ExecutionConfigError) as info:
         run.choose_remat(_batch(), log=lambda line: None)
     assert info.value.field == "max_memory_gb" and set(run.trials.estimates) == set(AUTO_ORDER)

@@ -62,15 +62,20 @@ def test_compiling_from_shapes_before_loading_gives_the_same_steps(model_dir):
     assert want[2] < want[0]  # lr 1e-2 on a repeated-pattern batch: the steps train
 
 
-@pytest.mark.parametrize("execution", [dict(remat="full"), dict(remat="offload"), dict(layer_loop="unroll"),
-                                       dict(ce_chunk_size=16)])
-def test_variants_over_the_same_weights_agree(model_dir, execution):
-    batches = _batches(3)
-    base = _run(model_dir).load()
-    lora0 = jax.device_get(base.lora)
-    other = base.variant(base.execution.replace(**execution), lora=lora0)
-    want = _losses(base.variant(base.execution, lora=lora0), batches)
-    np.testing.assert_allclose(_losses(other, batches), want, rtol=2e-5)
+@pytest.fixture(scope="module")
+def base(model_dir):
+    """A loaded run, its first LoRA factors, and the losses of 3 steps of a variant of it from those factors."""
+    run = _run(model_dir).load()
+    lora0 = jax.device_get(run.lora)
+    return run, lora0, _losses(run.variant(run.execution, lora=lora0), _batches(3))
+
+
+# One change of each kind a variant makes: the remat policy, the layer loop (the weights unstacked), the loss.
+@pytest.mark.parametrize("execution", [dict(remat="offload"), dict(layer_loop="unroll"), dict(ce_chunk_size=16)])
+def test_variants_over_the_same_weights_agree(base, execution):
+    run, lora0, want = base
+    other = run.variant(run.execution.replace(**execution), lora=lora0)
+    np.testing.assert_allclose(_losses(other, _batches(3)), want, rtol=2e-5)
 
 
 def test_export_after_unrolled_training_loads_as_the_trained_model(model_dir, tmp_path):

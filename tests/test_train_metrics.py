@@ -15,7 +15,7 @@ from jaxft.train import TrainConfig, read_metrics, train
 from jaxft.train.meter import WindowMeter
 from test_train_fixtures import make_jsonl, make_tiny_model
 
-LONG = 50
+LONG = 30
 
 
 @pytest.fixture(scope="module")
