@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxft.data.errors import DataConfigError, EmptyDatasetError, MissingFieldError
+from jaxft.data.errors import DataConfigError, EmptyDatasetError
 from jaxft.data.formatting import Document, Formatter, load_tokenizer
 from jaxft.data.images import ImageProcessor
 from jaxft.data.packing import OVERLONG, Overlong, PackedDataset
-from jaxft.data.sources import iter_records
+from jaxft.data.sources import parse_records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,30 +70,6 @@ class DataConfig:
             raise DataConfigError(f"DataConfig.overlong must be one of {OVERLONG}, got {self.overlong!r}")
 
 
-_MAX_BAD_RECORDS = 10  # bad records named in one error message (as bad JSON lines are: jaxft.data.sources)
-
-
-def _documents(path, split, fmt: Formatter) -> list[Document]:
-    """Every record tokenized. Records of no supported format, or with a field of the wrong type, are all
-    reported in one error: the first `_MAX_BAD_RECORDS` named (file:line and why), the rest counted."""
-    docs, bad = [], []
-    for record in iter_records(path, split=split):
-        try:
-            docs.append(fmt(record))
-        except MissingFieldError as e:
-            bad.append(e)
-    if len(bad) == 1:
-        raise bad[0]
-    if bad:
-        more = f"; and {len(bad) - _MAX_BAD_RECORDS} more" if len(bad) > _MAX_BAD_RECORDS else ""
-        raise MissingFieldError(f"{len(bad)} records cannot be trained on: "
-                                + "; ".join(str(e) for e in bad[:_MAX_BAD_RECORDS]) + more)
-    if not docs:
-        where = f"{path}" + (f" (split {split!r})" if split else "")
-        raise EmptyDatasetError(f"{where}: no records found; add data or fix the data path")
-    return docs
-
-
 def build_datasets(
     config: DataConfig, tokenizer, images=None
 ) -> tuple[PackedDataset, PackedDataset | None]:
@@ -110,10 +86,10 @@ def build_datasets(
         tokenizer = load_tokenizer(tokenizer)
     fmt = Formatter(tokenizer, assistant_only_loss=config.assistant_only_loss,
                     completion_only_loss=config.completion_only_loss, images=images, text_field=config.text_field)
-    train_docs = _documents(config.path, config.split, fmt)
+    train_docs = parse_records(config.path, config.split, fmt)
     eval_docs: list[Document] | None = None
     if config.eval_path or config.eval_split:
-        eval_docs = _documents(config.eval_path or config.path, config.eval_split, fmt)
+        eval_docs = parse_records(config.eval_path or config.path, config.eval_split, fmt)
     elif config.eval_fraction > 0:
         n_eval = max(1, round(len(train_docs) * config.eval_fraction))
         if n_eval >= len(train_docs):

@@ -27,12 +27,11 @@ import numpy as np
 from jaxft.data.errors import DataConfigError, EmptyDatasetError, MissingFieldError
 from jaxft.data.formatting import Document, Formatter, load_tokenizer
 from jaxft.data.packing import PackedDataset, PackingStats, best_fit_decreasing
-from jaxft.data.sources import Record, iter_records
+from jaxft.data.sources import Record, parse_records
 
 logger = logging.getLogger("jaxft.data")
 
 PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
-_MAX_BAD_RECORDS = 10  # bad records named in one error message (as jaxft.data.pipeline does)
 
 
 def preference_fields(record: Record) -> tuple[Any, Any, Any]:
@@ -160,26 +159,6 @@ class PreferenceDataset(PackedDataset):
                     self.stats.trained_tokens)
 
 
-def _pairs(path, split, fmt: Formatter) -> list[tuple[Document, Document]]:
-    """Every record's pair; bad records all reported in one error (the first few named), as SFT data is."""
-    pairs, bad = [], []
-    for record in iter_records(path, split=split):
-        try:
-            pairs.append(preference_pair(fmt, record))
-        except MissingFieldError as e:
-            bad.append(e)
-    if len(bad) == 1:
-        raise bad[0]
-    if bad:
-        more = f"; and {len(bad) - _MAX_BAD_RECORDS} more" if len(bad) > _MAX_BAD_RECORDS else ""
-        raise MissingFieldError(f"{len(bad)} preference records cannot be trained on: "
-                                + "; ".join(str(e) for e in bad[:_MAX_BAD_RECORDS]) + more)
-    if not pairs:
-        raise EmptyDatasetError(f"{path}{f' (split {split!r})' if split else ''}: no records found; add data or fix "
-                                "the data path")
-    return pairs
-
-
 def build_preference_datasets(config, tokenizer) -> tuple[PreferenceDataset, PreferenceDataset | None]:
     """The train (shuffled per epoch) and eval (in order) preference datasets of a `jaxft.data.DataConfig`
     (``max_seq_length``: tokens per row, a row holding whole pairs; ``batch_size``: rows per step). ``tokenizer``
@@ -187,10 +166,11 @@ def build_preference_datasets(config, tokenizer) -> tuple[PreferenceDataset, Pre
     if isinstance(tokenizer, (str, Path)):
         tokenizer = load_tokenizer(tokenizer)
     fmt = Formatter(tokenizer, completion_only_loss=True, text_field=config.text_field)
-    train = _pairs(config.path, config.split, fmt)
+    train = parse_records(config.path, config.split, lambda r: preference_pair(fmt, r), "preference records")
     evals = None
     if config.eval_path or config.eval_split:
-        evals = _pairs(config.eval_path or config.path, config.eval_split, fmt)
+        evals = parse_records(config.eval_path or config.path, config.eval_split,
+                              lambda r: preference_pair(fmt, r), "preference records")
     elif config.eval_fraction > 0:
         n_eval = max(1, round(len(train) * config.eval_fraction))
         if n_eval >= len(train):

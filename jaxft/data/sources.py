@@ -23,17 +23,19 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bridge.errors import hub_id_hint
-from jaxft.data.errors import DataFormatError, DataPathError, one_line
+from jaxft.data.errors import DataFormatError, DataPathError, EmptyDatasetError, MissingFieldError, one_line
 
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _SUFFIXES = (*_JSONL_SUFFIXES, ".json", ".parquet", ".arrow")
 _MAX_BAD_LINES = 10  # bad JSON Lines named in one error message
+_MAX_BAD_RECORDS = 10  # records that cannot be trained on, named in one error message
+T = TypeVar("T")
 # The largest record read (its JSON text, or its strings' UTF-8 bytes for columnar files). Tokenizing a record
 # costs far more memory than its text (a 100 MB chat record took 18 GB), and 16 MiB is some 4M tokens of text:
 # more than any sequence length trains on.
@@ -81,6 +83,29 @@ def iter_records(path: str | Path, *, split: str | None = None) -> Iterator[Reco
     """Stream records file by file (same inputs as `read_records`)."""
     for file in data_files(path, split=split):
         yield from _read_file(file)
+
+
+def parse_records(path: str | Path, split: str | None, parse: Callable[[Record], T], what: str = "records"
+                  ) -> list[T]:
+    """`parse` of every record. Records it refuses (`MissingFieldError`: no supported format, a field of the wrong
+    type) are all reported in one error, the first `_MAX_BAD_RECORDS` named (file:line and why), the rest counted,
+    so a user fixes a file in one pass; no records at all is an error too."""
+    parsed, bad = [], []
+    for record in iter_records(path, split=split):
+        try:
+            parsed.append(parse(record))
+        except MissingFieldError as e:
+            bad.append(e)
+    if len(bad) == 1:
+        raise bad[0]
+    if bad:
+        more = f"; and {len(bad) - _MAX_BAD_RECORDS} more" if len(bad) > _MAX_BAD_RECORDS else ""
+        raise MissingFieldError(f"{len(bad)} {what} cannot be trained on: "
+                                + "; ".join(str(e) for e in bad[:_MAX_BAD_RECORDS]) + more)
+    if not parsed:
+        raise EmptyDatasetError(f"{path}{f' (split {split!r})' if split else ''}: no records found; add data or fix "
+                                "the data path")
+    return parsed
 
 
 def data_files(path: str | Path, *, split: str | None = None) -> list[Path]:
