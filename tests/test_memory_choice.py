@@ -81,6 +81,13 @@ def test_choose_remat_refuses_in_one_line_naming_the_key_and_the_smallest_estima
                                "estimate is offload at 1.200 GiB; raise max_memory_gb, or lower "
                                "per_device_train_batch_size / max_seq_length")
     assert set(trials.estimates) == set(AUTO_ORDER)  # the caller keeps what was compiled past the refusal
+    # frozen_weights auto, one device: every candidate both ways, the smallest named with the suffix
+    with pytest.raises(MemoryBudgetError) as info:
+        choose_remat(_target(), _auto(0.5), _batch(), _compiler([], streamed_saves=0.5), trials=trials,
+                     log=lambda line: None)
+    assert set(trials.estimates) == set(AUTO_ORDER) | {p + STREAMED for p in AUTO_ORDER} and "\n" not in str(info.value)
+    assert str(info.value).startswith("key 'max_memory_gb': no remat policy fits in 0.500 GiB (max_memory_gb): the "
+                                      f"smallest estimate is offload{STREAMED} at 0.700 GiB; ")
 
 
 def test_fit_allocator_takes_the_next_scan_policy_whose_temp_fits_the_room():
