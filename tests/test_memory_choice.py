@@ -4,6 +4,7 @@ memory analyses (no model is compiled), and what `jaxft-train` checks before it 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -80,6 +81,13 @@ def test_choose_remat_refuses_in_one_line_naming_the_key_and_the_smallest_estima
                                "estimate is offload at 1.200 GiB; raise max_memory_gb, or lower "
                                "per_device_train_batch_size / max_seq_length")
     assert set(trials.estimates) == set(AUTO_ORDER)  # the caller keeps what was compiled past the refusal
+    # frozen_weights auto, one device: every candidate both ways, the smallest named with the suffix
+    with pytest.raises(MemoryBudgetError) as info:
+        choose_remat(_target(), _auto(0.5), _batch(), _compiler([], streamed_saves=0.5), trials=trials,
+                     log=lambda line: None)
+    assert set(trials.estimates) == set(AUTO_ORDER) | {p + STREAMED for p in AUTO_ORDER} and "\n" not in str(info.value)
+    assert str(info.value).startswith("key 'max_memory_gb': no remat policy fits in 0.500 GiB (max_memory_gb): the "
+                                      f"smallest estimate is offload{STREAMED} at 0.700 GiB; ")
 
 
 def test_fit_allocator_takes_the_next_scan_policy_whose_temp_fits_the_room():
@@ -97,6 +105,71 @@ def test_fit_allocator_takes_the_next_scan_policy_whose_temp_fits_the_room():
     assert trials.choice(streamed) == ("full" + STREAMED, int(1.5 * GIB))  # named as the choice it reports
     assert fit_allocator(_target(), chosen, _batch(), {"temp_size_in_bytes": int(3 * GIB)}, {},
                          _compiler(calls)).execution is chosen
+
+
+def _layered(layers: int) -> ModelConfig:
+    """The tiny test models' shape (hidden 64: on a 512-token document attention outweighs a layer's projections)."""
+    return ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=layers,
+                       num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+def _by_layers(calls: list, none: dict[int, float], per_layer: float, peaks: dict[str, float]):
+    """A compile callback for the unrolled loop: "none" peaks at `none[depth]` GiB, full remat on the first k
+    layers (every layer when remat_layers is None) `per_layer` GiB less per layer, other policies at `peaks`."""
+    def compile(execution: ExecutionConfig, depth=None, mesh=None) -> Compiled:
+        calls.append((execution.remat, execution.remat_layers, depth))
+        d = depth or max(none)
+        gib = none[d] - per_layer * (execution.remat_layers or d) if execution.remat == "full" else \
+            none[d] if execution.remat == "none" else peaks[execution.remat]
+        return Compiled({"argument_size_in_bytes": 0, "temp_size_in_bytes": int(gib * GIB)}, 1.0)
+    return compile
+
+
+def _one_document(t: int = 512) -> dict[str, np.ndarray]:
+    return dict(input_ids=np.zeros((1, t), np.int32), segment_ids=np.ones((1, t), np.int32))
+
+
+def test_choose_remat_takes_offload_attn_where_full_remat_on_k_layers_would_recompute_more():
+    """Full remat on 2 of the 4 layers fits the budget, and so does offload+attn: on one 512-token document 2 layers
+    of full remat recompute more than offload+attn (attention included), so auto compiles offload+attn before any k
+    and takes it (it took full on 2 layers when the limit was a fixed 3/4 of the layers)."""
+    from jaxft.memory.policy import partial_full_limit, recompute_work
+
+    target, rows, calls, lines, trials = dataclasses.replace(_target(), model_config=_layered(4)), \
+        _one_document(), [], [], Trials()
+    assert partial_full_limit(recompute_work(target.model_config, rows["segment_ids"])) == 1
+    execution = ExecutionConfig(remat="auto", layer_loop="auto", max_memory_gb=3.1, host_memory_gb=64)
+    decision = choose_remat(target, execution, rows, _by_layers(calls, {4: 4.0}, 0.6, {"offload+attn": 2.0}),
+                            trials=trials, log=lines.append)
+    assert decision.execution.remat == "offload+attn" and decision.execution.remat_layers is None
+    # no model deeper than the probe copy: the per-layer saving from full remat on all 4 layers, a probe
+    assert trials.compiles == [("none", None, 4), ("full", 4, 4), ("offload+attn", None, 4)]
+    assert any(line.startswith("remat auto: full on 2 layers recomputes more than offload+attn on this batch (at "
+                               "most 1 of the 4 layers do not)") for line in lines)
+    assert lines[-2].startswith("remat auto: offload+attn estimated peak ") and lines[-2].endswith("fits: chosen")
+
+
+def test_choose_remat_comes_back_to_k_layers_when_offload_attn_does_not_fit():
+    """A 5-layer model (deeper than the probe copy: the per-layer saving from two compiles of the copy) on the same
+    document, a budget that offload+attn and LEAN_ATTN miss and full remat on 4 layers fits: auto comes back to the
+    4 layers it passed over, not to full remat on every layer (the next policy of AUTO_ORDER)."""
+    from jaxft.memory.policy import AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS, partial_full_limit, recompute_work
+
+    target, rows, calls, lines, trials = dataclasses.replace(_target(), model_config=_layered(5)), \
+        _one_document(), [], [], Trials()
+    assert partial_full_limit(recompute_work(target.model_config, rows["segment_ids"])) < 4
+    execution = ExecutionConfig(remat="auto", layer_loop="auto", max_memory_gb=2.5, host_memory_gb=64)
+    # the copy's intercept is not the model's (only its slope is used): 4.2 - 0.5 * 4 = 2.2 fits, 3 layers do not
+    compile = _by_layers(calls, {5: 4.2, AUTO_PROBE_DEPTH: 3.7}, 0.5, {"offload+attn": 3.0, LEAN_ATTN: 2.8})
+    decision = choose_remat(target, execution, rows, compile, trials=trials, log=lines.append)
+    assert decision.execution.remat == "full" and decision.execution.remat_layers == 4
+    assert trials.choice(decision.execution) == ("full on 4 layers", int((4.2 - 0.5 * 4) * GIB))
+    probes = [("full", n, AUTO_PROBE_DEPTH) for n in AUTO_PROBE_LAYERS]
+    assert trials.compiles == [("none", None, 5), *probes, ("offload+attn", None, 5), (LEAN_ATTN, None, 5),
+                               ("full", 4, 5)]
+    assert any(line.startswith("remat auto: full on 4 layers recomputes more than offload+attn on this batch")
+               for line in lines)
+    assert lines[-1].startswith("remat auto: full on 4 layers estimated peak ") and lines[-1].endswith("fits: chosen")
 
 
 def test_run_is_no_mixin():

@@ -1,6 +1,7 @@
 """`remat_layers`: the remat policy on the first N layers only (the steps between no remat and remat on every
 layer): same gradients, compiled memory falling with N, the validation lines, and `remat: auto` choosing the
-smallest N that fits when no remat does not."""
+smallest N that fits when no remat does not (where offload+attn comes before or after that N: test_memory_choice,
+over made-up compiles)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
-from jaxft.memory.policy import AUTO_ORDER, LEAN_ATTN
+from jaxft.memory.policy import AUTO_ORDER
 from jaxft.memory import GIB, peak_estimate
 from test_remat import assert_grads_match, grads, llama, lora_split
 from test_remat_auto import _batch, _run
@@ -314,67 +315,3 @@ def test_full_remat_pays_on_fewer_layers_as_attention_outweighs_the_projections(
     assert limit(cfg, packed) > one_document[0]
     windows = cfg.replace(layer_windows=(4096, None) * 16)  # Gemma-2-like alternation
     assert limit(windows, np.ones((1, 65536), np.int32)) > one_document[2]
-
-
-def _one_document_rows(t: int = 512) -> dict[str, np.ndarray]:
-    """[1, t], one document: on the tiny model (hidden 64) attention then outweighs a layer's projections, so
-    full remat recomputes less than offload+attn on 1 of its 4 layers only (`partial_full_limit`)."""
-    batch = _batch()
-    ids = np.resize(batch["input_ids"][0], (1, t))
-    loss_mask = np.ones((1, t), np.float32)
-    loss_mask[:, -1] = 0
-    return dict(input_ids=ids, targets=np.roll(ids, -1, 1), loss_mask=loss_mask,
-                segment_ids=np.ones((1, t), np.int32), positions=np.arange(t, dtype=np.int32)[None])
-
-
-@pytest.fixture(scope="module")
-def long_estimates(model_dir):
-    out = {}
-    for name, remat, k in [("none", "none", None), ("full on 1", "full", 1), ("full on 2", "full", 2),
-                           ("full on 3", "full", 3), ("offload+attn", "offload+attn", None)]:
-        run = _run(model_dir, remat, **({} if k is None else dict(remat_layers=k)))
-        run.compile(_one_document_rows())
-        out[name] = peak_estimate(run.memory_analysis())
-    return out
-
-
-def test_auto_takes_offload_attn_where_full_remat_would_recompute_more(model_dir, long_estimates):
-    """Full remat on 2 of the 4 layers fits the budget, and so does offload+attn: on these rows 2 layers of full
-    remat recompute more than offload+attn (attention included), so auto compiles offload+attn before any k and
-    takes it (it took full on 2 layers when the limit was a fixed 3/4 of the layers)."""
-    from jaxft.memory.policy import partial_full_limit, recompute_work
-
-    rows, e = _one_document_rows(), long_estimates
-    assert e["none"] > e["full on 1"] > e["full on 2"] > e["offload+attn"]
-    lines = []
-    run = _run(model_dir, "auto", max_memory_gb=(e["full on 1"] + e["full on 2"]) / 2 / GIB)
-    assert partial_full_limit(recompute_work(run.model_config, rows["segment_ids"])) == 1
-    assert run.choose_remat(rows, log=lines.append) == "offload+attn"
-    assert [(p, k) for p, k, _ in run.trials.compiles] == [("none", None), ("full", LAYERS), ("offload+attn", None)]
-    assert any(line.startswith("remat auto: full on 2 layers recomputes more than offload+attn on this batch (at "
-                               "most 1 of the 4 layers do not)") for line in lines)
-    assert lines[-2].startswith("remat auto: offload+attn estimated peak ") and lines[-2].endswith("fits: chosen")
-
-
-def test_auto_takes_full_remat_on_k_layers_when_offload_attn_does_not_fit(deep_dir):
-    """The 5-layer model on the same rows (full remat pays on 2 layers at most), with a budget that offload+attn
-    misses and full remat on 4 layers fits: auto comes back to the 4 layers it passed over once offload+attn and
-    LEAN_ATTN (on the CPU its estimate is offload+attn's) miss, not to full remat on every layer (the next policy of
-    AUTO_ORDER)."""
-    e = {}
-    for name, remat, k in [("full on 4", "full", 4), ("offload+attn", "offload+attn", None)]:
-        run = _run(deep_dir, remat, **({} if k is None else dict(remat_layers=k)))
-        run.compile(_one_document_rows())
-        e[name] = peak_estimate(run.memory_analysis())
-    if not e["full on 4"] < e["offload+attn"]:
-        pytest.skip(f"on this JAX the estimates leave no budget between them: {e}")
-    lines = []
-    run = _run(deep_dir, "auto", max_memory_gb=(e["full on 4"] + e["offload+attn"]) / 2 / GIB)
-    assert run.choose_remat(_one_document_rows(), log=lines.append) == "full"
-    assert run.execution.remat_layers == 4 and run.remat_choice == ("full on 4 layers", e["full on 4"])
-    compiled = [(p, k) for p, k, _ in run.trials.compiles]
-    assert compiled[0] == ("none", None)
-    assert compiled[-3:] == [("offload+attn", None), (LEAN_ATTN, None), ("full", 4)]
-    assert any(line.startswith("remat auto: full on 4 layers recomputes more than offload+attn on this batch")
-               for line in lines)
-    assert lines[-1].startswith("remat auto: full on 4 layers estimated peak ") and lines[-1].endswith("fits: chosen")
