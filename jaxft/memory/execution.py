@@ -68,7 +68,7 @@ from typing import Any, Mapping
 
 import jax
 
-from jaxft.errors import ConfigError
+from jaxft.errors import KeyedConfigError
 from jaxft.memory import policy as remat_policies
 from jaxft.residuals import LAYER_INPUT, NAMES
 from kernels_pallas.grouped_matmul import IMPLEMENTATIONS as GROUPED_MATMUL_IMPLEMENTATIONS
@@ -117,12 +117,8 @@ MEMORY_HELP = {
 CE_CHUNK_FLOOR = 256
 
 
-class ExecutionConfigError(ConfigError):
+class ExecutionConfigError(KeyedConfigError):
     """A bad execution setting; `field` is the offending ExecutionConfig field (= the flat config key)."""
-
-    def __init__(self, field: str, problem: str):
-        self.field, self.problem = field, problem
-        super().__init__(f"key {field!r}: {problem}")
 
 
 def _choice(field: str, value: Any, choices: tuple[str, ...]) -> None:

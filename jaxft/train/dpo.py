@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxft.errors import ConfigError
+from jaxft.errors import KeyedConfigError
 from jaxft.memory.execution import ExecutionConfig
 from jaxft.models.layers import LoraScale
 from jaxft.train.step import TRAIN_EXECUTION, head_cross_entropy, model_inputs
@@ -46,12 +46,8 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
 _F32 = jnp.float32
 
 
-class DpoConfigError(ConfigError):
+class DpoConfigError(KeyedConfigError):
     """A bad DPO setting; `field` is the key."""
-
-    def __init__(self, field: str, problem: str):
-        self.field, self.problem = field, problem
-        super().__init__(f"key {field!r}: {problem}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,16 +11,12 @@ import math
 
 import optax
 
-from jaxft.errors import ConfigError
+from jaxft.errors import KeyedConfigError
 from jaxft.train.schedules import SCHEDULES, make_schedule, warmup_steps_for
 
 
-class OptimConfigError(ConfigError):
+class OptimConfigError(KeyedConfigError):
     """A bad optimiser setting; `field` is the key."""
-
-    def __init__(self, field: str, problem: str):
-        self.field, self.problem = field, problem
-        super().__init__(f"key {field!r}: {problem}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -311,7 +311,7 @@ def _profile(profile_dir: str, run, batches, num_layers: int) -> dict[str, Any]:
                 metrics = run.step(batches[i % len(batches)], i)
             jax.block_until_ready(metrics["loss"])
         wall = time.perf_counter() - t0
-        # The dump holds only this session's step modules compiled so far: the profiled task's is the largest.
+        # The dump holds only this worker's step modules compiled so far: the profiled task's is the largest.
         trace, hlo = load_trace(profile_dir), load_step_hlo(f"{profile_dir}/hlo")
         summary = summarize_trace(trace, hlo, PROFILE_STEPS, wall)
         summary["overlap"] = overlap_summary(trace, hlo, PROFILE_STEPS, num_layers)
