@@ -91,8 +91,10 @@ def test_compilation_is_kept_out_of_the_first_window(run):
     long, _ = run
     records = [r for r in read_metrics(long.metrics_path) if "loss" in r]
     first, rest = records[0]["step_seconds"], statistics.median(r["step_seconds"] for r in records[1:])
-    assert long.summary.compile_seconds > 5 * rest, long.summary
-    assert first < 3 * rest, (first, rest)
+    # Had compiling landed in the first window, it would exceed the others by the whole compile time; a
+    # compile served from the run's cache can be as short as a few steps, so the margin is half of it.
+    assert long.summary.compile_seconds > 0, long.summary
+    assert first - rest < 0.5 * long.summary.compile_seconds, (first, rest, long.summary)
 
 
 def test_num_tokens_is_cumulative_and_summary_loss_is_the_logged_one(run):
