@@ -90,6 +90,25 @@ def lora_run(gguf: Path, work: Path, base: str, args: argparse.Namespace, seed: 
             "cpu_seconds": round(time.process_time() - start, 1), "summary": result.summary.line()}
 
 
+def recipe(args: argparse.Namespace) -> dict:
+    """What a LoRA run's eval loss depends on besides its seed (an earlier run is reused only under the same)."""
+    return {"lora_r": 8, "lora_alpha": 16, "target": "all-linear", "steps": args.steps, "learning_rate": args.lr,
+            "schedule": "constant", "batch": args.batch, "max_seq_length": args.seq, "packing": True,
+            "compute": "bfloat16"}
+
+
+def earlier_runs(args: argparse.Namespace, data_sha256: str) -> dict[tuple[str, int], dict]:
+    """{(base, seed): run} from the `--extend` files, each checked to have this recipe and this data."""
+    found = {}
+    for path in args.extend:
+        old = json.loads(path.read_text(encoding="utf-8"))
+        theirs = {k: v for k, v in old["recipe"].items() if k != "seeds"}
+        if theirs != recipe(args) or old["data"]["sha256"] != data_sha256:
+            raise SystemExit(f"error: --extend {path}: made with another recipe or data ({theirs}); run without it")
+        found.update({(base, r["seed"]): r for base, rs in old["runs"].items() for r in rs})
+    return found
+
+
 def paired(bf16: list[float], fp8: list[float]) -> dict:
     """FP8 minus bf16, seed by seed (relative to bf16): mean, sample std and the two-sided 95% t interval of the
     mean, and the verdict on the bar |gap| <= 1%: pass when the interval lies inside it, fail when outside."""
@@ -125,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4, help="rows per step")
     p.add_argument("--seq", type=int, default=128, help="max_seq_length (paragraphs are packed into rows)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="LoRA seeds, each run on both bases")
+    p.add_argument("--extend", type=Path, nargs="+", default=[], metavar="JSON",
+                   help="earlier outputs of this script with the same recipe: their runs of the seeds asked for are "
+                        "kept, only the missing seeds run (the LoRA runs are most of the time)")
     args = p.parse_args(argv)
     if not args.gguf.is_file():
         print(f"error: --gguf {args.gguf} is not a file; run `python -m pytest tests/test_real_model.py -k logits` "
@@ -144,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     paragraphs = reference_paragraphs()
     held = paragraphs[HELD_OUT_EVERY - 1::HELD_OUT_EVERY]
     kept = [t for i, t in enumerate(paragraphs) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
+    sha = hashlib.sha256("\n".join(paragraphs).encode()).hexdigest()
+    earlier = earlier_runs(args, sha)
     runs = {"bf16": [], "fp8": []}
     with tempfile.TemporaryDirectory(prefix="fp8-accuracy-") as tmp:
         work = Path(tmp)
@@ -151,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             (work / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), "utf-8")
         for seed in args.seeds:
             for base in runs:
-                runs[base].append(lora_run(args.gguf, work, base, args, seed))
+                runs[base].append(earlier.get((base, seed)) or lora_run(args.gguf, work, base, args, seed))
                 print(base, json.dumps(runs[base][-1]), flush=True)
     loss = {base: [r["eval_loss"] for r in rs] for base, rs in runs.items()}
     before = {base: rs[0]["eval_loss_before"] for base, rs in runs.items()}
@@ -163,10 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                             f"(pydoc_data.topics), one in {HELD_OUT_EVERY} held out",
                     "train_paragraphs": len(kept), "held_out_paragraphs": len(held),
                     "held_out_tokens": runs["bf16"][0]["eval_tokens"],
-                    "sha256": hashlib.sha256("\n".join(paragraphs).encode()).hexdigest()},
-           "recipe": {"lora_r": 8, "lora_alpha": 16, "target": "all-linear", "steps": args.steps,
-                      "learning_rate": args.lr, "schedule": "constant", "batch": args.batch,
-                      "max_seq_length": args.seq, "packing": True, "compute": "bfloat16", "seeds": args.seeds},
+                    "sha256": sha},
+           "recipe": {**recipe(args), "seeds": args.seeds},
            "eval_loss_before": before, "fp8_eval_loss_before_rel_gap": before["fp8"] / before["bf16"] - 1,
            "runs": runs, "mean_eval_loss": {base: float(np.mean(v)) for base, v in loss.items()},
            "bf16_eval_loss_rel_std_over_seeds": float(np.std(loss["bf16"], ddof=1) / np.mean(loss["bf16"]))

@@ -3,11 +3,13 @@ and the prose it trains and evaluates on (the run itself is minutes of CPU: docs
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 
 import pytest
 
-from scripts.fp8_accuracy import BAR, paired, reference_paragraphs
+from scripts.fp8_accuracy import BAR, earlier_runs, paired, recipe, reference_paragraphs
 
 
 @pytest.mark.parametrize(("fp8", "verdict"), [
@@ -35,3 +37,17 @@ def test_reference_paragraphs_are_prose_without_code():
     assert len(paras) >= 450 and len(set(paras)) == len(paras)
     assert all(150 <= len(p) <= 700 and p[-1] in ".:" and "\n" not in p and ">>>" not in p for p in paras)
     assert paras == reference_paragraphs()
+
+
+def test_extend_keeps_earlier_runs_of_the_same_recipe_and_refuses_another(tmp_path):
+    args = argparse.Namespace(steps=40, lr=1e-3, batch=4, seq=128, extend=[tmp_path / "a.json"])
+    run = {"seed": 3, "eval_loss": 2.5}
+    earlier = {"recipe": {**recipe(args), "seeds": [3]}, "data": {"sha256": "abc"},
+               "runs": {"bf16": [run], "fp8": [{**run, "eval_loss": 2.51}]}}
+    (tmp_path / "a.json").write_text(json.dumps(earlier))
+    found = earlier_runs(args, "abc")
+    assert found == {("bf16", 3): run, ("fp8", 3): {**run, "eval_loss": 2.51}}
+    with pytest.raises(SystemExit, match="another recipe or data"):
+        earlier_runs(args, "other data")
+    with pytest.raises(SystemExit, match="another recipe or data"):
+        earlier_runs(argparse.Namespace(**{**vars(args), "steps": 80}), "abc")
