@@ -137,6 +137,10 @@ KEYS: tuple[Key, ...] = (
         "learning-rate decay after warm-up", field="lr_scheduler_type"),
     Key("weight_decay", "optim", float, 0.0, "AdamW's decoupled weight decay on the LoRA weights",
         field="weight_decay"),
+    Key("optim", "optim", str, "adamw_torch",
+        "AdamW's moments: adamw_torch (fp32, 8 bytes a weight) or adamw_8bit (blockwise 8-bit as bitsandbytes' "
+        "AdamW8bit, about 2; pays in full fine-tuning); adamw_torch_fused, adamw_bnb_8bit, paged_adamw_8bit "
+        "are read as these", field="optim"),
     Key("adam_beta1", "optim", float, 0.9, "AdamW's first-moment decay", field="adam_beta1"),
     Key("adam_beta2", "optim", float, 0.999, "AdamW's second-moment decay", field="adam_beta2"),
     Key("adam_epsilon", "optim", float, 1e-8, "AdamW's epsilon", field="adam_epsilon"),
