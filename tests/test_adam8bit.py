@@ -3,6 +3,8 @@ torch's fp32 AdamW on CPU, and through `jaxft-train`: a full fine-tune that stor
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
 
 import jax
@@ -12,9 +14,10 @@ import optax
 import pytest
 from safetensors.numpy import load_file
 
-from jaxft.train import TrainConfig, TrainConfigError, train
+from jaxft.train import TrainConfig, TrainConfigError
 from jaxft.train.adam8bit import SIGNED, UNSIGNED, dequantize, eligible, quantize, state_bytes
 from jaxft.train.optim import make_optimizer
+from test_train_fixtures import run_cli_on_host_devices
 
 torch = pytest.importorskip("torch")
 bnb = pytest.importorskip("bitsandbytes")
@@ -90,24 +93,30 @@ def test_optim_key_reads_transformers_names_and_refuses_others(tmp_path):
         TrainConfig.from_dict({**base, "optim": "sgd"})
 
 
-def test_full_finetune_keeps_8bit_moments_and_resumes_exactly(tmp_path):
-    """tiny-llama's lm_head [128, 1024] is the weight with a last axis of 256s: 8-bit moments; every other keeps
-    fp32 ones. Stopped after the checkpoint of step 2 and resumed: the same weights, bit for bit."""
-    def config(name, **over):
-        return TrainConfig.from_dict({**dict(
+def test_fsdp_full_finetune_shards_8bit_moments_and_resumes_exactly(tmp_path):
+    """`jaxft-train` on 2 host devices under FSDP. tiny-llama's lm_head [128, 1024] is its weight with a last axis
+    of 256s: 8-bit moments, split over the devices as the weight is; every other keeps fp32 ones. Resumed from
+    the checkpoint of step 2 in a new process: the same weights, bit for bit."""
+    def run(name, **over):
+        values = {**dict(
             model_name_or_path=str(REPO / "examples/tiny-llama"), dataset=str(REPO / "examples/data/train.jsonl"),
-            output_dir=str(tmp_path / name), finetuning_type="full", optim="adamw_8bit", max_seq_length=64,
-            per_device_train_batch_size=2, max_steps=3, save_steps=2, logging_steps=1, learning_rate=1e-3,
-            lr_scheduler_type="constant", bf16=False, disable_tqdm=True, report_to="none", seed=0), **over})
+            output_dir=str(tmp_path / name), finetuning_type="full", optim="adamw_8bit", mesh={"fsdp": 2},
+            max_seq_length=64, per_device_train_batch_size=2, max_steps=3, save_steps=2, logging_steps=1,
+            learning_rate=1e-3, lr_scheduler_type="constant", bf16=False, disable_tqdm=True, report_to="none",
+            seed=0), **over}
+        run_cli_on_host_devices(values, tmp_path / f"{name}.yaml", devices=2)
 
-    whole = train(config("whole"))
-    train(config("split", max_steps=2))
-    resumed = train(config("split", resume_from_checkpoint=True))
-    assert resumed.resumed_from is not None and resumed.global_step == 3
-    a, b = load_file(whole.model_dir / "model.safetensors"), load_file(resumed.model_dir / "model.safetensors")
+    run("whole")  # checkpoints at steps 2 and 3
+    run("resumed", resume_from_checkpoint=str(tmp_path / "whole" / "checkpoints" / "2"))
+    a, b = (load_file(tmp_path / name / "model" / "model.safetensors") for name in ("whole", "resumed"))
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-    # The checkpoint holds the 8-bit state: one block-scale array per moment (lm_head's), beside the codes.
-    tree = (tmp_path / "split" / "checkpoints" / "2" / "opt_state" / "_METADATA").read_text()
+    # The checkpoint holds the 8-bit state: one block-scale array per moment (lm_head's), beside the codes, and
+    # lm_head's codes are split over the devices by its rows, as lm_head is.
+    stored = tmp_path / "whole" / "checkpoints" / "2" / "opt_state"
+    tree = (stored / "_METADATA").read_text()
     assert tree.count("'mu_absmax', '") == tree.count("'nu_absmax', '") == 1, tree
+    shardings = {base64.b64decode(k).decode(): json.loads(v)["partition_spec"]
+                 for k, v in json.loads((stored / "_sharding").read_text()).items()}
+    assert shardings["1.0.mu.lm_head.kernel.value"] == ["fsdp", None], shardings
