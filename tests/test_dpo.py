@@ -88,8 +88,9 @@ def _trl_step(model_dir, lora, tmp_path, **dpo):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dpo", [dict(beta=0.1), dict(beta=0.5, loss_type="robust", label_smoothing=0.2)],
-                         ids=["sigmoid", "robust"])
+@pytest.mark.parametrize("dpo", [dict(beta=0.1), dict(beta=0.5, loss_type="robust", label_smoothing=0.2),
+                                 dict(beta=0.5, loss_type="hinge"), dict(beta=0.5, loss_type="ipo")],
+                         ids=["sigmoid", "robust", "hinge", "ipo"])
 def test_loss_metrics_and_gradients_match_trl(tiny, tmp_path, dpo):
     from jaxft.data.pipeline import DataConfig
     from jaxft.data.preference import build_preference_datasets
@@ -217,7 +218,8 @@ def test_dpo_keys_are_checked(tiny, tmp_path):
                           (dict(trainer="dpo", beta=0.0), "key 'beta'"),
                           (dict(trainer="dpo", label_smoothing=0.1), "loss_type: robust"),
                           (dict(trainer="dpo", loss_type=["sigmoid", "hinge"]), "jaxft trains one loss type"),
-                          (dict(trainer="dpo", loss_type=["ipo"]), "'loss_type': value 'ipo' is not one of"),
+                          (dict(trainer="dpo", loss_type=["exo_pair"]), "'loss_type': value 'exo_pair' is not one of"),
+                          (dict(trainer="dpo", loss_type="ipo", label_smoothing=0.1), "loss_type: robust"),
                           (dict(trainer="dpo", loss_type="robust", label_smoothing=0.5), "[0, 0.5)"),
                           (dict(trainer="dpo", completion_only_loss=False), "key 'completion_only_loss': false"),
                           (dict(trainer="dpo", modules_to_save=["lm_head"]), "key 'modules_to_save' with trainer dpo")):

@@ -7,6 +7,9 @@ log pi_ref(y|x) under the reference, the same model with its adapters switched o
     delta = (log pi(y_w|x) - log pi_ref(y_w|x)) - (log pi(y_l|x) - log pi_ref(y_l|x))
     sigmoid:  l = -log sigmoid(beta * delta)                                               (DPO)
     robust:   l = (-(1 - e) log sigmoid(beta * delta) + e log sigmoid(-beta * delta)) / (1 - 2e)   (e: label_smoothing)
+    hinge:    l = max(0, 1 - beta * delta)                                             (SLiC)
+    ipo:      l = (delta' - 1 / (2 beta))^2, delta' as delta with each log-ratio divided by its completion's
+              token count                                                              (IPO, TRL's normalisation)
 
 and the step's loss is the mean of l over its pairs (TRL's `DPOTrainer` loss types of those names). Metrics, means
 over the pairs (TRL's names): rewards/chosen = beta (log pi(y_w|x) - log pi_ref(y_w|x)), rewards/rejected likewise,
@@ -40,7 +43,7 @@ from jaxft.memory.execution import ExecutionConfig
 from jaxft.models.layers import LoraScale
 from jaxft.train.step import TRAIN_EXECUTION, head_cross_entropy, model_inputs
 
-LOSS_TYPES = ("sigmoid", "robust")
+LOSS_TYPES = ("sigmoid", "robust", "hinge", "ipo")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
 _F32 = jnp.float32
@@ -53,7 +56,7 @@ class DpoConfigError(KeyedConfigError):
 @dataclasses.dataclass(frozen=True)
 class DpoConfig:
     """The DPO objective (TRL's `DPOConfig` names): `beta` the strength of the pull towards the reference,
-    `loss_type` sigmoid (DPO) or robust (label noise `label_smoothing`, in [0, 0.5))."""
+    `loss_type` sigmoid (DPO), robust (label noise `label_smoothing`, in [0, 0.5)), hinge or ipo."""
 
     beta: float = 0.1
     loss_type: str = "sigmoid"
@@ -68,17 +71,24 @@ class DpoConfig:
         if not 0.0 <= self.label_smoothing < 0.5:
             raise DpoConfigError("label_smoothing", f"value {self.label_smoothing!r} is invalid; must be in [0, 0.5) "
                                  "(the probability that a preference label is flipped)")
-        if self.label_smoothing and self.loss_type == "sigmoid":
-            raise DpoConfigError("label_smoothing", f"value {self.label_smoothing!r} with loss_type sigmoid, which "
-                                 "has no label smoothing (TRL ignores it there); set loss_type: robust for the "
-                                 "label-noise-robust loss, or drop label_smoothing")
+        if self.label_smoothing and self.loss_type != "robust":
+            raise DpoConfigError("label_smoothing", f"value {self.label_smoothing!r} with loss_type "
+                                 f"{self.loss_type}, which has no label smoothing (TRL ignores it there); set "
+                                 "loss_type: robust for the label-noise-robust loss, or drop label_smoothing")
 
     # ------------------------------------------------------------------ the math on [pairs]
-    def pair_losses(self, chosen, rejected, ref_chosen, ref_rejected) -> jax.Array:
-        """l of each pair (module docstring) from the four log-probabilities."""
+    def pair_losses(self, chosen, rejected, ref_chosen, ref_rejected, lengths) -> jax.Array:
+        """l of each pair (module docstring) from the four log-probabilities and the (chosen, rejected) completion
+        token counts `lengths` (which only ipo reads)."""
+        if self.loss_type == "ipo":
+            n_chosen, n_rejected = (jnp.maximum(n, 1.0) for n in lengths)
+            delta = (chosen - ref_chosen) / n_chosen - (rejected - ref_rejected) / n_rejected
+            return (delta - 1 / (2 * self.beta)) ** 2
         z = self.beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
         if self.loss_type == "sigmoid":
             return -jax.nn.log_sigmoid(z)
+        if self.loss_type == "hinge":
+            return jax.nn.relu(1 - z)
         e = self.label_smoothing
         return (-(1 - e) * jax.nn.log_sigmoid(z) + e * jax.nn.log_sigmoid(-z)) / (1 - 2 * e)
 
@@ -103,10 +113,11 @@ class DpoConfig:
             hidden = model.hidden_states(*args, dropout_rng=r, execution=execution, **images)
             seg, mask = mb["segment_ids"], mb["loss_mask"].astype(_F32)
             chosen, rejected = _pairs(_sequence_sums(-_token_ce(model, hidden, mb, execution), seg))
-            valid = _valid_pairs(mask, seg)
+            lengths = _pairs(_sequence_sums(mask, seg))
+            valid = (lengths[0] > 0) & (lengths[1] > 0)
 
             def total(c, r_):
-                return jnp.sum(jnp.where(valid, self.pair_losses(c, r_, *ref), 0.0))
+                return jnp.sum(jnp.where(valid, self.pair_losses(c, r_, *ref, lengths), 0.0))
 
             loss, (g_chosen, g_rejected) = jax.value_and_grad(total, argnums=(0, 1))(chosen, rejected)
             coef = _unpairs(g_chosen, g_rejected, seg.shape[1])
@@ -137,8 +148,9 @@ class DpoConfig:
         """(sum of pair losses, pair count, metric sums) of a [B, T] batch, no gradient."""
         ref = self._logps(nnx.merge(graphdef, lora, adapters_off(frozen)), batch, execution)
         chosen, rejected = self._logps(nnx.merge(graphdef, lora, frozen), batch, execution)
-        valid = _valid_pairs(batch["loss_mask"].astype(_F32), batch["segment_ids"])
-        loss = jnp.sum(jnp.where(valid, self.pair_losses(chosen, rejected, *ref), 0.0))
+        lengths = _pairs(_sequence_sums(batch["loss_mask"].astype(_F32), batch["segment_ids"]))
+        valid = (lengths[0] > 0) & (lengths[1] > 0)
+        loss = jnp.sum(jnp.where(valid, self.pair_losses(chosen, rejected, *ref, lengths), 0.0))
         return loss, jnp.sum(valid).astype(_F32), self._metric_sums(valid, chosen, rejected, *ref)
 
     def _logps(self, model, batch, execution: ExecutionConfig) -> tuple[jax.Array, jax.Array]:
@@ -185,9 +197,3 @@ def _unpairs(chosen: jax.Array, rejected: jax.Array, t: int) -> jax.Array:
     b, p = chosen.shape
     out = jnp.zeros((b, t + 1), _F32)
     return out.at[:, 1:2 * p:2].set(chosen).at[:, 2:2 * p + 1:2].set(rejected)
-
-
-def _valid_pairs(mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """[B, P] whether pair k of each row exists (both of its sequences have completion targets)."""
-    chosen, rejected = _pairs(_sequence_sums(mask, segment_ids))
-    return (chosen > 0) & (rejected > 0)

@@ -152,9 +152,10 @@ KEYS: tuple[Key, ...] = (
         "prompt/chosen/rejected records, the reference being the model with its adapters off; a row holds whole "
         "pairs, so TRL's max_length per sequence is half of max_seq_length)"),
     Key("beta", "objective", float, 0.1, "dpo: strength of the pull towards the reference model", field="beta"),
-    Key("loss_type", "objective", Literal["sigmoid", "robust"] | list[str], "sigmoid",
-        "dpo: sigmoid (DPO's -log sigmoid(beta * margin)) or robust (label noise label_smoothing), or TRL's list of "
-        "one of them", field="loss_type"),
+    Key("loss_type", "objective", Literal["sigmoid", "robust", "hinge", "ipo"] | list[str], "sigmoid",
+        "dpo: sigmoid (DPO's -log sigmoid(beta * margin)), robust (label noise label_smoothing), hinge (SLiC's "
+        "max(0, 1 - beta * margin)) or ipo (IPO's squared loss on per-token margins), or TRL's list of one of them",
+        field="loss_type"),
     Key("label_smoothing", "objective", float, 0.0,
         "dpo, loss_type robust: the probability a preference label is flipped, in [0, 0.5)", field="label_smoothing"),
     # lora

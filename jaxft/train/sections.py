@@ -124,7 +124,7 @@ class ObjectiveSection:
         if isinstance(self.loss_type, tuple):  # TRL's DPOConfig takes a list of loss types, weighted
             if len(self.loss_type) != 1:
                 raise TrainConfigError(f"key 'loss_type': value {list(self.loss_type)!r}; jaxft trains one loss type: "
-                                       "give one of sigmoid, robust", key="loss_type")
+                                       "give one of sigmoid, robust, hinge, ipo", key="loss_type")
             object.__setattr__(self, "loss_type", self.loss_type[0])
 
     def build(self) -> DpoConfig | None:
