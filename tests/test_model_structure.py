@@ -166,9 +166,8 @@ def test_alternating_stack_scans_over_periods_with_unrolled_numbers():
     ids = jnp.asarray(rng.integers(0, 64, (1, 49)))
     batch = dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=jnp.ones((1, 48)),
                  segment_ids=jnp.asarray(np.repeat([1, 2], [20, 28])[None]), positions=None)
-    execution = ExecutionConfig(attention_implementation="reference", remat="full")
-
-    def loss(lr, fz):
+    def loss(lr, fz, remat="full"):
+        execution = ExecutionConfig(attention_implementation="reference", remat=remat)
         return token_loss_sum(nnx.merge(graphdef, lr, fz), batch, execution=execution)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss))(lora, frozen).jaxpr
@@ -183,9 +182,9 @@ def test_alternating_stack_scans_over_periods_with_unrolled_numbers():
     stacked = [v.aval.shape for e in jaxpr.eqns if e.primitive.name == "scan" and e.params["length"] > 1
                for v in e.outvars if v.aval.shape[1:] in weight_rows]
     assert stacked == [], f"the period scan stacks weight copies {stacked}"
-    both = jax.jit(jax.value_and_grad(loss))  # one compile per layout; op by op the scans compiled one at a time
-    got_loss, got = both(lora, frozen)
-    want_loss, want = both(lora, unstack_layers(frozen))
+    got_loss, got = jax.jit(jax.value_and_grad(loss))(lora, frozen)
+    # the unrolled layers without remat (a policy changes what is saved, not the values): the cheaper program
+    want_loss, want = jax.jit(jax.value_and_grad(lambda lr, fz: loss(lr, fz, "none")))(lora, unstack_layers(frozen))
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # fp32, different fusions: rounding only
         assert rel_err(np.asarray(a), np.asarray(b)) < 1e-5
