@@ -205,27 +205,47 @@ def test_tied_head_loss_reads_the_embedding_table_in_place(saved, ids):
 # --------------------------------------------------------------------------- LoRA and PEFT
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_lora_gradients_equal_peft(saved, ids, tmp_path, kind):
-    hf, path = saved[kind]
-    model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"),
+DOCS = (150, 230)  # both longer than the 128 window; packed, they make one row of WIDTH tokens
+WIDTH = sum(DOCS)
+
+
+def _batch_of(row, seg):
+    """The next-token batch of one row (the loss mask drops padding, segment 0, and document boundaries)."""
+    keep = (seg[None, 1:] == seg[None, :-1]) & (seg[None, :-1] > 0)
+    return dict(input_ids=jnp.asarray(row[None, :-1]), targets=jnp.asarray(row[None, 1:]),
+                loss_mask=jnp.asarray(keep.astype(np.float32)), segment_ids=jnp.asarray(seg[None, :-1]),
+                positions=None)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def lora_grad(saved, request):
+    """(kind, LoRA model (all-linear, B perturbed), jitted loss sum and LoRA gradients of one row of WIDTH tokens):
+    every gradient test of a kind feeds rows of that one shape, so they share one compile."""
+    kind = request.param
+    model = lora.apply_lora(jaxft.from_pretrained(saved[kind][1], dtype="float32"),
                             lora.LoraConfig(r=4, alpha=8, target_modules="all-linear"))
     perturb_lora_b(model)
-    tokens = jnp.asarray(ids[:, :300])
     graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
 
-    def loss_fn(params):
-        batch = dict(input_ids=tokens[:, :-1], targets=tokens[:, 1:], loss_mask=jnp.ones(tokens[:, 1:].shape),
-                     positions=None, segment_ids=None)
-        return token_loss_sum(nnx.merge(graphdef, params, rest), batch, execution=REFERENCE) / batch["targets"].size
+    @jax.jit
+    def loss_and_grad(batch):
+        return jax.value_and_grad(lambda p: token_loss_sum(nnx.merge(graphdef, p, rest), batch,
+                                                           execution=REFERENCE))(params)
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return kind, model, loss_and_grad
+
+
+def test_lora_gradients_equal_peft(saved, ids, tmp_path, lora_grad):
+    kind, model, loss_and_grad = lora_grad
+    path = saved[kind][1]
+    row = np.asarray(ids[0, :WIDTH])
+    loss, grads = loss_and_grad(_batch_of(row, np.ones(WIDTH, np.int32)))  # one document: every target counts
     lora.save_adapter(model, tmp_path / "adapter")
     base = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     reference = peft.PeftModel.from_pretrained(base, tmp_path / "adapter", is_trainable=True)
-    t = torch.tensor(np.asarray(tokens), dtype=torch.long)
+    t = torch.tensor(row[None], dtype=torch.long)
     logits = reference(t[:, :-1]).logits.float()
-    ref_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), t[:, 1:].reshape(-1))
+    ref_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), t[:, 1:].reshape(-1), reduction="sum")
     ref_loss.backward()
     assert float(loss) == pytest.approx(ref_loss.item(), rel=1e-5)
     flat = {tuple(str(p) for p in path): np.asarray(v[...]) for path, v in nnx.to_flat_state(grads)}
@@ -276,32 +296,14 @@ def test_peft_adapter_round_trip_and_merged_export(saved, ids, tmp_path, kind):
 # --------------------------------------------------------------------------- packing, kernels, generation
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_packed_row_equals_each_document_alone(saved, kind):
-    _, path = saved[kind]
-    model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"),
-                            lora.LoraConfig(r=4, alpha=8, target_modules="all-linear"))
-    perturb_lora_b(model)
+def test_packed_row_equals_each_document_alone(lora_grad):
+    _, model, loss_and_grad = lora_grad
     rng = np.random.default_rng(7)
-    docs = [rng.integers(3, VOCAB, n) for n in (150, 230)]  # both longer than the 128 window
-    graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
-
-    def batch_of(row, seg):
-        keep = (seg[None, 1:] == seg[None, :-1]) & (seg[None, :-1] > 0)
-        return dict(input_ids=jnp.asarray(row[None, :-1]), targets=jnp.asarray(row[None, 1:]),
-                    loss_mask=jnp.asarray(keep.astype(np.float32)), segment_ids=jnp.asarray(seg[None, :-1]),
-                    positions=None)
-
-    @jax.jit  # one compile per row length: op by op, the three gradients took about a minute on 2 cores
-    def loss_and_grad(batch):
-        return jax.value_and_grad(lambda p: token_loss_sum(nnx.merge(graphdef, p, rest), batch,
-                                                           execution=REFERENCE))(params)
-
-    packed = batch_of(np.concatenate(docs), np.repeat([1, 2], [len(d) for d in docs]).astype(np.int32))
+    docs = [rng.integers(3, VOCAB, n) for n in DOCS]
+    packed = _batch_of(np.concatenate(docs), np.repeat([1, 2], DOCS).astype(np.int32))
     # The packed row's targets cross the document boundary at one position; its loss mask drops it. Each document
-    # alone is padded to one length (padding: segment 0, no loss), so the two share one compile.
-    width = max(len(d) for d in docs) + 1
-    alone = [batch_of(np.pad(d, (0, width - len(d))), np.pad(np.ones(len(d), np.int32), (0, width - len(d))))
+    # alone is padded to the packed row's length (padding: segment 0, no loss), so all three share one compile.
+    alone = [_batch_of(np.pad(d, (0, WIDTH - len(d))), np.pad(np.ones(len(d), np.int32), (0, WIDTH - len(d))))
              for d in docs]
     l_packed, g_packed = loss_and_grad(packed)
     parts = [loss_and_grad(b) for b in alone]

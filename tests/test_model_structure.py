@@ -166,9 +166,8 @@ def test_alternating_stack_scans_over_periods_with_unrolled_numbers():
     ids = jnp.asarray(rng.integers(0, 64, (1, 49)))
     batch = dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=jnp.ones((1, 48)),
                  segment_ids=jnp.asarray(np.repeat([1, 2], [20, 28])[None]), positions=None)
-    execution = ExecutionConfig(attention_implementation="reference", remat="full")
-
-    def loss(lr, fz):
+    def loss(lr, fz, remat="full"):
+        execution = ExecutionConfig(attention_implementation="reference", remat=remat)
         return token_loss_sum(nnx.merge(graphdef, lr, fz), batch, execution=execution)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss))(lora, frozen).jaxpr
@@ -183,25 +182,22 @@ def test_alternating_stack_scans_over_periods_with_unrolled_numbers():
     stacked = [v.aval.shape for e in jaxpr.eqns if e.primitive.name == "scan" and e.params["length"] > 1
                for v in e.outvars if v.aval.shape[1:] in weight_rows]
     assert stacked == [], f"the period scan stacks weight copies {stacked}"
-    got_loss, got = jax.value_and_grad(loss)(lora, frozen)
-    want_loss, want = jax.value_and_grad(loss)(lora, unstack_layers(frozen))
+    got_loss, got = jax.jit(jax.value_and_grad(loss))(lora, frozen)
+    # the unrolled layers without remat (a policy changes what is saved, not the values): the cheaper program
+    want_loss, want = jax.jit(jax.value_and_grad(lambda lr, fz: loss(lr, fz, "none")))(lora, unstack_layers(frozen))
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # fp32, different fusions: rounding only
         assert rel_err(np.asarray(a), np.asarray(b)) < 1e-5
 
 
-@pytest.mark.parametrize("remat, inner", [("full", True), ("offload+attn", False)])
-def test_a_run_of_one_kind_in_a_period_is_an_inner_scan(remat, inner):
-    """Gemma 3's period (five sliding layers, then one global), here (sliding, sliding, global) x 2: under a
-    policy that keeps its residuals on the device the two sliding positions run as an inner scan inside the period
-    scan, so the backward recomputes them one at a time (compiled for an H200, Gemma-3-12B, 48 layers at 16k,
-    full remat: temp 21.25 -> 13.63 GiB); a policy that offloads keeps one call per position (stacked host
-    buffers in two loops fail XLA's layout assignment). Loss and LoRA gradients equal the unrolled layers'."""
+@pytest.fixture(scope="module")
+def period_case():
+    """Gemma 3's period (five sliding layers, then one global), here (sliding, sliding, global) x 2, with LoRA on
+    every linear; and its loss and LoRA gradients through the unrolled layers without remat (a policy changes what
+    is saved, not the values): one reference program for every policy."""
     from jaxft.lora import LoraConfig, apply_lora
     from jaxft.models.stack import layer_groups, layer_period
     from jaxft.train import split_model, unstack_layers
-    from jaxft.train.step import token_loss_sum
-    from lora_helpers import rel_err
 
     windows = (16, 16, None) * 2
     cfg = ModelConfig(model_type="gemma3_text", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=6,
@@ -219,20 +215,35 @@ def test_a_run_of_one_kind_in_a_period_is_an_inner_scan(remat, inner):
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 49)))
     batch = dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=jnp.ones((1, 48)),
                  segment_ids=jnp.asarray(np.repeat([1, 2], [20, 28])[None]), positions=None)
-    execution = ExecutionConfig(attention_implementation="reference", remat=remat)
 
-    def loss(lr, fz):
+    def loss(lr, fz, remat):
+        from jaxft.train.step import token_loss_sum
+
+        execution = ExecutionConfig(attention_implementation="reference", remat=remat)
         return token_loss_sum(nnx.merge(graphdef, lr, fz), batch, execution=execution)
 
-    jaxpr = jax.make_jaxpr(jax.grad(loss))(lora, frozen).jaxpr
+    want = jax.jit(jax.value_and_grad(lambda lr, fz: loss(lr, fz, "none")))(lora, unstack_layers(frozen))
+    return loss, lora, frozen, want
+
+
+@pytest.mark.parametrize("remat, inner", [("full", True), ("offload+attn", False)])
+def test_a_run_of_one_kind_in_a_period_is_an_inner_scan(period_case, remat, inner):
+    """Under a policy that keeps its residuals on the device the two sliding positions of the period
+    (`period_case`) run as an inner scan inside the period scan, so the backward recomputes them one at a time
+    (compiled for an H200, Gemma-3-12B, 48 layers at 16k, full remat: temp 21.25 -> 13.63 GiB); a policy that
+    offloads keeps one call per position (stacked host buffers in two loops fail XLA's layout assignment). Loss and
+    LoRA gradients equal the unrolled layers'."""
+    from lora_helpers import rel_err
+
+    loss, lora, frozen, (want_loss, want) = period_case
+    jaxpr = jax.make_jaxpr(jax.grad(lambda lr, fz: loss(lr, fz, remat)))(lora, frozen).jaxpr
     outer = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     assert outer and all(e.params["length"] == 2 for e in outer)  # the period scans (2 periods of 3 layers)
     nested = [e.params["length"] for s in outer for e in jaxpr_eqns(s.params["jaxpr"].jaxpr)
               if e.primitive.name == "scan"]
     # the sliding pair's scan (length 2) in the forward that saves the residuals and in the backward
     assert nested == ([2, 2] if inner else []), nested
-    got_loss, got = jax.value_and_grad(loss)(lora, frozen)
-    want_loss, want = jax.value_and_grad(loss)(lora, unstack_layers(frozen))
+    got_loss, got = jax.jit(jax.value_and_grad(lambda lr, fz: loss(lr, fz, remat)))(lora, frozen)
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # fp32, different fusions: rounding only
         assert rel_err(np.asarray(a), np.asarray(b)) < 1e-5
