@@ -87,9 +87,10 @@ def test_packed_layouts_are_classified_exactly(causal, window, bq, bk):
 @pytest.mark.parametrize("causal,window,bq,bk", CASES)
 def test_arbitrary_layouts_are_classified_soundly(causal, window, bq, bk):
     rng = np.random.default_rng(1)
-    # Non-contiguous ids: the same id reappears after other ids.
-    seg = rng.integers(0, 4, size=(3, 256)).astype(np.int32)
-    seg[1] = np.repeat(rng.integers(0, 5, size=16), 16)
+    # Non-contiguous ids: the same id reappears after other ids. The packed test's shape (4, 300): the eager ops of
+    # make_metadata compiled there serve here.
+    seg = rng.integers(0, 4, size=(4, 300)).astype(np.int32)
+    seg[1] = np.repeat(rng.integers(0, 5, size=19), 16)[:300]
     md = make_metadata(jnp.asarray(seg), causal=causal, sliding_window=window, block_q=bq, block_k=bk)
     kinds, nonempty = _brute_kinds(seg, bq, bk, causal, window)
     got = np.asarray(md.block_kind)

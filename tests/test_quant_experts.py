@@ -26,7 +26,7 @@ from jaxft.models.layers import ExpertParam, QuantizedExpertWeight  # noqa: E402
 from jaxft.models.quant_experts import Quant4bitExperts  # noqa: E402
 from jaxft.quant import DEFAULT_SKIP, QuantConfig  # noqa: E402
 from jaxft.quant.experts import expert_sites  # noqa: E402
-from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits  # noqa: E402
+from lora_helpers import hf_model_fp32, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits  # noqa: E402
 from test_gpt_oss import gpt_oss_model  # noqa: E402
 
 QWEN = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -100,26 +100,34 @@ def test_expert_bytes_are_bitsandbytes_quantize_4bit_per_expert(base):
             assert np.array_equal(np.asarray(var[...]), np.asarray(getattr(_mlp(dense), name)[...]))
 
 
-def test_logits_and_expert_lora_gradients_equal_the_dequantised_dense_model(base):
+@pytest.fixture(scope="module")
+def lora_steps(base, ids):
+    """Per family: the 4-bit model with expert LoRA (B perturbed), and (loss, logits, LoRA gradients) of one jitted
+    value-and-grad on the 512-token `ids`, of it and of its dequantised dense twin (same adapter): one program each,
+    shared by the gradient and the export tests."""
     family, path = base
     model4 = jaxft.from_pretrained(path, dtype="float32", quantize="nf4", verbose=False)
     twin = _dequantised_twin(model4, path)
-    models = []
-    for m in (model4, twin):
-        lora.apply_lora(m, lora.LoraConfig(**EXPERT_LORA))
-        perturb_lora_b(m, seed=5)
-        models.append(m)
-    rng = np.random.default_rng(2)
-    ids = jnp.asarray(rng.integers(0, 128, (1, 96)))
-    dy = jnp.asarray(rng.normal(size=(1, 96, 128)).astype(np.float32))
+    dy = jnp.asarray(np.random.default_rng(2).normal(size=(*ids.shape, 128)).astype(np.float32))
 
     def grads(model):
+        lora.apply_lora(model, lora.LoraConfig(**EXPERT_LORA))
+        perturb_lora_b(model, seed=5)
         graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
-        loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(ids) * dy)  # noqa: E731
-        value, g = jax.jit(jax.value_and_grad(loss))(params)
-        return value, nnx.merge(graphdef, g, rest)
 
-    (v4, g4), (vd, gd) = grads(models[0]), grads(models[1])
+        def loss(p):
+            logits = nnx.merge(graphdef, p, rest)(jnp.asarray(ids))
+            return jnp.sum(logits * dy), logits
+
+        (value, logits), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        return value, np.asarray(logits), nnx.merge(graphdef, g, rest)
+
+    return model4, grads(model4), grads(twin)
+
+
+def test_logits_and_expert_lora_gradients_equal_the_dequantised_dense_model(lora_steps):
+    _, (v4, logits4, g4), (vd, logits_d, gd) = lora_steps
+    assert rel_err(logits4, logits_d) < 1e-5
     assert rel_err(np.asarray(v4), np.asarray(vd)) < 1e-5
     for slot in ("gate_up_lora", "down_lora"):
         for factor in ("lora_a", "lora_b"):
@@ -129,13 +137,11 @@ def test_logits_and_expert_lora_gradients_equal_the_dequantised_dense_model(base
             assert rel_err(got, want) <= 1e-5, (slot, factor)
 
 
-def test_merged_export_is_dense_and_loads_in_transformers_with_our_logits(base, ids, tmp_path):
+def test_merged_export_is_dense_and_loads_in_transformers_with_our_logits(base, ids, lora_steps, tmp_path):
     family, path = base
-    model4 = jaxft.from_pretrained(path, dtype="float32", quantize="nf4", verbose=False)
-    lora.apply_lora(model4, lora.LoraConfig(**EXPERT_LORA))
-    perturb_lora_b(model4, seed=7)
+    model4, (_, logits4, _), _ = lora_steps  # the 4-bit model with its perturbed expert adapter, and its logits
     out = jaxft.save_pretrained(model4, tmp_path / "merged")
-    assert rel_err(torch_logits(hf_model_fp32(out), ids), jax_logits(model4, ids)) < 1e-5
+    assert rel_err(torch_logits(hf_model_fp32(out), ids), logits4) < 1e-5
     # A bf16 model's export is bf16 and holds exactly the dequantised experts (no adapter here).
     bf16 = jaxft.from_pretrained(path, dtype="bfloat16", quantize="nf4", verbose=False)
     back = jaxft.from_pretrained(jaxft.save_pretrained(bf16, tmp_path / "bf16"), dtype="bfloat16", verbose=False)
