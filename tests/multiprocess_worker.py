@@ -1,10 +1,12 @@
 """One process of a multi-process run, for tests/test_multiprocess.py (the JAXFT_* variables say which).
 
-    multiprocess_worker.py train WRITES.jsonl CONFIG.yaml [jaxft-train args]
+    multiprocess_worker.py train WRITES.jsonl CONFIG.yaml [--batches=OUT.npz] [jaxft-train args]
         `jaxft-train` itself, with a Python audit hook (sys.addaudithook, the interpreter's observation API)
         appending one line to WRITES.jsonl for every file this process creates, opens for writing, renames or
         removes under the config's output_dir outside checkpoints/ (orbax writes every process's shards there).
-        Each line is written at once, so a SIGKILLed process leaves its record too.
+        Each line is written at once, so a SIGKILLed process leaves its record too. With --batches, the processes
+        first do what `batches` does for the config's model and data (outside output_dir: not recorded), then
+        train (already joined: jaxft-train's join is a no-op).
     multiprocess_worker.py batches OUT.npz MODEL DATA
         Joins the processes, packs only this process's rows of a few global batches (2 micro-batches, mesh
         data=2 x fsdp=2), saves them with their row positions, and the global device batch they make, fetched
@@ -57,8 +59,12 @@ def train(log: str, config: str, *args: str) -> int:
 
     from jaxft.cli import main
 
-    output_dir = Path(yaml.safe_load(Path(config).read_text())["output_dir"]).absolute()
+    values = yaml.safe_load(Path(config).read_text())
+    output_dir = Path(values["output_dir"]).absolute()
     _watch(output_dir, Path(log))
+    if args and args[0].startswith("--batches="):
+        batches(args[0].removeprefix("--batches="), values["model_name_or_path"], values["dataset"])
+        args = args[1:]
     return main([config, *args])
 
 

@@ -1,16 +1,17 @@
 """Run by tests/test_sharding.py in a subprocess with 8 host CPU devices (JAX fixes its device count at start):
-`python tests/sharding_worker.py MODEL_DIR OUT.json` (`--moe MODEL_DIR OUT.json [both]`: `main_moe`, an MoE
-model's losses and expert placement on two meshes, and with `both` the global routing on a third). Writes what
-the test asserts on:
+`python tests/sharding_worker.py WORKDIR OUT.json` (WORKDIR holds `model` and `train.jsonl`; `--moe QWEN_DIR
+GPT_OSS_DIR OUT.json`: `main_moe`, each MoE model's losses and expert placement on its meshes; `--per-device
+PALLAS_MODEL_DIR QUANT_MODEL_DIR OUT.json`: `main_per_device` for both kinds). Writes what the test asserts on:
 
-- losses: 5 fp32 LoRA steps on one device and on several meshes of the 8 devices (same global batches);
+- losses: 3 fp32 LoRA steps on one device and on several meshes of the 8 devices (same global batches);
 - all_gathers: every all-gather of the compiled FSDP step (layer scan) with its result shape and whether it
   runs inside a while loop (the layer scan's body or a computation it calls);
 - loaded: for a model loaded sharded on {data: 2, fsdp: 2, tensor: 2}, per weight: its spec, the shapes of
   the device shards, whether every shard equals the matching slice of the unsharded weight; and the logits'
   largest difference from the unsharded model's.
-- (`--pallas` / `--quant MODEL_DIR OUT.json`: `main_per_device`, Pallas attention or a 4-bit base on one
-  device and on a mesh)
+- resumed: the losses of a `jaxft-train` run (`jaxft.train.train`) on {data: 2, fsdp: 4}, 5 steps with a
+  checkpoint at step 3, and of a run resumed from that checkpoint on {data: 8}, and the lines they logged about
+  their batch-parallel devices;
 - random: `Run.init_random` on {fsdp: 4, tensor: 2} against the same seed on one device: per array, its number
   of shards and whether every shard equals the matching slice of the one-device array; the init program's
   compiled bytes per device (outputs, temporaries) and the whole model's bytes.
@@ -19,8 +20,10 @@ the test asserts on:
 from __future__ import annotations
 
 import json
+import logging
 import re
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -32,7 +35,7 @@ from jaxft.run import Run
 from jaxft.sharding import MeshConfig, Placement
 from jaxft.train.optim import OptimConfig
 
-STEPS, ROWS, SEQ = 5, 16, 64
+STEPS, ROWS, SEQ = 3, 16, 64
 
 
 def _batches():
@@ -136,21 +139,57 @@ def _random(model_dir) -> dict:
                 temp_bytes=memory.temp_size_in_bytes)
 
 
-def main(model_dir: str, out_path: str) -> None:
+def _resumed(workdir: Path) -> dict:
+    """A jaxft-train run on {data: 2, fsdp: 4} and its checkpoint of step 3 resumed on {data: 8} (8 rows per step on
+    both: one per device); their logged losses and what they said about their batch-parallel devices."""
+    from jaxft.train import TrainConfig, read_metrics, train
+
+    said = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            said.append(record.getMessage())
+
+    handler = Lines()
+    logging.getLogger("jaxft.train").addHandler(handler)
+    logging.getLogger("jaxft.train").setLevel(logging.INFO)
+    out = {}
+    for name, mesh, extra in (("fsdp", dict(data=2, fsdp=4), {}),
+                              ("data", dict(data=8), dict(resume_from_checkpoint=str(workdir / "fsdp/checkpoints/3")))):
+        cfg = dict(model_name_or_path=str(workdir / "model"), dataset=str(workdir / "train.jsonl"),
+                   output_dir=str(workdir / name), max_seq_length=64, per_device_train_batch_size=1, max_steps=5,
+                   logging_steps=1, save_steps=3, learning_rate=5e-3, lr_scheduler_type="cosine", warmup_steps=1,
+                   lora_r=4, seed=0, bf16=False, disable_tqdm=True, report_to="none", mesh=mesh, layer_loop="scan",
+                   **extra)
+        said.clear()
+        result = train(TrainConfig.from_dict(cfg))
+        out[name] = dict(losses={r["step"]: r["loss"] for r in read_metrics(result.metrics_path) if "loss" in r},
+                         devices=[line for line in said if "batch-parallel devices" in line])
+    logging.getLogger("jaxft.train").removeHandler(handler)
+    return out
+
+
+def main(workdir: str, out_path: str) -> None:
     assert len(jax.devices()) == 8, jax.devices()
+    workdir = Path(workdir)
+    model_dir = workdir / "model"
     batches = _batches()
     result = {"losses": {"one_device": _losses(_run(model_dir, None, "scan", devices=jax.devices()[:1]).load(),
                                                batches)}}
+    # data 8 (every weight whole on every device) is only loaded here: its training is `_resumed`'s second run
     for key, mesh, loop in (("data2_fsdp4", dict(data=2, fsdp=4), "scan"),
                             ("fsdp8_unrolled", dict(fsdp=8, data=1), "unroll"),
                             ("data8", dict(data=8), "scan")):
         run = _run(model_dir, mesh, loop)
-        compiled = run.compile(batches[0])  # before load: from shapes and shardings alone
-        if key == "data2_fsdp4":
-            result["all_gathers"] = _all_gathers(compiled.as_text())
-        run.load()
-        result["losses"][key] = _losses(run, batches)
-        assert run._compiled is compiled, f"{key}: the step compiled before load was not reused"
+        if key != "data8":
+            compiled = run.compile(batches[0])  # before load: from shapes and shardings alone
+            if key == "data2_fsdp4":
+                result["all_gathers"] = _all_gathers(compiled.as_text())
+            run.load()
+            result["losses"][key] = _losses(run, batches)
+            assert run._compiled is compiled, f"{key}: the step compiled before load was not reused"
+        else:
+            run.load()
         frozen_spec = run.frozen["layers"]["attn"]["q_proj"]["kernel"].get_value()
         frozen_spec = frozen_spec[0] if isinstance(frozen_spec, tuple) else frozen_spec
         result.setdefault("q_proj_spec", {})[key] = [None if s is None else str(s) for s in frozen_spec.sharding.spec]
@@ -158,24 +197,22 @@ def main(model_dir: str, out_path: str) -> None:
         result.setdefault("lora_replicated", {})[key] = bool(lora_a.sharding.is_fully_replicated)
     result["loaded"] = _loaded(model_dir)
     result["random"] = _random(model_dir)
+    result["resumed"] = _resumed(workdir)
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
 
 
-def main_moe(model_dir: str, out_path: str, routing: str = "per_device") -> None:
-    """An MoE model's losses on one device and on two meshes that split its expert stacks (expert adapters
-    included; the grouped matmuls are lax.ragged_dot here), each device routing its own rows (moe_dispatch auto =
-    per_device), and with `routing` "both" also on one mesh with the routing global; the slots each device's
-    compiled step sorts; where its frozen expert stacks and its expert adapters were placed."""
-    assert len(jax.devices()) == 8, jax.devices()
+MOE_MESHES = {"data2_fsdp4": (dict(data=2, fsdp=4), "auto"), "fsdp4_tensor2": (dict(fsdp=4, tensor=2), "auto"),
+              "data2_fsdp4_global": (dict(data=2, fsdp=4), "global")}
+
+
+def _moe(model_dir: str, meshes: list[str]) -> dict:
     batches = _batches()
     one = _run(model_dir, None, "scan", devices=jax.devices()[:1], lora=MOE_LORA).load()
     result = {"losses": {"one_device": _losses(one, batches)}, "expert_spec": {}, "expert_lora_replicated": {},
               "sorted_slots": {}}
-    meshes = [("data2_fsdp4", dict(data=2, fsdp=4), "auto"), ("fsdp4_tensor2", dict(fsdp=4, tensor=2), "auto")]
-    if routing == "both":
-        meshes.append(("data2_fsdp4_global", dict(data=2, fsdp=4), "global"))
-    for key, mesh, dispatch in meshes:
+    for key in meshes:
+        mesh, dispatch = MOE_MESHES[key]
         run = _run(model_dir, mesh, "scan", lora=MOE_LORA, moe_dispatch=dispatch).load()
         result["losses"][key] = _losses(run, batches)
         result["sorted_slots"][key] = sorted({int(n) for n in re.findall(  # the routing's stable sort: [slots] keys
@@ -187,11 +224,22 @@ def main_moe(model_dir: str, out_path: str, routing: str = "per_device") -> None
         result["expert_spec"][key] = [None if s is None else str(s) for s in stack.sharding.spec]
         lora_a = run.lora["layers"]["mlp"]["down_lora"]["lora_a"].get_value()
         result["expert_lora_replicated"][key] = bool(lora_a.sharding.is_fully_replicated)
+    return result
+
+
+def main_moe(qwen_dir: str, gpt_oss_dir: str, out_path: str) -> None:
+    """Each MoE model's losses on one device and on meshes that split its expert stacks (expert adapters included;
+    the grouped matmuls are lax.ragged_dot here), each device routing its own rows (moe_dispatch auto =
+    per_device) on fsdp 4 x tensor 2, and Qwen3-MoE's with the routing global on data 2 x fsdp 4; the slots each
+    device's compiled step sorts; where its frozen expert stacks and its expert adapters were placed."""
+    assert len(jax.devices()) == 8, jax.devices()
+    result = {"qwen3_moe": _moe(qwen_dir, ["fsdp4_tensor2", "data2_fsdp4_global"]),
+              "gpt_oss": _moe(gpt_oss_dir, ["fsdp4_tensor2"])}
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
 
 
-def main_per_device(kind: str, model_dir: str, out_path: str) -> None:
+def _per_device(kind: str, model_dir: str) -> dict:
     """One device against data=2 x fsdp=2, 3 steps' losses, and the shapes of every all-gather in the mesh's
     compiled step whose result leads with the whole batch's rows (activations gathered to every device: each
     device would then compute every row). `kind` "pallas": Pallas flash attention (interpreted here), which
@@ -226,14 +274,18 @@ def main_per_device(kind: str, model_dir: str, out_path: str) -> None:
             result["quant_specs"] = specs
             result["loop_gather_types"] = sorted({g["type"] for g in _all_gathers(hlo) if g["in_loop"]})
         result["losses"][key] = _losses(run, batches)
+    return result
+
+
+def main_per_device(pallas_dir: str, quant_dir: str, out_path: str) -> None:
     with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump({"pallas": _per_device("pallas", pallas_dir), "quant": _per_device("quant", quant_dir)}, f, indent=1)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--moe":
         main_moe(*sys.argv[2:])
-    elif sys.argv[1] in ("--pallas", "--quant"):
-        main_per_device(sys.argv[1].removeprefix("--"), *sys.argv[2:])
+    elif sys.argv[1] == "--per-device":
+        main_per_device(*sys.argv[2:])
     else:
         main(*sys.argv[1:])

@@ -1,10 +1,11 @@
 """Two processes on localhost, one run: `jax.distributed` over CPU collectives (gloo), 2 host devices each.
 
-Each process packs only its rows of the global batch and together they make the one-process batch; a
-`jaxft-train` run on mesh data=2 x fsdp=2 over the 4 devices of 2 processes logs the losses of one process
-with 4 devices, is SIGKILLed after a checkpoint and resumed; only process 0 writes files of its own (every
-process's writes under output_dir, checkpoints aside, are recorded by tests/multiprocess_worker.py's audit
-hook). The `distributed` key's validation runs in-process."""
+A `jaxft-train` run on mesh data=2 x fsdp=2 over the 4 devices of 2 processes is SIGKILLed after a checkpoint and
+resumed, and logs the losses of one process on one device (jaxft-train's `train` in-process; a mesh against one
+device is test_sharding's); the resumed processes first pack only their rows of a few global batches, which
+together make the one-process batch; only process 0 writes files of its own (every process's writes under
+output_dir, checkpoints aside, are recorded by tests/multiprocess_worker.py's audit hook). The `distributed` key's
+validation runs in-process."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import pytest
 import yaml
 
 from jaxft.distributed import DistributedConfig, DistributedConfigError, initialize
-from jaxft.train import TrainConfigError, load_config, read_metrics
+from jaxft.train import TrainConfigError, load_config, read_metrics, train
 from test_train_fixtures import make_jsonl, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,37 +106,14 @@ def test_distributed_key_explicit_env_and_auto(tmp_path):
 # ------------------------------------------------------------------------------------------------ 2 processes
 
 
-def test_each_process_packs_its_rows_and_together_they_make_the_one_process_batch(workdir, tmp_path):
-    from jaxft.data.pipeline import DataConfig, build_datasets
-    from jaxft.train.step import stack_micro_batches
-
-    _finish(_two_processes("batches", str(tmp_path / "p{i}.npz"), str(workdir / "model"), str(workdir / "train.jsonl")))
-    parts = [np.load(tmp_path / f"p{i}.npz") for i in range(2)]
-    assert [int(p["process"]) for p in parts] == [0, 1]
-    one, _ = build_datasets(DataConfig(path=str(workdir / "train.jsonl"), max_seq_length=64, batch_size=8, seed=0),
-                            str(workdir / "model"))
-    for step in (0, 5, 13):
-        full = one.batch(step)
-        slots = [p[f"slots_{step}"] for p in parts]
-        # data=2 x fsdp=2, 2 devices per process, 2 micro-batches of 4 rows: process 0 holds row shards 0, 1
-        assert [s.tolist() for s in slots] == [[0, 1, 4, 5], [2, 3, 6, 7]]
-        order = np.argsort(np.concatenate(slots))
-        for key, value in full.items():
-            joined = np.concatenate([p[f"local_{step}_{key}"] for p in parts])[order]
-            np.testing.assert_array_equal(joined, value, err_msg=f"step {step} {key}")
-            for p in parts:  # the global device batch both processes made is the one-process batch
-                np.testing.assert_array_equal(p[f"global_{step}_{key}"], stack_micro_batches(full, 2)[key])
-        assert full["segment_ids"].any() and one.num_tokens(step) == np.count_nonzero(full["segment_ids"])
-
-
-def _config(d: Path, name: str) -> Path:
+def _config(d: Path, name: str, **changes) -> Path:
     cfg = dict(model_name_or_path=str(d / "model"), dataset=str(d / "train.jsonl"), output_dir=str(d / name),
                max_seq_length=64, per_device_train_batch_size=1, max_steps=STEPS, logging_steps=1, save_steps=SAVE,
                learning_rate=5e-3, lr_scheduler_type="cosine", warmup_steps=1, lora_r=4, seed=0, bf16=False,
                disable_tqdm=True, report_to="none", remat="none", layer_loop="scan", mesh={"data": 2, "fsdp": 2},
                save_merged_model=True)
     path = d / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    path.write_text(yaml.safe_dump({**cfg, **changes}), encoding="utf-8")
     return path
 
 
@@ -145,12 +123,10 @@ def _writes(path: Path) -> list[str]:
     return [json.loads(line)["path"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.slow
-def test_two_processes_train_like_one_and_resume_after_a_kill(workdir):
-    from safetensors.numpy import load_file
-
-    reference = subprocess.Popen([sys.executable, "-m", "jaxft.cli", str(_config(workdir, "one"))], cwd=REPO,
-                                 env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture(scope="module")
+def runs(workdir):
+    """The 2-process run, killed after its first checkpoint and resumed (the resumed processes pack their rows of
+    a few batches first); the one-process reference on one device (4 rows a step, as 4 devices x 1) meanwhile."""
     config, out = _config(workdir, "two"), workdir / "two"
     procs = _two_processes("train", str(workdir / "writes{i}.jsonl"), str(config))
     deadline = time.monotonic() + 400
@@ -167,9 +143,42 @@ def test_two_processes_train_like_one_and_resume_after_a_kill(workdir):
     before = {r["step"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
     assert max(before) < STEPS and not (out / "adapter").exists()
 
-    _finish(_two_processes("train", str(workdir / "resumed_writes{i}.jsonl"), str(config), "--resume"))
-    _, err = reference.communicate(timeout=600)
-    assert reference.returncode == 0, err[-3000:]
+    resumed = _two_processes("train", str(workdir / "resumed_writes{i}.jsonl"), str(config),
+                             f"--batches={workdir / 'p{i}.npz'}", "--resume")
+    try:
+        train(load_config(_config(workdir, "one", mesh=None, per_device_train_batch_size=4)))
+    finally:
+        _finish(resumed)
+    return workdir
+
+
+def test_each_process_packs_its_rows_and_together_they_make_the_one_process_batch(runs):
+    from jaxft.data.pipeline import DataConfig, build_datasets
+    from jaxft.train.step import stack_micro_batches
+
+    parts = [np.load(runs / f"p{i}.npz") for i in range(2)]
+    assert [int(p["process"]) for p in parts] == [0, 1]
+    one, _ = build_datasets(DataConfig(path=str(runs / "train.jsonl"), max_seq_length=64, batch_size=8, seed=0),
+                            str(runs / "model"))
+    for step in (0, 5, 13):
+        full = one.batch(step)
+        slots = [p[f"slots_{step}"] for p in parts]
+        # data=2 x fsdp=2, 2 devices per process, 2 micro-batches of 4 rows: process 0 holds row shards 0, 1
+        assert [s.tolist() for s in slots] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+        order = np.argsort(np.concatenate(slots))
+        for key, value in full.items():
+            joined = np.concatenate([p[f"local_{step}_{key}"] for p in parts])[order]
+            np.testing.assert_array_equal(joined, value, err_msg=f"step {step} {key}")
+            for p in parts:  # the global device batch both processes made is the one-process batch
+                np.testing.assert_array_equal(p[f"global_{step}_{key}"], stack_micro_batches(full, 2)[key])
+        assert full["segment_ids"].any() and one.num_tokens(step) == np.count_nonzero(full["segment_ids"])
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_resume_after_a_kill(runs):
+    from safetensors.numpy import load_file
+
+    workdir, out = runs, runs / "two"
 
     def losses(name):
         return {r["step"]: r["loss"] for r in read_metrics(workdir / name / "metrics.jsonl") if "loss" in r}

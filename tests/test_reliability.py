@@ -21,23 +21,23 @@ RACERS = 4  # each imports jaxft (about 2 CPU-s): enough to race, few enough to 
 RACER = """import os, sys, time
 from pathlib import Path
 from jaxft.train.guard import OutputDirBusy, OutputDirLock
-out = Path(sys.argv[1])
-lock = OutputDirLock(out)
-(out / f"ready-{os.getpid()}").touch()
-while len(list(out.glob("ready-*"))) < {racers}:  # a barrier: every racer has imported, then all go at once
-    time.sleep(0.001)
-try:
-    lock.acquire()
-except OutputDirBusy:
-    got = False
-else:
-    got = True
-    (out / f"got-{os.getpid()}").touch()
-(out / f"tried-{os.getpid()}").touch()
-deadline = time.time() + 60
-while got and len(list(out.glob("tried-*"))) < {racers} and time.time() < deadline:
-    time.sleep(0.01)  # hold the lock until every racer has tried
-lock.release()
+for out in map(Path, sys.argv[1:]):  # one race per directory, every racer in each
+    lock = OutputDirLock(out)
+    (out / f"ready-{os.getpid()}").touch()
+    while len(list(out.glob("ready-*"))) < {racers}:  # a barrier: every racer is here, then all go at once
+        time.sleep(0.001)
+    try:
+        lock.acquire()
+    except OutputDirBusy:
+        got = False
+    else:
+        got = True
+        (out / f"got-{os.getpid()}").touch()
+    (out / f"tried-{os.getpid()}").touch()
+    deadline = time.time() + 60
+    while got and len(list(out.glob("tried-*"))) < {racers} and time.time() < deadline:
+        time.sleep(0.01)  # hold the lock until every racer has tried
+    lock.release()
 """
 
 
@@ -47,21 +47,25 @@ def _dead_pid() -> int:
     return dead.pid
 
 
-@pytest.mark.parametrize("left", ["none", "stale"])
-def test_of_racing_runs_exactly_one_holds_the_lock(tmp_path, left):
-    out = tmp_path / "out"
-    out.mkdir()
-    if left == "stale":  # a killed run's record: the takeover path
-        (out / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "started": 0}))
+def test_of_racing_runs_exactly_one_holds_the_lock(tmp_path):
+    """The same racers race twice (each start imports jaxft): on an empty output_dir, and on one that holds a killed
+    run's lock record (the takeover path)."""
+    outs = {left: tmp_path / left for left in ("none", "stale")}
+    for out in outs.values():
+        out.mkdir()
+    (outs["stale"] / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(),
+                                                       "started": 0}))
     code = RACER.replace("{racers}", str(RACERS))
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=REPO, stderr=subprocess.PIPE,
-                              text=True) for _ in range(RACERS)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, *map(str, outs.values())], cwd=REPO,
+                              stderr=subprocess.PIPE, text=True) for _ in range(RACERS)]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]
-    assert len(list(out.glob("tried-*"))) == RACERS
-    holders = list(out.glob("got-*"))
-    assert len(holders) == 1, f"{len(holders)} of {RACERS} racing runs held the lock at once"
+    for left, out in outs.items():
+        assert len(list(out.glob("tried-*"))) == RACERS, left
+        holders = list(out.glob("got-*"))
+        assert len(holders) == 1, f"{left}: {len(holders)} of {RACERS} racing runs held the lock at once"
+        assert not (out / LOCK_NAME).exists(), left  # released by its holder
 
 
 def test_lock_dies_with_its_process_and_names_the_live_holder(tmp_path):

@@ -2,8 +2,9 @@
 equal to one device, checkpoints across a mesh change, per-layer weight gathers, and loading by shards.
 
 Multi-device runs happen in subprocesses with 8 host CPU devices (XLA's
---xla_force_host_platform_device_count; JAX fixes its device count when it starts): one worker process
-(tests/sharding_worker.py) for the training/HLO/loading checks and two `jaxft-train` runs for the resume."""
+--xla_force_host_platform_device_count; JAX fixes its device count when it starts) of tests/sharding_worker.py:
+one for the dense model's training/HLO/loading checks and the `jaxft-train` resume across meshes, one for the
+Pallas-attention and QLoRA steps, one for the MoE models; each run once, its results read by several tests."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from jaxft.families import family_for
 from jaxft.models.layers import logical_axes
 from jaxft.sharding import RULES, MeshConfig, MeshConfigError, partition_spec
 from jaxft.train import TrainConfigError, load_config
-from test_train_fixtures import host_devices_env, make_jsonl, make_tiny_model, run_cli_on_host_devices
+from test_train_fixtures import host_devices_env, make_jsonl, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 P = jax.sharding.PartitionSpec
@@ -125,22 +126,27 @@ def test_weight_slices_read_what_load_weights_loads(tmp_path):
 # ------------------------------------------------------------------------------------------------ 8 devices
 
 
+def _worker(*args, out: Path) -> dict:
+    res = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), *map(str, args), str(out)],
+                         cwd=REPO, env=host_devices_env(8), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def worker_result(tmp_path_factory):
     d = tmp_path_factory.mktemp("sharding")
     make_tiny_model(d / "model")
-    res = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), str(d / "model"),
-                          str(d / "out.json")], cwd=REPO, env=host_devices_env(8), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return json.loads((d / "out.json").read_text())
+    make_jsonl(d / "train.jsonl", 60, seed=0)
+    return _worker(d, out=d / "out.json")
 
 
 @pytest.mark.slow
 def test_fsdp_and_data_parallel_losses_equal_one_device(worker_result):
-    losses = worker_result["losses"]
+    losses = dict(worker_result["losses"])
     one = losses.pop("one_device")
-    assert len(one) == 5 and one[-1] < one[0]  # it trains
-    assert set(losses) == {"data2_fsdp4", "fsdp8_unrolled", "data8"}
+    assert len(one) == 3 and one[-1] < one[0]  # it trains
+    assert set(losses) == {"data2_fsdp4", "fsdp8_unrolled"}  # data 8's training: the resume test's second run
     for mesh, got in losses.items():
         np.testing.assert_allclose(got, one, rtol=1e-5, err_msg=mesh)
     # the frozen weights really were split on fsdp (and whole under pure data parallelism)
@@ -200,31 +206,31 @@ def test_random_weights_are_made_in_place_and_equal_one_devices(worker_result):
     assert random["output_bytes"] < random["whole_bytes"] / 3, random
 
 
-def _per_device(kind: str, model_dir) -> dict:
-    out = model_dir.parent / f"{kind}.json"
-    cmd = [sys.executable, str(REPO / "tests" / "sharding_worker.py"), f"--{kind}", str(model_dir), str(out)]
-    res = subprocess.run(cmd, cwd=REPO, env=host_devices_env(8), capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def per_device(tmp_path_factory):
+    """Pallas attention on a model with head_dim 64 (the kernels' smallest), QLoRA on one of hidden 64."""
+    d = tmp_path_factory.mktemp("per_device")
+    return _worker("--per-device", make_tiny_model(d / "pallas", hidden=256), make_tiny_model(d / "quant", hidden=64),
+                   out=d / "out.json")
 
 
 @pytest.mark.slow
-def test_pallas_attention_on_a_mesh_runs_on_each_devices_rows(tmp_path):
+def test_pallas_attention_on_a_mesh_runs_on_each_devices_rows(per_device):
     """Pallas flash attention (interpreted on the CPU) under data=2 x fsdp=2: no all-gather of activations (before
     `per_device_attention`, q, k and v were gathered to the whole batch, f32[16, 128, heads, 64] here, and every
     device computed every row), and the losses of one device. A model with head_dim 64 (the kernels' smallest)."""
-    out = _per_device("pallas", make_tiny_model(tmp_path / "model", hidden=256))
+    out = per_device["pallas"]
     assert out["row_gathers"] == []
     np.testing.assert_allclose(out["losses"]["data2_fsdp2"], out["losses"]["one_device"], rtol=1e-5)
 
 
 @pytest.mark.slow
-def test_qlora_on_a_mesh_splits_the_4bit_bytes_and_equals_one_device(tmp_path):
+def test_qlora_on_a_mesh_splits_the_4bit_bytes_and_equals_one_device(per_device):
     """QLoRA (nf4 base, double-quantised) under data=2 x fsdp=2, layer scan: one device's losses, each device on its
     own rows (no all-gather of activations); each linear's packed codes and block scales split over fsdp along their
     flat axis (the nested scales and offsets, a few bytes, whole), and all the layer loop gathers is those bytes
     (u8: codes, and the scales' 8-bit codes), never a weight decoded from its shards (f32 here)."""
-    out = _per_device("quant", make_tiny_model(tmp_path / "model", hidden=64))
+    out = per_device["quant"]
     assert out["row_gathers"] == []
     specs = out["quant_specs"]
     assert set(specs) == {"packed", "absmax", "nested_absmax", "offset"}
@@ -237,23 +243,14 @@ def test_qlora_on_a_mesh_splits_the_4bit_bytes_and_equals_one_device(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_written_on_one_mesh_resumes_on_another(tmp_path):
-    make_tiny_model(tmp_path / "model")
-    make_jsonl(tmp_path / "train.jsonl", 60, seed=0)
-
-    def cli(name, devices, mesh, per_device, **extra):
-        cfg = dict(model_name_or_path=str(tmp_path / "model"), dataset=str(tmp_path / "train.jsonl"),
-                   output_dir=str(tmp_path / name), max_seq_length=64, per_device_train_batch_size=per_device,
-                   max_steps=5, logging_steps=1, save_steps=3, learning_rate=5e-3, lr_scheduler_type="cosine",
-                   warmup_steps=1, lora_r=4, seed=0, bf16=False, disable_tqdm=True, report_to="none", mesh=mesh,
-                   layer_loop="scan", **extra)
-        rows, output = run_cli_on_host_devices(cfg, tmp_path / f"{name}.yaml", devices)
-        assert f"x {devices} batch-parallel devices" in output  # the mesh really spans them
-        return {r["step"]: r["loss"] for r in rows}
-
-    # 8 rows per step on both: 1 per device on 8 devices (data 2 x fsdp 4), 4 per device on 2 (data 2)
-    full = cli("fsdp", 8, {"data": 2, "fsdp": 4}, 1)
-    resumed = cli("data", 2, {"data": 2}, 4, resume_from_checkpoint=str(tmp_path / "fsdp" / "checkpoints" / "3"))
+def test_checkpoint_written_on_one_mesh_resumes_on_another(worker_result):
+    """jaxft-train's `train` on data 2 x fsdp 4 (frozen weights split) writes a checkpoint at step 3; resumed from
+    it on data 8 (every weight whole on every device; pure data parallelism trains here), 8 rows per step on both,
+    the run logs the losses of the uninterrupted one."""
+    full, resumed = worker_result["resumed"]["fsdp"], worker_result["resumed"]["data"]
+    for run in (full, resumed):  # the mesh really spans the 8 devices
+        assert len(run["devices"]) == 1 and "x 8 batch-parallel devices" in run["devices"][0], run["devices"]
+    full, resumed = ({int(k): v for k, v in run["losses"].items()} for run in (full, resumed))
     assert sorted(full) == [1, 2, 3, 4, 5] and sorted(resumed) == [4, 5]
     np.testing.assert_allclose([resumed[4], resumed[5]], [full[4], full[5]], rtol=1e-5)
 
@@ -261,45 +258,45 @@ def test_checkpoint_written_on_one_mesh_resumes_on_another(tmp_path):
 # ------------------------------------------------------------------------------------------------ MoE on 8 devices
 
 
+@pytest.fixture(scope="module")
+def moe_result(tmp_path_factory):
+    from lora_helpers import tiny_qwen3_moe
+    from test_gpt_oss import gpt_oss_model
+    from test_moe_gmm_choice import QWEN
+
+    d = tmp_path_factory.mktemp("moe")
+    tiny_qwen3_moe({**QWEN, "vocab_size": 64}).save_pretrained(d / "qwen3_moe")
+    gpt_oss_model(seed=2, num_hidden_layers=2).save_pretrained(d / "gpt_oss")
+    return _worker("--moe", d / "qwen3_moe", d / "gpt_oss", out=d / "out.json")
+
+
+# Both families on fsdp 4 x tensor 2 (each device routing its own rows; for GPT-OSS, its gate and up interleaved
+# along the width tensor splits, with biases); Qwen3-MoE also with the routing global (the families' one code).
+MOE_MESHES = {"qwen3_moe": {"fsdp4_tensor2", "data2_fsdp4_global"}, "gpt_oss": {"fsdp4_tensor2"}}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_moe_training_on_a_mesh_equals_one_device(family, tmp_path):
-    """Qwen3-MoE and GPT-OSS with both expert adapters: 5 LoRA steps on data 2 x fsdp 4 and fsdp 4 x tensor 2 give
-    one device's losses, each device routing its own rows (moe_dispatch per_device), and so does (Qwen3-MoE; the
-    routing is the families' one code) the global routing on data 2 x fsdp 4, which sorts every row on every device;
-    the frozen expert stacks are split (on fsdp along the hidden width; also on tensor along the experts' width),
-    the expert adapters are whole on every device. (Pure data parallelism, stacks whole on every device, is the
-    dense model's data 8 above.)"""
-    from lora_helpers import tiny_qwen3_moe
-
-    if family == "qwen3_moe":
-        from test_moe_gmm_choice import QWEN
-
-        tiny_qwen3_moe({**QWEN, "vocab_size": 64}).save_pretrained(tmp_path / "model")
-    else:
-        from test_gpt_oss import gpt_oss_model
-
-        gpt_oss_model(seed=2, num_hidden_layers=2).save_pretrained(tmp_path / "model")
-    routing = "both" if family == "qwen3_moe" else "per_device"
-    res = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), "--moe", str(tmp_path / "model"),
-                          str(tmp_path / "out.json"), routing], cwd=REPO, env=host_devices_env(8),
-                         capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    out = json.loads((tmp_path / "out.json").read_text())
-    losses = out["losses"]
+def test_moe_training_on_a_mesh_equals_one_device(family, moe_result):
+    """Qwen3-MoE and GPT-OSS with both expert adapters: 3 LoRA steps on fsdp 4 x tensor 2 give one device's losses,
+    each device routing its own rows (moe_dispatch per_device), and so does (Qwen3-MoE) the global routing on
+    data 2 x fsdp 4, which sorts every row on every device; the frozen expert stacks are split (on fsdp along the
+    hidden width, on tensor along the experts' width), the expert adapters are whole on every device. (Pure data
+    parallelism, stacks whole on every device, is the dense model's data 8 above.)"""
+    out = moe_result[family]
+    losses = dict(out["losses"])
     one = losses.pop("one_device")
-    assert len(one) == 5 and len(set(one)) > 1
-    meshes = {"data2_fsdp4", "fsdp4_tensor2"} | ({"data2_fsdp4_global"} if routing == "both" else set())
+    assert len(one) == 3 and len(set(one)) > 1
+    meshes = MOE_MESHES[family]
     assert set(losses) == meshes
     for mesh, got in losses.items():
         np.testing.assert_allclose(got, one, rtol=1e-5, err_msg=mesh)
-    # Each device sorts its own tokens' slots: 1 of the 8 micro-batch rows x 64 tokens x k on data 2 x fsdp 4;
-    # 2 rows x half their tokens on fsdp 4 x tensor 2 (the tensor pair splits a row's tokens); the global routing
-    # sorts the whole micro-batch's on every device (jaxft.models.moe.per_device).
+    # Each device sorts its own tokens' slots: 2 of the 8 micro-batch rows x half their tokens on fsdp 4 x tensor 2
+    # (the tensor pair splits a row's tokens); the global routing sorts the whole micro-batch's on every device
+    # (jaxft.models.moe.per_device).
     k = 2  # both tiny models route each token to 2 experts
-    slots = {"data2_fsdp4": [64 * k], "fsdp4_tensor2": [2 * 32 * k], "data2_fsdp4_global": [8 * 64 * k]}
+    slots = {"fsdp4_tensor2": [2 * 32 * k], "data2_fsdp4_global": [8 * 64 * k]}
     assert out["sorted_slots"] == {m: slots[m] for m in meshes}, out["sorted_slots"]
     # gate_up_proj [L, E, H, 2I]: layers and experts whole, H on fsdp, 2I on tensor
-    assert out["expert_spec"] == {"data2_fsdp4": [None, None, "fsdp", None],
-                                  "fsdp4_tensor2": [None, None, "fsdp", "tensor"]}, out["expert_spec"]
-    assert all(out["expert_lora_replicated"].values())
+    assert out["expert_spec"] == {"fsdp4_tensor2": [None, None, "fsdp", "tensor"]}, out["expert_spec"]
+    assert out["expert_lora_replicated"] and all(out["expert_lora_replicated"].values())

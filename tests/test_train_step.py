@@ -59,7 +59,8 @@ def test_grad_accumulation_is_exact():
         np.testing.assert_allclose(g_micro / micro[2], g_full / full[2], rtol=2e-5, atol=1e-8)
 
     # The test is sensitive: averaging per-micro-batch means (the naive accumulation) gives another loss.
-    per_micro = [token_loss_sum(nnx.merge(graphdef, lora, frozen), {k: v[m * 2:(m + 1) * 2] for k, v in host.items()})
+    micro_sum = jax.jit(lambda lo, b: token_loss_sum(nnx.merge(graphdef, lo, frozen), b))  # one compile, not per op
+    per_micro = [micro_sum(lora, {k: v[m * 2:(m + 1) * 2] for k, v in host.items()})
                  / host["loss_mask"][m * 2:(m + 1) * 2].sum() for m in range(4)]
     assert abs(float(np.mean(per_micro)) - float(loss_full)) > 1e-4 * float(loss_full)  # 100x the tolerance above
 
@@ -205,6 +206,7 @@ def test_unrolled_layers_match_the_layer_scan():
     assert is_unstacked(nnx.split(nnx.merge(graphdef, lora, unstacked).layers)[1])
     assert not is_unstacked(nnx.split(nnx.merge(graphdef, lora, frozen).layers)[1])
 
+    @jax.jit  # one program per layer layout, not an eager op per layer
     def loss_and_grads(fz):
         return loss_and_grad_sums(graphdef, lora, fz, batch, None, ExecutionConfig(remat=remat))
 
