@@ -190,7 +190,8 @@ def test_fit_allocator_takes_more_remat_when_the_pool_leaves_no_room_for_the_tem
     assert trials.compiles[1:] == [("full", LAYERS, LAYERS), ("full", 2, LAYERS)]
     assert any(line.startswith("allocator: after the load the allocator can place one buffer of ") for line in lines)
     assert any(line.startswith("remat auto: full remat saves 0.600 GiB per layer") for line in lines)
-    assert lines[-1].startswith("remat auto: full on 2 layers temp ") and lines[-1].endswith("fits the allocator: chosen")
+    assert lines[-1].startswith("remat auto: full on 2 layers temp ")
+    assert lines[-1].endswith("fits the allocator: chosen")
     assert trials.choice(decision.execution) == ("full on 2 layers", int(2.8 * GIB))
     again = fit_allocator(target, decision.execution, _rows(), {"temp_size_in_bytes": int(2.8 * GIB)},
                           _stats(10 * GIB), compile, trials=trials, log=lines.append)  # room enough: no change
