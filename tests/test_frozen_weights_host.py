@@ -2,10 +2,10 @@
 streamed to the device one layer ahead through `jaxft.memory.scan_offload` (forward and backward). On the CPU the copies
 are identities, so the gradients must equal those of the same remat policy over weights on the device: a Llama
 (one group), Gemma 2 (a periodic scan: blocks of rows per iteration) and a mixed dense/sparse Qwen3-MoE stack whose
-expert stacks stream too; a 4-bit base; jaxft-train's path places them and trains to the same losses; settings it does
-not run under get one line naming the key. Where the copies run on the GPU (one layer ahead, under compute) is
-compiled for an H200 in experiments/deviceless/stream_schedule.py; the CUDA-lowered placements are
-tests/test_offload_scan.py's."""
+expert stacks stream too (a 4-bit base's codes: test_mixed_4bit); jaxft-train's path places them and trains to the
+same losses; settings it does not run under get one line naming the key. Where the copies run on the GPU (one layer
+ahead, under compute) is compiled for an H200 in experiments/deviceless/stream_schedule.py; the CUDA-lowered
+placements are tests/test_offload_scan.py's."""
 
 from __future__ import annotations
 
@@ -38,13 +38,16 @@ def on_host(frozen: nnx.State) -> nnx.State:
 
 
 ATTN_ON_HOST = "offload=layer_input,attn_out,attn_lse"  # offload+attn with the attention's residuals on the host
-# Each structure (one group, a periodic scan, a dense then a sparse stack with streamed experts) and each way a
-# policy meets the streamed scan (nothing kept, the layer input to the host, residuals kept on the device, residuals
-# moved to the host, everything kept), each at least once: the scan's fetches do not depend
-# on the policy, and the policies' own gradients are tests/test_remat.py's. Gemma 2 takes offload+attn (its
-# periodic scan rounds furthest apart), the MoE stack keeps everything.
-CASES = [("packed", "llama", "full"), ("packed", "llama", ATTN_ON_HOST), ("packed", "llama", "offload"),
-         ("per_leaf", "llama", "offload+attn"), ("packed", "gemma2", "offload+attn"), ("packed", "qwen3_moe", "none")]
+# Each structure (one group, a periodic scan, a dense then a sparse stack with streamed experts), both forms (packed
+# buffers as `Run` places them, one host array per leaf) and each way a policy meets the streamed scan at least once:
+# the scan's fetches do not depend on the policy, and the policies' own gradients are tests/test_remat.py's. Here:
+# residuals moved to the host (Llama, per leaf), residuals kept on the device (Gemma 2 takes offload+attn: its
+# periodic scan rounds furthest apart), everything kept (the MoE stack). Nothing kept (remat full) over packed Llama
+# weights: test_the_run_packs_the_layer_weights_into_one_host_buffer; the layer input alone to the host (offload):
+# test_mixed_4bit::test_frozen_weights_on_the_host_give_the_gradients_of_weights_on_the_device (a 4-bit base's codes
+# and scales packed and streamed, a mixed layout's own rows) and test_a_run_with_weights_in_host_memory_trains_as_on_
+# the_device.
+CASES = [("per_leaf", "llama", ATTN_ON_HOST), ("packed", "gemma2", "offload+attn"), ("packed", "qwen3_moe", "none")]
 
 
 @pytest.mark.parametrize("form, name, remat", CASES)
@@ -188,38 +191,6 @@ def test_a_run_over_several_devices_is_refused_in_one_line():
     with pytest.raises(ExecutionConfigError, match="streams one device's weights; this run has 2 devices"):
         Run("examples/tiny-llama", LoraConfig(r=4), execution=ExecutionConfig(remat="full", frozen_weights="host"),
             devices=two)
-
-
-def test_a_4bit_base_streams_its_codes_and_trains_as_on_the_device(tmp_path):
-    """QLoRA over streamed weights: the 4-bit base's codes and scales (`QuantizedWeight`) are what streams, packed
-    per dtype (uint8 codes and absmax codes, float32 nested scales and offsets); three steps give the losses and
-    adapters of the same run with the base on the device."""
-    from jaxft.lora import LoraConfig
-    from jaxft.models.layers import QuantizedWeight
-    from jaxft.memory.scan_offload import PackedSlot
-    from jaxft.quant import QuantConfig
-    from jaxft.run import Run
-    from test_remat_auto import _batch
-    from test_train_fixtures import make_tiny_model
-
-    model = make_tiny_model(tmp_path / "m", hidden=64, layers=3)
-
-    def train(weights):
-        run = Run(model, lora_config=LoraConfig(r=4, alpha=8), dtype="float32", quant_config=QuantConfig(),
-                  total_steps=10, execution=ExecutionConfig(attention_implementation="reference", remat="offload",
-                                                            frozen_weights=weights)).load()
-        return run, [float(run.step(_batch(), i)["loss"]) for i in range(3)], jax.tree.leaves(run.lora)
-
-    host, losses, lora = train("host")
-    _, want_losses, want_lora = train("device")
-    flat = nnx.to_flat_state(host.frozen)
-    quant = [v.get_value() for p, v in flat if isinstance(v, QuantizedWeight) and p[0] == "layers"]
-    assert quant and all(isinstance(v, PackedSlot) for v in quant)
-    assert {v.key[1] for v in quant} == {"uint8", "float32"}
-    assert len(set(want_losses)) == 3
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
-    for got, want in zip(lora, want_lora):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
 
 
 def test_gpt_oss_with_expert_adapters_trains_over_streamed_experts(tmp_path):

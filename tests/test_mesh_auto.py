@@ -1,7 +1,8 @@
 """`mesh: auto` and the per-device estimate it chooses by (compiled memory analysis from shapes, no weights): on
 2 host CPU devices (a subprocess: JAX fixes its device count at start), a
 tiny model's fsdp step holds less per device than its data-parallel step, and with a max_memory_gb between
-the two `mesh: auto` trains on fsdp, saying so."""
+the two `mesh: auto` trains on fsdp, saying so; with `remat: auto` each mesh's own remat choice, over made-up
+compiles."""
 
 from __future__ import annotations
 
@@ -50,22 +51,41 @@ def test_estimate_and_mesh_auto_on_two_devices(tmp_path):
     assert r["steps"] == 2
 
 
-def test_mesh_auto_with_remat_auto_gives_each_mesh_its_remat_choice_and_says_when_nothing_fits(tmp_path):
-    from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
-    from jaxft.lora import LoraConfig
-    from jaxft.run import Run
-    from test_remat import packed_batch
+def test_mesh_auto_with_remat_auto_gives_each_mesh_its_remat_choice_and_says_when_nothing_fits():
+    """`jaxft.memory.choice.choose_mesh` over a made-up compile callback (test_memory_choice's peaks by policy, 2 GiB
+    more per device on the data-parallel mesh), 2 devices: with remat auto every policy is compiled on the
+    data-parallel mesh, none fits, then fsdp's own remat choice (the first that fits) is the mesh's; with a budget
+    nothing fits, one line names the smallest. (A Run's real compiles on 2 devices: the test above.)"""
+    import dataclasses
 
-    run = Run(make_tiny_model(tmp_path / "model"), lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
-              mesh=MeshConfig(auto=True),
-              execution=ExecutionConfig(attention_implementation="reference", remat="auto", max_memory_gb=1e-4,
-                                        frozen_weights="device"))  # (no streamed candidates: half the compiles)
-    lines = []
+    from jaxft.memory import GIB, Compiled, ExecutionConfigError, Trials
+    from jaxft.memory.choice import choose_mesh
+    from jaxft.memory.policy import AUTO_ORDER, LEAN_ATTN
+    from test_memory_choice import PEAKS, _auto, _batch, _target
+
+    target = dataclasses.replace(_target(), devices=(_target().devices[0],) * 2)
+    dp, fsdp = MeshConfig(data=2), MeshConfig(data=1, fsdp=2)
+    assert MeshConfig(auto=True).candidates(2) == [dp, fsdp]
+    calls = []
+
+    def compile(execution, depth=None, mesh=None):
+        calls.append((execution.remat, mesh))
+        gib = PEAKS[execution.remat] + (2.0 if mesh == dp else 0.0)
+        return Compiled({"argument_size_in_bytes": 0, "temp_size_in_bytes": int(gib * GIB)}, 1.0)
+
+    lines, trials = [], Trials()
+    decision = choose_mesh(target, MeshConfig(auto=True), _auto(2.5), _batch(), compile, trials=trials,
+                           log=lines.append)
+    assert (decision.mesh, decision.execution.remat) == (fsdp, LEAN_ATTN)
+    assert calls == [(p, dp) for p in AUTO_ORDER] + [("none", fsdp), ("offload+attn", fsdp), (LEAN_ATTN, fsdp)]
+    assert lines[0] == ("mesh auto: device budget 2.500 GiB (max_memory_gb); candidates in order of communication: "
+                        "{data: 2, fsdp: 1, tensor: 1}, {data: 1, fsdp: 2, tensor: 1}")
+    assert "mesh auto: {data: 2, fsdp: 1, tensor: 1} no remat policy fits -> does not fit" in lines
+    assert any(s.startswith("remat auto: none ") for s in lines)  # each mesh's own remat choice ran
+    assert lines[-1] == "mesh auto: {data: 1, fsdp: 2, tensor: 1} estimated peak 2.000 GiB per device -> fits: chosen"
+    lines.clear()
     with pytest.raises(ExecutionConfigError, match=r"^key 'max_memory_gb': no mesh fits in 0\.000 GiB per device "
-                                                   r"\(max_memory_gb\): the smallest estimate is \{data: 1, fsdp: 1"):
-        run.choose_mesh(packed_batch(64, b=2, t=64), log=lines.append)
-    assert lines[0].startswith("mesh auto: device budget 0.000 GiB (max_memory_gb); candidates in order of "
-                               "communication: {data: 1, fsdp: 1, tensor: 1}")
-    assert any(s.startswith("remat auto: none ") for s in lines)  # the mesh's own remat choice ran
-    assert lines[-1] == "mesh auto: {data: 1, fsdp: 1, tensor: 1} no remat policy fits -> does not fit"
-    assert run.execution.remat == "auto" and run.execution.max_memory_gb == 1e-4 and run._compiled is None
+                                                   r"\(max_memory_gb\): the smallest estimate is \{data: 1, fsdp: 2, "
+                                                   r"tensor: 1\} at 1\.200 GiB"):
+        choose_mesh(target, MeshConfig(auto=True), _auto(1e-4), _batch(), compile, trials=trials, log=lines.append)
+    assert lines[-1] == "mesh auto: {data: 1, fsdp: 2, tensor: 1} no remat policy fits -> does not fit"

@@ -137,18 +137,17 @@ def no_remat():
 
 # One case per way a policy reaches the program, in each loop. On the CPU an offloading policy is a plain remat (the
 # placements are identities), so its gradients differ from another policy of the same way only by what XLA fuses:
-# whole-layer recompute (full), named residuals saved and offloaded by jax.checkpoint (the scan), and, unrolled,
-# named residuals kept through jaxft.memory.offload's custom VJP (offload+attn; the last case: most names to the host).
-# Plain offload in both loops is the explicit tests' below (the unrolled loop takes the explicit transfer). Where the
-# copies go and what they cost is checked on lowered programs here and on the GPU (test_remat_gpu.py).
-# Gemma 2 takes the scan's cases only: its scan body is a period of two layers, while its unrolled layers are
-# Llama's mechanism with another mask.
-SCAN_CASES = [("scan", "full"), ("scan", "offload=layer_input,attn_out,attn_lse"),
-              ("scan", "save=attn_out,mlp_gate_up;offload=layer_input")]
-GRADIENT_CASES = [("llama", loop, remat) for loop, remat in SCAN_CASES] + [
-    ("llama", "unroll", "full"), ("llama", "unroll", "offload+attn"),
-    ("llama", "unroll", "offload=layer_input,mlp_input,attn_out,attn_lse,attn_qkv,mlp_gate_up")] + [
-    ("gemma2", loop, remat) for loop, remat in SCAN_CASES]
+# whole-layer recompute (full), named residuals saved and offloaded by jax.checkpoint (the scan: one policy that does
+# both; an offload-only one is test_keeping_everything_but_gate_up_recomputes_only_gate_up's), and, unrolled, named
+# residuals kept through jaxft.memory.offload's custom VJP (offload+attn; the last case: most names to the host).
+# Full remat on unrolled layers is test_remat_layers' (on some of them); plain offload in both loops is the explicit
+# tests' below (the unrolled loop takes the explicit transfer). Where the copies go and what they cost is checked on
+# lowered programs here and on the GPU (test_remat_gpu.py). Gemma 2 (groups of one window each, softcaps) takes one
+# scan case: its unrolled layers are Llama's mechanism with another mask, and the policies are Llama's cases.
+GRADIENT_CASES = [("llama", "scan", "full"), ("llama", "scan", "save=attn_out,mlp_gate_up;offload=layer_input"),
+                  ("llama", "unroll", "offload+attn"),
+                  ("llama", "unroll", "offload=layer_input,mlp_input,attn_out,attn_lse,attn_qkv,mlp_gate_up"),
+                  ("gemma2", "scan", "save=attn_out,mlp_gate_up;offload=layer_input")]
 
 
 @pytest.mark.parametrize("family, loop, remat", GRADIENT_CASES)
@@ -222,14 +221,14 @@ def _flash_forward_loops(remat: str) -> int:
                if re.search(r"= .*\bwhile\(", line) and "jaxft_flash_fwd" in line)
 
 
-@pytest.mark.slow  # four CPU compilations of interpret-mode kernels (~60 s on 2 cores)
+@pytest.mark.slow  # two CPU compilations of interpret-mode kernels
 def test_keeping_the_attention_residuals_never_reruns_the_flash_forward():
-    once = _flash_forward_loops("none")
-    assert once > 0
-    assert _flash_forward_loops("offload") == 2 * once  # recomputed in the backward
-    assert _flash_forward_loops("offload+attn") == once
-    assert _flash_forward_loops("save=attn_out;offload=layer_input,attn_lse") == once  # offloaded stats count too
-    assert _flash_forward_loops("save=attn_out") == 2 * once  # without the statistics the kernel runs again
+    """The kernel's forward runs once where its output and statistics are kept (offload+attn), twice where the
+    statistics are not (save=attn_out: recomputed in the backward, as under full remat or offload). Each count is
+    once or twice the forward's, so twice the other's pins both."""
+    kept = _flash_forward_loops("offload+attn")
+    assert kept > 0
+    assert _flash_forward_loops("save=attn_out") == 2 * kept
 
 
 def _dots(split, remat: str) -> int:

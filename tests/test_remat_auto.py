@@ -1,8 +1,12 @@
-"""`remat: auto` (Run.choose_remat): the choice follows max_memory_gb through the compiled estimates, its lines,
-the one-line error when nothing fits, the CLI default; the tiled MLP (same numbers, less compiled memory) and
-the cross-entropy chunk chosen by length."""
+"""`remat: auto` (Run.choose_remat) and the allocator's re-choice after the load (Run.fit_allocator) over a Run's
+real compiles: the choice follows max_memory_gb through the compiled estimates, its lines, the one-line error when
+nothing fits, the CLI default; the candidates' order and the host check over made-up compiles (more of that logic:
+test_memory_choice); the tiled MLP (same numbers, less compiled memory) and the cross-entropy chunk chosen by
+length."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,15 +14,18 @@ import numpy as np
 import pytest
 
 from jaxft.config import ModelConfig
-from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.lora import LoraConfig
-from jaxft.memory.policy import AUTO_ORDER, LEAN_ATTN, offloaded_bytes, parse, residual_bytes
-from jaxft.memory import GIB, STREAMED, peak_estimate
-from jaxft.memory.choice import host_fit
-from jaxft.memory.streamed import is_packed as streamed_is_packed
+from jaxft.memory import GIB, Trials, choose_remat, peak_estimate
+from jaxft.memory.choice import auto_order, host_fit
+from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
+from jaxft.memory.policy import AUTO_ORDER, LAYER_INPUT, LEAN_ATTN, residual_bytes
 from jaxft.run import Run
 from jaxft.train.step import loss_and_grad_sums, stack_micro_batches
-from test_remat import grads, lora_split, packed_batch
+from test_memory_choice import PEAKS, _layered
+from test_memory_choice import _batch as made_up_batch
+from test_memory_choice import _compiler as made_up_compiler
+from test_memory_choice import _target as made_up_target
+from test_remat import LLAMA, grads, lora_split, packed_batch
 from test_train_fixtures import make_jsonl, make_tiny_model
 
 
@@ -33,8 +40,8 @@ def _batch():
 
 class LongRows(Run):
     """A run whose rows count as attending long enough for LEAN_ATTN's host copies to pay (`Target.copies_pay`),
-    so that the tests of the budgets reach every candidate: the tiny model's 128-token rows never do, which
-    `test_auto_tries_lean_attn_last_where_its_copies_cost_more_than_the_attention` tests on its own."""
+    so that the tests of the budgets reach every candidate in AUTO_ORDER: the tiny model's 128-token rows never do,
+    which `test_auto_tries_lean_attn_last_where_its_copies_cost_more_than_the_attention` tests on its own."""
 
     def _copies_pay(self, host_batch):
         return True, 1.0, 0.0
@@ -46,12 +53,19 @@ def _run(model_dir, remat, **execution):
 
 
 @pytest.fixture(scope="module")
-def estimates(model_dir):
+def analyses(model_dir):
+    """policy -> the compiled memory analysis of the step, for the policies of AUTO_ORDER up to offload+attn."""
     out = {}
     for policy in AUTO_ORDER[:AUTO_ORDER.index("offload+attn") + 1]:
         run = _run(model_dir, policy)
         run.compile(_batch())
-        out[policy] = peak_estimate(run.memory_analysis())
+        out[policy] = run.memory_analysis()
+    return out
+
+
+@pytest.fixture(scope="module")
+def estimates(analyses):
+    out = {policy: peak_estimate(m) for policy, m in analyses.items()}
     assert out["none"] > out["offload+attn"] > 0
     return out
 
@@ -97,108 +111,30 @@ def test_nothing_fits_is_one_line_naming_the_key_and_the_smallest_estimate(model
         run.load()
 
 
-class GpuAccounting(Run):
-    """A run whose memory analysis leaves the streamed weights out of the device arguments, as XLA's GPU analysis
-    does (pinned-host arguments are `host_argument_size_in_bytes` there); the CPU backend counts them as arguments,
-    its device memory being the host's."""
-
-    def memory_analysis(self):
-        m = super().memory_analysis()
-        if self.streams_weights and m:
-            m = dict(m, argument_size_in_bytes=m["argument_size_in_bytes"] - self.streamed_weight_bytes())
-        return m
-
-
-def test_when_nothing_fits_on_the_device_auto_streams_the_weights(model_dir):
-    """frozen_weights auto (the default), one device: no candidate fits with the weights on the device, the
-    streamed offload+attn does: auto chooses it, says so, and the chosen step (weights packed in host memory) is
-    the one that loads and steps."""
-    def estimate(policy, weights):
-        run = GpuAccounting(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
-                            execution=ExecutionConfig(attention_implementation="reference", remat=policy,
-                                                      layer_loop="scan", frozen_weights=weights))
-        run.compile(_batch())
-        return peak_estimate(run.memory_analysis())
-
-    on_device = min(estimate(p, "device") for p in AUTO_ORDER)
-    streamed = estimate("offload+attn", "host")
-    assert streamed < on_device  # the premise: streaming is what fits between the two
-    lines = []
-    run = GpuAccounting(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
-                        execution=ExecutionConfig(attention_implementation="reference", remat="auto",
-                                                  max_memory_gb=(streamed + on_device) / 2 / GIB))
-    assert run.choose_remat(_batch(), log=lines.append) == "offload+attn"
-    assert run.execution.frozen_weights == "host" and run.streams_weights
-    assert run.remat_choice == ("offload+attn" + STREAMED, streamed)
-    assert any("no policy fits with the frozen weights on the device" in line for line in lines)
-    assert lines[-2].startswith("remat auto: offload+attn (weights on host) estimated peak")
-    assert lines[-2].endswith("fits: chosen")
-    compiled = run._compiled
-    run.load()
-    assert streamed_is_packed(run.frozen)
-    assert np.isfinite(float(run.step(_batch(), 0)["loss"])) and run._compiled is compiled
-
-
-class HostResiduals(Run):
-    """A run whose memory analysis leaves what its policy offloads out of the device temp, as XLA's GPU analysis
-    does (pinned-host temps are `host_temp_size_in_bytes` there); the CPU backend keeps them with the rest."""
-
-    def memory_analysis(self):
-        m = super().memory_analysis()
-        if m and self.execution.remat != "auto" and parse(self.execution.remat).offloads:
-            rows, seq = _batch()["input_ids"].shape
-            policy = self.execution.layer_policy(self.model_config, rows, seq, 4)
-            m = dict(m, temp_size_in_bytes=m["temp_size_in_bytes"] - offloaded_bytes(
-                policy, self.model_config, rows, seq, 4))
-        return m
-
-
-class LongHostResiduals(LongRows, HostResiduals):
-    """HostResiduals whose rows count as long (`LongRows`)."""
-
-
-def _host_estimate(model_dir, policy):
-    run = HostResiduals(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
-                        execution=ExecutionConfig(attention_implementation="reference", remat=policy))
-    run.compile(_batch())
-    return peak_estimate(run.memory_analysis())
-
-
-def test_auto_takes_the_attention_residuals_to_the_host_when_offload_attn_does_not_fit(model_dir):
-    """offload+attn (the attention's residuals kept on the device) does not fit, the same recompute with them in
-    pinned host memory does (LEAN_ATTN): auto chooses it without compiling full or offload, which recompute the
-    attention forward too, and the chosen step is the one that loads and steps."""
-    with_attn, lean = _host_estimate(model_dir, "offload+attn"), _host_estimate(model_dir, LEAN_ATTN)
-    assert lean < with_attn < _host_estimate(model_dir, "none")  # the premise: LEAN_ATTN alone fits between the two
-    lines = []
-    run = LongHostResiduals(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
-                            execution=ExecutionConfig(attention_implementation="reference", remat="auto",
-                                                      max_memory_gb=(lean + with_attn) / 2 / GIB))
-    assert run.choose_remat(_batch(), log=lines.append) == LEAN_ATTN == run.execution.remat
-    assert list(run.trials.estimates) == ["none", "offload+attn", LEAN_ATTN]
-    assert run.remat_choice == (LEAN_ATTN, lean) and not run.streams_weights
-    assert lines[-1] == f"remat auto: chose {LEAN_ATTN} (not compiled: full, offload, expected slower)"
-    compiled = run._compiled
-    run.load()
-    assert np.isfinite(float(run.step(_batch(), 0)["loss"])) and run._compiled is compiled
-
-
 def test_auto_tries_lean_attn_last_where_its_copies_cost_more_than_the_attention(model_dir):
     """The tiny model's packed 128-token rows attend a few dozen keys a query: LEAN_ATTN's copies of the attention
     output would cost more than the attention forward they spare (`jaxft.memory.policy.attention_copies_pay`), so auto
-    tries full and offload, which recompute the attention, before it, and says why in one line. With the budget
-    that chose LEAN_ATTN above (only it fits), it is still chosen, last."""
-    with_attn, lean = _host_estimate(model_dir, "offload+attn"), _host_estimate(model_dir, LEAN_ATTN)
-    lines = []
-    run = HostResiduals(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
-                        execution=ExecutionConfig(attention_implementation="reference", remat="auto",
-                                                  frozen_weights="device", max_memory_gb=(lean + with_attn) / 2 / GIB))
+    tries full and offload, which recompute the attention, before it, and says why in one line; where only it fits,
+    it is still chosen, last. The order over made-up compiles (test_memory_choice's callback); where the copies pay,
+    LEAN_ATTN comes before full and offload, which are then not compiled:
+    test_memory_choice::test_choose_remat_takes_the_first_candidate_that_fits_and_compiles_none_after_it."""
+    plain = Run(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+                execution=ExecutionConfig(attention_implementation="reference", remat="auto"))
     order = ("none", "offload+attn", "full", "offload", LEAN_ATTN)
-    assert run.choose_remat(_batch(), log=lines.append) == LEAN_ATTN == run.execution.remat
-    assert tuple(run.trials.estimates) == order and run.remat_choice == (LEAN_ATTN, lean)
+    assert auto_order(plain._target(), _batch())[0] == order
+    pays, saved, copies = plain._target().copies_pay(_batch())
+    assert not pays and copies > saved > 0
+    target = dataclasses.replace(made_up_target(), copies_pay=lambda batch: (False, 2e12, 3e12))
+    calls, lines, trials = [], [], Trials()
+    decision = choose_remat(target, ExecutionConfig(remat="auto", layer_loop="scan", max_memory_gb=2.1,
+                                                    host_memory_gb=64, frozen_weights="device"),
+                            made_up_batch(), made_up_compiler(calls, {**PEAKS, "full": 2.5, "offload": 2.2}),
+                            trials=trials, log=lines.append)
+    assert decision.execution.remat == LEAN_ATTN and tuple(trials.estimates) == order
+    assert trials.choice(decision.execution) == (LEAN_ATTN, int(PEAKS[LEAN_ATTN] * GIB))
     assert lines[0].endswith("candidates in order of expected speed: " + ", ".join(order))
-    assert lines[1].startswith(f"remat auto: {LEAN_ATTN} tried after offload: its attention copies to host cost ")
-    assert lines[1].endswith(" TFLOP)") and "more than the attention forward they spare" in lines[1]
+    assert lines[1] == (f"remat auto: {LEAN_ATTN} tried after offload: its attention copies to host cost about 3.0 "
+                        "TFLOP of matmul time a step, more than the attention forward they spare (2.0 TFLOP)")
 
 
 def test_attention_copies_pay_on_long_documents_only():
@@ -250,41 +186,28 @@ def test_auto_is_the_cli_default_and_reports_estimate_and_peak(model_dir, tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------- tiled MLP
-def test_tiled_mlp_gives_the_untiled_numbers():
-    """Chunks of 24 tokens over 64 (the last chunk padded): the MLP acts per token, so the loss and the LoRA
-    gradients agree to fp32 rounding of the smaller matmuls and of dA/dB summed chunk by chunk."""
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                      num_heads=2, num_kv_heads=1, head_dim=16)
-    split = lora_split(cfg)
-    for remat in ("none", "full"):
-        want_loss, want = grads(cfg, split, remat, "scan")
-        loss, got = grads(cfg, split, remat, "scan", mlp_chunk_size=24)
-        assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-6 * float(np.max(np.abs(w))))
-
-
 TILED_KEEPERS = ("offload=layer_input,attn_out,mlp_gate_up", "save=attn_out,mlp_gate_up;offload=layer_input")
 
 
-@pytest.mark.parametrize("remat", TILED_KEEPERS)
-def test_a_tiled_mlp_keeps_no_gate_up_under_any_policy(remat):
-    """Where the MLP is tiled its gate/up exist one chunk at a time inside the chunk loop: no policy keeps or
-    offloads them (XLA 0.11.2 failed layout assignment for a host copy of them, compiled for an H200:
-    docs/benchmarks.md section 18); the other names stay, and untiled (chunk >= T) nothing changes. Gradients
-    with the tiled MLP equal the untiled no-remat ones; the host copies (lowered for CUDA) lose gate and up."""
-    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
-                      num_heads=2, num_kv_heads=1, head_dim=16)
-    untiled = ExecutionConfig(remat=remat).layer_policy(cfg, 1, 64, 4)
-    assert untiled == ExecutionConfig(remat=remat, mlp_chunk_size=64).layer_policy(cfg, 1, 64, 4)
-    assert "mlp_gate_up" in untiled.save + untiled.offload
-    tiled = ExecutionConfig(remat=remat, mlp_chunk_size=24).layer_policy(cfg, 1, 64, 4)
-    assert tiled == untiled.without(("mlp_gate_up",)) and tiled.save + tiled.offload
-    assert "mlp_gate_up" not in tiled.save + tiled.offload
+def test_tiled_mlp_gives_the_untiled_numbers_and_keeps_no_gate_up_under_any_policy():
+    """Chunks of 24 tokens over 64 (the last chunk padded): the MLP acts per token, so the loss and the LoRA
+    gradients agree with the untiled no-remat ones to fp32 rounding of the smaller matmuls, of dA/dB summed chunk
+    by chunk and of the recompute (the chunk loop inside each layer's checkpoint, under a policy that names
+    gate/up). Where the MLP is tiled its gate/up exist one chunk at a time inside the chunk loop: no policy keeps
+    or offloads them (XLA 0.11.2 failed layout assignment for a host copy of them, compiled for an H200:
+    docs/benchmarks.md section 18); the other names stay, and untiled (chunk >= T) nothing changes; the host
+    copies (lowered for CUDA) lose gate and up."""
+    cfg, split = LLAMA, lora_split(LLAMA)
+    for remat in TILED_KEEPERS:
+        untiled = ExecutionConfig(remat=remat).layer_policy(cfg, 1, 64, 4)
+        assert untiled == ExecutionConfig(remat=remat, mlp_chunk_size=64).layer_policy(cfg, 1, 64, 4)
+        assert "mlp_gate_up" in untiled.save + untiled.offload
+        tiled = ExecutionConfig(remat=remat, mlp_chunk_size=24).layer_policy(cfg, 1, 64, 4)
+        assert tiled == untiled.without(("mlp_gate_up",)) and tiled.save + tiled.offload
+        assert "mlp_gate_up" not in tiled.save + tiled.offload
 
-    split = lora_split(cfg)
-    want_loss, want = grads(cfg, split, "none", "scan")
-    loss, got = grads(cfg, split, remat, "scan", mlp_chunk_size=24)
+    want_loss, want = grads(cfg, split, "none", "scan")  # test_remat's no-remat program
+    loss, got = grads(cfg, split, TILED_KEEPERS[0], "scan", mlp_chunk_size=24)
     assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * float(np.max(np.abs(w))))
@@ -292,14 +215,13 @@ def test_a_tiled_mlp_keeps_no_gate_up_under_any_policy(remat):
     def host_values(chunk):
         graphdef, lora, frozen = split
         batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
-        ex = ExecutionConfig(attention_implementation="reference", remat=remat, layer_loop="scan",
+        ex = ExecutionConfig(attention_implementation="reference", remat=TILED_KEEPERS[0], layer_loop="scan",
                              mlp_chunk_size=chunk)
         fn = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])
         return fn.trace(lora, frozen, batch).lower(lowering_platforms=("cuda",)).as_text().count(
             '_xla_buffer_placement = "pinned_host"')
 
-    if "mlp_gate_up" in untiled.offload:  # gate and up: two host copies fewer in the scan's one layer body
-        assert host_values(24) == host_values(None) - 2 > 0
+    assert host_values(24) == host_values(None) - 2 > 0  # gate and up: two host copies fewer in the one layer body
 
 
 def test_tiled_mlp_holds_one_chunk_of_intermediate_activations():
@@ -360,38 +282,90 @@ def test_ce_chunk_follows_length_under_remat():
     assert ExecutionConfig(remat="full", ce_chunk_size=77).resolved_ce_chunk(4096, 128256, 4096, 2) == 77
 
 
-def test_auto_checks_what_the_host_holds(model_dir, estimates):
+def test_auto_checks_what_the_host_holds():
     """A host budget below the layer inputs: offload+attn does not fit (host) and is not compiled, so the same
     device budget that chose it now gets the next candidate; offload itself becomes nested blocks sized to the
-    host (remat_block auto) instead of a step that would run out of host memory."""
-    full = _run(model_dir, "full")
-    full.compile(_batch())
-    below = max(estimates["offload+attn"], peak_estimate(full.memory_analysis()))
-    assert estimates["none"] > below
-    between = (estimates["none"] + below) / 2 / GIB  # offload+attn and full fit, none does not
-    assert _run(model_dir, "auto", max_memory_gb=between).choose_remat(_batch(), log=lambda line: None) == \
-        "offload+attn"
-    stream = 2 * 128 * 64 * 4  # one fp32 layer input of the [2, 128] batch at hidden 64
-    lines = []
-    run = _run(model_dir, "auto", max_memory_gb=between, host_memory_gb=stream / GIB)
-    assert run.choose_remat(_batch(), log=lines.append) == "full"
-    assert "offload+attn" not in run.trials.estimates and LEAN_ATTN not in run.trials.estimates
+    host (remat_block auto) instead of a step that would run out of host memory. Over made-up compiles
+    (test_memory_choice's callback) on a 2-layer model."""
+    target, rows = dataclasses.replace(made_up_target(), model_config=_layered(2)), made_up_batch()
+    stream = residual_bytes(target.model_config, 2, 64, 4)[LAYER_INPUT]  # one fp32 layer input of the batch
+    assert stream == 2 * 64 * 64 * 4
+    between = (PEAKS["none"] + PEAKS["offload+attn"]) / 2  # offload+attn and full fit, none does not
+
+    def auto(**execution):
+        lines, trials = [], Trials()
+        ex = ExecutionConfig(remat="auto", layer_loop="scan", max_memory_gb=between, frozen_weights="device",
+                             **execution)
+        return choose_remat(target, ex, rows, made_up_compiler([]), trials=trials, log=lines.append), trials, lines
+
+    assert auto(host_memory_gb=64)[0].execution.remat == "offload+attn"
+    decision, trials, lines = auto(host_memory_gb=stream / GIB)
+    assert decision.execution.remat == "full" and list(trials.estimates) == ["none", "full"]
     for policy in ("offload+attn", LEAN_ATTN):  # each skipped with its line, neither compiled
         assert any(line.startswith(f"remat auto: {policy} offloads ") and line.endswith("-> does not fit (host)")
                    for line in lines)
-    nested = host_fit(run._target(), ExecutionConfig(remat="offload", host_memory_gb=stream / GIB), _batch(),
-                      lines.append)
-    assert nested.remat_block == "auto" and nested.layer_policy(run.model_config, 2, 128, 4).block == 2
+    nested = host_fit(target, ExecutionConfig(remat="offload", host_memory_gb=stream / GIB), rows, lines.append)
+    assert nested.remat_block == "auto" and nested.layer_policy(target.model_config, 2, 64, 4).block == 2
     assert lines[-1].endswith("offload in nested blocks of 2 layers (remat_block auto)")
     roomy = ExecutionConfig(remat="offload", host_memory_gb=2 * stream / GIB)
-    assert host_fit(run._target(), roomy, _batch(), lines.append) is roomy
+    assert host_fit(target, roomy, rows, lines.append) is roomy
+
+
+# ---------------------------------------------------------------------------------------- the allocator after load
+def _stats(room: int) -> dict[str, int]:
+    """memory_stats() of an allocator whose pool leaves `room` bytes below its limit and has no larger free block
+    (as a GPU's after loading weights with XLA_PYTHON_CLIENT_PREALLOCATE=false)."""
+    return {"bytes_limit": 10 * GIB, "pool_bytes": 10 * GIB - room, "largest_free_block_bytes": room // 2}
+
+
+def test_fit_allocator_in_the_layer_scan_takes_the_next_scan_policy_whose_temp_fits(model_dir, analyses):
+    """auto over the layer scan chose no remat; after the load the pool leaves less room than its temp but more
+    than offload+attn's: offload+attn is compiled over the stacked weights as placed and kept, and the step runs.
+    With room for none of them, each later scan policy is compiled once, then the one-line error on the key.
+    (The over-unrolled-layers re-choice: test_remat_layers, over made-up compiles; the steps here are those of
+    the tests above, compiled once for all through the run's compilation cache.)"""
+    temps = {policy: m["temp_size_in_bytes"] for policy, m in analyses.items()}
+    assert temps["none"] > temps["offload+attn"] > 0
+    lines = []
+    run = _run(model_dir, "auto", layer_loop="scan", max_memory_gb=1000.0)
+    assert run.choose_remat(_batch(), log=lines.append) == "none" and not run.unrolled
+    run.load()
+    room = (temps["none"] + temps["offload+attn"]) // 2
+    run.fit_allocator(_batch(), stats=_stats(room), log=lines.append)
+    assert (run.execution.remat, run.execution.remat_layers, run.unrolled) == ("offload+attn", None, False)
+    assert run.memory_analysis()["temp_size_in_bytes"] == temps["offload+attn"] <= room
+    assert lines[-1].startswith("remat auto: offload+attn temp ") and lines[-1].endswith("fits the allocator: chosen")
+    assert run.remat_choice == ("offload+attn", run.trials.estimates["offload+attn"])
+    assert np.isfinite(float(run.step(_batch(), 0)["loss"]))
+    compiled = len(run.trials.compiles)
+    with pytest.raises(ExecutionConfigError) as info:
+        run.fit_allocator(_batch(), stats=_stats(1024), log=lines.append)
+    assert run.trials.compiles[compiled:] == [(p, None, 2) for p in AUTO_ORDER[2:]]
+    assert all(line.endswith("does not fit the allocator") for line in lines[-2:])
+    assert info.value.field == "max_memory_gb" and "\n" not in str(info.value)
+
+
+def test_fit_allocator_names_the_fix_when_the_step_cannot_be_rechosen(model_dir):
+    """A policy the user set (not auto): its temp does not fit the pool's room -> one line on key max_memory_gb
+    with the numbers and the fixes, instead of the allocator's out-of-memory at the first step."""
+    run = _run(model_dir, "none", layer_loop="scan")
+    run.compile(_batch())
+    run.load()
+    with pytest.raises(ExecutionConfigError) as info:
+        run.fit_allocator(_batch(), stats=_stats(1024))
+    text = str(info.value)
+    assert text.startswith("key 'max_memory_gb': after the load the allocator can place one buffer of 0.000 GiB "
+                           "(pool 10.000 GiB of its 10.000 GiB limit") and "\n" not in text
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE=true" in text and "below the step's temp" in text
+    with pytest.raises(RuntimeError, match="before Run.load"):
+        _run(model_dir, "none").fit_allocator(_batch(), stats=_stats(1024))
 
 
 def test_jaxft_claims_most_of_each_gpu_unless_told_otherwise():
     """`claim_gpu_memory` (called by jaxft.train.train, jaxft-generate and the benchmark's worker before anything
     touches a device) sets XLA_PYTHON_CLIENT_MEM_FRACTION to GPU_MEMORY_FRACTION, where JAX's own default would
     leave a quarter of each GPU unused; a value the environment sets stands; once JAX's backends have started it sets nothing (JAX
-    reads the variable once). In fresh processes, since this one's backends have started."""
+    reads the variable once). Before the backends start: in fresh processes, since this one's have started."""
     import os
     import subprocess
     import sys
@@ -411,7 +385,13 @@ def test_jaxft_claims_most_of_each_gpu_unless_told_otherwise():
 
     want = f"{GPU_MEMORY_FRACTION:.2f}"
     assert run() == [want, want, "None"] and float(want) > 0.75
-    assert run(XLA_PYTHON_CLIENT_MEM_FRACTION="0.5") == ["0.5", "0.5", "None"]
+    # A value the environment sets stands (before the backends start or after: here they have).
+    from jaxft import claim_gpu_memory
+
+    jax.devices()
+    environ = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    assert claim_gpu_memory(environ) == "0.5" and environ == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    assert claim_gpu_memory({}) is None
     # jaxft-generate claims the same share before it reads the model (a directory without config.json: exit 2).
     generate = ("import os; from jaxft.generate_cli import main; "
                 "print(main(['/nonexistent-model-dir', '--prompt', 'x']), os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])")

@@ -1,20 +1,23 @@
 """`remat_layers`: the remat policy on the first N layers only (the steps between no remat and remat on every
-layer): same gradients, compiled memory falling with N, the validation lines, and `remat: auto` choosing the
-smallest N that fits when no remat does not (where offload+attn comes before or after that N: test_memory_choice,
-over made-up compiles)."""
+layer): same gradients, the validation lines, and `remat: auto` (and the allocator's re-choice after the load)
+taking the smallest N that fits when no remat does not, over made-up compiles (where offload+attn comes before or
+after that N: test_memory_choice; a Run's real compiles: test_remat_auto)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from jaxft.memory import GIB, Trials, choose_remat, fit_allocator
 from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
-from jaxft.memory.policy import AUTO_ORDER
-from jaxft.memory import GIB, peak_estimate
-from test_remat import assert_grads_match, grads, llama, lora_split
-from test_remat_auto import _batch, _run
+from jaxft.memory.policy import AUTO_ORDER, AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS, partial_full_limit, recompute_work
+from test_memory_choice import _by_layers, _layered
+from test_memory_choice import _target as made_up_target
+from test_remat import LLAMA, assert_grads_match, grads, lora_split
+from test_remat_auto import _batch, _stats
 from test_train_fixtures import make_tiny_model
 
 LAYERS = 4
@@ -24,11 +27,8 @@ DATA = str(Path(__file__).resolve().parents[1] / "examples" / "data" / "train.js
 def test_remat_on_some_layers_gives_the_gradients_of_no_remat():
     """fp32: to 2e-6 of each gradient's largest entry, the bound of tests/test_remat.py (the checkpointed
     layers fuse differently, so a few fp32 sums round in another order)."""
-    cfg = llama(layers=3)
-    split = lora_split(cfg)
-    loss0, g0 = grads(cfg, split, "none", "unroll")
-    for k in (1, 2):
-        assert_grads_match(*grads(cfg, split, "full", "unroll", remat_layers=k), loss0, g0)
+    split = lora_split(LLAMA)  # 2 layers: the first checkpointed, the second not
+    assert_grads_match(*grads(LLAMA, split, "full", "unroll", remat_layers=1), *grads(LLAMA, split, "none", "unroll"))
 
 
 @pytest.mark.parametrize("kwargs, needle", [
@@ -68,38 +68,40 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("partial") / "model", hidden=64, layers=LAYERS)
 
 
-@pytest.fixture(scope="module")
-def estimates(model_dir):
-    out = {}
-    for k in (None, 1, 2, LAYERS):
-        run = _run(model_dir, "none" if k is None else "full", **({} if k is None else dict(remat_layers=k)))
-        run.compile(_batch())
-        out[k] = peak_estimate(run.memory_analysis())
-    return out
+# `remat: auto` over remat_layers, as `jaxft.memory.choice` decides it over made-up compiles (test_memory_choice's
+# callback: "none" peaks at none[depth] GiB, full remat on k layers `per_layer` GiB less a layer); the real compiles
+# of a Run's choice are test_remat_auto's.
+def _rows() -> dict[str, np.ndarray]:
+    """test_remat_auto's batch ([2, 128] packed rows): full remat on up to 3 of 4 layers recomputes less than
+    offload+attn on it (`partial_full_limit`), so auto tries k layers before offload+attn."""
+    return _batch()
 
 
-def test_memory_falls_with_each_rematerialised_layer(estimates):
-    assert estimates[None] > estimates[1] > estimates[2] > estimates[LAYERS] > 0
+def _auto_on(layers: int, max_gb: float, **execution):
+    target = dataclasses.replace(made_up_target(), model_config=_layered(layers))
+    return target, ExecutionConfig(remat="auto", max_memory_gb=max_gb, host_memory_gb=64, **execution)
 
 
-def test_auto_takes_the_fewest_layers_that_fit_when_no_remat_does_not(model_dir, estimates):
-    budget = (estimates[2] + estimates[1]) / 2  # fits with 2 layers rematerialised, not with 1
-    lines = []
-    run = _run(model_dir, "auto", max_memory_gb=budget / GIB)
-    chosen = run.choose_remat(_batch(), log=lines.append)
-    assert (chosen, run.execution.remat, run.execution.remat_layers) == ("full", "full", 2)
-    assert run.trials.estimates["none"] == estimates[None] > budget
-    assert run.trials.estimates[f"full on {LAYERS} layers"] == estimates[LAYERS]
-    assert run.trials.estimates["full on 2 layers"] == estimates[2] <= budget
+def test_auto_takes_the_fewest_layers_that_fit_when_no_remat_does_not():
+    """4 layers (no deeper than the probe copy): full remat on all 4 is compiled as a probe at full depth (the
+    per-layer saving), then the fewest layers predicted to fit, compiled and chosen: 2 (4.0 - 0.6 * 2 = 2.8 GiB
+    fits 2.9, one layer's 3.4 does not)."""
+    target, execution = _auto_on(LAYERS, 2.9)
+    assert partial_full_limit(recompute_work(target.model_config, _rows()["segment_ids"])) >= 2
+    calls, lines, trials = [], [], Trials()
+    decision = choose_remat(target, execution, _rows(), _by_layers(calls, {LAYERS: 4.0}, 0.6, {}), trials=trials,
+                            log=lines.append)
+    assert (decision.execution.remat, decision.execution.remat_layers) == ("full", 2)
+    assert trials.compiles == [("none", None, LAYERS), ("full", LAYERS, LAYERS), ("full", 2, LAYERS)]
+    assert trials.estimates == {"none": int(4.0 * GIB), f"full on {LAYERS} layers": int((4.0 - 0.6 * LAYERS) * GIB),
+                                "full on 2 layers": int((4.0 - 0.6 * 2) * GIB)}
     assert lines[-1].startswith("remat auto: full on 2 layers estimated peak ") and lines[-1].endswith("fits: chosen")
     probe = [line for line in lines if line.startswith(f"remat auto: full on {LAYERS} layers ")]
     assert len(probe) == 1 and probe[0].endswith("-> fits (probe)")  # measured, not chosen
     assert sum(line.endswith("fits: chosen") for line in lines) == 1
     # The choice as the estimates name it (the end-of-training "estimate vs measured" line reads it; keyed by the
     # bare policy it raised KeyError after a partial choice).
-    assert run.remat_choice == ("full on 2 layers", estimates[2])
-    run.load()
-    assert np.isfinite(float(run.step(_batch(), 0)["loss"]))
+    assert trials.choice(decision.execution) == ("full on 2 layers", int((4.0 - 0.6 * 2) * GIB))
 
 
 # ---------------------------------------------------------------------------------------------- shallow probes
@@ -123,56 +125,41 @@ def test_first_layers_cuts_the_per_layer_choices():
         moe.first_layers(0)
 
 
-@pytest.fixture(scope="module")
-def deep_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("deep") / "model", hidden=64, layers=DEEP)
-
-
-@pytest.mark.slow
-def test_auto_measures_the_saving_on_a_shallow_copy(deep_dir):
+def test_auto_measures_the_saving_on_a_shallow_copy():
     """A 5-layer model whose budget fits full remat on 2 layers, not 1: the per-layer saving comes from a 4-layer
     copy, so the only full-depth programs are "none" and the chosen one (before: also full remat on every
-    layer), each compile logs one line, and the run keeps its own depth and the chosen step."""
-    from jaxft.memory.policy import AUTO_PROBE_DEPTH, AUTO_PROBE_LAYERS
-
-    full = {}
-    for k in (1, 2):
-        run = _run(deep_dir, "full", remat_layers=k)
-        run.compile(_batch())
-        full[k] = peak_estimate(run.memory_analysis())
-    budget = (full[1] + full[2]) / 2
-    lines = []
-    run = _run(deep_dir, "auto", max_memory_gb=budget / GIB)
-    assert run.choose_remat(_batch(), log=lines.append) == "full" and run.execution.remat_layers == 2
-    assert run.trials.estimates["full on 2 layers"] == full[2] <= budget < full[1] < run.trials.estimates["none"]
+    layer), and each compile logs one line. (The copy's intercept is not the model's: only its slope is used.)"""
+    target, execution = _auto_on(DEEP, 3.3)
+    calls, lines, trials = [], [], Trials()
+    compile = _by_layers(calls, {DEEP: 4.2, AUTO_PROBE_DEPTH: 3.7}, 0.5, {})
+    decision = choose_remat(target, execution, _rows(), compile, trials=trials, log=lines.append)
+    assert (decision.execution.remat, decision.execution.remat_layers) == ("full", 2)
+    assert trials.estimates == {"none": int(4.2 * GIB), "full on 2 layers": int((4.2 - 0.5 * 2) * GIB)}
     probes = [("full", n, AUTO_PROBE_DEPTH) for n in AUTO_PROBE_LAYERS]
-    assert run.trials.compiles == [("none", None, DEEP), *probes, ("full", 2, DEEP)]
-    assert set(run.trials.estimates) == {"none", "full on 2 layers"}  # the copy's peaks are probes, not candidates
-    few, more = (run.trials.probes[f"full on {n} of a {AUTO_PROBE_DEPTH}-layer copy"] for n in AUTO_PROBE_LAYERS)
+    assert trials.compiles == [("none", None, DEEP), *probes, ("full", 2, DEEP)]  # the copy's peaks are probes
+    few, more = (trials.probes[f"full on {n} of a {AUTO_PROBE_DEPTH}-layer copy"] for n in AUTO_PROBE_LAYERS)
     assert few > more > 0
     probe_lines = [line for line in lines if "-layer copy " in line]
     assert len(probe_lines) == 2 and all(line.endswith("-> probe (per-layer saving of full remat)")
                                          for line in probe_lines)
     saves = f"remat auto: full remat saves {(few - more) / (AUTO_PROBE_LAYERS[1] - AUTO_PROBE_LAYERS[0]) / GIB:.3f}"
+    assert saves == "remat auto: full remat saves 0.500"
     assert any(line.startswith(saves) and line.endswith("-> full on 2 layers predicted to fit") for line in lines)
-    assert len(lines) == 1 + len(run.trials.compiles) + 1  # the budget, one per compile, the prediction
+    assert len(lines) == 1 + len(trials.compiles) + 1  # the budget, one per compile, the prediction
     assert lines[-1].startswith("remat auto: full on 2 layers estimated peak ") and lines[-1].endswith("fits: chosen")
-    # The probes left the run's own state alone: its depth, and the chosen step, which loading and stepping reuse.
-    compiled = run._compiled
-    assert run.model_config.num_layers == DEEP
-    run.load()
-    assert np.isfinite(float(run.step(_batch(), 0)["loss"])) and run._compiled is compiled
 
 
-def test_auto_over_the_layer_scan_skips_partial_remat(model_dir):
+def test_auto_over_the_layer_scan_skips_partial_remat():
     """`layer_loop: scan` has no per-layer remat (remat_layers needs the unrolled loop): when none does not fit,
-    auto goes on to the next policy instead of failing on a remat_layers it was not given. (The programs are
-    test_fit_allocator_in_the_layer_scan's: compiled once for both through the run's compilation cache.)"""
-    run = _run(model_dir, "auto", layer_loop="scan", max_memory_gb=1e-4, frozen_weights="device")
+    auto goes on to the next policy instead of failing on a remat_layers it was not given."""
+    target, execution = _auto_on(LAYERS, 1e-4, layer_loop="scan", frozen_weights="device")
+    trials = Trials()
+    peaks = {p: 2.0 for p in AUTO_ORDER}
     with pytest.raises(ExecutionConfigError) as info:
-        run.choose_remat(_batch(), log=lambda line: None)
-    assert info.value.field == "max_memory_gb" and set(run.trials.estimates) == set(AUTO_ORDER)
-    assert all(layers is None for _, layers, _ in run.trials.compiles)
+        choose_remat(target, execution, _rows(), _by_layers([], {LAYERS: 4.0}, 0.6, peaks), trials=trials,
+                     log=lambda line: None)
+    assert info.value.field == "max_memory_gb" and set(trials.estimates) == set(AUTO_ORDER)
+    assert trials.compiles == [(p, None, LAYERS) for p in AUTO_ORDER]
 
 
 # ---------------------------------------------------------------------------------------- the allocator after load
@@ -185,85 +172,30 @@ def test_contiguous_room_is_the_larger_of_the_free_block_and_the_limit_left_besi
     assert contiguous_room({"bytes_limit": 100, "pool_bytes": 95, "largest_free_block_bytes": 20}) == 20
 
 
-def _stats(room: int) -> dict[str, int]:
-    """memory_stats() of an allocator whose pool leaves `room` bytes below its limit and has no larger free block
-    (as a GPU's after loading weights with XLA_PYTHON_CLIENT_PREALLOCATE=false)."""
-    return {"bytes_limit": 10 * GIB, "pool_bytes": 10 * GIB - room, "largest_free_block_bytes": room // 2}
-
-
-def test_fit_allocator_takes_more_remat_when_the_pool_leaves_no_room_for_the_temp(model_dir, estimates):
+def test_fit_allocator_takes_more_remat_when_the_pool_leaves_no_room_for_the_temp():
     """auto chose no remat (the budget fits it); after the load the allocator's pool leaves less than the step's
-    temp for one buffer (the Gemma-2-9B packed OOM of docs/benchmarks.md section 16): full remat on the fewest
-    layers whose temp fits is compiled and kept, over the weights as placed, and the step runs."""
-    lines = []
-    run = _run(model_dir, "auto", max_memory_gb=2 * estimates[None] / GIB)
-    assert run.choose_remat(_batch(), log=lines.append) == "none"
-    run.load()
-    temp = {k: None for k in (1, 2)}
-    for k in temp:
-        probe = _run(model_dir, "full", remat_layers=k)
-        probe.compile(_batch())
-        temp[k] = probe.memory_analysis()["temp_size_in_bytes"]
-    none_temp = run.memory_analysis()["temp_size_in_bytes"]
-    assert none_temp > temp[1] > temp[2]
-    room = (temp[1] + temp[2]) // 2  # fits full remat on 2 layers, not on 1
-    run.fit_allocator(_batch(), stats=_stats(room), log=lines.append)
-    k = run.execution.remat_layers
-    # k is predicted from full remat's per-layer saving, then checked by compiling: it fits, and 1 layer did not
-    assert run.execution.remat == "full" and 2 <= k <= LAYERS
-    assert run.memory_analysis()["temp_size_in_bytes"] <= room
+    temp for one buffer (the Gemma-2-9B packed OOM of docs/benchmarks.md section 16): full remat's per-layer saving,
+    not measured by auto, is measured (full on every layer, a probe), and full remat on the fewest layers whose
+    temp fits is compiled and kept: 2 (made-up compiles, as above; over a Run, the layer scan's re-choice is
+    test_remat_auto's)."""
+    target, execution = _auto_on(LAYERS, 8.0)
+    calls, lines, trials = [], [], Trials()
+    compile = _by_layers(calls, {LAYERS: 4.0}, 0.6, {})
+    chosen = choose_remat(target, execution, _rows(), compile, trials=trials, log=lines.append).execution
+    assert chosen.remat == "none" and chosen.unrolls(False)
+    room = int(2.9 * GIB)  # fits full remat on 2 layers (2.8 GiB), not on 1 (3.4)
+    decision = fit_allocator(target, chosen, _rows(), {"temp_size_in_bytes": int(4.0 * GIB)}, _stats(room), compile,
+                             trials=trials, log=lines.append)
+    assert (decision.execution.remat, decision.execution.remat_layers) == ("full", 2)
+    assert trials.compiles[1:] == [("full", LAYERS, LAYERS), ("full", 2, LAYERS)]
     assert any(line.startswith("allocator: after the load the allocator can place one buffer of ") for line in lines)
-    assert any(line.startswith("remat auto: full remat saves ") for line in lines)  # auto had not measured it
-    assert lines[-1].startswith(f"remat auto: full on {k} layers temp ") and lines[-1].endswith("fits the allocator: chosen")
-    assert run.remat_choice == (f"full on {k} layers", run.trials.estimates[f"full on {k} layers"])
-    assert np.isfinite(float(run.step(_batch(), 0)["loss"]))
-    run.fit_allocator(_batch(), stats=_stats(10 * GIB), log=lines.append)  # room enough: nothing changes
-    assert (run.execution.remat, run.execution.remat_layers) == ("full", k)
-
-
-def test_fit_allocator_in_the_layer_scan_takes_the_next_scan_policy_whose_temp_fits(model_dir):
-    """auto over the layer scan chose no remat; after the load the pool leaves less room than its temp but more
-    than offload+attn's: offload+attn is compiled over the stacked weights as placed and kept, and the step runs.
-    With room for none of them, each later scan policy is compiled once, then the one-line error on the key."""
-    temps = {}
-    for policy in AUTO_ORDER:
-        probe = _run(model_dir, policy, layer_loop="scan")
-        probe.compile(_batch())
-        temps[policy] = probe.memory_analysis()["temp_size_in_bytes"]
-    assert temps["none"] > temps["offload+attn"] > 0
-    lines = []
-    run = _run(model_dir, "auto", layer_loop="scan", max_memory_gb=1000.0)
-    assert run.choose_remat(_batch(), log=lines.append) == "none" and not run.unrolled
-    run.load()
-    room = (temps["none"] + temps["offload+attn"]) // 2
-    run.fit_allocator(_batch(), stats=_stats(room), log=lines.append)
-    assert (run.execution.remat, run.execution.remat_layers, run.unrolled) == ("offload+attn", None, False)
-    assert run.memory_analysis()["temp_size_in_bytes"] == temps["offload+attn"] <= room
-    assert lines[-1].startswith("remat auto: offload+attn temp ") and lines[-1].endswith("fits the allocator: chosen")
-    assert run.remat_choice == ("offload+attn", run.trials.estimates["offload+attn"])
-    assert np.isfinite(float(run.step(_batch(), 0)["loss"]))
-    compiled = len(run.trials.compiles)
-    with pytest.raises(ExecutionConfigError) as info:
-        run.fit_allocator(_batch(), stats=_stats(1024), log=lines.append)
-    assert run.trials.compiles[compiled:] == [(p, None, LAYERS) for p in AUTO_ORDER[2:]]
-    assert all(line.endswith("does not fit the allocator") for line in lines[-2:])
-    assert info.value.field == "max_memory_gb" and "\n" not in str(info.value)
-
-
-def test_fit_allocator_names_the_fix_when_the_step_cannot_be_rechosen(model_dir):
-    """A policy the user set (not auto): its temp does not fit the pool's room -> one line on key max_memory_gb
-    with the numbers and the fixes, instead of the allocator's out-of-memory at the first step."""
-    run = _run(model_dir, "full", layer_loop="scan")
-    run.compile(_batch())
-    run.load()
-    with pytest.raises(ExecutionConfigError) as info:
-        run.fit_allocator(_batch(), stats=_stats(1024))
-    text = str(info.value)
-    assert text.startswith("key 'max_memory_gb': after the load the allocator can place one buffer of 0.000 GiB "
-                           "(pool 10.000 GiB of its 10.000 GiB limit") and "\n" not in text
-    assert "XLA_PYTHON_CLIENT_PREALLOCATE=true" in text and "below the step's temp" in text
-    with pytest.raises(RuntimeError, match="before Run.load"):
-        _run(model_dir, "none").fit_allocator(_batch(), stats=_stats(1024))
+    assert any(line.startswith("remat auto: full remat saves 0.600 GiB per layer") for line in lines)
+    assert lines[-1].startswith("remat auto: full on 2 layers temp ")
+    assert lines[-1].endswith("fits the allocator: chosen")
+    assert trials.choice(decision.execution) == ("full on 2 layers", int(2.8 * GIB))
+    again = fit_allocator(target, decision.execution, _rows(), {"temp_size_in_bytes": int(2.8 * GIB)},
+                          _stats(10 * GIB), compile, trials=trials, log=lines.append)  # room enough: no change
+    assert again.execution is decision.execution
 
 
 # ------------------------------------------------------------------- full remat on k layers against offload+attn
