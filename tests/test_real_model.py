@@ -46,6 +46,16 @@ HELD_OUT = {"Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo", "Germany": "Be
             "Russia": "Moscow", "China": "Beijing", "Canada": "Ottawa"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """transformers' generate on one torch thread: on 2 busy cores its 2 threads took 10x the CPU time of one
+    (3 prompts: 15 s against 1.5 s). Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _prompt(country: str) -> str:
     return f"Q: What is the capital of {country}?\nA:"
 
@@ -181,11 +191,12 @@ def test_lora_run_on_gguf_base_learns_the_task_and_the_adapter_answers_alike_eve
     prompts = [_prompt(c) for c in HELD_OUT]
     before = _exact_match(base_answers)
     data = tmp_path / "train.jsonl"
+    steps = 2
     data.write_text("".join(json.dumps({"prompt": _prompt(c), "completion": f" {a}"}) + "\n"
                             for c, a in TRAIN.items()), encoding="utf-8")
     cfg = TrainConfig(model_name_or_path=str(gguf_file), dataset=str(data), output_dir=str(tmp_path / "run"),
-                      max_seq_length=32, per_device_train_batch_size=4, max_steps=5, learning_rate=2e-3,
-                      lr_scheduler_type="constant", lora_r=8, lora_alpha=16, bf16=False, logging_steps=5,
+                      max_seq_length=32, per_device_train_batch_size=4, max_steps=steps, learning_rate=2e-3,
+                      lr_scheduler_type="constant", lora_r=8, lora_alpha=16, bf16=False, logging_steps=steps,
                       disable_tqdm=True, report_to="none", layer_loop="scan")  # scan: one layer body to compile
     result = train(cfg)
     print(f"LoRA run: {result.summary.line()}")
@@ -201,6 +212,6 @@ def test_lora_run_on_gguf_base_learns_the_task_and_the_adapter_answers_alike_eve
     assert rc == 0
     cli_answers = [json.loads(line)["completion"] for line in stdout.getvalue().splitlines() if line.strip()]
     after = _exact_match(cli_answers)
-    print(f"held-out exact match: {before:.2f} before, {after:.2f} after 5 LoRA steps; answers {cli_answers}")
+    print(f"held-out exact match: {before:.2f} before, {after:.2f} after {steps} LoRA steps; answers {cli_answers}")
     assert cli_answers == hf_answers
     assert after >= before + 0.25 and after >= 0.5

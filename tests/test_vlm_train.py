@@ -40,8 +40,18 @@ def _config(data: Path, out: Path, **kw) -> TrainConfig:
     return TrainConfig(**{**values, **kw})
 
 
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+    """One in-process run on 4-row batches (attention adapters of the tower and the decoder): the adapter the
+    transformers test loads and the one-device losses the mesh test is held to."""
+    from jaxft.train import train
+
+    return train(_config(data, tmp_path_factory.mktemp("vlm_run") / "run", per_device_train_batch_size=4,
+                         finetune_mlp_modules=False))
+
+
 @pytest.mark.slow  # ~1 min on 2 cores, most of it compiling the step (the tower and the decoder)
-def test_train_on_images_then_the_adapter_loads_in_transformers_with_equal_logits(data, tmp_path):
+def test_train_on_images_then_the_adapter_loads_in_transformers_with_equal_logits(data, trained):
     import peft
     import torch
     import transformers
@@ -49,12 +59,11 @@ def test_train_on_images_then_the_adapter_loads_in_transformers_with_equal_logit
 
     import jaxft
     from jaxft.data import Formatter, ImageProcessor, load_tokenizer, read_records
-    from jaxft.train import train
     from jaxft.train.metrics import read_metrics
     from lora_helpers import rel_err
     from test_qwen2_vl import _hf_logits
 
-    result = train(_config(data, tmp_path / "run", finetune_mlp_modules=False))
+    result = trained
     evals = [r["eval_loss"] for r in read_metrics(result.metrics_path) if "eval_loss" in r]
     assert len(evals) == 2 and all(math.isfinite(e) for e in evals)  # step 0 and step 3
     assert evals[1] < evals[0]
@@ -121,24 +130,32 @@ def _patch_rows(dump: Path, patch_dim: int) -> int:
     return max(int(n) for n in re.findall(rf"f32\[(\d+),{patch_dim}\]", step.read_text()))
 
 
-@pytest.mark.slow  # two runs of jaxft-train, ~1 min each on 2 cores
-def test_on_a_mesh_each_device_embeds_its_own_rows_images(data, tmp_path):
-    """4 rows on data=2 x fsdp=2 (a row per device) against the same 4 rows on one device: equal losses, and the
-    mesh's compiled step gives the tower a quarter of the patches (before `per_device_images` every device ran
-    the tower on the whole batch's images: 736 patches here, against 184 of its own row)."""
+@pytest.mark.slow  # jaxft-train on 4 host devices, ~1 min on 2 cores
+def test_on_a_mesh_each_device_embeds_its_own_rows_images(data, trained, tmp_path):
+    """The module run's 4-row batches on data=2 x fsdp=2 (a row per device) against the module run on one device:
+    equal losses, and the mesh's compiled step gives the tower a quarter of the batch's patches (before
+    `per_device_images` every device ran the tower on the whole batch's images: 736 patches here, against 184 of
+    its own row). The whole batch's patch count is the data pipeline's pixel_values of a batch, as the one-device
+    step takes them."""
+    from jaxft.data import build_datasets
+    from jaxft.train.metrics import read_metrics
     from test_train_fixtures import run_cli_on_host_devices
 
     config = json.loads((MODEL / "config.json").read_text())["vision_config"]
     patch_dim = config["in_channels"] * config["temporal_patch_size"] * config["patch_size"] ** 2
-    values = dict(model_name_or_path=str(MODEL), dataset=str(data / "train.jsonl"), max_steps=2,
+    values = dict(model_name_or_path=str(MODEL), dataset=str(data / "train.jsonl"), max_steps=3,
                   max_seq_length=128, learning_rate=1e-2, warmup_steps=0, logging_steps=1, save_steps=100,
                   report_to="none", bf16=False, disable_tqdm=True, lora_r=4, lora_alpha=8, remat="none", seed=0,
-                  finetune_vision_layers=True)  # the tower's adapters: their gradients summed over the devices
-    one, _ = run_cli_on_host_devices({**values, "output_dir": str(tmp_path / "one"), "per_device_train_batch_size": 4},
-                                     tmp_path / "one.yaml", 1, timeout=600, dump_hlo=tmp_path / "hlo_one")
+                  finetune_mlp_modules=False)  # the tower's adapters: their gradients summed over the devices
     mesh, _ = run_cli_on_host_devices({**values, "output_dir": str(tmp_path / "mesh"), "per_device_train_batch_size": 1,
                                        "mesh": {"data": 2, "fsdp": 2}}, tmp_path / "mesh.yaml", 4, timeout=600,
                                       dump_hlo=tmp_path / "hlo_mesh")
-    np.testing.assert_allclose([r["loss"] for r in mesh], [r["loss"] for r in one], rtol=1e-5)
-    whole = _patch_rows(tmp_path / "hlo_one", patch_dim)
+    one = [r["loss"] for r in read_metrics(trained.metrics_path) if "loss" in r]
+    assert len(one) == len(mesh) == 3
+    np.testing.assert_allclose([r["loss"] for r in mesh], one, rtol=1e-5)
+    train_set, _ = build_datasets(_config(data, tmp_path / "unused", per_device_train_batch_size=4).data_config(1),
+                                  MODEL)
+    pixels = train_set.batch(0)["pixel_values"]
+    assert pixels.shape[0] == 4
+    whole = pixels.size // patch_dim
     assert whole > 0 and _patch_rows(tmp_path / "hlo_mesh", patch_dim) * 4 == whole
