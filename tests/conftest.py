@@ -10,6 +10,10 @@ import pytest
 
 # Tests compare against fp32 torch: keep XLA's CPU matmuls at full precision.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# One OpenMP thread for torch (and bitsandbytes) in each worker and child process: `make test` runs two workers on
+# two cores, and torch's threads spin-waiting for a core the other worker holds took up to 10x the CPU time of one
+# thread on the oracles' tiny models.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Without a CUDA plugin, LLVM's passes over XLA's CPU code at -O0 (child processes inherit it: test_train_fixtures'
 # host_devices_env keeps it): the tests' programs are tiny, so compiling them is most of the suite's time, and -O0
 # takes about a third off it; the HLO the tests read (fusions, buffers, placements) is made before LLVM and is the

@@ -46,16 +46,6 @@ HELD_OUT = {"Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo", "Germany": "Be
             "Russia": "Moscow", "China": "Beijing", "Canada": "Ottawa"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """transformers' generate on one torch thread: on 2 busy cores its 2 threads took 10x the CPU time of one
-    (3 prompts: 15 s against 1.5 s). Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _prompt(country: str) -> str:
     return f"Q: What is the capital of {country}?\nA:"
 
