@@ -17,7 +17,7 @@ from jaxft.config import ModelConfig
 from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models import init_model
-from jaxft.memory.policy import NAMES, RematPolicy, canonical, parse, residual_bytes
+from jaxft.memory.policy import RematPolicy, canonical, parse
 from jaxft.train.step import loss_and_grad_sums, split_model, stack_micro_batches, unstack_layers
 from lora_helpers import perturb_lora_b
 

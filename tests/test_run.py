@@ -12,7 +12,6 @@ import pytest
 from jaxft.memory.execution import MEMORY_PRESETS, ExecutionConfig
 from jaxft.lora import LoraConfig
 from jaxft.run import Run
-from jaxft.memory.policy import NAMES
 from jaxft.train import load_config, train
 from jaxft.train.optim import OptimConfig
 from test_train_fixtures import make_jsonl, make_tiny_model

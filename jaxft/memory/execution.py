@@ -70,7 +70,7 @@ import jax
 
 from jaxft.errors import KeyedConfigError
 from jaxft.memory import policy as remat_policies
-from jaxft.residuals import LAYER_INPUT, NAMES
+from jaxft.residuals import LAYER_INPUT
 from kernels_pallas.grouped_matmul import IMPLEMENTATIONS as GROUPED_MATMUL_IMPLEMENTATIONS
 from kernels_pallas.linear_cross_entropy import tiles_for
 

@@ -132,12 +132,3 @@ def scale_by_adam_8bit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) ->
             tuple(nu_absmax))
 
     return optax.GradientTransformation(init, update)
-
-
-def state_bytes(params) -> int:
-    """Bytes of the 8-bit optimizer state for `params` (arrays or shapes): codes, scales and fp32 fallbacks."""
-    total = 0
-    for p in jax.tree.leaves(params):
-        size = int(np.prod(p.shape))
-        total += 2 * (size + 4 * size // BLOCK if eligible(p.shape) else 4 * size)
-    return total

@@ -113,8 +113,7 @@ class DpoConfig:
             hidden = model.hidden_states(*args, dropout_rng=r, execution=execution, **images)
             seg, mask = mb["segment_ids"], mb["loss_mask"].astype(_F32)
             chosen, rejected = _pairs(_sequence_sums(-_token_ce(model, hidden, mb, execution), seg))
-            lengths = _pairs(_sequence_sums(mask, seg))
-            valid = (lengths[0] > 0) & (lengths[1] > 0)
+            lengths, valid = _completion_lengths(mask, seg)
 
             def total(c, r_):
                 return jnp.sum(jnp.where(valid, self.pair_losses(c, r_, *ref, lengths), 0.0))
@@ -148,8 +147,7 @@ class DpoConfig:
         """(sum of pair losses, pair count, metric sums) of a [B, T] batch, no gradient."""
         ref = self._logps(nnx.merge(graphdef, lora, adapters_off(frozen)), batch, execution)
         chosen, rejected = self._logps(nnx.merge(graphdef, lora, frozen), batch, execution)
-        lengths = _pairs(_sequence_sums(batch["loss_mask"].astype(_F32), batch["segment_ids"]))
-        valid = (lengths[0] > 0) & (lengths[1] > 0)
+        lengths, valid = _completion_lengths(batch["loss_mask"].astype(_F32), batch["segment_ids"])
         loss = jnp.sum(jnp.where(valid, self.pair_losses(chosen, rejected, *ref, lengths), 0.0))
         return loss, jnp.sum(valid).astype(_F32), self._metric_sums(valid, chosen, rejected, *ref)
 
@@ -197,3 +195,10 @@ def _unpairs(chosen: jax.Array, rejected: jax.Array, t: int) -> jax.Array:
     b, p = chosen.shape
     out = jnp.zeros((b, t + 1), _F32)
     return out.at[:, 1:2 * p:2].set(chosen).at[:, 2:2 * p + 1:2].set(rejected)
+
+
+def _completion_lengths(mask: jax.Array, segment_ids: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """((chosen, rejected) completion token counts [B, P], whether pair k of each row exists: both of its
+    sequences have completion targets)."""
+    chosen, rejected = _pairs(_sequence_sums(mask, segment_ids))
+    return (chosen, rejected), (chosen > 0) & (rejected > 0)

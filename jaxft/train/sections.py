@@ -21,7 +21,7 @@ from jaxft.lora import LoraConfig, LoraConfigError
 from jaxft.models.vision.targets import finetune_targets
 from jaxft.quant.config import DEFAULT_SKIP, Fp8Config, QuantConfig, QuantConfigError
 from jaxft.sharding import MeshConfig, MeshConfigError
-from jaxft.train.dpo import DpoConfig, DpoConfigError
+from jaxft.train.dpo import LOSS_TYPES, DpoConfig, DpoConfigError
 from jaxft.train.keys import (BY_NAME, EXECUTION_MAPPING_KEYS, MEMORY_FLAT_KEYS, TrainConfigError, closest,
                               part_error, section)
 from jaxft.train.optim import OptimConfig, OptimConfigError
@@ -124,7 +124,7 @@ class ObjectiveSection:
         if isinstance(self.loss_type, tuple):  # TRL's DPOConfig takes a list of loss types, weighted
             if len(self.loss_type) != 1:
                 raise TrainConfigError(f"key 'loss_type': value {list(self.loss_type)!r}; jaxft trains one loss type: "
-                                       "give one of sigmoid, robust, hinge, ipo", key="loss_type")
+                                       f"give one of {', '.join(LOSS_TYPES)}", key="loss_type")
             object.__setattr__(self, "loss_type", self.loss_type[0])
 
     def build(self) -> DpoConfig | None:
