@@ -49,7 +49,7 @@ from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.memory.policy import attention_copies_pay
 from jaxft.models.build import abstract_model, init_model, model_class
 from jaxft.quant.config import Fp8Config
-from jaxft.quant.fp8 import abstract_fp8
+from jaxft.quant import fp8 as fp8_base
 from jaxft.quant.weights import abstract_quantize
 from jaxft.sharding import MeshConfig, Placement
 from jaxft.train import full as full_ft
@@ -108,6 +108,9 @@ class Run:
         self.optimizer, self.schedule = self.optim.build(self.total_steps, decay_mask=decay_mask)
         self.compute_dtypes = None  # full: the dtypes the fp32 masters are cast to (`_abstract_split`)
         self.placement = placement_for(self.execution, self.mesh, self.devices)
+        wanted = fp8_base.program_options(self.quant_config, self.placement.devices[0])
+        if wanted:  # the user's compiler_options win
+            self.execution = self.execution.replace(compiler_options={**wanted, **self.execution.compiler_options})
         self.rng = jax.random.key(self.seed)
         self.graphdef = self.lora = self.frozen = self.opt_state = None
         self._compiled = self._compiled_spec = self._eval_fn = None
@@ -183,7 +186,7 @@ class Run:
             model = model_class(self.model_config)(self.model_config, dtype=jnp.dtype(self.dtype),
                                                    rngs=nnx.Rngs(0))
             if isinstance(self.quant_config, Fp8Config):
-                abstract_fp8(model, self.quant_config, self.model_path)
+                fp8_base.abstract_fp8(model, self.quant_config, self.model_path)
             else:
                 abstract_quantize(model, self.model_path, self.quant_config)
             return self._trained(model)

@@ -26,10 +26,13 @@ from jaxft.memory.execution import ExecutionConfig
 from jaxft.lora import LoraConfig, apply_lora
 from jaxft.models.layers import Fp8Weight, LoraParam, QuantFp8, linears
 from jaxft.quant import Fp8Config
+from jaxft.quant.fp8 import program_options as fp8_program_options
+from jaxft.run import Run
 from jaxft.train import TrainConfig, split_model, train, unstack_layers
 from jaxft.train.config import TrainConfigError
 from jaxft.train.step import token_loss_sum
 from kernels_pallas.fp8_matmul import dequantize_fp8, quantize_rows
+from test_train_fixtures import make_tiny_model
 from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, torch_logits
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,6 +188,34 @@ def test_bench_recipes_are_fast_and_lean_on_an_fp8_base():
         got, want = load_config(bench / f"{fp8}.yaml"), load_config(bench / f"{base}.yaml")
         assert isinstance(got.quant_config, Fp8Config) and want.quant_config is None
         assert got.execution_config == want.execution_config and got.lora == want.lora and got.optim == want.optim
+    balanced = load_config(bench / "fp8_balanced.yaml")
+    assert isinstance(balanced.quant_config, Fp8Config)
+    assert (balanced.execution_config.remat, balanced.execution_config.layer_loop) == ("offload+attn", "scan")
+
+
+class _Device:
+    def __init__(self, platform, compute_capability=""):
+        self.platform, self.compute_capability = platform, compute_capability
+
+
+def test_fp8_gemms_compile_without_triton_gemms_and_the_users_options_win(tmp_path):
+    hopper, ampere, cpu = _Device("gpu", "9.0"), _Device("gpu", "8.0"), jax.devices("cpu")[0]
+    assert fp8_program_options(Fp8Config(), hopper) == {"xla_gpu_enable_triton_gemm": False}
+    for cfg, device in ((Fp8Config(), ampere), (Fp8Config(), cpu), (Fp8Config(implementation="xla"), hopper),
+                        (None, hopper)):
+        assert fp8_program_options(cfg, device) == {}
+    # A run takes them in its step's program (here the FP8 GEMMs interpreted on the CPU, where the option is inert).
+    make_tiny_model(tmp_path / "model")
+    lora, fp8_gemms = LoraConfig(r=4, alpha=8, target_modules=("q_proj",)), Fp8Config(implementation="xla_fp8")
+    mine = {"xla_gpu_enable_triton_gemm": True}
+    run = Run(tmp_path / "model", lora, ExecutionConfig(compiler_options=mine), quant_config=fp8_gemms)
+    assert run.execution.program_options == mine
+    run = Run(tmp_path / "model", lora, quant_config=fp8_gemms)
+    assert run.execution.program_options == {"xla_gpu_enable_triton_gemm": False}
+    rows = np.ones((1, 16), np.int32)
+    loss = run.load().step(dict(input_ids=rows, targets=rows, loss_mask=rows.astype(np.float32), segment_ids=rows,
+                                positions=np.arange(16, dtype=np.int32)[None]), 0)["loss"]
+    assert np.isfinite(float(loss))
 
 
 def test_fp8_run_trains_and_exports_an_adapter_peft_loads_on_the_bf16_base(tmp_path):

@@ -73,9 +73,10 @@ def test_fp8_base_step_has_an_f8_gemm_per_frozen_matmul_and_trains_like_bf16(tmp
             rows = np.ones((4, 512), np.int32)
             compiled = run.compile(dict(input_ids=rows, targets=rows, loss_mask=rows.astype(np.float32),
                                         segment_ids=rows, positions=np.tile(np.arange(512, dtype=np.int32), (4, 1))))
-            # 2 unrolled layers x 7 frozen linears, forward and input gradient; XLA's dot merger may make the
+            # 2 unrolled layers x 7 frozen linears, forward and input gradient, less the first layer's q/k/v input
+            # gradients (they would only reach the frozen embeddings: dead code). XLA's dot merger may make the
             # forward GEMMs that share their input (q/k/v, gate/up) one, so a layer has 4 to 7 forward ones.
-            assert 2 * (4 + 7) <= len(F8_GEMM.findall(compiled.as_text())) <= 2 * (7 + 7)
+            assert 2 * 4 + 7 + 4 <= len(F8_GEMM.findall(compiled.as_text())) <= 2 * 7 + 7 + 4
         train(cfg)
         losses[base] = np.array([r["loss"] for r in read_metrics(tmp_path / base / "metrics.jsonl") if "loss" in r])
     assert len(losses["fp8"]) == 6 and losses["fp8"][-3:].mean() < losses["fp8"][0]

@@ -20,11 +20,21 @@ from jaxft.models.layers import QuantFp8
 from jaxft.quant.config import Fp8Config, is_skipped
 from jaxft.quant.experts import abstract_experts, checkpoint_fp8_blocks
 from jaxft.quant.weights import install, linear_sites
-from kernels_pallas.fp8_matmul import quantize_rows
+from kernels_pallas.fp8_matmul import OP, quantize_rows
 
-__all__ = ["abstract_fp8", "quantize_fp8_site", "quantize_linears_fp8", "saved_fp8_bytes"]
+__all__ = ["abstract_fp8", "program_options", "quantize_fp8_site", "quantize_linears_fp8", "saved_fp8_bytes"]
 
 _quantize = jax.jit(quantize_rows)
+
+
+def program_options(cfg, device) -> dict:
+    """XLA options a training step over an FP8 base wants on `device`: where its frozen GEMMs are FP8 GEMMs
+    (`xla_fp8`), XLA's Triton GEMMs off, so every f8 dot is a cuBLASLt FP8 call without autotuning Triton
+    candidates for it (Llama-3.1-8B at 1 x 4096 on an H100: 131 s to compile the step with them on). None
+    else, or when `cfg` is not an `Fp8Config`."""
+    if not isinstance(cfg, Fp8Config) or OP.resolve(cfg.implementation, device).name != "xla_fp8":
+        return {}
+    return {"xla_gpu_enable_triton_gemm": False}
 
 
 def quantize_fp8_site(kernel: np.ndarray, stacked: bool, cfg: Fp8Config, axes=(None, None)) -> QuantFp8:
