@@ -212,8 +212,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Workloads", ""]
     for name, w in report["workloads"].items():
         d = w["data"]
-        lines.append(f"- {name}: shape {w['shape']}, batch {w['batch']} x {w['seq_len']}"
-                     f"{' packed' if w['packed'] else ''}; frozen matmul params "
+        rows = (f"{w['batch']} DPO pair(s) x 2 sides x {w['seq_len']} (prompt {d.get('prompt_len')})" if w.get("dpo")
+                else f"batch {w['batch']} x {w['seq_len']}{' packed' if w['packed'] else ''}")
+        lines.append(f"- {name}: shape {w['shape']}, {rows}; frozen matmul params "
                      f"{_si(w['params']['frozen_matmul'])}, LoRA params {_si(w['params']['lora'])}; "
                      f"{d['documents'] / d['steps']:.1f} docs/step (mean {d['mean_doc_len']:.0f} "
                      f"tokens); useful {_si(w['useful_flops_per_step'])}FLOP/step"
