@@ -131,8 +131,10 @@ class Bench:
     def save(self) -> None:
         with self.lock:
             for name in self.report["workloads"]:
-                self.report["workloads"][name]["first_loss_spread"] = first_loss_spread(
-                    self.report["runs"], name)
+                w = self.report["workloads"][name]
+                w["first_loss_spread"] = first_loss_spread(self.report["runs"], name)
+                if w.get("dpo"):
+                    w["first_logps_spread"] = first_loss_spread(self.report["runs"], name, "first_logps_chosen")
             os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
             # Temp file + rename: a harness killed mid-write keeps the previous valid report.
             for path, text in ((self.args.out, json.dumps(self.report, indent=2, default=str)),
