@@ -74,7 +74,8 @@ class TokenData:
         """Rows start..stop-1 of every step (one data-parallel rank's share of a global batch); attention_pairs
         counted again for those rows."""
         cut = {f.name: getattr(self, f.name)[:, start:stop] for f in dataclasses.fields(self)
-               if f.name not in ("attention_pairs", "image_token_id", "prompt_len") and getattr(self, f.name) is not None}
+               if f.name not in ("attention_pairs", "image_token_id", "prompt_len")
+               and getattr(self, f.name) is not None}
         return dataclasses.replace(self, **cut, attention_pairs=causal_pairs(cut["segment_ids"]))
 
     def hf_images(self, i: int) -> tuple[np.ndarray, np.ndarray]:

@@ -322,7 +322,8 @@ def _load_hf(model_dir: str, device: str, four_bit: bool = False, dtype=None):
         quant["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16)
-    model = auto.from_pretrained(model_dir, dtype=dtype or torch.bfloat16, attn_implementation=hf_attention(config, device),
+    model = auto.from_pretrained(model_dir, dtype=dtype or torch.bfloat16,
+                                 attn_implementation=hf_attention(config, device),
                                  device_map=device, trust_remote_code=False, **quant)
     model.config.use_cache = False
     return model

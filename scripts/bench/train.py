@@ -27,6 +27,7 @@ slowest system. Each run records the GPU index it ran on (``gpu``).
         --steps 12 --budget-s 520 --out $OUT/bench_train.json --md $OUT/bench_train.md
     python -m scripts.bench.train --gpus all ...   # 8 x H200: every system on its own GPU at once
     python -m scripts.bench.train --tiny --systems hf_nockpt,jaxft --out /tmp/b.json --md /tmp/b.md
+    python -m scripts.bench.train --systems jaxft_dpo,trl_dpo,unsloth_dpo --workloads 8b_dpo_2048 ...  # DPO
 
 Unsloth is not on the device image: pass --unsloth-wheels DIR (default .peers/unsloth, filled by
 /work/shared/peers/unsloth-wheels.sh and carried to the device); the harness installs it into a

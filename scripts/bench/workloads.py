@@ -29,11 +29,11 @@ Useful FLOPs of one optimizer step (the formula printed in every report):
   pair and head of its bidirectional attention (window blocks: pairs within a window; full blocks:
   within an image). ``tokens`` are text + image tokens (the language model runs on both).
 * attention: per layer and head, QK^T and PV cost 2 * D FLOPs per (query, key) pair each in the
-  forward (4 * D), the backward twice that, so 12 * D per pair.
-* DPO workloads add the reference model's forward (no gradient) over the same tokens: 2 * P_frozen per
-  token and 4 * D per pair and head (the reference is the base model: its LoRA FLOPs are not useful). ``pairs`` counts the causal
+  forward (4 * D), the backward twice that, so 12 * D per pair. ``pairs`` counts the causal
   (query, key) pairs that are allowed, diagonal included: T (T + 1) / 2 for a plain row, and the
   sum of n (n + 1) / 2 over the documents of a packed row (cross-document pairs are not useful).
+* DPO workloads add the reference model's forward (no gradient) over the same tokens: 2 * P_frozen per
+  token and 4 * D per pair and head (the reference is the base model: its LoRA FLOPs are not useful).
 * Not counted: norms, activations, softmax, the loss, recomputation by gradient checkpointing.
 """
 
