@@ -121,6 +121,7 @@ def test_dpo_rows_of_jaxft_and_trl_start_from_ln2_on_the_same_pairs(tiny_model_d
     import math
 
     from scripts.bench import jaxft_worker, torch_worker
+    from scripts.bench.worker_common import SystemUnavailable
     from scripts.bench.workloads import make_token_data, param_counts
 
     w = get_workload("tiny_dpo")
@@ -138,6 +139,9 @@ def test_dpo_rows_of_jaxft_and_trl_start_from_ln2_on_the_same_pairs(tiny_model_d
     settings = trl["settings"]
     assert (settings["beta"], settings["loss_type"], settings["max_length"]) == (0.1, ["sigmoid"], w.seq_len)
     assert settings["reference"] == "the model with its adapter disabled" and settings["gradient_checkpointing"]
+    # Unsloth's recipe needs CUDA: a not_run row saying so, before anything is loaded.
+    with pytest.raises(SystemUnavailable, match="CUDA GPU"):
+        torch_worker.run_task(Task("train", "unsloth_dpo", w.name, tiny_model_dir, 2, "cpu"), "", None)
 
 
 def test_jax_task_peak_uses_the_allocator_only_when_the_steps_raised_it():
