@@ -113,6 +113,37 @@ def test_jaxft_row_reports_the_settings_it_ran_with_after_remat_auto(tiny_model_
     assert raw["extra"]["compilation_cache_dir"] == os.environ.get("JAX_COMPILATION_CACHE_DIR")
 
 
+def test_dpo_rows_of_jaxft_and_trl_start_from_ln2_on_the_same_pairs(tiny_model_dir):
+    """tiny_dpo in-process through both DPO paths: jaxft_dpo (examples/bench/dpo.yaml through Run) and trl_dpo
+    (TRL's DPOTrainer.train(), timed per step by its callback). Both train the data's pairs (TRL's hash is of the
+    batches its own dataloader collates), start at ln 2 (LoRA B = 0: the policy is the reference) and agree on
+    step 0's log-probabilities of the chosen and rejected completions (same tokens, same completion masks)."""
+    import math
+
+    from scripts.bench import jaxft_worker, torch_worker
+    from scripts.bench.worker_common import SystemUnavailable
+    from scripts.bench.workloads import make_token_data, param_counts
+
+    w = get_workload("tiny_dpo")
+    ours = jaxft_worker.run_jaxft(w, tiny_model_dir, 2, mode="dpo")
+    trl = torch_worker.run_dpo(Task("train", "trl_dpo", w.name, tiny_model_dir, 2, "cpu"))
+    assert ours["data_sha256"] == trl["data_sha256"] == make_token_data(w, 2).sha256
+    for raw in (ours, trl):
+        assert len(raw["step_times_s"]) == len(raw["losses"]) == 2 and min(raw["step_times_s"]) > 0
+        assert abs(raw["losses"][0] - math.log(2)) < 1e-6, raw["losses"]
+        assert raw["trainable_params"] == param_counts(w.shape)["lora"]
+    for key in ("logps/chosen", "logps/rejected"):
+        got, want = ours["extra"]["objective_metrics"][0][key], trl["extra"]["objective_metrics"][0][key]
+        assert abs(got - want) < 1e-5 * abs(want), (key, got, want)
+    assert ours["settings"]["objective"] == {"beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0}
+    settings = trl["settings"]
+    assert (settings["beta"], settings["loss_type"], settings["max_length"]) == (0.1, ["sigmoid"], w.seq_len)
+    assert settings["reference"] == "the model with its adapter disabled" and settings["gradient_checkpointing"]
+    # Unsloth's recipe needs CUDA: a not_run row saying so, before anything is loaded.
+    with pytest.raises(SystemUnavailable, match="CUDA GPU"):
+        torch_worker.run_task(Task("train", "unsloth_dpo", w.name, tiny_model_dir, 2, "cpu"), "", None)
+
+
 def test_jax_task_peak_uses_the_allocator_only_when_the_steps_raised_it():
     from scripts.bench.jaxft_worker import _task_peak
 

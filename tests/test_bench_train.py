@@ -138,6 +138,41 @@ def test_useful_flops_formula():
     assert useful_flops(shape, t, pairs) == pytest.approx(expected, rel=1e-12)
     # Attention is a few percent of an 8B step at 4k, roughly the 6ND rule's matmul part.
     assert 0.02 < 12 * 32 * 32 * 128 * pairs / expected < 0.2
+    # DPO: the reference (base model) forward over the same tokens and pairs on top.
+    ref = t * 2 * p["frozen_matmul"] + 4 * 32 * 32 * 128 * pairs
+    assert useful_flops(shape, t, pairs, reference_forward=True) == pytest.approx(expected + ref, rel=1e-12)
+
+
+def test_dpo_pairs_are_jaxft_rows_and_trl_examples_of_the_same_tokens():
+    """A DPO workload's data: each row one whole pair (prompt + chosen, prompt + rejected: two documents of seq_len,
+    the same prompt, the loss mask on the completions' targets only), TRL's examples of the same tokens; the hash of
+    what TRL's own collator makes of them (preference_sha256) is the data's, and differs when TRL cuts the rows
+    (max_length) or pads them."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    from scripts.bench.workloads import preference_sha256
+
+    w = get_workload("tiny_dpo")
+    d = make_token_data(w, 2)
+    t, p = w.seq_len, d.prompt_len
+    assert w.tokens_per_step == d.input_ids[0].size == 2 * w.batch * t and p == t // 2
+    assert np.array_equal(d.segment_ids[0, 0], np.repeat([1, 2], t))
+    one_side = np.r_[np.zeros(p - 1), np.ones(t - p), 0]  # targets p .. t-1 of a side: its completion
+    assert np.array_equal(d.loss_mask[0, 0], np.r_[one_side, one_side])
+    assert d.attention_pairs[0] == 2 * w.batch * t * (t + 1) // 2  # two causal rows of t per pair
+    examples = [d.preference_examples(i) for i in range(2)]
+    ex = examples[1][1]
+    assert (len(ex["prompt_ids"]), len(ex["chosen_ids"]), len(ex["rejected_ids"])) == (p, t - p, t - p)
+    assert ex["prompt_ids"] + ex["chosen_ids"] + ex["prompt_ids"] + ex["rejected_ids"] == d.input_ids[1, 1].tolist()
+
+    def trl_hash(**collator):
+        collate = DataCollatorForPreference(pad_token_id=3, **collator)
+        batches = [collate(step) for step in examples]
+        return preference_sha256([(b["input_ids"].numpy(), b["completion_mask"].numpy()) for b in batches])
+
+    assert trl_hash(max_length=t) == d.sha256
+    assert trl_hash(max_length=t - 1) != d.sha256  # a cut completion
+    assert trl_hash(max_length=t, pad_to_multiple_of=t + 1) != d.sha256  # padding
 
 
 # ------------------------------------------------------------------------------------------------
@@ -310,7 +345,10 @@ def test_cli_rejects_too_few_timed_steps(tmp_path, capsys):
     from scripts.bench.train import main
 
     for argv, message in ((["--steps", "5", "--workloads", "8b_4096"], ">= 10 timed steps"),
-                          (["--tiny", "--workloads", "8b_4096"], "not tiny")):
+                          (["--tiny", "--workloads", "8b_4096"], "not tiny"),
+                          (["--tiny", "--systems", "jaxft_dpo,hf_ckpt", "--workloads", "tiny_dpo"],
+                           "hf_ckpt x tiny_dpo: the DPO systems"),
+                          (["--tiny", "--systems", "trl_dpo", "--workloads", "tiny_llama"], "trl_dpo x tiny_llama")):
         with pytest.raises(SystemExit) as e:
             main(argv + ["--out", str(tmp_path / "x.json")])
         assert e.value.code != 0 and message in capsys.readouterr().err

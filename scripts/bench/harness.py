@@ -22,13 +22,16 @@ from .gpus import _serial_gpu
 from .report import first_loss_spread, markdown, summarise_run
 from .sessions import Job, SessionRunner, keep_logs, pin_env, run_jobs, run_subprocess
 from .workloads import SHAPES, ModelShape, Workload, get_workload, make_token_data, param_counts, useful_flops
-from .worker_common import Task, jaxft_modes
+from .worker_common import Task, jaxft_dpo_modes, jaxft_modes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # jaxft systems: "jaxft" (examples/bench/fast.yaml) and "jaxft_<mode>" (examples/bench/<mode>.yaml).
 JAXFT_MODES = jaxft_modes()[1:]
-# Torch systems whose worker needs the carried peer wheels on its path (Unsloth; bitsandbytes for HF QLoRA).
-PEER_WHEEL_SYSTEMS = ("unsloth", "unsloth_4bit", "unsloth_full", "hf_qlora")
+# Torch systems whose worker needs the carried peer wheels on its path (Unsloth; bitsandbytes for HF QLoRA; TRL and
+# datasets for the DPO systems).
+PEER_WHEEL_SYSTEMS = ("unsloth", "unsloth_4bit", "unsloth_full", "hf_qlora", "trl_dpo", "unsloth_dpo")
+# The systems that train DPO, on the DPO workloads only (the others train SFT on the others).
+DPO_SYSTEMS = tuple(f"jaxft_{m}" for m in jaxft_dpo_modes()) + ("trl_dpo", "unsloth_dpo")
 JAXFT_WORKER, TORCH_WORKER = "scripts.bench.jaxft_worker", "scripts.bench.torch_worker"
 WORKER = {"jaxft": JAXFT_WORKER, **{f"jaxft_{m}": JAXFT_WORKER for m in JAXFT_MODES},
           **{s: TORCH_WORKER for s in ("hf_ckpt", "hf_nockpt") + PEER_WHEEL_SYSTEMS}}
@@ -128,8 +131,10 @@ class Bench:
     def save(self) -> None:
         with self.lock:
             for name in self.report["workloads"]:
-                self.report["workloads"][name]["first_loss_spread"] = first_loss_spread(
-                    self.report["runs"], name)
+                w = self.report["workloads"][name]
+                w["first_loss_spread"] = first_loss_spread(self.report["runs"], name)
+                if w.get("dpo"):
+                    w["first_logps_spread"] = first_loss_spread(self.report["runs"], name, "first_logps_chosen")
             os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
             # Temp file + rename: a harness killed mid-write keeps the previous valid report.
             for path, text in ((self.args.out, json.dumps(self.report, indent=2, default=str)),
@@ -178,7 +183,8 @@ class Bench:
     def workload_info(self, name: str) -> tuple[list[float], str]:
         w = get_workload(name)
         data = make_token_data(w, self.args.steps)
-        flops = [useful_flops(w.shape, w.tokens_per_step, int(p), image_grids=data.image_grids(i))
+        flops = [useful_flops(w.shape, w.tokens_per_step, int(p), image_grids=data.image_grids(i),
+                              reference_forward=w.dpo)
                  for i, p in enumerate(data.attention_pairs)]
         self.report["workloads"][name] = {
             **w.to_dict(), "shape": w.shape_name, "params": param_counts(w.shape),

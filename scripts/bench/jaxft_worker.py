@@ -9,6 +9,10 @@ batches on the device before the clock starts). ``Run.compile`` compiles the ste
 clock; its ``memory_analysis()`` gives the static memory numbers below. Each step is timed with
 block_until_ready on its loss. Exceptions propagate to worker_main: an out-of-memory (RESOURCE_EXHAUSTED) is recorded as "oom", anything else "error".
 
+A DPO mode (`trainer: dpo`: examples/bench/dpo.yaml, system jaxft_dpo) trains a DPO workload: each row one whole
+preference pair (workloads.Workload.dpo), the step the recipe's DPO objective, as `jaxft-train` runs a DPO recipe;
+the row's extra.objective_metrics holds each step's rewards/* and logps/* (TRL's names).
+
 Sessions (worker_common): consecutive tasks on the same model_dir (and the same dtype,
 attention and remat settings) reuse the loaded frozen weights; LoRA starts each task from the same
 seeded init (kept on the host, copied to the device per task), with a fresh optimizer state.
@@ -46,16 +50,15 @@ Usage (the harness does this, from the repository root or with it on PYTHONPATH)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import time
 from typing import Any
 
-import yaml
-
 from .workloads import Workload
-from .worker_common import BENCH_RECIPES, ModelCache, Task, jaxft_modes, load_tasks, worker_main
+from .worker_common import BENCH_RECIPES, ModelCache, Task, jaxft_modes, load_tasks, recipe_keys, worker_main
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,6 +72,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 #         layer scan (host offload of the scanned layer inputs is what keeps the memory down).
 #   offload_attn (memory: balanced), lean_attn_host (memory: max_context), offload_unroll, auto, auto_40gb: the
 #         remat policies of jaxft.memory.policy (one YAML each; auto_40gb = auto within 40 GB);
+#   dpo: fast with DPO as the objective (`trainer: dpo`; the DPO workloads, whose rows hold whole preference pairs);
 #   qlora: fast on a 4-bit base (the frozen linears, and a MoE shape's experts, quantised to bitsandbytes nf4
 #         with double quantisation while loading); qlora_lean: the same base with full remat over the layer scan;
 #         qlora_offload: the same base with the layer inputs offloaded from the unrolled loop.
@@ -123,8 +127,13 @@ def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str, extra
     would run."""
     from jaxft.train import load_config
 
-    overrides = [f"model_name_or_path={model_dir}", f"dataset={os.path.join(REPO, 'examples/data/train.jsonl')}",
-                 f"max_seq_length={workload.seq_len}", f"per_device_train_batch_size={workload.batch}",
+    dpo = recipe_keys(mode).get("trainer") == "dpo"
+    if dpo != workload.dpo:
+        raise ValueError(f"mode {mode!r} trains {'DPO' if dpo else 'SFT'} and workload {workload.name!r} is "
+                         f"{'a DPO' if workload.dpo else 'an SFT'} workload: pair DPO modes with DPO workloads")
+    data = "preference.jsonl" if dpo else "train.jsonl"  # (the recipe's data is never read: the workload's is)
+    overrides = [f"model_name_or_path={model_dir}", f"dataset={os.path.join(REPO, 'examples/data', data)}",
+                 f"max_seq_length={workload.row_len}", f"per_device_train_batch_size={workload.batch}",
                  f"bf16={'true' if dtype == 'bfloat16' else 'false'}"]
     if not trains_in_full(mode):  # a full fine-tune refuses LoRA keys
         overrides += lora_overrides(workload)
@@ -138,8 +147,7 @@ def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str, extra
 
 def trains_in_full(mode: str) -> bool:
     """Whether the mode's recipe trains every weight (`finetuning_type: full`) instead of LoRA adapters."""
-    with open(mode_yaml(mode), encoding="utf-8") as f:
-        return (yaml.safe_load(f) or {}).get("finetuning_type", "lora") == "full"
+    return recipe_keys(mode).get("finetuning_type", "lora") == "full"
 
 
 def lora_overrides(workload: Workload) -> list[str]:
@@ -226,13 +234,15 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
               f"{before.get('pool_bytes', 0) / gib:.2f} GiB, largest free block "
               f"{before.get('largest_free_block_bytes', 0) / gib:.2f} GiB, limit {before.get('bytes_limit', 0) / gib:.2f} "
               f"GiB; the step's temp {analysis.get('temp_size_in_bytes', 0) / gib:.2f} GiB", flush=True)
-    times, losses = [], []
+    times, losses, objective_metrics = [], [], []
     for i in range(steps):
         t0 = time.perf_counter()
         metrics = run.step(batches[i], i)
         loss = float(jax.block_until_ready(metrics["loss"]))
         times.append(time.perf_counter() - t0)
         losses.append(loss)
+        if run.objective is not None:  # DPO's rewards/*, logps/*: scalars, fetched after the clock
+            objective_metrics.append({k: v for k, v in metrics.items() if "/" in k})
     after = device.memory_stats() or {}
     peak, source, memory = _task_peak(before, after, analysis)
     extra = {"memory": memory, "memory_analysis": analysis, "compile_s": compile_s, "model_load_s": load_s,
@@ -241,6 +251,8 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
              "recipe": os.path.relpath(mode_yaml(mode), REPO),
              # compile_s is a cache read, not a compile, when an earlier process compiled the same step
              "compilation_cache_dir": jax.config.jax_compilation_cache_dir}
+    if objective_metrics:  # per step, TRL's names (jaxft.train.dpo.METRICS)
+        extra["objective_metrics"] = [{k: float(v) for k, v in m.items()} for m in jax.device_get(objective_metrics)]
     if run.trials.compiles:  # remat "auto": what it compiled, [policy, remat_layers, depth] (a shallow depth: a probe)
         extra["remat_compiles"] = [list(c) for c in run.trials.compiles]
     if profile_dir:
@@ -262,7 +274,8 @@ def run_jaxft(workload: Workload, model_dir: str, steps: int, mode: str = "fast"
                      "max_memory_gb": execution.max_memory_gb, "remat_estimates": run.trials.estimates,
                      "attention": execution.attention_implementation, "layers": run.layer_loop,
                      "ce_chunk_size": execution.ce_chunk_size, "dtype": dtype, "lora_dtype": "float32",
-                     "compute": dtype, **grouped_matmul_settings(workload, execution, dtype)},
+                     "compute": dtype, **grouped_matmul_settings(workload, execution, dtype),
+                     **({"objective": dataclasses.asdict(run.objective)} if run.objective is not None else {})},
         "extra": extra,
     }
 

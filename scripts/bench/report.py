@@ -58,6 +58,9 @@ def summarise_run(raw: dict[str, Any], workload: Workload, warmup: int,
         "achieved_flops_per_s": flops / med,
         "mfu": (flops / med / ceiling_flops_per_s) if ceiling_flops_per_s else None,
         "first_loss": losses[0],
+        # DPO: step 0's mean log-probability of the chosen completions (the loss there is ln 2 in every system)
+        **({"first_logps_chosen": raw["extra"]["objective_metrics"][0]["logps/chosen"]}
+           if workload.dpo and raw.get("extra", {}).get("objective_metrics") else {}),
         "final_loss": losses[-1],
         "loss_finite": all(math.isfinite(x) for x in losses),
         "data_matches": raw.get("data_sha256") == expected_sha,
@@ -66,11 +69,12 @@ def summarise_run(raw: dict[str, Any], workload: Workload, warmup: int,
     return out
 
 
-def first_loss_spread(runs: list[dict[str, Any]], workload: str) -> float | None:
+def first_loss_spread(runs: list[dict[str, Any]], workload: str, key: str = "first_loss") -> float | None:
     """Relative spread of the step-0 loss across systems (same weights, same data, LoRA B = 0
-    at init, so every system should compute the same first loss up to bf16 rounding)."""
-    vals = [r["summary"]["first_loss"] for r in runs
-            if r["workload"] == workload and r["summary"].get("status") == "ok"]
+    at init, so every system should compute the same first loss up to bf16 rounding); `key`
+    first_logps_chosen: of a DPO row's step-0 chosen log-probability (its loss is ln 2 whatever the data)."""
+    vals = [r["summary"][key] for r in runs
+            if r["workload"] == workload and r["summary"].get("status") == "ok" and key in r["summary"]]
     if len(vals) < 2:
         return None
     return (max(vals) - min(vals)) / max(abs(statistics.fmean(vals)), 1e-12)
@@ -212,13 +216,16 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Workloads", ""]
     for name, w in report["workloads"].items():
         d = w["data"]
-        lines.append(f"- {name}: shape {w['shape']}, batch {w['batch']} x {w['seq_len']}"
-                     f"{' packed' if w['packed'] else ''}; frozen matmul params "
+        rows = (f"{w['batch']} DPO pair(s) x 2 sides x {w['seq_len']} (prompt {d.get('prompt_len')})" if w.get("dpo")
+                else f"batch {w['batch']} x {w['seq_len']}{' packed' if w['packed'] else ''}")
+        lines.append(f"- {name}: shape {w['shape']}, {rows}; frozen matmul params "
                      f"{_si(w['params']['frozen_matmul'])}, LoRA params {_si(w['params']['lora'])}; "
                      f"{d['documents'] / d['steps']:.1f} docs/step (mean {d['mean_doc_len']:.0f} "
                      f"tokens); useful {_si(w['useful_flops_per_step'])}FLOP/step"
                      + (f"; first-loss spread across systems {100 * w['first_loss_spread']:.2f}%"
-                        if w.get("first_loss_spread") is not None else ""))
+                        if w.get("first_loss_spread") is not None else "")
+                     + (f"; step-0 chosen log-probability spread {100 * w['first_logps_spread']:.3f}%"
+                        if w.get("first_logps_spread") is not None else ""))
     notes = report.get("notes", [])
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]

@@ -1,6 +1,6 @@
 """The token data every system of the training benchmark trains on: seeded numpy, the same bytes in every process
-(checked by a SHA-256), in jaxft's packed-batch form and in transformers' (labels, position_ids, a VLM row's pixels).
-Re-exported by workloads."""
+(checked by a SHA-256), in jaxft's packed-batch form and in transformers' (labels, position_ids, a VLM row's pixels;
+a DPO workload's pairs as TRL's prompt_ids / chosen_ids / rejected_ids). Re-exported by workloads."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class WorkloadSpec(Protocol):
     packed: bool
     mean_doc_len: int
     image_size: int
+    dpo: bool
 
 PACKED_DOC_SIGMA = 1.0  # lognormal sigma of packed document lengths (mean is set per workload)
 PACKED_MIN_DOC = 2      # shortest document: one with a single token has no target
@@ -43,6 +44,10 @@ class TokenData:
     Image rows (vision-language workloads) add, in jaxft's packed-batch form (jaxft.data.packing),
     pixel_values [S, B, P * patch_dim] float32 (the image processor's patches of the row's image) and
     image_grid_thw [S, B, 3] int32; ``hf_images(i)`` gives transformers' flat form of step i.
+    Preference rows (DPO workloads, ``prompt_len`` set): row j of a step is one pair laid out whole, as
+    `jaxft.data.preference` packs it: document 1 prompt + chosen, document 2 prompt + rejected (the same prompt,
+    ``prompt_len`` tokens), each T / 2 tokens, the loss mask on the completions' targets only;
+    ``preference_examples(i)`` gives TRL's form of step i.
     """
 
     input_ids: np.ndarray
@@ -54,6 +59,7 @@ class TokenData:
     pixel_values: np.ndarray | None = None
     image_grid_thw: np.ndarray | None = None
     image_token_id: int | None = None
+    prompt_len: int | None = None
 
     def step(self, i: int) -> dict[str, np.ndarray]:
         """The jaxft packed-batch dict of step i."""
@@ -68,7 +74,8 @@ class TokenData:
         """Rows start..stop-1 of every step (one data-parallel rank's share of a global batch); attention_pairs
         counted again for those rows."""
         cut = {f.name: getattr(self, f.name)[:, start:stop] for f in dataclasses.fields(self)
-               if f.name not in ("attention_pairs", "image_token_id") and getattr(self, f.name) is not None}
+               if f.name not in ("attention_pairs", "image_token_id", "prompt_len")
+               and getattr(self, f.name) is not None}
         return dataclasses.replace(self, **cut, attention_pairs=causal_pairs(cut["segment_ids"]))
 
     def hf_images(self, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -94,6 +101,21 @@ class TokenData:
             return []
         return [tuple(int(v) for v in g) for g in self.image_grid_thw[i].reshape(-1, 3)]
 
+    def preference_examples(self, i: int) -> list[dict[str, list[int]]]:
+        """Step i's pairs as TRL's tokenized preference examples (what its DataCollatorForPreference reads):
+        prompt_ids, chosen_ids and rejected_ids, one dict per pair, rows in order."""
+        if self.prompt_len is None:
+            raise ValueError("preference_examples: this data holds no preference pairs (a DPO workload's does)")
+        half, p = self.input_ids.shape[-1] // 2, self.prompt_len
+        out = []
+        for row in self.input_ids[i]:
+            chosen, rejected = row[:half], row[half:]
+            if not np.array_equal(chosen[:p], rejected[:p]):
+                raise ValueError(f"step {i}: a pair's two sequences do not share their {p}-token prompt")
+            out.append({"prompt_ids": chosen[:p].tolist(), "chosen_ids": chosen[p:].tolist(),
+                        "rejected_ids": rejected[p:].tolist()})
+        return out
+
     def hf_labels(self) -> np.ndarray:
         labels = self.input_ids.astype(np.int64)
         labels[self.positions == 0] = -100
@@ -103,13 +125,10 @@ class TokenData:
 
     @property
     def sha256(self) -> str:
-        h = hashlib.sha256()
         arrays = [self.input_ids, self.positions, self.loss_mask]
         if self.pixel_values is not None:  # every system must see the same pixels too
             arrays += [self.pixel_values, self.image_grid_thw]
-        for a in arrays:
-            h.update(np.ascontiguousarray(a).tobytes())
-        return h.hexdigest()
+        return _sha256(arrays)
 
     def stats(self) -> dict[str, Any]:
         starts = int((self.positions == 0).sum())
@@ -121,7 +140,38 @@ class TokenData:
             out["image_tokens_per_step"] = float((self.input_ids == self.image_token_id).sum()
                                                  / self.input_ids.shape[0])
             out["patches_per_step"] = float(sum(t * h * w for t, h, w in self.image_grids(0)))
+        if self.prompt_len is not None:
+            out["prompt_len"] = self.prompt_len
         return out
+
+
+def _sha256(arrays: list[np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def preference_sha256(batches: list[tuple[np.ndarray, np.ndarray]]) -> str:
+    """`TokenData.sha256` of the preference pairs TRL's collator made: one (input_ids, completion_mask) per step,
+    each [2B, T] with the B chosen rows first, laid out as jaxft's rows (chosen then rejected, positions restarting,
+    the loss mask on the targets that are completion tokens). Equal to the workload's hash exactly when TRL trains
+    the same pairs in the same order, untruncated and unpadded."""
+    ids, positions, masks = [], [], []
+    for input_ids, completion in batches:
+        input_ids, completion = np.asarray(input_ids), np.asarray(completion)
+        b, t = input_ids.shape[0] // 2, input_ids.shape[1]
+        target_mask = np.zeros((2 * b, t), np.float32)
+        target_mask[:, :-1] = completion[:, 1:] != 0
+        ids.append(np.concatenate([input_ids[:b], input_ids[b:]], axis=1).astype(np.int32))
+        masks.append(np.concatenate([target_mask[:b], target_mask[b:]], axis=1))
+        positions.append(np.tile(np.concatenate([np.arange(t), np.arange(t)]).astype(np.int32), (b, 1)))
+    return _sha256([np.stack(ids), np.stack(positions), np.stack(masks)])
+
+
+def preference_prompt_len(seq_len: int) -> int:
+    """The prompt tokens of each side of a DPO workload's pairs: the first half (module docstring of workloads)."""
+    return seq_len // 2
 
 
 def _doc_lengths(rng: np.random.Generator, seq_len: int, mean: int) -> np.ndarray:
@@ -212,6 +262,8 @@ def make_token_data(workload: WorkloadSpec, steps: int) -> TokenData:
     """
     if steps < 1:
         raise ValueError(f"make_token_data: steps={steps} must be >= 1")
+    if workload.dpo:
+        return _preference_data(workload, steps)
     rng = np.random.Generator(np.random.PCG64(workload.seed))
     s, b, t = steps, workload.batch, workload.seq_len
     vocab = text_vocab_below(workload.shape)
@@ -237,3 +289,24 @@ def make_token_data(workload: WorkloadSpec, steps: int) -> TokenData:
     targets[..., :-1] = input_ids[..., 1:]
     targets[loss_mask == 0] = 0
     return TokenData(input_ids, targets, loss_mask, segment_ids, positions, causal_pairs(segment_ids), **images)
+
+
+def _preference_data(workload: WorkloadSpec, steps: int) -> TokenData:
+    """A DPO workload's pairs (see TokenData): per pair a uniform random prompt and two completions, each side
+    seq_len tokens, in rows of 2 * seq_len."""
+    rng = np.random.Generator(np.random.PCG64(workload.seed))
+    s, b, t = steps, workload.batch, workload.seq_len
+    p = preference_prompt_len(t)
+    vocab = text_vocab_below(workload.shape)
+    prompt = rng.integers(0, vocab, size=(s, b, p), dtype=np.int64)
+    chosen, rejected = (rng.integers(0, vocab, size=(s, b, t - p), dtype=np.int64) for _ in range(2))
+    input_ids = np.concatenate([prompt, chosen, prompt, rejected], axis=-1).astype(np.int32)
+    one = np.arange(t, dtype=np.int32)
+    positions = np.broadcast_to(np.concatenate([one, one]), (s, b, 2 * t)).copy()
+    segment_ids = np.broadcast_to(np.repeat(np.array([1, 2], np.int32), t), (s, b, 2 * t)).copy()
+    doc_mask = ((one >= p - 1) & (one < t - 1)).astype(np.float32)  # targets p .. t-1: the completion
+    loss_mask = np.broadcast_to(np.concatenate([doc_mask, doc_mask]), (s, b, 2 * t)).copy()
+    targets = np.zeros_like(input_ids)
+    targets[..., :-1] = input_ids[..., 1:]
+    targets[loss_mask == 0] = 0
+    return TokenData(input_ids, targets, loss_mask, segment_ids, positions, causal_pairs(segment_ids), prompt_len=p)

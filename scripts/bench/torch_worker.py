@@ -34,6 +34,19 @@ Systems:
   unsloth_full         full fine-tuning (from_pretrained's full_finetuning=True, no adapter): the peer of
                        jaxft_full (examples/bench/full.yaml). Unsloth trains the bf16 weights themselves (no fp32
                        master copy, as jaxft keeps), so its memory is not jaxft_full's like for like.
+  trl_dpo              DPO (the DPO workloads): TRL's DPOTrainer.train() on the AutoModelForCausalLM of hf_ckpt, given a
+                       peft_config of the same LoRA (TRL wraps the model; its reference is the model with the adapter
+                       disabled), TRL's defaults otherwise (gradient checkpointing on, the reference forward each step).
+  unsloth_dpo          Unsloth's DPO recipe: FastLanguageModel.from_pretrained + get_peft_model (as unsloth) +
+                       PatchDPOTrainer() + TRL's DPOTrainer (as Unsloth patched it) on that PeftModel, ref_model None
+                       (TRL 1.15 then copies the initial adapter as a "ref" adapter: settings.reference says which).
+                       Both get the pairs pre-tokenized (prompt_ids / chosen_ids / rejected_ids, which TRL's collator
+                       reads: `pretokenized_dpo_trainer`), in order (train_sampling_strategy sequential), max_length the
+                       workload's seq_len, the benchmark's AdamW and DPO beta / loss type (dpo_args). A step is timed
+                       from the trainer's on_step_begin to its on_step_end, each device-synchronised (`step_clock`);
+                       its loss and DPO metrics are the trainer's log of that step (logging_steps=1). The data hash is
+                       computed from the batches the trainer's own dataloader collates (preference_sha256). Each task
+                       loads its model afresh (TRL adds a fused LM head to the model it trains).
 Mixture-of-experts shapes (Qwen3-MoE, GPT-OSS): the experts are raw [E, ., .] parameters, not Linear
 modules; every system adapts the attention linears and, as expert LoRA at rank r, the experts (PEFT's
 target_parameters = LORA.expert_targets, the same two jaxft's lora_target_parameters adapts; see
@@ -70,8 +83,11 @@ import time
 from typing import Any, Callable
 
 HF_SYSTEMS = ("hf_ckpt", "hf_nockpt", "hf_qlora")
-UNSLOTH_SYSTEMS = ("unsloth", "unsloth_4bit", "unsloth_full")
-SYSTEMS = HF_SYSTEMS + UNSLOTH_SYSTEMS
+UNSLOTH_SYSTEMS = ("unsloth", "unsloth_4bit", "unsloth_full", "unsloth_dpo")
+DPO_SYSTEMS = ("trl_dpo", "unsloth_dpo")  # TRL's DPOTrainer, on the DPO workloads
+SYSTEMS = HF_SYSTEMS + UNSLOTH_SYSTEMS + ("trl_dpo",)
+# The tokenized preference columns TRL's DataCollatorForPreference reads (TokenData.preference_examples).
+PREFERENCE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
 def _peek_tasks(argv: list[str]) -> list[dict[str, Any]]:
@@ -97,8 +113,8 @@ if any(t.get("system") in UNSLOTH_SYSTEMS and t.get("device") == "cuda" for t in
 
 import numpy as np  # noqa: E402
 
-from .workloads import (ADAMW, LORA, TokenData, Workload, lora_module_targets,  # noqa: E402
-                        make_token_data, moe_layout)
+from .workloads import (ADAMW, DPO_BETA, DPO_LOSS_TYPE, LORA, TokenData, Workload,  # noqa: E402
+                        lora_module_targets, make_token_data, moe_layout, preference_sha256)
 from .worker_common import ModelCache, SystemUnavailable, Task, is_oom_message, worker_main  # noqa: E402
 
 
@@ -289,7 +305,7 @@ def _check_hf_packing(workload: Workload, data: TokenData) -> str:
             "-> transformers builds a block-diagonal causal 4D bool mask for SDPA")
 
 
-def _load_hf(model_dir: str, device: str, four_bit: bool = False):
+def _load_hf(model_dir: str, device: str, four_bit: bool = False, dtype=None):
     import json
     import os
 
@@ -306,7 +322,8 @@ def _load_hf(model_dir: str, device: str, four_bit: bool = False):
         quant["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16)
-    model = auto.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=hf_attention(config, device),
+    model = auto.from_pretrained(model_dir, dtype=dtype or torch.bfloat16,
+                                 attn_implementation=hf_attention(config, device),
                                  device_map=device, trust_remote_code=False, **quant)
     model.config.use_cache = False
     return model
@@ -455,11 +472,189 @@ def run_unsloth(task: Task, four_bit: bool = False, full: bool = False) -> dict[
                          "unsloth_env": _UNSLOTH_CALLER_ENV}}
 
 
+def step_clock(device: str):
+    """A transformers TrainerCallback timing each optimizer step as train_loop does: device-synchronised at
+    on_step_begin (the step's batch already fetched) and at on_step_end (after the optimizer step and zero_grad);
+    it keeps every log that holds a step's loss (logging_steps=1: one per step, TRL's DPO metrics in it) and, on
+    CUDA, resets the allocator's peak just before the first step."""
+    import torch
+    from transformers import TrainerCallback
+
+    sync = _sync(device)
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.times: list[float] = []
+            self.logs: list[dict[str, float]] = []
+            self.allocated_before = 0
+            self._t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            sync()
+            if not self.times and device == "cuda":
+                self.allocated_before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            sync()
+            self.times.append(time.perf_counter() - self._t0)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.logs.append(dict(logs))
+
+    return StepClock()
+
+
+def pretokenized_dpo_trainer(trainer_cls):
+    """`trainer_cls` (TRL's DPOTrainer, or Unsloth's patched one) taking a train dataset that already holds the
+    PREFERENCE_COLUMNS. TRL 1.15's `_prepare_dataset` tokenizes prompt/chosen/rejected text and has no switch for
+    tokenized pairs, and random token ids do not survive a decode and re-tokenization; its collator reads exactly
+    these three columns, so the dataset is handed to it as it is."""
+
+    class PretokenizedDPOTrainer(trainer_cls):
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            missing = [c for c in PREFERENCE_COLUMNS if c not in dataset.column_names]
+            if missing:
+                raise ValueError(f"{dataset_name} dataset: no {missing} column; it must hold {PREFERENCE_COLUMNS}")
+            return dataset
+
+    return PretokenizedDPOTrainer
+
+
+def dpo_args(workload: Workload, device: str, steps: int, output_dir: str, fp32: bool, unsloth: bool):
+    """DPOConfig keyword arguments: the workload's pairs in order, one optimizer step per batch of pairs, the
+    benchmark's AdamW (constant lr, no clipping) and DPO objective, a loss log per step, nothing saved. TRL's own
+    defaults for the rest: gradient checkpointing on for TRL (Unsloth's own from get_peft_model), the reference
+    computed each step (precompute_ref_log_probs off), no padding-free batching."""
+    kwargs = dict(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=workload.batch,
+                  gradient_accumulation_steps=1, train_sampling_strategy="sequential", learning_rate=ADAMW.lr,
+                  adam_beta1=ADAMW.b1, adam_beta2=ADAMW.b2, adam_epsilon=ADAMW.eps, weight_decay=ADAMW.weight_decay,
+                  lr_scheduler_type="constant", max_grad_norm=0.0,
+                  optim="adamw_torch_fused" if device == "cuda" else "adamw_torch",
+                  beta=DPO_BETA, loss_type=[DPO_LOSS_TYPE], max_length=workload.seq_len,
+                  bf16=not fp32, use_cpu=device == "cpu", seed=0, logging_steps=1, save_strategy="no",
+                  report_to="none", disable_tqdm=True, dataloader_num_workers=0)
+    if not unsloth:
+        kwargs["gradient_checkpointing"] = True  # TRL's default, as TRL users run 8B
+    return kwargs
+
+
+def run_dpo(task: Task, unsloth: bool = False) -> dict[str, Any]:
+    """trl_dpo / unsloth_dpo: TRL's `DPOTrainer.train()` on the workload's pairs (module docstring)."""
+    workload = task.workload_obj
+    if not workload.dpo:
+        raise ValueError(f"{task.system} trains DPO; workload {workload.name!r} is not a DPO workload")
+    if unsloth and task.device != "cuda":
+        raise SystemUnavailable("Unsloth needs a CUDA GPU (its kernels are Triton)")
+    if unsloth and _UNSLOTH_IMPORT_ERROR is not None:
+        raise SystemUnavailable(f"import unsloth failed: {type(_UNSLOTH_IMPORT_ERROR).__name__}: "
+                                f"{_UNSLOTH_IMPORT_ERROR}")
+    try:
+        import trl
+        from datasets import Dataset
+    except ImportError as e:
+        raise SystemUnavailable(f"{task.system} needs trl and datasets ({type(e).__name__}: {e}); on the device they "
+                                "come from the peer wheels (.peers/unsloth: trl-1.15.0, datasets)") from e
+    import tempfile
+
+    import torch
+
+    data = make_token_data(workload, task.steps)
+    dataset = Dataset.from_list([ex for i in range(task.steps) for ex in data.preference_examples(i)])
+    fp32 = workload.tiny and task.device == "cpu"  # as jaxft_worker.run_dtype: the CPU tests compare fp32 runs
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    t0 = time.perf_counter()
+    extra_kwargs: dict[str, Any] = {}
+    if unsloth:
+        from unsloth import FastLanguageModel, PatchDPOTrainer
+
+        PatchDPOTrainer()  # Unsloth's DPO recipe: then TRL's DPOTrainer, as Unsloth patched it on import
+        peft_kwargs = unsloth_peft_kwargs(workload)
+        try:
+            model, tokenizer = FastLanguageModel.from_pretrained(
+                model_name=task.model_dir, max_seq_length=workload.seq_len, dtype=dtype, load_in_4bit=False,
+                load_in_16bit=True, local_files_only=True)
+            model = FastLanguageModel.get_peft_model(model, **peft_kwargs)
+        except Exception as e:
+            if is_oom_message(f"{type(e).__name__} {e}"):
+                raise
+            raise SystemUnavailable(f"Unsloth FastLanguageModel cannot set up {workload.shape.name}: "
+                                    f"{type(e).__name__}: {str(e)[:1500]}") from e
+        targets: Any = peft_kwargs
+    else:
+        from peft import LoraConfig
+        from transformers import AutoTokenizer
+
+        model = _load_hf(task.model_dir, task.device, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(task.model_dir)
+        targets = hf_lora_targets(workload)
+        # TRL wraps the model in this adapter (seeded by DPOConfig.seed = 0, as hf_ckpt's torch.manual_seed(0));
+        # its reference is then the model with the adapter disabled.
+        extra_kwargs["peft_config"] = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
+                                                 bias="none", task_type="CAUSAL_LM", **targets)
+    load_s = time.perf_counter() - t0
+    clock = step_clock(task.device)
+    with tempfile.TemporaryDirectory(prefix="bench_dpo_") as output_dir:  # TRL's output_dir; nothing is saved
+        args = trl.DPOConfig(**dpo_args(workload, task.device, task.steps, output_dir, fp32, unsloth))
+        try:
+            trainer = pretokenized_dpo_trainer(trl.DPOTrainer)(
+                model=model, ref_model=None, args=args, train_dataset=dataset, processing_class=tokenizer,
+                callbacks=[clock], **extra_kwargs)
+        except Exception as e:
+            if not unsloth or is_oom_message(f"{type(e).__name__} {e}"):
+                raise
+            raise RuntimeError(f"TRL's DPOTrainer as Unsloth patched it ({trl.DPOTrainer.__module__}."
+                               f"{trl.DPOTrainer.__name__}) failed to build: {type(e).__name__}: {e}") from e
+        # What the trainer will collate, step by step, in its own order: equal to the workload's hash exactly when
+        # TRL trains the same pairs untruncated (max_length) and unpadded.
+        batches = [(b["input_ids"].cpu().numpy(), b["completion_mask"].cpu().numpy())
+                   for b, _ in zip(trainer.get_train_dataloader(), range(task.steps))]
+        lora_dtype, n_train, non_lora = _lora_dtype_and_count(trainer.model)
+        trainer.train()
+    if len(clock.times) != task.steps or len(clock.logs) != task.steps:
+        raise RuntimeError(f"the trainer ran {len(clock.times)} steps and logged {len(clock.logs)} losses; "
+                           f"expected {task.steps} of each")
+    if task.device == "cuda":
+        peak = int(torch.cuda.max_memory_allocated())
+        memory = {"peak_memory_kind": "torch.cuda.max_memory_allocated since the first step",
+                  "max_memory_reserved_bytes": int(torch.cuda.max_memory_reserved()),
+                  "allocated_before_train_bytes": int(clock.allocated_before)}
+    else:
+        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+        memory = {"peak_memory_kind": "host ru_maxrss (CPU run)"}
+    peft_config = getattr(trainer.model, "peft_config", {})
+    metrics = [{k: float(v) for k, v in log.items() if "/" in k} for log in clock.logs]
+    return {"step_times_s": clock.times, "losses": [float(log["loss"]) for log in clock.logs],
+            "peak_memory_bytes": peak, "peak_memory_source": "allocator",
+            "data_sha256": preference_sha256(batches), "lora_param_dtype": lora_dtype, "trainable_params": n_train,
+            "base_model_reused": False,
+            "device_name": torch.cuda.get_device_name() if task.device == "cuda" else "cpu",
+            "versions": _versions(("trl", "datasets") + (("unsloth", "unsloth_zoo") if unsloth else ())),
+            "settings": {"trainer": f"{type(trainer).__mro__[1].__module__}.{type(trainer).__mro__[1].__name__}",
+                         "loader": "FastLanguageModel" if unsloth else "transformers AutoModelForCausalLM",
+                         "attn_implementation": getattr(model.config, "_attn_implementation", None),
+                         "dtype": str(dtype).replace("torch.", ""), "bf16_autocast": args.bf16,
+                         "reference": "the 'ref' adapter (TRL's copy of the initial adapter)" if "ref" in peft_config
+                         else "the model with its adapter disabled",
+                         "beta": args.beta, "loss_type": list(args.loss_type), "max_length": args.max_length,
+                         "precompute_ref_log_probs": args.precompute_ref_log_probs,
+                         "padding_free": args.padding_free,
+                         "gradient_checkpointing": "unsloth" if unsloth else args.gradient_checkpointing,
+                         "gradient_checkpointing_kwargs": args.gradient_checkpointing_kwargs,
+                         "optimizer": args.optim, "lora_targets": targets, "non_lora_trainable": non_lora,
+                         **({"unsloth_env": _UNSLOTH_CALLER_ENV} if unsloth else {})},
+            "extra": {**memory, "model_load_s": load_s, "objective_metrics": metrics}}
+
+
 def run_task(task: Task, out_json: str, cache: ModelCache) -> dict[str, Any]:
     if task.kind == "save_model":
         from .models import save_random_model
 
         return save_random_model(task.workload_obj.shape, task.model_dir, task.device)
+    if task.system in DPO_SYSTEMS:
+        return run_dpo(task, unsloth=task.system == "unsloth_dpo")
     if task.system in HF_SYSTEMS:
         return run_hf(task, ckpt=task.system != "hf_nockpt", cache=cache, four_bit=task.system == "hf_qlora")
     if task.system in UNSLOTH_SYSTEMS:

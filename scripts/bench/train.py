@@ -27,6 +27,7 @@ slowest system. Each run records the GPU index it ran on (``gpu``).
         --steps 12 --budget-s 520 --out $OUT/bench_train.json --md $OUT/bench_train.md
     python -m scripts.bench.train --gpus all ...   # 8 x H200: every system on its own GPU at once
     python -m scripts.bench.train --tiny --systems hf_nockpt,jaxft --out /tmp/b.json --md /tmp/b.md
+    python -m scripts.bench.train --systems jaxft_dpo,trl_dpo,unsloth_dpo --workloads 8b_dpo_2048 ...  # DPO
 
 Unsloth is not on the device image: pass --unsloth-wheels DIR (default .peers/unsloth, filled by
 /work/shared/peers/unsloth-wheels.sh and carried to the device); the harness installs it into a
@@ -49,7 +50,7 @@ import time
 from typing import Any
 
 from .gpus import _gpu_name, resolve_gpus
-from .harness import ALL_SYSTEMS, DEFAULT_SYSTEMS, DONE_STATUSES, REPO, REPORT_RESERVE_S, Bench
+from .harness import ALL_SYSTEMS, DEFAULT_SYSTEMS, DONE_STATUSES, DPO_SYSTEMS, REPO, REPORT_RESERVE_S, Bench
 from .workloads import ADAMW, DEFAULT_WORKLOADS, LORA, SHAPES, TINY_WORKLOADS, WORKLOADS, get_workload, moe_layout
 
 MIN_TIMED_STEPS = 10
@@ -94,6 +95,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.systems = _split(args.systems, ALL_SYSTEMS, "--systems")
     wl_default = TINY_WORKLOADS if args.tiny else DEFAULT_WORKLOADS
+    if all(s in DPO_SYSTEMS for s in args.systems):
+        wl_default = [w for w, spec in WORKLOADS.items() if spec.dpo and spec.tiny == args.tiny]
     args.workloads = _split(args.workloads or ",".join(wl_default), tuple(WORKLOADS), "--workloads")
     args.steps = args.steps if args.steps is not None else (3 if args.tiny else 12)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
@@ -110,6 +113,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if mixed:
         p.error(f"workloads {mixed} are {'not ' if args.tiny else ''}tiny; "
                 f"{'--tiny takes ' + ', '.join(TINY_WORKLOADS) if args.tiny else 'add --tiny'}")
+    dpo_workloads = [w for w in WORKLOADS if get_workload(w).dpo]
+    wrong = [f"{s} x {w}" for s in args.systems for w in args.workloads if (s in DPO_SYSTEMS) != get_workload(w).dpo]
+    if wrong:
+        p.error(f"{', '.join(wrong)}: the DPO systems ({', '.join(DPO_SYSTEMS)}) train the DPO workloads "
+                f"({', '.join(dpo_workloads)}) and the other systems the other workloads; run them in separate "
+                "calls (scripts/gpu_check.sh: one TRAIN_PLAN pass each, 'a|w1|s;b|w2|s')")
     if args.device == "auto":
         args.device = "cpu" if args.tiny or _gpu_name() is None else "cuda"
     args.gpu_ids, args.gpu_names = resolve_gpus(args.gpus, p)
@@ -185,6 +194,17 @@ def workload_notes(workloads: list[str]) -> list[str]:
             "lora_target_parameters, Unsloth target_parameters), rank r on every expert; gate/up/down_proj are not "
             "passed as target_modules (PEFT's transformers-5 MoE conversion would turn them into rank-2r expert "
             "LoRA on gate_up). Useful FLOPs count the router and the top-k experts a token runs, not all experts.")
+    if any(get_workload(n).dpo for n in workloads):
+        notes.append(
+            "DPO rows: each step trains the workload's preference pairs (sigmoid loss, beta 0.1; the reference is the "
+            "base model: jaxft zeroes its LoRA scales, TRL disables the adapter or, for a model passed already "
+            "wrapped, as Unsloth's is, copies the initial adapter as 'ref': settings.reference) and runs the "
+            "reference forward inside the step. Each side of a pair, prompt + chosen and prompt + rejected, is "
+            "seq_len tokens, the prompt the first half; tokens/s counts every token of both sides (the prompt "
+            "twice: both forwards run on it); jaxft holds a pair in one row of 2 x seq_len (two documents), TRL in "
+            "two rows. LoRA B starts at 0, so the policy is the reference at step 0 and every system's first loss "
+            "is ln 2 = 0.6931. Useful FLOPs add the reference forward (2 x P_frozen per token, 4 x D per pair and "
+            "head).")
     if any(sh.is_vlm for sh in shapes):
         notes.append(
             "Vision-language rows (Qwen2.5-VL): one synthetic image per row (seeded uniform noise, processed by "

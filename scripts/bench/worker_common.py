@@ -43,6 +43,8 @@ import time
 import traceback
 from typing import Any, Callable
 
+import yaml
+
 from .workloads import Workload, get_workload
 
 STATUSES = ("ok", "oom", "not_run", "error", "timeout", "crashed", "skipped")
@@ -58,6 +60,17 @@ def jaxft_modes() -> tuple[str, ...]:
     the others (systems "jaxft_<mode>") by name. A new mode is a new YAML file, and nothing else."""
     names = sorted(f.removesuffix(".yaml") for f in os.listdir(BENCH_RECIPES) if f.endswith(".yaml"))
     return ("fast", *(n for n in names if n != "fast"))
+
+
+def recipe_keys(mode: str) -> dict[str, Any]:
+    """The keys of the jaxft benchmark mode's recipe, examples/bench/<mode>.yaml."""
+    with open(os.path.join(BENCH_RECIPES, f"{mode}.yaml"), encoding="utf-8") as f:
+        return yaml.safe_load(f) or {}
+
+
+def jaxft_dpo_modes() -> tuple[str, ...]:
+    """The jaxft modes whose recipe trains DPO (`trainer: dpo`): their systems take the DPO workloads only."""
+    return tuple(m for m in jaxft_modes() if recipe_keys(m).get("trainer", "sft") == "dpo")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,8 @@ Useful FLOPs of one optimizer step (the formula printed in every report):
   forward (4 * D), the backward twice that, so 12 * D per pair. ``pairs`` counts the causal
   (query, key) pairs that are allowed, diagonal included: T (T + 1) / 2 for a plain row, and the
   sum of n (n + 1) / 2 over the documents of a packed row (cross-document pairs are not useful).
+* DPO workloads add the reference model's forward (no gradient) over the same tokens: 2 * P_frozen per
+  token and 4 * D per pair and head (the reference is the base model: its LoRA FLOPs are not useful).
 * Not counted: norms, activations, softmax, the loss, recomputation by gradient checkpointing.
 """
 
@@ -43,7 +45,8 @@ from typing import Any
 
 from .shapes import SHAPES, ModelShape
 from .token_data import (IMAGE_TEXT_PREFIX, PACKED_DOC_SIGMA, PACKED_MIN_DOC, TokenData, causal_pairs,
-                              image_processor, make_token_data, synthetic_image, text_vocab_below)
+                              image_processor, make_token_data, preference_sha256, synthetic_image,
+                              text_vocab_below)
 
 __all__ = [
     # the training settings
@@ -51,10 +54,10 @@ __all__ = [
     # bench.shapes
     "ModelShape", "SHAPES",
     # the workloads
-    "Workload", "WORKLOADS", "DEFAULT_WORKLOADS", "TINY_WORKLOADS", "get_workload",
+    "Workload", "WORKLOADS", "DEFAULT_WORKLOADS", "TINY_WORKLOADS", "DPO_BETA", "DPO_LOSS_TYPE", "get_workload",
     # bench.token_data
     "PACKED_DOC_SIGMA", "PACKED_MIN_DOC", "IMAGE_TEXT_PREFIX", "TokenData", "image_processor", "synthetic_image",
-    "text_vocab_below", "causal_pairs", "make_token_data",
+    "text_vocab_below", "causal_pairs", "make_token_data", "preference_sha256",
     # FLOPs
     "FLOP_FORMULA", "MoeLayout", "moe_layout", "linear_shapes", "ATTENTION_TARGETS", "lora_module_targets",
     "expert_shapes", "param_counts", "vision_params", "vision_attention_pairs", "useful_flops",
@@ -113,6 +116,9 @@ class AdamWSettings:
 
 LORA = LoraSettings()
 ADAMW = AdamWSettings()
+# The DPO objective of every DPO system (TRL's DPOConfig defaults, and examples/bench/dpo.yaml's keys).
+DPO_BETA = 0.1
+DPO_LOSS_TYPE = "sigmoid"
 
 # --------------------------------------------------------------------------------------------
 # Workloads.
@@ -129,6 +135,10 @@ class Workload:
     ``image_size``: (vision-language shapes) each row holds one synthetic ``image_size`` x ``image_size``
     image (seeded noise) after a short text prefix, its image tokens and then text to ``seq_len``
     tokens in all (text + image tokens); the image tokens carry no loss.
+    ``dpo``: each step trains ``batch`` preference pairs; each side of a pair, prompt + chosen and prompt +
+    rejected, is ``seq_len`` tokens, the shared prompt the first half (token_data.preference_prompt_len) and only
+    the completion scored. jaxft lays a pair out whole in one row of ``row_len`` = 2 * seq_len tokens (two
+    documents, as `jaxft.data.preference` packs pairs), TRL as two rows of ``seq_len``: the same tokens.
     """
 
     name: str
@@ -139,6 +149,7 @@ class Workload:
     mean_doc_len: int = 0
     tiny: bool = False
     image_size: int = 0
+    dpo: bool = False
 
     def __post_init__(self) -> None:
         if self.shape_name not in SHAPES:
@@ -155,6 +166,9 @@ class Workload:
                              f"the shape {self.shape_name!r} is a vision-language one")
         if self.image_size and self.packed:
             raise ValueError(f"Workload {self.name!r}: image rows are not packed (one chat per row)")
+        if self.dpo and (self.packed or self.image_size or self.seq_len < 4):
+            raise ValueError(f"Workload {self.name!r}: a DPO workload has text rows of seq_len >= 4 tokens (a prompt "
+                             "and a completion of at least 2 each) and no packing of its own")
 
     @property
     def shape(self) -> ModelShape:
@@ -162,7 +176,13 @@ class Workload:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch * self.seq_len
+        """Every token a step's forward runs on: with dpo, both sides of every pair."""
+        return self.batch * self.row_len
+
+    @property
+    def row_len(self) -> int:
+        """Tokens of one jaxft row: seq_len, or with dpo a whole pair (chosen and rejected, seq_len each)."""
+        return 2 * self.seq_len if self.dpo else self.seq_len
 
     @property
     def seed(self) -> int:
@@ -194,6 +214,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("qwen3_30b_a3b_packed_16384", "qwen3-30b-a3b", 1, 16384, packed=True, mean_doc_len=300),
     Workload("qwen2_5_vl_7b_448", "qwen2.5-vl-7b", 1, 4096, image_size=448),
     Workload("qwen2_5_vl_7b_1024", "qwen2.5-vl-7b", 1, 4096, image_size=1024),
+    # Issue #57's DPO row: one pair per step, each side 2048 tokens, the prompt its first half, as TRL's DPOConfig
+    # defaults (max_length 1024, max_prompt_length 512 while it had one) and Unsloth's DPO notebooks (1024 / 512).
+    Workload("8b_dpo_2048", "llama-3.1-8b", 1, 2048, dpo=True),
     Workload("tiny_llama", "tiny-llama", 2, 128, tiny=True),
     Workload("tiny_qwen3_moe", "tiny-qwen3-moe", 1, 256, tiny=True),
     Workload("tiny_qwen3_moe_packed", "tiny-qwen3-moe", 1, 256, packed=True, mean_doc_len=40, tiny=True),
@@ -204,6 +227,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("tiny_gemma3", "tiny-gemma3", 1, 128, tiny=True),
     Workload("tiny_qwen3", "tiny-qwen3", 1, 128, tiny=True),
     Workload("tiny_packed", "tiny-llama", 1, 128, packed=True, mean_doc_len=24, tiny=True),
+    Workload("tiny_dpo", "tiny-llama", 2, 64, dpo=True, tiny=True),
 )}
 DEFAULT_WORKLOADS = ("1b_2x4096", "8b_4096", "8b_16384", "qwen3_8b_4096", "8b_packed_16384")
 TINY_WORKLOADS = ("tiny_llama", "tiny_qwen3", "tiny_packed")
@@ -226,7 +250,8 @@ FLOP_FORMULA = ("useful_flops/step = tokens * (4 * P_frozen + 6 * P_lora) + 12 *
                 "MoE: router + the top-k experts' gate_up/down, not all experts), "
                 "P_lora = r * (in + out) per adapted linear (MoE expert LoRA: top-k experts' factors), "
                 "pairs = causal within-document (query, key) pairs incl. the diagonal (T(T+1)/2 per "
-                "unpacked row); VLM tokens = text + image tokens; "
+                "unpacked row); VLM tokens = text + image tokens; DPO: tokens = both sides of every pair, plus "
+                "the reference forward 2 * P_frozen per token + 4 * L * H_q * D per pair; "
                 "MFU = useful_flops / median_step_time / bf16 matmul ceiling measured in this run")
 
 
@@ -359,12 +384,13 @@ def vision_attention_pairs(shape: ModelShape, grid: tuple[int, int, int]) -> dic
 
 
 def useful_flops(shape: ModelShape, tokens: int, pairs: int, lora: LoraSettings = LORA,
-                 image_grids: list[tuple[int, int, int]] | tuple = ()) -> float:
-    """Useful FLOPs of one optimizer step (see the module docstring and FLOP_FORMULA)."""
+                 image_grids: list[tuple[int, int, int]] | tuple = (), reference_forward: bool = False) -> float:
+    """Useful FLOPs of one optimizer step (see the module docstring and FLOP_FORMULA); `reference_forward`: a
+    DPO step's forward of the reference (the base model) over the same tokens."""
     p = param_counts(shape, lora)
-    attn = 12 * shape.get("num_hidden_layers") * shape.get("num_attention_heads") \
-        * shape.get("head_dim") * pairs
-    flops = float(tokens) * (4 * p["frozen_matmul"] + 6 * p["lora_active"]) + float(attn)
+    per_pair = shape.get("num_hidden_layers") * shape.get("num_attention_heads") * shape.get("head_dim") * pairs
+    frozen = (6 if reference_forward else 4) * p["frozen_matmul"]
+    flops = float(tokens) * (frozen + 6 * p["lora_active"]) + float((16 if reference_forward else 12) * per_pair)
     if image_grids:
         v = shape.get("vision_config")
         full = len(v["fullatt_block_indexes"])
