@@ -21,7 +21,7 @@
 #     OUT=$OUT PHASES=train TRAIN_EXTRA_ARGS="--no-ceiling" TRAIN_PLAN="jaxft_offload_attn_host,jaxft_offload_attn,jaxft_lean,unsloth|8b_65536|585" bash scripts/gpu_check.sh
 #   JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache (opt-in, JAX's own setting): every process of the call shares a disk
 #   cache of compiled programs, so a later pass (or a resumed session) reads a step an earlier one compiled.
-# Usage (device tool, repo root):  OUT=$OUT bash scripts/gpu_check.sh
+# Usage (device tool, repo root):  COMMIT=<local git rev-parse HEAD> OUT=$OUT bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the results folder}
@@ -29,7 +29,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1  # every tool runs as `python3 -m ...` from the repo root
 export XLA_PYTHON_CLIENT_PREALLOCATE=false TF_CPP_MIN_LOG_LEVEL=2
 PHASES=${PHASES:-"env tests train"}
-COMMIT=$(cat .commit 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)
+# COMMIT: the tree's commit, given by the caller: a device machine's copy of the tree can carry another HEAD (the
+# last submitted commit) under a newer working tree, so `git rev-parse` there may name code that did not run.
+COMMIT=${COMMIT:-$(cat .commit 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)}
 has() { [[ " $PHASES " == *" $1 "* ]]; }
 stamp() { echo "[gpu_check $(date +%T)] $*"; }
 
