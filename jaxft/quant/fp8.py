@@ -31,7 +31,7 @@ def program_options(cfg, device) -> dict:
     """XLA options a training step over an FP8 base wants on `device`: where its frozen GEMMs are FP8 GEMMs
     (`xla_fp8`), XLA's Triton GEMMs off, so every f8 dot is a cuBLASLt FP8 call without autotuning Triton
     candidates for it (Llama-3.1-8B at 1 x 4096 on an H100: the step compiled in 131 s with them on, 69 s
-    off). None else, or when `cfg` is not an `Fp8Config`."""
+    off). Empty elsewhere, or when `cfg` is not an `Fp8Config`."""
     if not isinstance(cfg, Fp8Config) or OP.resolve(cfg.implementation, device).name != "xla_fp8":
         return {}
     return {"xla_gpu_enable_triton_gemm": False}
