@@ -20,6 +20,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from scripts.bench.harness import FULL_SYSTEMS  # noqa: E402
 from scripts.bench.report import markdown, summarise_run  # noqa: E402
 from scripts.bench.workloads import (LORA, SHAPES, get_workload, make_token_data,  # noqa: E402
                              param_counts, useful_flops)
@@ -141,6 +142,19 @@ def test_useful_flops_formula():
     # DPO: the reference (base model) forward over the same tokens and pairs on top.
     ref = t * 2 * p["frozen_matmul"] + 4 * 32 * 32 * 128 * pairs
     assert useful_flops(shape, t, pairs, reference_forward=True) == pytest.approx(expected + ref, rel=1e-12)
+    # A full fine-tune: the weight gradients of every matmul too, no adapters.
+    full = t * 6 * p["frozen_matmul"] + 12 * 32 * 32 * 128 * pairs
+    assert useful_flops(shape, t, pairs, full=True) == pytest.approx(full, rel=1e-12)
+
+
+def test_full_finetune_systems_are_read_from_their_recipes_and_checked_against_the_whole_model():
+    assert "jaxft_full" in FULL_SYSTEMS and "unsloth_full" in FULL_SYSTEMS and "jaxft" not in FULL_SYSTEMS
+    w = get_workload("tiny_llama")
+    raw = {"status": "ok", "step_times_s": [1.0, 1.0], "losses": [1.0, 1.0], "peak_memory_bytes": 1,
+           "trainable_params": 106816}
+    assert summarise_run(raw, w, 1, [1.0, 1.0], "x", 106816, None)["lora_params_match"]
+    assert not summarise_run(raw, w, 1, [1.0, 1.0], "x", 32768, None)["lora_params_match"]
+    assert summarise_run(raw, w, 1, [1.0, 1.0], "x", None, None)["lora_params_match"]  # a resumed report's model
 
 
 def test_dpo_pairs_are_jaxft_rows_and_trl_examples_of_the_same_tokens():

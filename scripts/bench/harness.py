@@ -22,7 +22,7 @@ from .gpus import _serial_gpu
 from .report import first_loss_spread, markdown, summarise_run
 from .sessions import Job, SessionRunner, keep_logs, pin_env, run_jobs, run_subprocess
 from .workloads import SHAPES, ModelShape, Workload, get_workload, make_token_data, param_counts, useful_flops
-from .worker_common import Task, jaxft_dpo_modes, jaxft_modes
+from .worker_common import Task, jaxft_dpo_modes, jaxft_full_modes, jaxft_modes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # jaxft systems: "jaxft" (examples/bench/fast.yaml) and "jaxft_<mode>" (examples/bench/<mode>.yaml).
@@ -32,6 +32,7 @@ JAXFT_MODES = jaxft_modes()[1:]
 PEER_WHEEL_SYSTEMS = ("unsloth", "unsloth_4bit", "unsloth_full", "hf_qlora", "trl_dpo", "unsloth_dpo")
 # The systems that train DPO, on the DPO workloads only (the others train SFT on the others).
 DPO_SYSTEMS = tuple(f"jaxft_{m}" for m in jaxft_dpo_modes()) + ("trl_dpo", "unsloth_dpo")
+FULL_SYSTEMS = tuple(f"jaxft_{m}" for m in jaxft_full_modes()) + ("unsloth_full",)  # every weight trained
 JAXFT_WORKER, TORCH_WORKER = "scripts.bench.jaxft_worker", "scripts.bench.torch_worker"
 WORKER = {"jaxft": JAXFT_WORKER, **{f"jaxft_{m}": JAXFT_WORKER for m in JAXFT_MODES},
           **{s: TORCH_WORKER for s in ("hf_ckpt", "hf_nockpt") + PEER_WHEEL_SYSTEMS}}
@@ -180,16 +181,18 @@ class Bench:
                 self.report["meta"]["device_name"] = c.get("device_name") or self.report["meta"]["device_name"]
         self.save()
 
-    def workload_info(self, name: str) -> tuple[list[float], str]:
+    def workload_info(self, name: str) -> tuple[dict[bool, list[float]], str]:
+        """({full: useful FLOPs of each step}, the data's SHA-256): a LoRA (False) and a full fine-tuning (True)
+        system run different FLOPs over the same steps."""
         w = get_workload(name)
         data = make_token_data(w, self.args.steps)
-        flops = [useful_flops(w.shape, w.tokens_per_step, int(p), image_grids=data.image_grids(i),
-                              reference_forward=w.dpo)
-                 for i, p in enumerate(data.attention_pairs)]
+        flops = {full: [useful_flops(w.shape, w.tokens_per_step, int(p), image_grids=data.image_grids(i),
+                                     reference_forward=w.dpo, full=full)
+                        for i, p in enumerate(data.attention_pairs)] for full in (False, True)}
+        timed = flops[False][self.args.warmup:]
         self.report["workloads"][name] = {
             **w.to_dict(), "shape": w.shape_name, "params": param_counts(w.shape),
-            "data": data.stats(), "useful_flops_per_step": sum(flops[self.args.warmup:])
-            / len(flops[self.args.warmup:])}
+            "data": data.stats(), "useful_flops_per_step": sum(timed) / len(timed)}
         return flops, data.sha256
 
     def models_root(self, shapes: list[str]) -> str:
@@ -263,11 +266,14 @@ class Bench:
                             lambda task, raw: self.record(system, task.workload, raw, *infos[task.workload])))
         return jobs
 
-    def record(self, system: str, workload: str, raw: dict[str, Any], flops: list[float],
+    def record(self, system: str, workload: str, raw: dict[str, Any], flops: dict[bool, list[float]],
                sha: str) -> None:
         w = get_workload(workload)
-        summary = summarise_run(raw, w, self.args.warmup, flops, sha,
-                                param_counts(w.shape)["lora"],
+        full = system in FULL_SYSTEMS
+        # A full fine-tune trains the whole model: its count is the saved model's (unknown in a resumed report).
+        trainable = (self.report["models"].get(w.shape_name, {}).get("params") if full
+                     else param_counts(w.shape)["lora"])
+        summary = summarise_run(raw, w, self.args.warmup, flops[full], sha, trainable,
                                 self.report["ceiling"].get("used_flops_per_s"))
         gpu = self.gpu_of(raw)
         with self.lock:

@@ -34,9 +34,10 @@ def heading(script: str, argv: list[str], *details: str) -> str:
 
 
 def summarise_run(raw: dict[str, Any], workload: Workload, warmup: int,
-                  flops_per_step: list[float], expected_sha: str, expected_lora_params: int,
+                  flops_per_step: list[float], expected_sha: str, expected_trainable: int | None,
                   ceiling_flops_per_s: float | None) -> dict[str, Any]:
-    """Statistics of one (system, workload) run; ``raw`` is the worker's result dict."""
+    """Statistics of one (system, workload) run; ``raw`` is the worker's result dict; ``expected_trainable``: the
+    LoRA parameter count (a full fine-tune: the model's; None: not checked)."""
     out: dict[str, Any] = {"status": raw.get("status", "error")}
     if out["status"] != "ok":
         return out
@@ -64,7 +65,7 @@ def summarise_run(raw: dict[str, Any], workload: Workload, warmup: int,
         "final_loss": losses[-1],
         "loss_finite": all(math.isfinite(x) for x in losses),
         "data_matches": raw.get("data_sha256") == expected_sha,
-        "lora_params_match": raw.get("trainable_params") in (None, expected_lora_params),
+        "lora_params_match": expected_trainable is None or raw.get("trainable_params") in (None, expected_trainable),
     })
     return out
 

@@ -73,6 +73,12 @@ def jaxft_dpo_modes() -> tuple[str, ...]:
     return tuple(m for m in jaxft_modes() if recipe_keys(m).get("trainer", "sft") == "dpo")
 
 
+def jaxft_full_modes() -> tuple[str, ...]:
+    """The jaxft modes whose recipe trains every weight (`finetuning_type: full`): their FLOPs count weight
+    gradients and their trainable count is the whole model."""
+    return tuple(m for m in jaxft_modes() if recipe_keys(m).get("finetuning_type", "lora") == "full")
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     """What one worker process is asked to do (serialised as the task JSON)."""

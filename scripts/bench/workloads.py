@@ -34,6 +34,8 @@ Useful FLOPs of one optimizer step (the formula printed in every report):
   sum of n (n + 1) / 2 over the documents of a packed row (cross-document pairs are not useful).
 * DPO workloads add the reference model's forward (no gradient) over the same tokens: 2 * P_frozen per
   token and 4 * D per pair and head (the reference is the base model: its LoRA FLOPs are not useful).
+* Full fine-tuning systems (every weight trained): the matmul weights get their weight gradient too, so
+  6 * P_frozen per token and no LoRA term; their trainable count is every parameter of the model.
 * Not counted: norms, activations, softmax, the loss, recomputation by gradient checkpointing.
 """
 
@@ -251,7 +253,8 @@ FLOP_FORMULA = ("useful_flops/step = tokens * (4 * P_frozen + 6 * P_lora) + 12 *
                 "P_lora = r * (in + out) per adapted linear (MoE expert LoRA: top-k experts' factors), "
                 "pairs = causal within-document (query, key) pairs incl. the diagonal (T(T+1)/2 per "
                 "unpacked row); VLM tokens = text + image tokens; DPO: tokens = both sides of every pair, plus "
-                "the reference forward 2 * P_frozen per token + 4 * L * H_q * D per pair; "
+                "the reference forward 2 * P_frozen per token + 4 * L * H_q * D per pair; full fine-tuning: "
+                "6 * P_frozen per token (weight gradients too), no LoRA term; "
                 "MFU = useful_flops / median_step_time / bf16 matmul ceiling measured in this run")
 
 
@@ -384,13 +387,18 @@ def vision_attention_pairs(shape: ModelShape, grid: tuple[int, int, int]) -> dic
 
 
 def useful_flops(shape: ModelShape, tokens: int, pairs: int, lora: LoraSettings = LORA,
-                 image_grids: list[tuple[int, int, int]] | tuple = (), reference_forward: bool = False) -> float:
+                 image_grids: list[tuple[int, int, int]] | tuple = (), reference_forward: bool = False,
+                 full: bool = False) -> float:
     """Useful FLOPs of one optimizer step (see the module docstring and FLOP_FORMULA); `reference_forward`: a
-    DPO step's forward of the reference (the base model) over the same tokens."""
+    DPO step's forward of the reference (the base model) over the same tokens; `full`: a full fine-tune (every
+    matmul weight gets its gradient, no adapters)."""
     p = param_counts(shape, lora)
     per_pair = shape.get("num_hidden_layers") * shape.get("num_attention_heads") * shape.get("head_dim") * pairs
-    frozen = (6 if reference_forward else 4) * p["frozen_matmul"]
-    flops = float(tokens) * (frozen + 6 * p["lora_active"]) + float((16 if reference_forward else 12) * per_pair)
+    if full:
+        per_token = 6 * p["frozen_matmul"]
+    else:
+        per_token = (6 if reference_forward else 4) * p["frozen_matmul"] + 6 * p["lora_active"]
+    flops = float(tokens) * per_token + float((16 if reference_forward else 12) * per_pair)
     if image_grids:
         v = shape.get("vision_config")
         full = len(v["fullatt_block_indexes"])
