@@ -78,8 +78,8 @@ def test_cudnn_with_sinks_matches_the_reference_on_the_gpu(window):
     """GPT-OSS's attention shape (64 heads over 8 KV heads, head_dim 64) at 1024 tokens, bf16: forward and all
     gradients against the fp32 reference with sinks; the compiled step runs cuDNN's fused attention kernels. (At
     2048 tokens the fp32 reference's [64, T, T] scores and their gradients asked for a 4 GiB buffer, and on an H100
-    a test worker's share of the GPU (8.7 GiB, scripts/gpu_check.sh) had not that much left: docs/benchmarks.md
-    section 43. 1024 tokens still span 8 windows of 128.)"""
+    a test worker's share of the GPU (8.7 GiB, scripts/gpu_check.sh) had not that much left.
+    1024 tokens still span 8 windows of 128.)"""
     b, t, h, kvh, d = 1, 1024, 64, 8, 64
     q, k, v, do, sinks = _inputs(b, t, h, kvh, d, jnp.bfloat16, seed=7)
     fn = lambda q, k, v, s: dot_product_attention(q, k, v, sliding_window=window, sinks=s,  # noqa: E731

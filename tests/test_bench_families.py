@@ -328,7 +328,7 @@ def test_hf_vlm_steps_take_the_m_rope_positions_jaxft_computes(tmp_path):
     """The torch side's vision inputs (`TokenData.hf_vision_inputs`) make transformers compute M-RoPE positions
     equal to jaxft's `mrope_positions` for the same row (text after an image advances by max(h, w) merged
     patches, not by the image's token count), and `train_loop` refuses a VLM step that computed none: without
-    mm_token_type_ids transformers 5 silently trains on 1-D positions (what the 7B rows of section 19 did)."""
+    mm_token_type_ids transformers 5 silently trains on 1-D positions (as the first 7B rows did; experiments/LOG.md)."""
     import dataclasses
 
     import jax.numpy as jnp

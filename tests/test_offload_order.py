@@ -112,7 +112,7 @@ def test_each_copy_back_starts_when_the_layer_above_starts_its_backward(remat):
     """Unrolled: layer i's copy back is gated by the scalar layer i+1 makes from its output cotangent (the
     start of its backward, `jaxft.memory.offload.PrefetchChain`), so the copy runs under layer i+1's recompute and
     backward instead of after it (measured on the H200 before: 1.2 ms of idle compute per layer, 8B width at
-    1 x 8192, docs/benchmarks.md section 18). The top layer has no layer above (a constant). The same for the
+    1 x 8192). The top layer has no layer above (a constant). The same for the
     policies that keep more (their vjp inside the custom VJP): their offloaded residuals are copied back early,
     what they keep on the device is read in place."""
     assert sorted(_signal_sources(remat)) == ["constant"] + ["signal"] * (LAYERS - 1)

@@ -247,7 +247,7 @@ def test_attention_tiles_reject_unsupported_head_dims():
 def test_linear_cross_entropy_chunks_follow_the_device_kind():
     n, vocab = 16384, 128256
     assert lce_config.tiles_for("NVIDIA H200", n, vocab) == 512  # 256 MiB measured budget
-    assert lce_config.tiles_for("NVIDIA H100 80GB HBM3", n, vocab) == 512  # the H200's (docs/benchmarks.md section 43)
+    assert lce_config.tiles_for("NVIDIA H100 80GB HBM3", n, vocab) == 512  # the H200's
     assert lce_config.tiles_for("NVIDIA A100-SXM4-80GB", n, vocab) == 128  # 64 MiB conservative
     assert lce_config.config_for("cpu") == lce_config.CONSERVATIVE_CONFIG
     # The default chunk of linear_cross_entropy is the current device's (CPU: conservative): 4096 tokens of a

@@ -81,7 +81,7 @@ def _host_copies(text: str) -> int:
     return count
 
 
-# Measured on the H200 (JAX 0.11.2, docs/benchmarks.md section 10) with segment ids, i.e. cuDNN's ragged (THD) path
+# Measured on the H200 (JAX 0.11.2) with segment ids, i.e. cuDNN's ragged (THD) path
 # with one slot per token (max_segments = T): there the temp was 67.6 GiB without remat and 65.2 GiB with the scan's
 # offload. Read from the source, not yet from a buffer dump (experiments/probes/offload_probe.py prints the largest
 # buffers): that path's softmax statistics are [B * max_segments, heads, T] fp32
@@ -149,7 +149,7 @@ EVERY_NAME_TO_HOST = "offload=layer_input,attn_out,attn_lse,attn_qkv,mlp_input,m
 def test_every_name_to_host_compiles_with_a_tiled_mlp():
     """Every named residual to host with the MLP in chunks (long rows beyond 8192 tokens) once asked XLA to copy
     the chunk loop's gate/up to the host, and XLA 0.11.2 failed its layout assignment ("INTERNAL: during context
-    [end-of-post-layout_assignment]", 8B at 321536 tokens on the H200, docs/benchmarks.md section 18; the same at
+    [end-of-post-layout_assignment]", 8B at 321536 tokens on the H200; the same at
     this small shape compiled for an H200 on a CPU). The tiled MLP's names are now kept by no policy
     (`jaxft.memory.policy.tiled_mlp_names`): it compiles, and the other residuals still go to the host."""
     compiled = _compiled(EVERY_NAME_TO_HOST, "scan", "pallas", small=True, mlp_chunk=256)

@@ -174,7 +174,7 @@ def test_contiguous_room_is_the_larger_of_the_free_block_and_the_limit_left_besi
 
 def test_fit_allocator_takes_more_remat_when_the_pool_leaves_no_room_for_the_temp():
     """auto chose no remat (the budget fits it); after the load the allocator's pool leaves less than the step's
-    temp for one buffer (the Gemma-2-9B packed OOM of docs/benchmarks.md section 16): full remat's per-layer saving,
+    temp for one buffer (the Gemma-2-9B packed OOM in experiments/LOG.md): full remat's per-layer saving,
     not measured by auto, is measured (full on every layer, a probe), and full remat on the fewest layers whose
     temp fits is compiled and kept: 2 (made-up compiles, as above; over a Run, the layer scan's re-choice is
     test_remat_auto's)."""
