@@ -1,7 +1,8 @@
-"""Run by tests/test_sharding.py in a subprocess with 8 host CPU devices (JAX fixes its device count at start):
-`python tests/sharding_worker.py WORKDIR OUT.json` (WORKDIR holds `model` and `train.jsonl`; `--moe QWEN_DIR
-GPT_OSS_DIR OUT.json`: `main_moe`, each MoE model's losses and expert placement on its meshes; `--per-device
-PALLAS_MODEL_DIR QUANT_MODEL_DIR OUT.json`: `main_per_device` for both kinds). Writes what the test asserts on:
+"""Run by tests/test_sharding.py in one subprocess with 8 host CPU devices (JAX fixes its device count at start):
+`python tests/sharding_worker.py WORKDIR OUT.json`, WORKDIR holding `model` and `train.jsonl` (the dense model),
+`pallas` and `quant` (`main_per_device`'s models), `qwen3_moe` and `gpt_oss` (`main_moe`'s); OUT.json gets
+{"dense": main's results, "per_device": main_per_device's, "moe": main_moe's}. One process for all three: each
+process pays JAX's and jaxft's start-up. Dense, what the test asserts on:
 
 - losses: 3 fp32 LoRA steps on one device and on several meshes of the 8 devices (same global batches);
 - all_gathers: every all-gather of the compiled FSDP step (layer scan) with its result shape and whether it
@@ -10,7 +11,8 @@ PALLAS_MODEL_DIR QUANT_MODEL_DIR OUT.json`: `main_per_device` for both kinds). W
   the device shards, whether every shard equals the matching slice of the unsharded weight; and the logits'
   largest difference from the unsharded model's.
 - resumed: the losses of a `jaxft-train` run (`jaxft.train.train`) on {data: 2, fsdp: 4}, 5 steps with a
-  checkpoint at step 3, and of a run resumed from that checkpoint on {data: 8}, and the lines they logged about
+  checkpoint at step 3 (the settings of the loss runs above: its step is theirs, from the compilation cache), and
+  of a run resumed from that checkpoint on {data: 8}, and the lines they logged about
   their batch-parallel devices;
 - random: `Run.init_random` on {fsdp: 4, tensor: 2} against the same seed on one device: per array, its number
   of shards and whether every shard equals the matching slice of the one-device array; the init program's
@@ -140,8 +142,9 @@ def _random(model_dir) -> dict:
 
 
 def _resumed(workdir: Path) -> dict:
-    """A jaxft-train run on {data: 2, fsdp: 4} and its checkpoint of step 3 resumed on {data: 8} (8 rows per step on
-    both: one per device); their logged losses and what they said about their batch-parallel devices."""
+    """A jaxft-train run on {data: 2, fsdp: 4} and its checkpoint of step 3 resumed on {data: 8} (16 rows per step
+    on both: 2 micro-batches of one row per device, `_run`'s settings, so that the first run's step is the loss
+    runs' program); their logged losses and what they said about their batch-parallel devices."""
     from jaxft.train import TrainConfig, read_metrics, train
 
     said = []
@@ -157,9 +160,10 @@ def _resumed(workdir: Path) -> dict:
     for name, mesh, extra in (("fsdp", dict(data=2, fsdp=4), {}),
                               ("data", dict(data=8), dict(resume_from_checkpoint=str(workdir / "fsdp/checkpoints/3")))):
         cfg = dict(model_name_or_path=str(workdir / "model"), dataset=str(workdir / "train.jsonl"),
-                   output_dir=str(workdir / name), max_seq_length=64, per_device_train_batch_size=1, max_steps=5,
-                   logging_steps=1, save_steps=3, learning_rate=5e-3, lr_scheduler_type="cosine", warmup_steps=1,
-                   lora_r=4, seed=0, bf16=False, disable_tqdm=True, report_to="none", mesh=mesh, layer_loop="scan",
+                   output_dir=str(workdir / name), max_seq_length=SEQ, per_device_train_batch_size=1,
+                   gradient_accumulation_steps=2, max_steps=5, logging_steps=1, save_steps=3, learning_rate=1e-2,
+                   lr_scheduler_type="constant", lora_r=4, lora_alpha=8, seed=0, bf16=False, disable_tqdm=True,
+                   report_to="none", mesh=mesh, layer_loop="scan", remat="none", attention_implementation="reference",
                    **extra)
         said.clear()
         result = train(TrainConfig.from_dict(cfg))
@@ -169,9 +173,7 @@ def _resumed(workdir: Path) -> dict:
     return out
 
 
-def main(workdir: str, out_path: str) -> None:
-    assert len(jax.devices()) == 8, jax.devices()
-    workdir = Path(workdir)
+def main(workdir: Path) -> dict:
     model_dir = workdir / "model"
     batches = _batches()
     result = {"losses": {"one_device": _losses(_run(model_dir, None, "scan", devices=jax.devices()[:1]).load(),
@@ -198,8 +200,7 @@ def main(workdir: str, out_path: str) -> None:
     result["loaded"] = _loaded(model_dir)
     result["random"] = _random(model_dir)
     result["resumed"] = _resumed(workdir)
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
+    return result
 
 
 MOE_MESHES = {"data2_fsdp4": (dict(data=2, fsdp=4), "auto"), "fsdp4_tensor2": (dict(fsdp=4, tensor=2), "auto"),
@@ -227,16 +228,13 @@ def _moe(model_dir: str, meshes: list[str]) -> dict:
     return result
 
 
-def main_moe(qwen_dir: str, gpt_oss_dir: str, out_path: str) -> None:
+def main_moe(qwen_dir: Path, gpt_oss_dir: Path) -> dict:
     """Each MoE model's losses on one device and on meshes that split its expert stacks (expert adapters included;
     the grouped matmuls are lax.ragged_dot here), each device routing its own rows (moe_dispatch auto =
     per_device) on fsdp 4 x tensor 2, and Qwen3-MoE's with the routing global on data 2 x fsdp 4; the slots each
     device's compiled step sorts; where its frozen expert stacks and its expert adapters were placed."""
-    assert len(jax.devices()) == 8, jax.devices()
-    result = {"qwen3_moe": _moe(qwen_dir, ["fsdp4_tensor2", "data2_fsdp4_global"]),
-              "gpt_oss": _moe(gpt_oss_dir, ["fsdp4_tensor2"])}
-    with open(out_path, "w") as f:
-        json.dump(result, f, indent=1)
+    return {"qwen3_moe": _moe(qwen_dir, ["fsdp4_tensor2", "data2_fsdp4_global"]),
+            "gpt_oss": _moe(gpt_oss_dir, ["fsdp4_tensor2"])}
 
 
 def _per_device(kind: str, model_dir: str) -> dict:
@@ -251,7 +249,6 @@ def _per_device(kind: str, model_dir: str) -> dict:
     from jaxft.models.layers import QuantizedWeight
     from jaxft.quant import QuantConfig
 
-    assert len(jax.devices()) == 8, jax.devices()
     batches = _batches()[:3]
     result = {"losses": {}}
     for key, mesh in (("one_device", None), ("data2_fsdp2", dict(data=2, fsdp=2))):
@@ -277,15 +274,14 @@ def _per_device(kind: str, model_dir: str) -> dict:
     return result
 
 
-def main_per_device(pallas_dir: str, quant_dir: str, out_path: str) -> None:
-    with open(out_path, "w") as f:
-        json.dump({"pallas": _per_device("pallas", pallas_dir), "quant": _per_device("quant", quant_dir)}, f, indent=1)
+def main_per_device(pallas_dir: Path, quant_dir: Path) -> dict:
+    return {"pallas": _per_device("pallas", pallas_dir), "quant": _per_device("quant", quant_dir)}
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--moe":
-        main_moe(*sys.argv[2:])
-    elif sys.argv[1] == "--per-device":
-        main_per_device(*sys.argv[2:])
-    else:
-        main(*sys.argv[1:])
+    assert len(jax.devices()) == 8, jax.devices()
+    root = Path(sys.argv[1])
+    results = {"dense": main(root), "per_device": main_per_device(root / "pallas", root / "quant"),
+               "moe": main_moe(root / "qwen3_moe", root / "gpt_oss")}
+    with open(sys.argv[2], "w") as f:
+        json.dump(results, f, indent=1)

@@ -196,7 +196,8 @@ def test_a_run_over_several_devices_is_refused_in_one_line():
 def test_gpt_oss_with_expert_adapters_trains_over_streamed_experts(tmp_path):
     """GPT-OSS (sinks, alternating windows, expert biases, interleaved gate/up) with LoRA on attention and on the
     experts (PEFT target_parameters): its expert stacks stream with the rest; three steps give the device run's
-    losses."""
+    losses. Two layers, one period of its windows (the streamed scan's loop over several iterations, expert rows
+    included: the Qwen3-MoE and Gemma 2 cases above)."""
     from jaxft.lora import LoraConfig
     from jaxft.models.layers import ExpertParam
     from jaxft.memory.scan_offload import PackedSlot
@@ -204,7 +205,7 @@ def test_gpt_oss_with_expert_adapters_trains_over_streamed_experts(tmp_path):
     from test_moe_gmm_choice import _saved
     from test_remat_auto import _batch
 
-    model = _saved("gpt_oss", tmp_path / "m", 4)
+    model = _saved("gpt_oss", tmp_path / "m", 2)
     lora = LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 

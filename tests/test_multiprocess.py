@@ -146,7 +146,8 @@ def runs(workdir):
     resumed = _two_processes("train", str(workdir / "resumed_writes{i}.jsonl"), str(config),
                              f"--batches={workdir / 'p{i}.npz'}", "--resume")
     try:
-        train(load_config(_config(workdir, "one", mesh=None, per_device_train_batch_size=4)))
+        # (its checkpoints are not read: one, at the end, instead of one every SAVE steps)
+        train(load_config(_config(workdir, "one", mesh=None, per_device_train_batch_size=4, save_steps=STEPS)))
     finally:
         _finish(resumed)
     return workdir

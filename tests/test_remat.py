@@ -142,10 +142,11 @@ def no_remat():
 # residuals kept through jaxft.memory.offload's custom VJP (offload+attn; the last case: most names to the host).
 # Full remat on unrolled layers is test_remat_layers' (on some of them); plain offload in both loops is the explicit
 # tests' below (the unrolled loop takes the explicit transfer). Where the copies go and what they cost is checked on
-# lowered programs here and on the GPU (test_remat_gpu.py). Gemma 2 (groups of one window each, softcaps) takes one
-# scan case: its unrolled layers are Llama's mechanism with another mask, and the policies are Llama's cases.
-GRADIENT_CASES = [("llama", "scan", "full"), ("llama", "scan", "save=attn_out,mlp_gate_up;offload=layer_input"),
-                  ("llama", "unroll", "offload+attn"),
+# lowered programs here and on the GPU (test_remat_gpu.py). Gemma 2 (groups of one window each, softcaps) takes the
+# scan's case of named residuals saved and offloaded (Llama's scan offloads named residuals in
+# test_keeping_everything_but_gate_up_recomputes_only_gate_up): its unrolled layers are Llama's mechanism with another
+# mask, and the policies are Llama's cases.
+GRADIENT_CASES = [("llama", "scan", "full"), ("llama", "unroll", "offload+attn"),
                   ("llama", "unroll", "offload=layer_input,mlp_input,attn_out,attn_lse,attn_qkv,mlp_gate_up"),
                   ("gemma2", "scan", "save=attn_out,mlp_gate_up;offload=layer_input")]
 
@@ -165,6 +166,21 @@ def test_every_policy_gives_the_gradients_of_no_remat(no_remat, family, remat, l
         scale = float(np.max(np.abs(w)))
         assert scale > 0
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * scale)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_unrolled_layers_give_the_gradients_of_the_layer_scan(no_remat, family):
+    """unstack_layers' per-layer weight buffers, layers unrolled, are the same math as the scan over stacked
+    weights: same loss, same LoRA gradients, no remat (Gemma 2's alternating windows: the unrolled path over
+    several layer runs). (Unstacking and restacking: tests/test_train_step.py.)"""
+    _, _, (l_scan, g_scan) = no_remat(family, "scan")
+    _, _, (l_unr, g_unr) = no_remat(family, "unroll")
+    assert abs(l_unr - l_scan) <= 1e-6 * abs(l_scan)
+    assert len(g_scan) == len(g_unr) == 14
+    for a, b in zip(g_scan, g_unr):
+        scale = float(np.max(np.abs(a)))
+        assert scale > 0  # fp32, differently fused: agreement to rounding, relative to the gradient's size
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_explicit_offload_in_the_scan_takes_a_period_with_runs_of_layers():

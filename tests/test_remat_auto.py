@@ -16,7 +16,7 @@ import pytest
 from jaxft.config import ModelConfig
 from jaxft.lora import LoraConfig
 from jaxft.memory import GIB, Trials, choose_remat, peak_estimate
-from jaxft.memory.choice import auto_order, host_fit
+from jaxft.memory.choice import auto_order, fit_allocator, host_fit
 from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
 from jaxft.memory.policy import AUTO_ORDER, LAYER_INPUT, LEAN_ATTN, residual_bytes
 from jaxft.run import Run
@@ -48,7 +48,9 @@ class LongRows(Run):
 
 
 def _run(model_dir, remat, **execution):
-    return LongRows(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+    """(total_steps 2: the CLI test's run, whose step for remat none is then this one's, from the compilation
+    cache.)"""
+    return LongRows(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32", total_steps=2,
                     execution=ExecutionConfig(attention_implementation="reference", remat=remat, **execution))
 
 
@@ -94,16 +96,27 @@ def test_the_choice_follows_the_budget(model_dir, estimates):
     assert np.isfinite(float(tight.step(_batch(), 0)["loss"])) and tight._compiled is compiled
 
 
+class MadeUpCompiles(LongRows):
+    """A run whose choices compile nothing: test_memory_choice's made-up callback (peaks by policy), so that a
+    refusal's handling by `Run` is checked without compiling every candidate (the real compiles: the tests around)."""
+
+    def _compiler(self, host_batch):
+        return made_up_compiler([])
+
+
 def test_nothing_fits_is_one_line_naming_the_key_and_the_smallest_estimate(model_dir):
     """Nothing fits: every candidate was compiled; one line names the smallest; the run's settings are as given and
     it does not load. (With frozen_weights auto, one device, the same candidates streamed from host memory too:
-    test_memory_choice, over made-up compiles.)"""
-    run = _run(model_dir, "auto", max_memory_gb=1e-4, frozen_weights="device")
+    test_memory_choice, over made-up compiles, as here.)"""
+    run = MadeUpCompiles(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32",
+                         execution=ExecutionConfig(attention_implementation="reference", remat="auto",
+                                                   max_memory_gb=1e-4, frozen_weights="device"))
     with pytest.raises(ExecutionConfigError) as info:
         run.choose_remat(_batch(), log=lambda line: None)
     text = str(info.value)
     smallest = min(run.trials.estimates, key=run.trials.estimates.get)
     assert set(run.trials.estimates) == set(AUTO_ORDER) and "\n" not in text
+    assert smallest == "offload" and run.trials.estimates[smallest] == int(PEAKS["offload"] * GIB)
     assert text.startswith("key 'max_memory_gb': no remat policy fits in 0.000 GiB (max_memory_gb): the smallest "
                            f"estimate is {smallest} at {run.trials.estimates[smallest] / GIB:.3f} GiB")
     assert run.execution.remat == "auto" and run.execution.frozen_weights == "device" and run._compiled is None
@@ -171,9 +184,11 @@ def test_auto_is_the_cli_default_and_reports_estimate_and_peak(model_dir, tmp_pa
     from jaxft.train import TrainConfig, train
 
     make_jsonl(tmp_path / "train.jsonl", 24)
+    # the LoRA, attention and row shape of `_run`'s steps: its step for remat none is `analyses`' (one compile)
     cfg = TrainConfig(model_name_or_path=str(model_dir), dataset=str(tmp_path / "train.jsonl"),
-                      output_dir=str(tmp_path / "out"), max_seq_length=64, per_device_train_batch_size=2,
-                      max_steps=2, bf16=False, disable_tqdm=True, report_to="none")
+                      output_dir=str(tmp_path / "out"), max_seq_length=128, per_device_train_batch_size=2,
+                      max_steps=2, bf16=False, disable_tqdm=True, report_to="none", lora_r=4, lora_alpha=8,
+                      attention_implementation="reference")
     assert cfg.execution_config.remat == "auto" and cfg.execution_config.max_memory_gb is None
     with caplog.at_level(logging.INFO, logger="jaxft"):
         result = train(cfg)
@@ -321,9 +336,9 @@ def _stats(room: int) -> dict[str, int]:
 def test_fit_allocator_in_the_layer_scan_takes_the_next_scan_policy_whose_temp_fits(model_dir, analyses):
     """auto over the layer scan chose no remat; after the load the pool leaves less room than its temp but more
     than offload+attn's: offload+attn is compiled over the stacked weights as placed and kept, and the step runs.
-    With room for none of them, each later scan policy is compiled once, then the one-line error on the key.
-    (The over-unrolled-layers re-choice: test_remat_layers, over made-up compiles; the steps here are those of
-    the tests above, compiled once for all through the run's compilation cache.)"""
+    (With room for none of them: the next test, over made-up compiles. The over-unrolled-layers re-choice:
+    test_remat_layers, over made-up compiles; the steps here are those of the tests above, compiled once for all
+    through the run's compilation cache.)"""
     temps = {policy: m["temp_size_in_bytes"] for policy, m in analyses.items()}
     assert temps["none"] > temps["offload+attn"] > 0
     lines = []
@@ -337,10 +352,19 @@ def test_fit_allocator_in_the_layer_scan_takes_the_next_scan_policy_whose_temp_f
     assert lines[-1].startswith("remat auto: offload+attn temp ") and lines[-1].endswith("fits the allocator: chosen")
     assert run.remat_choice == ("offload+attn", run.trials.estimates["offload+attn"])
     assert np.isfinite(float(run.step(_batch(), 0)["loss"]))
-    compiled = len(run.trials.compiles)
+
+
+def test_fit_allocator_with_room_for_no_later_scan_policy_is_one_line_on_the_key():
+    """With room for none of them, each later scan policy is compiled once (made-up compiles, test_memory_choice's
+    callback: the real ones are the test above's), then the one-line error on the key."""
+    calls, lines = [], []
+    trials = Trials(estimates={p: int(PEAKS[p] * GIB) for p in AUTO_ORDER[:2]})
+    chosen = ExecutionConfig(remat="offload+attn", layer_loop="scan", max_memory_gb=1000.0, host_memory_gb=64,
+                             frozen_weights="device")
     with pytest.raises(ExecutionConfigError) as info:
-        run.fit_allocator(_batch(), stats=_stats(1024), log=lines.append)
-    assert run.trials.compiles[compiled:] == [(p, None, 2) for p in AUTO_ORDER[2:]]
+        fit_allocator(made_up_target(), chosen, made_up_batch(), {"temp_size_in_bytes": int(3 * GIB)}, _stats(1024),
+                      made_up_compiler(calls), trials=trials, log=lines.append)
+    assert [c[0] for c in calls] == list(AUTO_ORDER[2:])
     assert all(line.endswith("does not fit the allocator") for line in lines[-2:])
     assert info.value.field == "max_memory_gb" and "\n" not in str(info.value)
 
@@ -365,26 +389,25 @@ def test_jaxft_claims_most_of_each_gpu_unless_told_otherwise():
     """`claim_gpu_memory` (called by jaxft.train.train, jaxft-generate and the benchmark's worker before anything
     touches a device) sets XLA_PYTHON_CLIENT_MEM_FRACTION to GPU_MEMORY_FRACTION, where JAX's own default would
     leave a quarter of each GPU unused; a value the environment sets stands; once JAX's backends have started it sets nothing (JAX
-    reads the variable once). Before the backends start: in fresh processes, since this one's have started."""
+    reads the variable once). Before the backends start: in a fresh process, since this one's have started."""
     import os
     import subprocess
     import sys
 
     from jaxft.memory import GPU_MEMORY_FRACTION
 
-    # Claim before the backends start, start them, drop the variable, claim again.
-    probe = ("import os, jax; from jaxft import claim_gpu_memory as claim; before = claim(); "
+    # jaxft-generate claims the share before it reads the model (a directory without config.json: exit 2); then,
+    # the variable dropped: claim before the backends start, start them, drop the variable, claim again.
+    probe = ("import os, jax; from jaxft import claim_gpu_memory as claim; from jaxft.generate_cli import main; "
+             "code = main(['/nonexistent-model-dir', '--prompt', 'x']); "
+             "generated = os.environ.pop('XLA_PYTHON_CLIENT_MEM_FRACTION'); before = claim(); "
              "set_before = os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION']; jax.devices(); "
-             "os.environ.pop('XLA_PYTHON_CLIENT_MEM_FRACTION'); print(before, set_before, claim())")
+             "os.environ.pop('XLA_PYTHON_CLIENT_MEM_FRACTION'); print(code, generated, before, set_before, claim())")
     env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
-
-    def run(code=probe, **extra):
-        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
-                             check=True)
-        return out.stdout.split()
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
 
     want = f"{GPU_MEMORY_FRACTION:.2f}"
-    assert run() == [want, want, "None"] and float(want) > 0.75
+    assert out.stdout.split() == ["2", want, want, want, "None"] and float(want) > 0.75
     # A value the environment sets stands (before the backends start or after: here they have).
     from jaxft import claim_gpu_memory
 
@@ -392,7 +415,3 @@ def test_jaxft_claims_most_of_each_gpu_unless_told_otherwise():
     environ = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
     assert claim_gpu_memory(environ) == "0.5" and environ == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
     assert claim_gpu_memory({}) is None
-    # jaxft-generate claims the same share before it reads the model (a directory without config.json: exit 2).
-    generate = ("import os; from jaxft.generate_cli import main; "
-                "print(main(['/nonexistent-model-dir', '--prompt', 'x']), os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])")
-    assert run(generate) == ["2", want]

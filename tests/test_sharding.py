@@ -1,10 +1,10 @@
 """Sharding (jaxft.sharding): the mesh from config, logical axes -> mesh axes, FSDP x data parallel training
 equal to one device, checkpoints across a mesh change, per-layer weight gathers, and loading by shards.
 
-Multi-device runs happen in subprocesses with 8 host CPU devices (XLA's
+Multi-device runs happen in one subprocess with 8 host CPU devices (XLA's
 --xla_force_host_platform_device_count; JAX fixes its device count when it starts) of tests/sharding_worker.py:
-one for the dense model's training/HLO/loading checks and the `jaxft-train` resume across meshes, one for the
-Pallas-attention and QLoRA steps, one for the MoE models; each run once, its results read by several tests."""
+the dense model's training/HLO/loading checks and the `jaxft-train` resume across meshes, the Pallas-attention and
+QLoRA steps, the MoE models; run once, its results read by several tests."""
 
 from __future__ import annotations
 
@@ -126,19 +126,31 @@ def test_weight_slices_read_what_load_weights_loads(tmp_path):
 # ------------------------------------------------------------------------------------------------ 8 devices
 
 
-def _worker(*args, out: Path) -> dict:
-    res = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), *map(str, args), str(out)],
-                         cwd=REPO, env=host_devices_env(8), capture_output=True, text=True, timeout=900)
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """tests/sharding_worker.py's results, one process for every model: the dense model's; Pallas attention on a
+    model with head_dim 64 (the kernels' smallest), QLoRA on one of hidden 64; the MoE models."""
+    from lora_helpers import tiny_qwen3_moe
+    from test_gpt_oss import gpt_oss_model
+    from test_moe_gmm_choice import QWEN
+
+    d = tmp_path_factory.mktemp("sharding")
+    make_tiny_model(d / "model")
+    make_jsonl(d / "train.jsonl", 60, seed=0)
+    make_tiny_model(d / "pallas", hidden=256)
+    make_tiny_model(d / "quant", hidden=64)
+    tiny_qwen3_moe({**QWEN, "vocab_size": 64}).save_pretrained(d / "qwen3_moe")
+    gpt_oss_model(seed=2, num_hidden_layers=2).save_pretrained(d / "gpt_oss")
+    out = d / "out.json"
+    res = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), str(d), str(out)],
+                         cwd=REPO, env=host_devices_env(8), capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def worker_result(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sharding")
-    make_tiny_model(d / "model")
-    make_jsonl(d / "train.jsonl", 60, seed=0)
-    return _worker(d, out=d / "out.json")
+def worker_result(results):
+    return results["dense"]
 
 
 @pytest.mark.slow
@@ -207,11 +219,8 @@ def test_random_weights_are_made_in_place_and_equal_one_devices(worker_result):
 
 
 @pytest.fixture(scope="module")
-def per_device(tmp_path_factory):
-    """Pallas attention on a model with head_dim 64 (the kernels' smallest), QLoRA on one of hidden 64."""
-    d = tmp_path_factory.mktemp("per_device")
-    return _worker("--per-device", make_tiny_model(d / "pallas", hidden=256), make_tiny_model(d / "quant", hidden=64),
-                   out=d / "out.json")
+def per_device(results):
+    return results["per_device"]
 
 
 @pytest.mark.slow
@@ -245,8 +254,8 @@ def test_qlora_on_a_mesh_splits_the_4bit_bytes_and_equals_one_device(per_device)
 @pytest.mark.slow
 def test_checkpoint_written_on_one_mesh_resumes_on_another(worker_result):
     """jaxft-train's `train` on data 2 x fsdp 4 (frozen weights split) writes a checkpoint at step 3; resumed from
-    it on data 8 (every weight whole on every device; pure data parallelism trains here), 8 rows per step on both,
-    the run logs the losses of the uninterrupted one."""
+    it on data 8 (every weight whole on every device; pure data parallelism trains here), 16 rows per step on both
+    (2 micro-batches), the run logs the losses of the uninterrupted one."""
     full, resumed = worker_result["resumed"]["fsdp"], worker_result["resumed"]["data"]
     for run in (full, resumed):  # the mesh really spans the 8 devices
         assert len(run["devices"]) == 1 and "x 8 batch-parallel devices" in run["devices"][0], run["devices"]
@@ -259,15 +268,8 @@ def test_checkpoint_written_on_one_mesh_resumes_on_another(worker_result):
 
 
 @pytest.fixture(scope="module")
-def moe_result(tmp_path_factory):
-    from lora_helpers import tiny_qwen3_moe
-    from test_gpt_oss import gpt_oss_model
-    from test_moe_gmm_choice import QWEN
-
-    d = tmp_path_factory.mktemp("moe")
-    tiny_qwen3_moe({**QWEN, "vocab_size": 64}).save_pretrained(d / "qwen3_moe")
-    gpt_oss_model(seed=2, num_hidden_layers=2).save_pretrained(d / "gpt_oss")
-    return _worker("--moe", d / "qwen3_moe", d / "gpt_oss", out=d / "out.json")
+def moe_result(results):
+    return results["moe"]
 
 
 # Both families on fsdp 4 x tensor 2 (each device routing its own rows; for GPT-OSS, its gate and up interleaved
