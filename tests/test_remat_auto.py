@@ -152,10 +152,9 @@ def test_auto_tries_lean_attn_last_where_its_copies_cost_more_than_the_attention
 
 def test_attention_copies_pay_on_long_documents_only():
     """LEAN_ATTN's price on Llama-3.1-8B's shape (a config, no weights), bf16: one document of 16k or 64k tokens
-    attends enough for its copies to pay (at 16k it was 3% faster than offload on the H200, docs/benchmarks.md
-    section 38); one of 4k, or documents of ~300 tokens packed into 16k (a few hundred keys a query), do not;
-    GPT-OSS-20B's packed row (16% slower than offload on an H100, section 41, with narrower cross-entropy chunks:
-    section 43) does not either. The price is the
+    attends enough for its copies to pay (at 16k it was 3% faster than offload on the H200); one of 4k, or documents of ~300 tokens packed into 16k (a few hundred keys a query), do not;
+    GPT-OSS-20B's packed row (16% slower than offload on an H100, with narrower cross-entropy chunks)
+    does not either. The price is the
     definition: the attention term of `recompute_work` against the extra residuals' bytes at the host link."""
     import transformers
     from test_remat_layers import _llama_8b
@@ -209,8 +208,8 @@ def test_tiled_mlp_gives_the_untiled_numbers_and_keeps_no_gate_up_under_any_poli
     gradients agree with the untiled no-remat ones to fp32 rounding of the smaller matmuls, of dA/dB summed chunk
     by chunk and of the recompute (the chunk loop inside each layer's checkpoint, under a policy that names
     gate/up). Where the MLP is tiled its gate/up exist one chunk at a time inside the chunk loop: no policy keeps
-    or offloads them (XLA 0.11.2 failed layout assignment for a host copy of them, compiled for an H200:
-    docs/benchmarks.md section 18); the other names stay, and untiled (chunk >= T) nothing changes; the host
+    or offloads them (XLA 0.11.2 failed layout assignment for a host copy of them, compiled for an H200);
+    the other names stay, and untiled (chunk >= T) nothing changes; the host
     copies (lowered for CUDA) lose gate and up."""
     cfg, split = LLAMA, lora_split(LLAMA)
     for remat in TILED_KEEPERS:
@@ -284,13 +283,13 @@ def test_ce_chunk_follows_length_under_remat():
     assert full.resolved_ce_chunk(4096, 128256, 4096, 2, "cpu") == 128
     assert full.resolved_ce_chunk(4096, 128256, 4096, 2, "NVIDIA H100 80GB HBM3") == 256
     # GPT-OSS-20B packed 1 x 16384 on an H100: the lean mode's 256, not the conservative budget's 83 tokens
-    # (docs/benchmarks.md section 43); elsewhere at least one 128-token tile.
+    # elsewhere at least one 128-token tile.
     assert full.resolved_ce_chunk(16384, 201088, 2880, 2, "NVIDIA H100 80GB HBM3") == 256
     assert full.resolved_ce_chunk(16384, 201088, 2880, 2, "cpu") == 128
     assert ExecutionConfig(remat="none").resolved_ce_chunk(4096, 128256, 4096, 2) is None  # the kernel decides
     assert full.resolved_ce_chunk(4096, 128256, 4096, 2, "NVIDIA H200") == 256
     # MoE widths (GPT-OSS-20B, Qwen3-30B-A3B; Gemma's 256k vocabulary too): the cap of 4 layer inputs is below
-    # 128 tokens, so the floor decides; 256 measured faster than 128 at the same peak (section 28).
+    # 128 tokens, so the floor decides; 256 measured faster than 128 at the same peak.
     assert full.resolved_ce_chunk(4096, 201088, 2880, 2, "NVIDIA H200") == 256
     assert full.resolved_ce_chunk(4096, 151936, 2048, 2, "NVIDIA H200") == 256
     assert full.resolved_ce_chunk(65536, 128256, 4096, 2, "NVIDIA H200") == 512  # long rows: the byte budget
