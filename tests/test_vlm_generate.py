@@ -81,6 +81,9 @@ def test_greedy_generation_with_images_equals_transformers(saved, hf_base_contin
     assert _ours(model, prompts, images) == want
 
 
+# One kind: the engine's path is the same for both; Qwen2.5-VL's vision adapters (gate/up/down) against PEFT:
+# test_qwen2_vl.test_vision_and_language_lora_adapter_equals_peft[qwen2_5_vl].
+@pytest.mark.parametrize("saved", ["qwen2_vl"], indirect=True)
 def test_lora_generation_with_images_equals_peft(saved, hf_base_continuations, tmp_path):
     import jaxft
     import peft
