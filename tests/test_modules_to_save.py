@@ -296,7 +296,10 @@ def test_train_run_trains_saves_and_resumes_modules_to_save(tmp_path):
     """`modules_to_save` in a training run: the tables move, the checkpoint holds them (and their optimizer
     state), a resume continues from them, and the exported adapter loads in PEFT with equal logits."""
     values = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
-    values.update(model_name_or_path=str(TINY), dataset=str(ROOT / values["dataset"]), eval_dataset=None,
+    data = tmp_path / "train.jsonl"  # the quickstart's first chats: 3 steps of 2 packed rows need far fewer than 3000
+    data.write_text("".join((ROOT / values["dataset"]).read_text().splitlines(keepends=True)[:96]), encoding="utf-8")
+    # a constant rate: the resumed run (3 steps) compiles the same step as the first (2 steps), a cache hit
+    values.update(model_name_or_path=str(TINY), dataset=str(data), eval_dataset=None, lr_scheduler_type="constant",
                   output_dir=str(tmp_path / "run"), max_steps=2, save_steps=2, logging_steps=1, max_seq_length=256,
                   per_device_train_batch_size=2, warmup_steps=0, remat="none", layer_loop="scan",
                   lora_target_modules=["q_proj", "v_proj"], modules_to_save=["embed_tokens", "lm_head"])
