@@ -344,6 +344,7 @@ def test_vision_and_language_lora_adapter_equals_peft(saved, tmp_path):
     assert rel_err(ours, _hf_logits(hf_model, ids, pixels, grids)) > 1e-3  # the adapters change the logits
     # ... and back: the adapter file loads into jaxft with the same logits.
     again = lora.load_adapter(jaxft.from_pretrained(path, dtype="float32"), tmp_path / "adapter")
+    assert nnx.graphdef(again) == graphdef  # its static fields (LoRA scale, targets) too: the program applies
     np.testing.assert_allclose(np.asarray(logits_and_grads(*split(again))[0]),
                                ours, rtol=1e-5, atol=1e-6 * np.abs(ours).max())
     # ... and merged into the kernels (the merger's unstacked linears included) it gives them too.
