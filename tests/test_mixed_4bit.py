@@ -188,8 +188,9 @@ def test_qlora_trains_on_the_mixed_checkpoint_and_resumes(mixed_dir, tmp_path):
                   max_seq_length=32, per_device_train_batch_size=2, max_steps=1, save_steps=1, logging_steps=1,
                   report_to="none", disable_tqdm=True, lora_r=4, lora_alpha=8, seed=0)
     # the layer scan (runs of one layout), every layer checkpointed; both runs take the one step program (the
-    # unrolled loop's mixed layout: test_mixed_checkpoint_loads_its_bytes_and_logits_in_both_loops)
-    config.update(layer_loop="scan", remat="full")
+    # unrolled loop's mixed layout: test_mixed_checkpoint_loads_its_bytes_and_logits_in_both_loops), the same for
+    # 1 and 2 steps at a constant rate
+    config.update(layer_loop="scan", remat="full", lr_scheduler_type="constant")
     first = train(TrainConfig(**config))
     again = train(TrainConfig(**{**config, "max_steps": 2, "resume_from_checkpoint": True}))
     rows = [r for r in read_metrics(again.metrics_path) if "loss" in r]

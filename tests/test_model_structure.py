@@ -140,16 +140,18 @@ def test_gemma3_builds_both_rope_tables_once_outside_the_layer_groups():
         assert not {"sin", "cos", "cummax"} & {e.primitive.name for e in jaxpr_eqns(body)}
 
 
-def test_alternating_stack_scans_over_periods_with_unrolled_numbers():
+def test_alternating_stack_scans_over_periods_without_weight_copies():
     """Gemma 2's alternation (sliding, global, ...) over stacked weights is ONE scan of L // 2 steps whose body
     is a (sliding, global) pair, not L scans of one layer each (each of those sliced the stack and kept its
-    own copy for the backward: 54 GiB for the 9B lean step on the H200 against 38 GiB unrolled). Logits and
-    LoRA gradients equal the unrolled layers'. Five layers: two whole periods and an incomplete last one."""
+    own copy for the backward: 54 GiB for the 9B lean step on the H200 against 38 GiB unrolled). Five layers: two
+    whole periods and an incomplete last one. The program's numbers: the period scan of Gemma 2's alternation (with
+    an incomplete last period) against transformers' logits and PEFT's LoRA gradients in
+    test_gemma::test_logits_match_transformers / test_lora_gradients_equal_peft [gemma2]; a period scan under
+    full remat against the unrolled layers in test_a_run_of_one_kind_in_a_period_is_an_inner_scan."""
     from jaxft.lora import LoraConfig, apply_lora
     from jaxft.models.stack import layer_groups, layer_period
-    from jaxft.train import split_model, unstack_layers
+    from jaxft.train import split_model
     from jaxft.train.step import token_loss_sum
-    from lora_helpers import rel_err
 
     num_layers = 5
     windows = tuple(16 if i % 2 == 0 else None for i in range(num_layers))
@@ -160,8 +162,6 @@ def test_alternating_stack_scans_over_periods_with_unrolled_numbers():
     model = init_model(cfg, dtype=jnp.float32, seed=0)
     apply_lora(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"), seed=0)
     graphdef, lora, frozen = split_model(model)
-    # B starts at 0: move every LoRA factor so the LoRA path counts in the gradients
-    lora = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(1), a.shape, a.dtype), lora)
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(0, 64, (1, 49)))
     batch = dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=jnp.ones((1, 48)),
@@ -182,12 +182,6 @@ def test_alternating_stack_scans_over_periods_with_unrolled_numbers():
     stacked = [v.aval.shape for e in jaxpr.eqns if e.primitive.name == "scan" and e.params["length"] > 1
                for v in e.outvars if v.aval.shape[1:] in weight_rows]
     assert stacked == [], f"the period scan stacks weight copies {stacked}"
-    got_loss, got = jax.jit(jax.value_and_grad(loss))(lora, frozen)
-    # the unrolled layers without remat (a policy changes what is saved, not the values): the cheaper program
-    want_loss, want = jax.jit(jax.value_and_grad(lambda lr, fz: loss(lr, fz, "none")))(lora, unstack_layers(frozen))
-    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # fp32, different fusions: rounding only
-        assert rel_err(np.asarray(a), np.asarray(b)) < 1e-5
 
 
 @pytest.fixture(scope="module")

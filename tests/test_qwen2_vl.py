@@ -99,7 +99,7 @@ def _pixels(grids, seed=0):
 # --------------------------------------------------------------------------- vision tower
 
 
-def test_vision_tower_equals_transformers(hf):
+def test_vision_tower_equals_transformers_and_attends_inside_each_image(hf):
     kind, model = hf
     tower = _tower_from_hf(kind, model)
     run = jax.jit(lambda p, g: tower(p, g))
@@ -111,23 +111,18 @@ def test_vision_tower_equals_transformers(hf):
         got = np.asarray(run(jnp.asarray(pixels), jnp.asarray(thw, jnp.int32)))
         assert got.shape == want.shape == (len(pixels) // 4, 64)
         assert rel_err(got, want) < 1e-5, grids
-
-
-def test_vision_attention_stays_inside_each_image(hf):
-    kind, model = hf
-    tower = _tower_from_hf(kind, model)
+    # The tower never attends across images (the same compiled shapes: GRIDS[0] is GRIDS[1]'s first image).
     grids = GRIDS[1]
     pixels = _pixels(grids)
-    run = jax.jit(lambda p, g: tower(p, g))
-    alone = np.asarray(run(jnp.asarray(pixels[:60]), jnp.asarray(grids[:1])))
-    both = np.asarray(run(jnp.asarray(pixels), jnp.asarray(grids)))
+    alone = np.asarray(run(jnp.asarray(pixels[:60]), jnp.asarray(grids[:1], jnp.int32)))
+    both = np.asarray(run(jnp.asarray(pixels), jnp.asarray(grids, jnp.int32)))
     # The first image's tokens do not depend on the second image (nor on being packed with it).
     # Rounding only (other matmul shapes, other blockings: ~2e-6 on outputs up to ~2.3 on an AVX-512 CPU); a leak
     # across images would move the outputs by their own size.
     np.testing.assert_allclose(both[:15], alone, rtol=1e-5, atol=1e-5 * float(np.abs(alone).max()))
     changed = pixels.copy()
     changed[60:] += 1.0
-    again = np.asarray(run(jnp.asarray(changed), jnp.asarray(grids)))
+    again = np.asarray(run(jnp.asarray(changed), jnp.asarray(grids, jnp.int32)))
     np.testing.assert_array_equal(again[:15], both[:15])
     assert np.abs(again[15:] - both[15:]).max() > 1e-3
 
@@ -278,6 +273,7 @@ def test_round_trip_is_byte_identical(saved, tmp_path):
         assert torch.equal(again.state_dict()[name], p), name
 
 
+@pytest.mark.parametrize("hf", ["qwen2_vl"], indirect=True)  # one name table serves both kinds
 def test_transformers5_module_names_load(saved, tmp_path):
     """A checkpoint named as transformers 5's modules (model.visual.*, model.language_model.*) loads the same."""
     import jaxft
@@ -313,8 +309,27 @@ def test_vision_and_language_lora_adapter_equals_peft(saved, tmp_path):
     perturb_lora_b(model, seed=4)
     pixels, grids = _processed([(12, 20), (16, 12)])
     ids, _ = _rows([[tuple(grids[0]), tuple(grids[1])]], 520)
-    run = nnx.jit(lambda m, i, p, g: m(i, pixel_values=p, image_grid_thw=g))
-    ours = np.asarray(run(model, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids, jnp.int32)))
+    tokens = jnp.asarray(ids)
+    graphdef = nnx.graphdef(model)
+
+    @jax.jit
+    def logits_and_grads(params, rest):
+        """Logits and the LoRA gradients of the next-token loss, one program for every model of this structure."""
+        def loss_fn(params):
+            logits = nnx.merge(graphdef, params, rest)(tokens, pixel_values=jnp.asarray(pixels),
+                                                       image_grid_thw=jnp.asarray(grids, jnp.int32))
+            logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+            return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)), logits
+
+        (_, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return logits, grads
+
+    def split(m):
+        _, params, rest = nnx.split(m, lora.trainable_filter, ...)
+        return params, rest
+
+    ours, grad_state = logits_and_grads(*split(model))
+    ours = np.asarray(ours)
     lora.save_adapter(model, tmp_path / "adapter")
     base = getattr(transformers, CLASSES[kind]).from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter", is_trainable=True).eval()
@@ -329,25 +344,17 @@ def test_vision_and_language_lora_adapter_equals_peft(saved, tmp_path):
     assert rel_err(ours, _hf_logits(hf_model, ids, pixels, grids)) > 1e-3  # the adapters change the logits
     # ... and back: the adapter file loads into jaxft with the same logits.
     again = lora.load_adapter(jaxft.from_pretrained(path, dtype="float32"), tmp_path / "adapter")
-    np.testing.assert_allclose(np.asarray(run(again, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids))),
+    assert nnx.graphdef(again) == graphdef  # its static fields (LoRA scale, targets) too: the program applies
+    np.testing.assert_allclose(np.asarray(logits_and_grads(*split(again))[0]),
                                ours, rtol=1e-5, atol=1e-6 * np.abs(ours).max())
     # ... and merged into the kernels (the merger's unstacked linears included) it gives them too.
     merged = lora.merge_lora(again)
     assert not merged.vision.merger.fc1.has_lora
-    np.testing.assert_allclose(np.asarray(run(merged, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids))),
+    run = nnx.jit(lambda m, i, p, g: m(i, pixel_values=p, image_grid_thw=g))
+    np.testing.assert_allclose(np.asarray(run(merged, tokens, jnp.asarray(pixels), jnp.asarray(grids))),
                                ours, rtol=1e-4, atol=1e-5 * np.abs(ours).max())
     # LoRA gradients of the next-token loss equal PEFT's, in a vision block and a language layer.
-    graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
-    tokens = jnp.asarray(ids)
-
-    def loss_fn(params):
-        logits = nnx.merge(graphdef, params, rest)(tokens, pixel_values=jnp.asarray(pixels),
-                                                   image_grid_thw=jnp.asarray(grids, jnp.int32))
-        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-
-    grads = {tuple(str(k) for k in key): np.asarray(v[...])
-             for key, v in nnx.to_flat_state(jax.jit(jax.grad(loss_fn))(params))}
+    grads = {tuple(str(k) for k in key): np.asarray(v[...]) for key, v in nnx.to_flat_state(grad_state)}
     t = torch.tensor(ids)
     out = theirs(input_ids=t, pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grids),
                  mm_token_type_ids=(t == IMAGE).int()).logits
@@ -364,7 +371,7 @@ def test_vision_and_language_lora_adapter_equals_peft(saved, tmp_path):
     for _, lin in nnx.iter_graph(model.vision):
         if isinstance(lin, jaxft.models.Linear) and lin.has_lora:
             lin.lora_b[...] = jnp.zeros_like(lin.lora_b[...])
-    assert rel_err(np.asarray(run(model, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids))), want) > 1e-4
+    assert rel_err(np.asarray(logits_and_grads(*split(model))[0]), want) > 1e-4
 
 
 def test_finetune_flags_select_the_parts(saved):
@@ -417,6 +424,7 @@ def test_every_parameter_has_exactly_one_row_and_every_row_a_parameter():
         "mlp.up_proj.bias", "mlp.down_proj.bias")}
 
 
+@pytest.mark.parametrize("hf", ["qwen2_vl"], indirect=True)  # the check runs before the tower, for both kinds
 def test_image_token_count_mismatch_is_one_clear_error(saved):
     import jaxft
 
@@ -430,9 +438,12 @@ def test_image_token_count_mismatch_is_one_clear_error(saved):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("hf", ["qwen2_5_vl"], indirect=True)
 def test_packed_documents_with_images_equal_each_document_alone(saved):
     """Two documents with images in one row (segment ids 1, 2): attention, M-RoPE and the image embeddings stay
-    per document, so each one's logits are transformers' logits of that document alone."""
+    per document, so each one's logits are transformers' logits of that document alone. One kind: packing is the
+    decoder's; Qwen2.5-VL's tower windows over several images: test_vision_tower_equals_transformers_and_attends_
+    inside_each_image."""
     import jaxft
 
     kind, hf_model, path = saved

@@ -1,10 +1,12 @@
-"""Generation with images (Qwen2-VL, Qwen2.5-VL) against transformers' `generate` (the oracle), and the CLI.
+"""Generation with images (Qwen2-VL) against transformers' `generate` (the oracle), and the CLI.
 
-Tiny random models of tests/test_qwen2_vl.py, fp32. A batch of prompts with images of different sizes (one
-prompt of > 512 tokens, one with two images, one text only) is generated in one call and each row must
+The tiny random Qwen2-VL of tests/test_qwen2_vl.py, fp32. A batch of prompts with images of different sizes
+(one prompt of > 512 tokens, one with two images, one text only) is generated in one call and each row must
 equal transformers' greedy `generate` of that prompt alone, token for token: the prefill runs the vision
 tower and M-RoPE, the decode continues at transformers' `rope_deltas`. The same with a LoRA adapter (B
-perturbed) on the vision blocks and the language layers, against PEFT.
+perturbed) on the vision blocks and the language layers, against PEFT. One kind: the engine's prefill and
+decode are the same code for Qwen2.5-VL, whose windowed tower, M-RoPE and vision adapters are held to
+transformers and PEFT in tests/test_qwen2_vl.py.
 """
 
 from __future__ import annotations
@@ -17,17 +19,18 @@ import torch
 import transformers
 
 from lora_helpers import perturb_lora_b
-from test_qwen2_vl import CLASSES, IMAGE, KINDS, _hf_model, _processed, _rows
+from test_qwen2_vl import CLASSES, IMAGE, _hf_model, _processed, _rows
 
 NEW = 12
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def saved(request, tmp_path_factory):
-    model = _hf_model(request.param)
-    path = tmp_path_factory.mktemp(request.param)
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    kind = "qwen2_vl"
+    model = _hf_model(kind)
+    path = tmp_path_factory.mktemp(kind)
     model.save_pretrained(path)
-    return request.param, model, path
+    return kind, model, path
 
 
 def _prompts():
