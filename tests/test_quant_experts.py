@@ -67,7 +67,8 @@ def test_expert_bytes_are_bitsandbytes_quantize_4bit_per_expert(base):
     family, path = base
     dense = jaxft.from_pretrained(path, dtype="float32", verbose=False)
     plain = jaxft.from_pretrained(path, dtype="float32", verbose=False, quant_config=QuantConfig(double_quant=False))
-    nested = jaxft.from_pretrained(path, dtype="float32", verbose=False, quant_config=QuantConfig(nested_rounding="cpu"))
+    nested = jaxft.from_pretrained(path, dtype="float32", verbose=False,
+                                   quant_config=QuantConfig(nested_rounding="cpu"))
     same_offset = 0
     for name in KERNELS:
         q, qd = getattr(_mlp(plain), name), getattr(_mlp(nested), name)
@@ -103,11 +104,11 @@ def test_expert_bytes_are_bitsandbytes_quantize_4bit_per_expert(base):
 @pytest.fixture(scope="module")
 def lora_steps(base, ids):
     """Per family: the 4-bit model with expert LoRA (B perturbed), and (loss, logits, LoRA gradients) of one jitted
-    value-and-grad on the 512-token `ids`, of it and of its dequantised dense twin (same adapter): one program each,
-    shared by the gradient and the export tests."""
+    value-and-grad on the 512-token `ids`, of it and (Qwen3-MoE: the gradient test's family) of its dequantised
+    dense twin (same adapter): one program each, shared by the gradient and the export tests."""
     family, path = base
     model4 = jaxft.from_pretrained(path, dtype="float32", quantize="nf4", verbose=False)
-    twin = _dequantised_twin(model4, path)
+    twin = _dequantised_twin(model4, path) if family == "qwen3_moe" else None
     dy = jnp.asarray(np.random.default_rng(2).normal(size=(*ids.shape, 128)).astype(np.float32))
 
     def grads(model):
@@ -122,9 +123,13 @@ def lora_steps(base, ids):
         (value, logits), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
         return value, np.asarray(logits), nnx.merge(graphdef, g, rest)
 
-    return model4, grads(model4), grads(twin)
+    return model4, grads(model4), grads(twin) if family == "qwen3_moe" else None
 
 
+# One family: both run their experts through `quant_experts.expert_matmul` (the 4-bit experts' custom VJP);
+# GPT-OSS's 4-bit forward (its [E, in, out] layout, biases) is checked against transformers by
+# test_merged_export_is_dense_and_loads_in_transformers_with_our_logits[gpt_oss].
+@pytest.mark.parametrize("base", ["qwen3_moe"], indirect=True)
 def test_logits_and_expert_lora_gradients_equal_the_dequantised_dense_model(lora_steps):
     _, (v4, logits4, g4), (vd, logits_d, gd) = lora_steps
     assert rel_err(logits4, logits_d) < 1e-5
