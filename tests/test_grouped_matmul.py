@@ -168,25 +168,11 @@ def test_auto_takes_the_kernels_only_on_hopper():
         grouped_matmul_mosaic(lhs, rhs, sizes, interpret=False)
 
 
-# The tile split along M (rhs as stored): the chains below; read transposed, with an adapter:
-# test_row_kernels_fuse_the_adapter_into_a_transposed_product[True-m]. 256-row tiles split along M:
-# test_grouped_matmul_gpu.py::test_256_row_warp_specialised_tiles_split_along_m_match (natively).
-@pytest.mark.parametrize("split,transpose,block_m,sizes", [("n", False, 64, (70, 0, 61, 3, 0, 50))])
-def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes):
-    """The memory-warpgroup + two-compute-warpgroup variant in interpret mode, the tile split into N halves with
-    rhs as stored."""
-    from kernels_pallas.grouped_matmul.tiles import TileConfig
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
-
-    cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split)
-    m = sum(sizes) + 7
-    sizes = jnp.asarray(sizes, jnp.int32)
-    k1, k2 = jax.random.split(jax.random.key(4))
-    lhs = jax.random.normal(k1, (m, 128), jnp.float32)
-    rhs = jax.random.normal(k2, (6, 128, 128), jnp.float32)
-    got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
-                      interpret=True)
-    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 128)))[0], "float32", f"out (split {split}, {block_m} rows)")
+# The warp-specialised row kernel in the interpreter: split along M, rhs as stored, in the chains below; split
+# along N or M with an adapter, rhs as stored (test_row_kernels_fuse_the_adapter_on_every_variant) or read
+# transposed (test_row_kernels_fuse_the_adapter_into_a_transposed_product). Without an adapter, each split forward
+# and transposed: test_grouped_matmul_gpu.py::test_every_row_kernel_variant_forward_and_transposed (natively), 256-row
+# tiles split along M: test_256_row_warp_specialised_tiles_split_along_m_match.
 
 
 # One unit, START then STOP, the unchained fill-and-drain, the walks over the N-blocks and a tile moved back from
@@ -312,10 +298,11 @@ def test_two_blocks_an_sm_split_the_units_and_leave_the_products_unchanged(trans
         _close(gmm_drhs(lhs, dout, sizes, cfg, interpret=True), want_drhs, "float32", "d rhs, two blocks an SM")
 
 
-# Each kernel variant once: a warp-specialised entry split along M (its d lhs: the (1536, 2048) entry, split along
-# N; its d rhs two blocks an SM) and a single-warpgroup one. Every table entry runs natively in
-# test_grouped_matmul_gpu.py::test_kernels_match_the_reference_on_ragged_moe_shapes.
-@pytest.mark.parametrize("key", [(2048, 1536, 128), (2880, 2880, 32)])
+# A warp-specialised entry split along M (its d lhs: the (1536, 2048) entry, split along N; its d rhs two blocks an
+# SM); the single-warpgroup kernels (forward plain and with an adapter, d lhs, the group-tile d rhs) lower on the
+# (2880, 2880, 32) entry in test_an_adapter_on_the_products_own_rows_lowers_for_a_gpu_from_the_cpu. Every table
+# entry runs natively in test_grouped_matmul_gpu.py::test_kernels_match_the_reference_on_ragged_moe_shapes.
+@pytest.mark.parametrize("key", [(2048, 1536, 128)])
 def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
     """The GPU kernels (not the interpreter) through Mosaic GPU's lowering for a CUDA target, forward and both
     gradients. Why: the interpreter accepts what the GPU lowering rejects (a load from a
@@ -394,7 +381,9 @@ def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split, rank):
     _close(got, _lora_loop(lhs, rhs, xa, b, sizes, np.zeros((200, 128)))[0], "float32", f"out ({ws}, {split})")
 
 
-@pytest.mark.parametrize("ws,split", [(False, "n"), (True, "m"), (True, "n")])
+# The single-warpgroup kernel's transposed product with an adapter: the custom VJP's d lhs in
+# test_an_adapter_on_the_products_own_rows_adds_its_product_and_gets_its_gradients[pallas_mosaic-True].
+@pytest.mark.parametrize("ws,split", [(True, "m"), (True, "n")])
 def test_row_kernels_fuse_the_adapter_into_a_transposed_product(ws, split):
     """The d lhs form with an adapter (`backward_lhs(lora=)`): out = lhs @ rhs[g]^T + xa @ b[g] (rhs [G, N, K]), on
     each row kernel variant; the output width (K = 128) and the adapter's b [G, r, K] come from the transposed side."""
