@@ -109,7 +109,9 @@ def test_bad_shapes_are_one_line_naming_the_file():
 def test_row_tiles_cover_every_row_once_from_its_groups_first_row(sizes, m, block_m):
     from kernels_pallas.grouped_matmul.mosaic_kernels import num_row_tiles, row_tiles
 
-    group, row0, lo, hi = (np.asarray(a) for a in row_tiles(jnp.asarray(sizes, jnp.int32), m, block_m))
+    # jit'd: one program per case (op by op, every eager op of a new shape compiles on its own)
+    tiles = jax.jit(row_tiles, static_argnums=(1, 2))(jnp.asarray(sizes, jnp.int32), m, block_m)
+    group, row0, lo, hi = (np.asarray(a) for a in tiles)
     g = len(sizes)
     assert group.shape == (num_row_tiles(m, g, block_m),)
     ends = np.concatenate([np.cumsum(sizes), [m]])
@@ -136,8 +138,9 @@ def test_row_tiles_cover_every_row_once_from_its_groups_first_row(sizes, m, bloc
 @pytest.mark.parametrize("k,n", [(192, 16), (16, 192)])
 def test_default_tiles_fit_the_widths_so_nothing_is_padded(k, n):
     """A rank-16 expert LoRA's shapes (K or N = 16 beside a width that is a multiple of 64 but not of 128, like
-    GPT-OSS's 2880): the default tiles divide the wide side (no zero-padded copy of the operand), and the
-    kernels on those tiles match the per-group loop, forward and both gradients."""
+    GPT-OSS's 2880): the default tiles divide the wide side (no zero-padded copy of the operand). The kernels on
+    those tiles against the per-group loop: test_grouped_matmul_gpu.py::test_default_tiles_of_a_rank_16_adapter_match
+    (natively)."""
     from kernels_pallas.grouped_matmul.tiles import config_for, _dlhs_config
 
     cfg = config_for(k, n, 4)
@@ -146,14 +149,6 @@ def test_default_tiles_fit_the_widths_so_nothing_is_padded(k, n):
     assert wide % (cfg.dw_block_k if k == wide else cfg.dw_block_n) == 0
     assert k == 16 or k % _dlhs_config(cfg, k, n, 4).block_n == 0
     assert config_for(2880, 16, 32).dw_block_k in (64, 192) and config_for(16, 2880, 32).block_n in (64, 192)
-    sizes = jnp.asarray((50, 0, 61, 17), jnp.int32)
-    k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
-    lhs = jax.random.normal(k1, (140, k), jnp.float32)
-    rhs = jax.random.normal(k2, (4, k, n), jnp.float32)
-    dout = jax.random.normal(k3, (140, n), jnp.float32)
-    out, vjp = jax.vjp(lambda l, r: grouped_matmul(l, r, sizes, implementation="pallas_mosaic"), lhs, rhs)
-    for got, want, what in zip((out, *vjp(dout)), _loop(lhs, rhs, sizes, dout), ("out", "d lhs", "d rhs")):
-        _close(got, want, "float32", what)
 
 
 def test_auto_takes_the_kernels_only_on_hopper():
@@ -173,44 +168,21 @@ def test_auto_takes_the_kernels_only_on_hopper():
         grouped_matmul_mosaic(lhs, rhs, sizes, interpret=False)
 
 
-@pytest.mark.parametrize("split,transpose,block_m,sizes", [
-    ("n", False, 64, (70, 0, 61, 3, 0, 50)), ("m", True, 64, (70, 0, 61, 3, 0, 50)),
-    # 256-row tiles split along M (128 rows a compute warpgroup, a sweep candidate): groups of one, two and three
-    # halves, an empty one, and rows past the last group (rhs read transposed: the 64-row M split above)
-    ("m", False, 256, (300, 0, 140, 3, 0, 50)),
-])
-def test_warp_specialised_row_kernel_matches_a_per_group_loop(split, transpose, block_m, sizes):
-    """The memory-warpgroup + two-compute-warpgroup variant in interpret mode, each way of splitting the tile
-    (N halves with rhs as stored, M halves with rhs as stored or read transposed as d lhs does)."""
-    from kernels_pallas.grouped_matmul.tiles import TileConfig
-    from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
-
-    cfg = TileConfig(block_m=block_m, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split=split)
-    m = sum(sizes) + 7
-    sizes = jnp.asarray(sizes, jnp.int32)
-    k1, k2 = jax.random.split(jax.random.key(4))
-    lhs = jax.random.normal(k1, (m, 128), jnp.float32)
-    rhs = jax.random.normal(k2, (6, 128, 128), jnp.float32)
-    got = gmm_rows_ws(lhs, jnp.swapaxes(rhs, 1, 2) if transpose else rhs, sizes, cfg, transpose_rhs=transpose,
-                      interpret=True)
-    _close(got, _loop(lhs, rhs, sizes, np.zeros((m, 128)))[0], "float32", f"out (split {split}, {block_m} rows)")
+# The warp-specialised row kernel in the interpreter: split along M, rhs as stored, in the chains below; split
+# along N or M with an adapter, rhs as stored (test_row_kernels_fuse_the_adapter_on_every_variant) or read
+# transposed (test_row_kernels_fuse_the_adapter_into_a_transposed_product). Without an adapter, each split forward
+# and transposed: test_grouped_matmul_gpu.py::test_every_row_kernel_variant_forward_and_transposed (natively), 256-row
+# tiles split along M: test_256_row_warp_specialised_tiles_split_along_m_match.
 
 
+# One unit, START then STOP, the unchained fill-and-drain, the walks over the N-blocks and a tile moved back from
+# the end: test_grouped_matmul_gpu.py::test_warp_specialised_chains_of_pipelines_match (natively).
 @pytest.mark.parametrize("sizes,m,k,n,walk", [
     ((70, 0, 61, 3, 0, 50), 200, 128, 256, 0),  # 2 contraction steps = the 2 stages: chains of 7 units per "SM"
-    ((64,), 64, 128, 64, 1),  # one unit: the first "SM" runs it unchained, the other has none
-    ((60, 60), 128, 128, 64, 1),  # 3 tiles (with the 8 rows past the groups): a chain of START and STOP, and one
-    ((70, 0, 61, 3, 0, 50), 200, 192, 64, 1),  # 3 steps on 2 stages: no chain, every unit fills and drains
-    ((70, 0, 61, 3, 0, 50), 200, 128, 256, 2),  # 4 N-blocks walked two side by side
-    ((70, 0, 61, 3, 0, 50), 200, 128, 128, 1),  # down the tiles at one N-block (of 2)
-    # the last group's tile moved back from the end (rows 64-127): its first half stores no row and multiplies
-    # nothing, the second half does (the other sizes have second halves that store nothing)
-    ((100, 20), 120, 128, 64, 0),
 ])
 def test_warp_specialised_chains_of_pipelines_match_a_per_group_loop(sizes, m, k, n, walk):
     """The chained pipelines of the warp-specialised row kernel (TileConfig.chained) in interpret mode, on the
-    interpreter's 2 "SMs": chains of several units, one SM with a single unit, START followed by STOP, the
-    unchained fallback, and the walks over the N-blocks (grid_block_n: 0 a tile's whole row, 1 down the tiles)."""
+    interpreter's 2 "SMs": chains of several units (grid_block_n 0: a tile's whole row)."""
     from kernels_pallas.grouped_matmul.tiles import TileConfig
     from kernels_pallas.grouped_matmul.mosaic_kernels import gmm_rows_ws
 
@@ -245,7 +217,9 @@ def test_a_row_of_a_layer_stack_equals_the_sliced_product(impl):
         grouped_matmul(lhs, rhs, sizes, implementation=impl, row=0)
 
 
-@pytest.mark.parametrize("ws", [False, True])
+# The single-warpgroup kernels' in-place read (forward and d lhs, through the custom VJP):
+# test_a_row_of_a_layer_stack_equals_the_sliced_product[pallas_mosaic].
+@pytest.mark.parametrize("ws", [True])
 def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
     """The row-tile kernels with `rhs_base` on a flattened stack [L * G, K, N] whose tiles need no padding read
     matrices base .. base + G - 1 of it (d lhs too), and with N needing padding fall back to the slice (the
@@ -271,7 +245,8 @@ def test_row_kernels_read_the_stack_in_place_from_a_base(ws):
                f"d lhs from base 6 (N {n})")
 
 
-@pytest.mark.parametrize("key", [(768, 2048, 128), (2048, 1536, 128)])
+# One entry (split along N); the entries themselves run natively in test_grouped_matmul_gpu.py.
+@pytest.mark.parametrize("key", [(768, 2048, 128)])
 def test_table_variants_lower_for_a_gpu_from_the_cpu(key):
     """The Qwen3-30B-A3B warp-specialised entries and their sweep variants (unchained, the other walk) through Mosaic
     GPU's CUDA lowering, forward and (rhs read transposed) d lhs: an entry split along N and one along M (the third,
@@ -294,7 +269,9 @@ def test_table_variants_lower_for_a_gpu_from_the_cpu(key):
             assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
-@pytest.mark.parametrize("transpose", [False, True])
+# rhs read transposed (d lhs) on two blocks an SM: test_grouped_matmul_gpu.py::test_two_blocks_an_sm_match
+# (natively), the same units' split as the forward here.
+@pytest.mark.parametrize("transpose", [False])
 def test_two_blocks_an_sm_split_the_units_and_leave_the_products_unchanged(transpose):
     """TileConfig.blocks_per_sm / dw_blocks_per_sm = 2: the persistent grid has two blocks per "SM" (4 on the
     interpreter's 2), which split the units among them: the row kernel (forward, or rhs read transposed as d lhs)
@@ -321,12 +298,14 @@ def test_two_blocks_an_sm_split_the_units_and_leave_the_products_unchanged(trans
         _close(gmm_drhs(lhs, dout, sizes, cfg, interpret=True), want_drhs, "float32", "d rhs, two blocks an SM")
 
 
-# The table's warp-specialised entries split along M and along N, and a single-warpgroup one ((2880, 5760, 32), the
-# other single-warpgroup entry, lowers with an adapter in test_fused_adapter_kernels_lower_for_a_gpu_from_the_cpu).
-@pytest.mark.parametrize("key", [(2048, 1536, 128), (768, 2048, 128), (2880, 2880, 32)])
+# A warp-specialised entry split along M (its d lhs: the (1536, 2048) entry, split along N; its d rhs two blocks an
+# SM); the single-warpgroup kernels (forward plain and with an adapter, d lhs, the group-tile d rhs) lower on the
+# (2880, 2880, 32) entry in test_an_adapter_on_the_products_own_rows_lowers_for_a_gpu_from_the_cpu. Every table
+# entry runs natively in test_grouped_matmul_gpu.py::test_kernels_match_the_reference_on_ragged_moe_shapes.
+@pytest.mark.parametrize("key", [(2048, 1536, 128)])
 def test_mosaic_kernels_lower_for_a_gpu_from_the_cpu(key):
     """The GPU kernels (not the interpreter) through Mosaic GPU's lowering for a CUDA target, forward and both
-    gradients, on every table shape. Why: the interpreter accepts what the GPU lowering rejects (a load from a
+    gradients. Why: the interpreter accepts what the GPU lowering rejects (a load from a
     row not proven a multiple of 8 failed layout inference on the H200 and passed every interpret-mode test)."""
     from kernels_pallas.grouped_matmul.mosaic import backward, forward
 
@@ -402,7 +381,9 @@ def test_row_kernels_fuse_the_adapter_on_every_variant(ws, split, rank):
     _close(got, _lora_loop(lhs, rhs, xa, b, sizes, np.zeros((200, 128)))[0], "float32", f"out ({ws}, {split})")
 
 
-@pytest.mark.parametrize("ws,split", [(False, "n"), (True, "m"), (True, "n")])
+# The single-warpgroup kernel's transposed product with an adapter: the custom VJP's d lhs in
+# test_an_adapter_on_the_products_own_rows_adds_its_product_and_gets_its_gradients[pallas_mosaic-True].
+@pytest.mark.parametrize("ws,split", [(True, "m"), (True, "n")])
 def test_row_kernels_fuse_the_adapter_into_a_transposed_product(ws, split):
     """The d lhs form with an adapter (`backward_lhs(lora=)`): out = lhs @ rhs[g]^T + xa @ b[g] (rhs [G, N, K]), on
     each row kernel variant; the output width (K = 128) and the adapter's b [G, r, K] come from the transposed side."""
@@ -488,8 +469,10 @@ def test_fused_adapter_tiles_fit_shared_memory_or_fall_back():
 
 
 # A warp-specialised entry whose tiles take the shallower ring with the adapter (the other such entry, (2048, 768,
-# 128): its tiles in test_fused_adapter_tiles_fit_shared_memory_or_fall_back) and a single-warpgroup one that fits.
-@pytest.mark.parametrize("key", [(2048, 1536, 128), (2880, 5760, 32)])
+# 128): its tiles in test_fused_adapter_tiles_fit_shared_memory_or_fall_back). A single-warpgroup kernel with the
+# adapter fused lowers in test_an_adapter_on_the_products_own_rows_lowers_for_a_gpu_from_the_cpu; on every
+# projection's tiles natively in test_grouped_matmul_gpu.py (test_a_fused_adapter_matches_on_the_tiles_of_each_...).
+@pytest.mark.parametrize("key", [(2048, 1536, 128)])
 def test_fused_adapter_kernels_lower_for_a_gpu_from_the_cpu(key):
     """The fused forward kernel through Mosaic GPU's CUDA lowering (layouts, shared memory) on the table's shapes
     with a rank-16 adapter, on `fused_config`'s tiles: one kernel. Through the custom VJP with an in-place layer
@@ -514,7 +497,10 @@ def test_fused_adapter_kernels_lower_for_a_gpu_from_the_cpu(key):
     assert calls(grads) == forward + 3
 
 
-@pytest.mark.parametrize("key", [(768, 2048, 128), (2880, 2880, 32)])
+# The single-warpgroup entry (a warp-specialised kernel with an adapter fused lowers in
+# test_fused_adapter_kernels_lower_for_a_gpu_from_the_cpu; both down projections' d lhs tiles natively in
+# test_grouped_matmul_gpu.py::test_an_adapter_fused_into_the_d_lhs_kernel_matches_on_the_down_tiles).
+@pytest.mark.parametrize("key", [(2880, 2880, 32)])
 def test_an_adapter_on_the_products_own_rows_lowers_for_a_gpu_from_the_cpu(key):
     """`grouped_matmul_mosaic(adapter=)` on the down projections' shapes through Mosaic GPU's CUDA lowering, with a
     rank-16 adapter on an in-place layer stack: the d lhs kernel with the adapter fused (transposed rhs) alone, and

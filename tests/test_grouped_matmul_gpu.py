@@ -184,3 +184,73 @@ def test_auto_takes_the_kernels_for_bf16_and_keeps_ragged_dot_for_float32():
             compiler_options=NO_AUTOTUNE).as_text()
     assert re.findall(MOSAIC_CALL, hlo(lhs, rhs))
     assert not re.findall(MOSAIC_CALL, hlo(lhs.astype(jnp.float32), rhs.astype(jnp.float32)))
+
+
+# Grid cases of the Mosaic GPU kernels, native here (interpreted on the CPU each costs seconds); the CPU suite
+# (tests/test_grouped_matmul.py) keeps one interpreted case per kernel variant.
+
+
+def _bf16_operands(m: int, k: int, n: int, g: int, seed: int):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return tuple(jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+                 for key, shape in zip(ks, ((m, k), (g, k, n), (m, n))))
+
+
+@pytest.mark.parametrize("k,n", [(192, 16), (16, 192)])
+def test_default_tiles_of_a_rank_16_adapter_match(k, n):
+    """The default tiles of a rank-16 expert LoRA's shapes (tests/test_grouped_matmul.py checks they divide the
+    wide side): forward and both gradients through `grouped_matmul` against the per-group loop."""
+    group_sizes = (50, 0, 61, 17)
+    lhs, rhs, dout = _bf16_operands(140, k, n, 4, 5)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    got = _fwd_bwd("pallas_mosaic", sizes)(lhs, rhs, dout)
+    for name, g, w in zip(("out", "d lhs", "d rhs"), got, _numpy_fwd_bwd(lhs, rhs, dout, group_sizes)):
+        _assert_close(g, w, f"({k}, {n}) {name}")
+
+
+def test_256_row_warp_specialised_tiles_split_along_m_match():
+    """256-row tiles split along M (128 rows a compute warpgroup, a sweep candidate): groups of one, two and three
+    halves, an empty one, and rows past the last group."""
+    group_sizes = (300, 0, 140, 3, 0, 50)
+    m = sum(group_sizes) + 7
+    cfg = TileConfig(block_m=256, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split="m")
+    lhs, rhs, _ = _bf16_operands(m, 128, 128, 6, 4)
+    got = jax.jit(lambda a, b, s: gmm_rows_ws(a, b, s, cfg))(lhs, rhs, jnp.asarray(group_sizes, jnp.int32))
+    _assert_close(got, _numpy_fwd_bwd(lhs, rhs, np.zeros((m, 128)), group_sizes)[0], "out, 256-row tiles")
+
+
+@pytest.mark.parametrize("group_sizes,m,k,n,walk", [
+    ((64,), 64, 128, 64, 1),  # one unit: one SM runs it unchained, the others have none
+    ((60, 60), 128, 128, 64, 1),  # 3 tiles (with the 8 rows past the groups)
+    ((70, 0, 61, 3, 0, 50), 200, 192, 64, 1),  # 3 steps on 2 stages: no chain, every unit fills and drains
+    ((70, 0, 61, 3, 0, 50), 200, 128, 256, 2),  # 4 N-blocks walked two side by side
+    ((70, 0, 61, 3, 0, 50), 200, 128, 128, 1),  # down the tiles at one N-block (of 2)
+    # the last group's tile moved back from the end (rows 64-127): its first half stores no row and multiplies
+    # nothing, the second half does
+    ((100, 20), 120, 128, 64, 0),
+])
+def test_warp_specialised_chains_of_pipelines_match(group_sizes, m, k, n, walk):
+    """The chained pipelines of the warp-specialised row kernel (TileConfig.chained) on the walks over the N-blocks
+    (grid_block_n: 0 a tile's whole row, 1 down the tiles, 2 two side by side) and their edge cases."""
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, warp_specialized=True, wg_split="m",
+                     grid_block_n=walk)
+    lhs, rhs, _ = _bf16_operands(m, k, n, len(group_sizes), 6)
+    got = jax.jit(lambda a, b, s: gmm_rows_ws(a, b, s, cfg))(lhs, rhs, jnp.asarray(group_sizes, jnp.int32))
+    _assert_close(got, _numpy_fwd_bwd(lhs, rhs, np.zeros((m, n)), group_sizes)[0], f"out (K {k}, N {n}, walk {walk})")
+
+
+def test_two_blocks_an_sm_match():
+    """TileConfig.blocks_per_sm / dw_blocks_per_sm = 2: the row kernel forward and with rhs read transposed (d lhs),
+    and the group-tile d rhs, on ragged groups with empty ones and rows past the last."""
+    from kernels_pallas.grouped_matmul.mosaic_drhs import gmm_drhs
+
+    cfg = TileConfig(block_m=64, block_n=64, block_k=64, stages=2, blocks_per_sm=2, dw_block_k=64, dw_block_n=64,
+                     dw_block_t=64, dw_stages=2, dw_blocks_per_sm=2)
+    group_sizes = (70, 0, 61, 3, 0, 50)
+    lhs, rhs, dout = _bf16_operands(200, 128, 128, 6, 8)
+    sizes = jnp.asarray(group_sizes, jnp.int32)
+    want_out, want_dlhs, want_drhs = _numpy_fwd_bwd(lhs, rhs, dout, group_sizes)
+    _assert_close(jax.jit(lambda a, b, s: gmm_rows(a, b, s, cfg))(lhs, rhs, sizes), want_out, "out")
+    got = jax.jit(lambda d, b, s: gmm_rows(d, b, s, cfg, transpose_rhs=True))(dout, rhs, sizes)
+    _assert_close(got, want_dlhs, "d lhs")
+    _assert_close(jax.jit(lambda a, d, s: gmm_drhs(a, d, s, cfg))(lhs, dout, sizes), want_drhs, "d rhs")

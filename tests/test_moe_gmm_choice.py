@@ -4,7 +4,7 @@ and it reaches every grouped matmul of a MoE training step (tiny Qwen3-MoE and G
 Checks: a bad name is one line naming the key and the valid names (ExecutionConfig, and TrainConfig at its YAML
 line); the flat key, the command line and `to_dict` carry it into the execution config; a LoRA step (attention
 LoRA + expert LoRA through `target_parameters`, B perturbed) gives the same loss and LoRA gradients with
-"reference", "xla" and "pallas_mosaic" (Mosaic GPU's interpreter on CPU: 1 layer, few tokens); and the traced step
+"reference" and "xla" (and "pallas_mosaic": its kernels' values in tests/test_grouped_matmul.py); and the traced step
 has exactly the grouped matmuls asked for: no ragged dot under "reference", ragged dots only under "xla", the
 Mosaic kernels' wgmma under "pallas_mosaic" - so a call that ignored the setting (the forward, the expert LoRA
 products, the 4-bit experts' dequantise-then-gmm forward or its custom-VJP backward) would show as a ragged dot.
@@ -179,13 +179,14 @@ def test_the_step_moves_no_activation_rows_by_scatter(steps):
     assert shapes and not [s for s in shapes if len(s) > 1 and s[-1] == hidden], shapes
 
 
-# ~25 s on 2 cores: the Mosaic kernels compiled in Mosaic GPU's interpreter. One family: the kernels see the same
-# expert stacks and adapters in both; GPT-OSS adds its biases and clamps around them.
-@pytest.mark.slow
+# Traced, not run: the model has no code of its own per implementation (the setting is passed to every grouped
+# matmul), so the step's values under "pallas_mosaic" are its kernels' with `lora=` / `adapter=` / `row=`, which
+# tests/test_grouped_matmul.py checks against the definition in Mosaic GPU's interpreter (forward and custom VJP);
+# the whole step against ragged_dot natively: tests/test_moe_gpu.py. One family: the kernels see the same expert
+# stacks and adapters in both; GPT-OSS adds its biases and clamps around them.
 @pytest.mark.parametrize("steps", ["gpt_oss"], indirect=True)
-def test_pallas_mosaic_step_in_the_interpreter_agrees_with_the_reference(steps):
-    mosaic = _step(steps["path"], steps["batch"], "pallas_mosaic")
-    _assert_same(mosaic, steps["reference"], 1e-5)
+def test_pallas_mosaic_step_runs_the_mosaic_kernels_for_every_grouped_matmul(steps):
+    mosaic = _step(steps["path"], steps["batch"], "pallas_mosaic", run=False)
     # Each grouped product has an MMA in its forward, d lhs and d rhs kernels; an adapter fused into the experts'
     # forward (both adapters' B side) adds one to that kernel and has its own d lhs and d rhs. Products, in both
     # families: the expert projections (gate+up, down) and the adapters' (the two fused B sides and the down
@@ -194,11 +195,11 @@ def test_pallas_mosaic_step_in_the_interpreter_agrees_with_the_reference(steps):
     assert mosaic[2][RAGGED] == 0 and mosaic[2][MOSAIC] == 3 * products
 
 
-def test_the_4bit_experts_forward_and_backward_take_the_setting(tmp_path):
+@pytest.mark.parametrize("steps", ["qwen3_moe"], indirect=True)  # the saved model and batch
+def test_the_4bit_experts_forward_and_backward_take_the_setting(steps):
     """Qwen3-MoE with its experts in NF4: the dequantise-then-gmm custom VJP's forward and backward grouped matmuls
     follow the setting (no ragged dot at all under "reference"), with equal losses and gradients."""
-    path = _saved("qwen3_moe", tmp_path / "q", 1)
-    batch = _batch(128, 32)
+    path, batch = steps["path"], steps["batch"]
     ref, xla = _step(path, batch, "reference", quantize="nf4"), _step(path, batch, "xla", quantize="nf4")
     _assert_same(xla, ref, 1e-5)
     assert ref[2][RAGGED] == 0
@@ -208,7 +209,13 @@ def test_the_4bit_experts_forward_and_backward_take_the_setting(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ the layer scan
-def test_a_layer_scan_reads_the_expert_stacks_in_place(tmp_path):
+@pytest.fixture(scope="module")
+def gpt_oss_4_layers(tmp_path_factory):
+    """GPT-OSS in 4 layers: 2 periods of sliding + full attention, a layer scan of 2 steps."""
+    return _saved("gpt_oss", tmp_path_factory.mktemp("gpt_oss_4"), 4)
+
+
+def test_a_layer_scan_reads_the_expert_stacks_in_place(gpt_oss_4_layers):
     """In the scan over 4 GPT-OSS layers (2 periods of sliding + full) the expert stacks [L, E, in, out] are not
     scanned over (a scanned slice handed to the Mosaic kernels' custom call is copied out whole first) but passed
     whole, each layer's kernels reading its row from a base index (`StackRow`, grouped_matmul(row=)): no slice of a
@@ -220,7 +227,7 @@ def test_a_layer_scan_reads_the_expert_stacks_in_place(tmp_path):
     from jaxft.train.step import token_loss_sum
 
     remat = "none"
-    path = _saved("gpt_oss", tmp_path / "m", 4)
+    path = gpt_oss_4_layers
     model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32", verbose=False), lora.LoraConfig(**LORA))
     stacks = {tuple(v.shape) for _, v in nnx.to_flat_state(nnx.state(model))
               if type(v).__name__ == "ExpertParam"}
@@ -290,11 +297,11 @@ def test_a_policy_can_keep_the_experts_gate_up_off_the_device(steps):
     assert placed["offload=layer_input,mlp_gate_up"] == placed["offload"] + 1
 
 
-def test_explicit_offload_in_the_scan_keeps_the_moe_gradients(tmp_path):
+def test_explicit_offload_in_the_scan_keeps_the_moe_gradients(gpt_oss_4_layers):
     """remat "offload" through `jaxft.memory.scan_offload` (`offload_transfer: explicit` in the layer scan) on GPT-OSS:
     the expert stacks read in place (closed over), the router statistics in the carry, its period of two layers;
     loss and LoRA gradients equal to no remat."""
-    path = _saved("gpt_oss", tmp_path / "gpt_oss", 4)
+    path = gpt_oss_4_layers
     batch = _batch(128, 32)
     want = _step(path, batch, "xla")
     _assert_same(_step(path, batch, "xla", remat="offload", transfer="explicit"), want, 1e-5)

@@ -5,8 +5,8 @@ Checks: every expert's bytes are bitsandbytes' `quantize_4bit` of that expert's 
 and routers stay in the model dtype; the 4-bit model's logits and its expert-LoRA gradients equal those of the
 dense model whose experts are the dequantised NF4 weights; the merged export is dense (bf16 when asked) and
 loads in transformers with the 4-bit model's logits; a LoRA step's compiled temp memory holds no dequantised
-expert stack; the ahead-of-time abstract model has the loaded one's shapes; skip_modules keeps experts dense;
-merge_lora refuses 4-bit experts in one line.
+expert stack (4-bit and FP8); the ahead-of-time abstract model has the loaded one's shapes; skip_modules keeps
+experts dense; merge_lora refuses 4-bit experts in one line.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jaxft  # noqa: E402
 from jaxft import lora  # noqa: E402
 from jaxft.models.layers import ExpertParam, QuantizedExpertWeight  # noqa: E402
 from jaxft.models.quant_experts import Quant4bitExperts  # noqa: E402
-from jaxft.quant import DEFAULT_SKIP, QuantConfig  # noqa: E402
+from jaxft.quant import DEFAULT_SKIP, Fp8Config, QuantConfig  # noqa: E402
 from jaxft.quant.experts import expert_sites  # noqa: E402
 from lora_helpers import hf_model_fp32, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits  # noqa: E402
 from test_gpt_oss import gpt_oss_model  # noqa: E402
@@ -67,7 +67,8 @@ def test_expert_bytes_are_bitsandbytes_quantize_4bit_per_expert(base):
     family, path = base
     dense = jaxft.from_pretrained(path, dtype="float32", verbose=False)
     plain = jaxft.from_pretrained(path, dtype="float32", verbose=False, quant_config=QuantConfig(double_quant=False))
-    nested = jaxft.from_pretrained(path, dtype="float32", verbose=False, quant_config=QuantConfig(nested_rounding="cpu"))
+    nested = jaxft.from_pretrained(path, dtype="float32", verbose=False,
+                                   quant_config=QuantConfig(nested_rounding="cpu"))
     same_offset = 0
     for name in KERNELS:
         q, qd = getattr(_mlp(plain), name), getattr(_mlp(nested), name)
@@ -103,11 +104,11 @@ def test_expert_bytes_are_bitsandbytes_quantize_4bit_per_expert(base):
 @pytest.fixture(scope="module")
 def lora_steps(base, ids):
     """Per family: the 4-bit model with expert LoRA (B perturbed), and (loss, logits, LoRA gradients) of one jitted
-    value-and-grad on the 512-token `ids`, of it and of its dequantised dense twin (same adapter): one program each,
-    shared by the gradient and the export tests."""
+    value-and-grad on the 512-token `ids`, of it and (Qwen3-MoE: the gradient test's family) of its dequantised
+    dense twin (same adapter): one program each, shared by the gradient and the export tests."""
     family, path = base
     model4 = jaxft.from_pretrained(path, dtype="float32", quantize="nf4", verbose=False)
-    twin = _dequantised_twin(model4, path)
+    twin = _dequantised_twin(model4, path) if family == "qwen3_moe" else None
     dy = jnp.asarray(np.random.default_rng(2).normal(size=(*ids.shape, 128)).astype(np.float32))
 
     def grads(model):
@@ -122,9 +123,13 @@ def lora_steps(base, ids):
         (value, logits), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
         return value, np.asarray(logits), nnx.merge(graphdef, g, rest)
 
-    return model4, grads(model4), grads(twin)
+    return model4, grads(model4), grads(twin) if family == "qwen3_moe" else None
 
 
+# One family: both run their experts through `quant_experts.expert_matmul` (the 4-bit experts' custom VJP);
+# GPT-OSS's 4-bit forward (its [E, in, out] layout, biases) is checked against transformers by
+# test_merged_export_is_dense_and_loads_in_transformers_with_our_logits[gpt_oss].
+@pytest.mark.parametrize("base", ["qwen3_moe"], indirect=True)
 def test_logits_and_expert_lora_gradients_equal_the_dequantised_dense_model(lora_steps):
     _, (v4, logits4, g4), (vd, logits_d, gd) = lora_steps
     assert rel_err(logits4, logits_d) < 1e-5
@@ -152,28 +157,33 @@ def test_merged_export_is_dense_and_loads_in_transformers_with_our_logits(base, 
                               np.asarray(getattr(_mlp(bf16), name).dequantize(jnp.bfloat16), np.float32))
 
 
-@pytest.mark.slow  # two compiles of a 4-layer step (~35 s on the 2-core CPU)
+@pytest.mark.slow  # three compiles of a 4-layer step
 def test_lora_step_temp_memory_holds_no_dequantised_experts(tmp_path):
-    """The compiled gradient program (XLA memory analysis) of a 4-layer, 8-expert bf16 model at 32 tokens: with
-    4-bit experts the temp memory exceeds the bf16 model's by well under ONE layer's dequantised experts (a
-    backward that saved every layer's dequantised weights, as autodiff of dequantise-then-matmul does, adds all
-    of `expert_bytes`: 1.57 MB over the bf16 model's 2.0 MB here, vs 0.05 MB), and the arguments shrink by most
-    of the experts' bf16 bytes."""
+    """The compiled gradient program (XLA memory analysis) of a 4-layer, 8-expert bf16 model at 32 tokens, with its
+    experts in 4 bits and in FP8 (the attention linears dense here: the experts alone differ), against the bf16
+    model (one baseline for both): the temp memory exceeds the bf16 model's by well under ONE layer's dequantised
+    experts (a backward that saved every layer's dequantised weights, as autodiff of dequantise-then-matmul does,
+    adds all of `expert_bytes`: 1.57 MB over the bf16 model's 2.0 MB here, vs 0.05 MB), and the arguments shrink by
+    most of the experts' bf16 bytes (4 bits; with all the linears in 4 bits too) or by about half of them (FP8: one
+    byte a weight, a float32 scale per output channel)."""
     cfg = dict(QWEN, hidden_size=64, moe_intermediate_size=128, num_hidden_layers=4, num_experts=8)
     tiny_qwen3_moe(cfg).save_pretrained(tmp_path)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (1, 32)))
     expert_bytes = 4 * 3 * 8 * 64 * 128 * 2
 
-    def analysis(quantize):
-        model = jaxft.from_pretrained(tmp_path, dtype="bfloat16", quantize=quantize, verbose=False)
+    def analysis(**load):
+        model = jaxft.from_pretrained(tmp_path, dtype="bfloat16", verbose=False, **load)
         lora.apply_lora(model, lora.LoraConfig(**EXPERT_LORA))
         graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
         loss = lambda p, r: jnp.sum(nnx.merge(graphdef, p, r)(ids).astype(jnp.float32))  # noqa: E731
         return jax.jit(jax.grad(loss)).lower(params, rest).compile().memory_analysis()
 
-    dense, four = analysis(None), analysis("nf4")
+    dense, four = analysis(), analysis(quantize="nf4")
+    fp8 = analysis(quant_config=Fp8Config(skip_modules=DEFAULT_SKIP + ("q_proj", "k_proj", "v_proj", "o_proj")))
     assert four.temp_size_in_bytes - dense.temp_size_in_bytes < expert_bytes / 8
     assert dense.argument_size_in_bytes - four.argument_size_in_bytes > 0.6 * expert_bytes
+    assert fp8.temp_size_in_bytes - dense.temp_size_in_bytes < expert_bytes / 8
+    assert 0.4 * expert_bytes < dense.argument_size_in_bytes - fp8.argument_size_in_bytes < 0.5 * expert_bytes
 
 
 def test_abstract_model_has_the_loaded_shapes(base):
