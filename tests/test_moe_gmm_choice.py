@@ -268,7 +268,7 @@ def test_a_layer_scan_reads_the_expert_stacks_in_place(gpt_oss_4_layers):
     def saved_weights(eqns):
         """Stacked residuals of the layer scans (outputs [steps, ...]) that are one layer's expert matrices: without
         remat, what a scanned slice leaves for the backward is a second copy of every layer's experts (GPT-OSS-20B:
-        24 x 1.48 GiB, most of the 67 GiB temp `fast.yaml` was refused for in section 19)."""
+        24 x 1.48 GiB, most of the 67 GiB temp `fast.yaml` was once refused for)."""
         layer = {s[1:] for s in stacks}
         return [v.aval.shape for e in eqns if e.primitive.name == "scan" and e.params["length"] == 2
                 for v in e.outvars if tuple(v.aval.shape[1:]) in layer]
