@@ -58,7 +58,8 @@ import time
 from typing import Any
 
 from .workloads import Workload
-from .worker_common import BENCH_RECIPES, ModelCache, Task, jaxft_modes, load_tasks, recipe_keys, worker_main
+from .worker_common import (BENCH_RECIPES, ModelCache, Task, jaxft_modes, load_tasks, trains_dpo, trains_in_full,
+                            worker_main)
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,7 +128,7 @@ def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str, extra
     would run."""
     from jaxft.train import load_config
 
-    dpo = recipe_keys(mode).get("trainer") == "dpo"
+    dpo = trains_dpo(mode)
     if dpo != workload.dpo:
         raise ValueError(f"mode {mode!r} trains {'DPO' if dpo else 'SFT'} and workload {workload.name!r} is "
                          f"{'a DPO' if workload.dpo else 'an SFT'} workload: pair DPO modes with DPO workloads")
@@ -143,11 +144,6 @@ def mode_config(mode: str, model_dir: str, workload: Workload, dtype: str, extra
             overrides.append(f"{key}={os.environ[f'JAXFT_BENCH_{env}']}")
     # attention "auto" is the reference off the GPU (kernels_pallas.attention.config.choose_implementation)
     return load_config(mode_yaml(mode), overrides + list(extra))
-
-
-def trains_in_full(mode: str) -> bool:
-    """Whether the mode's recipe trains every weight (`finetuning_type: full`) instead of LoRA adapters."""
-    return recipe_keys(mode).get("finetuning_type", "lora") == "full"
 
 
 def lora_overrides(workload: Workload) -> list[str]:

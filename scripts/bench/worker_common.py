@@ -68,15 +68,23 @@ def recipe_keys(mode: str) -> dict[str, Any]:
         return yaml.safe_load(f) or {}
 
 
+def trains_dpo(mode: str) -> bool:
+    """Whether the mode's recipe trains DPO (`trainer: dpo`): its system takes the DPO workloads only."""
+    return recipe_keys(mode).get("trainer", "sft") == "dpo"
+
+
+def trains_in_full(mode: str) -> bool:
+    """Whether the mode's recipe trains every weight (`finetuning_type: full`) instead of LoRA adapters: its FLOPs
+    count weight gradients and its trainable count is the whole model."""
+    return recipe_keys(mode).get("finetuning_type", "lora") == "full"
+
+
 def jaxft_dpo_modes() -> tuple[str, ...]:
-    """The jaxft modes whose recipe trains DPO (`trainer: dpo`): their systems take the DPO workloads only."""
-    return tuple(m for m in jaxft_modes() if recipe_keys(m).get("trainer", "sft") == "dpo")
+    return tuple(m for m in jaxft_modes() if trains_dpo(m))
 
 
 def jaxft_full_modes() -> tuple[str, ...]:
-    """The jaxft modes whose recipe trains every weight (`finetuning_type: full`): their FLOPs count weight
-    gradients and their trainable count is the whole model."""
-    return tuple(m for m in jaxft_modes() if recipe_keys(m).get("finetuning_type", "lora") == "full")
+    return tuple(m for m in jaxft_modes() if trains_in_full(m))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -401,12 +401,13 @@ def useful_flops(shape: ModelShape, tokens: int, pairs: int, lora: LoraSettings 
     flops = float(tokens) * per_token + float((16 if reference_forward else 12) * per_pair)
     if image_grids:
         v = shape.get("vision_config")
-        full = len(v["fullatt_block_indexes"])
+        full_blocks = len(v["fullatt_block_indexes"])
         head_dim = v["hidden_size"] // v["num_heads"]
         for grid in image_grids:
             patches = grid[0] * grid[1] * grid[2]
             vp = vision_attention_pairs(shape, grid)
             flops += 2.0 * (p["vision_per_patch"] * patches
                             + p["vision_per_merged"] * patches // v["spatial_merge_size"] ** 2)
-            flops += 4.0 * head_dim * v["num_heads"] * (full * vp["full"] + (v["depth"] - full) * vp["window"])
+            pairs_per_head = full_blocks * vp["full"] + (v["depth"] - full_blocks) * vp["window"]
+            flops += 4.0 * head_dim * v["num_heads"] * pairs_per_head
     return flops
