@@ -216,7 +216,7 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("qwen3_30b_a3b_packed_16384", "qwen3-30b-a3b", 1, 16384, packed=True, mean_doc_len=300),
     Workload("qwen2_5_vl_7b_448", "qwen2.5-vl-7b", 1, 4096, image_size=448),
     Workload("qwen2_5_vl_7b_1024", "qwen2.5-vl-7b", 1, 4096, image_size=1024),
-    # Issue #57's DPO row: one pair per step, each side 2048 tokens, the prompt its first half, as TRL's DPOConfig
+    # The DPO row: one pair per step, each side 2048 tokens, the prompt its first half, as TRL's DPOConfig
     # defaults (max_length 1024, max_prompt_length 512 while it had one) and Unsloth's DPO notebooks (1024 / 512).
     Workload("8b_dpo_2048", "llama-3.1-8b", 1, 2048, dpo=True),
     Workload("tiny_llama", "tiny-llama", 2, 128, tiny=True),
