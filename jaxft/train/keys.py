@@ -329,7 +329,8 @@ def closest(word: Any, names, cutoff: float = 0.6) -> str | None:
 def section(name: str):
     """Class decorator: the frozen, keyword-only dataclass of section `name`, one field per key of the section
     (type, default and help from `KEYS`). Building one checks every field's type (`coerce`), then calls the
-    class's own `check` for ranges and values the type does not rule out."""
+    class's own `check` for ranges and values the type does not rule out; `field_values()` gives the keys' values
+    by the field each sets in the object the section builds."""
 
     def make(cls):
         keys = section_keys(name)
@@ -344,7 +345,12 @@ def section(name: str):
             if own_check is not None:
                 own_check(self)
 
+        def field_values(self) -> dict[str, Any]:
+            """{field of the object the section builds: this section's value} of every key that sets one."""
+            return {k.field: getattr(self, k.name) for k in keys if k.field}
+
         cls.__post_init__ = __post_init__
+        cls.field_values = field_values
         cls.KEYS = keys
         return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
 

@@ -103,7 +103,7 @@ class OptimSection:
 
     def build(self) -> OptimConfig:
         try:
-            return OptimConfig(**{k.field: getattr(self, k.name) for k in self.KEYS if k.field})
+            return OptimConfig(**self.field_values())
         except OptimConfigError as e:
             raise part_error(e, "optim") from None
 
@@ -131,7 +131,7 @@ class ObjectiveSection:
         if self.trainer != "dpo":
             return None
         try:
-            return DpoConfig(**{k.field: getattr(self, k.name) for k in self.KEYS if k.field})
+            return DpoConfig(**self.field_values())
         except DpoConfigError as e:
             raise part_error(e, "objective") from None
 
@@ -151,7 +151,7 @@ class LoraSection:
               "give a non-empty list of parameter names such as [experts.gate_up_proj, experts.down_proj] (or null)")
 
     def build(self, model_dir: str) -> LoraConfig:
-        values = {k.field: getattr(self, k.name) for k in self.KEYS if k.field}
+        values = self.field_values()
         values["target_modules"] = self._targets(model_dir)
         try:
             return LoraConfig(**values)
@@ -212,7 +212,7 @@ class QuantSection:
                 return Fp8Config(**({} if skip is None else {"skip_modules": skip}))
             if not self.load_in_4bit:
                 return None
-            values = {k.field: getattr(self, k.name) for k in self.KEYS if k.field}
+            values = self.field_values()
             return QuantConfig(**{**values, "skip_modules": DEFAULT_SKIP if skip is None else skip})
         except QuantConfigError as e:
             raise part_error(e, "quant") from None
