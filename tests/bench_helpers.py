@@ -8,9 +8,10 @@ import gc
 
 @contextlib.contextmanager
 def frozen_heap():
-    """The workers' loops collect garbage after every task (`worker_common.release_memory`, `ModelCache.clear`);
-    over a test process's heap (torch, transformers and JAX imported) each collection costs ~1 s. Frozen, a
-    collection walks only what was allocated since: the objects a task left behind, which it still frees."""
+    """The workers collect garbage around every task (`worker_common.release_memory`, `ModelCache.clear`, jaxft's
+    `Run.set_state`, accelerate's `free_memory` under TRL); over a test process's heap (torch, transformers and JAX
+    imported) each collection costs ~1 s. Frozen, a collection walks only what was allocated since: the objects a
+    task left behind, which it still frees."""
     gc.collect()
     gc.freeze()
     try:

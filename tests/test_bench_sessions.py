@@ -117,7 +117,8 @@ def test_jaxft_row_reports_the_settings_it_ran_with_after_remat_auto(tiny_model_
 
     # remat auto resolves on CPU to "none" (the tiny model fits), and "none" unrolls the layers: the row must say
     # so, not the unresolved config's "scan" (the Gemma auto_40gb row of 3fa6ed3 said "scan" for an unrolled run).
-    raw = jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 2, mode="auto")
+    with frozen_heap():
+        raw = jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 2, mode="auto")
     settings = raw["settings"]
     assert (settings["remat"], settings["remat_layers"], settings["layers"]) == ("none", None, "unroll"), settings
     # What auto compiled ([policy, remat_layers, depth]) and whether a compilation cache served compile_s.
@@ -139,8 +140,9 @@ def test_dpo_rows_of_jaxft_and_trl_start_from_ln2_on_the_same_pairs(tiny_model_d
     from scripts.bench.workloads import make_token_data, param_counts
 
     w = get_workload("tiny_dpo")
-    ours = jaxft_worker.run_jaxft(w, tiny_model_dir, 2, mode="dpo")
-    trl = torch_worker.run_dpo(Task("train", "trl_dpo", w.name, tiny_model_dir, 2, "cpu"))
+    with frozen_heap():
+        ours = jaxft_worker.run_jaxft(w, tiny_model_dir, 2, mode="dpo")
+        trl = torch_worker.run_dpo(Task("train", "trl_dpo", w.name, tiny_model_dir, 2, "cpu"))
     assert ours["data_sha256"] == trl["data_sha256"] == make_token_data(w, 2).sha256
     for raw in (ours, trl):
         assert len(raw["step_times_s"]) == len(raw["losses"]) == 2 and min(raw["step_times_s"]) > 0
