@@ -286,16 +286,12 @@ OUTCOMES = [(NotImplementedError("placeholder"), "not_run"),
             (ValueError("bad shape"), "error")]
 
 
+@frozen_heap()
 def test_worker_main_records_every_outcome_and_validates_train_results(tmp_path):
     """Every outcome of a task (`run_one`, which worker_main runs for each task) is a result; worker_main writes it
     and exits 0."""
     task = Task("train", "jaxft", "tiny_llama", str(tmp_path), 3, "cpu")
     out = str(tmp_path / "result.json")
-    with frozen_heap():
-        _records_every_outcome(task, out, tmp_path)
-
-
-def _records_every_outcome(task, out, tmp_path):
     for exc, status in OUTCOMES:
         def run(task, out_json, cache):
             raise exc
@@ -384,8 +380,8 @@ def test_tiny_pipeline_end_to_end_jaxft_and_hf_on_two_fake_gpus(tmp_path):
     """The CLI end to end, once for every worker kind, on the tiny packed Qwen3-MoE with --gpus all on a host that
     lists 2 (fake) GPUs: the ceiling and the model save first, then the sessions (jaxft, HF+PEFT) side by side, one
     per GPU. jaxft and hf_nockpt train the same data and the same (expert) LoRA parameter count and agree on the
-    first loss. (Unsloth's not_run row on the CPU: test_bench_sessions.py::test_hf_session_reuses_the_model_and_
-    survives_a_failed_task and test_markdown_marks_static_memory_estimates.)"""
+    first loss. (Unsloth's not_run row on the CPU: test_bench_sessions.py, a task of the in-process torch session
+    and a row of the markdown check.)"""
     wl = "tiny_qwen3_moe_packed"
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
     cmd = [sys.executable, "-m", "scripts.bench.train", "--tiny", "--gpus", "all",
