@@ -99,9 +99,11 @@ def test_dense_or_packed_pair_matches_the_reference(packed, with_sinks):
                                                  sinks=s, scale=scale)
     args = (q, k, v, sinks) if with_sinks else (q, k, v)
 
-    def output_and_grads(fn):  # sinks differentiated when there are any
-        out, pull = jax.vjp(lambda *a: fn(*a[:3], a[3] if with_sinks else None), *args)
-        return [out, *pull(do)]
+    def output_and_grads(fn):  # sinks differentiated when there are any; one program (not op-by-op compiles)
+        def run(do, *args):
+            out, pull = jax.vjp(lambda *a: fn(*a[:3], a[3] if with_sinks else None), *args)
+            return [out, *pull(do)]
+        return jax.jit(run)(do, *args)
 
     got, want = output_and_grads(ours), output_and_grads(ref)
     assert len(got) == 1 + len(args)

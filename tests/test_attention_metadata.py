@@ -64,6 +64,9 @@ CASES = [
     (False, 70, 32, 32),
 ]
 
+# One program per case, shared by the two tests below (op by op, every eager op of a new shape compiles on its own).
+_METADATA = jax.jit(make_metadata, static_argnames=("causal", "sliding_window", "block_q", "block_k"))
+
 
 @pytest.mark.parametrize("causal,window,bq,bk", CASES)
 def test_packed_layouts_are_classified_exactly(causal, window, bq, bk):
@@ -71,7 +74,7 @@ def test_packed_layouts_are_classified_exactly(causal, window, bq, bk):
     t = 300  # not a block multiple: exercises the -1 tail padding
     seg = np.stack([_packed_row(rng, t, pad) for pad in (0, 37, 120, 1)])
     seg[3] = 1  # one dense row
-    md = make_metadata(jnp.asarray(seg), causal=causal, sliding_window=window, block_q=bq, block_k=bk)
+    md = _METADATA(jnp.asarray(seg), causal=causal, sliding_window=window, block_q=bq, block_k=bk)
     kinds, nonempty = _brute_kinds(seg, bq, bk, causal, window)
     np.testing.assert_array_equal(np.asarray(md.block_kind), kinds)
     lo, hi = _ranges(nonempty, 2)
@@ -87,11 +90,11 @@ def test_packed_layouts_are_classified_exactly(causal, window, bq, bk):
 @pytest.mark.parametrize("causal,window,bq,bk", CASES)
 def test_arbitrary_layouts_are_classified_soundly(causal, window, bq, bk):
     rng = np.random.default_rng(1)
-    # Non-contiguous ids: the same id reappears after other ids. The packed test's shape (4, 300): the eager ops of
-    # make_metadata compiled there serve here.
+    # Non-contiguous ids: the same id reappears after other ids. The packed test's shape (4, 300): the programs
+    # compiled there serve here.
     seg = rng.integers(0, 4, size=(4, 300)).astype(np.int32)
     seg[1] = np.repeat(rng.integers(0, 5, size=19), 16)[:300]
-    md = make_metadata(jnp.asarray(seg), causal=causal, sliding_window=window, block_q=bq, block_k=bk)
+    md = _METADATA(jnp.asarray(seg), causal=causal, sliding_window=window, block_q=bq, block_k=bk)
     kinds, nonempty = _brute_kinds(seg, bq, bk, causal, window)
     got = np.asarray(md.block_kind)
     assert not (nonempty & (got == EMPTY)).any(), "a non-empty block was labelled EMPTY"

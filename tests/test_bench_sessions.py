@@ -21,7 +21,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from scripts.bench.report import markdown, summarise_run  # noqa: E402
 from scripts.bench.workloads import SHAPES, get_workload  # noqa: E402
-from scripts.bench.worker_common import Task, dump_session  # noqa: E402
+from scripts.bench.worker_common import Task, dump_session, worker_main  # noqa: E402
+
+from bench_helpers import frozen_heap  # noqa: E402
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -59,15 +61,27 @@ def _run_session(module: str, tasks: list[Task], tmp_path) -> list[dict]:
 
 
 def test_hf_session_reuses_the_model_and_survives_a_failed_task(tiny_model_dir, tmp_path):
+    """The torch worker's session loop in this process (its run in a process of its own, as the harness starts
+    it: test_bench_train.py::test_tiny_pipeline_end_to_end_jaxft_and_hf_on_two_fake_gpus)."""
+    from scripts.bench.torch_worker import run_task
+
     missing = str(tmp_path / "no_such_model")
     tasks = [Task("train", "hf_nockpt", wl, d, 3, "cpu") for wl, d in
              [("tiny_llama", tiny_model_dir), ("tiny_llama", missing), ("tiny_packed", tiny_model_dir),
-              ("tiny_llama", tiny_model_dir)]]
-    res = _run_session("scripts.bench.torch_worker", tasks, tmp_path)
-    assert [r["status"] for r in res] == ["ok", "error", "ok", "ok"]
+              ("tiny_llama", tiny_model_dir)]] + [Task("train", "unsloth", "tiny_llama", tiny_model_dir, 3, "cpu")]
+    task_path, out = str(tmp_path / "tasks.json"), str(tmp_path / "results.json")
+    dump_session(tasks, task_path)
+    with frozen_heap():
+        assert worker_main(run_task, ["--task", task_path, "--out", out]) == 0
+    with open(out) as f:
+        res = json.load(f)
+    assert [r["session_index"] for r in res] == list(range(len(tasks)))
+    assert [(r["system"], r["workload"]) for r in res] == [(t.system, t.workload) for t in tasks]
+    assert [r["status"] for r in res] == ["ok", "error", "ok", "ok", "not_run"]
     assert "no_such_model" in res[1]["error"]
+    assert "Unsloth needs a CUDA GPU" in res[4]["error"]  # a row saying why, not a crash
     # The failed task dropped the cached model (task 3 reloads it); task 4 reuses task 3's load.
-    assert [r.get("base_model_reused") for r in res] == [False, None, False, True]
+    assert [r.get("base_model_reused") for r in res] == [False, None, False, True, None]
     # A reused model, unloaded after a failed task and another workload's LoRA training, trains exactly like the
     # fresh process's first load (task 1: what a one-task run does).
     assert res[3]["data_sha256"] == res[0]["data_sha256"]
@@ -103,7 +117,8 @@ def test_jaxft_row_reports_the_settings_it_ran_with_after_remat_auto(tiny_model_
 
     # remat auto resolves on CPU to "none" (the tiny model fits), and "none" unrolls the layers: the row must say
     # so, not the unresolved config's "scan" (the Gemma auto_40gb row of 3fa6ed3 said "scan" for an unrolled run).
-    raw = jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 2, mode="auto")
+    with frozen_heap():
+        raw = jaxft_worker.run_jaxft(get_workload("tiny_llama"), tiny_model_dir, 2, mode="auto")
     settings = raw["settings"]
     assert (settings["remat"], settings["remat_layers"], settings["layers"]) == ("none", None, "unroll"), settings
     # What auto compiled ([policy, remat_layers, depth]) and whether a compilation cache served compile_s.
@@ -125,8 +140,9 @@ def test_dpo_rows_of_jaxft_and_trl_start_from_ln2_on_the_same_pairs(tiny_model_d
     from scripts.bench.workloads import make_token_data, param_counts
 
     w = get_workload("tiny_dpo")
-    ours = jaxft_worker.run_jaxft(w, tiny_model_dir, 2, mode="dpo")
-    trl = torch_worker.run_dpo(Task("train", "trl_dpo", w.name, tiny_model_dir, 2, "cpu"))
+    with frozen_heap():
+        ours = jaxft_worker.run_jaxft(w, tiny_model_dir, 2, mode="dpo")
+        trl = torch_worker.run_dpo(Task("train", "trl_dpo", w.name, tiny_model_dir, 2, "cpu"))
     assert ours["data_sha256"] == trl["data_sha256"] == make_token_data(w, 2).sha256
     for raw in (ours, trl):
         assert len(raw["step_times_s"]) == len(raw["losses"]) == 2 and min(raw["step_times_s"]) > 0
@@ -163,12 +179,16 @@ def test_markdown_marks_static_memory_estimates():
            "peak_memory_source": "static_estimate", "data_sha256": "x"}
     run = {"system": "jaxft", "workload": w.name, "session": "jaxft__tiny-llama",
            "summary": summarise_run(raw, w, 1, [1.0, 1.0], "x", 1, None), "raw": raw}
+    not_run = {"status": "not_run", "error": "SystemUnavailable: Unsloth needs a CUDA GPU"}
+    skipped = {"system": "unsloth", "workload": w.name, "session": "unsloth", "raw": not_run,
+               "summary": summarise_run(not_run, w, 1, [1.0, 1.0], "x", 1, None)}
     report = {"meta": {"date": "d", "commit": "c", "device_name": "cpu", "command": "x", "steps": 2, "warmup": 1,
                        "lora": {"r": 1, "alpha": 1, "dropout": 0, "targets": ["q_proj"]},
                        "adamw": {"lr": 1, "b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0}},
-              "ceiling": {}, "workloads": {}, "runs": [run]}
+              "ceiling": {}, "workloads": {}, "runs": [run, skipped]}
     text = markdown(report)
     assert "| 2.00* |" in text and "* static estimate" in text
+    assert "| tiny_llama | unsloth | not_run" in text  # reported, not a crash
     run["summary"]["peak_memory_source"] = "allocator"
     assert "| 2.00 |" in markdown(report) and "static estimate" not in markdown(report)
 
@@ -218,7 +238,7 @@ def run(task, out_json, cache):  # a real worker contract; the model_dir's name 
     if name == "crash":
         os._exit(3)
     if name.startswith("sleep"):
-        time.sleep(3.0)
+        time.sleep(2.0)
     return {{"model_dir": task.model_dir, "t0": t0, "t1": time.time(),
              "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}}
 
@@ -244,7 +264,7 @@ def test_session_runner_restarts_after_the_task_a_session_died_in(tmp_path):
     def on_result(task, raw):
         got.append((os.path.basename(task.model_dir), raw["status"], raw["session"]))
 
-    runner = SessionRunner(str(tmp_path / "work"), task_timeout_s=6.0, time_left=lambda: 600.0, min_start_s=1.0,
+    runner = SessionRunner(str(tmp_path / "work"), task_timeout_s=3.0, time_left=lambda: 600.0, min_start_s=1.0,
                            logs_dir=str(tmp_path / "logs"))
     runner.run("s", module, tasks, env_for, on_result)
     # The hung task is killed after the tiny timeout and the crash costs only its own task.
@@ -253,7 +273,7 @@ def test_session_runner_restarts_after_the_task_a_session_died_in(tmp_path):
     assert sorted(os.listdir(tmp_path / "logs")) == ["s", "s.1", "s.2"]
     # No time left: nothing starts, every task is recorded as skipped.
     got.clear()
-    SessionRunner(str(tmp_path / "work2"), 6.0, lambda: 0.0, 1.0).run("t", module, tasks[:2], env_for, on_result)
+    SessionRunner(str(tmp_path / "work2"), 3.0, lambda: 0.0, 1.0).run("t", module, tasks[:2], env_for, on_result)
     assert got == [("a", "skipped", None), ("hang", "skipped", None)]
 
 

@@ -74,7 +74,9 @@ def _hf_gguf(file: Path):
                                                              dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+# Llama (untied head) is the quantised exports' family below, against the merged model and read back at every
+# dtype; its llama.cpp architecture at f32 here as the (tied) Mistral.
+@pytest.mark.parametrize("model_type", [t for t in FAMILIES if t != "llama"])
 def test_f32_export_matches_merged_model_in_transformers_and_loads_back(tmp_path, model_type, tokenizer, ids):
     model = _merged_model(_hf_dir(tmp_path, model_type))
     ours = jax_logits(model, ids)

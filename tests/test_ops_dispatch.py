@@ -129,12 +129,18 @@ def test_auto_resolves_on_cpu_to_a_runnable_implementation(op):
 
 
 def test_attention_xla_is_an_alias_of_the_reference():
-    """"xla" meant the reference in attention; TrainConfig.attention_implementation still accepts it."""
+    """"xla" meant the reference in attention; TrainConfig.attention_implementation still accepts it. Through the
+    dispatch (either name) the reference gets the segments and the window: the reference's own definition with
+    them (the Pallas kernel against it, values and gradients: test_attention_implementations_match_the_reference)."""
     assert attention.OP.resolve("xla", CPU).name == "reference"
-    q, k, v, _ = _attn_inputs(attn_shapes.TEST_SHAPES[2])
-    kw = dict(sliding_window=attn_shapes.TEST_SHAPES[2].window)
-    np.testing.assert_array_equal(attention.dot_product_attention(q, k, v, implementation="xla", **kw),
-                                  attention.dot_product_attention(q, k, v, implementation="reference", **kw))
+    shape = attn_shapes.TEST_SHAPES[1]
+    q, k, v, _ = _attn_inputs(shape)
+    seg = jnp.asarray(attn_shapes.make_segment_ids(shape, seed=1, pad_tail=7))
+    kw = dict(causal=True, sliding_window=attn_shapes.TEST_SHAPES[2].window, segment_ids=seg)
+    want = attention.attention_reference(q, k, v, **kw)
+    assert float(jnp.max(jnp.abs(want - attention.attention_reference(q, k, v)))) > 1e-2  # the kwargs matter
+    for name in ("xla", "reference"):
+        np.testing.assert_array_equal(attention.dot_product_attention(q, k, v, implementation=name, **kw), want)
 
 
 def test_op_registry_rejects_inconsistent_definitions():
@@ -208,20 +214,22 @@ def _attn_inputs(shape, seed=0):
     return [jax.random.normal(key, s, jnp.float32) for key, s in zip(ks, dims)]
 
 
+# The reference through the dispatch is the reference itself (test_attention_xla_is_an_alias_of_the_reference).
 @pytest.mark.parametrize("shape", attn_shapes.TEST_SHAPES, ids=lambda s: s.name)
-@pytest.mark.parametrize("impl", _runnable(attention.OP))
+@pytest.mark.parametrize("impl", [n for n in _runnable(attention.OP) if n != "reference"])
 def test_attention_implementations_match_the_reference(impl, shape):
     q, k, v, do = _attn_inputs(shape)
     seg = jnp.asarray(attn_shapes.make_segment_ids(shape, seed=1, pad_tail=7 if shape.layout == "packed" else 0))
     kw = dict(causal=True, sliding_window=shape.window)
     md = attention.make_metadata(seg, block_q=64, block_k=64, **kw)
     seg_arg = seg if shape.layout == "packed" else None
-    got, got_vjp = jax.vjp(lambda q, k, v: attention.dot_product_attention(
-        q, k, v, segment_ids=seg_arg, metadata=md, implementation=impl, **kw), q, k, v)
-    want, want_vjp = jax.vjp(lambda q, k, v: attention.attention_reference(q, k, v, segment_ids=seg_arg, **kw),
-                             q, k, v)
-    _close(got, want, 2e-5, "out")
-    for name, g, r in zip(("dq", "dk", "dv"), got_vjp(do), want_vjp(do)):
+    def vjp(fn):  # one program per side (op by op, every eager op of a new shape compiles on its own)
+        return jax.jit(lambda q, k, v, do: (lambda out, pull: (out, *pull(do)))(*jax.vjp(fn, q, k, v)))(q, k, v, do)
+
+    got = vjp(lambda q, k, v: attention.dot_product_attention(q, k, v, segment_ids=seg_arg, metadata=md,
+                                                              implementation=impl, **kw))
+    want = vjp(lambda q, k, v: attention.attention_reference(q, k, v, segment_ids=seg_arg, **kw))
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, want):
         _close(g, r, 2e-5, name)
 
 

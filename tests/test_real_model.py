@@ -129,15 +129,17 @@ def test_logits_equal_transformers_on_real_text(model, hf_model, tokenizer):
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() > 0.99
 
 
-def test_fp8_base_logits_stay_close_to_the_bf16_base_on_real_text(gguf_file, tokenizer):
+def test_fp8_base_logits_stay_close_to_the_bf16_base_on_real_text(oracle_dir, tokenizer):
     """The FP8 base (e4m3 weights, a scale per output channel, every linear but the tied head; bf16 compute)
     against the bf16 base on the same 520 tokens. Measured here: 4.4 % relative (Frobenius) error, 12.8 % of the
     max logit at worst, the same top-1 token at 92 % of positions (the bf16 base against fp32: 1.2 %, 2.8 %, 98.7 %;
     docs/results/fp8_accuracy_smollm2.json). The bounds are those errors plus a quarter: a scale on the wrong axis
-    or a lost channel moves them by far more."""
+    or a lost channel moves them by far more. Both bases load the GGUF file's weights from transformers' fp32
+    conversion of it (the same values: test_logits_equal_transformers_on_real_text), a safetensors read instead of a
+    second and third dequantisation of the file."""
     ids = tokenizer((REPO / "README.md").read_text(encoding="utf-8"))["input_ids"][:520]
-    bf16 = jax_logits(jaxft.from_pretrained(gguf_file, dtype="bfloat16", verbose=False), [ids])
-    fp8_model = jaxft.from_pretrained(gguf_file, dtype="bfloat16", quantize="fp8", verbose=False)
+    bf16 = jax_logits(jaxft.from_pretrained(oracle_dir, dtype="bfloat16", verbose=False), [ids])
+    fp8_model = jaxft.from_pretrained(oracle_dir, dtype="bfloat16", quantize="fp8", verbose=False)
     assert isinstance(fp8_model.layers.mlp.down_proj.quant, QuantFp8) and fp8_model.layers.mlp.down_proj.kernel is None
     fp8 = jax_logits(fp8_model, [ids])
     a, b = fp8.astype(np.float64), bf16.astype(np.float64)
@@ -174,7 +176,10 @@ def _exact_match(answers: list[str]) -> float:
 
 @pytest.mark.slow
 def test_lora_run_on_gguf_base_learns_the_task_and_the_adapter_answers_alike_everywhere(
-        tmp_path, gguf_file, base_answers, hf_model, tokenizer):
+        tmp_path, gguf_file, oracle_dir, base_answers, hf_model, tokenizer):
+    """A LoRA run on the GGUF file; its adapter on transformers' conversion of the file, in transformers + PEFT and
+    in `jaxft-generate` (the same weights: test_logits_equal_transformers_on_real_text; a GGUF base loads in the
+    run itself), which must answer alike and better than the base."""
     from jaxft.generate_cli import main as generate_main
     from jaxft.train import TrainConfig, train
 
@@ -196,7 +201,7 @@ def test_lora_run_on_gguf_base_learns_the_task_and_the_adapter_answers_alike_eve
                              prompts)
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        rc = generate_main([str(gguf_file), "--adapter", str(result.adapter_dir), *sum((["--prompt", p]
+        rc = generate_main([str(oracle_dir), "--adapter", str(result.adapter_dir), *sum((["--prompt", p]
                             for p in prompts), []), "--no-chat-template", "--max-new-tokens", str(NEW_TOKENS),
                             "--dtype", "float32", "--json"])
     assert rc == 0
