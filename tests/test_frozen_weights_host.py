@@ -1,10 +1,10 @@
 """`frozen_weights: host` (ExecutionConfig): the layer stacks' frozen weights in pinned host memory, each layer's rows
 streamed to the device one layer ahead through `jaxft.memory.scan_offload` (forward and backward). On the CPU the copies
 are identities, so the gradients must equal those of the same remat policy over weights on the device: a Llama
-(one group), Gemma 2 (a periodic scan: blocks of rows per iteration) and a mixed dense/sparse Qwen3-MoE stack whose
-expert stacks stream too (a 4-bit base's codes: test_mixed_4bit); jaxft-train's path places them and trains to the
-same losses; settings it does not run under get one line naming the key. Where the copies run on the GPU (one layer
-ahead, under compute) is compiled for an H200 in experiments/deviceless/stream_schedule.py; the CUDA-lowered
+(one group) and Gemma 2 (a periodic scan: blocks of rows per iteration); GPT-OSS's expert stacks stream too and
+train their adapters (a 4-bit base's codes: test_mixed_4bit); `Run` packs them and trains to the same losses;
+settings it does not run under get one line naming the key. Where the copies run on the GPU (one layer ahead, under
+compute) is compiled for an H200 in experiments/deviceless/stream_schedule.py; the CUDA-lowered
 placements are tests/test_offload_scan.py's."""
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ import pytest
 from flax import nnx
 
 from jaxft.memory.execution import ExecutionConfig, ExecutionConfigError
-from jaxft.models.layers import ExpertParam
 from jaxft.models.stack import streamed_weight
-from jaxft.memory.scan_offload import in_host_memory, is_slot
+from jaxft.memory.scan_offload import in_host_memory
 from jaxft.memory.policy import parse
 from jaxft.memory.streamed import is_packed as streamed_is_packed
 from jaxft.memory.streamed import pack
 from test_remat import assert_grads_match, grads, lora_split
-from test_remat_nested import GEMMA4, LLAMA5, MOE
+from test_remat_nested import GEMMA4, LLAMA5
 
 
 HOST = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
@@ -38,26 +37,24 @@ def on_host(frozen: nnx.State) -> nnx.State:
 
 
 ATTN_ON_HOST = "offload=layer_input,attn_out,attn_lse"  # offload+attn with the attention's residuals on the host
-# Each structure (one group, a periodic scan, a dense then a sparse stack with streamed experts), both forms (packed
-# buffers as `Run` places them, one host array per leaf) and each way a policy meets the streamed scan at least once:
-# the scan's fetches do not depend on the policy, and the policies' own gradients are tests/test_remat.py's. Here:
-# residuals moved to the host (Llama, per leaf), residuals kept on the device (Gemma 2 takes offload+attn: its
-# periodic scan rounds furthest apart), everything kept (the MoE stack). Nothing kept (remat full) over packed Llama
-# weights: test_the_run_packs_the_layer_weights_into_one_host_buffer; the layer input alone to the host (offload):
-# test_mixed_4bit::test_frozen_weights_on_the_host_give_the_gradients_of_weights_on_the_device (a 4-bit base's codes
-# and scales packed and streamed, a mixed layout's own rows) and test_a_run_with_weights_in_host_memory_trains_as_on_
-# the_device.
-CASES = [("per_leaf", "llama", ATTN_ON_HOST), ("packed", "gemma2", "offload+attn"), ("packed", "qwen3_moe", "none")]
+# Each structure (one group, a periodic scan), both forms (packed buffers as `Run` places them, one host array per
+# leaf) and each way a policy meets the streamed scan at least once: the scan's fetches do not depend on the policy,
+# and the policies' own gradients are tests/test_remat.py's. Here: residuals moved to the host (Llama, per leaf),
+# residuals kept on the device (Gemma 2 takes offload+attn: its periodic scan rounds furthest apart). Nothing kept
+# (remat full) over packed Llama weights: test_the_run_packs_the_layer_weights_into_one_host_buffer; the layer input
+# alone to the host (offload): test_mixed_4bit::test_frozen_weights_on_the_host_give_the_gradients_of_weights_on_the_
+# device (a 4-bit base's codes and scales packed and streamed, a mixed layout's own rows) and test_remat_nested::
+# test_runs_with_nested_blocks_and_streamed_weights_train_as_one_checkpoint_per_layer_on_the_device; expert stacks
+# streamed as packed rows, their adapters trained: test_gpt_oss_with_expert_adapters_trains_over_streamed_experts.
+CASES = [("per_leaf", "llama", ATTN_ON_HOST), ("packed", "gemma2", "offload+attn")]
 
 
 @pytest.mark.parametrize("form, name, remat", CASES)
 def test_streamed_weights_give_the_gradients_of_weights_on_the_device(name, remat, form):
-    """Llama: one group of 5 layers; Gemma 2: a periodic scan, each iteration a block of two rows; Qwen3-MoE: a
-    dense group then a sparse one, rows from two stacks, the expert stacks streamed as plain per-layer rows. Policies that keep residuals
-    (offload+attn: attention output and statistics; none: everything) keep them over streamed weights too, and
-    policies that offload them (the attention's residuals) move them through the
-    scan to the host and back."""
-    cfg = {"llama": LLAMA5, "gemma2": GEMMA4, "qwen3_moe": MOE}[name]
+    """Llama: one group of 5 layers; Gemma 2: a periodic scan, each iteration a block of two rows. A policy that
+    keeps residuals (offload+attn: attention output and statistics) keeps them over streamed weights too, and a
+    policy that offloads them (the attention's residuals) moves them through the scan to the host and back."""
+    cfg = {"llama": LLAMA5, "gemma2": GEMMA4}[name]
     graphdef, lora, frozen = lora_split(cfg)
     streamed = pack(frozen, HOST) if form == "packed" else on_host(frozen)
     flat = nnx.to_flat_state(streamed)
@@ -65,9 +62,6 @@ def test_streamed_weights_give_the_gradients_of_weights_on_the_device(name, rema
     # embeddings, head and final norm stay on the device
     assert all(not in_host_memory(leaf) for p, v in flat if p[0] not in ("layers", "dense_layers", "moe_layers")
                for leaf in jax.tree.leaves(v.get_value()))
-    if name == "qwen3_moe":
-        experts = [v.get_value() for _, v in flat if isinstance(v, ExpertParam)]  # streamed with the rest
-        assert experts and all(is_slot(e) if form == "packed" else in_host_memory(e) for e in experts)
     want = grads(cfg, (graphdef, lora, frozen), remat, "scan")
     got = grads(cfg, (graphdef, lora, streamed), remat, "scan", frozen_weights="host")
     # 5e-6 of each leaf's largest entry: the streamed scan runs one iteration in each direction outside its loops
@@ -107,22 +101,6 @@ def test_the_scan_is_chosen_and_the_fetches_may_overlap():
     assert ExecutionConfig(remat="full", frozen_weights="host", compiler_options={
         "xla_gpu_experimental_parallel_async_compute_limit": 2}).program_options[
         "xla_gpu_experimental_parallel_async_compute_limit"] == 2
-
-
-def test_a_run_with_weights_in_host_memory_trains_as_on_the_device(tmp_path, caplog):
-    """jaxft-train's path (jaxft.train.train) on a tiny 3-layer Llama: the same logged losses with the weights on
-    the device and in pinned host memory, under remat offload; the log says what streams (3 layers of q, o 32 x 32,
-    k, v 32 x 16 and gate, up, down 32 x 64 / 64 x 32, fp32: 3 x 9,216 x 4 bytes = 0.11 MiB)."""
-    from test_train_fixtures import tiny_run_losses
-
-    want = tiny_run_losses(tmp_path, "device", remat="offload")
-    with caplog.at_level("INFO", logger="jaxft.train"):
-        got = tiny_run_losses(tmp_path, "host", remat="offload", frozen_weights="host")
-    assert len(got) == len(want) == 3
-    np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert ("frozen_weights host: 0.11 MiB of layer weights in pinned host memory (1 packed buffers), each layer's "
-            "0.04 MiB copied to the device one layer ahead" in caplog.text)
-    assert "(0.21 MiB over the host link per step)" in caplog.text
 
 
 def test_the_run_packs_the_layer_weights_into_one_host_buffer(tmp_path):
@@ -196,8 +174,8 @@ def test_a_run_over_several_devices_is_refused_in_one_line():
 def test_gpt_oss_with_expert_adapters_trains_over_streamed_experts(tmp_path):
     """GPT-OSS (sinks, alternating windows, expert biases, interleaved gate/up) with LoRA on attention and on the
     experts (PEFT target_parameters): its expert stacks stream with the rest; three steps give the device run's
-    losses. Two layers, one period of its windows (the streamed scan's loop over several iterations, expert rows
-    included: the Qwen3-MoE and Gemma 2 cases above)."""
+    losses. Two layers, one period of its windows (the streamed scan's loop over several iterations: the Gemma 2
+    case above)."""
     from jaxft.lora import LoraConfig
     from jaxft.models.layers import ExpertParam
     from jaxft.memory.scan_offload import PackedSlot

@@ -210,10 +210,10 @@ def period_case():
     batch = dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=jnp.ones((1, 48)),
                  segment_ids=jnp.asarray(np.repeat([1, 2], [20, 28])[None]), positions=None)
 
-    def loss(lr, fz, remat):
+    def loss(lr, fz, remat, **options):
         from jaxft.train.step import token_loss_sum
 
-        execution = ExecutionConfig(attention_implementation="reference", remat=remat)
+        execution = ExecutionConfig(attention_implementation="reference", remat=remat, **options)
         return token_loss_sum(nnx.merge(graphdef, lr, fz), batch, execution=execution)
 
     want = jax.jit(jax.value_and_grad(lambda lr, fz: loss(lr, fz, "none")))(lora, unstack_layers(frozen))
@@ -239,5 +239,21 @@ def test_a_run_of_one_kind_in_a_period_is_an_inner_scan(period_case, remat, inne
     assert nested == ([2, 2] if inner else []), nested
     got_loss, got = jax.jit(jax.value_and_grad(lambda lr, fz: loss(lr, fz, remat)))(lora, frozen)
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # fp32, different fusions: rounding only
+        assert rel_err(np.asarray(a), np.asarray(b)) < 1e-5
+
+
+def test_explicit_offload_in_the_scan_takes_a_period_with_runs_of_layers(period_case):
+    """remat offload with `offload_transfer: explicit` in the layer scan (`jaxft.memory.scan_offload`) over the
+    period with a run of two sliding layers (`period_case`): the offloaded scan calls each position on its own (an
+    inner scan over the run would take a block and a row); loss and LoRA gradients equal the unrolled layers'."""
+    from lora_helpers import rel_err
+
+    loss, lora, frozen, (want_loss, want) = period_case
+    fn = jax.jit(jax.value_and_grad(lambda lr, fz: loss(lr, fz, "offload", offload_transfer="explicit",
+                                                        layer_loop="scan")))
+    got_loss, got = fn(lora, frozen)
+    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
+    assert len(jax.tree.leaves(got)) == len(jax.tree.leaves(want)) > 0
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # fp32, different fusions: rounding only
         assert rel_err(np.asarray(a), np.asarray(b)) < 1e-5

@@ -144,24 +144,30 @@ def test_remat_block_is_a_flat_key_of_the_recipe(tmp_path):
     assert str(info.value).startswith(f"{path}:5: key 'remat_block': is set (2) but remat is 'offload+attn'")
 
 
-def test_a_run_with_nested_blocks_trains_as_one_checkpoint_per_layer(tmp_path, caplog):
-    """jaxft-train's path (jaxft.train.train) on a tiny 3-layer Llama: remat offload in blocks of 2 (a whole block
-    and a partial one) trains to the losses of offload's one checkpoint per layer (test_frozen_weights_host's run on
-    the device: one compile for both in a run of the suite), and the log states the blocks and what each side
-    holds."""
+def test_runs_with_nested_blocks_and_streamed_weights_train_as_one_checkpoint_per_layer_on_the_device(tmp_path, caplog):
+    """jaxft-train's path (jaxft.train.train) on a tiny 3-layer Llama under remat offload: blocks of 2 (a whole block
+    and a partial one), and the frozen weights in pinned host memory (`frozen_weights: host`, streamed one layer
+    ahead), each train to the losses of one checkpoint per layer with the weights on the device; the log states the
+    blocks and what each side holds, and what streams (3 layers of q, o 32 x 32, k, v 32 x 16 and gate, up, down
+    32 x 64 / 64 x 32, fp32: 3 x 9,216 x 4 bytes = 0.11 MiB)."""
     from test_train_fixtures import tiny_run_losses
 
     def losses(name, **remat):
+        caplog.clear()
         with caplog.at_level("INFO", logger="jaxft.train"):
             return tiny_run_losses(tmp_path, name, **remat)
 
     want = losses("device", remat="offload")
-    caplog.clear()
     got = losses("nested", remat="offload", remat_block=2)
     assert len(got) == len(want) == 3
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert "remat offload in nested blocks of 2 layers (remat_block 2): 2 block inputs" in caplog.text
     assert "in pinned host memory" in caplog.text
+    streamed = losses("host", remat="offload", frozen_weights="host")
+    np.testing.assert_allclose(streamed, want, rtol=1e-6)
+    assert ("frozen_weights host: 0.11 MiB of layer weights in pinned host memory (1 packed buffers), each layer's "
+            "0.04 MiB copied to the device one layer ahead" in caplog.text)
+    assert "(0.21 MiB over the host link per step)" in caplog.text
 
 
 def test_nested_blocks_compile_without_pipelined_host_offload():
