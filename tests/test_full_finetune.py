@@ -148,9 +148,9 @@ def test_jaxft_train_full_exports_an_hf_checkpoint_and_resumes_exactly(tmp_path)
     base = torch_logits(hf_model_fp32(REPO / "examples/tiny-llama"), ids)
     assert np.abs(theirs - base).max() > 1e-2
 
-    # Stopped after the checkpoint of step 1, then resumed: the same weights, bit for bit.
-    train(TrainConfig.from_dict(_config(tmp_path, "split", max_steps=1)))
-    resumed = train(TrainConfig.from_dict(_config(tmp_path, "split", resume_from_checkpoint=True)))
+    # A new run resumed from the checkpoint of step 1: the same weights, bit for bit.
+    resumed = train(TrainConfig.from_dict(_config(tmp_path, "resumed",
+                                                  resume_from_checkpoint=str(tmp_path / "whole/checkpoints/1"))))
     assert resumed.resumed_from is not None and resumed.global_step == 2
     a, b = load_file(exported / "model.safetensors"), load_file(resumed.model_dir / "model.safetensors")
     assert sorted(a) == sorted(b)
