@@ -1,7 +1,7 @@
 """Run by tests/test_sharding.py in one subprocess with 8 host CPU devices (JAX fixes its device count at start):
 `python tests/sharding_worker.py WORKDIR OUT.json`, WORKDIR holding `model` and `train.jsonl` (the dense model),
-`pallas` and `quant` (`main_per_device`'s models), `qwen3_moe` and `gpt_oss` (`main_moe`'s); OUT.json gets
-{"dense": main's results, "per_device": main_per_device's, "moe": main_moe's}. One process for all three: each
+`pallas` (`_per_device`'s model, head_dim 64), `qwen3_moe` and `gpt_oss` (`main_moe`'s); OUT.json gets
+{"dense": main's results, "per_device": _per_device's, "moe": main_moe's}. One process for all three: each
 process pays JAX's and jaxft's start-up. Dense, what the test asserts on:
 
 - losses: 3 fp32 LoRA steps on one device and on several meshes of the 8 devices (same global batches);
@@ -237,13 +237,13 @@ def main_moe(qwen_dir: Path, gpt_oss_dir: Path) -> dict:
             "gpt_oss": _moe(gpt_oss_dir, ["fsdp4_tensor2"])}
 
 
-def _per_device(kind: str, model_dir: str) -> dict:
-    """One device against data=2 x fsdp=2, 3 steps' losses, and the shapes of every all-gather in the mesh's
+def _per_device(model_dir: str) -> dict:
+    """One device against data=2 x fsdp=2, 3 steps' losses of QLoRA (nf4, double-quantised, the default "xla" 4-bit
+    matmul) with Pallas flash attention (interpreted here), and the shapes of every all-gather in the mesh's
     compiled step whose result leads with the whole batch's rows (activations gathered to every device: each
-    device would then compute every row). `kind` "pallas": Pallas flash attention (interpreted here), which
-    `jaxft.models.decoder.per_device_attention` must keep from gathering; "quant": QLoRA (nf4, double-quantised,
-    the default "xla" 4-bit matmul) with reference attention, plus each 4-bit array's partition spec (by its
-    name: packed, absmax, ...) and the element types of the all-gathers inside the layer scan."""
+    device would then compute every row; `jaxft.models.decoder.per_device_attention` must keep Pallas attention
+    from gathering), plus each 4-bit array's partition spec (by its name: packed, absmax, ...) and the element
+    types of the all-gathers inside the layer scan."""
     from flax import nnx
 
     from jaxft.models.layers import QuantizedWeight
@@ -253,10 +253,9 @@ def _per_device(kind: str, model_dir: str) -> dict:
     result = {"losses": {}}
     for key, mesh in (("one_device", None), ("data2_fsdp2", dict(data=2, fsdp=2))):
         run = Run(model_dir, lora_config=LoraConfig(r=4, alpha=8), dtype="float32", total_steps=STEPS, seed=0,
-                  execution=ExecutionConfig(attention_implementation="pallas" if kind == "pallas" else "reference",
-                                            layer_loop="scan"),
+                  execution=ExecutionConfig(attention_implementation="pallas", layer_loop="scan"),
                   optim=OptimConfig(learning_rate=1e-2, lr_scheduler_type="constant"),
-                  quant_config=QuantConfig() if kind == "quant" else None,
+                  quant_config=QuantConfig(),
                   mesh=MeshConfig.from_mapping(mesh), devices=jax.devices()[:1] if mesh is None else jax.devices()[:4])
         hlo = run.compile(batches[0]).as_text()
         run.load()
@@ -274,14 +273,10 @@ def _per_device(kind: str, model_dir: str) -> dict:
     return result
 
 
-def main_per_device(pallas_dir: Path, quant_dir: Path) -> dict:
-    return {"pallas": _per_device("pallas", pallas_dir), "quant": _per_device("quant", quant_dir)}
-
-
 if __name__ == "__main__":
     assert len(jax.devices()) == 8, jax.devices()
     root = Path(sys.argv[1])
-    results = {"dense": main(root), "per_device": main_per_device(root / "pallas", root / "quant"),
+    results = {"dense": main(root), "per_device": _per_device(root / "pallas"),
                "moe": main_moe(root / "qwen3_moe", root / "gpt_oss")}
     with open(sys.argv[2], "w") as f:
         json.dump(results, f, indent=1)

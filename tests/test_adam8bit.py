@@ -1,10 +1,9 @@
 """AdamW with 8-bit moments (`optim: adamw_8bit`, jaxft/train/adam8bit.py) against bitsandbytes' AdamW8bit and
-torch's fp32 AdamW on CPU, and through `jaxft-train`: a full fine-tune that stores them and resumes exactly."""
+torch's fp32 AdamW on CPU. (Through `jaxft-train`, a full fine-tune under FSDP that stores them and resumes exactly:
+test_two_devices.)"""
 
 from __future__ import annotations
 
-import base64
-import json
 from pathlib import Path
 
 import jax
@@ -12,12 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from safetensors.numpy import load_file
 
 from jaxft.train import TrainConfig, TrainConfigError
 from jaxft.train.adam8bit import SIGNED, UNSIGNED, dequantize, eligible, quantize
 from jaxft.train.optim import make_optimizer
-from test_train_fixtures import run_cli_on_host_devices
 
 torch = pytest.importorskip("torch")
 bnb = pytest.importorskip("bitsandbytes")
@@ -93,32 +90,3 @@ def test_optim_key_reads_transformers_names_and_refuses_others(tmp_path):
     assert not TrainConfig.from_dict(base).optim_config.eight_bit
     with pytest.raises(TrainConfigError, match="optim.*adamw_8bit"):
         TrainConfig.from_dict({**base, "optim": "sgd"})
-
-
-def test_fsdp_full_finetune_shards_8bit_moments_and_resumes_exactly(tmp_path):
-    """`jaxft-train` on 2 host devices under FSDP. tiny-llama's lm_head [128, 1024] is its weight with a last axis
-    of 256s: 8-bit moments, split over the devices as the weight is; every other keeps fp32 ones. Resumed from
-    the checkpoint of step 2 in a new process: the same weights, bit for bit."""
-    def run(name, **over):
-        values = {**dict(
-            model_name_or_path=str(REPO / "examples/tiny-llama"), dataset=str(REPO / "examples/data/train.jsonl"),
-            output_dir=str(tmp_path / name), finetuning_type="full", optim="adamw_8bit", mesh={"fsdp": 2},
-            max_seq_length=64, per_device_train_batch_size=2, max_steps=3, save_steps=2, logging_steps=1,
-            learning_rate=1e-3, lr_scheduler_type="constant", bf16=False, disable_tqdm=True, report_to="none",
-            seed=0), **over}
-        run_cli_on_host_devices(values, tmp_path / f"{name}.yaml", devices=2)
-
-    run("whole")  # checkpoints at steps 2 and 3
-    run("resumed", resume_from_checkpoint=str(tmp_path / "whole" / "checkpoints" / "2"))
-    a, b = (load_file(tmp_path / name / "model" / "model.safetensors") for name in ("whole", "resumed"))
-    assert sorted(a) == sorted(b)
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-    # The checkpoint holds the 8-bit state: one block-scale array per moment (lm_head's), beside the codes, and
-    # lm_head's codes are split over the devices by its rows, as lm_head is.
-    stored = tmp_path / "whole" / "checkpoints" / "2" / "opt_state"
-    tree = (stored / "_METADATA").read_text()
-    assert tree.count("'mu_absmax', '") == tree.count("'nu_absmax', '") == 1, tree
-    shardings = {base64.b64decode(k).decode(): json.loads(v)["partition_spec"]
-                 for k, v in json.loads((stored / "_sharding").read_text()).items()}
-    assert shardings["1.0.mu.lm_head.kernel.value"] == ["fsdp", None], shardings

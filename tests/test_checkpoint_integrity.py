@@ -133,13 +133,15 @@ def test_manifest_covers_every_file(tmp_path):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A finished 4-step run with checkpoints at steps 2 and 4 and an adapter."""
+    """A finished 4-step run with checkpoints at steps 2 and 4 and an adapter. A constant rate: the resumed runs
+    of another max_steps compile the same step (a cache hit)."""
     d = tmp_path_factory.mktemp("integrity")
     make_tiny_model(d / "model")
     make_jsonl(d / "train.jsonl", 40, seed=0)
     values = dict(model_name_or_path=str(d / "model"), dataset=str(d / "train.jsonl"), output_dir=str(d / "base"),
                   max_seq_length=64, per_device_train_batch_size=2, max_steps=4, logging_steps=1, save_steps=2,
-                  lora_r=4, lora_alpha=16, learning_rate=5e-3, bf16=False, disable_tqdm=True, report_to="none")
+                  lora_r=4, lora_alpha=16, learning_rate=5e-3, lr_scheduler_type="constant", bf16=False,
+                  disable_tqdm=True, report_to="none")
     train(TrainConfig.from_dict(values))
     return d, values
 

@@ -106,15 +106,20 @@ def test_yaml_scalars_and_aliases(workdir):
 
 
 def test_full_run_writes_metrics_plot_adapter_and_merged_model(workdir, capsys):
+    """A run from a config file, with the command line's flags and overrides over it (`--gradient_checkpointing`:
+    the lean preset) and their record in train_config.json."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     path = _write_config(workdir, "full.yaml", eval_dataset=str(workdir / "eval.jsonl"), logging_steps=1,
                          save_steps=2, eval_steps=2, save_merged_model=True, bf16=False, learning_rate=5e-3,
-                         lr_scheduler_type="cosine", warmup_steps=1)
-    assert main([str(path)]) == 0
-    out_text = capsys.readouterr().out
+                         lr_scheduler_type="cosine", warmup_steps=1, max_steps=6, lora_r=4)
+    assert main([str(path), "--gradient_checkpointing", "--max-steps", "4", "lora_r=2"]) == 0
+    captured = capsys.readouterr()
+    out_text = captured.out
+    assert "[jaxft] gradient_checkpointing=true -> memory: lean (layer inputs in host memory, the rest recomputed)" \
+        in captured.err
     out = workdir / "full"
     for needle in (str(out / "adapter"), str(out / "merged"), str(out / "metrics.jsonl"), "PeftModel.from_pretrained"):
         assert needle in out_text
@@ -127,7 +132,9 @@ def test_full_run_writes_metrics_plot_adapter_and_merged_model(workdir, capsys):
     assert [r["step"] for r in records if "eval_loss" in r] == [0, 2, 4]  # 0: the baseline before training
     assert [r["step"] for r in records if "checkpoint" in r] == [2, 4]
     assert (out / "loss_curve.png").stat().st_size > 1000
-    assert json.loads((out / "train_config.json").read_text())["lora_r"] == 4
+    saved = json.loads((out / "train_config.json").read_text())
+    assert (saved["gradient_checkpointing"], saved["memory"], saved["max_steps"], saved["lora_r"]) == (
+        True, "lean", 4, 2)
 
     # The exported adapter loads in PEFT and gives the logits of the exported merged model.
     ids = torch.tensor([[1, 10, 11, 12, 4, 20, 21, 5, 6, 7]])
@@ -210,15 +217,3 @@ def test_unknown_option_is_an_unknown_key(workdir, capsys):
            "command line: unknown keys: 'lerning_rate' (did you mean 'learning_rate'?), 'lora_rnk' (did you mean "
            "'lora_r'?)")
     assert not (workdir / "uo").exists()
-
-
-def test_gradient_checkpointing_flag_trains_with_the_lean_preset(workdir, capsys):
-    path = _write_config(workdir, "gc.yaml")
-    assert main([str(path), "--gradient_checkpointing", "--max-steps", "1", "lora_r=2"]) == 0
-    err = capsys.readouterr().err
-    assert "[jaxft] gradient_checkpointing=true -> memory: lean (layer inputs in host memory, the rest recomputed)" \
-        in err
-    saved = json.loads((workdir / "gc" / "train_config.json").read_text())
-    assert (saved["gradient_checkpointing"], saved["memory"], saved["max_steps"], saved["lora_r"]) == (
-        True, "lean", 1, 2)
-    assert [r["step"] for r in read_metrics(workdir / "gc" / "metrics.jsonl") if "loss" in r] == [1]

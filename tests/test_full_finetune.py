@@ -5,8 +5,6 @@ resumed bit-exactly."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -32,7 +30,6 @@ from jaxft.train.optim import OptimConfig, make_optimizer
 from jaxft.train.step import make_eval_step, make_train_step
 from lora_helpers import hf_model_fp32, jax_logits, rel_err, torch_logits
 from test_model_families import BASE, VARIANTS
-from test_train_fixtures import host_devices_env
 
 REPO = Path(__file__).resolve().parents[1]
 LR, WD, STEPS = 1e-2, 0.1, 2
@@ -151,9 +148,9 @@ def test_jaxft_train_full_exports_an_hf_checkpoint_and_resumes_exactly(tmp_path)
     base = torch_logits(hf_model_fp32(REPO / "examples/tiny-llama"), ids)
     assert np.abs(theirs - base).max() > 1e-2
 
-    # Stopped after the checkpoint of step 1, then resumed: the same weights, bit for bit.
-    train(TrainConfig.from_dict(_config(tmp_path, "split", max_steps=1)))
-    resumed = train(TrainConfig.from_dict(_config(tmp_path, "split", resume_from_checkpoint=True)))
+    # A new run resumed from the checkpoint of step 1: the same weights, bit for bit.
+    resumed = train(TrainConfig.from_dict(_config(tmp_path, "resumed",
+                                                  resume_from_checkpoint=str(tmp_path / "whole/checkpoints/1"))))
     assert resumed.resumed_from is not None and resumed.global_step == 2
     a, b = load_file(exported / "model.safetensors"), load_file(resumed.model_dir / "model.safetensors")
     assert sorted(a) == sorted(b)
@@ -197,29 +194,6 @@ def test_other_libraries_switches_mean_full(tmp_path):
     # memory: max_context streams frozen weights; a full fine-tune has none and keeps its weights on the device.
     streamed = TrainConfig.from_dict({**base, "full_finetuning": True, "memory": "max_context"})
     assert streamed.execution_config.frozen_weights == "device"
-
-
-def test_fsdp_shards_weights_and_adam_state_and_equals_one_device(tmp_path):
-    """On 2 host devices under {fsdp: 2}: every weight with a hidden ("embed") dimension and its AdamW moments are
-    split over fsdp (the rest kept whole), and two steps give one device's losses and weights."""
-    _tiny_llama(tmp_path / "model")
-    out = tmp_path / "out.json"
-    res = subprocess.run([sys.executable, str(REPO / "tests" / "full_finetune_worker.py"), str(tmp_path / "model"),
-                          str(out)], cwd=REPO, env={**host_devices_env(2), "PYTHONPATH": str(REPO)},  # this checkout's
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(out.read_text())
-    np.testing.assert_allclose(got["losses"]["fsdp"], got["losses"]["one"], rtol=1e-5)
-    assert got["weights"] < 1e-4  # each step moves a weight by about lr = 1e-2; Adam turns fp32 noise into 2e-5
-    split = {path for path, (w, mu, nu, shape) in got["specs"].items() if "fsdp" in w}
-    for path, (w, mu, nu, shape) in got["specs"].items():
-        assert w == mu == nu, path  # the moments live where their weight does
-    # The 7 linear kernels, embeddings and head have a hidden ("embed") dimension, and so have the o_proj and
-    # down_proj biases; norms and the other biases do not (kept whole).
-    assert {p for p in got["specs"] if "kernel" in p or "embedding" in p} <= split
-    assert split - {p for p in split if "kernel" in p or "embedding" in p} == {
-        "['layers']['attn']['o_proj']['bias'].value", "['layers']['mlp']['down_proj']['bias'].value"}
-    assert len(split) == 11 and len(got["specs"]) > len(split)
 
 
 def test_bf16_trains_fp32_masters_computes_and_exports_in_bf16(tmp_path):

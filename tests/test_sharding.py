@@ -3,8 +3,8 @@ equal to one device, checkpoints across a mesh change, per-layer weight gathers,
 
 Multi-device runs happen in one subprocess with 8 host CPU devices (XLA's
 --xla_force_host_platform_device_count; JAX fixes its device count when it starts) of tests/sharding_worker.py:
-the dense model's training/HLO/loading checks and the `jaxft-train` resume across meshes, the Pallas-attention and
-QLoRA steps, the MoE models; run once, its results read by several tests."""
+the dense model's training/HLO/loading checks and the `jaxft-train` resume across meshes, a QLoRA step with Pallas
+attention, the MoE models; run once, its results read by several tests."""
 
 from __future__ import annotations
 
@@ -128,8 +128,8 @@ def test_weight_slices_read_what_load_weights_loads(tmp_path):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """tests/sharding_worker.py's results, one process for every model: the dense model's; Pallas attention on a
-    model with head_dim 64 (the kernels' smallest), QLoRA on one of hidden 64; the MoE models."""
+    """tests/sharding_worker.py's results, one process for every model: the dense model's; QLoRA with Pallas
+    attention on a model with head_dim 64 (the kernels' smallest); the MoE models."""
     from lora_helpers import tiny_qwen3_moe
     from test_gpt_oss import gpt_oss_model
     from test_moe_gmm_choice import QWEN
@@ -138,7 +138,6 @@ def results(tmp_path_factory):
     make_tiny_model(d / "model")
     make_jsonl(d / "train.jsonl", 60, seed=0)
     make_tiny_model(d / "pallas", hidden=256)
-    make_tiny_model(d / "quant", hidden=64)
     tiny_qwen3_moe({**QWEN, "vocab_size": 64}).save_pretrained(d / "qwen3_moe")
     gpt_oss_model(seed=2, num_hidden_layers=2).save_pretrained(d / "gpt_oss")
     out = d / "out.json"
@@ -227,19 +226,21 @@ def per_device(results):
 def test_pallas_attention_on_a_mesh_runs_on_each_devices_rows(per_device):
     """Pallas flash attention (interpreted on the CPU) under data=2 x fsdp=2: no all-gather of activations (before
     `per_device_attention`, q, k and v were gathered to the whole batch, f32[16, 128, heads, 64] here, and every
-    device computed every row), and the losses of one device. A model with head_dim 64 (the kernels' smallest)."""
-    out = per_device["pallas"]
+    device computed every row), and the losses of one device. A model with head_dim 64 (the kernels' smallest);
+    its base in 4 bits (the QLoRA test below reads the same run)."""
+    out = per_device
     assert out["row_gathers"] == []
     np.testing.assert_allclose(out["losses"]["data2_fsdp2"], out["losses"]["one_device"], rtol=1e-5)
 
 
 @pytest.mark.slow
 def test_qlora_on_a_mesh_splits_the_4bit_bytes_and_equals_one_device(per_device):
-    """QLoRA (nf4 base, double-quantised) under data=2 x fsdp=2, layer scan: one device's losses, each device on its
-    own rows (no all-gather of activations); each linear's packed codes and block scales split over fsdp along their
-    flat axis (the nested scales and offsets, a few bytes, whole), and all the layer loop gathers is those bytes
-    (u8: codes, and the scales' 8-bit codes), never a weight decoded from its shards (f32 here)."""
-    out = per_device["quant"]
+    """QLoRA (nf4 base, double-quantised; Pallas attention) under data=2 x fsdp=2, layer scan: one device's losses,
+    each device on its own rows (no all-gather of activations); each linear's packed codes and block scales split
+    over fsdp along their flat axis (the nested scales and offsets, a few bytes, whole), and all the layer loop
+    gathers is those bytes (u8: codes, and the scales' 8-bit codes), never a weight decoded from its shards (f32
+    here)."""
+    out = per_device
     assert out["row_gathers"] == []
     specs = out["quant_specs"]
     assert set(specs) == {"packed", "absmax", "nested_absmax", "offset"}
