@@ -268,9 +268,11 @@ def _filled(model: Decoder, arrays: dict, quant_config, skipped, path: Path) -> 
         if key in arrays:
             # pop + wait: the host copy is released as soon as the device copy exists (peak ~ one copy plus
             # the largest tensor); without the wait the runtime keeps the host buffer alive until later.
-            value = jax.device_put(arrays.pop(key)).block_until_ready()
+            host = arrays.pop(key)
+            value = jax.device_put(host).block_until_ready()
             if jnp.issubdtype(value.dtype, jnp.inexact):
-                finite.append((key, _all_finite(value)))
+                finite.append((key, np.isfinite(host).all() if _host_checked(host, value) else _all_finite(value)))
+            del host
             var = var.replace(value)
         leaves.append((p, var))
     _warn_non_finite(path, finite)
@@ -284,6 +286,12 @@ def _filled(model: Decoder, arrays: dict, quant_config, skipped, path: Path) -> 
 def _with_generation_config(model: Decoder, path: Path) -> Decoder:
     model.generation_config = read_generation_config(path)  # for save_pretrained
     return model
+
+
+def _host_checked(host, value: jax.Array) -> bool:
+    """Small weights are checked on the host copy: the device check compiles one program per shape (~0.1 s on a
+    CPU each), which would dominate loading a small model; large ones stay on the device (fused, no host pass)."""
+    return isinstance(host, np.ndarray) and host.dtype == value.dtype and host.size <= 1 << 20
 
 
 @jax.jit

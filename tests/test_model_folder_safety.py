@@ -50,6 +50,20 @@ def test_nan_weights_in_a_base_model_are_named(tmp_path, model_dir, caplog):
     assert len(hits) == 1 and "down_proj" in hits[0] and "1 weight(s)" in hits[0], hits
 
 
+def test_non_finite_weights_are_named_whether_checked_on_the_host_or_the_device(tmp_path, caplog):
+    """Small weights are checked on their host copy, large ones (over 2**20 values) on the device: both named."""
+    d = make_tiny_model(tmp_path / "model", vocab=32800)  # the embedding table: 32800 x 32 values
+    tensors = load_file(d / "model.safetensors")
+    assert tensors["model.embed_tokens.weight"].size > 1 << 20
+    tensors["model.embed_tokens.weight"][5, 6] = np.nan
+    tensors["model.layers.0.self_attn.q_proj.weight"][0, 0] = -np.inf
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="jaxft"):
+        jaxft.from_pretrained(d, dtype="float32")
+    hits = [r.message for r in caplog.records if "NaN or infinite" in r.message]
+    assert len(hits) == 1 and "2 weight(s)" in hits[0] and "embed.embedding" in hits[0] and "q_proj" in hits[0], hits
+
+
 def test_dataset_image_paths_stay_in_the_dataset_folder(tmp_path):
     from PIL import Image
 

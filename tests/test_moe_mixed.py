@@ -3,9 +3,9 @@ transformers' Qwen3MoeForCausalLM and PEFT on tiny random models, fp32, CPU.
 
 Checks: which layers are sparse equals transformers' decision; logits equal transformers' at 512 tokens for
 `mlp_only_layers=[1]` and `decoder_sparse_step=2`; the program scans runs of one kind (or periods) with one
-grouped matmul per expert projection per sparse layer of the body; HF -> jaxft -> HF is byte-identical; the
-training loss with the router aux term (sparse layers only) equals transformers' and is the same with
-unstacked (unrolled) layers; attention + expert `target_parameters` LoRA round-trips through PEFT, and
+grouped matmul per expert projection per sparse layer of the body; HF -> jaxft -> HF is byte-identical (the
+training loss with the router aux term over the sparse layers only, stacked and unstacked:
+test_moe_aux_loss); attention + expert `target_parameters` LoRA round-trips through PEFT, and
 dense-MLP LoRA exports merged (PEFT has no form for it on this model: see `jaxft.lora.save_adapter`);
 greedy generation equals the forward's argmax (stacked and unstacked cache loops); `jaxft-train` trains a
 mixed model.
@@ -26,14 +26,13 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import jaxft
-import test_moe_aux_loss as aux_case
 import test_moe_train as train_case
 from jaxft import lora
 from jaxft.config import ConfigError, ModelConfig
 from jaxft.generation import generate_ids
 from jaxft.models.moe import expert_adapters
 from jaxft.models.stack import layer_stacks
-from jaxft.train.step import loss_and_grad_sums, split_model, unstack_layers
+from jaxft.train.step import split_model, unstack_layers
 from lora_helpers import (hf_model_fp32, jax_logits, jaxpr_eqns, perturb_lora_b, rel_err, tiny_qwen3_moe,
                           torch_logits)
 
@@ -133,41 +132,6 @@ def test_hf_round_trip_is_byte_identical(bases, tmp_path, name):
                                                                             source["decoder_sparse_step"])
 
 
-# --------------------------------------------------------------------------- router aux loss
-
-
-@pytest.mark.slow
-def test_step_loss_with_router_aux_over_the_sparse_layers_equals_transformers(tmp_path):
-    config = transformers.Qwen3MoeConfig(**{**aux_case.TINY, "mlp_only_layers": [1]}, output_router_logits=True,
-                                         router_aux_loss_coef=aux_case.COEF)
-    torch.manual_seed(0)
-    hf = transformers.Qwen3MoeForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
-    hf.save_pretrained(tmp_path)
-    docs = aux_case._docs()
-    expected, aux = aux_case._hf_loss(hf, docs)
-    batch = aux_case._packed_batch(docs)
-    model = lora.apply_lora(jaxft.from_pretrained(tmp_path, dtype="float32"),
-                            lora.LoraConfig(r=2, target_modules=["q_proj"]))
-    assert model.config.layer_mlps == ("moe", "glu", "moe")
-    assert aux_case.COEF * aux > 0.5, "the aux term must be a visible part of the loss"
-    graphdef, params, frozen = split_model(model)
-    step = nnx.jit(loss_and_grad_sums, static_argnums=(0,))
-    loss, grads, count = step(graphdef, params, frozen, batch, None)
-    assert abs(float(loss / count) - expected) < 1e-5 * abs(expected)
-    # Unstacked frozen weights run the layers unrolled (dense layers pass the router statistics through).
-    loss_u, grads_u, _ = step(graphdef, params, unstack_layers(frozen), batch, None)
-    assert abs(float(loss_u) - float(loss)) < 1e-6 * abs(float(loss))
-    b_grads = [(g, g_u) for (path, g), g_u in zip(nnx.to_flat_state(grads), jax.tree.leaves(grads_u))
-               if path[-1] == "lora_b"]
-    assert len(b_grads) == 2  # q_proj in both stacks; A's gradients are 0 while B is 0
-    for g, g_u in b_grads:
-        assert np.abs(np.asarray(g[...])).max() > 0 and rel_err(g_u, g[...]) < 1e-5
-
-
 # --------------------------------------------------------------------------- LoRA through PEFT
 
 
@@ -262,9 +226,18 @@ def test_train_run_on_a_mixed_model_lowers_the_loss_and_adapts_both_stacks(tmp_p
     result = train_case.train(train_case._config(tmp_path, base))
     losses = [r["loss"] for r in map(json.loads, result.metrics_path.read_text().splitlines()) if "loss" in r]
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.05, losses
+    adapter = json.loads((result.adapter_dir / "adapter_config.json").read_text())
+    assert sorted(adapter["target_parameters"]) == sorted(train_case.EXPERTS)
     tensors = load_file(result.adapter_dir / "adapter_model.safetensors")
     trained = {k for k, v in tensors.items() if k.endswith("lora_B.weight") and np.abs(v).max() > 0}
     assert {"base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",  # the dense layer
             "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight",
             "base_model.model.model.layers.1.mlp.experts.lora_B.weight"} <= trained
     assert not [k for k in tensors if "layers.0.mlp" in k]  # no experts in the dense layer
+    # PEFT nests one ParamWrapper per expert parameter: experts.lora_B and experts.base_layer.lora_B, both trained.
+    experts = [k for k in tensors if k.startswith("base_model.model.model.layers.1.mlp.experts.")
+               and k.endswith("lora_B.weight")]
+    assert len(experts) == 2 and set(experts) <= trained, sorted(tensors)
+    r, n = 4, train_case.TINY["num_experts"]
+    assert {tensors[k].shape for k in experts} == {(2 * train_case.TINY["moe_intermediate_size"], r * n),
+                                                   (train_case.TINY["hidden_size"], r * n)}

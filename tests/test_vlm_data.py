@@ -141,11 +141,11 @@ def test_flat_images_put_real_patches_first_and_keep_logits(tmp_path, images):
     args, kw = model_inputs(model, {k: jnp.asarray(v) for k, v in batch.items()})
     assert set(kw) == {"pixel_rows", "grid_rows"}
     got = np.asarray(jax.jit(lambda i, s, kw: model(i, segment_ids=s, **kw))(args[0], args[2], kw))
+    forward = jax.jit(lambda i, s, p, g: model(i, segment_ids=s, pixel_values=p, image_grid_thw=g))  # a compile a row
     for r in range(rows):
         refs = [im for d in train.row_documents(train.rows_of(0)[r]) for im in train._images[d]]
         p, g = images.process(refs) if refs else (None, None)
-        alone = np.asarray(model(jnp.asarray(batch["input_ids"][r:r + 1]), segment_ids=batch["segment_ids"][r:r + 1],
-                                 pixel_values=p, image_grid_thw=g))
+        alone = np.asarray(forward(batch["input_ids"][r:r + 1], batch["segment_ids"][r:r + 1], p, g))
         np.testing.assert_allclose(got[r:r + 1], alone, rtol=1e-5, atol=1e-5)
 
 

@@ -127,11 +127,17 @@ def verify(step_dir: Path) -> str | None:
     return None
 
 
+@jax.jit
+def _all_finite(arrays: list) -> list:
+    """One program for the whole tree (eager ops would compile two per array shape)."""
+    return [jnp.isfinite(x).all() for x in arrays]
+
+
 def first_nonfinite(nested: dict, prefix: str) -> str | None:
     """The path of the first array with a NaN or infinity in `nested` (checked on the device), or None."""
     leaves = jax.tree_util.tree_flatten_with_path(nested)[0]
     floats = [(path, x) for path, x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
-    finite = jax.device_get([jnp.isfinite(x).all() for _, x in floats])
+    finite = jax.device_get(_all_finite([x for _, x in floats]))
     for (path, _), ok in zip(floats, finite):
         if not ok:
             return "/".join([prefix, *(_key_name(k) for k in path)])
