@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -96,5 +97,6 @@ def batches(out: str, model: str, data: str) -> int:
 
 
 if __name__ == "__main__":
+    gc.freeze()  # the import heap: full collections (the run's own among them) then skip it, as in conftest
     mode, *rest = sys.argv[1:]
     sys.exit({"train": train, "batches": batches}[mode](*rest))

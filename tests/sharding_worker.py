@@ -21,6 +21,7 @@ process pays JAX's and jaxft's start-up. Dense, what the test asserts on:
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import re
@@ -274,6 +275,7 @@ def _per_device(model_dir: str) -> dict:
 
 
 if __name__ == "__main__":
+    gc.freeze()  # the import heap: full collections (the run's own among them) then skip it, as in conftest
     assert len(jax.devices()) == 8, jax.devices()
     root = Path(sys.argv[1])
     results = {"dense": main(root), "per_device": _per_device(root / "pallas"),

@@ -40,6 +40,7 @@ def results(workdir):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # the worker's process (~30 s) runs in this test's setup
 def test_full_finetune_on_fsdp_shards_weights_and_adam_state_and_equals_one_device(results):
     """A full fine-tune on {fsdp: 2}: every weight with a hidden ("embed") dimension and its AdamW moments are split
     over fsdp (the rest kept whole), and two steps give one device's losses and weights."""

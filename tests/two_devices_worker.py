@@ -18,6 +18,7 @@ gets {"full": ..., "mesh_auto": ...} (the 8-bit AdamW runs leave their outputs u
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import sys
@@ -145,4 +146,5 @@ def main(workdir: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
+    gc.freeze()  # the import heap: full collections (the run's own among them) then skip it, as in conftest
     main(Path(sys.argv[1]), Path(sys.argv[2]))
