@@ -341,7 +341,7 @@ def _memory_breakdown(frozen, lora, opt_state, batches, peak: int) -> dict[str, 
              "batches": nbytes(batches)}
     parts["activations_and_workspace"] = max(peak - sum(parts.values()), 0)
     parts["peak"] = peak
-    parts["frozen_4bit_weights"] = quantized_bytes(frozen)  # the part of frozen_weights stored in 4 bits
+    parts["frozen_quantized_weights"] = quantized_bytes(frozen)  # the part of frozen_weights in 4 or 8 bits
     return parts
 
 
@@ -386,7 +386,8 @@ def resident_outside(state, device=None, top: int = 8) -> dict[str, Any]:
 
 
 def quantized_bytes(frozen) -> int:
-    """Bytes of the 4-bit storage (`QuantizedWeight`: linears and MoE experts, codes and scales) in `frozen`."""
+    """Bytes of the quantised storage (`QuantizedWeight`, 4-bit or FP8: linears and MoE experts, codes and scales) in
+    `frozen`."""
     import jax
     from flax import nnx
 
