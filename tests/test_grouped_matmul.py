@@ -18,6 +18,7 @@ import pytest
 from kernels_pallas.grouped_matmul import OP, grouped_matmul
 from kernels_pallas.grouped_matmul.api import GPU_FIRST
 from kernels_pallas.grouped_matmul.shapes import TEST_SHAPES, make_inputs
+from kernel_helpers import jitted_vjp
 
 TOL = {"float32": 2e-5, "bfloat16": 3e-2}
 
@@ -33,15 +34,6 @@ def _loop(lhs, rhs, sizes, dout):
         drhs[g] = lhs[rows].T @ dout[rows]
         start += int(size)
     return out, dlhs, drhs
-
-
-def _vjp(fn, dout, *primals):
-    """fn's output and its gradients for `dout`, one jitted program (op by op, every eager op of a new shape compiles
-    on its own)."""
-    def run(dout, *primals):
-        out, pull = jax.vjp(fn, *primals)
-        return (out, *pull(dout))
-    return jax.jit(run)(dout, *primals)
 
 
 def _close(got, want, dtype, what):
@@ -61,7 +53,7 @@ _PER_SHAPE = [(impl, shape) for impl in OP.names for shape in TEST_SHAPES
 @pytest.mark.parametrize("impl,shape", _PER_SHAPE, ids=[f"{s.name}-{i}" for i, s in _PER_SHAPE])
 def test_forward_and_gradients_match_a_per_group_loop(impl, shape):
     lhs, rhs, sizes, dout = make_inputs(shape)
-    out, dlhs, drhs = _vjp(lambda l, r: grouped_matmul(l, r, sizes, implementation=impl), dout, lhs, rhs)
+    out, dlhs, drhs = jitted_vjp(lambda l, r: grouped_matmul(l, r, sizes, implementation=impl), dout, lhs, rhs)
     want_out, want_dlhs, want_drhs = _loop(lhs, rhs, sizes, dout)
     assert out.shape == want_out.shape and out.dtype == lhs.dtype
     _close(out, want_out, shape.dtype, "out")
@@ -367,7 +359,7 @@ def test_a_fused_adapter_adds_its_product_and_gets_its_gradients(impl, stacked):
     fn = (lambda l, w, x, bb: grouped_matmul(l, jnp.stack([w * 0.5, w]), sizes, implementation=impl, row=1,
                                              lora=(x, bb))) if stacked else \
         (lambda l, w, x, bb: grouped_matmul(l, w, sizes, implementation=impl, lora=(x, bb)))
-    got = _vjp(fn, dout, lhs, rhs, xa, b)
+    got = jitted_vjp(fn, dout, lhs, rhs, xa, b)
     out = got[0]
     for g, w, what in zip(got, _lora_loop(lhs, stack[1], xa, b, sizes, dout), ("out", "d lhs", "d rhs", "d xa", "d b")):
         _close(g, w, "float32", what)
@@ -427,9 +419,9 @@ def test_an_adapter_on_the_products_own_rows_adds_its_product_and_gets_its_gradi
                                                  implementation=impl, row=1, adapter=(aa, bb))
     else:
         fn = lambda l, w, aa, bb: grouped_matmul(l, w, sizes, implementation=impl, adapter=(aa, bb))  # noqa: E731
-    got = _vjp(fn, dout, lhs, rhs, a, b)
+    got = jitted_vjp(fn, dout, lhs, rhs, a, b)
     out = got[0]
-    for g, w, what in zip(got, _vjp(lambda *p: _adapted_reference(*p, sizes), dout, lhs, rhs, a, b),
+    for g, w, what in zip(got, jitted_vjp(lambda *p: _adapted_reference(*p, sizes), dout, lhs, rhs, a, b),
                           ("out", "d lhs", "d rhs", "d a", "d b")):
         _close(g, np.asarray(w, np.float64), "float32", what)
         assert float(jnp.max(jnp.abs(w))) > 0, what  # every gradient is a real one

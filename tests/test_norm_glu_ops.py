@@ -12,6 +12,7 @@ from jax._src.ad_checkpoint import saved_residuals
 from kernels_pallas.glu import (clamped_swiglu, clamped_swiglu_reference, geglu_tanh, geglu_tanh_reference, swiglu,
                                 swiglu_reference)
 from kernels_pallas.rmsnorm import rmsnorm, rmsnorm_offset_reference, rmsnorm_reference
+from kernel_helpers import jitted_vjp
 
 NORMS = {False: rmsnorm_reference, True: rmsnorm_offset_reference}  # offset -> reference
 GLUS = {"swiglu": (swiglu, swiglu_reference), "geglu_tanh": (geglu_tanh, geglu_tanh_reference)}
@@ -25,15 +26,6 @@ def _close(got, want, dtype, what):
     assert float(np.max(np.abs(got - want))) <= TOL[dtype] * scale, what
 
 
-def _vjp(fn, dout, *primals):
-    """fn's output and its gradients for `dout`, one jitted program (op by op, every eager op of a new shape compiles
-    on its own)."""
-    def run(dout, *primals):
-        out, pull = jax.vjp(fn, *primals)
-        return (out, *pull(dout))
-    return jax.jit(run)(dout, *primals)
-
-
 def _rand(shape, dtype, seed, scale=1.0):
     return (jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale).astype(dtype)
 
@@ -45,8 +37,8 @@ def test_rmsnorm_matches_reference(dtype, shape, offset):
     # Gemma's stored weights sit near 0 (the scale is 1 + w): draw them there, far from exactly 0.
     w = _rand(shape[-1:], dtype, 1, 0.3) + (0.0 if offset else 1.0)
     x, dy = _rand(shape, dtype, 0, 3.0), _rand(shape, dtype, 2)
-    got = _vjp(lambda x, w: rmsnorm(x, w, 1e-6, offset=offset), dy, x, w)
-    want = _vjp(lambda x, w: NORMS[offset](x, w, 1e-6), dy, x, w)
+    got = jitted_vjp(lambda x, w: rmsnorm(x, w, 1e-6, offset=offset), dy, x, w)
+    want = jitted_vjp(lambda x, w: NORMS[offset](x, w, 1e-6), dy, x, w)
     _close(got[0], want[0], dtype, "y")
     for name, g, r in zip(("dx", "dw"), got[1:], want[1:]):
         assert g.dtype == r.dtype
@@ -58,7 +50,7 @@ def test_rmsnorm_matches_reference(dtype, shape, offset):
 def test_glu_matches_reference(dtype, op):
     fn, reference = GLUS[op]
     g, u, dh = _rand((4, 33, 96), dtype, 3, 3.0), _rand((4, 33, 96), dtype, 4), _rand((4, 33, 96), dtype, 5)
-    got, want = _vjp(fn, dh, g, u), _vjp(reference, dh, g, u)
+    got, want = jitted_vjp(fn, dh, g, u), jitted_vjp(reference, dh, g, u)
     _close(got[0], want[0], dtype, "h")
     for name, a, b in zip(("dgate", "dup"), got[1:], want[1:]):
         _close(a, b, dtype, name)
@@ -108,8 +100,8 @@ def test_clamped_swiglu_matches_its_definition_off_the_bounds(dtype):
     """Values of a few limits' size, so both clamps cut some; compared where no input sits on a bound, since there
     autodiff of the definition halves the gradient (next test)."""
     x, dh = _rand((4, 33, 192), dtype, 6, 6.0), _rand((4, 33, 96), dtype, 7)
-    got, g = _vjp(lambda x: clamped_swiglu(x, LIMIT, ALPHA), dh, x)
-    want, r = _vjp(lambda x: clamped_swiglu_reference(x, LIMIT, ALPHA), dh, x)
+    got, g = jitted_vjp(lambda x: clamped_swiglu(x, LIMIT, ALPHA), dh, x)
+    want, r = jitted_vjp(lambda x: clamped_swiglu_reference(x, LIMIT, ALPHA), dh, x)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))  # the same forward
     xf = np.asarray(x, np.float32)
     cut = (xf[..., 0::2] > LIMIT).mean(), (np.abs(xf[..., 1::2]) > LIMIT).mean()
