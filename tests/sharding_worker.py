@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import re
 import sys
 from pathlib import Path
@@ -37,6 +36,7 @@ from jaxft.lora import LoraConfig
 from jaxft.run import Run
 from jaxft.sharding import MeshConfig, Placement
 from jaxft.train.optim import OptimConfig
+from test_train_fixtures import logged_lines
 
 STEPS, ROWS, SEQ = 3, 16, 64
 
@@ -148,15 +148,6 @@ def _resumed(workdir: Path) -> dict:
     runs' program); their logged losses and what they said about their batch-parallel devices."""
     from jaxft.train import TrainConfig, read_metrics, train
 
-    said = []
-
-    class Lines(logging.Handler):
-        def emit(self, record):
-            said.append(record.getMessage())
-
-    handler = Lines()
-    logging.getLogger("jaxft.train").addHandler(handler)
-    logging.getLogger("jaxft.train").setLevel(logging.INFO)
     out = {}
     for name, mesh, extra in (("fsdp", dict(data=2, fsdp=4), {}),
                               ("data", dict(data=8), dict(resume_from_checkpoint=str(workdir / "fsdp/checkpoints/3")))):
@@ -166,11 +157,10 @@ def _resumed(workdir: Path) -> dict:
                    lr_scheduler_type="constant", lora_r=4, lora_alpha=8, seed=0, bf16=False, disable_tqdm=True,
                    report_to="none", mesh=mesh, layer_loop="scan", remat="none", attention_implementation="reference",
                    **extra)
-        said.clear()
-        result = train(TrainConfig.from_dict(cfg))
+        with logged_lines("jaxft.train") as said:
+            result = train(TrainConfig.from_dict(cfg))
         out[name] = dict(losses={r["step"]: r["loss"] for r in read_metrics(result.metrics_path) if "loss" in r},
                          devices=[line for line in said if "batch-parallel devices" in line])
-    logging.getLogger("jaxft.train").removeHandler(handler)
     return out
 
 

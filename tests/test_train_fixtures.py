@@ -4,7 +4,9 @@ JSONL data, and `jaxft-train` runs on N host CPU devices. (No tests here; `test_
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import random
 import string
@@ -63,6 +65,26 @@ def make_jsonl(path: Path, n: int, *, seed: int = 0, kind: str = "prompt_complet
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def logged_lines(name: str):
+    """The messages logger `name` logs at INFO or above inside the block, as a list filled while it runs."""
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logger, handler = logging.getLogger(name), Lines()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def host_devices_env(devices: int) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from jaxft.run import Run
 from jaxft.sharding import MeshConfig
 from jaxft.train import TrainConfig, train
 from jaxft.train.optim import OptimConfig
+from test_train_fixtures import logged_lines
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,17 +121,8 @@ def _estimate(config: TrainConfig) -> dict:
 def mesh_auto(model: Path, data: Path, out: Path) -> dict:
     estimates = {kind: _estimate(_auto_config(model, data, out, mesh)) for kind, mesh in AUTO_MESHES.items()}
     budget = (estimates["dp"]["peak"] + estimates["fsdp"]["peak"]) / 2 / 2**30
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())  # noqa: E731  (a handler that keeps lines)
-    logger = logging.getLogger("jaxft")
-    logger.addHandler(handler)
-    level, logger.level = logger.level, logging.INFO
-    try:
+    with logged_lines("jaxft") as lines:
         res = train(_auto_config(model, data, out, "auto", budget))
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     return {"estimates": estimates, "budget_gib": budget,
             "mesh_lines": [s for s in lines if s.startswith("mesh auto")], "steps": res.global_step}
 
