@@ -92,7 +92,8 @@ def test_packed_doc_lengths_follow_the_requested_mean():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape_name", ["llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-8b"])
+@pytest.mark.parametrize("shape_name", ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "llama-3.1-70b",
+                                        "qwen3-8b"])
 def test_real_shapes_match_transformers_parameter_counts(shape_name):
     """Count every tensor of the real-size HF model on the meta device (no memory)."""
     from transformers import AutoModelForCausalLM
@@ -106,8 +107,8 @@ def test_real_shapes_match_transformers_parameter_counts(shape_name):
     counts = param_counts(shape)
     assert counts["frozen_matmul"] == linear  # all layer linears + lm_head
     total = sum(p.numel() for p in model.parameters())  # tied weights counted once
-    published = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496,
-                 "qwen3-8b": 8_190_735_360}[shape_name]
+    published = {"llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824, "llama-3.1-8b": 8_030_261_248,
+                 "llama-3.1-70b": 70_553_706_496, "qwen3-8b": 8_190_735_360}[shape_name]
     assert total == published
     assert model.config.tie_word_embeddings == shape.get("tie_word_embeddings")
     # What the harness reserves on /dev/shm: every bf16 tensor but the (tiny) norm scales.

@@ -178,6 +178,11 @@ SHAPES: dict[str, ModelShape] = {
         **_LLAMA_COMMON, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
         "vocab_size": 128256, "tie_word_embeddings": True, "rope_parameters": _llama3_rope(32.0)}),
+    # Llama-3.2-3B: the second size of the full fine-tuning rows.
+    "llama-3.2-3b": ModelShape("llama-3.2-3b", {
+        **_LLAMA_COMMON, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+        "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 128256, "tie_word_embeddings": True, "rope_parameters": _llama3_rope(32.0)}),
     "llama-3.1-8b": ModelShape("llama-3.1-8b", {
         **_LLAMA_COMMON, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,

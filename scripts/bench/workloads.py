@@ -197,6 +197,7 @@ class Workload:
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("1b_2x4096", "llama-3.2-1b", 2, 4096),
+    Workload("3b_4096", "llama-3.2-3b", 1, 4096),
     Workload("8b_4096", "llama-3.1-8b", 1, 4096),
     Workload("8b_16384", "llama-3.1-8b", 1, 16384),
     Workload("70b_4096", "llama-3.1-70b", 1, 4096),
