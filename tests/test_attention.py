@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.attention import attention_reference, dot_product_attention, make_metadata
-from kernels_pallas.attention.shapes import GPU_TEST_SHAPES, TEST_SHAPES, make_segment_ids
+from kernels_pallas.attention.shapes import GPU_TEST_SHAPES, make_segment_ids
 from kernels_pallas.attention.config import BlockConfig, FlashConfig
 from kernels_pallas.attention.flash import DKDV_NAME, DQ_NAME, FWD_NAME, flash_attention
 from gpu_helpers import compile_fast
@@ -198,19 +198,6 @@ def test_kernel_tiles_finer_than_metadata_blocks():
         q, k, v, do, sinks, True)
     for what, g, w in zip(["out", "dq", "dk", "dv", "dsinks"], got, want):
         _assert_close(g, w, 2e-5, what)
-
-
-def test_test_shapes_share_the_benchmark_generator():
-    """The packed TEST_SHAPE (from shapes.py, shared with the benchmark) forward."""
-    shape = TEST_SHAPES[1]
-    seg = jnp.asarray(make_segment_ids(shape, seed=0, pad_tail=13))
-    q, k, v, _, _ = _inputs(shape.batch, shape.seq_len, shape.heads, shape.kv_heads,
-                            shape.head_dim, jnp.float32)
-    md = _metadata(seg, block_q=64, block_k=64)
-    got = jax.jit(lambda q, k, v, seg, md: dot_product_attention(q, k, v, segment_ids=seg, metadata=md,
-                                                                 implementation="pallas"))(q, k, v, seg, md)
-    want = jax.jit(lambda q, k, v, seg: attention_reference(q, k, v, segment_ids=seg))(q, k, v, seg)
-    _assert_close(got, want, 2e-5, "out")
 
 
 # ---------------------------------------------------------------------------
