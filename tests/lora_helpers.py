@@ -3,6 +3,7 @@ zero init (with B = 0 an adapter changes nothing, so a comparison would prove no
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,7 +26,7 @@ def perturb_lora_b(model, seed: int = 1, std: float = 0.1) -> None:
         ranks = np.asarray(ad.lora_rank[...])
         b = rng.normal(0.0, std, ad.lora_b.shape).astype(np.float32)
         live = np.arange(b.shape[-2])[:, None] < ranks.reshape(-1, *[1] * (b.ndim - 1))  # one rank per layer
-        ad.lora_b[...] = jnp.asarray(b * live)
+        ad.lora_b[...] = jax.device_put(b * live)  # no program to compile, as jnp.asarray does
 
 
 def hf_model_fp32(path):

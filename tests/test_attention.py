@@ -9,6 +9,7 @@ every feature: causal, GQA/MQA, head_dim 64/128/256, packed ragged segments
 padding, T not a block multiple), sliding window, softcap, sinks, bf16.
 """
 
+import functools
 import re
 import types
 
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas.attention import attention_reference, dot_product_attention, make_metadata
-from kernels_pallas.attention.shapes import GPU_TEST_SHAPES, TEST_SHAPES, make_segment_ids
+from kernels_pallas.attention.shapes import GPU_TEST_SHAPES, make_segment_ids
 from kernels_pallas.attention.config import BlockConfig, FlashConfig
 from kernels_pallas.attention.flash import DKDV_NAME, DQ_NAME, FWD_NAME, flash_attention
 from gpu_helpers import compile_fast
@@ -43,6 +44,8 @@ def ragged_segments(b, t):
     return jnp.asarray(seg)
 
 
+# Inputs and block metadata jitted, one program per shape (op by op, every eager op of a new shape compiles on its own).
+@functools.partial(jax.jit, static_argnames=("b", "t", "h", "kvh", "d", "dtype", "seed"))
 def _inputs(b, t, h, kvh, d, dtype, seed=0):
     ks = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(ks[0], (b, t, h, d), jnp.float32).astype(dtype)
@@ -51,6 +54,9 @@ def _inputs(b, t, h, kvh, d, dtype, seed=0):
     do = jax.random.normal(ks[3], (b, t, h, d), jnp.float32).astype(dtype)
     sinks = jax.random.normal(ks[4], (h,), jnp.float32)
     return q, k, v, do, sinks
+
+
+_metadata = jax.jit(make_metadata, static_argnames=("causal", "sliding_window", "block_q", "block_k"))
 
 
 def _fwd_and_grads(fn, q, k, v, do, sinks, use_sinks):
@@ -158,7 +164,7 @@ def test_pallas_matches_reference(name):
     b, t, h, kvh, d, dtype, causal, window, softcap, use_sinks, packed = KERNEL_CASES[name]
     q, k, v, do, sinks = _inputs(b, t, h, kvh, d, dtype)
     seg = ragged_segments(b, t) if packed else None
-    md = make_metadata(seg if packed else jnp.ones((b, t), jnp.int32), causal=causal,
+    md = _metadata(seg if packed else jnp.ones((b, t), jnp.int32), causal=causal,
                        sliding_window=window, block_q=64, block_k=64)
     kw = dict(causal=causal, sliding_window=window, logit_softcap=softcap)
     got = _jit_fwd_and_grads(
@@ -182,7 +188,7 @@ def test_kernel_tiles_finer_than_metadata_blocks():
     b, t, h, kvh, d = 2, 256, 2, 1, 64
     q, k, v, do, sinks = _inputs(b, t, h, kvh, d, jnp.float32, seed=1)
     seg = ragged_segments(b, t)
-    md = make_metadata(seg, sliding_window=70, block_q=64, block_k=64)
+    md = _metadata(seg, sliding_window=70, block_q=64, block_k=64)
     cfg = FlashConfig(BlockConfig(32, 16), BlockConfig(16, 32), BlockConfig(32, 16))
     got = _jit_fwd_and_grads(
         lambda q, k, v, s: flash_attention(q, k, v, md, sliding_window=70, sinks=s, config=cfg),
@@ -192,18 +198,6 @@ def test_kernel_tiles_finer_than_metadata_blocks():
         q, k, v, do, sinks, True)
     for what, g, w in zip(["out", "dq", "dk", "dv", "dsinks"], got, want):
         _assert_close(g, w, 2e-5, what)
-
-
-def test_test_shapes_share_the_benchmark_generator():
-    """The packed TEST_SHAPE (from shapes.py, shared with the benchmark) forward."""
-    shape = TEST_SHAPES[1]
-    seg = jnp.asarray(make_segment_ids(shape, seed=0, pad_tail=13))
-    q, k, v, _, _ = _inputs(shape.batch, shape.seq_len, shape.heads, shape.kv_heads,
-                            shape.head_dim, jnp.float32)
-    md = make_metadata(seg, block_q=64, block_k=64)
-    got = dot_product_attention(q, k, v, segment_ids=seg, metadata=md, implementation="pallas")
-    want = attention_reference(q, k, v, segment_ids=seg)
-    _assert_close(got, want, 2e-5, "out")
 
 
 # ---------------------------------------------------------------------------
@@ -257,8 +251,9 @@ def test_api_validates_inputs():
 
 def test_auto_uses_a_supported_implementation():
     q, k, v, _, sinks = _inputs(1, 128, 4, 2, 64, jnp.float32)
-    got = dot_product_attention(q, k, v, sinks=sinks, logit_softcap=5.0, implementation="auto")
-    want = attention_reference(q, k, v, sinks=sinks, logit_softcap=5.0)
+    got = jax.jit(lambda q, k, v, s: dot_product_attention(q, k, v, sinks=s, logit_softcap=5.0,
+                                                           implementation="auto"))(q, k, v, sinks)
+    want = jax.jit(lambda q, k, v, s: attention_reference(q, k, v, sinks=s, logit_softcap=5.0))(q, k, v, sinks)
     _assert_close(got, want, 2e-5, "auto")
 
 

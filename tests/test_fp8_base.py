@@ -97,7 +97,7 @@ def test_targeted_linears_hold_fp8_codes_quantised_from_the_loaded_kernels(model
             lin, ref = getattr(lin, part), getattr(ref, part)
         assert isinstance(lin.quant, QuantFp8) and lin.kernel is None
         kernel = ref.kernel[...]  # [L, in, out]
-        q, scale = jax.vmap(lambda k: quantize_rows(k.T))(kernel)
+        q, scale = jax.jit(jax.vmap(lambda k: quantize_rows(k.T)))(kernel)  # one program (eager: one per op)
         assert lin.quant.q.dtype == jnp.float8_e4m3fn and lin.quant.q.shape == (4, *kernel.shape[:0:-1])
         np.testing.assert_array_equal(np.asarray(lin.quant.q[...]).view(np.uint8), np.asarray(q).view(np.uint8))
         np.testing.assert_array_equal(np.asarray(lin.quant.scale[...]), np.asarray(scale))

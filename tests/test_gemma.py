@@ -77,6 +77,14 @@ def ids():
     return np.random.default_rng(0).integers(3, VOCAB, (2, SEQ))
 
 
+# jitted: one program per model structure and shape (op by op, every eager op of a new shape compiles on its own)
+_forward = nnx.jit(lambda m, ids: m(ids))
+
+
+def _logits(model, ids) -> np.ndarray:
+    return np.asarray(_forward(model, jnp.asarray(ids)))
+
+
 def _hf_logits(model, ids, **kw):
     with torch.no_grad():
         tokens = None if ids is None else torch.tensor(np.asarray(ids), dtype=torch.long)
@@ -133,13 +141,13 @@ def test_unsupported_configs_are_one_clear_error(hf, match):
 def test_logits_match_transformers(saved, ids, kind):
     hf, path = saved[kind]
     model = jaxft.from_pretrained(path, dtype="float32")
-    got = np.asarray(model(jnp.asarray(ids)))
+    got = _logits(model, ids)
     want = _hf_logits(hf, ids)
     assert np.abs(want).max() > 4.5  # the final softcap (5.0) is active
     assert rel_err(got, want) < 2e-4
     if kind == "gemma2":  # ... and so is the attention softcap: without it the logits move
         model.config = model.config.replace(attn_logit_softcap=None)
-        assert rel_err(np.asarray(model(jnp.asarray(ids))), want) > 1e-2
+        assert rel_err(_logits(model, ids), want) > 1e-2
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -156,8 +164,8 @@ def test_inputs_embeds_equal_scaled_token_embeddings(saved, ids):
     hf, path = saved["gemma2"]
     model = jaxft.from_pretrained(path, dtype="float32")
     embeds = model.embed_tokens(jnp.asarray(ids[:, :200]))  # includes the sqrt(hidden) scale
-    got = np.asarray(model(inputs_embeds=embeds))
-    np.testing.assert_array_equal(got, np.asarray(model(jnp.asarray(ids[:, :200]))))
+    got = np.asarray(nnx.jit(lambda m, e: m(inputs_embeds=e))(model, embeds))
+    np.testing.assert_array_equal(got, _logits(model, ids[:, :200]))
     want = _hf_logits(hf, None, inputs_embeds=torch.tensor(np.asarray(embeds)))
     assert rel_err(got, want) < 2e-4
     with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
@@ -255,7 +263,7 @@ def test_peft_adapter_round_trip_and_merged_export(saved, ids, tmp_path):
     cfg = lora.LoraConfig(r=4, alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
     model = lora.apply_lora(jaxft.from_pretrained(path, dtype="float32"), cfg)
     perturb_lora_b(model, seed=3)
-    ours = np.asarray(model(jnp.asarray(ids)))
+    ours = _logits(model, ids)
     # jaxft adapter -> PEFT
     lora.save_adapter(model, tmp_path / "ours")
     base = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
@@ -271,7 +279,7 @@ def test_peft_adapter_round_trip_and_merged_export(saved, ids, tmp_path):
                 p.normal_(0.0, 0.1)
     theirs.save_pretrained(tmp_path / "theirs")
     loaded = lora.load_adapter(jaxft.from_pretrained(path, dtype="float32"), tmp_path / "theirs")
-    assert rel_err(np.asarray(loaded(jnp.asarray(ids))), _hf_logits(theirs.eval(), ids)) < 2e-4
+    assert rel_err(_logits(loaded, ids), _hf_logits(theirs.eval(), ids)) < 2e-4
     # merged export loads in transformers with equal logits
     merged = jaxft.save_pretrained(model, tmp_path / "merged")
     again = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager",
@@ -313,12 +321,14 @@ def test_pallas_flash_attention_with_softcap_and_window_matches_reference():
         lin.kernel[...] = lin.kernel[...] * 25.0  # scores of a few units: the cap of 2.0 bites
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 128)))
     seg = jnp.asarray(np.repeat([1, 2], [50, 78])[None].astype(np.int32))
-    want = model(ids, segment_ids=seg, execution=REFERENCE)
-    got = model(ids, segment_ids=seg, execution=ExecutionConfig(attention_implementation="pallas", remat="none"))
+    # jitted: one program per forward (op by op, every eager op and interpreted kernel call compiles on its own)
+    forward = nnx.jit(lambda m, execution: m(ids, segment_ids=seg, execution=execution), static_argnums=1)
+    want = forward(model, REFERENCE)
+    got = forward(model, ExecutionConfig(attention_implementation="pallas", remat="none"))
     assert rel_err(got, want) < 1e-5
     uncapped = model.config.replace(attn_logit_softcap=None)
     model.config = uncapped
-    assert rel_err(model(ids, segment_ids=seg, execution=REFERENCE), want) > 1e-3
+    assert rel_err(forward(model, REFERENCE), want) > 1e-3
 
 
 @pytest.mark.parametrize("kind", KINDS)

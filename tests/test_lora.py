@@ -100,8 +100,12 @@ def _torch_logits(model, ids):
         return model(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
 
 
+# One jitted forward for the file: models of one structure (graph and shapes) share its traced program.
+_forward = nnx.jit(lambda m, x: m(x))
+
+
 def _logits(model, ids):
-    return np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
+    return np.asarray(_forward(model, jnp.asarray(ids)))
 
 
 
@@ -394,8 +398,8 @@ def test_lora_gradients_equal_peft(bases, ids, tmp_path, model_type, variant):
 
     # One AdamW step with weight decay leaves the padding exactly zero.
     opt = optax.adamw(1e-2, weight_decay=0.1)
-    updates, _ = opt.update(grads, opt.init(params), params)
-    stepped = optax.apply_updates(params, updates)
+    # jitted: one program (op by op, every leaf shape's eager ops compile on their own)
+    stepped = jax.jit(lambda g, p: optax.apply_updates(p, opt.update(g, opt.init(p), p)[0]))(grads, params)
     for path, var in nnx.to_flat_state(stepped):
         key = tuple(str(p) for p in path)
         lin = model

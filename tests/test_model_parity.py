@@ -14,6 +14,7 @@ import transformers
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import jaxft
 from jaxft.config import ModelConfig
@@ -65,6 +66,12 @@ def _hf_logits(model, ids, position_ids=None):
         return model(torch.tensor(ids), **kw).logits.float().numpy()
 
 
+# Forwards jitted, one program per model and shape (op by op, every eager op of a new shape compiles on its own).
+_forward = nnx.jit(lambda m, ids: m(ids))
+_packed_forward = nnx.jit(lambda m, ids, seg: m(ids, segment_ids=seg))
+_positioned_forward = nnx.jit(lambda m, ids, pos: m(ids, positions=pos))
+
+
 def _rel_err(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b)))
 
@@ -85,7 +92,7 @@ def test_logits_match_transformers(saved_models, variant):
     hf, path = saved_models[variant]
     ids = np.random.default_rng(1).integers(0, VOCAB, size=(2, SEQ))
     model = jaxft.from_pretrained(path, dtype="float32")
-    ours = np.asarray(model(ids))
+    ours = np.asarray(_forward(model, ids))
     assert ours.shape == (2, SEQ, VOCAB)
     assert _rel_err(ours, _hf_logits(hf, ids)) <= 1e-4
 
@@ -99,9 +106,9 @@ def test_packed_row_equals_documents_alone(saved_models, variant):
     a, b = rng.integers(0, VOCAB, 300), rng.integers(0, VOCAB, 260)
     row = np.concatenate([a, b])[None]
     segment_ids = np.array([[1] * 300 + [2] * 260])
-    packed = np.asarray(model(row, segment_ids=segment_ids))
+    packed = np.asarray(_packed_forward(model, row, segment_ids))
     # Both documents alone in one batch, b right-padded (a causal model's positions never see what follows).
-    alone = np.asarray(model(np.stack([a, np.pad(b, (0, 40))])))
+    alone = np.asarray(_forward(model, np.stack([a, np.pad(b, (0, 40))])))
     alone_a, alone_b = alone[:1], alone[1:, :260]
     assert _rel_err(packed[:, :300], alone_a) <= 1e-5
     assert _rel_err(packed[:, 300:], alone_b) <= 1e-5
@@ -114,7 +121,7 @@ def test_explicit_positions_match_transformers_position_ids(saved_models):
     model = jaxft.from_pretrained(path, dtype="float32")
     ids = np.random.default_rng(3).integers(0, VOCAB, size=(1, 520))
     positions = np.arange(520)[None] + 37
-    assert _rel_err(np.asarray(model(ids, positions=positions)), _hf_logits(hf, ids, positions)) <= 1e-4
+    assert _rel_err(np.asarray(_positioned_forward(model, ids, positions)), _hf_logits(hf, ids, positions)) <= 1e-4
 
 
 @pytest.mark.parametrize("variant", ["llama3_untied_gqa", "llama_yarn_tied", "qwen2_bias_window_layers",

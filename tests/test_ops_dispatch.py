@@ -163,15 +163,21 @@ def _runnable(reg):
     return [n for n in reg.names if reg.get(n).runs_on(CPU)]
 
 
+def _jit_vjp(fn, cotangent, *args):
+    """(output, *input gradients) of `fn` as one program (op by op, every eager op of a new shape compiles on
+    its own)."""
+    return jax.jit(lambda c, *a: (lambda out, pull: (out, *pull(c)))(*jax.vjp(fn, *a)))(cotangent, *args)
+
+
 @pytest.mark.parametrize("shape", norm_shapes.TEST_SHAPES, ids=lambda s: s.name)
 @pytest.mark.parametrize("impl", _runnable(rmsnorm.OP))
 def test_rmsnorm_implementations_match_the_reference(impl, shape):
     x, w, dy = norm_shapes.make_inputs(shape)
-    got, got_vjp = jax.vjp(lambda x, w: rmsnorm.rmsnorm(x, w, 1e-6, implementation=impl), x, w)
-    want, want_vjp = jax.vjp(lambda x, w: rmsnorm.rmsnorm_reference(x, w, 1e-6), x, w)
+    got, *got_grads = _jit_vjp(lambda x, w: rmsnorm.rmsnorm(x, w, 1e-6, implementation=impl), dy, x, w)
+    want, *want_grads = _jit_vjp(lambda x, w: rmsnorm.rmsnorm_reference(x, w, 1e-6), dy, x, w)
     tol = {"float32": 2e-6, "bfloat16": 2e-2}[shape.dtype]
     _close(got, want, tol, "y")
-    for name, g, r in zip(("dx", "dw"), got_vjp(dy), want_vjp(dy)):
+    for name, g, r in zip(("dx", "dw"), got_grads, want_grads):
         assert g.dtype == r.dtype
         _close(g, r, tol, name)
 
@@ -180,11 +186,11 @@ def test_rmsnorm_implementations_match_the_reference(impl, shape):
 @pytest.mark.parametrize("impl", _runnable(glu.OP))
 def test_swiglu_implementations_match_the_reference(impl, shape):
     g, u, dh = glu_shapes.make_inputs(shape)
-    got, got_vjp = jax.vjp(lambda g, u: glu.swiglu(g, u, implementation=impl), g, u)
-    want, want_vjp = jax.vjp(glu.swiglu_reference, g, u)
+    got, *got_grads = _jit_vjp(lambda g, u: glu.swiglu(g, u, implementation=impl), dh, g, u)
+    want, *want_grads = _jit_vjp(glu.swiglu_reference, dh, g, u)
     tol = {"float32": 2e-6, "bfloat16": 2e-2}[shape.dtype]
     _close(got, want, tol, "h")
-    for name, a, b in zip(("dgate", "dup"), got_vjp(dh), want_vjp(dh)):
+    for name, a, b in zip(("dgate", "dup"), got_grads, want_grads):
         assert a.dtype == b.dtype
         _close(a, b, tol, name)
 
@@ -207,6 +213,7 @@ def test_linear_cross_entropy_implementations_match_the_reference(impl, shape):
         _close(g, r, TOL[shape.dtype] if shape.dtype == "bfloat16" else 1e-5, name)
 
 
+@jax.jit(static_argnums=(0, 1))
 def _attn_inputs(shape, seed=0):
     ks = jax.random.split(jax.random.key(seed), 4)
     b, t, h, kvh, d = shape.batch, shape.seq_len, shape.heads, shape.kv_heads, shape.head_dim
@@ -221,14 +228,12 @@ def test_attention_implementations_match_the_reference(impl, shape):
     q, k, v, do = _attn_inputs(shape)
     seg = jnp.asarray(attn_shapes.make_segment_ids(shape, seed=1, pad_tail=7 if shape.layout == "packed" else 0))
     kw = dict(causal=True, sliding_window=shape.window)
-    md = attention.make_metadata(seg, block_q=64, block_k=64, **kw)
     seg_arg = seg if shape.layout == "packed" else None
-    def vjp(fn):  # one program per side (op by op, every eager op of a new shape compiles on its own)
-        return jax.jit(lambda q, k, v, do: (lambda out, pull: (out, *pull(do)))(*jax.vjp(fn, q, k, v)))(q, k, v, do)
-
-    got = vjp(lambda q, k, v: attention.dot_product_attention(q, k, v, segment_ids=seg_arg, metadata=md,
-                                                              implementation=impl, **kw))
-    want = vjp(lambda q, k, v: attention.attention_reference(q, k, v, segment_ids=seg_arg, **kw))
+    # The metadata built inside the program (jittable; eager it compiles each of its ops on its own).
+    got = _jit_vjp(lambda q, k, v: attention.dot_product_attention(
+        q, k, v, segment_ids=seg_arg, metadata=attention.make_metadata(seg, block_q=64, block_k=64, **kw),
+        implementation=impl, **kw), do, q, k, v)
+    want = _jit_vjp(lambda q, k, v: attention.attention_reference(q, k, v, segment_ids=seg_arg, **kw), do, q, k, v)
     for name, g, r in zip(("out", "dq", "dk", "dv"), got, want):
         _close(g, r, 2e-5, name)
 

@@ -9,11 +9,15 @@ import pytest
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 import torch  # noqa: E402
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxft.quant import blockwise  # noqa: E402
 from kernels_pallas import nf4_matmul  # noqa: E402
 from kernels_pallas.nf4_matmul.codes import DYNAMIC, FP4, NF4  # noqa: E402
+
+# jitted: one program per shape (op by op, every eager op of a new shape compiles on its own)
+_dequantize_4bit = jax.jit(nf4_matmul.dequantize_4bit, static_argnames=("shape", "blocksize", "quant_type", "dtype"))
 
 
 def _bnb_dequantize_4bit(packed, absmax, quant_type, blocksize, shape, dtype) -> np.ndarray:
@@ -71,8 +75,8 @@ def test_packed_bytes_and_absmax_equal_bitsandbytes(quant_type, dtype, out_f, in
     assert np.array_equal(np.asarray(ours.absmax), ref_state.absmax.numpy())
     # Dequantised: bitsandbytes' own dequantisation of the same bytes, in the weight's dtype.
     ref = _bnb_dequantize_4bit(ref_q, ref_state.absmax, quant_type, blocksize, (out_f, in_f), t.dtype)
-    got = nf4_matmul.dequantize_4bit(ours.packed, ours.absmax, shape=(out_f, in_f), blocksize=blocksize,
-                                     quant_type=quant_type, dtype=w.dtype)
+    got = _dequantize_4bit(ours.packed, ours.absmax, shape=(out_f, in_f), blocksize=blocksize,
+                           quant_type=quant_type, dtype=w.dtype)
     assert np.array_equal(np.asarray(got, np.float32), ref)
 
 
@@ -94,8 +98,8 @@ def test_double_quant_equals_bitsandbytes(out_f, in_f, blocksize):
     ref_absmax = bnb_functional.dequantize_blockwise(ref_state.absmax, ref_state.state2) + ref_state.offset
     assert np.array_equal(np.asarray(blockwise.dequantize_absmax(q, nested, ref_offset)), ref_absmax.numpy())
     ref = _bnb_dequantize_4bit(ref_q, ref_absmax, "nf4", blocksize, (out_f, in_f), torch.float32)
-    got = nf4_matmul.dequantize_4bit(ours.packed, blockwise.dequantize_absmax(q, nested, ref_offset),
-                                     shape=(out_f, in_f), blocksize=blocksize, dtype=jnp.float32)
+    got = _dequantize_4bit(ours.packed, blockwise.dequantize_absmax(q, nested, ref_offset),
+                           shape=(out_f, in_f), blocksize=blocksize, dtype=jnp.float32)
     assert np.array_equal(np.asarray(got), ref)
 
 

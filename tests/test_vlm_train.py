@@ -56,6 +56,7 @@ def test_train_on_images_then_the_adapter_loads_in_transformers_with_equal_logit
     import torch
     import transformers
     import jax.numpy as jnp
+    from flax import nnx
 
     import jaxft
     from jaxft.data import Formatter, ImageProcessor, load_tokenizer, read_records
@@ -76,8 +77,10 @@ def test_train_on_images_then_the_adapter_loads_in_transformers_with_equal_logit
     doc = Formatter(load_tokenizer(MODEL), images=images)(record)
     pixels, grids = images.process(list(doc.images))
     ids = doc.tokens[None].astype(np.int64)
-    ours = np.asarray(jaxft.load_adapter(jaxft.from_pretrained(MODEL, dtype="float32"), adapter)(
-        jnp.asarray(ids), pixel_values=pixels, image_grid_thw=grids))
+    model = jaxft.load_adapter(jaxft.from_pretrained(MODEL, dtype="float32"), adapter)
+    # jitted: one program (op by op, every eager op of the tower and the decoder compiles on its own)
+    ours = np.asarray(nnx.jit(lambda m, i, p, g: m(i, pixel_values=p, image_grid_thw=g))(
+        model, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(grids)))
     base = transformers.Qwen2VLForConditionalGeneration.from_pretrained(MODEL, attn_implementation="eager",
                                                                         dtype=torch.float32)
     plain = _hf_logits(base, ids, pixels, grids, images.image_token_id)

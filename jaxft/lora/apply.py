@@ -47,15 +47,15 @@ def _random_fill(seed: int):
     """
     def fill(index: int, site: _Site, shape: tuple[int, ...], ranks: np.ndarray):
         # shape: the per-layer weight, [in, out] or [E, in, out] (experts: PEFT's lora_A is one nn.Linear(in,
-        # r*E), so its bound is 1/sqrt(in) as well). Drawn on the host (numpy): no XLA program to compile per
-        # adapter shape, and A is small ([L, (E,) in, r]).
+        # r*E), so its bound is 1/sqrt(in) as well). Drawn on the host (numpy) and moved with device_put: no XLA
+        # program to compile per adapter shape (jnp.asarray / jnp.zeros compile one), and A is small.
         *lead, n_in, n_out = shape
         r_max = int(ranks.max())
         bound = 1.0 / math.sqrt(n_in)
         rng = np.random.default_rng([seed, index])
         a = rng.uniform(-bound, bound, (len(ranks), *lead, n_in, r_max)).astype(np.float32)
         a *= (np.arange(r_max) < ranks.reshape(-1, *[1] * (len(lead) + 2)))
-        return jnp.asarray(a), jnp.zeros((len(ranks), *lead, r_max, n_out), jnp.float32)
+        return jax.device_put(a), jax.device_put(np.zeros((len(ranks), *lead, r_max, n_out), np.float32))
     return fill
 
 
@@ -83,8 +83,8 @@ def _install(model, cfg: LoraConfig, plan, fill) -> None:
         kernel = getattr(holder, holder.LORA_KERNELS[slot])
         kernel = kernel[...] if isinstance(kernel, ExpertParam) else None  # 4-bit experts: placed as is
         adapter = ExpertLora(_like_kernel(a, kernel, (0, 1, 2, None)), _like_kernel(b, kernel, (0, 1, None, None)),
-                             _like_kernel(jnp.asarray(scales), kernel, (0,)),
-                             _like_kernel(jnp.asarray(ranks), kernel, (0,)))
+                             _like_kernel(jax.device_put(scales), kernel, (0,)),
+                             _like_kernel(jax.device_put(ranks), kernel, (0,)))
         setattr(holder, slot, nnx.data(adapter))
     for index, site in enumerate(mods.sites):
         per_layer = plan.get(site)
@@ -94,7 +94,7 @@ def _install(model, cfg: LoraConfig, plan, fill) -> None:
         ranks, scales = _ranks_scales(per_layer)
         a, b = fill(index, site, (lin.in_features, lin.out_features), ranks)
         kernel = lin.kernel[...] if lin.quant is None else None
-        ranks, scales = jnp.asarray(ranks), jnp.asarray(scales)
+        ranks, scales = jax.device_put(ranks), jax.device_put(scales)
         # `nnx.data`: these attributes were None (static) on the fresh Linear and now hold state.
         # Logical axes as the kernel's: A [layers, in, rank], B [layers, rank, out] (jaxft.sharding's rules);
         # a linear outside any stack (the vision merger) has A [in, rank], B [rank, out] and scalar scale/rank.

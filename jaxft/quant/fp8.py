@@ -24,7 +24,9 @@ from kernels_pallas.fp8_matmul import OP, quantize_rows
 
 __all__ = ["abstract_fp8", "program_options", "quantize_fp8_site", "quantize_linears_fp8", "saved_fp8_bytes"]
 
-_quantize = jax.jit(quantize_rows)
+# A host kernel [in, out] as torch's [out, in] (one scale per output channel), transposed inside the program: an
+# eager transpose and jnp.asarray each compiled a program per kernel shape.
+_quantize = jax.jit(lambda kernel: quantize_rows(kernel.T))
 
 
 def program_options(cfg, device) -> dict:
@@ -43,7 +45,7 @@ def quantize_fp8_site(kernel: np.ndarray, stacked: bool, cfg: Fp8Config, axes=(N
     in_f, out_f = kernel.shape[-2:]
     qs, scales = [], []
     for layer in ([kernel[i] for i in range(kernel.shape[0])] if stacked else [kernel]):
-        q, scale = _quantize(jnp.asarray(layer).T)  # torch's [out, in]: one scale per output channel
+        q, scale = _quantize(layer)
         qs.append(q)
         scales.append(scale)
     arrays = dict(q=jnp.stack(qs), scale=jnp.stack(scales)) if stacked else dict(q=qs[0], scale=scales[0])
