@@ -1,8 +1,10 @@
 """Run by tests/test_sharding.py in one subprocess with 8 host CPU devices (JAX fixes its device count at start):
 `python tests/sharding_worker.py WORKDIR OUT.json`, WORKDIR holding `model` and `train.jsonl` (the dense model),
-`pallas` (`_per_device`'s model, head_dim 64), `qwen3_moe` and `gpt_oss` (`main_moe`'s); OUT.json gets
-{"dense": main's results, "per_device": _per_device's, "moe": main_moe's}. One process for all three: each
-process pays JAX's and jaxft's start-up. Dense, what the test asserts on:
+`pallas` (`_per_device`'s model, head_dim 64), `qwen3_moe` and `gpt_oss` (`main_moe`'s), `full_model`,
+`mesh_auto_model` and `mesh_auto.jsonl` (the 2-device scenarios'); OUT.json gets {"dense": main's results,
+"per_device": _per_device's, "moe": main_moe's, "full": full's, "mesh_auto": mesh_auto's} (the 8-bit AdamW runs
+leave their outputs under WORKDIR/adam8bit). One process for all of them: each process pays JAX's and jaxft's
+start-up. Dense, what the test asserts on:
 
 - losses: 3 fp32 LoRA steps on one device and on several meshes of the 8 devices (same global batches);
 - all_gathers: every all-gather of the compiled FSDP step (layer scan) with its result shape and whether it
@@ -17,6 +19,21 @@ process pays JAX's and jaxft's start-up. Dense, what the test asserts on:
 - random: `Run.init_random` on {fsdp: 4, tensor: 2} against the same seed on one device: per array, its number
   of shards and whether every shard equals the matching slice of the one-device array; the init program's
   compiled bytes per device (outputs, temporaries) and the whole model's bytes.
+
+On 2 of the devices (or a mesh with an fsdp axis of 2, where `jaxft-train`'s `train`, which spans every device,
+runs):
+
+- full: a full fine-tune on one device and under FSDP ({fsdp: 2} of 2 devices), the same batches: each run's
+  per-step losses, the largest difference between the two runs' trained weights, and per trainable array of the
+  FSDP run its PartitionSpec and those of its AdamW moments (mu, nu);
+- adam8bit: `train` of examples/tiny-llama in full with 8-bit AdamW moments on {fsdp: 2} (data the rest), 3 steps
+  with checkpoints at steps 2 and 3 (WORKDIR/adam8bit/whole), then a run resumed from the checkpoint of step 2
+  (WORKDIR/adam8bit/resumed);
+- mesh_auto: the per-device peak estimate of a tiny model's LoRA step on the data-parallel mesh and on the first
+  fsdp one ({data: 4, fsdp: 2}) (XLA's memory analysis of the step compiled from shapes, the very programs
+  `mesh: auto` compiles for its candidates, so that it finds them in the compilation cache;
+  `jaxft.memory.budget.peak_estimate`), then `mesh: auto` training with a max_memory_gb between the two estimates
+  (so pure data parallelism does not fit and fsdp does): the estimates, the lines `mesh: auto` logged, the steps run.
 """
 
 from __future__ import annotations
@@ -29,15 +46,19 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 
 from jaxft.memory.execution import ExecutionConfig
 from jaxft.io import from_pretrained
 from jaxft.lora import LoraConfig
+from jaxft.memory import peak_estimate
 from jaxft.run import Run
 from jaxft.sharding import MeshConfig, Placement
+from jaxft.train import TrainConfig, train
 from jaxft.train.optim import OptimConfig
 from test_train_fixtures import logged_lines
 
+REPO = Path(__file__).resolve().parents[1]
 STEPS, ROWS, SEQ = 3, 16, 64
 
 
@@ -146,7 +167,7 @@ def _resumed(workdir: Path) -> dict:
     """A jaxft-train run on {data: 2, fsdp: 4} and its checkpoint of step 3 resumed on {data: 8} (16 rows per step
     on both: 2 micro-batches of one row per device, `_run`'s settings, so that the first run's step is the loss
     runs' program); their logged losses and what they said about their batch-parallel devices."""
-    from jaxft.train import TrainConfig, read_metrics, train
+    from jaxft.train import read_metrics
 
     out = {}
     for name, mesh, extra in (("fsdp", dict(data=2, fsdp=4), {}),
@@ -264,11 +285,103 @@ def _per_device(model_dir: str) -> dict:
     return result
 
 
+# ------------------------------------------------------------------------------------------------ full fine-tune
+
+FULL_STEPS, FULL_ROWS, FULL_SEQ = 2, 4, 32
+
+
+def _full_batch(step: int) -> dict[str, np.ndarray]:
+    ids = np.random.default_rng(step).integers(0, 64, (FULL_ROWS, FULL_SEQ + 1)).astype(np.int32)
+    ones = np.ones((FULL_ROWS, FULL_SEQ), np.int32)
+    return dict(input_ids=ids[:, :-1], targets=ids[:, 1:], loss_mask=ones, segment_ids=ones.copy(),
+                positions=np.broadcast_to(np.arange(FULL_SEQ, dtype=np.int32), (FULL_ROWS, FULL_SEQ)).copy())
+
+
+def _full_run(model_dir: Path, mesh: MeshConfig, devices) -> Run:
+    return Run(model_dir, LoraConfig(), dtype="float32", total_steps=FULL_STEPS, finetuning_type="full", mesh=mesh,
+               devices=devices, execution=ExecutionConfig(attention_implementation="reference"),
+               optim=OptimConfig(learning_rate=1e-2, lr_scheduler_type="constant", weight_decay=0.1)).load()
+
+
+def _spec(x) -> str:
+    return str(x.sharding.spec)
+
+
+def full(model_dir: Path) -> dict:
+    runs = {"one": _full_run(model_dir, MeshConfig(), jax.devices()[:1]),
+            "fsdp": _full_run(model_dir, MeshConfig(fsdp=2), jax.devices()[:2])}
+    losses = {name: [float(run.step(_full_batch(s), s)["loss"]) for s in range(FULL_STEPS)]
+              for name, run in runs.items()}
+    one, fsdp = (jax.tree.leaves(runs[n].lora) for n in ("one", "fsdp"))
+    weights = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(one, fsdp))
+    adam = [s for s in jax.tree.leaves(runs["fsdp"].opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)][0]
+    specs = {jax.tree_util.keystr(path): [_spec(w), _spec(m), _spec(v), list(w.shape)]
+             for (path, w), m, v in zip(jax.tree_util.tree_flatten_with_path(runs["fsdp"].lora)[0],
+                                        jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu))}
+    return {"losses": losses, "weights": weights, "specs": specs}
+
+
+# ------------------------------------------------------------------------------------------------ 8-bit AdamW
+
+
+def adam8bit(out: Path) -> None:  # on {data: 4, fsdp: 2}: `train` spans every device
+    def run(name: str, **over):
+        values = dict(model_name_or_path=str(REPO / "examples/tiny-llama"),
+                      dataset=str(REPO / "examples/data/train.jsonl"), output_dir=str(out / name),
+                      finetuning_type="full", optim="adamw_8bit", mesh={"fsdp": 2}, max_seq_length=64,
+                      per_device_train_batch_size=2, max_steps=3, save_steps=2, logging_steps=1, learning_rate=1e-3,
+                      lr_scheduler_type="constant", bf16=False, disable_tqdm=True, report_to="none", seed=0)
+        train(TrainConfig.from_dict({**values, **over}))
+
+    run("whole")  # checkpoints at steps 2 and 3
+    run("resumed", resume_from_checkpoint=str(out / "whole" / "checkpoints" / "2"))
+
+
+# ------------------------------------------------------------------------------------------------ mesh: auto
+
+# `mesh: auto`'s first two candidates on 8 devices: every device on data, then fsdp 2
+AUTO_MESHES = {"dp": {"data": 8, "fsdp": 1}, "fsdp": {"data": 4, "fsdp": 2}}
+AUTO_STEPS, AUTO_SEQ_LEN, AUTO_ROWS_PER_DEVICE = 2, 64, 2
+
+
+def _auto_config(model: Path, data: Path, out: Path, mesh, max_memory_gb: float | None = None) -> TrainConfig:
+    return TrainConfig(model_name_or_path=str(model), dataset=str(data), output_dir=str(out),
+                       max_seq_length=AUTO_SEQ_LEN, per_device_train_batch_size=AUTO_ROWS_PER_DEVICE,
+                       max_steps=AUTO_STEPS, logging_steps=1, lora_r=4, bf16=False,
+                       attention_implementation="reference", remat="none", layer_loop="scan", mesh=mesh,
+                       max_memory_gb=max_memory_gb, disable_tqdm=True, report_to="none", seed=0)
+
+
+def _estimate(config: TrainConfig) -> dict:
+    """The compiled memory analysis (bytes per device) of the LoRA step that `config`'s run (its mesh given)
+    compiles from shapes, as `mesh: auto` compiles each candidate, and its "peak" as `mesh: auto` reckons it; no
+    weight is read."""
+    run = Run.from_config(config, AUTO_STEPS)
+    rows = AUTO_ROWS_PER_DEVICE * run.placement.batch_parallel
+    batch = {k: np.zeros((rows, AUTO_SEQ_LEN), np.float32 if k == "loss_mask" else np.int32)
+             for k in ("input_ids", "targets", "loss_mask", "segment_ids", "positions")}
+    run.compile(batch)
+    analysis = run.memory_analysis()
+    return dict(analysis, peak=peak_estimate(analysis))
+
+
+def mesh_auto(model: Path, data: Path, out: Path) -> dict:
+    estimates = {kind: _estimate(_auto_config(model, data, out, mesh)) for kind, mesh in AUTO_MESHES.items()}
+    budget = (estimates["dp"]["peak"] + estimates["fsdp"]["peak"]) / 2 / 2**30
+    with logged_lines("jaxft") as lines:
+        res = train(_auto_config(model, data, out, "auto", budget))
+    return {"estimates": estimates, "budget_gib": budget,
+            "mesh_lines": [s for s in lines if s.startswith("mesh auto")], "steps": res.global_step}
+
+
 if __name__ == "__main__":
     gc.freeze()  # the import heap: full collections (the run's own among them) then skip it, as in conftest
     assert len(jax.devices()) == 8, jax.devices()
     root = Path(sys.argv[1])
     results = {"dense": main(root), "per_device": _per_device(root / "pallas"),
-               "moe": main_moe(root / "qwen3_moe", root / "gpt_oss")}
+               "moe": main_moe(root / "qwen3_moe", root / "gpt_oss"), "full": full(root / "full_model"),
+               "mesh_auto": mesh_auto(root / "mesh_auto_model", root / "mesh_auto.jsonl", root / "mesh_auto_out")}
+    adam8bit(root / "adam8bit")
     with open(sys.argv[2], "w") as f:
         json.dump(results, f, indent=1)

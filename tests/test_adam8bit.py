@@ -1,6 +1,6 @@
 """AdamW with 8-bit moments (`optim: adamw_8bit`, jaxft/train/adam8bit.py) against bitsandbytes' AdamW8bit and
 torch's fp32 AdamW on CPU. (Through `jaxft-train`, a full fine-tune under FSDP that stores them and resumes exactly:
-test_two_devices.)"""
+test_sharding.)"""
 
 from __future__ import annotations
 

@@ -87,17 +87,22 @@ def _trl_step(model_dir, lora, tmp_path, **dpo):
     return float(loss.detach()), metrics, grads
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dpo", [dict(beta=0.1), dict(beta=0.5, loss_type="robust", label_smoothing=0.2),
-                                 dict(beta=0.5, loss_type="hinge"), dict(beta=0.5, loss_type="ipo")],
-                         ids=["sigmoid", "robust", "hinge", "ipo"])
-def test_loss_metrics_and_gradients_match_trl(tiny, tmp_path, dpo):
+# One per loss type (TRL's names); robust with label smoothing.
+DPO_CASES = {"sigmoid": dict(beta=0.1), "robust": dict(beta=0.5, loss_type="robust", label_smoothing=0.2),
+             "hinge": dict(beta=0.5, loss_type="hinge"), "ipo": dict(beta=0.5, loss_type="ipo")}
+
+
+@pytest.fixture(scope="module")
+def ours(tiny):
+    """The pairs' batch, the perturbed LoRA model (split), and every DPO_CASES loss type's loss, gradient and
+    metric sums on it as one micro-batch: one program for the four (their policy and reference forward passes are
+    the same computation)."""
     from jaxft.data.pipeline import DataConfig
     from jaxft.data.preference import build_preference_datasets
     from jaxft.io import from_pretrained
     from jaxft.lora import LoraConfig, apply_lora
-    from jaxft.train import make_optimizer, make_train_step, split_model, stack_micro_batches
-    from jaxft.train.dpo import METRICS, DpoConfig
+    from jaxft.train import split_model, stack_micro_batches
+    from jaxft.train.dpo import DpoConfig
 
     model_dir, data = tiny
     # Two rows of 128 tokens, two pairs each: a row's second pair is its segments 3 and 4.
@@ -107,25 +112,29 @@ def test_loss_metrics_and_gradients_match_trl(tiny, tmp_path, dpo):
     batch = train_ds.batch(0)
     assert (batch["segment_ids"].max(axis=1) == 4).all()
 
-    ours = from_pretrained(model_dir, "float32")
-    apply_lora(ours, LoraConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS), seed=0)
-    perturb_lora_b(ours)  # B = 0 would make the policy the reference: loss ln 2, rewards 0
-    graphdef, lora, frozen = split_model(ours)
-    lora_host = jax.tree.map(np.array, lora)
-    objective = DpoConfig(**dpo)
+    model = from_pretrained(model_dir, "float32")
+    apply_lora(model, LoraConfig(r=RANK, alpha=ALPHA, target_modules=TARGETS), seed=0)
+    perturb_lora_b(model)  # B = 0 would make the policy the reference: loss ln 2, rewards 0
+    graphdef, lora, frozen = split_model(model)
+    objectives = {case: DpoConfig(**dpo) for case, dpo in DPO_CASES.items()}
+    sums = jax.jit(lambda lo, fr, b: {case: objective.loss_and_grad_sums(graphdef, lo, fr, b, None)
+                                      for case, objective in objectives.items()})
+    return dict(batch=batch, graphdef=graphdef, lora=lora, frozen=frozen, lora_host=jax.tree.map(np.array, lora),
+                objectives=objectives, sums=sums(lora, frozen, stack_micro_batches(batch, 1)))
 
-    sums = jax.jit(lambda lo, fr, b: objective.loss_and_grad_sums(graphdef, lo, fr, b, None))
-    loss_sum, grad_sum, count, metric_sums = sums(lora, frozen, stack_micro_batches(batch, 1))
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DPO_CASES))
+def test_loss_metrics_and_gradients_match_trl(tiny, ours, tmp_path, case):
+    from jaxft.train import make_optimizer, make_train_step, stack_micro_batches
+    from jaxft.train.dpo import METRICS
+
+    model_dir, _ = tiny
+    dpo, objective = DPO_CASES[case], ours["objectives"][case]
+    loss_sum, grad_sum, count, metric_sums = ours["sums"][case]
     assert float(count) == len(PAIRS)
-    grad_sums = [grad_sum]
-    if objective.loss_type == "sigmoid":  # (the loss type changes none of this: one compile less for robust)
-        # Two micro-batches of one row: the same sums (a pair never straddles micro-batches).
-        loss2, grad2, count2, _ = sums(lora, frozen, stack_micro_batches(batch, 2))
-        np.testing.assert_allclose(float(loss2), float(loss_sum), rtol=1e-6)
-        assert float(count2) == len(PAIRS)
-        grad_sums.append(grad2)
 
-    t_loss, t_metrics, t_grads = _trl_step(model_dir, lora_host, tmp_path, **dpo)
+    t_loss, t_metrics, t_grads = _trl_step(model_dir, ours["lora_host"], tmp_path, **dpo)
     assert abs(t_loss - np.log(2)) > 1e-3 and abs(t_metrics["rewards/margins"]) > 1e-3  # the adapter bites
     np.testing.assert_allclose(float(loss_sum) / len(PAIRS), t_loss, rtol=1e-5, atol=1e-5)
     for key in METRICS:
@@ -133,19 +142,23 @@ def test_loss_metrics_and_gradients_match_trl(tiny, tmp_path, dpo):
                                    err_msg=key)
     for (layer, name, m), want in t_grads.items():
         parent = OUR_PARENT[HF_PARENT[name]]
-        for g_sum in grad_sums:
-            got = np.asarray(g_sum["layers"][parent][name][f"lora_{m.lower()}"][layer]) / len(PAIRS)
-            assert rel_err(got, want) < 1e-4, (layer, name, m, rel_err(got, want))
+        got = np.asarray(grad_sum["layers"][parent][name][f"lora_{m.lower()}"][layer]) / len(PAIRS)
+        assert rel_err(got, want) < 1e-4, (layer, name, m, rel_err(got, want))
 
-    if objective.loss_type != "sigmoid":
+    if objective.loss_type != "sigmoid":  # (the loss type changes none of what follows)
         return
-    # The training step reports the same numbers under TRL's names.
-    step = make_train_step(graphdef, make_optimizer(1e-3), objective=objective)
-    _, _, metrics = step(lora, make_optimizer(1e-3).init(lora), frozen, stack_micro_batches(batch, 1),
+    # The training step on two micro-batches of one row reports TRL's numbers under TRL's names: a pair never
+    # straddles micro-batches, and the gradients summed over both are TRL's (their global norm).
+    lora = ours["lora"]
+    step = make_train_step(ours["graphdef"], make_optimizer(1e-3), objective=objective, donate=False)
+    _, _, metrics = step(lora, make_optimizer(1e-3).init(lora), ours["frozen"], stack_micro_batches(ours["batch"], 2),
                          jax.random.key(0))
     np.testing.assert_allclose(float(metrics["loss"]), t_loss, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(float(metrics["rewards/accuracies"]), t_metrics["rewards/accuracies"], atol=1e-6)
+    for key in METRICS:
+        np.testing.assert_allclose(float(metrics[key]), t_metrics[key], rtol=1e-5, atol=1e-5, err_msg=key)
     assert float(metrics["num_pairs"]) == len(PAIRS)
+    t_norm = np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in t_grads.values()))
+    np.testing.assert_allclose(float(metrics["grad_norm"]), t_norm, rtol=1e-4)
 
 
 def test_conversational_pair_takes_the_sft_template_and_mask():

@@ -1,5 +1,5 @@
 """`mesh: auto`: its candidates, and with `remat: auto` each mesh's own remat choice over made-up compiles. (Its
-real compiles and the per-device estimate it chooses by, on 2 host devices: test_two_devices.)"""
+real compiles and the per-device estimate it chooses by, on host devices: test_sharding.)"""
 
 from __future__ import annotations
 

@@ -99,19 +99,21 @@ def _batch(ids):
                 segment_ids=jnp.ones((1, t), jnp.int32), positions=jnp.arange(t, dtype=jnp.int32)[None])
 
 
-def _logits_and_grads(model, ids):
-    """Logits and the gradients of the trained tensors (through the training loss, `token_loss_sum`): one
-    program, the weights its arguments."""
-    graphdef, trainable, frozen = split_model(model)
+def _logits_and_grads(models: dict, ids) -> dict:
+    """{name: (logits, gradients of the trained tensors through the training loss, `token_loss_sum`)} of every
+    model in `models`: one program for them all, the weights its arguments."""
     batch = _batch(ids)
+    splits = {name: split_model(model) for name, model in models.items()}
 
-    @jax.jit
-    def run(tr, fz):
+    def one(graphdef, tr, fz):
         grad = jax.grad(lambda tr: token_loss_sum(nnx.merge(graphdef, tr, fz), batch))(tr)
         return nnx.merge(graphdef, tr, fz)(batch["input_ids"]), grad
 
-    logits, grad = run(trainable, frozen)
-    return np.asarray(logits), {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grad)}
+    run = jax.jit(lambda parts: {name: one(splits[name][0], *parts[name]) for name in parts})
+    out = run({name: (trainable, frozen) for name, (_, trainable, frozen) in splits.items()})
+    return {name: (np.asarray(logits), {".".join(map(str, p)): np.asarray(v.get_value())
+                                        for p, v in nnx.to_flat_state(grad)})
+            for name, (logits, grad) in out.items()}
 
 
 def _logits(model, ids):
@@ -146,15 +148,23 @@ _PATHS = {
 }
 
 
+@pytest.fixture(scope="module")
+def loaded(bases, peft_saved, ids):
+    """{case: (jaxft's model with the case's PEFT adapter loaded, its logits, its gradients)}, the logits and
+    gradients of the six from one program."""
+    models = {case: lora.load_adapter(jaxft.from_pretrained(bases[tied], dtype="float32", verbose=False),
+                                      peft_saved[case][0]) for case, (tied, _) in CASES.items()}
+    return {case: (models[case], *out) for case, out in _logits_and_grads(models, ids).items()}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_both_ways_with_peft_equal_logits_and_grads(bases, peft_saved, ids, tmp_path, case):
+def test_both_ways_with_peft_equal_logits_and_grads(bases, peft_saved, loaded, ids, tmp_path, case):
     """A PEFT adapter loads in jaxft: equal logits, and equal gradients of the trained tables / rows (every
     trained tensor off its init, LoRA B included). Saved again by jaxft, PEFT loads it: equal logits, the same
     tensor keys and config fields."""
     tied, extra = CASES[case]
     path, want_logits, want_grads = peft_saved[case]
-    model = lora.load_adapter(jaxft.from_pretrained(bases[tied], dtype="float32", verbose=False), path)
-    logits, grads = _logits_and_grads(model, ids)
+    model, logits, grads = loaded[case]
     assert rel_err(logits, want_logits) < 2e-5
     assert want_grads
     for name, want in want_grads.items():

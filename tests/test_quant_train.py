@@ -51,8 +51,10 @@ def test_4bit_keys_are_validated(tmp_path):
 
 
 def test_qlora_run_exports_an_adapter_peft_loads_on_bitsandbytes(tmp_path):
+    evals = tmp_path / "eval.jsonl"  # the example's first 8 held-out chats: the eval path runs, in a few batches
+    evals.write_text("".join((ROOT / "examples/data/eval.jsonl").read_text().splitlines(keepends=True)[:8]))
     cfg = _config(tmp_path, max_steps=4, logging_steps=2, eval_steps=4, save_steps=4, max_seq_length=128,
-                  per_device_train_batch_size=2, per_device_eval_batch_size=2)
+                  per_device_train_batch_size=2, per_device_eval_batch_size=2, eval_dataset=str(evals))
     train(cfg)
     adapter = Path(cfg.logging.output_dir) / "adapter"
     # The same base quantised by transformers + bitsandbytes, saved: PEFT's side and (loaded as stored) jaxft's.

@@ -17,7 +17,7 @@ import pytest
 from jaxft.train.guard import LOCK_NAME, OutputDirBusy, OutputDirLock
 
 REPO = Path(__file__).resolve().parents[1]
-RACERS = 4  # each imports jaxft (about 2 CPU-s): enough to race, few enough to start at once on 2 cores
+RACERS = 3  # each imports jaxft (about 2 CPU-s): more racers than cores, so that they race on 2 cores
 RACER = """import os, sys, time
 from pathlib import Path
 from jaxft.train.guard import OutputDirBusy, OutputDirLock

@@ -4,10 +4,12 @@ equal to one device, checkpoints across a mesh change, per-layer weight gathers,
 Multi-device runs happen in one subprocess with 8 host CPU devices (XLA's
 --xla_force_host_platform_device_count; JAX fixes its device count when it starts) of tests/sharding_worker.py:
 the dense model's training/HLO/loading checks and the `jaxft-train` resume across meshes, a QLoRA step with Pallas
-attention, the MoE models; run once, its results read by several tests."""
+attention, the MoE models, a full fine-tune under FSDP (with 8-bit AdamW moments too) and `mesh: auto`; run once,
+its results read by several tests. (2 processes: test_multiprocess.)"""
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from safetensors.numpy import load_file
 
 import bridge
 from jaxft.config import ModelConfig
@@ -129,8 +132,10 @@ def test_weight_slices_read_what_load_weights_loads(tmp_path):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """tests/sharding_worker.py's results, one process for every model: the dense model's; QLoRA with Pallas
-    attention on a model with head_dim 64 (the kernels' smallest); the MoE models."""
+    attention on a model with head_dim 64 (the kernels' smallest); the MoE models; the full fine-tune's Llama with
+    biases; `mesh: auto`'s model, wide enough that its weights dominate the peak."""
     from lora_helpers import tiny_qwen3_moe
+    from test_full_finetune import _tiny_llama
     from test_gpt_oss import gpt_oss_model
     from test_moe_gmm_choice import QWEN
 
@@ -140,11 +145,15 @@ def results(tmp_path_factory):
     make_tiny_model(d / "pallas", hidden=256)
     tiny_qwen3_moe({**QWEN, "vocab_size": 64}).save_pretrained(d / "qwen3_moe")
     gpt_oss_model(seed=2, num_hidden_layers=2).save_pretrained(d / "gpt_oss")
+    _tiny_llama(d / "full_model")
+    make_tiny_model(d / "mesh_auto_model", hidden=64, vocab=512)
+    make_jsonl(d / "mesh_auto.jsonl", 20)
     out = d / "out.json"
     res = subprocess.run([sys.executable, str(REPO / "tests" / "sharding_worker.py"), str(d), str(out)],
-                         cwd=REPO, env=host_devices_env(8), capture_output=True, text=True, timeout=1800)
+                         cwd=REPO, env={**host_devices_env(8), "PYTHONPATH": str(REPO)},  # this checkout's jaxft
+                         capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-4000:]
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "workdir": d}
 
 
 @pytest.fixture(scope="module")
@@ -303,3 +312,63 @@ def test_moe_training_on_a_mesh_equals_one_device(family, moe_result):
     # gate_up_proj [L, E, H, 2I]: layers and experts whole, H on fsdp, 2I on tensor
     assert out["expert_spec"] == {"fsdp4_tensor2": [None, None, "fsdp", "tensor"]}, out["expert_spec"]
     assert out["expert_lora_replicated"] and all(out["expert_lora_replicated"].values())
+
+
+# ------------------------------------------------------------------------------------ full fine-tune, mesh auto
+
+
+@pytest.mark.slow
+def test_full_finetune_on_fsdp_shards_weights_and_adam_state_and_equals_one_device(results):
+    """A full fine-tune on {fsdp: 2}: every weight with a hidden ("embed") dimension and its AdamW moments are split
+    over fsdp (the rest kept whole), and two steps give one device's losses and weights."""
+    got = results["full"]
+    np.testing.assert_allclose(got["losses"]["fsdp"], got["losses"]["one"], rtol=1e-5)
+    assert got["weights"] < 1e-4  # each step moves a weight by about lr = 1e-2; Adam turns fp32 noise into 2e-5
+    split = {path for path, (w, mu, nu, shape) in got["specs"].items() if "fsdp" in w}
+    for path, (w, mu, nu, shape) in got["specs"].items():
+        assert w == mu == nu, path  # the moments live where their weight does
+    # The 7 linear kernels, embeddings and head have a hidden ("embed") dimension, and so have the o_proj and
+    # down_proj biases; norms and the other biases do not (kept whole).
+    assert {p for p in got["specs"] if "kernel" in p or "embedding" in p} <= split
+    assert split - {p for p in split if "kernel" in p or "embedding" in p} == {
+        "['layers']['attn']['o_proj']['bias'].value", "['layers']['mlp']['down_proj']['bias'].value"}
+    assert len(split) == 11 and len(got["specs"]) > len(split)
+
+
+@pytest.mark.slow
+def test_fsdp_full_finetune_shards_8bit_moments_and_resumes_exactly(results):
+    """`jaxft-train`'s `train` in full with `optim: adamw_8bit` under {data: 4, fsdp: 2}. tiny-llama's lm_head
+    [128, 1024] is its weight with a last axis of 256s: 8-bit moments, split over fsdp as the weight is; every
+    other keeps fp32 ones. A new run resumed from the checkpoint of step 2: the same weights, bit for bit."""
+    out = results["workdir"] / "adam8bit"
+    a, b = (load_file(out / name / "model" / "model.safetensors") for name in ("whole", "resumed"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    # The checkpoint holds the 8-bit state: one block-scale array per moment (lm_head's), beside the codes, and
+    # lm_head's codes are split over the devices by its rows, as lm_head is.
+    stored = out / "whole" / "checkpoints" / "2" / "opt_state"
+    tree = (stored / "_METADATA").read_text()
+    assert tree.count("'mu_absmax', '") == tree.count("'nu_absmax', '") == 1, tree
+    shardings = {base64.b64decode(k).decode(): json.loads(v)["partition_spec"]
+                 for k, v in json.loads((stored / "_sharding").read_text()).items()}
+    assert shardings["1.0.mu.lm_head.kernel.value"] == ["fsdp", None], shardings
+
+
+@pytest.mark.slow
+def test_estimate_and_mesh_auto_choose_fsdp_where_data_parallelism_does_not_fit(results):
+    """A tiny model's fsdp step holds less per device than its data-parallel step, and with a max_memory_gb between
+    the two `mesh: auto` trains on fsdp, saying so. (Its choice logic over made-up compiles: test_mesh_auto.)"""
+    r = results["mesh_auto"]
+    dp, fsdp = r["estimates"]["dp"], r["estimates"]["fsdp"]
+    # fp32 weights of hidden 64, MLP 128, 2 layers, vocab 512 x 2 (embedding, head): ~0.5 MiB; each fsdp
+    # device holds about half of them
+    weights = 4 * (2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128) + 2 * 512 * 64)
+    assert weights < dp["argument_size_in_bytes"] < 2 * weights
+    assert fsdp["argument_size_in_bytes"] < 0.75 * dp["argument_size_in_bytes"]
+    assert 0 < fsdp["peak"] < dp["peak"] < 2**30
+    assert r["mesh_lines"][1].startswith("mesh auto: {data: 8, fsdp: 1, tensor: 1} estimated peak") and \
+        r["mesh_lines"][1].endswith("does not fit")
+    assert r["mesh_lines"][2].startswith("mesh auto: {data: 4, fsdp: 2, tensor: 1}") and \
+        r["mesh_lines"][2].endswith("fits: chosen")
+    assert r["steps"] == 2
