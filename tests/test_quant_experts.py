@@ -26,7 +26,7 @@ from jaxft.models.layers import ExpertParam, QuantizedExpertWeight  # noqa: E402
 from jaxft.models.quant_experts import Quant4bitExperts  # noqa: E402
 from jaxft.quant import DEFAULT_SKIP, Fp8Config, QuantConfig  # noqa: E402
 from jaxft.quant.experts import expert_sites  # noqa: E402
-from lora_helpers import hf_model_fp32, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits  # noqa: E402
+from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits  # noqa: E402
 from test_gpt_oss import gpt_oss_model  # noqa: E402
 
 QWEN = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -105,16 +105,23 @@ def test_expert_bytes_are_bitsandbytes_quantize_4bit_per_expert(base):
 def lora_steps(base, ids):
     """Per family: the 4-bit model with expert LoRA (B perturbed), and (loss, logits, LoRA gradients) of one jitted
     value-and-grad on the 512-token `ids`, of it and (Qwen3-MoE: the gradient test's family) of its dequantised
-    dense twin (same adapter): one program each, shared by the gradient and the export tests."""
+    dense twin (same adapter): one program each, shared by the gradient and the export tests. GPT-OSS (the export
+    test alone): its logits only, one jitted forward."""
     family, path = base
     model4 = jaxft.from_pretrained(path, dtype="float32", quantize="nf4", verbose=False)
-    twin = _dequantised_twin(model4, path) if family == "qwen3_moe" else None
     dy = jnp.asarray(np.random.default_rng(2).normal(size=(*ids.shape, 128)).astype(np.float32))
 
-    def grads(model):
+    def adapted(model):
         lora.apply_lora(model, lora.LoraConfig(**EXPERT_LORA))
         perturb_lora_b(model, seed=5)
-        graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
+        return model
+
+    if family != "qwen3_moe":
+        return model4, (None, jax_logits(adapted(model4), ids), None), None
+    twin = _dequantised_twin(model4, path)
+
+    def grads(model):
+        graphdef, params, rest = nnx.split(adapted(model), lora.trainable_filter, ...)
 
         def loss(p):
             logits = nnx.merge(graphdef, p, rest)(jnp.asarray(ids))
@@ -123,7 +130,7 @@ def lora_steps(base, ids):
         (value, logits), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
         return value, np.asarray(logits), nnx.merge(graphdef, g, rest)
 
-    return model4, grads(model4), grads(twin) if family == "qwen3_moe" else None
+    return model4, grads(model4), grads(twin)
 
 
 # One family: both run their experts through `quant_experts.expert_matmul` (the 4-bit experts' custom VJP);
