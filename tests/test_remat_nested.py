@@ -150,36 +150,28 @@ def test_remat_block_is_a_flat_key_of_the_recipe(tmp_path):
     assert str(info.value).startswith(f"{path}:5: key 'remat_block': is set (2) but remat is 'offload+attn'")
 
 
-def test_a_run_with_nested_blocks_trains_as_one_checkpoint_per_layer_on_the_device(tmp_path, caplog):
-    """jaxft-train's path (jaxft.train.train) on a tiny 3-layer Llama under remat offload in blocks of 2 (a whole block
-    and a partial one) trains to the losses of one checkpoint per layer; the log states the blocks and what each side
-    holds. Streamed weights (`frozen_weights: host`) training to the device run's losses through `Run`:
-    test_frozen_weights_host::test_the_run_packs_the_layer_weights_into_one_host_buffer; the lines the loop logs for
-    them (`Run.describe`) are the next test's."""
-    from test_train_fixtures import tiny_run_losses
-
-    want = tiny_run_losses(tmp_path, "device", remat="offload")
-    caplog.clear()
-    with caplog.at_level("INFO", logger="jaxft.train"):
-        got = tiny_run_losses(tmp_path, "nested", remat="offload", remat_block=2)
-    assert len(got) == len(want) == 3
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    assert "remat offload in nested blocks of 2 layers (remat_block 2): 2 block inputs" in caplog.text
-    assert "in pinned host memory" in caplog.text
-
-
-def test_the_plan_of_a_run_over_streamed_weights_states_what_streams(tmp_path):
-    """What jaxft-train logs before its first step (`Run.describe`) for `frozen_weights: host` on the tiny 3-layer
-    Llama: 3 layers of q, o 32 x 32, k, v 32 x 16 and gate, up, down 32 x 64 / 64 x 32, fp32: 3 x 9,216 x 4 bytes =
-    0.11 MiB in one packed buffer, each layer's 0.04 MiB copied one layer ahead, forward and backward."""
+def test_the_plan_of_a_run_states_its_blocks_and_what_streams(tmp_path):
+    """What jaxft-train logs before its first step (`Run.describe`) on the tiny 3-layer Llama (fp32): under remat
+    offload in blocks of 2 (a whole block and a partial one), the blocks and where their inputs go; with
+    `frozen_weights: host`, 3 layers of q, o 32 x 32, k, v 32 x 16 and gate, up, down 32 x 64 / 64 x 32: 3 x 9,216 x
+    4 bytes = 0.11 MiB in one packed buffer, each layer's 0.04 MiB copied one layer ahead, forward and backward.
+    Their steps' numbers: test_nested_blocks_give_the_gradients_of_one_checkpoint_per_layer, and a Run over streamed
+    weights training to the device run's losses,
+    test_frozen_weights_host::test_the_run_packs_the_layer_weights_into_one_host_buffer."""
     from jaxft.run import Run
     from test_train_fixtures import tiny_run_config
 
-    run = Run.from_config(tiny_run_config(tmp_path, "host", remat="offload", frozen_weights="host"), total_steps=3)
-    text = "\n".join(line for _, line in run.describe(2, 64))
+    def plan(name, **values):
+        run = Run.from_config(tiny_run_config(tmp_path, name, remat="offload", **values), total_steps=3)
+        return "\n".join(line for _, line in run.describe(2, 64))
+
+    nested = plan("nested", remat_block=2)
+    assert "remat offload in nested blocks of 2 layers (remat_block 2): 2 block inputs" in nested
+    assert "in pinned host memory" in nested
+    streamed = plan("host", frozen_weights="host")
     assert ("frozen_weights host: 0.11 MiB of layer weights in pinned host memory (1 packed buffers), each layer's "
-            "0.04 MiB copied to the device one layer ahead" in text)
-    assert "(0.21 MiB over the host link per step)" in text
+            "0.04 MiB copied to the device one layer ahead" in streamed)
+    assert "(0.21 MiB over the host link per step)" in streamed
 
 
 def test_nested_blocks_compile_without_pipelined_host_offload():

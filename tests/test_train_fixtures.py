@@ -115,7 +115,9 @@ def run_cli_on_host_devices(values: dict, yaml_path: Path, devices: int, timeout
 
 
 def tiny_run_config(tmp_path: Path, name: str, *, layers: int = 3, **values):
-    """The `TrainConfig` of `tiny_run_losses`' run (the tiny model and records made once per `tmp_path`)."""
+    """The `TrainConfig` of 3 steps of jaxft-train on a tiny Llama of `layers` layers (made once per `tmp_path`) and
+    16 prompt/completion records, fp32, under `tmp_path / name`, with `values` (the execution keys under test) over
+    the defaults."""
     from jaxft.train import TrainConfig
 
     model, data = tmp_path / f"tiny-{layers}", tmp_path / "tiny.jsonl"
@@ -127,13 +129,3 @@ def tiny_run_config(tmp_path: Path, name: str, *, layers: int = 3, **values):
                   max_seq_length=64, per_device_train_batch_size=2, max_steps=3, logging_steps=1, report_to="none",
                   disable_tqdm=True, lora_r=4, lora_alpha=8, seed=0)
     return TrainConfig(**{**config, **values})
-
-
-def tiny_run_losses(tmp_path: Path, name: str, *, layers: int = 3, **values) -> list[float]:
-    """The logged losses of 3 steps of jaxft-train's path (`jaxft.train.train`) on a tiny Llama of `layers` layers
-    (made once per `tmp_path`) and 16 prompt/completion records, fp32, under `tmp_path / name`, with `values` (the
-    execution keys under test) over the defaults. Log records reach pytest's caplog as the run makes them."""
-    from jaxft.train import read_metrics, train
-
-    result = train(tiny_run_config(tmp_path, name, layers=layers, **values))
-    return [r["loss"] for r in read_metrics(result.metrics_path) if "loss" in r]
