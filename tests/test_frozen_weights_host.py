@@ -42,10 +42,10 @@ ATTN_ON_HOST = "offload=layer_input,attn_out,attn_lse"  # offload+attn with the 
 # and the policies' own gradients are tests/test_remat.py's. Here: residuals moved to the host (Llama, per leaf),
 # residuals kept on the device (Gemma 2 takes offload+attn: its periodic scan rounds furthest apart). Nothing kept
 # (remat full) over packed Llama weights: test_the_run_packs_the_layer_weights_into_one_host_buffer; the layer input
-# alone to the host (offload): test_mixed_4bit::test_frozen_weights_on_the_host_give_the_gradients_of_weights_on_the_
-# device (a 4-bit base's codes and scales packed and streamed, a mixed layout's own rows) and test_remat_nested::
-# test_runs_with_nested_blocks_and_streamed_weights_train_as_one_checkpoint_per_layer_on_the_device; expert stacks
-# streamed as packed rows, their adapters trained: test_gpt_oss_with_expert_adapters_trains_over_streamed_experts.
+# alone to the host (offload): test_mixed_4bit::test_frozen_weights_on_the_host_and_unrolled_layers_give_the_
+# gradients_of_weights_on_the_device (a 4-bit base's codes and scales packed and streamed, a mixed layout's own rows);
+# expert stacks streamed as packed rows, their adapters trained:
+# test_gpt_oss_with_expert_adapters_trains_over_streamed_experts.
 CASES = [("per_leaf", "llama", ATTN_ON_HOST), ("packed", "gemma2", "offload+attn")]
 
 

@@ -200,12 +200,13 @@ def test_qlora_trains_on_the_mixed_checkpoint_and_resumes(mixed_dir, tmp_path):
     assert np.abs(np.asarray(tuned.layers.mlp.down_proj.lora_b[...])).max() > 0  # trained
 
 
-def test_frozen_weights_on_the_host_give_the_gradients_of_weights_on_the_device(mixed_dir):
+def test_frozen_weights_on_the_host_and_unrolled_layers_give_the_gradients_of_weights_on_the_device(mixed_dir):
     """`frozen_weights: host` over the mixed layout, packed as `jaxft.run.Run` places it: the scan runs of one
     layout stream the packed buffers' rows and each mixed variable's own rows (an array of its own in pinned host
     memory, `jaxft.memory.streamed.pack`); on the CPU the copies are identities, so loss and LoRA gradients equal
-    those over the weights on the device (remat offload: the layer input to the host too). Streamed per-leaf
-    arrays, and a Run's packed weights training to the losses on the device: test_frozen_weights_host."""
+    those over the weights on the device (remat offload: the layer input to the host too), and so do the unrolled
+    layers' (the explicit transfer over 4-bit layers). Streamed per-leaf arrays, and a Run's packed weights training
+    to the losses on the device: test_frozen_weights_host."""
     host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     tuned = jaxft.apply_lora(jaxft.from_pretrained(mixed_dir, dtype="float32"), jaxft.LoraConfig(r=4, alpha=8))
     perturb_lora_b(tuned)  # B = 0 would make every A gradient zero
@@ -232,6 +233,15 @@ def test_frozen_weights_on_the_host_give_the_gradients_of_weights_on_the_device(
     loss, got = step(lora, streamed)
     loss0, want = step(lora, frozen)
     assert_grads_match(float(loss), jax.tree.leaves(got), float(loss0), jax.tree.leaves(want))
+    # remat offload over the unrolled layers with the explicit transfer (`jaxft.memory.offload`, what `auto` takes
+    # there), whose custom VJP hoists the 4-bit layers' code table (a constant of the layer) into arguments:
+    # differentiating it closed over raised JAX's "differentiation of a custom_vjp with respect to a closed-over
+    # value". The gradients of the scan's; fp32, differently fused loops: 1e-5 of each leaf's largest entry.
+    unrolled = ExecutionConfig(attention_implementation="reference", remat="offload", layer_loop="unroll",
+                               offload_transfer="explicit")
+    loss_u, got_u = jax.jit(lambda lo, fz: loss_and_grad_sums(graphdef, lo, fz, batch, None, unrolled)[:2])(
+        lora, unstack_layers(frozen))
+    assert_grads_match(float(loss_u), jax.tree.leaves(got_u), float(loss0), jax.tree.leaves(want), scale_tol=1e-5)
 
 
 def _bnb_rel_error(weight: torch.Tensor) -> float:

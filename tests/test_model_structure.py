@@ -226,7 +226,7 @@ def test_a_run_of_one_kind_in_a_period_is_an_inner_scan(period_case, remat, inne
     (`period_case`) run as an inner scan inside the period scan, so the backward recomputes them one at a time
     (compiled for an H200, Gemma-3-12B, 48 layers at 16k, full remat: temp 21.25 -> 13.63 GiB); a policy that
     offloads keeps one call per position (stacked host buffers in two loops fail XLA's layout assignment). Loss and
-    LoRA gradients equal the unrolled layers'."""
+    LoRA gradients of the inner scan equal the unrolled layers'."""
     from lora_helpers import rel_err
 
     loss, lora, frozen, (want_loss, want) = period_case
@@ -237,6 +237,8 @@ def test_a_run_of_one_kind_in_a_period_is_an_inner_scan(period_case, remat, inne
               if e.primitive.name == "scan"]
     # the sliding pair's scan (length 2) in the forward that saves the residuals and in the backward
     assert nested == ([2, 2] if inner else []), nested
+    if not inner:  # one call per position in the period scan, as Gemma 2's: its numbers under a policy that
+        return  # offloads are test_remat::test_every_policy_gives_the_gradients_of_no_remat[gemma2-scan-...]
     got_loss, got = jax.jit(jax.value_and_grad(lambda lr, fz: loss(lr, fz, remat)))(lora, frozen)
     assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-6)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # fp32, different fusions: rounding only

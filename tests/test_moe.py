@@ -2,10 +2,10 @@
 
 Checks: logits equal transformers' at 2 x 512 tokens with norm_topk_prob on and off; the MoE block's
 gradients (input, router, experts) equal torch autograd through transformers' sparse block; HF -> jaxft ->
-HF is byte-identical; a merged export with attention LoRA loads in transformers with our logits; attention
-LoRA round-trips through PEFT; packed rows equal each document alone; the compiled forward has one grouped
-matmul per expert projection in the layer body, no host callback and no loop but the layer scan. (Mixed
-dense/sparse stacks: tests/test_moe_mixed.py.)
+HF is byte-identical; packed rows equal each document alone; the compiled forward has one grouped matmul per
+expert projection in the layer body, no host callback and no loop but the layer scan. (Mixed dense/sparse stacks,
+and this family's attention + expert LoRA through PEFT both ways and its merged export: tests/test_moe_mixed.py;
+expert LoRA: tests/test_moe_lora.py.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import peft
 import pytest
 import torch
 import transformers
@@ -23,10 +22,8 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import jaxft
-from jaxft import lora
 from jaxft.config import ConfigError, ModelConfig
-from jaxft.models.layers import linears
-from lora_helpers import hf_model_fp32, jax_logits, jaxpr_eqns, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits
+from lora_helpers import hf_model_fp32, jax_logits, jaxpr_eqns, rel_err, tiny_qwen3_moe, torch_logits
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -110,31 +107,6 @@ def test_hf_round_trip_is_byte_identical_with_per_expert_tensors(bases, tmp_path
         assert src[name].shape == dst[name].shape and src[name].tobytes() == dst[name].tobytes(), name
     written = json.loads((out / "config.json").read_text())
     assert written["num_local_experts"] == 8 and "num_experts" not in written  # the source's spelling kept
-
-
-def test_merged_export_with_attention_lora_loads_in_transformers(bases, ids, tmp_path):
-    model = lora.apply_lora(jaxft.from_pretrained(bases[True], dtype="float32"),
-                            lora.LoraConfig(r=4, alpha=8, target_modules="all-linear"))
-    assert {p.split(".")[-1] for p, lin in linears(model) if lin.has_lora} == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    perturb_lora_b(model)
-    ours = jax_logits(model, ids)
-    assert rel_err(ours, torch_logits(hf_model_fp32(bases[True]), ids)) > 1e-2, "the adapter must change the logits"
-    out = jaxft.save_pretrained(model, tmp_path / "merged")
-    assert rel_err(torch_logits(hf_model_fp32(out), ids), ours) < 1e-5
-
-
-def test_attention_lora_round_trips_with_peft(bases, ids, tmp_path):
-    fields = dict(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    model = lora.apply_lora(jaxft.from_pretrained(bases[False], dtype="float32"), lora.LoraConfig(**fields))
-    perturb_lora_b(model, seed=2)
-    ours = jax_logits(model, ids)
-    lora.save_adapter(model, tmp_path / "ours")
-    reference = peft.PeftModel.from_pretrained(hf_model_fp32(bases[False]), tmp_path / "ours").eval()
-    assert rel_err(torch_logits(reference, ids), ours) < 1e-5
-
-    reference.save_pretrained(tmp_path / "peft")
-    back = lora.load_adapter(jaxft.from_pretrained(bases[False], dtype="float32"), tmp_path / "peft")
-    assert rel_err(jax_logits(back, ids), ours) < 1e-5
 
 
 # --------------------------------------------------------------------------- packing and program

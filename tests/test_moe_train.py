@@ -1,6 +1,6 @@
 """`jaxft-train`'s `lora_target_parameters` key on a tiny Qwen3-MoE: validated, refused on a model without experts,
 and the layer loop it implies. The training run with expert LoRA that exports the expert parameters:
-test_moe_mixed.test_train_run_on_a_mixed_model_lowers_the_loss_and_adapts_both_stacks (its config comes from here)."""
+test_moe_example.test_the_example_trains_and_its_adapter_loads_in_peft_with_our_logits."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from jaxft.models.layers import ExpertParam, QuantizedExpertWeight  # noqa: E402
 from jaxft.models.quant_experts import Quant4bitExperts  # noqa: E402
 from jaxft.quant import DEFAULT_SKIP, Fp8Config, QuantConfig  # noqa: E402
 from jaxft.quant.experts import expert_sites  # noqa: E402
-from lora_helpers import hf_model_fp32, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits  # noqa: E402
+from lora_helpers import hf_model_fp32, jax_logits, perturb_lora_b, rel_err, tiny_qwen3_moe, torch_logits  # noqa: E402
 from test_gpt_oss import gpt_oss_model  # noqa: E402
 
 QWEN = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -105,16 +105,23 @@ def test_expert_bytes_are_bitsandbytes_quantize_4bit_per_expert(base):
 def lora_steps(base, ids):
     """Per family: the 4-bit model with expert LoRA (B perturbed), and (loss, logits, LoRA gradients) of one jitted
     value-and-grad on the 512-token `ids`, of it and (Qwen3-MoE: the gradient test's family) of its dequantised
-    dense twin (same adapter): one program each, shared by the gradient and the export tests."""
+    dense twin (same adapter): one program each, shared by the gradient and the export tests. GPT-OSS (the export
+    test alone): its logits only, one jitted forward."""
     family, path = base
     model4 = jaxft.from_pretrained(path, dtype="float32", quantize="nf4", verbose=False)
-    twin = _dequantised_twin(model4, path) if family == "qwen3_moe" else None
     dy = jnp.asarray(np.random.default_rng(2).normal(size=(*ids.shape, 128)).astype(np.float32))
 
-    def grads(model):
+    def adapted(model):
         lora.apply_lora(model, lora.LoraConfig(**EXPERT_LORA))
         perturb_lora_b(model, seed=5)
-        graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
+        return model
+
+    if family != "qwen3_moe":
+        return model4, (None, jax_logits(adapted(model4), ids), None), None
+    twin = _dequantised_twin(model4, path)
+
+    def grads(model):
+        graphdef, params, rest = nnx.split(adapted(model), lora.trainable_filter, ...)
 
         def loss(p):
             logits = nnx.merge(graphdef, p, rest)(jnp.asarray(ids))
@@ -123,7 +130,7 @@ def lora_steps(base, ids):
         (value, logits), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
         return value, np.asarray(logits), nnx.merge(graphdef, g, rest)
 
-    return model4, grads(model4), grads(twin) if family == "qwen3_moe" else None
+    return model4, grads(model4), grads(twin)
 
 
 # One family: both run their experts through `quant_experts.expert_matmul` (the 4-bit experts' custom VJP);
@@ -159,31 +166,32 @@ def test_merged_export_is_dense_and_loads_in_transformers_with_our_logits(base, 
 
 @pytest.mark.slow  # three compiles of a 4-layer step
 def test_lora_step_temp_memory_holds_no_dequantised_experts(tmp_path):
-    """The compiled gradient program (XLA memory analysis) of a 4-layer, 8-expert bf16 model at 32 tokens, with its
-    experts in 4 bits and in FP8 (the attention linears dense here: the experts alone differ), against the bf16
-    model (one baseline for both): the temp memory exceeds the bf16 model's by well under ONE layer's dequantised
-    experts (a backward that saved every layer's dequantised weights, as autodiff of dequantise-then-matmul does,
-    adds all of `expert_bytes`: 1.57 MB over the bf16 model's 2.0 MB here, vs 0.05 MB), and the arguments shrink by
-    most of the experts' bf16 bytes (4 bits; with all the linears in 4 bits too) or by about half of them (FP8: one
-    byte a weight, a float32 scale per output channel)."""
+    """The compiled gradient program (XLA memory analysis) of a 4-layer, 8-expert model at 32 tokens, with its experts
+    in 4 bits and in FP8 (the attention linears dense here: the experts alone differ), against the dense model (one
+    baseline for both): the temp memory exceeds the dense model's by well under ONE layer's dequantised experts (a
+    backward that saved every layer's dequantised weights, as autodiff of dequantise-then-matmul does, adds all of
+    `expert_bytes`: 3.1 MB here), and the arguments shrink by most of the experts' bytes (4 bits; with all the linears
+    in 4 bits too) or by about three quarters of them (FP8: one byte a weight, a float32 scale per output channel).
+    fp32: the dequantised copies are the compute dtype's whichever it is, and the CPU compiles fp32 programs faster
+    than bf16 ones."""
     cfg = dict(QWEN, hidden_size=64, moe_intermediate_size=128, num_hidden_layers=4, num_experts=8)
     tiny_qwen3_moe(cfg).save_pretrained(tmp_path)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (1, 32)))
-    expert_bytes = 4 * 3 * 8 * 64 * 128 * 2
+    expert_bytes = 4 * 3 * 8 * 64 * 128 * 4
 
     def analysis(**load):
-        model = jaxft.from_pretrained(tmp_path, dtype="bfloat16", verbose=False, **load)
+        model = jaxft.from_pretrained(tmp_path, dtype="float32", verbose=False, **load)
         lora.apply_lora(model, lora.LoraConfig(**EXPERT_LORA))
         graphdef, params, rest = nnx.split(model, lora.trainable_filter, ...)
-        loss = lambda p, r: jnp.sum(nnx.merge(graphdef, p, r)(ids).astype(jnp.float32))  # noqa: E731
+        loss = lambda p, r: jnp.sum(nnx.merge(graphdef, p, r)(ids))  # noqa: E731
         return jax.jit(jax.grad(loss)).lower(params, rest).compile().memory_analysis()
 
     dense, four = analysis(), analysis(quantize="nf4")
     fp8 = analysis(quant_config=Fp8Config(skip_modules=DEFAULT_SKIP + ("q_proj", "k_proj", "v_proj", "o_proj")))
     assert four.temp_size_in_bytes - dense.temp_size_in_bytes < expert_bytes / 8
-    assert dense.argument_size_in_bytes - four.argument_size_in_bytes > 0.6 * expert_bytes
+    assert dense.argument_size_in_bytes - four.argument_size_in_bytes > 0.8 * expert_bytes
     assert fp8.temp_size_in_bytes - dense.temp_size_in_bytes < expert_bytes / 8
-    assert 0.4 * expert_bytes < dense.argument_size_in_bytes - fp8.argument_size_in_bytes < 0.5 * expert_bytes
+    assert 0.7 * expert_bytes < dense.argument_size_in_bytes - fp8.argument_size_in_bytes < 0.75 * expert_bytes
 
 
 def test_abstract_model_has_the_loaded_shapes(base):

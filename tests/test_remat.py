@@ -6,6 +6,7 @@ their memory)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -168,13 +169,13 @@ def test_every_policy_gives_the_gradients_of_no_remat(no_remat, family, remat, l
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * scale)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_unrolled_layers_give_the_gradients_of_the_layer_scan(no_remat, family):
+def test_unrolled_layers_give_the_gradients_of_the_layer_scan(no_remat):
     """unstack_layers' per-layer weight buffers, layers unrolled, are the same math as the scan over stacked
-    weights: same loss, same LoRA gradients, no remat (Gemma 2's alternating windows: the unrolled path over
-    several layer runs). (Unstacking and restacking: tests/test_train_step.py.)"""
-    _, _, (l_scan, g_scan) = no_remat(family, "scan")
-    _, _, (l_unr, g_unr) = no_remat(family, "unroll")
+    weights: same loss, same LoRA gradients, no remat. (Unstacking and restacking: tests/test_train_step.py; the
+    unrolled path over several layer runs of a periodic stack against its period scan:
+    test_model_structure::test_a_run_of_one_kind_in_a_period_is_an_inner_scan.)"""
+    _, _, (l_scan, g_scan) = no_remat("llama", "scan")
+    _, _, (l_unr, g_unr) = no_remat("llama", "unroll")
     assert abs(l_unr - l_scan) <= 1e-6 * abs(l_scan)
     assert len(g_scan) == len(g_unr) == 14
     for a, b in zip(g_scan, g_unr):
@@ -183,13 +184,13 @@ def test_unrolled_layers_give_the_gradients_of_the_layer_scan(no_remat, family):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_explicit_offload_in_the_scan_gives_the_gradients_of_no_remat(no_remat, family):
-    """remat "offload" with `offload_transfer: explicit` in the layer scan (`jaxft.memory.scan_offload`: Llama's one
-    group, Gemma 2's period of two layers); lowered for a GPU, each layer input goes to pinned host once and comes
-    back once (Llama's 2 layers: the loop's first and the last after it; Gemma 2's one period of 2 layers: no loop,
-    each position's input)."""
-    cfg, split, (want_loss, want_grads) = no_remat(family, "scan")
+def test_explicit_offload_in_the_scan_gives_the_gradients_of_no_remat(no_remat):
+    """remat "offload" with `offload_transfer: explicit` in the layer scan (`jaxft.memory.scan_offload`, Llama's one
+    group); lowered for a GPU, each layer input goes to pinned host once and comes back once (2 layers: the loop's
+    first and the last after it). A period of several layers: the same transfer over Gemma 3's period in
+    test_model_structure::test_explicit_offload_in_the_scan_takes_a_period_with_runs_of_layers (gradients) and
+    test_offload_scan::test_a_period_of_several_layers_equals_the_plain_scan (placements)."""
+    cfg, split, (want_loss, want_grads) = no_remat("llama", "scan")
     loss, got = grads(cfg, split, "offload", "scan", offload_transfer="explicit")
     assert abs(loss - want_loss) <= 1e-6 * abs(want_loss)
     for g, w in zip(got, want_grads):
@@ -201,8 +202,7 @@ def test_explicit_offload_in_the_scan_gives_the_gradients_of_no_remat(no_remat, 
     fn = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])
     hlo = fn.trace(lora, frozen, batch).lower(lowering_platforms=("cuda",)).as_text()
     assert cfg.num_layers == 2
-    # Llama: the forward loop's body and its last iteration; back: before the backward loop and in its body.
-    # Gemma 2: the only iteration's two positions, and both back before the backward's only iteration.
+    # the forward loop's body and its last iteration; back: before the backward loop and in its body
     assert hlo.count('_xla_buffer_placement = "pinned_host"') == 2
     assert hlo.count('_xla_buffer_placement = "device"') == 2
 
@@ -312,16 +312,22 @@ def test_named_vjp_takes_segment_ids_made_inside_a_layer_scan():
 
 
 # ---------------------------------------------------------------------------------------------- host offload
-def _offload_texts(loop: str, remat: str, cfg: ModelConfig | None = None):
-    cfg = cfg or llama(3)
-    graphdef, lora, frozen = lora_split(cfg)
+@functools.cache
+def _offload_texts(loop: str, remat: str, transfer: str = "auto") -> tuple[str, str]:
+    """(jaxpr, CUDA-lowered StableHLO) of the LoRA gradient of a 3-layer Llama under `remat`, one trace each: the
+    placement and barrier tests below share the programs they both read."""
+    cfg = llama(3)
+    graphdef, lora, frozen = _llama3_split()
     frozen = unstack_layers(frozen) if loop == "unroll" else frozen
     batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
-    ex = ExecutionConfig(attention_implementation="reference", remat=remat, layer_loop=loop)
-    fn = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])
-    jaxpr = str(jax.make_jaxpr(fn)(lora, frozen, batch))
-    hlo = fn.trace(lora, frozen, batch).lower(lowering_platforms=("cuda",)).as_text()
-    return jaxpr, hlo
+    ex = ExecutionConfig(attention_implementation="reference", remat=remat, layer_loop=loop, offload_transfer=transfer)
+    traced = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1]).trace(lora, frozen, batch)
+    return str(traced.jaxpr), traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@functools.cache
+def _llama3_split():
+    return lora_split(llama(3))
 
 
 def _placements_back(loop: str, remat: str) -> int:
@@ -372,15 +378,8 @@ def test_the_copy_back_of_an_explicit_offload_waits_behind_a_barrier(transfer, l
     copy and the layer's output cotangent (what keeps XLA from folding the copy pair, jaxft.memory.offload), and the
     forward's host copy is held with the layer output (two host barriers per layer); `auto` takes it in the
     unrolled loop only. Still one placement each way per layer (the scan: one body)."""
-    cfg = llama(3)
-    graphdef, lora, frozen = lora_split(cfg)
-    frozen = unstack_layers(frozen) if loop == "unroll" else frozen
-    batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
-    ex = ExecutionConfig(attention_implementation="reference", remat="offload", layer_loop=loop,
-                         offload_transfer=transfer)
-    fn = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])
-    assert _host_barriers(str(jax.make_jaxpr(fn)(lora, frozen, batch))) == barriers
-    hlo = fn.trace(lora, frozen, batch).lower(lowering_platforms=("cuda",)).as_text()
+    jaxpr, hlo = _offload_texts(loop, "offload", transfer)
+    assert _host_barriers(jaxpr) == barriers
     layers = 3 if loop == "unroll" else 1
     assert hlo.count('_xla_buffer_placement = "pinned_host"') == hlo.count('_xla_buffer_placement = "device"') == layers
     if barriers:
@@ -405,7 +404,7 @@ def test_offload_transfer_is_validated_and_carried_by_the_layer_policy():
     assert parse("offload").explicit_capable and not parse("offload+attn").explicit_capable
 
 
-def test_an_offloading_policy_in_the_scan_compiles_with_pipelined_host_offload():
+def test_an_offloading_policy_in_the_scan_compiles_with_pipelined_host_offload(no_remat):
     """`ExecutionConfig.program_options`: XLA's pipelined host offloading for a policy that offloads in the layer
     scan (its forward copies to the host then run beside the next layer), not where that scan is
     `offloaded_scan`'s, nothing added elsewhere, and the user's
@@ -426,8 +425,7 @@ def test_an_offloading_policy_in_the_scan_compiles_with_pipelined_host_offload()
         assert flag not in ours.program_options and ours.program_options["xla_gpu_enable_command_buffer"] == ""
     mine = ExecutionConfig(remat="offload", compiler_options={flag: False, "xla_gpu_enable_command_buffer": ""}, **scan)
     assert mine.program_options == {flag: False, "xla_gpu_enable_command_buffer": ""}
-    cfg = llama(2)
-    graphdef, lora, frozen = lora_split(cfg)
+    cfg, (graphdef, lora, frozen), _ = no_remat("llama", "scan")
     batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
     ex = ExecutionConfig(attention_implementation="reference", remat="offload", **scan)
     step = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[0],

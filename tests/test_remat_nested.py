@@ -1,13 +1,14 @@
 """Nested checkpointing (`remat_block`, jaxft.memory.policy): blocks of k layers keep only their input (on the device
 for remat full, in pinned host memory for offload), each layer inside a full checkpoint. Gradients equal to one
-checkpoint per layer (Llama with a partial last block, Gemma 2's periodic scan, a mixed dense/sparse Qwen3-MoE
-stack carrying router statistics), one host copy per block in the CUDA-lowered program, the block size chosen for
+checkpoint per layer (Llama with a partial last block, Gemma 2's periodic scan, a Qwen3-MoE stack carrying router
+statistics), one host copy per block in the CUDA-lowered program, the block size chosen for
 a host budget, the host bytes the max-context search counts, and one-line errors for settings that cannot nest.
 The device side (host bytes halved, compiled for the GPU) is tests/test_remat_gpu.py's."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -22,9 +23,9 @@ from test_remat import GEMMA, grads, llama, lora_split, packed_batch
 
 LLAMA5 = llama(5)  # blocks of 2: two whole blocks and a last block of one layer
 GEMMA4 = dataclasses.replace(GEMMA, num_layers=4, layer_windows=(24, None) * 2)  # a period of 2: blocks of periods
-MOE = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4,
+MOE = ModelConfig(model_type="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
                   num_heads=2, num_kv_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=16, layer_mlps=("glu", "moe", "moe", "moe"))
+                  moe_intermediate_size=16)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,8 @@ def one_per_layer():
 
 
 # Each nesting policy once (the outer scan, the inner one and the last block are the same for either policy): offload
-# on Llama (5 layers in blocks of 3+2: a partial last block) and Gemma 2's periods, full on the mixed MoE stack (its
-# sparse stack of 3 in blocks of 2+1).
+# on Llama (5 layers in blocks of 3+2: a partial last block) and Gemma 2's periods, full on a Qwen3-MoE stack of 3 in
+# blocks of 2+1 (the router statistics carried through both block loops; a dense stack beside it nests as Llama's).
 @pytest.mark.parametrize("family, remat, block", [("llama", "offload", 3), ("gemma2", "offload", 3),
                                                   ("qwen3_moe", "full", 2)])
 def test_nested_blocks_give_the_gradients_of_one_checkpoint_per_layer(one_per_layer, family, remat, block):
@@ -60,9 +61,14 @@ def test_nested_blocks_give_the_gradients_of_one_checkpoint_per_layer(one_per_la
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=2e-6 * scale)
 
 
+@functools.cache
+def _llama5_split():
+    return lora_split(LLAMA5)
+
+
 def _placements(remat: str, block: int | None) -> tuple[int, int, int]:
     cfg = LLAMA5
-    graphdef, lora, frozen = lora_split(cfg)
+    graphdef, lora, frozen = _llama5_split()
     batch = stack_micro_batches(packed_batch(cfg.vocab_size), 1)
     ex = ExecutionConfig(attention_implementation="reference", remat=remat, remat_block=block, layer_loop="scan")
     fn = jax.jit(lambda lo, fz, b: loss_and_grad_sums(graphdef, lo, fz, b, None, ex)[1])
@@ -144,30 +150,28 @@ def test_remat_block_is_a_flat_key_of_the_recipe(tmp_path):
     assert str(info.value).startswith(f"{path}:5: key 'remat_block': is set (2) but remat is 'offload+attn'")
 
 
-def test_runs_with_nested_blocks_and_streamed_weights_train_as_one_checkpoint_per_layer_on_the_device(tmp_path, caplog):
-    """jaxft-train's path (jaxft.train.train) on a tiny 3-layer Llama under remat offload: blocks of 2 (a whole block
-    and a partial one), and the frozen weights in pinned host memory (`frozen_weights: host`, streamed one layer
-    ahead), each train to the losses of one checkpoint per layer with the weights on the device; the log states the
-    blocks and what each side holds, and what streams (3 layers of q, o 32 x 32, k, v 32 x 16 and gate, up, down
-    32 x 64 / 64 x 32, fp32: 3 x 9,216 x 4 bytes = 0.11 MiB)."""
-    from test_train_fixtures import tiny_run_losses
+def test_the_plan_of_a_run_states_its_blocks_and_what_streams(tmp_path):
+    """What jaxft-train logs before its first step (`Run.describe`) on the tiny 3-layer Llama (fp32): under remat
+    offload in blocks of 2 (a whole block and a partial one), the blocks and where their inputs go; with
+    `frozen_weights: host`, 3 layers of q, o 32 x 32, k, v 32 x 16 and gate, up, down 32 x 64 / 64 x 32: 3 x 9,216 x
+    4 bytes = 0.11 MiB in one packed buffer, each layer's 0.04 MiB copied one layer ahead, forward and backward.
+    Their steps' numbers: test_nested_blocks_give_the_gradients_of_one_checkpoint_per_layer, and a Run over streamed
+    weights training to the device run's losses,
+    test_frozen_weights_host::test_the_run_packs_the_layer_weights_into_one_host_buffer."""
+    from jaxft.run import Run
+    from test_train_fixtures import tiny_run_config
 
-    def losses(name, **remat):
-        caplog.clear()
-        with caplog.at_level("INFO", logger="jaxft.train"):
-            return tiny_run_losses(tmp_path, name, **remat)
+    def plan(name, **values):
+        run = Run.from_config(tiny_run_config(tmp_path, name, remat="offload", **values), total_steps=3)
+        return "\n".join(line for _, line in run.describe(2, 64))
 
-    want = losses("device", remat="offload")
-    got = losses("nested", remat="offload", remat_block=2)
-    assert len(got) == len(want) == 3
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    assert "remat offload in nested blocks of 2 layers (remat_block 2): 2 block inputs" in caplog.text
-    assert "in pinned host memory" in caplog.text
-    streamed = losses("host", remat="offload", frozen_weights="host")
-    np.testing.assert_allclose(streamed, want, rtol=1e-6)
+    nested = plan("nested", remat_block=2)
+    assert "remat offload in nested blocks of 2 layers (remat_block 2): 2 block inputs" in nested
+    assert "in pinned host memory" in nested
+    streamed = plan("host", frozen_weights="host")
     assert ("frozen_weights host: 0.11 MiB of layer weights in pinned host memory (1 packed buffers), each layer's "
-            "0.04 MiB copied to the device one layer ahead" in caplog.text)
-    assert "(0.21 MiB over the host link per step)" in caplog.text
+            "0.04 MiB copied to the device one layer ahead" in streamed)
+    assert "(0.21 MiB over the host link per step)" in streamed
 
 
 def test_nested_blocks_compile_without_pipelined_host_offload():

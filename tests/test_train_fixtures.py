@@ -114,11 +114,11 @@ def run_cli_on_host_devices(values: dict, yaml_path: Path, devices: int, timeout
     return rows, res.stdout + res.stderr
 
 
-def tiny_run_losses(tmp_path: Path, name: str, *, layers: int = 3, **values) -> list[float]:
-    """The logged losses of 3 steps of jaxft-train's path (`jaxft.train.train`) on a tiny Llama of `layers` layers
-    (made once per `tmp_path`) and 16 prompt/completion records, fp32, under `tmp_path / name`, with `values` (the
-    execution keys under test) over the defaults. Log records reach pytest's caplog as the run makes them."""
-    from jaxft.train import TrainConfig, read_metrics, train
+def tiny_run_config(tmp_path: Path, name: str, *, layers: int = 3, **values):
+    """The `TrainConfig` of 3 steps of jaxft-train on a tiny Llama of `layers` layers (made once per `tmp_path`) and
+    16 prompt/completion records, fp32, under `tmp_path / name`, with `values` (the execution keys under test) over
+    the defaults."""
+    from jaxft.train import TrainConfig
 
     model, data = tmp_path / f"tiny-{layers}", tmp_path / "tiny.jsonl"
     if not model.exists():
@@ -128,5 +128,4 @@ def tiny_run_losses(tmp_path: Path, name: str, *, layers: int = 3, **values) -> 
     config = dict(model_name_or_path=str(model), dataset=str(data), output_dir=str(tmp_path / name), bf16=False,
                   max_seq_length=64, per_device_train_batch_size=2, max_steps=3, logging_steps=1, report_to="none",
                   disable_tqdm=True, lora_r=4, lora_alpha=8, seed=0)
-    result = train(TrainConfig(**{**config, **values}))
-    return [r["loss"] for r in read_metrics(result.metrics_path) if "loss" in r]
+    return TrainConfig(**{**config, **values})

@@ -184,7 +184,9 @@ def _differentiated(fn, n_consts, args, flags):
     split = len(args) - n_consts
     explicit, consts = args[:split], args[split:]
     leaves, tree = jax.tree.flatten(explicit)
-    marks = jax.tree.leaves(flags[:split], is_leaf=lambda f: f is None or f == ())
+    # one mark per leaf, read at the leaves' positions: an argument's None entries (a mixed 4-bit linear's absent
+    # dense or 4-bit part) are no leaves, but None in `flags` too
+    marks = tree.flatten_up_to(tuple(flags[:split]))
     wanted = [i for i, mark in enumerate(marks) if mark == ()]
 
     def layer(x, diff):
