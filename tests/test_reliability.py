@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxft.train import TrainConfig
 from jaxft.train.guard import LOCK_NAME, OutputDirBusy, OutputDirLock
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,8 +148,7 @@ def test_a_run_killed_mid_swap_gets_its_adapter_back(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- one line, exit 2
-def _tiny_run(d: Path, out: Path, **extra) -> "TrainConfig":
-    from jaxft.train import TrainConfig
+def _tiny_run(d: Path, out: Path, **extra) -> TrainConfig:
     from test_train_fixtures import make_jsonl, make_tiny_model
 
     if not (d / "model").exists():
