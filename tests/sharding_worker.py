@@ -54,7 +54,7 @@ from jaxft.lora import LoraConfig
 from jaxft.memory import peak_estimate
 from jaxft.run import Run
 from jaxft.sharding import MeshConfig, Placement
-from jaxft.train import TrainConfig, train
+from jaxft.train import TrainConfig, read_metrics, train
 from jaxft.train.optim import OptimConfig
 from test_train_fixtures import logged_lines
 
@@ -167,8 +167,6 @@ def _resumed(workdir: Path) -> dict:
     """A jaxft-train run on {data: 2, fsdp: 4} and its checkpoint of step 3 resumed on {data: 8} (16 rows per step
     on both: 2 micro-batches of one row per device, `_run`'s settings, so that the first run's step is the loss
     runs' program); their logged losses and what they said about their batch-parallel devices."""
-    from jaxft.train import read_metrics
-
     out = {}
     for name, mesh, extra in (("fsdp", dict(data=2, fsdp=4), {}),
                               ("data", dict(data=8), dict(resume_from_checkpoint=str(workdir / "fsdp/checkpoints/3")))):

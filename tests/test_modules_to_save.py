@@ -175,8 +175,8 @@ def test_both_ways_with_peft_equal_logits_and_grads(bases, peft_saved, loaded, i
     out = lora.save_adapter(model, tmp_path / "ours")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        loaded = peft.PeftModel.from_pretrained(_fresh(bases[tied]), out)
-    assert rel_err(_torch_logits(loaded, ids), logits) < 2e-5
+        peft_model = peft.PeftModel.from_pretrained(_fresh(bases[tied]), out)
+    assert rel_err(_torch_logits(peft_model, ids), logits) < 2e-5
     with safe_open(path / "adapter_model.safetensors", "np") as a, safe_open(out / "adapter_model.safetensors",
                                                                              "np") as b:
         assert set(a.keys()) == set(b.keys())
